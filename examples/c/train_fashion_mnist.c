@@ -1,0 +1,191 @@
+/* Trains an MLP 784-256-128-10 on Fashion-MNIST over every available device with dpar's DataParallel engine.
+ *
+ *   train_fashion_mnist [--devices N] [--epochs E] [--batch-size B] [--lr LR] [--optimizer adam|sgd]
+ *                       [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]
+ *
+ * Prints per-epoch train loss, test accuracy and samples per second, with a progress bar on a terminal, and
+ * saves a checkpoint at the end. With --min-accuracy it exits 1 if the final test accuracy is lower. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "dpar.h"
+
+#define CHECK(call)                                                                         \
+  do {                                                                                      \
+    dpar_status s_ = (call);                                                                \
+    if (s_ != DPAR_OK) {                                                                    \
+      fprintf(stderr, "%s failed: %s: %s\n", #call, dpar_status_str(s_), dpar_last_error()); \
+      exit(1);                                                                              \
+    }                                                                                       \
+  } while (0)
+
+static double now_seconds(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void progress(size_t done, size_t total, float loss) {
+  const int width = 30;
+  int filled = (int)((double)done / (double)total * width);
+  fprintf(stderr, "\r  [%.*s%*s] %zu/%zu loss %.4f", filled, "==============================", width - filled, "",
+          done, total, loss);
+  if (done == total) fprintf(stderr, "\r%*s\r", width + 40, "");
+}
+
+/* Fraction of the dataset whose arg-max output equals its label, in eval mode. */
+static double evaluate(dpar_engine *engine, const dpar_dataset *test, size_t batch) {
+  dpar_loader *loader = NULL;
+  CHECK(dpar_loader_create(&loader, test, batch, 0, 0, 0));
+  CHECK(dpar_engine_set_training(engine, 0));
+  size_t correct = 0, seen = 0;
+  const dpar_tensor *x = NULL, *y = NULL;
+  float *logits = NULL;
+  for (;;) {
+    CHECK(dpar_loader_next(&x, &y, loader));
+    if (!x) break;
+    dpar_tensor *out = NULL;
+    CHECK(dpar_engine_forward(&out, engine, x));
+    int64_t shape[DPAR_MAX_DIMS];
+    size_t ndim = 0;
+    CHECK(dpar_tensor_shape(shape, &ndim, out, DPAR_MAX_DIMS));
+    void *labels_ptr = NULL, *logits_ptr = NULL;
+    CHECK(dpar_tensor_data(&labels_ptr, (dpar_tensor *)y));
+    CHECK(dpar_tensor_data(&logits_ptr, out));
+    logits = logits_ptr;
+    const int32_t *labels = labels_ptr;
+    for (int64_t i = 0; i < shape[0]; ++i) {
+      int64_t best = 0;
+      for (int64_t c = 1; c < shape[1]; ++c)
+        if (logits[i * shape[1] + c] > logits[i * shape[1] + best]) best = c;
+      correct += best == labels[i];
+    }
+    seen += (size_t)shape[0];
+    dpar_tensor_free(out);
+  }
+  CHECK(dpar_engine_set_training(engine, 1));
+  dpar_loader_free(loader);
+  return (double)correct / (double)seen;
+}
+
+int main(int argc, char **argv) {
+  size_t devices = 0, epochs = 10, batch = 128;
+  float lr = 1e-3f;
+  const char *optimizer = "adam";
+  const char *data = "/usr/share/datasets/fashion-mnist";
+  const char *checkpoint = "fashion_mnist.safetensors";
+  unsigned long long seed = 0;
+  double min_accuracy = 0.0;
+  for (int i = 1; i < argc; ++i) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      printf("usage: %s [--devices N] [--epochs E] [--batch-size B] [--lr LR] [--optimizer adam|sgd]\n"
+             "          [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]\n", argv[0]);
+      return 0;
+    }
+    if (!v) {
+      fprintf(stderr, "%s: %s needs a value (see --help)\n", argv[0], a);
+      return 2;
+    }
+    if (!strcmp(a, "--devices")) devices = strtoul(v, NULL, 10);
+    else if (!strcmp(a, "--epochs")) epochs = strtoul(v, NULL, 10);
+    else if (!strcmp(a, "--batch-size")) batch = strtoul(v, NULL, 10);
+    else if (!strcmp(a, "--lr")) lr = strtof(v, NULL);
+    else if (!strcmp(a, "--optimizer")) optimizer = v;
+    else if (!strcmp(a, "--data")) data = v;
+    else if (!strcmp(a, "--checkpoint")) checkpoint = v;
+    else if (!strcmp(a, "--seed")) seed = strtoull(v, NULL, 10);
+    else if (!strcmp(a, "--min-accuracy")) min_accuracy = strtod(v, NULL);
+    else {
+      fprintf(stderr, "%s: unknown option %s (see --help)\n", argv[0], a);
+      return 2;
+    }
+    ++i;
+  }
+  if (devices == 0) CHECK(dpar_device_count(&devices, DPAR_DEVICE_CPU));
+
+  char images[1024], labels[1024];
+  dpar_dataset *train = NULL, *test = NULL;
+  snprintf(images, sizeof images, "%s/train-images-idx3-ubyte.gz", data);
+  snprintf(labels, sizeof labels, "%s/train-labels-idx1-ubyte.gz", data);
+  CHECK(dpar_dataset_load_idx(&train, images, labels));
+  snprintf(images, sizeof images, "%s/t10k-images-idx3-ubyte.gz", data);
+  snprintf(labels, sizeof labels, "%s/t10k-labels-idx1-ubyte.gz", data);
+  CHECK(dpar_dataset_load_idx(&test, images, labels));
+  /* Fashion-MNIST's pixel mean and standard deviation. */
+  CHECK(dpar_dataset_normalize(train, 0.2860f, 0.3530f));
+  CHECK(dpar_dataset_normalize(test, 0.2860f, 0.3530f));
+  size_t n_train = 0, features = 0, classes = 0, n_test = 0;
+  CHECK(dpar_dataset_info(&n_train, &features, &classes, train));
+  CHECK(dpar_dataset_info(&n_test, NULL, NULL, test));
+
+  dpar_model_options mopts = DPAR_MODEL_OPTIONS_INIT;
+  mopts.seed = seed;
+  dpar_model *model = NULL;
+  CHECK(dpar_model_create(&model, &mopts));
+  CHECK(dpar_model_add_linear(model, (int64_t)features, 256, 1));
+  CHECK(dpar_model_add_activation(model, DPAR_RELU));
+  CHECK(dpar_model_add_linear(model, 256, 128, 1));
+  CHECK(dpar_model_add_activation(model, DPAR_RELU));
+  CHECK(dpar_model_add_linear(model, 128, (int64_t)classes, 1));
+
+  dpar_optimizer_options oopts = DPAR_OPTIMIZER_OPTIONS_INIT;
+  oopts.kind = strcmp(optimizer, "sgd") ? DPAR_ADAM : DPAR_SGD;
+  oopts.lr = lr;
+  if (oopts.kind == DPAR_SGD) oopts.momentum = 0.9f;
+  dpar_engine_options eopts = DPAR_ENGINE_OPTIONS_INIT;
+  eopts.num_cpu_devices = devices;
+  eopts.seed = seed;
+  dpar_engine *engine = NULL;
+  CHECK(dpar_engine_create(&engine, model, &oopts, &eopts));
+  dpar_model_free(model); /* the engine holds its own replicas */
+
+  printf("dpar %s: MLP %zu-256-128-%zu, %s lr %g, batch %zu over %zu CPU devices, %zu train / %zu test samples\n",
+         dpar_version_string(), features, classes, optimizer, (double)lr, batch, devices, n_train, n_test);
+
+  dpar_loader *loader = NULL;
+  CHECK(dpar_loader_create(&loader, train, batch, 1, seed, 0));
+  size_t batches = 0;
+  CHECK(dpar_loader_num_batches(&batches, loader));
+  const int tty = isatty(STDERR_FILENO);
+  double accuracy = 0.0;
+  for (size_t epoch = 0; epoch < epochs; ++epoch) {
+    CHECK(dpar_loader_start_epoch(loader, epoch));
+    double loss_sum = 0.0, t0 = now_seconds();
+    size_t samples = 0, b = 0;
+    const dpar_tensor *x = NULL, *y = NULL;
+    for (;;) {
+      CHECK(dpar_loader_next(&x, &y, loader));
+      if (!x) break;
+      float loss = 0.0f;
+      CHECK(dpar_engine_train_step(&loss, engine, x, y));
+      int64_t rows = 0;
+      CHECK(dpar_tensor_info(NULL, &rows, NULL, y));
+      loss_sum += (double)loss * (double)rows;
+      samples += (size_t)rows;
+      if (tty && (++b % 20 == 0 || b == batches)) progress(b, batches, loss);
+    }
+    double seconds = now_seconds() - t0;
+    accuracy = evaluate(engine, test, 1000);
+    printf("epoch %2zu  train loss %.4f  test accuracy %.2f%%  %.0f samples/s\n", epoch + 1,
+           loss_sum / (double)samples, 100.0 * accuracy, (double)samples / seconds);
+    fflush(stdout);
+  }
+  CHECK(dpar_engine_save(engine, checkpoint));
+  printf("saved %s\n", checkpoint);
+
+  dpar_loader_free(loader);
+  dpar_engine_free(engine);
+  dpar_dataset_free(train);
+  dpar_dataset_free(test);
+  if (min_accuracy > 0.0 && 100.0 * accuracy < min_accuracy) {
+    fprintf(stderr, "test accuracy %.2f%% is below the required %.2f%%\n", 100.0 * accuracy, min_accuracy);
+    return 1;
+  }
+  return 0;
+}

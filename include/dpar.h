@@ -1,0 +1,554 @@
+/**
+ * @file dpar.h
+ * @brief dpar: data-parallel training of neural networks behind a stable C ABI.
+ *
+ * Conventions (they hold for every declaration below):
+ *  - Every fallible call returns a ::dpar_status; ::DPAR_OK is 0 and every error is negative.
+ *    The message of the last failed call on the calling thread is returned by dpar_last_error().
+ *  - Handles are opaque. A handle returned through a `**out` parameter is owned by the caller and released
+ *    with its `_free` function; every `_free` function accepts NULL. A pointer returned any other way is borrowed
+ *    from its parent and is valid as long as the parent lives (and, where said, until the parent's next call).
+ *  - Output parameters come first, then the handle, then the other arguments.
+ *  - Option structs are versioned: initialise them with their `_INIT` macro or `_init()` function, then set fields.
+ *  - Thread-safety: every function may be called from any thread. A single handle must not be used by two
+ *    threads at once unless its documentation says so; the engine serialises calls on itself with a lock.
+ *  - No C++ exception ever crosses this interface.
+ */
+#ifndef DPAR_H
+#define DPAR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define DPAR_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define DPAR_API __attribute__((visibility("default")))
+#else
+#define DPAR_API
+#endif
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/** @name Versions */
+/**@{*/
+#define DPAR_VERSION_MAJOR 0 /**< Major version: changes when the ABI breaks (it is the SONAME). */
+#define DPAR_VERSION_MINOR 1 /**< Minor version: grows when functions or option fields are appended. */
+#define DPAR_VERSION_PATCH 0 /**< Patch version: fixes only. */
+/** The version as one integer, MAJOR*10000 + MINOR*100 + PATCH. */
+#define DPAR_VERSION (DPAR_VERSION_MAJOR * 10000 + DPAR_VERSION_MINOR * 100 + DPAR_VERSION_PATCH)
+
+/** @brief The version of the library loaded at run time, as #DPAR_VERSION computes it. Never fails. */
+DPAR_API int dpar_version(void);
+/** @brief The version string of the loaded library, such as "0.1.0". Static storage; never NULL. */
+DPAR_API const char *dpar_version_string(void);
+/**@}*/
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/** @name Status and errors */
+/**@{*/
+/** @brief The result of every fallible call. A shipped code never changes its meaning. */
+typedef enum dpar_status {
+  DPAR_OK = 0,                     /**< Success. */
+  DPAR_ERR_INVALID_ARGUMENT = -1,  /**< An argument or handle is NULL, freed, out of range or inconsistent. */
+  DPAR_ERR_OUT_OF_MEMORY = -2,     /**< An allocation failed (host or device). */
+  DPAR_ERR_DEVICE = -3,            /**< A device failed, or a device kind is not built into this library. */
+  DPAR_ERR_COMMUNICATION = -4,     /**< A collective failed locally. */
+  DPAR_ERR_REMOTE = -5,            /**< Another participant (worker, rank) failed; this one stopped waiting. */
+  DPAR_ERR_TIMEOUT = -6,           /**< A participant did not arrive within the timeout. */
+  DPAR_ERR_MISMATCH = -7,          /**< Participants disagree (shapes, operation, sizes, a checkpoint's model). */
+  DPAR_ERR_IO = -8,                /**< A file could not be opened, read or written. */
+  DPAR_ERR_CORRUPT = -9,           /**< A file's content is malformed, truncated or fails its checksum. */
+  DPAR_ERR_NOT_SUPPORTED = -10,    /**< The feature exists in the API but is not built or not available here. */
+  DPAR_ERR_INVALID_STATE = -11,    /**< The call is not allowed now (e.g. the engine must be recreated). */
+  DPAR_ERR_INTERNAL = -12          /**< A bug in dpar: please report the message. */
+} dpar_status;
+
+/**
+ * @brief The message of the last failed call made on the calling thread.
+ * @return A thread-local, NUL-terminated string; "" if no call failed since the last dpar_clear_error().
+ *         Never NULL. Valid until the next dpar call on this thread. Reporting needs no allocation, so an
+ *         out-of-memory failure is described too. Errors raised on a worker thread are copied here before the
+ *         failing call returns.
+ */
+DPAR_API const char *dpar_last_error(void);
+/** @brief Clears the calling thread's last error message. Bindings call it right after reading the message. */
+DPAR_API void dpar_clear_error(void);
+/** @brief The static name of a status, such as "DPAR_ERR_TIMEOUT"; "DPAR_ERR_UNKNOWN" for an unknown code. */
+DPAR_API const char *dpar_status_str(dpar_status status);
+/**@}*/
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/** @name Devices */
+/**@{*/
+/** @brief Kinds of devices. */
+typedef enum dpar_device_kind {
+  DPAR_DEVICE_CPU = 0,  /**< A virtual CPU device: one worker thread with single-threaded BLAS. */
+  DPAR_DEVICE_CUDA = 1  /**< A CUDA GPU. Returns ::DPAR_ERR_NOT_SUPPORTED in a build without CUDA. */
+} dpar_device_kind;
+
+/** @brief A device: a kind and an index, such as cpu:3. A plain value; no handle. */
+typedef struct dpar_device {
+  int32_t kind;  /**< A ::dpar_device_kind. */
+  int32_t index; /**< The device's index within its kind, from 0. */
+} dpar_device;
+
+/**
+ * @brief The number of devices of a kind that an engine can use by default.
+ * For ::DPAR_DEVICE_CPU it is the environment variable DPAR_CPU_DEVICES if set to a positive integer, else the
+ * number of cores. Engines may be asked for more CPU devices than cores (dpar_engine_options.num_cpu_devices).
+ * @param[out] out  The count.
+ * @param kind      A ::dpar_device_kind.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a NULL @p out or unknown kind;
+ *         ::DPAR_ERR_NOT_SUPPORTED for a kind not built into this library.
+ */
+DPAR_API dpar_status dpar_device_count(size_t *out, int32_t kind);
+
+/**
+ * @brief Parses "cpu:3", "cpu" (index 0) or "cuda:1" into a device.
+ * @return ::DPAR_OK or ::DPAR_ERR_INVALID_ARGUMENT naming the malformed text.
+ */
+DPAR_API dpar_status dpar_device_parse(dpar_device *out, const char *text);
+/**@}*/
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/** @name Tensors
+ * Contiguous, row-major arrays of up to #DPAR_MAX_DIMS dimensions on one device.
+ * A tensor handle is not thread-safe: do not use one from two threads at once. */
+/**@{*/
+#define DPAR_MAX_DIMS 4 /**< The most dimensions a tensor has. */
+
+/** @brief Element types. f32 carries data; i32 carries labels; the others are reserved. */
+typedef enum dpar_dtype {
+  DPAR_F32 = 0,  /**< 32-bit IEEE float. */
+  DPAR_I32 = 1,  /**< 32-bit signed integer (class labels). */
+  DPAR_BF16 = 2, /**< Reserved: ::DPAR_ERR_NOT_SUPPORTED today. */
+  DPAR_F16 = 3,  /**< Reserved: ::DPAR_ERR_NOT_SUPPORTED today. */
+  DPAR_U8 = 4    /**< Reserved: ::DPAR_ERR_NOT_SUPPORTED today. */
+} dpar_dtype;
+
+typedef struct dpar_tensor dpar_tensor; /**< An opaque tensor. */
+
+/**
+ * @brief Creates a zero-filled tensor on a device.
+ * @param[out] out  The new tensor, owned by the caller (dpar_tensor_free()).
+ * @param dtype     A ::dpar_dtype (f32 or i32).
+ * @param shape     @p ndim extents, each at least 1.
+ * @param ndim      1 to #DPAR_MAX_DIMS.
+ * @param device    Where the storage lives.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT; ::DPAR_ERR_NOT_SUPPORTED for a reserved dtype or a device
+ *         kind not built in; ::DPAR_ERR_OUT_OF_MEMORY.
+ */
+DPAR_API dpar_status dpar_tensor_create(dpar_tensor **out, int32_t dtype, const int64_t *shape, size_t ndim,
+                                        dpar_device device);
+/**
+ * @brief Wraps caller-owned host memory as a cpu:0 tensor, without a copy.
+ * The memory must stay valid, and hold shape's product of elements, until the tensor is freed.
+ * @return as dpar_tensor_create().
+ */
+DPAR_API dpar_status dpar_tensor_wrap_host(dpar_tensor **out, int32_t dtype, const int64_t *shape, size_t ndim,
+                                           void *data);
+/** @brief Frees a tensor (NULL is a no-op). A wrapped buffer is not freed. */
+DPAR_API void dpar_tensor_free(dpar_tensor *tensor);
+/**
+ * @brief Copies @p bytes from host memory into the tensor. @p bytes must equal the tensor's size in bytes.
+ * @return ::DPAR_OK or ::DPAR_ERR_INVALID_ARGUMENT.
+ */
+DPAR_API dpar_status dpar_tensor_copy_from_host(dpar_tensor *tensor, const void *src, size_t bytes);
+/** @brief Copies the tensor into host memory; @p bytes must equal the tensor's size in bytes. */
+DPAR_API dpar_status dpar_tensor_copy_to_host(void *dst, const dpar_tensor *tensor, size_t bytes);
+/**
+ * @brief The tensor's shape.
+ * @param[out] out_shape  Receives ndim extents; may be NULL to ask only for @p out_ndim.
+ * @param[out] out_ndim   Receives the number of dimensions.
+ * @param capacity        The room in @p out_shape; #DPAR_MAX_DIMS always suffices.
+ */
+DPAR_API dpar_status dpar_tensor_shape(int64_t *out_shape, size_t *out_ndim, const dpar_tensor *tensor,
+                                       size_t capacity);
+/** @brief The tensor's ::dpar_dtype, element count and device. Any output may be NULL. */
+DPAR_API dpar_status dpar_tensor_info(int32_t *out_dtype, int64_t *out_numel, dpar_device *out_device,
+                                      const dpar_tensor *tensor);
+/**
+ * @brief The address of a host tensor's first element, for reading and writing in place.
+ * @return ::DPAR_ERR_INVALID_ARGUMENT if the tensor is not in host memory (a CUDA tensor).
+ */
+DPAR_API dpar_status dpar_tensor_data(void **out, dpar_tensor *tensor);
+/**@}*/
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/** @name Models
+ * A model is a sequence of layers on the host: the template that an engine copies once to every device.
+ * A model handle is not thread-safe. Freeing a model does not affect engines created from it. */
+/**@{*/
+typedef struct dpar_model dpar_model; /**< An opaque sequential model. */
+
+/** @brief Options for dpar_model_create(). */
+typedef struct dpar_model_options {
+  size_t size;      /**< sizeof(dpar_model_options) as the caller compiled it. */
+  unsigned version; /**< #DPAR_MODEL_OPTIONS_VERSION. */
+  uint64_t seed;    /**< Seed of parameter initialisation. Default 0. */
+} dpar_model_options;
+#define DPAR_MODEL_OPTIONS_VERSION 1
+#define DPAR_MODEL_OPTIONS_INIT {sizeof(dpar_model_options), DPAR_MODEL_OPTIONS_VERSION, 0}
+/** @brief Fills @p opts with defaults, for languages without macros. */
+DPAR_API dpar_status dpar_model_options_init(dpar_model_options *opts);
+
+/**
+ * @brief Creates an empty sequential model.
+ * @param[out] out  The model, owned by the caller (dpar_model_free()).
+ * @param opts      Options, or NULL for defaults.
+ */
+DPAR_API dpar_status dpar_model_create(dpar_model **out, const dpar_model_options *opts);
+/** @brief Frees a model (NULL is a no-op). */
+DPAR_API void dpar_model_free(dpar_model *model);
+
+/**
+ * @brief Appends a fully connected layer y = x W^T + b, with W (out_features, in_features) and b (out_features),
+ * initialised as PyTorch's nn.Linear does (uniform in +-1/sqrt(in_features)) from the model's seed.
+ * @param has_bias  Nonzero for a bias.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a zero size.
+ */
+DPAR_API dpar_status dpar_model_add_linear(dpar_model *model, int64_t in_features, int64_t out_features,
+                                           int has_bias);
+
+/** @brief Elementwise activations. */
+typedef enum dpar_activation {
+  DPAR_RELU = 0,    /**< max(x, 0). */
+  DPAR_GELU = 1,    /**< x * Phi(x), exact (erf) form, as PyTorch's default. */
+  DPAR_TANH = 2,    /**< tanh(x). */
+  DPAR_SIGMOID = 3  /**< 1 / (1 + exp(-x)). */
+} dpar_activation;
+/** @brief Appends an activation (a ::dpar_activation). */
+DPAR_API dpar_status dpar_model_add_activation(dpar_model *model, int32_t activation);
+/**
+ * @brief Appends dropout with drop probability @p p in [0, 1). In training mode each replica draws its mask from
+ * its own RNG stream (seeded from the engine seed and the device), which persists across steps; in eval mode it is
+ * the identity. Kept values are scaled by 1/(1-p), as in PyTorch.
+ */
+DPAR_API dpar_status dpar_model_add_dropout(dpar_model *model, float p);
+
+/** @brief How dpar initialises a custom layer's parameter. */
+typedef enum dpar_init {
+  DPAR_INIT_ZEROS = 0,   /**< All zeros. */
+  DPAR_INIT_UNIFORM = 1  /**< Uniform in [-bound, bound], from the model's seed. */
+} dpar_init;
+
+/** @brief Describes one parameter of a custom layer. */
+typedef struct dpar_param_spec {
+  const char *name;              /**< Its name within the layer, such as "weight". Copied. */
+  size_t ndim;                   /**< 1 to #DPAR_MAX_DIMS. */
+  int64_t shape[DPAR_MAX_DIMS];  /**< Its extents. */
+  int32_t init;                  /**< A ::dpar_init. */
+  float bound;                   /**< For ::DPAR_INIT_UNIFORM. */
+} dpar_param_spec;
+
+/** @brief What a custom layer's callback receives. All tensors are borrowed for the duration of the call. */
+typedef struct dpar_custom_call {
+  size_t replica;                     /**< The replica (0 .. number of devices - 1) that calls. */
+  dpar_device device;                 /**< Its device. */
+  int training;                       /**< Nonzero in training mode. */
+  const dpar_tensor *input;           /**< The layer's input, (batch, ...). */
+  const dpar_tensor *output;          /**< forward: to be written; backward: the output forward wrote. */
+  const dpar_tensor *grad_output;     /**< backward only: dL/d output. NULL in forward. */
+  dpar_tensor *grad_input;            /**< backward only: to be written with dL/d input; NULL when not needed. */
+  dpar_tensor *const *params;         /**< The layer's parameters, in spec order (read only). */
+  dpar_tensor *const *grads;          /**< backward only: to be written (not added to) with dL/d param. */
+  size_t num_params;                  /**< Entries in params and grads. */
+} dpar_custom_call;
+
+/**
+ * @brief A custom layer's forward or backward. It runs on the replica's worker thread; replicas call it
+ * concurrently, each with its own tensors. Write outputs in place through dpar_tensor_data(). Return ::DPAR_OK,
+ * or an error status, which fails the engine call with a message naming the layer.
+ */
+typedef dpar_status (*dpar_custom_fn)(void *payload, const dpar_custom_call *call);
+/**
+ * @brief Gives the output shape for an input shape (the batch extent first; the output keeps it).
+ * Returns nonzero to reject the input shape.
+ */
+typedef int (*dpar_custom_shape_fn)(void *payload, int64_t *out_shape, size_t *out_ndim, const int64_t *in_shape,
+                                    size_t in_ndim);
+
+/** @brief Describes a layer whose math is the caller's. */
+typedef struct dpar_custom_layer {
+  size_t size;                   /**< sizeof(dpar_custom_layer) as the caller compiled it. */
+  unsigned version;              /**< #DPAR_CUSTOM_LAYER_VERSION. */
+  const char *name;              /**< For messages and checkpoint names. Copied. */
+  const dpar_param_spec *params; /**< Its parameters (copied); may be NULL when num_params is 0. */
+  size_t num_params;             /**< Entries in @p params. */
+  dpar_custom_shape_fn output_shape; /**< Required. */
+  dpar_custom_fn forward;            /**< Required. */
+  dpar_custom_fn backward;           /**< Required. */
+  void *payload;                     /**< Passed to every callback; dpar never frees it. */
+} dpar_custom_layer;
+#define DPAR_CUSTOM_LAYER_VERSION 1
+#define DPAR_CUSTOM_LAYER_INIT {sizeof(dpar_custom_layer), DPAR_CUSTOM_LAYER_VERSION, NULL, NULL, 0, NULL, NULL, NULL, NULL}
+/** @brief Fills @p layer with empty defaults, for languages without macros. */
+DPAR_API dpar_status dpar_custom_layer_init(dpar_custom_layer *layer);
+/**
+ * @brief Appends a custom layer. dpar allocates its parameters and gradients on every device, synchronises the
+ * gradients and applies the optimizer; the payload must outlive every engine built from the model.
+ */
+DPAR_API dpar_status dpar_model_add_custom(dpar_model *model, const dpar_custom_layer *layer);
+
+/** @brief The number of layers. */
+DPAR_API dpar_status dpar_model_num_layers(size_t *out, const dpar_model *model);
+/** @brief The number of parameter tensors (PyTorch's len(list(model.parameters()))). */
+DPAR_API dpar_status dpar_model_num_params(size_t *out, const dpar_model *model);
+/** @brief The total number of parameter elements. */
+DPAR_API dpar_status dpar_model_num_param_elements(int64_t *out, const dpar_model *model);
+/**
+ * @brief The name ("0.weight", as PyTorch's state_dict names it) and shape of parameter @p index.
+ * @param[out] out_name  Borrowed from the model; valid until the model changes or is freed. May be NULL.
+ * @param[out] out_shape Room for #DPAR_MAX_DIMS extents. May be NULL.
+ * @param[out] out_ndim  May be NULL.
+ */
+DPAR_API dpar_status dpar_model_param_info(const char **out_name, int64_t *out_shape, size_t *out_ndim,
+                                           const dpar_model *model, size_t index);
+/** @brief Copies parameter @p index into @p dst (@p count elements, exactly its size). */
+DPAR_API dpar_status dpar_model_get_param(float *dst, const dpar_model *model, size_t index, size_t count);
+/** @brief Overwrites parameter @p index from @p src (@p count elements, exactly its size). */
+DPAR_API dpar_status dpar_model_set_param(dpar_model *model, size_t index, const float *src, size_t count);
+/**@}*/
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/** @name Optimizers */
+/**@{*/
+/** @brief Optimizer kinds, with PyTorch's update formulas. */
+typedef enum dpar_optimizer_kind {
+  DPAR_SGD = 0,   /**< torch.optim.SGD: momentum, dampening, Nesterov, weight decay. */
+  DPAR_ADAM = 1,  /**< torch.optim.Adam: L2 weight decay added to the gradient. */
+  DPAR_ADAMW = 2  /**< torch.optim.AdamW: decoupled weight decay. */
+} dpar_optimizer_kind;
+
+/** @brief Optimizer options; PyTorch's defaults where PyTorch has one. */
+typedef struct dpar_optimizer_options {
+  size_t size;         /**< sizeof(dpar_optimizer_options) as the caller compiled it. */
+  unsigned version;    /**< #DPAR_OPTIMIZER_OPTIONS_VERSION. */
+  int32_t kind;        /**< A ::dpar_optimizer_kind. Default ::DPAR_SGD. */
+  float lr;            /**< Learning rate. Default 0.01 (PyTorch's Adam default is 0.001: set it). */
+  float momentum;      /**< SGD. Default 0. */
+  float dampening;     /**< SGD. Default 0. */
+  int nesterov;        /**< SGD; needs momentum > 0 and dampening 0. Default 0. */
+  float weight_decay;  /**< Default 0 (AdamW users usually set 0.01). */
+  float beta1;         /**< Adam. Default 0.9. */
+  float beta2;         /**< Adam. Default 0.999. */
+  float eps;           /**< Adam. Default 1e-8. */
+} dpar_optimizer_options;
+#define DPAR_OPTIMIZER_OPTIONS_VERSION 1
+#define DPAR_OPTIMIZER_OPTIONS_INIT \
+  {sizeof(dpar_optimizer_options), DPAR_OPTIMIZER_OPTIONS_VERSION, DPAR_SGD, 0.01f, 0.0f, 0.0f, 0, 0.0f, 0.9f, 0.999f, 1e-8f}
+/** @brief Fills @p opts with defaults. */
+DPAR_API dpar_status dpar_optimizer_options_init(dpar_optimizer_options *opts);
+/**@}*/
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/** @name The DataParallel engine
+ * One worker thread per device, each holding a persistent replica of the model. A batch is split across devices
+ * as torch.nn.DataParallel splits it (chunks of ceil(B/n) rows; the last may be smaller and trailing devices may
+ * get none). Gradients are those of the mean loss over the whole batch, summed across devices by an all-reduce,
+ * and every replica applies the same optimizer step, so replicas stay identical.
+ *
+ * Thread-safety: an engine may be called from several threads; calls are serialised by a lock inside it.
+ * Callbacks (custom layers, the forward hook) run on the worker threads, concurrently across replicas. */
+/**@{*/
+typedef struct dpar_engine dpar_engine; /**< An opaque DataParallel engine. */
+
+/** @brief Losses that the fused training step computes on every replica. */
+typedef enum dpar_loss {
+  DPAR_LOSS_CROSS_ENTROPY = 0, /**< Softmax cross-entropy over i32 class labels, mean over the batch. */
+  DPAR_LOSS_MSE = 1            /**< Mean squared error against f32 targets shaped as the output, mean over all. */
+} dpar_loss;
+
+/** @brief Options for dpar_engine_create(). */
+typedef struct dpar_engine_options {
+  size_t size;              /**< sizeof(dpar_engine_options) as the caller compiled it. */
+  unsigned version;         /**< #DPAR_ENGINE_OPTIONS_VERSION. */
+  int32_t device_kind;      /**< A ::dpar_device_kind. Default ::DPAR_DEVICE_CPU. */
+  size_t num_cpu_devices;   /**< How many virtual CPU devices exist (cpu:0 .. cpu:N-1). 0: dpar_device_count(). */
+  const int32_t *device_ids;/**< The devices to use, in order (replica r runs on device_ids[r]). NULL: all. Copied. */
+  size_t num_device_ids;    /**< Entries in @p device_ids. */
+  int32_t output_device;    /**< Where forward() gathers; must be one of the devices. -1 (default): the first. */
+  int32_t loss;             /**< A ::dpar_loss for the training step. Default ::DPAR_LOSS_CROSS_ENTROPY. */
+  uint64_t seed;            /**< Seeds each replica's RNG stream (dropout). Default 0. */
+  double timeout_seconds;   /**< How long a worker waits for the others in a collective. Default 300. */
+  int32_t blas_threads;     /**< BLAS threads inside each CPU worker. Default 1 (no oversubscription). */
+} dpar_engine_options;
+#define DPAR_ENGINE_OPTIONS_VERSION 1
+#define DPAR_ENGINE_OPTIONS_INIT \
+  {sizeof(dpar_engine_options), DPAR_ENGINE_OPTIONS_VERSION, DPAR_DEVICE_CPU, 0, NULL, 0, -1, DPAR_LOSS_CROSS_ENTROPY, 0, 300.0, 1}
+/** @brief Fills @p opts with defaults. */
+DPAR_API dpar_status dpar_engine_options_init(dpar_engine_options *opts);
+
+/**
+ * @brief Creates an engine: starts one worker per device and copies the model to each, once.
+ * The model is copied; it may be freed or changed afterwards without affecting the engine.
+ * @param[out] out   The engine, owned by the caller (dpar_engine_free()).
+ * @param model      The model to replicate; it must have at least one layer.
+ * @param optimizer  The optimizer; NULL for SGD with its defaults.
+ * @param opts       Options, or NULL for defaults.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an empty model or device list, a device out of range or
+ *         repeated, an output device not in the list, or bad options; ::DPAR_ERR_NOT_SUPPORTED for CUDA in a build
+ *         without it; ::DPAR_ERR_OUT_OF_MEMORY.
+ */
+DPAR_API dpar_status dpar_engine_create(dpar_engine **out, const dpar_model *model,
+                                        const dpar_optimizer_options *optimizer, const dpar_engine_options *opts);
+/** @brief Finishes in-flight work, stops the workers and frees the engine (NULL is a no-op). */
+DPAR_API void dpar_engine_free(dpar_engine *engine);
+
+/** @brief The number of replicas (devices). */
+DPAR_API dpar_status dpar_engine_num_replicas(size_t *out, const dpar_engine *engine);
+/** @brief The device of replica @p replica. */
+DPAR_API dpar_status dpar_engine_replica_device(dpar_device *out, const dpar_engine *engine, size_t replica);
+/**
+ * @brief How a batch of @p batch rows is split: @p out[r] receives replica r's rows (0 for unused replicas).
+ * @param capacity Entries in @p out; at least the number of replicas.
+ */
+DPAR_API dpar_status dpar_engine_split(size_t *out, const dpar_engine *engine, size_t batch, size_t capacity);
+
+/**
+ * @brief One fused training step: scatter, forward and loss on every replica, backward, all-reduce of gradients
+ * (those of the mean loss over the whole batch), and the optimizer step on every replica. No activation is
+ * gathered. Equivalent to dpar_engine_accumulate() followed by dpar_engine_step().
+ * @param[out] out_loss  The mean loss over the batch; may be NULL.
+ * @param input          (B, features...) f32 on the host or the output device.
+ * @param target         Cross-entropy: (B) i32 labels in [0, classes). MSE: f32 shaped as the output.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULLs, B = 0, shapes that do not fit the model or each other,
+ *         labels out of range; errors from a worker (::DPAR_ERR_OUT_OF_MEMORY, a custom layer's status, ...).
+ *         After a failure before the optimizer step the engine stays usable and its parameters are unchanged;
+ *         otherwise it returns ::DPAR_ERR_INVALID_STATE from then on and must be recreated.
+ */
+DPAR_API dpar_status dpar_engine_train_step(float *out_loss, dpar_engine *engine, const dpar_tensor *input,
+                                            const dpar_tensor *target);
+/**
+ * @brief Forward, loss and backward for one micro-batch, adding its gradient to the replicas' local gradients
+ * without synchronising them (DDP's no_sync). dpar_engine_step() then all-reduces once and steps, so that several
+ * micro-batches equal one batch of all their rows.
+ * @param[out] out_loss  The micro-batch's mean loss; may be NULL.
+ */
+DPAR_API dpar_status dpar_engine_accumulate(float *out_loss, dpar_engine *engine, const dpar_tensor *input,
+                                            const dpar_tensor *target);
+/**
+ * @brief Synchronises the accumulated gradients and applies the optimizer step on every replica; then clears
+ * the gradients. After dpar_engine_accumulate(), the gradient is that of the mean loss over all accumulated rows;
+ * after dpar_engine_backward(), it is the sum of what backward produced.
+ * @return ::DPAR_ERR_INVALID_STATE if no gradient is pending.
+ */
+DPAR_API dpar_status dpar_engine_step(dpar_engine *engine);
+/** @brief Discards accumulated gradients and any forward state kept for backward. */
+DPAR_API dpar_status dpar_engine_zero_grad(dpar_engine *engine);
+
+/**
+ * @brief DataParallel's forward: scatter, forward on every replica, gather of the outputs in batch order.
+ * In training mode each replica keeps its activations for dpar_engine_backward().
+ * @param[out] out  The (B, ...) output on the output device, owned by the caller.
+ */
+DPAR_API dpar_status dpar_engine_forward(dpar_tensor **out, dpar_engine *engine, const dpar_tensor *input);
+/**
+ * @brief DataParallel's backward: scatters @p grad_output (shaped as the last forward's output) and runs backward
+ * on every replica, adding to its local gradients. Call dpar_engine_step() to synchronise and step.
+ * @return ::DPAR_ERR_INVALID_STATE without a preceding training-mode forward.
+ */
+DPAR_API dpar_status dpar_engine_backward(dpar_engine *engine, const dpar_tensor *grad_output);
+
+/** @brief Training mode (nonzero: dropout active) or eval mode. Engines start in training mode. */
+DPAR_API dpar_status dpar_engine_set_training(dpar_engine *engine, int training);
+/** @brief Changes the learning rate for the following steps (a scheduler's job). */
+DPAR_API dpar_status dpar_engine_set_lr(dpar_engine *engine, float lr);
+/** @brief The number of optimizer steps taken. */
+DPAR_API dpar_status dpar_engine_step_count(int64_t *out, const dpar_engine *engine);
+
+/**
+ * @brief Each replica's mean loss over its own chunk in the last training step or accumulate, as
+ * torch.nn.DataParallel returns one loss per device; NaN for replicas that got no rows.
+ * @param capacity Entries in @p out; at least the number of replicas.
+ */
+DPAR_API dpar_status dpar_engine_replica_losses(float *out, const dpar_engine *engine, size_t capacity);
+
+/**
+ * @brief A replica's parameters, flattened in dpar_model_param_info() order, into @p dst.
+ * @param count  Exactly the model's number of parameter elements.
+ */
+DPAR_API dpar_status dpar_engine_get_params(float *dst, dpar_engine *engine, size_t replica, size_t count);
+
+/** @brief Called by each replica, on its worker thread, after its forward: its chunk's input and output shapes. */
+typedef void (*dpar_forward_hook)(void *payload, size_t replica, const int64_t *input_shape, size_t input_ndim,
+                                  const int64_t *output_shape, size_t output_ndim);
+/** @brief Installs (or with NULL removes) the forward hook. Replicas call it concurrently. */
+DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine *engine, dpar_forward_hook hook, void *payload);
+
+/**
+ * @brief Saves parameters, optimizer state, step count and RNG streams as a safetensors file, atomically
+ * (a temporary file, fsync, rename): a crash leaves the old file or the new one, never half of one.
+ * @return ::DPAR_OK or ::DPAR_ERR_IO.
+ */
+DPAR_API dpar_status dpar_engine_save(dpar_engine *engine, const char *path);
+/**
+ * @brief Loads a checkpoint written by dpar_engine_save() into every replica.
+ * @return ::DPAR_OK; ::DPAR_ERR_IO; ::DPAR_ERR_CORRUPT for a truncated or damaged file (checked before anything
+ *         changes); ::DPAR_ERR_MISMATCH for a checkpoint of another model or optimizer.
+ */
+DPAR_API dpar_status dpar_engine_load(dpar_engine *engine, const char *path);
+
+/** @brief Points at which dpar_engine_inject_fault() makes a worker fail, to test error paths. */
+typedef enum dpar_fault {
+  DPAR_FAULT_NONE = 0,     /**< Clears an armed fault. */
+  DPAR_FAULT_ALLOC = 1,    /**< The replica's next activation allocation fails (out of memory). */
+  DPAR_FAULT_FORWARD = 2,  /**< The replica's next forward fails (device error). */
+  DPAR_FAULT_BACKWARD = 3  /**< The replica's next backward fails (device error), after the others began theirs. */
+} dpar_fault;
+/**
+ * @brief Arms a one-shot fault on one replica, for tests of error handling (as sqlite3_test_control is).
+ */
+DPAR_API dpar_status dpar_engine_inject_fault(dpar_engine *engine, size_t replica, int32_t fault);
+/**@}*/
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/** @name Datasets
+ * IDX files (MNIST, Fashion-MNIST), plain or gzip-compressed, and a seeded, shuffling batch loader. */
+/**@{*/
+typedef struct dpar_dataset dpar_dataset; /**< An opaque in-memory dataset of (f32 sample, i32 label). */
+typedef struct dpar_loader dpar_loader;   /**< An opaque batch loader over a dataset. */
+
+/**
+ * @brief Reads an IDX image file and an IDX label file (each plain or .gz). Pixels become f32 in [0, 1].
+ * @return ::DPAR_OK; ::DPAR_ERR_IO; ::DPAR_ERR_CORRUPT for a bad magic, size or truncation;
+ *         ::DPAR_ERR_MISMATCH when the two files hold different numbers of items.
+ */
+DPAR_API dpar_status dpar_dataset_load_idx(dpar_dataset **out, const char *images_path, const char *labels_path);
+/** @brief Frees a dataset (NULL is a no-op). Loaders over it must be freed first. */
+DPAR_API void dpar_dataset_free(dpar_dataset *dataset);
+/** @brief Number of samples, features per sample, and number of classes (max label + 1). Outputs may be NULL. */
+DPAR_API dpar_status dpar_dataset_info(size_t *out_samples, size_t *out_features, size_t *out_classes,
+                                       const dpar_dataset *dataset);
+/** @brief Standardises every feature: x = (x - mean) / std. */
+DPAR_API dpar_status dpar_dataset_normalize(dpar_dataset *dataset, float mean, float std);
+
+/**
+ * @brief Creates a loader that yields batches of @p batch_size (the last may be smaller unless @p drop_last).
+ * @param shuffle Nonzero to draw a new permutation each epoch from @p seed and the epoch number.
+ */
+DPAR_API dpar_status dpar_loader_create(dpar_loader **out, const dpar_dataset *dataset, size_t batch_size,
+                                        int shuffle, uint64_t seed, int drop_last);
+/** @brief Frees a loader (NULL is a no-op). */
+DPAR_API void dpar_loader_free(dpar_loader *loader);
+/** @brief Starts epoch @p epoch: the permutation is a function of (seed, epoch) alone. */
+DPAR_API dpar_status dpar_loader_start_epoch(dpar_loader *loader, uint64_t epoch);
+/** @brief Number of batches per epoch. */
+DPAR_API dpar_status dpar_loader_num_batches(size_t *out, const dpar_loader *loader);
+/**
+ * @brief The next batch of the epoch: (b, features) f32 and (b) i32 tensors, borrowed from the loader and valid
+ * until its next call. Both are set to NULL at the end of the epoch.
+ */
+DPAR_API dpar_status dpar_loader_next(const dpar_tensor **out_inputs, const dpar_tensor **out_labels,
+                                      dpar_loader *loader);
+/**@}*/
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DPAR_H */

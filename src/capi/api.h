@@ -1,0 +1,127 @@
+// The ABI boundary: handle structs, handle checks, option-struct versioning, and the guard that turns every
+// exception into a status and a thread-local message. Only src/capi/ knows that a C caller exists.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <vector>
+
+#include "common/error.h"
+#include "dpar.h"
+#include "engine/engine.h"
+#include "io/dataset.h"
+#include "nn/model.h"
+#include "tensor/tensor.h"
+
+struct dpar_tensor {
+  dpar::Tensor tensor;
+  bool owned_by_parent = false;  // a loader's batch or a custom layer's argument: dpar_tensor_free ignores it
+};
+struct dpar_model {
+  explicit dpar_model(uint64_t seed) : model(seed) {}
+  dpar::Model model;
+};
+struct dpar_engine {
+  std::unique_ptr<dpar::Engine> engine;
+};
+struct dpar_dataset {
+  dpar::io::Dataset dataset;
+  size_t loaders = 0;  // loaders borrow the dataset; freeing it first would leave them dangling
+};
+struct dpar_loader {
+  dpar_loader(const dpar_dataset* ds, const dpar::io::Loader& l) : dataset(ds), loader(l) {}
+  const dpar_dataset* dataset;
+  dpar::io::Loader loader;
+  dpar_tensor inputs, labels;
+};
+
+namespace dpar::capi {
+
+enum class HandleKind : uint8_t { kTensor, kModel, kEngine, kDataset, kLoader };
+
+// Live handles, so that a NULL, freed or foreign pointer is refused with a message instead of crashing.
+void register_handle(const void* handle, HandleKind kind);
+void unregister_handle(const void* handle);
+bool is_live(const void* handle, HandleKind kind);
+
+template <class H> HandleKind kind_of();
+template <> inline HandleKind kind_of<dpar_tensor>() { return HandleKind::kTensor; }
+template <> inline HandleKind kind_of<dpar_model>() { return HandleKind::kModel; }
+template <> inline HandleKind kind_of<dpar_engine>() { return HandleKind::kEngine; }
+template <> inline HandleKind kind_of<dpar_dataset>() { return HandleKind::kDataset; }
+template <> inline HandleKind kind_of<dpar_loader>() { return HandleKind::kLoader; }
+
+template <class H>
+H& checked(H* handle, const char* argument) {
+  DPAR_CHECK_ARG(handle != nullptr, argument, ": handle is NULL");
+  DPAR_CHECK_ARG(is_live(handle, kind_of<std::remove_const_t<H>>()), argument,
+                 ": not a live handle of this type (freed already, or never created by dpar)");
+  return *handle;
+}
+
+template <class P>
+P* checked_out(P* out, const char* argument = "out") {
+  DPAR_CHECK_ARG(out != nullptr, argument, ": output pointer is NULL");
+  return out;
+}
+
+// Creates a handle and registers it.
+template <class H, class... Args>
+H* new_handle(Args&&... args) {
+  auto h = std::make_unique<H>(std::forward<Args>(args)...);
+  register_handle(h.get(), kind_of<H>());
+  return h.release();
+}
+template <class H>
+void free_handle(H* handle) {
+  if (!handle || !is_live(handle, kind_of<H>())) return;
+  unregister_handle(handle);
+  delete handle;
+}
+
+// Reads a versioned options struct: NULL gives the defaults; fields the caller's version predates keep them.
+template <class T>
+T read_options(const T* user, const T& defaults, unsigned current_version, const char* argument) {
+  if (!user) return defaults;
+  DPAR_CHECK_ARG(user->version >= 1 && user->version <= current_version, argument, ": unknown version ",
+                 user->version, " (this dpar knows 1 to ", current_version, "; use the _INIT macro or _init())");
+  // Version 1 is the first layout: a smaller size means a struct that was never initialised.
+  DPAR_CHECK_ARG(user->size >= sizeof(T) || user->version < current_version, argument, ": size ", user->size,
+                 " is too small for version ", user->version, " (expected ", sizeof(T), ")");
+  T out = defaults;
+  std::memcpy(static_cast<void*>(&out), user, std::min(user->size, sizeof(T)));
+  out.size = sizeof(T);
+  out.version = current_version;
+  return out;
+}
+
+void set_last_error(const char* message);
+
+// Runs body; turns any exception into a status and the calling thread's last error.
+template <class F>
+dpar_status guard(F&& body) noexcept {
+  try {
+    body();
+    return DPAR_OK;
+  } catch (const Error& e) {
+    set_last_error(e.what());
+    return e.status();
+  } catch (const std::bad_alloc&) {
+    set_last_error("out of memory");
+    return DPAR_ERR_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    set_last_error(e.what());
+    return DPAR_ERR_INTERNAL;
+  } catch (...) {
+    set_last_error("unknown exception");
+    return DPAR_ERR_INTERNAL;
+  }
+}
+
+// The custom-layer bridge (custom_layer.cpp).
+std::unique_ptr<Layer> make_custom_layer(const dpar_custom_layer& desc);
+
+}  // namespace dpar::capi

@@ -1,0 +1,87 @@
+#include "capi/api.h"
+
+using namespace dpar;
+using namespace dpar::capi;
+
+extern "C" {
+
+DPAR_API dpar_status dpar_dataset_load_idx(dpar_dataset** out, const char* images_path, const char* labels_path) {
+  return guard([&] {
+    checked_out(out);
+    *out = nullptr;
+    DPAR_CHECK_ARG(images_path != nullptr, "images_path: is NULL");
+    DPAR_CHECK_ARG(labels_path != nullptr, "labels_path: is NULL");
+    auto ds = io::Dataset::load_idx(images_path, labels_path);
+    auto* h = new_handle<dpar_dataset>();
+    h->dataset = std::move(ds);
+    *out = h;
+  });
+}
+
+DPAR_API void dpar_dataset_free(dpar_dataset* dataset) {
+  // A dataset with live loaders stays allocated (they borrow it); the caller's mistake must not become a crash.
+  if (dataset && is_live(dataset, HandleKind::kDataset) && dataset->loaders == 0) free_handle(dataset);
+}
+
+DPAR_API dpar_status dpar_dataset_info(size_t* out_samples, size_t* out_features, size_t* out_classes,
+                                       const dpar_dataset* dataset) {
+  return guard([&] {
+    const auto& d = checked(dataset, "dataset").dataset;
+    if (out_samples) *out_samples = d.size();
+    if (out_features) *out_features = d.features();
+    if (out_classes) *out_classes = d.classes();
+  });
+}
+
+DPAR_API dpar_status dpar_dataset_normalize(dpar_dataset* dataset, float mean, float std) {
+  return guard([&] { checked(dataset, "dataset").dataset.normalize(mean, std); });
+}
+
+DPAR_API dpar_status dpar_loader_create(dpar_loader** out, const dpar_dataset* dataset, size_t batch_size,
+                                        int shuffle, uint64_t seed, int drop_last) {
+  return guard([&] {
+    checked_out(out);
+    *out = nullptr;
+    const dpar_dataset& d = checked(dataset, "dataset");
+    io::Loader loader(d.dataset, batch_size, shuffle != 0, seed, drop_last != 0);
+    auto* h = new_handle<dpar_loader>(&d, loader);
+    h->inputs.owned_by_parent = true;
+    h->labels.owned_by_parent = true;
+    const_cast<dpar_dataset&>(d).loaders++;
+    *out = h;
+  });
+}
+
+DPAR_API void dpar_loader_free(dpar_loader* loader) {
+  if (!loader || !is_live(loader, HandleKind::kLoader)) return;
+  unregister_handle(&loader->inputs);
+  unregister_handle(&loader->labels);
+  const_cast<dpar_dataset*>(loader->dataset)->loaders--;
+  free_handle(loader);
+}
+
+DPAR_API dpar_status dpar_loader_start_epoch(dpar_loader* loader, uint64_t epoch) {
+  return guard([&] { checked(loader, "loader").loader.start_epoch(epoch); });
+}
+
+DPAR_API dpar_status dpar_loader_num_batches(size_t* out, const dpar_loader* loader) {
+  return guard([&] { *checked_out(out) = checked(loader, "loader").loader.num_batches(); });
+}
+
+DPAR_API dpar_status dpar_loader_next(const dpar_tensor** out_inputs, const dpar_tensor** out_labels,
+                                      dpar_loader* loader) {
+  return guard([&] {
+    checked_out(out_inputs, "out_inputs");
+    checked_out(out_labels, "out_labels");
+    *out_inputs = nullptr;
+    *out_labels = nullptr;
+    dpar_loader& l = checked(loader, "loader");
+    if (!l.loader.next(l.inputs.tensor, l.labels.tensor)) return;
+    register_handle(&l.inputs, HandleKind::kTensor);
+    register_handle(&l.labels, HandleKind::kTensor);
+    *out_inputs = &l.inputs;
+    *out_labels = &l.labels;
+  });
+}
+
+}  // extern "C"

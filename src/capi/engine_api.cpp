@@ -1,0 +1,235 @@
+#include <cmath>
+#include <mutex>
+#include <set>
+
+#include "capi/api.h"
+
+using namespace dpar;
+using namespace dpar::capi;
+
+namespace {
+
+EngineConfig engine_config(const dpar_engine_options& o) {
+  EngineConfig c;
+  checked_device_kind(o.device_kind, "opts.device_kind");
+  const size_t available = o.num_cpu_devices ? o.num_cpu_devices : default_cpu_device_count();
+  DPAR_CHECK_ARG(available <= 256, "opts.num_cpu_devices: ", available, " is more than 256");
+  std::vector<int32_t> ids;
+  if (o.device_ids) {
+    DPAR_CHECK_ARG(o.num_device_ids > 0, "opts.num_device_ids: the device list is empty");
+    ids.assign(o.device_ids, o.device_ids + o.num_device_ids);
+  } else {
+    DPAR_CHECK_ARG(o.num_device_ids == 0, "opts.device_ids: is NULL but num_device_ids is ", o.num_device_ids);
+    for (size_t i = 0; i < available; ++i) ids.push_back(static_cast<int32_t>(i));
+  }
+  std::set<int32_t> seen;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    DPAR_CHECK_ARG(ids[i] >= 0 && static_cast<size_t>(ids[i]) < available, "opts.device_ids[", i, "]: cpu:", ids[i],
+                   " is out of range (", available, " CPU devices: cpu:0 to cpu:", available - 1, ")");
+    DPAR_CHECK_ARG(seen.insert(ids[i]).second, "opts.device_ids[", i, "]: cpu:", ids[i], " is repeated");
+    c.devices.push_back(Device{DeviceKind::kCpu, ids[i]});
+  }
+  if (o.output_device >= 0) {
+    auto it = std::find(ids.begin(), ids.end(), o.output_device);
+    DPAR_CHECK_ARG(it != ids.end(), "opts.output_device: cpu:", o.output_device, " is not one of the engine's devices");
+    c.output_replica = static_cast<size_t>(it - ids.begin());
+  } else {
+    DPAR_CHECK_ARG(o.output_device == -1, "opts.output_device: ", o.output_device, " (use -1 for the first device)");
+  }
+  DPAR_CHECK_ARG(o.loss == DPAR_LOSS_CROSS_ENTROPY || o.loss == DPAR_LOSS_MSE, "opts.loss: unknown loss ", o.loss);
+  DPAR_CHECK_ARG(std::isfinite(o.timeout_seconds) && o.timeout_seconds > 0, "opts.timeout_seconds: ",
+                 o.timeout_seconds, " must be positive");
+  DPAR_CHECK_ARG(o.blas_threads >= 1 && o.blas_threads <= 1024, "opts.blas_threads: ", o.blas_threads,
+                 " must be 1 to 1024");
+  c.loss = o.loss;
+  c.seed = o.seed;
+  c.timeout_seconds = o.timeout_seconds;
+  c.blas_threads = o.blas_threads;
+  return c;
+}
+
+// Runs body on a checked engine with its lock held.
+template <class F>
+dpar_status with_engine(dpar_engine* engine, F&& body) {
+  return guard([&] {
+    Engine& e = *checked(engine, "engine").engine;
+    std::lock_guard<std::mutex> lock(e.mutex());
+    body(e);
+  });
+}
+
+template <class F>
+dpar_status with_engine(const dpar_engine* engine, F&& body) {
+  return with_engine(const_cast<dpar_engine*>(engine), std::forward<F>(body));
+}
+
+const Tensor& tensor_arg(const dpar_tensor* t, const char* argument) { return checked(t, argument).tensor; }
+
+size_t replica_arg(const Engine& e, size_t replica) {
+  DPAR_CHECK_ARG(replica < e.num_replicas(), "replica: ", replica, " is out of range (the engine has ",
+                 e.num_replicas(), " replicas)");
+  return replica;
+}
+
+}  // namespace
+
+extern "C" {
+
+DPAR_API dpar_status dpar_engine_options_init(dpar_engine_options* opts) {
+  return guard([&] {
+    checked_out(opts, "opts");
+    *opts = dpar_engine_options DPAR_ENGINE_OPTIONS_INIT;
+  });
+}
+
+DPAR_API dpar_status dpar_engine_create(dpar_engine** out, const dpar_model* model,
+                                        const dpar_optimizer_options* optimizer, const dpar_engine_options* opts) {
+  return guard([&] {
+    checked_out(out);
+    *out = nullptr;
+    const Model& m = checked(model, "model").model;
+    const auto o = read_options(opts, dpar_engine_options DPAR_ENGINE_OPTIONS_INIT, DPAR_ENGINE_OPTIONS_VERSION,
+                                "opts");
+    const auto oo = read_options(optimizer, dpar_optimizer_options DPAR_OPTIMIZER_OPTIONS_INIT,
+                                 DPAR_OPTIMIZER_OPTIONS_VERSION, "optimizer");
+    EngineConfig config = engine_config(o);
+    OptimizerConfig opt = OptimizerConfig::from_options(oo);
+    auto engine = std::make_unique<Engine>(m, opt, std::move(config));
+    auto* h = new_handle<dpar_engine>();
+    h->engine = std::move(engine);
+    *out = h;
+  });
+}
+
+DPAR_API void dpar_engine_free(dpar_engine* engine) { free_handle(engine); }
+
+DPAR_API dpar_status dpar_engine_num_replicas(size_t* out, const dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.num_replicas(); });
+}
+
+DPAR_API dpar_status dpar_engine_replica_device(dpar_device* out, const dpar_engine* engine, size_t replica) {
+  return with_engine(engine, [&](Engine& e) {
+    checked_out(out);
+    Device d = e.replica_device(replica_arg(e, replica));
+    *out = dpar_device{static_cast<int32_t>(d.kind), d.index};
+  });
+}
+
+DPAR_API dpar_status dpar_engine_split(size_t* out, const dpar_engine* engine, size_t batch, size_t capacity) {
+  return with_engine(engine, [&](Engine& e) {
+    checked_out(out);
+    DPAR_CHECK_ARG(capacity >= e.num_replicas(), "capacity: ", capacity, " is less than the ", e.num_replicas(),
+                   " replicas");
+    DPAR_CHECK_ARG(batch >= 1, "batch: must be at least 1");
+    auto rows = split_batch(static_cast<int64_t>(batch), e.num_replicas());
+    for (size_t r = 0; r < rows.size(); ++r) out[r] = static_cast<size_t>(rows[r]);
+  });
+}
+
+DPAR_API dpar_status dpar_engine_train_step(float* out_loss, dpar_engine* engine, const dpar_tensor* input,
+                                            const dpar_tensor* target) {
+  return with_engine(engine, [&](Engine& e) {
+    double loss = e.train_step(tensor_arg(input, "input"), tensor_arg(target, "target"));
+    if (out_loss) *out_loss = static_cast<float>(loss);
+  });
+}
+
+DPAR_API dpar_status dpar_engine_accumulate(float* out_loss, dpar_engine* engine, const dpar_tensor* input,
+                                            const dpar_tensor* target) {
+  return with_engine(engine, [&](Engine& e) {
+    double loss = e.accumulate(tensor_arg(input, "input"), tensor_arg(target, "target"));
+    if (out_loss) *out_loss = static_cast<float>(loss);
+  });
+}
+
+DPAR_API dpar_status dpar_engine_step(dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { e.step(); });
+}
+
+DPAR_API dpar_status dpar_engine_zero_grad(dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { e.zero_grad(); });
+}
+
+DPAR_API dpar_status dpar_engine_forward(dpar_tensor** out, dpar_engine* engine, const dpar_tensor* input) {
+  return with_engine(engine, [&](Engine& e) {
+    checked_out(out);
+    *out = nullptr;
+    Tensor y = e.forward(tensor_arg(input, "input"));
+    auto* h = new_handle<dpar_tensor>();
+    h->tensor = std::move(y);
+    *out = h;
+  });
+}
+
+DPAR_API dpar_status dpar_engine_backward(dpar_engine* engine, const dpar_tensor* grad_output) {
+  return with_engine(engine, [&](Engine& e) { e.backward(tensor_arg(grad_output, "grad_output")); });
+}
+
+DPAR_API dpar_status dpar_engine_set_training(dpar_engine* engine, int training) {
+  return with_engine(engine, [&](Engine& e) { e.set_training(training != 0); });
+}
+
+DPAR_API dpar_status dpar_engine_set_lr(dpar_engine* engine, float lr) {
+  return with_engine(engine, [&](Engine& e) { e.set_lr(lr); });
+}
+
+DPAR_API dpar_status dpar_engine_step_count(int64_t* out, const dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.step_count(); });
+}
+
+DPAR_API dpar_status dpar_engine_replica_losses(float* out, const dpar_engine* engine, size_t capacity) {
+  return with_engine(engine, [&](Engine& e) {
+    checked_out(out);
+    DPAR_CHECK_ARG(capacity >= e.num_replicas(), "capacity: ", capacity, " is less than the ", e.num_replicas(),
+                   " replicas");
+    auto losses = e.replica_losses();
+    std::copy(losses.begin(), losses.end(), out);
+  });
+}
+
+DPAR_API dpar_status dpar_engine_get_params(float* dst, dpar_engine* engine, size_t replica, size_t count) {
+  return with_engine(engine, [&](Engine& e) {
+    DPAR_CHECK_ARG(dst != nullptr, "dst: is NULL");
+    replica_arg(e, replica);
+    DPAR_CHECK_ARG(count == static_cast<size_t>(e.model().num_param_elements()), "count: ", count,
+                   " differs from the model's ", e.model().num_param_elements(), " parameter elements");
+    auto p = e.params(replica);
+    std::copy(p.begin(), p.end(), dst);
+  });
+}
+
+DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine* engine, dpar_forward_hook hook, void* payload) {
+  return with_engine(engine, [&](Engine& e) {
+    if (!hook) {
+      e.set_forward_hook(nullptr);
+      return;
+    }
+    e.set_forward_hook([hook, payload](size_t replica, const Shape& in, const Shape& out) {
+      hook(payload, replica, in.data(), in.ndim(), out.data(), out.ndim());
+    });
+  });
+}
+
+DPAR_API dpar_status dpar_engine_save(dpar_engine* engine, const char* path) {
+  return with_engine(engine, [&](Engine& e) {
+    DPAR_CHECK_ARG(path != nullptr, "path: is NULL");
+    e.save(path);
+  });
+}
+
+DPAR_API dpar_status dpar_engine_load(dpar_engine* engine, const char* path) {
+  return with_engine(engine, [&](Engine& e) {
+    DPAR_CHECK_ARG(path != nullptr, "path: is NULL");
+    e.load(path);
+  });
+}
+
+DPAR_API dpar_status dpar_engine_inject_fault(dpar_engine* engine, size_t replica, int32_t fault) {
+  return with_engine(engine, [&](Engine& e) {
+    replica_arg(e, replica);
+    DPAR_CHECK_ARG(fault >= DPAR_FAULT_NONE && fault <= DPAR_FAULT_BACKWARD, "fault: unknown fault ", fault);
+    e.inject_fault(replica, static_cast<Fault>(fault));
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,115 @@
+#include "capi/api.h"
+
+using namespace dpar;
+using namespace dpar::capi;
+
+extern "C" {
+
+DPAR_API dpar_status dpar_model_options_init(dpar_model_options* opts) {
+  return guard([&] {
+    checked_out(opts, "opts");
+    *opts = dpar_model_options DPAR_MODEL_OPTIONS_INIT;
+  });
+}
+
+DPAR_API dpar_status dpar_model_create(dpar_model** out, const dpar_model_options* opts) {
+  return guard([&] {
+    checked_out(out);
+    *out = nullptr;
+    const dpar_model_options o =
+        read_options(opts, dpar_model_options DPAR_MODEL_OPTIONS_INIT, DPAR_MODEL_OPTIONS_VERSION, "opts");
+    *out = new_handle<dpar_model>(o.seed);
+  });
+}
+
+DPAR_API void dpar_model_free(dpar_model* model) { free_handle(model); }
+
+DPAR_API dpar_status dpar_model_add_linear(dpar_model* model, int64_t in_features, int64_t out_features,
+                                           int has_bias) {
+  return guard([&] { checked(model, "model").model.add(make_linear(in_features, out_features, has_bias != 0)); });
+}
+
+DPAR_API dpar_status dpar_model_add_activation(dpar_model* model, int32_t activation) {
+  return guard([&] { checked(model, "model").model.add(make_activation(activation)); });
+}
+
+DPAR_API dpar_status dpar_model_add_dropout(dpar_model* model, float p) {
+  return guard([&] { checked(model, "model").model.add(make_dropout(p)); });
+}
+
+DPAR_API dpar_status dpar_custom_layer_init(dpar_custom_layer* layer) {
+  return guard([&] {
+    checked_out(layer, "layer");
+    *layer = dpar_custom_layer DPAR_CUSTOM_LAYER_INIT;
+  });
+}
+
+DPAR_API dpar_status dpar_model_add_custom(dpar_model* model, const dpar_custom_layer* layer) {
+  return guard([&] {
+    auto& m = checked(model, "model").model;
+    DPAR_CHECK_ARG(layer != nullptr, "layer: is NULL");
+    const dpar_custom_layer desc =
+        read_options(layer, dpar_custom_layer DPAR_CUSTOM_LAYER_INIT, DPAR_CUSTOM_LAYER_VERSION, "layer");
+    m.add(make_custom_layer(desc));
+  });
+}
+
+DPAR_API dpar_status dpar_model_num_layers(size_t* out, const dpar_model* model) {
+  return guard([&] { *checked_out(out) = checked(model, "model").model.num_layers(); });
+}
+
+DPAR_API dpar_status dpar_model_num_params(size_t* out, const dpar_model* model) {
+  return guard([&] { *checked_out(out) = checked(model, "model").model.params().size(); });
+}
+
+DPAR_API dpar_status dpar_model_num_param_elements(int64_t* out, const dpar_model* model) {
+  return guard([&] { *checked_out(out) = checked(model, "model").model.num_param_elements(); });
+}
+
+static const ParamInfo& param_at(const Model& m, size_t index) {
+  DPAR_CHECK_ARG(index < m.params().size(), "index: ", index, " is out of range (the model has ", m.params().size(),
+                 " parameters)");
+  return m.params()[index];
+}
+
+DPAR_API dpar_status dpar_model_param_info(const char** out_name, int64_t* out_shape, size_t* out_ndim,
+                                           const dpar_model* model, size_t index) {
+  return guard([&] {
+    const ParamInfo& p = param_at(checked(model, "model").model, index);
+    if (out_name) *out_name = p.name.c_str();
+    if (out_shape)
+      for (size_t i = 0; i < p.shape.ndim(); ++i) out_shape[i] = p.shape[i];
+    if (out_ndim) *out_ndim = p.shape.ndim();
+  });
+}
+
+DPAR_API dpar_status dpar_model_get_param(float* dst, const dpar_model* model, size_t index, size_t count) {
+  return guard([&] {
+    const Model& m = checked(model, "model").model;
+    const ParamInfo& p = param_at(m, index);
+    DPAR_CHECK_ARG(dst != nullptr, "dst: is NULL");
+    DPAR_CHECK_ARG(count == static_cast<size_t>(p.shape.numel()), "count: ", count, " differs from parameter \"",
+                   p.name, "\"'s ", p.shape.numel(), " elements");
+    std::memcpy(dst, m.values().data() + p.offset, count * sizeof(float));
+  });
+}
+
+DPAR_API dpar_status dpar_model_set_param(dpar_model* model, size_t index, const float* src, size_t count) {
+  return guard([&] {
+    Model& m = checked(model, "model").model;
+    const ParamInfo& p = param_at(m, index);
+    DPAR_CHECK_ARG(src != nullptr, "src: is NULL");
+    DPAR_CHECK_ARG(count == static_cast<size_t>(p.shape.numel()), "count: ", count, " differs from parameter \"",
+                   p.name, "\"'s ", p.shape.numel(), " elements");
+    std::memcpy(m.values().data() + p.offset, src, count * sizeof(float));
+  });
+}
+
+DPAR_API dpar_status dpar_optimizer_options_init(dpar_optimizer_options* opts) {
+  return guard([&] {
+    checked_out(opts, "opts");
+    *opts = dpar_optimizer_options DPAR_OPTIMIZER_OPTIONS_INIT;
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,53 @@
+#include "device/device.h"
+
+#include <cstdlib>
+#include <thread>
+
+#include "common/error.h"
+
+namespace dpar {
+
+std::string Device::str() const {
+  return std::string(kind == DeviceKind::kCpu ? "cpu:" : "cuda:") + std::to_string(index);
+}
+
+DeviceKind checked_device_kind(int32_t kind, const char* argument) {
+  if (kind == DPAR_DEVICE_CPU) return DeviceKind::kCpu;
+  if (kind == DPAR_DEVICE_CUDA) {
+    fail(DPAR_ERR_NOT_SUPPORTED, argument, ": device kind cuda: this dpar was not built with CUDA");
+  }
+  fail(DPAR_ERR_INVALID_ARGUMENT, argument, ": unknown device kind ", kind);
+}
+
+size_t default_cpu_device_count() {
+  if (const char* env = std::getenv("DPAR_CPU_DEVICES")) {
+    char* end = nullptr;
+    long n = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && n > 0 && n <= 4096) return static_cast<size_t>(n);
+  }
+  unsigned cores = std::thread::hardware_concurrency();
+  return cores > 0 ? cores : 1;
+}
+
+Device parse_device(const std::string& text) {
+  auto colon = text.find(':');
+  std::string kind = text.substr(0, colon);
+  Device d;
+  if (kind == "cpu") {
+    d.kind = DeviceKind::kCpu;
+  } else if (kind == "cuda") {
+    d.kind = DeviceKind::kCuda;
+  } else {
+    fail(DPAR_ERR_INVALID_ARGUMENT, "device \"", text, "\": unknown kind (expected cpu or cuda)");
+  }
+  if (colon == std::string::npos) return d;
+  std::string idx = text.substr(colon + 1);
+  char* end = nullptr;
+  long v = std::strtol(idx.c_str(), &end, 10);
+  DPAR_CHECK_ARG(!idx.empty() && *end == '\0' && v >= 0 && v < 1 << 20, "device \"", text,
+                 "\": index must be a non-negative integer");
+  d.index = static_cast<int32_t>(v);
+  return d;
+}
+
+}  // namespace dpar

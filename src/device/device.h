@@ -1,0 +1,29 @@
+// Devices: a kind and an index. cpu:K is a virtual device (one worker thread); cuda:K a GPU.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "dpar.h"
+
+namespace dpar {
+
+enum class DeviceKind : int32_t { kCpu = DPAR_DEVICE_CPU, kCuda = DPAR_DEVICE_CUDA };
+
+struct Device {
+  DeviceKind kind = DeviceKind::kCpu;
+  int32_t index = 0;
+
+  bool is_host() const { return kind == DeviceKind::kCpu; }
+  std::string str() const;
+  bool operator==(const Device& o) const { return kind == o.kind && index == o.index; }
+};
+
+// Checks a raw kind from the C ABI: unknown kinds are invalid; kinds not built in are not supported.
+DeviceKind checked_device_kind(int32_t kind, const char* argument);
+// DPAR_CPU_DEVICES if set to a positive integer, else the number of cores.
+size_t default_cpu_device_count();
+// Parses "cpu", "cpu:3", "cuda:0".
+Device parse_device(const std::string& text);
+
+}  // namespace dpar

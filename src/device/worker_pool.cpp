@@ -1,0 +1,51 @@
+#include "device/worker_pool.h"
+
+#include <chrono>
+
+namespace dpar {
+namespace {
+// Workers sleep on this deadline between jobs; it only bounds one futex sleep, not how long they idle.
+Clock::time_point far_future() { return Clock::now() + std::chrono::hours(24 * 365); }
+}  // namespace
+
+WorkerPool::WorkerPool(size_t size, std::function<void(size_t)> on_start) : errors_(size) {
+  threads_.reserve(size);
+  for (size_t w = 0; w < size; ++w) threads_.emplace_back([this, w, on_start] { loop(w, on_start); });
+}
+
+WorkerPool::~WorkerPool() {
+  stopping_ = true;
+  generation_.increment_and_wake();
+  for (auto& t : threads_) t.join();
+}
+
+std::vector<std::exception_ptr> WorkerPool::run_all(const std::function<void(size_t)>& job) {
+  job_ = &job;
+  for (auto& e : errors_) e = nullptr;
+  uint32_t start_done = done_.load();
+  // The release in the increment publishes job_ and errors_ to the workers.
+  generation_.increment_and_wake();
+  const uint32_t target = start_done + static_cast<uint32_t>(threads_.size());
+  for (uint32_t seen = done_.load(); seen != target; seen = done_.load()) done_.wait_while_equal(seen, far_future());
+  job_ = nullptr;
+  return errors_;
+}
+
+void WorkerPool::loop(size_t worker, const std::function<void(size_t)>& on_start) {
+  if (on_start) on_start(worker);
+  // The generation every worker was created under; a job may already have been posted before this thread ran.
+  uint32_t seen = 0;
+  for (;;) {
+    while (generation_.load() == seen) generation_.wait_while_equal(seen, far_future());
+    seen = generation_.load();
+    if (stopping_) return;
+    try {
+      (*job_)(worker);
+    } catch (...) {
+      errors_[worker] = std::current_exception();
+    }
+    done_.increment_and_wake();
+  }
+}
+
+}  // namespace dpar

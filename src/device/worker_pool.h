@@ -1,0 +1,42 @@
+// One worker thread per device. The engine hands every worker the same job at once (run_all) and waits for all of
+// them; each worker runs all of its device's work, so a replica's state is only ever touched by its own thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/sync.h"
+
+namespace dpar {
+
+class WorkerPool {
+ public:
+  // Starts `size` threads. `on_start(worker)` runs first on each thread (e.g. to set per-thread BLAS state).
+  WorkerPool(size_t size, std::function<void(size_t)> on_start);
+  ~WorkerPool();  // finishes the job in flight, then joins
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  size_t size() const { return threads_.size(); }
+
+  // Runs job(worker) on every worker and waits for all. Returns each worker's exception (null where it succeeded):
+  // one worker's failure never stops the others from finishing, so the caller always gets control back.
+  std::vector<std::exception_ptr> run_all(const std::function<void(size_t)>& job);
+
+ private:
+  void loop(size_t worker, const std::function<void(size_t)>& on_start);
+
+  std::vector<std::thread> threads_;
+  const std::function<void(size_t)>* job_ = nullptr;  // valid while a run_all is in flight
+  std::vector<std::exception_ptr> errors_;
+  WaitWord generation_;  // bumped to start a job; workers wait on it
+  WaitWord done_;        // counts workers that finished the current job
+  std::atomic<bool> stopping_{false};
+};
+
+}  // namespace dpar

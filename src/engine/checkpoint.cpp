@@ -1,0 +1,105 @@
+// Engine checkpoints in the safetensors layout: parameters under their state_dict names ("0.weight"), optimizer
+// state as "optimizer.<state>.<name>", and the rest (step count, optimizer, RNG streams) as metadata. Every
+// replica holds the same parameters and optimizer state, so replica 0's are saved and loaded into all.
+#include <cstring>
+#include <map>
+
+#include "common/error.h"
+#include "engine/engine.h"
+#include "io/safetensors.h"
+
+namespace dpar {
+namespace {
+constexpr const char* kFormat = "dpar-checkpoint-1";
+
+uint64_t parse_u64(const std::map<std::string, std::string>& meta, const std::string& key, const std::string& path) {
+  auto it = meta.find(key);
+  DPAR_ENFORCE(it != meta.end(), DPAR_ERR_CORRUPT, path, ": metadata lacks \"", key, "\"");
+  const std::string& s = it->second;
+  DPAR_ENFORCE(!s.empty() && s.size() <= 20 && s.find_first_not_of("0123456789") == std::string::npos,
+               DPAR_ERR_CORRUPT, path, ": metadata \"", key, "\" is not an unsigned integer: \"", s, "\"");
+  return std::stoull(s);
+}
+}  // namespace
+
+void Engine::save(const std::string& path) const {
+  DPAR_CHECK_ARG(!path.empty(), "path: empty");
+  const Replica& rep = *replicas_[0];
+  const float* params = rep.model->params();
+  std::vector<io::TensorView> views;
+  for (const ParamInfo& p : model_.params())
+    views.push_back({p.name, "F32", std::vector<int64_t>(p.shape.data(), p.shape.data() + p.shape.ndim()),
+                     params + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
+  for (auto& [state_name, buffer] : rep.optimizer->state())
+    for (const ParamInfo& p : model_.params())
+      views.push_back({"optimizer." + state_name + "." + p.name, "F32",
+                       std::vector<int64_t>(p.shape.data(), p.shape.data() + p.shape.ndim()),
+                       buffer->data() + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
+  std::map<std::string, std::string> meta{
+      {"format", kFormat},
+      {"dpar.optimizer", rep.optimizer->config().name()},
+      {"dpar.step", std::to_string(rep.optimizer->steps())},
+      {"dpar.replicas", std::to_string(replicas_.size())},
+  };
+  for (size_t r = 0; r < replicas_.size(); ++r)
+    meta["dpar.rng_offset." + std::to_string(r)] = std::to_string(replicas_[r]->rng_offset);
+  io::write_safetensors(path, views, meta);
+}
+
+void Engine::load(const std::string& path) {
+  check_usable("load");
+  DPAR_CHECK_ARG(!path.empty(), "path: empty");
+  // Read and check everything before touching a replica: a refused file changes nothing.
+  const io::SafetensorsFile file = io::SafetensorsFile::read(path);
+  const auto& meta = file.metadata();
+  auto fmt = meta.find("format");
+  DPAR_ENFORCE(fmt != meta.end() && fmt->second == kFormat, DPAR_ERR_MISMATCH, path,
+               ": not a dpar checkpoint (metadata \"format\" is not \"", kFormat, "\")");
+  Optimizer& opt0 = *replicas_[0]->optimizer;
+  auto opt = meta.find("dpar.optimizer");
+  DPAR_ENFORCE(opt != meta.end() && opt->second == opt0.config().name(), DPAR_ERR_MISMATCH, path,
+               ": checkpoint optimizer \"", opt == meta.end() ? "?" : opt->second, "\" differs from the engine's \"",
+               opt0.config().name(), "\"");
+  const int64_t steps = static_cast<int64_t>(parse_u64(meta, "dpar.step", path));
+  const uint64_t saved_replicas = parse_u64(meta, "dpar.replicas", path);
+
+  auto check_entry = [&](const std::string& name, const ParamInfo& p) {
+    DPAR_ENFORCE(file.has(name), DPAR_ERR_MISMATCH, path, ": tensor \"", name, "\" of the model is missing");
+    const auto& e = file.entry(name);
+    std::vector<int64_t> want(p.shape.data(), p.shape.data() + p.shape.ndim());
+    DPAR_ENFORCE(e.dtype == "F32" && e.shape == want, DPAR_ERR_MISMATCH, path, ": tensor \"", name,
+                 "\" has another dtype or shape than the model's ", p.shape.str());
+  };
+  size_t expected = 0;
+  for (const ParamInfo& p : model_.params()) check_entry(p.name, p), ++expected;
+  auto state_names = opt0.state();
+  for (auto& [state_name, buffer] : state_names)
+    for (const ParamInfo& p : model_.params()) check_entry("optimizer." + state_name + "." + p.name, p), ++expected;
+  DPAR_ENFORCE(file.names().size() == expected, DPAR_ERR_MISMATCH, path, ": holds ", file.names().size(),
+               " tensors, the model and optimizer have ", expected);
+  std::vector<uint64_t> rng(replicas_.size());
+  const bool same_replicas = saved_replicas == replicas_.size();
+  if (same_replicas)
+    for (size_t r = 0; r < replicas_.size(); ++r) rng[r] = parse_u64(meta, "dpar.rng_offset." + std::to_string(r), path);
+
+  // Each replica copies from the file on its own worker.
+  run("load", [&](Replica& rep, size_t r) {
+    for (const ParamInfo& p : model_.params())
+      std::memcpy(rep.model->params() + p.offset, file.data(p.name), file.entry(p.name).bytes);
+    for (auto& [state_name, buffer] : rep.optimizer->state())
+      for (const ParamInfo& p : model_.params()) {
+        const std::string name = "optimizer." + state_name + "." + p.name;
+        std::memcpy(buffer->data() + p.offset, file.data(name), file.entry(name).bytes);
+      }
+    rep.optimizer->set_steps(steps);
+    // RNG streams continue where they were only when the replica layout is the same.
+    if (same_replicas) rep.rng_offset = rng[r];
+    rep.has_grad = false;
+    rep.model->clear_forward_state();
+  });
+  pending_ = Pending::kNone;
+  pending_samples_ = 0;
+  forward_split_.clear();
+}
+
+}  // namespace dpar

@@ -1,0 +1,328 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common/error.h"
+#include "common/random.h"
+#include "kernels/cpu/blas_threads.h"
+#include "kernels/cpu/kernels.h"
+
+namespace dpar {
+namespace k = kernels::cpu;
+
+std::vector<int64_t> split_batch(int64_t batch, size_t devices) {
+  std::vector<int64_t> rows(devices, 0);
+  if (batch <= 0 || devices == 0) return rows;
+  const int64_t chunk = (batch + static_cast<int64_t>(devices) - 1) / static_cast<int64_t>(devices);
+  int64_t left = batch;
+  for (size_t r = 0; r < devices && left > 0; ++r) {
+    rows[r] = std::min(chunk, left);
+    left -= rows[r];
+  }
+  return rows;
+}
+
+Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfig config)
+    : model_(model), config_(std::move(config)) {
+  DPAR_CHECK_ARG(model_.num_layers() > 0, "model: has no layers");
+  DPAR_CHECK_ARG(!config_.devices.empty(), "device_ids: the device list is empty");
+  DPAR_CHECK_ARG(config_.timeout_seconds > 0, "timeout_seconds: must be positive");
+  DPAR_CHECK_ARG(config_.blas_threads >= 1 && config_.blas_threads <= 1024, "blas_threads: ", config_.blas_threads,
+                 " must be 1 to 1024");
+  // OpenBLAS's thread count is process-wide: one BLAS thread inside each worker keeps the workers from
+  // oversubscribing the cores.
+  k::set_blas_threads(config_.blas_threads);
+
+  const size_t n = config_.devices.size();
+  std::vector<std::string> names;
+  for (size_t r = 0; r < n; ++r) {
+    auto rep = std::make_unique<Replica>();
+    rep->ctx.replica = r;
+    rep->ctx.device = config_.devices[r];
+    rep->ctx.rng_seed = derive_seed(config_.seed, r);
+    rep->ctx.rng_offset = &rep->rng_offset;
+    rep->ctx.armed_fault = &rep->fault;
+    names.push_back("replica " + std::to_string(r) + " (" + config_.devices[r].str() + ")");
+    replicas_.push_back(std::move(rep));
+  }
+  group_ = std::make_unique<ThreadGroup>(names, std::chrono::duration<double>(config_.timeout_seconds));
+  for (size_t r = 0; r < n; ++r) replicas_[r]->comm = group_->communicator(static_cast<int>(r));
+  pool_ = std::make_unique<WorkerPool>(n, nullptr);
+
+  // Each replica is built on its own worker: its memory is first touched (and, for a GPU, allocated) there.
+  // This is the only time the model is copied to the devices.
+  run("create", [&](Replica& rep, size_t) {
+    rep.model = std::make_unique<ReplicaModel>(model_, rep.ctx);
+    rep.optimizer = std::make_unique<Optimizer>(optimizer, rep.model->num_params());
+  });
+}
+
+Engine::~Engine() = default;
+
+void Engine::check_usable(const char* operation) const {
+  DPAR_ENFORCE(!broken_, DPAR_ERR_INVALID_STATE, operation, ": the engine must be recreated: ", broken_reason_);
+}
+
+void Engine::run(const char* operation, const std::function<void(Replica&, size_t)>& job) {
+  for (auto& rep : replicas_) rep->stepped = false;
+  auto errors = pool_->run_all([&](size_t r) {
+    Replica& rep = *replicas_[r];
+    try {
+      job(rep, r);
+    } catch (const Error& e) {
+      // Release the others from any collective they wait in; they report REMOTE, this reports the cause.
+      if (e.status() != DPAR_ERR_REMOTE) rep.comm->abort(rep.ctx.device.str() + " failed: " + e.what());
+      throw;
+    } catch (const std::exception& e) {
+      rep.comm->abort(rep.ctx.device.str() + " failed: " + e.what());
+      throw;
+    }
+  });
+  size_t first = errors.size();
+  dpar_status status = DPAR_OK;
+  std::string message;
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (!errors[r]) continue;
+    dpar_status s = DPAR_ERR_INTERNAL;
+    std::string what;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const Error& e) {
+      s = e.status();
+      what = e.what();
+    } catch (const std::bad_alloc&) {
+      s = DPAR_ERR_OUT_OF_MEMORY;
+      what = "out of memory";
+    } catch (const std::exception& e) {
+      what = e.what();
+    }
+    // Prefer a root cause over a replica that only saw another one fail.
+    if (first == errors.size() || (status == DPAR_ERR_REMOTE && s != DPAR_ERR_REMOTE)) {
+      first = r;
+      status = s;
+      message = what;
+    }
+  }
+  if (first == errors.size()) return;
+
+  group_->reset();
+  bool any_stepped = false;
+  for (auto& rep : replicas_) {
+    any_stepped = any_stepped || rep->stepped;
+    rep->has_grad = false;
+    rep->model->clear_forward_state();
+  }
+  pending_ = Pending::kNone;
+  pending_samples_ = 0;
+  forward_split_.clear();
+  std::string prefix = std::string(operation) + ": replica " + std::to_string(first) + " (" +
+                       replicas_[first]->ctx.device.str() + ") failed: ";
+  if (any_stepped) {
+    // Some replicas applied the optimizer and others did not: they differ now.
+    broken_ = true;
+    broken_reason_ = prefix + message;
+    fail(status, prefix, message, "; replicas may differ now, so the engine must be recreated");
+  }
+  fail(status, prefix, message, "; the step's gradients were discarded and the engine remains usable");
+}
+
+Shape Engine::check_batch(const Tensor& input, const Tensor* target, const char* operation) const {
+  DPAR_CHECK_ARG(input.dtype() == DType::kF32, operation, ": input must be f32, got ", dtype_name(input.dtype()));
+  DPAR_CHECK_ARG(input.device().is_host(), operation, ": input must be in host memory, got ", input.device().str());
+  DPAR_CHECK_ARG(input.shape().ndim() >= 1 && input.rows() >= 1, operation, ": input batch is empty");
+  Shape out;
+  try {
+    out = model_.output_shape(input.shape());
+  } catch (const Error& e) {
+    fail(e.status(), operation, ": input ", input.shape().str(), " does not fit the model: ", e.what());
+  }
+  if (!target) return out;
+  if (config_.loss == DPAR_LOSS_CROSS_ENTROPY) {
+    DPAR_CHECK_ARG(out.ndim() == 2, operation, ": cross-entropy needs a (batch, classes) output, the model gives ",
+                   out.str());
+    DPAR_CHECK_ARG(target->dtype() == DType::kI32, operation, ": target must be i32 class labels, got ",
+                   dtype_name(target->dtype()));
+    DPAR_CHECK_ARG(target->shape().ndim() == 1 && target->rows() == input.rows(), operation, ": target ",
+                   target->shape().str(), " must be (", input.rows(), ") labels, one per input row");
+    const int32_t* labels = target->i32();
+    for (int64_t i = 0; i < target->rows(); ++i)
+      DPAR_CHECK_ARG(labels[i] >= 0 && labels[i] < out[1], operation, ": target[", i, "] = ", labels[i],
+                     " is out of range [0, ", out[1], ")");
+  } else {
+    DPAR_CHECK_ARG(target->dtype() == DType::kF32, operation, ": MSE target must be f32, got ",
+                   dtype_name(target->dtype()));
+    DPAR_CHECK_ARG(target->shape() == out, operation, ": MSE target ", target->shape().str(),
+                   " must be shaped as the output ", out.str());
+  }
+  DPAR_CHECK_ARG(target->device().is_host(), operation, ": target must be in host memory");
+  return out;
+}
+
+void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin) {
+  const ReplicaContext& ctx = rep.ctx;
+  Tensor x = input.rows(begin, rep.rows);
+  Tensor out = rep.model->forward(ctx, x);
+  if (hook_) hook_(ctx.replica, x.shape(), out.shape());
+  Tensor dout = rep.model->output_grad_buffer(ctx);
+  // The gradient of the SUM of this chunk's losses; the all-reduce divides by the whole batch.
+  if (config_.loss == DPAR_LOSS_CROSS_ENTROPY) {
+    rep.loss_sum = k::cross_entropy_forward_backward(dout.f32(), out.f32(), target.i32() + begin, rep.rows,
+                                                     out.shape()[1], 1.0f);
+  } else {
+    Tensor t = target.rows(begin, rep.rows);
+    rep.loss_sum = k::mse_forward_backward(dout.f32(), out.f32(), t.f32(), rep.rows, out.shape().row_numel(), 1.0f);
+  }
+  rep.model->backward(ctx, dout, rep.has_grad);
+  rep.has_grad = true;
+}
+
+void Engine::sync_and_step(Replica& rep, float scale) {
+  rep.comm->all_reduce_sum(rep.model->grads(), static_cast<size_t>(rep.model->num_params()), rep.has_grad, scale);
+  rep.stepped = true;
+  rep.optimizer->step(rep.model->params(), rep.model->grads());
+  rep.has_grad = false;
+}
+
+double Engine::finish_loss(int64_t batch) {
+  double total = 0.0;
+  for (auto& rep : replicas_) total += rep->rows > 0 ? rep->loss_sum : 0.0;
+  return total / static_cast<double>(batch);
+}
+
+double Engine::accumulate(const Tensor& input, const Tensor& target) {
+  check_usable("accumulate");
+  check_batch(input, &target, "accumulate");
+  DPAR_ENFORCE(pending_ != Pending::kExplicit, DPAR_ERR_INVALID_STATE,
+               "accumulate: gradients from backward() are pending; call step() or zero_grad() first");
+  const int64_t batch = input.rows();
+  const auto split = split_batch(batch, replicas_.size());
+  run("accumulate", [&](Replica& rep, size_t r) {
+    int64_t begin = 0;
+    for (size_t i = 0; i < r; ++i) begin += split[i];
+    rep.rows = split[r];
+    if (rep.rows > 0) local_loss_backward(rep, input, target, begin);
+  });
+  pending_ = Pending::kLoss;
+  pending_samples_ += batch;
+  return finish_loss(batch);
+}
+
+double Engine::train_step(const Tensor& input, const Tensor& target) {
+  check_usable("train_step");
+  check_batch(input, &target, "train_step");
+  DPAR_ENFORCE(pending_ == Pending::kNone, DPAR_ERR_INVALID_STATE,
+               "train_step: accumulated gradients are pending; call step() or zero_grad() first");
+  const int64_t batch = input.rows();
+  const auto split = split_batch(batch, replicas_.size());
+  const float scale = static_cast<float>(1.0 / static_cast<double>(batch));
+  // One hand-off to the workers for the whole step: forward, loss, backward, all-reduce, optimizer.
+  run("train_step", [&](Replica& rep, size_t r) {
+    int64_t begin = 0;
+    for (size_t i = 0; i < r; ++i) begin += split[i];
+    rep.rows = split[r];
+    if (rep.rows > 0) local_loss_backward(rep, input, target, begin);
+    sync_and_step(rep, scale);
+  });
+  return finish_loss(batch);
+}
+
+void Engine::step() {
+  check_usable("step");
+  DPAR_ENFORCE(pending_ != Pending::kNone, DPAR_ERR_INVALID_STATE,
+               "step: no gradient is pending (call accumulate() or forward() and backward() first)");
+  const float scale =
+      pending_ == Pending::kLoss ? static_cast<float>(1.0 / static_cast<double>(pending_samples_)) : 1.0f;
+  run("step", [&](Replica& rep, size_t) { sync_and_step(rep, scale); });
+  pending_ = Pending::kNone;
+  pending_samples_ = 0;
+}
+
+void Engine::zero_grad() {
+  check_usable("zero_grad");
+  // Gradients are overwritten by the next backward when has_grad is false, so nothing needs clearing in memory.
+  for (auto& rep : replicas_) {
+    rep->has_grad = false;
+    rep->model->clear_forward_state();
+  }
+  pending_ = Pending::kNone;
+  pending_samples_ = 0;
+  forward_split_.clear();
+}
+
+Tensor Engine::forward(const Tensor& input) {
+  check_usable("forward");
+  const Shape out_shape = check_batch(input, nullptr, "forward");
+  const auto split = split_batch(input.rows(), replicas_.size());
+  Tensor out = Tensor::empty(DType::kF32, out_shape, config_.devices[config_.output_replica]);
+  const int64_t out_row = out_shape.row_numel();
+  run("forward", [&](Replica& rep, size_t r) {
+    int64_t begin = 0;
+    for (size_t i = 0; i < r; ++i) begin += split[i];
+    rep.rows = split[r];
+    if (rep.rows == 0) return;
+    Tensor x = input.rows(begin, rep.rows);
+    Tensor y = rep.model->forward(rep.ctx, x);
+    if (hook_) hook_(r, x.shape(), y.shape());
+    // Gather: each replica copies its rows into the output, in batch order.
+    std::memcpy(out.f32() + begin * out_row, y.f32(), static_cast<size_t>(y.numel()) * sizeof(float));
+    if (!training_) rep.model->clear_forward_state();
+  });
+  if (training_) {
+    forward_split_ = split;
+    forward_output_shape_ = out_shape;
+  }
+  return out;
+}
+
+void Engine::backward(const Tensor& grad_output) {
+  check_usable("backward");
+  DPAR_ENFORCE(!forward_split_.empty(), DPAR_ERR_INVALID_STATE,
+               "backward: no training-mode forward() to go back through");
+  DPAR_ENFORCE(pending_ != Pending::kLoss, DPAR_ERR_INVALID_STATE,
+               "backward: gradients from accumulate() are pending; call step() or zero_grad() first");
+  DPAR_CHECK_ARG(grad_output.dtype() == DType::kF32 && grad_output.device().is_host(),
+                 "backward: grad_output must be an f32 host tensor");
+  DPAR_CHECK_ARG(grad_output.shape() == forward_output_shape_, "backward: grad_output ", grad_output.shape().str(),
+                 " must be shaped as forward's output ", forward_output_shape_.str());
+  const auto split = forward_split_;
+  run("backward", [&](Replica& rep, size_t r) {
+    if (split[r] == 0) return;
+    int64_t begin = 0;
+    for (size_t i = 0; i < r; ++i) begin += split[i];
+    rep.model->backward(rep.ctx, grad_output.rows(begin, split[r]), rep.has_grad);
+    rep.has_grad = true;
+  });
+  forward_split_.clear();
+  pending_ = Pending::kExplicit;
+}
+
+void Engine::set_training(bool training) { training_ = training; for (auto& rep : replicas_) rep->ctx.training = training; }
+
+void Engine::set_lr(float lr) {
+  DPAR_CHECK_ARG(std::isfinite(lr) && lr >= 0.0f, "lr: ", lr, " must be finite and >= 0");
+  for (auto& rep : replicas_) rep->optimizer->set_lr(lr);
+}
+
+int64_t Engine::step_count() const { return replicas_[0]->optimizer->steps(); }
+
+std::vector<float> Engine::replica_losses() const {
+  std::vector<float> out;
+  for (auto& rep : replicas_)
+    out.push_back(rep->rows > 0 ? static_cast<float>(rep->loss_sum / static_cast<double>(rep->rows))
+                                : std::numeric_limits<float>::quiet_NaN());
+  return out;
+}
+
+std::vector<float> Engine::params(size_t replica) const {
+  const auto& m = *replicas_[replica]->model;
+  return std::vector<float>(m.params(), m.params() + model_.num_param_elements());
+}
+
+void Engine::set_forward_hook(ForwardHook hook) { hook_ = std::move(hook); }
+
+void Engine::inject_fault(size_t replica, Fault fault) { replicas_[replica]->fault = fault; }
+
+}  // namespace dpar

@@ -1,0 +1,110 @@
+// The DataParallel engine: one worker thread per device, each with a persistent replica of the model.
+//
+// A batch is split as torch.nn.DataParallel splits it (split_batch). The fused training step runs forward, loss
+// and backward on every replica and moves only gradients: each replica's gradient is that of the SUM of its rows'
+// losses, the all-reduce adds them and scales by 1/B, so the result is the gradient of the mean loss over the
+// whole batch whatever the chunk sizes; then every replica applies the same optimizer step and stays identical.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "comm/threads_comm.h"
+#include "device/worker_pool.h"
+#include "nn/model.h"
+#include "optim/optimizer.h"
+
+namespace dpar {
+
+// Rows per device for a batch of `batch` rows over `devices` devices: chunks of ceil(batch/devices), the last
+// smaller, and devices past the last row get 0 (10 over 8 is 2,2,2,2,2,0,0,0), as torch.nn.DataParallel does.
+std::vector<int64_t> split_batch(int64_t batch, size_t devices);
+
+struct EngineConfig {
+  std::vector<Device> devices;  // replica r runs on devices[r]
+  size_t output_replica = 0;    // forward() gathers on this replica's device
+  int32_t loss = DPAR_LOSS_CROSS_ENTROPY;
+  uint64_t seed = 0;
+  double timeout_seconds = 300.0;
+  int32_t blas_threads = 1;
+};
+
+class Engine {
+ public:
+  using ForwardHook = std::function<void(size_t replica, const Shape& input, const Shape& output)>;
+
+  Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfig config);
+  ~Engine();
+
+  size_t num_replicas() const { return replicas_.size(); }
+  Device replica_device(size_t r) const { return replicas_[r]->ctx.device; }
+  const Model& model() const { return model_; }
+
+  // Returns the mean loss over the batch.
+  double train_step(const Tensor& input, const Tensor& target);
+  double accumulate(const Tensor& input, const Tensor& target);
+  void step();
+  void zero_grad();
+  Tensor forward(const Tensor& input);
+  void backward(const Tensor& grad_output);
+
+  void set_training(bool training);
+  void set_lr(float lr);
+  int64_t step_count() const;
+  std::vector<float> replica_losses() const;
+  std::vector<float> params(size_t replica) const;
+  void set_forward_hook(ForwardHook hook);
+  void inject_fault(size_t replica, Fault fault);
+
+  void save(const std::string& path) const;
+  void load(const std::string& path);
+
+  // Held by the C ABI around every call: an engine serialises its callers.
+  std::mutex& mutex() { return mutex_; }
+
+ private:
+  struct Replica {
+    ReplicaContext ctx;
+    std::unique_ptr<ReplicaModel> model;
+    std::unique_ptr<Optimizer> optimizer;
+    std::unique_ptr<Communicator> comm;
+    uint64_t rng_offset = 0;
+    Fault fault = Fault::kNone;
+    bool has_grad = false;  // local gradients hold something since the last step
+    bool stepped = false;   // this call applied the optimizer (tells whether a failure left replicas apart)
+    double loss_sum = 0.0;
+    int64_t rows = 0;
+  };
+  enum class Pending { kNone, kLoss, kExplicit };
+
+  // Checks input (and target) against the model; returns the output shape for the whole batch.
+  Shape check_batch(const Tensor& input, const Tensor* target, const char* operation) const;
+  // Runs job on every replica's worker; on failure restores a usable state (or marks the engine broken) and
+  // throws the first failure that is not merely "another replica failed".
+  void run(const char* operation, const std::function<void(Replica&, size_t)>& job);
+  void check_usable(const char* operation) const;
+  // Forward on rows [begin, begin+rows) of input, loss and backward: the worker's half of accumulate.
+  void local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin);
+  void sync_and_step(Replica& rep, float scale);
+  double finish_loss(int64_t batch);
+
+  Model model_;
+  EngineConfig config_;
+  std::vector<std::unique_ptr<Replica>> replicas_;
+  std::unique_ptr<ThreadGroup> group_;
+  std::unique_ptr<WorkerPool> pool_;
+  std::mutex mutex_;
+  ForwardHook hook_;
+  bool training_ = true;
+  bool broken_ = false;
+  std::string broken_reason_;
+  Pending pending_ = Pending::kNone;
+  int64_t pending_samples_ = 0;
+  std::vector<int64_t> forward_split_;  // chunk rows of the last training-mode forward
+  Shape forward_output_shape_;
+};
+
+}  // namespace dpar

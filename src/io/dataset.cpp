@@ -1,0 +1,84 @@
+#include "io/dataset.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "common/error.h"
+#include "common/random.h"
+#include "io/idx.h"
+
+namespace dpar::io {
+
+Dataset Dataset::load_idx(const std::string& images_path, const std::string& labels_path) {
+  IdxArray images = read_idx_u8(images_path);
+  IdxArray labels = read_idx_u8(labels_path);
+  DPAR_ENFORCE(images.dims.size() >= 1, DPAR_ERR_CORRUPT, images_path, ": has no dimensions");
+  DPAR_ENFORCE(labels.dims.size() == 1, DPAR_ERR_CORRUPT, labels_path, ": labels must be 1-D, got ",
+               labels.dims.size(), " dimensions");
+  DPAR_ENFORCE(images.dims[0] == labels.dims[0], DPAR_ERR_MISMATCH, images_path, " holds ", images.dims[0],
+               " items but ", labels_path, " holds ", labels.dims[0]);
+  Dataset d;
+  const size_t n = static_cast<size_t>(images.dims[0]);
+  d.features_ = n ? images.data.size() / n : 0;
+  DPAR_ENFORCE(n > 0 && d.features_ > 0, DPAR_ERR_CORRUPT, images_path, ": holds no samples");
+  d.inputs_.resize(images.data.size());
+  for (size_t i = 0; i < images.data.size(); ++i) d.inputs_[i] = static_cast<float>(images.data[i]) / 255.0f;
+  d.labels_.assign(labels.data.begin(), labels.data.end());
+  d.classes_ = static_cast<size_t>(*std::max_element(d.labels_.begin(), d.labels_.end())) + 1;
+  return d;
+}
+
+void Dataset::normalize(float mean, float std) {
+  DPAR_CHECK_ARG(std::isfinite(mean), "mean: must be finite");
+  DPAR_CHECK_ARG(std::isfinite(std) && std > 0.0f, "std: ", std, " must be positive");
+  const float inv = 1.0f / std;
+  for (float& x : inputs_) x = (x - mean) * inv;
+}
+
+Loader::Loader(const Dataset& dataset, size_t batch_size, bool shuffle, uint64_t seed, bool drop_last)
+    : dataset_(dataset), batch_size_(batch_size), shuffle_(shuffle), drop_last_(drop_last), seed_(seed) {
+  DPAR_CHECK_ARG(batch_size >= 1, "batch_size: must be at least 1");
+  DPAR_CHECK_ARG(!drop_last || batch_size <= dataset.size(), "batch_size: ", batch_size,
+                 " exceeds the dataset's ", dataset.size(), " samples with drop_last");
+  const int64_t rows = static_cast<int64_t>(std::min(batch_size, dataset.size()));
+  inputs_ = Tensor::empty(DType::kF32, Shape{rows, static_cast<int64_t>(dataset.features())}, Device{});
+  labels_ = Tensor::empty(DType::kI32, Shape{rows}, Device{});
+  start_epoch(0);
+}
+
+size_t Loader::num_batches() const {
+  return drop_last_ ? dataset_.size() / batch_size_ : (dataset_.size() + batch_size_ - 1) / batch_size_;
+}
+
+void Loader::start_epoch(uint64_t epoch) {
+  order_.resize(dataset_.size());
+  std::iota(order_.begin(), order_.end(), 0u);
+  if (shuffle_) {
+    // Fisher-Yates with a stream derived from (seed, epoch).
+    Rng rng(derive_seed(seed_, epoch));
+    for (size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[rng.below(i)]);
+  }
+  cursor_ = 0;
+}
+
+bool Loader::next(Tensor& inputs, Tensor& labels) {
+  const size_t left = dataset_.size() - cursor_;
+  if (left == 0 || (drop_last_ && left < batch_size_)) return false;
+  const size_t rows = std::min(batch_size_, left);
+  const size_t f = dataset_.features();
+  float* x = inputs_.f32();
+  int32_t* y = labels_.i32();
+  for (size_t i = 0; i < rows; ++i) {
+    const uint32_t s = order_[cursor_ + i];
+    std::memcpy(x + i * f, dataset_.sample(s), f * sizeof(float));
+    y[i] = dataset_.label(s);
+  }
+  cursor_ += rows;
+  inputs = inputs_.rows(0, static_cast<int64_t>(rows));
+  labels = labels_.rows(0, static_cast<int64_t>(rows));
+  return true;
+}
+
+}  // namespace dpar::io

@@ -1,0 +1,161 @@
+#include "io/idx.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+
+#include "common/error.h"
+
+namespace dpar::io {
+namespace {
+
+struct GzCloser {
+  void operator()(gzFile_s* file) const { gzclose(file); }
+};
+using GzHandle = std::unique_ptr<gzFile_s, GzCloser>;
+
+std::string hex_byte(unsigned value) {
+  char text[8];
+  std::snprintf(text, sizeof text, "0x%02x", value & 0xffu);
+  return text;
+}
+
+// Turns zlib's error state after a failed or short gzread into an exception. Z_ERRNO is the operating system
+// failing (IO); every other zlib error means the compressed bytes themselves are bad (CORRUPT).
+[[noreturn]] void fail_gz(const std::string& path, gzFile file, int saved_errno) {
+  int code = Z_OK;
+  const char* message = gzerror(file, &code);
+  if (code == Z_ERRNO) fail(DPAR_ERR_IO, path, ": read failed: ", std::strerror(saved_errno));
+  fail(DPAR_ERR_CORRUPT, path, ": damaged gzip stream: ", message ? message : "unknown zlib error");
+}
+
+// Reads up to `size` bytes; returns how many were read, fewer only at the end of the stream. Throws on errors.
+size_t read_some(const std::string& path, gzFile file, uint8_t* out, size_t size) {
+  size_t done = 0;
+  while (done < size) {
+    // gzread takes an unsigned length and returns an int: stay well inside both.
+    const unsigned chunk = static_cast<unsigned>(std::min<size_t>(size - done, size_t{1} << 30));
+    errno = 0;
+    const int got = gzread(file, out + done, chunk);
+    if (got < 0) fail_gz(path, file, errno);
+    if (got == 0) break;
+    done += static_cast<size_t>(got);
+  }
+  return done;
+}
+
+// After a short read, a gzip stream that ended mid-member reports Z_BUF_ERROR; say so, as it explains why.
+std::string truncation_note(gzFile file) {
+  int code = Z_OK;
+  gzerror(file, &code);
+  return code == Z_BUF_ERROR ? " (the gzip stream ends unexpectedly)" : "";
+}
+
+uint32_t load_be32(const uint8_t* bytes) {
+  return (uint32_t{bytes[0]} << 24) | (uint32_t{bytes[1]} << 16) | (uint32_t{bytes[2]} << 8) | uint32_t{bytes[3]};
+}
+
+const char* idx_type_name(unsigned type) {
+  switch (type) {
+    case 0x08: return "u8";
+    case 0x09: return "i8";
+    case 0x0B: return "i16";
+    case 0x0C: return "i32";
+    case 0x0D: return "f32";
+    case 0x0E: return "f64";
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+IdxArray read_idx_u8(const std::string& path) {
+  errno = 0;
+  GzHandle handle(gzopen(path.c_str(), "rb"));
+  if (!handle) {
+    // gzopen sets errno when open(2) fails; errno 0 means zlib could not allocate its state.
+    fail(DPAR_ERR_IO, path, ": cannot open: ", errno != 0 ? std::strerror(errno) : "out of memory");
+  }
+  gzFile file = handle.get();
+  gzbuffer(file, 1u << 17);  // Fewer, larger reads than zlib's 8 KiB default.
+
+  uint8_t magic[4];
+  const size_t magic_got = read_some(path, file, magic, sizeof magic);
+  DPAR_ENFORCE(magic_got == sizeof magic, DPAR_ERR_CORRUPT, path, ": truncated header: expected 4 bytes of magic number, got ",
+               magic_got, truncation_note(file));
+  if (magic[0] != 0 || magic[1] != 0) {
+    fail(DPAR_ERR_CORRUPT, path, ": bad magic number ", hex_byte(magic[0]), " ", hex_byte(magic[1]), " ",
+         hex_byte(magic[2]), " ", hex_byte(magic[3]), ": an IDX file starts with 0x00 0x00 <type> <ndim>");
+  }
+  const unsigned type = magic[2];
+  if (type != 0x08) {
+    const char* name = idx_type_name(type);
+    if (name != nullptr) {
+      fail(DPAR_ERR_NOT_SUPPORTED, path, ": IDX element type ", hex_byte(type), " (", name,
+           ") is not supported; only 0x08 (u8) is");
+    }
+    fail(DPAR_ERR_CORRUPT, path, ": unknown IDX element type ", hex_byte(type));
+  }
+  const unsigned ndim = magic[3];
+  DPAR_ENFORCE(ndim > 0, DPAR_ERR_CORRUPT, path, ": the header declares 0 dimensions");
+
+  uint8_t dim_bytes[4 * 255];
+  const size_t dims_size = 4 * size_t{ndim};
+  const size_t dims_got = read_some(path, file, dim_bytes, dims_size);
+  DPAR_ENFORCE(dims_got == dims_size, DPAR_ERR_CORRUPT, path, ": truncated header: expected ", dims_size,
+               " bytes of dimensions, got ", dims_got, truncation_note(file));
+
+  IdxArray result;
+  result.dims.reserve(ndim);
+  uint64_t total = 1;
+  for (unsigned i = 0; i < ndim; ++i) {
+    const uint32_t extent = load_be32(dim_bytes + 4 * i);
+    // An empty data set is never useful, and an extent of 0 is what a zeroed (damaged) header looks like.
+    DPAR_ENFORCE(extent != 0, DPAR_ERR_CORRUPT, path, ": dimension ", i, " is 0");
+    // total <= kIdxMaxDataBytes before this step, so the division keeps the product from overflowing.
+    if (extent > kIdxMaxDataBytes / total) {
+      std::string dims_text;
+      for (unsigned j = 0; j < ndim; ++j) dims_text += (j ? ", " : "") + std::to_string(load_be32(dim_bytes + 4 * j));
+      fail(DPAR_ERR_CORRUPT, path, ": dimensions [", dims_text, "] describe more than ", kIdxMaxDataBytes,
+           " bytes of data");
+    }
+    total *= extent;
+    result.dims.push_back(static_cast<int64_t>(extent));
+  }
+
+  // Grow the buffer as data arrives rather than trusting the header with one huge allocation: a damaged or
+  // hostile header then costs at most about twice the bytes the file really holds.
+  const size_t expected = static_cast<size_t>(total);
+  size_t filled = 0;
+  size_t capacity = std::min<size_t>(expected, size_t{16} << 20);
+  while (true) {
+    result.data.reserve(capacity);  // Exact: the final capacity is `expected`, not a doubling beyond it.
+    result.data.resize(capacity);
+    const size_t got = read_some(path, file, result.data.data() + filled, capacity - filled);
+    filled += got;
+    if (filled < capacity) {
+      fail(DPAR_ERR_CORRUPT, path, ": truncated: expected ", expected, " bytes of data, got ", filled,
+           truncation_note(file));
+    }
+    if (filled == expected) break;
+    capacity = expected - capacity < capacity ? expected : 2 * capacity;
+  }
+
+  // A gzip member's CRC is checked only when its end is reached: read on to it, ignoring any bytes after the
+  // data (tolerated, see the header), so that a damaged .gz is refused. A plain file has nothing to verify.
+  if (!gzdirect(file)) {
+    uint8_t scratch[1 << 14];
+    while (read_some(path, file, scratch, sizeof scratch) == sizeof scratch) {
+    }
+    int code = Z_OK;
+    gzerror(file, &code);
+    DPAR_ENFORCE(code == Z_OK, DPAR_ERR_CORRUPT, path, ": damaged gzip stream: it ends unexpectedly after the data");
+  }
+  return result;
+}
+
+}  // namespace dpar::io

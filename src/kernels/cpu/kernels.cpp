@@ -1,0 +1,488 @@
+// CPU math kernels. See kernels.h for the contracts.
+//
+// Writing rules for this file, which keep results deterministic and the loops vectorisable:
+//  - An elementwise loop body is straight-line float arithmetic with no reassociation, so the vector body and
+//    the scalar tail the compiler generates compute each element identically (GCC never reassociates float
+//    math without -ffast-math, and the default x86-64 target has no FMA to contract into; with -march=native
+//    GCC contracts a*b+c into FMA in both paths alike, which changes last bits but not determinism).
+//  - Reductions run in a fixed order (and in double where they feed a loss), never split across lanes.
+//  - Scalars that PyTorch computes in Python (double) are computed in double here, then rounded to float
+//    exactly where PyTorch passes them to a float tensor op.
+#include "kernels/cpu/kernels.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#include "common/error.h"
+
+namespace dpar::kernels::cpu {
+
+namespace {
+
+// out[i] = sqrt(in[i]) for a short block. std::sqrt must set errno for negative arguments, and GCC cannot
+// vectorise a loop that might (no function-level attribute turns it off, and the build flags are not ours to
+// change), so the block goes through SSE's sqrtps directly. Every IEEE square root is correctly rounded, so the
+// vector and scalar paths give identical bits.
+inline void sqrt_block(float* out, const float* in, int64_t n) {
+  int64_t i = 0;
+#if defined(__SSE2__)
+  for (; i + 4 <= n; i += 4) _mm_storeu_ps(out + i, _mm_sqrt_ps(_mm_loadu_ps(in + i)));
+  for (; i < n; ++i) out[i] = _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(in[i])));
+#endif
+  for (; i < n; ++i) out[i] = std::sqrt(in[i]);
+}
+
+// Arguments that every kernel on n elements shares.
+inline void check_count(int64_t n) { DPAR_CHECK_ARG(n >= 0, "element count must be >= 0, got ", n); }
+
+// OpenBLAS takes 32-bit extents (LP64 build); refuse anything that would silently truncate.
+inline blasint blas_dim(int64_t v, const char* name) {
+  DPAR_CHECK_ARG(v >= 0 && v <= static_cast<int64_t>(std::numeric_limits<blasint>::max()), "linear: ", name,
+                 " = ", v, " is out of the BLAS range");
+  return static_cast<blasint>(v);
+}
+
+// A leading dimension must be at least 1 even when the extent is 0.
+inline blasint ld(blasint v) { return v > 0 ? v : 1; }
+
+inline void fill_zero(float* x, int64_t n) {
+  if (n > 0) std::memset(x, 0, static_cast<size_t>(n) * sizeof(float));
+}
+
+// splitmix64's output function (Steele, Lea, Flood 2014): a bijective 64-bit mixer.
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;  // splitmix64's increment (odd, so counter -> state is 1:1)
+
+// The key of a stream. Mixing the seed first keeps nearby seeds (seed, seed+1, ...) from being shifted copies of
+// one splitmix64 sequence; the constant keeps seed 0 from mapping to state 0.
+inline uint64_t stream_key(uint64_t seed) { return mix64(seed ^ 0x243F6A8885A308D3ULL); }
+
+// Draw `counter` of the stream with key `key`: splitmix64's output for state key + (counter+1)*golden, i.e. a
+// counter-based generator. The top 24 bits give a float in [0,1) exactly (multiple of 2^-24).
+inline float uniform24(uint64_t key, uint64_t counter) {
+  const uint64_t h = mix64(key + (counter + 1) * kGolden);
+  return static_cast<float>(static_cast<int32_t>(h >> 40)) * 0x1p-24f;
+}
+
+}  // namespace
+
+// -------------------------------------------------------------------------------------------------------------
+// Linear
+
+// inp (B,C_in), weight (C_out,C_in), bias (C_out) or nullptr, out (B,C_out)
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
+                    int64_t C_out) {
+  const blasint b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
+  if (B == 0 || C_out == 0) return;
+  DPAR_CHECK_ARG(out != nullptr, "linear_forward: out is null");
+  DPAR_CHECK_ARG(C_in == 0 || (inp != nullptr && weight != nullptr), "linear_forward: inp or weight is null");
+  // Seed out with the broadcast bias and let the GEMM add to it (beta 1), as PyTorch's addmm does; without a
+  // bias, beta 0 lets BLAS ignore whatever out held (even NaN).
+  if (bias != nullptr) {
+    for (int64_t i = 0; i < B; ++i) std::memcpy(out + i * C_out, bias, static_cast<size_t>(C_out) * sizeof(float));
+  }
+  if (C_in == 0) {  // an empty sum: BLAS would reject lda = 0, and the answer is just the bias
+    if (bias == nullptr) fill_zero(out, B * C_out);
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, b, cout, cin, 1.0f, inp, ld(cin), weight, ld(cin),
+              bias != nullptr ? 1.0f : 0.0f, out, ld(cout));
+}
+
+// dinp (B,C_in), dweight (C_out,C_in), dbias (C_out), dout (B,C_out), inp (B,C_in), weight (C_out,C_in)
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate) {
+  const blasint b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
+  DPAR_CHECK_ARG(dweight != nullptr || C_out * C_in == 0, "linear_backward: dweight is null");
+  const bool nonempty = B > 0 && C_out > 0;
+  DPAR_CHECK_ARG(!nonempty || dout != nullptr, "linear_backward: dout is null");
+
+  // dinp (B,C_in) = dout (B,C_out) @ weight (C_out,C_in)
+  if (dinp != nullptr && B > 0 && C_in > 0) {
+    if (C_out == 0) {
+      fill_zero(dinp, B * C_in);
+    } else {
+      DPAR_CHECK_ARG(weight != nullptr, "linear_backward: weight is null");
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, b, cin, cout, 1.0f, dout, ld(cout), weight, ld(cin),
+                  0.0f, dinp, ld(cin));
+    }
+  }
+
+  // dweight (C_out,C_in) = dout^T (C_out,B) @ inp (B,C_in); beta 1 adds to the gradient already there.
+  if (C_out > 0 && C_in > 0) {
+    if (B == 0) {
+      if (!accumulate) fill_zero(dweight, C_out * C_in);
+    } else {
+      DPAR_CHECK_ARG(inp != nullptr, "linear_backward: inp is null");
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cout, cin, b, 1.0f, dout, ld(cout), inp, ld(cin),
+                  accumulate ? 1.0f : 0.0f, dweight, ld(cin));
+    }
+  }
+
+  // dbias (C_out) = column sums of dout. Blocks of columns are summed over rows in double on the stack (no
+  // allocation; rows in order, so deterministic), and only then rounded and added to dbias: accumulating is then
+  // "old + this batch's gradient", as autograd's grad accumulation is.
+  if (dbias != nullptr) {
+    constexpr int64_t kBlock = 256;
+    double acc[kBlock];
+    for (int64_t j0 = 0; j0 < C_out; j0 += kBlock) {
+      const int64_t jn = std::min(kBlock, C_out - j0);
+      for (int64_t j = 0; j < jn; ++j) acc[j] = 0.0;
+      for (int64_t i = 0; i < B; ++i) {
+        const float* row = dout + i * C_out + j0;
+        for (int64_t j = 0; j < jn; ++j) acc[j] += static_cast<double>(row[j]);
+      }
+      float* db = dbias + j0;
+      if (accumulate) {
+        for (int64_t j = 0; j < jn; ++j) db[j] = db[j] + static_cast<float>(acc[j]);
+      } else {
+        for (int64_t j = 0; j < jn; ++j) db[j] = static_cast<float>(acc[j]);
+      }
+    }
+  }
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Activations. Formulas and operation order follow PyTorch's CPU kernels (scalar paths), in float.
+
+// inp (n), out (n)
+void relu_forward(float* out, const float* inp, int64_t n) {
+  check_count(n);
+  // Written as a select on x < 0 rather than std::max so that NaN passes through, as torch.relu does.
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    out[i] = x < 0.0f ? 0.0f : x;
+  }
+}
+
+// dinp (n), dout (n), out (n)
+void relu_backward(float* dinp, const float* dout, const float* out, int64_t n) {
+  check_count(n);
+  // Both loads are unconditional so the select vectorises (a conditional load cannot be if-converted).
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = dout[i], y = out[i];
+    dinp[i] = y <= 0.0f ? 0.0f : g;
+  }
+}
+
+namespace {
+constexpr float kSqrt1_2 = 0.70710678118654752440f;          // 1/sqrt(2)
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;       // 1/sqrt(2*pi), PyTorch's M_2_SQRTPI*M_SQRT1_2*0.5
+}  // namespace
+
+// inp (n), out (n)
+void gelu_forward(float* out, const float* inp, int64_t n) {
+  check_count(n);
+  // erff is a libm call, so this loop is scalar; it is still exact to about an ulp, which the tanh
+  // approximation is not, and matching PyTorch's default form matters more here than speed.
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    out[i] = x * 0.5f * (1.0f + std::erf(x * kSqrt1_2));
+  }
+}
+
+// dinp (n), dout (n), inp (n)
+void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    const float cdf = 0.5f * (1.0f + std::erf(x * kSqrt1_2));
+    const float pdf = kInvSqrt2Pi * std::exp(x * x * -0.5f);
+    dinp[i] = dout[i] * (cdf + x * pdf);
+  }
+}
+
+// inp (n), out (n)
+void tanh_forward(float* out, const float* inp, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = std::tanh(inp[i]);
+}
+
+// dinp (n), dout (n), out (n)
+void tanh_backward(float* dinp, const float* dout, const float* out, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = out[i];
+    dinp[i] = dout[i] * (1.0f - y * y);
+  }
+}
+
+// inp (n), out (n)
+void sigmoid_forward(float* out, const float* inp, int64_t n) {
+  check_count(n);
+  // exp(-x) overflows to inf for x < -88, giving exactly 0; no NaN arises for any finite x.
+  for (int64_t i = 0; i < n; ++i) out[i] = 1.0f / (1.0f + std::exp(-inp[i]));
+}
+
+// dinp (n), dout (n), out (n)
+void sigmoid_backward(float* dinp, const float* dout, const float* out, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = out[i];
+    dinp[i] = dout[i] * (1.0f - y) * y;
+  }
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Dropout
+
+float dropout_uniform(uint64_t seed, uint64_t counter) { return uniform24(stream_key(seed), counter); }
+
+// out (n), mask (n), inp (n)
+void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float p, uint64_t seed, uint64_t offset) {
+  check_count(n);
+  DPAR_CHECK_ARG(p >= 0.0f && p < 1.0f, "dropout: p must lie in [0, 1), got ", p);
+  // PyTorch computes the scale in double and multiplies by it (input * mask * scale), rather than dividing.
+  const float keep_scale = static_cast<float>(1.0 / (1.0 - static_cast<double>(p)));
+  const uint64_t key = stream_key(seed);
+  for (int64_t i = 0; i < n; ++i) {
+    const float u = uniform24(key, offset + static_cast<uint64_t>(i));
+    const float m = u >= p ? keep_scale : 0.0f;
+    mask[i] = m;
+    out[i] = inp[i] * m;
+  }
+}
+
+// dinp (n), dout (n), mask (n)
+void dropout_backward(float* dinp, const float* dout, const float* mask, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) dinp[i] = dout[i] * mask[i];
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Losses
+
+// dlogits (B,C) or nullptr, logits (B,C), labels (B)
+double cross_entropy_forward_backward(float* dlogits, const float* logits, const int32_t* labels, int64_t B,
+                                      int64_t C, float grad_scale) {
+  DPAR_CHECK_ARG(B >= 0, "cross_entropy: B must be >= 0, got ", B);
+  DPAR_CHECK_ARG(C > 0, "cross_entropy: C must be > 0, got ", C);
+  double total = 0.0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t label = labels[b];
+    DPAR_CHECK_ARG(label >= 0 && label < C, "cross_entropy: label ", label, " of row ", b, " is outside [0, ", C,
+                   ")");
+    const float* x = logits + b * C;
+    // Subtracting the row max makes every exponent <= 0: no overflow for huge logits, and the largest term is 1
+    // so the sum never underflows to 0.
+    float mx = x[0];
+    for (int64_t j = 1; j < C; ++j) mx = x[j] > mx ? x[j] : mx;
+    double sum = 0.0;
+    if (dlogits != nullptr) {
+      float* d = dlogits + b * C;
+      for (int64_t j = 0; j < C; ++j) {
+        const float e = std::exp(x[j] - mx);
+        d[j] = e;  // kept for the softmax below, saving a second exp per element
+        sum += static_cast<double>(e);
+      }
+      const float inv_sum = static_cast<float>(1.0 / sum);
+      const float p_label = d[label] * inv_sum;  // softmax at the label, before d[label] is scaled
+      for (int64_t j = 0; j < C; ++j) d[j] = d[j] * inv_sum * grad_scale;
+      d[label] = (p_label - 1.0f) * grad_scale;
+    } else {
+      for (int64_t j = 0; j < C; ++j) sum += static_cast<double>(std::exp(x[j] - mx));
+    }
+    // loss = logsumexp(x) - x[label] = (mx + log(sum)) - x[label], in double.
+    total += (static_cast<double>(mx) - static_cast<double>(x[label])) + std::log(sum);
+  }
+  return total;
+}
+
+// dpred (B,D) or nullptr, pred (B,D), target (B,D)
+double mse_forward_backward(float* dpred, const float* pred, const float* target, int64_t B, int64_t D,
+                            float grad_scale) {
+  DPAR_CHECK_ARG(B >= 0, "mse: B must be >= 0, got ", B);
+  DPAR_CHECK_ARG(D > 0, "mse: D must be > 0, got ", D);
+  double total = 0.0;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* p = pred + b * D;
+    const float* t = target + b * D;
+    double s = 0.0;
+    for (int64_t j = 0; j < D; ++j) {
+      const double diff = static_cast<double>(p[j]) - static_cast<double>(t[j]);
+      s += diff * diff;
+    }
+    total += s / static_cast<double>(D);
+  }
+  if (dpred != nullptr) {
+    // The same factor PyTorch's mse_loss_backward applies (2/numel times the incoming gradient), folded into one
+    // float so each element costs a subtract and a multiply.
+    const float coef = static_cast<float>(2.0 * static_cast<double>(grad_scale) / static_cast<double>(D));
+    const int64_t n = B * D;
+    for (int64_t i = 0; i < n; ++i) dpred[i] = (pred[i] - target[i]) * coef;
+  }
+  return total;
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Optimizers: torch/optim/sgd.py and adam.py, `_single_tensor_*`, with the ATen CPU kernels' float op order:
+//   t.add(o, alpha=a)     -> t + a*o
+//   t.mul_(s)             -> t * s
+//   t.addcmul_(a, b, v)   -> t + (v*a)*b
+//   t.addcdiv_(a, b, v)   -> t + (v*a)/b
+//   t.lerp_(e, w)         -> |w| < 0.5 ? t + w*(e-t) : e - (e-t)*(1-w)
+// where every Python-float scalar is rounded to float once, as ATen does for a float tensor.
+// (ATen's AVX kernels fuse some of these into FMAs; the default x86-64 target here cannot, so the last bit may
+// differ from PyTorch's in rare elements.)
+
+namespace {
+// The SGD loop with its branches resolved at compile time, so each variant is a straight vectorisable loop.
+// kMomentum: 0 none, 1 first step (buf = clone(d)), 2 later steps.
+template <bool kWd, int kMomentum, bool kNesterov>
+void sgd_loop(float* param, float* momentum_buf, const float* grad, int64_t n, float wd, float mom,
+              float one_minus_damp, float neg_lr) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = param[i];
+    float d = grad[i];
+    if (kWd) d = d + wd * p;  // grad = grad.add(param, alpha=weight_decay)
+    if (kMomentum != 0) {
+      float buf;
+      if (kMomentum == 1) {
+        buf = d;  // buf = torch.clone(grad).detach()
+      } else {
+        buf = momentum_buf[i] * mom;     // buf.mul_(momentum)
+        buf = buf + one_minus_damp * d;  //    .add_(grad, alpha=1 - dampening)
+      }
+      momentum_buf[i] = buf;
+      d = kNesterov ? d + mom * buf : buf;  // grad = grad.add(buf, alpha=momentum) or buf
+    }
+    param[i] = p + neg_lr * d;  // param.add_(grad, alpha=-lr)
+  }
+}
+
+template <bool kWd>
+void sgd_dispatch(float* param, float* momentum_buf, const float* grad, int64_t n, const SgdHyper& h,
+                  bool first_step) {
+  const float wd = h.weight_decay, mom = h.momentum, neg_lr = -h.lr;
+  const float omd = static_cast<float>(1.0 - static_cast<double>(h.dampening));  // Python float, then float
+  if (mom == 0.0f) {
+    sgd_loop<kWd, 0, false>(param, momentum_buf, grad, n, wd, mom, omd, neg_lr);
+  } else if (first_step) {
+    if (h.nesterov)
+      sgd_loop<kWd, 1, true>(param, momentum_buf, grad, n, wd, mom, omd, neg_lr);
+    else
+      sgd_loop<kWd, 1, false>(param, momentum_buf, grad, n, wd, mom, omd, neg_lr);
+  } else {
+    if (h.nesterov)
+      sgd_loop<kWd, 2, true>(param, momentum_buf, grad, n, wd, mom, omd, neg_lr);
+    else
+      sgd_loop<kWd, 2, false>(param, momentum_buf, grad, n, wd, mom, omd, neg_lr);
+  }
+}
+}  // namespace
+
+// param (n), momentum_buf (n) or nullptr, grad (n)
+void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const SgdHyper& h, bool first_step) {
+  check_count(n);
+  DPAR_CHECK_ARG(h.momentum == 0.0f || momentum_buf != nullptr || n == 0, "sgd: momentum needs a momentum buffer");
+  DPAR_CHECK_ARG(!h.nesterov || (h.momentum > 0.0f && h.dampening == 0.0f),
+                 "sgd: Nesterov momentum requires a momentum and zero dampening");
+  // PyTorch skips the decay term when weight_decay == 0 (it matters for inf/NaN parameters).
+  if (h.weight_decay != 0.0f)
+    sgd_dispatch<true>(param, momentum_buf, grad, n, h, first_step);
+  else
+    sgd_dispatch<false>(param, momentum_buf, grad, n, h, first_step);
+}
+
+namespace {
+// The Adam loop with its branches resolved at compile time. It runs in blocks that fit in L1: the moments of a
+// block first (a vectorisable loop), then the square roots (sqrt_block), then the parameters (vectorisable).
+template <bool kL2, bool kSmallLerpWeight>
+void adam_loop(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, float wd, float w1,
+               float one_minus_w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step) {
+  constexpr int64_t kBlock = 512;
+  float root[kBlock];
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t nb = std::min(kBlock, n - i0);
+    float* p = param + i0;
+    float* m = m_buf + i0;
+    float* v = v_buf + i0;
+    const float* gr = grad + i0;
+    for (int64_t i = 0; i < nb; ++i) {
+      float g = gr[i];
+      if (kL2) g = g + wd * p[i];  // grad = grad.add(param, alpha=weight_decay)
+      const float mi = m[i];
+      // exp_avg.lerp_(grad, 1-beta1): ATen's two-sided lerp formula, chosen by the size of the weight
+      m[i] = kSmallLerpWeight ? mi + w1 * (g - mi) : g - (g - mi) * one_minus_w1;
+      const float vi = v[i] * beta2;         // exp_avg_sq.mul_(beta2)
+      v[i] = vi + (one_minus_beta2 * g) * g;  //   .addcmul_(grad, grad, value=1-beta2)
+    }
+    sqrt_block(root, v, nb);  // exp_avg_sq.sqrt()
+    for (int64_t i = 0; i < nb; ++i) {
+      const float denom = root[i] / bc2_sqrt + eps;  // (... / bias_correction2_sqrt).add_(eps)
+      p[i] = p[i] + (neg_step * m[i]) / denom;       // param.addcdiv_(exp_avg, denom, value=-step_size)
+    }
+  }
+}
+}  // namespace
+
+// param (n), exp_avg (n), exp_avg_sq (n), grad (n)
+void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n, const AdamHyper& h,
+               int64_t step) {
+  check_count(n);
+  DPAR_CHECK_ARG(step >= 1, "adam: step is 1-based, got ", step);
+  const double lr = h.lr, beta1 = h.beta1, beta2 = h.beta2, wd = h.weight_decay;
+  // PyTorch keeps `step` in a float32 tensor and reads it back as a Python float.
+  const double step_d = static_cast<double>(static_cast<float>(step));
+  const double bias_correction1 = 1.0 - std::pow(beta1, step_d);
+  const double bias_correction2 = 1.0 - std::pow(beta2, step_d);
+  const double step_size = lr / bias_correction1;
+  const double bias_correction2_sqrt = std::sqrt(bias_correction2);  // Python's bc2 ** 0.5, correctly rounded
+
+  if (h.decoupled && wd != 0.0) scale(param, static_cast<float>(1.0 - lr * wd), n);  // param.mul_(1 - lr*wd)
+
+  const float w1 = static_cast<float>(1.0 - beta1);
+  // ATen's lerp picks its formula by the weight as the kernel sees it (float), with 1 - w computed in float.
+  const bool small_weight = std::fabs(w1) < 0.5f;
+  const float one_minus_w1 = 1.0f - w1;
+  const bool l2 = !h.decoupled && wd != 0.0;
+  const float args_wd = h.weight_decay;
+  const float b2 = h.beta2, omb2 = static_cast<float>(1.0 - beta2);
+  const float bc2s = static_cast<float>(bias_correction2_sqrt), eps = h.eps;
+  const float neg_step = static_cast<float>(-step_size);
+  if (l2) {
+    if (small_weight)
+      adam_loop<true, true>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s, eps,
+                            neg_step);
+    else
+      adam_loop<true, false>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s, eps,
+                             neg_step);
+  } else {
+    if (small_weight)
+      adam_loop<false, true>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s, eps,
+                             neg_step);
+    else
+      adam_loop<false, false>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s, eps,
+                              neg_step);
+  }
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Helpers
+
+// y (n), x (n)
+void axpy(float* y, const float* x, float a, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) y[i] = y[i] + a * x[i];
+}
+
+// x (n)
+void scale(float* x, float a, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * a;
+}
+
+}  // namespace dpar::kernels::cpu

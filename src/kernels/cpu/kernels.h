@@ -1,0 +1,129 @@
+// CPU math kernels: the arithmetic of layers, losses and optimizers on raw, contiguous, row-major float buffers.
+//
+// Kernels know nothing about tensors, threads or devices: callers own every buffer and pass shapes last.
+// They allocate nothing, so they can run on a worker thread in a hot loop.
+//
+// Determinism: each output element is computed by the same sequence of float operations wherever it sits in the
+// buffer (loops are written so that the compiler's vector body and scalar tail do identical arithmetic, and no
+// reduction is reassociated), so the same inputs give bit-identical outputs, call after call. GEMMs go through
+// OpenBLAS, whose results depend on the OpenBLAS build and CPU but not on the call.
+//
+// Elementwise kernels (activations, dropout, axpy, scale) allow their output to alias their input exactly
+// (in-place use); no other partial overlap is allowed anywhere.
+//
+// Errors: arguments are checked cheaply (O(1), plus label ranges) and reported by throwing dpar::Error with
+// DPAR_ERR_INVALID_ARGUMENT.
+#pragma once
+
+#include <cstdint>
+
+namespace dpar::kernels::cpu {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Linear layer (GEMM through OpenBLAS cblas_sgemm; extents must fit in a 32-bit BLAS int).
+
+// out = inp @ weight^T + bias.
+// inp (B,C_in), weight (C_out,C_in), bias (C_out) or nullptr, out (B,C_out)
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
+                    int64_t C_out);
+
+// dinp = dout @ weight (skipped if dinp == nullptr; always overwritten otherwise);
+// dweight = dout^T @ inp; dbias = sum over the batch of dout (skipped if dbias == nullptr).
+// accumulate=false overwrites dweight/dbias, accumulate=true adds to them (gradient accumulation).
+// dinp (B,C_in), dweight (C_out,C_in), dbias (C_out), dout (B,C_out), inp (B,C_in), weight (C_out,C_in)
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Elementwise activations on n elements. Backward takes what it needs: relu/tanh/sigmoid the forward output,
+// gelu the forward input. All buffers (n).
+
+// out = max(inp, 0); NaN propagates, as in PyTorch.
+void relu_forward(float* out, const float* inp, int64_t n);
+// dinp = out > 0 ? dout : 0 (PyTorch's threshold_backward: out <= 0 gives 0).
+void relu_backward(float* dinp, const float* dout, const float* out, int64_t n);
+
+// out = inp * Phi(inp) = 0.5 * inp * (1 + erf(inp / sqrt 2)): the exact form (PyTorch approximate='none').
+void gelu_forward(float* out, const float* inp, int64_t n);
+// dinp = dout * (Phi(inp) + inp * phi(inp)).
+void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n);
+
+// out = tanh(inp).
+void tanh_forward(float* out, const float* inp, int64_t n);
+// dinp = dout * (1 - out^2).
+void tanh_backward(float* dinp, const float* dout, const float* out, int64_t n);
+
+// out = 1 / (1 + exp(-inp)).
+void sigmoid_forward(float* out, const float* inp, int64_t n);
+// dinp = dout * (1 - out) * out.
+void sigmoid_backward(float* dinp, const float* dout, const float* out, int64_t n);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dropout with a counter-based RNG: element i's draw is a pure function of (seed, offset + i), so a stream is
+// just (seed, counter) and a caller continues it by advancing offset by n. p in [0, 1).
+
+// The uniform draw in [0, 1), a multiple of 2^-24, that dropout uses for counter value `counter` of stream `seed`.
+// Exposed so that tests and other kernels can reproduce a mask.
+float dropout_uniform(uint64_t seed, uint64_t counter);
+
+// Element i is kept iff dropout_uniform(seed, offset + i) >= p (probability 1 - p).
+// mask = kept ? 1/(1-p) : 0 (the multiplier backward needs); out = inp * mask, as PyTorch multiplies by the scale.
+// out (n), mask (n), inp (n)
+void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float p, uint64_t seed, uint64_t offset);
+// dinp = dout * mask.
+// dinp (n), dout (n), mask (n)
+void dropout_backward(float* dinp, const float* dout, const float* mask, int64_t n);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Losses fused with their gradient. They return the SUM over the batch of per-sample losses (accumulated in
+// double); the gradient written is that of (the sum * grad_scale), e.g. grad_scale = 1/total_batch for a mean.
+// The gradient pointer may be nullptr to compute the loss only.
+
+// Per-sample loss = -log softmax(logits)[label] (log-sum-exp with max subtraction, stable for huge logits).
+// dlogits = (softmax(logits) - onehot(label)) * grad_scale. Labels must lie in [0, C) (checked; throws).
+// dlogits (B,C), logits (B,C), labels (B)
+double cross_entropy_forward_backward(float* dlogits, const float* logits, const int32_t* labels, int64_t B,
+                                      int64_t C, float grad_scale);
+
+// Per-sample loss = mean over D of (pred - target)^2, so the mean over samples is PyTorch's MSELoss('mean').
+// dpred = 2 * (pred - target) / D * grad_scale.
+// dpred (B,D), pred (B,D), target (B,D)
+double mse_forward_backward(float* dpred, const float* pred, const float* target, int64_t B, int64_t D,
+                            float grad_scale);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Optimizers on flat buffers, with PyTorch's single-tensor (for-loop) formulas and op order, in float32.
+// Scalars that PyTorch derives in Python double precision (1 - dampening, bias corrections, ...) are derived
+// here in double from the float hyper-parameters and rounded to float where PyTorch rounds them.
+
+struct SgdHyper {
+  float lr, momentum, dampening, weight_decay;
+  bool nesterov;  // needs momentum > 0 and dampening == 0, as PyTorch requires
+};
+
+// d = g + wd*p; if momentum != 0: buf = first_step ? d : momentum*buf + (1-dampening)*d;
+// d = nesterov ? d + momentum*buf : buf; p -= lr*d.
+// param (n), momentum_buf (n) or nullptr when momentum == 0, grad (n)
+void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const SgdHyper& h, bool first_step);
+
+struct AdamHyper {
+  float lr, beta1, beta2, eps, weight_decay;
+  bool decoupled;  // true: AdamW (decoupled weight decay); false: Adam (L2 penalty added to the gradient)
+};
+
+// step is 1-based: the step being taken (1 on the first call). exp_avg/exp_avg_sq start at zero.
+// Adam: g += wd*p. AdamW: p *= 1 - lr*wd. m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g*g;
+// step_size = lr/(1-b1^step); denom = sqrt(v)/sqrt(1-b2^step) + eps; p -= step_size * m/denom.
+// param (n), exp_avg (n), exp_avg_sq (n), grad (n)
+void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n, const AdamHyper& h,
+               int64_t step);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Small helpers.
+
+// y += a*x.  y (n), x (n)
+void axpy(float* y, const float* x, float a, int64_t n);
+// x *= a.  x (n)
+void scale(float* x, float a, int64_t n);
+
+}  // namespace dpar::kernels::cpu

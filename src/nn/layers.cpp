@@ -1,0 +1,151 @@
+// The built-in layers. Their math lives in kernels/cpu; here are shapes, parameters and saved state.
+#include <cmath>
+#include <cstring>
+
+#include "common/error.h"
+#include "kernels/cpu/kernels.h"
+#include "nn/layer.h"
+
+namespace dpar {
+namespace k = kernels::cpu;
+
+Tensor ReplicaContext::alloc(DType dtype, const Shape& shape) const {
+  maybe_fail(Fault::kAlloc, "allocation");
+  return Tensor::empty(dtype, shape, device);
+}
+
+void ReplicaContext::maybe_fail(Fault fault, const char* where) const {
+  if (armed_fault && *armed_fault == fault) {
+    *armed_fault = Fault::kNone;
+    fail(fault == Fault::kAlloc ? DPAR_ERR_OUT_OF_MEMORY : DPAR_ERR_DEVICE, device.str(), ": injected fault in ",
+         where);
+  }
+}
+
+namespace {
+
+class Linear final : public Layer {
+ public:
+  Linear(int64_t in, int64_t out, bool bias) : in_(in), out_(out), bias_(bias) {}
+  std::string describe() const override {
+    return "linear(" + std::to_string(in_) + " -> " + std::to_string(out_) + (bias_ ? "" : ", no bias") + ")";
+  }
+  std::vector<ParamSpec> param_specs() const override {
+    // PyTorch's nn.Linear.reset_parameters: kaiming_uniform_(a=sqrt(5)) gives bound 1/sqrt(fan_in) for the
+    // weight, and the bias uses the same bound.
+    const float bound = 1.0f / std::sqrt(static_cast<float>(in_));
+    std::vector<ParamSpec> specs{{"weight", Shape{out_, in_}, InitKind::kUniform, bound}};
+    if (bias_) specs.push_back({"bias", Shape{out_}, InitKind::kUniform, bound});
+    return specs;
+  }
+  Shape output_shape(const Shape& in) const override {
+    DPAR_CHECK_ARG(in.ndim() == 2 && in[1] == in_, describe(), " expects (batch, ", in_, "), got ", in.str());
+    return Shape{in[0], out_};
+  }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(in_, out_, bias_); }
+
+  // in (B,C_in), weight (C_out,C_in), bias (C_out), out (B,C_out)
+  void forward(const ReplicaContext&, const Tensor& in, const Tensor& out) override {
+    k::linear_forward(out.f32(), in.f32(), params_[0], bias_ ? params_[1] : nullptr, in.rows(), in_, out_);
+  }
+  void backward(const ReplicaContext&, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
+                bool accumulate) override {
+    k::linear_backward(din.defined() ? din.f32() : nullptr, grads_[0], bias_ ? grads_[1] : nullptr, dout.f32(),
+                       in.f32(), params_[0], in.rows(), in_, out_, accumulate);
+  }
+
+ private:
+  int64_t in_, out_;
+  bool bias_;
+};
+
+class Activation final : public Layer {
+ public:
+  explicit Activation(int32_t kind) : kind_(kind) {}
+  std::string describe() const override {
+    static const char* names[] = {"relu", "gelu", "tanh", "sigmoid"};
+    return names[kind_];
+  }
+  Shape output_shape(const Shape& in) const override { return in; }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<Activation>(kind_); }
+
+  void forward(const ReplicaContext&, const Tensor& in, const Tensor& out) override {
+    const int64_t n = in.numel();
+    switch (kind_) {
+      case DPAR_RELU: k::relu_forward(out.f32(), in.f32(), n); break;
+      case DPAR_GELU: k::gelu_forward(out.f32(), in.f32(), n); break;
+      case DPAR_TANH: k::tanh_forward(out.f32(), in.f32(), n); break;
+      case DPAR_SIGMOID: k::sigmoid_forward(out.f32(), in.f32(), n); break;
+    }
+  }
+  void backward(const ReplicaContext&, const Tensor& in, const Tensor& out, const Tensor& dout, const Tensor& din,
+                bool) override {
+    if (!din.defined()) return;
+    const int64_t n = in.numel();
+    switch (kind_) {
+      case DPAR_RELU: k::relu_backward(din.f32(), dout.f32(), out.f32(), n); break;
+      case DPAR_GELU: k::gelu_backward(din.f32(), dout.f32(), in.f32(), n); break;
+      case DPAR_TANH: k::tanh_backward(din.f32(), dout.f32(), out.f32(), n); break;
+      case DPAR_SIGMOID: k::sigmoid_backward(din.f32(), dout.f32(), out.f32(), n); break;
+    }
+  }
+
+ private:
+  int32_t kind_;
+};
+
+class Dropout final : public Layer {
+ public:
+  explicit Dropout(float p) : p_(p) {}
+  std::string describe() const override { return "dropout(p=" + std::to_string(p_) + ")"; }
+  Shape output_shape(const Shape& in) const override { return in; }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<Dropout>(p_); }
+
+  void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
+    const int64_t n = in.numel();
+    active_ = ctx.training && p_ > 0.0f;
+    if (!active_) {
+      std::memcpy(out.f32(), in.f32(), static_cast<size_t>(n) * sizeof(float));
+      return;
+    }
+    if (!mask_.defined() || mask_.numel() < n) mask_ = ctx.alloc(DType::kF32, Shape{n});
+    // Each replica draws from its own stream, and the stream's position persists across steps.
+    k::dropout_forward(out.f32(), mask_.f32(), in.f32(), n, p_, ctx.rng_seed, *ctx.rng_offset);
+    *ctx.rng_offset += static_cast<uint64_t>(n);
+  }
+  void backward(const ReplicaContext&, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
+                bool) override {
+    if (!din.defined()) return;
+    const int64_t n = in.numel();
+    if (active_)
+      k::dropout_backward(din.f32(), dout.f32(), mask_.f32(), n);
+    else
+      std::memcpy(din.f32(), dout.f32(), static_cast<size_t>(n) * sizeof(float));
+  }
+
+ private:
+  float p_;
+  bool active_ = false;
+  Tensor mask_;  // the multipliers of the last forward, kept for backward
+};
+
+}  // namespace
+
+std::unique_ptr<Layer> make_linear(int64_t in_features, int64_t out_features, bool bias) {
+  DPAR_CHECK_ARG(in_features >= 1 && in_features <= (1 << 24), "in_features: ", in_features, " must be 1 to 2^24");
+  DPAR_CHECK_ARG(out_features >= 1 && out_features <= (1 << 24), "out_features: ", out_features,
+                 " must be 1 to 2^24");
+  return std::make_unique<Linear>(in_features, out_features, bias);
+}
+
+std::unique_ptr<Layer> make_activation(int32_t activation) {
+  DPAR_CHECK_ARG(activation >= DPAR_RELU && activation <= DPAR_SIGMOID, "activation: unknown kind ", activation);
+  return std::make_unique<Activation>(activation);
+}
+
+std::unique_ptr<Layer> make_dropout(float p) {
+  DPAR_CHECK_ARG(p >= 0.0f && p < 1.0f, "p: dropout probability ", p, " must be in [0, 1)");
+  return std::make_unique<Dropout>(p);
+}
+
+}  // namespace dpar

@@ -1,0 +1,122 @@
+#include "nn/model.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.h"
+
+namespace dpar {
+
+Model::Model(const Model& other) : params_(other.params_), values_(other.values_), init_rng_(other.init_rng_) {
+  for (const auto& l : other.layers_) layers_.push_back(l->clone());
+}
+
+void Model::add(std::unique_ptr<Layer> layer) {
+  const size_t index = layers_.size();
+  for (const ParamSpec& spec : layer->param_specs()) {
+    ParamInfo info{std::to_string(index) + "." + spec.name, spec.shape, static_cast<int64_t>(values_.size()), index};
+    const int64_t n = spec.shape.numel();
+    values_.reserve(values_.size() + static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i)
+      values_.push_back(spec.init == InitKind::kUniform ? init_rng_.uniform(-spec.bound, spec.bound) : 0.0f);
+    params_.push_back(std::move(info));
+  }
+  layers_.push_back(std::move(layer));
+}
+
+Shape Model::output_shape(const Shape& input) const {
+  Shape s = input;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    try {
+      s = layers_[i]->output_shape(s);
+    } catch (const Error& e) {
+      fail(e.status(), "layer ", i, " (", layers_[i]->describe(), "): ", e.what());
+    }
+  }
+  return s;
+}
+
+ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx) {
+  const int64_t n = std::max<int64_t>(model.num_param_elements(), 1);
+  params_ = ctx.alloc(DType::kF32, Shape{n});
+  grads_ = ctx.alloc(DType::kF32, Shape{n});
+  std::memset(params_.f32(), 0, static_cast<size_t>(n) * sizeof(float));
+  std::memset(grads_.f32(), 0, static_cast<size_t>(n) * sizeof(float));
+  std::memcpy(params_.f32(), model.values().data(), model.values().size() * sizeof(float));
+  for (size_t i = 0; i < model.num_layers(); ++i) layers_.push_back(model.layer(i).clone());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    std::vector<float*> p, g;
+    for (const ParamInfo& info : model.params())
+      if (info.layer == i) {
+        p.push_back(params_.f32() + info.offset);
+        g.push_back(grads_.f32() + info.offset);
+      }
+    layers_[i]->bind(std::move(p), std::move(g));
+  }
+}
+
+void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
+  const int64_t rows = input[0];
+  // Per-row shapes of every output; recomputed per call because a later input may have another row shape.
+  std::vector<Shape> shapes;
+  Shape s = input.with_rows(1);
+  for (auto& layer : layers_) {
+    s = layer->output_shape(s);
+    shapes.push_back(s);
+  }
+  if (rows <= capacity_rows_ && shapes == row_shapes_) return;
+  const int64_t cap = std::max(rows, capacity_rows_);
+  outputs_.clear();
+  int64_t widest = input.row_numel();
+  for (const Shape& row : shapes) {
+    outputs_.push_back(ctx.alloc(DType::kF32, row.with_rows(cap)));
+    widest = std::max(widest, row.row_numel());
+  }
+  grad_a_ = ctx.alloc(DType::kF32, Shape{cap * widest});
+  grad_b_ = ctx.alloc(DType::kF32, Shape{cap * widest});
+  row_shapes_ = std::move(shapes);
+  capacity_rows_ = cap;
+}
+
+Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
+  forward_rows_ = 0;
+  reserve(ctx, input.shape());
+  ctx.maybe_fail(Fault::kForward, "forward");
+  const int64_t rows = input.rows();
+  input_ = input;
+  Tensor x = input;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    Tensor y = outputs_[i].rows(0, rows);
+    layers_[i]->forward(ctx, x, y);
+    x = y;
+  }
+  forward_rows_ = rows;
+  return x;
+}
+
+Tensor ReplicaModel::output_grad_buffer(const ReplicaContext&) {
+  const Shape out = row_shapes_.back().with_rows(forward_rows_);
+  return grad_a_.rows(0, out.numel()).reshaped(out);
+}
+
+void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate) {
+  DPAR_ENFORCE(forward_rows_ > 0, DPAR_ERR_INVALID_STATE, "backward: no forward state on ", ctx.device.str());
+  ctx.maybe_fail(Fault::kBackward, "backward");
+  const int64_t rows = forward_rows_;
+  Tensor dout = grad_output;
+  for (size_t i = layers_.size(); i-- > 0;) {
+    Tensor in = i == 0 ? input_ : outputs_[i - 1].rows(0, rows);
+    Tensor din;
+    if (i > 0) {
+      // Write into whichever ping-pong buffer dout is not in.
+      Tensor& buf = dout.raw() == grad_a_.raw() ? grad_b_ : grad_a_;
+      din = buf.rows(0, in.numel()).reshaped(in.shape());
+    }
+    layers_[i]->backward(ctx, in, outputs_[i].rows(0, rows), dout, din, accumulate);
+    dout = din;
+  }
+  forward_rows_ = 0;
+  input_ = Tensor();
+}
+
+}  // namespace dpar

@@ -1,0 +1,77 @@
+// A sequential model. Model is the host-side template a caller builds; ReplicaModel is one device's copy, with
+// all parameters in one flat buffer and all gradients in another, so that communication and the optimizer see
+// one array each.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/random.h"
+#include "nn/layer.h"
+
+namespace dpar {
+
+struct ParamInfo {
+  std::string name;  // "0.weight", as PyTorch's state_dict names it
+  Shape shape;
+  int64_t offset = 0;  // in the flat buffer, in elements
+  size_t layer = 0;
+};
+
+class Model {
+ public:
+  explicit Model(uint64_t seed) : init_rng_(seed) {}
+  Model(const Model& other);
+
+  // Appends a layer and draws its initial parameters from the model's seeded stream.
+  void add(std::unique_ptr<Layer> layer);
+
+  size_t num_layers() const { return layers_.size(); }
+  const Layer& layer(size_t i) const { return *layers_[i]; }
+  const std::vector<ParamInfo>& params() const { return params_; }
+  int64_t num_param_elements() const { return static_cast<int64_t>(values_.size()); }
+  const std::vector<float>& values() const { return values_; }
+  std::vector<float>& values() { return values_; }
+  // Shapes through the whole model; throws naming the first layer that rejects its input.
+  Shape output_shape(const Shape& input) const;
+
+ private:
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<ParamInfo> params_;
+  std::vector<float> values_;  // flat, in params_ order
+  Rng init_rng_;
+};
+
+class ReplicaModel {
+ public:
+  ReplicaModel(const Model& model, const ReplicaContext& ctx);
+
+  int64_t num_params() const { return params_.numel(); }
+  float* params() const { return params_.f32(); }
+  float* grads() const { return grads_.f32(); }
+
+  // Runs every layer; keeps each layer's output for backward. Returns a view of the last output.
+  Tensor forward(const ReplicaContext& ctx, const Tensor& input);
+  // Backward from dL/d(output) of the last forward. Overwrites or adds to the gradients (see Layer::backward).
+  void backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate);
+  bool has_forward_state() const { return forward_rows_ > 0; }
+  void clear_forward_state() { forward_rows_ = 0; }
+  // dL/d(output) buffer of the right size for the last forward, for a loss to write into.
+  Tensor output_grad_buffer(const ReplicaContext& ctx);
+
+ private:
+  // Makes sure activation buffers hold `rows` rows; grows, never shrinks.
+  void reserve(const ReplicaContext& ctx, const Shape& input);
+
+  std::vector<std::unique_ptr<Layer>> layers_;
+  Tensor params_, grads_;
+  std::vector<Shape> row_shapes_;     // per layer output, for one row: shapes with rows = 1
+  std::vector<Tensor> outputs_;       // per layer output, capacity rows
+  Tensor grad_a_, grad_b_;            // ping-pong buffers for dL/d(activation)
+  int64_t capacity_rows_ = 0;
+  Tensor input_;                      // the last forward's input (a view; the caller keeps it alive for backward)
+  int64_t forward_rows_ = 0;
+};
+
+}  // namespace dpar

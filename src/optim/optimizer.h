@@ -1,0 +1,44 @@
+// Optimizers over a replica's flat parameter buffer, with PyTorch's update formulas (kernels/cpu).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dpar.h"
+
+namespace dpar {
+
+struct OptimizerConfig {
+  int32_t kind = DPAR_SGD;
+  float lr = 0.01f, momentum = 0.0f, dampening = 0.0f;
+  bool nesterov = false;
+  float weight_decay = 0.0f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+
+  // Checks values from the C ABI, naming the field that is wrong.
+  static OptimizerConfig from_options(const dpar_optimizer_options& o);
+  const char* name() const;  // "sgd", "adam", "adamw"
+};
+
+class Optimizer {
+ public:
+  Optimizer(const OptimizerConfig& config, int64_t num_params);
+
+  void step(float* params, const float* grads);
+  void set_lr(float lr) { config_.lr = lr; }
+  const OptimizerConfig& config() const { return config_; }
+  int64_t steps() const { return steps_; }
+  void set_steps(int64_t steps) { steps_ = steps; }
+
+  // Named state buffers, each num_params long ("momentum_buffer"; "exp_avg", "exp_avg_sq"), for checkpoints.
+  std::vector<std::pair<std::string, std::vector<float>*>> state();
+
+ private:
+  OptimizerConfig config_;
+  int64_t num_params_;
+  int64_t steps_ = 0;
+  std::vector<float> buf_a_;  // momentum buffer, or Adam's exp_avg
+  std::vector<float> buf_b_;  // Adam's exp_avg_sq
+};
+
+}  // namespace dpar

@@ -1,0 +1,99 @@
+// Tensors: contiguous, row-major, up to 4 dimensions, on one device. Storage is shared between a tensor and its
+// views (rows() slices the first dimension without a copy: that is how a batch is scattered to CPU replicas).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "device/device.h"
+#include "dpar.h"
+
+namespace dpar {
+
+enum class DType : int32_t { kF32 = DPAR_F32, kI32 = DPAR_I32 };
+size_t dtype_size(DType dtype);
+const char* dtype_name(DType dtype);
+// Checks a raw dtype from the C ABI: reserved dtypes are not supported yet.
+DType checked_dtype(int32_t dtype, const char* argument);
+
+class Shape {
+ public:
+  static constexpr size_t kMaxDims = DPAR_MAX_DIMS;
+  Shape() = default;
+  Shape(std::initializer_list<int64_t> dims);
+  // Checks extents from the C ABI (1..4 dims, each >= 1, no overflow).
+  static Shape checked(const int64_t* dims, size_t ndim, const char* argument);
+
+  size_t ndim() const { return ndim_; }
+  int64_t operator[](size_t i) const { return dims_[i]; }
+  int64_t& operator[](size_t i) { return dims_[i]; }
+  const int64_t* data() const { return dims_.data(); }
+  int64_t numel() const;
+  // Elements per row of the first dimension.
+  int64_t row_numel() const;
+  Shape with_rows(int64_t rows) const;
+  std::string str() const;  // "(30, 5)"
+  bool operator==(const Shape& o) const;
+  bool operator!=(const Shape& o) const { return !(*this == o); }
+
+ private:
+  std::array<int64_t, kMaxDims> dims_{};
+  size_t ndim_ = 0;
+};
+
+// A block of memory on a device. Owned memory is 64-byte aligned; borrowed memory belongs to the caller.
+class Storage {
+ public:
+  static std::shared_ptr<Storage> allocate(size_t bytes, Device device);
+  static std::shared_ptr<Storage> borrow(void* data, size_t bytes, Device device);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  Device device() const { return device_; }
+
+ private:
+  Storage(void* data, size_t bytes, Device device, bool owned) : data_(data), bytes_(bytes), device_(device), owned_(owned) {}
+  void* data_;
+  size_t bytes_;
+  Device device_;
+  bool owned_;
+};
+
+class Tensor {
+ public:
+  Tensor() = default;
+  static Tensor empty(DType dtype, const Shape& shape, Device device);
+  static Tensor zeros(DType dtype, const Shape& shape, Device device);
+  static Tensor wrap(void* data, DType dtype, const Shape& shape, Device device);
+
+  bool defined() const { return storage_ != nullptr; }
+  DType dtype() const { return dtype_; }
+  const Shape& shape() const { return shape_; }
+  Device device() const { return storage_ ? storage_->device() : Device{}; }
+  int64_t numel() const { return shape_.numel(); }
+  size_t bytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  int64_t rows() const { return shape_[0]; }
+
+  void* raw() const { return static_cast<char*>(storage_->data()) + offset_; }
+  float* f32() const;
+  int32_t* i32() const;
+
+  // Rows [begin, begin + count) of the first dimension, sharing storage.
+  Tensor rows(int64_t begin, int64_t count) const;
+  // The same storage seen with another shape of equal element count.
+  Tensor reshaped(const Shape& shape) const;
+
+ private:
+  std::shared_ptr<Storage> storage_;
+  size_t offset_ = 0;
+  Shape shape_;
+  DType dtype_ = DType::kF32;
+};
+
+}  // namespace dpar
