@@ -1,0 +1,517 @@
+// The DataParallel engine against its references: torch.nn.DataParallel's split table, single-device full-batch
+// training (a plain loop over one ReplicaModel, no engine, no communication), and itself (bit-identical replicas,
+// checkpoint resume, gradient accumulation).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "engine/engine.h"
+#include "kernels/cpu/kernels.h"
+
+namespace dpar {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Helpers
+
+Model make_mlp(uint64_t seed, int64_t in = 12, int64_t hidden = 16, int64_t out = 5, int32_t act = DPAR_TANH) {
+  Model m(seed);
+  m.add(make_linear(in, hidden, true));
+  m.add(make_activation(act));
+  m.add(make_linear(hidden, hidden, true));
+  m.add(make_activation(DPAR_RELU));
+  m.add(make_linear(hidden, out, true));
+  return m;
+}
+
+struct Batch {
+  Tensor x, y;
+};
+
+Batch make_batch(int64_t rows, int64_t in, int64_t classes, uint64_t seed) {
+  std::mt19937 gen(static_cast<uint32_t>(seed));
+  std::normal_distribution<float> normal;
+  Batch b{Tensor::empty(DType::kF32, Shape{rows, in}, Device{}), Tensor::empty(DType::kI32, Shape{rows}, Device{})};
+  for (int64_t i = 0; i < rows * in; ++i) b.x.f32()[i] = normal(gen);
+  for (int64_t i = 0; i < rows; ++i) b.y.i32()[i] = static_cast<int32_t>(gen() % classes);
+  return b;
+}
+
+OptimizerConfig sgd_momentum() {
+  OptimizerConfig c;
+  c.kind = DPAR_SGD;
+  c.lr = 0.05f;
+  c.momentum = 0.9f;
+  c.weight_decay = 1e-4f;
+  return c;
+}
+
+OptimizerConfig adam() {
+  OptimizerConfig c;
+  c.kind = DPAR_ADAM;
+  c.lr = 1e-3f;
+  return c;
+}
+
+EngineConfig cpu_devices(size_t n) {
+  EngineConfig c;
+  for (size_t i = 0; i < n; ++i) c.devices.push_back(Device{DeviceKind::kCpu, static_cast<int32_t>(i)});
+  c.timeout_seconds = 30;
+  return c;
+}
+
+// Single-device full-batch training, written without the engine: forward the whole batch, cross-entropy mean,
+// backward, optimizer step.
+std::vector<float> reference_training(const Model& model, const OptimizerConfig& opt, const std::vector<Batch>& data,
+                                      int steps) {
+  uint64_t rng_offset = 0;
+  Fault fault = Fault::kNone;
+  ReplicaContext ctx;
+  ctx.rng_offset = &rng_offset;
+  ctx.armed_fault = &fault;
+  ReplicaModel replica(model, ctx);
+  Optimizer optimizer(opt, replica.num_params());
+  for (int s = 0; s < steps; ++s) {
+    const Batch& b = data[static_cast<size_t>(s) % data.size()];
+    Tensor out = replica.forward(ctx, b.x);
+    Tensor dout = replica.output_grad_buffer(ctx);
+    const int64_t rows = b.x.rows();
+    kernels::cpu::cross_entropy_forward_backward(dout.f32(), out.f32(), b.y.i32(), rows, out.shape()[1],
+                                                 1.0f / static_cast<float>(rows));
+    replica.backward(ctx, dout, false);
+    optimizer.step(replica.params(), replica.grads());
+  }
+  return std::vector<float>(replica.params(), replica.params() + replica.num_params());
+}
+
+// Largest |a - b| / max(|b|, floor): a relative error that does not blow up at parameters near zero.
+double max_relative_error(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-2) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])) / std::max(std::abs(double(b[i])), floor));
+  return worst;
+}
+
+uint64_t fnv1a(const std::vector<float>& v) {
+  uint64_t h = 1469598103934665603ull;
+  const auto* p = reinterpret_cast<const unsigned char*>(v.data());
+  for (size_t i = 0; i < v.size() * sizeof(float); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Scatter
+
+TEST(Split, MatchesTorchDataParallel) {
+  // torch.nn.DataParallel scatters with chunk = ceil(B / n); trailing devices may get nothing.
+  struct Case {
+    int64_t batch;
+    size_t devices;
+    std::vector<int64_t> rows;
+  };
+  const std::vector<Case> table = {
+      {30, 3, {10, 10, 10}},
+      {30, 8, {4, 4, 4, 4, 4, 4, 4, 2}},
+      {10, 8, {2, 2, 2, 2, 2, 0, 0, 0}},
+      {10, 3, {4, 4, 2}},
+      {30, 1, {30}},
+      {30, 2, {15, 15}},
+      {1, 4, {1, 0, 0, 0}},
+      {7, 7, {1, 1, 1, 1, 1, 1, 1}},
+      {9, 4, {3, 3, 3, 0}},  // ceil(9/4) = 3: three devices suffice
+      {100, 8, {13, 13, 13, 13, 13, 13, 13, 9}},
+  };
+  for (const Case& c : table) EXPECT_EQ(split_batch(c.batch, c.devices), c.rows) << c.batch << " over " << c.devices;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Equivalence with single-device full-batch training
+
+struct EquivalenceCase {
+  size_t devices;
+  int64_t batch;
+  bool adam;
+};
+
+void PrintTo(const EquivalenceCase& c, std::ostream* os) {
+  *os << (c.adam ? "adam" : "sgd") << ", " << c.devices << " devices, batch " << c.batch;
+}
+
+class Equivalence : public ::testing::TestWithParam<EquivalenceCase> {};
+
+TEST_P(Equivalence, TwentyStepsMatchSingleDeviceFullBatch) {
+  const auto p = GetParam();
+  const Model model = make_mlp(7);
+  const OptimizerConfig opt = p.adam ? adam() : sgd_momentum();
+  std::vector<Batch> data;
+  for (int i = 0; i < 4; ++i) data.push_back(make_batch(p.batch, 12, 5, 100 + i));
+  const int steps = 20;
+  const auto expected = reference_training(model, opt, data, steps);
+
+  Engine engine(model, opt, cpu_devices(p.devices));
+  for (int s = 0; s < steps; ++s) {
+    const Batch& b = data[s % data.size()];
+    engine.train_step(b.x, b.y);
+  }
+  const auto got = engine.params(0);
+  EXPECT_LT(max_relative_error(got, expected), 1e-5) << p.devices << " devices, batch " << p.batch;
+  // And training moved the parameters well beyond that tolerance, so the comparison means something.
+  EXPECT_GT(max_relative_error(got, model.values()), 1e-2);
+  for (size_t r = 1; r < engine.num_replicas(); ++r) EXPECT_EQ(engine.params(r), got) << "replica " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DevicesAndBatches, Equivalence,
+    ::testing::Values(EquivalenceCase{1, 30, false}, EquivalenceCase{2, 30, false}, EquivalenceCase{3, 30, false},
+                      EquivalenceCase{4, 30, false}, EquivalenceCase{8, 30, false}, EquivalenceCase{8, 10, false},
+                      EquivalenceCase{3, 10, false}, EquivalenceCase{4, 9, false}, EquivalenceCase{1, 30, true},
+                      EquivalenceCase{2, 30, true}, EquivalenceCase{3, 30, true}, EquivalenceCase{4, 30, true},
+                      EquivalenceCase{8, 30, true}, EquivalenceCase{8, 10, true}, EquivalenceCase{3, 10, true},
+                      EquivalenceCase{4, 9, true}),
+    [](const auto& info) {
+      return std::string(info.param.adam ? "adam_" : "sgd_") + std::to_string(info.param.devices) + "dev_batch" +
+             std::to_string(info.param.batch);
+    });
+
+TEST(Engine, MseLossMatchesReference) {
+  // An MSE regression over 3 devices with an uneven split equals full-batch training with PyTorch's mean MSE.
+  Model model(3);
+  model.add(make_linear(6, 8, true));
+  model.add(make_activation(DPAR_GELU));
+  model.add(make_linear(8, 3, true));
+  const int64_t rows = 11;
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal;
+  Tensor x = Tensor::empty(DType::kF32, Shape{rows, 6}, Device{});
+  Tensor y = Tensor::empty(DType::kF32, Shape{rows, 3}, Device{});
+  for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = normal(gen);
+  for (int64_t i = 0; i < y.numel(); ++i) y.f32()[i] = normal(gen);
+
+  uint64_t off = 0;
+  Fault fault = Fault::kNone;
+  ReplicaContext ctx;
+  ctx.rng_offset = &off;
+  ctx.armed_fault = &fault;
+  ReplicaModel ref(model, ctx);
+  Optimizer ref_opt(sgd_momentum(), ref.num_params());
+  EngineConfig config = cpu_devices(3);
+  config.loss = DPAR_LOSS_MSE;
+  Engine engine(model, sgd_momentum(), config);
+  for (int s = 0; s < 15; ++s) {
+    Tensor out = ref.forward(ctx, x);
+    Tensor dout = ref.output_grad_buffer(ctx);
+    const double ref_loss =
+        kernels::cpu::mse_forward_backward(dout.f32(), out.f32(), y.f32(), rows, 3, 1.0f / rows) / rows;
+    ref.backward(ctx, dout, false);
+    ref_opt.step(ref.params(), ref.grads());
+    const double loss = engine.train_step(x, y);
+    EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss)) << "step " << s;
+  }
+  EXPECT_LT(max_relative_error(engine.params(0), std::vector<float>(ref.params(), ref.params() + ref.num_params())),
+            1e-5);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Replicas stay identical; state in a replica persists
+
+TEST(Engine, ReplicasBitIdenticalAfterManySteps) {
+  Model model = make_mlp(11, 12, 32, 5, DPAR_GELU);
+  Engine engine(model, adam(), cpu_devices(8));
+  for (int s = 0; s < 100; ++s) {
+    Batch b = make_batch(30 + s % 7, 12, 5, s);  // even and uneven splits
+    engine.train_step(b.x, b.y);
+  }
+  const uint64_t h0 = fnv1a(engine.params(0));
+  for (size_t r = 1; r < 8; ++r) EXPECT_EQ(fnv1a(engine.params(r)), h0) << "replica " << r;
+  EXPECT_EQ(engine.step_count(), 100);
+}
+
+TEST(Engine, DropoutStreamsPersistAcrossStepsAndDifferPerReplica) {
+  Model model(1);
+  model.add(make_linear(4, 64, true));
+  model.add(make_dropout(0.5f));
+  EngineConfig config = cpu_devices(2);
+  config.seed = 42;
+  Engine engine(model, sgd_momentum(), config);
+  Tensor x = Tensor::empty(DType::kF32, Shape{2, 4}, Device{});
+  for (int i = 0; i < 8; ++i) x.f32()[i] = 1.0f;  // both rows identical: only the masks tell them apart
+  Tensor a = engine.forward(x);
+  engine.zero_grad();
+  Tensor b = engine.forward(x);
+  engine.zero_grad();
+  auto row = [](const Tensor& t, int r) { return std::vector<float>(t.f32() + r * 64, t.f32() + (r + 1) * 64); };
+  // Replica 0 and replica 1 (rows 0 and 1) use different streams; each stream moves on between forwards.
+  EXPECT_NE(row(a, 0), row(a, 1));
+  EXPECT_NE(row(a, 0), row(b, 0));
+  EXPECT_NE(row(a, 1), row(b, 1));
+  // Eval mode turns dropout off: rows equal again.
+  engine.set_training(false);
+  Tensor c = engine.forward(x);
+  EXPECT_EQ(row(c, 0), row(c, 1));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// DataParallel's forward / backward, per-device losses, gradient accumulation
+
+TEST(Engine, ForwardGathersInBatchOrder) {
+  Model model = make_mlp(2);
+  Engine one(model, sgd_momentum(), cpu_devices(1));
+  Engine many(model, sgd_momentum(), cpu_devices(3));
+  Batch b = make_batch(10, 12, 5, 3);
+  Tensor y1 = one.forward(b.x);
+  Tensor y3 = many.forward(b.x);
+  ASSERT_EQ(y3.shape(), (Shape{10, 5}));
+  for (int64_t i = 0; i < y1.numel(); ++i) EXPECT_NEAR(y3.f32()[i], y1.f32()[i], 1e-6f) << i;
+}
+
+TEST(Engine, ForwardBackwardStepEqualsFusedTrainStep) {
+  // DataParallel's own semantics: output gathered, loss gradient computed by the caller, backward scattered.
+  Model model = make_mlp(4);
+  Engine fused(model, sgd_momentum(), cpu_devices(3));
+  Engine split(model, sgd_momentum(), cpu_devices(3));
+  for (int s = 0; s < 5; ++s) {
+    Batch b = make_batch(10, 12, 5, 50 + s);
+    fused.train_step(b.x, b.y);
+    Tensor out = split.forward(b.x);
+    Tensor dout = Tensor::empty(DType::kF32, out.shape(), Device{});
+    kernels::cpu::cross_entropy_forward_backward(dout.f32(), out.f32(), b.y.i32(), 10, 5, 1.0f / 10);
+    split.backward(dout);
+    split.step();
+  }
+  EXPECT_LT(max_relative_error(split.params(0), fused.params(0)), 1e-5);
+}
+
+TEST(Engine, ReplicaLossesAreChunkMeans) {
+  Model model = make_mlp(5);
+  Engine engine(model, sgd_momentum(), cpu_devices(8));
+  Batch b = make_batch(10, 12, 5, 9);
+  Tensor out = engine.forward(b.x);  // parameters before the step
+  engine.zero_grad();
+  const double loss = engine.train_step(b.x, b.y);
+  const auto losses = engine.replica_losses();
+  ASSERT_EQ(losses.size(), 8u);
+  double weighted = 0;
+  for (int r = 0; r < 5; ++r) {
+    const double chunk = kernels::cpu::cross_entropy_forward_backward(nullptr, out.f32() + r * 2 * 5,
+                                                                      b.y.i32() + r * 2, 2, 5, 1.0f) / 2;
+    EXPECT_NEAR(losses[r], chunk, 1e-5) << "replica " << r;
+    weighted += chunk * 2;
+  }
+  for (int r = 5; r < 8; ++r) EXPECT_TRUE(std::isnan(losses[r])) << "replica " << r << " got no rows";
+  EXPECT_NEAR(loss, weighted / 10, 1e-5);
+}
+
+TEST(Engine, AccumulationEqualsOneLargeBatch) {
+  // Micro-batches of 7, 13 and 10 rows with one synchronisation equal one step on all 30 rows.
+  Model model = make_mlp(6);
+  Batch big = make_batch(30, 12, 5, 77);
+  Engine reference(model, adam(), cpu_devices(4));
+  Engine accumulated(model, adam(), cpu_devices(4));
+  for (int s = 0; s < 3; ++s) {
+    reference.train_step(big.x, big.y);
+    int64_t begin = 0;
+    for (int64_t rows : {7, 13, 10}) {
+      accumulated.accumulate(big.x.rows(begin, rows), big.y.rows(begin, rows));
+      begin += rows;
+    }
+    accumulated.step();
+  }
+  EXPECT_LT(max_relative_error(accumulated.params(0), reference.params(0)), 1e-5);
+  EXPECT_EQ(accumulated.step_count(), 3);
+}
+
+TEST(Engine, LearningRateChangesBetweenSteps) {
+  Model model = make_mlp(8);
+  Batch b = make_batch(12, 12, 5, 1);
+  Engine frozen(model, sgd_momentum(), cpu_devices(2));
+  frozen.set_lr(0.0f);
+  frozen.train_step(b.x, b.y);
+  EXPECT_EQ(frozen.params(0), model.values());  // lr 0: nothing moves (weight decay goes through lr too)
+  frozen.set_lr(0.05f);
+  frozen.train_step(b.x, b.y);
+  EXPECT_NE(frozen.params(0), model.values());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Checkpoints
+
+std::string temp_path(const std::string& name) {
+  return (::testing::TempDir().empty() ? std::string("/tmp/") : ::testing::TempDir()) + name;
+}
+
+TEST(Checkpoint, ResumeIsBitIdenticalToTrainingStraight) {
+  for (const OptimizerConfig& opt : {sgd_momentum(), adam()}) {
+    Model model(21);
+    model.add(make_linear(12, 16, true));
+    model.add(make_dropout(0.2f));  // the RNG streams must resume too
+    model.add(make_activation(DPAR_RELU));
+    model.add(make_linear(16, 5, true));
+    std::vector<Batch> data;
+    for (int i = 0; i < 20; ++i) data.push_back(make_batch(30, 12, 5, 300 + i));
+    EngineConfig config = cpu_devices(3);
+    config.seed = 9;
+
+    Engine straight(model, opt, config);
+    for (int s = 0; s < 20; ++s) straight.train_step(data[s].x, data[s].y);
+
+    const std::string path = temp_path("dpar_resume.safetensors");
+    {
+      Engine first(model, opt, config);
+      for (int s = 0; s < 10; ++s) first.train_step(data[s].x, data[s].y);
+      first.save(path);
+    }
+    Engine resumed(model, opt, config);
+    resumed.load(path);
+    EXPECT_EQ(resumed.step_count(), 10);
+    for (int s = 10; s < 20; ++s) resumed.train_step(data[s].x, data[s].y);
+    EXPECT_EQ(fnv1a(resumed.params(0)), fnv1a(straight.params(0))) << opt.name();
+    EXPECT_EQ(resumed.params(2), straight.params(2)) << opt.name();
+    std::remove(path.c_str());
+  }
+}
+
+TEST(Checkpoint, CorruptOrTruncatedFileIsRefusedAndChangesNothing) {
+  Model model = make_mlp(31);
+  Engine engine(model, adam(), cpu_devices(2));
+  Batch b = make_batch(8, 12, 5, 2);
+  engine.train_step(b.x, b.y);
+  const std::string path = temp_path("dpar_corrupt.safetensors");
+  engine.save(path);
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 100u);
+
+  Engine target(model, adam(), cpu_devices(2));
+  const auto before = target.params(0);
+  auto expect_refused = [&](const std::string& content, const std::string& what) {
+    const std::string bad = temp_path("dpar_bad.safetensors");
+    std::ofstream(bad, std::ios::binary | std::ios::trunc).write(content.data(), std::streamsize(content.size()));
+    try {
+      target.load(bad);
+      ADD_FAILURE() << what << ": was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), DPAR_ERR_CORRUPT) << what << ": " << e.what();
+    }
+    EXPECT_EQ(target.params(0), before) << what << ": parameters changed";
+    std::remove(bad.c_str());
+  };
+  for (size_t len : {size_t(0), size_t(4), size_t(8), size_t(20), bytes.size() / 2, bytes.size() - 1})
+    expect_refused(bytes.substr(0, len), "truncated to " + std::to_string(len));
+  for (size_t at : {size_t(3), size_t(12), bytes.size() - 5}) {
+    std::string flipped = bytes;
+    flipped[at] = static_cast<char>(flipped[at] ^ 0x5a);
+    expect_refused(flipped, "byte " + std::to_string(at) + " flipped");
+  }
+  // A checkpoint of another model is a mismatch, not corruption.
+  Engine other(make_mlp(31, 12, 8, 5), adam(), cpu_devices(2));
+  try {
+    other.load(path);
+    ADD_FAILURE() << "another model's checkpoint was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), DPAR_ERR_MISMATCH) << e.what();
+  }
+  // The engine still works after the refusals.
+  target.load(path);
+  EXPECT_EQ(target.params(0), engine.params(0));
+  std::remove(path.c_str());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Failures on one worker reach the caller; the others do not deadlock
+
+TEST(Faults, FailureOnOneWorkerIsReportedAndEngineStaysUsable) {
+  for (Fault fault : {Fault::kAlloc, Fault::kForward, Fault::kBackward}) {
+    Model model = make_mlp(41);
+    Engine engine(model, sgd_momentum(), cpu_devices(4));
+    Engine clean(model, sgd_momentum(), cpu_devices(4));
+    // Grow past the buffers' first capacity so that the allocation fault has an allocation to hit.
+    Batch big = make_batch(40, 12, 5, 5);
+    Batch b = make_batch(30, 12, 5, 6);
+    engine.train_step(b.x, b.y);
+    clean.train_step(b.x, b.y);
+    engine.inject_fault(2, fault);
+    try {
+      engine.train_step(big.x, big.y);
+      ADD_FAILURE() << "the injected fault was not reported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), fault == Fault::kAlloc ? DPAR_ERR_OUT_OF_MEMORY : DPAR_ERR_DEVICE) << e.what();
+      EXPECT_NE(std::string(e.what()).find("replica 2 (cpu:2)"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("remains usable"), std::string::npos) << e.what();
+    }
+    // Nothing was applied, and the next steps match an engine that never failed.
+    EXPECT_EQ(engine.params(0), clean.params(0));
+    engine.train_step(big.x, big.y);
+    clean.train_step(big.x, big.y);
+    for (size_t r = 0; r < 4; ++r) EXPECT_EQ(engine.params(r), clean.params(r));
+  }
+}
+
+TEST(Faults, CollectiveTimeoutNamesTheMissingParticipant) {
+  ThreadGroup group({"replica 0 (cpu:0)", "replica 1 (cpu:1)", "replica 2 (cpu:2)"},
+                    std::chrono::milliseconds(200));
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int r = 0; r < 3; ++r) comms.push_back(group.communicator(r));
+  std::vector<float> bufs[3] = {std::vector<float>(64, 1.0f), std::vector<float>(64, 2.0f), std::vector<float>(64, 3.0f)};
+  std::vector<dpar_status> status(3, DPAR_OK);
+  std::vector<std::string> message(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)  // replica 2 never arrives
+    threads.emplace_back([&, r] {
+      try {
+        comms[r]->all_reduce_sum(bufs[r].data(), 64, true, 1.0f);
+      } catch (const Error& e) {
+        status[r] = e.status();
+        message[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(status[r] == DPAR_ERR_TIMEOUT || status[r] == DPAR_ERR_REMOTE) << message[r];
+    EXPECT_NE(message[r].find("replica 2 (cpu:2)"), std::string::npos) << message[r];
+  }
+  EXPECT_TRUE(status[0] == DPAR_ERR_TIMEOUT || status[1] == DPAR_ERR_TIMEOUT);
+  // After a reset the group works again.
+  group.reset();
+  threads.clear();
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] { comms[r]->all_reduce_sum(bufs[r].data(), 64, true, 0.5f); });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(bufs[r][7], 3.0f);  // (1 + 2 + 3) * 0.5
+}
+
+TEST(AllReduce, SumsEveryElementAcrossParticipantsForManySizes) {
+  for (int n : {1, 2, 3, 5, 8}) {
+    std::vector<std::string> names;
+    for (int r = 0; r < n; ++r) names.push_back("rank " + std::to_string(r));
+    ThreadGroup group(names, std::chrono::seconds(30));
+    std::vector<std::unique_ptr<Communicator>> comms;
+    for (int r = 0; r < n; ++r) comms.push_back(group.communicator(r));
+    for (size_t count : {size_t(1), size_t(15), size_t(17), size_t(4099), size_t(100003)}) {
+      std::vector<std::vector<float>> bufs(n, std::vector<float>(count));
+      for (int r = 0; r < n; ++r)
+        for (size_t i = 0; i < count; ++i) bufs[r][i] = float((i * 7 + r * 3) % 64);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < n; ++r)  // rank 1 contributes nothing (it produced no gradient)
+        threads.emplace_back([&, r] { comms[r]->all_reduce_sum(bufs[r].data(), count, r != 1, 0.25f); });
+      for (auto& t : threads) t.join();
+      for (int r = 0; r < n; ++r)
+        for (size_t i = 0; i < count; ++i) {
+          float want = 0;
+          for (int q = 0; q < n; ++q)
+            if (q != 1) want += float((i * 7 + q * 3) % 64);
+          ASSERT_EQ(bufs[r][i], want * 0.25f) << n << " ranks, " << count << " elements, rank " << r << ", i " << i;
+        }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dpar
