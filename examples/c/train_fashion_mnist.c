@@ -3,8 +3,11 @@
  *   train_fashion_mnist [--devices N] [--epochs E] [--batch-size B] [--lr LR] [--optimizer adam|sgd]
  *                       [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]
  *
+ * The learning rate follows a cosine schedule from --lr down to zero over the run (dpar_engine_set_lr before each
+ * step), as torch.optim.lr_scheduler.CosineAnnealingLR does per step.
  * Prints per-epoch train loss, test accuracy and samples per second, with a progress bar on a terminal, and
  * saves a checkpoint at the end. With --min-accuracy it exits 1 if the final test accuracy is lower. */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, isatty */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -162,13 +165,16 @@ int main(int argc, char **argv) {
     for (;;) {
       CHECK(dpar_loader_next(&x, &y, loader));
       if (!x) break;
+      const double progress_done = (double)(epoch * batches + b) / (double)(epochs * batches);
+      CHECK(dpar_engine_set_lr(engine, (float)(0.5 * lr * (1.0 + cos(3.14159265358979 * progress_done)))));
       float loss = 0.0f;
       CHECK(dpar_engine_train_step(&loss, engine, x, y));
       int64_t rows = 0;
       CHECK(dpar_tensor_info(NULL, &rows, NULL, y));
       loss_sum += (double)loss * (double)rows;
       samples += (size_t)rows;
-      if (tty && (++b % 20 == 0 || b == batches)) progress(b, batches, loss);
+      ++b;
+      if (tty && (b % 20 == 0 || b == batches)) progress(b, batches, loss);
     }
     double seconds = now_seconds() - t0;
     accuracy = evaluate(engine, test, 1000);
