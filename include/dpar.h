@@ -10,6 +10,9 @@
  *    from its parent and is valid as long as the parent lives (and, where said, until the parent's next call).
  *  - Output parameters come first, then the handle, then the other arguments.
  *  - Option structs are versioned: initialise them with their `_INIT` macro or `_init()` function, then set fields.
+ *  - A NULL handle, a freed one or one of another type is refused with ::DPAR_ERR_INVALID_ARGUMENT: dpar looks every
+ *    handle up among the live ones before using it. (A freed handle whose address a new handle of the same type
+ *    has reused cannot be told apart from it.)
  *  - Thread-safety: every function may be called from any thread. A single handle must not be used by two
  *    threads at once unless its documentation says so; the engine serialises calls on itself with a lock.
  *  - No C++ exception ever crosses this interface.
@@ -375,7 +378,8 @@ typedef struct dpar_engine_options {
   int32_t loss;             /**< A ::dpar_loss for the training step. Default ::DPAR_LOSS_CROSS_ENTROPY. */
   uint64_t seed;            /**< Seeds each replica's RNG stream (dropout). Default 0. */
   double timeout_seconds;   /**< How long a worker waits for the others in a collective. Default 300. */
-  int32_t blas_threads;     /**< BLAS threads inside each CPU worker. Default 1 (no oversubscription). */
+  int32_t blas_threads;     /**< BLAS threads inside each CPU worker. Default 1 (no oversubscription). OpenBLAS's
+                                 thread count is process-wide: the engine created last sets it for all. */
 } dpar_engine_options;
 #define DPAR_ENGINE_OPTIONS_VERSION 1
 #define DPAR_ENGINE_OPTIONS_INIT \
@@ -443,7 +447,8 @@ DPAR_API dpar_status dpar_engine_zero_grad(dpar_engine *engine);
 
 /**
  * @brief DataParallel's forward: scatter, forward on every replica, gather of the outputs in batch order.
- * In training mode each replica keeps its activations for dpar_engine_backward().
+ * In training mode each replica keeps its activations for dpar_engine_backward(), and a view of its rows of
+ * @p input without a copy: the input's memory must stay valid until backward, zero_grad or the next step.
  * @param[out] out  The (B, ...) output on the output device, owned by the caller.
  */
 DPAR_API dpar_status dpar_engine_forward(dpar_tensor **out, dpar_engine *engine, const dpar_tensor *input);
@@ -519,7 +524,7 @@ typedef struct dpar_loader dpar_loader;   /**< An opaque batch loader over a dat
  *         ::DPAR_ERR_MISMATCH when the two files hold different numbers of items.
  */
 DPAR_API dpar_status dpar_dataset_load_idx(dpar_dataset **out, const char *images_path, const char *labels_path);
-/** @brief Frees a dataset (NULL is a no-op). Loaders over it must be freed first. */
+/** @brief Frees a dataset (NULL is a no-op). Loaders share its data, so they may be freed before or after it. */
 DPAR_API void dpar_dataset_free(dpar_dataset *dataset);
 /** @brief Number of samples, features per sample, and number of classes (max label + 1). Outputs may be NULL. */
 DPAR_API dpar_status dpar_dataset_info(size_t *out_samples, size_t *out_features, size_t *out_classes,

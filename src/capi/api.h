@@ -28,12 +28,10 @@ struct dpar_engine {
   std::unique_ptr<dpar::Engine> engine;
 };
 struct dpar_dataset {
-  dpar::io::Dataset dataset;
-  size_t loaders = 0;  // loaders borrow the dataset; freeing it first would leave them dangling
+  std::shared_ptr<dpar::io::Dataset> dataset;  // shared with loaders, so either may be freed first
 };
 struct dpar_loader {
-  dpar_loader(const dpar_dataset* ds, const dpar::io::Loader& l) : dataset(ds), loader(l) {}
-  const dpar_dataset* dataset;
+  explicit dpar_loader(const dpar::io::Loader& l) : loader(l) {}
   dpar::io::Loader loader;
   dpar_tensor inputs, labels;
 };

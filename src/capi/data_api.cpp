@@ -11,22 +11,19 @@ DPAR_API dpar_status dpar_dataset_load_idx(dpar_dataset** out, const char* image
     *out = nullptr;
     DPAR_CHECK_ARG(images_path != nullptr, "images_path: is NULL");
     DPAR_CHECK_ARG(labels_path != nullptr, "labels_path: is NULL");
-    auto ds = io::Dataset::load_idx(images_path, labels_path);
+    auto ds = std::make_shared<io::Dataset>(io::Dataset::load_idx(images_path, labels_path));
     auto* h = new_handle<dpar_dataset>();
     h->dataset = std::move(ds);
     *out = h;
   });
 }
 
-DPAR_API void dpar_dataset_free(dpar_dataset* dataset) {
-  // A dataset with live loaders stays allocated (they borrow it); the caller's mistake must not become a crash.
-  if (dataset && is_live(dataset, HandleKind::kDataset) && dataset->loaders == 0) free_handle(dataset);
-}
+DPAR_API void dpar_dataset_free(dpar_dataset* dataset) { free_handle(dataset); }
 
 DPAR_API dpar_status dpar_dataset_info(size_t* out_samples, size_t* out_features, size_t* out_classes,
                                        const dpar_dataset* dataset) {
   return guard([&] {
-    const auto& d = checked(dataset, "dataset").dataset;
+    const auto& d = *checked(dataset, "dataset").dataset;
     if (out_samples) *out_samples = d.size();
     if (out_features) *out_features = d.features();
     if (out_classes) *out_classes = d.classes();
@@ -34,7 +31,7 @@ DPAR_API dpar_status dpar_dataset_info(size_t* out_samples, size_t* out_features
 }
 
 DPAR_API dpar_status dpar_dataset_normalize(dpar_dataset* dataset, float mean, float std) {
-  return guard([&] { checked(dataset, "dataset").dataset.normalize(mean, std); });
+  return guard([&] { checked(dataset, "dataset").dataset->normalize(mean, std); });
 }
 
 DPAR_API dpar_status dpar_loader_create(dpar_loader** out, const dpar_dataset* dataset, size_t batch_size,
@@ -44,10 +41,9 @@ DPAR_API dpar_status dpar_loader_create(dpar_loader** out, const dpar_dataset* d
     *out = nullptr;
     const dpar_dataset& d = checked(dataset, "dataset");
     io::Loader loader(d.dataset, batch_size, shuffle != 0, seed, drop_last != 0);
-    auto* h = new_handle<dpar_loader>(&d, loader);
+    auto* h = new_handle<dpar_loader>(loader);
     h->inputs.owned_by_parent = true;
     h->labels.owned_by_parent = true;
-    const_cast<dpar_dataset&>(d).loaders++;
     *out = h;
   });
 }
@@ -56,7 +52,6 @@ DPAR_API void dpar_loader_free(dpar_loader* loader) {
   if (!loader || !is_live(loader, HandleKind::kLoader)) return;
   unregister_handle(&loader->inputs);
   unregister_handle(&loader->labels);
-  const_cast<dpar_dataset*>(loader->dataset)->loaders--;
   free_handle(loader);
 }
 

@@ -121,6 +121,7 @@ DPAR_API dpar_status dpar_engine_split(size_t* out, const dpar_engine* engine, s
     DPAR_CHECK_ARG(capacity >= e.num_replicas(), "capacity: ", capacity, " is less than the ", e.num_replicas(),
                    " replicas");
     DPAR_CHECK_ARG(batch >= 1, "batch: must be at least 1");
+    DPAR_CHECK_ARG(batch <= static_cast<size_t>(INT64_MAX), "batch: ", batch, " is too large");
     auto rows = split_batch(static_cast<int64_t>(batch), e.num_replicas());
     for (size_t r = 0; r < rows.size(); ++r) out[r] = static_cast<size_t>(rows[r]);
   });
@@ -151,9 +152,9 @@ DPAR_API dpar_status dpar_engine_zero_grad(dpar_engine* engine) {
 }
 
 DPAR_API dpar_status dpar_engine_forward(dpar_tensor** out, dpar_engine* engine, const dpar_tensor* input) {
+  if (out) *out = nullptr;
   return with_engine(engine, [&](Engine& e) {
     checked_out(out);
-    *out = nullptr;
     Tensor y = e.forward(tensor_arg(input, "input"));
     auto* h = new_handle<dpar_tensor>();
     h->tensor = std::move(y);

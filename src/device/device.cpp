@@ -42,10 +42,11 @@ Device parse_device(const std::string& text) {
   }
   if (colon == std::string::npos) return d;
   std::string idx = text.substr(colon + 1);
-  char* end = nullptr;
-  long v = std::strtol(idx.c_str(), &end, 10);
-  DPAR_CHECK_ARG(!idx.empty() && *end == '\0' && v >= 0 && v < 1 << 20, "device \"", text,
-                 "\": index must be a non-negative integer");
+  // Digits only, no sign, no spaces, no leading zeros: one spelling per device.
+  const bool digits = !idx.empty() && idx.size() <= 7 && idx.find_first_not_of("0123456789") == std::string::npos &&
+                      (idx.size() == 1 || idx[0] != '0');
+  DPAR_CHECK_ARG(digits, "device \"", text, "\": index must be a non-negative integer");
+  long v = std::strtol(idx.c_str(), nullptr, 10);
   d.index = static_cast<int32_t>(v);
   return d;
 }

@@ -207,6 +207,7 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
   });
   pending_ = Pending::kLoss;
   pending_samples_ += batch;
+  forward_split_.clear();  // the replicas' forward state now belongs to this micro-batch
   return finish_loss(batch);
 }
 
@@ -214,7 +215,8 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
   check_usable("train_step");
   check_batch(input, &target, "train_step");
   DPAR_ENFORCE(pending_ == Pending::kNone, DPAR_ERR_INVALID_STATE,
-               "train_step: accumulated gradients are pending; call step() or zero_grad() first");
+               "train_step: gradients from ", pending_ == Pending::kLoss ? "accumulate()" : "backward()",
+               " are pending; call step() or zero_grad() first");
   const int64_t batch = input.rows();
   const auto split = split_batch(batch, replicas_.size());
   const float scale = static_cast<float>(1.0 / static_cast<double>(batch));
@@ -226,6 +228,7 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
     if (rep.rows > 0) local_loss_backward(rep, input, target, begin);
     sync_and_step(rep, scale);
   });
+  forward_split_.clear();
   return finish_loss(batch);
 }
 

@@ -37,8 +37,10 @@ void Dataset::normalize(float mean, float std) {
   for (float& x : inputs_) x = (x - mean) * inv;
 }
 
-Loader::Loader(const Dataset& dataset, size_t batch_size, bool shuffle, uint64_t seed, bool drop_last)
-    : dataset_(dataset), batch_size_(batch_size), shuffle_(shuffle), drop_last_(drop_last), seed_(seed) {
+Loader::Loader(std::shared_ptr<const Dataset> owner, size_t batch_size, bool shuffle, uint64_t seed, bool drop_last)
+    : owner_(std::move(owner)), dataset_(*owner_), batch_size_(batch_size), shuffle_(shuffle), drop_last_(drop_last),
+      seed_(seed) {
+  const Dataset& dataset = dataset_;
   DPAR_CHECK_ARG(batch_size >= 1, "batch_size: must be at least 1");
   DPAR_CHECK_ARG(!drop_last || batch_size <= dataset.size(), "batch_size: ", batch_size,
                  " exceeds the dataset's ", dataset.size(), " samples with drop_last");
@@ -49,7 +51,8 @@ Loader::Loader(const Dataset& dataset, size_t batch_size, bool shuffle, uint64_t
 }
 
 size_t Loader::num_batches() const {
-  return drop_last_ ? dataset_.size() / batch_size_ : (dataset_.size() + batch_size_ - 1) / batch_size_;
+  const size_t n = dataset_.size();
+  return n / batch_size_ + (!drop_last_ && n % batch_size_ != 0 ? 1 : 0);
 }
 
 void Loader::start_epoch(uint64_t epoch) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,8 @@ class Dataset {
 
 class Loader {
  public:
-  Loader(const Dataset& dataset, size_t batch_size, bool shuffle, uint64_t seed, bool drop_last);
+  // The loader shares the dataset, which therefore lives as long as either of them.
+  Loader(std::shared_ptr<const Dataset> dataset, size_t batch_size, bool shuffle, uint64_t seed, bool drop_last);
 
   size_t num_batches() const;
   // The permutation of epoch e is a function of (seed, e) alone: restarting an epoch replays it.
@@ -39,6 +41,7 @@ class Loader {
   bool next(Tensor& inputs, Tensor& labels);
 
  private:
+  std::shared_ptr<const Dataset> owner_;
   const Dataset& dataset_;
   size_t batch_size_;
   bool shuffle_, drop_last_;
