@@ -67,15 +67,23 @@ EngineConfig cpu_devices(size_t n) {
   return c;
 }
 
+// The context of a replica that runs on the test's own thread, outside any engine.
+struct Standalone {
+  uint64_t rng_offset = 0;
+  Fault fault = Fault::kNone;
+  ReplicaContext ctx;
+  Standalone() {
+    ctx.rng_offset = &rng_offset;
+    ctx.armed_fault = &fault;
+  }
+};
+
 // Single-device full-batch training, written without the engine: forward the whole batch, cross-entropy mean,
 // backward, optimizer step.
 std::vector<float> reference_training(const Model& model, const OptimizerConfig& opt, const std::vector<Batch>& data,
                                       int steps) {
-  uint64_t rng_offset = 0;
-  Fault fault = Fault::kNone;
-  ReplicaContext ctx;
-  ctx.rng_offset = &rng_offset;
-  ctx.armed_fault = &fault;
+  Standalone single;
+  const ReplicaContext& ctx = single.ctx;
   ReplicaModel replica(model, ctx);
   Optimizer optimizer(opt, replica.num_params());
   for (int s = 0; s < steps; ++s) {
@@ -195,11 +203,8 @@ TEST(Engine, MseLossMatchesReference) {
   for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = normal(gen);
   for (int64_t i = 0; i < y.numel(); ++i) y.f32()[i] = normal(gen);
 
-  uint64_t off = 0;
-  Fault fault = Fault::kNone;
-  ReplicaContext ctx;
-  ctx.rng_offset = &off;
-  ctx.armed_fault = &fault;
+  Standalone single;
+  const ReplicaContext& ctx = single.ctx;
   ReplicaModel ref(model, ctx);
   Optimizer ref_opt(sgd_momentum(), ref.num_params());
   EngineConfig config = cpu_devices(3);
