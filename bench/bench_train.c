@@ -1,0 +1,466 @@
+/* bench_train: what dpar's DataParallel engine delivers, through the C ABI only (dpar.h, libdpar.so).
+ *
+ *   bench_train [--rounds R] [--seconds S] [--pin] [--only a|b]
+ *
+ * (a) Training throughput of the demo MLP 784-256-128-10 (ReLU, softmax cross-entropy, Adam lr 1e-3) at batch
+ *     256 on synthetic random data: 1 device (1 BLAS thread), 2 devices (1 BLAS thread each), and 1 device with
+ *     2 BLAS threads (what a user would otherwise run), interleaved in rounds; medians of per-step times.
+ * (b) The engine's own cost per dpar_engine_train_step on a 5->2 linear model at batch 30 (cross-entropy over 2
+ *     classes, SGD) over 4, 2 and 1 devices, beside a hand-written C step of the same arithmetic (the compute
+ *     that any implementation must do), so that the overhead is separable.
+ *
+ * Between rounds it measures the core-to-core latency that tells where the host placed the two vCPUs.
+ * --pin pins replica r's worker to CPU r mod ncpu from the forward hook (an experiment: the engine does not pin).
+ * See bench/README.md. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench_util.h"
+#include "dpar.h"
+
+#define CHECK(call)                                                                          \
+  do {                                                                                       \
+    dpar_status s_ = (call);                                                                 \
+    if (s_ != DPAR_OK) {                                                                     \
+      fprintf(stderr, "%s failed: %s: %s\n", #call, dpar_status_str(s_), dpar_last_error()); \
+      exit(1);                                                                               \
+    }                                                                                        \
+  } while (0)
+
+static int g_cpus[1024];
+static int g_ncpu = 1;
+static int g_pin = 0;
+/* A block during which other processes used this share of the CPUs or more is marked disturbed. */
+static const double kDisturbed = 0.10;
+
+/* ---- small helpers ---------------------------------------------------------------------------------------- */
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static uint64_t next_u64(void) { /* splitmix64 */
+  uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+static float uniform(void) { return (float)((double)(next_u64() >> 11) * (1.0 / 9007199254740992.0)); }
+
+static void *xmalloc(size_t n) {
+  void *p = malloc(n ? n : 1);
+  if (!p) {
+    fprintf(stderr, "out of memory\n");
+    exit(1);
+  }
+  return p;
+}
+
+/* Pins each replica's worker thread once, from the forward hook (it runs on the worker). */
+static int g_pinned[256];
+static void pin_hook(void *payload, size_t replica, const int64_t *in, size_t in_ndim, const int64_t *out,
+                     size_t out_ndim) {
+  (void)payload, (void)in, (void)in_ndim, (void)out, (void)out_ndim;
+  if (replica < 256 && !g_pinned[replica]) {
+    bench_pin_self(g_cpus[replica % (size_t)g_ncpu]);
+    g_pinned[replica] = 1;
+  }
+}
+
+static dpar_engine *make_engine(const dpar_model *model, const dpar_optimizer_options *opt, int32_t loss,
+                                size_t num_cpu_devices, size_t devices, int blas_threads) {
+  int32_t ids[256];
+  for (size_t i = 0; i < devices; ++i) ids[i] = (int32_t)i;
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = num_cpu_devices;
+  eo.device_ids = ids;
+  eo.num_device_ids = devices;
+  eo.loss = loss;
+  eo.blas_threads = blas_threads;
+  dpar_engine *e = NULL;
+  CHECK(dpar_engine_create(&e, model, opt, &eo));
+  if (g_pin) {
+    memset(g_pinned, 0, sizeof g_pinned);
+    CHECK(dpar_engine_set_forward_hook(e, pin_hook, NULL));
+  }
+  return e;
+}
+
+static double probe(void) { return bench_core_latency_ns(g_cpus[0], g_ncpu > 1 ? g_cpus[1] : g_cpus[0]); }
+
+/* A growable list of doubles. */
+typedef struct vec {
+  double *v;
+  size_t n, cap;
+} vec;
+static void vec_push(vec *a, double x) {
+  if (a->n == a->cap) {
+    a->cap = a->cap ? 2 * a->cap : 1024;
+    double *nv = (double *)realloc(a->v, a->cap * sizeof(double));
+    if (!nv) {
+      fprintf(stderr, "out of memory\n");
+      exit(1);
+    }
+    a->v = nv;
+  }
+  a->v[a->n++] = x;
+}
+static double vec_median(const vec *a) {
+  if (!a->n) return 0;
+  double *t = (double *)xmalloc(a->n * sizeof(double));
+  memcpy(t, a->v, a->n * sizeof(double));
+  double m = bench_median(t, a->n);
+  free(t);
+  return m;
+}
+static double vec_sum(const vec *a) {
+  double s = 0;
+  for (size_t i = 0; i < a->n; ++i) s += a->v[i];
+  return s;
+}
+
+/* Times steps on `engine` for about `seconds` (at least min_steps) after `warmup` steps; appends each step's time
+ * to all and returns the block's median. */
+static double time_steps(dpar_engine *engine, dpar_tensor **x, dpar_tensor **y, int nbatches, int warmup,
+                         int min_steps, double seconds, vec *all) {
+  int b = 0;
+  for (int i = 0; i < warmup; ++i, b = (b + 1) % nbatches) CHECK(dpar_engine_train_step(NULL, engine, x[b], y[b]));
+  vec block = {0};
+  const double start = bench_now();
+  for (int i = 0;; ++i, b = (b + 1) % nbatches) {
+    const double t0 = bench_now();
+    CHECK(dpar_engine_train_step(NULL, engine, x[b], y[b]));
+    const double t1 = bench_now();
+    vec_push(&block, t1 - t0);
+    vec_push(all, t1 - t0);
+    if (i + 1 >= min_steps && t1 - start >= seconds) break;
+  }
+  double m = vec_median(&block);
+  free(block.v);
+  return m;
+}
+
+/* ---- (a) throughput ------------------------------------------------------------------------------------------ */
+
+enum { kBatchA = 256, kFeatures = 784, kClasses = 10, kBatchesA = 8, kConfigs = 3 };
+
+typedef struct config {
+  const char *name;
+  size_t devices;
+  int blas_threads;
+} config;
+
+static const config kConfigsA[kConfigs] = {
+    {"1 device, 1 BLAS thread", 1, 1},
+    {"2 devices, 1 BLAS thread each", 2, 1},
+    {"1 device, 2 BLAS threads", 1, 2},
+};
+
+static void part_a(int rounds, double seconds) {
+  printf("(a) training throughput: MLP 784-256-128-10 (ReLU), softmax cross-entropy, Adam lr 1e-3, batch %d,\n"
+         "    synthetic data (%d random batches, cycled). %d rounds; each round runs every configuration once (the\n"
+         "    order rotates) on a fresh engine (OpenBLAS's thread count is process-wide and is set when an engine\n"
+         "    is created), 10 warm-up steps, then ~%.2f s of timed steps; samples/s = %d / median step time\n",
+         kBatchA, kBatchesA, rounds, seconds, kBatchA);
+  dpar_model *model = NULL;
+  dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
+  mo.seed = 1;
+  CHECK(dpar_model_create(&model, &mo));
+  CHECK(dpar_model_add_linear(model, kFeatures, 256, 1));
+  CHECK(dpar_model_add_activation(model, DPAR_RELU));
+  CHECK(dpar_model_add_linear(model, 256, 128, 1));
+  CHECK(dpar_model_add_activation(model, DPAR_RELU));
+  CHECK(dpar_model_add_linear(model, 128, kClasses, 1));
+  int64_t nparams = 0;
+  CHECK(dpar_model_num_param_elements(&nparams, model));
+  printf("    %lld parameters (%.2f MiB of f32 gradients all-reduced per step with 2 devices)\n", (long long)nparams,
+         (double)nparams * 4.0 / 1048576.0);
+
+  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
+  oo.kind = DPAR_ADAM;
+  oo.lr = 1e-3f;
+
+  dpar_tensor *x[kBatchesA], *y[kBatchesA];
+  dpar_device cpu0 = {DPAR_DEVICE_CPU, 0};
+  float *xs = (float *)xmalloc(sizeof(float) * kBatchA * kFeatures);
+  int32_t ys[kBatchA];
+  for (int b = 0; b < kBatchesA; ++b) {
+    for (int i = 0; i < kBatchA * kFeatures; ++i) xs[i] = uniform();  /* pixels in [0, 1) */
+    for (int i = 0; i < kBatchA; ++i) ys[i] = (int32_t)(next_u64() % kClasses);
+    const int64_t xshape[2] = {kBatchA, kFeatures}, yshape[1] = {kBatchA};
+    CHECK(dpar_tensor_create(&x[b], DPAR_F32, xshape, 2, cpu0));
+    CHECK(dpar_tensor_create(&y[b], DPAR_I32, yshape, 1, cpu0));
+    CHECK(dpar_tensor_copy_from_host(x[b], xs, sizeof(float) * kBatchA * kFeatures));
+    CHECK(dpar_tensor_copy_from_host(y[b], ys, sizeof ys));
+  }
+  free(xs);
+
+  vec all[kConfigs] = {{0}};
+  double *round_med = (double *)xmalloc(sizeof(double) * (size_t)rounds * kConfigs);
+  double *lat = (double *)xmalloc(sizeof(double) * (size_t)(rounds + 1));
+  int *clean = (int *)xmalloc(sizeof(int) * (size_t)rounds);
+  printf("\n    %-22s | %9s %9s %9s | %8s %8s | %s\n", "round (placement)", "1dev/1bt", "2dev/1bt", "1dev/2bt",
+         "2dev/1dev", "2dev/2bt", "other processes");
+  printf("    %-22s | %29s | %17s | (most in a block)\n", "", "samples/s (block median)", "ratios");
+  for (int r = 0; r < rounds; ++r) {
+    lat[r] = probe();
+    double others = 0;
+    for (int k = 0; k < kConfigs; ++k) {
+      const int c = (k + r) % kConfigs;
+      dpar_engine *e = make_engine(model, &oo, DPAR_LOSS_CROSS_ENTROPY, 2, kConfigsA[c].devices,
+                                   kConfigsA[c].blas_threads);
+      bench_cpu_usage u0, u1;
+      bench_cpu_usage_now(&u0);
+      const double m = time_steps(e, x, y, kBatchesA, 10, 20, seconds, &all[c]);
+      bench_cpu_usage_now(&u1);
+      const double o = bench_others_share(&u0, &u1, g_ncpu);
+      others = o > others ? o : others;
+      round_med[r * kConfigs + c] = m;
+      dpar_engine_free(e);
+      /* OpenBLAS's idle threads keep yielding for ~0.1 s before they sleep: let them, before the next block. */
+      usleep(150000);
+    }
+    clean[r] = others < kDisturbed;
+    const double *m = &round_med[r * kConfigs];
+    char label[64];
+    snprintf(label, sizeof label, "%d (%.0f ns %s)", r, lat[r], bench_placement_tag(lat[r]));
+    printf("    %-22s | %9.0f %9.0f %9.0f | %8.2fx %7.2fx | %4.0f%%%s\n", label, kBatchA / m[0], kBatchA / m[1],
+           kBatchA / m[2], m[0] / m[1], m[2] / m[1], 100 * others, clean[r] ? "" : "  disturbed");
+  }
+  lat[rounds] = probe();
+  printf("    latency after the last round: %.0f ns (%s)\n\n", lat[rounds], bench_placement_class(lat[rounds]));
+
+  double med[kConfigs];
+  printf("    %-32s | %9s | %10s | %10s | %6s\n", "configuration", "median ms", "samples/s", "samples/s", "steps");
+  printf("    %-32s | %9s | %10s | %10s |\n", "", "per step", "(median)", "(mean)");
+  for (int c = 0; c < kConfigs; ++c) {
+    med[c] = vec_median(&all[c]);
+    printf("    %-32s | %9.3f | %10.0f | %10.0f | %6zu\n", kConfigsA[c].name, med[c] * 1e3, kBatchA / med[c],
+           (double)kBatchA * (double)all[c].n / vec_sum(&all[c]), all[c].n);
+  }
+  /* Ratios of the overall medians, and the medians of the per-round ratios (each round at one placement), over
+   * all rounds and over the rounds that no other process disturbed. */
+  double r1[64], r2[64], c1[64], c2[64];
+  int nr = 0, nc = 0;
+  for (int r = 0; r < rounds; ++r) {
+    r1[nr] = round_med[r * kConfigs + 0] / round_med[r * kConfigs + 1];
+    r2[nr] = round_med[r * kConfigs + 2] / round_med[r * kConfigs + 1];
+    if (clean[r]) {
+      c1[nc] = r1[nr];
+      c2[nc++] = r2[nr];
+    }
+    ++nr;
+  }
+  const double ratio1 = med[0] / med[1], ratio2 = med[2] / med[1];
+  printf("\n    %-42s | %8s | %s | %s\n", "", "overall", "per-round ratios, median", "undisturbed rounds");
+  printf("    %-42s | %8s | %24s | %s\n", "", "medians", "(all rounds)", "only (median)");
+  char cl1[64] = "none", cl2[64] = "none";
+  if (nc) {
+    snprintf(cl1, sizeof cl1, "%.2fx (%d of %d)", bench_median(c1, (size_t)nc), nc, rounds);
+    snprintf(cl2, sizeof cl2, "%.2fx (%d of %d)", bench_median(c2, (size_t)nc), nc, rounds);
+  }
+  printf("    %-42s | %7.2fx | %23.2fx | %s\n", "2 devices / 1 device (1 BLAS thread)", ratio1,
+         bench_median(r1, (size_t)nr), cl1);
+  printf("    %-42s | %7.2fx | %23.2fx | %s\n", "2 devices / 1 device with 2 BLAS threads", ratio2,
+         bench_median(r2, (size_t)nr), cl2);
+  /* The aims, judged on the undisturbed rounds when there are any. */
+  const double a1 = nc ? bench_median(c1, (size_t)nc) : ratio1, a2 = nc ? bench_median(c2, (size_t)nc) : ratio2;
+  printf("    aims (%s): 2dev/1dev %.2fx >= 1.70x: %s; 2dev/(1dev, 2 BLAS threads) %.2fx >= 1.00x: %s\n",
+         nc ? "undisturbed rounds" : "all rounds; every round was disturbed", a1, a1 >= 1.7 ? "met" : "NOT met", a2,
+         a2 >= 1.0 ? "met" : "NOT met");
+
+  for (int c = 0; c < kConfigs; ++c) free(all[c].v);
+  free(round_med);
+  free(lat);
+  free(clean);
+  for (int b = 0; b < kBatchesA; ++b) {
+    dpar_tensor_free(x[b]);
+    dpar_tensor_free(y[b]);
+  }
+  dpar_model_free(model);
+}
+
+/* ---- (b) engine overhead ------------------------------------------------------------------------------------- */
+
+enum { kBatchB = 30, kInB = 5, kOutB = 2, kBatchesB = 4 };
+
+/* The same step by hand: logits = x W^T + b, softmax cross-entropy (mean), its gradient, SGD. The arithmetic any
+ * implementation must do for this model, with no hand-off, no allocation and no BLAS call overhead. */
+static float hand_step(float *w, float *bias, const float *x, const int32_t *y, float lr) {
+  float gw[kOutB * kInB] = {0}, gb[kOutB] = {0};
+  float loss = 0;
+  for (int i = 0; i < kBatchB; ++i) {
+    float z[kOutB], mx = -INFINITY;
+    for (int o = 0; o < kOutB; ++o) {
+      float s = bias[o];
+      for (int k = 0; k < kInB; ++k) s += x[i * kInB + k] * w[o * kInB + k];
+      z[o] = s;
+      mx = z[o] > mx ? z[o] : mx;
+    }
+    float sum = 0;
+    for (int o = 0; o < kOutB; ++o) sum += expf(z[o] - mx);
+    loss += logf(sum) + mx - z[y[i]];
+    for (int o = 0; o < kOutB; ++o) {
+      float g = (expf(z[o] - mx) / sum - (o == y[i] ? 1.0f : 0.0f)) / kBatchB;
+      gb[o] += g;
+      for (int k = 0; k < kInB; ++k) gw[o * kInB + k] += g * x[i * kInB + k];
+    }
+  }
+  for (int j = 0; j < kOutB * kInB; ++j) w[j] -= lr * gw[j];
+  for (int o = 0; o < kOutB; ++o) bias[o] -= lr * gb[o];
+  return loss / kBatchB;
+}
+
+static double time_hand_step(const float *xs, const int32_t *ys) {
+  float w[kOutB * kInB], b[kOutB];
+  for (int j = 0; j < kOutB * kInB; ++j) w[j] = uniform() - 0.5f;
+  for (int o = 0; o < kOutB; ++o) b[o] = 0;
+  volatile float sink = 0;
+  enum { kReps = 1000, kRuns = 31 };
+  double runs[kRuns];
+  for (int run = 0; run < kRuns; ++run) {
+    const double t0 = bench_now();
+    for (int i = 0; i < kReps; ++i) sink += hand_step(w, b, xs + (size_t)(i % kBatchesB) * kBatchB * kInB,
+                                                      ys + (size_t)(i % kBatchesB) * kBatchB, 0.01f);
+    runs[run] = (bench_now() - t0) / kReps;
+  }
+  (void)sink;
+  return bench_median(runs, kRuns);
+}
+
+static void part_b(int rounds, double seconds) {
+  printf("(b) engine overhead: linear 5->2 (bias), cross-entropy over 2 classes, SGD lr 0.01, batch %d, synthetic\n"
+         "    data; median time of one dpar_engine_train_step (timed one by one) over %d interleaved rounds of\n"
+         "    ~%.2f s per configuration (after 200 warm-up steps); engines on num_cpu_devices = 4\n",
+         kBatchB, rounds, seconds);
+  dpar_model *model = NULL;
+  CHECK(dpar_model_create(&model, NULL));
+  CHECK(dpar_model_add_linear(model, kInB, kOutB, 1));
+  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT; /* SGD, lr 0.01 */
+
+  dpar_tensor *x[kBatchesB], *y[kBatchesB];
+  float xs[kBatchesB * kBatchB * kInB];
+  int32_t ys[kBatchesB * kBatchB];
+  dpar_device cpu0 = {DPAR_DEVICE_CPU, 0};
+  for (int i = 0; i < kBatchesB * kBatchB * kInB; ++i) xs[i] = 2 * uniform() - 1;
+  for (int i = 0; i < kBatchesB * kBatchB; ++i) ys[i] = (int32_t)(next_u64() % kOutB);
+  for (int b = 0; b < kBatchesB; ++b) {
+    const int64_t xshape[2] = {kBatchB, kInB}, yshape[1] = {kBatchB};
+    CHECK(dpar_tensor_create(&x[b], DPAR_F32, xshape, 2, cpu0));
+    CHECK(dpar_tensor_create(&y[b], DPAR_I32, yshape, 1, cpu0));
+    CHECK(dpar_tensor_copy_from_host(x[b], xs + b * kBatchB * kInB, sizeof(float) * kBatchB * kInB));
+    CHECK(dpar_tensor_copy_from_host(y[b], ys + b * kBatchB, sizeof(int32_t) * kBatchB));
+  }
+
+  enum { kN = 3 };
+  const size_t devs[kN] = {4, 2, 1};
+  dpar_engine *eng[kN];
+  for (int c = 0; c < kN; ++c) eng[c] = make_engine(model, &oo, DPAR_LOSS_CROSS_ENTROPY, 4, devs[c], 1);
+  vec all[kN] = {{0}};
+  printf("\n    %-22s | %9s %9s %9s | %s\n", "round (placement)", "4 dev", "2 dev", "1 dev", "other processes");
+  printf("    %-22s | %29s | (most in a block)\n", "", "us per step (block median)");
+  for (int r = 0; r < rounds; ++r) {
+    const double l = probe();
+    double m[kN], others = 0;
+    for (int k = 0; k < kN; ++k) {
+      const int c = (k + r) % kN;
+      bench_cpu_usage u0, u1;
+      bench_cpu_usage_now(&u0);
+      m[c] = time_steps(eng[c], x, y, kBatchesB, 200, 200, seconds, &all[c]);
+      bench_cpu_usage_now(&u1);
+      const double o = bench_others_share(&u0, &u1, g_ncpu);
+      others = o > others ? o : others;
+    }
+    char label[64];
+    snprintf(label, sizeof label, "%d (%.0f ns %s)", r, l, bench_placement_tag(l));
+    printf("    %-22s | %9.2f %9.2f %9.2f | %4.0f%%%s\n", label, m[0] * 1e6, m[1] * 1e6, m[2] * 1e6, 100 * others,
+           others < kDisturbed ? "" : "  disturbed");
+  }
+  const double l = probe();
+  printf("    latency after the last round: %.0f ns (%s)\n\n", l, bench_placement_class(l));
+  for (int c = 0; c < kN; ++c) dpar_engine_free(eng[c]);
+
+  const double hand = time_hand_step(xs, ys);
+  double med[kN];
+  printf("    %-44s | %9s | %9s | %9s | %8s\n", "", "median us", "p10 us", "p90 us", "steps");
+  for (int c = 0; c < kN; ++c) {
+    double *t = (double *)xmalloc(all[c].n * sizeof(double));
+    memcpy(t, all[c].v, all[c].n * sizeof(double));
+    med[c] = bench_median(t, all[c].n);
+    char name[64];
+    snprintf(name, sizeof name, "dpar_engine_train_step, %zu device%s", devs[c], devs[c] > 1 ? "s" : "");
+    printf("    %-44s | %9.2f | %9.2f | %9.2f | %8zu\n", name, med[c] * 1e6,
+           bench_quantile_sorted(t, all[c].n, 0.1) * 1e6, bench_quantile_sorted(t, all[c].n, 0.9) * 1e6, all[c].n);
+    free(t);
+    free(all[c].v);
+  }
+  printf("    %-44s | %9.3f |\n", "hand-written C step, whole batch (compute)", hand * 1e6);
+  printf("\n    engine overhead per step = step time - compute (the whole batch's compute, an upper bound of the\n"
+         "    critical path's compute with several devices):\n");
+  for (int c = 0; c < kN; ++c)
+    printf("      %zu device%s: %7.2f us%s\n", devs[c], devs[c] > 1 ? "s" : " ", (med[c] - hand) * 1e6,
+           devs[c] == 4 ? ((med[c] - hand) * 1e6 < 50.0 ? "   aim < 50 us: met" : "   aim < 50 us: NOT met") : "");
+
+  for (int b = 0; b < kBatchesB; ++b) {
+    dpar_tensor_free(x[b]);
+    dpar_tensor_free(y[b]);
+  }
+  dpar_model_free(model);
+}
+
+/* ---- main ------------------------------------------------------------------------------------------------------ */
+
+static void usage(const char *argv0) {
+  fprintf(stderr,
+          "usage: %s [--rounds R] [--seconds S] [--pin] [--only a|b]\n"
+          "  --rounds R   interleaved rounds (default 12; at most 64)\n"
+          "  --seconds S  timed seconds per configuration per round (default 0.3)\n"
+          "  --pin        pin replica r's worker to CPU r mod ncpu (from the forward hook), as an experiment\n"
+          "  --only a|b   run one part\n",
+          argv0);
+  exit(2);
+}
+
+int main(int argc, char **argv) {
+  int rounds = 12;
+  double seconds = 0.3;
+  int run_a = 1, run_b = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "--rounds") && i + 1 < argc)
+      rounds = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--seconds") && i + 1 < argc)
+      seconds = atof(argv[++i]);
+    else if (!strcmp(argv[i], "--pin"))
+      g_pin = 1;
+    else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
+      ++i;
+      run_a = !strcmp(argv[i], "a");
+      run_b = !strcmp(argv[i], "b");
+    } else
+      usage(argv[0]);
+  }
+  if (rounds < 1 || rounds > 64 || !(seconds > 0)) usage(argv[0]);
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  g_ncpu = bench_allowed_cpus(g_cpus, 1024);
+
+  printf("bench_train: dpar %s through its C ABI; training throughput and the engine's overhead per step\n",
+         dpar_version_string());
+  bench_cpu_usage u0, u1;
+  bench_cpu_usage_now(&u0);
+  bench_print_machine(stdout);
+  printf("workers: %s; placement = one-way latency CPU %d <-> CPU %d (~15 ns SMT siblings, 35-45 ns shared L3,\n"
+         "180-230 ns far; compare configurations only at equal placement)\n\n",
+         g_pin ? "pinned, replica r on CPU r mod ncpu (--pin)" : "not pinned (the engine's default)", g_cpus[0],
+         g_ncpu > 1 ? g_cpus[1] : g_cpus[0]);
+  if (run_a) part_a(rounds, seconds);
+  if (run_a && run_b) printf("\n");
+  if (run_b) part_b(rounds, seconds);
+  bench_cpu_usage_now(&u1);
+  printf("\n");
+  bench_print_cpu_usage(stdout, &u0, &u1, g_ncpu);
+  return 0;
+}
