@@ -380,10 +380,13 @@ typedef struct dpar_engine_options {
   double timeout_seconds;   /**< How long a worker waits for the others in a collective. Default 300. */
   int32_t blas_threads;     /**< BLAS threads inside each CPU worker. Default 1 (no oversubscription). OpenBLAS's
                                  thread count is process-wide: the engine created last sets it for all. */
+  int32_t pin_workers;      /**< Nonzero (default): worker r runs on the r-th CPU (mod their number) of the process's
+                                 affinity mask, as `mpirun --bind-to core` binds ranks. A worker that sleeps between
+                                 steps is otherwise often woken on a core that another worker is using. */
 } dpar_engine_options;
 #define DPAR_ENGINE_OPTIONS_VERSION 1
 #define DPAR_ENGINE_OPTIONS_INIT \
-  {sizeof(dpar_engine_options), DPAR_ENGINE_OPTIONS_VERSION, DPAR_DEVICE_CPU, 0, NULL, 0, -1, DPAR_LOSS_CROSS_ENTROPY, 0, 300.0, 1}
+  {sizeof(dpar_engine_options), DPAR_ENGINE_OPTIONS_VERSION, DPAR_DEVICE_CPU, 0, NULL, 0, -1, DPAR_LOSS_CROSS_ENTROPY, 0, 300.0, 1, 1}
 /** @brief Fills @p opts with defaults. */
 DPAR_API dpar_status dpar_engine_options_init(dpar_engine_options *opts);
 

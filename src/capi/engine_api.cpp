@@ -45,6 +45,7 @@ EngineConfig engine_config(const dpar_engine_options& o) {
   c.seed = o.seed;
   c.timeout_seconds = o.timeout_seconds;
   c.blas_threads = o.blas_threads;
+  c.pin_workers = o.pin_workers != 0;
   return c;
 }
 

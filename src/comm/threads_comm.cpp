@@ -80,7 +80,7 @@ class ThreadCommunicator final : public Communicator {
 };
 
 ThreadGroup::ThreadGroup(std::vector<std::string> names, std::chrono::duration<double> timeout)
-    : names_(std::move(names)), timeout_(timeout), slots_(names_.size()) {
+    : names_(std::move(names)), timeout_(timeout), spin_(spin_policy(names_.size())), slots_(names_.size()) {
   DPAR_ENFORCE(!names_.empty() && names_.size() <= 256, DPAR_ERR_INVALID_ARGUMENT,
                "thread group: size must be 1 to 256, got ", names_.size());
 }
@@ -126,7 +126,7 @@ void ThreadGroup::arrive_and_wait(int rank, const char* operation) {
   }
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout_);
   while (generation_.load() == gen) {
-    if (!generation_.wait_while_equal(gen, deadline)) {
+    if (!generation_.wait_while_equal(gen, deadline, spin_)) {
       std::ostringstream missing;
       for (int r = 0; r < size(); ++r)
         if (slots_[r].arrivals.load() < my_arrival) missing << (missing.tellp() ? ", " : "") << names_[r];

@@ -44,6 +44,7 @@ class ThreadGroup {
 
   std::vector<std::string> names_;
   std::chrono::duration<double> timeout_;
+  Spin spin_;  // whether all participants fit on the cores
   std::vector<Slot> slots_;
   alignas(64) std::atomic<uint32_t> arrived_{0};
   alignas(64) WaitWord generation_;

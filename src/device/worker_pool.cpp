@@ -1,6 +1,10 @@
 #include "device/worker_pool.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <chrono>
+#include <vector>
 
 namespace dpar {
 namespace {
@@ -8,7 +12,22 @@ namespace {
 Clock::time_point far_future() { return Clock::now() + std::chrono::hours(24 * 365); }
 }  // namespace
 
-WorkerPool::WorkerPool(size_t size, std::function<void(size_t)> on_start) : errors_(size) {
+void pin_to_cpu(size_t i) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  if (cpus.empty()) return;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpus[i % cpus.size()], &one);
+  pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+}
+
+WorkerPool::WorkerPool(size_t size, std::function<void(size_t)> on_start)
+    : errors_(size), spin_(spin_policy(size + 1)) {
   threads_.reserve(size);
   for (size_t w = 0; w < size; ++w) threads_.emplace_back([this, w, on_start] { loop(w, on_start); });
 }
@@ -26,7 +45,7 @@ std::vector<std::exception_ptr> WorkerPool::run_all(const std::function<void(siz
   // The release in the increment publishes job_ and errors_ to the workers.
   generation_.increment_and_wake();
   const uint32_t target = start_done + static_cast<uint32_t>(threads_.size());
-  for (uint32_t seen = done_.load(); seen != target; seen = done_.load()) done_.wait_while_equal(seen, far_future());
+  for (uint32_t seen = done_.load(); seen != target; seen = done_.load()) done_.wait_while_equal(seen, far_future(), spin_);
   job_ = nullptr;
   return errors_;
 }
@@ -36,7 +55,7 @@ void WorkerPool::loop(size_t worker, const std::function<void(size_t)>& on_start
   // The generation every worker was created under; a job may already have been posted before this thread ran.
   uint32_t seen = 0;
   for (;;) {
-    while (generation_.load() == seen) generation_.wait_while_equal(seen, far_future());
+    while (generation_.load() == seen) generation_.wait_while_equal(seen, far_future(), spin_);
     seen = generation_.load();
     if (stopping_) return;
     try {

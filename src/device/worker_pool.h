@@ -14,6 +14,10 @@
 
 namespace dpar {
 
+// Binds the calling thread to the i-th CPU (mod their number) of the process's affinity mask. Best effort: a
+// failure leaves the thread where it is.
+void pin_to_cpu(size_t i);
+
 class WorkerPool {
  public:
   // Starts `size` threads. `on_start(worker)` runs first on each thread (e.g. to set per-thread BLAS state).
@@ -36,6 +40,7 @@ class WorkerPool {
   std::vector<std::exception_ptr> errors_;
   WaitWord generation_;  // bumped to start a job; workers wait on it
   WaitWord done_;        // counts workers that finished the current job
+  Spin spin_;            // whether the workers and the caller (size + 1 threads) fit on the cores
   std::atomic<bool> stopping_{false};
 };
 

@@ -1,6 +1,7 @@
 // Engine checkpoints in the safetensors layout: parameters under their state_dict names ("0.weight"), optimizer
 // state as "optimizer.<state>.<name>", and the rest (step count, optimizer, RNG streams) as metadata. Every
 // replica holds the same parameters and optimizer state, so replica 0's are saved and loaded into all.
+#include <algorithm>
 #include <cstring>
 #include <map>
 
@@ -30,11 +31,21 @@ void Engine::save(const std::string& path) const {
   for (const ParamInfo& p : model_.params())
     views.push_back({p.name, "F32", std::vector<int64_t>(p.shape.data(), p.shape.data() + p.shape.ndim()),
                      params + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
-  for (auto& [state_name, buffer] : rep.optimizer->state())
+  // Each replica's optimizer state is current for its own shard (sync_and_step): gather the shards.
+  auto state_names = rep.optimizer->state();
+  std::vector<std::vector<float>> gathered(state_names.size());
+  for (size_t s = 0; s < state_names.size(); ++s) {
+    gathered[s].resize(static_cast<size_t>(model_.num_param_elements()));
+    for (size_t r = 0; r < replicas_.size(); ++r) {
+      const auto [begin, end] = optimizer_shard(r);
+      const float* src = replicas_[r]->optimizer->state()[s].second->data();
+      std::copy(src + begin, src + end, gathered[s].begin() + begin);
+    }
     for (const ParamInfo& p : model_.params())
-      views.push_back({"optimizer." + state_name + "." + p.name, "F32",
+      views.push_back({"optimizer." + state_names[s].first + "." + p.name, "F32",
                        std::vector<int64_t>(p.shape.data(), p.shape.data() + p.shape.ndim()),
-                       buffer->data() + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
+                       gathered[s].data() + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
+  }
   std::map<std::string, std::string> meta{
       {"format", kFormat},
       {"dpar.optimizer", rep.optimizer->config().name()},

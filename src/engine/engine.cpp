@@ -50,7 +50,7 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   }
   group_ = std::make_unique<ThreadGroup>(names, std::chrono::duration<double>(config_.timeout_seconds));
   for (size_t r = 0; r < n; ++r) replicas_[r]->comm = group_->communicator(static_cast<int>(r));
-  pool_ = std::make_unique<WorkerPool>(n, nullptr);
+  pool_ = std::make_unique<WorkerPool>(n, config_.pin_workers ? pin_to_cpu : nullptr);
 
   // Each replica is built on its own worker: its memory is first touched (and, for a GPU, allocated) there.
   // This is the only time the model is copied to the devices.
@@ -179,10 +179,28 @@ void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor
   rep.has_grad = true;
 }
 
+std::pair<int64_t, int64_t> Engine::optimizer_shard(size_t replica) const {
+  // Cache-line-aligned slices, so that no two workers write the same line of a replica's parameters.
+  const int64_t n = model_.num_param_elements(), parts = static_cast<int64_t>(replicas_.size());
+  const int64_t per = ((n + parts - 1) / parts + 15) / 16 * 16;
+  const int64_t begin = std::min(n, per * static_cast<int64_t>(replica));
+  return {begin, std::min(n, begin + per)};
+}
+
 void Engine::sync_and_step(Replica& rep, float scale) {
   rep.comm->all_reduce_sum(rep.model->grads(), static_cast<size_t>(rep.model->num_params()), rep.has_grad, scale);
   rep.stepped = true;
-  rep.optimizer->step(rep.model->params(), rep.model->grads());
+  // Every replica now holds the same summed gradient, so the optimizer's result is the same on all of them. Each
+  // worker computes it for its own shard only and writes that shard into every replica: the replicas end
+  // identical, bit for bit, as if each had stepped everything, for 1/n of the optimizer's work. (Its state for a
+  // shard is current in the shard's owner only; save() gathers it.) No replica reads parameters until the next
+  // job, and run() returns only when every worker is done, so the writes need no barrier of their own.
+  const auto [begin, end] = optimizer_shard(rep.ctx.replica);
+  rep.optimizer->step_range(rep.model->params(), rep.model->grads(), begin, end);
+  for (auto& other : replicas_)
+    if (other.get() != &rep)
+      std::memcpy(other->model->params() + begin, rep.model->params() + begin,
+                  static_cast<size_t>(end - begin) * sizeof(float));
   rep.has_grad = false;
 }
 

@@ -30,6 +30,7 @@ struct EngineConfig {
   uint64_t seed = 0;
   double timeout_seconds = 300.0;
   int32_t blas_threads = 1;
+  bool pin_workers = true;
 };
 
 class Engine {
@@ -89,6 +90,8 @@ class Engine {
   // Forward on rows [begin, begin+rows) of input, loss and backward: the worker's half of accumulate.
   void local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin);
   void sync_and_step(Replica& rep, float scale);
+  // Elements [begin, end) of the flat parameters whose optimizer step replica `replica` computes.
+  std::pair<int64_t, int64_t> optimizer_shard(size_t replica) const;
   double finish_loss(int64_t batch);
 
   Model model_;

@@ -55,15 +55,19 @@ Optimizer::Optimizer(const OptimizerConfig& config, int64_t num_params) : config
   }
 }
 
-void Optimizer::step(float* params, const float* grads) {
+void Optimizer::step_range(float* params, const float* grads, int64_t begin, int64_t end) {
   ++steps_;
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  params += begin;
+  grads += begin;
   if (config_.kind == DPAR_SGD) {
     kernels::cpu::SgdHyper h{config_.lr, config_.momentum, config_.dampening, config_.weight_decay, config_.nesterov};
-    kernels::cpu::sgd_step(params, buf_a_.empty() ? nullptr : buf_a_.data(), grads, num_params_, h, steps_ == 1);
+    kernels::cpu::sgd_step(params, buf_a_.empty() ? nullptr : buf_a_.data() + begin, grads, n, h, steps_ == 1);
   } else {
     kernels::cpu::AdamHyper h{config_.lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay,
                               config_.kind == DPAR_ADAMW};
-    kernels::cpu::adam_step(params, buf_a_.data(), buf_b_.data(), grads, num_params_, h, steps_);
+    kernels::cpu::adam_step(params, buf_a_.data() + begin, buf_b_.data() + begin, grads, n, h, steps_);
   }
 }
 

@@ -24,7 +24,11 @@ class Optimizer {
  public:
   Optimizer(const OptimizerConfig& config, int64_t num_params);
 
-  void step(float* params, const float* grads);
+  // One step over all parameters.
+  void step(float* params, const float* grads) { step_range(params, grads, 0, num_params_); }
+  // One step that updates (and keeps state for) only elements [begin, end): the step counter still advances
+  // once. The element-wise formulas make a step over ranges equal, bit for bit, to a step over all of them.
+  void step_range(float* params, const float* grads, int64_t begin, int64_t end);
   void set_lr(float lr) { config_.lr = lr; }
   const OptimizerConfig& config() const { return config_; }
   int64_t steps() const { return steps_; }

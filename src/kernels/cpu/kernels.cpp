@@ -400,8 +400,10 @@ void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, c
 namespace {
 // The Adam loop with its branches resolved at compile time. It runs in blocks that fit in L1: the moments of a
 // block first (a vectorisable loop), then the square roots (sqrt_block), then the parameters (vectorisable).
+// Compiled for AVX2 and for baseline x86-64, picked at load time. AVX2 alone brings no FMA, so no multiply-add is
+// contracted and both versions give the same bits.
 template <bool kL2, bool kSmallLerpWeight>
-void adam_loop(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, float wd, float w1,
+__attribute__((target_clones("avx2", "default"))) void adam_loop(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, float wd, float w1,
                float one_minus_w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step) {
   constexpr int64_t kBlock = 512;
   float root[kBlock];
