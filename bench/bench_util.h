@@ -29,7 +29,7 @@ void bench_unpin_self(void);
 /** The one-way core-to-core latency in ns between cpu_a and cpu_b: two threads pinned there ping-pong a cache
  *  line; the median of several runs. Negative if the threads could not be pinned. Takes about 2 ms. */
 double bench_core_latency_ns(int cpu_a, int cpu_b);
-/** The placement class of a one-way latency, as in ANCHORS.md: "SMT siblings", "shared L3" or "far (other L3)". */
+/** The placement class of a one-way latency: "SMT siblings", "shared L3" or "far (other L3)". */
 const char *bench_placement_class(double ns);
 /** A short tag of the class ("smt", "L3", "far"). */
 const char *bench_placement_tag(double ns);

@@ -3,7 +3,9 @@
 // A batch is split as torch.nn.DataParallel splits it (split_batch). The fused training step runs forward, loss
 // and backward on every replica and moves only gradients: each replica's gradient is that of the SUM of its rows'
 // losses, the all-reduce adds them and scales by 1/B, so the result is the gradient of the mean loss over the
-// whole batch whatever the chunk sizes; then every replica applies the same optimizer step and stays identical.
+// whole batch whatever the chunk sizes. Then every replica gets the same optimizer step: each worker computes it
+// for its shard of the parameters and writes the shard into every replica, so the replicas stay bit-identical
+// for 1/n of the optimizer's work per worker.
 #pragma once
 
 #include <functional>
