@@ -228,7 +228,8 @@ typedef enum dpar_activation {
 DPAR_API dpar_status dpar_model_add_activation(dpar_model *model, int32_t activation);
 /**
  * @brief Appends dropout with drop probability @p p in [0, 1). In training mode each replica draws its mask from
- * its own RNG stream (seeded from the engine seed and the device), which persists across steps; in eval mode it is
+ * its own RNG stream (seeded from the engine seed and the replica index), which persists across steps (and is
+ * saved in checkpoints, restored into an engine with as many replicas); in eval mode it is
  * the identity. Kept values are scaled by 1/(1-p), as in PyTorch.
  */
 DPAR_API dpar_status dpar_model_add_dropout(dpar_model *model, float p);
@@ -269,8 +270,8 @@ typedef struct dpar_custom_call {
  */
 typedef dpar_status (*dpar_custom_fn)(void *payload, const dpar_custom_call *call);
 /**
- * @brief Gives the output shape for an input shape (the batch extent first; the output keeps it).
- * Returns nonzero to reject the input shape.
+ * @brief Gives the output shape for an input shape (the batch extent first; the output keeps it). @p out_shape
+ * has room for #DPAR_MAX_DIMS extents. Returns nonzero to reject the input shape.
  */
 typedef int (*dpar_custom_shape_fn)(void *payload, int64_t *out_shape, size_t *out_ndim, const int64_t *in_shape,
                                     size_t in_ndim);
@@ -357,7 +358,8 @@ DPAR_API dpar_status dpar_optimizer_options_init(dpar_optimizer_options *opts);
  * writes it into every replica), so replicas stay bit-identical.
  *
  * Thread-safety: an engine may be called from several threads; calls are serialised by a lock inside it.
- * Callbacks (custom layers, the forward hook) run on the worker threads, concurrently across replicas. */
+ * Callbacks (custom layers, the forward hook) run on the worker threads, concurrently across replicas; they must
+ * not call engine functions, which return ::DPAR_ERR_INVALID_STATE there. */
 /**@{*/
 typedef struct dpar_engine dpar_engine; /**< An opaque DataParallel engine. */
 
@@ -378,7 +380,8 @@ typedef struct dpar_engine_options {
   int32_t output_device;    /**< Where forward() gathers; must be one of the devices. -1 (default): the first. */
   int32_t loss;             /**< A ::dpar_loss for the training step. Default ::DPAR_LOSS_CROSS_ENTROPY. */
   uint64_t seed;            /**< Seeds each replica's RNG stream (dropout). Default 0. */
-  double timeout_seconds;   /**< How long a worker waits for the others in a collective. Default 300. */
+  double timeout_seconds;   /**< How long a worker waits for the others at each synchronisation point of a
+                                 collective. Default 300; INFINITY for no limit. */
   int32_t blas_threads;     /**< BLAS threads inside each CPU worker. Default 1 (no oversubscription). OpenBLAS's
                                  thread count is process-wide: the engine created last sets it for all. */
   int32_t pin_workers;      /**< Nonzero (default): worker r runs on the r-th CPU (mod their number) of the process's
@@ -404,7 +407,11 @@ DPAR_API dpar_status dpar_engine_options_init(dpar_engine_options *opts);
  */
 DPAR_API dpar_status dpar_engine_create(dpar_engine **out, const dpar_model *model,
                                         const dpar_optimizer_options *optimizer, const dpar_engine_options *opts);
-/** @brief Finishes in-flight work, stops the workers and frees the engine (NULL is a no-op). */
+/**
+ * @brief Stops the workers and frees the engine (NULL is a no-op). A call in flight on another thread finishes
+ * first: the engine is destroyed when it returns, and new calls are refused at once. Called from one of the
+ * engine's callbacks (on a worker thread), it does nothing.
+ */
 DPAR_API void dpar_engine_free(dpar_engine *engine);
 
 /** @brief The number of replicas (devices). */
@@ -452,7 +459,8 @@ DPAR_API dpar_status dpar_engine_zero_grad(dpar_engine *engine);
 /**
  * @brief DataParallel's forward: scatter, forward on every replica, gather of the outputs in batch order.
  * In training mode each replica keeps its activations for dpar_engine_backward(), and a view of its rows of
- * @p input without a copy: the input's memory must stay valid until backward, zero_grad or the next step.
+ * @p input without a copy: the input's memory must stay valid and unchanged until backward, zero_grad or the
+ * next step (a loader's batch changes on its next dpar_loader_next()).
  * @param[out] out  The (B, ...) output on the output device, owned by the caller.
  */
 DPAR_API dpar_status dpar_engine_forward(dpar_tensor **out, dpar_engine *engine, const dpar_tensor *input);

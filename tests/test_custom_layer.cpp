@@ -22,6 +22,7 @@ struct CustomLinear {
   int64_t in = 0, out = 0;
   std::atomic<int> forwards[kMaxReplicas] = {};
   std::atomic<int> fail_replica{-1};
+  dpar_status fail_status = DPAR_ERR_DEVICE;
 };
 
 float* data_of(const dpar_tensor* t) {
@@ -49,7 +50,7 @@ int linear_shape(void* payload, int64_t* out_shape, size_t* out_ndim, const int6
 dpar_status linear_forward(void* payload, const dpar_custom_call* call) {
   auto* L = static_cast<CustomLinear*>(payload);
   L->forwards[call->replica]++;
-  if (L->fail_replica.load() == static_cast<int>(call->replica)) return DPAR_ERR_DEVICE;
+  if (L->fail_replica.load() == static_cast<int>(call->replica)) return L->fail_status;
   const float* x = data_of(call->input);
   float* y = data_of(call->output);
   const float* W = data_of(call->params[0]);
@@ -242,6 +243,16 @@ TEST(CustomLayer, CallbackFailureOnOneReplicaIsReportedWithoutDeadlock) {
   const std::string msg = dpar_last_error();
   EXPECT_NE(msg.find("my_linear"), std::string::npos) << msg;
   EXPECT_NE(msg.find("cpu:2"), std::string::npos) << msg;
+  EXPECT_EQ(params_of(e, 0, n), before);
+
+  // Even a callback that reports a remote failure itself releases the other replicas at once: they report the
+  // callback's failure, not a timeout waiting for replica 1.
+  L.fail_replica = 1;
+  L.fail_status = DPAR_ERR_REMOTE;
+  EXPECT_EQ(dpar_engine_train_step(nullptr, e, d.tx, d.ty), DPAR_ERR_REMOTE);
+  const std::string remote = dpar_last_error();
+  EXPECT_NE(remote.find("my_linear"), std::string::npos) << remote;
+  EXPECT_EQ(remote.find("did not arrive"), std::string::npos) << remote;
   EXPECT_EQ(params_of(e, 0, n), before);
 
   L.fail_replica = -1;

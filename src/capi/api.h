@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <shared_mutex>
 #include <vector>
 
 #include "common/error.h"
@@ -25,7 +26,9 @@ struct dpar_model {
   dpar::Model model;
 };
 struct dpar_engine {
-  std::unique_ptr<dpar::Engine> engine;
+  // Shared with the calls in flight: dpar_engine_free on one thread while another is inside a call leaves the
+  // engine alive until that call returns.
+  std::shared_ptr<dpar::Engine> engine;
 };
 struct dpar_dataset {
   std::shared_ptr<dpar::io::Dataset> dataset;  // shared with loaders, so either may be freed first
@@ -44,6 +47,17 @@ enum class HandleKind : uint8_t { kTensor, kModel, kEngine, kDataset, kLoader };
 void register_handle(const void* handle, HandleKind kind);
 void unregister_handle(const void* handle);
 bool is_live(const void* handle, HandleKind kind);
+
+// Holds the registry's shared lock: a handle found live through it cannot be unregistered (freed) until the guard
+// is gone, so the caller can take a strong reference to what the handle owns.
+class LiveHandleGuard {
+ public:
+  LiveHandleGuard();
+  bool live(const void* handle, HandleKind kind) const;
+
+ private:
+  std::shared_lock<std::shared_mutex> lock_;
+};
 
 template <class H> HandleKind kind_of();
 template <> inline HandleKind kind_of<dpar_tensor>() { return HandleKind::kTensor; }

@@ -140,6 +140,8 @@ std::unique_ptr<Layer> make_custom_layer(const dpar_custom_layer& d) {
     const dpar_param_spec& p = d.params[i];
     const std::string arg = "layer.params[" + std::to_string(i) + "]";
     DPAR_CHECK_ARG(p.name != nullptr && p.name[0] != '\0', arg, ".name: is NULL or empty");
+    for (const ParamSpec& earlier : desc->specs)
+      DPAR_CHECK_ARG(earlier.name != p.name, arg, ".name: \"", p.name, "\" is used twice");
     DPAR_CHECK_ARG(p.init == DPAR_INIT_ZEROS || p.init == DPAR_INIT_UNIFORM, arg, ".init: unknown kind ", p.init);
     DPAR_CHECK_ARG(p.init != DPAR_INIT_UNIFORM || (p.bound >= 0.0f && p.bound < 1e30f), arg, ".bound: ", p.bound,
                    " must be finite and >= 0");

@@ -37,8 +37,8 @@ EngineConfig engine_config(const dpar_engine_options& o) {
     DPAR_CHECK_ARG(o.output_device == -1, "opts.output_device: ", o.output_device, " (use -1 for the first device)");
   }
   DPAR_CHECK_ARG(o.loss == DPAR_LOSS_CROSS_ENTROPY || o.loss == DPAR_LOSS_MSE, "opts.loss: unknown loss ", o.loss);
-  DPAR_CHECK_ARG(std::isfinite(o.timeout_seconds) && o.timeout_seconds > 0, "opts.timeout_seconds: ",
-                 o.timeout_seconds, " must be positive");
+  DPAR_CHECK_ARG(o.timeout_seconds > 0, "opts.timeout_seconds: ", o.timeout_seconds,
+                 " must be positive (INFINITY for none)");
   DPAR_CHECK_ARG(o.blas_threads >= 1 && o.blas_threads <= 1024, "opts.blas_threads: ", o.blas_threads,
                  " must be 1 to 1024");
   c.loss = o.loss;
@@ -49,13 +49,26 @@ EngineConfig engine_config(const dpar_engine_options& o) {
   return c;
 }
 
+// A strong reference to a live engine, refused from inside the engine's own callbacks: the calling thread holds
+// the engine's lock while its workers run them, so a call back into the engine would wait forever.
+std::shared_ptr<Engine> acquire(const dpar_engine* engine) {
+  DPAR_CHECK_ARG(engine != nullptr, "engine: handle is NULL");
+  DPAR_ENFORCE(!on_worker_thread(), DPAR_ERR_INVALID_STATE,
+               "engine: called from a callback on a worker thread (a custom layer or the forward hook); engine "
+               "functions may only be called from outside the engine's callbacks");
+  LiveHandleGuard registry;
+  DPAR_CHECK_ARG(registry.live(engine, HandleKind::kEngine), "engine",
+                 ": not a live handle of this type (freed already, or never created by dpar)");
+  return engine->engine;
+}
+
 // Runs body on a checked engine with its lock held.
 template <class F>
 dpar_status with_engine(dpar_engine* engine, F&& body) {
   return guard([&] {
-    Engine& e = *checked(engine, "engine").engine;
-    std::lock_guard<std::mutex> lock(e.mutex());
-    body(e);
+    std::shared_ptr<Engine> e = acquire(engine);
+    std::lock_guard<std::mutex> lock(e->mutex());
+    body(*e);
   });
 }
 
@@ -102,7 +115,11 @@ DPAR_API dpar_status dpar_engine_create(dpar_engine** out, const dpar_model* mod
   });
 }
 
-DPAR_API void dpar_engine_free(dpar_engine* engine) { free_handle(engine); }
+DPAR_API void dpar_engine_free(dpar_engine* engine) {
+  // From a worker thread this would join the thread it runs on: refused (the engine stays).
+  if (on_worker_thread()) return;
+  free_handle(engine);
+}
 
 DPAR_API dpar_status dpar_engine_num_replicas(size_t* out, const dpar_engine* engine) {
   return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.num_replicas(); });

@@ -37,6 +37,13 @@ void unregister_handle(const void* handle) {
   registry().erase(handle);
 }
 
+LiveHandleGuard::LiveHandleGuard() : lock_(registry_mutex()) {}
+
+bool LiveHandleGuard::live(const void* handle, HandleKind kind) const {
+  auto it = registry().find(handle);
+  return it != registry().end() && it->second == kind;
+}
+
 bool is_live(const void* handle, HandleKind kind) {
   std::shared_lock lock(registry_mutex());
   auto it = registry().find(handle);

@@ -116,15 +116,20 @@ void ThreadGroup::arrive_and_wait(int rank, const char* operation) {
     std::lock_guard<std::mutex> lock(abort_mutex_);
     fail(DPAR_ERR_REMOTE, operation, ": ", names_[rank], " stopped waiting because ", abort_reason_);
   };
+  // The generation is read before the abort flag: abort() sets the flag and then bumps the generation, so an
+  // abort that lands after this read either shows in the flag or ends the wait below.
+  const uint32_t gen = generation_.load();
   if (aborted()) remote_failure();
   const uint64_t my_arrival = slots_[rank].arrivals.fetch_add(1, std::memory_order_relaxed) + 1;
-  const uint32_t gen = generation_.load();
   if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(size())) {
     arrived_.store(0, std::memory_order_relaxed);
     generation_.increment_and_wake();  // releases everyone; the release publishes this round's slots
+    if (aborted()) remote_failure();
     return;
   }
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout_);
+  // A timeout beyond a century means none (and must not overflow the clock's nanoseconds).
+  const auto deadline = timeout_.count() > 3.0e9 ? Clock::time_point::max()
+                                                 : Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout_);
   while (generation_.load() == gen) {
     if (!generation_.wait_while_equal(gen, deadline, spin_)) {
       std::ostringstream missing;

@@ -29,14 +29,28 @@ void pin_to_cpu(size_t i) {
 WorkerPool::WorkerPool(size_t size, std::function<void(size_t)> on_start)
     : errors_(size), spin_(spin_policy(size + 1)) {
   threads_.reserve(size);
-  for (size_t w = 0; w < size; ++w) threads_.emplace_back([this, w, on_start] { loop(w, on_start); });
+  try {
+    for (size_t w = 0; w < size; ++w) threads_.emplace_back([this, w, on_start] { loop(w, on_start); });
+  } catch (...) {
+    stop_and_join();  // the threads already started must not outlive a pool that failed to construct
+    throw;
+  }
 }
 
-WorkerPool::~WorkerPool() {
+void WorkerPool::stop_and_join() {
   stopping_ = true;
   generation_.increment_and_wake();
   for (auto& t : threads_) t.join();
+  threads_.clear();
 }
+
+namespace {
+thread_local bool tl_on_worker = false;
+}  // namespace
+
+bool on_worker_thread() { return tl_on_worker; }
+
+WorkerPool::~WorkerPool() { stop_and_join(); }
 
 std::vector<std::exception_ptr> WorkerPool::run_all(const std::function<void(size_t)>& job) {
   job_ = &job;
@@ -51,6 +65,7 @@ std::vector<std::exception_ptr> WorkerPool::run_all(const std::function<void(siz
 }
 
 void WorkerPool::loop(size_t worker, const std::function<void(size_t)>& on_start) {
+  tl_on_worker = true;
   if (on_start) on_start(worker);
   // The generation every worker was created under; a job may already have been posted before this thread ran.
   uint32_t seen = 0;

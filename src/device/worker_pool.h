@@ -18,6 +18,9 @@ namespace dpar {
 // failure leaves the thread where it is.
 void pin_to_cpu(size_t i);
 
+// True on a thread that a WorkerPool runs: callbacks from the engine run there, and must not call the engine.
+bool on_worker_thread();
+
 class WorkerPool {
  public:
   // Starts `size` threads. `on_start(worker)` runs first on each thread (e.g. to set per-thread BLAS state).
@@ -34,6 +37,7 @@ class WorkerPool {
 
  private:
   void loop(size_t worker, const std::function<void(size_t)>& on_start);
+  void stop_and_join();
 
   std::vector<std::thread> threads_;
   const std::function<void(size_t)>* job_ = nullptr;  // valid while a run_all is in flight

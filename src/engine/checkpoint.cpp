@@ -24,6 +24,7 @@ uint64_t parse_u64(const std::map<std::string, std::string>& meta, const std::st
 }  // namespace
 
 void Engine::save(const std::string& path) const {
+  check_usable("save");
   DPAR_CHECK_ARG(!path.empty(), "path: empty");
   const Replica& rep = *replicas_[0];
   const float* params = rep.model->params();

@@ -70,14 +70,15 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
   for (auto& rep : replicas_) rep->stepped = false;
   auto errors = pool_->run_all([&](size_t r) {
     Replica& rep = *replicas_[r];
+    // Whatever fails releases the others from any collective they wait in (the group keeps the first reason,
+    // so a replica that only saw another one fail does not overwrite the cause).
     try {
       job(rep, r);
-    } catch (const Error& e) {
-      // Release the others from any collective they wait in; they report REMOTE, this reports the cause.
-      if (e.status() != DPAR_ERR_REMOTE) rep.comm->abort(rep.ctx.device.str() + " failed: " + e.what());
-      throw;
     } catch (const std::exception& e) {
       rep.comm->abort(rep.ctx.device.str() + " failed: " + e.what());
+      throw;
+    } catch (...) {
+      rep.comm->abort(rep.ctx.device.str() + " failed: unknown exception");
       throw;
     }
   });
@@ -113,7 +114,7 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
   for (auto& rep : replicas_) {
     any_stepped = any_stepped || rep->stepped;
     rep->has_grad = false;
-    rep->model->clear_forward_state();
+    if (rep->model) rep->model->clear_forward_state();  // null while the engine is still being created
   }
   pending_ = Pending::kNone;
   pending_samples_ = 0;
@@ -175,6 +176,7 @@ void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor
     Tensor t = target.rows(begin, rep.rows);
     rep.loss_sum = k::mse_forward_backward(dout.f32(), out.f32(), t.f32(), rep.rows, out.shape().row_numel(), 1.0f);
   }
+  rep.loss_rows = rep.rows;
   rep.model->backward(ctx, dout, rep.has_grad);
   rep.has_grad = true;
 }
@@ -206,7 +208,7 @@ void Engine::sync_and_step(Replica& rep, float scale) {
 
 double Engine::finish_loss(int64_t batch) {
   double total = 0.0;
-  for (auto& rep : replicas_) total += rep->rows > 0 ? rep->loss_sum : 0.0;
+  for (auto& rep : replicas_) total += rep->loss_rows > 0 ? rep->loss_sum : 0.0;
   return total / static_cast<double>(batch);
 }
 
@@ -221,6 +223,7 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
+    rep.loss_rows = 0;
     if (rep.rows > 0) local_loss_backward(rep, input, target, begin);
   });
   pending_ = Pending::kLoss;
@@ -243,6 +246,7 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
+    rep.loss_rows = 0;
     if (rep.rows > 0) local_loss_backward(rep, input, target, begin);
     sync_and_step(rep, scale);
   });
@@ -256,9 +260,15 @@ void Engine::step() {
                "step: no gradient is pending (call accumulate() or forward() and backward() first)");
   const float scale =
       pending_ == Pending::kLoss ? static_cast<float>(1.0 / static_cast<double>(pending_samples_)) : 1.0f;
-  run("step", [&](Replica& rep, size_t) { sync_and_step(rep, scale); });
+  // Activations kept by a forward() before this step belong to the old parameters: a backward through them after
+  // the step would mix the two, so they are dropped.
+  run("step", [&](Replica& rep, size_t) {
+    sync_and_step(rep, scale);
+    rep.model->clear_forward_state();
+  });
   pending_ = Pending::kNone;
   pending_samples_ = 0;
+  forward_split_.clear();
 }
 
 void Engine::zero_grad() {
@@ -332,7 +342,7 @@ int64_t Engine::step_count() const { return replicas_[0]->optimizer->steps(); }
 std::vector<float> Engine::replica_losses() const {
   std::vector<float> out;
   for (auto& rep : replicas_)
-    out.push_back(rep->rows > 0 ? static_cast<float>(rep->loss_sum / static_cast<double>(rep->rows))
+    out.push_back(rep->loss_rows > 0 ? static_cast<float>(rep->loss_sum / static_cast<double>(rep->loss_rows))
                                 : std::numeric_limits<float>::quiet_NaN());
   return out;
 }

@@ -79,7 +79,8 @@ class Engine {
     bool has_grad = false;  // local gradients hold something since the last step
     bool stepped = false;   // this call applied the optimizer (tells whether a failure left replicas apart)
     double loss_sum = 0.0;
-    int64_t rows = 0;
+    int64_t rows = 0;       // rows of the current call
+    int64_t loss_rows = 0;  // rows behind loss_sum (the last training step or accumulate)
   };
   enum class Pending { kNone, kLoss, kExplicit };
 
