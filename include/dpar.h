@@ -414,6 +414,15 @@ DPAR_API dpar_status dpar_engine_create(dpar_engine **out, const dpar_model *mod
  */
 DPAR_API void dpar_engine_free(dpar_engine *engine);
 
+/**
+ * @brief Aborts in-flight work: a call in progress on this engine (on another thread) returns ::DPAR_ERR_REMOTE as
+ * soon as its workers reach a synchronisation point (a worker inside a computation or a callback finishes that
+ * first). The engine cannot continue after an abort: later calls return ::DPAR_ERR_INVALID_STATE, and it is
+ * released with dpar_engine_free(). Unlike every other engine call, it does not wait for the engine's lock, so
+ * it may be called at any time from any thread except the engine's own callbacks.
+ */
+DPAR_API dpar_status dpar_engine_abort(dpar_engine *engine);
+
 /** @brief The number of replicas (devices). */
 DPAR_API dpar_status dpar_engine_num_replicas(size_t *out, const dpar_engine *engine);
 /** @brief The device of replica @p replica. */

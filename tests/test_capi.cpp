@@ -2326,3 +2326,17 @@ TEST(EngineState, StepDropsActivationsOfTheOldParameters) {
   EXPECT_DPAR_ERROR(DPAR_ERR_INVALID_STATE, "forward", dpar_engine_backward(e.get(), out));
   dpar_tensor_free(out);
 }
+
+TEST(EngineState, AbortChecksItsHandleAndEndsTheEngine) {
+  EXPECT_INVALID("engine", dpar_engine_abort(nullptr));
+  ModelPtr m = LinearModel();
+  dpar_engine* freed = nullptr;
+  {
+    EnginePtr e = NewEngine(m.get(), 2);
+    freed = e.get();
+    Batch b = MakeBatch(6);
+    ASSERT_OK(dpar_engine_abort(e.get()));  // nothing in flight: every later call is refused
+    EXPECT_DPAR_ERROR(DPAR_ERR_INVALID_STATE, "aborted", dpar_engine_train_step(nullptr, e.get(), b.x.get(), b.y.get()));
+  }
+  EXPECT_INVALID("engine", dpar_engine_abort(freed));
+}

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dpar.h"
@@ -286,3 +287,76 @@ TEST(CustomLayer, DescriptionIsChecked) {
 }
 
 }  // namespace
+
+namespace {
+
+// A layer that blocks in forward until released, so that a test can abort an engine mid-step.
+struct Gate {
+  std::atomic<int> entered{0};
+  std::atomic<bool> open{false};
+};
+
+int identity_shape(void*, int64_t* out, size_t* out_ndim, const int64_t* in, size_t in_ndim) {
+  for (size_t i = 0; i < in_ndim; ++i) out[i] = in[i];
+  *out_ndim = in_ndim;
+  return 0;
+}
+
+dpar_status gated_forward(void* payload, const dpar_custom_call* call) {
+  auto* g = static_cast<Gate*>(payload);
+  g->entered++;
+  if (call->replica == 0)
+    while (!g->open.load()) std::this_thread::yield();
+  std::memcpy(data_of(call->output), data_of(call->input), sizeof(float) * rows_of(call->input) * 4);
+  return DPAR_OK;
+}
+
+dpar_status gated_backward(void*, const dpar_custom_call* call) {
+  if (call->grad_input)
+    std::memcpy(data_of(call->grad_input), data_of(call->grad_output), sizeof(float) * rows_of(call->input) * 4);
+  return DPAR_OK;
+}
+
+}  // namespace
+
+TEST(Abort, AbortFromAnotherThreadEndsTheCallInFlight) {
+  Gate gate;
+  dpar_model* m = nullptr;
+  ASSERT_OK(dpar_model_create(&m, nullptr));
+  ASSERT_OK(dpar_model_add_linear(m, 4, 4, 1));
+  dpar_custom_layer layer = DPAR_CUSTOM_LAYER_INIT;
+  layer.name = "gate";
+  layer.output_shape = identity_shape;
+  layer.forward = gated_forward;
+  layer.backward = gated_backward;
+  layer.payload = &gate;
+  ASSERT_OK(dpar_model_add_custom(m, &layer));
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 3;
+  eo.loss = DPAR_LOSS_MSE;
+  dpar_engine* e = nullptr;
+  ASSERT_OK(dpar_engine_create(&e, m, nullptr, &eo));
+  Data d(6, 4, 4, 2);
+  std::vector<float> target(6 * 4, 0.5f);
+  dpar_tensor* t = nullptr;
+  int64_t ts[2] = {6, 4};
+  ASSERT_OK(dpar_tensor_wrap_host(&t, DPAR_F32, ts, 2, target.data()));
+
+  dpar_status status = DPAR_OK;
+  std::string message;
+  std::thread trainer([&] {
+    status = dpar_engine_train_step(nullptr, e, d.tx, t);
+    message = dpar_last_error();
+  });
+  while (gate.entered.load() < 3) std::this_thread::yield();  // replicas 1 and 2 go on to the all-reduce and wait
+  ASSERT_OK(dpar_engine_abort(e));
+  gate.open = true;  // replica 0 leaves its callback and finds the group aborted
+  trainer.join();
+  EXPECT_EQ(status, DPAR_ERR_REMOTE) << message;
+  EXPECT_NE(message.find("aborted"), std::string::npos) << message;
+  EXPECT_EQ(dpar_engine_train_step(nullptr, e, d.tx, t), DPAR_ERR_INVALID_STATE);
+  EXPECT_NE(std::string(dpar_last_error()).find("dpar_engine_abort"), std::string::npos);
+  dpar_tensor_free(t);
+  dpar_engine_free(e);
+  dpar_model_free(m);
+}

@@ -27,6 +27,8 @@ class ThreadGroup {
   // Makes an aborted group usable again. Only while no participant is inside a collective.
   void reset();
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+  // Every participant waiting now or later throws Error(REMOTE) with `reason` (the first reason is kept).
+  void abort(const std::string& reason);
 
   // Participant `rank`'s view. The group must outlive it.
   std::unique_ptr<Communicator> communicator(int rank);
@@ -40,7 +42,6 @@ class ThreadGroup {
   };
 
   void arrive_and_wait(int rank, const char* operation);
-  void abort(const std::string& reason);
 
   std::vector<std::string> names_;
   std::chrono::duration<double> timeout_;

@@ -63,7 +63,14 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
 Engine::~Engine() = default;
 
 void Engine::check_usable(const char* operation) const {
+  DPAR_ENFORCE(!aborted_.load(), DPAR_ERR_INVALID_STATE, operation,
+               ": the engine was aborted (dpar_engine_abort) and must be recreated");
   DPAR_ENFORCE(!broken_, DPAR_ERR_INVALID_STATE, operation, ": the engine must be recreated: ", broken_reason_);
+}
+
+void Engine::abort() {
+  aborted_.store(true);
+  group_->abort("the engine was aborted (dpar_engine_abort)");
 }
 
 void Engine::run(const char* operation, const std::function<void(Replica&, size_t)>& job) {
@@ -109,6 +116,10 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
   }
   if (first == errors.size()) return;
 
+  if (aborted_.load()) {
+    // The group stays aborted, so that a worker still on its way to a collective stops there too.
+    fail(status, operation, ": ", message);
+  }
   group_->reset();
   bool any_stepped = false;
   for (auto& rep : replicas_) {

@@ -8,6 +8,7 @@
 // for 1/n of the optimizer's work per worker.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -65,6 +66,9 @@ class Engine {
   void save(const std::string& path) const;
   void load(const std::string& path);
 
+  // Aborts the call in flight, if any, and every later call. Thread-safe without the engine's lock.
+  void abort();
+
   // Held by the C ABI around every call: an engine serialises its callers.
   std::mutex& mutex() { return mutex_; }
 
@@ -106,6 +110,7 @@ class Engine {
   ForwardHook hook_;
   bool training_ = true;
   bool broken_ = false;
+  std::atomic<bool> aborted_{false};  // set by abort() from any thread
   std::string broken_reason_;
   Pending pending_ = Pending::kNone;
   int64_t pending_samples_ = 0;
