@@ -124,13 +124,15 @@ DPAR_API dpar_status dpar_device_parse(dpar_device *out, const char *text);
 /**@{*/
 #define DPAR_MAX_DIMS 4 /**< The most dimensions a tensor has. */
 
-/** @brief Element types. f32 carries data; i32 carries labels; the others are reserved. */
+/** @brief Element types. Tensors hold f32 (data) and i32 (labels); collectives move f32, f64, i32 and i64. */
 typedef enum dpar_dtype {
   DPAR_F32 = 0,  /**< 32-bit IEEE float. */
   DPAR_I32 = 1,  /**< 32-bit signed integer (class labels). */
   DPAR_BF16 = 2, /**< Reserved: ::DPAR_ERR_NOT_SUPPORTED today. */
   DPAR_F16 = 3,  /**< Reserved: ::DPAR_ERR_NOT_SUPPORTED today. */
-  DPAR_U8 = 4    /**< Reserved: ::DPAR_ERR_NOT_SUPPORTED today. */
+  DPAR_U8 = 4,   /**< Reserved: ::DPAR_ERR_NOT_SUPPORTED today. */
+  DPAR_F64 = 5,  /**< 64-bit IEEE float: collectives only. */
+  DPAR_I64 = 6   /**< 64-bit signed integer: collectives only. */
 } dpar_dtype;
 
 typedef struct dpar_tensor dpar_tensor; /**< An opaque tensor. */
@@ -533,6 +535,113 @@ DPAR_API dpar_status dpar_engine_inject_fault(dpar_engine *engine, size_t replic
 /**@}*/
 
 /* ------------------------------------------------------------------------------------------------------------ */
+/** @name Collectives
+ * dpar's collectives on a framework's own buffers, for a program that brings its own tensors and autograd and uses
+ * dpar to synchronise (as Horovod and NCCL are used). A communicator is one participant's view of a group:
+ * the threads of one process (::dpar_comm_group, shared memory) or the processes of an MPI job.
+ *
+ * Every collective checks, before it moves data, that all participants called the same operation with the same
+ * count, dtype, op and root; if not, each returns ::DPAR_ERR_MISMATCH naming the operation and the participant. A
+ * participant that does not arrive within the timeout makes the others return ::DPAR_ERR_TIMEOUT naming it.
+ *
+ * Thread-safety: a communicator belongs to one participant; its calls must not overlap, except that asynchronous
+ * operations run on its own communication thread. Buffers are host memory. */
+/**@{*/
+typedef struct dpar_comm dpar_comm;             /**< One participant of a group. */
+typedef struct dpar_comm_group dpar_comm_group; /**< The participants of one process (threads backend). */
+typedef struct dpar_work dpar_work;             /**< An asynchronous collective in flight. */
+
+/** @brief Reductions. */
+typedef enum dpar_reduce_op {
+  DPAR_SUM = 0,  /**< Sum. */
+  DPAR_MEAN = 1, /**< Sum divided by the number of participants (integers: truncated toward zero). */
+  DPAR_MAX = 2,  /**< Maximum. */
+  DPAR_MIN = 3   /**< Minimum. */
+} dpar_reduce_op;
+
+/** @brief Options of a communicator or group. */
+typedef struct dpar_comm_options {
+  size_t size;            /**< sizeof(dpar_comm_options) as the caller compiled it. */
+  unsigned version;       /**< #DPAR_COMM_OPTIONS_VERSION. */
+  double timeout_seconds; /**< How long a participant waits for the others at each synchronisation point.
+                               Default 300; INFINITY for no limit. */
+} dpar_comm_options;
+#define DPAR_COMM_OPTIONS_VERSION 1
+#define DPAR_COMM_OPTIONS_INIT {sizeof(dpar_comm_options), DPAR_COMM_OPTIONS_VERSION, 300.0}
+/** @brief Fills @p opts with defaults. */
+DPAR_API dpar_status dpar_comm_options_init(dpar_comm_options *opts);
+
+/**
+ * @brief Creates a group of @p size participants inside this process (one thread each, shared memory).
+ * @param[out] out  The group, owned by the caller. Its members keep it alive: free it and them in any order.
+ */
+DPAR_API dpar_status dpar_comm_group_create(dpar_comm_group **out, size_t size, const dpar_comm_options *opts);
+/** @brief Releases the caller's reference to a group (NULL is a no-op). */
+DPAR_API void dpar_comm_group_free(dpar_comm_group *group);
+/**
+ * @brief Participant @p rank's communicator of a group. Each participant (thread) uses its own.
+ * @param[out] out  Owned by the caller (dpar_comm_free()).
+ */
+DPAR_API dpar_status dpar_comm_group_member(dpar_comm **out, dpar_comm_group *group, int rank);
+/**
+ * @brief This process's communicator over MPI_COMM_WORLD (a duplicate of it). Initialises MPI
+ * (MPI_THREAD_MULTIPLE) if the program has not; without mpirun the process is rank 0 of 1.
+ * @return ::DPAR_OK; ::DPAR_ERR_COMMUNICATION if MPI cannot start.
+ */
+DPAR_API dpar_status dpar_comm_create_mpi(dpar_comm **out, const dpar_comm_options *opts);
+/** @brief Frees a communicator (NULL is a no-op), after its asynchronous operations finish. */
+DPAR_API void dpar_comm_free(dpar_comm *comm);
+/** @brief This participant's rank, and the group's size. Either output may be NULL. */
+DPAR_API dpar_status dpar_comm_info(int *out_rank, int *out_size, const dpar_comm *comm);
+
+/**
+ * @brief Reduces @p count elements of every participant's @p send into every participant's @p recv.
+ * @p send may equal @p recv (in place).
+ * @param dtype  ::DPAR_F32, ::DPAR_F64, ::DPAR_I32 or ::DPAR_I64.
+ * @param op     A ::dpar_reduce_op.
+ */
+DPAR_API dpar_status dpar_comm_all_reduce(dpar_comm *comm, const void *send, void *recv, size_t count,
+                                          int32_t dtype, int32_t op);
+/** @brief Copies @p root's @p buffer into every participant's. */
+DPAR_API dpar_status dpar_comm_broadcast(dpar_comm *comm, void *buffer, size_t count, int32_t dtype, int root);
+/** @brief Reduces into @p root's @p recv (ignored, and may be NULL, elsewhere). */
+DPAR_API dpar_status dpar_comm_reduce(dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype,
+                                      int32_t op, int root);
+/** @brief Every participant's @p send (@p count elements) into every @p recv (size x count), in rank order. */
+DPAR_API dpar_status dpar_comm_all_gather(dpar_comm *comm, const void *send, void *recv, size_t count,
+                                          int32_t dtype);
+/** @brief Reduces @p send (size x count) element-wise; participant r receives block r (@p count) in @p recv. */
+DPAR_API dpar_status dpar_comm_reduce_scatter(dpar_comm *comm, const void *send, void *recv, size_t count,
+                                              int32_t dtype, int32_t op);
+/** @brief Returns once every participant has entered it. */
+DPAR_API dpar_status dpar_comm_barrier(dpar_comm *comm);
+
+/**
+ * @brief dpar_comm_all_reduce() on the communicator's own thread; returns at once. Operations started on one
+ * communicator run in the order they were started. The buffers must stay valid and untouched until the work
+ * completes.
+ * @param[out] out  The work, owned by the caller (dpar_work_free()).
+ */
+DPAR_API dpar_status dpar_comm_all_reduce_async(dpar_work **out, dpar_comm *comm, const void *send, void *recv,
+                                                size_t count, int32_t dtype, int32_t op);
+/** @brief Asynchronous dpar_comm_broadcast(). */
+DPAR_API dpar_status dpar_comm_broadcast_async(dpar_work **out, dpar_comm *comm, void *buffer, size_t count,
+                                               int32_t dtype, int root);
+/** @brief Asynchronous dpar_comm_all_gather(). */
+DPAR_API dpar_status dpar_comm_all_gather_async(dpar_work **out, dpar_comm *comm, const void *send, void *recv,
+                                                size_t count, int32_t dtype);
+/** @brief Asynchronous dpar_comm_reduce_scatter(). */
+DPAR_API dpar_status dpar_comm_reduce_scatter_async(dpar_work **out, dpar_comm *comm, const void *send, void *recv,
+                                                    size_t count, int32_t dtype, int32_t op);
+/** @brief Sets @p *out_done to 1 if the work has finished (successfully or not), else 0. Never blocks. */
+DPAR_API dpar_status dpar_work_test(int *out_done, dpar_work *work);
+/** @brief Waits for the work; returns the collective's own status and message. */
+DPAR_API dpar_status dpar_work_wait(dpar_work *work);
+/** @brief Frees a work handle (NULL is a no-op), waiting for the operation first if it is still running. */
+DPAR_API void dpar_work_free(dpar_work *work);
+/**@}*/
+
+/* ------------------------------------------------------------------------------------------------------------ */
 /** @name Datasets
  * IDX files (MNIST, Fashion-MNIST), plain or gzip-compressed, and a seeded, shuffling batch loader. */
 /**@{*/
@@ -571,6 +680,110 @@ DPAR_API dpar_status dpar_loader_num_batches(size_t *out, const dpar_loader *loa
  */
 DPAR_API dpar_status dpar_loader_next(const dpar_tensor **out_inputs, const dpar_tensor **out_labels,
                                       dpar_loader *loader);
+/**@}*/
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/** @name Loading dpar at run time
+ * A host that loads dpar with dlopen("libdpar.so.0") resolves one symbol, dpar_get_api, and calls every function
+ * through the table it returns (the types above come from including this header). */
+/**@{*/
+/* BEGIN GENERATED: the function table (scripts/gen_api_table.py) */
+/** @brief Version of ::dpar_api_v1, the table dpar_get_api() returns. */
+#define DPAR_API_TABLE_VERSION 1
+/** @brief Every function of this header, in header order (appended to, never reordered). */
+typedef struct dpar_api_v1 {
+  size_t size;      /**< sizeof(dpar_api_v1) of the library. */
+  unsigned version; /**< #DPAR_API_TABLE_VERSION. */
+  int (*dpar_version)(void);
+  const char *(*dpar_version_string)(void);
+  const char *(*dpar_last_error)(void);
+  void (*dpar_clear_error)(void);
+  const char *(*dpar_status_str)(dpar_status status);
+  dpar_status (*dpar_device_count)(size_t *out, int32_t kind);
+  dpar_status (*dpar_device_parse)(dpar_device *out, const char *text);
+  dpar_status (*dpar_tensor_create)(dpar_tensor **out, int32_t dtype, const int64_t *shape, size_t ndim, dpar_device device);
+  dpar_status (*dpar_tensor_wrap_host)(dpar_tensor **out, int32_t dtype, const int64_t *shape, size_t ndim, void *data);
+  void (*dpar_tensor_free)(dpar_tensor *tensor);
+  dpar_status (*dpar_tensor_copy_from_host)(dpar_tensor *tensor, const void *src, size_t bytes);
+  dpar_status (*dpar_tensor_copy_to_host)(void *dst, const dpar_tensor *tensor, size_t bytes);
+  dpar_status (*dpar_tensor_shape)(int64_t *out_shape, size_t *out_ndim, const dpar_tensor *tensor, size_t capacity);
+  dpar_status (*dpar_tensor_info)(int32_t *out_dtype, int64_t *out_numel, dpar_device *out_device, const dpar_tensor *tensor);
+  dpar_status (*dpar_tensor_data)(void **out, dpar_tensor *tensor);
+  dpar_status (*dpar_model_options_init)(dpar_model_options *opts);
+  dpar_status (*dpar_model_create)(dpar_model **out, const dpar_model_options *opts);
+  void (*dpar_model_free)(dpar_model *model);
+  dpar_status (*dpar_model_add_linear)(dpar_model *model, int64_t in_features, int64_t out_features, int has_bias);
+  dpar_status (*dpar_model_add_activation)(dpar_model *model, int32_t activation);
+  dpar_status (*dpar_model_add_dropout)(dpar_model *model, float p);
+  dpar_status (*dpar_custom_layer_init)(dpar_custom_layer *layer);
+  dpar_status (*dpar_model_add_custom)(dpar_model *model, const dpar_custom_layer *layer);
+  dpar_status (*dpar_model_num_layers)(size_t *out, const dpar_model *model);
+  dpar_status (*dpar_model_num_params)(size_t *out, const dpar_model *model);
+  dpar_status (*dpar_model_num_param_elements)(int64_t *out, const dpar_model *model);
+  dpar_status (*dpar_model_param_info)(const char **out_name, int64_t *out_shape, size_t *out_ndim, const dpar_model *model, size_t index);
+  dpar_status (*dpar_model_get_param)(float *dst, const dpar_model *model, size_t index, size_t count);
+  dpar_status (*dpar_model_set_param)(dpar_model *model, size_t index, const float *src, size_t count);
+  dpar_status (*dpar_optimizer_options_init)(dpar_optimizer_options *opts);
+  dpar_status (*dpar_engine_options_init)(dpar_engine_options *opts);
+  dpar_status (*dpar_engine_create)(dpar_engine **out, const dpar_model *model, const dpar_optimizer_options *optimizer, const dpar_engine_options *opts);
+  void (*dpar_engine_free)(dpar_engine *engine);
+  dpar_status (*dpar_engine_abort)(dpar_engine *engine);
+  dpar_status (*dpar_engine_num_replicas)(size_t *out, const dpar_engine *engine);
+  dpar_status (*dpar_engine_replica_device)(dpar_device *out, const dpar_engine *engine, size_t replica);
+  dpar_status (*dpar_engine_split)(size_t *out, const dpar_engine *engine, size_t batch, size_t capacity);
+  dpar_status (*dpar_engine_train_step)(float *out_loss, dpar_engine *engine, const dpar_tensor *input, const dpar_tensor *target);
+  dpar_status (*dpar_engine_accumulate)(float *out_loss, dpar_engine *engine, const dpar_tensor *input, const dpar_tensor *target);
+  dpar_status (*dpar_engine_step)(dpar_engine *engine);
+  dpar_status (*dpar_engine_zero_grad)(dpar_engine *engine);
+  dpar_status (*dpar_engine_forward)(dpar_tensor **out, dpar_engine *engine, const dpar_tensor *input);
+  dpar_status (*dpar_engine_backward)(dpar_engine *engine, const dpar_tensor *grad_output);
+  dpar_status (*dpar_engine_set_training)(dpar_engine *engine, int training);
+  dpar_status (*dpar_engine_set_lr)(dpar_engine *engine, float lr);
+  dpar_status (*dpar_engine_step_count)(int64_t *out, const dpar_engine *engine);
+  dpar_status (*dpar_engine_replica_losses)(float *out, const dpar_engine *engine, size_t capacity);
+  dpar_status (*dpar_engine_get_params)(float *dst, dpar_engine *engine, size_t replica, size_t count);
+  dpar_status (*dpar_engine_set_forward_hook)(dpar_engine *engine, dpar_forward_hook hook, void *payload);
+  dpar_status (*dpar_engine_save)(dpar_engine *engine, const char *path);
+  dpar_status (*dpar_engine_load)(dpar_engine *engine, const char *path);
+  dpar_status (*dpar_engine_inject_fault)(dpar_engine *engine, size_t replica, int32_t fault);
+  dpar_status (*dpar_comm_options_init)(dpar_comm_options *opts);
+  dpar_status (*dpar_comm_group_create)(dpar_comm_group **out, size_t size, const dpar_comm_options *opts);
+  void (*dpar_comm_group_free)(dpar_comm_group *group);
+  dpar_status (*dpar_comm_group_member)(dpar_comm **out, dpar_comm_group *group, int rank);
+  dpar_status (*dpar_comm_create_mpi)(dpar_comm **out, const dpar_comm_options *opts);
+  void (*dpar_comm_free)(dpar_comm *comm);
+  dpar_status (*dpar_comm_info)(int *out_rank, int *out_size, const dpar_comm *comm);
+  dpar_status (*dpar_comm_all_reduce)(dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype, int32_t op);
+  dpar_status (*dpar_comm_broadcast)(dpar_comm *comm, void *buffer, size_t count, int32_t dtype, int root);
+  dpar_status (*dpar_comm_reduce)(dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype, int32_t op, int root);
+  dpar_status (*dpar_comm_all_gather)(dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype);
+  dpar_status (*dpar_comm_reduce_scatter)(dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype, int32_t op);
+  dpar_status (*dpar_comm_barrier)(dpar_comm *comm);
+  dpar_status (*dpar_comm_all_reduce_async)(dpar_work **out, dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype, int32_t op);
+  dpar_status (*dpar_comm_broadcast_async)(dpar_work **out, dpar_comm *comm, void *buffer, size_t count, int32_t dtype, int root);
+  dpar_status (*dpar_comm_all_gather_async)(dpar_work **out, dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype);
+  dpar_status (*dpar_comm_reduce_scatter_async)(dpar_work **out, dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype, int32_t op);
+  dpar_status (*dpar_work_test)(int *out_done, dpar_work *work);
+  dpar_status (*dpar_work_wait)(dpar_work *work);
+  void (*dpar_work_free)(dpar_work *work);
+  dpar_status (*dpar_dataset_load_idx)(dpar_dataset **out, const char *images_path, const char *labels_path);
+  void (*dpar_dataset_free)(dpar_dataset *dataset);
+  dpar_status (*dpar_dataset_info)(size_t *out_samples, size_t *out_features, size_t *out_classes, const dpar_dataset *dataset);
+  dpar_status (*dpar_dataset_normalize)(dpar_dataset *dataset, float mean, float std);
+  dpar_status (*dpar_loader_create)(dpar_loader **out, const dpar_dataset *dataset, size_t batch_size, int shuffle, uint64_t seed, int drop_last);
+  void (*dpar_loader_free)(dpar_loader *loader);
+  dpar_status (*dpar_loader_start_epoch)(dpar_loader *loader, uint64_t epoch);
+  dpar_status (*dpar_loader_num_batches)(size_t *out, const dpar_loader *loader);
+  dpar_status (*dpar_loader_next)(const dpar_tensor **out_inputs, const dpar_tensor **out_labels, dpar_loader *loader);
+} dpar_api_v1;
+/* END GENERATED: the function table */
+/**
+ * @brief The table of every function, for version @p version of it (#DPAR_API_TABLE_VERSION); NULL for a version
+ * this library does not have. The table is static: never freed. Cast the result to `const dpar_api_v1 *`.
+ */
+DPAR_API const void *dpar_get_api(unsigned version);
+/** @brief The function pointer type of dpar_get_api, for dlsym(). */
+typedef const void *(*dpar_get_api_fn)(unsigned version);
 /**@}*/
 
 #ifdef __cplusplus

@@ -499,7 +499,9 @@ TEST(Tensor, CreateRefusesBadArgumentsAndLeavesOutNull) {
     SCOPED_TRACE(reserved);
     expect_refused(DPAR_ERR_NOT_SUPPORTED, "dtype", reserved, shape, 2, Cpu());
   }
-  expect_refused(DPAR_ERR_INVALID_ARGUMENT, "dtype", 5, shape, 2, Cpu());
+  expect_refused(DPAR_ERR_INVALID_ARGUMENT, "dtype", 99, shape, 2, Cpu());
+  for (int32_t collectives_only : {DPAR_F64, DPAR_I64})  // dtypes of collectives, not of tensors
+    expect_refused(DPAR_ERR_NOT_SUPPORTED, "collectives", collectives_only, shape, 2, Cpu());
   expect_refused(DPAR_ERR_INVALID_ARGUMENT, "dtype", -1, shape, 2, Cpu());
   expect_refused(DPAR_ERR_NOT_SUPPORTED, "CUDA", DPAR_F32, shape, 2, Cuda(0));
   expect_refused(DPAR_ERR_INVALID_ARGUMENT, "device", DPAR_F32, shape, 2, dpar_device{9, 0});

@@ -10,6 +10,8 @@
 #include <shared_mutex>
 #include <vector>
 
+#include "comm/communicator.h"
+#include "comm/threads_comm.h"
 #include "common/error.h"
 #include "dpar.h"
 #include "engine/engine.h"
@@ -39,9 +41,20 @@ struct dpar_loader {
   dpar_tensor inputs, labels;
 };
 
+struct dpar_comm_group {
+  std::shared_ptr<dpar::ThreadGroup> group;  // shared with its members, so they may be freed in any order
+};
+struct dpar_comm {
+  std::shared_ptr<dpar::ThreadGroup> group;  // null for MPI
+  std::unique_ptr<dpar::Communicator> comm;
+};
+struct dpar_work {
+  std::shared_ptr<dpar::Work> work;
+};
+
 namespace dpar::capi {
 
-enum class HandleKind : uint8_t { kTensor, kModel, kEngine, kDataset, kLoader };
+enum class HandleKind : uint8_t { kTensor, kModel, kEngine, kDataset, kLoader, kCommGroup, kComm, kWork };
 
 // Live handles, so that a NULL, freed or foreign pointer is refused with a message instead of crashing.
 void register_handle(const void* handle, HandleKind kind);
@@ -65,6 +78,9 @@ template <> inline HandleKind kind_of<dpar_model>() { return HandleKind::kModel;
 template <> inline HandleKind kind_of<dpar_engine>() { return HandleKind::kEngine; }
 template <> inline HandleKind kind_of<dpar_dataset>() { return HandleKind::kDataset; }
 template <> inline HandleKind kind_of<dpar_loader>() { return HandleKind::kLoader; }
+template <> inline HandleKind kind_of<dpar_comm_group>() { return HandleKind::kCommGroup; }
+template <> inline HandleKind kind_of<dpar_comm>() { return HandleKind::kComm; }
+template <> inline HandleKind kind_of<dpar_work>() { return HandleKind::kWork; }
 
 template <class H>
 H& checked(H* handle, const char* argument) {

@@ -1,28 +1,107 @@
-// The collective interface, one participant's view of a group. Backends: threads (worker threads of one process,
-// shared memory). The MPI and NCCL backends implement the same interface. The comm layer knows nothing of layers.
+// The collective interface: one participant's view of a group. Backends implement it: threads (the worker threads
+// of one process, over shared memory) and mpi (processes, through OpenMPI); NCCL comes with CUDA. The comm layer
+// knows nothing of layers, models or devices: it moves typed buffers.
+//
+// Every collective is blocking here; async_* runs the same operation on the participant's communication thread and
+// returns a Work handle. Every collective has a timeout (the backend's option) and, before it moves data, the
+// participants compare a fingerprint of it (sequence number, operation, count, dtype, op, root): a participant
+// that calls another collective than the others makes all of them throw Error(MISMATCH) naming the operation and
+// that participant, instead of hanging or mixing data. A participant that does not arrive makes the others throw
+// Error(TIMEOUT) naming it; a participant that fails calls abort(), and the others throw Error(REMOTE).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 
 namespace dpar {
 
+namespace detail {
+class CommThread;  // communicator.cpp / comm_thread.h: a participant's communication thread
+}  // namespace detail
+
+enum class ReduceOp : int32_t { kSum = 0, kMean = 1, kMax = 2, kMin = 3 };
+// Element types of collectives. (bf16 and f16 take the next values when they arrive.)
+enum class CommDType : int32_t { kF32 = 0, kF64 = 1, kI32 = 2, kI64 = 3 };
+
+size_t comm_dtype_size(CommDType dtype);
+const char* comm_dtype_name(CommDType dtype);
+const char* reduce_op_name(ReduceOp op);
+
+// The completion of an asynchronous collective.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // True once the operation has finished (successfully or not); never blocks.
+  virtual bool test() = 0;
+  // Blocks until the operation has finished; rethrows its error, if any.
+  virtual void wait() = 0;
+};
+
 class Communicator {
  public:
-  virtual ~Communicator() = default;
+  Communicator();
+  // Stops the communication thread if a derived class has not (see stop_async()).
+  virtual ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // The backend's name for messages: "threads", "mpi".
+  virtual const char* backend() const = 0;
 
-  // Sums `count` floats over the participants and writes (sum * scale) into every participant's buffer.
-  // A participant with contributes == false (it produced no gradient) receives the result without adding its
-  // buffer, whose content is then ignored. Throws Error(TIMEOUT) naming a participant that did not arrive, or
-  // Error(REMOTE) when another participant aborted the group.
-  virtual void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) = 0;
-  // Returns once every participant has entered it (same errors as all_reduce_sum).
+  // `count` is the number of elements each participant contributes. `send` may equal `recv` (in place). For
+  // kMean on integer dtypes the division truncates toward zero.
+  virtual void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) = 0;
+  // root's buffer is copied into every participant's.
+  virtual void broadcast(void* buffer, size_t count, CommDType dtype, int root) = 0;
+  // The reduction lands in root's `recv`; `recv` is ignored (may be null) elsewhere.
+  virtual void reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root) = 0;
+  // recv (size() * count) holds every participant's send (count), in rank order.
+  virtual void all_gather(const void* send, void* recv, size_t count, CommDType dtype) = 0;
+  // send (size() * count) is reduced element-wise; participant r receives block r (count) in recv.
+  virtual void reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) = 0;
+  // Returns once every participant has entered it.
   virtual void barrier(const char* operation) = 0;
+
+  // The engine's gradient path: sums `count` floats in place and writes (sum * scale) into every participant's
+  // buffer. A participant with contributes == false (it produced no gradient) receives the result without adding
+  // its buffer, whose content is then ignored.
+  virtual void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) = 0;
+
+  // Asynchronous forms: the operation runs on this participant's communication thread, in the order of the
+  // calls; buffers must stay valid and untouched until the Work completes. The thread starts with the first
+  // async_* call. A blocking collective must not be called on this participant while its async work is pending.
+  // An operation that fails on the thread for a local reason (not REMOTE, TIMEOUT or MISMATCH, which every
+  // participant sees alike) calls abort(), so that the others do not wait for this participant.
+  std::shared_ptr<Work> async_all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op);
+  std::shared_ptr<Work> async_broadcast(void* buffer, size_t count, CommDType dtype, int root);
+  std::shared_ptr<Work> async_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op,
+                                     int root);
+  std::shared_ptr<Work> async_all_gather(const void* send, void* recv, size_t count, CommDType dtype);
+  std::shared_ptr<Work> async_reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype,
+                                             ReduceOp op);
+
   // Called by a participant that failed: every participant waiting now or later in this group throws
   // Error(REMOTE) with `reason` instead of waiting for it.
   virtual void abort(const std::string& reason) = 0;
+
+ protected:
+  // Lets the operations queued so far run, then joins the communication thread (a no-op if none started).
+  // Every derived class's destructor must call it first: the thread calls the derived class's virtual collectives,
+  // and by the time ~Communicator runs the derived part is destroyed (its vtable is gone too). ~Communicator only
+  // catches a derived class that forgot: it fails the operations not yet started, without running them, and
+  // joins.
+  void stop_async() noexcept;
+
+ private:
+  // Queues `op` on the communication thread, starting the thread first if needed.
+  std::shared_ptr<Work> submit_async(const char* operation, std::function<void()> op);
+  std::mutex async_mutex_;                     // guards the lazy start and stop of async_
+  std::unique_ptr<detail::CommThread> async_;  // null until the first async_* call
 };
 
 }  // namespace dpar

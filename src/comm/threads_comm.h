@@ -1,13 +1,39 @@
 // The threads backend: participants are threads of one process and buffers are in shared memory.
 //
-// all_reduce_sum is one pass: after a barrier (every buffer is ready), participant r sums its own slice of every
-// participant's buffer and writes the result into that slice of all of them; a second barrier makes the result
-// visible to all. Every byte is read once and written once per participant: the lower bound for this operation,
-// and no participant does more than 1/size of the work (not "thread 0 sums everything").
+// Every collective is one pass between two barriers. Before the first barrier each participant publishes, in its
+// slot, its buffers and a fingerprint of its call; after it, every participant checks the fingerprints and then
+// moves its share of the data directly between the participants' buffers; the second barrier makes the result
+// visible to all (and tells each participant that the others are done reading its buffers).
+//
+// The reductions (all_reduce, all_reduce_sum, reduce, reduce_scatter) split the elements, not the participants:
+// participant r reduces its own slice of every participant's buffer, in rank order, and writes the result to every
+// destination of that slice. Every byte is read once and written once per destination: the lower bound, and no
+// participant does more than 1/size of the work (not "thread 0 sums everything"). all_reduce writes the slice to
+// every participant's recv, reduce only to root's, and reduce_scatter's slice for participant r is block r, which
+// lands in r's recv. broadcast: participant r copies its slice of root's buffer into everyone else's. all_gather:
+// participant r copies every send into its own recv. (threads_comm.cpp says what was measured.)
+//
+// The reduction order is rank order, whoever computes a slice, and no FMA is involved: every participant gets the
+// same bits, run after run, whatever the vector width (the float loops are compiled for AVX2 and baseline).
+// Integer sums wrap; kMean divides the sum by size() (truncating toward zero for integers); float max and min
+// propagate NaN.
+//
+// In place: all_reduce and reduce take send == recv. all_gather takes send == recv + rank * count (the
+// contribution already in its block, as MPI_IN_PLACE and NCCL) and also send == recv (the contribution at the
+// start of recv). reduce_scatter takes recv == send (the result lands at the start of the buffer, as
+// MPI_IN_PLACE) and recv == send + rank * count (NCCL). Other overlaps of a participant's send and recv are refused;
+// buffers of different participants must not overlap.
+//
+// Fingerprints: every call publishes (its sequence number on this participant, operation, count, dtype, op, root),
+// and after the first barrier each participant compares every slot with participant 0's. All see the same slots,
+// so on a difference all throw Error(MISMATCH) naming the first participant that differs, and none touches data.
+// Fingerprints are double-buffered by the parity of the barrier round, so a participant that leaves early (after a
+// barrier() or a mismatch, which have no second barrier) cannot overwrite the one the others are still reading.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -20,11 +46,14 @@ namespace dpar {
 
 class ThreadGroup {
  public:
-  // names[r] names participant r in messages ("replica 2 (cpu:2)").
+  // names[r] names participant r in messages ("replica 2 (cpu:2)"). At most 256 participants. A timeout beyond
+  // a century means none.
   ThreadGroup(std::vector<std::string> names, std::chrono::duration<double> timeout);
 
   int size() const { return static_cast<int>(names_.size()); }
-  // Makes an aborted group usable again. Only while no participant is inside a collective.
+  const std::string& name(int rank) const { return names_[static_cast<size_t>(rank)]; }
+  // Makes an aborted group usable again and restarts the sequence numbers of the fingerprints. Only while no
+  // participant is inside a collective (nor has one queued on its communication thread).
   void reset();
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   // Every participant waiting now or later throws Error(REMOTE) with `reason` (the first reason is kept).
@@ -35,13 +64,37 @@ class ThreadGroup {
 
  private:
   friend class ThreadCommunicator;
-  struct alignas(64) Slot {
-    float* buffer = nullptr;
-    bool contributes = false;
-    std::atomic<uint64_t> arrivals{0};  // barriers this participant has entered: names who is missing
+
+  // What a participant called (16 bytes, no padding: compared as two 64-bit words).
+  struct Fingerprint {
+    uint64_t count = 0;
+    uint32_t seq = 0;  // this participant's collectives since the group was made or reset, from 1
+    uint8_t root = 0;  // at most 256 participants
+    uint8_t kind = 0;  // a ThreadCommunicator::Kind
+    uint8_t dtype = 0;
+    uint8_t op = 0;
+    bool operator==(const Fingerprint&) const = default;
   };
+  // Two cache lines per participant. The first is what the others read in a collective: its owner writes it once
+  // per call, before the first barrier. The second is written on every barrier and read by the others only to name
+  // who is missing: kept apart, the owner's barrier arrivals do not pull back a line that the others are reading,
+  // and a collective costs one transfer of the first line to the others and one back (as before fingerprints).
+  struct alignas(64) Slot {
+    Fingerprint fp[2];  // by the parity of the barrier round
+    const void* send = nullptr;
+    void* recv = nullptr;
+    bool contributes = false;
+    alignas(64) std::atomic<uint64_t> arrivals{0};  // barriers this participant has entered: names who is missing
+    uint32_t seq = 0;                               // written by its participant only (and reset())
+    std::atomic<bool> busy{false};                  // inside a collective (catches a blocking call beside async work)
+  };
+  static_assert(sizeof(Fingerprint) == 16 && sizeof(Slot) == 128);
 
   void arrive_and_wait(int rank, const char* operation);
+  const Fingerprint& first_fp(size_t parity) const { return slots_[0].fp[parity]; }
+  // After round `round`'s barrier: throws Error(MISMATCH) if any fingerprint differs from participant 0's.
+  void check_fingerprints(int rank, uint64_t round, const char* operation) const;
+  [[noreturn]] void fail_mismatch(int rank, int other, uint64_t round, const char* operation) const;
 
   std::vector<std::string> names_;
   std::chrono::duration<double> timeout_;

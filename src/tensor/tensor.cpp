@@ -32,6 +32,8 @@ DType checked_dtype(int32_t dtype, const char* argument) {
     case DPAR_BF16:
     case DPAR_F16:
     case DPAR_U8: fail(DPAR_ERR_NOT_SUPPORTED, argument, ": dtype ", dtype, " is reserved and not supported yet (use f32 or i32)");
+    case DPAR_F64:
+    case DPAR_I64: fail(DPAR_ERR_NOT_SUPPORTED, argument, ": dtype ", dtype, " is for collectives; tensors hold f32 or i32");
     default: fail(DPAR_ERR_INVALID_ARGUMENT, argument, ": unknown dtype ", dtype);
   }
 }

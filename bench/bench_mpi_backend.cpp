@@ -1,0 +1,176 @@
+// bench_mpi_backend: dpar's MPI backend (MpiCommunicator::all_reduce) beside a plain MPI_Allreduce, in the same
+// processes, interleaved. The aim: dpar's backend within 5% of plain MPI_Allreduce.
+//
+//   bench_mpi_backend [--np N] [--rounds R]     starts itself under mpirun (-np 2 by default, bound to cores)
+//
+// f32 sum, in place, 4 KiB to 16 MiB per rank. Every measurement: a barrier, then `iters` back-to-back all-reduces;
+// the time per operation is the longest over the ranks. Rounds alternate the variants (rotating their order) and
+// the printed figure is the median over rounds. Variants:
+//   plain        MPI_Allreduce(MPI_IN_PLACE) on a duplicate of MPI_COMM_WORLD
+//   dpar         MpiCommunicator::all_reduce, default options: fingerprint exchange (MPI_Iallgather of 7 int64,
+//                polled under the timeout) + blocking MPI_Allreduce
+//   dpar-nb      the same with MpiOptions::Transfer::kNonBlocking: MPI_Iallreduce polled with MPI_Test
+//   plain-nb     MPI_Iallreduce + MPI_Test loop (what dpar-nb costs without dpar)
+// and, once, the pieces of dpar's overhead: its barrier (the fingerprint exchange alone) beside the other ways
+// to exchange a fingerprint (MPI_Allgather, which cannot time out; MPI_Iallgather and an MPI_Iallreduce of
+// [x, -x] with MPI_MIN, polled) and a plain MPI_Barrier.
+#include <mpi.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+#include "comm/mpi_comm.h"
+
+namespace {
+
+struct Variant {
+  const char* name;
+  std::function<void()> op;
+};
+
+// Seconds per operation: the longest over the ranks.
+double measure(MPI_Comm sync, const std::function<void()>& op, int iters) {
+  MPI_Barrier(sync);
+  const double t0 = bench_now();
+  for (int i = 0; i < iters; ++i) op();
+  double t = (bench_now() - t0) / iters, longest = 0;
+  MPI_Allreduce(&t, &longest, 1, MPI_DOUBLE, MPI_MAX, sync);
+  return longest;
+}
+
+void relaunch_under_mpirun(int argc, char** argv, int np) {
+#ifdef BENCH_MPIEXEC
+  if (geteuid() == 0) {
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  }
+  std::vector<std::string> args = {BENCH_MPIEXEC, "-np", std::to_string(np), "--oversubscribe", "--bind-to", "core",
+                                   "--mca", "pml", "ob1", "--mca", "btl", "self,vader", argv[0]};
+  for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
+  std::vector<char*> cargs;
+  for (auto& a : args) cargs.push_back(a.data());
+  cargs.push_back(nullptr);
+  execv(BENCH_MPIEXEC, cargs.data());
+  std::perror("bench_mpi_backend: cannot start mpirun");
+  std::exit(2);
+#else
+  (void)argc, (void)argv, (void)np;
+  std::fprintf(stderr, "bench_mpi_backend: run it under mpirun\n");
+  std::exit(2);
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int np = 2, rounds = 15;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--np") && i + 1 < argc) np = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = std::max(1, std::atoi(argv[++i]));
+    else {
+      std::fprintf(stderr, "usage: %s [--np N] [--rounds R]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (!std::getenv("OMPI_COMM_WORLD_SIZE")) relaunch_under_mpirun(argc, argv, np);
+
+  dpar::MpiCommunicator dpar_comm;  // initialises MPI
+  dpar::MpiOptions nb;
+  nb.transfer = dpar::MpiOptions::Transfer::kNonBlocking;
+  dpar::MpiCommunicator dpar_nb(MPI_COMM_WORLD, nb);
+  MPI_Comm plain, sync;
+  MPI_Comm_dup(MPI_COMM_WORLD, &plain);
+  MPI_Comm_dup(MPI_COMM_WORLD, &sync);
+  const int rank = dpar_comm.rank(), size = dpar_comm.size();
+  if (rank == 0) {
+    bench_print_machine(stdout);
+    std::printf("ranks: %d (mpirun --bind-to core, btl self,vader); %d rounds, median over rounds\n\n", size, rounds);
+  }
+
+  const size_t sizes[] = {4 << 10, 64 << 10, 1 << 20, 16 << 20};
+  std::vector<float> buffer((16 << 20) / sizeof(float), 0.0f);  // zeros: the sums stay zero
+  if (rank == 0)
+    std::printf("%-8s %12s %12s %12s %12s  %9s %11s %9s %12s\n", "bytes", "plain us", "dpar us", "dpar-nb us",
+                "plain-nb us", "dpar/pl", "dpar-pl us", "nb/pl", "plain busbw");
+  for (size_t bytes : sizes) {
+    const size_t count = bytes / sizeof(float);
+    const int iters = bytes <= (4 << 10) ? 4000 : bytes <= (64 << 10) ? 1000 : bytes <= (1 << 20) ? 100 : 8;
+    float* buf = buffer.data();
+    std::vector<Variant> variants = {
+        {"plain", [&] { MPI_Allreduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, plain); }},
+        {"dpar", [&] { dpar_comm.all_reduce(buf, buf, count, dpar::CommDType::kF32, dpar::ReduceOp::kSum); }},
+        {"dpar-nb", [&] { dpar_nb.all_reduce(buf, buf, count, dpar::CommDType::kF32, dpar::ReduceOp::kSum); }},
+        {"plain-nb",
+         [&] {
+           MPI_Request r;
+           MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, plain, &r);
+           int done = 0;
+           while (!done) MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+         }},
+    };
+    std::vector<std::vector<double>> times(variants.size());
+    std::vector<double> ratios;  // dpar / plain within each round (same placement)
+    for (auto& v : variants) measure(sync, v.op, std::max(1, iters / 4));  // warm-up
+    for (int round = 0; round < rounds; ++round) {
+      std::vector<double> t(variants.size());
+      for (size_t k = 0; k < variants.size(); ++k) {
+        const size_t v = (k + round) % variants.size();
+        t[v] = measure(sync, variants[v].op, iters);
+      }
+      for (size_t v = 0; v < variants.size(); ++v) times[v].push_back(t[v]);
+      ratios.push_back(t[1] / t[0]);
+    }
+    std::vector<double> med;
+    for (auto& t : times) med.push_back(bench_median(t.data(), t.size()));
+    const double ratio = bench_median(ratios.data(), ratios.size());
+    const double busbw = bytes / med[0] * 2.0 * (size - 1) / size / 1e9;
+    if (rank == 0)
+      std::printf("%-8zu %12.2f %12.2f %12.2f %12.2f  %8.3fx %11.2f %8.2fx %9.2f GB/s\n", bytes, med[0] * 1e6,
+                  med[1] * 1e6, med[2] * 1e6, med[3] * 1e6, ratio, (med[1] - med[0]) * 1e6, med[2] / med[0], busbw);
+  }
+
+  // The pieces of the fixed overhead.
+  int64_t fp[14] = {}, table[14 * 64];
+  std::vector<Variant> pieces = {
+      {"dpar barrier (the fingerprint exchange alone)", [&] { dpar_comm.barrier("bench"); }},
+      {"plain MPI_Allgather of 7 int64", [&] { MPI_Allgather(fp, 7, MPI_INT64_T, table, 7, MPI_INT64_T, plain); }},
+      {"plain MPI_Iallgather of 7 int64 + MPI_Test loop",
+       [&] {
+         MPI_Request r;
+         MPI_Iallgather(fp, 7, MPI_INT64_T, table, 7, MPI_INT64_T, plain, &r);
+         int done = 0;
+         while (!done) MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+       }},
+      {"plain MPI_Iallreduce of 14 int64 (min) + MPI_Test",
+       [&] {
+         MPI_Request r;
+         MPI_Iallreduce(fp, table, 14, MPI_INT64_T, MPI_MIN, plain, &r);
+         int done = 0;
+         while (!done) MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+       }},
+      {"plain MPI_Barrier", [&] { MPI_Barrier(plain); }},
+  };
+  if (size <= 64) {
+    std::vector<std::vector<double>> times(pieces.size());
+    for (int round = 0; round < rounds; ++round)
+      for (size_t k = 0; k < pieces.size(); ++k) {
+        const size_t v = (k + round) % pieces.size();
+        times[v].push_back(measure(sync, pieces[v].op, 4000));
+      }
+    if (rank == 0) std::printf("\n");
+    for (size_t v = 0; v < pieces.size(); ++v) {
+      const double m = bench_median(times[v].data(), times[v].size());
+      if (rank == 0) std::printf("%-48s %8.2f us\n", pieces[v].name, m * 1e6);
+    }
+  }
+  MPI_Comm_free(&plain);
+  MPI_Comm_free(&sync);
+  return 0;
+}

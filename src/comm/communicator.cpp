@@ -1,0 +1,126 @@
+// The parts of Communicator that every backend shares: dtype and op names, and the asynchronous forms.
+//
+// async_*: each participant (Communicator object) has at most one communication thread, started by its first
+// async_* call (detail::CommThread). It runs the blocking collectives queued on it in FIFO order; since every
+// participant queues its collectives in its program order, the threads of a group meet in the same order as
+// blocking callers would, with the same fingerprints, timeouts and aborts.
+//
+// Lifetime: the thread calls the derived class's virtual collectives through `this`. The base destructor runs
+// after the derived part is destroyed, when those calls would reach freed members (or a pure virtual), so each
+// derived destructor calls stop_async() first: the operations still queued run while the whole object is alive,
+// then the thread is joined. ~Communicator calls the same machinery only to catch a derived class that did not:
+// with a derived part already gone it must not run anything, so it fails the queued operations unrun.
+#include "comm/communicator.h"
+
+#include <system_error>
+
+#include "comm/comm_thread.h"
+#include "common/error.h"
+
+namespace dpar {
+
+size_t comm_dtype_size(CommDType dtype) {
+  switch (dtype) {
+    case CommDType::kF32: return 4;
+    case CommDType::kF64: return 8;
+    case CommDType::kI32: return 4;
+    case CommDType::kI64: return 8;
+  }
+  fail(DPAR_ERR_INVALID_ARGUMENT, "dtype: unknown collective element type ", static_cast<int32_t>(dtype));
+}
+
+const char* comm_dtype_name(CommDType dtype) {
+  switch (dtype) {
+    case CommDType::kF32: return "f32";
+    case CommDType::kF64: return "f64";
+    case CommDType::kI32: return "i32";
+    case CommDType::kI64: return "i64";
+  }
+  return "unknown dtype";
+}
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMean: return "mean";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "unknown op";
+}
+
+Communicator::Communicator() = default;
+
+Communicator::~Communicator() {
+  // Normally null: the derived destructor's stop_async() has joined the thread.
+  if (async_)
+    async_->stop(
+        "the communicator was destroyed before this asynchronous collective ran (its backend did not "
+        "call stop_async())");
+}
+
+void Communicator::stop_async() noexcept {
+  std::unique_ptr<detail::CommThread> thread;
+  {
+    std::lock_guard<std::mutex> lock(async_mutex_);
+    thread = std::move(async_);
+  }
+  if (thread) thread->stop(nullptr);
+}
+
+std::shared_ptr<Work> Communicator::submit_async(const char* operation, std::function<void()> op) {
+  try {
+    std::lock_guard<std::mutex> lock(async_mutex_);
+    if (!async_) {
+      async_ = std::make_unique<detail::CommThread>([this](const std::exception_ptr& error) {
+        // REMOTE, TIMEOUT and MISMATCH: every participant concerned already knows (the group is aborted, or they
+        // all decided alike; aborting after a mismatch would turn a slower participant's MISMATCH into REMOTE).
+        // Any other failure is local: this participant will not arrive, so release the others.
+        try {
+          std::rethrow_exception(error);
+        } catch (const Error& e) {
+          if (e.status() == DPAR_ERR_REMOTE || e.status() == DPAR_ERR_TIMEOUT || e.status() == DPAR_ERR_MISMATCH)
+            return;
+          abort(std::string("async ") + e.what());
+        } catch (const std::exception& e) {
+          abort(std::string("async collective failed: ") + e.what());
+        } catch (...) {
+          abort("async collective failed: unknown exception");
+        }
+      });
+    }
+    return async_->submit(std::move(op));
+  } catch (const std::system_error& e) {
+    // The operation is not queued: the others would wait for it.
+    abort(detail::concat("async_", operation, ": cannot start the communication thread: ", e.what()));
+    fail(DPAR_ERR_COMMUNICATION, "async_", operation, ": cannot start the communication thread: ", e.what());
+  } catch (const std::bad_alloc&) {
+    abort(detail::concat("async_", operation, ": out of memory"));
+    throw;
+  }
+}
+
+std::shared_ptr<Work> Communicator::async_all_reduce(const void* send, void* recv, size_t count, CommDType dtype,
+                                                     ReduceOp op) {
+  return submit_async("all_reduce", [=, this] { all_reduce(send, recv, count, dtype, op); });
+}
+
+std::shared_ptr<Work> Communicator::async_broadcast(void* buffer, size_t count, CommDType dtype, int root) {
+  return submit_async("broadcast", [=, this] { broadcast(buffer, count, dtype, root); });
+}
+
+std::shared_ptr<Work> Communicator::async_reduce(const void* send, void* recv, size_t count, CommDType dtype,
+                                                 ReduceOp op, int root) {
+  return submit_async("reduce", [=, this] { reduce(send, recv, count, dtype, op, root); });
+}
+
+std::shared_ptr<Work> Communicator::async_all_gather(const void* send, void* recv, size_t count, CommDType dtype) {
+  return submit_async("all_gather", [=, this] { all_gather(send, recv, count, dtype); });
+}
+
+std::shared_ptr<Work> Communicator::async_reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype,
+                                                         ReduceOp op) {
+  return submit_async("reduce_scatter", [=, this] { reduce_scatter(send, recv, count, dtype, op); });
+}
+
+}  // namespace dpar

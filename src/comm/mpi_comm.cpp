@@ -1,0 +1,833 @@
+#include "comm/mpi_comm.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+namespace dpar {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+// What a collective is, in fingerprints and notices.
+enum Coll : int64_t {
+  kAllReduce = 1,
+  kBroadcast = 2,
+  kReduce = 3,
+  kAllGather = 4,
+  kReduceScatter = 5,
+  kBarrier = 6,
+  kAllReduceSum = 7,
+};
+
+const char* coll_name(int64_t coll) {
+  switch (coll) {
+    case kAllReduce: return "all_reduce";
+    case kBroadcast: return "broadcast";
+    case kReduce: return "reduce";
+    case kAllGather: return "all_gather";
+    case kReduceScatter: return "reduce_scatter";
+    case kBarrier: return "barrier";
+    case kAllReduceSum: return "all_reduce_sum";
+  }
+  return "collective";
+}
+
+bool has_op(int64_t coll) { return coll == kAllReduce || coll == kReduce || coll == kReduceScatter; }
+bool has_root(int64_t coll) { return coll == kBroadcast || coll == kReduce; }
+
+// A fingerprint: 7 int64 per rank, gathered by every rank.
+enum Field { kSeq = 0, kColl, kCount, kDType, kOp, kRoot, kError, kFields };
+const char* const kFieldNames[kFields] = {"sequence number", "operation", "count", "dtype", "op", "root", "error"};
+
+// Notices on the private communicator: int64 kind, sequence number, operation; then the text.
+constexpr int kNoticeTag = 1;
+constexpr int kFingerprintTag = 2;
+enum NoticeKind : int64_t { kAbortNotice = 1, kTimeoutNotice = 2 };
+constexpr size_t kNoticeHeader = 3 * sizeof(int64_t);
+
+size_t g_max_chunk = INT_MAX;  // elements per MPI call (tests lower it)
+
+const char* status_name(int64_t status) {
+  switch (status) {
+    case DPAR_ERR_INVALID_ARGUMENT: return "invalid argument";
+    case DPAR_ERR_NOT_SUPPORTED: return "not supported";
+    case DPAR_ERR_INVALID_STATE: return "invalid state";
+    default: return "error";
+  }
+}
+
+bool valid_dtype(CommDType dtype) {
+  switch (dtype) {
+    case CommDType::kF32:
+    case CommDType::kF64:
+    case CommDType::kI32:
+    case CommDType::kI64: return true;
+  }
+  return false;
+}
+
+bool valid_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kMean:
+    case ReduceOp::kMax:
+    case ReduceOp::kMin: return true;
+  }
+  return false;
+}
+
+MPI_Datatype mpi_type(CommDType dtype) {
+  switch (dtype) {
+    case CommDType::kF32: return MPI_FLOAT;
+    case CommDType::kF64: return MPI_DOUBLE;
+    case CommDType::kI32: return MPI_INT32_T;
+    case CommDType::kI64: return MPI_INT64_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+// kMean is a sum, divided afterwards.
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kMean: return MPI_SUM;
+    case ReduceOp::kMax: return MPI_MAX;
+    case ReduceOp::kMin: return MPI_MIN;
+  }
+  return MPI_OP_NULL;
+}
+
+std::string mpi_error_string(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return detail::concat("MPI error ", code);
+  return std::string(text, static_cast<size_t>(len));
+}
+
+// "rank 1", "ranks 0, 2"; "no rank" for none.
+std::string rank_list(const std::vector<int>& ranks) {
+  if (ranks.empty()) return "no rank";
+  std::ostringstream os;
+  os << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+  return os.str();
+}
+
+std::string describe(const int64_t* fp) {
+  std::ostringstream os;
+  os << coll_name(fp[kColl]) << " #" << fp[kSeq];
+  if (fp[kColl] == kBarrier) return os.str();
+  const auto dtype = static_cast<CommDType>(fp[kDType]);
+  os << " (" << fp[kCount] << " x " << (valid_dtype(dtype) ? comm_dtype_name(dtype) : "unknown dtype");
+  if (has_op(fp[kColl])) {
+    const auto op = static_cast<ReduceOp>(fp[kOp]);
+    os << ", " << (valid_op(op) ? reduce_op_name(op) : "unknown op");
+  }
+  if (has_root(fp[kColl])) os << ", root " << fp[kRoot];
+  os << ")";
+  return os.str();
+}
+
+template <class T>
+void divide_all(void* data, size_t count, T by) {
+  T* p = static_cast<T*>(data);
+  for (size_t i = 0; i < count; ++i) p[i] /= by;  // integers: truncates toward zero
+}
+
+void divide(void* data, size_t count, CommDType dtype, int by) {
+  switch (dtype) {
+    case CommDType::kF32: return divide_all<float>(data, count, static_cast<float>(by));
+    case CommDType::kF64: return divide_all<double>(data, count, static_cast<double>(by));
+    case CommDType::kI32: return divide_all<int32_t>(data, count, by);
+    case CommDType::kI64: return divide_all<int64_t>(data, count, by);
+  }
+}
+
+bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes && b_bytes && x < y + b_bytes && y < x + a_bytes;
+}
+
+const char* cbytes(const void* p, size_t offset) { return static_cast<const char*>(p) + offset; }
+char* bytes_at(void* p, size_t offset) { return static_cast<char*>(p) + offset; }
+
+void finalize_at_exit() {
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+const char* thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+  }
+  return "unknown thread level";
+}
+
+}  // namespace
+
+namespace detail {
+void set_mpi_max_chunk_for_tests(size_t elements) { g_max_chunk = elements ? elements : INT_MAX; }
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------------------------
+// MpiRuntime
+
+MpiRuntime::MpiRuntime() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = MPI_THREAD_SINGLE;
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS) fail(DPAR_ERR_COMMUNICATION, "mpi: MPI_Init_thread failed: ", mpi_error_string(rc));
+    initialized_by_dpar_ = true;
+    thread_level_ = provided;
+    // After every static constructed so far is destroyed (atexit runs in reverse order of registration, mixed
+    // with static destructors): a communicator destroyed later sees MPI_Finalized and frees nothing.
+    std::atexit(finalize_at_exit);
+  } else {
+    MPI_Query_thread(&thread_level_);
+  }
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
+}
+
+MpiRuntime& MpiRuntime::instance() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  DPAR_ENFORCE(!finalized, DPAR_ERR_INVALID_STATE, "mpi: MPI was finalized already; it cannot be used again");
+  // Never destroyed: MPI outlives every static object (it is finalized by atexit, if by dpar).
+  static MpiRuntime* runtime = new MpiRuntime();
+  return *runtime;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// MpiCommunicator
+
+struct MpiCommunicator::Call {
+  int64_t coll;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0;
+  CommDType dtype = CommDType::kF32;
+  ReduceOp op = ReduceOp::kSum;
+  int root = -1;
+  bool contributes = true;
+  float scale = 1.0f;
+  const char* label = nullptr;  // barrier's operation name
+};
+
+MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(options) {
+  DPAR_CHECK_ARG(options_.timeout_seconds > 0, "mpi communicator: timeout_seconds must be positive, got ",
+                 options_.timeout_seconds);
+  DPAR_CHECK_ARG(options_.transfer == MpiOptions::Transfer::kBlocking ||
+                     options_.transfer == MpiOptions::Transfer::kNonBlocking,
+                 "mpi communicator: unknown transfer mode");
+  thread_level_ = MpiRuntime::instance().thread_level();
+  DPAR_CHECK_ARG(base != MPI_COMM_NULL, "mpi communicator: the base communicator is MPI_COMM_NULL");
+
+  // Two duplicates of base, each created by a non-blocking collective polled under the timeout: a rank that never
+  // constructs its communicator makes the others fail instead of hanging.
+  const bool forever = options_.timeout_seconds > 3.0e9;
+  const auto deadline = forever ? SteadyClock::time_point::max()
+                                : SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(
+                                                           std::chrono::duration<double>(options_.timeout_seconds));
+  auto dup = [&](MPI_Comm* out, const char* what) {
+    MPI_Request request;
+    int rc = MPI_Comm_idup(base, out, &request);
+    if (rc != MPI_SUCCESS)
+      fail(DPAR_ERR_COMMUNICATION, "mpi communicator: MPI_Comm_idup (", what, ") failed: ", mpi_error_string(rc));
+    for (unsigned i = 0;; ++i) {
+      int done = 0;
+      rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS)
+        fail(DPAR_ERR_COMMUNICATION, "mpi communicator: MPI_Comm_idup (", what, ") failed: ", mpi_error_string(rc));
+      if (done) break;
+      if ((i & 63) == 63) {
+        if (SteadyClock::now() >= deadline)
+          fail(DPAR_ERR_TIMEOUT, "mpi communicator: not every rank of the base communicator created its "
+               "communicator within ", options_.timeout_seconds, " s (the creation is collective)");
+        sched_yield();
+      }
+    }
+    MPI_Comm_set_errhandler(*out, MPI_ERRORS_RETURN);
+  };
+  dup(&comm_, "collectives");
+  dup(&control_, "control");
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+  table_.assign(static_cast<size_t>(size_) * kFields, 0);
+  gather_.assign(static_cast<size_t>(size_) * kFields, 0);
+  timeout_notice_seq_.assign(static_cast<size_t>(size_), -1);
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  stop_async();
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (finalized) return;  // MPI freed everything
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (abort_requested_.load()) send_abort_notices_locked();
+  test_pending_sends();
+  for (auto& s : pending_sends_) {
+    // A notice to a rank that never received it (dead, or gone): MPI may still read the buffer, so it is left
+    // allocated (a few bytes, only after a failure).
+    MPI_Request_free(&s.request);
+    (void)new std::shared_ptr<std::vector<char>>(std::move(s.data));
+  }
+  pending_sends_.clear();
+  // A communicator with a request that never completes is left to MPI_Finalize, and so are the buffers that such
+  // a request may still write into if the rank it waits for arrives after all.
+  if (!requests_left_pending_) {
+    MPI_Comm_free(&comm_);
+    MPI_Comm_free(&control_);
+  } else {
+    (void)new std::vector<int64_t>(std::move(gather_));
+  }
+}
+
+std::string MpiCommunicator::where(const Call& call, uint64_t seq) const {
+  std::ostringstream os;
+  os << "mpi " << coll_name(call.coll);
+  if (call.coll == kBarrier && call.label && *call.label) os << " '" << call.label << "'";
+  os << " #" << seq << " (rank " << rank_ << " of " << size_ << ")";
+  return os.str();
+}
+
+void MpiCommunicator::mark(State state, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(reason_mutex_);
+  if (state_.load() != kUsable) return;  // the first failure is the one to report
+  broken_reason_ = reason;
+  state_.store(state, std::memory_order_release);
+}
+
+void MpiCommunicator::throw_unusable(const std::string& where) {
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(reason_mutex_);
+    reason = broken_reason_;
+  }
+  if (state_.load() == kAborted) fail(DPAR_ERR_REMOTE, where, ": stopped because ", reason);
+  fail(DPAR_ERR_INVALID_STATE, where, ": this communicator is unusable since ", reason,
+       "; create a new one to go on");
+}
+
+void MpiCommunicator::mpi_failed(const char* function, int code, const std::string& where) {
+  requests_left_pending_ = true;
+  const std::string message = detail::concat(where, ": ", function, " failed: ", mpi_error_string(code));
+  mark(kFailed, message);
+  throw Error(DPAR_ERR_COMMUNICATION, message);
+}
+
+void MpiCommunicator::abort(const std::string& reason) {
+  mark(kAborted, detail::concat("rank ", rank_, " aborted the group: ", reason));
+  {
+    std::lock_guard<std::mutex> lock(reason_mutex_);
+    if (abort_reason_.empty()) abort_reason_ = reason;
+  }
+  abort_requested_.store(true, std::memory_order_seq_cst);
+  // Tell the other ranks now if no collective of ours is running; otherwise the thread inside it does, at once
+  // if it is waiting, or when its transfer ends. Under less than MPI_THREAD_MULTIPLE another thread may be in MPI
+  // (another communicator), so the next collective on this one sends them instead.
+  if (thread_level_ == MPI_THREAD_MULTIPLE && mutex_.try_lock()) {
+    std::lock_guard<std::mutex> lock(mutex_, std::adopt_lock);
+    send_abort_notices_locked();
+  }
+}
+
+void MpiCommunicator::send_abort_notices_locked() {
+  if (abort_notices_sent_ || !abort_requested_.load()) return;
+  abort_notices_sent_ = true;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(reason_mutex_);
+    reason = abort_reason_;
+  }
+  send_notice(kAbortNotice, seq_.load(), 0, reason);
+}
+
+void MpiCommunicator::send_notice(int64_t kind, uint64_t seq, int64_t coll, const std::string& text) {
+  test_pending_sends();
+  auto data = std::make_shared<std::vector<char>>(kNoticeHeader + text.size());
+  const int64_t header[3] = {kind, static_cast<int64_t>(seq), coll};
+  std::memcpy(data->data(), header, kNoticeHeader);
+  std::memcpy(data->data() + kNoticeHeader, text.data(), text.size());
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    MPI_Request request;
+    // Best effort: a rank that is gone cannot be told.
+    if (MPI_Isend(data->data(), static_cast<int>(data->size()), MPI_BYTE, r, kNoticeTag, control_, &request) ==
+        MPI_SUCCESS)
+      pending_sends_.push_back({request, data});
+  }
+  test_pending_sends();
+}
+
+void MpiCommunicator::test_pending_sends() {
+  for (auto it = pending_sends_.begin(); it != pending_sends_.end();) {
+    int done = 0;
+    if (MPI_Test(&it->request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done)
+      it = pending_sends_.erase(it);
+    else
+      ++it;
+  }
+}
+
+bool MpiCommunicator::drain_notices(uint64_t current_seq) {
+  // One look per call (~0.07 us). OpenMPI's probe looks at its queue before it makes progress, so a notice still
+  // in shared memory shows at the next look: the callers look again after MPI_Test* calls have made progress.
+  bool any = false;
+  for (;;) {
+    int flag = 0;
+    MPI_Message message;
+    MPI_Status status;
+    if (MPI_Improbe(MPI_ANY_SOURCE, kNoticeTag, control_, &flag, &message, &status) != MPI_SUCCESS || !flag)
+      return any;
+    int count = 0;
+    MPI_Get_count(&status, MPI_BYTE, &count);
+    std::vector<char> data(static_cast<size_t>(std::max(count, 0)));
+    if (MPI_Mrecv(data.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE) != MPI_SUCCESS) return any;
+    any = true;
+    if (data.size() < kNoticeHeader) continue;
+    int64_t header[3];
+    std::memcpy(header, data.data(), kNoticeHeader);
+    const std::string text(data.data() + kNoticeHeader, data.size() - kNoticeHeader);
+    const int from = status.MPI_SOURCE;
+    if (header[0] == kAbortNotice) {
+      mark(kAborted, detail::concat("rank ", from, " aborted the group: ", text));
+    } else if (header[0] == kTimeoutNotice && from >= 0 && from < size_) {
+      const auto seq = static_cast<uint64_t>(header[1]);
+      timeout_notice_seq_[static_cast<size_t>(from)] = header[1];
+      // For the current collective the callers decide (a late rank, or a waiter that joins the timeout); any
+      // other one means that the group cannot go on.
+      if (seq != current_seq)
+        mark(kFailed, detail::concat("rank ", from, " gave up waiting in ", coll_name(header[2]), " #", seq,
+                                     " after its timeout"));
+    }
+  }
+}
+
+void MpiCommunicator::check_usable(const Call& call) {
+  if (thread_level_ < MPI_THREAD_SERIALIZED) {
+    int main_thread = 0;
+    MPI_Is_thread_main(&main_thread);
+    DPAR_ENFORCE(main_thread, DPAR_ERR_NOT_SUPPORTED, where(call, seq_.load()), ": MPI was initialised with ",
+                 thread_level_name(thread_level_), ", so only the main thread may call MPI (async_* needs "
+                 "MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE)");
+  }
+  const uint64_t seq = seq_.load();
+  if (abort_requested_.load()) send_abort_notices_locked();
+  if (state_.load() != kUsable) throw_unusable(where(call, seq));
+  // Notices from other ranks are looked for once the fingerprint exchange has made progress (check_late).
+}
+
+void MpiCommunicator::validate(const Call& c) const {
+  DPAR_CHECK_ARG(valid_dtype(c.dtype), "unknown dtype ", static_cast<int32_t>(c.dtype));
+  if (has_op(c.coll))
+    DPAR_CHECK_ARG(valid_op(c.op), "unknown reduce op ", static_cast<int32_t>(c.op));
+  if (has_root(c.coll))
+    DPAR_CHECK_ARG(c.root >= 0 && c.root < size_, "root ", c.root, " is not a rank of this ",
+                   size_, "-rank communicator");
+  const size_t esz = comm_dtype_size(c.dtype);
+  const size_t n = static_cast<size_t>(size_);
+  if (c.coll == kAllGather || c.coll == kReduceScatter) {
+    DPAR_ENFORCE(c.count <= static_cast<size_t>(INT_MAX), DPAR_ERR_NOT_SUPPORTED, "count ", c.count,
+                 " exceeds MPI's int counts (", INT_MAX, ")");
+  }
+  DPAR_CHECK_ARG(c.count <= SIZE_MAX / esz / n, "count ", c.count, " is too large");
+  if (c.count == 0) return;
+  const size_t bytes = c.count * esz;
+  switch (c.coll) {
+    case kAllReduce:
+      DPAR_CHECK_ARG(c.send && c.recv, "null buffer with count ", c.count);
+      DPAR_CHECK_ARG(c.send == c.recv || !overlap(c.send, bytes, c.recv, bytes),
+                     "send and recv overlap without being equal");
+      break;
+    case kAllReduceSum:
+      DPAR_CHECK_ARG(c.recv, "null buffer with count ", c.count);
+      break;
+    case kBroadcast:
+      DPAR_CHECK_ARG(c.recv, "null buffer with count ", c.count);
+      break;
+    case kReduce:
+      DPAR_CHECK_ARG(c.send, "null send buffer with count ", c.count);
+      if (rank_ == c.root) {
+        DPAR_CHECK_ARG(c.recv, "null recv buffer on the root with count ", c.count);
+        DPAR_CHECK_ARG(c.send == c.recv || !overlap(c.send, bytes, c.recv, bytes),
+                       "send and recv overlap without being equal");
+      }
+      break;
+    case kAllGather:
+      DPAR_CHECK_ARG(c.send && c.recv, "null buffer with count ", c.count);
+      DPAR_CHECK_ARG(c.send == c.recv || c.send == cbytes(c.recv, rank_ * bytes) ||
+                         !overlap(c.send, bytes, c.recv, n * bytes),
+                     "send overlaps recv without being recv or recv + rank * count");
+      break;
+    case kReduceScatter:
+      DPAR_CHECK_ARG(c.send && c.recv, "null buffer with count ", c.count);
+      DPAR_CHECK_ARG(c.recv == c.send || c.recv == cbytes(c.send, rank_ * bytes) ||
+                         !overlap(c.send, n * bytes, c.recv, bytes),
+                     "recv overlaps send without being send or send + rank * count");
+      break;
+    default: break;
+  }
+}
+
+void MpiCommunicator::wait(MPI_Request* requests, int count, const Call& call, uint64_t seq, bool transferring,
+                           SteadyClock::time_point start, bool first_look) {
+  const bool forever = options_.timeout_seconds > 3.0e9;
+  const auto deadline = forever ? SteadyClock::time_point::max()
+                                : start + std::chrono::duration_cast<SteadyClock::duration>(
+                                              std::chrono::duration<double>(options_.timeout_seconds));
+  for (unsigned i = 0;; ++i) {
+    int done = 0;
+    const int rc = MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS) mpi_failed("MPI_Testall", rc, where(call, seq));
+    if (done) return;
+    // Right after arriving (the first test made progress): notices already there mean this rank is late.
+    if (i == 0 && first_look) check_late(call, seq);
+    if (abort_requested_.load(std::memory_order_relaxed)) {
+      requests_left_pending_ = true;
+      send_abort_notices_locked();
+      throw_unusable(where(call, seq));
+    }
+    if ((i & 15) != 15) continue;
+    if (drain_notices(seq)) {
+      if (state_.load() != kUsable) {
+        requests_left_pending_ = true;
+        std::lock_guard<std::mutex> lock(reason_mutex_);
+        fail(DPAR_ERR_REMOTE, where(call, seq), ": stopped because ", broken_reason_);
+      }
+      for (int r = 0; r < size_; ++r)
+        if (timeout_notice_seq_[static_cast<size_t>(r)] == static_cast<int64_t>(seq))
+          give_up(call, seq, transferring, r);
+    }
+    const auto now = SteadyClock::now();
+    if (now >= deadline) give_up(call, seq, transferring, -1);
+    if (now - start > std::chrono::milliseconds(1)) sched_yield();
+  }
+}
+
+void MpiCommunicator::give_up(const Call& call, uint64_t seq, bool transferring, int first_notifier) {
+  requests_left_pending_ = true;
+  send_notice(kTimeoutNotice, seq, call.coll, "");
+  // Listen: every rank waiting in this collective answers with its own notice.
+  const double timeout = options_.timeout_seconds > 3.0e9 ? 4.0 : options_.timeout_seconds;
+  const auto grace = std::chrono::duration<double>(std::clamp(timeout / 4, 0.05, 1.0));
+  const auto end = SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(grace);
+  std::vector<int> waiting{rank_}, silent;
+  while (true) {
+    drain_notices(seq);
+    waiting.assign(1, rank_);
+    silent.clear();
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      if (timeout_notice_seq_[static_cast<size_t>(r)] == static_cast<int64_t>(seq))
+        waiting.push_back(r);
+      else
+        silent.push_back(r);
+    }
+    if (silent.empty() || SteadyClock::now() >= end) break;
+    test_pending_sends();
+    sched_yield();
+  }
+  std::sort(waiting.begin(), waiting.end());
+  std::ostringstream os;
+  os << where(call, seq) << ": ";
+  const std::string limit = detail::concat(options_.timeout_seconds, " s");
+  if (!transferring) {
+    if (!silent.empty())
+      os << rank_list(silent) << " did not arrive within " << limit << " ("
+         << rank_list(waiting) << " waited)";
+    else
+      os << "every rank arrived but the fingerprint exchange did not complete within " << limit;
+  } else {
+    os << "the transfer did not complete within " << limit << " although every rank had arrived (still waiting: "
+       << rank_list(waiting) << "; not answering, stopped or dead: " << rank_list(silent) << ")";
+  }
+  if (first_notifier >= 0) os << "; rank " << first_notifier << "'s timeout passed first";
+  const std::string message = os.str();
+  mark(kFailed, message);
+  throw Error(DPAR_ERR_TIMEOUT, message);
+}
+
+void MpiCommunicator::check_late(const Call& c, uint64_t seq) {
+  drain_notices(seq);
+  if (state_.load() != kUsable) {
+    requests_left_pending_ = true;
+    std::lock_guard<std::mutex> lock(reason_mutex_);
+    fail(DPAR_ERR_REMOTE, where(c, seq), ": stopped because ", broken_reason_);
+  }
+  for (int r = 0; r < size_; ++r) {
+    if (timeout_notice_seq_[static_cast<size_t>(r)] != static_cast<int64_t>(seq)) continue;
+    requests_left_pending_ = true;
+    const std::string reason = detail::concat("rank ", r, " gave up waiting in ", coll_name(c.coll), " #", seq,
+                                              " after its timeout, before this rank arrived");
+    mark(kFailed, reason);
+    fail(DPAR_ERR_REMOTE, where(c, seq), ": ", reason, "; nothing was moved");
+  }
+}
+
+// Bruck's allgather over point-to-point messages on the control communicator: ceil(log2(size)) rounds; in the
+// round at distance d, a rank sends the first min(d, size - d) fingerprints it holds to rank - d and receives as
+// many from rank + d, so that it then holds those of ranks rank .. rank + 2d - 1 (mod size). A rank completes only
+// after every rank has entered. (OpenMPI's MPI_Iallgather does the same job about 3x slower at these sizes: its
+// non-blocking collectives make progress only on every 8th call of the progress engine.)
+void MpiCommunicator::gather_fingerprints(const int64_t* mine, const Call& c, uint64_t seq) {
+  const auto start = SteadyClock::now();
+  std::copy(mine, mine + kFields, gather_.begin());
+  for (int d = 1; d < size_; d *= 2) {
+    const int n = std::min(d, size_ - d) * kFields;
+    MPI_Request requests[2];
+    int rc = MPI_Irecv(&gather_[static_cast<size_t>(d) * kFields], n, MPI_INT64_T, (rank_ + d) % size_,
+                       kFingerprintTag, control_, &requests[0]);
+    if (rc != MPI_SUCCESS) mpi_failed("MPI_Irecv", rc, where(c, seq));
+    rc = MPI_Isend(gather_.data(), n, MPI_INT64_T, (rank_ - d + size_) % size_, kFingerprintTag, control_,
+                   &requests[1]);
+    if (rc != MPI_SUCCESS) {
+      requests_left_pending_ = true;
+      mpi_failed("MPI_Isend", rc, where(c, seq));
+    }
+    wait(requests, 2, c, seq, false, start, /*first_look=*/d == 1);
+  }
+  for (int j = 0; j < size_; ++j)
+    std::copy_n(&gather_[static_cast<size_t>(j) * kFields], kFields,
+                &table_[static_cast<size_t>((rank_ + j) % size_) * kFields]);
+}
+
+void MpiCommunicator::agree(const Call& c, uint64_t seq) {
+  int64_t mine[kFields] = {static_cast<int64_t>(seq), c.coll, static_cast<int64_t>(c.count),
+                           static_cast<int64_t>(c.dtype), -1, -1, 0};
+  if (has_op(c.coll)) mine[kOp] = static_cast<int64_t>(c.op);
+  if (has_root(c.coll)) mine[kRoot] = c.root;
+  if (c.coll == kBarrier) mine[kCount] = 0, mine[kDType] = -1;
+  // A local argument error still takes part, so that the others learn it instead of waiting.
+  dpar_status own_status = DPAR_OK;
+  std::string own_error;
+  try {
+    validate(c);
+  } catch (const Error& e) {
+    own_status = e.status();
+    own_error = e.what();
+    mine[kError] = own_status;
+  }
+
+  seq_.store(seq + 1);
+  gather_fingerprints(mine, c, seq);
+  // A rank that arrives after the others gave up can complete the exchange with their pending requests: their
+  // notices, in the queue by now (the exchange made progress), tell it not to go on to a transfer that nobody else
+  // will join.
+  check_late(c, seq);
+
+  // Every rank holds the same table and decides alike.
+  if (own_status != DPAR_OK)
+    fail(own_status, where(c, seq), ": ", own_error, " (the other ranks were told; nothing was moved)");
+  const int64_t* first = &table_[0];
+  std::vector<const int64_t*> kinds;  // distinct fingerprints, in rank order of first appearance
+  std::vector<std::vector<int>> ranks;
+  bool differs[kFields] = {};
+  for (int r = 0; r < size_; ++r) {
+    const int64_t* fp = &table_[static_cast<size_t>(r) * kFields];
+    for (int f = 0; f < kError; ++f) differs[f] |= fp[f] != first[f];
+    size_t k = 0;
+    while (k < kinds.size() && !std::equal(fp, fp + kError, kinds[k])) ++k;
+    if (k == kinds.size()) kinds.push_back(fp), ranks.emplace_back();
+    ranks[k].push_back(r);
+  }
+  if (kinds.size() > 1) {
+    std::ostringstream os;
+    os << where(c, seq) << ": the ranks called different collectives (differing in ";
+    bool comma = false;
+    for (int f = 0; f < kError; ++f)
+      if (differs[f]) os << (comma ? ", " : "") << kFieldNames[f], comma = true;
+    os << "): ";
+    for (size_t k = 0; k < kinds.size(); ++k)
+      os << (k ? "; " : "") << rank_list(ranks[k]) << " called " << describe(kinds[k]);
+    os << ". Nothing was moved";
+    throw Error(DPAR_ERR_MISMATCH, os.str());
+  }
+  std::vector<int> refused;
+  int64_t refused_status = 0;
+  for (int r = 0; r < size_; ++r)
+    if (table_[static_cast<size_t>(r) * kFields + kError] != 0)
+      refused.push_back(r), refused_status = table_[static_cast<size_t>(r) * kFields + kError];
+  if (!refused.empty())
+    fail(DPAR_ERR_REMOTE, where(c, seq), ": ", rank_list(refused), " refused the call (", status_name(refused_status),
+         "; its message is on that rank). Nothing was moved");
+}
+
+void MpiCommunicator::transfer(const Call& c, uint64_t seq) {
+  if (c.count == 0 || c.coll == kBarrier) return;
+  const bool nonblocking = options_.transfer == MpiOptions::Transfer::kNonBlocking;
+  const MPI_Datatype type = mpi_type(c.dtype);
+  const size_t esz = comm_dtype_size(c.dtype);
+  const size_t bytes = c.count * esz;
+  // One MPI call, blocking or non-blocking and polled.
+  auto invoke = [&](const char* function, auto&& blocking, auto&& start) {
+    int rc;
+    if (nonblocking) {
+      MPI_Request request;
+      rc = start(&request);
+      if (rc == MPI_SUCCESS) return wait(&request, 1, c, seq, true, SteadyClock::now(), false);
+    } else {
+      rc = blocking();
+    }
+    if (rc != MPI_SUCCESS) mpi_failed(function, rc, where(c, seq));
+  };
+  // all_reduce, broadcast and reduce in chunks of at most INT_MAX elements.
+  auto chunks = [&](auto&& each) {
+    for (size_t done = 0; done < c.count;) {
+      const size_t n = std::min(c.count - done, g_max_chunk);
+      each(done * esz, static_cast<int>(n));
+      done += n;
+    }
+  };
+  switch (c.coll) {
+    case kAllReduce:
+    case kAllReduceSum: {
+      const bool in_place = c.coll == kAllReduceSum || c.send == c.recv;
+      if (c.coll == kAllReduceSum && !c.contributes) std::memset(c.recv, 0, bytes);
+      const MPI_Op op = mpi_op(c.op);
+      chunks([&](size_t off, int n) {
+        const void* send = in_place ? MPI_IN_PLACE : cbytes(c.send, off);
+        void* recv = bytes_at(c.recv, off);
+        invoke(
+            "MPI_Allreduce", [&] { return MPI_Allreduce(send, recv, n, type, op, comm_); },
+            [&](MPI_Request* r) { return MPI_Iallreduce(send, recv, n, type, op, comm_, r); });
+      });
+      break;
+    }
+    case kBroadcast:
+      chunks([&](size_t off, int n) {
+        void* buffer = bytes_at(c.recv, off);
+        invoke(
+            "MPI_Bcast", [&] { return MPI_Bcast(buffer, n, type, c.root, comm_); },
+            [&](MPI_Request* r) { return MPI_Ibcast(buffer, n, type, c.root, comm_, r); });
+      });
+      break;
+    case kReduce: {
+      const bool is_root = rank_ == c.root;
+      const MPI_Op op = mpi_op(c.op);
+      chunks([&](size_t off, int n) {
+        const void* send = is_root && c.send == c.recv ? MPI_IN_PLACE : cbytes(c.send, off);
+        void* recv = is_root ? bytes_at(c.recv, off) : nullptr;
+        invoke(
+            "MPI_Reduce", [&] { return MPI_Reduce(send, recv, n, type, op, c.root, comm_); },
+            [&](MPI_Request* r) { return MPI_Ireduce(send, recv, n, type, op, c.root, comm_, r); });
+      });
+      break;
+    }
+    case kAllGather: {
+      const int n = static_cast<int>(c.count);
+      void* own_block = bytes_at(c.recv, rank_ * bytes);
+      const bool in_place = c.send == c.recv || c.send == own_block;
+      if (c.send == c.recv && rank_ != 0) std::memmove(own_block, c.recv, bytes);
+      const void* send = in_place ? MPI_IN_PLACE : c.send;
+      invoke(
+          "MPI_Allgather", [&] { return MPI_Allgather(send, n, type, c.recv, n, type, comm_); },
+          [&](MPI_Request* r) { return MPI_Iallgather(send, n, type, c.recv, n, type, comm_, r); });
+      break;
+    }
+    case kReduceScatter: {
+      const int n = static_cast<int>(c.count);
+      const MPI_Op op = mpi_op(c.op);
+      // In place, MPI takes the input from the receive buffer (all blocks) and leaves the result at its start.
+      void* whole = const_cast<void*>(c.send);
+      const bool nccl_in_place = c.recv != c.send && c.recv == bytes_at(whole, rank_ * bytes);
+      const bool in_place = c.recv == c.send || nccl_in_place;
+      const void* send = in_place ? MPI_IN_PLACE : c.send;
+      void* recv = in_place ? whole : c.recv;
+      invoke(
+          "MPI_Reduce_scatter_block", [&] { return MPI_Reduce_scatter_block(send, recv, n, type, op, comm_); },
+          [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(send, recv, n, type, op, comm_, r); });
+      if (nccl_in_place) std::memmove(c.recv, whole, bytes);
+      break;
+    }
+    default: break;
+  }
+}
+
+void MpiCommunicator::finish(const Call& c) {
+  if (c.count == 0) return;
+  switch (c.coll) {
+    case kAllReduce:
+    case kReduceScatter:
+      if (c.op == ReduceOp::kMean) divide(c.recv, c.count, c.dtype, size_);
+      break;
+    case kReduce:
+      if (c.op == ReduceOp::kMean && rank_ == c.root) divide(c.recv, c.count, c.dtype, size_);
+      break;
+    case kAllReduceSum:
+      if (c.scale != 1.0f) {
+        float* p = static_cast<float*>(c.recv);
+        for (size_t i = 0; i < c.count; ++i) p[i] *= c.scale;
+      }
+      break;
+    default: break;
+  }
+}
+
+void MpiCommunicator::run(Call& call) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_usable(call);
+  const uint64_t seq = seq_.load();
+  agree(call, seq);
+  // From here every rank is inside this collective with the same arguments: a local abort() waits for its end.
+  transfer(call, seq);
+  finish(call);
+  if (abort_requested_.load()) send_abort_notices_locked();
+}
+
+void MpiCommunicator::all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) {
+  Call c{kAllReduce};
+  c.send = send, c.recv = recv, c.count = count, c.dtype = dtype, c.op = op;
+  run(c);
+}
+
+void MpiCommunicator::broadcast(void* buffer, size_t count, CommDType dtype, int root) {
+  Call c{kBroadcast};
+  c.send = buffer, c.recv = buffer, c.count = count, c.dtype = dtype, c.root = root;
+  run(c);
+}
+
+void MpiCommunicator::reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root) {
+  Call c{kReduce};
+  c.send = send, c.recv = recv, c.count = count, c.dtype = dtype, c.op = op, c.root = root;
+  run(c);
+}
+
+void MpiCommunicator::all_gather(const void* send, void* recv, size_t count, CommDType dtype) {
+  Call c{kAllGather};
+  c.send = send, c.recv = recv, c.count = count, c.dtype = dtype;
+  run(c);
+}
+
+void MpiCommunicator::reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) {
+  Call c{kReduceScatter};
+  c.send = send, c.recv = recv, c.count = count, c.dtype = dtype, c.op = op;
+  run(c);
+}
+
+void MpiCommunicator::barrier(const char* operation) {
+  Call c{kBarrier};
+  c.label = operation;
+  run(c);
+}
+
+void MpiCommunicator::all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) {
+  Call c{kAllReduceSum};
+  c.send = buffer, c.recv = buffer, c.count = count, c.dtype = CommDType::kF32, c.contributes = contributes,
+  c.scale = scale;
+  run(c);
+}
+
+}  // namespace dpar

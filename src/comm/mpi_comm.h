@@ -1,0 +1,200 @@
+// The MPI backend: participants are the processes (ranks) of an MPI communicator, through OpenMPI.
+//
+// MPI's lifetime. MpiRuntime::instance() initialises MPI with MPI_Init_thread(MPI_THREAD_MULTIPLE) on first use if
+// nobody did, and then finalises it at exit (atexit); if the program or a framework initialised MPI itself, dpar
+// uses it as it is and never finalises it. A process started without mpirun is a singleton: rank 0 of 1.
+//
+// A collective is two phases:
+//  1. Arrival and fingerprint. Every participant contributes (sequence number, operation, count, dtype, op, root,
+//     local error), 7 int64, to an allgather of its own over point-to-point messages (Bruck's algorithm,
+//     ceil(log2 size) rounds of MPI_Isend/MPI_Irecv on a private communicator), and polls it with MPI_Testall until
+//     it completes, the timeout passes, this participant is aborted, or a notice (below) arrives. Everyone then
+//     holds the same table and takes the same decision: on a difference all throw Error(MISMATCH) naming the ranks
+//     and what differs; a participant whose own arguments were bad throws its own error (INVALID_ARGUMENT, ...) and
+//     the others throw Error(REMOTE) naming it. No data moves in either case and the communicator stays usable. A
+//     completed exchange proves that every participant entered the collective: barrier() is this phase alone.
+//     Cost: about one small-message latency per collective per round (0.3-1 us between two processes sharing a
+//     machine), which is what dpar adds to a plain MPI_Allreduce.
+//  2. Transfer: the MPI collective itself, on the communicator's duplicate of base (MPI_Allreduce, MPI_Bcast,
+//     MPI_Reduce, MPI_Allgather, MPI_Reduce_scatter_block; MPI_IN_PLACE for the in-place forms; a mean is a sum
+//     divided afterwards, truncating for integers). By default it is the blocking call, OpenMPI's tuned algorithms
+//     at the speed of a plain MPI program: every participant is known to be inside the collective, so the timeout
+//     is not needed for arrival any more. The price: a rank that dies during the transfer itself leaves the others
+//     inside MPI (mpirun then kills the job, by default). MpiOptions::transfer = kNonBlocking uses MPI_I* polled as
+//     in phase 1 instead, so that the deadline covers the transfer too, at the cost of OpenMPI's non-blocking
+//     collectives (libnbc), about 2x slower here. After a timeout in that mode MPI may still write the call's recv
+//     buffer if the missing rank arrives later (an MPI request cannot be cancelled): keep it alive or exit.
+//
+// Notices: point-to-point messages on the private communicator, looked for (MPI_Improbe, ~0.07 us) right after
+// arriving, while waiting, and once the fingerprint exchange is done:
+//  - abort(reason) sends ABORT(reason) to every other rank: a rank waiting now throws Error(REMOTE) with the reason
+//    at once, and every later call on any rank throws it too (the aborting rank's included).
+//  - A participant whose deadline passes sends TIMEOUT(sequence) to every other rank and then listens for a grace
+//    period (a quarter of the timeout, 50 ms to 1 s): the participants waiting in the same collective join in (they
+//    answer with their own notice), so the ranks that never answered are those that did not arrive, and every
+//    waiting participant throws Error(TIMEOUT) naming them. A late participant finds the notices as it arrives
+//    (or right after its fingerprint exchange, which the pending requests of those that gave up may complete) and
+//    throws Error(REMOTE) without moving data. A timed-out communicator is unusable: Error(INVALID_STATE) from
+//    then on. Its requests stay pending until MPI_Finalize, which OpenMPI completes regardless. Create a new
+//    communicator to go on. (A rank that arrives within microseconds of the others' deadline can still slip
+//    through the exchange and wait in a blocking transfer that nobody joins: the one race that remains.)
+//  - MPI errors: both communicators use MPI_ERRORS_RETURN; a failing MPI call becomes Error(COMMUNICATION) with
+//    MPI_Error_string, and the communicator becomes unusable.
+//
+// A rank that dies (process exit) is a rank that does not arrive: the others throw TIMEOUT naming it. (mpirun kills
+// the whole job when a rank exits without MPI_Finalize, unless started with --enable-recovery.)
+//
+// In place: all_reduce and reduce take send == recv; all_gather takes send == recv + rank * count and send == recv;
+// reduce_scatter takes recv == send (the result lands at the start of the buffer, and the rest of it is
+// clobbered) and recv == send + rank * count (block 0 is clobbered on other ranks than 0). Other overlaps are
+// refused. Counts above INT_MAX are split into several MPI calls for all_reduce, broadcast and reduce; all_gather
+// and reduce_scatter refuse them (NOT_SUPPORTED).
+//
+// Threads: calls on one communicator are serialised by a mutex (the communication thread of async_* and the
+// caller never run MPI at once); abort() may be called from any thread at any time. Communicators may be used from
+// different threads concurrently only if MPI provides MPI_THREAD_MULTIPLE (dpar asks for it; a framework may have
+// chosen less: MpiRuntime::thread_level()).
+#pragma once
+
+#include <mpi.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "common/error.h"
+
+namespace dpar {
+
+// MPI's lifetime in this process.
+class MpiRuntime {
+ public:
+  // Initialises MPI (MPI_Init_thread, asking for MPI_THREAD_MULTIPLE) unless it is initialised already; then the
+  // same object for the life of the process. Thread-safe. Throws Error(INVALID_STATE) if MPI was finalised, and
+  // Error(COMMUNICATION) if MPI_Init_thread fails.
+  static MpiRuntime& instance();
+  // True if dpar initialised MPI (and so finalises it at exit); false if the program had done it.
+  bool initialized_by_dpar() const { return initialized_by_dpar_; }
+  // The thread support MPI provides: MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE.
+  int thread_level() const { return thread_level_; }
+  int world_rank() const { return world_rank_; }
+  int world_size() const { return world_size_; }
+
+ private:
+  MpiRuntime();
+  bool initialized_by_dpar_ = false;
+  int thread_level_ = MPI_THREAD_SINGLE;
+  int world_rank_ = 0;
+  int world_size_ = 1;
+};
+
+struct MpiOptions {
+  // How long a participant waits for the others in a collective (and in the constructor); anything above 3e9
+  // (such as INFINITY) waits forever. Must be positive.
+  double timeout_seconds = 300.0;
+  // How the data of a collective moves once the fingerprints agree (see above).
+  enum class Transfer { kBlocking, kNonBlocking };
+  Transfer transfer = Transfer::kBlocking;
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // Collective over `base`: every rank of it must construct one (MPI_Comm_idup, twice, polled under the timeout).
+  // The participants are base's ranks, in base's order; base itself is used for nothing else. After a timeout
+  // here the duplication stays pending on base, so later communicator creations over base are unreliable.
+  explicit MpiCommunicator(MPI_Comm base = MPI_COMM_WORLD, MpiOptions options = {});
+  // Runs the async work already queued, then frees the private communicators (not after MPI_Finalize, and not
+  // those with requests left pending by a timeout or an abort).
+  ~MpiCommunicator() override;
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* backend() const override { return "mpi"; }
+
+  void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override;
+  void broadcast(void* buffer, size_t count, CommDType dtype, int root) override;
+  void reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root) override;
+  void all_gather(const void* send, void* recv, size_t count, CommDType dtype) override;
+  void reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override;
+  void barrier(const char* operation) override;
+  void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) override;
+  void abort(const std::string& reason) override;
+
+  // The communicator the collectives run on (a duplicate of base), e.g. to hand to another MPI library.
+  MPI_Comm comm() const { return comm_; }
+  const MpiOptions& options() const { return options_; }
+  // Collectives started so far (the next one's sequence number).
+  uint64_t sequence() const { return seq_.load(std::memory_order_relaxed); }
+  // True once an abort, a timeout or an MPI error made this communicator unusable.
+  bool broken() const { return state_.load(std::memory_order_acquire) != kUsable; }
+
+ private:
+  struct Call;
+  enum State : int { kUsable = 0, kAborted = 1, kFailed = 2 };
+
+  void run(Call& call);
+  void validate(const Call& call) const;
+  void check_usable(const Call& call);
+  void agree(const Call& call, uint64_t seq);
+  void transfer(const Call& call, uint64_t seq);
+  void finish(const Call& call);
+  // Waits for `request` to complete: until the deadline (then the TIMEOUT protocol), a local abort or a notice.
+  void wait(MPI_Request* requests, int count, const Call& call, uint64_t seq, bool transferring,
+            std::chrono::steady_clock::time_point start, bool first_look);
+  // Throws REMOTE if a notice says the group broke, or that the others gave up on collective `seq` already.
+  void check_late(const Call& call, uint64_t seq);
+  void gather_fingerprints(const int64_t* mine, const Call& call, uint64_t seq);
+  [[noreturn]] void give_up(const Call& call, uint64_t seq, bool transferring, int first_notifier);
+  // Receives the notices that have arrived (while in collective `current_seq`); returns true if any did.
+  bool drain_notices(uint64_t current_seq);
+  void send_notice(int64_t kind, uint64_t seq, int64_t coll, const std::string& text);
+  void send_abort_notices_locked();
+  void test_pending_sends();
+  [[noreturn]] void mpi_failed(const char* function, int code, const std::string& where);
+  [[noreturn]] void throw_unusable(const std::string& where);
+  // The first failure wins: later calls report it.
+  void mark(State state, const std::string& reason);
+  std::string where(const Call& call, uint64_t seq) const;
+
+  MpiOptions options_;
+  MPI_Comm comm_ = MPI_COMM_NULL;     // the collectives
+  MPI_Comm control_ = MPI_COMM_NULL;  // point-to-point: fingerprints and notices
+  int rank_ = 0;
+  int size_ = 1;
+  int thread_level_ = MPI_THREAD_MULTIPLE;
+
+  std::mutex mutex_;  // one collective at a time; guards everything below but the atomics
+  std::atomic<uint64_t> seq_{0};
+  std::vector<int64_t> table_;   // the gathered fingerprints, size_ x 7, in rank order
+  std::vector<int64_t> gather_;  // the same while they arrive (rotated by rank_)
+  std::atomic<int> state_{kUsable};
+  // Set by abort() on this rank, from any thread; whoever holds mutex_ next sends the notices.
+  std::atomic<bool> abort_requested_{false};
+  bool abort_notices_sent_ = false;
+  std::mutex reason_mutex_;     // guards the two strings
+  std::string broken_reason_;   // why the communicator is unusable
+  std::string abort_reason_;    // abort()'s reason, for the notices
+  // Notices received: per rank, the sequence number of its last TIMEOUT notice (or -1).
+  std::vector<int64_t> timeout_notice_seq_;
+  struct PendingSend {
+    MPI_Request request;
+    std::shared_ptr<std::vector<char>> data;  // one buffer for every destination
+  };
+  std::deque<PendingSend> pending_sends_;
+  bool requests_left_pending_ = false;  // a timeout or abort left an MPI request that never completes
+};
+
+namespace detail {
+// Tests only: the most elements one MPI call moves (0: INT_MAX, the default), to exercise the chunked path.
+void set_mpi_max_chunk_for_tests(size_t elements);
+}  // namespace detail
+
+}  // namespace dpar

@@ -1,0 +1,174 @@
+// The collectives of the C ABI (dpar_comm_*), through dpar.h alone: results, asynchronous work, argument checks,
+// and the mismatch and timeout reports that reach a C caller.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dpar.h"
+
+namespace {
+
+#define ASSERT_OK(call) ASSERT_EQ((call), DPAR_OK) << #call << ": " << dpar_last_error()
+
+// Runs body(rank, comm) on one thread per member of a new in-process group; returns each rank's status.
+template <class F>
+std::vector<dpar_status> run_group(int size, double timeout, F body) {
+  dpar_comm_options opts = DPAR_COMM_OPTIONS_INIT;
+  opts.timeout_seconds = timeout;
+  dpar_comm_group* group = nullptr;
+  EXPECT_EQ(dpar_comm_group_create(&group, static_cast<size_t>(size), &opts), DPAR_OK) << dpar_last_error();
+  std::vector<dpar_comm*> comms(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) EXPECT_EQ(dpar_comm_group_member(&comms[r], group, r), DPAR_OK);
+  dpar_comm_group_free(group);  // the members keep it alive
+  std::vector<dpar_status> status(static_cast<size_t>(size), DPAR_OK);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) threads.emplace_back([&, r] { status[r] = body(r, comms[r]); });
+  for (auto& t : threads) t.join();
+  for (dpar_comm* c : comms) dpar_comm_free(c);
+  return status;
+}
+
+TEST(CommApi, AllCollectivesGiveTheReferenceResults) {
+  const int n = 3;
+  const size_t count = 1000;
+  auto status = run_group(n, 30, [&](int r, dpar_comm* c) -> dpar_status {
+    int rank = -1, size = -1;
+    if (dpar_comm_info(&rank, &size, c) != DPAR_OK || rank != r || size != n) return DPAR_ERR_INTERNAL;
+    std::vector<double> x(count), sum(count);
+    for (size_t i = 0; i < count; ++i) x[i] = double(i) + 1000.0 * r;
+    if (dpar_comm_all_reduce(c, x.data(), sum.data(), count, DPAR_F64, DPAR_SUM)) return DPAR_ERR_INTERNAL;
+    for (size_t i = 0; i < count; ++i)
+      if (sum[i] != 3.0 * double(i) + 3000.0) return DPAR_ERR_MISMATCH;
+    std::vector<int64_t> v(count, r), mx(count);
+    if (dpar_comm_all_reduce(c, v.data(), mx.data(), count, DPAR_I64, DPAR_MAX)) return DPAR_ERR_INTERNAL;
+    for (int64_t m : mx)
+      if (m != n - 1) return DPAR_ERR_MISMATCH;
+    std::vector<float> b(count, float(r));
+    if (dpar_comm_broadcast(c, b.data(), count, DPAR_F32, 2)) return DPAR_ERR_INTERNAL;
+    for (float f : b)
+      if (f != 2.0f) return DPAR_ERR_MISMATCH;
+    std::vector<int32_t> mine(4, r), all(4 * n);
+    if (dpar_comm_all_gather(c, mine.data(), all.data(), 4, DPAR_I32)) return DPAR_ERR_INTERNAL;
+    for (size_t i = 0; i < all.size(); ++i)
+      if (all[i] != int32_t(i / 4)) return DPAR_ERR_MISMATCH;
+    std::vector<float> blocks(2 * n, 1.0f), block(2);
+    if (dpar_comm_reduce_scatter(c, blocks.data(), block.data(), 2, DPAR_F32, DPAR_MEAN)) return DPAR_ERR_INTERNAL;
+    if (block[0] != 1.0f || block[1] != 1.0f) return DPAR_ERR_MISMATCH;
+    float one = 1.0f, total = 0.0f;
+    if (dpar_comm_reduce(c, &one, r == 0 ? &total : nullptr, 1, DPAR_F32, DPAR_SUM, 0)) return DPAR_ERR_INTERNAL;
+    if (r == 0 && total != float(n)) return DPAR_ERR_MISMATCH;
+    return dpar_comm_barrier(c);
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(status[r], DPAR_OK) << "rank " << r;
+}
+
+TEST(CommApi, AsyncWorkCompletesInOrder) {
+  const int n = 2;
+  auto status = run_group(n, 30, [&](int r, dpar_comm* c) -> dpar_status {
+    std::vector<float> a(4096, float(r + 1)), b(4096, float(10 * (r + 1)));
+    dpar_work *wa = nullptr, *wb = nullptr;
+    if (dpar_comm_all_reduce_async(&wa, c, a.data(), a.data(), a.size(), DPAR_F32, DPAR_SUM)) return DPAR_ERR_INTERNAL;
+    if (dpar_comm_all_reduce_async(&wb, c, b.data(), b.data(), b.size(), DPAR_F32, DPAR_SUM)) return DPAR_ERR_INTERNAL;
+    int done = -1;
+    if (dpar_work_test(&done, wa) != DPAR_OK || (done != 0 && done != 1)) return DPAR_ERR_INTERNAL;
+    if (dpar_work_wait(wb) != DPAR_OK || dpar_work_wait(wa) != DPAR_OK) return DPAR_ERR_INTERNAL;
+    if (dpar_work_test(&done, wa) != DPAR_OK || done != 1) return DPAR_ERR_INTERNAL;
+    dpar_work_free(wa);
+    dpar_work_free(wb);
+    return a[17] == 3.0f && b[4095] == 30.0f ? DPAR_OK : DPAR_ERR_MISMATCH;
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(status[r], DPAR_OK) << "rank " << r;
+}
+
+TEST(CommApi, DifferentCountsAreAMismatchForEveryParticipant) {
+  std::vector<std::string> messages(2);
+  auto status = run_group(2, 30, [&](int r, dpar_comm* c) {
+    std::vector<float> x(r == 0 ? 100 : 200, 1.0f);
+    dpar_status s = dpar_comm_all_reduce(c, x.data(), x.data(), x.size(), DPAR_F32, DPAR_SUM);
+    messages[r] = dpar_last_error();
+    return s;
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(status[r], DPAR_ERR_MISMATCH) << messages[r];
+    EXPECT_NE(messages[r].find("all_reduce"), std::string::npos) << messages[r];
+    EXPECT_NE(messages[r].find("participant 1"), std::string::npos) << messages[r];
+  }
+}
+
+TEST(CommApi, AParticipantThatNeverArrivesIsNamed) {
+  std::vector<std::string> messages(3);
+  auto status = run_group(3, 0.2, [&](int r, dpar_comm* c) {
+    if (r == 2) return DPAR_OK;  // skips the barrier
+    dpar_status s = dpar_comm_barrier(c);
+    messages[r] = dpar_last_error();
+    return s;
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(status[r] == DPAR_ERR_TIMEOUT || status[r] == DPAR_ERR_REMOTE) << messages[r];
+    EXPECT_NE(messages[r].find("participant 2"), std::string::npos) << messages[r];
+  }
+}
+
+TEST(CommApi, ArgumentsAreChecked) {
+  dpar_comm_group* group = nullptr;
+  EXPECT_EQ(dpar_comm_group_create(nullptr, 2, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(dpar_comm_group_create(&group, 0, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("size"), std::string::npos);
+  dpar_comm_options bad = DPAR_COMM_OPTIONS_INIT;
+  bad.version = 42;
+  EXPECT_EQ(dpar_comm_group_create(&group, 2, &bad), DPAR_ERR_INVALID_ARGUMENT);
+  bad = dpar_comm_options DPAR_COMM_OPTIONS_INIT;
+  bad.timeout_seconds = -1;
+  EXPECT_EQ(dpar_comm_group_create(&group, 2, &bad), DPAR_ERR_INVALID_ARGUMENT);
+  ASSERT_OK(dpar_comm_group_create(&group, 1, nullptr));
+  dpar_comm* c = nullptr;
+  EXPECT_EQ(dpar_comm_group_member(&c, group, 1), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("rank"), std::string::npos);
+  ASSERT_OK(dpar_comm_group_member(&c, group, 0));
+  float x[4] = {1, 2, 3, 4};
+  EXPECT_EQ(dpar_comm_all_reduce(nullptr, x, x, 4, DPAR_F32, DPAR_SUM), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(dpar_comm_all_reduce(c, nullptr, x, 4, DPAR_F32, DPAR_SUM), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("send"), std::string::npos);
+  EXPECT_EQ(dpar_comm_all_reduce(c, x, x, 4, DPAR_BF16, DPAR_SUM), DPAR_ERR_NOT_SUPPORTED);
+  EXPECT_EQ(dpar_comm_all_reduce(c, x, x, 4, 77, DPAR_SUM), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(dpar_comm_all_reduce(c, x, x, 4, DPAR_F32, 9), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("op"), std::string::npos);
+  EXPECT_EQ(dpar_comm_broadcast(c, x, 4, DPAR_F32, 1), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("root"), std::string::npos);
+  dpar_work* w = nullptr;
+  EXPECT_EQ(dpar_comm_all_reduce_async(nullptr, c, x, x, 4, DPAR_F32, DPAR_SUM), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(dpar_work_wait(nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  int done = 0;
+  EXPECT_EQ(dpar_work_test(&done, reinterpret_cast<dpar_work*>(c)), DPAR_ERR_INVALID_ARGUMENT);
+  // The communicator still works after the refusals, and a group of one is the identity.
+  ASSERT_OK(dpar_comm_all_reduce_async(&w, c, x, x, 4, DPAR_F32, DPAR_SUM));
+  ASSERT_OK(dpar_work_wait(w));
+  dpar_work_free(w);
+  EXPECT_EQ(x[3], 4.0f);
+  dpar_comm_free(c);
+  EXPECT_EQ(dpar_comm_barrier(c), DPAR_ERR_INVALID_ARGUMENT);  // freed
+  dpar_comm_group_free(group);
+  dpar_comm_free(nullptr);
+  dpar_comm_group_free(nullptr);
+  dpar_work_free(nullptr);
+}
+
+TEST(CommApi, TheFunctionTableReachesEveryFunction) {
+  const auto* api = static_cast<const dpar_api_v1*>(dpar_get_api(DPAR_API_TABLE_VERSION));
+  ASSERT_NE(api, nullptr);
+  EXPECT_EQ(api->size, sizeof(dpar_api_v1));
+  EXPECT_EQ(api->dpar_version, &dpar_version);
+  EXPECT_EQ(api->dpar_comm_all_reduce, &dpar_comm_all_reduce);
+  EXPECT_EQ(api->dpar_engine_train_step, &dpar_engine_train_step);
+  EXPECT_EQ(dpar_get_api(DPAR_API_TABLE_VERSION + 1), nullptr);
+  // Every entry is set.
+  const auto* slots = reinterpret_cast<void (*const*)(void)>(reinterpret_cast<const char*>(api) +
+                                                                offsetof(dpar_api_v1, dpar_version));
+  const size_t n = (sizeof(dpar_api_v1) - offsetof(dpar_api_v1, dpar_version)) / sizeof(void (*)(void));
+  for (size_t i = 0; i < n; ++i) EXPECT_NE(slots[i], nullptr) << "entry " << i;
+}
+
+}  // namespace
