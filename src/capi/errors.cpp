@@ -14,9 +14,11 @@ std::shared_mutex& registry_mutex() {
   static std::shared_mutex m;
   return m;
 }
+// Destroyed when the library is unloaded (a host may dlclose it): a leaked map would be a leak for every host
+// that loads and unloads dpar.
 std::unordered_map<const void*, HandleKind>& registry() {
-  static auto* r = new std::unordered_map<const void*, HandleKind>();  // never destroyed: handles may outlive exit
-  return *r;
+  static std::unordered_map<const void*, HandleKind> r;
+  return r;
 }
 }  // namespace
 
