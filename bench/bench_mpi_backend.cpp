@@ -5,12 +5,16 @@
 //
 // f32 sum, in place, 4 KiB to 16 MiB per rank. Every measurement: a barrier, then `iters` back-to-back all-reduces;
 // the time per operation is the longest over the ranks. Rounds alternate the variants (rotating their order) and
-// the printed figure is the median over rounds. Variants:
+// the printed figures are the median and the minimum over rounds; dpar/pl is the ratio of the medians, (rounds) the
+// median of the per-round ratios (each round at one placement: the steadier figure), (mins) that of the minimums.
+// Variants:
 //   plain        MPI_Allreduce(MPI_IN_PLACE) on a duplicate of MPI_COMM_WORLD
 //   dpar         MpiCommunicator::all_reduce, default options: fingerprint exchange (MPI_Iallgather of 7 int64,
 //                polled under the timeout) + blocking MPI_Allreduce
 //   dpar-nb      the same with MpiOptions::Transfer::kNonBlocking: MPI_Iallreduce polled with MPI_Test
 //   plain-nb     MPI_Iallreduce + MPI_Test loop (what dpar-nb costs without dpar)
+//   pl+bar       MPI_Barrier + MPI_Allreduce: plain with a synchronisation before every operation, as dpar's
+//                fingerprint exchange is (back-to-back plain all-reduces overlap one call's end with the next's start)
 // and, once, the pieces of dpar's overhead: its barrier (the fingerprint exchange alone) beside the other ways
 // to exchange a fingerprint (MPI_Allgather, which cannot time out; MPI_Iallgather and an MPI_Iallreduce of
 // [x, -x] with MPI_MIN, polled) and a plain MPI_Barrier.
@@ -71,11 +75,13 @@ void relaunch_under_mpirun(int argc, char** argv, int np) {
 
 int main(int argc, char** argv) {
   int np = 2, rounds = 15;
+  bool nonblocking = true;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--np") && i + 1 < argc) np = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = std::max(1, std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--no-nb")) nonblocking = false;
     else {
-      std::fprintf(stderr, "usage: %s [--np N] [--rounds R]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--np N] [--rounds R] [--no-nb]\n", argv[0]);
       return 2;
     }
   }
@@ -97,8 +103,9 @@ int main(int argc, char** argv) {
   const size_t sizes[] = {4 << 10, 64 << 10, 1 << 20, 16 << 20};
   std::vector<float> buffer((16 << 20) / sizeof(float), 0.0f);  // zeros: the sums stay zero
   if (rank == 0)
-    std::printf("%-8s %12s %12s %12s %12s  %9s %11s %9s %12s\n", "bytes", "plain us", "dpar us", "dpar-nb us",
-                "plain-nb us", "dpar/pl", "dpar-pl us", "nb/pl", "plain busbw");
+    std::printf("%-8s %9s %9s %9s %9s %10s %9s %9s  %8s %8s %8s %10s %11s\n", "bytes", "plain us", "(min)",
+                "dpar us", "(min)", "dpar-nb us", "plain-nb", "pl+bar", "dpar/pl", "(rounds)", "(mins)",
+                "dpar-pl us", "plain busbw");
   for (size_t bytes : sizes) {
     const size_t count = bytes / sizeof(float);
     const int iters = bytes <= (4 << 10) ? 4000 : bytes <= (64 << 10) ? 1000 : bytes <= (1 << 20) ? 100 : 8;
@@ -114,7 +121,13 @@ int main(int argc, char** argv) {
            int done = 0;
            while (!done) MPI_Test(&r, &done, MPI_STATUS_IGNORE);
          }},
+        {"plain+barrier",
+         [&] {
+           MPI_Barrier(plain);
+           MPI_Allreduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, plain);
+         }},
     };
+    if (!nonblocking) variants.erase(variants.begin() + 2, variants.begin() + 4);
     std::vector<std::vector<double>> times(variants.size());
     std::vector<double> ratios;  // dpar / plain within each round (same placement)
     for (auto& v : variants) measure(sync, v.op, std::max(1, iters / 4));  // warm-up
@@ -127,13 +140,21 @@ int main(int argc, char** argv) {
       for (size_t v = 0; v < variants.size(); ++v) times[v].push_back(t[v]);
       ratios.push_back(t[1] / t[0]);
     }
-    std::vector<double> med;
-    for (auto& t : times) med.push_back(bench_median(t.data(), t.size()));
+    std::vector<double> med, low;
+    for (auto& t : times) {
+      med.push_back(bench_median(t.data(), t.size()));  // sorts t
+      low.push_back(t.front());
+    }
+    if (!nonblocking) {
+      med.insert(med.begin() + 2, 2, 0.0);
+      low.insert(low.begin() + 2, 2, 0.0);
+    }
     const double ratio = bench_median(ratios.data(), ratios.size());
     const double busbw = bytes / med[0] * 2.0 * (size - 1) / size / 1e9;
     if (rank == 0)
-      std::printf("%-8zu %12.2f %12.2f %12.2f %12.2f  %8.3fx %11.2f %8.2fx %9.2f GB/s\n", bytes, med[0] * 1e6,
-                  med[1] * 1e6, med[2] * 1e6, med[3] * 1e6, ratio, (med[1] - med[0]) * 1e6, med[2] / med[0], busbw);
+      std::printf("%-8zu %9.2f %9.2f %9.2f %9.2f %10.2f %9.2f %9.2f  %7.3fx %7.3fx %7.3fx %10.2f %6.2f GB/s\n",
+                  bytes, med[0] * 1e6, low[0] * 1e6, med[1] * 1e6, low[1] * 1e6, med[2] * 1e6, med[3] * 1e6,
+                  med[4] * 1e6, med[1] / med[0], ratio, low[1] / low[0], (med[1] - med[0]) * 1e6, busbw);
   }
 
   // The pieces of the fixed overhead.

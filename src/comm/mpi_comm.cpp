@@ -1,13 +1,16 @@
 #include "comm/mpi_comm.h"
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 namespace dpar {
 namespace {
@@ -41,9 +44,44 @@ const char* coll_name(int64_t coll) {
 bool has_op(int64_t coll) { return coll == kAllReduce || coll == kReduce || coll == kReduceScatter; }
 bool has_root(int64_t coll) { return coll == kBroadcast || coll == kReduce; }
 
-// A fingerprint: 7 int64 per rank, gathered by every rank.
-enum Field { kSeq = 0, kColl, kCount, kDType, kOp, kRoot, kError, kFields };
-const char* const kFieldNames[kFields] = {"sequence number", "operation", "count", "dtype", "op", "root", "error"};
+// A fingerprint: 8 int64 per rank, gathered by every rank. The fields before kError must agree; kPayloadBytes is
+// the size of the data that follows the fingerprint in a fused all-reduce (0 otherwise).
+enum Field { kSeq = 0, kColl, kCount, kDType, kOp, kRoot, kError, kPayloadBytes, kFields };
+const char* const kFieldNames[kFields] = {"sequence number", "operation", "count", "dtype", "op", "root", "error",
+                                          "payload"};
+constexpr size_t kHeaderBytes = kFields * sizeof(int64_t);
+// Fused all-reduces: the data rides with the fingerprints when every message of the exchange stays within this
+// size, under OpenMPI's eager limit for shared memory (4 KiB with the transport's own header). Beyond it a message
+// goes by rendezvous, which costs 3x as long (3.4 us instead of 1.1 us at 4 KiB here) and more than the separate
+// MPI_Allreduce that it would save.
+constexpr size_t kEagerMessageBytes = 3968;
+
+size_t round_up8(size_t n) { return (n + 7) & ~size_t{7}; }
+
+// out = the reduction of in[0..m) (rank order), or zeros for m == 0.
+template <class T>
+void reduce_blocks(T* out, const char* const* in, size_t m, size_t count, ReduceOp op) {
+  if (m == 0) {
+    std::memset(out, 0, count * sizeof(T));
+    return;
+  }
+  std::memcpy(out, in[0], count * sizeof(T));
+  for (size_t k = 1; k < m; ++k) {
+    const T* b = reinterpret_cast<const T*>(in[k]);
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kMean:
+        for (size_t i = 0; i < count; ++i) out[i] += b[i];
+        break;
+      case ReduceOp::kMax:
+        for (size_t i = 0; i < count; ++i) out[i] = out[i] < b[i] ? b[i] : out[i];
+        break;
+      case ReduceOp::kMin:
+        for (size_t i = 0; i < count; ++i) out[i] = b[i] < out[i] ? b[i] : out[i];
+        break;
+    }
+  }
+}
 
 // Notices on the private communicator: int64 kind, sequence number, operation; then the text.
 constexpr int kNoticeTag = 1;
@@ -157,10 +195,26 @@ bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 const char* cbytes(const void* p, size_t offset) { return static_cast<const char*>(p) + offset; }
 char* bytes_at(void* p, size_t offset) { return static_cast<char*>(p) + offset; }
 
+// Set once a collective of this process timed out, was aborted or failed in MPI: a rank may be dead, and OpenMPI's
+// MPI_Finalize waits for every rank of the job (forever, for a dead one under mpirun --enable-recovery).
+std::atomic<bool> g_group_failed{false};
+constexpr int kFinalizeWatchdogSeconds = 30;
+
 void finalize_at_exit() {
   int finalized = 1;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  if (finalized) return;
+  if (g_group_failed.load()) {
+    // After a failure, end the process if MPI_Finalize has not returned within the watchdog's time.
+    std::thread([] {
+      std::this_thread::sleep_for(std::chrono::seconds(kFinalizeWatchdogSeconds));
+      std::fprintf(stderr, "dpar: MPI_Finalize did not return within %d s after a failed collective (a rank is "
+                   "probably gone); ending the process with status 1\n", kFinalizeWatchdogSeconds);
+      std::fflush(stderr);
+      _exit(1);
+    }).detach();
+  }
+  MPI_Finalize();
 }
 
 const char* thread_level_name(int level) {
@@ -266,7 +320,13 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(o
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   table_.assign(static_cast<size_t>(size_) * kFields, 0);
-  gather_.assign(static_cast<size_t>(size_) * kFields, 0);
+  size_t most_blocks = 1;  // the most blocks one message of the exchange carries
+  for (int d = 1; d < size_; d *= 2) most_blocks = std::max(most_blocks, static_cast<size_t>(std::min(d, size_ - d)));
+  const size_t per_block = kEagerMessageBytes / most_blocks;
+  fused_max_bytes_ = per_block > kHeaderBytes ? (per_block - kHeaderBytes) & ~size_t{7} : 0;
+  gather_.assign(static_cast<size_t>(size_) * (kHeaderBytes + fused_max_bytes_) / sizeof(int64_t), 0);
+  offsets_.assign(static_cast<size_t>(size_) + 1, 0);
+  payloads_.assign(static_cast<size_t>(size_), nullptr);
   timeout_notice_seq_.assign(static_cast<size_t>(size_), -1);
 }
 
@@ -304,6 +364,7 @@ std::string MpiCommunicator::where(const Call& call, uint64_t seq) const {
 }
 
 void MpiCommunicator::mark(State state, const std::string& reason) {
+  g_group_failed.store(true);
   std::lock_guard<std::mutex> lock(reason_mutex_);
   if (state_.load() != kUsable) return;  // the first failure is the one to report
   broken_reason_ = reason;
@@ -382,16 +443,19 @@ void MpiCommunicator::test_pending_sends() {
   }
 }
 
-bool MpiCommunicator::drain_notices(uint64_t current_seq) {
-  // One look per call (~0.07 us). OpenMPI's probe looks at its queue before it makes progress, so a notice still
-  // in shared memory shows at the next look: the callers look again after MPI_Test* calls have made progress.
+bool MpiCommunicator::drain_notices(uint64_t current_seq, int looks) {
+  // A look costs ~0.07 us. OpenMPI's probe looks at its queue before it makes progress, so a notice still in
+  // shared memory may show only at a later look.
   bool any = false;
-  for (;;) {
+  for (int empty = 0;;) {
     int flag = 0;
     MPI_Message message;
     MPI_Status status;
-    if (MPI_Improbe(MPI_ANY_SOURCE, kNoticeTag, control_, &flag, &message, &status) != MPI_SUCCESS || !flag)
-      return any;
+    if (MPI_Improbe(MPI_ANY_SOURCE, kNoticeTag, control_, &flag, &message, &status) != MPI_SUCCESS) return any;
+    if (!flag) {
+      if (++empty >= looks) return any;
+      continue;
+    }
     int count = 0;
     MPI_Get_count(&status, MPI_BYTE, &count);
     std::vector<char> data(static_cast<size_t>(std::max(count, 0)));
@@ -427,7 +491,11 @@ void MpiCommunicator::check_usable(const Call& call) {
   const uint64_t seq = seq_.load();
   if (abort_requested_.load()) send_abort_notices_locked();
   if (state_.load() != kUsable) throw_unusable(where(call, seq));
-  // Notices from other ranks are looked for once the fingerprint exchange has made progress (check_late).
+  // Notices already there mean that this rank is late (the others gave up on this collective) or that the group
+  // broke. Two looks: OpenMPI's probe looks at its queue before it makes progress, so a notice still in shared
+  // memory shows at the second. (A late rank would otherwise complete the exchange with the messages the others
+  // sent before they gave up, and go on to a transfer that nobody joins.)
+  check_late(call, seq, 2);
 }
 
 void MpiCommunicator::validate(const Call& c) const {
@@ -482,26 +550,24 @@ void MpiCommunicator::validate(const Call& c) const {
   }
 }
 
-void MpiCommunicator::wait(MPI_Request* requests, int count, const Call& call, uint64_t seq, bool transferring,
-                           SteadyClock::time_point start, bool first_look) {
+void MpiCommunicator::wait(MPI_Request* requests, int count, MPI_Status* statuses, const Call& call, uint64_t seq,
+                           bool transferring, SteadyClock::time_point start) {
   const bool forever = options_.timeout_seconds > 3.0e9;
   const auto deadline = forever ? SteadyClock::time_point::max()
                                 : start + std::chrono::duration_cast<SteadyClock::duration>(
                                               std::chrono::duration<double>(options_.timeout_seconds));
   for (unsigned i = 0;; ++i) {
     int done = 0;
-    const int rc = MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE);
+    const int rc = MPI_Testall(count, requests, &done, statuses);
     if (rc != MPI_SUCCESS) mpi_failed("MPI_Testall", rc, where(call, seq));
     if (done) return;
-    // Right after arriving (the first test made progress): notices already there mean this rank is late.
-    if (i == 0 && first_look) check_late(call, seq);
     if (abort_requested_.load(std::memory_order_relaxed)) {
       requests_left_pending_ = true;
       send_abort_notices_locked();
       throw_unusable(where(call, seq));
     }
     if ((i & 15) != 15) continue;
-    if (drain_notices(seq)) {
+    if (drain_notices(seq, 1)) {
       if (state_.load() != kUsable) {
         requests_left_pending_ = true;
         std::lock_guard<std::mutex> lock(reason_mutex_);
@@ -526,7 +592,7 @@ void MpiCommunicator::give_up(const Call& call, uint64_t seq, bool transferring,
   const auto end = SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(grace);
   std::vector<int> waiting{rank_}, silent;
   while (true) {
-    drain_notices(seq);
+    drain_notices(seq, 1);
     waiting.assign(1, rank_);
     silent.clear();
     for (int r = 0; r < size_; ++r) {
@@ -543,7 +609,9 @@ void MpiCommunicator::give_up(const Call& call, uint64_t seq, bool transferring,
   std::sort(waiting.begin(), waiting.end());
   std::ostringstream os;
   os << where(call, seq) << ": ";
-  const std::string limit = detail::concat(options_.timeout_seconds, " s");
+  const std::string limit = options_.timeout_seconds > 3.0e9 && first_notifier >= 0
+                                ? detail::concat("rank ", first_notifier, "'s timeout")
+                                : detail::concat(options_.timeout_seconds, " s");
   if (!transferring) {
     if (!silent.empty())
       os << rank_list(silent) << " did not arrive within " << limit << " ("
@@ -560,16 +628,14 @@ void MpiCommunicator::give_up(const Call& call, uint64_t seq, bool transferring,
   throw Error(DPAR_ERR_TIMEOUT, message);
 }
 
-void MpiCommunicator::check_late(const Call& c, uint64_t seq) {
-  drain_notices(seq);
+void MpiCommunicator::check_late(const Call& c, uint64_t seq, int looks) {
+  drain_notices(seq, looks);
   if (state_.load() != kUsable) {
-    requests_left_pending_ = true;
     std::lock_guard<std::mutex> lock(reason_mutex_);
     fail(DPAR_ERR_REMOTE, where(c, seq), ": stopped because ", broken_reason_);
   }
   for (int r = 0; r < size_; ++r) {
     if (timeout_notice_seq_[static_cast<size_t>(r)] != static_cast<int64_t>(seq)) continue;
-    requests_left_pending_ = true;
     const std::string reason = detail::concat("rank ", r, " gave up waiting in ", coll_name(c.coll), " #", seq,
                                               " after its timeout, before this rank arrived");
     mark(kFailed, reason);
@@ -578,33 +644,59 @@ void MpiCommunicator::check_late(const Call& c, uint64_t seq) {
 }
 
 // Bruck's allgather over point-to-point messages on the control communicator: ceil(log2(size)) rounds; in the
-// round at distance d, a rank sends the first min(d, size - d) fingerprints it holds to rank - d and receives as
-// many from rank + d, so that it then holds those of ranks rank .. rank + 2d - 1 (mod size). A rank completes only
-// after every rank has entered. (OpenMPI's MPI_Iallgather does the same job about 3x slower at these sizes: its
-// non-blocking collectives make progress only on every 8th call of the progress engine.)
-void MpiCommunicator::gather_fingerprints(const int64_t* mine, const Call& c, uint64_t seq) {
+// round at distance d, a rank sends the first min(d, size - d) blocks it holds to rank - d and receives as many
+// from rank + d, so that it then holds those of ranks rank .. rank + 2d - 1 (mod size). A rank completes only
+// after every rank has entered. A block is a fingerprint and, in a fused all-reduce, that rank's data; blocks are
+// packed, so a message's blocks are parsed by their kPayloadBytes. (OpenMPI's MPI_Iallgather takes 2x as long for
+// the fingerprints alone: its non-blocking collectives make progress on every 8th call of the progress engine.)
+void MpiCommunicator::gather_fingerprints(const int64_t* mine, const void* payload, const Call& c, uint64_t seq) {
   const auto start = SteadyClock::now();
-  std::copy(mine, mine + kFields, gather_.begin());
+  char* buf = reinterpret_cast<char*>(gather_.data());
+  const size_t payload_bytes = static_cast<size_t>(mine[kPayloadBytes]);
+  std::memcpy(buf, mine, kHeaderBytes);
+  if (payload_bytes) std::memcpy(buf + kHeaderBytes, payload, payload_bytes);
+  offsets_[0] = 0;
+  offsets_[1] = kHeaderBytes + round_up8(payload_bytes);
   for (int d = 1; d < size_; d *= 2) {
-    const int n = std::min(d, size_ - d) * kFields;
+    const int blocks = std::min(d, size_ - d);
+    const int from = (rank_ + d) % size_;
+    const size_t capacity = static_cast<size_t>(blocks) * (kHeaderBytes + fused_max_bytes_);
     MPI_Request requests[2];
-    int rc = MPI_Irecv(&gather_[static_cast<size_t>(d) * kFields], n, MPI_INT64_T, (rank_ + d) % size_,
-                       kFingerprintTag, control_, &requests[0]);
+    MPI_Status statuses[2];
+    int rc = MPI_Irecv(buf + offsets_[d], static_cast<int>(capacity), MPI_BYTE, from, kFingerprintTag, control_,
+                       &requests[0]);
     if (rc != MPI_SUCCESS) mpi_failed("MPI_Irecv", rc, where(c, seq));
-    rc = MPI_Isend(gather_.data(), n, MPI_INT64_T, (rank_ - d + size_) % size_, kFingerprintTag, control_,
-                   &requests[1]);
+    rc = MPI_Isend(buf, static_cast<int>(offsets_[blocks]), MPI_BYTE, (rank_ - d + size_) % size_, kFingerprintTag,
+                   control_, &requests[1]);
     if (rc != MPI_SUCCESS) {
       requests_left_pending_ = true;
       mpi_failed("MPI_Isend", rc, where(c, seq));
     }
-    wait(requests, 2, c, seq, false, start, /*first_look=*/d == 1);
+    wait(requests, 2, statuses, c, seq, false, start);
+    int got = 0;
+    MPI_Get_count(&statuses[0], MPI_BYTE, &got);
+    size_t at = offsets_[d];
+    const size_t end = at + static_cast<size_t>(std::max(got, 0));
+    for (int j = d; j < d + blocks; ++j) {
+      int64_t bytes = -1;
+      if (at + kHeaderBytes <= end) std::memcpy(&bytes, buf + at + kPayloadBytes * sizeof(int64_t), sizeof bytes);
+      if (bytes < 0 || static_cast<size_t>(bytes) > fused_max_bytes_) {
+        const std::string message = detail::concat(where(c, seq), ": malformed fingerprint message from rank ", from);
+        mark(kFailed, message);
+        throw Error(DPAR_ERR_COMMUNICATION, message);
+      }
+      at += kHeaderBytes + round_up8(static_cast<size_t>(bytes));
+      offsets_[j + 1] = at;
+    }
   }
-  for (int j = 0; j < size_; ++j)
-    std::copy_n(&gather_[static_cast<size_t>(j) * kFields], kFields,
-                &table_[static_cast<size_t>((rank_ + j) % size_) * kFields]);
+  for (int j = 0; j < size_; ++j) {
+    const size_t r = static_cast<size_t>((rank_ + j) % size_);
+    std::memcpy(&table_[r * kFields], buf + offsets_[j], kHeaderBytes);
+    payloads_[r] = table_[r * kFields + kPayloadBytes] ? buf + offsets_[j] + kHeaderBytes : nullptr;
+  }
 }
 
-void MpiCommunicator::agree(const Call& c, uint64_t seq) {
+bool MpiCommunicator::agree(const Call& c, uint64_t seq) {
   int64_t mine[kFields] = {static_cast<int64_t>(seq), c.coll, static_cast<int64_t>(c.count),
                            static_cast<int64_t>(c.dtype), -1, -1, 0};
   if (has_op(c.coll)) mine[kOp] = static_cast<int64_t>(c.op);
@@ -621,17 +713,27 @@ void MpiCommunicator::agree(const Call& c, uint64_t seq) {
     mine[kError] = own_status;
   }
 
+  // Small all-reduces send their data with the fingerprint (a non-contributor of all_reduce_sum sends none).
+  const size_t bytes = own_status == DPAR_OK ? c.count * comm_dtype_size(c.dtype) : 0;
+  const bool fused = (c.coll == kAllReduce || c.coll == kAllReduceSum) && own_status == DPAR_OK && c.count > 0 &&
+                     bytes <= fused_max_bytes_;
+  const bool sends_data = fused && (c.coll == kAllReduce || c.contributes);
+  mine[kPayloadBytes] = sends_data ? static_cast<int64_t>(bytes) : 0;
   seq_.store(seq + 1);
-  gather_fingerprints(mine, c, seq);
-  // A rank that arrives after the others gave up can complete the exchange with their pending requests: their
-  // notices, in the queue by now (the exchange made progress), tell it not to go on to a transfer that nobody else
-  // will join.
-  check_late(c, seq);
+  gather_fingerprints(mine, sends_data ? (c.coll == kAllReduce ? c.send : c.recv) : nullptr, c, seq);
+  // Nothing between the exchange and the transfer: a progress call here (such as a probe for notices) lets the
+  // first fragment of another rank's MPI_Allreduce in before this rank has posted its own, and OpenMPI then takes
+  // a slower path (+40 us at 1 MiB in about half the calls, measured). Notices are looked for before (check_usable).
 
   // Every rank holds the same table and decides alike.
   if (own_status != DPAR_OK)
     fail(own_status, where(c, seq), ": ", own_error, " (the other ranks were told; nothing was moved)");
   const int64_t* first = &table_[0];
+  bool all_agree = true;
+  for (int r = 1; r < size_ && all_agree; ++r)
+    all_agree = std::equal(first, first + kError, &table_[static_cast<size_t>(r) * kFields]);
+  for (int r = 0; r < size_ && all_agree; ++r) all_agree = table_[static_cast<size_t>(r) * kFields + kError] == 0;
+  if (all_agree) return fused;  // every rank decided `fused` alike, from the same fingerprint
   std::vector<const int64_t*> kinds;  // distinct fingerprints, in rank order of first appearance
   std::vector<std::vector<int>> ranks;
   bool differs[kFields] = {};
@@ -663,6 +765,25 @@ void MpiCommunicator::agree(const Call& c, uint64_t seq) {
   if (!refused.empty())
     fail(DPAR_ERR_REMOTE, where(c, seq), ": ", rank_list(refused), " refused the call (", status_name(refused_status),
          "; its message is on that rank). Nothing was moved");
+  return fused;
+}
+
+void MpiCommunicator::reduce_fused(const Call& c) {
+  const char* in[kEagerMessageBytes / kHeaderBytes * 2];  // fused only while size_ <= 2 * most_blocks <= this
+  size_t m = 0;
+  const int64_t bytes = static_cast<int64_t>(c.count * comm_dtype_size(c.dtype));
+  for (int r = 0; r < size_; ++r) {
+    const int64_t sent = table_[static_cast<size_t>(r) * kFields + kPayloadBytes];
+    DPAR_ENFORCE(sent == bytes || (sent == 0 && c.coll == kAllReduceSum), DPAR_ERR_INTERNAL, "mpi ",
+                 coll_name(c.coll), ": rank ", r, " sent ", sent, " bytes of data instead of ", bytes);
+    if (payloads_[static_cast<size_t>(r)]) in[m++] = payloads_[static_cast<size_t>(r)];
+  }
+  switch (c.dtype) {
+    case CommDType::kF32: return reduce_blocks(static_cast<float*>(c.recv), in, m, c.count, c.op);
+    case CommDType::kF64: return reduce_blocks(static_cast<double*>(c.recv), in, m, c.count, c.op);
+    case CommDType::kI32: return reduce_blocks(static_cast<int32_t*>(c.recv), in, m, c.count, c.op);
+    case CommDType::kI64: return reduce_blocks(static_cast<int64_t*>(c.recv), in, m, c.count, c.op);
+  }
 }
 
 void MpiCommunicator::transfer(const Call& c, uint64_t seq) {
@@ -677,7 +798,10 @@ void MpiCommunicator::transfer(const Call& c, uint64_t seq) {
     if (nonblocking) {
       MPI_Request request;
       rc = start(&request);
-      if (rc == MPI_SUCCESS) return wait(&request, 1, c, seq, true, SteadyClock::now(), false);
+      if (rc == MPI_SUCCESS) {
+        wait(&request, 1, MPI_STATUSES_IGNORE, c, seq, true, SteadyClock::now());
+        return;
+      }
     } else {
       rc = blocking();
     }
@@ -780,9 +904,11 @@ void MpiCommunicator::run(Call& call) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_usable(call);
   const uint64_t seq = seq_.load();
-  agree(call, seq);
-  // From here every rank is inside this collective with the same arguments: a local abort() waits for its end.
-  transfer(call, seq);
+  // From here on every rank is inside this collective with the same arguments: a local abort() waits for its end.
+  if (agree(call, seq))
+    reduce_fused(call);
+  else
+    transfer(call, seq);
   finish(call);
   if (abort_requested_.load()) send_abort_notices_locked();
 }

@@ -2,19 +2,26 @@
 //
 // MPI's lifetime. MpiRuntime::instance() initialises MPI with MPI_Init_thread(MPI_THREAD_MULTIPLE) on first use if
 // nobody did, and then finalises it at exit (atexit); if the program or a framework initialised MPI itself, dpar
-// uses it as it is and never finalises it. A process started without mpirun is a singleton: rank 0 of 1.
+// uses it as it is and never finalises it. A process started without mpirun is a singleton: rank 0 of 1. OpenMPI's
+// MPI_Finalize waits for every rank of the job, forever for a dead one when the launcher lets the others live
+// (mpirun --enable-recovery): so after a collective of the process failed (timeout, abort, MPI error), dpar's
+// MPI_Finalize at exit is watched, and the process ends with status 1 if it has not returned within 30 s.
 //
 // A collective is two phases:
 //  1. Arrival and fingerprint. Every participant contributes (sequence number, operation, count, dtype, op, root,
-//     local error), 7 int64, to an allgather of its own over point-to-point messages (Bruck's algorithm,
-//     ceil(log2 size) rounds of MPI_Isend/MPI_Irecv on a private communicator), and polls it with MPI_Testall until
-//     it completes, the timeout passes, this participant is aborted, or a notice (below) arrives. Everyone then
-//     holds the same table and takes the same decision: on a difference all throw Error(MISMATCH) naming the ranks
-//     and what differs; a participant whose own arguments were bad throws its own error (INVALID_ARGUMENT, ...) and
-//     the others throw Error(REMOTE) naming it. No data moves in either case and the communicator stays usable. A
+//     local error) to an allgather of its own over point-to-point messages (Bruck's algorithm, ceil(log2 size)
+//     rounds of MPI_Isend/MPI_Irecv on a private communicator), and polls it with MPI_Testall until it completes,
+//     the timeout passes, this participant is aborted, or a notice (below) arrives. Everyone then holds the same
+//     table and takes the same decision: on a difference all throw Error(MISMATCH) naming the ranks and what
+//     differs; a participant whose own arguments were bad throws its own error (INVALID_ARGUMENT, ...) and the
+//     others throw Error(REMOTE) naming it. No data moves in either case and the communicator stays usable. A
 //     completed exchange proves that every participant entered the collective: barrier() is this phase alone.
-//     Cost: about one small-message latency per collective per round (0.3-1 us between two processes sharing a
-//     machine), which is what dpar adds to a plain MPI_Allreduce.
+//     Cost: one small-message latency per round (about 0.3-0.6 us between two processes of one machine), which is
+//     what dpar adds to a plain MPI_Allreduce.
+//     Small all-reduces are fused into this phase: when every message of the exchange stays under OpenMPI's eager
+//     limit (each rank's data at most 3904 bytes for 2 ranks, 1920 for 4, 928 for 8: (3968 / most blocks per
+//     message) - 64), each rank's data rides with its fingerprint and every rank reduces the gathered blocks itself,
+//     in rank order (all ranks get the same bits). There is no phase 2 then, and the timeout covers the data too.
 //  2. Transfer: the MPI collective itself, on the communicator's duplicate of base (MPI_Allreduce, MPI_Bcast,
 //     MPI_Reduce, MPI_Allgather, MPI_Reduce_scatter_block; MPI_IN_PLACE for the in-place forms; a mean is a sum
 //     divided afterwards, truncating for integers). By default it is the blocking call, OpenMPI's tuned algorithms
@@ -25,16 +32,16 @@
 //     collectives (libnbc), about 2x slower here. After a timeout in that mode MPI may still write the call's recv
 //     buffer if the missing rank arrives later (an MPI request cannot be cancelled): keep it alive or exit.
 //
-// Notices: point-to-point messages on the private communicator, looked for (MPI_Improbe, ~0.07 us) right after
-// arriving, while waiting, and once the fingerprint exchange is done:
+// Notices: point-to-point messages on the private communicator, looked for (MPI_Improbe, ~0.07 us a look) as a
+// collective starts (twice) and while it waits:
 //  - abort(reason) sends ABORT(reason) to every other rank: a rank waiting now throws Error(REMOTE) with the reason
 //    at once, and every later call on any rank throws it too (the aborting rank's included).
 //  - A participant whose deadline passes sends TIMEOUT(sequence) to every other rank and then listens for a grace
 //    period (a quarter of the timeout, 50 ms to 1 s): the participants waiting in the same collective join in (they
 //    answer with their own notice), so the ranks that never answered are those that did not arrive, and every
-//    waiting participant throws Error(TIMEOUT) naming them. A late participant finds the notices as it arrives
-//    (or right after its fingerprint exchange, which the pending requests of those that gave up may complete) and
-//    throws Error(REMOTE) without moving data. A timed-out communicator is unusable: Error(INVALID_STATE) from
+//    waiting participant throws Error(TIMEOUT) naming them. A late participant finds the notices as it arrives and
+//    throws Error(REMOTE) without moving data (its exchange would complete with the messages the others sent
+//    before they gave up). A timed-out communicator is unusable: Error(INVALID_STATE) from
 //    then on. Its requests stay pending until MPI_Finalize, which OpenMPI completes regardless. Create a new
 //    communicator to go on. (A rank that arrives within microseconds of the others' deadline can still slip
 //    through the exchange and wait in a blocking transfer that nobody joins: the one race that remains.)
@@ -143,18 +150,20 @@ class MpiCommunicator final : public Communicator {
   void run(Call& call);
   void validate(const Call& call) const;
   void check_usable(const Call& call);
-  void agree(const Call& call, uint64_t seq);
+  // Phase 1; returns true for a fused all-reduce, whose data came with the fingerprints.
+  bool agree(const Call& call, uint64_t seq);
+  void reduce_fused(const Call& call);
   void transfer(const Call& call, uint64_t seq);
   void finish(const Call& call);
   // Waits for `request` to complete: until the deadline (then the TIMEOUT protocol), a local abort or a notice.
-  void wait(MPI_Request* requests, int count, const Call& call, uint64_t seq, bool transferring,
-            std::chrono::steady_clock::time_point start, bool first_look);
+  void wait(MPI_Request* requests, int count, MPI_Status* statuses, const Call& call, uint64_t seq,
+            bool transferring, std::chrono::steady_clock::time_point start);
   // Throws REMOTE if a notice says the group broke, or that the others gave up on collective `seq` already.
-  void check_late(const Call& call, uint64_t seq);
-  void gather_fingerprints(const int64_t* mine, const Call& call, uint64_t seq);
+  void check_late(const Call& call, uint64_t seq, int looks);
+  void gather_fingerprints(const int64_t* mine, const void* payload, const Call& call, uint64_t seq);
   [[noreturn]] void give_up(const Call& call, uint64_t seq, bool transferring, int first_notifier);
   // Receives the notices that have arrived (while in collective `current_seq`); returns true if any did.
-  bool drain_notices(uint64_t current_seq);
+  bool drain_notices(uint64_t current_seq, int looks);
   void send_notice(int64_t kind, uint64_t seq, int64_t coll, const std::string& text);
   void send_abort_notices_locked();
   void test_pending_sends();
@@ -173,8 +182,11 @@ class MpiCommunicator final : public Communicator {
 
   std::mutex mutex_;  // one collective at a time; guards everything below but the atomics
   std::atomic<uint64_t> seq_{0};
-  std::vector<int64_t> table_;   // the gathered fingerprints, size_ x 7, in rank order
-  std::vector<int64_t> gather_;  // the same while they arrive (rotated by rank_)
+  std::vector<int64_t> table_;          // the gathered fingerprints, size_ x 8, in rank order
+  std::vector<int64_t> gather_;         // the blocks as they arrive (rotated by rank_): fingerprint + data
+  std::vector<size_t> offsets_;         // byte offset of block j in gather_
+  std::vector<const char*> payloads_;   // rank r's data in gather_ (fused all-reduce), or null
+  size_t fused_max_bytes_ = 0;          // the most data one rank sends with its fingerprint
   std::atomic<int> state_{kUsable};
   // Set by abort() on this rank, from any thread; whoever holds mutex_ next sends the notices.
   std::atomic<bool> abort_requested_{false};
