@@ -130,6 +130,8 @@ int main(void) {
     mse /= kRows * kOut;
     if (!(mse < last_loss)) FAIL("the MSE after training, %g, is not below the last step's loss %g", mse, last_loss);
   }
+  dpar_tensor_free(output);
+  output = NULL;
 
   /* Error paths: a NULL output pointer, a bad option version, a freed handle. Each is refused with a message. */
   EXPECT_ERROR(DPAR_ERR_INVALID_ARGUMENT, "out", dpar_model_create(NULL, &mopts));
