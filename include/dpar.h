@@ -39,7 +39,7 @@ extern "C" {
 /** @name Versions */
 /**@{*/
 #define DPAR_VERSION_MAJOR 0 /**< Major version: changes when the ABI breaks (it is the SONAME). */
-#define DPAR_VERSION_MINOR 1 /**< Minor version: grows when functions or option fields are appended. */
+#define DPAR_VERSION_MINOR 2 /**< Minor version: grows when functions or option fields are appended. */
 #define DPAR_VERSION_PATCH 0 /**< Patch version: fixes only. */
 /** The version as one integer, MAJOR*10000 + MINOR*100 + PATCH. */
 #define DPAR_VERSION (DPAR_VERSION_MAJOR * 10000 + DPAR_VERSION_MINOR * 100 + DPAR_VERSION_PATCH)
@@ -102,7 +102,7 @@ typedef struct dpar_device {
 /**
  * @brief The number of devices of a kind that an engine can use by default.
  * For ::DPAR_DEVICE_CPU it is the environment variable DPAR_CPU_DEVICES if set to a positive integer, else the
- * number of cores. Engines may be asked for more CPU devices than cores (dpar_engine_options.num_cpu_devices).
+ * number of cores this process may run on (its CPU affinity: one core per rank under `mpirun --bind-to core`). Engines may be asked for more CPU devices than cores (dpar_engine_options.num_cpu_devices).
  * @param[out] out  The count.
  * @param kind      A ::dpar_device_kind.
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a NULL @p out or unknown kind;
@@ -371,6 +371,17 @@ typedef enum dpar_loss {
   DPAR_LOSS_MSE = 1            /**< Mean squared error against f32 targets shaped as the output, mean over all. */
 } dpar_loss;
 
+/** @brief Which processes an engine spans (dpar_engine_options.processes). */
+typedef enum dpar_processes {
+  DPAR_PROCESSES_AUTO = 0,   /**< Every process of the MPI job when the program was started by an MPI launcher
+                                  (mpirun sets OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_RANK) and dpar has MPI; this
+                                  process alone otherwise. */
+  DPAR_PROCESSES_SINGLE = 1, /**< This process alone, even under mpirun. */
+  DPAR_PROCESSES_MPI = 2     /**< Every process of MPI_COMM_WORLD (MPI is initialised if the program has not done it;
+                                  a program started without mpirun is a job of one). ::DPAR_ERR_NOT_SUPPORTED
+                                  without MPI. */
+} dpar_processes;
+
 /** @brief Options for dpar_engine_create(). */
 typedef struct dpar_engine_options {
   size_t size;              /**< sizeof(dpar_engine_options) as the caller compiled it. */
@@ -389,10 +400,20 @@ typedef struct dpar_engine_options {
   int32_t pin_workers;      /**< Nonzero (default): worker r runs on the r-th CPU (mod their number) of the process's
                                  affinity mask, as `mpirun --bind-to core` binds ranks. A worker that sleeps between
                                  steps is otherwise often woken on a core that another worker is using. */
+  /* Version 2: */
+  size_t first_bucket_bytes;/**< The training step all-reduces gradients in buckets, last layers first, each while
+                                 backward computes the layers before it. The first bucket closes once it holds this
+                                 many bytes. 0: the default, 1 MiB. */
+  size_t bucket_cap_bytes;  /**< Every later bucket closes once it holds this many bytes. 0: the default, 25 MiB.
+                                 SIZE_MAX: a single bucket, all-reduced after backward (no overlap). */
+  int32_t processes;        /**< A ::dpar_processes. Default ::DPAR_PROCESSES_AUTO. With several processes every
+                                 process creates its engine (a collective call) and then calls the same functions in
+                                 the same order with its own part of each batch. */
 } dpar_engine_options;
-#define DPAR_ENGINE_OPTIONS_VERSION 1
-#define DPAR_ENGINE_OPTIONS_INIT \
-  {sizeof(dpar_engine_options), DPAR_ENGINE_OPTIONS_VERSION, DPAR_DEVICE_CPU, 0, NULL, 0, -1, DPAR_LOSS_CROSS_ENTROPY, 0, 300.0, 1, 1}
+#define DPAR_ENGINE_OPTIONS_VERSION 2
+#define DPAR_ENGINE_OPTIONS_INIT                                                                                   \
+  {sizeof(dpar_engine_options), DPAR_ENGINE_OPTIONS_VERSION, DPAR_DEVICE_CPU, 0, NULL, 0, -1, DPAR_LOSS_CROSS_ENTROPY, \
+   0, 300.0, 1, 1, 0, 0, DPAR_PROCESSES_AUTO}
 /** @brief Fills @p opts with defaults. */
 DPAR_API dpar_status dpar_engine_options_init(dpar_engine_options *opts);
 
@@ -427,6 +448,14 @@ DPAR_API dpar_status dpar_engine_abort(dpar_engine *engine);
 
 /** @brief The number of replicas (devices). */
 DPAR_API dpar_status dpar_engine_num_replicas(size_t *out, const dpar_engine *engine);
+/**
+ * @brief This process's rank among the processes the engine spans, and their number (0 and 1 for a single
+ * process). Either output may be NULL. Use them to give each process its part of every batch
+ * (dpar_loader_shard()), and to let rank 0 alone print.
+ */
+DPAR_API dpar_status dpar_engine_processes(int *out_rank, int *out_size, const dpar_engine *engine);
+/** @brief The number of gradient buckets of the training step (see dpar_engine_options.first_bucket_bytes). */
+DPAR_API dpar_status dpar_engine_num_buckets(size_t *out, const dpar_engine *engine);
 /** @brief The device of replica @p replica. */
 DPAR_API dpar_status dpar_engine_replica_device(dpar_device *out, const dpar_engine *engine, size_t replica);
 /**
@@ -438,8 +467,11 @@ DPAR_API dpar_status dpar_engine_split(size_t *out, const dpar_engine *engine, s
 /**
  * @brief One fused training step: scatter, forward and loss on every replica, backward, all-reduce of gradients
  * (those of the mean loss over the whole batch), and the optimizer step on every replica. No activation is
- * gathered. Equivalent to dpar_engine_accumulate() followed by dpar_engine_step().
- * @param[out] out_loss  The mean loss over the batch; may be NULL.
+ * gathered. Equivalent to dpar_engine_accumulate() followed by dpar_engine_step(), but faster: gradients are
+ * all-reduced bucket by bucket while backward is still computing (dpar_engine_options.first_bucket_bytes).
+ * With several processes, @p input is this process's part of the global batch, and the gradient is that of the
+ * mean loss over the global batch (every process's rows).
+ * @param[out] out_loss  The mean loss over the batch (the global batch, with several processes); may be NULL.
  * @param input          (B, features...) f32 on the host or the output device.
  * @param target         Cross-entropy: (B) i32 labels in [0, classes). MSE: f32 shaped as the output.
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULLs, B = 0, shapes that do not fit the model or each other,
@@ -459,8 +491,8 @@ DPAR_API dpar_status dpar_engine_accumulate(float *out_loss, dpar_engine *engine
                                             const dpar_tensor *target);
 /**
  * @brief Synchronises the accumulated gradients and applies the optimizer step on every replica; then clears
- * the gradients. After dpar_engine_accumulate(), the gradient is that of the mean loss over all accumulated rows;
- * after dpar_engine_backward(), it is the sum of what backward produced.
+ * the gradients. After dpar_engine_accumulate(), the gradient is that of the mean loss over all accumulated rows
+ * (of every process); after dpar_engine_backward(), it is the sum of what backward produced (on every process).
  * @return ::DPAR_ERR_INVALID_STATE if no gradient is pending.
  */
 DPAR_API dpar_status dpar_engine_step(dpar_engine *engine);
@@ -639,6 +671,65 @@ DPAR_API dpar_status dpar_work_test(int *out_done, dpar_work *work);
 DPAR_API dpar_status dpar_work_wait(dpar_work *work);
 /** @brief Frees a work handle (NULL is a no-op), waiting for the operation first if it is still running. */
 DPAR_API void dpar_work_free(dpar_work *work);
+
+/*
+ * The gradient reducer: DDP's reducer for a framework with its own autograd: register the gradient buffers once, call
+ * dpar_reducer_grad_ready() from the backward hook of each as soon as it holds its gradient, and
+ * dpar_reducer_wait() before the optimizer step. Gradients are grouped in buckets in reverse order of registration
+ * (register them in forward order: backward produces the last ones first), and each bucket is all-reduced on the
+ * communicator's communication thread as soon as all its gradients are ready, while backward goes on. A gradient
+ * never marked ready in a step counts as zero (a parameter that got no gradient needs no flag), and its buffer
+ * receives the reduced value like the others. Every participant must register the same sizes in the same order.
+ *
+ * Between a step's first dpar_reducer_grad_ready() and its dpar_reducer_wait(), a ready buffer must not be written
+ * and the communicator must not be used for other collectives. The functions of one reducer may be called from
+ * several threads (they are serialised).
+ */
+typedef struct dpar_reducer dpar_reducer; /**< An opaque gradient reducer over one communicator. */
+
+/** @brief Options of a reducer. */
+typedef struct dpar_reducer_options {
+  size_t size;               /**< sizeof(dpar_reducer_options) as the caller compiled it. */
+  unsigned version;          /**< #DPAR_REDUCER_OPTIONS_VERSION. */
+  size_t first_bucket_bytes; /**< The first bucket (the last gradients) closes at this many bytes. 0: 1 MiB. */
+  size_t bucket_cap_bytes;   /**< Later buckets close at this many bytes. 0: 25 MiB. SIZE_MAX: one bucket. */
+  int32_t op;                /**< ::DPAR_SUM or ::DPAR_MEAN (default: the average over the participants, as DDP). */
+} dpar_reducer_options;
+#define DPAR_REDUCER_OPTIONS_VERSION 1
+#define DPAR_REDUCER_OPTIONS_INIT {sizeof(dpar_reducer_options), DPAR_REDUCER_OPTIONS_VERSION, 0, 0, DPAR_MEAN}
+/** @brief Fills @p opts with defaults. */
+DPAR_API dpar_status dpar_reducer_options_init(dpar_reducer_options *opts);
+
+/**
+ * @brief Creates a reducer over @p comm for @p num_grads f32 gradient buffers in host memory.
+ * The reducer keeps the communicator alive: either may be freed first.
+ * @param grads   The buffers, in the model's (forward) order; they must not overlap, and must stay valid until the
+ *                reducer is freed.
+ * @param counts  Elements of each buffer, each at least 1.
+ * @param opts    Options, or NULL for defaults.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULLs, no buffer, an empty or overlapping buffer or bad options.
+ */
+DPAR_API dpar_status dpar_reducer_create(dpar_reducer **out, dpar_comm *comm, float *const *grads,
+                                         const size_t *counts, size_t num_grads, const dpar_reducer_options *opts);
+/** @brief Frees a reducer (NULL is a no-op), after its buckets in flight finish. */
+DPAR_API void dpar_reducer_free(dpar_reducer *reducer);
+/** @brief The number of buckets. */
+DPAR_API dpar_status dpar_reducer_num_buckets(size_t *out, const dpar_reducer *reducer);
+/**
+ * @brief Gradient @p index holds this step's value (the first call of a step starts it). Launches the buckets
+ * this completes, in bucket order.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an index out of range; ::DPAR_ERR_INVALID_STATE for a
+ *         gradient already marked in this step. Neither changes the step.
+ */
+DPAR_API dpar_status dpar_reducer_grad_ready(dpar_reducer *reducer, size_t index);
+/**
+ * @brief Ends the step: reduces what is left and waits for every bucket. Every registered buffer then holds the
+ * reduced gradient (sum or mean over the participants). A step with no gradient marked is allowed (a participant
+ * with no data this step): it contributes zeros.
+ * @return ::DPAR_OK, or a collective's error (::DPAR_ERR_TIMEOUT, ::DPAR_ERR_MISMATCH, ::DPAR_ERR_REMOTE, ...),
+ *         after which the buffers' content is unspecified; the next step starts afresh.
+ */
+DPAR_API dpar_status dpar_reducer_wait(dpar_reducer *reducer);
 /**@}*/
 
 /* ------------------------------------------------------------------------------------------------------------ */
@@ -674,6 +765,15 @@ DPAR_API void dpar_loader_free(dpar_loader *loader);
 DPAR_API dpar_status dpar_loader_start_epoch(dpar_loader *loader, uint64_t epoch);
 /** @brief Number of batches per epoch. */
 DPAR_API dpar_status dpar_loader_num_batches(size_t *out, const dpar_loader *loader);
+/**
+ * @brief Makes the loader yield only part @p shard of @p num_shards of each batch: batch_size stays the global
+ * batch, and shard s gets the s-th of num_shards contiguous, balanced slices of its rows (sizes differ by at most
+ * one). Every process of a multi-process engine creates the same loader (same seed) and picks its own shard
+ * (dpar_engine_processes()), as PyTorch's DistributedSampler does. A last batch with fewer rows than shards is
+ * dropped. Takes effect from the next batch.
+ * @return ::DPAR_ERR_INVALID_ARGUMENT unless shard < num_shards, or when num_shards exceeds the batch size.
+ */
+DPAR_API dpar_status dpar_loader_shard(dpar_loader *loader, size_t shard, size_t num_shards);
 /**
  * @brief The next batch of the epoch: (b, features) f32 and (b) i32 tensors, borrowed from the loader and valid
  * until its next call. Both are set to NULL at the end of the epoch.
@@ -729,6 +829,8 @@ typedef struct dpar_api_v1 {
   void (*dpar_engine_free)(dpar_engine *engine);
   dpar_status (*dpar_engine_abort)(dpar_engine *engine);
   dpar_status (*dpar_engine_num_replicas)(size_t *out, const dpar_engine *engine);
+  dpar_status (*dpar_engine_processes)(int *out_rank, int *out_size, const dpar_engine *engine);
+  dpar_status (*dpar_engine_num_buckets)(size_t *out, const dpar_engine *engine);
   dpar_status (*dpar_engine_replica_device)(dpar_device *out, const dpar_engine *engine, size_t replica);
   dpar_status (*dpar_engine_split)(size_t *out, const dpar_engine *engine, size_t batch, size_t capacity);
   dpar_status (*dpar_engine_train_step)(float *out_loss, dpar_engine *engine, const dpar_tensor *input, const dpar_tensor *target);
@@ -766,6 +868,12 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_work_test)(int *out_done, dpar_work *work);
   dpar_status (*dpar_work_wait)(dpar_work *work);
   void (*dpar_work_free)(dpar_work *work);
+  dpar_status (*dpar_reducer_options_init)(dpar_reducer_options *opts);
+  dpar_status (*dpar_reducer_create)(dpar_reducer **out, dpar_comm *comm, float *const *grads, const size_t *counts, size_t num_grads, const dpar_reducer_options *opts);
+  void (*dpar_reducer_free)(dpar_reducer *reducer);
+  dpar_status (*dpar_reducer_num_buckets)(size_t *out, const dpar_reducer *reducer);
+  dpar_status (*dpar_reducer_grad_ready)(dpar_reducer *reducer, size_t index);
+  dpar_status (*dpar_reducer_wait)(dpar_reducer *reducer);
   dpar_status (*dpar_dataset_load_idx)(dpar_dataset **out, const char *images_path, const char *labels_path);
   void (*dpar_dataset_free)(dpar_dataset *dataset);
   dpar_status (*dpar_dataset_info)(size_t *out_samples, size_t *out_features, size_t *out_classes, const dpar_dataset *dataset);
@@ -774,6 +882,7 @@ typedef struct dpar_api_v1 {
   void (*dpar_loader_free)(dpar_loader *loader);
   dpar_status (*dpar_loader_start_epoch)(dpar_loader *loader, uint64_t epoch);
   dpar_status (*dpar_loader_num_batches)(size_t *out, const dpar_loader *loader);
+  dpar_status (*dpar_loader_shard)(dpar_loader *loader, size_t shard, size_t num_shards);
   dpar_status (*dpar_loader_next)(const dpar_tensor **out_inputs, const dpar_tensor **out_labels, dpar_loader *loader);
 } dpar_api_v1;
 /* END GENERATED: the function table */

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
+#include <tuple>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -1077,6 +1079,47 @@ TEST(EngineOptions, InitGivesTheMacroDefaults) {
   EXPECT_EQ(o.seed, 0u);
   EXPECT_EQ(o.timeout_seconds, 300.0);
   EXPECT_EQ(o.blas_threads, 1);
+  EXPECT_EQ(o.first_bucket_bytes, 0u);
+  EXPECT_EQ(o.bucket_cap_bytes, 0u);
+  EXPECT_EQ(o.processes, DPAR_PROCESSES_AUTO);
+}
+
+TEST(EngineOptions, AVersionOneStructGetsTheNewFieldsDefaults) {
+  // A caller compiled against version 1 passes the shorter struct: the fields appended since keep their defaults.
+  ModelPtr m = LinearModel();
+  dpar_engine_options o = DPAR_ENGINE_OPTIONS_INIT;
+  o.version = 1;
+  o.size = offsetof(dpar_engine_options, first_bucket_bytes);
+  o.num_cpu_devices = 2;
+  o.processes = 99;  // beyond the version-1 size: never read
+  dpar_engine* raw = nullptr;
+  ASSERT_OK(dpar_engine_create(&raw, m.get(), nullptr, &o));
+  EnginePtr e(raw);
+  size_t buckets = 0;
+  ASSERT_OK(dpar_engine_num_buckets(&buckets, e.get()));
+  EXPECT_EQ(buckets, 1u);
+  int rank = -1, size = -1;
+  ASSERT_OK(dpar_engine_processes(&rank, &size, e.get()));
+  EXPECT_EQ(rank, 0);
+  EXPECT_EQ(size, 1);
+}
+
+TEST(EngineOptions, BucketSizesSetTheBuckets) {
+  ModelPtr m = LinearModel();  // a weight and a bias
+  for (const auto& [first, cap, expected] :
+       std::vector<std::tuple<size_t, size_t, size_t>>{{1, 1, 2}, {SIZE_MAX, SIZE_MAX, 1}, {0, 0, 1}}) {
+    dpar_engine_options o = DPAR_ENGINE_OPTIONS_INIT;
+    o.num_cpu_devices = 2;
+    o.first_bucket_bytes = first;
+    o.bucket_cap_bytes = cap;
+    dpar_engine* raw = nullptr;
+    ASSERT_OK(dpar_engine_create(&raw, m.get(), nullptr, &o));
+    EnginePtr e(raw);
+    size_t buckets = 0;
+    ASSERT_OK(dpar_engine_num_buckets(&buckets, e.get()));
+    EXPECT_EQ(buckets, expected) << first << " / " << cap;
+    EXPECT_INVALID("out", dpar_engine_num_buckets(nullptr, e.get()));
+  }
 }
 
 TEST(EngineCreate, RefusesNullOutputsModelsAndEmptyModels) {
@@ -1143,6 +1186,8 @@ TEST(EngineCreate, BadOptionsAreRefusedNamingTheField) {
       {DPAR_ERR_INVALID_ARGUMENT, "timeout_seconds", [](auto& o) { o.timeout_seconds = std::nan(""); }},
       {DPAR_ERR_INVALID_ARGUMENT, "blas_threads", [](auto& o) { o.blas_threads = 0; }},
       {DPAR_ERR_INVALID_ARGUMENT, "blas_threads", [](auto& o) { o.blas_threads = 1025; }},
+      {DPAR_ERR_INVALID_ARGUMENT, "processes", [](auto& o) { o.processes = 3; }},
+      {DPAR_ERR_INVALID_ARGUMENT, "processes", [](auto& o) { o.processes = -1; }},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.word);
@@ -1230,6 +1275,8 @@ class EngineHandleCalls {
     const dpar_tensor* g = grad_.get();
     return {
         {"num_replicas", [=] { size_t n; return dpar_engine_num_replicas(&n, bad); }},
+        {"processes", [=] { int r, n; return dpar_engine_processes(&r, &n, bad); }},
+        {"num_buckets", [=] { size_t n; return dpar_engine_num_buckets(&n, bad); }},
         {"replica_device", [=] { dpar_device d; return dpar_engine_replica_device(&d, bad, 0); }},
         {"split", [=] { size_t rows[8]; return dpar_engine_split(rows, bad, 6, 8); }},
         {"train_step", [=] { float l; return dpar_engine_train_step(&l, bad, x, y); }},
@@ -2208,7 +2255,26 @@ std::vector<NamedCall> LoaderCalls(dpar_loader* bad, const dpar_tensor** x, cons
       {"loader_start_epoch", [=] { return dpar_loader_start_epoch(bad, 1); }},
       {"loader_num_batches", [=] { size_t n; return dpar_loader_num_batches(&n, bad); }},
       {"loader_next", [=] { return dpar_loader_next(x, y, bad); }},
+      {"loader_shard", [=] { return dpar_loader_shard(bad, 0, 1); }},
   };
+}
+
+TEST(Loader, ShardArgumentsAreCheckedAndARefusalChangesNothing) {
+  IdxFiles files;
+  DatasetPtr d = LoadDataset(files);
+  dpar_loader* raw = nullptr;
+  ASSERT_OK(dpar_loader_create(&raw, d.get(), 4, 0, 0, 0));
+  EXPECT_INVALID("shard", dpar_loader_shard(raw, 2, 2));
+  EXPECT_INVALID("num_shards", dpar_loader_shard(raw, 0, 5));  // more shards than rows in a batch
+  EXPECT_INVALID("shard", dpar_loader_shard(raw, 0, 0));
+  const dpar_tensor *x = nullptr, *y = nullptr;
+  ASSERT_OK(dpar_loader_next(&x, &y, raw));
+  ASSERT_NE(x, nullptr);
+  EXPECT_EQ(ShapeOf(y), std::vector<int64_t>({4})) << "a refused shard changed the batches";
+  ASSERT_OK(dpar_loader_shard(raw, 1, 2));
+  ASSERT_OK(dpar_loader_next(&x, &y, raw));
+  EXPECT_EQ(ShapeOf(y), std::vector<int64_t>({2}));
+  dpar_loader_free(raw);
 }
 
 TEST(DatasetHandle, NullFreedForeignAndWrongTypeAreRefusedEverywhere) {

@@ -172,3 +172,163 @@ TEST(CommApi, TheFunctionTableReachesEveryFunction) {
 }
 
 }  // namespace
+
+// ---- The gradient reducer (dpar_reducer_*) ------------------------------------------------------------------
+
+namespace {
+
+// Gradient buffers of one participant, separate allocations (not adjacent: staged buckets).
+struct Grads {
+  std::vector<std::vector<float>> buffers;
+  std::vector<float*> pointers;
+  std::vector<size_t> counts;
+  explicit Grads(const std::vector<size_t>& sizes) {
+    for (size_t n : sizes) buffers.emplace_back(n);
+    for (auto& b : buffers) {
+      pointers.push_back(b.data());
+      counts.push_back(b.size());
+    }
+  }
+};
+
+dpar_reducer_options small_buckets() {
+  dpar_reducer_options o = DPAR_REDUCER_OPTIONS_INIT;
+  o.first_bucket_bytes = 256;
+  o.bucket_cap_bytes = 2048;
+  return o;
+}
+
+}  // namespace
+
+TEST(ReducerApi, AveragesWhatEachParticipantProducedStepAfterStep) {
+  // Four participants with their own backward order; participant 3 leaves gradient 1 out (an unused parameter);
+  // participant 2 produces nothing in step 1 (no data). Buffers hold the mean over the participants, missing = 0.
+  const int n = 4;
+  const std::vector<size_t> sizes = {300, 7, 1200, 64, 513};
+  auto status = run_group(n, 30, [&](int r, dpar_comm* c) -> dpar_status {
+    Grads g(sizes);
+    dpar_reducer_options o = small_buckets();
+    dpar_reducer* red = nullptr;
+    if (dpar_status s = dpar_reducer_create(&red, c, g.pointers.data(), g.counts.data(), sizes.size(), &o)) return s;
+    size_t buckets = 0;
+    if (dpar_reducer_num_buckets(&buckets, red) || buckets < 3) return DPAR_ERR_INTERNAL;
+    for (int step = 0; step < 3; ++step) {
+      const bool idle = r == 2 && step == 1;
+      std::vector<size_t> order = {4, 3, 2, 1, 0};
+      if (r % 2) std::swap(order[0], order[2]);  // another arrival order, the same launch order
+      for (size_t k : order) {
+        if (idle || (r == 3 && k == 1)) {
+          std::fill(g.buffers[k].begin(), g.buffers[k].end(), NAN);  // ignored
+          continue;
+        }
+        for (size_t i = 0; i < sizes[k]; ++i) g.buffers[k][i] = float(r + 1) * 4.0f + float(k) + float(step);
+        if (dpar_status s = dpar_reducer_grad_ready(red, k)) return s;
+      }
+      if (dpar_status s = dpar_reducer_wait(red)) return s;
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        float sum = 0;
+        for (int p = 0; p < n; ++p)
+          if (!(p == 2 && step == 1) && !(p == 3 && k == 1)) sum += float(p + 1) * 4.0f + float(k) + float(step);
+        for (float v : g.buffers[k])
+          if (v != sum / n) return DPAR_ERR_MISMATCH;
+      }
+    }
+    dpar_reducer_free(red);
+    return DPAR_OK;
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(status[r], DPAR_OK) << "participant " << r;
+}
+
+TEST(ReducerApi, RefusesBadArgumentsAndKeepsTheStep) {
+  auto status = run_group(1, 30, [&](int, dpar_comm* c) -> dpar_status {
+    Grads g({10, 20});
+    dpar_reducer* red = nullptr;
+    const size_t zero[2] = {10, 0};
+    float* same[2] = {g.pointers[0], g.pointers[0] + 5};  // overlapping
+    float* null_one[2] = {g.pointers[0], nullptr};
+    dpar_reducer_options bad_op = DPAR_REDUCER_OPTIONS_INIT;
+    bad_op.op = DPAR_MAX;
+    dpar_reducer_options bad_version = DPAR_REDUCER_OPTIONS_INIT;
+    bad_version.version = 99;
+    // Each refusal is checked as it happens: the status, the field its message names, and *out left NULL.
+    auto refused = [&](dpar_status got, const char* needle) {
+      return got == DPAR_ERR_INVALID_ARGUMENT && std::string(dpar_last_error()).find(needle) != std::string::npos;
+    };
+    const bool all_refused =
+        refused(dpar_reducer_create(nullptr, c, g.pointers.data(), g.counts.data(), 2, nullptr), "out") &&
+        refused(dpar_reducer_create(&red, nullptr, g.pointers.data(), g.counts.data(), 2, nullptr), "comm") &&
+        refused(dpar_reducer_create(&red, c, nullptr, g.counts.data(), 2, nullptr), "grads") &&
+        refused(dpar_reducer_create(&red, c, g.pointers.data(), nullptr, 2, nullptr), "counts") &&
+        refused(dpar_reducer_create(&red, c, g.pointers.data(), g.counts.data(), 0, nullptr), "num_grads") &&
+        refused(dpar_reducer_create(&red, c, g.pointers.data(), zero, 2, nullptr), "counts[1]") &&
+        refused(dpar_reducer_create(&red, c, same, g.counts.data(), 2, nullptr), "overlap") &&
+        refused(dpar_reducer_create(&red, c, null_one, g.counts.data(), 2, nullptr), "grads[1]") &&
+        refused(dpar_reducer_create(&red, c, g.pointers.data(), g.counts.data(), 2, &bad_op), "opts.op") &&
+        refused(dpar_reducer_create(&red, c, g.pointers.data(), g.counts.data(), 2, &bad_version), "version");
+    if (!all_refused) return DPAR_ERR_INTERNAL;
+    if (red != nullptr) return DPAR_ERR_INTERNAL;
+    if (dpar_reducer_create(&red, c, g.pointers.data(), g.counts.data(), 2, nullptr)) return DPAR_ERR_INTERNAL;
+    std::fill(g.buffers[0].begin(), g.buffers[0].end(), 3.0f);
+    std::fill(g.buffers[1].begin(), g.buffers[1].end(), 5.0f);
+    if (dpar_reducer_grad_ready(red, 1)) return DPAR_ERR_INTERNAL;
+    if (dpar_reducer_grad_ready(red, 1) != DPAR_ERR_INVALID_STATE) return DPAR_ERR_INTERNAL;
+    if (dpar_reducer_grad_ready(red, 2) != DPAR_ERR_INVALID_ARGUMENT) return DPAR_ERR_INTERNAL;
+    if (dpar_reducer_grad_ready(nullptr, 0) != DPAR_ERR_INVALID_ARGUMENT) return DPAR_ERR_INTERNAL;
+    if (dpar_reducer_wait(nullptr) != DPAR_ERR_INVALID_ARGUMENT) return DPAR_ERR_INTERNAL;
+    // The step went on: gradient 1 counts, gradient 0 (never marked) is zero.
+    if (dpar_reducer_wait(red)) return DPAR_ERR_INTERNAL;
+    for (float v : g.buffers[0])
+      if (v != 0.0f) return DPAR_ERR_MISMATCH;
+    for (float v : g.buffers[1])
+      if (v != 5.0f) return DPAR_ERR_MISMATCH;
+    dpar_reducer_free(red);
+    if (dpar_reducer_wait(red) != DPAR_ERR_INVALID_ARGUMENT) return DPAR_ERR_INTERNAL;  // freed
+    dpar_reducer_free(nullptr);
+    return DPAR_OK;
+  });
+  EXPECT_EQ(status[0], DPAR_OK) << dpar_last_error();
+}
+
+TEST(ReducerApi, OutlivesItsCommunicatorHandle) {
+  dpar_comm_group* group = nullptr;
+  ASSERT_OK(dpar_comm_group_create(&group, 1, nullptr));
+  dpar_comm* c = nullptr;
+  ASSERT_OK(dpar_comm_group_member(&c, group, 0));
+  dpar_comm_group_free(group);
+  std::vector<float> g(100, 2.0f);
+  float* p = g.data();
+  const size_t n = g.size();
+  dpar_reducer_options o = DPAR_REDUCER_OPTIONS_INIT;
+  o.op = DPAR_SUM;
+  dpar_reducer* red = nullptr;
+  ASSERT_OK(dpar_reducer_create(&red, c, &p, &n, 1, &o));
+  dpar_comm_free(c);  // the reducer keeps the communicator
+  ASSERT_OK(dpar_reducer_grad_ready(red, 0));
+  ASSERT_OK(dpar_reducer_wait(red));
+  EXPECT_EQ(g, std::vector<float>(100, 2.0f));
+  dpar_reducer_free(red);
+}
+
+TEST(ReducerApi, AParticipantThatNeverWaitsIsNamed) {
+  // Participant 1 marks its gradients but never calls wait (it hangs elsewhere): the others' wait times out naming
+  // it instead of hanging.
+  auto status = run_group(3, 0.5, [&](int r, dpar_comm* c) -> dpar_status {
+    Grads g({1000, 1000});
+    dpar_reducer_options o = small_buckets();
+    dpar_reducer* red = nullptr;
+    if (dpar_status s = dpar_reducer_create(&red, c, g.pointers.data(), g.counts.data(), 2, &o)) return s;
+    dpar_status result = DPAR_OK;
+    if (r != 1) {
+      dpar_reducer_grad_ready(red, 1);
+      dpar_reducer_grad_ready(red, 0);
+      result = dpar_reducer_wait(red);
+      // The first to give up reports TIMEOUT; one that finds the group given up on reports REMOTE. Both name
+      // the participant that never came.
+      if (std::string(dpar_last_error()).find("participant 1") == std::string::npos) result = DPAR_ERR_INTERNAL;
+    }
+    dpar_reducer_free(red);
+    return result;
+  });
+  for (int r : {0, 2}) EXPECT_TRUE(status[r] == DPAR_ERR_TIMEOUT || status[r] == DPAR_ERR_REMOTE) << status[r];
+  EXPECT_TRUE(status[0] == DPAR_ERR_TIMEOUT || status[2] == DPAR_ERR_TIMEOUT);
+}

@@ -189,6 +189,44 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(info.param.batch);
     });
 
+// Buckets change when gradients move, not what they sum to: every element is still reduced in rank order, so
+// any bucket layout gives the very same bits as one all-reduce after backward, on every device count.
+TEST(Buckets, AnyBucketLayoutTrainsBitIdenticallyToOneAllReduce) {
+  const Model model = make_mlp(11, 12, 40, 5);
+  std::vector<Batch> data;
+  for (int i = 0; i < 3; ++i) data.push_back(make_batch(30, 12, 5, 300 + i));
+  for (size_t devices : {1, 2, 3, 8}) {
+    auto train = [&](size_t first, size_t cap, size_t expected_buckets) {
+      EngineConfig config = cpu_devices(devices);
+      config.buckets.first_bucket_bytes = first;
+      config.buckets.bucket_cap_bytes = cap;
+      Engine engine(model, adam(), config);
+      EXPECT_EQ(engine.num_buckets(), expected_buckets);
+      for (int s = 0; s < 12; ++s) engine.train_step(data[s % 3].x, data[s % 3].y);
+      for (size_t r = 1; r < engine.num_replicas(); ++r) EXPECT_EQ(engine.params(r), engine.params(0));
+      return engine.params(0);
+    };
+    const auto one = train(SIZE_MAX, SIZE_MAX, 1);
+    EXPECT_EQ(train(1, 1, 6), one) << devices << " devices, a bucket per parameter";
+    EXPECT_EQ(train((5 + 40 * 5) * 4, SIZE_MAX, 2), one) << devices << " devices, the last layer, then the rest";
+    EXPECT_EQ(train(1 << 20, 25 << 20, 1), one) << devices << " devices, the defaults";
+  }
+}
+
+// A replica given no rows (10 over 8 leaves three idle) produces no gradient for any bucket: it is left out of
+// every bucket's sum, with as many buckets as parameters.
+TEST(Buckets, IdleReplicasContributeNothingToAnyBucket) {
+  const Model model = make_mlp(5);
+  std::vector<Batch> data;
+  for (int i = 0; i < 4; ++i) data.push_back(make_batch(10, 12, 5, 500 + i));
+  const auto expected = reference_training(model, sgd_momentum(), data, 20);
+  EngineConfig config = cpu_devices(8);
+  config.buckets.first_bucket_bytes = config.buckets.bucket_cap_bytes = 1;
+  Engine engine(model, sgd_momentum(), config);
+  for (int s = 0; s < 20; ++s) engine.train_step(data[s % 4].x, data[s % 4].y);
+  EXPECT_LT(max_relative_error(engine.params(0), expected), 1e-5);
+}
+
 TEST(Engine, MseLossMatchesReference) {
   // An MSE regression over 3 devices with an uneven split equals full-batch training with PyTorch's mean MSE.
   Model model(3);

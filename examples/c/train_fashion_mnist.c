@@ -2,6 +2,11 @@
  *
  *   train_fashion_mnist [--devices N] [--epochs E] [--batch-size B] [--lr LR] [--optimizer adam|sgd]
  *                       [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]
+ *   mpirun -np P train_fashion_mnist ...
+ *
+ * Under mpirun the engine spans the P processes (each with its own devices: by default one per core it is bound
+ * to): every process loads the data, takes its shard of each global batch (dpar_loader_shard), and rank 0 alone
+ * prints, evaluates and writes the checkpoint. --batch-size is the global batch.
  *
  * The learning rate follows a cosine schedule from --lr down to zero over the run (dpar_engine_set_lr before each
  * step), as torch.optim.lr_scheduler.CosineAnnealingLR does per step.
@@ -147,15 +152,23 @@ int main(int argc, char **argv) {
   dpar_engine *engine = NULL;
   CHECK(dpar_engine_create(&engine, model, &oopts, &eopts));
   dpar_model_free(model); /* the engine holds its own replicas */
+  int rank = 0, nproc = 1;
+  CHECK(dpar_engine_processes(&rank, &nproc, engine));
+  const int root = rank == 0;
 
-  printf("dpar %s: MLP %zu-256-128-%zu, %s lr %g, batch %zu over %zu CPU devices, %zu train / %zu test samples\n",
-         dpar_version_string(), features, classes, optimizer, (double)lr, batch, devices, n_train, n_test);
+  if (root)
+    printf("dpar %s: MLP %zu-256-128-%zu, %s lr %g, batch %zu over %d process%s x %zu CPU devices, %zu train / "
+           "%zu test samples\n",
+           dpar_version_string(), features, classes, optimizer, (double)lr, batch, nproc, nproc > 1 ? "es" : "",
+           devices, n_train, n_test);
 
+  /* Every process draws the same permutation (same seed) and takes its own slice of each batch. */
   dpar_loader *loader = NULL;
   CHECK(dpar_loader_create(&loader, train, batch, 1, seed, 0));
+  if (nproc > 1) CHECK(dpar_loader_shard(loader, (size_t)rank, (size_t)nproc));
   size_t batches = 0;
   CHECK(dpar_loader_num_batches(&batches, loader));
-  const int tty = isatty(STDERR_FILENO);
+  const int tty = root && isatty(STDERR_FILENO);
   double accuracy = 0.0;
   for (size_t epoch = 0; epoch < epochs; ++epoch) {
     CHECK(dpar_loader_start_epoch(loader, epoch));
@@ -167,29 +180,29 @@ int main(int argc, char **argv) {
       if (!x) break;
       const double progress_done = (double)(epoch * batches + b) / (double)(epochs * batches);
       CHECK(dpar_engine_set_lr(engine, (float)(0.5 * lr * (1.0 + cos(3.14159265358979 * progress_done)))));
-      float loss = 0.0f;
+      float loss = 0.0f; /* the mean over the global batch */
       CHECK(dpar_engine_train_step(&loss, engine, x, y));
-      int64_t rows = 0;
-      CHECK(dpar_tensor_info(NULL, &rows, NULL, y));
+      const size_t rows = b + 1 == batches && n_train % batch ? n_train % batch : batch; /* global rows */
       loss_sum += (double)loss * (double)rows;
-      samples += (size_t)rows;
+      samples += rows;
       ++b;
       if (tty && (b % 20 == 0 || b == batches)) progress(b, batches, loss);
     }
     double seconds = now_seconds() - t0;
+    if (!root) continue; /* forward() is local: rank 0 evaluates alone, the parameters being the same */
     accuracy = evaluate(engine, test, 1000);
     printf("epoch %2zu  train loss %.4f  test accuracy %.2f%%  %.0f samples/s\n", epoch + 1,
            loss_sum / (double)samples, 100.0 * accuracy, (double)samples / seconds);
     fflush(stdout);
   }
-  CHECK(dpar_engine_save(engine, checkpoint));
-  printf("saved %s\n", checkpoint);
+  CHECK(dpar_engine_save(engine, checkpoint)); /* every process calls it; rank 0 writes */
+  if (root) printf("saved %s\n", checkpoint);
 
   dpar_loader_free(loader);
   dpar_engine_free(engine);
   dpar_dataset_free(train);
   dpar_dataset_free(test);
-  if (min_accuracy > 0.0 && 100.0 * accuracy < min_accuracy) {
+  if (root && min_accuracy > 0.0 && 100.0 * accuracy < min_accuracy) {
     fprintf(stderr, "test accuracy %.2f%% is below the required %.2f%%\n", 100.0 * accuracy, min_accuracy);
     return 1;
   }

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <shared_mutex>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "engine/engine.h"
 #include "io/dataset.h"
 #include "nn/model.h"
+#include "reducer/reducer.h"
 #include "tensor/tensor.h"
 
 struct dpar_tensor {
@@ -46,7 +48,14 @@ struct dpar_comm_group {
 };
 struct dpar_comm {
   std::shared_ptr<dpar::ThreadGroup> group;  // null for MPI
-  std::unique_ptr<dpar::Communicator> comm;
+  std::shared_ptr<dpar::Communicator> comm;  // shared with reducers, so either may be freed first
+};
+struct dpar_reducer {
+  std::shared_ptr<dpar::ThreadGroup> group;  // what the communicator needs alive (null for MPI)
+  std::shared_ptr<dpar::Communicator> comm;
+  std::mutex mutex;                          // the reducer's calls may come from several threads
+  bool in_step = false;                      // a grad_ready since the last wait
+  std::unique_ptr<dpar::Reducer> reducer;    // last: destroyed first, while the communicator lives
 };
 struct dpar_work {
   std::shared_ptr<dpar::Work> work;
@@ -54,7 +63,7 @@ struct dpar_work {
 
 namespace dpar::capi {
 
-enum class HandleKind : uint8_t { kTensor, kModel, kEngine, kDataset, kLoader, kCommGroup, kComm, kWork };
+enum class HandleKind : uint8_t { kTensor, kModel, kEngine, kDataset, kLoader, kCommGroup, kComm, kWork, kReducer };
 
 // Live handles, so that a NULL, freed or foreign pointer is refused with a message instead of crashing.
 void register_handle(const void* handle, HandleKind kind);
@@ -81,6 +90,7 @@ template <> inline HandleKind kind_of<dpar_loader>() { return HandleKind::kLoade
 template <> inline HandleKind kind_of<dpar_comm_group>() { return HandleKind::kCommGroup; }
 template <> inline HandleKind kind_of<dpar_comm>() { return HandleKind::kComm; }
 template <> inline HandleKind kind_of<dpar_work>() { return HandleKind::kWork; }
+template <> inline HandleKind kind_of<dpar_reducer>() { return HandleKind::kReducer; }
 
 template <class H>
 H& checked(H* handle, const char* argument) {
@@ -108,6 +118,14 @@ void free_handle(H* handle) {
   if (!handle || !is_live(handle, kind_of<H>())) return;
   unregister_handle(handle);
   delete handle;
+}
+
+// Bucket sizes from an options struct: 0 keeps the default.
+inline BucketOptions bucket_options(size_t first_bucket_bytes, size_t bucket_cap_bytes) {
+  BucketOptions b;
+  if (first_bucket_bytes) b.first_bucket_bytes = first_bucket_bytes;
+  if (bucket_cap_bytes) b.bucket_cap_bytes = bucket_cap_bytes;
+  return b;
 }
 
 // Reads a versioned options struct: NULL gives the defaults; fields the caller's version predates keep them.

@@ -63,6 +63,10 @@ DPAR_API dpar_status dpar_loader_num_batches(size_t* out, const dpar_loader* loa
   return guard([&] { *checked_out(out) = checked(loader, "loader").loader.num_batches(); });
 }
 
+DPAR_API dpar_status dpar_loader_shard(dpar_loader* loader, size_t shard, size_t num_shards) {
+  return guard([&] { checked(loader, "loader").loader.set_shard(shard, num_shards); });
+}
+
 DPAR_API dpar_status dpar_loader_next(const dpar_tensor** out_inputs, const dpar_tensor** out_labels,
                                       dpar_loader* loader) {
   return guard([&] {

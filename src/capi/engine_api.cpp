@@ -1,8 +1,12 @@
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <set>
 
 #include "capi/api.h"
+#ifdef DPAR_HAVE_MPI
+#include "comm/mpi_comm.h"
+#endif
 
 using namespace dpar;
 using namespace dpar::capi;
@@ -46,7 +50,50 @@ EngineConfig engine_config(const dpar_engine_options& o) {
   c.timeout_seconds = o.timeout_seconds;
   c.blas_threads = o.blas_threads;
   c.pin_workers = o.pin_workers != 0;
+  c.buckets = bucket_options(o.first_bucket_bytes, o.bucket_cap_bytes);
   return c;
+}
+
+// The size of the MPI job this process belongs to, as its launcher tells it (1 if none did).
+long launched_job_size() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+    if (const char* v = std::getenv(name)) {
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      if (end != v && n > 0) return n;
+    }
+  }
+  return 1;
+}
+
+// The engine's connection to the other processes, or null for a single process.
+std::shared_ptr<Communicator> processes_comm(const dpar_engine_options& o) {
+  DPAR_CHECK_ARG(o.processes == DPAR_PROCESSES_AUTO || o.processes == DPAR_PROCESSES_SINGLE ||
+                     o.processes == DPAR_PROCESSES_MPI,
+                 "opts.processes: unknown value ", o.processes);
+  if (o.processes == DPAR_PROCESSES_SINGLE) return nullptr;
+  const long job = launched_job_size();
+#ifdef DPAR_HAVE_MPI
+  bool mpi = o.processes == DPAR_PROCESSES_MPI || job > 1;
+  if (!mpi) {
+    // A program that initialised MPI itself without a launcher variable dpar knows.
+    int initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    if (initialized && !finalized) mpi = MpiRuntime::instance().world_size() > 1;
+  }
+  if (!mpi) return nullptr;
+  MpiOptions mo;
+  mo.timeout_seconds = o.timeout_seconds;
+  return std::make_shared<MpiCommunicator>(MPI_COMM_WORLD, mo);
+#else
+  DPAR_ENFORCE(o.processes != DPAR_PROCESSES_MPI, DPAR_ERR_NOT_SUPPORTED,
+               "opts.processes: this dpar was built without MPI");
+  DPAR_ENFORCE(job <= 1, DPAR_ERR_NOT_SUPPORTED, "opts.processes: this process is one of ", job,
+               " started by an MPI launcher, but this dpar was built without MPI (set DPAR_PROCESSES_SINGLE to "
+               "train each process alone)");
+  return nullptr;
+#endif
 }
 
 // A strong reference to a live engine, refused from inside the engine's own callbacks: the calling thread holds
@@ -108,6 +155,7 @@ DPAR_API dpar_status dpar_engine_create(dpar_engine** out, const dpar_model* mod
                                  DPAR_OPTIMIZER_OPTIONS_VERSION, "optimizer");
     EngineConfig config = engine_config(o);
     OptimizerConfig opt = OptimizerConfig::from_options(oo);
+    config.processes = processes_comm(o);
     auto engine = std::make_unique<Engine>(m, opt, std::move(config));
     auto* h = new_handle<dpar_engine>();
     h->engine = std::move(engine);
@@ -127,6 +175,17 @@ DPAR_API dpar_status dpar_engine_abort(dpar_engine* engine) {
 
 DPAR_API dpar_status dpar_engine_num_replicas(size_t* out, const dpar_engine* engine) {
   return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.num_replicas(); });
+}
+
+DPAR_API dpar_status dpar_engine_processes(int* out_rank, int* out_size, const dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) {
+    if (out_rank) *out_rank = e.process_rank();
+    if (out_size) *out_size = e.num_processes();
+  });
+}
+
+DPAR_API dpar_status dpar_engine_num_buckets(size_t* out, const dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.num_buckets(); });
 }
 
 DPAR_API dpar_status dpar_engine_replica_device(dpar_device* out, const dpar_engine* engine, size_t replica) {

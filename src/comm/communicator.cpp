@@ -105,6 +105,10 @@ std::shared_ptr<Work> Communicator::async_all_reduce(const void* send, void* rec
   return submit_async("all_reduce", [=, this] { all_reduce(send, recv, count, dtype, op); });
 }
 
+std::shared_ptr<Work> Communicator::async_run(const char* operation, std::function<void()> op) {
+  return submit_async(operation, std::move(op));
+}
+
 std::shared_ptr<Work> Communicator::async_broadcast(void* buffer, size_t count, CommDType dtype, int root) {
   return submit_async("broadcast", [=, this] { broadcast(buffer, count, dtype, root); });
 }

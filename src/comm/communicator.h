@@ -85,6 +85,11 @@ class Communicator {
   std::shared_ptr<Work> async_reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype,
                                              ReduceOp op);
 
+  // Runs `op` on the communication thread, in order with the async_* operations: a composite step (several
+  // collectives, on this communicator and possibly others) that must not block the caller, such as a gradient
+  // bucket's reduction. `op` calls blocking collectives; a failure is handled as the async_* ones' are.
+  std::shared_ptr<Work> async_run(const char* operation, std::function<void()> op);
+
   // Called by a participant that failed: every participant waiting now or later in this group throws
   // Error(REMOTE) with `reason` instead of waiting for it.
   virtual void abort(const std::string& reason) = 0;

@@ -1,5 +1,7 @@
 #include "device/device.h"
 
+#include <sched.h>
+
 #include <cstdlib>
 #include <thread>
 
@@ -25,6 +27,11 @@ size_t default_cpu_device_count() {
     long n = std::strtol(env, &end, 10);
     if (end != env && *end == '\0' && n > 0 && n <= 4096) return static_cast<size_t>(n);
   }
+  // The cores this process may run on: under mpirun --bind-to core (OpenMPI's default for up to two ranks), or
+  // taskset, that is fewer than the machine's, and one worker per allowed core is what fits.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return static_cast<size_t>(CPU_COUNT(&set));
   unsigned cores = std::thread::hardware_concurrency();
   return cores > 0 ? cores : 1;
 }

@@ -1,6 +1,8 @@
 // Engine checkpoints in the safetensors layout: parameters under their state_dict names ("0.weight"), optimizer
 // state as "optimizer.<state>.<name>", and the rest (step count, optimizer, RNG streams) as metadata. Every
-// replica holds the same parameters and optimizer state, so replica 0's are saved and loaded into all.
+// replica holds the same parameters and optimizer state, so replica 0's are saved and loaded into all. With several
+// processes every process holds them too: rank 0 alone writes, and rank 0 alone reads and broadcasts the file's
+// bytes, which every process then checks and loads alike; every process returns rank 0's outcome.
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -23,9 +25,55 @@ uint64_t parse_u64(const std::map<std::string, std::string>& meta, const std::st
 }
 }  // namespace
 
+void Engine::share_outcome(const char* operation, std::exception_ptr error) const {
+  if (!processes_) {
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+  // A status and a message, as words of one broadcast.
+  constexpr size_t kMessageWords = 128;
+  std::vector<int32_t> words(1 + kMessageWords, 0);
+  const bool root = processes_->rank() == 0;
+  if (root && error) {
+    std::string what;
+    try {
+      std::rethrow_exception(error);
+    } catch (const Error& e) {
+      words[0] = e.status();
+      what = e.what();
+    } catch (const std::bad_alloc&) {
+      words[0] = DPAR_ERR_OUT_OF_MEMORY;
+      what = "out of memory";
+    } catch (const std::exception& e) {
+      words[0] = DPAR_ERR_INTERNAL;
+      what = e.what();
+    }
+    std::memcpy(words.data() + 1, what.data(), std::min(what.size(), kMessageWords * sizeof(int32_t) - 1));
+  }
+  processes_->broadcast(words.data(), words.size(), CommDType::kI32, 0);
+  if (root) {
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+  if (words[0] != DPAR_OK)
+    fail(static_cast<dpar_status>(words[0]), operation, ": on rank 0: ", reinterpret_cast<const char*>(words.data() + 1));
+}
+
 void Engine::save(const std::string& path) const {
   check_usable("save");
   DPAR_CHECK_ARG(!path.empty(), "path: empty");
+  std::exception_ptr error;
+  if (process_rank() == 0) {
+    try {
+      write_checkpoint(path);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  share_outcome("save", error);
+}
+
+void Engine::write_checkpoint(const std::string& path) const {
   const Replica& rep = *replicas_[0];
   const float* params = rep.model->params();
   std::vector<io::TensorView> views;
@@ -62,7 +110,25 @@ void Engine::load(const std::string& path) {
   check_usable("load");
   DPAR_CHECK_ARG(!path.empty(), "path: empty");
   // Read and check everything before touching a replica: a refused file changes nothing.
-  const io::SafetensorsFile file = io::SafetensorsFile::read(path);
+  std::vector<uint8_t> bytes;
+  std::exception_ptr error;
+  if (process_rank() == 0) {
+    try {
+      bytes = io::SafetensorsFile::read_bytes(path);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  share_outcome("load", error);
+  if (processes_) {
+    int64_t size = static_cast<int64_t>(bytes.size());
+    processes_->broadcast(&size, 1, CommDType::kI64, 0);
+    // Moved as 8-byte words: the buffer is padded to a whole word and trimmed after.
+    bytes.resize((static_cast<size_t>(size) + 7) / 8 * 8);
+    processes_->broadcast(bytes.data(), bytes.size() / 8, CommDType::kI64, 0);
+    bytes.resize(static_cast<size_t>(size));
+  }
+  const io::SafetensorsFile file = io::SafetensorsFile::parse(path, std::move(bytes));
   const auto& meta = file.metadata();
   auto fmt = meta.find("format");
   DPAR_ENFORCE(fmt != meta.end() && fmt->second == kFormat, DPAR_ERR_MISMATCH, path,

@@ -37,12 +37,22 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   k::set_blas_threads(config_.blas_threads);
 
   const size_t n = config_.devices.size();
+  processes_ = config_.processes;
+  // Replicas are numbered across the processes (rank 0's first), so that each has its own RNG stream and P
+  // processes of n devices draw what one process of P*n devices would.
+  int64_t first_replica = 0;
+  if (processes_) {
+    std::vector<int64_t> counts(static_cast<size_t>(processes_->size()));
+    const int64_t local = static_cast<int64_t>(n);
+    processes_->all_gather(&local, counts.data(), 1, CommDType::kI64);
+    for (int p = 0; p < processes_->rank(); ++p) first_replica += counts[static_cast<size_t>(p)];
+  }
   std::vector<std::string> names;
   for (size_t r = 0; r < n; ++r) {
     auto rep = std::make_unique<Replica>();
     rep->ctx.replica = r;
     rep->ctx.device = config_.devices[r];
-    rep->ctx.rng_seed = derive_seed(config_.seed, r);
+    rep->ctx.rng_seed = derive_seed(config_.seed, static_cast<uint64_t>(first_replica) + r);
     rep->ctx.rng_offset = &rep->rng_offset;
     rep->ctx.armed_fault = &rep->fault;
     names.push_back("replica " + std::to_string(r) + " (" + config_.devices[r].str() + ")");
@@ -52,12 +62,30 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   for (size_t r = 0; r < n; ++r) replicas_[r]->comm = group_->communicator(static_cast<int>(r));
   pool_ = std::make_unique<WorkerPool>(n, config_.pin_workers ? pin_to_cpu : nullptr);
 
+  layer_params_.resize(model_.num_layers());
+  for (size_t i = 0; i < model_.params().size(); ++i) layer_params_[model_.params()[i].layer].push_back(i);
+
   // Each replica is built on its own worker: its memory is first touched (and, for a GPU, allocated) there.
   // This is the only time the model is copied to the devices.
   run("create", [&](Replica& rep, size_t) {
     rep.model = std::make_unique<ReplicaModel>(model_, rep.ctx);
     rep.optimizer = std::make_unique<Optimizer>(optimizer, rep.model->num_params());
+    std::vector<Reducer::Grad> grads;
+    for (const ParamInfo& p : model_.params())
+      grads.push_back({rep.model->grads() + p.offset, static_cast<size_t>(p.shape.numel())});
+    Communicator* comm = rep.comm.get();
+    rep.reducer = std::make_unique<Reducer>(
+        std::move(grads), config_.buckets,
+        [this, &rep](float* data, size_t count, bool contributes) { reduce_bucket(rep, data, count, contributes); },
+        [comm](std::function<void()> op) { return comm->async_run("gradient bucket", std::move(op)); });
   });
+  if (processes_) {
+    // Every process starts from rank 0's parameters, whatever each one's model was initialised with (as DDP).
+    const auto count = static_cast<size_t>(model_.num_param_elements());
+    processes_->broadcast(replicas_[0]->model->params(), count, CommDType::kF32, 0);
+    for (size_t r = 1; r < n; ++r)
+      std::memcpy(replicas_[r]->model->params(), replicas_[0]->model->params(), count * sizeof(float));
+  }
 }
 
 Engine::~Engine() = default;
@@ -79,13 +107,17 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     Replica& rep = *replicas_[r];
     // Whatever fails releases the others from any collective they wait in (the group keeps the first reason,
     // so a replica that only saw another one fail does not overwrite the cause).
+    // Its buckets in flight are then waited for: they fail fast in the aborted group, and their buffers must not
+    // be in use once the job returns.
     try {
       job(rep, r);
     } catch (const std::exception& e) {
       rep.comm->abort(rep.ctx.device.str() + " failed: " + e.what());
+      if (rep.reducer) rep.reducer->drain();
       throw;
     } catch (...) {
       rep.comm->abort(rep.ctx.device.str() + " failed: unknown exception");
+      if (rep.reducer) rep.reducer->drain();
       throw;
     }
   });
@@ -118,6 +150,7 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
 
   if (aborted_.load()) {
     // The group stays aborted, so that a worker still on its way to a collective stops there too.
+    if (processes_) processes_->abort(std::string(operation) + ": the engine was aborted on another process");
     fail(status, operation, ": ", message);
   }
   group_->reset();
@@ -132,6 +165,14 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
   forward_split_.clear();
   std::string prefix = std::string(operation) + ": replica " + std::to_string(first) + " (" +
                        replicas_[first]->ctx.device.str() + ") failed: ";
+  if (processes_) {
+    // The other processes cannot all be told to discard the step at the same point: tell them the engine failed
+    // (they stop waiting for this process) and give up on it everywhere.
+    processes_->abort(prefix + message);
+    broken_ = true;
+    broken_reason_ = prefix + message;
+    fail(status, prefix, message, "; the processes may differ now, so the engine must be recreated on every process");
+  }
   if (any_stepped) {
     // Some replicas applied the optimizer and others did not: they differ now.
     broken_ = true;
@@ -173,7 +214,8 @@ Shape Engine::check_batch(const Tensor& input, const Tensor* target, const char*
   return out;
 }
 
-void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin) {
+void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin,
+                                 bool reduce) {
   const ReplicaContext& ctx = rep.ctx;
   Tensor x = input.rows(begin, rep.rows);
   Tensor out = rep.model->forward(ctx, x);
@@ -188,7 +230,13 @@ void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor
     rep.loss_sum = k::mse_forward_backward(dout.f32(), out.f32(), t.f32(), rep.rows, out.shape().row_numel(), 1.0f);
   }
   rep.loss_rows = rep.rows;
-  rep.model->backward(ctx, dout, rep.has_grad);
+  if (reduce) {
+    rep.model->backward(ctx, dout, rep.has_grad, [&](size_t layer) {
+      for (size_t p : layer_params_[layer]) rep.reducer->mark_ready(p);
+    });
+  } else {
+    rep.model->backward(ctx, dout, rep.has_grad);
+  }
   rep.has_grad = true;
 }
 
@@ -200,8 +248,23 @@ std::pair<int64_t, int64_t> Engine::optimizer_shard(size_t replica) const {
   return {begin, std::min(n, begin + per)};
 }
 
-void Engine::sync_and_step(Replica& rep, float scale) {
-  rep.comm->all_reduce_sum(rep.model->grads(), static_cast<size_t>(rep.model->num_params()), rep.has_grad, scale);
+void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contributes) {
+  rep.comm->all_reduce_sum(data, count, contributes, rep.grad_scale);
+  if (!processes_) return;
+  if (rep.ctx.replica == 0) {
+    try {
+      processes_->all_reduce(data, data, count, CommDType::kF32, ReduceOp::kSum);
+    } catch (const std::exception& e) {
+      // The other replicas wait for this one in the broadcast below.
+      rep.comm->abort(std::string("the reduction across processes failed: ") + e.what());
+      throw;
+    }
+  }
+  rep.comm->broadcast(data, count, CommDType::kF32, 0);
+}
+
+void Engine::finish_and_step(Replica& rep) {
+  rep.reducer->finish();
   rep.stepped = true;
   // Every replica now holds the same summed gradient, so the optimizer's result is the same on all of them. Each
   // worker computes it for its own shard only and writes that shard into every replica: the replicas end
@@ -217,10 +280,10 @@ void Engine::sync_and_step(Replica& rep, float scale) {
   rep.has_grad = false;
 }
 
-double Engine::finish_loss(int64_t batch) {
+double Engine::finish_loss(const char* operation, int64_t global_batch) {
   double total = 0.0;
   for (auto& rep : replicas_) total += rep->loss_rows > 0 ? rep->loss_sum : 0.0;
-  return total / static_cast<double>(batch);
+  return sum_over_processes(total, operation) / static_cast<double>(global_batch);
 }
 
 double Engine::accumulate(const Tensor& input, const Tensor& target) {
@@ -229,18 +292,19 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
   DPAR_ENFORCE(pending_ != Pending::kExplicit, DPAR_ERR_INVALID_STATE,
                "accumulate: gradients from backward() are pending; call step() or zero_grad() first");
   const int64_t batch = input.rows();
+  const int64_t global_batch = sum_over_processes(batch, "accumulate");
   const auto split = split_batch(batch, replicas_.size());
   run("accumulate", [&](Replica& rep, size_t r) {
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
     rep.loss_rows = 0;
-    if (rep.rows > 0) local_loss_backward(rep, input, target, begin);
+    if (rep.rows > 0) local_loss_backward(rep, input, target, begin, false);
   });
   pending_ = Pending::kLoss;
-  pending_samples_ += batch;
+  pending_samples_ += global_batch;
   forward_split_.clear();  // the replicas' forward state now belongs to this micro-batch
-  return finish_loss(batch);
+  return finish_loss("accumulate", global_batch);
 }
 
 double Engine::train_step(const Tensor& input, const Tensor& target) {
@@ -250,19 +314,23 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
                "train_step: gradients from ", pending_ == Pending::kLoss ? "accumulate()" : "backward()",
                " are pending; call step() or zero_grad() first");
   const int64_t batch = input.rows();
+  const int64_t global_batch = sum_over_processes(batch, "train_step");
   const auto split = split_batch(batch, replicas_.size());
-  const float scale = static_cast<float>(1.0 / static_cast<double>(batch));
-  // One hand-off to the workers for the whole step: forward, loss, backward, all-reduce, optimizer.
+  const float scale = static_cast<float>(1.0 / static_cast<double>(global_batch));
+  // One hand-off to the workers for the whole step: forward, loss, backward with the buckets' all-reduces
+  // overlapped, optimizer.
   run("train_step", [&](Replica& rep, size_t r) {
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
     rep.loss_rows = 0;
-    if (rep.rows > 0) local_loss_backward(rep, input, target, begin);
-    sync_and_step(rep, scale);
+    rep.grad_scale = scale;
+    rep.reducer->prepare();
+    if (rep.rows > 0) local_loss_backward(rep, input, target, begin, true);
+    finish_and_step(rep);
   });
   forward_split_.clear();
-  return finish_loss(batch);
+  return finish_loss("train_step", global_batch);
 }
 
 void Engine::step() {
@@ -274,7 +342,10 @@ void Engine::step() {
   // Activations kept by a forward() before this step belong to the old parameters: a backward through them after
   // the step would mix the two, so they are dropped.
   run("step", [&](Replica& rep, size_t) {
-    sync_and_step(rep, scale);
+    rep.grad_scale = scale;
+    rep.reducer->prepare();
+    if (rep.has_grad) rep.reducer->mark_all_ready();
+    finish_and_step(rep);
     rep.model->clear_forward_state();
   });
   pending_ = Pending::kNone;
@@ -346,6 +417,32 @@ void Engine::set_training(bool training) { training_ = training; for (auto& rep 
 void Engine::set_lr(float lr) {
   DPAR_CHECK_ARG(std::isfinite(lr) && lr >= 0.0f, "lr: ", lr, " must be finite and >= 0");
   for (auto& rep : replicas_) rep->optimizer->set_lr(lr);
+}
+
+int64_t Engine::sum_over_processes(int64_t value, const char* operation) {
+  if (!processes_) return value;
+  int64_t sum = 0;
+  try {
+    processes_->all_reduce(&value, &sum, 1, CommDType::kI64, ReduceOp::kSum);
+  } catch (const Error& e) {
+    broken_ = true;
+    broken_reason_ = std::string(operation) + ": " + e.what();
+    fail(e.status(), operation, ": across processes: ", e.what());
+  }
+  return sum;
+}
+
+double Engine::sum_over_processes(double value, const char* operation) {
+  if (!processes_) return value;
+  double sum = 0;
+  try {
+    processes_->all_reduce(&value, &sum, 1, CommDType::kF64, ReduceOp::kSum);
+  } catch (const Error& e) {
+    broken_ = true;
+    broken_reason_ = std::string(operation) + ": " + e.what();
+    fail(e.status(), operation, ": across processes: ", e.what());
+  }
+  return sum;
 }
 
 int64_t Engine::step_count() const { return replicas_[0]->optimizer->steps(); }

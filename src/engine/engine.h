@@ -6,9 +6,20 @@
 // whole batch whatever the chunk sizes. Then every replica gets the same optimizer step: each worker computes it
 // for its shard of the parameters and writes the shard into every replica, so the replicas stay bit-identical
 // for 1/n of the optimizer's work per worker.
+//
+// Gradients move in buckets (src/reducer): backward marks each layer's gradients ready as it finishes the layer,
+// and a bucket is all-reduced on the replica's communication thread while backward computes the earlier layers.
+//
+// Several processes (mpirun -np P): each runs this engine over its own devices, and `processes` connects them,
+// one participant per process. A bucket is reduced hierarchically: summed among the process's replicas (threads,
+// shared memory), then replica 0 sums it across the processes (MPI), then the result is shared back to the other
+// replicas. Each process feeds its own part of the global batch; the gradient is that of the mean loss over the
+// global batch, so P processes of n devices train exactly as one process of P*n devices. Only rank 0 writes
+// checkpoints, and a checkpoint that rank 0 reads is broadcast to the others.
 #pragma once
 
 #include <atomic>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -19,6 +30,7 @@
 #include "device/worker_pool.h"
 #include "nn/model.h"
 #include "optim/optimizer.h"
+#include "reducer/reducer.h"
 
 namespace dpar {
 
@@ -34,6 +46,10 @@ struct EngineConfig {
   double timeout_seconds = 300.0;
   int32_t blas_threads = 1;
   bool pin_workers = true;
+  BucketOptions buckets;
+  // One participant per process (rank = this process), or null for a single process. Every process creates its
+  // engine, and then calls the same operations in the same order.
+  std::shared_ptr<Communicator> processes;
 };
 
 class Engine {
@@ -44,10 +60,14 @@ class Engine {
   ~Engine();
 
   size_t num_replicas() const { return replicas_.size(); }
+  // This process's rank and the number of processes (0 and 1 without `processes`).
+  int process_rank() const { return processes_ ? processes_->rank() : 0; }
+  int num_processes() const { return processes_ ? processes_->size() : 1; }
+  size_t num_buckets() const { return replicas_[0]->reducer->num_buckets(); }
   Device replica_device(size_t r) const { return replicas_[r]->ctx.device; }
   const Model& model() const { return model_; }
 
-  // Returns the mean loss over the batch.
+  // Returns the mean loss over the batch (over the global batch: every process's rows, with several processes).
   double train_step(const Tensor& input, const Tensor& target);
   double accumulate(const Tensor& input, const Tensor& target);
   void step();
@@ -78,6 +98,8 @@ class Engine {
     std::unique_ptr<ReplicaModel> model;
     std::unique_ptr<Optimizer> optimizer;
     std::unique_ptr<Communicator> comm;
+    std::unique_ptr<Reducer> reducer;  // over `comm` (and the processes, hierarchically)
+    float grad_scale = 1.0f;           // this step's factor on the summed gradient
     uint64_t rng_offset = 0;
     Fault fault = Fault::kNone;
     bool has_grad = false;  // local gradients hold something since the last step
@@ -95,16 +117,30 @@ class Engine {
   void run(const char* operation, const std::function<void(Replica&, size_t)>& job);
   void check_usable(const char* operation) const;
   // Forward on rows [begin, begin+rows) of input, loss and backward: the worker's half of accumulate.
-  void local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin);
-  void sync_and_step(Replica& rep, float scale);
+  // With `reduce`, each layer's gradients go to the reducer as soon as backward has computed them.
+  void local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin, bool reduce);
+  // One bucket's collectives on replica `rep`: within the process, then across the processes.
+  void reduce_bucket(Replica& rep, float* data, size_t count, bool contributes);
+  // Finishes the reduction of the step's gradients (scaled by rep.grad_scale) and applies the optimizer.
+  void finish_and_step(Replica& rep);
+  // The sum of `value` over the processes (itself with one process).
+  int64_t sum_over_processes(int64_t value, const char* operation);
+  double sum_over_processes(double value, const char* operation);
+  // Rank 0's outcome of an operation it alone performed, told to every process: rethrown on rank 0, reported as
+  // rank 0's failure elsewhere.
+  void share_outcome(const char* operation, std::exception_ptr error) const;
+  void write_checkpoint(const std::string& path) const;
   // Elements [begin, end) of the flat parameters whose optimizer step replica `replica` computes.
   std::pair<int64_t, int64_t> optimizer_shard(size_t replica) const;
-  double finish_loss(int64_t batch);
+  // The mean loss of the last step or micro-batch over the global batch.
+  double finish_loss(const char* operation, int64_t global_batch);
 
   Model model_;
   EngineConfig config_;
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::unique_ptr<ThreadGroup> group_;
+  std::shared_ptr<Communicator> processes_;
+  std::vector<std::vector<size_t>> layer_params_;  // per layer, the indices of its parameters
   std::unique_ptr<WorkerPool> pool_;
   std::mutex mutex_;
   ForwardHook hook_;

@@ -51,8 +51,17 @@ Loader::Loader(std::shared_ptr<const Dataset> owner, size_t batch_size, bool shu
 }
 
 size_t Loader::num_batches() const {
-  const size_t n = dataset_.size();
-  return n / batch_size_ + (!drop_last_ && n % batch_size_ != 0 ? 1 : 0);
+  const size_t n = dataset_.size(), tail = n % batch_size_;
+  return n / batch_size_ + (!drop_last_ && tail != 0 && tail >= num_shards_ ? 1 : 0);
+}
+
+void Loader::set_shard(size_t shard, size_t num_shards) {
+  DPAR_CHECK_ARG(num_shards >= 1 && shard < num_shards, "shard: ", shard, " must be below num_shards (",
+                 num_shards, ")");
+  DPAR_CHECK_ARG(num_shards <= batch_size_, "num_shards: ", num_shards, " exceeds the batch size ", batch_size_,
+                 ": some shards would get no rows");
+  shard_ = shard;
+  num_shards_ = num_shards;
 }
 
 void Loader::start_epoch(uint64_t epoch) {
@@ -69,16 +78,21 @@ void Loader::start_epoch(uint64_t epoch) {
 bool Loader::next(Tensor& inputs, Tensor& labels) {
   const size_t left = dataset_.size() - cursor_;
   if (left == 0 || (drop_last_ && left < batch_size_)) return false;
-  const size_t rows = std::min(batch_size_, left);
+  const size_t global_rows = std::min(batch_size_, left);
+  if (global_rows < num_shards_) return false;
+  // This shard's slice: sizes differ by at most one, the larger ones first.
+  const size_t base = global_rows / num_shards_, extra = global_rows % num_shards_;
+  const size_t first = cursor_ + shard_ * base + std::min(shard_, extra);
+  const size_t rows = base + (shard_ < extra ? 1 : 0);
   const size_t f = dataset_.features();
   float* x = inputs_.f32();
   int32_t* y = labels_.i32();
   for (size_t i = 0; i < rows; ++i) {
-    const uint32_t s = order_[cursor_ + i];
+    const uint32_t s = order_[first + i];
     std::memcpy(x + i * f, dataset_.sample(s), f * sizeof(float));
     y[i] = dataset_.label(s);
   }
-  cursor_ += rows;
+  cursor_ += global_rows;
   inputs = inputs_.rows(0, static_cast<int64_t>(rows));
   labels = labels_.rows(0, static_cast<int64_t>(rows));
   return true;

@@ -39,6 +39,9 @@ class Loader {
   void start_epoch(uint64_t epoch);
   // Fills the next batch; false at the end of the epoch. The tensors stay valid until the next call.
   bool next(Tensor& inputs, Tensor& labels);
+  // From the next batch on, yields only slice `shard` of `num_shards` balanced, contiguous slices of each batch;
+  // a last batch with fewer rows than shards is dropped (every shard gets at least one row).
+  void set_shard(size_t shard, size_t num_shards);
 
  private:
   std::shared_ptr<const Dataset> owner_;
@@ -48,6 +51,7 @@ class Loader {
   uint64_t seed_;
   std::vector<uint32_t> order_;
   size_t cursor_ = 0;
+  size_t shard_ = 0, num_shards_ = 1;
   Tensor inputs_, labels_;  // capacity batch_size rows; next() returns views
 };
 

@@ -366,7 +366,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorView>& t
   sync_directory(path);
 }
 
-SafetensorsFile SafetensorsFile::read(const std::string& path) {
+std::vector<uint8_t> SafetensorsFile::read_bytes(const std::string& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) fail(DPAR_ERR_IO, path, ": cannot open: ", std::strerror(errno));
   struct stat st {};
@@ -375,23 +375,27 @@ SafetensorsFile SafetensorsFile::read(const std::string& path) {
   // The size must be known up front to validate the header against it.
   DPAR_ENFORCE(S_ISREG(st.st_mode), DPAR_ERR_IO, path, ": not a regular file");
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  DPAR_ENFORCE(file_size <= std::numeric_limits<size_t>::max(), DPAR_ERR_CORRUPT, path,
+               ": the file does not fit in memory");
+  std::vector<uint8_t> bytes(static_cast<size_t>(file_size));
+  read_exact(fd.get(), bytes.data(), bytes.size(), path);
+  return bytes;
+}
+
+SafetensorsFile SafetensorsFile::read(const std::string& path) { return parse(path, read_bytes(path)); }
+
+SafetensorsFile SafetensorsFile::parse(const std::string& path, std::vector<uint8_t> bytes) {
+  const uint64_t file_size = bytes.size();
   DPAR_ENFORCE(file_size >= 8, DPAR_ERR_CORRUPT, path, ": the file is ", file_size,
                " bytes, shorter than the 8-byte header length");
-
-  uint8_t prefix[8];
-  read_exact(fd.get(), prefix, sizeof prefix, path);
   uint64_t header_size = 0;
-  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | prefix[i];
+  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | bytes[static_cast<size_t>(i)];
   DPAR_ENFORCE(header_size <= kSafetensorsMaxHeaderBytes, DPAR_ERR_CORRUPT, path, ": the header length ",
                header_size, " exceeds the limit of ", kSafetensorsMaxHeaderBytes, " bytes");
   DPAR_ENFORCE(header_size <= file_size - 8, DPAR_ERR_CORRUPT, path, ": truncated: the header length is ",
                header_size, " bytes but only ", file_size - 8, " follow it");
-
-  std::string header(static_cast<size_t>(header_size), '\0');
-  read_exact(fd.get(), header.data(), header.size(), path);
+  const std::string header(reinterpret_cast<const char*>(bytes.data()) + 8, static_cast<size_t>(header_size));
   const uint64_t buffer_size = file_size - 8 - header_size;
-  DPAR_ENFORCE(buffer_size <= std::numeric_limits<size_t>::max(), DPAR_ERR_CORRUPT, path,
-               ": the data buffer does not fit in memory");
 
   const json root = parse_header(path, header);
   SafetensorsFile file;
@@ -441,8 +445,9 @@ SafetensorsFile SafetensorsFile::read(const std::string& path) {
   DPAR_ENFORCE(buffer_size == expected, DPAR_ERR_CORRUPT, path, ": ", buffer_size - expected,
                " bytes follow the last tensor's data");
 
-  file.buffer_.resize(static_cast<size_t>(buffer_size));
-  read_exact(fd.get(), file.buffer_.data(), file.buffer_.size(), path);
+  // The data buffer is what follows the header: moved to the front of the same allocation, not copied.
+  bytes.erase(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(8 + header_size));
+  file.buffer_ = std::move(bytes);
 
   if (has_checksums) {
     check_crc(path, file.metadata_, kSafetensorsCrcKey, crc_update(0, file.buffer_.data(), file.buffer_.size()),

@@ -74,6 +74,11 @@ class SafetensorsFile {
   //                     gaps or do not end exactly at the end of the file; a metadata value that is not a
   //                     string; a checksum that is malformed or does not match, or only one of the two.
   static SafetensorsFile read(const std::string& path);
+  // read() in two halves, for a file read in one place and parsed in others (a checkpoint that rank 0 reads and
+  // broadcasts): read_bytes throws only DPAR_ERR_IO (and CORRUPT for a file too large for memory); parse throws the
+  // CORRUPT errors above, naming `path`.
+  static std::vector<uint8_t> read_bytes(const std::string& path);
+  static SafetensorsFile parse(const std::string& path, std::vector<uint8_t> bytes);
 
   const std::string& path() const { return path_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }

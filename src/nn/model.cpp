@@ -99,7 +99,8 @@ Tensor ReplicaModel::output_grad_buffer(const ReplicaContext&) {
   return grad_a_.rows(0, out.numel()).reshaped(out);
 }
 
-void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate) {
+void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
+                            const std::function<void(size_t layer)>& layer_done) {
   DPAR_ENFORCE(forward_rows_ > 0, DPAR_ERR_INVALID_STATE, "backward: no forward state on ", ctx.device.str());
   ctx.maybe_fail(Fault::kBackward, "backward");
   const int64_t rows = forward_rows_;
@@ -113,6 +114,7 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
       din = buf.rows(0, in.numel()).reshaped(in.shape());
     }
     layers_[i]->backward(ctx, in, outputs_[i].rows(0, rows), dout, din, accumulate);
+    if (layer_done) layer_done(i);
     dout = din;
   }
   forward_rows_ = 0;

@@ -3,6 +3,7 @@
 // one array each.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,7 +55,10 @@ class ReplicaModel {
   // Runs every layer; keeps each layer's output for backward. Returns a view of the last output.
   Tensor forward(const ReplicaContext& ctx, const Tensor& input);
   // Backward from dL/d(output) of the last forward. Overwrites or adds to the gradients (see Layer::backward).
-  void backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate);
+  // layer_done(i), if given, runs as soon as layer i's gradients are final (layers go last to first): the reducer
+  // starts communicating them while the earlier layers compute.
+  void backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
+                const std::function<void(size_t layer)>& layer_done = nullptr);
   bool has_forward_state() const { return forward_rows_ > 0; }
   void clear_forward_state() { forward_rows_ = 0; }
   // dL/d(output) buffer of the right size for the last forward, for a loss to write into.

@@ -1,0 +1,115 @@
+// The gradient reducer for frameworks that bring their own autograd: DDP's bucketed, overlapped all-reduce over a
+// dpar communicator.
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <numeric>
+
+#include "capi/api.h"
+
+using namespace dpar;
+using namespace dpar::capi;
+
+namespace {
+
+// Runs body on a checked reducer with its lock held.
+template <class F>
+dpar_status with_reducer(dpar_reducer* reducer, F&& body) {
+  return guard([&] {
+    dpar_reducer& r = checked(reducer, "reducer");
+    std::lock_guard<std::mutex> lock(r.mutex);
+    body(r);
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+DPAR_API dpar_status dpar_reducer_options_init(dpar_reducer_options* opts) {
+  return guard([&] { *checked_out(opts, "opts") = dpar_reducer_options DPAR_REDUCER_OPTIONS_INIT; });
+}
+
+DPAR_API dpar_status dpar_reducer_create(dpar_reducer** out, dpar_comm* comm, float* const* grads,
+                                         const size_t* counts, size_t num_grads, const dpar_reducer_options* opts) {
+  return guard([&] {
+    checked_out(out);
+    *out = nullptr;
+    dpar_comm& c = checked(comm, "comm");
+    const auto o = read_options(opts, dpar_reducer_options DPAR_REDUCER_OPTIONS_INIT, DPAR_REDUCER_OPTIONS_VERSION,
+                                "opts");
+    DPAR_CHECK_ARG(o.op == DPAR_SUM || o.op == DPAR_MEAN, "opts.op: ", o.op, " must be DPAR_SUM or DPAR_MEAN");
+    DPAR_CHECK_ARG(grads != nullptr, "grads: is NULL");
+    DPAR_CHECK_ARG(counts != nullptr, "counts: is NULL");
+    DPAR_CHECK_ARG(num_grads > 0, "num_grads: no gradient buffer to reduce");
+    std::vector<Reducer::Grad> list;
+    for (size_t i = 0; i < num_grads; ++i) {
+      DPAR_CHECK_ARG(grads[i] != nullptr, "grads[", i, "]: is NULL");
+      DPAR_CHECK_ARG(counts[i] > 0, "counts[", i, "]: is 0");
+      DPAR_CHECK_ARG(counts[i] <= SIZE_MAX / sizeof(float), "counts[", i, "]: ", counts[i], " is too large");
+      list.push_back({grads[i], counts[i]});
+    }
+    // Overlapping buffers would be reduced twice: refused, naming a pair.
+    std::vector<size_t> order(num_grads);
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return std::less<const float*>()(grads[a], grads[b]); });
+    for (size_t k = 1; k < order.size(); ++k) {
+      const size_t a = order[k - 1], b = order[k];
+      const auto end_a = reinterpret_cast<uintptr_t>(grads[a]) + counts[a] * sizeof(float);
+      DPAR_CHECK_ARG(end_a <= reinterpret_cast<uintptr_t>(grads[b]), "grads[", std::min(a, b), "] and grads[",
+                     std::max(a, b), "]: the buffers overlap");
+    }
+
+    auto h = std::make_unique<dpar_reducer>();
+    h->group = c.group;
+    h->comm = c.comm;
+    Communicator* raw = h->comm.get();
+    const float scale = o.op == DPAR_MEAN ? 1.0f / static_cast<float>(raw->size()) : 1.0f;
+    h->reducer = std::make_unique<Reducer>(
+        std::move(list), bucket_options(o.first_bucket_bytes, o.bucket_cap_bytes),
+        [raw, scale](float* data, size_t count, bool contributes) {
+          raw->all_reduce_sum(data, count, contributes, scale);
+        },
+        [raw](std::function<void()> op) { return raw->async_run("gradient bucket", std::move(op)); });
+    register_handle(h.get(), HandleKind::kReducer);
+    *out = h.release();
+  });
+}
+
+DPAR_API void dpar_reducer_free(dpar_reducer* reducer) { free_handle(reducer); }
+
+DPAR_API dpar_status dpar_reducer_num_buckets(size_t* out, const dpar_reducer* reducer) {
+  return with_reducer(const_cast<dpar_reducer*>(reducer), [&](dpar_reducer& r) {
+    *checked_out(out) = r.reducer->num_buckets();
+  });
+}
+
+DPAR_API dpar_status dpar_reducer_grad_ready(dpar_reducer* reducer, size_t index) {
+  return with_reducer(reducer, [&](dpar_reducer& r) {
+    DPAR_CHECK_ARG(index < r.reducer->num_grads(), "index: ", index, " is out of range (", r.reducer->num_grads(),
+                   " gradients registered)");
+    if (!r.in_step) {
+      r.reducer->prepare();
+      r.in_step = true;
+    }
+    r.reducer->mark_ready(index);
+  });
+}
+
+DPAR_API dpar_status dpar_reducer_wait(dpar_reducer* reducer) {
+  return with_reducer(reducer, [&](dpar_reducer& r) {
+    if (!r.in_step) r.reducer->prepare();
+    r.in_step = false;  // whatever happens, the next grad_ready starts a new step
+    try {
+      r.reducer->finish();
+    } catch (const Error& e) {
+      // A failure of this participant's own (not one every participant sees alike) releases the others.
+      if (e.status() != DPAR_ERR_REMOTE && e.status() != DPAR_ERR_TIMEOUT && e.status() != DPAR_ERR_MISMATCH)
+        r.comm->abort(std::string("dpar_reducer_wait: ") + e.what());
+      throw;
+    }
+  });
+}
+
+}  // extern "C"

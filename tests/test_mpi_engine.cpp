@@ -1,0 +1,332 @@
+// The engine over several processes, through the C ABI, run under mpirun (tests/CMakeLists.txt):
+//
+//   test_mpi_engine --devices N      every check below; each process runs N devices
+//   test_mpi_engine --rank-exit      not a check suite: rank 1 exits before its third step, and the others print
+//                                    what their engine returned (tests/mpi/check_rank_exit.sh reads it)
+//
+// The checks, on every rank:
+//  - P processes x N devices train exactly as one process of P*N devices and as one device on the global batch
+//    (relative 1e-5 after 20 Adam steps), also with uneven local batches, and every replica of every process
+//    ends with the same parameters;
+//  - only rank 0 writes a checkpoint, and a checkpoint that only rank 0 can read loads on every process: training
+//    on from it is bit-identical to training straight; a corrupt one is refused on every process;
+//  - the loader's shards of a global batch are balanced, contiguous and cover it.
+// Every rank prints its failures as "[rank r] FAIL ..." and exits nonzero if it saw one; rank 0 prints a summary.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dpar.h"
+
+namespace {
+
+int g_rank = 0, g_size = 1, g_failures = 0;
+
+#define CHECK_OK(call)                                                                                          \
+  do {                                                                                                          \
+    const dpar_status s_ = (call);                                                                              \
+    if (s_ != DPAR_OK) {                                                                                        \
+      std::fprintf(stderr, "[rank %d] FATAL %s:%d: %s: %s: %s\n", g_rank, __FILE__, __LINE__, #call,            \
+                   dpar_status_str(s_), dpar_last_error());                                                     \
+      std::exit(2);                                                                                             \
+    }                                                                                                           \
+  } while (0)
+
+void expect(bool ok, const std::string& what) {
+  if (ok) return;
+  ++g_failures;
+  std::fprintf(stderr, "[rank %d] FAIL %s\n", g_rank, what.c_str());
+}
+
+constexpr int64_t kIn = 12, kHidden = 16, kClasses = 5, kGlobalBatch = 32, kBatches = 4, kSteps = 20;
+
+dpar_model* make_model() {
+  dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
+  mo.seed = 7;
+  dpar_model* m = nullptr;
+  CHECK_OK(dpar_model_create(&m, &mo));
+  CHECK_OK(dpar_model_add_linear(m, kIn, kHidden, 1));
+  CHECK_OK(dpar_model_add_activation(m, DPAR_TANH));
+  CHECK_OK(dpar_model_add_linear(m, kHidden, kClasses, 1));
+  return m;
+}
+
+// The global batches, the same on every rank.
+struct Data {
+  std::vector<std::vector<float>> x;
+  std::vector<std::vector<int32_t>> y;
+};
+Data make_data() {
+  Data d;
+  std::mt19937 gen(1234);
+  std::normal_distribution<float> normal;
+  for (int b = 0; b < kBatches; ++b) {
+    std::vector<float> x(kGlobalBatch * kIn);
+    std::vector<int32_t> y(kGlobalBatch);
+    for (auto& v : x) v = normal(gen);
+    for (auto& v : y) v = static_cast<int32_t>(gen() % kClasses);
+    d.x.push_back(std::move(x));
+    d.y.push_back(std::move(y));
+  }
+  return d;
+}
+
+// processes: DPAR_PROCESSES_MPI or _SINGLE.
+dpar_engine* make_engine(size_t devices, int32_t processes, double timeout = 60.0) {
+  dpar_model* model = make_model();
+  dpar_optimizer_options opt = DPAR_OPTIMIZER_OPTIONS_INIT;
+  opt.kind = DPAR_ADAM;
+  opt.lr = 0.01f;
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = devices;
+  eo.processes = processes;
+  eo.timeout_seconds = timeout;
+  eo.first_bucket_bytes = 64;  // several buckets even for this small model: the hierarchy runs per bucket
+  eo.bucket_cap_bytes = 256;
+  dpar_engine* e = nullptr;
+  CHECK_OK(dpar_engine_create(&e, model, &opt, &eo));
+  dpar_model_free(model);
+  return e;
+}
+
+// One step on rows [begin, begin + rows) of global batch b.
+dpar_status step_rows(dpar_engine* e, const Data& d, int b, int64_t begin, int64_t rows) {
+  const int64_t xs[2] = {rows, kIn}, ys[1] = {rows};
+  dpar_tensor *x = nullptr, *y = nullptr;
+  CHECK_OK(dpar_tensor_wrap_host(&x, DPAR_F32, xs, 2, const_cast<float*>(d.x[b].data() + begin * kIn)));
+  CHECK_OK(dpar_tensor_wrap_host(&y, DPAR_I32, ys, 1, const_cast<int32_t*>(d.y[b].data() + begin)));
+  const dpar_status s = dpar_engine_train_step(nullptr, e, x, y);
+  dpar_tensor_free(x);
+  dpar_tensor_free(y);
+  return s;
+}
+
+std::vector<float> params(dpar_engine* e, size_t replica = 0) {
+  std::vector<float> p(kIn * kHidden + kHidden + kHidden * kClasses + kClasses);
+  CHECK_OK(dpar_engine_get_params(p.data(), e, replica, p.size()));
+  return p;
+}
+
+double max_relative_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])) / std::max(std::abs(double(b[i])), 1e-2));
+  return worst;
+}
+
+// This rank's rows of a global batch: balanced (sizes differ by one at most), or skewed by `skew` rows toward rank 0.
+std::pair<int64_t, int64_t> my_rows(int64_t skew) {
+  const int64_t base = kGlobalBatch / g_size, extra = kGlobalBatch % g_size;
+  std::vector<int64_t> rows(static_cast<size_t>(g_size));
+  for (int r = 0; r < g_size; ++r) rows[static_cast<size_t>(r)] = base + (r < extra ? 1 : 0);
+  if (g_size > 1) {
+    rows[0] += skew;
+    rows[static_cast<size_t>(g_size - 1)] -= skew;
+  }
+  int64_t begin = 0;
+  for (int r = 0; r < g_rank; ++r) begin += rows[static_cast<size_t>(r)];
+  return {begin, rows[static_cast<size_t>(g_rank)]};
+}
+
+void check_equivalence(size_t devices, const Data& d, int64_t skew) {
+  const std::string label = std::to_string(g_size) + " processes x " + std::to_string(devices) + " devices" +
+                            (skew ? " (uneven local batches)" : "");
+  dpar_engine* multi = make_engine(devices, DPAR_PROCESSES_MPI);
+  const auto [begin, rows] = my_rows(skew);
+  for (int s = 0; s < kSteps; ++s) CHECK_OK(step_rows(multi, d, s % kBatches, begin, rows));
+  const auto got = params(multi);
+
+  // The references, computed by every rank on its own: one process of P*N devices, and one device.
+  dpar_engine* wide = make_engine(static_cast<size_t>(g_size) * devices, DPAR_PROCESSES_SINGLE);
+  dpar_engine* one = make_engine(1, DPAR_PROCESSES_SINGLE);
+  for (int s = 0; s < kSteps; ++s) {
+    CHECK_OK(step_rows(wide, d, s % kBatches, 0, kGlobalBatch));
+    CHECK_OK(step_rows(one, d, s % kBatches, 0, kGlobalBatch));
+  }
+  const auto ref_wide = params(wide), ref_one = params(one);
+  const double e_wide = max_relative_error(got, ref_wide), e_one = max_relative_error(got, ref_one);
+  expect(e_wide < 1e-5, label + ": differs from 1 process x " + std::to_string(g_size * devices) +
+                            " devices by " + std::to_string(e_wide));
+  expect(e_one < 1e-5, label + ": differs from 1 device by " + std::to_string(e_one));
+  for (size_t r = 1; r < devices; ++r) expect(params(multi, r) == got, label + ": replica " + std::to_string(r) + " differs");
+  // The same bits on every process: rank 0's parameters, broadcast, against this rank's.
+  dpar_comm* world = nullptr;
+  CHECK_OK(dpar_comm_create_mpi(&world, nullptr));
+  std::vector<float> root = got;
+  CHECK_OK(dpar_comm_broadcast(world, root.data(), root.size(), DPAR_F32, 0));
+  expect(root == got, label + ": this process's parameters differ from rank 0's");
+  dpar_comm_free(world);
+  if (g_rank == 0)
+    std::printf("%s: max relative difference %.2e to 1x%zu devices, %.2e to 1 device\n", label.c_str(), e_wide,
+                static_cast<size_t>(g_size) * devices, e_one);
+  dpar_engine_free(multi);
+  dpar_engine_free(wide);
+  dpar_engine_free(one);
+}
+
+bool exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
+
+void check_checkpoints(size_t devices, const Data& d, const std::string& dir) {
+  // Each rank names its own path: only rank 0's may appear, and loading from a path that exists only for rank 0
+  // works everywhere because rank 0 reads and broadcasts.
+  const std::string mine = dir + "/ckpt_rank" + std::to_string(g_rank) + ".safetensors";
+  const auto [begin, rows] = my_rows(0);
+  dpar_engine* straight = make_engine(devices, DPAR_PROCESSES_MPI);
+  dpar_engine* saved = make_engine(devices, DPAR_PROCESSES_MPI);
+  for (int s = 0; s < 10; ++s) {
+    CHECK_OK(step_rows(straight, d, s % kBatches, begin, rows));
+    CHECK_OK(step_rows(saved, d, s % kBatches, begin, rows));
+  }
+  CHECK_OK(dpar_engine_save(saved, mine.c_str()));
+  expect(exists(mine) == (g_rank == 0), "after save, " + mine + (g_rank == 0 ? " is missing" : " exists"));
+  dpar_engine_free(saved);
+
+  dpar_engine* resumed = make_engine(devices, DPAR_PROCESSES_MPI);
+  CHECK_OK(dpar_engine_load(resumed, mine.c_str()));
+  for (int s = 10; s < 20; ++s) {
+    CHECK_OK(step_rows(straight, d, s % kBatches, begin, rows));
+    CHECK_OK(step_rows(resumed, d, s % kBatches, begin, rows));
+  }
+  expect(params(resumed) == params(straight), "resuming from rank 0's checkpoint is not bit-identical");
+
+  // Rank 0's file damaged: every process refuses it, and keeps its parameters.
+  if (g_rank == 0) {
+    std::fstream f(mine, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x5a');
+  }
+  const auto before = params(resumed);
+  const dpar_status s = dpar_engine_load(resumed, mine.c_str());
+  expect(s == DPAR_ERR_CORRUPT, std::string("a corrupt checkpoint gave ") + dpar_status_str(s));
+  expect(params(resumed) == before, "a refused checkpoint changed the parameters");
+  // A path rank 0 cannot read: everyone gets rank 0's IO error.
+  const dpar_status missing = dpar_engine_load(resumed, (dir + "/absent.safetensors").c_str());
+  expect(missing == DPAR_ERR_IO, std::string("a missing checkpoint gave ") + dpar_status_str(missing));
+  dpar_engine_free(straight);
+  dpar_engine_free(resumed);
+  if (g_rank == 0) {
+    std::remove(mine.c_str());
+    std::printf("checkpoints: written by rank 0 only, loaded everywhere, corrupt and missing ones refused\n");
+  }
+}
+
+void check_loader_shards() {
+  // 10 samples of 3 features, global batch 4: shards of a batch are contiguous slices of it.
+  char dir[] = "/tmp/dpar_shard_XXXXXX";
+  if (!mkdtemp(dir)) std::exit(2);
+  const std::string images = std::string(dir) + "/images", labels = std::string(dir) + "/labels";
+  {
+    std::ofstream fi(images, std::ios::binary), fl(labels, std::ios::binary);
+    const unsigned char ih[] = {0, 0, 8, 3, 0, 0, 0, 10, 0, 0, 0, 1, 0, 0, 0, 3};
+    const unsigned char lh[] = {0, 0, 8, 1, 0, 0, 0, 10};
+    fi.write(reinterpret_cast<const char*>(ih), sizeof ih);
+    fl.write(reinterpret_cast<const char*>(lh), sizeof lh);
+    for (int i = 0; i < 10; ++i) {
+      for (int f = 0; f < 3; ++f) fi.put(static_cast<char>(i));
+      fl.put(static_cast<char>(i % 10));
+    }
+  }
+  dpar_dataset* ds = nullptr;
+  CHECK_OK(dpar_dataset_load_idx(&ds, images.c_str(), labels.c_str()));
+  const size_t shards = 3;
+  std::vector<int> seen;
+  size_t batches = 0;
+  for (size_t shard = 0; shard < shards; ++shard) {
+    dpar_loader* l = nullptr;
+    CHECK_OK(dpar_loader_create(&l, ds, 4, 0, 0, 0));
+    CHECK_OK(dpar_loader_shard(l, shard, shards));
+    CHECK_OK(dpar_loader_num_batches(&batches, l));
+    const dpar_tensor *x = nullptr, *y = nullptr;
+    for (int b = 0;; ++b) {
+      CHECK_OK(dpar_loader_next(&x, &y, l));
+      if (!x) break;
+      int64_t shape[4];
+      size_t nd = 0;
+      CHECK_OK(dpar_tensor_shape(shape, &nd, y, 4));
+      std::vector<int32_t> labels_of_batch(static_cast<size_t>(shape[0]));
+      CHECK_OK(dpar_tensor_copy_to_host(labels_of_batch.data(), y, labels_of_batch.size() * sizeof(int32_t)));
+      seen.insert(seen.end(), labels_of_batch.begin(), labels_of_batch.end());
+      const int64_t want = b < 2 ? (shard == 0 ? 2 : 1) : 0;  // batches of 4: 2,1,1; the last (2 rows) dropped
+      expect(shape[0] == want, "loader shard " + std::to_string(shard) + " batch " + std::to_string(b) + ": " +
+                                   std::to_string(shape[0]) + " rows, expected " + std::to_string(want));
+    }
+    dpar_loader_free(l);
+  }
+  std::sort(seen.begin(), seen.end());
+  expect(seen == std::vector<int>({0, 1, 2, 3, 4, 5, 6, 7}), "the shards do not cover the first two batches");
+  expect(batches == 2, "num_batches with 3 shards: " + std::to_string(batches) + ", expected 2");
+  expect(dpar_loader_shard(nullptr, 0, 1) == DPAR_ERR_INVALID_ARGUMENT, "a NULL loader was accepted");
+  dpar_dataset_free(ds);
+  std::remove(images.c_str());
+  std::remove(labels.c_str());
+  rmdir(dir);
+}
+
+// Rank 1 exits before its third step; the others must get an error naming it within the timeout.
+int rank_exit() {
+  const Data d = make_data();
+  dpar_engine* e = make_engine(1, DPAR_PROCESSES_MPI, 2.0);
+  const auto [begin, rows] = my_rows(0);
+  for (int s = 0; s < 5; ++s) {
+    if (g_rank == 1 && s == 2) {
+      std::fflush(stdout);
+      _exit(3);
+    }
+    const dpar_status st = step_rows(e, d, s % kBatches, begin, rows);
+    if (st != DPAR_OK) {
+      const std::string msg = dpar_last_error();
+      const bool ok = (st == DPAR_ERR_TIMEOUT || st == DPAR_ERR_COMMUNICATION || st == DPAR_ERR_REMOTE) && s == 2;
+      std::printf("rank %d: step %d returned %s: %s\n", g_rank, s, dpar_status_str(st), msg.c_str());
+      if (ok) std::printf("rank %d: SURVIVOR OK\n", g_rank);
+      // The engine is unusable now, on this side too.
+      const dpar_status again = step_rows(e, d, 0, begin, rows);
+      std::printf("rank %d: the next step returned %s\n", g_rank, dpar_status_str(again));
+      std::fflush(stdout);
+      _exit(ok && again == DPAR_ERR_INVALID_STATE ? 0 : 1);
+    }
+  }
+  std::printf("rank %d: no error although rank 1 exited\n", g_rank);
+  std::fflush(stdout);
+  _exit(1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  size_t devices = 2;
+  bool exit_mode = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--devices") && i + 1 < argc) devices = static_cast<size_t>(std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--rank-exit")) exit_mode = true;
+    else {
+      std::fprintf(stderr, "usage: test_mpi_engine [--devices N] [--rank-exit]\n");
+      return 2;
+    }
+  }
+  {
+    dpar_engine* probe = make_engine(1, DPAR_PROCESSES_MPI);
+    CHECK_OK(dpar_engine_processes(&g_rank, &g_size, probe));
+    dpar_engine_free(probe);
+  }
+  if (exit_mode) return rank_exit();
+
+  const Data d = make_data();
+  check_equivalence(devices, d, 0);
+  if (g_size > 1) check_equivalence(devices, d, 3);
+  char dir[] = "/tmp/dpar_mpi_engine_XXXXXX";
+  // Each rank makes its own directory: the checkpoint test needs no shared file system.
+  if (!mkdtemp(dir)) return 2;
+  check_checkpoints(devices, d, dir);
+  rmdir(dir);
+  check_loader_shards();
+  if (g_rank == 0) std::printf("%s\n", g_failures ? "FAILED" : "ALL PASSED");
+  return g_failures ? 1 : 0;
+}
