@@ -1,9 +1,11 @@
-/* A framework with its own tensors and autograd uses dpar only to synchronise gradients.
+/* A framework with its own tensors and autograd uses dpar only to synchronise gradients, as DDP's reducer does.
  *
- * Four threads train one linear regression model y = w.x + b data-parallel: each computes the gradient of the
- * mean squared error on its quarter of the batch with its own code, dpar averages the gradients across the
- * threads (an asynchronous all-reduce started as soon as the gradient is ready, waited for before the update),
- * and each thread applies the same SGD step. The result is compared with one thread training on the whole batch. */
+ * Four threads train one two-layer network y = W2 tanh(W1 x + b1) + b2 data-parallel. Each computes, with its own
+ * code, the gradient of the mean squared error on its quarter of the batch, and tells dpar each gradient buffer is
+ * ready as soon as its backward has produced it (W2 and b2 first, then W1 and b1): dpar_reducer_grad_ready() hands
+ * the finished buckets to the communication thread while the backward goes on, and dpar_reducer_wait() returns
+ * when every buffer holds the average over the threads. Then each thread applies the same SGD step.
+ * The result is compared with one thread training on the whole batch. */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -12,9 +14,9 @@
 
 #include "dpar.h"
 
-enum { kThreads = 4, kFeatures = 8, kRows = 64, kSteps = 200 };
+enum { kThreads = 4, kIn = 8, kHidden = 16, kRows = 64, kSteps = 200 };
 static const float kLr = 0.05f;
-static float X[kRows][kFeatures], Y[kRows];
+static float X[kRows][kIn], Y[kRows];
 
 #define CHECK(call)                                                                         \
   do {                                                                                      \
@@ -25,44 +27,97 @@ static float X[kRows][kFeatures], Y[kRows];
     }                                                                                       \
   } while (0)
 
-/* The "framework": gradient of the mean squared error over rows [begin, end) of the batch, (w, b) packed. */
-static void gradient(float *grad, const float *params, int begin, int end) {
-  memset(grad, 0, sizeof(float) * (kFeatures + 1));
-  for (int i = begin; i < end; ++i) {
-    float err = params[kFeatures];
-    for (int f = 0; f < kFeatures; ++f) err += params[f] * X[i][f];
-    err -= Y[i];
-    for (int f = 0; f < kFeatures; ++f) grad[f] += 2.0f * err * X[i][f] / (float)(end - begin);
-    grad[kFeatures] += 2.0f * err / (float)(end - begin);
-  }
+/* The framework's parameters and gradients: four separate buffers, registered with the reducer in forward order. */
+typedef struct net {
+  float w1[kHidden][kIn], b1[kHidden], w2[kHidden], b2[1];
+} net;
+enum { kW1, kB1, kW2, kB2, kBuffers };
+
+static float *buffer(net *n, int i) {
+  float *p[kBuffers] = {&n->w1[0][0], n->b1, n->w2, n->b2};
+  return p[i];
 }
+static const size_t kCounts[kBuffers] = {kHidden * kIn, kHidden, kHidden, 1};
+
+/* The framework's autograd: forward and backward of the mean squared error over rows [begin, end). `ready` is its
+ * backward hook, called as each gradient is final. */
+static void backward(net *grad, const net *p, int begin, int end, void (*ready)(void *, int), void *hook) {
+  memset(grad, 0, sizeof *grad);
+  float h[kRows][kHidden], dy[kRows];
+  const float scale = 2.0f / (float)(end - begin);
+  for (int i = begin; i < end; ++i) {
+    float y = p->b2[0];
+    for (int j = 0; j < kHidden; ++j) {
+      float a = p->b1[j];
+      for (int f = 0; f < kIn; ++f) a += p->w1[j][f] * X[i][f];
+      h[i][j] = tanhf(a);
+      y += p->w2[j] * h[i][j];
+    }
+    dy[i] = scale * (y - Y[i]);
+  }
+  for (int i = begin; i < end; ++i) { /* the last layer first */
+    for (int j = 0; j < kHidden; ++j) grad->w2[j] += dy[i] * h[i][j];
+    grad->b2[0] += dy[i];
+  }
+  ready(hook, kW2);
+  ready(hook, kB2);
+  for (int i = begin; i < end; ++i)
+    for (int j = 0; j < kHidden; ++j) {
+      const float da = dy[i] * p->w2[j] * (1.0f - h[i][j] * h[i][j]);
+      for (int f = 0; f < kIn; ++f) grad->w1[j][f] += da * X[i][f];
+      grad->b1[j] += da;
+    }
+  ready(hook, kW1);
+  ready(hook, kB1);
+}
+
+static void sgd(net *p, const net *g) {
+  for (int i = 0; i < kBuffers; ++i)
+    for (size_t k = 0; k < kCounts[i]; ++k) buffer(p, i)[k] -= kLr * buffer((net *)g, i)[k];
+}
+
+static void mark_ready(void *reducer, int index) { CHECK(dpar_reducer_grad_ready(reducer, (size_t)index)); }
+static void no_hook(void *unused, int index) { (void)unused, (void)index; }
 
 struct worker {
   dpar_comm *comm;
   int rank;
-  float params[kFeatures + 1];
+  net params, grads;
 };
 
 static void *train(void *arg) {
   struct worker *w = arg;
   const int rows = kRows / kThreads, begin = w->rank * rows;
-  float grad[kFeatures + 1];
+  float *grads[kBuffers];
+  for (int i = 0; i < kBuffers; ++i) grads[i] = buffer(&w->grads, i);
+  dpar_reducer_options opts = DPAR_REDUCER_OPTIONS_INIT; /* the mean over the threads */
+  opts.first_bucket_bytes = 64;                           /* W2 and b2 go out first, while W1 is computed */
+  dpar_reducer *reducer = NULL;
+  CHECK(dpar_reducer_create(&reducer, w->comm, grads, kCounts, kBuffers, &opts));
   for (int step = 0; step < kSteps; ++step) {
-    gradient(grad, w->params, begin, begin + rows);
-    dpar_work *work = NULL;
-    CHECK(dpar_comm_all_reduce_async(&work, w->comm, grad, grad, kFeatures + 1, DPAR_F32, DPAR_MEAN));
-    CHECK(dpar_work_wait(work)); /* a framework would overlap this with the rest of its backward */
-    dpar_work_free(work);
-    for (int p = 0; p <= kFeatures; ++p) w->params[p] -= kLr * grad[p];
+    backward(&w->grads, &w->params, begin, begin + rows, mark_ready, reducer);
+    CHECK(dpar_reducer_wait(reducer));
+    sgd(&w->params, &w->grads);
   }
+  dpar_reducer_free(reducer);
   return NULL;
+}
+
+static void init(net *p) {
+  srand(7);
+  for (int j = 0; j < kHidden; ++j) {
+    for (int f = 0; f < kIn; ++f) p->w1[j][f] = ((float)rand() / (float)RAND_MAX - 0.5f) * 0.7f;
+    p->b1[j] = 0.0f;
+    p->w2[j] = ((float)rand() / (float)RAND_MAX - 0.5f) * 0.5f;
+  }
+  p->b2[0] = 0.0f;
 }
 
 int main(void) {
   srand(1);
   for (int i = 0; i < kRows; ++i) {
     Y[i] = 0.5f;
-    for (int f = 0; f < kFeatures; ++f) {
+    for (int f = 0; f < kIn; ++f) {
       X[i][f] = (float)rand() / (float)RAND_MAX - 0.5f;
       Y[i] += (float)(f + 1) * 0.1f * X[i][f];
     }
@@ -72,32 +127,50 @@ int main(void) {
   opts.timeout_seconds = 30;
   dpar_comm_group *group = NULL;
   CHECK(dpar_comm_group_create(&group, kThreads, &opts));
-  struct worker workers[kThreads];
+  static struct worker workers[kThreads];
   pthread_t threads[kThreads];
   for (int r = 0; r < kThreads; ++r) {
     workers[r].rank = r;
-    memset(workers[r].params, 0, sizeof workers[r].params);
+    init(&workers[r].params);
     CHECK(dpar_comm_group_member(&workers[r].comm, group, r));
   }
   dpar_comm_group_free(group); /* the members keep the group alive */
   for (int r = 0; r < kThreads; ++r) pthread_create(&threads[r], NULL, train, &workers[r]);
   for (int r = 0; r < kThreads; ++r) pthread_join(threads[r], NULL);
 
-  /* The reference: one thread, the whole batch (equal chunks, so the mean of means is the mean). */
-  float ref[kFeatures + 1] = {0}, grad[kFeatures + 1];
+  /* The reference: one thread, the whole batch (equal chunks, so the mean of the means is the mean). */
+  static net ref, grad;
+  init(&ref);
   for (int step = 0; step < kSteps; ++step) {
-    gradient(grad, ref, 0, kRows);
-    for (int p = 0; p <= kFeatures; ++p) ref[p] -= kLr * grad[p];
+    backward(&grad, &ref, 0, kRows, no_hook, NULL);
+    sgd(&ref, &grad);
   }
   double worst = 0.0;
   for (int r = 0; r < kThreads; ++r)
-    for (int p = 0; p <= kFeatures; ++p) {
-      double d = fabs((double)workers[r].params[p] - (double)ref[p]) / fmax(fabs((double)ref[p]), 1e-2);
-      if (d > worst) worst = d;
+    for (int i = 0; i < kBuffers; ++i)
+      for (size_t k = 0; k < kCounts[i]; ++k) {
+        const double a = buffer(&workers[r].params, i)[k], b = buffer(&ref, i)[k];
+        const double d = fabs(a - b) / fmax(fabs(b), 1e-2);
+        if (d > worst) worst = d;
+      }
+  /* The training itself worked: the loss fell. */
+  net start;
+  init(&start);
+  double loss_start = 0.0, loss_end = 0.0;
+  for (int i = 0; i < kRows; ++i) {
+    for (int which = 0; which < 2; ++which) {
+      const net *p = which ? &workers[0].params : &start;
+      float y = p->b2[0];
+      for (int j = 0; j < kHidden; ++j) {
+        float a = p->b1[j];
+        for (int f = 0; f < kIn; ++f) a += p->w1[j][f] * X[i][f];
+        y += p->w2[j] * tanhf(a);
+      }
+      *(which ? &loss_end : &loss_start) += (double)((y - Y[i]) * (y - Y[i])) / kRows;
     }
-  printf("w[0..2] = %.4f %.4f %.4f, b = %.4f (true: 0.1 0.2 0.3, 0.5)\n", workers[0].params[0], workers[0].params[1],
-         workers[0].params[2], workers[0].params[kFeatures]);
+  }
+  printf("mean squared error: %.4f before, %.4f after %d steps\n", loss_start, loss_end, kSteps);
   printf("largest relative difference from single-thread full-batch training: %.2e\n", worst);
   for (int r = 0; r < kThreads; ++r) dpar_comm_free(workers[r].comm);
-  return worst < 1e-5 ? 0 : 1;
+  return worst < 1e-5 && loss_end < 0.5 * loss_start ? 0 : 1;
 }
