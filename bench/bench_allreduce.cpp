@@ -1,11 +1,12 @@
 // bench_allreduce: dpar's in-process all-reduce (ThreadGroup, one pass) beside OpenMPI's in-place MPI_Allreduce
-// between processes on the same machine, measured in the same run and interleaved size by size and round by
-// round, so that both see the same placement of the vCPUs. See bench/README.md.
+// between processes on the same machine and Gloo's ring all-reduce over TCP on loopback (gloo_anchor.cpp),
+// measured in the same run and interleaved size by size and round by round, so that all see the same placement
+// of the vCPUs. See bench/README.md.
 //
-//   bench_allreduce [--threads T] [--rounds R] [--seconds S] [--no-mpi] [--verbose]
+//   bench_allreduce [--threads T] [--rounds R] [--seconds S] [--no-mpi] [--no-gloo] [--gloo-allreduce] [--verbose]
 //
 // For every size (bytes per participant, f32 sum): the core-to-core latency before, then R rounds of (a dpar
-// block, an MPI block) -- with the order alternating between rounds -- then the latency after. In each
+// block, an MPI block, a Gloo block) -- with the order rotating between rounds -- then the latency after. In each
 // iteration of a block every participant rewrites its whole buffer (as a backward pass would), enters a barrier,
 // and times one all-reduce; the iteration's time is the longest over the participants. The figure printed is the
 // median over all the iterations of all rounds.
@@ -22,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -30,6 +32,7 @@
 #include "bench_util.h"
 #include "comm/threads_comm.h"
 #include "common/error.h"
+#include "gloo_anchor.h"
 
 namespace {
 
@@ -53,16 +56,23 @@ struct Options {
   int rounds = 4;
   double seconds = 2.0;  // per implementation per size, over all rounds
   bool mpi = true;
+  bool gloo = true;
+  // gloo::allreduce, PyTorch's call, loses a scheduler tick per call on 2 vCPUs (bench/README.md): the default is
+  // the ring that does not.
+  bench_gloo::Api gloo_api = bench_gloo::Api::kRing;
   bool verbose = false;
 };
 
 [[noreturn]] void usage(const char* argv0) {
   fprintf(stderr,
-          "usage: %s [--threads T] [--rounds R] [--seconds S] [--no-mpi] [--verbose]\n"
-          "  --threads T   dpar participants (worker threads) and MPI ranks (default 2)\n"
-          "  --rounds R    interleaved dpar/MPI rounds per size (default 4)\n"
+          "usage: %s [--threads T] [--rounds R] [--seconds S] [--no-mpi] [--no-gloo] [--gloo-allreduce] [--verbose]\n"
+          "  --threads T   dpar participants (worker threads), MPI ranks and Gloo participants (default 2)\n"
+          "  --rounds R    interleaved dpar/MPI/Gloo rounds per size (default 4)\n"
           "  --seconds S   measuring time per implementation per size, over all rounds (default 2)\n"
-          "  --no-mpi      measure dpar only\n"
+          "  --no-mpi      leave out the MPI anchor\n"
+          "  --no-gloo     leave out the Gloo anchor\n"
+          "  --gloo-allreduce  measure gloo::allreduce (RING, unbound buffers: PyTorch's call) instead of\n"
+          "                gloo::AllreduceRing<float>\n"
           "  --verbose     print every round's medians\n",
           argv0);
   exit(2);
@@ -84,6 +94,10 @@ Options parse(int argc, char** argv) {
       o.seconds = atof(next());
     else if (a == "--no-mpi")
       o.mpi = false;
+    else if (a == "--no-gloo")
+      o.gloo = false;
+    else if (a == "--gloo-allreduce")
+      o.gloo_api = bench_gloo::Api::kAllreduce;
     else if (a == "--verbose")
       o.verbose = true;
     else
@@ -420,6 +434,37 @@ struct Series {
   }
 };
 
+// An anchor's columns (median time, busbw, spread) and its ratios to dpar: of the medians, and the median over
+// rounds of the ratio of the round's medians (both at one placement). Dashes where the anchor was not measured.
+struct AnchorCols {
+  std::string cols, ratio;
+  double time = 0, paired = 0;
+};
+AnchorCols anchor_cols(Series& a, Series& dpar, size_t bytes, int participants) {
+  AnchorCols c;
+  char cols[64], ratio[48];
+  std::vector<double> paired;
+  for (size_t i = 0; i < std::min(dpar.round_median.size(), a.round_median.size()); ++i)
+    paired.push_back(a.round_median[i] / dpar.round_median[i]);
+  c.paired = paired.empty() ? 0 : bench_median(paired.data(), paired.size());
+  c.time = a.all.empty() ? 0 : a.median();
+  if (c.time > 0) {
+    snprintf(cols, sizeof cols, "%9.2f %7.2f %5.0f", c.time * 1e6, busbw_gbs(bytes, c.time, participants),
+             a.spread());
+    // Ratios of 1000 and more lose their decimals, so that the column keeps its width.
+    const double r = c.time / dpar.median();
+    snprintf(ratio, sizeof ratio, "%7.*fx %7.*fx", r >= 1000 ? 0 : 2, r, c.paired >= 1000 ? 0 : 2, c.paired);
+  } else {
+    snprintf(cols, sizeof cols, "%9s %7s %5s", "-", "-", "");
+    snprintf(ratio, sizeof ratio, "%8s %8s", "-", "-");
+  }
+  c.cols = cols;
+  c.ratio = ratio;
+  return c;
+}
+
+BlockResult from_gloo(bench_gloo::Block b) { return BlockResult{std::move(b.times), b.ok, b.wall}; }
+
 int iterations_for(double budget, double per_iter) {
   double n = budget / std::max(per_iter, 1e-7);
   return static_cast<int>(std::clamp(n, 5.0, 50000.0));
@@ -480,25 +525,39 @@ int main(int argc, char** argv) {
 #else
   printf("  MPI:  not measured: this build found no MPI (CMake's find_package(MPI COMPONENTS C) failed)\n");
 #endif
-  printf("  %d interleaved rounds per size (dpar block, MPI block; order alternates), ~%.1f s per implementation "
-         "per size;\n  figures are medians over all timed iterations; +-%% = spread of the rounds' medians\n",
+  const size_t max_bytes = kSizes[sizeof kSizes / sizeof kSizes[0] - 1];
+  std::unique_ptr<bench_gloo::Anchor> gloo;
+  if (opt.gloo) {
+    std::string why;
+    gloo = bench_gloo::start(opt.gloo_api, T, max_bytes / sizeof(float), cpu_list, why);
+    if (gloo)
+      printf("  Gloo: %s\n", gloo->describe().c_str());
+    else
+      printf("  Gloo: not measured: %s\n", why.c_str());
+  } else {
+    printf("  Gloo: not measured (--no-gloo)\n");
+  }
+  printf("  %d interleaved rounds per size (dpar, MPI and Gloo blocks; the order rotates), ~%.1f s per "
+         "implementation per size;\n  figures are medians over all timed iterations; +-%% = spread of the rounds' "
+         "medians\n",
          opt.rounds, opt.seconds);
-  printf("  MPI/dpar = ratio of the medians; paired = median over rounds of the ratio of the round's medians (both at"
-         " one placement)\n");
+  printf("  MPI/dpar, Gloo/dpar = ratio of the medians (time of the anchor / time of dpar); paired = median over "
+         "rounds of\n  the ratio of the round's medians (both at one placement)\n");
   printf("  placement: one class, or each round's class (mix: it changed during the round)\n");
   printf("  others = CPU share that other processes took while the size was measured\n");
   printf("  busbw = S / time * 2(n-1)/n (nccl-tests); placement = one-way latency CPU %d <-> CPU %d before/after "
          "the size\n  (~15 ns SMT siblings, 35-45 ns shared L3, 180-230 ns far; compare only at equal placement)\n\n",
          probe_a, probe_b);
 
-  const size_t max_bytes = kSizes[sizeof kSizes / sizeof kSizes[0] - 1];
   DparRunner dpar_runner(T, max_bytes / sizeof(float), cpu_list);
 
-  printf("%8s | %9s %7s %5s | %9s %7s %5s | %17s | %6s | %s\n", "size", "dpar us", "busbw", "+-%", "MPI us",
-         "busbw", "+-%", "MPI/dpar  paired", "others", "latency ns before/after, placement");
-  printf("%8s | %9s %7s %5s | %9s %7s %5s | %17s | %6s |\n", "", "", "GB/s", "", "", "GB/s", "", "", "");
-  printf("---------+-------------------------+-------------------------+-------------------+--------+-----------------"
-         "-----------------\n");
+  printf("%8s | %9s %7s %5s | %9s %7s %5s | %9s %7s %5s | %17s | %17s | %6s | %s\n", "size", "dpar us", "busbw",
+         "+-%", "MPI us", "busbw", "+-%", "Gloo us", "busbw", "+-%", "MPI/dpar  paired", "Gloo/dpar paired",
+         "others", "latency ns before/after, placement");
+  printf("%8s | %9s %7s %5s | %9s %7s %5s | %9s %7s %5s | %17s | %17s | %6s |\n", "", "", "GB/s", "", "", "GB/s",
+         "", "", "GB/s", "", "", "", "");
+  printf("---------+-------------------------+-------------------------+-------------------------+-------------------+"
+         "-------------------+--------+----------------------------------\n");
 
   struct Row {
     size_t bytes;
@@ -534,7 +593,17 @@ int main(int argc, char** argv) {
       }
     }
 #endif
-    Series d, m;
+    int gloo_iters = 0;
+    if (gloo) {
+      BlockResult g = from_gloo(gloo->run(n, 1, calib));
+      if (g.times.empty()) {
+        printf("Gloo failed at %s; dropping the Gloo column\n", size_str(bytes).c_str());
+        gloo.reset();
+      } else {
+        gloo_iters = iterations_for(per_block, g.wall / (calib + 1));
+      }
+    }
+    Series d, m, g;
     for (int round = 0; round < opt.rounds; ++round) {
       const int dpar_warm = std::max(1, dpar_iters / 20);
       auto run_dpar = [&] {
@@ -555,19 +624,27 @@ int main(int argc, char** argv) {
         m.add(b);
 #endif
       };
-      if (round % 2 == 0) {
-        run_dpar();
-        run_mpi();
-      } else {
-        run_mpi();
-        run_dpar();
-      }
+      auto run_gloo = [&] {
+        if (!gloo) return;
+        BlockResult b = from_gloo(gloo->run(n, std::max(1, gloo_iters / 20), gloo_iters));
+        if (b.times.empty()) {
+          printf("Gloo failed at %s; dropping the Gloo column\n", size_str(bytes).c_str());
+          gloo.reset();
+          return;
+        }
+        g.add(b);
+      };
+      // Each implementation takes each place in the order in turn.
+      const std::function<void()> blocks[] = {run_dpar, run_mpi, run_gloo};
+      for (int k = 0; k < 3; ++k) blocks[(round + k) % 3]();
       probes.push_back(bench_core_latency_ns(probe_a, probe_b));
       if (opt.verbose) {
         printf("    round %d: dpar %.3f us (%d it)", round, d.round_median.empty() ? 0 : d.round_median.back() * 1e6,
                dpar_iters);
         if (!m.round_median.empty())
           printf(", MPI %.3f us (%d it)", m.round_median.back() * 1e6, mpi_iters);
+        if (!g.round_median.empty())
+          printf(", Gloo %.3f us (%d it)", g.round_median.back() * 1e6, gloo_iters);
         printf("\n");
       }
     }
@@ -583,23 +660,9 @@ int main(int argc, char** argv) {
       tags.push_back(strcmp(a, b) == 0 ? a : "mix");
       moved = moved || tags.back() != tags.front();
     }
-    // The ratio round by round (both implementations at the same placement), then its median.
-    std::vector<double> paired;
-    for (size_t i = 0; i < std::min(d.round_median.size(), m.round_median.size()); ++i)
-      paired.push_back(m.round_median[i] / d.round_median[i]);
-    const double paired_ratio = paired.empty() ? 0 : bench_median(paired.data(), paired.size());
-
     const double dt = d.median();
-    const double mt = m.all.empty() ? 0 : m.median();
-    all_ok = all_ok && d.ok && m.ok;
-    char mpi_cols[64], ratio[48];
-    if (mt > 0) {
-      snprintf(mpi_cols, sizeof mpi_cols, "%9.2f %7.2f %5.0f", mt * 1e6, busbw_gbs(bytes, mt, T), m.spread());
-      snprintf(ratio, sizeof ratio, "%7.2fx %7.2fx", mt / dt, paired_ratio);
-    } else {
-      snprintf(mpi_cols, sizeof mpi_cols, "%9s %7s %5s", "-", "-", "");
-      snprintf(ratio, sizeof ratio, "%8s %8s", "-", "-");
-    }
+    const AnchorCols mc = anchor_cols(m, d, bytes, T), gc = anchor_cols(g, d, bytes, T);
+    all_ok = all_ok && d.ok && m.ok && g.ok;
     std::string placement;
     if (!moved) {
       placement = tags.front() == "mix" ? "moving" : bench_placement_class(lat_before);
@@ -607,11 +670,11 @@ int main(int argc, char** argv) {
       placement = "rounds:";
       for (const auto& t : tags) placement += " " + t;
     }
-    printf("%8s | %9.2f %7.2f %5.0f | %s | %s | %5.0f%% | %4.0f / %4.0f  %s%s%s\n", size_str(bytes).c_str(), dt * 1e6,
-           busbw_gbs(bytes, dt, T), d.spread(), mpi_cols, ratio, 100 * others, lat_before, lat_after,
-           placement.c_str(), others >= 0.10 ? "; disturbed by other processes" : "",
-           d.ok && m.ok ? "" : "  WRONG SUMS");
-    rows.push_back({bytes, dt, mt, paired_ratio, placement, others});
+    printf("%8s | %9.2f %7.2f %5.0f | %s | %s | %s | %s | %5.0f%% | %4.0f / %4.0f  %s%s%s\n", size_str(bytes).c_str(),
+           dt * 1e6, busbw_gbs(bytes, dt, T), d.spread(), mc.cols.c_str(), gc.cols.c_str(), mc.ratio.c_str(),
+           gc.ratio.c_str(), 100 * others, lat_before, lat_after, placement.c_str(),
+           others >= 0.10 ? "; disturbed by other processes" : "", d.ok && m.ok && g.ok ? "" : "  WRONG SUMS");
+    rows.push_back({bytes, dt, mc.time, mc.paired, placement, others});
   }
 
 #ifdef BENCH_HAVE_MPI

@@ -442,7 +442,8 @@ DPAR_API void dpar_engine_free(dpar_engine *engine);
  * soon as its workers reach a synchronisation point (a worker inside a computation or a callback finishes that
  * first). The engine cannot continue after an abort: later calls return ::DPAR_ERR_INVALID_STATE, and it is
  * released with dpar_engine_free(). Unlike every other engine call, it does not wait for the engine's lock, so
- * it may be called at any time from any thread except the engine's own callbacks.
+ * it may be called at any time from any thread except the engine's own callbacks. With several processes the
+ * others are told: their engines fail with ::DPAR_ERR_REMOTE at their next synchronisation point.
  */
 DPAR_API dpar_status dpar_engine_abort(dpar_engine *engine);
 
@@ -543,11 +544,15 @@ DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine *engine, dpar_forw
 /**
  * @brief Saves parameters, optimizer state, step count and RNG streams as a safetensors file, atomically
  * (a temporary file, fsync, rename): a crash leaves the old file or the new one, never half of one.
+ * With several processes every process calls it: rank 0 alone writes @p path (the others' @p path is not
+ * touched), and every process returns rank 0's outcome.
  * @return ::DPAR_OK or ::DPAR_ERR_IO.
  */
 DPAR_API dpar_status dpar_engine_save(dpar_engine *engine, const char *path);
 /**
  * @brief Loads a checkpoint written by dpar_engine_save() into every replica.
+ * With several processes every process calls it: rank 0 reads its @p path and broadcasts the file, which every
+ * process checks and loads alike (the others' @p path is not opened: no shared file system is needed).
  * @return ::DPAR_OK; ::DPAR_ERR_IO; ::DPAR_ERR_CORRUPT for a truncated or damaged file (checked before anything
  *         changes); ::DPAR_ERR_MISMATCH for a checkpoint of another model or optimizer.
  */

@@ -10,7 +10,8 @@
 //    ends with the same parameters;
 //  - only rank 0 writes a checkpoint, and a checkpoint that only rank 0 can read loads on every process: training
 //    on from it is bit-identical to training straight; a corrupt one is refused on every process;
-//  - the loader's shards of a global batch are balanced, contiguous and cover it.
+//  - the loader's shards of a global batch are balanced, contiguous and cover it;
+//  - dpar_engine_abort on rank 0 makes the other processes' next step return REMOTE.
 // Every rank prints its failures as "[rank r] FAIL ..." and exits nonzero if it saw one; rank 0 prints a summary.
 #include <unistd.h>
 
@@ -218,6 +219,25 @@ void check_checkpoints(size_t devices, const Data& d, const std::string& dir) {
   }
 }
 
+// dpar_engine_abort on rank 0 tells the other processes: their next step returns REMOTE, not a timeout.
+void check_abort(size_t devices, const Data& d) {
+  if (g_size < 2) return;
+  dpar_engine* e = make_engine(devices, DPAR_PROCESSES_MPI, 30.0);
+  const auto [begin, rows] = my_rows(0);
+  CHECK_OK(step_rows(e, d, 0, begin, rows));
+  if (g_rank == 0) CHECK_OK(dpar_engine_abort(e));
+  const dpar_status s = step_rows(e, d, 1, begin, rows);
+  const std::string msg = dpar_last_error();
+  if (g_rank == 0) {
+    expect(s == DPAR_ERR_INVALID_STATE, std::string("a step after abort returned ") + dpar_status_str(s));
+  } else {
+    expect(s == DPAR_ERR_REMOTE, std::string("a step after rank 0's abort returned ") + dpar_status_str(s) + ": " + msg);
+    expect(msg.find("rank 0 was aborted") != std::string::npos, "the error does not say rank 0 aborted: " + msg);
+  }
+  dpar_engine_free(e);
+  if (g_rank == 0) std::printf("abort: rank 0's abort reached every process\n");
+}
+
 void check_loader_shards() {
   // 10 samples of 3 features, global batch 4: shards of a batch are contiguous slices of it.
   char dir[] = "/tmp/dpar_shard_XXXXXX";
@@ -327,6 +347,7 @@ int main(int argc, char** argv) {
   check_checkpoints(devices, d, dir);
   rmdir(dir);
   check_loader_shards();
+  check_abort(devices, d);
   if (g_rank == 0) std::printf("%s\n", g_failures ? "FAILED" : "ALL PASSED");
   return g_failures ? 1 : 0;
 }

@@ -99,6 +99,7 @@ void Engine::check_usable(const char* operation) const {
 void Engine::abort() {
   aborted_.store(true);
   group_->abort("the engine was aborted (dpar_engine_abort)");
+  if (processes_) processes_->abort("the engine of rank " + std::to_string(processes_->rank()) + " was aborted");
 }
 
 void Engine::run(const char* operation, const std::function<void(Replica&, size_t)>& job) {
