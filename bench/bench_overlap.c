@@ -45,14 +45,6 @@ typedef struct options {
   size_t first_kib, cap_kib; /* 0: dpar's defaults */
 } options;
 
-static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
-static uint64_t next_u64(void) { /* splitmix64 */
-  uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 static dpar_engine *make_engine(const dpar_model *model, const options *o, size_t first, size_t cap) {
   dpar_optimizer_options opt = DPAR_OPTIMIZER_OPTIONS_INIT;
   opt.kind = DPAR_ADAM;
@@ -200,8 +192,9 @@ int main(int argc, char **argv) {
   CHECK(dpar_tensor_data(&yp, y));
   float *xd = (float *)xp;
   int32_t *yd = (int32_t *)yp;
-  for (size_t i = 0; i < local * 784; ++i) xd[i] = (float)((double)(next_u64() >> 11) * (1.0 / 9007199254740992.0));
-  for (size_t i = 0; i < local; ++i) yd[i] = (int32_t)(next_u64() % 10);
+  uint64_t rng = 0x9E3779B97F4A7C15ull;
+  for (size_t i = 0; i < local * 784; ++i) xd[i] = bench_uniform(&rng);
+  for (size_t i = 0; i < local; ++i) yd[i] = (int32_t)(bench_next_u64(&rng) % 10);
 
   if (rank == 0) {
     bench_print_machine(stdout);

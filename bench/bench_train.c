@@ -43,13 +43,8 @@ static const double kDisturbed = 0.10;
 /* ---- small helpers ---------------------------------------------------------------------------------------- */
 
 static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
-static uint64_t next_u64(void) { /* splitmix64 */
-  uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-static float uniform(void) { return (float)((double)(next_u64() >> 11) * (1.0 / 9007199254740992.0)); }
+static uint64_t next_u64(void) { return bench_next_u64(&g_rng); }
+static float uniform(void) { return bench_uniform(&g_rng); }
 
 static void *xmalloc(size_t n) {
   void *p = malloc(n ? n : 1);

@@ -305,3 +305,12 @@ void bench_print_cpu_usage(FILE *f, const bench_cpu_usage *begin, const bench_cp
           100.0 * others, ncpu, 100.0 * steal / (wall * ncpu),
           others > 0.05 ? "  <-- figures are disturbed where marked; rerun on a quiet machine" : "");
 }
+
+uint64_t bench_next_u64(uint64_t *state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+float bench_uniform(uint64_t *state) { return (float)((double)(bench_next_u64(state) >> 11) * (1.0 / 9007199254740992.0)); }

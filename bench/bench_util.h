@@ -14,6 +14,10 @@ extern "C" {
 
 /** Monotonic time in seconds. */
 double bench_now(void);
+
+/* Synthetic data: a splitmix64 stream (one state per caller), and floats uniform in [0, 1) drawn from it. */
+uint64_t bench_next_u64(uint64_t *state);
+float bench_uniform(uint64_t *state);
 /** The median of v[0..n) (sorts v in place); 0 for n = 0. */
 double bench_median(double *v, size_t n);
 /** The q-quantile (0..1) of v[0..n) after bench_median() sorted it (nearest rank). */

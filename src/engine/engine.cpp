@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "common/error.h"
 #include "common/random.h"
@@ -281,6 +282,22 @@ void Engine::finish_and_step(Replica& rep) {
   rep.has_grad = false;
 }
 
+template <class T>
+T Engine::sum_over_processes(T value, const char* operation) {
+  if (!processes_) return value;
+  T sum = 0;
+  try {
+    processes_->all_reduce(&value, &sum, 1, std::is_same_v<T, double> ? CommDType::kF64 : CommDType::kI64,
+                           ReduceOp::kSum);
+  } catch (const Error& e) {
+    // Some processes may have gone on: the engine cannot tell where the others are.
+    broken_ = true;
+    broken_reason_ = std::string(operation) + ": " + e.what();
+    fail(e.status(), operation, ": across processes: ", e.what());
+  }
+  return sum;
+}
+
 double Engine::finish_loss(const char* operation, int64_t global_batch) {
   double total = 0.0;
   for (auto& rep : replicas_) total += rep->loss_rows > 0 ? rep->loss_sum : 0.0;
@@ -418,32 +435,6 @@ void Engine::set_training(bool training) { training_ = training; for (auto& rep 
 void Engine::set_lr(float lr) {
   DPAR_CHECK_ARG(std::isfinite(lr) && lr >= 0.0f, "lr: ", lr, " must be finite and >= 0");
   for (auto& rep : replicas_) rep->optimizer->set_lr(lr);
-}
-
-int64_t Engine::sum_over_processes(int64_t value, const char* operation) {
-  if (!processes_) return value;
-  int64_t sum = 0;
-  try {
-    processes_->all_reduce(&value, &sum, 1, CommDType::kI64, ReduceOp::kSum);
-  } catch (const Error& e) {
-    broken_ = true;
-    broken_reason_ = std::string(operation) + ": " + e.what();
-    fail(e.status(), operation, ": across processes: ", e.what());
-  }
-  return sum;
-}
-
-double Engine::sum_over_processes(double value, const char* operation) {
-  if (!processes_) return value;
-  double sum = 0;
-  try {
-    processes_->all_reduce(&value, &sum, 1, CommDType::kF64, ReduceOp::kSum);
-  } catch (const Error& e) {
-    broken_ = true;
-    broken_reason_ = std::string(operation) + ": " + e.what();
-    fail(e.status(), operation, ": across processes: ", e.what());
-  }
-  return sum;
 }
 
 int64_t Engine::step_count() const { return replicas_[0]->optimizer->steps(); }

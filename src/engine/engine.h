@@ -123,9 +123,9 @@ class Engine {
   void reduce_bucket(Replica& rep, float* data, size_t count, bool contributes);
   // Finishes the reduction of the step's gradients (scaled by rep.grad_scale) and applies the optimizer.
   void finish_and_step(Replica& rep);
-  // The sum of `value` over the processes (itself with one process).
-  int64_t sum_over_processes(int64_t value, const char* operation);
-  double sum_over_processes(double value, const char* operation);
+  // The sum of `value` (int64_t or double) over the processes (itself with one process).
+  template <class T>
+  T sum_over_processes(T value, const char* operation);
   // Rank 0's outcome of an operation it alone performed, told to every process: rethrown on rank 0, reported as
   // rank 0's failure elsewhere.
   void share_outcome(const char* operation, std::exception_ptr error) const;
