@@ -225,6 +225,11 @@ void check_abort(size_t devices, const Data& d) {
   dpar_engine* e = make_engine(devices, DPAR_PROCESSES_MPI, 30.0);
   const auto [begin, rows] = my_rows(0);
   CHECK_OK(step_rows(e, d, 0, begin, rows));
+  // Every process is out of that step before rank 0 aborts (an abort also stops a step still in flight elsewhere).
+  dpar_comm* world = nullptr;
+  CHECK_OK(dpar_comm_create_mpi(&world, nullptr));
+  CHECK_OK(dpar_comm_barrier(world));
+  dpar_comm_free(world);
   if (g_rank == 0) CHECK_OK(dpar_engine_abort(e));
   const dpar_status s = step_rows(e, d, 1, begin, rows);
   const std::string msg = dpar_last_error();
