@@ -11,11 +11,13 @@
 //  - only rank 0 writes a checkpoint, and a checkpoint that only rank 0 can read loads on every process: training
 //    on from it is bit-identical to training straight; a corrupt one is refused on every process;
 //  - the loader's shards of a global batch are balanced, contiguous and cover it;
+//  - a call refused on one process (bad labels) is refused on every process at once, and all go on;
 //  - dpar_engine_abort on rank 0 makes the other processes' next step return REMOTE.
 // Every rank prints its failures as "[rank r] FAIL ..." and exits nonzero if it saw one; rank 0 prints a summary.
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -219,6 +221,34 @@ void check_checkpoints(size_t devices, const Data& d, const std::string& dir) {
   }
 }
 
+// A process whose call is refused (bad labels on the last rank) does not leave the others waiting: it returns its own
+// INVALID_ARGUMENT, the others REMOTE naming it, at once; nobody took the step, and every engine goes on.
+void check_refused_input(size_t devices, const Data& d) {
+  if (g_size < 2) return;
+  dpar_engine* e = make_engine(devices, DPAR_PROCESSES_MPI, 60.0);
+  const auto [begin, rows] = my_rows(0);
+  const auto before = params(e);
+  Data bad = d;
+  if (g_rank == g_size - 1) bad.y[0][static_cast<size_t>(begin)] = kClasses;  // out of range
+  const auto t0 = std::chrono::steady_clock::now();
+  const dpar_status s = step_rows(e, bad, 0, begin, rows);
+  const std::string msg = dpar_last_error();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (g_rank == g_size - 1) {
+    expect(s == DPAR_ERR_INVALID_ARGUMENT, std::string("bad labels gave ") + dpar_status_str(s) + ": " + msg);
+  } else {
+    expect(s == DPAR_ERR_REMOTE, std::string("another rank's bad labels gave ") + dpar_status_str(s) + ": " + msg);
+    expect(msg.find("rank " + std::to_string(g_size - 1) + " refused") != std::string::npos,
+           "the error does not name the rank that refused: " + msg);
+  }
+  expect(seconds < 10.0, "the refusal took " + std::to_string(seconds) + " s to reach every process");
+  expect(params(e) == before, "a refused step changed the parameters");
+  const dpar_status again = step_rows(e, d, 0, begin, rows);
+  expect(again == DPAR_OK, std::string("the engine did not go on after a refused step: ") + dpar_status_str(again));
+  dpar_engine_free(e);
+  if (g_rank == 0) std::printf("refused input: every process refused the step at once and went on\n");
+}
+
 // dpar_engine_abort on rank 0 tells the other processes: their next step returns REMOTE, not a timeout.
 void check_abort(size_t devices, const Data& d) {
   if (g_size < 2) return;
@@ -352,6 +382,7 @@ int main(int argc, char** argv) {
   check_checkpoints(devices, d, dir);
   rmdir(dir);
   check_loader_shards();
+  check_refused_input(devices, d);
   check_abort(devices, d);
   if (g_rank == 0) std::printf("%s\n", g_failures ? "FAILED" : "ALL PASSED");
   return g_failures ? 1 : 0;

@@ -298,6 +298,35 @@ T Engine::sum_over_processes(T value, const char* operation) {
   return sum;
 }
 
+int64_t Engine::global_batch_of(const char* operation, const std::function<int64_t()>& check) {
+  if (!processes_) return check();
+  // Every process tells its batch, or -1 if it refused its call: then all refuse the step together, and none waits
+  // for the one that returned (the engines stay usable). An all-gather, so that each can name who refused.
+  int64_t mine = -1;
+  std::exception_ptr refused;
+  try {
+    mine = check();
+  } catch (const Error&) {
+    refused = std::current_exception();
+  }
+  std::vector<int64_t> batches(static_cast<size_t>(processes_->size()));
+  try {
+    processes_->all_gather(&mine, batches.data(), 1, CommDType::kI64);
+  } catch (const Error& e) {
+    broken_ = true;
+    broken_reason_ = std::string(operation) + ": " + e.what();
+    fail(e.status(), operation, ": across processes: ", e.what());
+  }
+  if (refused) std::rethrow_exception(refused);
+  int64_t total = 0;
+  for (size_t p = 0; p < batches.size(); ++p) {
+    DPAR_ENFORCE(batches[p] >= 0, DPAR_ERR_REMOTE, operation, ": rank ", p,
+                 " refused its part of the step (its own error says why); no process took the step");
+    total += batches[p];
+  }
+  return total;
+}
+
 double Engine::finish_loss(const char* operation, int64_t global_batch) {
   double total = 0.0;
   for (auto& rep : replicas_) total += rep->loss_rows > 0 ? rep->loss_sum : 0.0;
@@ -306,11 +335,13 @@ double Engine::finish_loss(const char* operation, int64_t global_batch) {
 
 double Engine::accumulate(const Tensor& input, const Tensor& target) {
   check_usable("accumulate");
-  check_batch(input, &target, "accumulate");
-  DPAR_ENFORCE(pending_ != Pending::kExplicit, DPAR_ERR_INVALID_STATE,
-               "accumulate: gradients from backward() are pending; call step() or zero_grad() first");
+  const int64_t global_batch = global_batch_of("accumulate", [&] {
+    check_batch(input, &target, "accumulate");
+    DPAR_ENFORCE(pending_ != Pending::kExplicit, DPAR_ERR_INVALID_STATE,
+                 "accumulate: gradients from backward() are pending; call step() or zero_grad() first");
+    return input.rows();
+  });
   const int64_t batch = input.rows();
-  const int64_t global_batch = sum_over_processes(batch, "accumulate");
   const auto split = split_batch(batch, replicas_.size());
   run("accumulate", [&](Replica& rep, size_t r) {
     int64_t begin = 0;
@@ -327,12 +358,14 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
 
 double Engine::train_step(const Tensor& input, const Tensor& target) {
   check_usable("train_step");
-  check_batch(input, &target, "train_step");
-  DPAR_ENFORCE(pending_ == Pending::kNone, DPAR_ERR_INVALID_STATE,
-               "train_step: gradients from ", pending_ == Pending::kLoss ? "accumulate()" : "backward()",
-               " are pending; call step() or zero_grad() first");
+  const int64_t global_batch = global_batch_of("train_step", [&] {
+    check_batch(input, &target, "train_step");
+    DPAR_ENFORCE(pending_ == Pending::kNone, DPAR_ERR_INVALID_STATE,
+                 "train_step: gradients from ", pending_ == Pending::kLoss ? "accumulate()" : "backward()",
+                 " are pending; call step() or zero_grad() first");
+    return input.rows();
+  });
   const int64_t batch = input.rows();
-  const int64_t global_batch = sum_over_processes(batch, "train_step");
   const auto split = split_batch(batch, replicas_.size());
   const float scale = static_cast<float>(1.0 / static_cast<double>(global_batch));
   // One hand-off to the workers for the whole step: forward, loss, backward with the buckets' all-reduces

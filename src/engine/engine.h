@@ -123,6 +123,10 @@ class Engine {
   void reduce_bucket(Replica& rep, float* data, size_t count, bool contributes);
   // Finishes the reduction of the step's gradients (scaled by rep.grad_scale) and applies the optimizer.
   void finish_and_step(Replica& rep);
+  // Runs `check` (the call's argument and state checks, returning this process's batch) and returns the global
+  // batch: the sum over the processes. If any process's check throws, every process throws (the one that refused
+  // its own error, the others REMOTE naming it), so that none is left waiting.
+  int64_t global_batch_of(const char* operation, const std::function<int64_t()>& check);
   // The sum of `value` (int64_t or double) over the processes (itself with one process).
   template <class T>
   T sum_over_processes(T value, const char* operation);
