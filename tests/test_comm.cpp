@@ -516,6 +516,35 @@ TEST_P(Collectives, AllReduceSumWithAndWithoutContributors) {
     }
 }
 
+TEST_P(Collectives, ReduceSumLandsAtTheRootOnly) {
+  // all_reduce_sum's sum, into one participant: the first half of the engine's hierarchical reduction.
+  Group g(GetParam());
+  const int n = g.size();
+  for (size_t count : {size_t{0}, size_t{1}, size_t{1000}, size_t{100003}})
+    for (int root : {0, n - 1})
+      for (int skip : {1, 0, -1}) {  // -1: nobody contributes
+        std::vector<std::vector<float>> buf(n);
+        for (int r = 0; r < n; ++r) buf[r] = values<float>(r, count, 10);
+        const auto in = buf;
+        auto contributes = [&](int r) { return skip >= 0 && r != skip; };
+        ASSERT_EQ(first_error(on_ranks(
+                      n, [&](int r) { g[r].reduce_sum(buf[r].data(), count, contributes(r), 0.5f, root); })),
+                  "");
+        for (size_t i = 0; i < count; ++i) {
+          float want = 0;
+          for (int q = 0; q < n; ++q)
+            if (contributes(q)) want = q == (skip == 0 ? 1 : 0) ? in[q][i] : want + in[q][i];
+          ASSERT_EQ(buf[root][i], want * 0.5f) << "count " << count << " root " << root << " i " << i;
+        }
+      }
+  // A root outside the group is refused on the participant that names it, and releases the others.
+  EXPECT_NE(first_error(on_ranks(n, [&](int r) {
+              float x = 1;
+              g[r].reduce_sum(&x, 1, true, 1.0f, r == 0 ? n : 0);
+            })),
+            "");
+}
+
 TEST_P(Collectives, FloatMaxAndMinPropagateNaN) {
   Group g(GetParam());
   const int n = g.size();

@@ -277,6 +277,29 @@ TEST_P(Collectives, AllReduceSumWithNonContributorsAndScale) {
       }
 }
 
+TEST_P(Collectives, ReduceSumLandsAtTheRoot) {
+  // The Communicator's default reduce_sum: reduce() to the root, then the scale there.
+  const int n = comm_->size(), r = comm_->rank();
+  for (size_t count : kCounts)
+    for (bool contributing : {true, false}) {
+      SCOPED_TRACE(detail::concat("reduce_sum count ", count, contributing ? "" : ", rank 0 does not contribute"));
+      const int root = n - 1;
+      const bool mine = contributing || r != 0;
+      std::vector<float> buffer(count);
+      for (size_t i = 0; i < count; ++i) buffer[i] = mine ? value<float>(r, i) : std::numeric_limits<float>::quiet_NaN();
+      comm_->reduce_sum(buffer.data(), count, mine, 0.5f, root);
+      if (r != root) continue;
+      EXPECT_EQ(first_difference(buffer.data(), count,
+                                 [&](size_t i) {
+                                   float sum = 0;
+                                   for (int q = 0; q < n; ++q)
+                                     if (contributing || q != 0) sum += value<float>(q, i);
+                                   return sum * 0.5f;
+                                 }),
+                -1);
+    }
+}
+
 TEST_P(Collectives, BarrierWaitsForEveryRank) {
   if (comm_->size() < 2) GTEST_SKIP() << "needs 2 ranks";
   const auto t0 = std::chrono::steady_clock::now();

@@ -12,6 +12,8 @@
 // with a derived part already gone it must not run anything, so it fails the queued operations unrun.
 #include "comm/communicator.h"
 
+#include <algorithm>
+
 #include <system_error>
 
 #include "comm/comm_thread.h"
@@ -103,6 +105,14 @@ std::shared_ptr<Work> Communicator::submit_async(const char* operation, std::fun
 std::shared_ptr<Work> Communicator::async_all_reduce(const void* send, void* recv, size_t count, CommDType dtype,
                                                      ReduceOp op) {
   return submit_async("all_reduce", [=, this] { all_reduce(send, recv, count, dtype, op); });
+}
+
+void Communicator::reduce_sum(float* buffer, size_t count, bool contributes, float scale, int root) {
+  if (!contributes && buffer) std::fill(buffer, buffer + count, 0.0f);
+  const bool at_root = rank() == root;
+  reduce(buffer, at_root ? buffer : nullptr, count, CommDType::kF32, ReduceOp::kSum, root);
+  if (at_root && scale != 1.0f)
+    for (size_t i = 0; i < count; ++i) buffer[i] *= scale;
 }
 
 std::shared_ptr<Work> Communicator::async_run(const char* operation, std::function<void()> op) {

@@ -71,6 +71,10 @@ class Communicator {
   // buffer. A participant with contributes == false (it produced no gradient) receives the result without adding
   // its buffer, whose content is then ignored.
   virtual void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) = 0;
+  // The same sum, scaled, into root's buffer only (the first step of a hierarchical reduction): other participants'
+  // buffers are unspecified afterwards. The default is reduce() followed by a scaling pass at the root; a backend
+  // may fuse them.
+  virtual void reduce_sum(float* buffer, size_t count, bool contributes, float scale, int root);
 
   // Asynchronous forms: the operation runs on this participant's communication thread, in the order of the
   // calls; buffers must stay valid and untouched until the Work completes. The thread starts with the first

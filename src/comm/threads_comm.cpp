@@ -183,6 +183,7 @@ class ThreadCommunicator final : public Communicator {
     kReduce,
     kAllGather,
     kReduceScatter,
+    kReduceSum,
   };
 
   ThreadCommunicator(ThreadGroup& group, int rank) : group_(group), rank_(rank) {}
@@ -194,33 +195,11 @@ class ThreadCommunicator final : public Communicator {
   const char* backend() const override { return "threads"; }
 
   void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) override {
-    static constexpr const char* kOp = "all_reduce_sum";
-    Busy busy(*this, kOp);
-    if (count) {
-      check_bytes(kOp, count, 4, 1);
-      if (!buffer) local_failure(DPAR_ERR_INVALID_ARGUMENT, kOp, ": buffer is null");
-    }
-    auto& self = slot();
-    self.recv = buffer;
-    self.contributes = contributes;
-    start(kOp, kAllReduceSum, count, CommDType::kF32, ReduceOp::kSum, 0);
-    if (count == 0) return;
+    sum_pass("all_reduce_sum", kAllReduceSum, buffer, count, contributes, scale, 0);
+  }
 
-    const int n = size();
-    ReducePass pass;
-    pass.k = &kKernels[0][0];
-    pass.esz = sizeof(float);
-    for (int r = 0; r < n; ++r) {
-      const auto& s = group_.slots_[r];
-      pass.out[pass.no++] = static_cast<char*>(s.recv);
-      if (s.contributes) pass.in[pass.ni++] = static_cast<const char*>(s.recv);
-    }
-    // Accumulate in the first contributor's buffer (input 0 and an output); with none, zeros everywhere.
-    pass.target = pass.ni ? const_cast<char*>(pass.in[0]) : pass.out[0];
-    pass.scale = scale;
-    const auto [begin, end] = slice_of(count, sizeof(float), rank_, n);
-    pass.run(begin, end);
-    group_.arrive_and_wait(rank_, kOp);
+  void reduce_sum(float* buffer, size_t count, bool contributes, float scale, int root) override {
+    sum_pass("reduce_sum", kReduceSum, buffer, count, contributes, scale, root);
   }
 
   void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override {
@@ -399,6 +378,7 @@ class ThreadCommunicator final : public Communicator {
     switch (kind) {
       case kBarrier: return "barrier";
       case kAllReduceSum: return "all_reduce_sum";
+      case kReduceSum: return "reduce_sum";
       case kAllReduce: return "all_reduce";
       case kBroadcast: return "broadcast";
       case kReduce: return "reduce";
@@ -409,6 +389,41 @@ class ThreadCommunicator final : public Communicator {
   }
 
  private:
+  // The gradient path's sum, scaled, into every participant's buffer (kAllReduceSum) or root's alone (kReduceSum). Participants
+  // with contributes == false are left out of the sum. Accumulates in the first contributor's buffer (input 0 and,
+  // for all_reduce_sum, an output), so with a root a non-root contributor's buffer is clobbered; with no
+  // contributor the outputs get zeros.
+  void sum_pass(const char* operation, Kind kind, float* buffer, size_t count, bool contributes, float scale,
+                int root) {
+    Busy busy(*this, operation);
+    const bool to_root = kind == kReduceSum;
+    if (to_root) check_root(operation, root);
+    if (count) {
+      check_bytes(operation, count, 4, 1);
+      if (!buffer) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": buffer is null");
+    }
+    auto& self = slot();
+    self.recv = buffer;
+    self.contributes = contributes;
+    start(operation, kind, count, CommDType::kF32, ReduceOp::kSum, to_root ? root : 0);
+    if (count == 0) return;
+
+    const int n = size();
+    ReducePass pass;
+    pass.k = &kKernels[0][0];
+    pass.esz = sizeof(float);
+    for (int r = 0; r < n; ++r) {
+      const auto& s = group_.slots_[r];
+      if (!to_root || r == root) pass.out[pass.no++] = static_cast<char*>(s.recv);
+      if (s.contributes) pass.in[pass.ni++] = static_cast<const char*>(s.recv);
+    }
+    pass.target = pass.ni ? const_cast<char*>(pass.in[0]) : pass.out[0];
+    pass.scale = scale;
+    const auto [begin, end] = slice_of(count, sizeof(float), rank_, n);
+    pass.run(begin, end);
+    group_.arrive_and_wait(rank_, operation);
+  }
+
   // Marks this participant inside a collective, to catch a blocking call made while its asynchronous work runs
   // (best effort: plain loads and stores, no read-modify-write on the fast path). The flag lives in the
   // participant's private line of its slot: in the communicator object it would share a line with another
@@ -571,6 +586,9 @@ void ThreadGroup::fail_mismatch(int rank, int other, uint64_t round, const char*
       case ThreadCommunicator::kReduceScatter: os << " of " << f.count << " " << dtype << " (" << op << ")"; break;
       case ThreadCommunicator::kReduce:
         os << " of " << f.count << " " << dtype << " (" << op << ") to root " << int(f.root);
+        break;
+      case ThreadCommunicator::kReduceSum:
+        os << " of " << f.count << " " << dtype << " to root " << int(f.root);
         break;
       case ThreadCommunicator::kBroadcast:
         os << " of " << f.count << " " << dtype << " from root " << int(f.root);

@@ -251,8 +251,12 @@ std::pair<int64_t, int64_t> Engine::optimizer_shard(size_t replica) const {
 }
 
 void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contributes) {
-  rep.comm->all_reduce_sum(data, count, contributes, rep.grad_scale);
-  if (!processes_) return;
+  if (!processes_) {
+    rep.comm->all_reduce_sum(data, count, contributes, rep.grad_scale);
+    return;
+  }
+  // The process's sum lands in replica 0 only: the broadcast below is what the others receive.
+  rep.comm->reduce_sum(data, count, contributes, rep.grad_scale, 0);
   if (rep.ctx.replica == 0) {
     try {
       processes_->all_reduce(data, data, count, CommDType::kF32, ReduceOp::kSum);
