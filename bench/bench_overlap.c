@@ -23,16 +23,8 @@
 #include <string.h>
 
 #include "bench_util.h"
+#include "bench_check.h"
 #include "dpar.h"
-
-#define CHECK(call)                                                                          \
-  do {                                                                                       \
-    dpar_status s_ = (call);                                                                 \
-    if (s_ != DPAR_OK) {                                                                     \
-      fprintf(stderr, "%s failed: %s: %s\n", #call, dpar_status_str(s_), dpar_last_error()); \
-      exit(1);                                                                               \
-    }                                                                                        \
-  } while (0)
 
 enum { kMaxRounds = 64, kMaxSteps = 256 };
 

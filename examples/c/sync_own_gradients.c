@@ -39,22 +39,25 @@ static float *buffer(net *n, int i) {
 }
 static const size_t kCounts[kBuffers] = {kHidden * kIn, kHidden, kHidden, 1};
 
+/* The framework's forward for row i: the output, and the hidden activations in h. */
+static float forward(const net *p, int i, float *h) {
+  float y = p->b2[0];
+  for (int j = 0; j < kHidden; ++j) {
+    float a = p->b1[j];
+    for (int f = 0; f < kIn; ++f) a += p->w1[j][f] * X[i][f];
+    h[j] = tanhf(a);
+    y += p->w2[j] * h[j];
+  }
+  return y;
+}
+
 /* The framework's autograd: forward and backward of the mean squared error over rows [begin, end). `ready` is its
  * backward hook, called as each gradient is final. */
 static void backward(net *grad, const net *p, int begin, int end, void (*ready)(void *, int), void *hook) {
   memset(grad, 0, sizeof *grad);
   float h[kRows][kHidden], dy[kRows];
   const float scale = 2.0f / (float)(end - begin);
-  for (int i = begin; i < end; ++i) {
-    float y = p->b2[0];
-    for (int j = 0; j < kHidden; ++j) {
-      float a = p->b1[j];
-      for (int f = 0; f < kIn; ++f) a += p->w1[j][f] * X[i][f];
-      h[i][j] = tanhf(a);
-      y += p->w2[j] * h[i][j];
-    }
-    dy[i] = scale * (y - Y[i]);
-  }
+  for (int i = begin; i < end; ++i) dy[i] = scale * (forward(p, i, h[i]) - Y[i]);
   for (int i = begin; i < end; ++i) { /* the last layer first */
     for (int j = 0; j < kHidden; ++j) grad->w2[j] += dy[i] * h[i][j];
     grad->b2[0] += dy[i];
@@ -158,16 +161,10 @@ int main(void) {
   init(&start);
   double loss_start = 0.0, loss_end = 0.0;
   for (int i = 0; i < kRows; ++i) {
-    for (int which = 0; which < 2; ++which) {
-      const net *p = which ? &workers[0].params : &start;
-      float y = p->b2[0];
-      for (int j = 0; j < kHidden; ++j) {
-        float a = p->b1[j];
-        for (int f = 0; f < kIn; ++f) a += p->w1[j][f] * X[i][f];
-        y += p->w2[j] * tanhf(a);
-      }
-      *(which ? &loss_end : &loss_start) += (double)((y - Y[i]) * (y - Y[i])) / kRows;
-    }
+    float h[kHidden];
+    const float e0 = forward(&start, i, h) - Y[i], e1 = forward(&workers[0].params, i, h) - Y[i];
+    loss_start += (double)(e0 * e0) / kRows;
+    loss_end += (double)(e1 * e1) / kRows;
   }
   printf("mean squared error: %.4f before, %.4f after %d steps\n", loss_start, loss_end, kSteps);
   printf("largest relative difference from single-thread full-batch training: %.2e\n", worst);
