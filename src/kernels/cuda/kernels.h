@@ -1,0 +1,104 @@
+// CUDA math kernels: the twins of kernels/cpu/kernels.h, on device buffers, queued on a stream.
+//
+// Every function here has the contract of its CPU twin (same arguments, same formulas, same op order where the
+// CPU kernel documents one), plus the stream it is queued on (and, for GEMMs, the cuBLAS handle, already bound
+// to that stream by the caller). Kernels know nothing about tensors, threads, replicas or ranks, allocate
+// nothing, never synchronise the host, and never throw for data: argument checks are the O(1) ones of the CPU
+// twins (shapes, counts) and throw dpar::Error(INVALID_ARGUMENT); a launch failure throws dpar::Error(DEVICE)
+// naming the kernel. The CPU kernel is every kernel's reference (tests/test_cuda_kernels.cpp).
+//
+// Determinism: each output element is computed by a fixed sequence of operations, independent of the launch
+// configuration, and reductions (bias gradients, losses) run in a fixed order, so the same inputs give the same
+// bits call after call. GEMMs go through cuBLAS with its deterministic algorithms (no split-K atomics).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cpu/kernels.h"  // SgdHyper, AdamHyper: the hyper-parameters are the same structs
+
+namespace dpar::kernels::cuda {
+
+using cpu::AdamHyper;
+using cpu::SgdHyper;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Linear layer (cuBLAS SGEMM, FP32 arithmetic: the CPU twin's precision).
+
+// out = inp @ weight^T + bias.
+// inp (B,C_in), weight (C_out,C_in), bias (C_out) or nullptr, out (B,C_out)
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
+                    int64_t C_out, cublasHandle_t blas, cudaStream_t stream);
+
+// dinp = dout @ weight (skipped if dinp == nullptr); dweight = dout^T @ inp; dbias = sum over the batch of dout
+// (skipped if dbias == nullptr). accumulate=false overwrites dweight/dbias, accumulate=true adds to them.
+// dinp (B,C_in), dweight (C_out,C_in), dbias (C_out), dout (B,C_out), inp (B,C_in), weight (C_out,C_in)
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate,
+                     cublasHandle_t blas, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Elementwise activations on n elements (all buffers (n)); out may alias inp exactly.
+
+void relu_forward(float* out, const float* inp, int64_t n, cudaStream_t stream);
+void relu_backward(float* dinp, const float* dout, const float* out, int64_t n, cudaStream_t stream);
+void gelu_forward(float* out, const float* inp, int64_t n, cudaStream_t stream);
+void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n, cudaStream_t stream);
+void tanh_forward(float* out, const float* inp, int64_t n, cudaStream_t stream);
+void tanh_backward(float* dinp, const float* dout, const float* out, int64_t n, cudaStream_t stream);
+void sigmoid_forward(float* out, const float* inp, int64_t n, cudaStream_t stream);
+void sigmoid_backward(float* dinp, const float* dout, const float* out, int64_t n, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dropout with dpar's counter-based stream: element i is kept iff cpu::dropout_uniform(seed, offset + i) >= p,
+// bit for bit the CPU twin's draw, so a GPU replica draws exactly the mask its CPU twin draws.
+// out (n), mask (n), inp (n)
+void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float p, uint64_t seed, uint64_t offset,
+                     cudaStream_t stream);
+// dinp (n), dout (n), mask (n)
+void dropout_backward(float* dinp, const float* dout, const float* mask, int64_t n, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Losses fused with their gradient. The SUM over the batch of per-sample losses (accumulated in double, in a
+// fixed order) is written to *loss_sum, a device double; the gradient is that of (the sum * grad_scale).
+// dlogits/dpred may be nullptr for the loss alone. Labels must lie in [0, C): the caller checks them (a kernel
+// cannot throw); an out-of-range label gives a NaN loss, never an out-of-bounds read.
+
+// dlogits (B,C), logits (B,C), labels (B)
+void cross_entropy_forward_backward(double* loss_sum, float* dlogits, const float* logits, const int32_t* labels,
+                                    int64_t B, int64_t C, float grad_scale, cudaStream_t stream);
+// dpred (B,D), pred (B,D), target (B,D)
+void mse_forward_backward(double* loss_sum, float* dpred, const float* pred, const float* target, int64_t B,
+                          int64_t D, float grad_scale, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Optimizers on flat buffers (one launch for every parameter of a replica), PyTorch's formulas, as the CPU twins.
+
+// param (n), momentum_buf (n) or nullptr when momentum == 0, grad (n)
+void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const SgdHyper& h, bool first_step,
+              cudaStream_t stream);
+// step is 1-based. param (n), exp_avg (n), exp_avg_sq (n), grad (n)
+void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n, const AdamHyper& h,
+               int64_t step, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Small helpers.
+
+// y += a*x.  y (n), x (n)
+void axpy(float* y, const float* x, float a, int64_t n, cudaStream_t stream);
+// x *= a.  x (n)
+void scale(float* x, float a, int64_t n, cudaStream_t stream);
+
+// The reduction of replicas that share a device (or reach each other's memory by peer access): elements
+// [begin, end) of every buffer get (sum over b, in index order, of buffers[b][i] where contributes[b]) * scale.
+// buffers: a device array of num_buffers device pointers; contributes: a device array of num_buffers bytes.
+// Each participant reduces its own slice of every buffer on its own stream (the one-pass algorithm of the
+// threads backend, in device memory). Order of the sum is buffer order, so every slice gets the same bits
+// whichever participant computes it.
+void sum_slice_into_all(float* const* buffers, const uint8_t* contributes, int num_buffers, int64_t begin,
+                        int64_t end, float scale, cudaStream_t stream);
+
+}  // namespace dpar::kernels::cuda
