@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "common/error.h"
+#include "backend/cpu/cpu_backend.h"
+#include "comm/threads_comm.h"
 #include "engine/engine.h"
 #include "kernels/cpu/kernels.h"
 
@@ -21,12 +23,13 @@ namespace {
 // ---------------------------------------------------------------------------------------------------------------
 // Helpers
 
-Model make_mlp(uint64_t seed, int64_t in = 12, int64_t hidden = 16, int64_t out = 5, int32_t act = DPAR_TANH) {
+Model make_mlp(uint64_t seed, int64_t in = 12, int64_t hidden = 16, int64_t out = 5,
+               Activation act = Activation::kTanh) {
   Model m(seed);
   m.add(make_linear(in, hidden, true));
   m.add(make_activation(act));
   m.add(make_linear(hidden, hidden, true));
-  m.add(make_activation(DPAR_RELU));
+  m.add(make_activation(Activation::kRelu));
   m.add(make_linear(hidden, out, true));
   return m;
 }
@@ -71,10 +74,12 @@ EngineConfig cpu_devices(size_t n) {
 struct Standalone {
   uint64_t rng_offset = 0;
   Fault fault = Fault::kNone;
+  std::unique_ptr<Stream> stream = cpu_backend().open_stream(Device{});
   ReplicaContext ctx;
   Standalone() {
     ctx.rng_offset = &rng_offset;
     ctx.armed_fault = &fault;
+    ctx.stream = stream.get();
   }
 };
 
@@ -85,7 +90,7 @@ std::vector<float> reference_training(const Model& model, const OptimizerConfig&
   Standalone single;
   const ReplicaContext& ctx = single.ctx;
   ReplicaModel replica(model, ctx);
-  Optimizer optimizer(opt, replica.num_params());
+  Optimizer optimizer(opt, model.num_param_elements(), Device{});
   for (int s = 0; s < steps; ++s) {
     const Batch& b = data[static_cast<size_t>(s) % data.size()];
     Tensor out = replica.forward(ctx, b.x);
@@ -94,9 +99,9 @@ std::vector<float> reference_training(const Model& model, const OptimizerConfig&
     kernels::cpu::cross_entropy_forward_backward(dout.f32(), out.f32(), b.y.i32(), rows, out.shape()[1],
                                                  1.0f / static_cast<float>(rows));
     replica.backward(ctx, dout, false);
-    optimizer.step(replica.params(), replica.grads());
+    optimizer.step(*single.stream, replica.params(), replica.grads());
   }
-  return std::vector<float>(replica.params(), replica.params() + replica.num_params());
+  return std::vector<float>(replica.params(), replica.params() + model.num_param_elements());
 }
 
 // Largest |a - b| / max(|b|, floor): a relative error that does not blow up at parameters near zero.
@@ -231,7 +236,7 @@ TEST(Engine, MseLossMatchesReference) {
   // An MSE regression over 3 devices with an uneven split equals full-batch training with PyTorch's mean MSE.
   Model model(3);
   model.add(make_linear(6, 8, true));
-  model.add(make_activation(DPAR_GELU));
+  model.add(make_activation(Activation::kGelu));
   model.add(make_linear(8, 3, true));
   const int64_t rows = 11;
   std::mt19937 gen(5);
@@ -244,9 +249,9 @@ TEST(Engine, MseLossMatchesReference) {
   Standalone single;
   const ReplicaContext& ctx = single.ctx;
   ReplicaModel ref(model, ctx);
-  Optimizer ref_opt(sgd_momentum(), ref.num_params());
+  Optimizer ref_opt(sgd_momentum(), model.num_param_elements(), Device{});
   EngineConfig config = cpu_devices(3);
-  config.loss = DPAR_LOSS_MSE;
+  config.loss = LossKind::kMse;
   Engine engine(model, sgd_momentum(), config);
   for (int s = 0; s < 15; ++s) {
     Tensor out = ref.forward(ctx, x);
@@ -254,11 +259,11 @@ TEST(Engine, MseLossMatchesReference) {
     const double ref_loss =
         kernels::cpu::mse_forward_backward(dout.f32(), out.f32(), y.f32(), rows, 3, 1.0f / rows) / rows;
     ref.backward(ctx, dout, false);
-    ref_opt.step(ref.params(), ref.grads());
+    ref_opt.step(*single.stream, ref.params(), ref.grads());
     const double loss = engine.train_step(x, y);
     EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss)) << "step " << s;
   }
-  EXPECT_LT(max_relative_error(engine.params(0), std::vector<float>(ref.params(), ref.params() + ref.num_params())),
+  EXPECT_LT(max_relative_error(engine.params(0), std::vector<float>(ref.params(), ref.params() + model.num_param_elements())),
             1e-5);
 }
 
@@ -266,7 +271,7 @@ TEST(Engine, MseLossMatchesReference) {
 // Replicas stay identical; state in a replica persists
 
 TEST(Engine, ReplicasBitIdenticalAfterManySteps) {
-  Model model = make_mlp(11, 12, 32, 5, DPAR_GELU);
+  Model model = make_mlp(11, 12, 32, 5, Activation::kGelu);
   Engine engine(model, adam(), cpu_devices(8));
   for (int s = 0; s < 100; ++s) {
     Batch b = make_batch(30 + s % 7, 12, 5, s);  // even and uneven splits
@@ -395,7 +400,7 @@ TEST(Checkpoint, ResumeIsBitIdenticalToTrainingStraight) {
     Model model(21);
     model.add(make_linear(12, 16, true));
     model.add(make_dropout(0.2f));  // the RNG streams must resume too
-    model.add(make_activation(DPAR_RELU));
+    model.add(make_activation(Activation::kRelu));
     model.add(make_linear(16, 5, true));
     std::vector<Batch> data;
     for (int i = 0; i < 20; ++i) data.push_back(make_batch(30, 12, 5, 300 + i));

@@ -12,6 +12,7 @@
 
 #include "comm/threads_comm.h"
 #include "common/error.h"
+#include "backend/cpu/cpu_backend.h"
 #include "reducer/reducer.h"
 
 using namespace dpar;
@@ -39,8 +40,9 @@ float grad_value(int rank, size_t g, size_t i) {
 
 std::unique_ptr<Reducer> make_reducer(Communicator& comm, std::vector<Reducer::Grad> grads, BucketOptions options,
                                       float scale, std::atomic<int>* launches = nullptr) {
+  static const std::unique_ptr<Stream> host = cpu_backend().open_stream(Device{});
   return std::make_unique<Reducer>(
-      std::move(grads), options,
+      std::move(grads), options, *host,
       [&comm, scale](float* data, size_t count, bool contributes) {
         comm.all_reduce_sum(data, count, contributes, scale);
       },

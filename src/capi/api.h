@@ -11,6 +11,7 @@
 #include <shared_mutex>
 #include <vector>
 
+#include "backend/backend.h"
 #include "comm/communicator.h"
 #include "comm/threads_comm.h"
 #include "common/error.h"
@@ -55,7 +56,8 @@ struct dpar_reducer {
   std::shared_ptr<dpar::Communicator> comm;
   std::mutex mutex;                          // the reducer's calls may come from several threads
   bool in_step = false;                      // a grad_ready since the last wait
-  std::unique_ptr<dpar::Reducer> reducer;    // last: destroyed first, while the communicator lives
+  std::unique_ptr<dpar::Stream> stream;      // the reducer's staging copies
+  std::unique_ptr<dpar::Reducer> reducer;    // last: destroyed first, while the communicator and stream live
 };
 struct dpar_work {
   std::shared_ptr<dpar::Work> work;
@@ -119,6 +121,11 @@ void free_handle(H* handle) {
   unregister_handle(handle);
   delete handle;
 }
+
+// A device kind from a C caller: unknown kinds are invalid; kinds not built into this library are not supported.
+DeviceKind checked_device_kind(int32_t kind, const char* argument);
+// A device from a C caller: a built kind, a non-negative index, and (for kinds with real devices) one that exists.
+Device checked_device(dpar_device device, const char* argument);
 
 // Bucket sizes from an options struct: 0 keeps the default.
 inline BucketOptions bucket_options(size_t first_bucket_bytes, size_t bucket_cap_bytes) {

@@ -3,7 +3,6 @@
 #include <string>
 
 #include "capi/api.h"
-#include "kernels/cpu/kernels.h"
 
 namespace dpar::capi {
 namespace {
@@ -52,7 +51,7 @@ class CustomLayer final : public Layer {
   }
 
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
-    bind_handles();
+    bind_handles(ctx.device);
     dpar_custom_call call = base_call(ctx);
     call.input = in_.set(in);
     call.output = out_.set(out);
@@ -61,7 +60,7 @@ class CustomLayer final : public Layer {
 
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out, const Tensor& dout, const Tensor& din,
                 bool accumulate) override {
-    bind_handles();
+    bind_handles(ctx.device);
     dpar_custom_call call = base_call(ctx);
     call.input = in_.set(in);
     call.output = out_.set(out);
@@ -79,21 +78,20 @@ class CustomLayer final : public Layer {
     call.grads = grad_ptrs_.data();
     invoke(desc_->backward, call, "backward");
     if (accumulate)
-      for (size_t i = 0; i < scratch_.size(); ++i)
-        kernels::cpu::axpy(grads_[i], scratch_[i].f32(), 1.0f, scratch_[i].numel());
+      for (size_t i = 0; i < scratch_.size(); ++i) ctx.stream->axpy(grads_[i], scratch_[i].f32(), 1.0f, scratch_[i].numel());
   }
 
  private:
   // Wraps the bound parameter and gradient views once (bind() runs after construction).
-  void bind_handles() {
+  void bind_handles(Device device) {
     if (!param_handles_.empty() || desc_->specs.empty()) return;
     const size_t n = desc_->specs.size();
     param_handles_ = std::vector<BorrowedTensor>(n);
     grad_views_ = std::vector<BorrowedTensor>(n);
     for (size_t i = 0; i < n; ++i) {
       const Shape& s = desc_->specs[i].shape;
-      param_ptrs_.push_back(param_handles_[i].set(Tensor::wrap(params_[i], DType::kF32, s, Device{})));
-      grad_tensors_.push_back(Tensor::wrap(grads_[i], DType::kF32, s, Device{}));
+      param_ptrs_.push_back(param_handles_[i].set(Tensor::wrap(params_[i], DType::kF32, s, device)));
+      grad_tensors_.push_back(Tensor::wrap(grads_[i], DType::kF32, s, device));
       grad_ptrs_.push_back(nullptr);
     }
   }

@@ -15,12 +15,22 @@ namespace {
 
 EngineConfig engine_config(const dpar_engine_options& o) {
   EngineConfig c;
-  checked_device_kind(o.device_kind, "opts.device_kind");
-  const size_t available = o.num_cpu_devices ? o.num_cpu_devices : default_cpu_device_count();
-  DPAR_CHECK_ARG(available <= 256, "opts.num_cpu_devices: ", available, " is more than 256");
+  const DeviceKind kind = checked_device_kind(o.device_kind, "opts.device_kind");
+  const char* name = kind == DeviceKind::kCpu ? "cpu" : "cuda";
+  size_t available = 0;
+  if (kind == DeviceKind::kCpu) {
+    available = o.num_cpu_devices ? o.num_cpu_devices : default_cpu_device_count();
+    DPAR_CHECK_ARG(available <= 256, "opts.num_cpu_devices: ", available, " is more than 256");
+  } else {
+    Backend& backend = backend_for(kind);
+    available = backend.device_count();
+    DPAR_ENFORCE(available > 0, DPAR_ERR_DEVICE, "opts.device_kind: no ", name, " device (",
+                 backend.unavailable_reason(), ")");
+  }
   std::vector<int32_t> ids;
   if (o.device_ids) {
     DPAR_CHECK_ARG(o.num_device_ids > 0, "opts.num_device_ids: the device list is empty");
+    DPAR_CHECK_ARG(o.num_device_ids <= 256, "opts.num_device_ids: ", o.num_device_ids, " is more than 256");
     ids.assign(o.device_ids, o.device_ids + o.num_device_ids);
   } else {
     DPAR_CHECK_ARG(o.num_device_ids == 0, "opts.device_ids: is NULL but num_device_ids is ", o.num_device_ids);
@@ -28,14 +38,18 @@ EngineConfig engine_config(const dpar_engine_options& o) {
   }
   std::set<int32_t> seen;
   for (size_t i = 0; i < ids.size(); ++i) {
-    DPAR_CHECK_ARG(ids[i] >= 0 && static_cast<size_t>(ids[i]) < available, "opts.device_ids[", i, "]: cpu:", ids[i],
-                   " is out of range (", available, " CPU devices: cpu:0 to cpu:", available - 1, ")");
-    DPAR_CHECK_ARG(seen.insert(ids[i]).second, "opts.device_ids[", i, "]: cpu:", ids[i], " is repeated");
-    c.devices.push_back(Device{DeviceKind::kCpu, ids[i]});
+    DPAR_CHECK_ARG(ids[i] >= 0 && static_cast<size_t>(ids[i]) < available, "opts.device_ids[", i, "]: ", name, ":",
+                   ids[i], " is out of range (", available, " ", name, " devices: ", name, ":0 to ", name, ":",
+                   available - 1, ")");
+    // A GPU named twice holds two replicas (they reduce through device memory); a CPU device is one thread.
+    DPAR_CHECK_ARG(seen.insert(ids[i]).second || kind != DeviceKind::kCpu, "opts.device_ids[", i, "]: cpu:", ids[i],
+                   " is repeated");
+    c.devices.push_back(Device{kind, ids[i]});
   }
   if (o.output_device >= 0) {
     auto it = std::find(ids.begin(), ids.end(), o.output_device);
-    DPAR_CHECK_ARG(it != ids.end(), "opts.output_device: cpu:", o.output_device, " is not one of the engine's devices");
+    DPAR_CHECK_ARG(it != ids.end(), "opts.output_device: ", name, ":", o.output_device,
+                   " is not one of the engine's devices");
     c.output_replica = static_cast<size_t>(it - ids.begin());
   } else {
     DPAR_CHECK_ARG(o.output_device == -1, "opts.output_device: ", o.output_device, " (use -1 for the first device)");
@@ -45,7 +59,7 @@ EngineConfig engine_config(const dpar_engine_options& o) {
                  " must be positive (INFINITY for none)");
   DPAR_CHECK_ARG(o.blas_threads >= 1 && o.blas_threads <= 1024, "opts.blas_threads: ", o.blas_threads,
                  " must be 1 to 1024");
-  c.loss = o.loss;
+  c.loss = o.loss == DPAR_LOSS_MSE ? LossKind::kMse : LossKind::kCrossEntropy;
   c.seed = o.seed;
   c.timeout_seconds = o.timeout_seconds;
   c.blas_threads = o.blas_threads;

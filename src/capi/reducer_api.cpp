@@ -66,8 +66,10 @@ DPAR_API dpar_status dpar_reducer_create(dpar_reducer** out, dpar_comm* comm, fl
     h->comm = c.comm;
     Communicator* raw = h->comm.get();
     const float scale = o.op == DPAR_MEAN ? 1.0f / static_cast<float>(raw->size()) : 1.0f;
+    // The framework's gradients are host memory: the reducer's copies and fills go through a CPU stream.
+    h->stream = backend_for(DeviceKind::kCpu).open_stream(Device{});
     h->reducer = std::make_unique<Reducer>(
-        std::move(list), bucket_options(o.first_bucket_bytes, o.bucket_cap_bytes),
+        std::move(list), bucket_options(o.first_bucket_bytes, o.bucket_cap_bytes), *h->stream,
         [raw, scale](float* data, size_t count, bool contributes) {
           raw->all_reduce_sum(data, count, contributes, scale);
         },

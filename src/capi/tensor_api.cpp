@@ -3,21 +3,34 @@
 using namespace dpar;
 using namespace dpar::capi;
 
-namespace {
+namespace dpar::capi {
+
+DeviceKind checked_device_kind(int32_t kind, const char* argument) {
+  DeviceKind k;
+  switch (kind) {
+    case DPAR_DEVICE_CPU: k = DeviceKind::kCpu; break;
+    case DPAR_DEVICE_CUDA: k = DeviceKind::kCuda; break;
+    default: fail(DPAR_ERR_INVALID_ARGUMENT, argument, ": unknown device kind ", kind);
+  }
+  DPAR_ENFORCE(backend_built(k), DPAR_ERR_NOT_SUPPORTED, argument, ": device kind ", kind == DPAR_DEVICE_CUDA ? "cuda" : "?",
+               ": this dpar was built without CUDA");
+  return k;
+}
+
 Device checked_device(dpar_device d, const char* argument) {
   Device dev{checked_device_kind(d.kind, argument), d.index};
-  DPAR_CHECK_ARG(d.index >= 0, argument, ": device index ", d.index, " is negative");
+  check_device_exists(dev, argument);
   return dev;
 }
-}  // namespace
+
+}  // namespace dpar::capi
 
 extern "C" {
 
 DPAR_API dpar_status dpar_device_count(size_t* out, int32_t kind) {
   return guard([&] {
     checked_out(out);
-    checked_device_kind(kind, "kind");
-    *out = default_cpu_device_count();
+    *out = backend_for(checked_device_kind(kind, "kind")).device_count();
   });
 }
 
@@ -68,7 +81,7 @@ DPAR_API dpar_status dpar_tensor_copy_from_host(dpar_tensor* tensor, const void*
     DPAR_CHECK_ARG(src != nullptr, "src: is NULL");
     DPAR_CHECK_ARG(bytes == t.bytes(), "bytes: ", bytes, " differs from the tensor's ", t.bytes(), " bytes ",
                    t.shape().str());
-    std::memcpy(t.raw(), src, bytes);
+    t.copy_from_host(src);
   });
 }
 
@@ -78,7 +91,7 @@ DPAR_API dpar_status dpar_tensor_copy_to_host(void* dst, const dpar_tensor* tens
     DPAR_CHECK_ARG(dst != nullptr, "dst: is NULL");
     DPAR_CHECK_ARG(bytes == t.bytes(), "bytes: ", bytes, " differs from the tensor's ", t.bytes(), " bytes ",
                    t.shape().str());
-    std::memcpy(dst, t.raw(), bytes);
+    t.copy_to_host(dst);
   });
 }
 

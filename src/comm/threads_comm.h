@@ -40,27 +40,28 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/group.h"
 #include "common/sync.h"
 
 namespace dpar {
 
-class ThreadGroup {
+class ThreadGroup final : public Group {
  public:
   // names[r] names participant r in messages ("replica 2 (cpu:2)"). At most 256 participants. A timeout beyond
   // a century means none.
   ThreadGroup(std::vector<std::string> names, std::chrono::duration<double> timeout);
 
-  int size() const { return static_cast<int>(names_.size()); }
+  int size() const override { return static_cast<int>(names_.size()); }
   const std::string& name(int rank) const { return names_[static_cast<size_t>(rank)]; }
   // Makes an aborted group usable again and restarts the sequence numbers of the fingerprints. Only while no
   // participant is inside a collective (nor has one queued on its communication thread).
-  void reset();
-  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+  void reset() override;
+  bool aborted() const override { return aborted_.load(std::memory_order_acquire); }
   // Every participant waiting now or later throws Error(REMOTE) with `reason` (the first reason is kept).
-  void abort(const std::string& reason);
+  void abort(const std::string& reason) override;
 
   // Participant `rank`'s view. The group must outlive it.
-  std::unique_ptr<Communicator> communicator(int rank);
+  std::unique_ptr<Communicator> communicator(int rank) override;
 
  private:
   friend class ThreadCommunicator;

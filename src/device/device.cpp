@@ -13,14 +13,6 @@ std::string Device::str() const {
   return std::string(kind == DeviceKind::kCpu ? "cpu:" : "cuda:") + std::to_string(index);
 }
 
-DeviceKind checked_device_kind(int32_t kind, const char* argument) {
-  if (kind == DPAR_DEVICE_CPU) return DeviceKind::kCpu;
-  if (kind == DPAR_DEVICE_CUDA) {
-    fail(DPAR_ERR_NOT_SUPPORTED, argument, ": device kind cuda: this dpar was not built with CUDA");
-  }
-  fail(DPAR_ERR_INVALID_ARGUMENT, argument, ": unknown device kind ", kind);
-}
-
 size_t default_cpu_device_count() {
   if (const char* env = std::getenv("DPAR_CPU_DEVICES")) {
     char* end = nullptr;

@@ -19,8 +19,6 @@ struct Device {
   bool operator==(const Device& o) const { return kind == o.kind && index == o.index; }
 };
 
-// Checks a raw kind from the C ABI: unknown kinds are invalid; kinds not built in are not supported.
-DeviceKind checked_device_kind(int32_t kind, const char* argument);
 // DPAR_CPU_DEVICES if set to a positive integer, else the number of cores.
 size_t default_cpu_device_count();
 // Parses "cpu", "cpu:3", "cuda:0".

@@ -75,20 +75,26 @@ void Engine::save(const std::string& path) const {
 
 void Engine::write_checkpoint(const std::string& path) const {
   const Replica& rep = *replicas_[0];
-  const float* params = rep.model->params();
+  const size_t elements = static_cast<size_t>(model_.num_param_elements());
+  std::vector<float> params(elements);
+  backend_.copy_to_host(params.data(), rep.model->params(), elements * sizeof(float), rep.ctx.device);
   std::vector<io::TensorView> views;
   for (const ParamInfo& p : model_.params())
     views.push_back({p.name, "F32", std::vector<int64_t>(p.shape.data(), p.shape.data() + p.shape.ndim()),
-                     params + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
-  // Each replica's optimizer state is current for its own shard (sync_and_step): gather the shards.
+                     params.data() + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
+  // Each replica's optimizer state is current for its own shard (finish_and_step): gather the shards.
   auto state_names = rep.optimizer->state();
   std::vector<std::vector<float>> gathered(state_names.size());
   for (size_t s = 0; s < state_names.size(); ++s) {
-    gathered[s].resize(static_cast<size_t>(model_.num_param_elements()));
+    gathered[s].resize(elements);
     for (size_t r = 0; r < replicas_.size(); ++r) {
-      const auto [begin, end] = optimizer_shard(r);
-      const float* src = replicas_[r]->optimizer->state()[s].second->data();
-      std::copy(src + begin, src + end, gathered[s].begin() + begin);
+      const auto [first, last] = optimizer_shard(r);
+      const size_t begin = std::min(elements, static_cast<size_t>(first));
+      const size_t end = std::min(elements, static_cast<size_t>(last));
+      if (begin == end) continue;
+      const Tensor state = replicas_[r]->optimizer->state()[s].second;
+      backend_.copy_to_host(gathered[s].data() + begin, state.f32() + begin, (end - begin) * sizeof(float),
+                            replicas_[r]->ctx.device);
     }
     for (const ParamInfo& p : model_.params())
       views.push_back({"optimizer." + state_names[s].first + "." + p.name, "F32",
@@ -163,11 +169,11 @@ void Engine::load(const std::string& path) {
   // Each replica copies from the file on its own worker.
   run("load", [&](Replica& rep, size_t r) {
     for (const ParamInfo& p : model_.params())
-      std::memcpy(rep.model->params() + p.offset, file.data(p.name), file.entry(p.name).bytes);
+      rep.stream->copy_from_host(rep.model->params() + p.offset, file.data(p.name), file.entry(p.name).bytes);
     for (auto& [state_name, buffer] : rep.optimizer->state())
       for (const ParamInfo& p : model_.params()) {
         const std::string name = "optimizer." + state_name + "." + p.name;
-        std::memcpy(buffer->data() + p.offset, file.data(name), file.entry(name).bytes);
+        rep.stream->copy_from_host(buffer.f32() + p.offset, file.data(name), file.entry(name).bytes);
       }
     rep.optimizer->set_steps(steps);
     // RNG streams continue where they were only when the replica layout is the same.

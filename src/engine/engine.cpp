@@ -8,11 +8,8 @@
 
 #include "common/error.h"
 #include "common/random.h"
-#include "kernels/cpu/blas_threads.h"
-#include "kernels/cpu/kernels.h"
 
 namespace dpar {
-namespace k = kernels::cpu;
 
 std::vector<int64_t> split_batch(int64_t batch, size_t devices) {
   std::vector<int64_t> rows(devices, 0);
@@ -26,16 +23,27 @@ std::vector<int64_t> split_batch(int64_t batch, size_t devices) {
   return rows;
 }
 
+namespace {
+// The backend that every device of the engine belongs to.
+Backend& backend_of(const std::vector<Device>& devices) {
+  DPAR_CHECK_ARG(!devices.empty(), "device_ids: the device list is empty");
+  for (size_t r = 0; r < devices.size(); ++r) {
+    DPAR_CHECK_ARG(devices[r].kind == devices[0].kind, "device_ids[", r, "]: ", devices[r].str(),
+                   " is not of the same kind as ", devices[0].str(), " (an engine's devices are of one kind)");
+    check_device_exists(devices[r], "device_ids");
+  }
+  return backend_for(devices[0]);
+}
+}  // namespace
+
 Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfig config)
-    : model_(model), config_(std::move(config)) {
+    : model_(model), config_(std::move(config)), backend_(backend_of(config_.devices)) {
   DPAR_CHECK_ARG(model_.num_layers() > 0, "model: has no layers");
-  DPAR_CHECK_ARG(!config_.devices.empty(), "device_ids: the device list is empty");
   DPAR_CHECK_ARG(config_.timeout_seconds > 0, "timeout_seconds: must be positive");
   DPAR_CHECK_ARG(config_.blas_threads >= 1 && config_.blas_threads <= 1024, "blas_threads: ", config_.blas_threads,
                  " must be 1 to 1024");
-  // OpenBLAS's thread count is process-wide: one BLAS thread inside each worker keeps the workers from
-  // oversubscribing the cores.
-  k::set_blas_threads(config_.blas_threads);
+  const Backend::WorkerOptions workers{config_.pin_workers, config_.blas_threads};
+  backend_.prepare_workers(workers);
 
   const size_t n = config_.devices.size();
   processes_ = config_.processes;
@@ -47,6 +55,8 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
     const int64_t local = static_cast<int64_t>(n);
     processes_->all_gather(&local, counts.data(), 1, CommDType::kI64);
     for (int p = 0; p < processes_->rank(); ++p) first_replica += counts[static_cast<size_t>(p)];
+    // Every process starts from rank 0's parameters, whatever each one's model was initialised with (as DDP).
+    processes_->broadcast(model_.values().data(), model_.values().size(), CommDType::kF32, 0);
   }
   std::vector<std::string> names;
   for (size_t r = 0; r < n; ++r) {
@@ -59,34 +69,41 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
     names.push_back("replica " + std::to_string(r) + " (" + config_.devices[r].str() + ")");
     replicas_.push_back(std::move(rep));
   }
-  group_ = std::make_unique<ThreadGroup>(names, std::chrono::duration<double>(config_.timeout_seconds));
+  // Equal optimizer shards, whole cache lines each, so that no two workers write the same line of a replica's
+  // parameters and an all-gather of equal blocks puts the shards together.
+  const int64_t elements = model_.num_param_elements(), parts = static_cast<int64_t>(n);
+  shard_elements_ = ((elements + parts - 1) / parts + 15) / 16 * 16;
+
+  pool_ = std::make_unique<WorkerPool>(n, [this, workers](size_t w) {
+    backend_.start_worker(config_.devices[w], w, workers);
+  });
+  // Each replica's stream, memory and model are made on its own worker: its memory is first touched (and, for a
+  // GPU, allocated) there. This is the only time the model is copied to the devices.
+  run("create", [&](Replica& rep, size_t) {
+    rep.stream = backend_.open_stream(rep.ctx.device);
+    rep.ctx.stream = rep.stream.get();
+  });
+  std::vector<Stream*> streams;
+  for (auto& rep : replicas_) streams.push_back(rep->stream.get());
+  group_ = backend_.make_group(config_.devices, streams, names, std::chrono::duration<double>(config_.timeout_seconds));
   for (size_t r = 0; r < n; ++r) replicas_[r]->comm = group_->communicator(static_cast<int>(r));
-  pool_ = std::make_unique<WorkerPool>(n, config_.pin_workers ? pin_to_cpu : nullptr);
 
   layer_params_.resize(model_.num_layers());
   for (size_t i = 0; i < model_.params().size(); ++i) layer_params_[model_.params()[i].layer].push_back(i);
 
-  // Each replica is built on its own worker: its memory is first touched (and, for a GPU, allocated) there.
-  // This is the only time the model is copied to the devices.
   run("create", [&](Replica& rep, size_t) {
-    rep.model = std::make_unique<ReplicaModel>(model_, rep.ctx);
-    rep.optimizer = std::make_unique<Optimizer>(optimizer, rep.model->num_params());
+    rep.model = std::make_unique<ReplicaModel>(model_, rep.ctx, shard_elements_ * parts);
+    rep.optimizer = std::make_unique<Optimizer>(optimizer, model_.num_param_elements(), rep.ctx.device);
+    rep.loss_sum_device = Tensor::zeros(DType::kF32, Shape{2}, rep.ctx.device);  // room for one double
     std::vector<Reducer::Grad> grads;
     for (const ParamInfo& p : model_.params())
       grads.push_back({rep.model->grads() + p.offset, static_cast<size_t>(p.shape.numel())});
     Communicator* comm = rep.comm.get();
     rep.reducer = std::make_unique<Reducer>(
-        std::move(grads), config_.buckets,
+        std::move(grads), config_.buckets, *rep.stream,
         [this, &rep](float* data, size_t count, bool contributes) { reduce_bucket(rep, data, count, contributes); },
         [comm](std::function<void()> op) { return comm->async_run("gradient bucket", std::move(op)); });
   });
-  if (processes_) {
-    // Every process starts from rank 0's parameters, whatever each one's model was initialised with (as DDP).
-    const auto count = static_cast<size_t>(model_.num_param_elements());
-    processes_->broadcast(replicas_[0]->model->params(), count, CommDType::kF32, 0);
-    for (size_t r = 1; r < n; ++r)
-      std::memcpy(replicas_[r]->model->params(), replicas_[0]->model->params(), count * sizeof(float));
-  }
 }
 
 Engine::~Engine() = default;
@@ -113,12 +130,15 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     // be in use once the job returns.
     try {
       job(rep, r);
+      // A job ends with its device work done: the caller may then read any replica's memory, and a device
+      // failure is this job's.
+      if (rep.stream) rep.stream->synchronize();
     } catch (const std::exception& e) {
-      rep.comm->abort(rep.ctx.device.str() + " failed: " + e.what());
+      if (rep.comm) rep.comm->abort(rep.ctx.device.str() + " failed: " + e.what());
       if (rep.reducer) rep.reducer->drain();
       throw;
     } catch (...) {
-      rep.comm->abort(rep.ctx.device.str() + " failed: unknown exception");
+      if (rep.comm) rep.comm->abort(rep.ctx.device.str() + " failed: unknown exception");
       if (rep.reducer) rep.reducer->drain();
       throw;
     }
@@ -155,7 +175,7 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     if (processes_) processes_->abort(std::string(operation) + ": the engine was aborted on another process");
     fail(status, operation, ": ", message);
   }
-  group_->reset();
+  if (group_) group_->reset();  // null while the engine is still being created
   bool any_stepped = false;
   for (auto& rep : replicas_) {
     any_stepped = any_stepped || rep->stepped;
@@ -194,43 +214,32 @@ Shape Engine::check_batch(const Tensor& input, const Tensor* target, const char*
   } catch (const Error& e) {
     fail(e.status(), operation, ": input ", input.shape().str(), " does not fit the model: ", e.what());
   }
-  if (!target) return out;
-  if (config_.loss == DPAR_LOSS_CROSS_ENTROPY) {
-    DPAR_CHECK_ARG(out.ndim() == 2, operation, ": cross-entropy needs a (batch, classes) output, the model gives ",
-                   out.str());
-    DPAR_CHECK_ARG(target->dtype() == DType::kI32, operation, ": target must be i32 class labels, got ",
-                   dtype_name(target->dtype()));
-    DPAR_CHECK_ARG(target->shape().ndim() == 1 && target->rows() == input.rows(), operation, ": target ",
-                   target->shape().str(), " must be (", input.rows(), ") labels, one per input row");
-    const int32_t* labels = target->i32();
-    for (int64_t i = 0; i < target->rows(); ++i)
-      DPAR_CHECK_ARG(labels[i] >= 0 && labels[i] < out[1], operation, ": target[", i, "] = ", labels[i],
-                     " is out of range [0, ", out[1], ")");
-  } else {
-    DPAR_CHECK_ARG(target->dtype() == DType::kF32, operation, ": MSE target must be f32, got ",
-                   dtype_name(target->dtype()));
-    DPAR_CHECK_ARG(target->shape() == out, operation, ": MSE target ", target->shape().str(),
-                   " must be shaped as the output ", out.str());
-  }
-  DPAR_CHECK_ARG(target->device().is_host(), operation, ": target must be in host memory");
+  if (target) check_loss_target(config_.loss, out, *target, operation);
   return out;
+}
+
+Tensor Engine::on_replica(Replica& rep, const Tensor& host, int64_t begin, int64_t rows, Tensor& stage) {
+  Tensor part = host.rows(begin, rows);
+  if (rep.ctx.device.is_host()) return part;
+  const Shape shape = host.shape().with_rows(rows);
+  if (!stage.defined() || stage.dtype() != host.dtype() || stage.numel() < shape.numel())
+    stage = rep.ctx.alloc(host.dtype(), Shape{shape.numel()});
+  Tensor dst = stage.rows(0, shape.numel()).reshaped(shape);
+  rep.stream->copy_from_host(dst.raw(), part.raw(), part.bytes());
+  return dst;
 }
 
 void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin,
                                  bool reduce) {
   const ReplicaContext& ctx = rep.ctx;
-  Tensor x = input.rows(begin, rep.rows);
+  Tensor x = on_replica(rep, input, begin, rep.rows, rep.input_stage);
+  Tensor t = on_replica(rep, target, begin, rep.rows, rep.target_stage);
   Tensor out = rep.model->forward(ctx, x);
   if (hook_) hook_(ctx.replica, x.shape(), out.shape());
   Tensor dout = rep.model->output_grad_buffer(ctx);
   // The gradient of the SUM of this chunk's losses; the all-reduce divides by the whole batch.
-  if (config_.loss == DPAR_LOSS_CROSS_ENTROPY) {
-    rep.loss_sum = k::cross_entropy_forward_backward(dout.f32(), out.f32(), target.i32() + begin, rep.rows,
-                                                     out.shape()[1], 1.0f);
-  } else {
-    Tensor t = target.rows(begin, rep.rows);
-    rep.loss_sum = k::mse_forward_backward(dout.f32(), out.f32(), t.f32(), rep.rows, out.shape().row_numel(), 1.0f);
-  }
+  auto* loss_sum = static_cast<double*>(rep.loss_sum_device.raw());
+  loss_forward_backward(config_.loss, ctx, loss_sum, dout, out, t, 1.0f);
   rep.loss_rows = rep.rows;
   if (reduce) {
     rep.model->backward(ctx, dout, rep.has_grad, [&](size_t layer) {
@@ -243,11 +252,8 @@ void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor
 }
 
 std::pair<int64_t, int64_t> Engine::optimizer_shard(size_t replica) const {
-  // Cache-line-aligned slices, so that no two workers write the same line of a replica's parameters.
-  const int64_t n = model_.num_param_elements(), parts = static_cast<int64_t>(replicas_.size());
-  const int64_t per = ((n + parts - 1) / parts + 15) / 16 * 16;
-  const int64_t begin = std::min(n, per * static_cast<int64_t>(replica));
-  return {begin, std::min(n, begin + per)};
+  const int64_t begin = shard_elements_ * static_cast<int64_t>(replica);
+  return {begin, begin + shard_elements_};
 }
 
 void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contributes) {
@@ -259,7 +265,15 @@ void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contrib
   rep.comm->reduce_sum(data, count, contributes, rep.grad_scale, 0);
   if (rep.ctx.replica == 0) {
     try {
-      processes_->all_reduce(data, data, count, CommDType::kF32, ReduceOp::kSum);
+      if (rep.ctx.device.is_host()) {
+        processes_->all_reduce(data, data, count, CommDType::kF32, ReduceOp::kSum);
+      } else {
+        // The processes' communicator moves host memory (MPI): the bucket goes through the host.
+        std::vector<float> host(count);
+        rep.stream->copy_to_host(host.data(), data, count * sizeof(float));
+        processes_->all_reduce(host.data(), host.data(), count, CommDType::kF32, ReduceOp::kSum);
+        rep.stream->copy_from_host(data, host.data(), count * sizeof(float));
+      }
     } catch (const std::exception& e) {
       // The other replicas wait for this one in the broadcast below.
       rep.comm->abort(std::string("the reduction across processes failed: ") + e.what());
@@ -273,17 +287,19 @@ void Engine::finish_and_step(Replica& rep) {
   rep.reducer->finish();
   rep.stepped = true;
   // Every replica now holds the same summed gradient, so the optimizer's result is the same on all of them. Each
-  // worker computes it for its own shard only and writes that shard into every replica: the replicas end
-  // identical, bit for bit, as if each had stepped everything, for 1/n of the optimizer's work. (Its state for a
-  // shard is current in the shard's owner only; save() gathers it.) No replica reads parameters until the next
-  // job, and run() returns only when every worker is done, so the writes need no barrier of their own.
+  // worker computes it for its own shard only, and an all-gather puts the shards together in every replica: the
+  // replicas end identical, bit for bit, as if each had stepped everything, for 1/n of the optimizer's work. (Its
+  // state for a shard is current in the shard's owner only; save() gathers it.)
   const auto [begin, end] = optimizer_shard(rep.ctx.replica);
-  rep.optimizer->step_range(rep.model->params(), rep.model->grads(), begin, end);
-  for (auto& other : replicas_)
-    if (other.get() != &rep)
-      std::memcpy(other->model->params() + begin, rep.model->params() + begin,
-                  static_cast<size_t>(end - begin) * sizeof(float));
+  float* params = rep.model->params();
+  rep.optimizer->step_range(*rep.stream, params, rep.model->grads(), begin, end);
+  if (replicas_.size() > 1)
+    rep.comm->all_gather(params + begin, params, static_cast<size_t>(shard_elements_), CommDType::kF32);
   rep.has_grad = false;
+}
+
+void Engine::read_loss(Replica& rep) {
+  if (rep.loss_rows > 0) rep.stream->copy_to_host(&rep.loss_sum, rep.loss_sum_device.raw(), sizeof(double));
 }
 
 template <class T>
@@ -332,7 +348,7 @@ int64_t Engine::global_batch_of(const char* operation, const std::function<int64
 }
 
 double Engine::finish_loss(const char* operation, int64_t global_batch) {
-  double total = 0.0;
+  double total = 0.0;  // the replicas' loss_sum, copied from their devices at the end of the job
   for (auto& rep : replicas_) total += rep->loss_rows > 0 ? rep->loss_sum : 0.0;
   return sum_over_processes(total, operation) / static_cast<double>(global_batch);
 }
@@ -353,6 +369,7 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
     rep.rows = split[r];
     rep.loss_rows = 0;
     if (rep.rows > 0) local_loss_backward(rep, input, target, begin, false);
+    read_loss(rep);
   });
   pending_ = Pending::kLoss;
   pending_samples_ += global_batch;
@@ -383,6 +400,7 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
     rep.reducer->prepare();
     if (rep.rows > 0) local_loss_backward(rep, input, target, begin, true);
     finish_and_step(rep);
+    read_loss(rep);
   });
   forward_split_.clear();
   return finish_loss("train_step", global_batch);
@@ -424,18 +442,30 @@ Tensor Engine::forward(const Tensor& input) {
   check_usable("forward");
   const Shape out_shape = check_batch(input, nullptr, "forward");
   const auto split = split_batch(input.rows(), replicas_.size());
-  Tensor out = Tensor::empty(DType::kF32, out_shape, config_.devices[config_.output_replica]);
+  const Device out_device = config_.devices[config_.output_replica];
+  Tensor out = Tensor::empty(DType::kF32, out_shape, out_device);
   const int64_t out_row = out_shape.row_numel();
   run("forward", [&](Replica& rep, size_t r) {
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
     if (rep.rows == 0) return;
-    Tensor x = input.rows(begin, rep.rows);
+    Tensor x = on_replica(rep, input, begin, rep.rows, rep.input_stage);
     Tensor y = rep.model->forward(rep.ctx, x);
     if (hook_) hook_(r, x.shape(), y.shape());
     // Gather: each replica copies its rows into the output, in batch order.
-    std::memcpy(out.f32() + begin * out_row, y.f32(), static_cast<size_t>(y.numel()) * sizeof(float));
+    float* dst = out.f32() + begin * out_row;
+    const size_t bytes = static_cast<size_t>(y.numel()) * sizeof(float);
+    if (rep.ctx.device == out_device) {
+      rep.stream->copy(dst, y.f32(), bytes);
+    } else if (out_device.is_host()) {
+      rep.stream->copy_to_host(dst, y.f32(), bytes);
+    } else {
+      // Between two devices of another kind than the host: through the host.
+      std::vector<float> host(static_cast<size_t>(y.numel()));
+      rep.stream->copy_to_host(host.data(), y.f32(), bytes);
+      backend_.copy_from_host(dst, host.data(), bytes, out_device);
+    }
     if (!training_) rep.model->clear_forward_state();
   });
   if (training_) {
@@ -460,7 +490,7 @@ void Engine::backward(const Tensor& grad_output) {
     if (split[r] == 0) return;
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
-    rep.model->backward(rep.ctx, grad_output.rows(begin, split[r]), rep.has_grad);
+    rep.model->backward(rep.ctx, on_replica(rep, grad_output, begin, split[r], rep.grad_stage), rep.has_grad);
     rep.has_grad = true;
   });
   forward_split_.clear();
@@ -485,8 +515,10 @@ std::vector<float> Engine::replica_losses() const {
 }
 
 std::vector<float> Engine::params(size_t replica) const {
-  const auto& m = *replicas_[replica]->model;
-  return std::vector<float>(m.params(), m.params() + model_.num_param_elements());
+  const Replica& rep = *replicas_[replica];
+  std::vector<float> values(static_cast<size_t>(model_.num_param_elements()));
+  backend_.copy_to_host(values.data(), rep.model->params(), values.size() * sizeof(float), rep.ctx.device);
+  return values;
 }
 
 void Engine::set_forward_hook(ForwardHook hook) { hook_ = std::move(hook); }

@@ -26,8 +26,9 @@
 #include <string>
 #include <vector>
 
-#include "comm/threads_comm.h"
+#include "backend/backend.h"
 #include "device/worker_pool.h"
+#include "nn/loss.h"
 #include "nn/model.h"
 #include "optim/optimizer.h"
 #include "reducer/reducer.h"
@@ -39,9 +40,9 @@ namespace dpar {
 std::vector<int64_t> split_batch(int64_t batch, size_t devices);
 
 struct EngineConfig {
-  std::vector<Device> devices;  // replica r runs on devices[r]
+  std::vector<Device> devices;  // replica r runs on devices[r]; all of one kind
   size_t output_replica = 0;    // forward() gathers on this replica's device
-  int32_t loss = DPAR_LOSS_CROSS_ENTROPY;
+  LossKind loss = LossKind::kCrossEntropy;
   uint64_t seed = 0;
   double timeout_seconds = 300.0;
   int32_t blas_threads = 1;
@@ -95,6 +96,7 @@ class Engine {
  private:
   struct Replica {
     ReplicaContext ctx;
+    std::unique_ptr<Stream> stream;  // the replica's kernels and ordered copies (ctx.stream)
     std::unique_ptr<ReplicaModel> model;
     std::unique_ptr<Optimizer> optimizer;
     std::unique_ptr<Communicator> comm;
@@ -105,11 +107,17 @@ class Engine {
     bool has_grad = false;  // local gradients hold something since the last step
     bool stepped = false;   // this call applied the optimizer (tells whether a failure left replicas apart)
     double loss_sum = 0.0;
+    Tensor loss_sum_device;  // where the loss kernel writes the sum (a double) on the replica's device
+    // The replica's rows of a host batch (input, target, backward()'s grad_output) on a device that is not the host.
+    Tensor input_stage, target_stage, grad_stage;
     int64_t rows = 0;       // rows of the current call
     int64_t loss_rows = 0;  // rows behind loss_sum (the last training step or accumulate)
   };
   enum class Pending { kNone, kLoss, kExplicit };
 
+  // Rows [begin, begin + rows) of a host tensor on the replica's device: a view on the host, a copy into the
+  // replica's staging buffer `stage` elsewhere.
+  Tensor on_replica(Replica& rep, const Tensor& host, int64_t begin, int64_t rows, Tensor& stage);
   // Checks input (and target) against the model; returns the output shape for the whole batch.
   Shape check_batch(const Tensor& input, const Tensor* target, const char* operation) const;
   // Runs job on every replica's worker; on failure restores a usable state (or marks the engine broken) and
@@ -121,6 +129,8 @@ class Engine {
   void local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin, bool reduce);
   // One bucket's collectives on replica `rep`: within the process, then across the processes.
   void reduce_bucket(Replica& rep, float* data, size_t count, bool contributes);
+  // Copies the replica's loss sum of its last rows from its device into rep.loss_sum.
+  void read_loss(Replica& rep);
   // Finishes the reduction of the step's gradients (scaled by rep.grad_scale) and applies the optimizer.
   void finish_and_step(Replica& rep);
   // Runs `check` (the call's argument and state checks, returning this process's batch) and returns the global
@@ -134,15 +144,18 @@ class Engine {
   // rank 0's failure elsewhere.
   void share_outcome(const char* operation, std::exception_ptr error) const;
   void write_checkpoint(const std::string& path) const;
-  // Elements [begin, end) of the flat parameters whose optimizer step replica `replica` computes.
+  // Elements [begin, end) of the (padded) flat parameters whose optimizer step replica `replica` computes: every
+  // shard has shard_elements_ elements, so that an all-gather puts them together.
   std::pair<int64_t, int64_t> optimizer_shard(size_t replica) const;
   // The mean loss of the last step or micro-batch over the global batch.
   double finish_loss(const char* operation, int64_t global_batch);
 
   Model model_;
   EngineConfig config_;
+  Backend& backend_;
   std::vector<std::unique_ptr<Replica>> replicas_;
-  std::unique_ptr<ThreadGroup> group_;
+  int64_t shard_elements_ = 0;
+  std::unique_ptr<Group> group_;
   std::shared_ptr<Communicator> processes_;
   std::vector<std::vector<size_t>> layer_params_;  // per layer, the indices of its parameters
   std::unique_ptr<WorkerPool> pool_;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/stream.h"
 #include "device/device.h"
 #include "tensor/tensor.h"
 
@@ -19,6 +20,7 @@ enum class Fault : int32_t { kNone = DPAR_FAULT_NONE, kAlloc = DPAR_FAULT_ALLOC,
 struct ReplicaContext {
   size_t replica = 0;
   Device device;
+  Stream* stream = nullptr;        // the replica's kernels and ordered copies
   bool training = true;
   uint64_t rng_seed = 0;       // this replica's stream
   uint64_t* rng_offset = nullptr;  // advanced by every draw; persists across steps
@@ -67,7 +69,7 @@ class Layer {
 };
 
 std::unique_ptr<Layer> make_linear(int64_t in_features, int64_t out_features, bool bias);
-std::unique_ptr<Layer> make_activation(int32_t activation);  // a dpar_activation
+std::unique_ptr<Layer> make_activation(Activation activation);
 std::unique_ptr<Layer> make_dropout(float p);
 
 }  // namespace dpar

@@ -1,13 +1,11 @@
-// The built-in layers. Their math lives in kernels/cpu; here are shapes, parameters and saved state.
+// The built-in layers. Their math is the replica's backend's (through its Stream); here are shapes, parameters
+// and saved state.
 #include <cmath>
-#include <cstring>
 
 #include "common/error.h"
-#include "kernels/cpu/kernels.h"
 #include "nn/layer.h"
 
 namespace dpar {
-namespace k = kernels::cpu;
 
 Tensor ReplicaContext::alloc(DType dtype, const Shape& shape) const {
   maybe_fail(Fault::kAlloc, "allocation");
@@ -45,13 +43,13 @@ class Linear final : public Layer {
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(in_, out_, bias_); }
 
   // in (B,C_in), weight (C_out,C_in), bias (C_out), out (B,C_out)
-  void forward(const ReplicaContext&, const Tensor& in, const Tensor& out) override {
-    k::linear_forward(out.f32(), in.f32(), params_[0], bias_ ? params_[1] : nullptr, in.rows(), in_, out_);
+  void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
+    ctx.stream->linear_forward(out.f32(), in.f32(), params_[0], bias_ ? params_[1] : nullptr, in.rows(), in_, out_);
   }
-  void backward(const ReplicaContext&, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
+  void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
                 bool accumulate) override {
-    k::linear_backward(din.defined() ? din.f32() : nullptr, grads_[0], bias_ ? grads_[1] : nullptr, dout.f32(),
-                       in.f32(), params_[0], in.rows(), in_, out_, accumulate);
+    ctx.stream->linear_backward(din.defined() ? din.f32() : nullptr, grads_[0], bias_ ? grads_[1] : nullptr,
+                                dout.f32(), in.f32(), params_[0], in.rows(), in_, out_, accumulate);
   }
 
  private:
@@ -59,39 +57,26 @@ class Linear final : public Layer {
   bool bias_;
 };
 
-class Activation final : public Layer {
+class ActivationLayer final : public Layer {
  public:
-  explicit Activation(int32_t kind) : kind_(kind) {}
+  explicit ActivationLayer(Activation kind) : kind_(kind) {}
   std::string describe() const override {
     static const char* names[] = {"relu", "gelu", "tanh", "sigmoid"};
-    return names[kind_];
+    return names[static_cast<int>(kind_)];
   }
   Shape output_shape(const Shape& in) const override { return in; }
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<Activation>(kind_); }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<ActivationLayer>(kind_); }
 
-  void forward(const ReplicaContext&, const Tensor& in, const Tensor& out) override {
-    const int64_t n = in.numel();
-    switch (kind_) {
-      case DPAR_RELU: k::relu_forward(out.f32(), in.f32(), n); break;
-      case DPAR_GELU: k::gelu_forward(out.f32(), in.f32(), n); break;
-      case DPAR_TANH: k::tanh_forward(out.f32(), in.f32(), n); break;
-      case DPAR_SIGMOID: k::sigmoid_forward(out.f32(), in.f32(), n); break;
-    }
+  void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
+    ctx.stream->activation_forward(kind_, out.f32(), in.f32(), in.numel());
   }
-  void backward(const ReplicaContext&, const Tensor& in, const Tensor& out, const Tensor& dout, const Tensor& din,
-                bool) override {
-    if (!din.defined()) return;
-    const int64_t n = in.numel();
-    switch (kind_) {
-      case DPAR_RELU: k::relu_backward(din.f32(), dout.f32(), out.f32(), n); break;
-      case DPAR_GELU: k::gelu_backward(din.f32(), dout.f32(), in.f32(), n); break;
-      case DPAR_TANH: k::tanh_backward(din.f32(), dout.f32(), out.f32(), n); break;
-      case DPAR_SIGMOID: k::sigmoid_backward(din.f32(), dout.f32(), out.f32(), n); break;
-    }
+  void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out, const Tensor& dout,
+                const Tensor& din, bool) override {
+    if (din.defined()) ctx.stream->activation_backward(kind_, din.f32(), dout.f32(), in.f32(), out.f32(), in.numel());
   }
 
  private:
-  int32_t kind_;
+  Activation kind_;
 };
 
 class Dropout final : public Layer {
@@ -105,22 +90,22 @@ class Dropout final : public Layer {
     const int64_t n = in.numel();
     active_ = ctx.training && p_ > 0.0f;
     if (!active_) {
-      std::memcpy(out.f32(), in.f32(), static_cast<size_t>(n) * sizeof(float));
+      ctx.stream->copy(out.f32(), in.f32(), static_cast<size_t>(n) * sizeof(float));
       return;
     }
     if (!mask_.defined() || mask_.numel() < n) mask_ = ctx.alloc(DType::kF32, Shape{n});
     // Each replica draws from its own stream, and the stream's position persists across steps.
-    k::dropout_forward(out.f32(), mask_.f32(), in.f32(), n, p_, ctx.rng_seed, *ctx.rng_offset);
+    ctx.stream->dropout_forward(out.f32(), mask_.f32(), in.f32(), n, p_, ctx.rng_seed, *ctx.rng_offset);
     *ctx.rng_offset += static_cast<uint64_t>(n);
   }
-  void backward(const ReplicaContext&, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
+  void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
                 bool) override {
     if (!din.defined()) return;
     const int64_t n = in.numel();
     if (active_)
-      k::dropout_backward(din.f32(), dout.f32(), mask_.f32(), n);
+      ctx.stream->dropout_backward(din.f32(), dout.f32(), mask_.f32(), n);
     else
-      std::memcpy(din.f32(), dout.f32(), static_cast<size_t>(n) * sizeof(float));
+      ctx.stream->copy(din.f32(), dout.f32(), static_cast<size_t>(n) * sizeof(float));
   }
 
  private:
@@ -138,9 +123,8 @@ std::unique_ptr<Layer> make_linear(int64_t in_features, int64_t out_features, bo
   return std::make_unique<Linear>(in_features, out_features, bias);
 }
 
-std::unique_ptr<Layer> make_activation(int32_t activation) {
-  DPAR_CHECK_ARG(activation >= DPAR_RELU && activation <= DPAR_SIGMOID, "activation: unknown kind ", activation);
-  return std::make_unique<Activation>(activation);
+std::unique_ptr<Layer> make_activation(Activation activation) {
+  return std::make_unique<ActivationLayer>(activation);
 }
 
 std::unique_ptr<Layer> make_dropout(float p) {

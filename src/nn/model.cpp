@@ -1,7 +1,6 @@
 #include "nn/model.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "common/error.h"
 
@@ -36,13 +35,13 @@ Shape Model::output_shape(const Shape& input) const {
   return s;
 }
 
-ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx) {
-  const int64_t n = std::max<int64_t>(model.num_param_elements(), 1);
+ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_t param_capacity) {
+  const int64_t n = std::max<int64_t>({model.num_param_elements(), param_capacity, 1});
   params_ = ctx.alloc(DType::kF32, Shape{n});
   grads_ = ctx.alloc(DType::kF32, Shape{n});
-  std::memset(params_.f32(), 0, static_cast<size_t>(n) * sizeof(float));
-  std::memset(grads_.f32(), 0, static_cast<size_t>(n) * sizeof(float));
-  std::memcpy(params_.f32(), model.values().data(), model.values().size() * sizeof(float));
+  ctx.stream->fill_zero(params_.raw(), params_.bytes());
+  ctx.stream->fill_zero(grads_.raw(), grads_.bytes());
+  ctx.stream->copy_from_host(params_.f32(), model.values().data(), model.values().size() * sizeof(float));
   for (size_t i = 0; i < model.num_layers(); ++i) layers_.push_back(model.layer(i).clone());
   for (size_t i = 0; i < layers_.size(); ++i) {
     std::vector<float*> p, g;

@@ -46,7 +46,9 @@ class Model {
 
 class ReplicaModel {
  public:
-  ReplicaModel(const Model& model, const ReplicaContext& ctx);
+  // The parameter buffer holds at least `param_capacity` elements (the engine pads it so that every worker's
+  // optimizer shard has the same size); the elements past the model's are zero.
+  ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_t param_capacity = 0);
 
   int64_t num_params() const { return params_.numel(); }
   float* params() const { return params_.f32(); }

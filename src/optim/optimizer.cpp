@@ -1,9 +1,9 @@
 #include "optim/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/error.h"
-#include "kernels/cpu/kernels.h"
 
 namespace dpar {
 
@@ -45,39 +45,41 @@ const char* OptimizerConfig::name() const {
   }
 }
 
-Optimizer::Optimizer(const OptimizerConfig& config, int64_t num_params) : config_(config), num_params_(num_params) {
-  const size_t n = static_cast<size_t>(num_params);
+Optimizer::Optimizer(const OptimizerConfig& config, int64_t num_params, Device device)
+    : config_(config), num_params_(num_params) {
+  const Shape shape{std::max<int64_t>(num_params, 1)};
   if (config_.kind == DPAR_SGD) {
-    if (config_.momentum != 0.0f) buf_a_.assign(n, 0.0f);
+    if (config_.momentum != 0.0f) buf_a_ = Tensor::zeros(DType::kF32, shape, device);
   } else {
-    buf_a_.assign(n, 0.0f);
-    buf_b_.assign(n, 0.0f);
+    buf_a_ = Tensor::zeros(DType::kF32, shape, device);
+    buf_b_ = Tensor::zeros(DType::kF32, shape, device);
   }
 }
 
-void Optimizer::step_range(float* params, const float* grads, int64_t begin, int64_t end) {
+void Optimizer::step_range(Stream& stream, float* params, const float* grads, int64_t begin, int64_t end) {
   ++steps_;
+  end = std::min(end, num_params_);
   const int64_t n = end - begin;
   if (n <= 0) return;
   params += begin;
   grads += begin;
   if (config_.kind == DPAR_SGD) {
     kernels::cpu::SgdHyper h{config_.lr, config_.momentum, config_.dampening, config_.weight_decay, config_.nesterov};
-    kernels::cpu::sgd_step(params, buf_a_.empty() ? nullptr : buf_a_.data() + begin, grads, n, h, steps_ == 1);
+    stream.sgd_step(params, buf_a_.defined() ? buf_a_.f32() + begin : nullptr, grads, n, h, steps_ == 1);
   } else {
     kernels::cpu::AdamHyper h{config_.lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay,
                               config_.kind == DPAR_ADAMW};
-    kernels::cpu::adam_step(params, buf_a_.data() + begin, buf_b_.data() + begin, grads, n, h, steps_);
+    stream.adam_step(params, buf_a_.f32() + begin, buf_b_.f32() + begin, grads, n, h, steps_);
   }
 }
 
-std::vector<std::pair<std::string, std::vector<float>*>> Optimizer::state() {
-  std::vector<std::pair<std::string, std::vector<float>*>> s;
+std::vector<std::pair<std::string, Tensor>> Optimizer::state() const {
+  std::vector<std::pair<std::string, Tensor>> s;
   if (config_.kind == DPAR_SGD) {
-    if (!buf_a_.empty()) s.emplace_back("momentum_buffer", &buf_a_);
+    if (buf_a_.defined()) s.emplace_back("momentum_buffer", buf_a_);
   } else {
-    s.emplace_back("exp_avg", &buf_a_);
-    s.emplace_back("exp_avg_sq", &buf_b_);
+    s.emplace_back("exp_avg", buf_a_);
+    s.emplace_back("exp_avg_sq", buf_b_);
   }
   return s;
 }

@@ -1,11 +1,14 @@
-// Optimizers over a replica's flat parameter buffer, with PyTorch's update formulas (kernels/cpu).
+// Optimizers over a replica's flat parameter buffer, with PyTorch's update formulas (the backend's kernels). The
+// state lives on the replica's device.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "backend/stream.h"
 #include "dpar.h"
+#include "tensor/tensor.h"
 
 namespace dpar {
 
@@ -22,27 +25,29 @@ struct OptimizerConfig {
 
 class Optimizer {
  public:
-  Optimizer(const OptimizerConfig& config, int64_t num_params);
+  // State buffers (zeros) on `device`.
+  Optimizer(const OptimizerConfig& config, int64_t num_params, Device device);
 
-  // One step over all parameters.
-  void step(float* params, const float* grads) { step_range(params, grads, 0, num_params_); }
-  // One step that updates (and keeps state for) only elements [begin, end): the step counter still advances
-  // once. The element-wise formulas make a step over ranges equal, bit for bit, to a step over all of them.
-  void step_range(float* params, const float* grads, int64_t begin, int64_t end);
+  // One step over all parameters, queued on `stream`.
+  void step(Stream& stream, float* params, const float* grads) { step_range(stream, params, grads, 0, num_params_); }
+  // One step that updates (and keeps state for) only elements [begin, end) (clipped to the parameters): the step
+  // counter still advances once. The element-wise formulas make a step over ranges equal, bit for bit, to a step
+  // over all of them.
+  void step_range(Stream& stream, float* params, const float* grads, int64_t begin, int64_t end);
   void set_lr(float lr) { config_.lr = lr; }
   const OptimizerConfig& config() const { return config_; }
   int64_t steps() const { return steps_; }
   void set_steps(int64_t steps) { steps_ = steps; }
 
   // Named state buffers, each num_params long ("momentum_buffer"; "exp_avg", "exp_avg_sq"), for checkpoints.
-  std::vector<std::pair<std::string, std::vector<float>*>> state();
+  std::vector<std::pair<std::string, Tensor>> state() const;
 
  private:
   OptimizerConfig config_;
   int64_t num_params_;
   int64_t steps_ = 0;
-  std::vector<float> buf_a_;  // momentum buffer, or Adam's exp_avg
-  std::vector<float> buf_b_;  // Adam's exp_avg_sq
+  Tensor buf_a_;  // momentum buffer, or Adam's exp_avg (undefined for SGD without momentum)
+  Tensor buf_b_;  // Adam's exp_avg_sq
 };
 
 }  // namespace dpar

@@ -1,7 +1,6 @@
 #include "reducer/reducer.h"
 
 #include <algorithm>
-#include <cstring>
 #include <exception>
 
 #include "common/error.h"
@@ -29,8 +28,9 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<size_t>& count
   return buckets;
 }
 
-Reducer::Reducer(std::vector<Grad> grads, const BucketOptions& options, ReduceBucket reduce, Launch launch)
-    : grads_(std::move(grads)), reduce_(std::move(reduce)), launch_(std::move(launch)) {
+Reducer::Reducer(std::vector<Grad> grads, const BucketOptions& options, Stream& stream, ReduceBucket reduce,
+                 Launch launch)
+    : grads_(std::move(grads)), stream_(stream), reduce_(std::move(reduce)), launch_(std::move(launch)) {
   DPAR_CHECK_ARG(options.first_bucket_bytes > 0 && options.bucket_cap_bytes > 0,
                  "bucket sizes: the first bucket's limit and the cap must be positive");
   std::vector<size_t> counts;
@@ -60,8 +60,8 @@ Reducer::Reducer(std::vector<Grad> grads, const BucketOptions& options, ReduceBu
     if (contiguous && !by_address.empty()) {
       b.data = grads_[by_address.front()].data;
     } else {
-      b.staging.resize(b.count);
-      b.data = b.staging.data();
+      b.staging = Tensor::empty(DType::kF32, Shape{static_cast<int64_t>(b.count)}, stream_.device());
+      b.data = b.staging.f32();
     }
     buckets_.push_back(std::move(b));
   }
@@ -117,25 +117,25 @@ void Reducer::launch_ready() {
 void Reducer::reduce_bucket(Bucket& b) {
   // A bucket runs here either complete (launched) or from finish(), after the last mark_ready: ready_ is stable.
   const bool contributes = b.produced > 0;
-  if (b.staging.empty()) {
+  if (!b.staging.defined()) {
     if (contributes && b.produced < b.grads.size())
       for (size_t g : b.grads)
-        if (!ready_[g]) std::memset(grads_[g].data, 0, grads_[g].count * sizeof(float));
+        if (!ready_[g]) stream_.fill_zero(grads_[g].data, grads_[g].count * sizeof(float));
   } else if (contributes) {
     float* at = b.data;
     for (size_t g : b.grads) {
       if (ready_[g])
-        std::memcpy(at, grads_[g].data, grads_[g].count * sizeof(float));
+        stream_.copy(at, grads_[g].data, grads_[g].count * sizeof(float));
       else
-        std::memset(at, 0, grads_[g].count * sizeof(float));
+        stream_.fill_zero(at, grads_[g].count * sizeof(float));
       at += grads_[g].count;
     }
   }
   reduce_(b.data, b.count, contributes);
-  if (!b.staging.empty()) {
+  if (b.staging.defined()) {
     const float* at = b.data;
     for (size_t g : b.grads) {
-      std::memcpy(grads_[g].data, at, grads_[g].count * sizeof(float));
+      stream_.copy(grads_[g].data, at, grads_[g].count * sizeof(float));
       at += grads_[g].count;
     }
   }

@@ -14,8 +14,9 @@
 // contributes == false, which the collective treats as zeros without reading the buffer.
 //
 // A bucket whose gradients lie next to each other in memory (the engine's flat gradient buffer) is reduced in
-// place; otherwise it has a staging buffer, into which the communication thread copies the gradients before the
-// collective and out of which it copies the result after.
+// place; otherwise it has a staging buffer on the gradients' device, into which the communication thread copies
+// the gradients before the collective and out of which it copies the result after. Zero-fills and staging copies
+// go through the participant's Stream, so they are ordered with its device's work.
 //
 // The last bucket is not handed to the communication thread: it is ready only when backward is over, when the
 // caller has nothing left to do but wait, so finish() runs it on the calling thread once the earlier buckets are
@@ -28,7 +29,9 @@
 #include <memory>
 #include <vector>
 
+#include "backend/stream.h"
 #include "comm/communicator.h"
+#include "tensor/tensor.h"
 
 namespace dpar {
 
@@ -54,7 +57,8 @@ class Reducer {
   // Runs `op` on the communication thread after what it was given before; returns the op's completion.
   using Launch = std::function<std::shared_ptr<Work>(std::function<void()> op)>;
 
-  Reducer(std::vector<Grad> grads, const BucketOptions& options, ReduceBucket reduce, Launch launch);
+  // `grads` are device memory of `stream`'s device; the stream must outlive the reducer.
+  Reducer(std::vector<Grad> grads, const BucketOptions& options, Stream& stream, ReduceBucket reduce, Launch launch);
   // Waits for buckets still in flight (their errors are dropped).
   ~Reducer();
   Reducer(const Reducer&) = delete;
@@ -64,7 +68,7 @@ class Reducer {
   size_t num_buckets() const { return buckets_.size(); }
   // Gradient indices of bucket b, and whether it is reduced in place (no staging copy).
   const std::vector<size_t>& bucket(size_t b) const { return buckets_[b].grads; }
-  bool in_place(size_t b) const { return buckets_[b].staging.empty(); }
+  bool in_place(size_t b) const { return !buckets_[b].staging.defined(); }
 
   // Starts a step: no gradient is ready. Throws INVALID_STATE if buckets of the previous step are in flight.
   void prepare();
@@ -86,7 +90,7 @@ class Reducer {
     std::vector<size_t> grads;
     float* data = nullptr;       // the range reduced: the gradients themselves, or the staging buffer
     size_t count = 0;
-    std::vector<float> staging;  // empty when the gradients are contiguous
+    Tensor staging;              // undefined when the gradients are contiguous
     size_t pending = 0;          // gradients not yet ready this step
     size_t produced = 0;         // gradients marked ready this step
     std::shared_ptr<Work> work;  // the launched reduction, until finish()
@@ -96,6 +100,7 @@ class Reducer {
   void reduce_bucket(Bucket& b);
 
   std::vector<Grad> grads_;
+  Stream& stream_;
   std::vector<size_t> bucket_of_;  // gradient -> bucket
   std::vector<uint8_t> ready_;  // bytes, not bits: the communication thread reads entries while others are set
   std::vector<Bucket> buckets_;

@@ -5,6 +5,7 @@
 #include <new>
 #include <sstream>
 
+#include "backend/backend.h"
 #include "common/error.h"
 
 namespace dpar {
@@ -93,12 +94,14 @@ bool Shape::operator==(const Shape& o) const {
 }
 
 std::shared_ptr<Storage> Storage::allocate(size_t bytes, Device device) {
-  DPAR_ENFORCE(device.is_host(), DPAR_ERR_NOT_SUPPORTED, device.str(), ": this dpar was not built with CUDA");
-  // Rounded up to whole cache lines so that vector loops over any buffer start aligned and peel identically.
-  size_t rounded = (bytes + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, rounded ? rounded : 64);
-  if (!p) fail(DPAR_ERR_OUT_OF_MEMORY, device.str(), ": out of memory allocating ", bytes, " bytes");
-  return std::shared_ptr<Storage>(new Storage(p, bytes, device, true));
+  Backend& backend = backend_for(device);
+  void* p = backend.allocate(device, bytes);
+  try {
+    return std::shared_ptr<Storage>(new Storage(p, bytes, device, true));
+  } catch (...) {
+    backend.deallocate(device, p);
+    throw;
+  }
 }
 
 std::shared_ptr<Storage> Storage::borrow(void* data, size_t bytes, Device device) {
@@ -106,7 +109,7 @@ std::shared_ptr<Storage> Storage::borrow(void* data, size_t bytes, Device device
 }
 
 Storage::~Storage() {
-  if (owned_) std::free(data_);
+  if (owned_) backend_for(device_).deallocate(device_, data_);
 }
 
 Tensor Tensor::empty(DType dtype, const Shape& shape, Device device) {
@@ -119,7 +122,7 @@ Tensor Tensor::empty(DType dtype, const Shape& shape, Device device) {
 
 Tensor Tensor::zeros(DType dtype, const Shape& shape, Device device) {
   Tensor t = empty(dtype, shape, device);
-  std::memset(t.raw(), 0, t.bytes());
+  backend_for(device).fill_zero(t.raw(), t.bytes(), device);
   return t;
 }
 
@@ -140,6 +143,12 @@ int32_t* Tensor::i32() const {
   DPAR_ENFORCE(dtype_ == DType::kI32, DPAR_ERR_INVALID_ARGUMENT, "tensor: expected i32, got ", dtype_name(dtype_));
   return static_cast<int32_t*>(raw());
 }
+
+void Tensor::copy_from_host(const void* src) const {
+  backend_for(device()).copy_from_host(raw(), src, bytes(), device());
+}
+
+void Tensor::copy_to_host(void* dst) const { backend_for(device()).copy_to_host(dst, raw(), bytes(), device()); }
 
 Tensor Tensor::rows(int64_t begin, int64_t count) const {
   DPAR_ENFORCE(begin >= 0 && count >= 0 && begin + count <= shape_[0], DPAR_ERR_INTERNAL, "tensor: rows [", begin,

@@ -44,7 +44,8 @@ class Shape {
   size_t ndim_ = 0;
 };
 
-// A block of memory on a device. Owned memory is 64-byte aligned; borrowed memory belongs to the caller.
+// A block of memory on a device, allocated and freed by the device's backend (host memory is 64-byte aligned);
+// borrowed memory belongs to the caller.
 class Storage {
  public:
   static std::shared_ptr<Storage> allocate(size_t bytes, Device device);
@@ -83,6 +84,11 @@ class Tensor {
   void* raw() const { return static_cast<char*>(storage_->data()) + offset_; }
   float* f32() const;
   int32_t* i32() const;
+
+  // Synchronous copies of all bytes() bytes between the tensor and host memory, through its device's backend
+  // (the caller has synchronised the streams that write the tensor).
+  void copy_from_host(const void* src) const;
+  void copy_to_host(void* dst) const;
 
   // Rows [begin, begin + count) of the first dimension, sharing storage.
   Tensor rows(int64_t begin, int64_t count) const;

@@ -1,0 +1,128 @@
+#include "backend/cpu/cpu_backend.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "comm/threads_comm.h"
+#include "common/error.h"
+#include "device/worker_pool.h"
+#include "kernels/cpu/blas_threads.h"
+#include "kernels/cpu/kernels.h"
+
+namespace dpar {
+namespace {
+namespace k = kernels::cpu;
+
+class CpuStream final : public Stream {
+ public:
+  explicit CpuStream(Device device) : Stream(device) {}
+
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes && dst != src) std::memcpy(dst, src, bytes);
+  }
+  void copy_from_host(void* dst, const void* host_src, size_t bytes) override { copy(dst, host_src, bytes); }
+  void copy_to_host(void* host_dst, const void* src, size_t bytes) override { copy(host_dst, src, bytes); }
+  void fill_zero(void* dst, size_t bytes) override {
+    if (bytes) std::memset(dst, 0, bytes);
+  }
+  void synchronize() override {}
+
+  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
+                      int64_t C_out) override {
+    k::linear_forward(out, inp, weight, bias, B, C_in, C_out);
+  }
+  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate) override {
+    k::linear_backward(dinp, dweight, dbias, dout, inp, weight, B, C_in, C_out, accumulate);
+  }
+  void activation_forward(Activation kind, float* out, const float* inp, int64_t n) override {
+    switch (kind) {
+      case Activation::kRelu: return k::relu_forward(out, inp, n);
+      case Activation::kGelu: return k::gelu_forward(out, inp, n);
+      case Activation::kTanh: return k::tanh_forward(out, inp, n);
+      case Activation::kSigmoid: return k::sigmoid_forward(out, inp, n);
+    }
+  }
+  void activation_backward(Activation kind, float* dinp, const float* dout, const float* inp, const float* out,
+                           int64_t n) override {
+    switch (kind) {
+      case Activation::kRelu: return k::relu_backward(dinp, dout, out, n);
+      case Activation::kGelu: return k::gelu_backward(dinp, dout, inp, n);
+      case Activation::kTanh: return k::tanh_backward(dinp, dout, out, n);
+      case Activation::kSigmoid: return k::sigmoid_backward(dinp, dout, out, n);
+    }
+  }
+  void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float p, uint64_t seed,
+                       uint64_t offset) override {
+    k::dropout_forward(out, mask, inp, n, p, seed, offset);
+  }
+  void dropout_backward(float* dinp, const float* dout, const float* mask, int64_t n) override {
+    k::dropout_backward(dinp, dout, mask, n);
+  }
+  void cross_entropy_forward_backward(double* loss_sum, float* dlogits, const float* logits, const int32_t* labels,
+                                      int64_t B, int64_t C, float grad_scale) override {
+    *loss_sum = k::cross_entropy_forward_backward(dlogits, logits, labels, B, C, grad_scale);
+  }
+  void mse_forward_backward(double* loss_sum, float* dpred, const float* pred, const float* target, int64_t B,
+                            int64_t D, float grad_scale) override {
+    *loss_sum = k::mse_forward_backward(dpred, pred, target, B, D, grad_scale);
+  }
+  void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const k::SgdHyper& h,
+                bool first_step) override {
+    k::sgd_step(param, momentum_buf, grad, n, h, first_step);
+  }
+  void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n,
+                 const k::AdamHyper& h, int64_t step) override {
+    k::adam_step(param, exp_avg, exp_avg_sq, grad, n, h, step);
+  }
+  void axpy(float* y, const float* x, float a, int64_t n) override { k::axpy(y, x, a, n); }
+};
+
+class CpuBackend final : public Backend {
+ public:
+  DeviceKind kind() const override { return DeviceKind::kCpu; }
+  const char* name() const override { return "cpu"; }
+  size_t device_count() const override { return default_cpu_device_count(); }
+
+  void* allocate(Device device, size_t bytes) override {
+    // Rounded up to whole cache lines so that vector loops over any buffer start aligned and peel identically.
+    const size_t rounded = (bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, rounded ? rounded : 64);
+    if (!p) fail(DPAR_ERR_OUT_OF_MEMORY, device.str(), ": out of memory allocating ", bytes, " bytes");
+    return p;
+  }
+  void deallocate(Device, void* ptr) noexcept override { std::free(ptr); }
+  void copy_to_host(void* dst, const void* src, size_t bytes, Device) override {
+    if (bytes && dst != src) std::memcpy(dst, src, bytes);
+  }
+  void copy_from_host(void* dst, const void* src, size_t bytes, Device) override {
+    if (bytes && dst != src) std::memcpy(dst, src, bytes);
+  }
+  void fill_zero(void* dst, size_t bytes, Device) override {
+    if (bytes) std::memset(dst, 0, bytes);
+  }
+
+  void prepare_workers(const WorkerOptions& options) override {
+    // OpenBLAS's thread count is process-wide: one BLAS thread inside each worker keeps the workers from
+    // oversubscribing the cores.
+    k::set_blas_threads(options.blas_threads);
+  }
+  void start_worker(Device, size_t worker, const WorkerOptions& options) override {
+    if (options.pin) pin_to_cpu(worker);
+  }
+  std::unique_ptr<Stream> open_stream(Device device) override { return std::make_unique<CpuStream>(device); }
+
+  std::unique_ptr<Group> make_group(const std::vector<Device>&, const std::vector<Stream*>&,
+                                    std::vector<std::string> names, std::chrono::duration<double> timeout) override {
+    return std::make_unique<ThreadGroup>(std::move(names), timeout);
+  }
+};
+
+}  // namespace
+
+Backend& cpu_backend() {
+  static CpuBackend backend;
+  return backend;
+}
+
+}  // namespace dpar

@@ -1,0 +1,72 @@
+// A replica's ordered queue of device work: the kernel table of its backend, plus ordered copies and fills.
+//
+// A Stream belongs to one replica and is used from that replica's threads (its worker, and its communication
+// thread for the reducer's staging copies). Calls are queued in call order: on CPU each runs at once on the
+// calling thread; on CUDA each is enqueued on the replica's compute stream and synchronize() waits for them.
+// Every pointer is device memory of the stream's device unless the name says host. The kernels' contracts are
+// those of kernels/cpu/kernels.h (their CUDA twins have the same ones).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "device/device.h"
+#include "kernels/cpu/kernels.h"
+
+namespace dpar {
+
+enum class Activation : int32_t { kRelu = 0, kGelu = 1, kTanh = 2, kSigmoid = 3 };
+
+class Stream {
+ public:
+  explicit Stream(Device device) : device_(device) {}
+  virtual ~Stream() = default;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  Device device() const { return device_; }
+
+  // ---- Ordered memory operations ------------------------------------------------------------------------------
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  // The host buffer may be reused as soon as the call returns.
+  virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
+  // Returns once the bytes are in host memory (after everything queued before).
+  virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void fill_zero(void* dst, size_t bytes) = 0;
+  // Waits until everything queued so far has finished; throws the device's error, if any.
+  virtual void synchronize() = 0;
+
+  // ---- Kernels ------------------------------------------------------------------------------------------------
+  // inp (B,C_in), weight (C_out,C_in), bias (C_out) or nullptr, out (B,C_out)
+  virtual void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B,
+                              int64_t C_in, int64_t C_out) = 0;
+  // dinp (B,C_in) or nullptr, dweight (C_out,C_in), dbias (C_out) or nullptr, dout (B,C_out)
+  virtual void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                               const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate) = 0;
+  // out (n), inp (n)
+  virtual void activation_forward(Activation kind, float* out, const float* inp, int64_t n) = 0;
+  // dinp (n), dout (n), and what the kind's backward reads: inp (GELU) or out (the others), both (n)
+  virtual void activation_backward(Activation kind, float* dinp, const float* dout, const float* inp,
+                                   const float* out, int64_t n) = 0;
+  // out (n), mask (n), inp (n)
+  virtual void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float p, uint64_t seed,
+                               uint64_t offset) = 0;
+  virtual void dropout_backward(float* dinp, const float* dout, const float* mask, int64_t n) = 0;
+  // *loss_sum (a double in device memory) = the sum of the per-sample losses. dlogits (B,C), logits (B,C),
+  // labels (B) in [0, C), checked by the caller.
+  virtual void cross_entropy_forward_backward(double* loss_sum, float* dlogits, const float* logits,
+                                              const int32_t* labels, int64_t B, int64_t C, float grad_scale) = 0;
+  // dpred (B,D), pred (B,D), target (B,D)
+  virtual void mse_forward_backward(double* loss_sum, float* dpred, const float* pred, const float* target,
+                                    int64_t B, int64_t D, float grad_scale) = 0;
+  virtual void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n,
+                        const kernels::cpu::SgdHyper& h, bool first_step) = 0;
+  virtual void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n,
+                         const kernels::cpu::AdamHyper& h, int64_t step) = 0;
+  // y += a*x
+  virtual void axpy(float* y, const float* x, float a, int64_t n) = 0;
+
+ private:
+  Device device_;
+};
+
+}  // namespace dpar

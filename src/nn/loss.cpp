@@ -1,0 +1,41 @@
+#include "nn/loss.h"
+
+#include "common/error.h"
+
+namespace dpar {
+
+void check_loss_target(LossKind kind, const Shape& out, const Tensor& target, const char* operation) {
+  DPAR_CHECK_ARG(target.device().is_host(), operation, ": target must be in host memory, got ",
+                 target.device().str());
+  if (kind == LossKind::kCrossEntropy) {
+    DPAR_CHECK_ARG(out.ndim() == 2, operation, ": cross-entropy needs a (batch, classes) output, the model gives ",
+                   out.str());
+    DPAR_CHECK_ARG(target.dtype() == DType::kI32, operation, ": target must be i32 class labels, got ",
+                   dtype_name(target.dtype()));
+    DPAR_CHECK_ARG(target.shape().ndim() == 1 && target.rows() == out[0], operation, ": target ",
+                   target.shape().str(), " must be (", out[0], ") labels, one per input row");
+    // Checked here, on the host: a device kernel cannot refuse a label.
+    const int32_t* labels = target.i32();
+    for (int64_t i = 0; i < target.rows(); ++i)
+      DPAR_CHECK_ARG(labels[i] >= 0 && labels[i] < out[1], operation, ": target[", i, "] = ", labels[i],
+                     " is out of range [0, ", out[1], ")");
+  } else {
+    DPAR_CHECK_ARG(target.dtype() == DType::kF32, operation, ": MSE target must be f32, got ",
+                   dtype_name(target.dtype()));
+    DPAR_CHECK_ARG(target.shape() == out, operation, ": MSE target ", target.shape().str(),
+                   " must be shaped as the output ", out.str());
+  }
+}
+
+void loss_forward_backward(LossKind kind, const ReplicaContext& ctx, double* loss_sum, const Tensor& dout,
+                           const Tensor& out, const Tensor& target, float grad_scale) {
+  if (kind == LossKind::kCrossEntropy) {
+    ctx.stream->cross_entropy_forward_backward(loss_sum, dout.f32(), out.f32(), target.i32(), out.rows(),
+                                               out.shape()[1], grad_scale);
+  } else {
+    ctx.stream->mse_forward_backward(loss_sum, dout.f32(), out.f32(), target.f32(), out.rows(),
+                                     out.shape().row_numel(), grad_scale);
+  }
+}
+
+}  // namespace dpar
