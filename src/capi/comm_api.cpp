@@ -3,9 +3,7 @@
 #include <cmath>
 
 #include "capi/api.h"
-#ifdef DPAR_HAVE_MPI
-#include "comm/mpi_comm.h"
-#endif
+#include "comm/processes.h"
 
 using namespace dpar;
 using namespace dpar::capi;
@@ -97,18 +95,10 @@ DPAR_API dpar_status dpar_comm_create_mpi(dpar_comm** out, const dpar_comm_optio
   return guard([&] {
     checked_out(out);
     *out = nullptr;
-    const auto timeout = comm_timeout(opts);
-#ifdef DPAR_HAVE_MPI
-    MpiOptions mo;
-    mo.timeout_seconds = timeout.count();
-    auto comm = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, mo);
+    auto comm = world_communicator(comm_timeout(opts).count());
     auto* h = new_handle<dpar_comm>();
     h->comm = std::move(comm);
     *out = h;
-#else
-    (void)timeout;
-    fail(DPAR_ERR_NOT_SUPPORTED, "dpar_comm_create_mpi: this dpar was built without MPI");
-#endif
   });
 }
 

@@ -4,9 +4,7 @@
 #include <set>
 
 #include "capi/api.h"
-#ifdef DPAR_HAVE_MPI
-#include "comm/mpi_comm.h"
-#endif
+#include "comm/processes.h"
 
 using namespace dpar;
 using namespace dpar::capi;
@@ -68,46 +66,15 @@ EngineConfig engine_config(const dpar_engine_options& o) {
   return c;
 }
 
-// The size of the MPI job this process belongs to, as its launcher tells it (1 if none did).
-long launched_job_size() {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
-    if (const char* v = std::getenv(name)) {
-      char* end = nullptr;
-      const long n = std::strtol(v, &end, 10);
-      if (end != v && n > 0) return n;
-    }
-  }
-  return 1;
-}
-
 // The engine's connection to the other processes, or null for a single process.
 std::shared_ptr<Communicator> processes_comm(const dpar_engine_options& o) {
   DPAR_CHECK_ARG(o.processes == DPAR_PROCESSES_AUTO || o.processes == DPAR_PROCESSES_SINGLE ||
                      o.processes == DPAR_PROCESSES_MPI,
                  "opts.processes: unknown value ", o.processes);
-  if (o.processes == DPAR_PROCESSES_SINGLE) return nullptr;
-  const long job = launched_job_size();
-#ifdef DPAR_HAVE_MPI
-  bool mpi = o.processes == DPAR_PROCESSES_MPI || job > 1;
-  if (!mpi) {
-    // A program that initialised MPI itself without a launcher variable dpar knows.
-    int initialized = 0, finalized = 0;
-    MPI_Initialized(&initialized);
-    MPI_Finalized(&finalized);
-    if (initialized && !finalized) mpi = MpiRuntime::instance().world_size() > 1;
-  }
-  if (!mpi) return nullptr;
-  MpiOptions mo;
-  mo.timeout_seconds = o.timeout_seconds;
-  return std::make_shared<MpiCommunicator>(MPI_COMM_WORLD, mo);
-#else
-  DPAR_ENFORCE(o.processes != DPAR_PROCESSES_MPI, DPAR_ERR_NOT_SUPPORTED,
-               "opts.processes: this dpar was built without MPI");
-  DPAR_ENFORCE(job <= 1, DPAR_ERR_NOT_SUPPORTED, "opts.processes: this process is one of ", job,
-               " started by an MPI launcher, but this dpar was built without MPI (set DPAR_PROCESSES_SINGLE to "
-               "train each process alone)");
-  return nullptr;
-#endif
+  static_assert(static_cast<int>(ProcessMode::kAuto) == DPAR_PROCESSES_AUTO &&
+                static_cast<int>(ProcessMode::kSingle) == DPAR_PROCESSES_SINGLE &&
+                static_cast<int>(ProcessMode::kMpi) == DPAR_PROCESSES_MPI);
+  return connect_processes(static_cast<ProcessMode>(o.processes), o.timeout_seconds);
 }
 
 // A strong reference to a live engine, refused from inside the engine's own callbacks: the calling thread holds

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <condition_variable>
 #include <thread>
 
 namespace dpar {
@@ -198,23 +199,38 @@ char* bytes_at(void* p, size_t offset) { return static_cast<char*>(p) + offset; 
 // Set once a collective of this process timed out, was aborted or failed in MPI: a rank may be dead, and OpenMPI's
 // MPI_Finalize waits for every rank of the job (forever, for a dead one under mpirun --enable-recovery).
 std::atomic<bool> g_group_failed{false};
-constexpr int kFinalizeWatchdogSeconds = 30;
+
+constexpr int kFinalizeWaitSeconds = 30;
 
 void finalize_at_exit() {
   int finalized = 1;
   MPI_Finalized(&finalized);
   if (finalized) return;
-  if (g_group_failed.load()) {
-    // After a failure, end the process if MPI_Finalize has not returned within the watchdog's time.
-    std::thread([] {
-      std::this_thread::sleep_for(std::chrono::seconds(kFinalizeWatchdogSeconds));
-      std::fprintf(stderr, "dpar: MPI_Finalize did not return within %d s after a failed collective (a rank is "
-                   "probably gone); ending the process with status 1\n", kFinalizeWatchdogSeconds);
-      std::fflush(stderr);
-      _exit(1);
-    }).detach();
+  if (!g_group_failed.load()) {
+    MPI_Finalize();
+    return;
   }
-  MPI_Finalize();
+  // After a failed collective MPI_Finalize may wait forever for a rank that is gone. A library must neither end
+  // its host nor hang it at exit: finalize on a helper thread, wait a bounded time, and if it has not returned
+  // say so and let the process end with the status the program chose.
+  struct State {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+  };
+  auto state = std::make_shared<State>();
+  std::thread([state] {
+    MPI_Finalize();
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->done = true;
+    state->done_cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(state->mutex);
+  if (!state->done_cv.wait_for(lock, std::chrono::seconds(kFinalizeWaitSeconds), [&] { return state->done; })) {
+    std::fprintf(stderr, "dpar: MPI_Finalize did not return within %d s after a failed collective (a rank is "
+                 "probably gone); the process exits without it\n", kFinalizeWaitSeconds);
+    std::fflush(stderr);
+  }
 }
 
 const char* thread_level_name(int level) {
