@@ -18,9 +18,10 @@ class Group {
   virtual std::unique_ptr<Communicator> communicator(int rank) = 0;
   // Every participant waiting now or later throws Error(REMOTE) with `reason` (the first reason is kept).
   virtual void abort(const std::string& reason) = 0;
-  virtual bool aborted() const = 0;
-  // Makes an aborted group usable again. Only while no participant is inside a collective (nor has one queued).
-  virtual void reset() = 0;
+  // After a failure: makes the group usable again if its transport allows it, and says whether it did (NCCL
+  // communicators cannot be reused after an abort: their owner must be rebuilt). Only while no participant is
+  // inside a collective (nor has one queued).
+  virtual bool recover() = 0;
 };
 
 }  // namespace dpar

@@ -55,8 +55,12 @@ class ThreadGroup final : public Group {
   const std::string& name(int rank) const { return names_[static_cast<size_t>(rank)]; }
   // Makes an aborted group usable again and restarts the sequence numbers of the fingerprints. Only while no
   // participant is inside a collective (nor has one queued on its communication thread).
-  void reset() override;
-  bool aborted() const override { return aborted_.load(std::memory_order_acquire); }
+  void reset();
+  bool recover() override {
+    reset();
+    return true;
+  }
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   // Every participant waiting now or later throws Error(REMOTE) with `reason` (the first reason is kept).
   void abort(const std::string& reason) override;
 

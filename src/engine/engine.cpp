@@ -175,7 +175,8 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     if (processes_) processes_->abort(std::string(operation) + ": the engine was aborted on another process");
     fail(status, operation, ": ", message);
   }
-  if (group_) group_->reset();  // null while the engine is still being created
+  // Null while the engine is still being created; a group that cannot recover leaves the engine unusable.
+  const bool recovered = !group_ || group_->recover();
   bool any_stepped = false;
   for (auto& rep : replicas_) {
     any_stepped = any_stepped || rep->stepped;
@@ -194,6 +195,11 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     broken_ = true;
     broken_reason_ = prefix + message;
     fail(status, prefix, message, "; the processes may differ now, so the engine must be recreated on every process");
+  }
+  if (!recovered) {
+    broken_ = true;
+    broken_reason_ = prefix + message;
+    fail(status, prefix, message, "; the replicas' communicator cannot be reused, so the engine must be recreated");
   }
   if (any_stepped) {
     // Some replicas applied the optimizer and others did not: they differ now.

@@ -1,0 +1,366 @@
+#include "backend/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "comm/cuda_device_comm.h"
+#include "comm/nccl_comm.h"
+#include "common/error.h"
+#include "device/worker_pool.h"
+#include "kernels/cuda/kernels.h"
+
+namespace dpar {
+namespace {
+namespace k = kernels::cuda;
+
+// ---- The caching allocator -------------------------------------------------------------------------------------
+// One per GPU. Sizes are rounded (512 B granules up to 1 MiB, 2 MiB granules above), and a freed block waits in
+// its size class for the next allocation of that class: a training loop allocates the same sizes every step, so
+// after the first step no allocation reaches the driver. When cudaMalloc fails, the cache is emptied and the
+// allocation tried once more before OUT_OF_MEMORY is reported.
+//
+// A block freed by one stream may be handed to another replica's stream on the same GPU, so a free first waits
+// for the device's work in flight (frees are rare: an engine's buffers live as long as it does, and its staging
+// buffers only grow).
+class CachingAllocator {
+ public:
+  explicit CachingAllocator(int device) : device_(device) {}
+
+  void* allocate(size_t bytes) {
+    const size_t size = round_size(bytes);
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = cache_.find(size);
+    if (it != cache_.end() && !it->second.empty()) {
+      void* p = it->second.back();
+      it->second.pop_back();
+      in_use_[p] = size;
+      ++stats_.cached_reuses;
+      return p;
+    }
+    void* p = nullptr;
+    cudaError_t rc = cudaMalloc(&p, size);
+    if (rc == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // clear the sticky-free error state of the failed call
+      release_cache_locked();
+      rc = cudaMalloc(&p, size);
+    }
+    if (rc == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      fail(DPAR_ERR_OUT_OF_MEMORY, "cuda:", device_, ": out of device memory allocating ", bytes, " bytes (",
+           stats_.bytes_reserved, " bytes held by dpar)");
+    }
+    DPAR_CUDA_CHECK(rc, "cudaMalloc of ", bytes, " bytes on cuda:", device_);
+    ++stats_.device_mallocs;
+    stats_.bytes_reserved += size;
+    in_use_[p] = size;
+    return p;
+  }
+
+  void deallocate(void* p) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = in_use_.find(p);
+    if (it == in_use_.end()) return;
+    // Work queued on any stream of this GPU may still read or write the block (see the class comment).
+    (void)cudaDeviceSynchronize();
+    cache_[it->second].push_back(p);
+    in_use_.erase(it);
+  }
+
+  CudaAllocatorStats stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stats_;
+  }
+
+ private:
+  static size_t round_size(size_t bytes) {
+    constexpr size_t kSmall = 512, kLarge = size_t{2} << 20, kLargeFrom = size_t{1} << 20;
+    if (bytes == 0) bytes = 1;
+    return bytes < kLargeFrom ? (bytes + kSmall - 1) / kSmall * kSmall : (bytes + kLarge - 1) / kLarge * kLarge;
+  }
+  void release_cache_locked() noexcept {
+    (void)cudaDeviceSynchronize();
+    for (auto& [size, blocks] : cache_) {
+      for (void* p : blocks) {
+        (void)cudaFree(p);
+        ++stats_.device_frees;
+        stats_.bytes_reserved -= size;
+      }
+      blocks.clear();
+    }
+  }
+
+  int device_;
+  std::mutex mutex_;
+  std::map<size_t, std::vector<void*>> cache_;  // size class -> free blocks
+  std::unordered_map<void*, size_t> in_use_;
+  CudaAllocatorStats stats_;
+};
+
+// Makes `device` current on the calling thread for the scope (the runtime's current device is per thread).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    DPAR_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) DPAR_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
+    device_ = device;
+  }
+  ~DeviceScope() {
+    if (previous_ != device_) (void)cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0, device_ = 0;
+};
+
+// ---- A replica's stream -----------------------------------------------------------------------------------------
+class CudaStream final : public Stream {
+ public:
+  explicit CudaStream(Device device) : Stream(device) {
+    DeviceScope scope(device.index);
+    // Non-blocking: the legacy default stream (used by nothing in dpar) does not serialise it with the others.
+    DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags on ",
+               device.str());
+    try {
+      DPAR_CUBLAS_CHECK(cublasCreate(&blas_), "cublasCreate on ", device.str());
+      DPAR_CUBLAS_CHECK(cublasSetStream(blas_, stream_), "cublasSetStream");
+      // FP32 arithmetic, as the CPU reference computes (no TF32 unless asked for).
+      DPAR_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+      DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming), "cudaEventCreate");
+    } catch (...) {
+      if (blas_) cublasDestroy(blas_);
+      cudaStreamDestroy(stream_);
+      throw;
+    }
+  }
+  ~CudaStream() override {
+    DeviceScope scope(device().index);
+    (void)cudaStreamSynchronize(stream_);
+    if (pinned_) (void)cudaFreeHost(pinned_);
+    (void)cudaEventDestroy(staged_);
+    (void)cublasDestroy(blas_);
+    (void)cudaStreamDestroy(stream_);
+  }
+
+  cudaStream_t handle() const { return stream_; }
+
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes && dst != src)
+      DPAR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "copy on ", device().str());
+  }
+  void copy_from_host(void* dst, const void* host_src, size_t bytes) override {
+    if (!bytes) return;
+    // Through a pinned buffer, so that the copy is asynchronous and the caller may reuse its memory at once. The
+    // buffer is reused once the previous copy out of it has finished.
+    DPAR_CUDA_CHECK(cudaEventSynchronize(staged_), "waiting for the previous host-to-device copy on ", device().str());
+    if (pinned_bytes_ < bytes) {
+      if (pinned_) DPAR_CUDA_CHECK(cudaFreeHost(pinned_), "cudaFreeHost");
+      pinned_ = nullptr;
+      pinned_bytes_ = 0;
+      DPAR_CUDA_CHECK(cudaMallocHost(&pinned_, bytes), "cudaMallocHost of ", bytes, " bytes");
+      pinned_bytes_ = bytes;
+    }
+    std::memcpy(pinned_, host_src, bytes);
+    DPAR_CUDA_CHECK(cudaMemcpyAsync(dst, pinned_, bytes, cudaMemcpyHostToDevice, stream_), "host-to-device copy on ",
+               device().str());
+    DPAR_CUDA_CHECK(cudaEventRecord(staged_, stream_), "cudaEventRecord");
+  }
+  void copy_to_host(void* host_dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    DPAR_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "device-to-host copy on ",
+               device().str());
+    synchronize();
+  }
+  void fill_zero(void* dst, size_t bytes) override {
+    if (bytes) DPAR_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_), "fill on ", device().str());
+  }
+  void synchronize() override {
+    DPAR_CUDA_CHECK(cudaStreamSynchronize(stream_), device().str(), ": the device failed while running queued work");
+  }
+
+  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
+                      int64_t C_out) override {
+    k::linear_forward(out, inp, weight, bias, B, C_in, C_out, blas_, stream_);
+  }
+  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate) override {
+    k::linear_backward(dinp, dweight, dbias, dout, inp, weight, B, C_in, C_out, accumulate, blas_, stream_);
+  }
+  void activation_forward(Activation kind, float* out, const float* inp, int64_t n) override {
+    switch (kind) {
+      case Activation::kRelu: return k::relu_forward(out, inp, n, stream_);
+      case Activation::kGelu: return k::gelu_forward(out, inp, n, stream_);
+      case Activation::kTanh: return k::tanh_forward(out, inp, n, stream_);
+      case Activation::kSigmoid: return k::sigmoid_forward(out, inp, n, stream_);
+    }
+  }
+  void activation_backward(Activation kind, float* dinp, const float* dout, const float* inp, const float* out,
+                           int64_t n) override {
+    switch (kind) {
+      case Activation::kRelu: return k::relu_backward(dinp, dout, out, n, stream_);
+      case Activation::kGelu: return k::gelu_backward(dinp, dout, inp, n, stream_);
+      case Activation::kTanh: return k::tanh_backward(dinp, dout, out, n, stream_);
+      case Activation::kSigmoid: return k::sigmoid_backward(dinp, dout, out, n, stream_);
+    }
+  }
+  void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float p, uint64_t seed,
+                       uint64_t offset) override {
+    k::dropout_forward(out, mask, inp, n, p, seed, offset, stream_);
+  }
+  void dropout_backward(float* dinp, const float* dout, const float* mask, int64_t n) override {
+    k::dropout_backward(dinp, dout, mask, n, stream_);
+  }
+  void cross_entropy_forward_backward(double* loss_sum, float* dlogits, const float* logits, const int32_t* labels,
+                                      int64_t B, int64_t C, float grad_scale) override {
+    k::cross_entropy_forward_backward(loss_sum, dlogits, logits, labels, B, C, grad_scale, stream_);
+  }
+  void mse_forward_backward(double* loss_sum, float* dpred, const float* pred, const float* target, int64_t B,
+                            int64_t D, float grad_scale) override {
+    k::mse_forward_backward(loss_sum, dpred, pred, target, B, D, grad_scale, stream_);
+  }
+  void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const kernels::cpu::SgdHyper& h,
+                bool first_step) override {
+    k::sgd_step(param, momentum_buf, grad, n, h, first_step, stream_);
+  }
+  void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n,
+                 const kernels::cpu::AdamHyper& h, int64_t step) override {
+    k::adam_step(param, exp_avg, exp_avg_sq, grad, n, h, step, stream_);
+  }
+  void axpy(float* y, const float* x, float a, int64_t n) override { k::axpy(y, x, a, n, stream_); }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  cudaEvent_t staged_ = nullptr;  // the last copy out of pinned_ finished
+  void* pinned_ = nullptr;
+  size_t pinned_bytes_ = 0;
+};
+
+// ---- The in-process groups -------------------------------------------------------------------------------------
+// A CUDA group whose participants each order their collectives against their replica's compute stream.
+template <class G>
+class StreamGroup final : public Group {
+ public:
+  StreamGroup(std::unique_ptr<G> group, std::vector<cudaStream_t> streams, bool reusable)
+      : group_(std::move(group)), streams_(std::move(streams)), reusable_(reusable) {}
+  int size() const override { return group_->size(); }
+  std::unique_ptr<Communicator> communicator(int rank) override {
+    return group_->communicator(rank, streams_[static_cast<size_t>(rank)]);
+  }
+  void abort(const std::string& reason) override { group_->abort(reason); }
+  bool recover() override {
+    if constexpr (requires(G& g) { g.reset(); }) {
+      if (reusable_) {
+        group_->reset();
+        return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  std::unique_ptr<G> group_;
+  std::vector<cudaStream_t> streams_;
+  bool reusable_;
+};
+
+// ---- The backend ------------------------------------------------------------------------------------------------
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() {
+    count_ = static_cast<size_t>(cuda::cuda_device_count(&why_none_));
+    for (size_t d = 0; d < count_; ++d) allocators_.push_back(std::make_unique<CachingAllocator>(static_cast<int>(d)));
+  }
+  DeviceKind kind() const override { return DeviceKind::kCuda; }
+  const char* name() const override { return "cuda"; }
+  size_t device_count() const override { return count_; }
+  std::string unavailable_reason() const override { return why_none_; }
+
+  void* allocate(Device device, size_t bytes) override {
+    DeviceScope scope(device.index);
+    return allocator(device).allocate(bytes);
+  }
+  void deallocate(Device device, void* ptr) noexcept override {
+    try {
+      DeviceScope scope(device.index);
+      allocator(device).deallocate(ptr);
+    } catch (...) {
+      // Freeing never fails the caller; a block that cannot be returned stays with the driver.
+    }
+  }
+  void copy_to_host(void* dst, const void* src, size_t bytes, Device device) override {
+    if (!bytes) return;
+    DeviceScope scope(device.index);
+    DPAR_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "copy from ", device.str(), " to the host");
+  }
+  void copy_from_host(void* dst, const void* src, size_t bytes, Device device) override {
+    if (!bytes) return;
+    DeviceScope scope(device.index);
+    DPAR_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "copy from the host to ", device.str());
+  }
+  void fill_zero(void* dst, size_t bytes, Device device) override {
+    if (!bytes) return;
+    DeviceScope scope(device.index);
+    DPAR_CUDA_CHECK(cudaMemset(dst, 0, bytes), "fill on ", device.str());
+    DPAR_CUDA_CHECK(cudaDeviceSynchronize(), "fill on ", device.str());
+  }
+
+  void start_worker(Device device, size_t worker, const WorkerOptions& options) override {
+    if (options.pin) pin_to_cpu(worker);
+    DPAR_CUDA_CHECK(cudaSetDevice(device.index), "cudaSetDevice(", device.index, ") on the worker of ", device.str());
+  }
+  std::unique_ptr<Stream> open_stream(Device device) override { return std::make_unique<CudaStream>(device); }
+
+  std::unique_ptr<Group> make_group(const std::vector<Device>& devices, const std::vector<Stream*>& streams,
+                                    std::vector<std::string> names, std::chrono::duration<double> timeout) override {
+    std::vector<cudaStream_t> handles;
+    for (Stream* s : streams) handles.push_back(static_cast<CudaStream*>(s)->handle());
+    std::vector<int> ordinals;
+    for (const Device& d : devices) ordinals.push_back(d.index);
+    // NCCL between distinct GPUs; dpar's device reduction when a GPU holds several replicas (NCCL refuses that).
+    const bool distinct = std::set<int>(ordinals.begin(), ordinals.end()).size() == ordinals.size();
+    if (distinct && ordinals.size() > 1)
+      return std::make_unique<StreamGroup<NcclGroup>>(std::make_unique<NcclGroup>(ordinals, std::move(names), timeout),
+                                                      handles, false);
+    return std::make_unique<StreamGroup<CudaDeviceGroup>>(
+        std::make_unique<CudaDeviceGroup>(std::move(names), timeout), handles, true);
+  }
+
+  CudaAllocatorStats stats(int device) {
+    DPAR_CHECK_ARG(device >= 0 && static_cast<size_t>(device) < count_, "cuda:", device, " does not exist");
+    return allocators_[static_cast<size_t>(device)]->stats();
+  }
+
+ private:
+  CachingAllocator& allocator(Device device) {
+    DPAR_CHECK_ARG(device.index >= 0 && static_cast<size_t>(device.index) < count_, device.str(),
+                   " does not exist (", count_, " CUDA devices", why_none_.empty() ? "" : ": ", why_none_, ")");
+    return *allocators_[static_cast<size_t>(device.index)];
+  }
+
+  size_t count_ = 0;
+  std::string why_none_;
+  std::vector<std::unique_ptr<CachingAllocator>> allocators_;
+};
+
+CudaBackend& the_backend() {
+  static CudaBackend backend;
+  return backend;
+}
+
+}  // namespace
+
+Backend& cuda_backend() { return the_backend(); }
+
+CudaAllocatorStats cuda_allocator_stats(int device) { return the_backend().stats(device); }
+
+}  // namespace dpar
