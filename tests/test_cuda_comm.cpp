@@ -12,6 +12,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "comm/cuda_device_comm.h"
+#include "comm/nccl_comm.h"
 #include "comm/threads_comm.h"
 #include "common/error.h"
 #include "cuda_test_util.h"
@@ -140,6 +141,44 @@ TEST_P(CudaDeviceGroupTest, MissingParticipantTimesOut) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Replicas, CudaDeviceGroupTest, ::testing::Values(2, 3, 4));
+
+// NCCL over every GPU of this machine (one rank each; the GPU machines have one), against the threads backend:
+// NCCL's sum order is its own, so the comparison is within float rounding, not bit for bit.
+TEST(NcclGroupTest, AllReduceSumAndBroadcastMatchTheThreadsBackend) {
+  DPAR_REQUIRE_GPU();
+  const int n = cuda::cuda_device_count();
+  std::vector<int> devices;
+  for (int d = 0; d < n; ++d) devices.push_back(d);
+  NcclGroup group(devices, names(n, "cuda"), std::chrono::seconds(60));
+  ThreadGroup reference(names(n, "cpu"), std::chrono::seconds(60));
+  const size_t count = 4099;
+  std::vector<std::vector<float>> got(n), expected(n), bcast(n), host(n);
+  for (int r = 0; r < n; ++r) host[r] = random_vector(count, 70 + r);
+  const auto status = run_threads(n, [&](int r) {
+    DPAR_CUDA_CHECK(cudaSetDevice(r), "thread device");
+    cudaStream_t stream;
+    DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    {
+      auto comm = group.communicator(r, stream);
+      auto ref = reference.communicator(r);
+      DeviceBuffer<float> d(host[r]);
+      comm->all_reduce_sum(d.get(), count, true, 0.25f);
+      std::vector<float> h = host[r];
+      ref->all_reduce_sum(h.data(), count, true, 0.25f);
+      expected[r] = h;
+      got[r] = d.download();
+      DeviceBuffer<float> b(host[r]);
+      comm->broadcast(b.get(), count, CommDType::kF32, 0);
+      bcast[r] = b.download();
+    }
+    cudaStreamDestroy(stream);
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_EQ(status[r], DPAR_OK) << "rank " << r;
+    EXPECT_LT(test::normalised_error(got[r], expected[r]), 1e-6) << "all_reduce_sum, rank " << r;
+    EXPECT_TRUE(bitwise_equal(bcast[r], host[0])) << "broadcast, rank " << r;
+  }
+}
 
 }  // namespace
 }  // namespace dpar
