@@ -1,0 +1,108 @@
+// See cuda_check.h.
+#include "backend/cuda/cuda_check.h"
+
+#include <mutex>
+
+namespace dpar::cuda {
+
+namespace {
+
+// "cudaMalloc(&p, bytes) [allocating 1 GiB on cuda:0]: out of memory (cudaErrorMemoryAllocation)"
+std::string describe(const char* call, const std::string& context, const char* text, const char* name) {
+  std::string out = call;
+  if (!context.empty()) out += " [" + context + "]";
+  out += ": ";
+  out += text != nullptr ? text : "unknown error";
+  if (name != nullptr) {
+    out += " (";
+    out += name;
+    out += ")";
+  }
+  return out;
+}
+
+}  // namespace
+
+dpar_status cuda_error_status(cudaError_t err) {
+  return err == cudaErrorMemoryAllocation ? DPAR_ERR_OUT_OF_MEMORY : DPAR_ERR_DEVICE;
+}
+
+dpar_status cublas_error_status(cublasStatus_t status) {
+  return status == CUBLAS_STATUS_ALLOC_FAILED ? DPAR_ERR_OUT_OF_MEMORY : DPAR_ERR_DEVICE;
+}
+
+dpar_status nccl_error_status(ncclResult_t result) {
+  switch (result) {
+    case ncclRemoteError:
+      return DPAR_ERR_REMOTE;
+    case ncclInvalidArgument:
+    case ncclInvalidUsage:
+      return DPAR_ERR_INVALID_ARGUMENT;
+    case ncclUnhandledCudaError:
+      return DPAR_ERR_DEVICE;
+    default:
+      return DPAR_ERR_COMMUNICATION;
+  }
+}
+
+const char* cublas_status_name(cublasStatus_t status) {
+  switch (status) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
+  }
+  return "CUBLAS_STATUS_UNKNOWN";
+}
+
+void fail_cuda(cudaError_t err, const char* call, const std::string& context) {
+  fail(cuda_error_status(err), describe(call, context, cudaGetErrorString(err), cudaGetErrorName(err)));
+}
+
+void fail_cublas(cublasStatus_t status, const char* call, const std::string& context) {
+  fail(cublas_error_status(status), describe(call, context, cublasGetStatusString(status), cublas_status_name(status)));
+}
+
+void fail_nccl(ncclResult_t result, const char* call, const std::string& context) {
+  // ncclGetLastError gives the detail NCCL logged for this thread's last failure (may be empty).
+  std::string text = ncclGetErrorString(result);
+  const char* detail = ncclGetLastError(nullptr);
+  if (detail != nullptr && detail[0] != '\0') text += std::string(": ") + detail;
+  fail(nccl_error_status(result), describe(call, context, text.c_str(), nullptr));
+}
+
+int cuda_device_count(std::string* why_none) {
+  static std::once_flag once;
+  static int count = 0;
+  static std::string why;
+  std::call_once(once, [] {
+    int n = 0;
+    const cudaError_t err = cudaGetDeviceCount(&n);
+    if (err == cudaSuccess && n > 0) {
+      count = n;
+      return;
+    }
+    // The runtime keeps no sticky state from this failure; clear its last-error slot for this thread anyway.
+    (void)cudaGetLastError();
+    if (err == cudaSuccess) {
+      why = "no CUDA device (the driver reports 0 devices)";
+    } else if (err == cudaErrorInsufficientDriver) {
+      why = std::string("no CUDA driver (cudaGetDeviceCount: ") + cudaGetErrorString(err) + ")";
+    } else if (err == cudaErrorNoDevice) {
+      why = std::string("no CUDA device (cudaGetDeviceCount: ") + cudaGetErrorString(err) + ")";
+    } else {
+      why = std::string("CUDA is unavailable (cudaGetDeviceCount: ") + cudaGetErrorString(err) + ", " +
+            cudaGetErrorName(err) + ")";
+    }
+  });
+  if (count == 0 && why_none != nullptr) *why_none = why;
+  return count;
+}
+
+}  // namespace dpar::cuda

@@ -1,0 +1,76 @@
+// Checks for CUDA runtime, cuBLAS and NCCL calls: a failure becomes a dpar::Error naming the call, the context and
+// the library's own message, so that "cudaMalloc(256 MiB on cuda:0): out of memory" reaches the user instead of a
+// status code.
+//
+//   DPAR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream), "copy of ", bytes, " bytes to ", name);
+//   DPAR_CUBLAS_CHECK(cublasSgemm(...), "linear_forward");
+//   DPAR_NCCL_CHECK(ncclAllReduce(...), "all_reduce on ", comm_name);
+//   DPAR_CUDA_CHECK_LAUNCH("relu_forward");   // right after a <<<...>>> launch
+//
+// Statuses: cudaErrorMemoryAllocation becomes DPAR_ERR_OUT_OF_MEMORY (and cuBLAS's ALLOC_FAILED too); every other
+// CUDA or cuBLAS failure DPAR_ERR_DEVICE; an NCCL failure DPAR_ERR_COMMUNICATION, except ncclRemoteError
+// (DPAR_ERR_REMOTE: a peer failed), ncclInvalidArgument and ncclInvalidUsage (DPAR_ERR_INVALID_ARGUMENT) and a
+// CUDA error inside NCCL (DPAR_ERR_DEVICE).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <string>
+
+#include "common/error.h"
+
+namespace dpar::cuda {
+
+// Throw the Error for a failed call. `call` is the expression's text; `context` may be empty.
+[[noreturn]] void fail_cuda(cudaError_t err, const char* call, const std::string& context);
+[[noreturn]] void fail_cublas(cublasStatus_t status, const char* call, const std::string& context);
+[[noreturn]] void fail_nccl(ncclResult_t result, const char* call, const std::string& context);
+
+// The status a failure maps to (see above); exposed for tests and for callers that report without throwing.
+dpar_status cuda_error_status(cudaError_t err);
+dpar_status cublas_error_status(cublasStatus_t status);
+dpar_status nccl_error_status(ncclResult_t result);
+
+// "CUBLAS_STATUS_NOT_SUPPORTED" and the like (cuBLAS's own cublasGetStatusString gives the text).
+const char* cublas_status_name(cublasStatus_t status);
+
+// How many CUDA devices this process can use. Never throws: where there are none, returns 0 and, if why_none is
+// not null, sets it to the reason ("no CUDA driver (...)", "no CUDA device (...)", or the runtime's error for any
+// other failure to initialise), so a CPU-only run can say why it did not use a GPU. (A machine without a driver
+// makes cudaGetDeviceCount return cudaErrorInsufficientDriver, not a count of 0.) The runtime is asked once per
+// process; later calls return the same answer.
+int cuda_device_count(std::string* why_none = nullptr);
+
+}  // namespace dpar::cuda
+
+// DPAR_CUDA_CHECK(expr, context...): evaluates a cudaError_t expression once; throws unless cudaSuccess.
+#define DPAR_CUDA_CHECK(expr, ...)                                                                   \
+  do {                                                                                               \
+    const cudaError_t dpar_cuda_err_ = (expr);                                                       \
+    if (dpar_cuda_err_ != cudaSuccess)                                                               \
+      ::dpar::cuda::fail_cuda(dpar_cuda_err_, #expr, ::dpar::detail::concat(__VA_ARGS__));           \
+  } while (0)
+
+// After a kernel launch: a bad configuration (or an earlier asynchronous error) throws, naming the kernel.
+#define DPAR_CUDA_CHECK_LAUNCH(kernel_name)                                                          \
+  do {                                                                                               \
+    const cudaError_t dpar_cuda_err_ = cudaGetLastError();                                           \
+    if (dpar_cuda_err_ != cudaSuccess)                                                               \
+      ::dpar::cuda::fail_cuda(dpar_cuda_err_, "kernel launch", ::dpar::detail::concat(kernel_name)); \
+  } while (0)
+
+#define DPAR_CUBLAS_CHECK(expr, ...)                                                                 \
+  do {                                                                                               \
+    const cublasStatus_t dpar_cublas_st_ = (expr);                                                   \
+    if (dpar_cublas_st_ != CUBLAS_STATUS_SUCCESS)                                                    \
+      ::dpar::cuda::fail_cublas(dpar_cublas_st_, #expr, ::dpar::detail::concat(__VA_ARGS__));        \
+  } while (0)
+
+#define DPAR_NCCL_CHECK(expr, ...)                                                                   \
+  do {                                                                                               \
+    const ncclResult_t dpar_nccl_res_ = (expr);                                                      \
+    if (dpar_nccl_res_ != ncclSuccess)                                                               \
+      ::dpar::cuda::fail_nccl(dpar_nccl_res_, #expr, ::dpar::detail::concat(__VA_ARGS__));           \
+  } while (0)

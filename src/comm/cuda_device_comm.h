@@ -1,0 +1,57 @@
+// The CUDA device group: several replicas on one GPU (NCCL refuses two ranks on one device), or on GPUs that reach
+// each other's memory by peer access (enabled by the caller), reducing in device memory.
+//
+// Participants are threads of one process, each with the CUDA stream of its replica's compute work. Host
+// synchronisation, fingerprints, timeouts and abort are a ThreadGroup's (threads_comm.h): every collective starts
+// with an all-gather over the thread group of each participant's call record (operation, count, dtype, op, root,
+// buffers, events); all participants then compare the records and throw Error(MISMATCH) alike on a difference,
+// and a missing or failed participant gives TIMEOUT or REMOTE exactly as in the threads backend.
+//
+// The device work is the threads backend's one-pass algorithm, on the GPU: participant r waits (on its stream) for
+// an event every participant recorded on its own stream when it called, so that every input is complete; reduces
+// its slice of every participant's buffer with kernels::cuda::sum_slice_into_all and writes the sum into all of
+// them; records its own event. A second host barrier then lets every participant make its stream wait for all
+// those events, so that nothing it queues later reads a slice before it is written. The host never waits for the
+// GPU: a collective returns once its work is queued, and its result is visible to work queued later on the
+// participant's stream (the stream passed at construction). Sum order is participant order, whoever computes a
+// slice: every participant gets the same bits, the threads backend's bits for the same inputs.
+//
+// Supported: all_reduce_sum, reduce_sum (it writes every participant's buffer: allowed, the others' content is
+// unspecified), all_reduce (f32, sum), broadcast and all_gather (any dtype: copies), barrier. reduce, reduce_scatter
+// and the other dtypes and ops of all_reduce throw Error(NOT_SUPPORTED) on every participant, without waiting.
+// Buffers are device memory of the participant's GPU. In place: all_reduce takes send == recv; all_gather takes
+// send == recv + rank * count; other overlaps are not supported.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/threads_comm.h"
+
+namespace dpar {
+
+class CudaDeviceGroup {
+ public:
+  // names[r] names participant r in messages ("replica 1 (cuda:0)").
+  CudaDeviceGroup(std::vector<std::string> names, std::chrono::duration<double> timeout);
+
+  int size() const { return host_.size(); }
+  // Every participant waiting now or later throws Error(REMOTE) with `reason`.
+  void abort(const std::string& reason) { host_.abort(reason); }
+  // Makes an aborted group usable again (no participant inside a collective).
+  void reset() { host_.reset(); }
+
+  // Participant `rank`'s view, queuing its device work on `stream` (of the current CUDA device, which must be the
+  // device of its buffers). Allocates its small device tables. The group and the stream must outlive it.
+  std::unique_ptr<Communicator> communicator(int rank, cudaStream_t stream);
+
+ private:
+  ThreadGroup host_;
+};
+
+}  // namespace dpar

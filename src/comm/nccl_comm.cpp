@@ -1,0 +1,317 @@
+// See nccl_comm.h.
+#include "comm/nccl_comm.h"
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+
+#include "backend/cuda/cuda_check.h"
+#include "common/error.h"
+#include "kernels/cuda/kernels.h"
+
+namespace dpar {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+enum Kind : int64_t { kBarrier = 1, kAllReduceSum, kReduceSum, kAllReduce, kBroadcast, kReduce, kAllGather,
+                      kReduceScatter };
+
+const char* kind_name(int64_t kind) {
+  switch (kind) {
+    case kBarrier: return "barrier";
+    case kAllReduceSum: return "all_reduce_sum";
+    case kReduceSum: return "reduce_sum";
+    case kAllReduce: return "all_reduce";
+    case kBroadcast: return "broadcast";
+    case kReduce: return "reduce";
+    case kAllGather: return "all_gather";
+    case kReduceScatter: return "reduce_scatter";
+  }
+  return "unknown collective";
+}
+
+// A call's fingerprint, as all participants compare it.
+struct Record {
+  int64_t seq, kind, count, dtype, op, root;
+};
+constexpr size_t kRecordWords = sizeof(Record) / sizeof(int64_t);
+
+ncclDataType_t nccl_type(CommDType dtype) {
+  switch (dtype) {
+    case CommDType::kF32: return ncclFloat32;
+    case CommDType::kF64: return ncclFloat64;
+    case CommDType::kI32: return ncclInt32;
+    case CommDType::kI64: return ncclInt64;
+  }
+  fail(DPAR_ERR_INVALID_ARGUMENT, "nccl: unknown dtype ", static_cast<int>(dtype));
+}
+
+ncclRedOp_t nccl_op(CommDType dtype, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return ncclSum;
+    case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kMin: return ncclMin;
+    case ReduceOp::kMean:
+      if (dtype != CommDType::kF32 && dtype != CommDType::kF64)
+        fail(DPAR_ERR_NOT_SUPPORTED, "nccl: mean of ", comm_dtype_name(dtype), " (ncclAvg is for floating types)");
+      return ncclAvg;
+  }
+  fail(DPAR_ERR_INVALID_ARGUMENT, "nccl: unknown reduce op ", static_cast<int>(op));
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // host: the in-process group that agrees fingerprints (null across processes). owns_comm: destroy comm after.
+  NcclCommunicator(ncclComm_t comm, bool owns_comm, ThreadGroup* host, int rank, int size, int device,
+                   cudaStream_t compute, std::string name, std::chrono::duration<double> timeout)
+      : comm_(comm), owns_comm_(owns_comm), host_(host), rank_(rank), size_(size), device_(device), compute_(compute),
+        name_(std::move(name)), timeout_(timeout) {
+    if (host_ != nullptr) host_comm_ = host_->communicator(rank);
+    DPAR_CUDA_CHECK(cudaSetDevice(device_), name_, ": nccl communicator");
+    DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking), name_, ": communication stream");
+    DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), name_, ": event");
+    DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), name_, ": event");
+    if (host_ == nullptr) {
+      DPAR_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&records_), sizeof(Record) * size_), name_,
+                      ": fingerprint buffer");
+    }
+  }
+  ~NcclCommunicator() override {
+    stop_async();
+    if (!broken_) cudaStreamSynchronize(comm_stream_);
+    if (owns_comm_ && comm_ != nullptr) {
+      if (broken_)
+        ncclCommAbort(comm_);
+      else
+        ncclCommDestroy(comm_);
+    }
+    if (records_ != nullptr) cudaFree(records_);
+    cudaEventDestroy(ready_);
+    cudaEventDestroy(done_);
+    cudaStreamDestroy(comm_stream_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* backend() const override { return "nccl"; }
+
+  void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override {
+    const ncclRedOp_t nop = nccl_op(dtype, op);
+    collective("all_reduce", {0, kAllReduce, (int64_t)count, (int64_t)dtype, (int64_t)op, 0}, [&] {
+      DPAR_NCCL_CHECK(ncclAllReduce(send, recv, count, nccl_type(dtype), nop, comm_, comm_stream_), name_);
+    });
+  }
+  void broadcast(void* buffer, size_t count, CommDType dtype, int root) override {
+    check_root("broadcast", root);
+    collective("broadcast", {0, kBroadcast, (int64_t)count, (int64_t)dtype, 0, root}, [&] {
+      DPAR_NCCL_CHECK(ncclBroadcast(buffer, buffer, count, nccl_type(dtype), root, comm_, comm_stream_), name_);
+    });
+  }
+  void reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root) override {
+    check_root("reduce", root);
+    const ncclRedOp_t nop = nccl_op(dtype, op);
+    collective("reduce", {0, kReduce, (int64_t)count, (int64_t)dtype, (int64_t)op, root}, [&] {
+      DPAR_NCCL_CHECK(ncclReduce(send, recv, count, nccl_type(dtype), nop, root, comm_, comm_stream_), name_);
+    });
+  }
+  void all_gather(const void* send, void* recv, size_t count, CommDType dtype) override {
+    collective("all_gather", {0, kAllGather, (int64_t)count, (int64_t)dtype, 0, 0}, [&] {
+      DPAR_NCCL_CHECK(ncclAllGather(send, recv, count, nccl_type(dtype), comm_, comm_stream_), name_);
+    });
+  }
+  void reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override {
+    const ncclRedOp_t nop = nccl_op(dtype, op);
+    collective("reduce_scatter", {0, kReduceScatter, (int64_t)count, (int64_t)dtype, (int64_t)op, 0}, [&] {
+      DPAR_NCCL_CHECK(ncclReduceScatter(send, recv, count, nccl_type(dtype), nop, comm_, comm_stream_), name_);
+    });
+  }
+  void barrier(const char* operation) override {
+    collective(operation, {0, kBarrier, 0, 0, 0, 0}, [] {});
+  }
+  void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) override {
+    sum("all_reduce_sum", kAllReduceSum, buffer, count, contributes, scale, -1);
+  }
+  void reduce_sum(float* buffer, size_t count, bool contributes, float scale, int root) override {
+    check_root("reduce_sum", root);
+    sum("reduce_sum", kReduceSum, buffer, count, contributes, scale, root);
+  }
+
+  void abort(const std::string& reason) override {
+    {
+      std::lock_guard<std::mutex> lock(abort_mutex_);
+      if (abort_reason_.empty()) abort_reason_ = reason;
+    }
+    aborted_.store(true);
+    if (host_ != nullptr) host_->abort(reason);
+  }
+
+ private:
+  void check_root(const char* operation, int root) const {
+    DPAR_CHECK_ARG(root >= 0 && root < size_, operation, ": root ", root, " is not a participant (size ", size_, ")");
+  }
+
+  void sum(const char* operation, Kind kind, float* buffer, size_t count, bool contributes, float scale, int root) {
+    collective(operation, {0, kind, (int64_t)count, (int64_t)CommDType::kF32, 0, root < 0 ? 0 : root}, [&] {
+      if (count == 0) return;
+      if (!contributes)
+        DPAR_CUDA_CHECK(cudaMemsetAsync(buffer, 0, count * sizeof(float), comm_stream_), operation, ": ", name_);
+      if (root < 0)
+        DPAR_NCCL_CHECK(ncclAllReduce(buffer, buffer, count, ncclFloat32, ncclSum, comm_, comm_stream_), name_);
+      else
+        DPAR_NCCL_CHECK(ncclReduce(buffer, buffer, count, ncclFloat32, ncclSum, root, comm_, comm_stream_), name_);
+      if (scale != 1.0f && (root < 0 || root == rank_))
+        kernels::cuda::scale(buffer, scale, static_cast<int64_t>(count), comm_stream_);
+    });
+  }
+
+  template <class Enqueue>
+  void collective(const char* operation, Record mine, Enqueue enqueue) {
+    std::lock_guard<std::mutex> lock(call_mutex_);
+    DPAR_ENFORCE(!broken_, DPAR_ERR_INVALID_STATE, operation, ": ", name_,
+                 "'s NCCL communicator was aborted by an earlier failure; create a new one");
+    if (aborted_.load()) remote_failure(operation);
+    DPAR_CUDA_CHECK(cudaSetDevice(device_), operation, ": ", name_);
+    mine.seq = ++seq_;
+    agree(operation, mine);
+    // Order: compute stream (inputs) -> communication stream (NCCL) -> compute stream (later work).
+    DPAR_CUDA_CHECK(cudaEventRecord(ready_, compute_), operation, ": ", name_);
+    DPAR_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ready_, 0), operation, ": ", name_);
+    enqueue();
+    DPAR_CUDA_CHECK(cudaEventRecord(done_, comm_stream_), operation, ": ", name_);
+    DPAR_CUDA_CHECK(cudaStreamWaitEvent(compute_, done_, 0), operation, ": ", name_);
+    wait(operation);
+  }
+
+  // Fingerprints: every participant gets every record and all decide alike.
+  void agree(const char* operation, const Record& mine) {
+    std::vector<Record> all(static_cast<size_t>(size_));
+    if (host_comm_ != nullptr) {
+      host_comm_->all_gather(&mine, all.data(), kRecordWords, CommDType::kI64);
+    } else {
+      DPAR_CUDA_CHECK(cudaMemcpyAsync(records_ + rank_, &mine, sizeof(Record), cudaMemcpyHostToDevice, comm_stream_),
+                      operation, ": fingerprint");
+      DPAR_NCCL_CHECK(ncclAllGather(records_ + rank_, records_, kRecordWords, ncclInt64, comm_, comm_stream_),
+                      operation, " (fingerprints): ", name_);
+      DPAR_CUDA_CHECK(cudaEventRecord(done_, comm_stream_), operation, ": ", name_);
+      wait(operation);
+      DPAR_CUDA_CHECK(cudaMemcpy(all.data(), records_, sizeof(Record) * size_, cudaMemcpyDeviceToHost), operation,
+                      ": fingerprint");
+    }
+    for (int r = 1; r < size_; ++r) {
+      const Record& a = all[0];
+      const Record& b = all[static_cast<size_t>(r)];
+      if (a.seq == b.seq && a.kind == b.kind && a.count == b.count && a.dtype == b.dtype && a.op == b.op &&
+          a.root == b.root)
+        continue;
+      fail(DPAR_ERR_MISMATCH, operation, ": participant ", r, " called ", kind_name(b.kind), " of ", b.count, " ",
+           comm_dtype_name(static_cast<CommDType>(b.dtype)), " as its collective #", b.seq, " but participant 0 called ",
+           kind_name(a.kind), " of ", a.count, " ", comm_dtype_name(static_cast<CommDType>(a.dtype)),
+           " as its collective #", a.seq, " (seen by ", name_, ")");
+    }
+  }
+
+  // Until done_ has completed: polls NCCL's asynchronous errors, abort() and the deadline.
+  void wait(const char* operation) {
+    const auto deadline = timeout_.count() > 3.0e9
+                              ? Clock::time_point::max()
+                              : Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout_);
+    for (int spins = 0;; ++spins) {
+      const cudaError_t q = cudaEventQuery(done_);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) {
+        broken_ = true;
+        cuda::fail_cuda(q, "cudaEventQuery", detail::concat(operation, ": ", name_));
+      }
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t got = ncclCommGetAsyncError(comm_, &async);
+      if (got != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
+        broken_ = true;
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        cuda::fail_nccl(got != ncclSuccess ? got : async, "ncclCommGetAsyncError", detail::concat(operation, ": ", name_));
+      }
+      if (aborted_.load()) {
+        broken_ = true;
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        remote_failure(operation);
+      }
+      if (Clock::now() >= deadline) {
+        broken_ = true;
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        fail(DPAR_ERR_TIMEOUT, operation, ": ", name_, "'s NCCL operation did not finish within ", timeout_.count(),
+             " s (a participant did not arrive, or the transport stalled); the communicator was aborted");
+      }
+      if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  [[noreturn]] void remote_failure(const char* operation) {
+    std::lock_guard<std::mutex> lock(abort_mutex_);
+    fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", abort_reason_);
+  }
+
+  ncclComm_t comm_;
+  bool owns_comm_;
+  ThreadGroup* host_;
+  std::unique_ptr<Communicator> host_comm_;
+  int rank_, size_, device_;
+  cudaStream_t compute_;
+  std::string name_;
+  std::chrono::duration<double> timeout_;
+  cudaStream_t comm_stream_ = nullptr;
+  cudaEvent_t ready_ = nullptr, done_ = nullptr;
+  Record* records_ = nullptr;  // device: the fingerprints across processes
+  std::mutex call_mutex_;
+  int64_t seq_ = 0;
+  bool broken_ = false;
+  std::atomic<bool> aborted_{false};
+  std::mutex abort_mutex_;
+  std::string abort_reason_;
+};
+
+}  // namespace
+
+NcclGroup::NcclGroup(std::vector<int> devices, std::vector<std::string> names, std::chrono::duration<double> timeout)
+    : host_(std::move(names), timeout), timeout_(timeout), devices_(std::move(devices)) {
+  DPAR_CHECK_ARG(static_cast<int>(devices_.size()) == host_.size(), "nccl group: ", devices_.size(), " devices for ",
+                 host_.size(), " names");
+  for (size_t i = 0; i < devices_.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      DPAR_CHECK_ARG(devices_[i] != devices_[j], "nccl group: device ", devices_[i],
+                     " is named twice (NCCL refuses two ranks on one GPU: use the CUDA device group)");
+  comms_.assign(devices_.size(), nullptr);
+  DPAR_NCCL_CHECK(ncclCommInitAll(comms_.data(), static_cast<int>(devices_.size()), devices_.data()),
+                  "nccl group of ", devices_.size(), " GPUs");
+}
+
+NcclGroup::~NcclGroup() {
+  for (auto c : comms_)
+    if (c != nullptr) (host_.aborted() ? ncclCommAbort(c) : ncclCommDestroy(c));
+}
+
+std::unique_ptr<Communicator> NcclGroup::communicator(int rank, cudaStream_t compute_stream) {
+  DPAR_CHECK_ARG(rank >= 0 && rank < size(), "nccl group: rank ", rank, " out of range");
+  return std::make_unique<NcclCommunicator>(comms_[rank], false, &host_, rank, size(), devices_[rank], compute_stream,
+                                            host_.name(rank), timeout_);
+}
+
+std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int nranks, int rank, int device,
+                                                     cudaStream_t compute_stream, std::string name,
+                                                     std::chrono::duration<double> timeout) {
+  DPAR_CHECK_ARG(nranks >= 1 && rank >= 0 && rank < nranks, "nccl: rank ", rank, " of ", nranks);
+  DPAR_CUDA_CHECK(cudaSetDevice(device), name, ": nccl communicator");
+  ncclComm_t comm = nullptr;
+  DPAR_NCCL_CHECK(ncclCommInitRank(&comm, nranks, id, rank), name, ": rank ", rank, " of ", nranks);
+  try {
+    return std::make_unique<NcclCommunicator>(comm, true, nullptr, rank, nranks, device, compute_stream,
+                                              std::move(name), timeout);
+  } catch (...) {
+    ncclCommDestroy(comm);
+    throw;
+  }
+}
+
+}  // namespace dpar

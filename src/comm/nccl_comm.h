@@ -1,0 +1,65 @@
+// The NCCL backend: participants are GPUs, one per thread in one process (NcclGroup, ncclCommInitAll), or one per
+// process (nccl_rank_communicator, ncclCommInitRank with a unique id the caller distributes, e.g. through MPI).
+//
+// Streams. A participant is built with its replica's compute stream. Each collective makes the communicator's own
+// communication stream wait for an event recorded on the compute stream (the inputs are complete), queues the NCCL
+// call there, records an event that the compute stream then waits for (work queued later sees the result).
+//
+// Blocking and errors, not hangs. A collective returns when its NCCL work has finished on the GPU: it waits for the
+// completion event by polling, and meanwhile polls ncclCommGetAsyncError (a failed peer or network shows there)
+// and abort(). A collective that has not finished within the timeout is aborted (ncclCommAbort) and throws
+// Error(TIMEOUT) naming the operation; an asynchronous NCCL error throws its Error (COMMUNICATION, REMOTE, ...);
+// abort() makes a waiting or later call throw Error(REMOTE). After any of them the communicator is unusable
+// (Error(INVALID_STATE)): build a new one. The engine runs collectives on the communication thread (async_*), so
+// this wait does not block the replica's worker.
+//
+// Fingerprints are agreed before any data moves, so that a participant calling another collective makes all of
+// them throw Error(MISMATCH): in one process over a ThreadGroup (host all-gather of each call's record, with its
+// timeout), across processes by a small ncclAllGather of the records (one extra latency per collective).
+//
+// Supported: every Communicator collective for f32, f64, i32, i64 with sum, max, min, and mean for f32 and f64
+// (ncclAvg). all_reduce_sum with contributes == false zeroes the participant's buffer first; scale multiplies
+// after the sum (on the communication stream). Buffers are device memory of the participant's GPU.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/threads_comm.h"
+
+namespace dpar {
+
+// One communicator per GPU of this process. devices[r] is participant r's CUDA device (each at most once: NCCL
+// refuses two ranks on one GPU, use CudaDeviceGroup there).
+class NcclGroup {
+ public:
+  NcclGroup(std::vector<int> devices, std::vector<std::string> names, std::chrono::duration<double> timeout);
+  ~NcclGroup();
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+
+  int size() const { return host_.size(); }
+  void abort(const std::string& reason) { host_.abort(reason); }
+  // Participant `rank`'s view; `compute_stream` is on devices[rank]. The group must outlive it.
+  std::unique_ptr<Communicator> communicator(int rank, cudaStream_t compute_stream);
+
+ private:
+  ThreadGroup host_;
+  std::chrono::duration<double> timeout_;
+  std::vector<int> devices_;
+  std::vector<ncclComm_t> comms_;
+};
+
+// This process's participant of an NCCL communicator over `nranks` processes (ncclCommInitRank): every rank passes
+// the same id (made by ncclGetUniqueId on one rank and broadcast by the caller). Owns the NCCL communicator.
+std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int nranks, int rank, int device,
+                                                     cudaStream_t compute_stream, std::string name,
+                                                     std::chrono::duration<double> timeout);
+
+}  // namespace dpar

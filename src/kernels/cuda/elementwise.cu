@@ -1,0 +1,159 @@
+// Elementwise CUDA kernels: activations, dropout, axpy, scale. The formulas and operation order are the CPU
+// twins' (kernels/cpu/kernels.cpp), element by element; see kernels.h for the contracts.
+#include "kernels/cuda/kernels.h"
+
+#include "kernels/cuda/dropout_rng.h"
+#include "kernels/cuda/launch.cuh"
+
+namespace dpar::kernels::cuda {
+
+using detail::blocks_for;
+using detail::check_count;
+using detail::kThreads;
+
+namespace {
+
+constexpr float kSqrt1_2 = 0.70710678118654752440f;     // 1/sqrt(2)
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;  // 1/sqrt(2*pi)
+
+// Out-of-place and in-place (out == inp) use are both fine: element i is read before it is written, by one thread.
+
+// inp (n), out (n)
+__global__ void relu_forward_kernel(float* out, const float* inp, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) {
+    const float x = inp[i];
+    out[i] = x < 0.0f ? 0.0f : x;  // NaN passes through, as torch.relu
+  }
+}
+
+// dinp (n), dout (n), out (n)
+__global__ void relu_backward_kernel(float* dinp, const float* dout, const float* out, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) {
+    const float g = dout[i], y = out[i];
+    dinp[i] = y <= 0.0f ? 0.0f : g;
+  }
+}
+
+// out = x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt 2)).  inp (n), out (n)
+__global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) {
+    const float x = inp[i];
+    out[i] = x * 0.5f * (1.0f + erff(x * kSqrt1_2));
+  }
+}
+
+// dinp = dout * (Phi(x) + x * phi(x)).  dinp (n), dout (n), inp (n)
+__global__ void gelu_backward_kernel(float* dinp, const float* dout, const float* inp, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) {
+    const float x = inp[i];
+    const float cdf = 0.5f * (1.0f + erff(x * kSqrt1_2));
+    const float pdf = kInvSqrt2Pi * expf(x * x * -0.5f);
+    dinp[i] = dout[i] * (cdf + x * pdf);
+  }
+}
+
+// inp (n), out (n)
+__global__ void tanh_forward_kernel(float* out, const float* inp, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) { out[i] = tanhf(inp[i]); }
+}
+
+// dinp = dout * (1 - y^2).  dinp (n), dout (n), out (n)
+__global__ void tanh_backward_kernel(float* dinp, const float* dout, const float* out, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) {
+    const float y = out[i];
+    dinp[i] = dout[i] * (1.0f - y * y);
+  }
+}
+
+// inp (n), out (n)
+__global__ void sigmoid_forward_kernel(float* out, const float* inp, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) { out[i] = 1.0f / (1.0f + expf(-inp[i])); }
+}
+
+// dinp = dout * (1 - y) * y.  dinp (n), dout (n), out (n)
+__global__ void sigmoid_backward_kernel(float* dinp, const float* dout, const float* out, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) {
+    const float y = out[i];
+    dinp[i] = dout[i] * (1.0f - y) * y;
+  }
+}
+
+// Element i is kept iff uniform24(key, offset + i) >= p; mask = kept ? keep_scale : 0; out = inp * mask.
+// out (n), mask (n), inp (n)
+__global__ void dropout_forward_kernel(float* out, float* mask, const float* inp, int64_t n, float p, float keep_scale,
+                                       uint64_t key, uint64_t offset) {
+  DPAR_GRID_STRIDE_LOOP(i, n) {
+    const float u = rng::uniform24(key, offset + static_cast<uint64_t>(i));
+    const float m = u >= p ? keep_scale : 0.0f;
+    mask[i] = m;
+    out[i] = inp[i] * m;
+  }
+}
+
+// dinp (n), dout (n), mask (n)
+__global__ void dropout_backward_kernel(float* dinp, const float* dout, const float* mask, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) { dinp[i] = dout[i] * mask[i]; }
+}
+
+// y += a*x.  y (n), x (n)
+__global__ void axpy_kernel(float* y, const float* x, float a, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) { y[i] = y[i] + a * x[i]; }
+}
+
+// x *= a.  x (n)
+__global__ void scale_kernel(float* x, float a, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) { x[i] = x[i] * a; }
+}
+
+}  // namespace
+
+#define DPAR_LAUNCH_ELEMENTWISE(kernel, n, stream, ...)                     \
+  do {                                                                      \
+    check_count(#kernel, n);                                                \
+    if ((n) == 0) return;                                                   \
+    kernel##_kernel<<<blocks_for(n), kThreads, 0, stream>>>(__VA_ARGS__);   \
+    DPAR_CUDA_CHECK_LAUNCH(#kernel);                                        \
+  } while (0)
+
+void relu_forward(float* out, const float* inp, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(relu_forward, n, stream, out, inp, n);
+}
+void relu_backward(float* dinp, const float* dout, const float* out, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(relu_backward, n, stream, dinp, dout, out, n);
+}
+void gelu_forward(float* out, const float* inp, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(gelu_forward, n, stream, out, inp, n);
+}
+void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(gelu_backward, n, stream, dinp, dout, inp, n);
+}
+void tanh_forward(float* out, const float* inp, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(tanh_forward, n, stream, out, inp, n);
+}
+void tanh_backward(float* dinp, const float* dout, const float* out, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(tanh_backward, n, stream, dinp, dout, out, n);
+}
+void sigmoid_forward(float* out, const float* inp, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(sigmoid_forward, n, stream, out, inp, n);
+}
+void sigmoid_backward(float* dinp, const float* dout, const float* out, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(sigmoid_backward, n, stream, dinp, dout, out, n);
+}
+
+void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float p, uint64_t seed, uint64_t offset,
+                     cudaStream_t stream) {
+  DPAR_CHECK_ARG(p >= 0.0f && p < 1.0f, "dropout: p must lie in [0, 1), got ", p);
+  // The CPU twin's scale: computed in double, rounded once, multiplied (not divided) as PyTorch does.
+  const float keep_scale = static_cast<float>(1.0 / (1.0 - static_cast<double>(p)));
+  DPAR_LAUNCH_ELEMENTWISE(dropout_forward, n, stream, out, mask, inp, n, p, keep_scale, rng::stream_key(seed), offset);
+}
+void dropout_backward(float* dinp, const float* dout, const float* mask, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(dropout_backward, n, stream, dinp, dout, mask, n);
+}
+
+void axpy(float* y, const float* x, float a, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(axpy, n, stream, y, x, a, n);
+}
+void scale(float* x, float a, int64_t n, cudaStream_t stream) { DPAR_LAUNCH_ELEMENTWISE(scale, n, stream, x, a, n); }
+
+}  // namespace dpar::kernels::cuda

@@ -1,0 +1,38 @@
+// What every CUDA kernel file shares: launch shapes, the grid-stride loop, argument checks.
+//
+// Kernels are compiled with --fmad=false (CMakeLists.txt): a*b+c is a multiply then an add, each rounded, as in
+// the CPU twins (whose x86-64 build has no FMA). With that, every kernel made of +, -, *, / and sqrt gives the CPU
+// twin's bits exactly; only the transcendental ones (exp, erf, tanh, log) differ, by CUDA's documented ulp bounds.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "backend/cuda/cuda_check.h"
+#include "common/error.h"
+
+namespace dpar::kernels::cuda::detail {
+
+constexpr int kThreads = 256;
+// A grid-stride loop covers any n, so the grid only needs to fill the GPU (132 SMs x 8 blocks of 256 on an H100,
+// with room): more blocks than this only add scheduling.
+constexpr int64_t kMaxBlocks = 4096;
+
+// Blocks for n elements, one element per thread up to kMaxBlocks blocks. n > 0.
+inline unsigned blocks_for(int64_t n) {
+  return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
+}
+
+inline void check_count(const char* kernel, int64_t n) {
+  DPAR_CHECK_ARG(n >= 0, kernel, ": element count must be >= 0, got ", n);
+}
+
+}  // namespace dpar::kernels::cuda::detail
+
+// for (int64_t i = first; i < n; i += stride): element i of a grid-stride loop. Whatever the launch shape, element
+// i gets the same arithmetic, so results never depend on the grid.
+#define DPAR_GRID_STRIDE_LOOP(i, n)                                                                        \
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n);                   \
+       i += static_cast<int64_t>(blockDim.x) * gridDim.x)

@@ -1,0 +1,49 @@
+// The in-device reduction of replicas that share a GPU (comm/cuda_device_comm.*): each participant sums its slice
+// of every replica's buffer and writes the sum into all of them, as the threads backend does on the host.
+#include "kernels/cuda/kernels.h"
+
+#include "kernels/cuda/launch.cuh"
+
+namespace dpar::kernels::cuda {
+
+using detail::blocks_for;
+using detail::kThreads;
+
+namespace {
+
+// For i in [begin, end): s = the contributors' buffers[b][i] added in buffer order, starting from the first one
+// (not from 0, so -0 stays -0, as the threads backend's pass), then s * scale; s is written to every buffer.
+// With no contributor every buffer gets 0. Buffers may be any device memory this GPU can address.
+// buffers (num_buffers) of (>= end) floats each, contributes (num_buffers)
+__global__ void sum_slice_into_all_kernel(float* const* buffers, const uint8_t* contributes, int num_buffers,
+                                          int64_t begin, int64_t end, float scale) {
+  const int64_t n = end - begin;
+  DPAR_GRID_STRIDE_LOOP(k, n) {
+    const int64_t i = begin + k;
+    float s = 0.0f;
+    bool any = false;
+    for (int b = 0; b < num_buffers; ++b) {
+      if (!contributes[b]) continue;
+      const float x = buffers[b][i];
+      s = any ? s + x : x;
+      any = true;
+    }
+    if (scale != 1.0f) s = s * scale;
+    for (int b = 0; b < num_buffers; ++b) buffers[b][i] = s;
+  }
+}
+
+}  // namespace
+
+void sum_slice_into_all(float* const* buffers, const uint8_t* contributes, int num_buffers, int64_t begin,
+                        int64_t end, float scale, cudaStream_t stream) {
+  DPAR_CHECK_ARG(num_buffers >= 0, "sum_slice_into_all: num_buffers must be >= 0, got ", num_buffers);
+  DPAR_CHECK_ARG(begin >= 0 && begin <= end, "sum_slice_into_all: bad slice [", begin, ", ", end, ")");
+  if (begin == end || num_buffers == 0) return;
+  DPAR_CHECK_ARG(buffers != nullptr && contributes != nullptr, "sum_slice_into_all: null buffer table");
+  sum_slice_into_all_kernel<<<blocks_for(end - begin), kThreads, 0, stream>>>(buffers, contributes, num_buffers,
+                                                                              begin, end, scale);
+  DPAR_CUDA_CHECK_LAUNCH("sum_slice_into_all");
+}
+
+}  // namespace dpar::kernels::cuda

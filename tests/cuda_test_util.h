@@ -1,0 +1,103 @@
+// What the CUDA tests share: the skip when there is no GPU, device buffers, random data, error measures.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "common/random.h"
+
+namespace dpar::test {
+
+// Skips the current test, with the reason, unless a CUDA device is present. (A macro: GTEST_SKIP returns from the
+// function it is written in.)
+#define DPAR_REQUIRE_GPU()                                                       \
+  do {                                                                           \
+    std::string dpar_why_;                                                       \
+    if (::dpar::cuda::cuda_device_count(&dpar_why_) == 0)                        \
+      GTEST_SKIP() << "built with CUDA, no device: skipped (" << dpar_why_ << ")"; \
+  } while (0)
+
+// A device array of n elements of T, freed on destruction.
+template <class T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t n) : n_(n) {
+    if (n_ > 0) DPAR_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), n_ * sizeof(T)), "test buffer");
+  }
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
+  ~DeviceBuffer() {
+    if (p_ != nullptr) cudaFree(p_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  T* get() const { return p_; }
+  size_t size() const { return n_; }
+  void upload(const std::vector<T>& host) {
+    EXPECT_EQ(host.size(), n_);
+    if (n_ > 0) DPAR_CUDA_CHECK(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  }
+  // Waits for all device work first (cudaMemcpy on the legacy stream synchronises with blocking streams).
+  std::vector<T> download() const {
+    std::vector<T> host(n_);
+    DPAR_CUDA_CHECK(cudaDeviceSynchronize(), "download");
+    if (n_ > 0) DPAR_CUDA_CHECK(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), "download");
+    return host;
+  }
+
+ private:
+  size_t n_;
+  T* p_ = nullptr;
+};
+
+inline std::vector<float> random_vector(size_t n, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
+  Rng rng(seed);
+  std::vector<float> v(n);
+  for (auto& x : v) x = rng.uniform(lo, hi);
+  return v;
+}
+
+// max |a - b| / max(max |b|, floor): the error of a against the reference b, relative to the reference's scale.
+inline double normalised_error(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-30) {
+  EXPECT_EQ(a.size(), b.size());
+  double err = 0.0, scale = floor;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    if (std::isnan(a[i]) != std::isnan(b[i])) return INFINITY;
+    if (std::isnan(b[i])) continue;
+    err = std::max(err, std::fabs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
+  }
+  return err / scale;
+}
+
+// Every element within `ulps` units in the last place of the reference (NaN matches NaN).
+inline ::testing::AssertionResult within_ulps(const std::vector<float>& a, const std::vector<float>& b, int ulps) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes " << a.size() << " vs " << b.size();
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) && std::isnan(b[i])) continue;
+    const double tol = ulps * std::max(std::ldexp(1.0, -149), std::fabs(static_cast<double>(b[i])) * 0x1p-23);
+    if (!(std::fabs(static_cast<double>(a[i]) - b[i]) <= tol))
+      return ::testing::AssertionFailure() << "element " << i << ": " << a[i] << " vs reference " << b[i] << " (more than "
+                                           << ulps << " ulp apart)";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Bit-for-bit equality (NaN payloads included), naming the first difference.
+inline ::testing::AssertionResult bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes " << a.size() << " vs " << b.size();
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0)
+      return ::testing::AssertionFailure() << "element " << i << ": " << a[i] << " vs reference " << b[i];
+  }
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace dpar::test

@@ -1,0 +1,184 @@
+// GPU collectives against the threads backend: the same inputs must give the same results (bit for bit for the
+// device group, whose sum order is the threads backend's). Skipped with the reason where no GPU is present.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "comm/cuda_device_comm.h"
+#include "comm/nccl_comm.h"
+#include "comm/threads_comm.h"
+#include "common/error.h"
+#include "cuda_test_util.h"
+
+namespace dpar {
+namespace {
+
+using test::bitwise_equal;
+using test::DeviceBuffer;
+using test::random_vector;
+
+std::vector<std::string> names(int n, const char* device) {
+  std::vector<std::string> v;
+  for (int r = 0; r < n; ++r) v.push_back("replica " + std::to_string(r) + " (" + device + ")");
+  return v;
+}
+
+// Runs body(rank) on n threads; rethrows nothing, returns each thread's error status (DPAR_OK if none).
+std::vector<int> run_threads(int n, const std::function<void(int)>& body) {
+  std::vector<int> status(n, DPAR_OK);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (const Error& e) {
+        status[r] = e.status();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return status;
+}
+
+class CudaDeviceGroupTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    DPAR_REQUIRE_GPU();
+    DPAR_CUDA_CHECK(cudaSetDevice(0), "test device");
+  }
+};
+
+// Each replica thread owns a stream; the reference runs the same calls through a ThreadGroup on host copies.
+TEST_P(CudaDeviceGroupTest, MatchesTheThreadsBackend) {
+  const int n = GetParam();
+  const size_t count = 10007;  // not a multiple of the slice alignment
+  CudaDeviceGroup group(names(n, "cuda:0"), std::chrono::seconds(30));
+  ThreadGroup reference(names(n, "cpu"), std::chrono::seconds(30));
+  std::vector<std::vector<float>> host(n), expected(n), got(n), gathered(n), gathered_ref(n), bcast(n), bcast_ref(n);
+  for (int r = 0; r < n; ++r) host[r] = random_vector(count, 10 + r);
+
+  const auto status = run_threads(n, [&](int r) {
+    DPAR_CUDA_CHECK(cudaSetDevice(0), "thread device");
+    cudaStream_t stream;
+    DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    {
+      auto comm = group.communicator(r, stream);
+      auto ref = reference.communicator(r);
+      // all_reduce_sum: replica 1 does not contribute; scaled.
+      const bool contributes = r != 1;
+      DeviceBuffer<float> d(host[r]);
+      comm->all_reduce_sum(d.get(), count, contributes, 0.5f);
+      std::vector<float> h = host[r];
+      ref->all_reduce_sum(h.data(), count, contributes, 0.5f);
+      expected[r] = h;
+      // all_reduce (sum, out of place) after it, on the same stream.
+      DeviceBuffer<float> out(count);
+      comm->all_reduce(d.get(), out.get(), count, CommDType::kF32, ReduceOp::kSum);
+      std::vector<float> h_out(count);
+      ref->all_reduce(h.data(), h_out.data(), count, CommDType::kF32, ReduceOp::kSum);
+      DPAR_CUDA_CHECK(cudaStreamSynchronize(stream), "sync");
+      got[r] = out.download();
+      expected[r] = h_out;
+      // all_gather (f32 blocks of 333) and broadcast from the last replica.
+      const size_t block = 333;
+      DeviceBuffer<float> g(block * n);
+      comm->all_gather(d.get(), g.get(), block, CommDType::kF32);
+      gathered_ref[r].resize(block * n);
+      ref->all_gather(h.data(), gathered_ref[r].data(), block, CommDType::kF32);
+      DeviceBuffer<float> b(host[r]);
+      comm->broadcast(b.get(), count, CommDType::kF32, n - 1);
+      DPAR_CUDA_CHECK(cudaStreamSynchronize(stream), "sync");
+      gathered[r] = g.download();
+      bcast[r] = b.download();
+    }
+    cudaStreamDestroy(stream);
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_EQ(status[r], DPAR_OK) << "replica " << r;
+    EXPECT_TRUE(bitwise_equal(got[r], expected[r])) << "all_reduce_sum + all_reduce, replica " << r;
+    // Both gathered the all_reduce_sum results (d and h), so the blocks agree bit for bit too.
+    EXPECT_TRUE(bitwise_equal(gathered[r], gathered_ref[r])) << "all_gather, replica " << r;
+    EXPECT_TRUE(bitwise_equal(bcast[r], host[n - 1])) << "broadcast, replica " << r;
+  }
+}
+
+TEST_P(CudaDeviceGroupTest, MismatchIsReportedByEveryParticipant) {
+  const int n = GetParam();
+  CudaDeviceGroup group(names(n, "cuda:0"), std::chrono::seconds(10));
+  const auto status = run_threads(n, [&](int r) {
+    DPAR_CUDA_CHECK(cudaSetDevice(0), "thread device");
+    cudaStream_t stream;
+    DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    struct StreamGuard {
+      cudaStream_t s;
+      ~StreamGuard() { cudaStreamDestroy(s); }
+    } guard{stream};
+    auto comm = group.communicator(r, stream);
+    DeviceBuffer<float> d(100);
+    comm->all_reduce_sum(d.get(), r == n - 1 ? 99 : 100, true, 1.0f);  // the last one disagrees on the count
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(status[r], DPAR_ERR_MISMATCH) << "replica " << r;
+}
+
+TEST_P(CudaDeviceGroupTest, MissingParticipantTimesOut) {
+  const int n = GetParam();
+  CudaDeviceGroup group(names(n, "cuda:0"), std::chrono::milliseconds(300));
+  const auto status = run_threads(n, [&](int r) {
+    if (r == 0) return;  // never calls
+    DPAR_CUDA_CHECK(cudaSetDevice(0), "thread device");
+    auto comm = group.communicator(r, nullptr);
+    DeviceBuffer<float> d(64);
+    comm->all_reduce_sum(d.get(), 64, true, 1.0f);
+  });
+  EXPECT_EQ(status[0], DPAR_OK);
+  for (int r = 1; r < n; ++r) EXPECT_TRUE(status[r] == DPAR_ERR_TIMEOUT || status[r] == DPAR_ERR_REMOTE) << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Replicas, CudaDeviceGroupTest, ::testing::Values(2, 3, 4));
+
+// NCCL over every GPU of this machine (one rank each; the GPU machines have one), against the threads backend:
+// NCCL's sum order is its own, so the comparison is within float rounding, not bit for bit.
+TEST(NcclGroupTest, AllReduceSumAndBroadcastMatchTheThreadsBackend) {
+  DPAR_REQUIRE_GPU();
+  const int n = cuda::cuda_device_count();
+  std::vector<int> devices;
+  for (int d = 0; d < n; ++d) devices.push_back(d);
+  NcclGroup group(devices, names(n, "cuda"), std::chrono::seconds(60));
+  ThreadGroup reference(names(n, "cpu"), std::chrono::seconds(60));
+  const size_t count = 4099;
+  std::vector<std::vector<float>> got(n), expected(n), bcast(n), host(n);
+  for (int r = 0; r < n; ++r) host[r] = random_vector(count, 70 + r);
+  const auto status = run_threads(n, [&](int r) {
+    DPAR_CUDA_CHECK(cudaSetDevice(r), "thread device");
+    cudaStream_t stream;
+    DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    {
+      auto comm = group.communicator(r, stream);
+      auto ref = reference.communicator(r);
+      DeviceBuffer<float> d(host[r]);
+      comm->all_reduce_sum(d.get(), count, true, 0.25f);
+      std::vector<float> h = host[r];
+      ref->all_reduce_sum(h.data(), count, true, 0.25f);
+      expected[r] = h;
+      got[r] = d.download();
+      DeviceBuffer<float> b(host[r]);
+      comm->broadcast(b.get(), count, CommDType::kF32, 0);
+      bcast[r] = b.download();
+    }
+    cudaStreamDestroy(stream);
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_EQ(status[r], DPAR_OK) << "rank " << r;
+    EXPECT_LT(test::normalised_error(got[r], expected[r]), 1e-6) << "all_reduce_sum, rank " << r;
+    EXPECT_TRUE(bitwise_equal(bcast[r], host[0])) << "broadcast, rank " << r;
+  }
+}
+
+}  // namespace
+}  // namespace dpar
