@@ -112,6 +112,21 @@ H* Sentinel() {
 dpar_device Cpu(int32_t index = 0) { return dpar_device{DPAR_DEVICE_CPU, index}; }
 dpar_device Cuda(int32_t index = 0) { return dpar_device{DPAR_DEVICE_CUDA, index}; }
 
+// How this library refuses a CUDA device that cannot be used: NOT_SUPPORTED in a build without CUDA, DEVICE in a
+// CUDA build on a machine without a GPU (its message says why), and an index past the last GPU where there are some.
+struct CudaRefusal {
+  dpar_status status;
+  const char* word;
+  int32_t index;  // a device index that is refused
+};
+CudaRefusal cuda_refusal() {
+  size_t n = 0;
+  const dpar_status s = dpar_device_count(&n, DPAR_DEVICE_CUDA);
+  if (s == DPAR_ERR_NOT_SUPPORTED) return {DPAR_ERR_NOT_SUPPORTED, "built without CUDA", 0};
+  if (n == 0) return {DPAR_ERR_DEVICE, "no cuda device", 0};
+  return {DPAR_ERR_INVALID_ARGUMENT, "out of range", static_cast<int32_t>(n)};
+}
+
 // The standard model: linear 4 -> 3 with bias, 15 parameter elements.
 constexpr int64_t kIn = 4;
 constexpr int64_t kOut = 3;
@@ -408,7 +423,9 @@ TEST(Device, CountChecksItsArguments) {
   ASSERT_OK(dpar_device_count(&n, DPAR_DEVICE_CPU));
   EXPECT_GE(n, 1u);
   EXPECT_INVALID("out", dpar_device_count(nullptr, DPAR_DEVICE_CPU));
-  EXPECT_DPAR_ERROR(DPAR_ERR_NOT_SUPPORTED, "CUDA", dpar_device_count(&n, DPAR_DEVICE_CUDA));
+  // Built without CUDA: NOT_SUPPORTED; with CUDA: the number of GPUs (0 without a driver or a GPU).
+  const dpar_status cuda = dpar_device_count(&n, DPAR_DEVICE_CUDA);
+  if (cuda != DPAR_OK) EXPECT_DPAR_ERROR(DPAR_ERR_NOT_SUPPORTED, "CUDA", cuda);
   EXPECT_INVALID("kind", dpar_device_count(&n, 2));
   EXPECT_INVALID("kind", dpar_device_count(&n, -1));
 }
@@ -505,7 +522,8 @@ TEST(Tensor, CreateRefusesBadArgumentsAndLeavesOutNull) {
   for (int32_t collectives_only : {DPAR_F64, DPAR_I64})  // dtypes of collectives, not of tensors
     expect_refused(DPAR_ERR_NOT_SUPPORTED, "collectives", collectives_only, shape, 2, Cpu());
   expect_refused(DPAR_ERR_INVALID_ARGUMENT, "dtype", -1, shape, 2, Cpu());
-  expect_refused(DPAR_ERR_NOT_SUPPORTED, "CUDA", DPAR_F32, shape, 2, Cuda(0));
+  const CudaRefusal cuda = cuda_refusal();
+  expect_refused(cuda.status, cuda.word, DPAR_F32, shape, 2, Cuda(cuda.index));
   expect_refused(DPAR_ERR_INVALID_ARGUMENT, "device", DPAR_F32, shape, 2, dpar_device{9, 0});
   expect_refused(DPAR_ERR_INVALID_ARGUMENT, "device", DPAR_F32, shape, 2, Cpu(-1));
 }
@@ -1165,7 +1183,6 @@ TEST(EngineCreate, BadOptionsAreRefusedNamingTheField) {
       {DPAR_ERR_INVALID_ARGUMENT, "version", [](auto& o) { o.version = DPAR_ENGINE_OPTIONS_VERSION + 1; }},
       {DPAR_ERR_INVALID_ARGUMENT, "size", [](auto& o) { o.size = 0; }},
       {DPAR_ERR_INVALID_ARGUMENT, "size", [](auto& o) { o.size = sizeof(dpar_engine_options) - 8; }},
-      {DPAR_ERR_NOT_SUPPORTED, "CUDA", [](auto& o) { o.device_kind = DPAR_DEVICE_CUDA; }},
       {DPAR_ERR_INVALID_ARGUMENT, "device_kind", [](auto& o) { o.device_kind = 7; }},
       {DPAR_ERR_INVALID_ARGUMENT, "num_cpu_devices", [](auto& o) { o.num_cpu_devices = 257; }},
       {DPAR_ERR_INVALID_ARGUMENT, "device_ids[1]", [](auto& o) { o.device_ids = out_of_range, o.num_device_ids = 2; }},
@@ -1202,6 +1219,16 @@ TEST(EngineCreate, BadOptionsAreRefusedNamingTheField) {
   EXPECT_EQ(NumLayers(m.get()), 1u);
   EnginePtr e = NewEngine(m.get(), 4);
   EXPECT_TRUE(e != nullptr);
+  // CUDA devices that cannot be used are refused as tensors on them are (cuda_refusal).
+  const CudaRefusal cuda = cuda_refusal();
+  const int32_t refused_gpu[] = {cuda.index};
+  dpar_engine_options o = DPAR_ENGINE_OPTIONS_INIT;
+  o.device_kind = DPAR_DEVICE_CUDA;
+  o.device_ids = refused_gpu;
+  o.num_device_ids = 1;
+  dpar_engine* gpu_engine = nullptr;
+  EXPECT_DPAR_ERROR(cuda.status, cuda.word, dpar_engine_create(&gpu_engine, m.get(), nullptr, &o));
+  EXPECT_EQ(gpu_engine, nullptr);
 }
 
 TEST(EngineCreate, DeviceListPicksDevicesInOrderAndTheOutputDevice) {

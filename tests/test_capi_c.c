@@ -160,8 +160,17 @@ int main(void) {
     dpar_tensor_free(gone);
     EXPECT_ERROR(DPAR_ERR_INVALID_ARGUMENT, "input", dpar_engine_train_step(NULL, engine, gone, target));
   }
-  EXPECT_ERROR(DPAR_ERR_NOT_SUPPORTED, "CUDA",
-               dpar_tensor_create(&output, DPAR_F32, in_shape, 2, (dpar_device){DPAR_DEVICE_CUDA, 0}));
+  {
+    /* A CUDA device that cannot be used: NOT_SUPPORTED without CUDA in the build, DEVICE without a GPU, an index
+       past the last GPU otherwise. */
+    size_t gpus = 0;
+    const dpar_status built = dpar_device_count(&gpus, DPAR_DEVICE_CUDA);
+    const dpar_status want = built == DPAR_ERR_NOT_SUPPORTED ? DPAR_ERR_NOT_SUPPORTED
+                             : gpus == 0                      ? DPAR_ERR_DEVICE
+                                                              : DPAR_ERR_INVALID_ARGUMENT;
+    EXPECT_ERROR(want, "cuda", dpar_tensor_create(&output, DPAR_F32, in_shape, 2,
+                                                  (dpar_device){DPAR_DEVICE_CUDA, (int32_t)gpus}));
+  }
   if (output != NULL) FAIL("a refused dpar_tensor_create left *out non-NULL");
 
   /* After the refused calls the engine still trains. */
