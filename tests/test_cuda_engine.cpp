@@ -1,0 +1,166 @@
+// The engine on CUDA devices, against the CPU engine (the reference) and against itself on one replica. Every test
+// needs a GPU and reports SKIPPED with the reason where there is none.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "cuda_test_util.h"
+#include "engine/engine.h"
+
+namespace dpar {
+namespace {
+
+Model make_mlp(uint64_t seed, float dropout) {
+  Model m(seed);
+  m.add(make_linear(12, 32, true));
+  m.add(make_activation(Activation::kGelu));
+  if (dropout > 0) m.add(make_dropout(dropout));
+  m.add(make_linear(32, 16, true));
+  m.add(make_activation(Activation::kTanh));
+  m.add(make_linear(16, 5, true));
+  return m;
+}
+
+struct Batch {
+  Tensor x, y;
+};
+
+Batch make_batch(int64_t rows, uint64_t seed) {
+  std::mt19937 gen(static_cast<uint32_t>(seed));
+  std::normal_distribution<float> normal;
+  Batch b{Tensor::empty(DType::kF32, Shape{rows, 12}, Device{}), Tensor::empty(DType::kI32, Shape{rows}, Device{})};
+  for (int64_t i = 0; i < rows * 12; ++i) b.x.f32()[i] = normal(gen);
+  for (int64_t i = 0; i < rows; ++i) b.y.i32()[i] = static_cast<int32_t>(gen() % 5);
+  return b;
+}
+
+OptimizerConfig adam() {
+  OptimizerConfig c;
+  c.kind = DPAR_ADAM;
+  c.lr = 1e-3f;
+  return c;
+}
+
+EngineConfig devices(DeviceKind kind, std::vector<int32_t> ids) {
+  EngineConfig c;
+  for (int32_t i : ids) c.devices.push_back(Device{kind, i});
+  c.timeout_seconds = 60;
+  return c;
+}
+
+double max_relative_error(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-2) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])) / std::max(std::abs(double(b[i])), floor));
+  return worst;
+}
+
+std::vector<Batch> data(int64_t rows) {
+  std::vector<Batch> d;
+  for (int i = 0; i < 4; ++i) d.push_back(make_batch(rows, 100 + static_cast<uint64_t>(i)));
+  return d;
+}
+
+void train(Engine& e, const std::vector<Batch>& d, int steps) {
+  for (int s = 0; s < steps; ++s) e.train_step(d[static_cast<size_t>(s) % d.size()].x, d[static_cast<size_t>(s) % d.size()].y);
+}
+
+TEST(CudaEngine, TwentyAdamStepsOnTheGpuEqualTheCpu) {
+  DPAR_REQUIRE_GPU();
+  const Model model = make_mlp(3, 0.2f);  // dropout too: a GPU replica draws its CPU twin's masks
+  const auto d = data(29);
+  Engine cpu(model, adam(), devices(DeviceKind::kCpu, {0}));
+  Engine gpu(model, adam(), devices(DeviceKind::kCuda, {0}));
+  for (int s = 0; s < 20; ++s) {
+    const Batch& b = d[static_cast<size_t>(s) % d.size()];
+    const double lc = cpu.train_step(b.x, b.y), lg = gpu.train_step(b.x, b.y);
+    EXPECT_NEAR(lg, lc, 1e-4 * std::abs(lc)) << "step " << s;
+  }
+  EXPECT_LT(max_relative_error(gpu.params(0), cpu.params(0)), 1e-4);
+  EXPECT_GT(max_relative_error(gpu.params(0), model.values()), 1e-3) << "training did not move the parameters";
+}
+
+TEST(CudaEngine, ReplicasSharingOneGpuEqualOneReplicaOnTheFullBatch) {
+  DPAR_REQUIRE_GPU();
+  const Model model = make_mlp(5, 0.0f);
+  const auto d = data(31);  // 31 over 3 replicas: 11, 11, 9
+  Engine one(model, adam(), devices(DeviceKind::kCuda, {0}));
+  Engine three(model, adam(), devices(DeviceKind::kCuda, {0, 0, 0}));
+  train(one, d, 20);
+  train(three, d, 20);
+  EXPECT_LT(max_relative_error(three.params(0), one.params(0)), 1e-5);
+  for (size_t r = 1; r < 3; ++r) EXPECT_EQ(three.params(r), three.params(0)) << "replica " << r << " differs";
+}
+
+TEST(CudaEngine, TheSteadyStateStepNeverCallsCudaMalloc) {
+  DPAR_REQUIRE_GPU();
+  const Model model = make_mlp(7, 0.1f);
+  const auto d = data(64);
+  Engine e(model, adam(), devices(DeviceKind::kCuda, {0, 0}));
+  train(e, d, 3);  // the first steps size every buffer
+  const uint64_t before = cuda_allocator_stats(0).device_mallocs;
+  train(e, d, 20);
+  EXPECT_EQ(cuda_allocator_stats(0).device_mallocs, before);
+}
+
+TEST(CudaEngine, CheckpointsMoveBetweenGpuAndCpu) {
+  DPAR_REQUIRE_GPU();
+  const Model model = make_mlp(9, 0.0f);
+  const auto d = data(16);
+  const std::string path = ::testing::TempDir() + "dpar_cuda_engine.safetensors";
+  Engine gpu(model, adam(), devices(DeviceKind::kCuda, {0, 0}));
+  train(gpu, d, 5);
+  gpu.save(path);
+  Engine cpu(model, adam(), devices(DeviceKind::kCpu, {0, 1}));
+  cpu.load(path);
+  EXPECT_EQ(cpu.params(0), gpu.params(0)) << "written on the GPU, loaded on the CPU";
+  train(cpu, d, 3);
+  cpu.save(path);
+  Engine back(model, adam(), devices(DeviceKind::kCuda, {0}));
+  back.load(path);
+  EXPECT_EQ(back.params(0), cpu.params(0)) << "written on the CPU, loaded on the GPU";
+  EXPECT_EQ(back.step_count(), 8);
+  std::remove(path.c_str());
+}
+
+TEST(CudaEngine, DeviceMemoryExhaustionIsACleanErrorAndTheEngineTrainsOn) {
+  DPAR_REQUIRE_GPU();
+  const Model model = make_mlp(11, 0.0f);
+  const auto d = data(8);
+  Engine e(model, adam(), devices(DeviceKind::kCuda, {0}));
+  train(e, d, 1);
+  try {
+    Tensor::empty(DType::kF32, Shape{int64_t{1} << 20, int64_t{1} << 20}, Device{DeviceKind::kCuda, 0});  // 4 TiB
+    FAIL() << "a 4 TiB allocation succeeded";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), DPAR_ERR_OUT_OF_MEMORY) << err.what();
+    EXPECT_NE(std::string(err.what()).find("cuda:0"), std::string::npos) << err.what();
+  }
+  train(e, d, 2);
+  EXPECT_EQ(e.step_count(), 3);
+}
+
+TEST(CudaEngine, AnInputOnTheGpuIsRefusedNamingWhereItMustBe) {
+  DPAR_REQUIRE_GPU();
+  const Model model = make_mlp(13, 0.0f);
+  Engine e(model, adam(), devices(DeviceKind::kCuda, {0}));
+  Batch b = make_batch(4, 1);
+  Tensor on_gpu = Tensor::zeros(DType::kF32, b.x.shape(), Device{DeviceKind::kCuda, 0});
+  try {
+    e.train_step(on_gpu, b.y);
+    FAIL() << "a GPU input was accepted";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), DPAR_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(err.what()).find("host memory"), std::string::npos) << err.what();
+  }
+  e.train_step(b.x, b.y);  // and the engine goes on
+}
+
+}  // namespace
+}  // namespace dpar
