@@ -790,7 +790,8 @@ DPAR_API dpar_status dpar_loader_next(const dpar_tensor **out_inputs, const dpar
 /* ------------------------------------------------------------------------------------------------------------ */
 /** @name Loading dpar at run time
  * A host that loads dpar with dlopen("libdpar.so.0") resolves one symbol, dpar_get_api, and calls every function
- * through the table it returns (the types above come from including this header). */
+ * through the table it returns (the types above come from including this header). dlclose() leaves dpar loaded:
+ * the runtimes under it (CUDA, NCCL, OpenBLAS, MPI) keep threads and exit handlers that must not outlive their code. */
 /**@{*/
 /* BEGIN GENERATED: the function table (scripts/gen_api_table.py) */
 /** @brief Version of ::dpar_api_v1, the table dpar_get_api() returns. */

@@ -1,7 +1,11 @@
 /* Trains an MLP 784-256-128-10 on Fashion-MNIST over every available device with dpar's DataParallel engine.
  *
- *   train_fashion_mnist [--devices N] [--epochs E] [--batch-size B] [--lr LR] [--optimizer adam|sgd]
- *                       [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]
+ *   train_fashion_mnist [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B] [--lr LR]
+ *                       [--optimizer adam|sgd] [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]
+ *
+ * --device auto (the default) trains over every GPU when dpar finds any, and over the CPU devices otherwise.
+ * --devices N sets the number of replicas: CPU devices, or replicas spread over the GPUs in turn (with one GPU,
+ * --devices 2 puts two replicas on it).
  *   mpirun -np P train_fashion_mnist ...
  *
  * Under mpirun the engine spans the P processes (each with its own devices: by default one per core it is bound
@@ -82,6 +86,7 @@ static double evaluate(dpar_engine *engine, const dpar_dataset *test, size_t bat
 
 int main(int argc, char **argv) {
   size_t devices = 0, epochs = 10, batch = 128;
+  const char *device = "auto";
   float lr = 1e-3f;
   const char *optimizer = "adam";
   const char *data = "/usr/share/datasets/fashion-mnist";
@@ -92,15 +97,17 @@ int main(int argc, char **argv) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-      printf("usage: %s [--devices N] [--epochs E] [--batch-size B] [--lr LR] [--optimizer adam|sgd]\n"
-             "          [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]\n", argv[0]);
+      printf("usage: %s [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B] [--lr LR]\n"
+             "          [--optimizer adam|sgd] [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]\n",
+             argv[0]);
       return 0;
     }
     if (!v) {
       fprintf(stderr, "%s: %s needs a value (see --help)\n", argv[0], a);
       return 2;
     }
-    if (!strcmp(a, "--devices")) devices = strtoul(v, NULL, 10);
+    if (!strcmp(a, "--device")) device = v;
+    else if (!strcmp(a, "--devices")) devices = strtoul(v, NULL, 10);
     else if (!strcmp(a, "--epochs")) epochs = strtoul(v, NULL, 10);
     else if (!strcmp(a, "--batch-size")) batch = strtoul(v, NULL, 10);
     else if (!strcmp(a, "--lr")) lr = strtof(v, NULL);
@@ -115,7 +122,26 @@ int main(int argc, char **argv) {
     }
     ++i;
   }
-  if (devices == 0) CHECK(dpar_device_count(&devices, DPAR_DEVICE_CPU));
+  /* The GPUs when there are any (auto) or when asked for (cuda: an error names why there are none). */
+  size_t gpus = 0;
+  int use_cuda = 0;
+  if (!strcmp(device, "cuda")) {
+    CHECK(dpar_device_count(&gpus, DPAR_DEVICE_CUDA));
+    if (gpus == 0) {
+      fprintf(stderr, "%s: --device cuda: no CUDA device\n", argv[0]);
+      return 1;
+    }
+    use_cuda = 1;
+  } else if (!strcmp(device, "auto")) {
+    use_cuda = dpar_device_count(&gpus, DPAR_DEVICE_CUDA) == DPAR_OK && gpus > 0;
+  } else if (strcmp(device, "cpu")) {
+    fprintf(stderr, "%s: --device must be auto, cuda or cpu (see --help)\n", argv[0]);
+    return 2;
+  }
+  if (devices == 0) {
+    if (use_cuda) devices = gpus;
+    else CHECK(dpar_device_count(&devices, DPAR_DEVICE_CPU));
+  }
 
   char images[1024], labels[1024];
   dpar_dataset *train = NULL, *test = NULL;
@@ -147,20 +173,35 @@ int main(int argc, char **argv) {
   oopts.lr = lr;
   if (oopts.kind == DPAR_SGD) oopts.momentum = 0.9f;
   dpar_engine_options eopts = DPAR_ENGINE_OPTIONS_INIT;
-  eopts.num_cpu_devices = devices;
+  int32_t *device_ids = NULL;
+  if (use_cuda) {
+    device_ids = malloc(devices * sizeof *device_ids);
+    if (!device_ids) {
+      fprintf(stderr, "%s: out of memory\n", argv[0]);
+      return 1;
+    }
+    for (size_t i = 0; i < devices; ++i) device_ids[i] = (int32_t)(i % gpus);
+    eopts.device_kind = DPAR_DEVICE_CUDA;
+    eopts.device_ids = device_ids;
+    eopts.num_device_ids = devices;
+  } else {
+    eopts.num_cpu_devices = devices;
+  }
   eopts.seed = seed;
   dpar_engine *engine = NULL;
   CHECK(dpar_engine_create(&engine, model, &oopts, &eopts));
   dpar_model_free(model); /* the engine holds its own replicas */
+  free(device_ids);
   int rank = 0, nproc = 1;
   CHECK(dpar_engine_processes(&rank, &nproc, engine));
   const int root = rank == 0;
 
   if (root)
-    printf("dpar %s: MLP %zu-256-128-%zu, %s lr %g, batch %zu over %d process%s x %zu CPU devices, %zu train / "
+    printf("dpar %s: MLP %zu-256-128-%zu, %s lr %g, batch %zu over %d process%s x %zu %s, %zu train / "
            "%zu test samples\n",
            dpar_version_string(), features, classes, optimizer, (double)lr, batch, nproc, nproc > 1 ? "es" : "",
-           devices, n_train, n_test);
+           devices, use_cuda ? (gpus == 1 ? "replicas on 1 GPU" : "replicas on GPUs") : "CPU devices", n_train,
+           n_test);
 
   /* Every process draws the same permutation (same seed) and takes its own slice of each batch. */
   dpar_loader *loader = NULL;
