@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Installs what dpar needs on Debian 12 (bookworm): compilers, CMake, OpenBLAS, zlib, nlohmann-json, GoogleTest,
-# OpenMPI, Gloo (an anchor of the all-reduce benchmark), Debian's Fashion-MNIST for the demo, and Python (for
-# checks that run Python's safetensors and the function-table generator). Installs only what is missing.
+# OpenMPI, Gloo (an anchor of the all-reduce benchmark), Debian's Fashion-MNIST for the demo, Python (for
+# checks that run Python's safetensors and the function-table generator), DLPack's header, and what the bindings
+# build with: SWIG (Python's and Go's raw layers), Python's headers, Go, and Debian's cargo when no cargo is on the
+# PATH (rustup's is used where present). Installs only what is missing.
 set -euo pipefail
 packages=(build-essential cmake pkg-config libopenblas-dev zlib1g-dev nlohmann-json3-dev libgtest-dev
-          libopenmpi-dev openmpi-bin libgloo-dev dataset-fashion-mnist python3 python3-venv)
+          libopenmpi-dev openmpi-bin libgloo-dev dataset-fashion-mnist python3 python3-venv python3-dev
+          libdlpack-dev swig golang-go)
+if ! command -v cargo >/dev/null && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
+  packages+=(cargo)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
