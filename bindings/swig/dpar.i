@@ -1,23 +1,63 @@
-/* dpar's C ABI for SWIG: the raw layer of the Python binding (bindings/python), one to one with dpar.h.
- * Built with -threads: every call releases Python's lock, so that dpar's worker threads can call back into Python
- * (a forward hook) while the caller waits in a training step.
+/* dpar's C ABI for SWIG: the raw layers of the Python binding (bindings/python) and of the Go binding
+ * (bindings/go/raw), one to one with dpar.h.
+ * Python is built with -threads: every call releases Python's lock, so that dpar's worker threads can call back
+ * into Python (a forward hook) while the caller waits in a training step.
  *
- * Conventions of the raw layer:
+ * Go: every pointer that is not a handle (buffers, scalar outputs, shapes, and `T **out`) is an unsafe.Pointer, so
+ * that cgo's pointer checks see it (SWIG's default uintptr would hide a Go pointer from them, and its default
+ * for `T **out` is the same Go type as `T *`). The idiomatic package (bindings/go/dpar) passes the address of a
+ * Go variable or slice element, which cgo allows for the duration of the call.
+ *
+ * Conventions of the Python raw layer:
  *  - a handle returned through `T **out` is returned (after the status) as a SWIG pointer, owned by the caller;
  *  - option structs and dpar_device are SWIG proxy classes;
  *  - every other pointer (buffers, scalar outputs, shapes) is passed as an integer address, so that the
  *    package on top points dpar at NumPy arrays without a copy (arr.ctypes.data) and keeps them alive;
  *  - functions that take C function pointers (custom layers, the forward hook) and DLPack's struct are reached
  *    through the dpar_py_* helpers below, which bridge Python callables and capsules. */
+#ifdef SWIGPYTHON
 %module(package="dpar", threads="1") raw
+#else
+%module raw
+#endif
 
 %{
-#include <Python.h>
-#include <dlpack/dlpack.h>
 #include "dpar.h"
 %}
 
+#ifdef SWIGGO
+/* LP64 (64-bit Linux, which the Go binding targets): int64_t is long, as in the C headers. */
+#define SWIGWORDSIZE64
+#endif
 %include <stdint.i>
+
+#ifdef SWIGGO
+%define DPAR_GO_POINTER(TYPES...)
+%typemap(gotype) TYPES "unsafe.Pointer"
+%typemap(imtype) TYPES "unsafe.Pointer"
+%typemap(ctype) TYPES "void *"
+%typemap(in) TYPES %{ $1 = ($1_ltype)$input; %}
+%enddef
+DPAR_GO_POINTER(void *, const void *, float *, const float *, int32_t *, const int32_t *, int64_t *,
+                const int64_t *, size_t *, const size_t *, float *const *, dpar_status *, void **,
+                dpar_tensor **, dpar_model **, dpar_engine **, dpar_dataset **, dpar_loader **,
+                dpar_comm_group **, dpar_comm **, dpar_work **, dpar_reducer **)
+%ignore dpar_engine_set_forward_hook;   /* C function pointers: the idiomatic package bridges them with cgo */
+%ignore dpar_model_add_custom;
+%ignore dpar_custom_layer_init;
+%ignore dpar_custom_layer;
+%ignore dpar_custom_call;
+%ignore dpar_param_spec;
+%ignore dpar_tensor_from_dlpack;        /* DLPack's structs: through cgo in the idiomatic package */
+%ignore dpar_tensor_to_dlpack;
+%include "dpar.h"
+#endif
+
+#ifdef SWIGPYTHON
+%{
+#include <Python.h>
+#include <dlpack/dlpack.h>
+%}
 
 /* Handles returned through **out. */
 %define DPAR_OUT_HANDLE(T)
@@ -161,3 +201,4 @@ static PyObject *dpar_py_tensor_to_dlpack(dpar_tensor *tensor) {
 dpar_status dpar_py_set_forward_hook(dpar_engine *engine, PyObject *hook);
 PyObject *dpar_py_tensor_from_dlpack(PyObject *capsule);
 PyObject *dpar_py_tensor_to_dlpack(dpar_tensor *tensor);
+#endif /* SWIGPYTHON */

@@ -107,7 +107,7 @@ class Collectives(unittest.TestCase):
         group = dpar.CommGroup(2, timeout_seconds=30)
         comms = [group.member(r) for r in range(2)]
         group.close()
-        results, errors = [None, None], [None, None]
+        results = [None, None]
 
         def body(r):
             c = comms[r]
@@ -115,14 +115,12 @@ class Collectives(unittest.TestCase):
             c.all_reduce(buf)
             results[r] = buf.copy()
             c.barrier()
-            if r == 1:
-                c.abort("participant 1 stopped")
-            while errors[r] is None:
-                errors[r] = c.async_error()
 
         threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
         [t.start() for t in threads]
         [t.join() for t in threads]
+        comms[1].abort("participant 1 stopped")  # every participant has left the collectives
+        errors = [c.async_error() for c in comms]
         for r in range(2):
             np.testing.assert_array_equal(results[r], np.full(5, 3.0, np.float32))
             self.assertEqual(errors[r].status, dpar.ERR_REMOTE)

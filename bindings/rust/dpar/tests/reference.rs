@@ -188,22 +188,17 @@ fn collectives_over_a_thread_group() {
                 c.all_reduce_async(&mut a, ReduceOp::Mean).unwrap().wait().unwrap();
                 assert_eq!(a, vec![1.0; 4]);
                 c.barrier().unwrap();
-                if rank == 2 {
-                    c.abort("rank 2 is done").unwrap();
-                }
-                let e = loop {
-                    if let Err(e) = c.async_error() {
-                        break e;
-                    }
-                    std::thread::yield_now();
-                };
-                assert_eq!(e.status(), status::REMOTE);
-                assert!(e.message().contains("rank 2 is done"), "{}", e);
+                c
             })
         })
         .collect();
-    for h in handles {
-        h.join().unwrap();
+    // Every participant has left the collectives: participant 2 aborts, and each sees it by asking alone.
+    let comms: Vec<Comm> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    comms[2].abort("rank 2 is done").unwrap();
+    for c in &comms {
+        let e = c.async_error().unwrap_err();
+        assert_eq!(e.status(), status::REMOTE);
+        assert!(e.message().contains("rank 2 is done"), "{}", e);
     }
 }
 
