@@ -16,11 +16,25 @@ for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -eq 0 ]; then
-  echo "install-deps: everything is installed"
-  exit 0
+  echo "install-deps: every apt package is installed"
+else
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "install-deps: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
-echo "install-deps: installing ${missing[*]}"
-$sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+
+# A Python environment for the tests (build-pyenv/ at the top of the tree, which CMake hands to the tests that
+# need it): safetensors checks checkpoints, numpy, setuptools and wheel build and test the Python binding,
+# tree-sitter-julia parses the Julia package. From PyPI; the tests that need them skip without it.
+pyenv="$(cd "$(dirname "$0")/.." && pwd)/build-pyenv"
+pypackages=(numpy safetensors setuptools wheel tree-sitter tree-sitter-julia)
+if ! "$pyenv/bin/python" -c "import numpy, safetensors, setuptools, wheel, tree_sitter, tree_sitter_julia" \
+     2>/dev/null; then
+  if python3 -m venv "$pyenv" >/dev/null 2>&1 && "$pyenv/bin/pip" install -q "${pypackages[@]}" >/dev/null 2>&1; then
+    echo "install-deps: $pyenv has ${pypackages[*]}"
+  else
+    echo "install-deps: note: could not make $pyenv (no PyPI?); the Python-based tests will skip"
+  fi
+fi
