@@ -92,7 +92,7 @@ static double anchor_allreduce(size_t devices, dpar_comm *mpi, size_t count, int
     pthread_t th[256];
     anchor_arg args[256];
     for (size_t r = 0; r < devices; ++r) {
-      CHECK(dpar_comm_group_member(&args[r].comm, g, (int)r));
+      CHECK(dpar_comm_group_member(&args[r].comm, g, r));
       args[r].buf = (float *)calloc(count, sizeof(float));
       args[r].count = count;
       args[r].reps = reps;
@@ -165,7 +165,7 @@ int main(int argc, char **argv) {
 
   dpar_engine *overlap = make_engine(model, &o, o.first_kib * 1024, o.cap_kib * 1024);
   dpar_engine *one = make_engine(model, &o, SIZE_MAX, SIZE_MAX);
-  int rank = 0, nproc = 1;
+  size_t rank = 0, nproc = 1;
   CHECK(dpar_engine_processes(&rank, &nproc, overlap));
   size_t buckets = 0;
   CHECK(dpar_engine_num_buckets(&buckets, overlap));
@@ -173,7 +173,7 @@ int main(int argc, char **argv) {
   if (nproc > 1) CHECK(dpar_comm_create_mpi(&mpi, NULL));
 
   /* This process's part of the global batch. */
-  const size_t local = o.batch / (size_t)nproc + ((size_t)rank < o.batch % (size_t)nproc ? 1 : 0);
+  const size_t local = o.batch / nproc + (rank < o.batch % nproc ? 1 : 0);
   const int64_t xs[2] = {(int64_t)local, 784}, ys[1] = {(int64_t)local};
   dpar_tensor *x = NULL, *y = NULL;
   const dpar_device host = {DPAR_DEVICE_CPU, 0};
@@ -191,7 +191,7 @@ int main(int argc, char **argv) {
   if (rank == 0) {
     bench_print_machine(stdout);
     printf("bench_overlap: MLP %s, %.1f MB of gradients in %zu buckets (first %zu KiB, cap %zu KiB), Adam, "
-           "global batch %zu over %d process(es) x %zu device(s); %d rounds of %d steps, medians\n\n",
+           "global batch %zu over %zu process(es) x %zu device(s); %d rounds of %d steps, medians\n\n",
            shape, (double)params * 4 / 1e6, buckets, o.first_kib ? o.first_kib : 1024,
            o.cap_kib ? o.cap_kib : 25 * 1024, o.batch, nproc, o.devices, o.rounds, o.steps);
     printf("%6s %14s %14s %14s %9s %8s\n", "round", "overlap ms", "one bucket ms", "all-reduce ms", "one/ovl",

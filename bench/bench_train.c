@@ -49,13 +49,14 @@ static void *xmalloc(size_t n) {
 
 /* Pins each replica's worker thread once, from the forward hook (it runs on the worker). */
 static int g_pinned[256];
-static void pin_hook(void *payload, size_t replica, const int64_t *in, size_t in_ndim, const int64_t *out,
-                     size_t out_ndim) {
+static dpar_status pin_hook(void *payload, size_t replica, const int64_t *in, size_t in_ndim, const int64_t *out,
+                            size_t out_ndim) {
   (void)payload, (void)in, (void)in_ndim, (void)out, (void)out_ndim;
   if (replica < 256 && !g_pinned[replica]) {
     bench_pin_self(g_cpus[replica % (size_t)g_ncpu]);
     g_pinned[replica] = 1;
   }
+  return DPAR_OK;
 }
 
 static dpar_engine *make_engine(const dpar_model *model, const dpar_optimizer_options *opt, int32_t loss,
@@ -67,12 +68,12 @@ static dpar_engine *make_engine(const dpar_model *model, const dpar_optimizer_op
   eo.device_ids = ids;
   eo.num_device_ids = devices;
   eo.loss = loss;
-  eo.blas_threads = blas_threads;
+  eo.blas_threads = (size_t)blas_threads;
   dpar_engine *e = NULL;
   CHECK(dpar_engine_create(&e, model, opt, &eo));
   if (g_pin) {
     memset(g_pinned, 0, sizeof g_pinned);
-    CHECK(dpar_engine_set_forward_hook(e, pin_hook, NULL));
+    CHECK(dpar_engine_set_forward_hook(e, pin_hook, NULL, NULL));
   }
   return e;
 }
@@ -162,9 +163,9 @@ static void part_a(int rounds, double seconds) {
   CHECK(dpar_model_add_linear(model, 256, 128, 1));
   CHECK(dpar_model_add_activation(model, DPAR_RELU));
   CHECK(dpar_model_add_linear(model, 128, kClasses, 1));
-  int64_t nparams = 0;
+  size_t nparams = 0;
   CHECK(dpar_model_num_param_elements(&nparams, model));
-  printf("    %lld parameters (%.2f MiB of f32 gradients all-reduced per step with 2 devices)\n", (long long)nparams,
+  printf("    %zu parameters (%.2f MiB of f32 gradients all-reduced per step with 2 devices)\n", nparams,
          (double)nparams * 4.0 / 1048576.0);
 
   dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;

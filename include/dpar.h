@@ -3,11 +3,19 @@
  * @brief dpar: data-parallel training of neural networks behind a stable C ABI.
  *
  * Conventions (they hold for every declaration below):
- *  - Every fallible call returns a ::dpar_status; ::DPAR_OK is 0 and every error is negative.
- *    The message of the last failed call on the calling thread is returned by dpar_last_error().
- *  - Handles are opaque. A handle returned through a `**out` parameter is owned by the caller and released
- *    with its `_free` function; every `_free` function accepts NULL. A pointer returned any other way is borrowed
- *    from its parent and is valid as long as the parent lives (and, where said, until the parent's next call).
+ *  - Every fallible call returns a ::dpar_status, a fixed-width integer (int32_t) whose values are the
+ *    ::dpar_status_code constants; ::DPAR_OK is 0 and every error is negative. A library newer than the caller may
+ *    return a code the caller does not know: treat any negative value as an error. The message of the last failed
+ *    call on the calling thread is returned by dpar_last_error(); a callback sets it with dpar_set_error().
+ *  - Ownership: a handle returned through a `**out` parameter is always owned by the caller and released with its
+ *    `_free` function; every `_free` function accepts NULL. A pointer returned as a function's value is borrowed
+ *    from its parent, valid as long as the parent lives (and, where said, until the parent's next call); no borrowed
+ *    pointer is ever returned through an output parameter.
+ *  - Integers: booleans are `int32_t` (0 false, nonzero true; dpar writes 0 or 1); counts, indices, sizes, ranks
+ *    and replicas are `size_t`; tensor extents (shapes) and layer widths are `int64_t`, as in DLPack; enumerated
+ *    values (dtypes, kinds, ops) and device indices are `int32_t`; versions are `uint32_t`.
+ *  - Every `void *payload` given to dpar comes with an optional destructor (::dpar_destroy_fn) that dpar calls exactly
+ *    once, when it no longer needs the payload (sqlite3's xDestroy).
  *  - Output parameters come first, then the handle, then the other arguments.
  *  - Option structs are versioned: initialise them with their `_INIT` macro or `_init()` function, then set fields.
  *  - A NULL handle, a freed one or one of another type is refused with ::DPAR_ERR_INVALID_ARGUMENT: dpar looks every
@@ -39,13 +47,13 @@ extern "C" {
 /** @name Versions */
 /**@{*/
 #define DPAR_VERSION_MAJOR 0 /**< Major version: changes when the ABI breaks (it is the SONAME). */
-#define DPAR_VERSION_MINOR 2 /**< Minor version: grows when functions or option fields are appended. */
+#define DPAR_VERSION_MINOR 3 /**< Minor version: grows when functions or option fields are appended. */
 #define DPAR_VERSION_PATCH 0 /**< Patch version: fixes only. */
 /** The version as one integer, MAJOR*10000 + MINOR*100 + PATCH. */
 #define DPAR_VERSION (DPAR_VERSION_MAJOR * 10000 + DPAR_VERSION_MINOR * 100 + DPAR_VERSION_PATCH)
 
 /** @brief The version of the library loaded at run time, as #DPAR_VERSION computes it. Never fails. */
-DPAR_API int dpar_version(void);
+DPAR_API int32_t dpar_version(void);
 /** @brief The version string of the loaded library, such as "0.1.0". Static storage; never NULL. */
 DPAR_API const char *dpar_version_string(void);
 /**@}*/
@@ -53,8 +61,13 @@ DPAR_API const char *dpar_version_string(void);
 /* ------------------------------------------------------------------------------------------------------------ */
 /** @name Status and errors */
 /**@{*/
-/** @brief The result of every fallible call. A shipped code never changes its meaning. */
-typedef enum dpar_status {
+/**
+ * @brief The result of every fallible call: one of the ::dpar_status_code values, carried as a fixed-width integer
+ * so that a binding meets no undefined behaviour when a newer library returns a code it does not know.
+ */
+typedef int32_t dpar_status;
+/** @brief The values of ::dpar_status. A shipped code never changes its meaning. */
+enum dpar_status_code {
   DPAR_OK = 0,                     /**< Success. */
   DPAR_ERR_INVALID_ARGUMENT = -1,  /**< An argument or handle is NULL, freed, out of range or inconsistent. */
   DPAR_ERR_OUT_OF_MEMORY = -2,     /**< An allocation failed (host or device). */
@@ -68,7 +81,7 @@ typedef enum dpar_status {
   DPAR_ERR_NOT_SUPPORTED = -10,    /**< The feature exists in the API but is not built or not available here. */
   DPAR_ERR_INVALID_STATE = -11,    /**< The call is not allowed now (e.g. the engine must be recreated). */
   DPAR_ERR_INTERNAL = -12          /**< A bug in dpar: please report the message. */
-} dpar_status;
+};
 
 /**
  * @brief The message of the last failed call made on the calling thread.
@@ -82,6 +95,21 @@ DPAR_API const char *dpar_last_error(void);
 DPAR_API void dpar_clear_error(void);
 /** @brief The static name of a status, such as "DPAR_ERR_TIMEOUT"; "DPAR_ERR_UNKNOWN" for an unknown code. */
 DPAR_API const char *dpar_status_str(dpar_status status);
+/**
+ * @brief Sets the calling thread's last error to @p message and returns @p status, so that a callback (a custom
+ * layer, the forward hook) fails with its own message: `return dpar_set_error(DPAR_ERR_INVALID_ARGUMENT, "...");`.
+ * dpar clears the message before it calls a callback and, when the callback returns an error, puts the message in
+ * the error of the call that failed. Not variadic, so that every language can call it; format the text first.
+ * @param status   The status to return (any value; callbacks return a negative one).
+ * @param message  Copied (truncated to 2047 bytes); NULL sets "".
+ * @return @p status.
+ */
+DPAR_API dpar_status dpar_set_error(dpar_status status, const char *message);
+/**
+ * @brief Releases a payload that was handed to dpar with it (a custom layer's, the forward hook's). dpar calls it
+ * exactly once, on whichever thread drops the last reference, when no callback can run any more.
+ */
+typedef void (*dpar_destroy_fn)(void *payload);
 /**@}*/
 
 /* ------------------------------------------------------------------------------------------------------------ */
@@ -174,13 +202,35 @@ DPAR_API dpar_status dpar_tensor_copy_to_host(void *dst, const dpar_tensor *tens
 DPAR_API dpar_status dpar_tensor_shape(int64_t *out_shape, size_t *out_ndim, const dpar_tensor *tensor,
                                        size_t capacity);
 /** @brief The tensor's ::dpar_dtype, element count and device. Any output may be NULL. */
-DPAR_API dpar_status dpar_tensor_info(int32_t *out_dtype, int64_t *out_numel, dpar_device *out_device,
+DPAR_API dpar_status dpar_tensor_info(int32_t *out_dtype, size_t *out_numel, dpar_device *out_device,
                                       const dpar_tensor *tensor);
 /**
  * @brief The address of a host tensor's first element, for reading and writing in place.
  * @return ::DPAR_ERR_INVALID_ARGUMENT if the tensor is not in host memory (a CUDA tensor).
  */
 DPAR_API dpar_status dpar_tensor_data(void **out, dpar_tensor *tensor);
+
+struct DLManagedTensor; /* DLPack's (dlpack/dlpack.h, version 0.x ABI); dpar.h does not need its header. */
+/**
+ * @brief Takes a DLPack tensor from another framework without a copy (NumPy, PyTorch, CuPy, JAX, Julia).
+ * On success the new tensor owns @p managed: dpar calls `managed->deleter(managed)` (if not NULL) once, when the
+ * tensor is freed. As with dpar_tensor_wrap_host(), an engine's training-mode forward keeps a view of its input
+ * until backward: free the tensor after that. On failure the caller keeps @p managed.
+ * Accepted: a compact row-major float32 (kDLFloat, 32 bits) or int32 (kDLInt, 32 bits) tensor of 1 to
+ * #DPAR_MAX_DIMS dimensions, with lanes 1, on kDLCPU (cpu:0) or kDLCUDA (device K becomes cuda:K). Strides may be
+ * NULL or the compact ones; byte_offset is honoured.
+ * @param[out] out  The tensor, owned by the caller (dpar_tensor_free()).
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a NULL argument, a dtype, layout or shape dpar does not take;
+ *         ::DPAR_ERR_NOT_SUPPORTED for a device kind dpar does not have (kDLCUDA in a build without CUDA).
+ */
+DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor **out, struct DLManagedTensor *managed);
+/**
+ * @brief Hands a tensor to another framework without a copy, as a DLPack tensor on the tensor's device.
+ * @param[out] out  Owned by the caller, released with `(*out)->deleter(*out)` (a consumer such as
+ *                  torch.from_dlpack does it). It keeps the storage alive: @p tensor may be freed first. Writes
+ *                  through either are seen by both.
+ */
+DPAR_API dpar_status dpar_tensor_to_dlpack(struct DLManagedTensor **out, dpar_tensor *tensor);
 /**@}*/
 
 /* ------------------------------------------------------------------------------------------------------------ */
@@ -193,7 +243,7 @@ typedef struct dpar_model dpar_model; /**< An opaque sequential model. */
 /** @brief Options for dpar_model_create(). */
 typedef struct dpar_model_options {
   size_t size;      /**< sizeof(dpar_model_options) as the caller compiled it. */
-  unsigned version; /**< #DPAR_MODEL_OPTIONS_VERSION. */
+  uint32_t version; /**< #DPAR_MODEL_OPTIONS_VERSION. */
   uint64_t seed;    /**< Seed of parameter initialisation. Default 0. */
 } dpar_model_options;
 #define DPAR_MODEL_OPTIONS_VERSION 1
@@ -217,7 +267,7 @@ DPAR_API void dpar_model_free(dpar_model *model);
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a zero size.
  */
 DPAR_API dpar_status dpar_model_add_linear(dpar_model *model, int64_t in_features, int64_t out_features,
-                                           int has_bias);
+                                           int32_t has_bias);
 
 /** @brief Elementwise activations. */
 typedef enum dpar_activation {
@@ -255,7 +305,7 @@ typedef struct dpar_param_spec {
 typedef struct dpar_custom_call {
   size_t replica;                     /**< The replica (0 .. number of devices - 1) that calls. */
   dpar_device device;                 /**< Its device. */
-  int training;                       /**< Nonzero in training mode. */
+  int32_t training;                   /**< 1 in training mode, 0 in eval mode. */
   const dpar_tensor *input;           /**< The layer's input, (batch, ...). */
   const dpar_tensor *output;          /**< forward: to be written; backward: the output forward wrote. */
   const dpar_tensor *grad_output;     /**< backward only: dL/d output. NULL in forward. */
@@ -268,35 +318,44 @@ typedef struct dpar_custom_call {
 /**
  * @brief A custom layer's forward or backward. It runs on the replica's worker thread; replicas call it
  * concurrently, each with its own tensors. Write outputs in place through dpar_tensor_data(). Return ::DPAR_OK,
- * or an error status, which fails the engine call with a message naming the layer.
+ * or an error status (best through dpar_set_error(), with a message), which fails the engine call with a message
+ * naming the layer and carrying the callback's own message.
  */
 typedef dpar_status (*dpar_custom_fn)(void *payload, const dpar_custom_call *call);
 /**
  * @brief Gives the output shape for an input shape (the batch extent first; the output keeps it). @p out_shape
- * has room for #DPAR_MAX_DIMS extents. Returns nonzero to reject the input shape.
+ * has room for #DPAR_MAX_DIMS extents. Returns ::DPAR_OK, or an error status (through dpar_set_error(), with a
+ * message) to reject the input shape; the engine call then fails with that status and message.
  */
-typedef int (*dpar_custom_shape_fn)(void *payload, int64_t *out_shape, size_t *out_ndim, const int64_t *in_shape,
+typedef dpar_status (*dpar_custom_shape_fn)(void *payload, int64_t *out_shape, size_t *out_ndim, const int64_t *in_shape,
                                     size_t in_ndim);
 
 /** @brief Describes a layer whose math is the caller's. */
 typedef struct dpar_custom_layer {
   size_t size;                   /**< sizeof(dpar_custom_layer) as the caller compiled it. */
-  unsigned version;              /**< #DPAR_CUSTOM_LAYER_VERSION. */
+  uint32_t version;              /**< #DPAR_CUSTOM_LAYER_VERSION. */
   const char *name;              /**< For messages and checkpoint names. Copied. */
   const dpar_param_spec *params; /**< Its parameters (copied); may be NULL when num_params is 0. */
   size_t num_params;             /**< Entries in @p params. */
   dpar_custom_shape_fn output_shape; /**< Required. */
   dpar_custom_fn forward;            /**< Required. */
   dpar_custom_fn backward;           /**< Required. */
-  void *payload;                     /**< Passed to every callback; dpar never frees it. */
+  void *payload;                     /**< Passed to every callback. */
+  dpar_destroy_fn destroy;           /**< Releases @p payload; may be NULL. dpar calls it once, when the last model
+                                          and engine holding the layer are freed, or before dpar_model_add_custom()
+                                          returns an error. */
 } dpar_custom_layer;
 #define DPAR_CUSTOM_LAYER_VERSION 1
-#define DPAR_CUSTOM_LAYER_INIT {sizeof(dpar_custom_layer), DPAR_CUSTOM_LAYER_VERSION, NULL, NULL, 0, NULL, NULL, NULL, NULL}
+#define DPAR_CUSTOM_LAYER_INIT \
+  {sizeof(dpar_custom_layer), DPAR_CUSTOM_LAYER_VERSION, NULL, NULL, 0, NULL, NULL, NULL, NULL, NULL}
 /** @brief Fills @p layer with empty defaults, for languages without macros. */
 DPAR_API dpar_status dpar_custom_layer_init(dpar_custom_layer *layer);
 /**
  * @brief Appends a custom layer. dpar allocates its parameters and gradients on every device, synchronises the
- * gradients and applies the optimizer; the payload must outlive every engine built from the model.
+ * gradients and applies the optimizer. The layer (and its payload) is shared by the model and every engine built
+ * from it; `layer->destroy(layer->payload)` runs when the last of them is freed. A layer refused here (a bad
+ * description) has its destroy called before the call returns; a NULL or dead @p model, a NULL @p layer or one
+ * of an unknown version does not.
  */
 DPAR_API dpar_status dpar_model_add_custom(dpar_model *model, const dpar_custom_layer *layer);
 
@@ -305,15 +364,20 @@ DPAR_API dpar_status dpar_model_num_layers(size_t *out, const dpar_model *model)
 /** @brief The number of parameter tensors (PyTorch's len(list(model.parameters()))). */
 DPAR_API dpar_status dpar_model_num_params(size_t *out, const dpar_model *model);
 /** @brief The total number of parameter elements. */
-DPAR_API dpar_status dpar_model_num_param_elements(int64_t *out, const dpar_model *model);
+DPAR_API dpar_status dpar_model_num_param_elements(size_t *out, const dpar_model *model);
 /**
- * @brief The name ("0.weight", as PyTorch's state_dict names it) and shape of parameter @p index.
- * @param[out] out_name  Borrowed from the model; valid until the model changes or is freed. May be NULL.
+ * @brief The shape of parameter @p index.
  * @param[out] out_shape Room for #DPAR_MAX_DIMS extents. May be NULL.
  * @param[out] out_ndim  May be NULL.
  */
-DPAR_API dpar_status dpar_model_param_info(const char **out_name, int64_t *out_shape, size_t *out_ndim,
-                                           const dpar_model *model, size_t index);
+DPAR_API dpar_status dpar_model_param_info(int64_t *out_shape, size_t *out_ndim, const dpar_model *model,
+                                           size_t index);
+/**
+ * @brief The name of parameter @p index ("0.weight", as PyTorch's state_dict names it).
+ * @return Borrowed from the model; valid until the model changes or is freed. NULL for a bad model or index, with
+ *         dpar_last_error() saying why.
+ */
+DPAR_API const char *dpar_model_param_name(const dpar_model *model, size_t index);
 /** @brief Copies parameter @p index into @p dst (@p count elements, exactly its size). */
 DPAR_API dpar_status dpar_model_get_param(float *dst, const dpar_model *model, size_t index, size_t count);
 /** @brief Overwrites parameter @p index from @p src (@p count elements, exactly its size). */
@@ -333,12 +397,12 @@ typedef enum dpar_optimizer_kind {
 /** @brief Optimizer options; PyTorch's defaults where PyTorch has one. */
 typedef struct dpar_optimizer_options {
   size_t size;         /**< sizeof(dpar_optimizer_options) as the caller compiled it. */
-  unsigned version;    /**< #DPAR_OPTIMIZER_OPTIONS_VERSION. */
+  uint32_t version;    /**< #DPAR_OPTIMIZER_OPTIONS_VERSION. */
   int32_t kind;        /**< A ::dpar_optimizer_kind. Default ::DPAR_SGD. */
   float lr;            /**< Learning rate. Default 0.01 (PyTorch's Adam default is 0.001: set it). */
   float momentum;      /**< SGD. Default 0. */
   float dampening;     /**< SGD. Default 0. */
-  int nesterov;        /**< SGD; needs momentum > 0 and dampening 0. Default 0. */
+  int32_t nesterov;    /**< SGD; boolean; needs momentum > 0 and dampening 0. Default 0. */
   float weight_decay;  /**< Default 0 (AdamW users usually set 0.01). */
   float beta1;         /**< Adam. Default 0.9. */
   float beta2;         /**< Adam. Default 0.999. */
@@ -385,7 +449,7 @@ typedef enum dpar_processes {
 /** @brief Options for dpar_engine_create(). */
 typedef struct dpar_engine_options {
   size_t size;              /**< sizeof(dpar_engine_options) as the caller compiled it. */
-  unsigned version;         /**< #DPAR_ENGINE_OPTIONS_VERSION. */
+  uint32_t version;         /**< #DPAR_ENGINE_OPTIONS_VERSION. */
   int32_t device_kind;      /**< A ::dpar_device_kind. Default ::DPAR_DEVICE_CPU. */
   size_t num_cpu_devices;   /**< How many virtual CPU devices exist (cpu:0 .. cpu:N-1). 0: dpar_device_count(). */
   const int32_t *device_ids;/**< The devices to use, in order (replica r runs on device_ids[r]). NULL: all. Copied. */
@@ -395,9 +459,9 @@ typedef struct dpar_engine_options {
   uint64_t seed;            /**< Seeds each replica's RNG stream (dropout). Default 0. */
   double timeout_seconds;   /**< How long a worker waits for the others at each synchronisation point of a
                                  collective. Default 300; INFINITY for no limit. */
-  int32_t blas_threads;     /**< BLAS threads inside each CPU worker. Default 1 (no oversubscription). OpenBLAS's
+  size_t blas_threads;      /**< BLAS threads inside each CPU worker. Default 1 (no oversubscription). OpenBLAS's
                                  thread count is process-wide: the engine created last sets it for all. */
-  int32_t pin_workers;      /**< Nonzero (default): worker r runs on the r-th CPU (mod their number) of the process's
+  int32_t pin_workers;      /**< Boolean. Nonzero (default): worker r runs on the r-th CPU (mod their number) of the process's
                                  affinity mask, as `mpirun --bind-to core` binds ranks. A worker that sleeps between
                                  steps is otherwise often woken on a core that another worker is using. */
   /* Version 2: */
@@ -454,7 +518,7 @@ DPAR_API dpar_status dpar_engine_num_replicas(size_t *out, const dpar_engine *en
  * process). Either output may be NULL. Use them to give each process its part of every batch
  * (dpar_loader_shard()), and to let rank 0 alone print.
  */
-DPAR_API dpar_status dpar_engine_processes(int *out_rank, int *out_size, const dpar_engine *engine);
+DPAR_API dpar_status dpar_engine_processes(size_t *out_rank, size_t *out_size, const dpar_engine *engine);
 /** @brief The number of gradient buckets of the training step (see dpar_engine_options.first_bucket_bytes). */
 DPAR_API dpar_status dpar_engine_num_buckets(size_t *out, const dpar_engine *engine);
 /** @brief The device of replica @p replica. */
@@ -516,11 +580,11 @@ DPAR_API dpar_status dpar_engine_forward(dpar_tensor **out, dpar_engine *engine,
 DPAR_API dpar_status dpar_engine_backward(dpar_engine *engine, const dpar_tensor *grad_output);
 
 /** @brief Training mode (nonzero: dropout active) or eval mode. Engines start in training mode. */
-DPAR_API dpar_status dpar_engine_set_training(dpar_engine *engine, int training);
+DPAR_API dpar_status dpar_engine_set_training(dpar_engine *engine, int32_t training);
 /** @brief Changes the learning rate for the following steps (a scheduler's job). */
 DPAR_API dpar_status dpar_engine_set_lr(dpar_engine *engine, float lr);
 /** @brief The number of optimizer steps taken. */
-DPAR_API dpar_status dpar_engine_step_count(int64_t *out, const dpar_engine *engine);
+DPAR_API dpar_status dpar_engine_step_count(size_t *out, const dpar_engine *engine);
 
 /**
  * @brief Each replica's mean loss over its own chunk in the last training step or accumulate, as
@@ -535,11 +599,19 @@ DPAR_API dpar_status dpar_engine_replica_losses(float *out, const dpar_engine *e
  */
 DPAR_API dpar_status dpar_engine_get_params(float *dst, dpar_engine *engine, size_t replica, size_t count);
 
-/** @brief Called by each replica, on its worker thread, after its forward: its chunk's input and output shapes. */
-typedef void (*dpar_forward_hook)(void *payload, size_t replica, const int64_t *input_shape, size_t input_ndim,
-                                  const int64_t *output_shape, size_t output_ndim);
-/** @brief Installs (or with NULL removes) the forward hook. Replicas call it concurrently. */
-DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine *engine, dpar_forward_hook hook, void *payload);
+/**
+ * @brief Called by each replica, on its worker thread, after its forward: its chunk's input and output shapes.
+ * Returns ::DPAR_OK, or an error status (through dpar_set_error(), with a message) that fails the engine call.
+ */
+typedef dpar_status (*dpar_forward_hook)(void *payload, size_t replica, const int64_t *input_shape,
+                                         size_t input_ndim, const int64_t *output_shape, size_t output_ndim);
+/**
+ * @brief Installs (or with a NULL @p hook removes) the forward hook. Replicas call it concurrently.
+ * @param destroy  Releases @p payload (may be NULL): called once, when the hook is replaced or removed, or the
+ *                 engine is freed; also when this call fails (but not for a NULL or dead @p engine).
+ */
+DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine *engine, dpar_forward_hook hook, void *payload,
+                                                  dpar_destroy_fn destroy);
 
 /**
  * @brief Saves parameters, optimizer state, step count and RNG streams as a safetensors file, atomically
@@ -599,7 +671,7 @@ typedef enum dpar_reduce_op {
 /** @brief Options of a communicator or group. */
 typedef struct dpar_comm_options {
   size_t size;            /**< sizeof(dpar_comm_options) as the caller compiled it. */
-  unsigned version;       /**< #DPAR_COMM_OPTIONS_VERSION. */
+  uint32_t version;       /**< #DPAR_COMM_OPTIONS_VERSION. */
   double timeout_seconds; /**< How long a participant waits for the others at each synchronisation point.
                                Default 300; INFINITY for no limit. */
 } dpar_comm_options;
@@ -619,7 +691,7 @@ DPAR_API void dpar_comm_group_free(dpar_comm_group *group);
  * @brief Participant @p rank's communicator of a group. Each participant (thread) uses its own.
  * @param[out] out  Owned by the caller (dpar_comm_free()).
  */
-DPAR_API dpar_status dpar_comm_group_member(dpar_comm **out, dpar_comm_group *group, int rank);
+DPAR_API dpar_status dpar_comm_group_member(dpar_comm **out, dpar_comm_group *group, size_t rank);
 /**
  * @brief This process's communicator over MPI_COMM_WORLD (a duplicate of it). Initialises MPI
  * (MPI_THREAD_MULTIPLE) if the program has not; without mpirun the process is rank 0 of 1.
@@ -629,7 +701,26 @@ DPAR_API dpar_status dpar_comm_create_mpi(dpar_comm **out, const dpar_comm_optio
 /** @brief Frees a communicator (NULL is a no-op), after its asynchronous operations finish. */
 DPAR_API void dpar_comm_free(dpar_comm *comm);
 /** @brief This participant's rank, and the group's size. Either output may be NULL. */
-DPAR_API dpar_status dpar_comm_info(int *out_rank, int *out_size, const dpar_comm *comm);
+DPAR_API dpar_status dpar_comm_info(size_t *out_rank, size_t *out_size, const dpar_comm *comm);
+/**
+ * @brief Aborts the group from this participant (NCCL's ncclCommAbort): every participant waiting in a collective
+ * now, or calling one later, returns ::DPAR_ERR_REMOTE naming this one and the reason (this participant included),
+ * and asynchronous work not yet finished fails alike. Over MPI the other processes are told with a message. The
+ * communicator stays a valid handle, to be freed with dpar_comm_free(); it cannot run collectives any more.
+ * Unlike every other call on a communicator it may be called from any thread, at any time, even while another
+ * thread is inside a collective on it.
+ * @param reason  Put in the others' messages; may be NULL.
+ */
+DPAR_API dpar_status dpar_comm_abort(dpar_comm *comm, const char *reason);
+/**
+ * @brief Asks whether the communicator has failed without a call seeing it yet (NCCL's ncclCommGetAsyncError):
+ * an abort here or by another participant, a participant that gave up after its timeout, a failed asynchronous
+ * operation, a transport error. Never blocks; it may be called from any thread, at any time. Over MPI it also
+ * reads notices that other processes sent, when no collective is running on this communicator.
+ * @param[out] out  ::DPAR_OK while the communicator is usable, else the status its next collective returns; the
+ *                  reason is then dpar_last_error() (set by this call, which itself returns ::DPAR_OK).
+ */
+DPAR_API dpar_status dpar_comm_get_async_error(dpar_status *out, dpar_comm *comm);
 
 /**
  * @brief Reduces @p count elements of every participant's @p send into every participant's @p recv.
@@ -640,10 +731,10 @@ DPAR_API dpar_status dpar_comm_info(int *out_rank, int *out_size, const dpar_com
 DPAR_API dpar_status dpar_comm_all_reduce(dpar_comm *comm, const void *send, void *recv, size_t count,
                                           int32_t dtype, int32_t op);
 /** @brief Copies @p root's @p buffer into every participant's. */
-DPAR_API dpar_status dpar_comm_broadcast(dpar_comm *comm, void *buffer, size_t count, int32_t dtype, int root);
+DPAR_API dpar_status dpar_comm_broadcast(dpar_comm *comm, void *buffer, size_t count, int32_t dtype, size_t root);
 /** @brief Reduces into @p root's @p recv (ignored, and may be NULL, elsewhere). */
 DPAR_API dpar_status dpar_comm_reduce(dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype,
-                                      int32_t op, int root);
+                                      int32_t op, size_t root);
 /** @brief Every participant's @p send (@p count elements) into every @p recv (size x count), in rank order. */
 DPAR_API dpar_status dpar_comm_all_gather(dpar_comm *comm, const void *send, void *recv, size_t count,
                                           int32_t dtype);
@@ -663,15 +754,15 @@ DPAR_API dpar_status dpar_comm_all_reduce_async(dpar_work **out, dpar_comm *comm
                                                 size_t count, int32_t dtype, int32_t op);
 /** @brief Asynchronous dpar_comm_broadcast(). */
 DPAR_API dpar_status dpar_comm_broadcast_async(dpar_work **out, dpar_comm *comm, void *buffer, size_t count,
-                                               int32_t dtype, int root);
+                                               int32_t dtype, size_t root);
 /** @brief Asynchronous dpar_comm_all_gather(). */
 DPAR_API dpar_status dpar_comm_all_gather_async(dpar_work **out, dpar_comm *comm, const void *send, void *recv,
                                                 size_t count, int32_t dtype);
 /** @brief Asynchronous dpar_comm_reduce_scatter(). */
 DPAR_API dpar_status dpar_comm_reduce_scatter_async(dpar_work **out, dpar_comm *comm, const void *send, void *recv,
                                                     size_t count, int32_t dtype, int32_t op);
-/** @brief Sets @p *out_done to 1 if the work has finished (successfully or not), else 0. Never blocks. */
-DPAR_API dpar_status dpar_work_test(int *out_done, dpar_work *work);
+/** @brief Sets @p *out to 1 if the work has finished (successfully or not), else 0. Never blocks. */
+DPAR_API dpar_status dpar_work_test(int32_t *out, dpar_work *work);
 /** @brief Waits for the work; returns the collective's own status and message. */
 DPAR_API dpar_status dpar_work_wait(dpar_work *work);
 /** @brief Frees a work handle (NULL is a no-op), waiting for the operation first if it is still running. */
@@ -695,7 +786,7 @@ typedef struct dpar_reducer dpar_reducer; /**< An opaque gradient reducer over o
 /** @brief Options of a reducer. */
 typedef struct dpar_reducer_options {
   size_t size;               /**< sizeof(dpar_reducer_options) as the caller compiled it. */
-  unsigned version;          /**< #DPAR_REDUCER_OPTIONS_VERSION. */
+  uint32_t version;          /**< #DPAR_REDUCER_OPTIONS_VERSION. */
   size_t first_bucket_bytes; /**< The first bucket (the last gradients) closes at this many bytes. 0: 1 MiB. */
   size_t bucket_cap_bytes;   /**< Later buckets close at this many bytes. 0: 25 MiB. SIZE_MAX: one bucket. */
   int32_t op;                /**< ::DPAR_SUM or ::DPAR_MEAN (default: the average over the participants, as DDP). */
@@ -760,10 +851,11 @@ DPAR_API dpar_status dpar_dataset_normalize(dpar_dataset *dataset, float mean, f
 
 /**
  * @brief Creates a loader that yields batches of @p batch_size (the last may be smaller unless @p drop_last).
- * @param shuffle Nonzero to draw a new permutation each epoch from @p seed and the epoch number.
+ * @param shuffle   Boolean: draw a new permutation each epoch from @p seed and the epoch number.
+ * @param drop_last Boolean: drop a last batch smaller than @p batch_size.
  */
 DPAR_API dpar_status dpar_loader_create(dpar_loader **out, const dpar_dataset *dataset, size_t batch_size,
-                                        int shuffle, uint64_t seed, int drop_last);
+                                        int32_t shuffle, uint64_t seed, int32_t drop_last);
 /** @brief Frees a loader (NULL is a no-op). */
 DPAR_API void dpar_loader_free(dpar_loader *loader);
 /** @brief Starts epoch @p epoch: the permutation is a function of (seed, epoch) alone. */
@@ -780,125 +872,18 @@ DPAR_API dpar_status dpar_loader_num_batches(size_t *out, const dpar_loader *loa
  */
 DPAR_API dpar_status dpar_loader_shard(dpar_loader *loader, size_t shard, size_t num_shards);
 /**
- * @brief The next batch of the epoch: (b, features) f32 and (b) i32 tensors, borrowed from the loader and valid
- * until its next call. Both are set to NULL at the end of the epoch.
+ * @brief Moves to the next batch of the epoch: sets @p *out to 1, or to 0 at the end of the epoch. The batch is
+ * then read with dpar_loader_inputs() and dpar_loader_labels().
  */
-DPAR_API dpar_status dpar_loader_next(const dpar_tensor **out_inputs, const dpar_tensor **out_labels,
-                                      dpar_loader *loader);
-/**@}*/
-
-/* ------------------------------------------------------------------------------------------------------------ */
-/** @name Loading dpar at run time
- * A host that loads dpar with dlopen("libdpar.so.0") resolves one symbol, dpar_get_api, and calls every function
- * through the table it returns (the types above come from including this header). dlclose() leaves dpar loaded:
- * the runtimes under it (CUDA, NCCL, OpenBLAS, MPI) keep threads and exit handlers that must not outlive their code. */
-/**@{*/
-/* BEGIN GENERATED: the function table (scripts/gen_api_table.py) */
-/** @brief Version of ::dpar_api_v1, the table dpar_get_api() returns. */
-#define DPAR_API_TABLE_VERSION 1
-/** @brief Every function of this header, in header order (appended to, never reordered). */
-typedef struct dpar_api_v1 {
-  size_t size;      /**< sizeof(dpar_api_v1) of the library. */
-  unsigned version; /**< #DPAR_API_TABLE_VERSION. */
-  int (*dpar_version)(void);
-  const char *(*dpar_version_string)(void);
-  const char *(*dpar_last_error)(void);
-  void (*dpar_clear_error)(void);
-  const char *(*dpar_status_str)(dpar_status status);
-  dpar_status (*dpar_device_count)(size_t *out, int32_t kind);
-  dpar_status (*dpar_device_parse)(dpar_device *out, const char *text);
-  dpar_status (*dpar_tensor_create)(dpar_tensor **out, int32_t dtype, const int64_t *shape, size_t ndim, dpar_device device);
-  dpar_status (*dpar_tensor_wrap_host)(dpar_tensor **out, int32_t dtype, const int64_t *shape, size_t ndim, void *data);
-  void (*dpar_tensor_free)(dpar_tensor *tensor);
-  dpar_status (*dpar_tensor_copy_from_host)(dpar_tensor *tensor, const void *src, size_t bytes);
-  dpar_status (*dpar_tensor_copy_to_host)(void *dst, const dpar_tensor *tensor, size_t bytes);
-  dpar_status (*dpar_tensor_shape)(int64_t *out_shape, size_t *out_ndim, const dpar_tensor *tensor, size_t capacity);
-  dpar_status (*dpar_tensor_info)(int32_t *out_dtype, int64_t *out_numel, dpar_device *out_device, const dpar_tensor *tensor);
-  dpar_status (*dpar_tensor_data)(void **out, dpar_tensor *tensor);
-  dpar_status (*dpar_model_options_init)(dpar_model_options *opts);
-  dpar_status (*dpar_model_create)(dpar_model **out, const dpar_model_options *opts);
-  void (*dpar_model_free)(dpar_model *model);
-  dpar_status (*dpar_model_add_linear)(dpar_model *model, int64_t in_features, int64_t out_features, int has_bias);
-  dpar_status (*dpar_model_add_activation)(dpar_model *model, int32_t activation);
-  dpar_status (*dpar_model_add_dropout)(dpar_model *model, float p);
-  dpar_status (*dpar_custom_layer_init)(dpar_custom_layer *layer);
-  dpar_status (*dpar_model_add_custom)(dpar_model *model, const dpar_custom_layer *layer);
-  dpar_status (*dpar_model_num_layers)(size_t *out, const dpar_model *model);
-  dpar_status (*dpar_model_num_params)(size_t *out, const dpar_model *model);
-  dpar_status (*dpar_model_num_param_elements)(int64_t *out, const dpar_model *model);
-  dpar_status (*dpar_model_param_info)(const char **out_name, int64_t *out_shape, size_t *out_ndim, const dpar_model *model, size_t index);
-  dpar_status (*dpar_model_get_param)(float *dst, const dpar_model *model, size_t index, size_t count);
-  dpar_status (*dpar_model_set_param)(dpar_model *model, size_t index, const float *src, size_t count);
-  dpar_status (*dpar_optimizer_options_init)(dpar_optimizer_options *opts);
-  dpar_status (*dpar_engine_options_init)(dpar_engine_options *opts);
-  dpar_status (*dpar_engine_create)(dpar_engine **out, const dpar_model *model, const dpar_optimizer_options *optimizer, const dpar_engine_options *opts);
-  void (*dpar_engine_free)(dpar_engine *engine);
-  dpar_status (*dpar_engine_abort)(dpar_engine *engine);
-  dpar_status (*dpar_engine_num_replicas)(size_t *out, const dpar_engine *engine);
-  dpar_status (*dpar_engine_processes)(int *out_rank, int *out_size, const dpar_engine *engine);
-  dpar_status (*dpar_engine_num_buckets)(size_t *out, const dpar_engine *engine);
-  dpar_status (*dpar_engine_replica_device)(dpar_device *out, const dpar_engine *engine, size_t replica);
-  dpar_status (*dpar_engine_split)(size_t *out, const dpar_engine *engine, size_t batch, size_t capacity);
-  dpar_status (*dpar_engine_train_step)(float *out_loss, dpar_engine *engine, const dpar_tensor *input, const dpar_tensor *target);
-  dpar_status (*dpar_engine_accumulate)(float *out_loss, dpar_engine *engine, const dpar_tensor *input, const dpar_tensor *target);
-  dpar_status (*dpar_engine_step)(dpar_engine *engine);
-  dpar_status (*dpar_engine_zero_grad)(dpar_engine *engine);
-  dpar_status (*dpar_engine_forward)(dpar_tensor **out, dpar_engine *engine, const dpar_tensor *input);
-  dpar_status (*dpar_engine_backward)(dpar_engine *engine, const dpar_tensor *grad_output);
-  dpar_status (*dpar_engine_set_training)(dpar_engine *engine, int training);
-  dpar_status (*dpar_engine_set_lr)(dpar_engine *engine, float lr);
-  dpar_status (*dpar_engine_step_count)(int64_t *out, const dpar_engine *engine);
-  dpar_status (*dpar_engine_replica_losses)(float *out, const dpar_engine *engine, size_t capacity);
-  dpar_status (*dpar_engine_get_params)(float *dst, dpar_engine *engine, size_t replica, size_t count);
-  dpar_status (*dpar_engine_set_forward_hook)(dpar_engine *engine, dpar_forward_hook hook, void *payload);
-  dpar_status (*dpar_engine_save)(dpar_engine *engine, const char *path);
-  dpar_status (*dpar_engine_load)(dpar_engine *engine, const char *path);
-  dpar_status (*dpar_engine_inject_fault)(dpar_engine *engine, size_t replica, int32_t fault);
-  dpar_status (*dpar_comm_options_init)(dpar_comm_options *opts);
-  dpar_status (*dpar_comm_group_create)(dpar_comm_group **out, size_t size, const dpar_comm_options *opts);
-  void (*dpar_comm_group_free)(dpar_comm_group *group);
-  dpar_status (*dpar_comm_group_member)(dpar_comm **out, dpar_comm_group *group, int rank);
-  dpar_status (*dpar_comm_create_mpi)(dpar_comm **out, const dpar_comm_options *opts);
-  void (*dpar_comm_free)(dpar_comm *comm);
-  dpar_status (*dpar_comm_info)(int *out_rank, int *out_size, const dpar_comm *comm);
-  dpar_status (*dpar_comm_all_reduce)(dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype, int32_t op);
-  dpar_status (*dpar_comm_broadcast)(dpar_comm *comm, void *buffer, size_t count, int32_t dtype, int root);
-  dpar_status (*dpar_comm_reduce)(dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype, int32_t op, int root);
-  dpar_status (*dpar_comm_all_gather)(dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype);
-  dpar_status (*dpar_comm_reduce_scatter)(dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype, int32_t op);
-  dpar_status (*dpar_comm_barrier)(dpar_comm *comm);
-  dpar_status (*dpar_comm_all_reduce_async)(dpar_work **out, dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype, int32_t op);
-  dpar_status (*dpar_comm_broadcast_async)(dpar_work **out, dpar_comm *comm, void *buffer, size_t count, int32_t dtype, int root);
-  dpar_status (*dpar_comm_all_gather_async)(dpar_work **out, dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype);
-  dpar_status (*dpar_comm_reduce_scatter_async)(dpar_work **out, dpar_comm *comm, const void *send, void *recv, size_t count, int32_t dtype, int32_t op);
-  dpar_status (*dpar_work_test)(int *out_done, dpar_work *work);
-  dpar_status (*dpar_work_wait)(dpar_work *work);
-  void (*dpar_work_free)(dpar_work *work);
-  dpar_status (*dpar_reducer_options_init)(dpar_reducer_options *opts);
-  dpar_status (*dpar_reducer_create)(dpar_reducer **out, dpar_comm *comm, float *const *grads, const size_t *counts, size_t num_grads, const dpar_reducer_options *opts);
-  void (*dpar_reducer_free)(dpar_reducer *reducer);
-  dpar_status (*dpar_reducer_num_buckets)(size_t *out, const dpar_reducer *reducer);
-  dpar_status (*dpar_reducer_grad_ready)(dpar_reducer *reducer, size_t index);
-  dpar_status (*dpar_reducer_wait)(dpar_reducer *reducer);
-  dpar_status (*dpar_dataset_load_idx)(dpar_dataset **out, const char *images_path, const char *labels_path);
-  void (*dpar_dataset_free)(dpar_dataset *dataset);
-  dpar_status (*dpar_dataset_info)(size_t *out_samples, size_t *out_features, size_t *out_classes, const dpar_dataset *dataset);
-  dpar_status (*dpar_dataset_normalize)(dpar_dataset *dataset, float mean, float std);
-  dpar_status (*dpar_loader_create)(dpar_loader **out, const dpar_dataset *dataset, size_t batch_size, int shuffle, uint64_t seed, int drop_last);
-  void (*dpar_loader_free)(dpar_loader *loader);
-  dpar_status (*dpar_loader_start_epoch)(dpar_loader *loader, uint64_t epoch);
-  dpar_status (*dpar_loader_num_batches)(size_t *out, const dpar_loader *loader);
-  dpar_status (*dpar_loader_shard)(dpar_loader *loader, size_t shard, size_t num_shards);
-  dpar_status (*dpar_loader_next)(const dpar_tensor **out_inputs, const dpar_tensor **out_labels, dpar_loader *loader);
-} dpar_api_v1;
-/* END GENERATED: the function table */
+DPAR_API dpar_status dpar_loader_next(int32_t *out, dpar_loader *loader);
 /**
- * @brief The table of every function, for version @p version of it (#DPAR_API_TABLE_VERSION); NULL for a version
- * this library does not have. The table is static: never freed. Cast the result to `const dpar_api_v1 *`.
+ * @brief The current batch's (b, features) f32 inputs: borrowed from the loader, valid until its next call (the
+ * same handle holds the next batch). NULL before the first batch, at the end of the epoch, or for a bad @p loader
+ * (dpar_last_error() says which).
  */
-DPAR_API const void *dpar_get_api(unsigned version);
-/** @brief The function pointer type of dpar_get_api, for dlsym(). */
-typedef const void *(*dpar_get_api_fn)(unsigned version);
+DPAR_API const dpar_tensor *dpar_loader_inputs(const dpar_loader *loader);
+/** @brief The current batch's (b) i32 labels, borrowed as dpar_loader_inputs() is. */
+DPAR_API const dpar_tensor *dpar_loader_labels(const dpar_loader *loader);
 /**@}*/
 
 #ifdef __cplusplus

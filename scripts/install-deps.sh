@@ -1,20 +1,40 @@
 #!/usr/bin/env bash
 # Installs what dpar needs on Debian 12 (bookworm): compilers, CMake, OpenBLAS, zlib, nlohmann-json, GoogleTest,
-# OpenMPI, Gloo (an anchor of the all-reduce benchmark), Debian's Fashion-MNIST for the demo, and Python (for
-# checks that run Python's safetensors and the function-table generator). Installs only what is missing.
+# OpenMPI, Gloo (an anchor of the all-reduce benchmark), Debian's Fashion-MNIST for the demo, Python (for
+# checks that run Python's safetensors and the function-table generator), DLPack's header, and what the bindings
+# build with: SWIG (Python's and Go's raw layers), Python's headers, Go, and Debian's cargo when no cargo is on the
+# PATH (rustup's is used where present). Installs only what is missing.
 set -euo pipefail
 packages=(build-essential cmake pkg-config libopenblas-dev zlib1g-dev nlohmann-json3-dev libgtest-dev
-          libopenmpi-dev openmpi-bin libgloo-dev dataset-fashion-mnist python3 python3-venv)
+          libopenmpi-dev openmpi-bin libgloo-dev dataset-fashion-mnist python3 python3-venv python3-dev
+          libdlpack-dev swig golang-go)
+if ! command -v cargo >/dev/null && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
+  packages+=(cargo)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -eq 0 ]; then
-  echo "install-deps: everything is installed"
-  exit 0
+  echo "install-deps: every apt package is installed"
+else
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "install-deps: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
-echo "install-deps: installing ${missing[*]}"
-$sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+
+# A Python environment for the tests (build-pyenv/ at the top of the tree, which CMake hands to the tests that
+# need it): safetensors checks checkpoints, numpy, setuptools and wheel build and test the Python binding,
+# tree-sitter-julia parses the Julia package. From PyPI; the tests that need them skip without it.
+pyenv="$(cd "$(dirname "$0")/.." && pwd)/build-pyenv"
+pypackages=(numpy safetensors setuptools wheel tree-sitter tree-sitter-julia)
+if ! "$pyenv/bin/python" -c "import numpy, safetensors, setuptools, wheel, tree_sitter, tree_sitter_julia" \
+     2>/dev/null; then
+  if python3 -m venv "$pyenv" >/dev/null 2>&1 && "$pyenv/bin/pip" install -q "${pypackages[@]}" >/dev/null 2>&1; then
+    echo "install-deps: $pyenv has ${pypackages[*]}"
+  else
+    echo "install-deps: note: could not make $pyenv (no PyPI?); the Python-based tests will skip"
+  fi
+fi

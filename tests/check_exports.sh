@@ -3,22 +3,25 @@
 #  - the SONAME is libdpar.so.0;
 #  - every dynamic symbol the library defines starts with dpar_ (the version node DPAR_0 of the version script is
 #    not a symbol of the API and is the only exception);
-#  - every function declared DPAR_API in dpar.h is exported as a function, and every exported dpar_ symbol is
-#    declared in dpar.h.
-# Usage: check_exports.sh <libdpar.so> <dpar.h>. Prints every problem and exits 1 if there is any.
+#  - every function declared DPAR_API in the headers (dpar.h, dpar_api.h) is exported as a function, and every
+#    exported dpar_ symbol is declared in one of them.
+# Usage: check_exports.sh <libdpar.so> <header>... Prints every problem and exits 1 if there is any.
 set -u -o pipefail
 
-if [[ $# -ne 2 ]]; then
-  echo "usage: $0 <libdpar.so> <dpar.h>" >&2
+if [[ $# -lt 2 ]]; then
+  echo "usage: $0 <libdpar.so> <header>..." >&2
   exit 2
 fi
 lib=$1
-header=$2
+headers=("${@:2}")
+header=${headers[*]}
 for tool in readelf nm; do
   command -v "$tool" >/dev/null || { echo "check_exports: $tool is not installed" >&2; exit 2; }
 done
 [[ -f $lib ]] || { echo "check_exports: no library at $lib" >&2; exit 2; }
-[[ -f $header ]] || { echo "check_exports: no header at $header" >&2; exit 2; }
+for h in "${headers[@]}"; do
+  [[ -f $h ]] || { echo "check_exports: no header at $h" >&2; exit 2; }
+done
 
 problems=0
 problem() {
@@ -64,13 +67,13 @@ fi
 
 # 3. Functions declared in the header: "DPAR_API <return type> dpar_name(". A declaration's name and its '('
 # are on the DPAR_API line in dpar.h; the preprocessor definitions of DPAR_API itself are skipped.
-mapfile -t declared < <(grep -E '^[[:space:]]*DPAR_API[[:space:]]' "$header" |
+mapfile -t declared < <(grep -hE '^[[:space:]]*DPAR_API[[:space:]]' "${headers[@]}" |
   grep -oE '\bdpar_[A-Za-z0-9_]+[[:space:]]*\(' | sed -E 's/[[:space:]]*\($//' | sort -u)
 if [[ ${#declared[@]} -eq 0 ]]; then
   problem "found no DPAR_API function declaration in $header"
 fi
 # Every DPAR_API line must have yielded one name: a declaration this script cannot read is a problem too.
-api_lines=$(grep -cE '^[[:space:]]*DPAR_API[[:space:]]' "$header")
+api_lines=$(cat "${headers[@]}" | grep -cE '^[[:space:]]*DPAR_API[[:space:]]')
 if [[ $api_lines -ne ${#declared[@]} ]]; then
   problem "$header has $api_lines DPAR_API declarations but $((${#declared[@]})) distinct dpar_ function names" \
           "were read from them (a duplicate, or a declaration whose name is not on its DPAR_API line)"
@@ -80,14 +83,14 @@ declare -A in_header=()
 for f in "${declared[@]}"; do
   in_header[$f]=1
   if [[ -z ${exported[$f]:-} ]]; then
-    problem "'$f' is declared in $(basename "$header") but not exported by $(basename "$lib")"
+    problem "'$f' is declared in $header but not exported by $(basename "$lib")"
   elif [[ ${exported[$f]} != T ]]; then
     problem "'$f' is exported as a symbol of type ${exported[$f]}, not as a function (T)"
   fi
 done
 for s in "${!exported[@]}"; do
   if [[ -z ${in_header[$s]:-} ]]; then
-    problem "'$s' is exported by $(basename "$lib") but not declared in $(basename "$header")"
+    problem "'$s' is exported by $(basename "$lib") but not declared in $header"
   fi
 done
 

@@ -1,5 +1,6 @@
 // dpar.h alone must compile warning-free as C++11 (-Wall -Wextra -pedantic -Werror), _INIT macros included.
 #include "dpar.h"
+#include "dpar_api.h"
 
 int dpar_header_test_cpp();
 

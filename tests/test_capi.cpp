@@ -206,7 +206,7 @@ std::vector<float> Params(dpar_engine* e, size_t replica = 0, size_t count = kPa
 }
 
 std::vector<float> ModelParams(const dpar_model* m) {
-  int64_t n = 0;
+  size_t n = 0;
   EXPECT_OK(dpar_model_num_param_elements(&n, m));
   size_t count = 0;
   EXPECT_OK(dpar_model_num_params(&count, m));
@@ -214,7 +214,7 @@ std::vector<float> ModelParams(const dpar_model* m) {
   for (size_t i = 0; i < count; ++i) {
     int64_t shape[DPAR_MAX_DIMS] = {0, 0, 0, 0};
     size_t ndim = 0;
-    EXPECT_OK(dpar_model_param_info(nullptr, shape, &ndim, m, i));
+    EXPECT_OK(dpar_model_param_info(shape, &ndim, m, i));
     int64_t numel = 1;
     for (size_t d = 0; d < ndim; ++d) numel *= shape[d];
     std::vector<float> p(static_cast<size_t>(numel));
@@ -225,8 +225,8 @@ std::vector<float> ModelParams(const dpar_model* m) {
   return all;
 }
 
-int64_t StepCount(const dpar_engine* e) {
-  int64_t n = -1;
+size_t StepCount(const dpar_engine* e) {
+  size_t n = 12345;
   EXPECT_OK(dpar_engine_step_count(&n, e));
   return n;
 }
@@ -472,11 +472,11 @@ TEST(Tensor, CreateGivesAZeroFilledDescribedTensor) {
   ASSERT_OK(dpar_tensor_create(&raw, DPAR_F32, shape, 3, Cpu(1)));
   TensorPtr t(raw);
   int32_t dtype = -1;
-  int64_t numel = -1;
+  size_t numel = 12345;
   dpar_device device{-1, -1};
   EXPECT_OK(dpar_tensor_info(&dtype, &numel, &device, t.get()));
   EXPECT_EQ(dtype, DPAR_F32);
-  EXPECT_EQ(numel, 24);
+  EXPECT_EQ(numel, 24u);
   EXPECT_EQ(device.kind, DPAR_DEVICE_CPU);
   EXPECT_EQ(device.index, 1);
   EXPECT_EQ(ShapeOf(t.get()), (std::vector<int64_t>{2, 3, 4}));
@@ -812,7 +812,7 @@ TEST(Model, LayerArgumentsAreCheckedAndRefusalsAddNothing) {
 TEST(Model, QueriesRefuseNullOutputsAndHandles) {
   ModelPtr m = LinearModel();
   size_t n = 0;
-  int64_t elements = 0;
+  size_t elements = 0;
   EXPECT_INVALID("out", dpar_model_num_layers(nullptr, m.get()));
   EXPECT_INVALID("out", dpar_model_num_params(nullptr, m.get()));
   EXPECT_INVALID("out", dpar_model_num_param_elements(nullptr, m.get()));
@@ -820,7 +820,7 @@ TEST(Model, QueriesRefuseNullOutputsAndHandles) {
   EXPECT_INVALID("model", dpar_model_num_params(&n, nullptr));
   EXPECT_INVALID("model", dpar_model_num_param_elements(&elements, nullptr));
   EXPECT_OK(dpar_model_num_param_elements(&elements, m.get()));
-  EXPECT_EQ(elements, static_cast<int64_t>(kParams));
+  EXPECT_EQ(elements, static_cast<size_t>(kParams));
 }
 
 TEST(Model, ParamInfoGivesStateDictNamesAndChecksTheIndex) {
@@ -839,26 +839,32 @@ TEST(Model, ParamInfoGivesStateDictNamesAndChecksTheIndex) {
     std::vector<int64_t> shape;
   } expected[] = {{"0.weight", {5, 4}}, {"0.bias", {5}}, {"2.weight", {2, 5}}};
   for (size_t i = 0; i < count; ++i) {
-    const char* name = nullptr;
     int64_t shape[DPAR_MAX_DIMS] = {};
     size_t ndim = 0;
-    ASSERT_OK(dpar_model_param_info(&name, shape, &ndim, m.get(), i));
-    ASSERT_NE(name, nullptr);
+    ASSERT_OK(dpar_model_param_info(shape, &ndim, m.get(), i));
+    const char* name = dpar_model_param_name(m.get(), i);
+    ASSERT_NE(name, nullptr) << dpar_last_error();
     EXPECT_STREQ(name, expected[i].name);
     EXPECT_EQ(std::vector<int64_t>(shape, shape + ndim), expected[i].shape);
   }
-  EXPECT_OK(dpar_model_param_info(nullptr, nullptr, nullptr, m.get(), 0));  // all outputs may be NULL
-  const char* name = "untouched";
-  EXPECT_INVALID("index", dpar_model_param_info(&name, nullptr, nullptr, m.get(), 3));
-  EXPECT_INVALID("index", dpar_model_param_info(&name, nullptr, nullptr, m.get(), SIZE_MAX));
-  EXPECT_STREQ(name, "untouched");
-  EXPECT_INVALID("model", dpar_model_param_info(&name, nullptr, nullptr, nullptr, 0));
+  EXPECT_OK(dpar_model_param_info(nullptr, nullptr, m.get(), 0));  // all outputs may be NULL
+  int64_t shape[DPAR_MAX_DIMS] = {-7, -7, -7, -7};
+  EXPECT_INVALID("index", dpar_model_param_info(shape, nullptr, m.get(), 3));
+  EXPECT_INVALID("index", dpar_model_param_info(shape, nullptr, m.get(), SIZE_MAX));
+  EXPECT_EQ(shape[0], -7);
+  EXPECT_INVALID("model", dpar_model_param_info(nullptr, nullptr, nullptr, 0));
+  // The name is borrowed and returned directly: NULL, with a message, for a bad index or model.
+  dpar_clear_error();
+  EXPECT_EQ(dpar_model_param_name(m.get(), 3), nullptr);
+  EXPECT_NE(std::string(dpar_last_error()).find("index"), std::string::npos) << dpar_last_error();
+  EXPECT_EQ(dpar_model_param_name(nullptr, 0), nullptr);
+  EXPECT_NE(std::string(dpar_last_error()).find("model"), std::string::npos) << dpar_last_error();
 
   // A model without parameters has no index 0.
   dpar_model* empty = nullptr;
   ASSERT_OK(dpar_model_create(&empty, nullptr));
   ModelPtr empty_model(empty);
-  EXPECT_INVALID("index", dpar_model_param_info(nullptr, nullptr, nullptr, empty_model.get(), 0));
+  EXPECT_INVALID("index", dpar_model_param_info(nullptr, nullptr, empty_model.get(), 0));
 }
 
 TEST(Model, GetAndSetParamCheckIndexPointerAndCountAndRefusalsChangeNothing) {
@@ -931,8 +937,8 @@ std::vector<NamedCall> ModelCalls(dpar_model* bad, dpar_engine** engine_out) {
       {"add_custom", [=] { return dpar_model_add_custom(bad, &layer); }},
       {"num_layers", [=] { size_t n; return dpar_model_num_layers(&n, bad); }},
       {"num_params", [=] { size_t n; return dpar_model_num_params(&n, bad); }},
-      {"num_param_elements", [=] { int64_t n; return dpar_model_num_param_elements(&n, bad); }},
-      {"param_info", [=] { return dpar_model_param_info(nullptr, nullptr, nullptr, bad, 0); }},
+      {"num_param_elements", [=] { size_t n; return dpar_model_num_param_elements(&n, bad); }},
+      {"param_info", [=] { return dpar_model_param_info(nullptr, nullptr, bad, 0); }},
       {"get_param", [=] { return dpar_model_get_param(buf.data(), bad, 0, 12); }},
       {"set_param", [=] { return dpar_model_set_param(bad, 0, buf.data(), 12); }},
       {"engine_create", [=] { return dpar_engine_create(engine_out, bad, nullptr, nullptr); }},
@@ -1096,7 +1102,7 @@ TEST(EngineOptions, InitGivesTheMacroDefaults) {
   EXPECT_EQ(o.loss, DPAR_LOSS_CROSS_ENTROPY);
   EXPECT_EQ(o.seed, 0u);
   EXPECT_EQ(o.timeout_seconds, 300.0);
-  EXPECT_EQ(o.blas_threads, 1);
+  EXPECT_EQ(o.blas_threads, 1u);
   EXPECT_EQ(o.first_bucket_bytes, 0u);
   EXPECT_EQ(o.bucket_cap_bytes, 0u);
   EXPECT_EQ(o.processes, DPAR_PROCESSES_AUTO);
@@ -1116,10 +1122,10 @@ TEST(EngineOptions, AVersionOneStructGetsTheNewFieldsDefaults) {
   size_t buckets = 0;
   ASSERT_OK(dpar_engine_num_buckets(&buckets, e.get()));
   EXPECT_EQ(buckets, 1u);
-  int rank = -1, size = -1;
+  size_t rank = 99, size = 99;
   ASSERT_OK(dpar_engine_processes(&rank, &size, e.get()));
-  EXPECT_EQ(rank, 0);
-  EXPECT_EQ(size, 1);
+  EXPECT_EQ(rank, 0u);
+  EXPECT_EQ(size, 1u);
 }
 
 TEST(EngineOptions, BucketSizesSetTheBuckets) {
@@ -1302,7 +1308,7 @@ class EngineHandleCalls {
     const dpar_tensor* g = grad_.get();
     return {
         {"num_replicas", [=] { size_t n; return dpar_engine_num_replicas(&n, bad); }},
-        {"processes", [=] { int r, n; return dpar_engine_processes(&r, &n, bad); }},
+        {"processes", [=] { size_t r, n; return dpar_engine_processes(&r, &n, bad); }},
         {"num_buckets", [=] { size_t n; return dpar_engine_num_buckets(&n, bad); }},
         {"replica_device", [=] { dpar_device d; return dpar_engine_replica_device(&d, bad, 0); }},
         {"split", [=] { size_t rows[8]; return dpar_engine_split(rows, bad, 6, 8); }},
@@ -1314,10 +1320,10 @@ class EngineHandleCalls {
         {"backward", [=] { return dpar_engine_backward(bad, g); }},
         {"set_training", [=] { return dpar_engine_set_training(bad, 0); }},
         {"set_lr", [=] { return dpar_engine_set_lr(bad, 0.5f); }},
-        {"step_count", [=] { int64_t n; return dpar_engine_step_count(&n, bad); }},
+        {"step_count", [=] { size_t n; return dpar_engine_step_count(&n, bad); }},
         {"replica_losses", [=] { float l[8]; return dpar_engine_replica_losses(l, bad, 8); }},
         {"get_params", [=] { float p[kParams]; return dpar_engine_get_params(p, bad, 0, kParams); }},
-        {"set_forward_hook", [=] { return dpar_engine_set_forward_hook(bad, nullptr, nullptr); }},
+        {"set_forward_hook", [=] { return dpar_engine_set_forward_hook(bad, nullptr, nullptr, nullptr); }},
         {"save", [=, this] { return dpar_engine_save(bad, save_path_.c_str()); }},
         {"load", [=, this] { return dpar_engine_load(bad, save_path_.c_str()); }},
         {"inject_fault", [=] { return dpar_engine_inject_fault(bad, 0, DPAR_FAULT_NONE); }},
@@ -1708,8 +1714,8 @@ TEST_F(EngineFixture, SetTrainingTakesAnyNonzeroAsTraining) {
 struct HookLog {
   std::mutex mutex;
   std::vector<std::vector<int64_t>> calls;  // replica, input shape, output shape
-  static void Record(void* payload, size_t replica, const int64_t* in, size_t in_ndim, const int64_t* out,
-                     size_t out_ndim) {
+  static dpar_status Record(void* payload, size_t replica, const int64_t* in, size_t in_ndim, const int64_t* out,
+                            size_t out_ndim) {
     auto* log = static_cast<HookLog*>(payload);
     std::vector<int64_t> entry{static_cast<int64_t>(replica)};
     entry.insert(entry.end(), in, in + in_ndim);
@@ -1717,12 +1723,13 @@ struct HookLog {
     entry.insert(entry.end(), out, out + out_ndim);
     std::lock_guard<std::mutex> lock(log->mutex);
     log->calls.push_back(entry);
+    return DPAR_OK;
   }
 };
 
 TEST_F(EngineFixture, ForwardHookSeesEachReplicasChunkAndCanBeRemoved) {
   HookLog log;
-  ASSERT_OK(dpar_engine_set_forward_hook(engine(), &HookLog::Record, &log));
+  ASSERT_OK(dpar_engine_set_forward_hook(engine(), &HookLog::Record, &log, nullptr));
   Batch three = MakeBatch(3);  // split 2, 1
   dpar_tensor* out = nullptr;
   ASSERT_OK(dpar_engine_forward(&out, engine(), three.x.get()));
@@ -1730,7 +1737,7 @@ TEST_F(EngineFixture, ForwardHookSeesEachReplicasChunkAndCanBeRemoved) {
   std::sort(log.calls.begin(), log.calls.end());
   EXPECT_EQ(log.calls, (std::vector<std::vector<int64_t>>{{0, 2, kIn, -1, 2, kOut}, {1, 1, kIn, -1, 1, kOut}}));
 
-  ASSERT_OK(dpar_engine_set_forward_hook(engine(), nullptr, &log));  // removes it
+  ASSERT_OK(dpar_engine_set_forward_hook(engine(), nullptr, &log, nullptr));  // removes it
   log.calls.clear();
   ASSERT_OK(dpar_engine_zero_grad(engine()));
   ASSERT_OK(dpar_engine_train_step(nullptr, engine(), batch_.x.get(), batch_.y.get()));
@@ -1874,9 +1881,9 @@ TEST(EngineLock, ConcurrentTrainStepsOnOneEngineAreSerialised) {
   // A third thread reads while the two train: the count only grows.
   std::atomic<int> reader_failures{0};
   std::thread reader([&] {
-    int64_t last = 0;
+    size_t last = 0;
     while (!done) {
-      int64_t n = -1;
+      size_t n = 0;
       if (dpar_engine_step_count(&n, e.get()) != DPAR_OK || n < last || n > 2 * kStepsPerThread) ++reader_failures;
       last = n;
       std::vector<float> p(kParams);
@@ -1952,11 +1959,25 @@ struct Epoch {
   std::vector<int> order;
   std::vector<int64_t> batch_sizes;
 };
+// dpar_loader_next, then the loader's borrowed batch (NULLs at the end of the epoch, or after a refusal).
+dpar_status NextBatch(const dpar_tensor** x, const dpar_tensor** y, dpar_loader* loader) {
+  int32_t more = -1;
+  const dpar_status s = dpar_loader_next(&more, loader);
+  *x = *y = nullptr;
+  if (s != DPAR_OK) return s;
+  EXPECT_TRUE(more == 0 || more == 1) << more;
+  *x = dpar_loader_inputs(loader);
+  *y = dpar_loader_labels(loader);
+  EXPECT_EQ(*x != nullptr, more == 1) << dpar_last_error();
+  EXPECT_EQ(*y != nullptr, more == 1) << dpar_last_error();
+  return s;
+}
+
 Epoch ReadEpoch(dpar_loader* loader) {
   Epoch epoch;
   for (size_t guard = 0; guard < 100; ++guard) {
     const dpar_tensor *x = Sentinel<const dpar_tensor>(), *y = Sentinel<const dpar_tensor>();
-    EXPECT_OK(dpar_loader_next(&x, &y, loader));
+    EXPECT_OK(NextBatch(&x, &y, loader));
     if (x == nullptr) {
       EXPECT_EQ(y, nullptr);
       return epoch;
@@ -2048,7 +2069,7 @@ TEST(Dataset, NormalizeChecksMeanAndStdAndRefusalsChangeNothing) {
   ASSERT_OK(dpar_dataset_normalize(d.get(), 0.5f, 0.25f));
   LoaderPtr l = NewLoader(d.get(), kSamples, 0, 0, 0);
   const dpar_tensor *x = nullptr, *y = nullptr;
-  ASSERT_OK(dpar_loader_next(&x, &y, l.get()));
+  ASSERT_OK(NextBatch(&x, &y, l.get()));
   const auto pixels = ToHost<float>(x, kSamples * kFeatures);
   const float raw = static_cast<float>(16 * 3 + 2) / 255.0f;  // sample 3, pixel 2
   EXPECT_NEAR(pixels[3 * kFeatures + 2], (raw - 0.5f) / 0.25f, 1e-5f);
@@ -2123,7 +2144,7 @@ TEST(Loader, YieldsEveryBatchWithTheLastSmallerUnlessDropped) {
 
   // After the end, next keeps answering NULL until the next epoch.
   const dpar_tensor *x = Sentinel<const dpar_tensor>(), *y = Sentinel<const dpar_tensor>();
-  EXPECT_OK(dpar_loader_next(&x, &y, keep.get()));
+  EXPECT_OK(NextBatch(&x, &y, keep.get()));
   EXPECT_EQ(x, nullptr);
   EXPECT_EQ(y, nullptr);
 }
@@ -2158,7 +2179,7 @@ TEST(Loader, OrderIsAFunctionOfSeedAndEpoch) {
   // Restarting an epoch midway replays it from the start, whatever came before.
   ASSERT_OK(dpar_loader_start_epoch(a.get(), 2));
   const dpar_tensor *x = nullptr, *y = nullptr;
-  ASSERT_OK(dpar_loader_next(&x, &y, a.get()));
+  ASSERT_OK(NextBatch(&x, &y, a.get()));
   ASSERT_OK(dpar_loader_start_epoch(a.get(), 3));
   ASSERT_OK(dpar_loader_start_epoch(a.get(), 1));
   EXPECT_EQ(ReadEpoch(a.get()).order, orders[1]);
@@ -2168,14 +2189,18 @@ TEST(Loader, NextChecksItsOutputs) {
   IdxFiles files;
   DatasetPtr d = LoadDataset(files);
   LoaderPtr l = NewLoader(d.get(), 4, 0, 0, 0);
-  const dpar_tensor *x = nullptr, *y = nullptr;
-  EXPECT_INVALID("out_inputs", dpar_loader_next(nullptr, &y, l.get()));
-  EXPECT_INVALID("out_labels", dpar_loader_next(&x, nullptr, l.get()));
-  x = Sentinel<const dpar_tensor>();
-  y = Sentinel<const dpar_tensor>();
-  EXPECT_INVALID("loader", dpar_loader_next(&x, &y, nullptr));
-  EXPECT_EQ(x, nullptr);
-  EXPECT_EQ(y, nullptr);
+  EXPECT_INVALID("out", dpar_loader_next(nullptr, l.get()));
+  int32_t more = 7;
+  EXPECT_INVALID("loader", dpar_loader_next(&more, nullptr));
+  EXPECT_EQ(more, 0);
+  // No batch yet: the accessors answer NULL; a bad loader gets NULL and a message.
+  EXPECT_EQ(dpar_loader_inputs(l.get()), nullptr);
+  EXPECT_EQ(dpar_loader_labels(l.get()), nullptr);
+  dpar_clear_error();
+  EXPECT_EQ(dpar_loader_inputs(nullptr), nullptr);
+  EXPECT_NE(std::string(dpar_last_error()).find("loader"), std::string::npos);
+  EXPECT_EQ(dpar_loader_labels(reinterpret_cast<dpar_loader*>(d.get())), nullptr);
+  EXPECT_NE(std::string(dpar_last_error()).find("loader"), std::string::npos);
   // The refused calls consumed no batch.
   EXPECT_EQ(ReadEpoch(l.get()).order, AllSamples());
 }
@@ -2192,13 +2217,13 @@ TEST(Loader, BorrowedBatchesAreOrdinaryTensorsThatFreeIgnores) {
   EnginePtr e = NewEngine(m.get(), 2);
 
   const dpar_tensor *x = nullptr, *y = nullptr;
-  ASSERT_OK(dpar_loader_next(&x, &y, l.get()));
+  ASSERT_OK(NextBatch(&x, &y, l.get()));
   ASSERT_NE(x, nullptr);
   // Accepted by every call that reads a tensor: the engine trains on them.
   EXPECT_OK(dpar_engine_train_step(nullptr, e.get(), x, y));
-  int64_t numel = 0;
+  size_t numel = 0;
   EXPECT_OK(dpar_tensor_info(nullptr, &numel, nullptr, x));
-  EXPECT_EQ(numel, static_cast<int64_t>(4 * kFeatures));
+  EXPECT_EQ(numel, static_cast<size_t>(4 * kFeatures));
   const auto first_batch = ToHost<float>(x, 4 * kFeatures);
 
   // Freeing a borrowed tensor is a no-op: it stays readable and the loader keeps working.
@@ -2224,9 +2249,9 @@ TEST(Loader, BorrowedBatchesDieWithTheirLoader) {
   dpar_loader* l = nullptr;
   ASSERT_OK(dpar_loader_create(&l, d.get(), 4, 0, 0, 0));
   const dpar_tensor *x = nullptr, *y = nullptr;
-  ASSERT_OK(dpar_loader_next(&x, &y, l));
+  ASSERT_OK(NextBatch(&x, &y, l));
   dpar_loader_free(l);
-  int64_t numel = 0;
+  size_t numel = 0;
   EXPECT_INVALID("tensor", dpar_tensor_info(nullptr, &numel, nullptr, x));
   EXPECT_INVALID("tensor", dpar_tensor_info(nullptr, &numel, nullptr, y));
   dpar_tensor_free(const_cast<dpar_tensor*>(x));  // still a no-op
@@ -2277,11 +2302,11 @@ std::vector<NamedCall> DatasetCalls(const dpar_dataset* bad, dpar_loader** loade
   };
 }
 
-std::vector<NamedCall> LoaderCalls(dpar_loader* bad, const dpar_tensor** x, const dpar_tensor** y) {
+std::vector<NamedCall> LoaderCalls(dpar_loader* bad, int32_t* more) {
   return {
       {"loader_start_epoch", [=] { return dpar_loader_start_epoch(bad, 1); }},
       {"loader_num_batches", [=] { size_t n; return dpar_loader_num_batches(&n, bad); }},
-      {"loader_next", [=] { return dpar_loader_next(x, y, bad); }},
+      {"loader_next", [=] { return dpar_loader_next(more, bad); }},
       {"loader_shard", [=] { return dpar_loader_shard(bad, 0, 1); }},
   };
 }
@@ -2295,11 +2320,11 @@ TEST(Loader, ShardArgumentsAreCheckedAndARefusalChangesNothing) {
   EXPECT_INVALID("num_shards", dpar_loader_shard(raw, 0, 5));  // more shards than rows in a batch
   EXPECT_INVALID("shard", dpar_loader_shard(raw, 0, 0));
   const dpar_tensor *x = nullptr, *y = nullptr;
-  ASSERT_OK(dpar_loader_next(&x, &y, raw));
+  ASSERT_OK(NextBatch(&x, &y, raw));
   ASSERT_NE(x, nullptr);
   EXPECT_EQ(ShapeOf(y), std::vector<int64_t>({4})) << "a refused shard changed the batches";
   ASSERT_OK(dpar_loader_shard(raw, 1, 2));
-  ASSERT_OK(dpar_loader_next(&x, &y, raw));
+  ASSERT_OK(NextBatch(&x, &y, raw));
   EXPECT_EQ(ShapeOf(y), std::vector<int64_t>({2}));
   dpar_loader_free(raw);
 }
@@ -2330,10 +2355,15 @@ TEST(LoaderHandle, NullFreedForeignAndWrongTypeAreRefusedEverywhere) {
   dpar_loader_free(freed);
   for (dpar_loader* bad : {static_cast<dpar_loader*>(nullptr), freed, reinterpret_cast<dpar_loader*>(d.get()),
                            reinterpret_cast<dpar_loader*>(foreign)}) {
-    const dpar_tensor *x = Sentinel<const dpar_tensor>(), *y = Sentinel<const dpar_tensor>();
-    ExpectAllRefused(LoaderCalls(bad, &x, &y), DPAR_ERR_INVALID_ARGUMENT, "loader");
-    EXPECT_EQ(x, nullptr);
-    EXPECT_EQ(y, nullptr);
+    int32_t more = 7;
+    ExpectAllRefused(LoaderCalls(bad, &more), DPAR_ERR_INVALID_ARGUMENT, "loader");
+    EXPECT_EQ(more, 0);
+    dpar_clear_error();
+    EXPECT_EQ(dpar_loader_inputs(bad), nullptr);
+    EXPECT_NE(std::string(dpar_last_error()).find("loader"), std::string::npos);
+    dpar_clear_error();
+    EXPECT_EQ(dpar_loader_labels(bad), nullptr);
+    EXPECT_NE(std::string(dpar_last_error()).find("loader"), std::string::npos);
   }
   size_t samples = 0;
   EXPECT_OK(dpar_dataset_info(&samples, nullptr, nullptr, d.get()));
@@ -2353,7 +2383,7 @@ struct Reentry {
   std::atomic<int> refused{0};
 };
 
-void reenter_hook(void* payload, size_t, const int64_t*, size_t, const int64_t*, size_t) {
+dpar_status reenter_hook(void* payload, size_t, const int64_t*, size_t, const int64_t*, size_t) {
   auto* r = static_cast<Reentry*>(payload);
   size_t n = 0;
   r->calls++;
@@ -2362,6 +2392,7 @@ void reenter_hook(void* payload, size_t, const int64_t*, size_t, const int64_t*,
       std::string(dpar_last_error()).find("worker thread") != std::string::npos)
     r->refused++;
   dpar_engine_free(r->engine);  // does nothing from here
+  return DPAR_OK;
 }
 
 }  // namespace
@@ -2371,7 +2402,7 @@ TEST(EngineState, CallbacksCannotCallBackIntoTheEngine) {
   EnginePtr e = NewEngine(m.get(), 3);
   Reentry r;
   r.engine = e.get();
-  ASSERT_OK(dpar_engine_set_forward_hook(e.get(), reenter_hook, &r));
+  ASSERT_OK(dpar_engine_set_forward_hook(e.get(), reenter_hook, &r, nullptr));
   Batch b = MakeBatch(6);
   ASSERT_OK(dpar_engine_train_step(nullptr, e.get(), b.x.get(), b.y.get()));
   EXPECT_EQ(r.calls.load(), 3);

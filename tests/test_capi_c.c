@@ -48,7 +48,7 @@ int main(void) {
   float x[kRows * kIn], y[kRows * kOut];
   float first_loss = 0.0f, last_loss = 0.0f;
   int64_t in_shape[2] = {kRows, kIn}, out_shape[2] = {kRows, kOut};
-  int64_t num_elements = 0;
+  size_t num_elements = 0;
   size_t replicas = 0, r, i, j;
   int step;
   float losses[kDevices];
@@ -71,8 +71,8 @@ int main(void) {
   REQUIRE_OK(dpar_model_create(&model, &mopts));
   REQUIRE_OK(dpar_model_add_linear(model, kIn, kOut, 1));
   REQUIRE_OK(dpar_model_num_param_elements(&num_elements, model));
-  if (num_elements != kOut * kIn + kOut) FAIL("the model has %lld parameter elements, expected %d",
-                                              (long long)num_elements, kOut * kIn + kOut);
+  if (num_elements != kOut * kIn + kOut) FAIL("the model has %zu parameter elements, expected %d",
+                                              num_elements, kOut * kIn + kOut);
 
   oopts.lr = 0.1f;
   eopts.num_cpu_devices = kDevices;
@@ -97,9 +97,9 @@ int main(void) {
     FAIL("the loss did not decrease enough: %g after the first step, %g after %d", first_loss, last_loss, kSteps);
 
   {
-    int64_t steps = 0;
+    size_t steps = 0;
     REQUIRE_OK(dpar_engine_step_count(&steps, engine));
-    if (steps != kSteps) FAIL("step_count is %lld, expected %d", (long long)steps, kSteps);
+    if (steps != kSteps) FAIL("step_count is %zu, expected %d", steps, kSteps);
   }
 
   /* 12 rows over 3 devices: 4 each, so every replica reports a loss. */
@@ -109,7 +109,7 @@ int main(void) {
 
   /* Every replica holds the same parameters after the same steps. */
   for (r = 0; r < kDevices; ++r)
-    REQUIRE_OK(dpar_engine_get_params(params[r], engine, r, (size_t)num_elements));
+    REQUIRE_OK(dpar_engine_get_params(params[r], engine, r, num_elements));
   for (r = 1; r < kDevices; ++r)
     if (memcmp(params[0], params[r], sizeof params[0]) != 0) FAIL("replica %zu's parameters differ from replica 0's", r);
 
@@ -177,10 +177,10 @@ int main(void) {
   REQUIRE_OK(dpar_engine_set_training(engine, 1));
   {
     float loss = -1.0f;
-    int64_t steps = 0;
+    size_t steps = 0;
     REQUIRE_OK(dpar_engine_train_step(&loss, engine, input, target));
     REQUIRE_OK(dpar_engine_step_count(&steps, engine));
-    if (steps != kSteps + 1) FAIL("step_count is %lld after one more step, expected %d", (long long)steps, kSteps + 1);
+    if (steps != kSteps + 1) FAIL("step_count is %zu after one more step, expected %d", steps, kSteps + 1);
     if (!(loss <= last_loss)) FAIL("the loss went up after the refused calls: %g, was %g", loss, last_loss);
   }
 

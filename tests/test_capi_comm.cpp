@@ -2,12 +2,15 @@
 // and the mismatch and timeout reports that reach a C caller.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "dpar.h"
+#include "dpar_api.h"
 
 namespace {
 
@@ -21,7 +24,8 @@ std::vector<dpar_status> run_group(int size, double timeout, F body) {
   dpar_comm_group* group = nullptr;
   EXPECT_EQ(dpar_comm_group_create(&group, static_cast<size_t>(size), &opts), DPAR_OK) << dpar_last_error();
   std::vector<dpar_comm*> comms(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) EXPECT_EQ(dpar_comm_group_member(&comms[r], group, r), DPAR_OK);
+  for (int r = 0; r < size; ++r)
+    EXPECT_EQ(dpar_comm_group_member(&comms[r], group, static_cast<size_t>(r)), DPAR_OK);
   dpar_comm_group_free(group);  // the members keep it alive
   std::vector<dpar_status> status(static_cast<size_t>(size), DPAR_OK);
   std::vector<std::thread> threads;
@@ -35,8 +39,8 @@ TEST(CommApi, AllCollectivesGiveTheReferenceResults) {
   const int n = 3;
   const size_t count = 1000;
   auto status = run_group(n, 30, [&](int r, dpar_comm* c) -> dpar_status {
-    int rank = -1, size = -1;
-    if (dpar_comm_info(&rank, &size, c) != DPAR_OK || rank != r || size != n) return DPAR_ERR_INTERNAL;
+    size_t rank = 99, size = 99;
+    if (dpar_comm_info(&rank, &size, c) != DPAR_OK || rank != size_t(r) || size != size_t(n)) return DPAR_ERR_INTERNAL;
     std::vector<double> x(count), sum(count);
     for (size_t i = 0; i < count; ++i) x[i] = double(i) + 1000.0 * r;
     if (dpar_comm_all_reduce(c, x.data(), sum.data(), count, DPAR_F64, DPAR_SUM)) return DPAR_ERR_INTERNAL;
@@ -72,7 +76,7 @@ TEST(CommApi, AsyncWorkCompletesInOrder) {
     dpar_work *wa = nullptr, *wb = nullptr;
     if (dpar_comm_all_reduce_async(&wa, c, a.data(), a.data(), a.size(), DPAR_F32, DPAR_SUM)) return DPAR_ERR_INTERNAL;
     if (dpar_comm_all_reduce_async(&wb, c, b.data(), b.data(), b.size(), DPAR_F32, DPAR_SUM)) return DPAR_ERR_INTERNAL;
-    int done = -1;
+    int32_t done = -1;
     if (dpar_work_test(&done, wa) != DPAR_OK || (done != 0 && done != 1)) return DPAR_ERR_INTERNAL;
     if (dpar_work_wait(wb) != DPAR_OK || dpar_work_wait(wa) != DPAR_OK) return DPAR_ERR_INTERNAL;
     if (dpar_work_test(&done, wa) != DPAR_OK || done != 1) return DPAR_ERR_INTERNAL;
@@ -85,7 +89,7 @@ TEST(CommApi, AsyncWorkCompletesInOrder) {
 
 TEST(CommApi, DifferentCountsAreAMismatchForEveryParticipant) {
   std::vector<std::string> messages(2);
-  auto status = run_group(2, 30, [&](int r, dpar_comm* c) {
+  auto status = run_group(2, 30, [&](int r, dpar_comm* c) -> dpar_status {
     std::vector<float> x(r == 0 ? 100 : 200, 1.0f);
     dpar_status s = dpar_comm_all_reduce(c, x.data(), x.data(), x.size(), DPAR_F32, DPAR_SUM);
     messages[r] = dpar_last_error();
@@ -100,7 +104,7 @@ TEST(CommApi, DifferentCountsAreAMismatchForEveryParticipant) {
 
 TEST(CommApi, AParticipantThatNeverArrivesIsNamed) {
   std::vector<std::string> messages(3);
-  auto status = run_group(3, 0.2, [&](int r, dpar_comm* c) {
+  auto status = run_group(3, 0.2, [&](int r, dpar_comm* c) -> dpar_status {
     if (r == 2) return DPAR_OK;  // skips the barrier
     dpar_status s = dpar_comm_barrier(c);
     messages[r] = dpar_last_error();
@@ -141,7 +145,7 @@ TEST(CommApi, ArgumentsAreChecked) {
   dpar_work* w = nullptr;
   EXPECT_EQ(dpar_comm_all_reduce_async(nullptr, c, x, x, 4, DPAR_F32, DPAR_SUM), DPAR_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(dpar_work_wait(nullptr), DPAR_ERR_INVALID_ARGUMENT);
-  int done = 0;
+  int32_t done = 0;
   EXPECT_EQ(dpar_work_test(&done, reinterpret_cast<dpar_work*>(c)), DPAR_ERR_INVALID_ARGUMENT);
   // The communicator still works after the refusals, and a group of one is the identity.
   ASSERT_OK(dpar_comm_all_reduce_async(&w, c, x, x, 4, DPAR_F32, DPAR_SUM));
@@ -154,6 +158,66 @@ TEST(CommApi, ArgumentsAreChecked) {
   dpar_comm_free(nullptr);
   dpar_comm_group_free(nullptr);
   dpar_work_free(nullptr);
+}
+
+TEST(CommApi, AbortReleasesEveryWaiterAndShowsAsAnAsyncError) {
+  const int n = 3;
+  std::atomic<int> waiting{0};
+  std::vector<std::string> messages(n);
+  std::vector<dpar_status> async_before(n, -99), async_after(n, -99);
+  std::vector<std::string> async_reason(n);
+  auto status = run_group(n, 60, [&](int r, dpar_comm* c) -> dpar_status {
+    dpar_status s = -99;
+    if (dpar_comm_get_async_error(&s, c) != DPAR_OK) return DPAR_ERR_INTERNAL;
+    async_before[r] = s;
+    if (dpar_comm_barrier(c) != DPAR_OK) return DPAR_ERR_INTERNAL;  // everyone checked before the abort
+    dpar_status result = DPAR_OK;
+    if (r == 2) {
+      // Participant 2 never joins: it aborts once the others wait for it (60 s timeout: only the abort ends it).
+      while (waiting.load() < n - 1) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      if (dpar_comm_abort(c, "the input pipeline died") != DPAR_OK) return DPAR_ERR_INTERNAL;
+      float x = 1.0f;
+      result = dpar_comm_all_reduce(c, &x, &x, 1, DPAR_F32, DPAR_SUM);  // refused too
+    } else {
+      float x = 1.0f;
+      waiting++;
+      result = dpar_comm_all_reduce(c, &x, &x, 1, DPAR_F32, DPAR_SUM);
+    }
+    messages[r] = dpar_last_error();
+    if (dpar_comm_get_async_error(&s, c) != DPAR_OK) return DPAR_ERR_INTERNAL;
+    async_after[r] = s;
+    async_reason[r] = dpar_last_error();
+    return result;
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(status[r], DPAR_ERR_REMOTE) << r << ": " << messages[r];
+    EXPECT_NE(messages[r].find("the input pipeline died"), std::string::npos) << messages[r];
+    EXPECT_EQ(async_before[r], DPAR_OK);
+    EXPECT_EQ(async_after[r], DPAR_ERR_REMOTE);
+    EXPECT_NE(async_reason[r].find("participant 2 called dpar_comm_abort"), std::string::npos) << async_reason[r];
+  }
+  dpar_status s = DPAR_OK;
+  EXPECT_EQ(dpar_comm_abort(nullptr, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(dpar_comm_get_async_error(&s, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+}
+
+TEST(CommApi, FailedAsyncWorkShowsAsAnAsyncError) {
+  // Participant 1 starts an all-reduce that participant 0 never joins: after the timeout its work fails, and the
+  // communicator reports it without another collective being called.
+  auto status = run_group(2, 0.2, [&](int r, dpar_comm* c) -> dpar_status {
+    if (r == 0) return DPAR_OK;
+    float x = 1.0f;
+    dpar_work* w = nullptr;
+    if (dpar_comm_all_reduce_async(&w, c, &x, &x, 1, DPAR_F32, DPAR_SUM) != DPAR_OK) return DPAR_ERR_INTERNAL;
+    const dpar_status waited = dpar_work_wait(w);
+    dpar_work_free(w);
+    dpar_status s = DPAR_OK;
+    if (dpar_comm_get_async_error(&s, c) != DPAR_OK) return DPAR_ERR_INTERNAL;
+    return waited == DPAR_ERR_TIMEOUT && s != DPAR_OK ? DPAR_OK : DPAR_ERR_MISMATCH;
+  });
+  EXPECT_EQ(status[0], DPAR_OK);
+  EXPECT_EQ(status[1], DPAR_OK) << dpar_last_error();
 }
 
 TEST(CommApi, TheFunctionTableReachesEveryFunction) {

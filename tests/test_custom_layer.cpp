@@ -24,6 +24,7 @@ struct CustomLinear {
   std::atomic<int> forwards[kMaxReplicas] = {};
   std::atomic<int> fail_replica{-1};
   dpar_status fail_status = DPAR_ERR_DEVICE;
+  const char* fail_message = nullptr;  // given through dpar_set_error when set
 };
 
 float* data_of(const dpar_tensor* t) {
@@ -39,19 +40,22 @@ int64_t rows_of(const dpar_tensor* t) {
   return shape[0];
 }
 
-int linear_shape(void* payload, int64_t* out_shape, size_t* out_ndim, const int64_t* in_shape, size_t in_ndim) {
+dpar_status linear_shape(void* payload, int64_t* out_shape, size_t* out_ndim, const int64_t* in_shape,
+                         size_t in_ndim) {
   auto* L = static_cast<CustomLinear*>(payload);
-  if (in_ndim != 2 || in_shape[1] != L->in) return 1;
+  if (in_ndim != 2 || in_shape[1] != L->in)
+    return dpar_set_error(DPAR_ERR_MISMATCH, ("my_linear takes " + std::to_string(L->in) + " features").c_str());
   out_shape[0] = in_shape[0];
   out_shape[1] = L->out;
   *out_ndim = 2;
-  return 0;
+  return DPAR_OK;
 }
 
 dpar_status linear_forward(void* payload, const dpar_custom_call* call) {
   auto* L = static_cast<CustomLinear*>(payload);
   L->forwards[call->replica]++;
-  if (L->fail_replica.load() == static_cast<int>(call->replica)) return L->fail_status;
+  if (L->fail_replica.load() == static_cast<int>(call->replica))
+    return L->fail_message ? dpar_set_error(L->fail_status, L->fail_message) : L->fail_status;
   const float* x = data_of(call->input);
   float* y = data_of(call->output);
   const float* W = data_of(call->params[0]);
@@ -126,8 +130,8 @@ struct Data {
   }
 };
 
-std::vector<float> params_of(dpar_engine* e, size_t replica, int64_t n) {
-  std::vector<float> p(static_cast<size_t>(n));
+std::vector<float> params_of(dpar_engine* e, size_t replica, size_t n) {
+  std::vector<float> p(n);
   EXPECT_EQ(dpar_engine_get_params(p.data(), e, replica, p.size()), DPAR_OK) << dpar_last_error();
   return p;
 }
@@ -151,18 +155,17 @@ TEST(CustomLayer, TrainsLikeTheBuiltInLinearOverThreeDevices) {
   ASSERT_OK(dpar_model_num_params(&nparams, custom));
   ASSERT_EQ(nparams, 4u);
   for (size_t i = 0; i < nparams; ++i) {
-    const char* name = nullptr;
     int64_t shape[DPAR_MAX_DIMS];
     size_t ndim = 0;
-    ASSERT_OK(dpar_model_param_info(&name, shape, &ndim, custom, i));
+    ASSERT_OK(dpar_model_param_info(shape, &ndim, custom, i));
     int64_t n = 1;
     for (size_t d = 0; d < ndim; ++d) n *= shape[d];
     std::vector<float> v(static_cast<size_t>(n));
     ASSERT_OK(dpar_model_get_param(v.data(), custom, i, v.size()));
     ASSERT_OK(dpar_model_set_param(builtin, i, v.data(), v.size()));
   }
-  const char* name = nullptr;
-  ASSERT_OK(dpar_model_param_info(&name, nullptr, nullptr, custom, 2));
+  const char* name = dpar_model_param_name(custom, 2);
+  ASSERT_NE(name, nullptr) << dpar_last_error();
   EXPECT_STREQ(name, "2.weight");
 
   dpar_optimizer_options opt = DPAR_OPTIMIZER_OPTIONS_INIT;
@@ -173,7 +176,7 @@ TEST(CustomLayer, TrainsLikeTheBuiltInLinearOverThreeDevices) {
   dpar_engine *ec = nullptr, *eb = nullptr;
   ASSERT_OK(dpar_engine_create(&ec, custom, &opt, &eo));
   ASSERT_OK(dpar_engine_create(&eb, builtin, &opt, &eo));
-  int64_t n = 0;
+  size_t n = 0;
   ASSERT_OK(dpar_model_num_param_elements(&n, custom));
   const auto initial = params_of(ec, 0, n);
 
@@ -234,7 +237,7 @@ TEST(CustomLayer, CallbackFailureOnOneReplicaIsReportedWithoutDeadlock) {
   dpar_engine* e = nullptr;
   ASSERT_OK(dpar_engine_create(&e, m, nullptr, &eo));
   Data d(8, 5, 3, 1);
-  int64_t n = 0;
+  size_t n = 0;
   ASSERT_OK(dpar_model_num_param_elements(&n, m));
   const auto before = params_of(e, 0, n);
 
@@ -286,6 +289,103 @@ TEST(CustomLayer, DescriptionIsChecked) {
   dpar_model_free(m);
 }
 
+TEST(CustomLayer, CallbackMessagesReachTheCaller) {
+  CustomLinear L;
+  L.in = 5;
+  L.out = 3;
+  dpar_model* m = nullptr;
+  ASSERT_OK(dpar_model_create(&m, nullptr));
+  dpar_custom_layer layer = describe(&L);
+  ASSERT_OK(dpar_model_add_custom(m, &layer));
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 2;
+  dpar_engine* e = nullptr;
+  ASSERT_OK(dpar_engine_create(&e, m, nullptr, &eo));
+  Data d(6, 5, 3, 7);
+
+  // forward's own message, with its own status.
+  L.fail_replica = 1;
+  L.fail_status = DPAR_ERR_IO;
+  L.fail_message = "the weights file vanished";
+  EXPECT_EQ(dpar_engine_train_step(nullptr, e, d.tx, d.ty), DPAR_ERR_IO);
+  std::string msg = dpar_last_error();
+  EXPECT_NE(msg.find("my_linear"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("the weights file vanished"), std::string::npos) << msg;
+
+  // A status dpar does not know becomes DPAR_ERR_INTERNAL; the message still arrives.
+  L.fail_status = -1000;
+  L.fail_message = "a code from the future";
+  EXPECT_EQ(dpar_engine_train_step(nullptr, e, d.tx, d.ty), DPAR_ERR_INTERNAL);
+  msg = dpar_last_error();
+  EXPECT_NE(msg.find("a code from the future"), std::string::npos) << msg;
+
+  // output_shape rejects an input with its own status and message.
+  L.fail_replica = -1;
+  Data wrong(6, 4, 3, 7);
+  EXPECT_EQ(dpar_engine_train_step(nullptr, e, wrong.tx, wrong.ty), DPAR_ERR_MISMATCH);
+  msg = dpar_last_error();
+  EXPECT_NE(msg.find("my_linear takes 5 features"), std::string::npos) << msg;
+  ASSERT_OK(dpar_engine_train_step(nullptr, e, d.tx, d.ty));
+  dpar_engine_free(e);
+  dpar_model_free(m);
+}
+
+TEST(CustomLayer, SetErrorReturnsItsStatusAndSetsTheMessage) {
+  EXPECT_EQ(dpar_set_error(DPAR_ERR_TIMEOUT, "late"), DPAR_ERR_TIMEOUT);
+  EXPECT_STREQ(dpar_last_error(), "late");
+  EXPECT_EQ(dpar_set_error(DPAR_OK, nullptr), DPAR_OK);
+  EXPECT_STREQ(dpar_last_error(), "");
+  const std::string long_text(5000, 'x');
+  dpar_set_error(DPAR_ERR_IO, long_text.c_str());
+  EXPECT_EQ(std::strlen(dpar_last_error()), 2047u);  // truncated, never overflowing
+  dpar_clear_error();
+}
+
+std::atomic<int> g_destroyed{0};
+void count_destroy(void* payload) {
+  EXPECT_NE(payload, nullptr);
+  g_destroyed++;
+}
+
+TEST(CustomLayer, PayloadIsDestroyedOnceWhenTheLastHolderGoes) {
+  CustomLinear L;
+  L.in = 3;
+  L.out = 2;
+  g_destroyed = 0;
+  dpar_model* m = nullptr;
+  ASSERT_OK(dpar_model_create(&m, nullptr));
+  dpar_custom_layer layer = describe(&L);
+  layer.destroy = count_destroy;
+  ASSERT_OK(dpar_model_add_custom(m, &layer));
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 2;
+  dpar_engine *e1 = nullptr, *e2 = nullptr;
+  ASSERT_OK(dpar_engine_create(&e1, m, nullptr, &eo));
+  ASSERT_OK(dpar_engine_create(&e2, m, nullptr, &eo));
+  dpar_model_free(m);
+  EXPECT_EQ(g_destroyed.load(), 0);  // the engines still call it
+  Data d(4, 3, 2, 1);
+  ASSERT_OK(dpar_engine_train_step(nullptr, e1, d.tx, d.ty));
+  dpar_engine_free(e1);
+  EXPECT_EQ(g_destroyed.load(), 0);
+  ASSERT_OK(dpar_engine_train_step(nullptr, e2, d.tx, d.ty));
+  dpar_engine_free(e2);
+  EXPECT_EQ(g_destroyed.load(), 1);
+
+  // A refused layer is released before the call returns; one of an unknown version is not touched.
+  ASSERT_OK(dpar_model_create(&m, nullptr));
+  layer.forward = nullptr;
+  EXPECT_EQ(dpar_model_add_custom(m, &layer), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(g_destroyed.load(), 2);
+  layer = describe(&L);
+  layer.destroy = count_destroy;
+  layer.version = 99;
+  EXPECT_EQ(dpar_model_add_custom(m, &layer), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(g_destroyed.load(), 2);
+  dpar_model_free(m);
+  EXPECT_EQ(g_destroyed.load(), 2);
+}
+
 }  // namespace
 
 namespace {
@@ -296,7 +396,7 @@ struct Gate {
   std::atomic<bool> open{false};
 };
 
-int identity_shape(void*, int64_t* out, size_t* out_ndim, const int64_t* in, size_t in_ndim) {
+dpar_status identity_shape(void*, int64_t* out, size_t* out_ndim, const int64_t* in, size_t in_ndim) {
   for (size_t i = 0; i < in_ndim; ++i) out[i] = in[i];
   *out_ndim = in_ndim;
   return 0;
@@ -360,3 +460,65 @@ TEST(Abort, AbortFromAnotherThreadEndsTheCallInFlight) {
   dpar_engine_free(e);
   dpar_model_free(m);
 }
+
+// ---- The forward hook: its failure message and its payload's destructor ------------------------------------
+
+namespace {
+
+struct HookState {
+  std::atomic<int> calls{0};
+  int fail_replica = -1;
+  std::atomic<int>* destroyed = nullptr;
+};
+
+dpar_status counting_hook(void* payload, size_t replica, const int64_t*, size_t, const int64_t*, size_t) {
+  auto* h = static_cast<HookState*>(payload);
+  h->calls++;
+  if (static_cast<int>(replica) == h->fail_replica)
+    return dpar_set_error(DPAR_ERR_DEVICE, ("the probe on replica " + std::to_string(replica) + " broke").c_str());
+  return DPAR_OK;
+}
+
+void count_hook_destroy(void* payload) { (*static_cast<HookState*>(payload)->destroyed)++; }
+
+TEST(ForwardHook, FailureCarriesTheHooksMessageAndPayloadsAreReleasedOnce) {
+  dpar_model* m = nullptr;
+  ASSERT_OK(dpar_model_create(&m, nullptr));
+  ASSERT_OK(dpar_model_add_linear(m, 4, 3, 1));
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 2;
+  dpar_engine* e = nullptr;
+  ASSERT_OK(dpar_engine_create(&e, m, nullptr, &eo));
+  Data d(6, 4, 3, 5);
+  std::atomic<int> destroyed_a{0}, destroyed_b{0};
+  HookState a, b;
+  a.destroyed = &destroyed_a;
+  b.destroyed = &destroyed_b;
+  a.fail_replica = 1;
+  ASSERT_OK(dpar_engine_set_forward_hook(e, counting_hook, &a, count_hook_destroy));
+  EXPECT_EQ(dpar_engine_train_step(nullptr, e, d.tx, d.ty), DPAR_ERR_DEVICE);
+  const std::string msg = dpar_last_error();
+  EXPECT_NE(msg.find("the probe on replica 1 broke"), std::string::npos) << msg;
+  EXPECT_EQ(a.calls.load(), 2);
+  EXPECT_EQ(destroyed_a.load(), 0);
+
+  // Replacing the hook releases the old payload, once; removing it releases the new one.
+  ASSERT_OK(dpar_engine_set_forward_hook(e, counting_hook, &b, count_hook_destroy));
+  EXPECT_EQ(destroyed_a.load(), 1);
+  ASSERT_OK(dpar_engine_train_step(nullptr, e, d.tx, d.ty));
+  EXPECT_EQ(b.calls.load(), 2);
+  ASSERT_OK(dpar_engine_set_forward_hook(e, nullptr, nullptr, nullptr));
+  EXPECT_EQ(destroyed_b.load(), 1);
+
+  // The engine's destruction releases the hook it still holds; a NULL hook with a payload releases it at once.
+  ASSERT_OK(dpar_engine_set_forward_hook(e, counting_hook, &b, count_hook_destroy));
+  dpar_engine_free(e);
+  EXPECT_EQ(destroyed_b.load(), 2);
+  EXPECT_EQ(destroyed_a.load(), 1);
+  // A dead engine: the payload stays the caller's.
+  EXPECT_EQ(dpar_engine_set_forward_hook(e, counting_hook, &a, count_hook_destroy), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(destroyed_a.load(), 1);
+  dpar_model_free(m);
+}
+
+}  // namespace

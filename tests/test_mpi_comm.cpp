@@ -521,6 +521,24 @@ TEST(MpiComm, AbortFromAnotherThreadStopsThisRanksWait) {
   EXPECT_LT(since(t0), 10.0);
 }
 
+TEST(MpiComm, AsyncErrorShowsAnAbortWithoutACollective) {
+  MpiCommunicator comm(MPI_COMM_WORLD, options(30.0));
+  if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::string reason;
+  EXPECT_EQ(comm.async_error(&reason), DPAR_OK) << reason;
+  comm.barrier("before the abort");
+  if (comm.rank() == 1) comm.abort("the loader died");
+  // Every rank learns it by asking alone (NCCL's ncclCommGetAsyncError loop), long before any timeout.
+  const auto t0 = std::chrono::steady_clock::now();
+  dpar_status s = DPAR_OK;
+  while ((s = comm.async_error(&reason)) == DPAR_OK && since(t0) < 10.0) sleep_s(0.01);
+  EXPECT_EQ(s, DPAR_ERR_REMOTE) << reason;
+  EXPECT_TRUE(contains(reason, "rank 1 aborted the group: the loader died")) << reason;
+  EXPECT_LT(since(t0), 10.0);
+  auto o = outcome([&] { comm.barrier("after the abort"); });
+  EXPECT_EQ(o.status, DPAR_ERR_REMOTE) << o.message;
+}
+
 TEST(MpiComm, TimeoutNamesTheRankThatDidNotArrive) {
   constexpr double kTimeout = 1.0, kLate = 3.0;
   auto comm = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, options(kTimeout));

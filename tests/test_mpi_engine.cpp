@@ -299,10 +299,11 @@ void check_loader_shards() {
     CHECK_OK(dpar_loader_create(&l, ds, 4, 0, 0, 0));
     CHECK_OK(dpar_loader_shard(l, shard, shards));
     CHECK_OK(dpar_loader_num_batches(&batches, l));
-    const dpar_tensor *x = nullptr, *y = nullptr;
     for (int b = 0;; ++b) {
-      CHECK_OK(dpar_loader_next(&x, &y, l));
-      if (!x) break;
+      int32_t more = 0;
+      CHECK_OK(dpar_loader_next(&more, l));
+      if (!more) break;
+      const dpar_tensor* y = dpar_loader_labels(l);
       int64_t shape[4];
       size_t nd = 0;
       CHECK_OK(dpar_tensor_shape(shape, &nd, y, 4));
@@ -368,7 +369,10 @@ int main(int argc, char** argv) {
   }
   {
     dpar_engine* probe = make_engine(1, DPAR_PROCESSES_MPI);
-    CHECK_OK(dpar_engine_processes(&g_rank, &g_size, probe));
+    size_t rank = 0, size = 1;
+    CHECK_OK(dpar_engine_processes(&rank, &size, probe));
+    g_rank = static_cast<int>(rank);
+    g_size = static_cast<int>(size);
     dpar_engine_free(probe);
   }
   if (exit_mode) return rank_exit();

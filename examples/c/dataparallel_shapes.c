@@ -21,7 +21,7 @@
 static pthread_mutex_t print_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* Replicas call this concurrently from their worker threads. */
-static void in_model(void *payload, size_t replica, const int64_t *in, size_t in_ndim, const int64_t *out,
+static dpar_status in_model(void *payload, size_t replica, const int64_t *in, size_t in_ndim, const int64_t *out,
                      size_t out_ndim) {
   (void)payload;
   (void)in_ndim;
@@ -30,6 +30,7 @@ static void in_model(void *payload, size_t replica, const int64_t *in, size_t in
   printf("\tIn Model (replica %zu): input size [%lld, %lld] output size [%lld, %lld]\n", replica, (long long)in[0],
          (long long)in[1], (long long)out[0], (long long)out[1]);
   pthread_mutex_unlock(&print_lock);
+  return DPAR_OK;
 }
 
 int main(void) {
@@ -48,7 +49,7 @@ int main(void) {
     opts.num_cpu_devices = device_counts[d];
     dpar_engine *engine = NULL;
     CHECK(dpar_engine_create(&engine, model, NULL, &opts));
-    CHECK(dpar_engine_set_forward_hook(engine, in_model, NULL));
+    CHECK(dpar_engine_set_forward_hook(engine, in_model, NULL, NULL));
     printf("Let's use %zu devices!\n", device_counts[d]);
     for (int begin = 0; begin < kSamples; begin += kBatch) {
       int rows = kSamples - begin < kBatch ? kSamples - begin : kBatch;

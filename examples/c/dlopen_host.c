@@ -1,12 +1,12 @@
 /* A host program that loads dpar at run time, as a framework with a plug-in system would: it dlopen()s
  * libdpar.so.0, resolves the one symbol dpar_get_api, and calls everything through the table it returns.
- * Only dpar.h's types are used at compile time; the program is not linked against libdpar.
+ * Only dpar_api.h's (and dpar.h's) types are used at compile time; the program is not linked against libdpar.
  *
  *   dlopen_host [path/to/libdpar.so.0] */
 #include <dlfcn.h>
 #include <stdio.h>
 
-#include "dpar.h"
+#include "dpar_api.h"
 
 int main(int argc, char **argv) {
   const char *path = argc > 1 ? argv[1] : "libdpar.so.0";

@@ -84,13 +84,13 @@ static void no_hook(void *unused, int index) { (void)unused, (void)index; }
 
 struct worker {
   dpar_comm *comm;
-  int rank;
+  size_t rank;
   net params, grads;
 };
 
 static void *train(void *arg) {
   struct worker *w = arg;
-  const int rows = kRows / kThreads, begin = w->rank * rows;
+  const int rows = kRows / kThreads, begin = (int)w->rank * rows;
   float *grads[kBuffers];
   for (int i = 0; i < kBuffers; ++i) grads[i] = buffer(&w->grads, i);
   dpar_reducer_options opts = DPAR_REDUCER_OPTIONS_INIT; /* the mean over the threads */
@@ -133,9 +133,9 @@ int main(void) {
   static struct worker workers[kThreads];
   pthread_t threads[kThreads];
   for (int r = 0; r < kThreads; ++r) {
-    workers[r].rank = r;
+    workers[r].rank = (size_t)r;
     init(&workers[r].params);
-    CHECK(dpar_comm_group_member(&workers[r].comm, group, r));
+    CHECK(dpar_comm_group_member(&workers[r].comm, group, (size_t)r));
   }
   dpar_comm_group_free(group); /* the members keep the group alive */
   for (int r = 0; r < kThreads; ++r) pthread_create(&threads[r], NULL, train, &workers[r]);

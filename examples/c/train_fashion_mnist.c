@@ -55,11 +55,12 @@ static double evaluate(dpar_engine *engine, const dpar_dataset *test, size_t bat
   CHECK(dpar_loader_create(&loader, test, batch, 0, 0, 0));
   CHECK(dpar_engine_set_training(engine, 0));
   size_t correct = 0, seen = 0;
-  const dpar_tensor *x = NULL, *y = NULL;
   float *logits = NULL;
   for (;;) {
-    CHECK(dpar_loader_next(&x, &y, loader));
-    if (!x) break;
+    int32_t more = 0;
+    CHECK(dpar_loader_next(&more, loader));
+    if (!more) break;
+    const dpar_tensor *x = dpar_loader_inputs(loader), *y = dpar_loader_labels(loader);
     dpar_tensor *out = NULL;
     CHECK(dpar_engine_forward(&out, engine, x));
     int64_t shape[DPAR_MAX_DIMS];
@@ -192,12 +193,12 @@ int main(int argc, char **argv) {
   CHECK(dpar_engine_create(&engine, model, &oopts, &eopts));
   dpar_model_free(model); /* the engine holds its own replicas */
   free(device_ids);
-  int rank = 0, nproc = 1;
+  size_t rank = 0, nproc = 1;
   CHECK(dpar_engine_processes(&rank, &nproc, engine));
   const int root = rank == 0;
 
   if (root)
-    printf("dpar %s: MLP %zu-256-128-%zu, %s lr %g, batch %zu over %d process%s x %zu %s, %zu train / "
+    printf("dpar %s: MLP %zu-256-128-%zu, %s lr %g, batch %zu over %zu process%s x %zu %s, %zu train / "
            "%zu test samples\n",
            dpar_version_string(), features, classes, optimizer, (double)lr, batch, nproc, nproc > 1 ? "es" : "",
            devices, use_cuda ? (gpus == 1 ? "replicas on 1 GPU" : "replicas on GPUs") : "CPU devices", n_train,
@@ -206,7 +207,7 @@ int main(int argc, char **argv) {
   /* Every process draws the same permutation (same seed) and takes its own slice of each batch. */
   dpar_loader *loader = NULL;
   CHECK(dpar_loader_create(&loader, train, batch, 1, seed, 0));
-  if (nproc > 1) CHECK(dpar_loader_shard(loader, (size_t)rank, (size_t)nproc));
+  if (nproc > 1) CHECK(dpar_loader_shard(loader, rank, nproc));
   size_t batches = 0;
   CHECK(dpar_loader_num_batches(&batches, loader));
   const int tty = root && isatty(STDERR_FILENO);
@@ -215,10 +216,11 @@ int main(int argc, char **argv) {
     CHECK(dpar_loader_start_epoch(loader, epoch));
     double loss_sum = 0.0, t0 = now_seconds();
     size_t samples = 0, b = 0;
-    const dpar_tensor *x = NULL, *y = NULL;
     for (;;) {
-      CHECK(dpar_loader_next(&x, &y, loader));
-      if (!x) break;
+      int32_t more = 0;
+      CHECK(dpar_loader_next(&more, loader));
+      if (!more) break;
+      const dpar_tensor *x = dpar_loader_inputs(loader), *y = dpar_loader_labels(loader);
       const double progress_done = (double)(epoch * batches + b) / (double)(epochs * batches);
       CHECK(dpar_engine_set_lr(engine, (float)(0.5 * lr * (1.0 + cos(3.14159265358979 * progress_done)))));
       float loss = 0.0f; /* the mean over the global batch */

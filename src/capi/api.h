@@ -25,6 +25,7 @@
 struct dpar_tensor {
   dpar::Tensor tensor;
   bool owned_by_parent = false;  // a loader's batch or a custom layer's argument: dpar_tensor_free ignores it
+  std::shared_ptr<void> external;  // what the memory belongs to (a DLPack tensor), released with the handle
 };
 struct dpar_model {
   explicit dpar_model(uint64_t seed) : model(seed) {}
@@ -42,6 +43,7 @@ struct dpar_loader {
   explicit dpar_loader(const dpar::io::Loader& l) : loader(l) {}
   dpar::io::Loader loader;
   dpar_tensor inputs, labels;
+  bool has_batch = false;  // the last dpar_loader_next found a batch
 };
 
 struct dpar_comm_group {

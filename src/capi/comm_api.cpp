@@ -41,9 +41,10 @@ void check_buffer(const void* p, size_t count, const char* argument) {
   DPAR_CHECK_ARG(p != nullptr || count == 0, argument, ": is NULL");
 }
 
-void check_root(const Communicator& c, int root) {
-  DPAR_CHECK_ARG(root >= 0 && root < c.size(), "root: ", root, " is out of range (the group has ", c.size(),
+int check_root(const Communicator& c, size_t root) {
+  DPAR_CHECK_ARG(root < static_cast<size_t>(c.size()), "root: ", root, " is out of range (the group has ", c.size(),
                  " participants)");
+  return static_cast<int>(root);
 }
 
 dpar_work* new_work(std::shared_ptr<Work> w) {
@@ -76,14 +77,14 @@ DPAR_API dpar_status dpar_comm_group_create(dpar_comm_group** out, size_t size, 
 
 DPAR_API void dpar_comm_group_free(dpar_comm_group* group) { free_handle(group); }
 
-DPAR_API dpar_status dpar_comm_group_member(dpar_comm** out, dpar_comm_group* group, int rank) {
+DPAR_API dpar_status dpar_comm_group_member(dpar_comm** out, dpar_comm_group* group, size_t rank) {
   return guard([&] {
     checked_out(out);
     *out = nullptr;
     auto& g = checked(group, "group").group;
-    DPAR_CHECK_ARG(rank >= 0 && rank < g->size(), "rank: ", rank, " is out of range (the group has ", g->size(),
+    DPAR_CHECK_ARG(rank < static_cast<size_t>(g->size()), "rank: ", rank, " is out of range (the group has ", g->size(),
                    " participants)");
-    auto comm = g->communicator(rank);
+    auto comm = g->communicator(static_cast<int>(rank));
     auto* h = new_handle<dpar_comm>();
     h->group = g;
     h->comm = std::move(comm);
@@ -104,12 +105,31 @@ DPAR_API dpar_status dpar_comm_create_mpi(dpar_comm** out, const dpar_comm_optio
 
 DPAR_API void dpar_comm_free(dpar_comm* comm) { free_handle(comm); }
 
-DPAR_API dpar_status dpar_comm_info(int* out_rank, int* out_size, const dpar_comm* comm) {
+DPAR_API dpar_status dpar_comm_info(size_t* out_rank, size_t* out_size, const dpar_comm* comm) {
   return guard([&] {
     const Communicator& c = *checked(comm, "comm").comm;
-    if (out_rank) *out_rank = c.rank();
-    if (out_size) *out_size = c.size();
+    if (out_rank) *out_rank = static_cast<size_t>(c.rank());
+    if (out_size) *out_size = static_cast<size_t>(c.size());
   });
+}
+
+DPAR_API dpar_status dpar_comm_abort(dpar_comm* comm, const char* reason) {
+  return guard([&] {
+    Communicator& c = comm_of(comm);
+    c.abort(detail::concat("participant ", c.rank(), " called dpar_comm_abort",
+                           reason && *reason ? std::string(": ") + reason : std::string()));
+  });
+}
+
+DPAR_API dpar_status dpar_comm_get_async_error(dpar_status* out, dpar_comm* comm) {
+  std::string reason;
+  const dpar_status rc = guard([&] {
+    checked_out(out);
+    *out = DPAR_OK;
+    *out = comm_of(comm).async_error(&reason);
+  });
+  if (rc == DPAR_OK) set_last_error(reason.c_str());
+  return rc;
 }
 
 DPAR_API dpar_status dpar_comm_all_reduce(dpar_comm* comm, const void* send, void* recv, size_t count,
@@ -122,23 +142,23 @@ DPAR_API dpar_status dpar_comm_all_reduce(dpar_comm* comm, const void* send, voi
   });
 }
 
-DPAR_API dpar_status dpar_comm_broadcast(dpar_comm* comm, void* buffer, size_t count, int32_t dtype, int root) {
+DPAR_API dpar_status dpar_comm_broadcast(dpar_comm* comm, void* buffer, size_t count, int32_t dtype, size_t root) {
   return guard([&] {
     Communicator& c = comm_of(comm);
     check_buffer(buffer, count, "buffer");
-    check_root(c, root);
-    c.broadcast(buffer, count, comm_dtype(dtype), root);
+    const int r = check_root(c, root);
+    c.broadcast(buffer, count, comm_dtype(dtype), r);
   });
 }
 
 DPAR_API dpar_status dpar_comm_reduce(dpar_comm* comm, const void* send, void* recv, size_t count, int32_t dtype,
-                                      int32_t op, int root) {
+                                      int32_t op, size_t root) {
   return guard([&] {
     Communicator& c = comm_of(comm);
     check_buffer(send, count, "send");
-    check_root(c, root);
-    if (c.rank() == root) check_buffer(recv, count, "recv");
-    c.reduce(send, recv, count, comm_dtype(dtype), reduce_op(op), root);
+    const int r = check_root(c, root);
+    if (c.rank() == r) check_buffer(recv, count, "recv");
+    c.reduce(send, recv, count, comm_dtype(dtype), reduce_op(op), r);
   });
 }
 
@@ -179,14 +199,14 @@ DPAR_API dpar_status dpar_comm_all_reduce_async(dpar_work** out, dpar_comm* comm
 }
 
 DPAR_API dpar_status dpar_comm_broadcast_async(dpar_work** out, dpar_comm* comm, void* buffer, size_t count,
-                                               int32_t dtype, int root) {
+                                               int32_t dtype, size_t root) {
   if (out) *out = nullptr;
   return guard([&] {
     checked_out(out);
     Communicator& c = comm_of(comm);
     check_buffer(buffer, count, "buffer");
-    check_root(c, root);
-    *out = new_work(c.async_broadcast(buffer, count, comm_dtype(dtype), root));
+    const int r = check_root(c, root);
+    *out = new_work(c.async_broadcast(buffer, count, comm_dtype(dtype), r));
   });
 }
 
@@ -214,10 +234,10 @@ DPAR_API dpar_status dpar_comm_reduce_scatter_async(dpar_work** out, dpar_comm* 
   });
 }
 
-DPAR_API dpar_status dpar_work_test(int* out_done, dpar_work* work) {
+DPAR_API dpar_status dpar_work_test(int32_t* out, dpar_work* work) {
   return guard([&] {
-    checked_out(out_done, "out_done");
-    *out_done = checked(work, "work").work->test() ? 1 : 0;
+    checked_out(out);
+    *out = checked(work, "work").work->test() ? 1 : 0;
   });
 }
 

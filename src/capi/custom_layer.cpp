@@ -7,6 +7,9 @@
 namespace dpar::capi {
 namespace {
 
+// A callback's status as dpar reports it: its own if it is an error dpar knows, else DPAR_ERR_INTERNAL.
+dpar_status known_error(dpar_status rc) { return rc < 0 && rc >= DPAR_ERR_INTERNAL ? rc : DPAR_ERR_INTERNAL; }
+
 struct CustomDesc {
   std::string name;
   std::vector<ParamSpec> specs;
@@ -14,6 +17,11 @@ struct CustomDesc {
   dpar_custom_fn forward;
   dpar_custom_fn backward;
   void* payload;
+  dpar_destroy_fn destroy;
+  // The model and every engine built from it share the description: the last one to let go releases the payload.
+  ~CustomDesc() {
+    if (destroy) destroy(payload);
+  }
 };
 
 // A handle that dpar owns and the callback borrows.
@@ -43,8 +51,13 @@ class CustomLayer final : public Layer {
   Shape output_shape(const Shape& in) const override {
     int64_t dims[DPAR_MAX_DIMS] = {0, 0, 0, 0};
     size_t ndim = 0;
-    int rc = desc_->output_shape(desc_->payload, dims, &ndim, in.data(), in.ndim());
-    DPAR_CHECK_ARG(rc == 0, describe(), " rejects input ", in.str());
+    dpar_clear_error();
+    const dpar_status rc = desc_->output_shape(desc_->payload, dims, &ndim, in.data(), in.ndim());
+    if (rc != DPAR_OK) {
+      const std::string detail = dpar_last_error();
+      fail(known_error(rc), describe(), " rejects input ", in.str(), " (output_shape returned ", dpar_status_str(rc),
+           detail.empty() ? ")" : "): ", detail);
+    }
     Shape out = Shape::checked(dims, ndim, "custom layer output_shape");
     DPAR_CHECK_ARG(out[0] == in[0], describe(), " must keep the batch extent ", in[0], ", gives ", out.str());
     return out;
@@ -111,7 +124,7 @@ class CustomLayer final : public Layer {
     dpar_status rc = fn(desc_->payload, &call);
     if (rc != DPAR_OK) {
       std::string detail = dpar_last_error();
-      fail(rc < 0 && rc >= DPAR_ERR_INTERNAL ? rc : DPAR_ERR_INTERNAL, describe(), " ", what, " returned ",
+      fail(known_error(rc), describe(), " ", what, " returned ",
            dpar_status_str(rc), detail.empty() ? "" : ": ", detail);
     }
   }
@@ -126,13 +139,16 @@ class CustomLayer final : public Layer {
 }  // namespace
 
 std::unique_ptr<Layer> make_custom_layer(const dpar_custom_layer& d) {
+  // The description owns the payload from here on: a layer refused below releases it on the way out.
+  auto desc = std::make_shared<CustomDesc>();
+  desc->payload = d.payload;
+  desc->destroy = d.destroy;
   DPAR_CHECK_ARG(d.name != nullptr && d.name[0] != '\0', "layer.name: is NULL or empty");
   DPAR_CHECK_ARG(d.output_shape != nullptr, "layer.output_shape: is NULL");
   DPAR_CHECK_ARG(d.forward != nullptr, "layer.forward: is NULL");
   DPAR_CHECK_ARG(d.backward != nullptr, "layer.backward: is NULL");
   DPAR_CHECK_ARG(d.num_params == 0 || d.params != nullptr, "layer.params: is NULL but num_params is ", d.num_params);
   DPAR_CHECK_ARG(d.num_params <= 64, "layer.num_params: ", d.num_params, " is more than 64");
-  auto desc = std::make_shared<CustomDesc>();
   desc->name = d.name;
   for (size_t i = 0; i < d.num_params; ++i) {
     const dpar_param_spec& p = d.params[i];
@@ -150,7 +166,6 @@ std::unique_ptr<Layer> make_custom_layer(const dpar_custom_layer& d) {
   desc->output_shape = d.output_shape;
   desc->forward = d.forward;
   desc->backward = d.backward;
-  desc->payload = d.payload;
   return std::make_unique<CustomLayer>(desc);
 }
 

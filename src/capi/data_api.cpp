@@ -35,7 +35,7 @@ DPAR_API dpar_status dpar_dataset_normalize(dpar_dataset* dataset, float mean, f
 }
 
 DPAR_API dpar_status dpar_loader_create(dpar_loader** out, const dpar_dataset* dataset, size_t batch_size,
-                                        int shuffle, uint64_t seed, int drop_last) {
+                                        int32_t shuffle, uint64_t seed, int32_t drop_last) {
   return guard([&] {
     checked_out(out);
     *out = nullptr;
@@ -67,20 +67,36 @@ DPAR_API dpar_status dpar_loader_shard(dpar_loader* loader, size_t shard, size_t
   return guard([&] { checked(loader, "loader").loader.set_shard(shard, num_shards); });
 }
 
-DPAR_API dpar_status dpar_loader_next(const dpar_tensor** out_inputs, const dpar_tensor** out_labels,
-                                      dpar_loader* loader) {
+DPAR_API dpar_status dpar_loader_next(int32_t* out, dpar_loader* loader) {
   return guard([&] {
-    checked_out(out_inputs, "out_inputs");
-    checked_out(out_labels, "out_labels");
-    *out_inputs = nullptr;
-    *out_labels = nullptr;
+    checked_out(out);
+    *out = 0;
     dpar_loader& l = checked(loader, "loader");
+    l.has_batch = false;
     if (!l.loader.next(l.inputs.tensor, l.labels.tensor)) return;
     register_handle(&l.inputs, HandleKind::kTensor);
     register_handle(&l.labels, HandleKind::kTensor);
-    *out_inputs = &l.inputs;
-    *out_labels = &l.labels;
+    l.has_batch = true;
+    *out = 1;
   });
+}
+
+DPAR_API const dpar_tensor* dpar_loader_inputs(const dpar_loader* loader) {
+  const dpar_tensor* t = nullptr;
+  guard([&] {
+    const dpar_loader& l = checked(loader, "loader");
+    if (l.has_batch) t = &l.inputs;
+  });
+  return t;
+}
+
+DPAR_API const dpar_tensor* dpar_loader_labels(const dpar_loader* loader) {
+  const dpar_tensor* t = nullptr;
+  guard([&] {
+    const dpar_loader& l = checked(loader, "loader");
+    if (l.has_batch) t = &l.labels;
+  });
+  return t;
 }
 
 }  // extern "C"

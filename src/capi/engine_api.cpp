@@ -60,7 +60,7 @@ EngineConfig engine_config(const dpar_engine_options& o) {
   c.loss = o.loss == DPAR_LOSS_MSE ? LossKind::kMse : LossKind::kCrossEntropy;
   c.seed = o.seed;
   c.timeout_seconds = o.timeout_seconds;
-  c.blas_threads = o.blas_threads;
+  c.blas_threads = static_cast<int32_t>(o.blas_threads);
   c.pin_workers = o.pin_workers != 0;
   c.buckets = bucket_options(o.first_bucket_bytes, o.bucket_cap_bytes);
   return c;
@@ -158,10 +158,10 @@ DPAR_API dpar_status dpar_engine_num_replicas(size_t* out, const dpar_engine* en
   return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.num_replicas(); });
 }
 
-DPAR_API dpar_status dpar_engine_processes(int* out_rank, int* out_size, const dpar_engine* engine) {
+DPAR_API dpar_status dpar_engine_processes(size_t* out_rank, size_t* out_size, const dpar_engine* engine) {
   return with_engine(engine, [&](Engine& e) {
-    if (out_rank) *out_rank = e.process_rank();
-    if (out_size) *out_size = e.num_processes();
+    if (out_rank) *out_rank = static_cast<size_t>(e.process_rank());
+    if (out_size) *out_size = static_cast<size_t>(e.num_processes());
   });
 }
 
@@ -228,7 +228,7 @@ DPAR_API dpar_status dpar_engine_backward(dpar_engine* engine, const dpar_tensor
   return with_engine(engine, [&](Engine& e) { e.backward(tensor_arg(grad_output, "grad_output")); });
 }
 
-DPAR_API dpar_status dpar_engine_set_training(dpar_engine* engine, int training) {
+DPAR_API dpar_status dpar_engine_set_training(dpar_engine* engine, int32_t training) {
   return with_engine(engine, [&](Engine& e) { e.set_training(training != 0); });
 }
 
@@ -236,8 +236,8 @@ DPAR_API dpar_status dpar_engine_set_lr(dpar_engine* engine, float lr) {
   return with_engine(engine, [&](Engine& e) { e.set_lr(lr); });
 }
 
-DPAR_API dpar_status dpar_engine_step_count(int64_t* out, const dpar_engine* engine) {
-  return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.step_count(); });
+DPAR_API dpar_status dpar_engine_step_count(size_t* out, const dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { *checked_out(out) = static_cast<size_t>(e.step_count()); });
 }
 
 DPAR_API dpar_status dpar_engine_replica_losses(float* out, const dpar_engine* engine, size_t capacity) {
@@ -261,16 +261,31 @@ DPAR_API dpar_status dpar_engine_get_params(float* dst, dpar_engine* engine, siz
   });
 }
 
-DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine* engine, dpar_forward_hook hook, void* payload) {
-  return with_engine(engine, [&](Engine& e) {
+DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine* engine, dpar_forward_hook hook, void* payload,
+                                                  dpar_destroy_fn destroy) {
+  // The payload is dpar's once the engine is known: released when the hook that holds it goes (replaced, removed,
+  // or the engine destroyed), or here when the call fails.
+  std::shared_ptr<void> held;
+  const dpar_status rc = with_engine(engine, [&](Engine& e) {
+    held = std::shared_ptr<void>(payload, [destroy](void* p) {
+      if (destroy) destroy(p);
+    });
     if (!hook) {
+      held.reset();  // nothing will call it
       e.set_forward_hook(nullptr);
       return;
     }
-    e.set_forward_hook([hook, payload](size_t replica, const Shape& in, const Shape& out) {
-      hook(payload, replica, in.data(), in.ndim(), out.data(), out.ndim());
+    e.set_forward_hook([hook, held](size_t replica, const Shape& in, const Shape& out) {
+      dpar_clear_error();
+      const dpar_status s = hook(held.get(), replica, in.data(), in.ndim(), out.data(), out.ndim());
+      if (s != DPAR_OK) {
+        const std::string detail = dpar_last_error();
+        fail(s < 0 && s >= DPAR_ERR_INTERNAL ? s : DPAR_ERR_INTERNAL, "forward hook on replica ", replica,
+             " returned ", dpar_status_str(s), detail.empty() ? "" : ": ", detail);
+      }
     });
   });
+  return rc;
 }
 
 DPAR_API dpar_status dpar_engine_save(dpar_engine* engine, const char* path) {

@@ -56,7 +56,7 @@ bool is_live(const void* handle, HandleKind kind) {
 
 extern "C" {
 
-DPAR_API int dpar_version(void) { return DPAR_VERSION; }
+DPAR_API int32_t dpar_version(void) { return DPAR_VERSION; }
 
 DPAR_API const char* dpar_version_string(void) {
 #define DPAR_STR2(x) #x
@@ -67,6 +67,11 @@ DPAR_API const char* dpar_version_string(void) {
 DPAR_API const char* dpar_last_error(void) { return dpar::capi::tl_last_error; }
 
 DPAR_API void dpar_clear_error(void) { dpar::capi::tl_last_error[0] = '\0'; }
+
+DPAR_API dpar_status dpar_set_error(dpar_status status, const char* message) {
+  dpar::capi::set_last_error(message ? message : "");
+  return status;
+}
 
 DPAR_API const char* dpar_status_str(dpar_status status) {
   switch (status) {

@@ -25,7 +25,7 @@ DPAR_API dpar_status dpar_model_create(dpar_model** out, const dpar_model_option
 DPAR_API void dpar_model_free(dpar_model* model) { free_handle(model); }
 
 DPAR_API dpar_status dpar_model_add_linear(dpar_model* model, int64_t in_features, int64_t out_features,
-                                           int has_bias) {
+                                           int32_t has_bias) {
   return guard([&] { checked(model, "model").model.add(make_linear(in_features, out_features, has_bias != 0)); });
 }
 
@@ -55,8 +55,10 @@ DPAR_API dpar_status dpar_model_add_custom(dpar_model* model, const dpar_custom_
   return guard([&] {
     auto& m = checked(model, "model").model;
     DPAR_CHECK_ARG(layer != nullptr, "layer: is NULL");
+    // A struct dpar cannot read (unknown version) is refused before its destroy is trusted.
     const dpar_custom_layer desc =
         read_options(layer, dpar_custom_layer DPAR_CUSTOM_LAYER_INIT, DPAR_CUSTOM_LAYER_VERSION, "layer");
+    // The layer owns the payload from make_custom_layer's first line: one refused there or by add() releases it.
     m.add(make_custom_layer(desc));
   });
 }
@@ -69,7 +71,7 @@ DPAR_API dpar_status dpar_model_num_params(size_t* out, const dpar_model* model)
   return guard([&] { *checked_out(out) = checked(model, "model").model.params().size(); });
 }
 
-DPAR_API dpar_status dpar_model_num_param_elements(int64_t* out, const dpar_model* model) {
+DPAR_API dpar_status dpar_model_num_param_elements(size_t* out, const dpar_model* model) {
   return guard([&] { *checked_out(out) = checked(model, "model").model.num_param_elements(); });
 }
 
@@ -79,15 +81,20 @@ static const ParamInfo& param_at(const Model& m, size_t index) {
   return m.params()[index];
 }
 
-DPAR_API dpar_status dpar_model_param_info(const char** out_name, int64_t* out_shape, size_t* out_ndim,
-                                           const dpar_model* model, size_t index) {
+DPAR_API dpar_status dpar_model_param_info(int64_t* out_shape, size_t* out_ndim, const dpar_model* model,
+                                           size_t index) {
   return guard([&] {
     const ParamInfo& p = param_at(checked(model, "model").model, index);
-    if (out_name) *out_name = p.name.c_str();
     if (out_shape)
       for (size_t i = 0; i < p.shape.ndim(); ++i) out_shape[i] = p.shape[i];
     if (out_ndim) *out_ndim = p.shape.ndim();
   });
+}
+
+DPAR_API const char* dpar_model_param_name(const dpar_model* model, size_t index) {
+  const char* name = nullptr;
+  guard([&] { name = param_at(checked(model, "model").model, index).name.c_str(); });
+  return name;
 }
 
 DPAR_API dpar_status dpar_model_get_param(float* dst, const dpar_model* model, size_t index, size_t count) {

@@ -1,3 +1,5 @@
+#include <dlpack/dlpack.h>
+
 #include "capi/api.h"
 
 using namespace dpar;
@@ -24,6 +26,21 @@ Device checked_device(dpar_device d, const char* argument) {
 }
 
 }  // namespace dpar::capi
+
+namespace {
+
+// A tensor handed out through DLPack: the DLManagedTensor and what keeps the storage alive, freed together.
+struct DlpackExport {
+  DLManagedTensor managed{};
+  Tensor tensor;
+  int64_t shape[DPAR_MAX_DIMS] = {0, 0, 0, 0};
+};
+
+void release_dlpack_export(DLManagedTensor* managed) {
+  delete static_cast<DlpackExport*>(managed->manager_ctx);
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -108,13 +125,88 @@ DPAR_API dpar_status dpar_tensor_shape(int64_t* out_shape, size_t* out_ndim, con
   });
 }
 
-DPAR_API dpar_status dpar_tensor_info(int32_t* out_dtype, int64_t* out_numel, dpar_device* out_device,
+DPAR_API dpar_status dpar_tensor_info(int32_t* out_dtype, size_t* out_numel, dpar_device* out_device,
                                       const dpar_tensor* tensor) {
   return guard([&] {
     const auto& t = checked(tensor, "tensor").tensor;
     if (out_dtype) *out_dtype = static_cast<int32_t>(t.dtype());
-    if (out_numel) *out_numel = t.numel();
+    if (out_numel) *out_numel = static_cast<size_t>(t.numel());
     if (out_device) *out_device = dpar_device{static_cast<int32_t>(t.device().kind), t.device().index};
+  });
+}
+
+DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor** out, DLManagedTensor* managed) {
+  return guard([&] {
+    checked_out(out);
+    *out = nullptr;
+    DPAR_CHECK_ARG(managed != nullptr, "managed: is NULL");
+    const DLTensor& d = managed->dl_tensor;
+    Device dev;
+    switch (d.device.device_type) {
+      case kDLCPU:
+        break;
+      case kDLCUDA:
+        dev = checked_device(dpar_device{DPAR_DEVICE_CUDA, d.device.device_id}, "managed->dl_tensor.device (kDLCUDA)");
+        break;
+      default:
+        fail(DPAR_ERR_NOT_SUPPORTED, "managed->dl_tensor.device: DLPack device type ",
+             static_cast<int>(d.device.device_type), " is not one dpar has (kDLCPU, kDLCUDA)");
+    }
+    DType dt = DType::kF32;
+    if (d.dtype.code == kDLFloat && d.dtype.bits == 32 && d.dtype.lanes == 1) {
+      dt = DType::kF32;
+    } else if (d.dtype.code == kDLInt && d.dtype.bits == 32 && d.dtype.lanes == 1) {
+      dt = DType::kI32;
+    } else {
+      fail(DPAR_ERR_INVALID_ARGUMENT, "managed->dl_tensor.dtype: code ", static_cast<int>(d.dtype.code), ", ",
+           static_cast<int>(d.dtype.bits), " bits, ", d.dtype.lanes, " lanes: dpar takes float32 and int32");
+    }
+    DPAR_CHECK_ARG(d.ndim >= 1 && d.ndim <= DPAR_MAX_DIMS, "managed->dl_tensor.ndim: ", d.ndim, " must be 1 to ",
+                   DPAR_MAX_DIMS);
+    DPAR_CHECK_ARG(d.shape != nullptr, "managed->dl_tensor.shape: is NULL");
+    const Shape s = Shape::checked(d.shape, static_cast<size_t>(d.ndim), "managed->dl_tensor.shape");
+    if (d.strides) {
+      // Compact row-major only; an extent of 1 may carry any stride (frameworks disagree on it).
+      int64_t expected = 1;
+      for (int i = d.ndim - 1; i >= 0; --i) {
+        DPAR_CHECK_ARG(d.shape[i] == 1 || d.strides[i] == expected, "managed->dl_tensor.strides[", i, "]: ",
+                       d.strides[i], " (expected ", expected, "): dpar takes compact row-major tensors only");
+        expected *= d.shape[i];
+      }
+    }
+    DPAR_CHECK_ARG(d.data != nullptr, "managed->dl_tensor.data: is NULL");
+    void* data = static_cast<char*>(d.data) + d.byte_offset;
+    auto* h = new_handle<dpar_tensor>();
+    h->tensor = Tensor::wrap(data, dt, s, dev);
+    h->external = std::shared_ptr<void>(managed, [](void* p) {
+      auto* m = static_cast<DLManagedTensor*>(p);
+      if (m->deleter) m->deleter(m);
+    });
+    *out = h;
+  });
+}
+
+DPAR_API dpar_status dpar_tensor_to_dlpack(DLManagedTensor** out, dpar_tensor* tensor) {
+  return guard([&] {
+    checked_out(out);
+    *out = nullptr;
+    const Tensor& t = checked(tensor, "tensor").tensor;
+    auto ex = std::make_unique<DlpackExport>();
+    ex->tensor = t;  // shares the storage: the tensor handle may be freed first
+    for (size_t i = 0; i < t.shape().ndim(); ++i) ex->shape[i] = t.shape()[i];
+    DLTensor& d = ex->managed.dl_tensor;
+    d.data = t.raw();
+    const Device dev = t.device();
+    d.device = dev.is_host() ? DLDevice{kDLCPU, 0} : DLDevice{kDLCUDA, dev.index};
+    d.ndim = static_cast<int32_t>(t.shape().ndim());
+    d.dtype = t.dtype() == DType::kI32 ? DLDataType{kDLInt, 32, 1} : DLDataType{kDLFloat, 32, 1};
+    DPAR_CHECK_ARG(t.dtype() == DType::kI32 || t.dtype() == DType::kF32, "tensor: only f32 and i32 tensors");
+    d.shape = ex->shape;
+    d.strides = nullptr;  // compact row-major
+    d.byte_offset = 0;
+    ex->managed.manager_ctx = ex.get();
+    ex->managed.deleter = release_dlpack_export;
+    *out = &ex.release()->managed;
   });
 }
 

@@ -17,6 +17,8 @@
 #include <mutex>
 #include <string>
 
+#include "dpar.h"
+
 namespace dpar {
 
 namespace detail {
@@ -97,6 +99,11 @@ class Communicator {
   // Called by a participant that failed: every participant waiting now or later in this group throws
   // Error(REMOTE) with `reason` instead of waiting for it.
   virtual void abort(const std::string& reason) = 0;
+
+  // Whether this participant's collectives fail from now on without one having run yet (NCCL's
+  // ncclCommGetAsyncError): DPAR_OK while usable, else the status the next collective throws, with its reason in
+  // `reason`. Never blocks; any thread, any time.
+  virtual dpar_status async_error(std::string* reason) = 0;
 
  protected:
   // Lets the operations queued so far run, then joins the communication thread (a no-op if none started).

@@ -160,6 +160,7 @@ class CudaDeviceCommunicator final : public Communicator {
   }
 
   void abort(const std::string& reason) override { host_.abort(reason); }
+  dpar_status async_error(std::string* reason) override { return comm_->async_error(reason); }
 
  private:
   void check_root(const char* operation, int root) {

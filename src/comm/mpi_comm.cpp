@@ -421,6 +421,21 @@ void MpiCommunicator::abort(const std::string& reason) {
   }
 }
 
+dpar_status MpiCommunicator::async_error(std::string* reason) {
+  // Progress when no collective runs: send this rank's pending abort notices and read the others' (a collective in
+  // flight does both itself). Under less than MPI_THREAD_MULTIPLE another thread may be in MPI: only the state.
+  if (thread_level_ == MPI_THREAD_MULTIPLE && state_.load() == kUsable && mutex_.try_lock()) {
+    std::lock_guard<std::mutex> lock(mutex_, std::adopt_lock);
+    if (abort_requested_.load()) send_abort_notices_locked();
+    drain_notices(seq_.load(), 2);
+  }
+  const int state = state_.load(std::memory_order_acquire);
+  if (state == kUsable) return DPAR_OK;
+  std::lock_guard<std::mutex> lock(reason_mutex_);
+  *reason = broken_reason_;
+  return state == kAborted ? DPAR_ERR_REMOTE : DPAR_ERR_INVALID_STATE;
+}
+
 void MpiCommunicator::send_abort_notices_locked() {
   if (abort_notices_sent_ || !abort_requested_.load()) return;
   abort_notices_sent_ = true;

@@ -134,6 +134,7 @@ class MpiCommunicator final : public Communicator {
   void barrier(const char* operation) override;
   void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) override;
   void abort(const std::string& reason) override;
+  dpar_status async_error(std::string* reason) override;
 
   // The communicator the collectives run on (a duplicate of base), e.g. to hand to another MPI library.
   MPI_Comm comm() const { return comm_; }

@@ -146,6 +146,35 @@ class NcclCommunicator final : public Communicator {
     if (host_ != nullptr) host_->abort(reason);
   }
 
+  dpar_status async_error(std::string* reason) override {
+    if (broken_.load()) {
+      *reason = name_ + "'s NCCL communicator was aborted by an earlier failure; create a new one";
+      return DPAR_ERR_INVALID_STATE;
+    }
+    if (aborted_.load()) {
+      std::lock_guard<std::mutex> lock(abort_mutex_);
+      *reason = detail::concat(name_, " cannot run collectives: ", abort_reason_);
+      return DPAR_ERR_REMOTE;
+    }
+    if (host_comm_ != nullptr) {
+      const dpar_status host = host_comm_->async_error(reason);
+      if (host != DPAR_OK) return host;
+    }
+    // NCCL's own errors between collectives. A collective in flight polls them itself (and may replace comm_), so
+    // only an idle communicator is asked here.
+    std::unique_lock<std::mutex> idle(call_mutex_, std::try_to_lock);
+    if (idle.owns_lock() && comm_ != nullptr) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t got = ncclCommGetAsyncError(comm_, &async);
+      const ncclResult_t bad = got != ncclSuccess ? got : async;
+      if (bad != ncclSuccess && bad != ncclInProgress) {
+        *reason = detail::concat(name_, ": ncclCommGetAsyncError: ", ncclGetErrorString(bad));
+        return DPAR_ERR_COMMUNICATION;
+      }
+    }
+    return DPAR_OK;
+  }
+
  private:
   void check_root(const char* operation, int root) const {
     DPAR_CHECK_ARG(root >= 0 && root < size_, operation, ": root ", root, " is not a participant (size ", size_, ")");
@@ -266,7 +295,7 @@ class NcclCommunicator final : public Communicator {
   Record* records_ = nullptr;  // device: the fingerprints across processes
   std::mutex call_mutex_;
   int64_t seq_ = 0;
-  bool broken_ = false;
+  std::atomic<bool> broken_{false};  // read by async_error from any thread
   std::atomic<bool> aborted_{false};
   std::mutex abort_mutex_;
   std::string abort_reason_;

@@ -374,6 +374,12 @@ class ThreadCommunicator final : public Communicator {
 
   void abort(const std::string& reason) override { group_.abort(reason); }
 
+  dpar_status async_error(std::string* reason) override {
+    if (!group_.aborted()) return DPAR_OK;
+    *reason = detail::concat(group_.name(rank_), " cannot run collectives: ", group_.abort_reason());
+    return DPAR_ERR_REMOTE;
+  }
+
   static const char* kind_name(uint8_t kind) {
     switch (kind) {
       case kBarrier: return "barrier";
@@ -542,6 +548,11 @@ void ThreadGroup::reset() {
     abort_reason_.clear();
   }
   aborted_.store(false, std::memory_order_release);
+}
+
+std::string ThreadGroup::abort_reason() {
+  std::lock_guard<std::mutex> lock(abort_mutex_);
+  return abort_reason_;
 }
 
 void ThreadGroup::abort(const std::string& reason) {

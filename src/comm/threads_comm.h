@@ -63,6 +63,8 @@ class ThreadGroup final : public Group {
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   // Every participant waiting now or later throws Error(REMOTE) with `reason` (the first reason is kept).
   void abort(const std::string& reason) override;
+  // The first abort's reason ("" if none).
+  std::string abort_reason();
 
   // Participant `rank`'s view. The group must outlive it.
   std::unique_ptr<Communicator> communicator(int rank) override;

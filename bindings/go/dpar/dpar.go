@@ -1,0 +1,672 @@
+// Package dpar is dpar's Go binding: data-parallel training over several devices through dpar's C ABI.
+//
+// Every handle is a Go value with Close() (a finalizer frees it too, as a safety net only); every failed call
+// returns an *Error with dpar's status and message. Each call and the read of its thread-local error run with the
+// goroutine locked to its OS thread. Buffers are Go slices, copied in and out (cgo does not let C keep a Go
+// pointer after a call returns), except Tensor.Float32s, a slice over dpar's own memory.
+//
+// The raw layer, dpar.dev/go/raw, is SWIG's one-to-one output for bindings/swig/dpar.i.
+package dpar
+
+// #include <stdlib.h>
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+	"unsafe"
+
+	"dpar.dev/go/raw"
+)
+
+// Status codes of dpar.h. A newer library may return others: any negative status is an error.
+const (
+	OK               = 0
+	ErrInvalidArg    = -1
+	ErrOutOfMemory   = -2
+	ErrDevice        = -3
+	ErrCommunication = -4
+	ErrRemote        = -5
+	ErrTimeout       = -6
+	ErrMismatch      = -7
+	ErrIO            = -8
+	ErrCorrupt       = -9
+	ErrNotSupported  = -10
+	ErrInvalidState  = -11
+	ErrInternal      = -12
+)
+
+// Error is a failed dpar call: its status and dpar's message. Return one from a callback to fail the engine call
+// with that status and message.
+type Error struct {
+	Status  int
+	Message string
+}
+
+func (e *Error) Error() string { return StatusName(e.Status) + ": " + e.Message }
+
+// StatusName is a status's name, such as "DPAR_ERR_TIMEOUT".
+func StatusName(status int) string { return raw.Dpar_status_str(status) }
+
+// errorOf reads, then clears, the calling thread's error: the caller holds runtime.LockOSThread.
+func errorOf(status int) error {
+	if status == OK {
+		return nil
+	}
+	msg := raw.Dpar_last_error()
+	raw.Dpar_clear_error()
+	return &Error{Status: status, Message: msg}
+}
+
+// call runs one dpar call and reads its error on the same OS thread.
+func call(f func() int) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	return errorOf(f())
+}
+
+// Version is the loaded library's version, MAJOR*10000 + MINOR*100 + PATCH; VersionString "0.3.0".
+func Version() int           { return raw.Dpar_version() }
+func VersionString() string { return raw.Dpar_version_string() }
+
+// Device kinds.
+const (
+	CPU  = 0
+	CUDA = 1
+)
+
+// DeviceCount is the number of devices of a kind an engine uses by default.
+func DeviceCount(kind int) (int, error) {
+	var n uint64
+	err := call(func() int { return raw.Dpar_device_count(unsafe.Pointer(&n), kind) })
+	return int(n), err
+}
+
+// ParseDevice parses "cpu:3", "cpu" or "cuda:1" into (kind, index).
+func ParseDevice(text string) (kind, index int, err error) {
+	d := raw.NewDpar_device()
+	defer raw.DeleteDpar_device(d)
+	err = call(func() int { return raw.Dpar_device_parse(d, text) })
+	return d.GetKind(), d.GetIndex(), err
+}
+
+// Element types.
+const (
+	F32 = 0
+	I32 = 1
+)
+
+// Tensor is a dpar tensor in dpar's memory.
+type Tensor struct {
+	raw raw.Struct_SS_dpar_tensor
+}
+
+func newTensor(p uintptr) *Tensor {
+	t := &Tensor{raw: raw.SwigcptrStruct_SS_dpar_tensor(p)}
+	runtime.SetFinalizer(t, (*Tensor).Close)
+	return t
+}
+
+// Close frees the tensor (idempotent).
+func (t *Tensor) Close() {
+	if t.raw != nil {
+		raw.Dpar_tensor_free(t.raw)
+		t.raw = nil
+		runtime.SetFinalizer(t, nil)
+	}
+}
+
+// Zeros makes a zero-filled tensor on cpu:index (kind CPU) or cuda:index.
+func Zeros(dtype int, shape []int64, kind, index int) (*Tensor, error) {
+	d := raw.NewDpar_device()
+	defer raw.DeleteDpar_device(d)
+	d.SetKind(kind)
+	d.SetIndex(index)
+	var p uintptr
+	err := call(func() int {
+		return raw.Dpar_tensor_create(unsafe.Pointer(&p), dtype, unsafe.Pointer(&shape[0]), int64(len(shape)), d)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return newTensor(p), nil
+}
+
+// FromFloat32 copies values into a new cpu:0 f32 tensor of the given shape.
+func FromFloat32(shape []int64, values []float32) (*Tensor, error) {
+	t, err := Zeros(F32, shape, CPU, 0)
+	if err == nil {
+		err = t.copyFrom(unsafe.Pointer(&values[0]), 4*len(values))
+	}
+	return t, err
+}
+
+// FromInt32 copies values into a new cpu:0 i32 tensor.
+func FromInt32(shape []int64, values []int32) (*Tensor, error) {
+	t, err := Zeros(I32, shape, CPU, 0)
+	if err == nil {
+		err = t.copyFrom(unsafe.Pointer(&values[0]), 4*len(values))
+	}
+	return t, err
+}
+
+func (t *Tensor) copyFrom(p unsafe.Pointer, bytes int) error {
+	err := call(func() int { return raw.Dpar_tensor_copy_from_host(t.raw, p, int64(bytes)) })
+	runtime.KeepAlive(t)
+	return err
+}
+
+// Shape is the tensor's extents.
+func (t *Tensor) Shape() ([]int64, error) {
+	var s [4]int64
+	var n uint64
+	err := call(func() int { return raw.Dpar_tensor_shape(unsafe.Pointer(&s[0]), unsafe.Pointer(&n), t.raw, 4) })
+	runtime.KeepAlive(t)
+	return append([]int64(nil), s[:n]...), err
+}
+
+// Info is the tensor's dtype, element count and device (kind, index).
+func (t *Tensor) Info() (dtype, numel, kind, index int, err error) {
+	var dt int32
+	var n uint64
+	d := raw.NewDpar_device()
+	defer raw.DeleteDpar_device(d)
+	err = call(func() int { return raw.Dpar_tensor_info(unsafe.Pointer(&dt), unsafe.Pointer(&n), d, t.raw) })
+	runtime.KeepAlive(t)
+	return int(dt), int(n), d.GetKind(), d.GetIndex(), err
+}
+
+// ToFloat32 copies an f32 tensor out.
+func (t *Tensor) ToFloat32() ([]float32, error) {
+	_, n, _, _, err := t.Info()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]float32, n)
+	err = call(func() int { return raw.Dpar_tensor_copy_to_host(unsafe.Pointer(&out[0]), t.raw, int64(4*n)) })
+	runtime.KeepAlive(t)
+	return out, err
+}
+
+// Float32s is a host f32 tensor's memory, without a copy: valid while the tensor is open.
+func (t *Tensor) Float32s() ([]float32, error) {
+	_, n, _, _, err := t.Info()
+	if err != nil {
+		return nil, err
+	}
+	var p unsafe.Pointer
+	if err = call(func() int { return raw.Dpar_tensor_data(unsafe.Pointer(&p), t.raw) }); err != nil {
+		return nil, err
+	}
+	return unsafe.Slice((*float32)(p), n), nil
+}
+
+// Activations.
+const (
+	ReLU    = 0
+	GELU    = 1
+	Tanh    = 2
+	Sigmoid = 3
+)
+
+// Model is a sequential model: the template an Engine copies to every device.
+type Model struct {
+	raw raw.Struct_SS_dpar_model
+}
+
+// NewModel makes an empty model whose parameters are initialised from seed.
+func NewModel(seed uint64) (*Model, error) {
+	o := raw.NewDpar_model_options()
+	defer raw.DeleteDpar_model_options(o)
+	var p uintptr
+	err := call(func() int {
+		if s := raw.Dpar_model_options_init(o); s != OK {
+			return s
+		}
+		o.SetSeed(seed)
+		return raw.Dpar_model_create(unsafe.Pointer(&p), o)
+	})
+	if err != nil {
+		return nil, err
+	}
+	m := &Model{raw: raw.SwigcptrStruct_SS_dpar_model(p)}
+	runtime.SetFinalizer(m, (*Model).Close)
+	return m, nil
+}
+
+// Close frees the model; engines built from it are not affected.
+func (m *Model) Close() {
+	if m.raw != nil {
+		raw.Dpar_model_free(m.raw)
+		m.raw = nil
+		runtime.SetFinalizer(m, nil)
+	}
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+func (m *Model) Linear(in, out int64, bias bool) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_add_linear(m.raw, in, out, b2i(bias)) })
+}
+func (m *Model) Activation(kind int) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_add_activation(m.raw, kind) })
+}
+func (m *Model) Dropout(p float32) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_add_dropout(m.raw, p) })
+}
+
+func (m *Model) count(f func(unsafe.Pointer, raw.Struct_SS_dpar_model) int) (int, error) {
+	defer runtime.KeepAlive(m)
+	var n uint64
+	err := call(func() int { return f(unsafe.Pointer(&n), m.raw) })
+	return int(n), err
+}
+
+func (m *Model) NumLayers() (int, error)        { return m.count(raw.Dpar_model_num_layers) }
+func (m *Model) NumParams() (int, error)        { return m.count(raw.Dpar_model_num_params) }
+func (m *Model) NumParamElements() (int, error) { return m.count(raw.Dpar_model_num_param_elements) }
+
+// ParamInfo is parameter index's name ("0.weight") and shape.
+func (m *Model) ParamInfo(index int) (string, []int64, error) {
+	defer runtime.KeepAlive(m)
+	var s [4]int64
+	var n uint64
+	name := ""
+	err := call(func() int {
+		st := raw.Dpar_model_param_info(unsafe.Pointer(&s[0]), unsafe.Pointer(&n), m.raw, int64(index))
+		if st == OK {
+			name = raw.Dpar_model_param_name(m.raw, int64(index))
+		}
+		return st
+	})
+	return name, append([]int64(nil), s[:n]...), err
+}
+
+func (m *Model) GetParam(index int) ([]float32, error) {
+	_, shape, err := m.ParamInfo(index)
+	if err != nil {
+		return nil, err
+	}
+	n := int64(1)
+	for _, e := range shape {
+		n *= e
+	}
+	out := make([]float32, n)
+	err = call(func() int { return raw.Dpar_model_get_param(unsafe.Pointer(&out[0]), m.raw, int64(index), n) })
+	runtime.KeepAlive(m)
+	return out, err
+}
+
+func (m *Model) SetParam(index int, values []float32) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int {
+		return raw.Dpar_model_set_param(m.raw, int64(index), unsafe.Pointer(&values[0]), int64(len(values)))
+	})
+}
+
+// Optimizer kinds, losses and process modes.
+const (
+	SGD   = 0
+	Adam  = 1
+	AdamW = 2
+
+	CrossEntropy = 0
+	MSE          = 1
+
+	ProcessesAuto   = 0
+	ProcessesSingle = 1
+	ProcessesMPI    = 2
+)
+
+// Options of an engine and its optimizer; zero values take dpar's defaults except where noted.
+type Options struct {
+	Optimizer   int     // SGD (default), Adam, AdamW
+	LR          float32 // 0: 0.01
+	Momentum    float32
+	WeightDecay float32
+	Devices     int // CPU devices (0: dpar's default count)
+	Loss        int
+	Seed        uint64
+	Processes   int
+}
+
+// Engine is a DataParallel engine. dpar serialises calls on it, so it may be shared between goroutines.
+type Engine struct {
+	raw raw.Struct_SS_dpar_engine
+}
+
+// NewEngine copies model to every device.
+func NewEngine(model *Model, o Options) (*Engine, error) {
+	oo := raw.NewDpar_optimizer_options()
+	defer raw.DeleteDpar_optimizer_options(oo)
+	eo := raw.NewDpar_engine_options()
+	defer raw.DeleteDpar_engine_options(eo)
+	var p uintptr
+	err := call(func() int {
+		if s := raw.Dpar_optimizer_options_init(oo); s != OK {
+			return s
+		}
+		if s := raw.Dpar_engine_options_init(eo); s != OK {
+			return s
+		}
+		oo.SetKind(o.Optimizer)
+		if o.LR != 0 {
+			oo.SetLr(o.LR)
+		}
+		oo.SetMomentum(o.Momentum)
+		oo.SetWeight_decay(o.WeightDecay)
+		eo.SetNum_cpu_devices(int64(o.Devices))
+		eo.SetLoss(o.Loss)
+		eo.SetSeed(o.Seed)
+		eo.SetProcesses(o.Processes)
+		return raw.Dpar_engine_create(unsafe.Pointer(&p), model.raw, oo, eo)
+	})
+	runtime.KeepAlive(model)
+	if err != nil {
+		return nil, err
+	}
+	e := &Engine{raw: raw.SwigcptrStruct_SS_dpar_engine(p)}
+	runtime.SetFinalizer(e, (*Engine).Close)
+	return e, nil
+}
+
+// Close stops the workers and frees the engine.
+func (e *Engine) Close() {
+	if e.raw != nil {
+		raw.Dpar_engine_free(e.raw)
+		e.raw = nil
+		runtime.SetFinalizer(e, nil)
+	}
+}
+
+// TrainStep is one fused training step; it returns the mean loss over the batch.
+func (e *Engine) TrainStep(input, target *Tensor) (float32, error) {
+	var loss float32
+	err := call(func() int { return raw.Dpar_engine_train_step(unsafe.Pointer(&loss), e.raw, input.raw, target.raw) })
+	runtime.KeepAlive(e)
+	runtime.KeepAlive(input)
+	runtime.KeepAlive(target)
+	return loss, err
+}
+
+// Accumulate adds one micro-batch's gradient (DDP's no_sync); Step then synchronises and steps.
+func (e *Engine) Accumulate(input, target *Tensor) (float32, error) {
+	var loss float32
+	err := call(func() int { return raw.Dpar_engine_accumulate(unsafe.Pointer(&loss), e.raw, input.raw, target.raw) })
+	runtime.KeepAlive(e)
+	runtime.KeepAlive(input)
+	runtime.KeepAlive(target)
+	return loss, err
+}
+
+func (e *Engine) simple(f func(raw.Struct_SS_dpar_engine) int) error {
+	defer runtime.KeepAlive(e)
+	return call(func() int { return f(e.raw) })
+}
+
+func (e *Engine) Step() error     { return e.simple(raw.Dpar_engine_step) }
+func (e *Engine) ZeroGrad() error { return e.simple(raw.Dpar_engine_zero_grad) }
+
+// Abort ends a call in flight on another goroutine; the engine cannot continue afterwards.
+func (e *Engine) Abort() error { return e.simple(raw.Dpar_engine_abort) }
+
+// Forward is DataParallel's forward, gathered on the output device. Keep input open until Backward.
+func (e *Engine) Forward(input *Tensor) (*Tensor, error) {
+	var p uintptr
+	err := call(func() int { return raw.Dpar_engine_forward(unsafe.Pointer(&p), e.raw, input.raw) })
+	runtime.KeepAlive(e)
+	runtime.KeepAlive(input)
+	if err != nil {
+		return nil, err
+	}
+	return newTensor(p), nil
+}
+
+func (e *Engine) Backward(gradOutput *Tensor) error {
+	defer runtime.KeepAlive(gradOutput)
+	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_backward(r, gradOutput.raw) })
+}
+
+func (e *Engine) SetTraining(training bool) error {
+	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_set_training(r, b2i(training)) })
+}
+
+func (e *Engine) SetLR(lr float32) error {
+	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_set_lr(r, lr) })
+}
+
+func (e *Engine) count(f func(unsafe.Pointer, raw.Struct_SS_dpar_engine) int) (int, error) {
+	var n uint64
+	err := e.simple(func(r raw.Struct_SS_dpar_engine) int { return f(unsafe.Pointer(&n), r) })
+	return int(n), err
+}
+
+func (e *Engine) StepCount() (int, error)   { return e.count(raw.Dpar_engine_step_count) }
+func (e *Engine) NumReplicas() (int, error) { return e.count(raw.Dpar_engine_num_replicas) }
+func (e *Engine) NumBuckets() (int, error)  { return e.count(raw.Dpar_engine_num_buckets) }
+
+// Processes is this process's rank and the number of processes the engine spans.
+func (e *Engine) Processes() (rank, size int, err error) {
+	var r, s uint64
+	err = e.simple(func(x raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_processes(unsafe.Pointer(&r), unsafe.Pointer(&s), x)
+	})
+	return int(r), int(s), err
+}
+
+// ReplicaDevice is replica's device (kind, index).
+func (e *Engine) ReplicaDevice(replica int) (kind, index int, err error) {
+	d := raw.NewDpar_device()
+	defer raw.DeleteDpar_device(d)
+	err = e.simple(func(x raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_replica_device(d, x, int64(replica)) })
+	return d.GetKind(), d.GetIndex(), err
+}
+
+// Split is how a batch of rows is split over the replicas.
+func (e *Engine) Split(batch int) ([]int, error) {
+	n, err := e.NumReplicas()
+	if err != nil {
+		return nil, err
+	}
+	rows := make([]uint64, n)
+	err = e.simple(func(x raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_split(unsafe.Pointer(&rows[0]), x, int64(batch), int64(n))
+	})
+	out := make([]int, n)
+	for i, r := range rows {
+		out[i] = int(r)
+	}
+	return out, err
+}
+
+// ReplicaLosses is each replica's loss in the last step (NaN for replicas without rows).
+func (e *Engine) ReplicaLosses() ([]float32, error) {
+	n, err := e.NumReplicas()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]float32, n)
+	err = e.simple(func(x raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_replica_losses(unsafe.Pointer(&out[0]), x, int64(n))
+	})
+	return out, err
+}
+
+// Params is a replica's parameters, flattened (count: the model's number of parameter elements).
+func (e *Engine) Params(replica, count int) ([]float32, error) {
+	out := make([]float32, count)
+	err := e.simple(func(x raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_get_params(unsafe.Pointer(&out[0]), x, int64(replica), int64(count))
+	})
+	return out, err
+}
+
+func (e *Engine) Save(path string) error {
+	return e.simple(func(x raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_save(x, path) })
+}
+
+func (e *Engine) Load(path string) error {
+	return e.simple(func(x raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_load(x, path) })
+}
+
+// Faults for InjectFault.
+const (
+	FaultNone     = 0
+	FaultAlloc    = 1
+	FaultForward  = 2
+	FaultBackward = 3
+)
+
+func (e *Engine) InjectFault(replica, fault int) error {
+	return e.simple(func(x raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_inject_fault(x, int64(replica), fault) })
+}
+
+// Reductions.
+const (
+	Sum  = 0
+	Mean = 1
+	Max  = 2
+	Min  = 3
+)
+
+// CommGroup is the participants of one process (one goroutine each, shared memory).
+type CommGroup struct {
+	raw raw.Struct_SS_dpar_comm_group
+}
+
+func commOptions(timeoutSeconds float64) (raw.Dpar_comm_options, int) {
+	o := raw.NewDpar_comm_options()
+	s := raw.Dpar_comm_options_init(o)
+	o.SetTimeout_seconds(timeoutSeconds)
+	return o, s
+}
+
+// NewCommGroup makes a group of size participants.
+func NewCommGroup(size int, timeoutSeconds float64) (*CommGroup, error) {
+	var p uintptr
+	err := call(func() int {
+		o, s := commOptions(timeoutSeconds)
+		defer raw.DeleteDpar_comm_options(o)
+		if s != OK {
+			return s
+		}
+		return raw.Dpar_comm_group_create(unsafe.Pointer(&p), int64(size), o)
+	})
+	if err != nil {
+		return nil, err
+	}
+	g := &CommGroup{raw: raw.SwigcptrStruct_SS_dpar_comm_group(p)}
+	runtime.SetFinalizer(g, (*CommGroup).Close)
+	return g, nil
+}
+
+// Close releases the caller's reference; members keep the group alive.
+func (g *CommGroup) Close() {
+	if g.raw != nil {
+		raw.Dpar_comm_group_free(g.raw)
+		g.raw = nil
+		runtime.SetFinalizer(g, nil)
+	}
+}
+
+// Member is participant rank's communicator.
+func (g *CommGroup) Member(rank int) (*Comm, error) {
+	var p uintptr
+	err := call(func() int { return raw.Dpar_comm_group_member(unsafe.Pointer(&p), g.raw, int64(rank)) })
+	runtime.KeepAlive(g)
+	if err != nil {
+		return nil, err
+	}
+	return newComm(p), nil
+}
+
+// Comm is one participant: its collectives must not overlap; Abort and AsyncError may be called from anywhere.
+type Comm struct {
+	raw raw.Struct_SS_dpar_comm
+}
+
+func newComm(p uintptr) *Comm {
+	c := &Comm{raw: raw.SwigcptrStruct_SS_dpar_comm(p)}
+	runtime.SetFinalizer(c, (*Comm).Close)
+	return c
+}
+
+// NewMPIComm is this process's communicator over MPI_COMM_WORLD.
+func NewMPIComm(timeoutSeconds float64) (*Comm, error) {
+	var p uintptr
+	err := call(func() int {
+		o, s := commOptions(timeoutSeconds)
+		defer raw.DeleteDpar_comm_options(o)
+		if s != OK {
+			return s
+		}
+		return raw.Dpar_comm_create_mpi(unsafe.Pointer(&p), o)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return newComm(p), nil
+}
+
+func (c *Comm) Close() {
+	if c.raw != nil {
+		raw.Dpar_comm_free(c.raw)
+		c.raw = nil
+		runtime.SetFinalizer(c, nil)
+	}
+}
+
+// Info is (rank, size).
+func (c *Comm) Info() (rank, size int, err error) {
+	var r, s uint64
+	err = call(func() int { return raw.Dpar_comm_info(unsafe.Pointer(&r), unsafe.Pointer(&s), c.raw) })
+	runtime.KeepAlive(c)
+	return int(r), int(s), err
+}
+
+// AllReduceFloat32 reduces buf in place across the participants.
+func (c *Comm) AllReduceFloat32(buf []float32, op int) error {
+	defer runtime.KeepAlive(c)
+	p := unsafe.Pointer(&buf[0])
+	return call(func() int { return raw.Dpar_comm_all_reduce(c.raw, p, p, int64(len(buf)), F32, op) })
+}
+
+// BroadcastFloat32 copies root's buf into every participant's.
+func (c *Comm) BroadcastFloat32(buf []float32, root int) error {
+	defer runtime.KeepAlive(c)
+	return call(func() int { return raw.Dpar_comm_broadcast(c.raw, unsafe.Pointer(&buf[0]), int64(len(buf)), F32, int64(root)) })
+}
+
+func (c *Comm) Barrier() error {
+	defer runtime.KeepAlive(c)
+	return call(func() int { return raw.Dpar_comm_barrier(c.raw) })
+}
+
+// Abort fails every participant's collectives with ErrRemote and reason.
+func (c *Comm) Abort(reason string) error {
+	defer runtime.KeepAlive(c)
+	return call(func() int { return raw.Dpar_comm_abort(c.raw, reason) })
+}
+
+// AsyncError is nil while the communicator is usable, else the error its next collective would return.
+func (c *Comm) AsyncError() error {
+	defer runtime.KeepAlive(c)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var s int32
+	if err := errorOf(raw.Dpar_comm_get_async_error(unsafe.Pointer(&s), c.raw)); err != nil {
+		return err
+	}
+	return errorOf(int(s))
+}
+
+var _ = fmt.Sprintf
+var _ = C.free

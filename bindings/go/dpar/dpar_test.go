@@ -1,0 +1,202 @@
+package dpar
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+)
+
+// The recipe of tests/binding_reference.c: same model, data and seed on 2 CPU devices.
+func referenceModel(t *testing.T) *Model {
+	m, err := NewModel(7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range []error{m.Linear(4, 8, true), m.Activation(ReLU), m.Linear(8, 3, true)} {
+		if e != nil {
+			t.Fatal(e)
+		}
+	}
+	return m
+}
+
+func referenceBatch(t *testing.T) (*Tensor, *Tensor) {
+	x := make([]float32, 40)
+	for i := range x {
+		x[i] = float32((i*37)%101)/101.0 - 0.5
+	}
+	y := make([]int32, 10)
+	for r := range y {
+		y[r] = int32(r % 3)
+	}
+	xt, err := FromFloat32([]int64{10, 4}, x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	yt, err := FromInt32([]int64{10}, y)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return xt, yt
+}
+
+func referenceEngine(t *testing.T, m *Model) *Engine {
+	e, err := NewEngine(m, Options{LR: 0.1, Momentum: 0.9, Devices: 2, Processes: ProcessesSingle})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+func TestLossesHaveTheCReferenceBits(t *testing.T) {
+	path := os.Getenv("DPAR_REFERENCE_LOSSES")
+	if path == "" {
+		t.Fatal("DPAR_REFERENCE_LOSSES: the file build/tests/binding_reference writes (ctest sets it)")
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	expected := strings.Fields(string(data))
+	m := referenceModel(t)
+	defer m.Close()
+	e := referenceEngine(t, m)
+	defer e.Close()
+	x, y := referenceBatch(t)
+	defer x.Close()
+	defer y.Close()
+	var got []string
+	for i := 0; i < 5; i++ {
+		loss, err := e.TrainStep(x, y)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, fmt.Sprintf("%08x", math.Float32bits(loss)))
+	}
+	if strings.Join(got, " ") != strings.Join(expected, " ") || len(expected) != 5 {
+		t.Fatalf("loss bits %v, the C reference %v", got, expected)
+	}
+	if n, _ := e.StepCount(); n != 5 {
+		t.Fatalf("step count %d", n)
+	}
+}
+
+func TestABadCallIsAnErrorWithDparsMessage(t *testing.T) {
+	m := referenceModel(t)
+	defer m.Close()
+	e := referenceEngine(t, m)
+	defer e.Close()
+	x, _ := FromFloat32([]int64{2, 5}, make([]float32, 10))
+	y, _ := FromInt32([]int64{2}, []int32{0, 1})
+	_, err := e.TrainStep(x, y)
+	var de *Error
+	if !errors.As(err, &de) || de.Status != ErrInvalidArg || !strings.Contains(de.Message, "4") {
+		t.Fatalf("got %v", err)
+	}
+	if !strings.HasPrefix(err.Error(), "DPAR_ERR_INVALID_ARGUMENT: ") {
+		t.Fatalf("got %q", err.Error())
+	}
+	if _, _, err := ParseDevice("tpu:1"); err == nil || !strings.Contains(err.Error(), "tpu:1") {
+		t.Fatalf("got %v", err)
+	}
+	if k, i, err := ParseDevice("cpu:1"); err != nil || k != CPU || i != 1 {
+		t.Fatalf("got %v %v %v", k, i, err)
+	}
+}
+
+func TestAHooksErrorComesBackWithItsOwnMessage(t *testing.T) {
+	m := referenceModel(t)
+	defer m.Close()
+	e := referenceEngine(t, m)
+	defer e.Close()
+	x, y := referenceBatch(t)
+	var mu sync.Mutex
+	var seen []string
+	err := e.SetForwardHook(func(replica int, in, out []int64) error {
+		mu.Lock()
+		seen = append(seen, fmt.Sprint(replica, in, out))
+		mu.Unlock()
+		if replica == 1 {
+			return &Error{Status: ErrDevice, Message: "the Go probe failed on replica 1"}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.TrainStep(x, y)
+	var de *Error
+	if !errors.As(err, &de) || de.Status != ErrDevice || !strings.Contains(de.Message, "the Go probe failed on replica 1") {
+		t.Fatalf("got %v", err)
+	}
+	if len(seen) != 2 {
+		t.Fatalf("hook calls %v", seen)
+	}
+	if err := e.SetForwardHook(func(int, []int64, []int64) error { panic("hook exploded") }); err != nil {
+		t.Fatal(err)
+	}
+	if _, err = e.TrainStep(x, y); err == nil || !strings.Contains(err.Error(), "hook exploded") {
+		t.Fatalf("got %v", err)
+	}
+	if err := e.SetForwardHook(nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.TrainStep(x, y); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestCollectivesAndAbortOverAThreadGroup(t *testing.T) {
+	g, err := NewCommGroup(3, 30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	comms := make([]*Comm, 3)
+	for r := range comms {
+		if comms[r], err = g.Member(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g.Close()
+	var wg sync.WaitGroup
+	errs := make([]error, 3)
+	for r := range comms {
+		wg.Add(1)
+		go func(r int) {
+			defer wg.Done()
+			c := comms[r]
+			buf := []float32{float32(r + 1), 1}
+			if err := c.AllReduceFloat32(buf, Sum); err != nil || buf[0] != 6 || buf[1] != 3 {
+				errs[r] = fmt.Errorf("all-reduce: %v %v", buf, err)
+				return
+			}
+			errs[r] = c.Barrier()
+		}(r)
+	}
+	wg.Wait() // every participant has left the collectives
+	if err := comms[2].Abort("rank 2 is done"); err != nil {
+		t.Fatal(err)
+	}
+	for r := range comms {
+		wg.Add(1)
+		go func(r int) {
+			defer wg.Done()
+			err := comms[r].AsyncError()
+			var de *Error
+			if !errors.As(err, &de) || de.Status != ErrRemote || !strings.Contains(de.Message, "rank 2 is done") {
+				errs[r] = fmt.Errorf("async error %v", err)
+			}
+		}(r)
+	}
+	wg.Wait()
+	for r, err := range errs {
+		if err != nil {
+			t.Errorf("participant %d: %v", r, err)
+		}
+		comms[r].Close()
+	}
+}

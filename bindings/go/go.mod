@@ -1,0 +1,3 @@
+module dpar.dev/go
+
+go 1.19

@@ -1,0 +1,597 @@
+"""dpar for Python: data-parallel training over several devices through dpar's C ABI.
+
+Every handle is an object with close() and a context manager (and a finalizer as a safety net); every failed call
+raises DparError carrying dpar's status and message. float32/int32 NumPy arrays go in and come out without a copy:
+Tensor.wrap(array) keeps the array alive as long as the tensor, Tensor.numpy() is a view of dpar's memory, and
+tensors speak DLPack (__dlpack__, Tensor.from_dlpack).
+"""
+import weakref
+
+import numpy as np
+
+from . import raw as _raw
+
+OK = _raw.DPAR_OK
+ERR_INVALID_ARGUMENT = _raw.DPAR_ERR_INVALID_ARGUMENT
+ERR_OUT_OF_MEMORY = _raw.DPAR_ERR_OUT_OF_MEMORY
+ERR_DEVICE = _raw.DPAR_ERR_DEVICE
+ERR_COMMUNICATION = _raw.DPAR_ERR_COMMUNICATION
+ERR_REMOTE = _raw.DPAR_ERR_REMOTE
+ERR_TIMEOUT = _raw.DPAR_ERR_TIMEOUT
+ERR_MISMATCH = _raw.DPAR_ERR_MISMATCH
+ERR_IO = _raw.DPAR_ERR_IO
+ERR_CORRUPT = _raw.DPAR_ERR_CORRUPT
+ERR_NOT_SUPPORTED = _raw.DPAR_ERR_NOT_SUPPORTED
+ERR_INVALID_STATE = _raw.DPAR_ERR_INVALID_STATE
+ERR_INTERNAL = _raw.DPAR_ERR_INTERNAL
+
+F32, I32 = _raw.DPAR_F32, _raw.DPAR_I32
+RELU, GELU, TANH, SIGMOID = _raw.DPAR_RELU, _raw.DPAR_GELU, _raw.DPAR_TANH, _raw.DPAR_SIGMOID
+SUM, MEAN, MAX, MIN = _raw.DPAR_SUM, _raw.DPAR_MEAN, _raw.DPAR_MAX, _raw.DPAR_MIN
+LOSS_CROSS_ENTROPY, LOSS_MSE = _raw.DPAR_LOSS_CROSS_ENTROPY, _raw.DPAR_LOSS_MSE
+PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = (_raw.DPAR_PROCESSES_AUTO, _raw.DPAR_PROCESSES_SINGLE,
+                                                   _raw.DPAR_PROCESSES_MPI)
+SGD, ADAM, ADAMW = _raw.DPAR_SGD, _raw.DPAR_ADAM, _raw.DPAR_ADAMW
+FAULT_NONE, FAULT_ALLOC, FAULT_FORWARD, FAULT_BACKWARD = (_raw.DPAR_FAULT_NONE, _raw.DPAR_FAULT_ALLOC,
+                                                          _raw.DPAR_FAULT_FORWARD, _raw.DPAR_FAULT_BACKWARD)
+DEVICE_CPU, DEVICE_CUDA = _raw.DPAR_DEVICE_CPU, _raw.DPAR_DEVICE_CUDA
+
+
+class DparError(Exception):
+    """A failed dpar call: `status` (a negative dpar_status), `name` ("DPAR_ERR_TIMEOUT") and dpar's `message`.
+    Raise one from a callback to fail the engine call with that status and message."""
+
+    def __init__(self, status, message):
+        super().__init__(f"{status_name(status)}: {message}")
+        self.status = status
+        self.message = message
+
+    @property
+    def name(self):
+        return status_name(self.status)
+
+
+def status_name(status):
+    return _raw.dpar_status_str(status)
+
+
+def _check(result):
+    """A raw call's result: the status alone, or [status, outputs...]. Raises DparError after reading, then
+    clearing, the thread's message (the raw call and this read run on the same thread)."""
+    status, rest = (result[0], result[1:]) if isinstance(result, list) else (result, [])
+    if status != OK:
+        message = _raw.dpar_last_error()
+        _raw.dpar_clear_error()
+        raise DparError(status, message)
+    return rest[0] if len(rest) == 1 else (tuple(rest) if rest else None)
+
+
+def _scalar(dtype):
+    return np.zeros(1, dtype=dtype)
+
+
+def version():
+    return _raw.dpar_version()
+
+
+def version_string():
+    return _raw.dpar_version_string()
+
+
+def device_count(kind=DEVICE_CPU):
+    n = _scalar(np.uintp)
+    _check(_raw.dpar_device_count(n.ctypes.data, kind))
+    return int(n[0])
+
+
+def parse_device(text):
+    """(kind, index) of "cpu:3", "cpu" or "cuda:1"."""
+    d = _raw.dpar_device()
+    _check(_raw.dpar_device_parse(d, text))
+    return d.kind, d.index
+
+
+class _Handle:
+    """Owns one dpar handle: close() frees it (idempotent); the finalizer is a safety net only."""
+
+    _free = None
+
+    def _own(self, raw):
+        self._raw = raw
+        self._finalizer = weakref.finalize(self, type(self)._free, raw)
+
+    def close(self):
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+_NP = {F32: np.float32, I32: np.int32}
+
+
+class Tensor(_Handle):
+    """A dpar tensor. From NumPy without a copy (wrap), or a copy (from_numpy); numpy() is a view of its memory."""
+
+    _free = staticmethod(_raw.dpar_tensor_free)
+
+    def __init__(self, raw, keep=None, owned=True):
+        if owned:
+            self._own(raw)
+        else:  # borrowed from its parent (a loader's batch): never freed here
+            self._raw, self._finalizer = raw, None
+        self._keep = keep  # what the memory belongs to
+
+    @classmethod
+    def zeros(cls, shape, dtype=F32, device=(DEVICE_CPU, 0)):
+        shape_a = np.asarray(shape, dtype=np.int64)
+        d = _raw.dpar_device()
+        d.kind, d.index = device
+        return cls(_check(_raw.dpar_tensor_create(dtype, shape_a.ctypes.data, len(shape_a), d)))
+
+    @classmethod
+    def wrap(cls, array):
+        """Wraps a C-contiguous float32 or int32 array without a copy; the tensor keeps it alive."""
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.dtype not in (np.float32,
+                                                                                                  np.int32):
+            raise DparError(ERR_INVALID_ARGUMENT, "wrap: takes a C-contiguous float32 or int32 numpy array")
+        shape = np.asarray(array.shape, dtype=np.int64)
+        dtype = F32 if array.dtype == np.float32 else I32
+        return cls(_check(_raw.dpar_tensor_wrap_host(dtype, shape.ctypes.data, len(shape), array.ctypes.data)),
+                   keep=array)
+
+    @classmethod
+    def from_numpy(cls, array):
+        """A copy of any array convertible to float32 (or int32 for integer arrays)."""
+        a = np.asarray(array)
+        a = np.ascontiguousarray(a, dtype=np.int32 if a.dtype.kind in "iu" else np.float32)
+        t = cls.zeros(a.shape, F32 if a.dtype == np.float32 else I32)
+        _check(_raw.dpar_tensor_copy_from_host(t._raw, a.ctypes.data, a.nbytes))
+        return t
+
+    @classmethod
+    def from_dlpack(cls, obj):
+        """Takes any object with __dlpack__ (NumPy, PyTorch, CuPy, a dpar Tensor) without a copy."""
+        capsule = obj.__dlpack__() if hasattr(obj, "__dlpack__") else obj
+        return cls(_check(list(_raw.dpar_py_tensor_from_dlpack(capsule))), keep=obj)
+
+    @property
+    def shape(self):
+        out, n = np.zeros(4, dtype=np.int64), _scalar(np.uintp)
+        _check(_raw.dpar_tensor_shape(out.ctypes.data, n.ctypes.data, self._raw, 4))
+        return tuple(int(v) for v in out[: int(n[0])])
+
+    def info(self):
+        """(dtype, numel, (device kind, index))."""
+        dt, n, d = _scalar(np.int32), _scalar(np.uintp), _raw.dpar_device()
+        _check(_raw.dpar_tensor_info(dt.ctypes.data, n.ctypes.data, d, self._raw))
+        return int(dt[0]), int(n[0]), (d.kind, d.index)
+
+    @property
+    def dtype(self):
+        return self.info()[0]
+
+    def numpy(self):
+        """A view of the tensor's host memory (no copy); it keeps the tensor alive."""
+        dtype, n, _ = self.info()
+        addr = _scalar(np.uintp)
+        _check(_raw.dpar_tensor_data(addr.ctypes.data, self._raw))
+        ctype = np.ctypeslib.ctypes.c_float if dtype == F32 else np.ctypeslib.ctypes.c_int32
+        pointer = np.ctypeslib.ctypes.cast(int(addr[0]), np.ctypeslib.ctypes.POINTER(ctype))
+        view = np.ctypeslib.as_array(pointer, shape=self.shape).view(_View)
+        view._owner = self  # the tensor lives as long as the view
+        return view
+
+    def copy_to_numpy(self):
+        dtype, n, _ = self.info()
+        out = np.empty(self.shape, dtype=_NP[dtype])
+        _check(_raw.dpar_tensor_copy_to_host(out.ctypes.data, self._raw, out.nbytes))
+        return out
+
+    def copy_from(self, array):
+        a = np.ascontiguousarray(array, dtype=_NP[self.dtype])
+        _check(_raw.dpar_tensor_copy_from_host(self._raw, a.ctypes.data, a.nbytes))
+
+    def __dlpack__(self, stream=None):
+        return _check(list(_raw.dpar_py_tensor_to_dlpack(self._raw)))
+
+    def __dlpack_device__(self):
+        _, _, (kind, index) = self.info()
+        return (2, index) if kind == DEVICE_CUDA else (1, 0)  # kDLCUDA, kDLCPU
+
+
+class _View(np.ndarray):
+    """A NumPy view of a dpar tensor's memory that keeps the tensor alive."""
+
+    _owner = None
+
+    def __array_finalize__(self, obj):
+        self._owner = getattr(obj, "_owner", None)
+
+
+class Model(_Handle):
+    """A sequential model: the template an Engine copies to every device."""
+
+    _free = staticmethod(_raw.dpar_model_free)
+
+    def __init__(self, seed=0):
+        o = _raw.dpar_model_options()
+        _check(_raw.dpar_model_options_init(o))
+        o.seed = seed
+        self._own(_check(_raw.dpar_model_create(o)))
+
+    def linear(self, in_features, out_features, bias=True):
+        _check(_raw.dpar_model_add_linear(self._raw, in_features, out_features, 1 if bias else 0))
+        return self
+
+    def activation(self, kind):
+        _check(_raw.dpar_model_add_activation(self._raw, kind))
+        return self
+
+    def dropout(self, p):
+        _check(_raw.dpar_model_add_dropout(self._raw, p))
+        return self
+
+    def _count(self, fn):
+        n = _scalar(np.uintp)
+        _check(fn(n.ctypes.data, self._raw))
+        return int(n[0])
+
+    @property
+    def num_layers(self):
+        return self._count(_raw.dpar_model_num_layers)
+
+    @property
+    def num_params(self):
+        return self._count(_raw.dpar_model_num_params)
+
+    @property
+    def num_param_elements(self):
+        return self._count(_raw.dpar_model_num_param_elements)
+
+    def param_info(self, index):
+        """(name, shape) of parameter `index`."""
+        shape, n = np.zeros(4, dtype=np.int64), _scalar(np.uintp)
+        _check(_raw.dpar_model_param_info(shape.ctypes.data, n.ctypes.data, self._raw, index))
+        name = _raw.dpar_model_param_name(self._raw, index)
+        if name is None:
+            _check(ERR_INVALID_ARGUMENT)
+        return name, tuple(int(v) for v in shape[: int(n[0])])
+
+    def get_param(self, index):
+        _, shape = self.param_info(index)
+        out = np.empty(shape, dtype=np.float32)
+        _check(_raw.dpar_model_get_param(out.ctypes.data, self._raw, index, out.size))
+        return out
+
+    def set_param(self, index, values):
+        a = np.ascontiguousarray(values, dtype=np.float32)
+        _check(_raw.dpar_model_set_param(self._raw, index, a.ctypes.data, a.size))
+
+
+class Engine(_Handle):
+    """A DataParallel engine. Thread-safe (dpar serialises calls on it); the lock is released during calls."""
+
+    _free = staticmethod(_raw.dpar_engine_free)
+
+    def __init__(self, model, optimizer=SGD, lr=0.01, momentum=0.0, weight_decay=0.0, nesterov=False,
+                 devices=0, device_ids=None, loss=LOSS_CROSS_ENTROPY, seed=0, timeout_seconds=300.0,
+                 processes=PROCESSES_AUTO, **engine_fields):
+        oo = _raw.dpar_optimizer_options()
+        _check(_raw.dpar_optimizer_options_init(oo))
+        oo.kind, oo.lr, oo.momentum, oo.weight_decay, oo.nesterov = optimizer, lr, momentum, weight_decay, int(nesterov)
+        eo = _raw.dpar_engine_options()
+        _check(_raw.dpar_engine_options_init(eo))
+        eo.num_cpu_devices, eo.loss, eo.seed, eo.timeout_seconds, eo.processes = (devices, loss, seed,
+                                                                                  timeout_seconds, processes)
+        for k, v in engine_fields.items():
+            setattr(eo, k, v)
+        self._ids = None
+        if device_ids is not None:
+            self._ids = np.ascontiguousarray(device_ids, dtype=np.int32)
+            eo.device_ids, eo.num_device_ids = self._ids.ctypes.data, len(self._ids)
+        self._inputs = None  # a training-mode forward's input stays alive until the next call
+        self._own(_check(_raw.dpar_engine_create(model._raw, oo, eo)))
+
+    @staticmethod
+    def _tensor(x):
+        return x if isinstance(x, Tensor) else Tensor.wrap(np.ascontiguousarray(x))
+
+    def train_step(self, inputs, targets):
+        """One fused step on NumPy arrays or Tensors; returns the mean loss."""
+        x, y = self._tensor(inputs), self._tensor(targets)
+        loss = _scalar(np.float32)
+        _check(_raw.dpar_engine_train_step(loss.ctypes.data, self._raw, x._raw, y._raw))
+        return float(loss[0])
+
+    def accumulate(self, inputs, targets):
+        x, y = self._tensor(inputs), self._tensor(targets)
+        loss = _scalar(np.float32)
+        _check(_raw.dpar_engine_accumulate(loss.ctypes.data, self._raw, x._raw, y._raw))
+        return float(loss[0])
+
+    def step(self):
+        _check(_raw.dpar_engine_step(self._raw))
+
+    def zero_grad(self):
+        _check(_raw.dpar_engine_zero_grad(self._raw))
+
+    def forward(self, inputs):
+        """DataParallel's forward; returns a Tensor (its numpy() is a view). The input stays referenced until the
+        next call, as the engine keeps a view of it for backward."""
+        x = self._tensor(inputs)
+        self._inputs = x
+        return Tensor(_check(_raw.dpar_engine_forward(self._raw, x._raw)))
+
+    def backward(self, grad_output):
+        _check(_raw.dpar_engine_backward(self._raw, self._tensor(grad_output)._raw))
+
+    def set_training(self, training):
+        _check(_raw.dpar_engine_set_training(self._raw, 1 if training else 0))
+
+    def set_lr(self, lr):
+        _check(_raw.dpar_engine_set_lr(self._raw, lr))
+
+    def _count(self, fn):
+        n = _scalar(np.uintp)
+        _check(fn(n.ctypes.data, self._raw))
+        return int(n[0])
+
+    @property
+    def step_count(self):
+        return self._count(_raw.dpar_engine_step_count)
+
+    @property
+    def num_replicas(self):
+        return self._count(_raw.dpar_engine_num_replicas)
+
+    @property
+    def num_buckets(self):
+        return self._count(_raw.dpar_engine_num_buckets)
+
+    @property
+    def processes(self):
+        r, s = _scalar(np.uintp), _scalar(np.uintp)
+        _check(_raw.dpar_engine_processes(r.ctypes.data, s.ctypes.data, self._raw))
+        return int(r[0]), int(s[0])
+
+    def replica_device(self, replica):
+        d = _raw.dpar_device()
+        _check(_raw.dpar_engine_replica_device(d, self._raw, replica))
+        return d.kind, d.index
+
+    def split(self, batch):
+        out = np.zeros(self.num_replicas, dtype=np.uintp)
+        _check(_raw.dpar_engine_split(out.ctypes.data, self._raw, batch, len(out)))
+        return [int(v) for v in out]
+
+    def replica_losses(self):
+        out = np.zeros(self.num_replicas, dtype=np.float32)
+        _check(_raw.dpar_engine_replica_losses(out.ctypes.data, self._raw, len(out)))
+        return out
+
+    def params(self, replica, count):
+        out = np.zeros(count, dtype=np.float32)
+        _check(_raw.dpar_engine_get_params(out.ctypes.data, self._raw, replica, count))
+        return out
+
+    def set_forward_hook(self, hook):
+        """hook(replica, input_shape, output_shape) on every replica's worker thread after its forward; None
+        removes it. An exception fails the engine call with its text (a DparError's status is kept)."""
+        _check(_raw.dpar_py_set_forward_hook(self._raw, hook))
+
+    def save(self, path):
+        _check(_raw.dpar_engine_save(self._raw, str(path)))
+
+    def load(self, path):
+        _check(_raw.dpar_engine_load(self._raw, str(path)))
+
+    def abort(self):
+        _check(_raw.dpar_engine_abort(self._raw))
+
+    def inject_fault(self, replica, fault):
+        _check(_raw.dpar_engine_inject_fault(self._raw, replica, fault))
+
+
+class Dataset(_Handle):
+    _free = staticmethod(_raw.dpar_dataset_free)
+
+    def __init__(self, images_path, labels_path):
+        self._own(_check(_raw.dpar_dataset_load_idx(str(images_path), str(labels_path))))
+
+    def info(self):
+        """(samples, features, classes)."""
+        s, f, c = _scalar(np.uintp), _scalar(np.uintp), _scalar(np.uintp)
+        _check(_raw.dpar_dataset_info(s.ctypes.data, f.ctypes.data, c.ctypes.data, self._raw))
+        return int(s[0]), int(f[0]), int(c[0])
+
+    def normalize(self, mean, std):
+        _check(_raw.dpar_dataset_normalize(self._raw, mean, std))
+
+
+class Loader(_Handle):
+    """Iterating yields (inputs, labels) Tensors borrowed from the loader until the next batch."""
+
+    _free = staticmethod(_raw.dpar_loader_free)
+
+    def __init__(self, dataset, batch_size, shuffle=False, seed=0, drop_last=False):
+        self._own(_check(_raw.dpar_loader_create(dataset._raw, batch_size, int(shuffle), seed, int(drop_last))))
+
+    def start_epoch(self, epoch):
+        _check(_raw.dpar_loader_start_epoch(self._raw, epoch))
+
+    @property
+    def num_batches(self):
+        n = _scalar(np.uintp)
+        _check(_raw.dpar_loader_num_batches(n.ctypes.data, self._raw))
+        return int(n[0])
+
+    def shard(self, shard, num_shards):
+        _check(_raw.dpar_loader_shard(self._raw, shard, num_shards))
+
+    def next(self):
+        more = _scalar(np.int32)
+        _check(_raw.dpar_loader_next(more.ctypes.data, self._raw))
+        if not more[0]:
+            return None
+        x, y = _raw.dpar_loader_inputs(self._raw), _raw.dpar_loader_labels(self._raw)
+        return Tensor(x, keep=self, owned=False), Tensor(y, keep=self, owned=False)
+
+    def __iter__(self):
+        while True:
+            batch = self.next()
+            if batch is None:
+                return
+            yield batch
+
+
+_DT = {np.dtype(np.float32): F32, np.dtype(np.float64): _raw.DPAR_F64, np.dtype(np.int32): I32,
+       np.dtype(np.int64): _raw.DPAR_I64}
+
+
+def _comm_options(timeout_seconds):
+    o = _raw.dpar_comm_options()
+    _check(_raw.dpar_comm_options_init(o))
+    o.timeout_seconds = timeout_seconds
+    return o
+
+
+class CommGroup(_Handle):
+    _free = staticmethod(_raw.dpar_comm_group_free)
+
+    def __init__(self, size, timeout_seconds=300.0):
+        self._own(_check(_raw.dpar_comm_group_create(size, _comm_options(timeout_seconds))))
+
+    def member(self, rank):
+        return Comm(_check(_raw.dpar_comm_group_member(self._raw, rank)))
+
+
+class Comm(_Handle):
+    """One participant: collectives on NumPy arrays (in place when recv is None)."""
+
+    _free = staticmethod(_raw.dpar_comm_free)
+
+    def __init__(self, raw):
+        self._own(raw)
+
+    @classmethod
+    def mpi(cls, timeout_seconds=300.0):
+        return cls(_check(_raw.dpar_comm_create_mpi(_comm_options(timeout_seconds))))
+
+    @property
+    def rank_size(self):
+        r, s = _scalar(np.uintp), _scalar(np.uintp)
+        _check(_raw.dpar_comm_info(r.ctypes.data, s.ctypes.data, self._raw))
+        return int(r[0]), int(s[0])
+
+    def all_reduce(self, send, recv=None, op=SUM):
+        recv = send if recv is None else recv
+        _check(_raw.dpar_comm_all_reduce(self._raw, send.ctypes.data, recv.ctypes.data, send.size,
+                                         _DT[send.dtype], op))
+        return recv
+
+    def broadcast(self, buffer, root):
+        _check(_raw.dpar_comm_broadcast(self._raw, buffer.ctypes.data, buffer.size, _DT[buffer.dtype], root))
+        return buffer
+
+    def reduce(self, send, recv, op=SUM, root=0):
+        _check(_raw.dpar_comm_reduce(self._raw, send.ctypes.data, recv.ctypes.data, send.size, _DT[send.dtype], op,
+                                     root))
+
+    def all_gather(self, send, recv):
+        _check(_raw.dpar_comm_all_gather(self._raw, send.ctypes.data, recv.ctypes.data, send.size,
+                                         _DT[send.dtype]))
+        return recv
+
+    def reduce_scatter(self, send, recv, op=SUM):
+        _check(_raw.dpar_comm_reduce_scatter(self._raw, send.ctypes.data, recv.ctypes.data, recv.size,
+                                             _DT[send.dtype], op))
+        return recv
+
+    def barrier(self):
+        _check(_raw.dpar_comm_barrier(self._raw))
+
+    def abort(self, reason=""):
+        _check(_raw.dpar_comm_abort(self._raw, reason))
+
+    def async_error(self):
+        """None while usable; else the DparError the next collective would raise."""
+        s = _scalar(np.int32)
+        _check(_raw.dpar_comm_get_async_error(s.ctypes.data, self._raw))
+        if s[0] != OK:
+            message = _raw.dpar_last_error()
+            _raw.dpar_clear_error()
+            return DparError(int(s[0]), message)
+        return None
+
+    def _work(self, result, *buffers):
+        return Work(_check(result), buffers)
+
+    def all_reduce_async(self, buffer, op=SUM):
+        return self._work(_raw.dpar_comm_all_reduce_async(self._raw, buffer.ctypes.data, buffer.ctypes.data,
+                                                          buffer.size, _DT[buffer.dtype], op), buffer)
+
+    def broadcast_async(self, buffer, root):
+        return self._work(_raw.dpar_comm_broadcast_async(self._raw, buffer.ctypes.data, buffer.size,
+                                                         _DT[buffer.dtype], root), buffer)
+
+    def all_gather_async(self, send, recv):
+        return self._work(_raw.dpar_comm_all_gather_async(self._raw, send.ctypes.data, recv.ctypes.data, send.size,
+                                                          _DT[send.dtype]), send, recv)
+
+    def reduce_scatter_async(self, send, recv, op=SUM):
+        return self._work(_raw.dpar_comm_reduce_scatter_async(self._raw, send.ctypes.data, recv.ctypes.data,
+                                                              recv.size, _DT[send.dtype], op), send, recv)
+
+
+class Work(_Handle):
+    """An asynchronous collective; it keeps its arrays alive until freed (close() waits)."""
+
+    _free = staticmethod(_raw.dpar_work_free)
+
+    def __init__(self, raw, buffers):
+        self._own(raw)
+        self._buffers = buffers
+
+    def test(self):
+        done = _scalar(np.int32)
+        _check(_raw.dpar_work_test(done.ctypes.data, self._raw))
+        return bool(done[0])
+
+    def wait(self):
+        _check(_raw.dpar_work_wait(self._raw))
+
+
+class Reducer(_Handle):
+    """DDP's gradient reducer over float32 arrays it keeps alive; mark each with grad_ready(i), then wait()."""
+
+    _free = staticmethod(_raw.dpar_reducer_free)
+
+    def __init__(self, comm, grads, first_bucket_bytes=0, bucket_cap_bytes=0, op=MEAN):
+        self._grads = [g if g.dtype == np.float32 and g.flags.c_contiguous else None for g in grads]
+        if any(g is None for g in self._grads):
+            raise DparError(ERR_INVALID_ARGUMENT, "grads: C-contiguous float32 arrays only")
+        self._ptrs = np.array([g.ctypes.data for g in grads], dtype=np.uintp)
+        self._counts = np.array([g.size for g in grads], dtype=np.uintp)
+        o = _raw.dpar_reducer_options()
+        _check(_raw.dpar_reducer_options_init(o))
+        o.first_bucket_bytes, o.bucket_cap_bytes, o.op = first_bucket_bytes, bucket_cap_bytes, op
+        self._comm = comm
+        self._own(_check(_raw.dpar_reducer_create(comm._raw, self._ptrs.ctypes.data, self._counts.ctypes.data,
+                                                  len(grads), o)))
+
+    @property
+    def num_buckets(self):
+        n = _scalar(np.uintp)
+        _check(_raw.dpar_reducer_num_buckets(n.ctypes.data, self._raw))
+        return int(n[0])
+
+    def grad_ready(self, index):
+        _check(_raw.dpar_reducer_grad_ready(self._raw, index))
+
+    def wait(self):
+        _check(_raw.dpar_reducer_wait(self._raw))

@@ -1,0 +1,1374 @@
+//! Safe Rust bindings to dpar, data-parallel training over several devices through dpar's C ABI.
+//!
+//! Every handle is owned by a type whose `Drop` frees it; every fallible call returns
+//! `Result<T, dpar::Error>`, carrying dpar's status and message. Borrowed results (a loader's batch, a custom
+//! layer's tensors) borrow their parent, so the compiler keeps the parent alive while they are used.
+//!
+//! Thread-safety follows `dpar.h`: an [`Engine`] serialises calls on itself, so it is `Send + Sync`; tensors,
+//! models, datasets and loaders are `Send` but not `Sync`; a [`Comm`] belongs to one participant (`&mut self` for
+//! collectives) but may be aborted or asked for an asynchronous error from any thread.
+use std::ffi::{CStr, CString};
+use std::fmt;
+use std::marker::PhantomData;
+use std::os::raw::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::ptr;
+
+pub use dpar_sys as sys;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Errors
+
+/// A failed dpar call: its status (a `dpar_status`, see [`status`]) and dpar's message.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Error {
+    status: i32,
+    message: String,
+}
+
+/// The status codes of `dpar.h`. A newer library may return others: any negative value is an error.
+pub mod status {
+    pub use dpar_sys::{
+        DPAR_ERR_COMMUNICATION as COMMUNICATION, DPAR_ERR_CORRUPT as CORRUPT, DPAR_ERR_DEVICE as DEVICE,
+        DPAR_ERR_INTERNAL as INTERNAL, DPAR_ERR_INVALID_ARGUMENT as INVALID_ARGUMENT,
+        DPAR_ERR_INVALID_STATE as INVALID_STATE, DPAR_ERR_IO as IO, DPAR_ERR_MISMATCH as MISMATCH,
+        DPAR_ERR_NOT_SUPPORTED as NOT_SUPPORTED, DPAR_ERR_OUT_OF_MEMORY as OUT_OF_MEMORY,
+        DPAR_ERR_REMOTE as REMOTE, DPAR_ERR_TIMEOUT as TIMEOUT, DPAR_OK as OK,
+    };
+}
+
+impl Error {
+    /// An error to return from a callback (a custom layer, the forward hook): dpar reports `message` as the
+    /// failing call's message and `status` as its status.
+    pub fn new(status: i32, message: impl Into<String>) -> Error {
+        Error { status, message: message.into() }
+    }
+    /// The `dpar_status` (negative).
+    pub fn status(&self) -> i32 {
+        self.status
+    }
+    /// dpar's message: what failed and why.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+    /// The status's name, such as "DPAR_ERR_TIMEOUT".
+    pub fn name(&self) -> &'static str {
+        status_name(self.status)
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.name(), self.message)
+    }
+}
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// The static name of a status, such as "DPAR_ERR_TIMEOUT" ("DPAR_ERR_UNKNOWN" for a code dpar does not have).
+pub fn status_name(status: i32) -> &'static str {
+    // Static storage in the library.
+    unsafe { CStr::from_ptr(sys::dpar_status_str(status)) }.to_str().unwrap_or("DPAR_ERR_UNKNOWN")
+}
+
+/// Reads, then clears, the calling thread's last error (right after the failed call, on the same thread).
+fn take_error(status: i32) -> Error {
+    let message = unsafe { CStr::from_ptr(sys::dpar_last_error()) }.to_string_lossy().into_owned();
+    unsafe { sys::dpar_clear_error() };
+    Error { status, message }
+}
+
+fn check(status: i32) -> Result<()> {
+    if status == sys::DPAR_OK {
+        Ok(())
+    } else {
+        Err(take_error(status))
+    }
+}
+
+fn cstring(s: &str, what: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::new(status::INVALID_ARGUMENT, format!("{}: contains a NUL byte", what)))
+}
+
+fn path_cstring(p: &Path) -> Result<CString> {
+    cstring(p.to_str().ok_or_else(|| Error::new(status::INVALID_ARGUMENT, "path: not UTF-8"))?, "path")
+}
+
+/// Runs a callback body at the C boundary: an `Err` becomes its status with its message (dpar_set_error), a
+/// panic becomes DPAR_ERR_INTERNAL with the panic's text. Nothing unwinds into C.
+fn boundary(body: impl FnOnce() -> Result<()>) -> i32 {
+    let outcome = catch_unwind(AssertUnwindSafe(body));
+    let (status, message) = match outcome {
+        Ok(Ok(())) => return sys::DPAR_OK,
+        Ok(Err(e)) => (if e.status < 0 { e.status } else { status::INTERNAL }, e.message),
+        Err(panic) => {
+            let text = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".to_string());
+            (status::INTERNAL, format!("panicked: {}", text))
+        }
+    };
+    let c = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    unsafe { sys::dpar_set_error(status, c.as_ptr()) }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Versions and devices
+
+/// The loaded library's version, MAJOR*10000 + MINOR*100 + PATCH.
+pub fn version() -> i32 {
+    unsafe { sys::dpar_version() }
+}
+
+/// The loaded library's version string, such as "0.3.0".
+pub fn version_string() -> &'static str {
+    unsafe { CStr::from_ptr(sys::dpar_version_string()) }.to_str().unwrap_or("")
+}
+
+/// Kinds of devices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+}
+
+/// A device such as cpu:3.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Device {
+    pub kind: DeviceKind,
+    pub index: i32,
+}
+
+impl Device {
+    pub fn cpu(index: i32) -> Device {
+        Device { kind: DeviceKind::Cpu, index }
+    }
+    /// Parses "cpu:3", "cpu" or "cuda:1".
+    pub fn parse(text: &str) -> Result<Device> {
+        let c = cstring(text, "text")?;
+        let mut d = sys::dpar_device { kind: 0, index: 0 };
+        check(unsafe { sys::dpar_device_parse(&mut d, c.as_ptr()) })?;
+        Ok(Device::from_raw(d))
+    }
+    fn from_raw(d: sys::dpar_device) -> Device {
+        let kind = if d.kind == sys::DPAR_DEVICE_CUDA { DeviceKind::Cuda } else { DeviceKind::Cpu };
+        Device { kind, index: d.index }
+    }
+    fn raw(&self) -> sys::dpar_device {
+        let kind = match self.kind {
+            DeviceKind::Cpu => sys::DPAR_DEVICE_CPU,
+            DeviceKind::Cuda => sys::DPAR_DEVICE_CUDA,
+        };
+        sys::dpar_device { kind, index: self.index }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = if self.kind == DeviceKind::Cuda { "cuda" } else { "cpu" };
+        write!(f, "{}:{}", kind, self.index)
+    }
+}
+
+/// How many devices of a kind an engine uses by default (CPU: DPAR_CPU_DEVICES or the cores this process may use).
+pub fn device_count(kind: DeviceKind) -> Result<usize> {
+    let mut n = 0usize;
+    check(unsafe { sys::dpar_device_count(&mut n, Device { kind, index: 0 }.raw().kind) })?;
+    Ok(n)
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensors
+
+/// Element types of tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    I32,
+}
+
+impl DType {
+    fn raw(self) -> i32 {
+        match self {
+            DType::F32 => sys::DPAR_F32,
+            DType::I32 => sys::DPAR_I32,
+        }
+    }
+}
+
+/// Read access shared by owned tensors and borrowed ones.
+pub trait AsTensor {
+    /// The handle, for a dpar call that only reads it.
+    fn as_raw(&self) -> *const sys::dpar_tensor;
+
+    /// The extents.
+    fn shape(&self) -> Result<Vec<i64>> {
+        let mut s = [0i64; sys::DPAR_MAX_DIMS];
+        let mut n = 0usize;
+        check(unsafe { sys::dpar_tensor_shape(s.as_mut_ptr(), &mut n, self.as_raw(), s.len()) })?;
+        Ok(s[..n].to_vec())
+    }
+    /// The element type, element count and device.
+    fn info(&self) -> Result<(DType, usize, Device)> {
+        let (mut dt, mut n, mut d) = (0i32, 0usize, sys::dpar_device { kind: 0, index: 0 });
+        check(unsafe { sys::dpar_tensor_info(&mut dt, &mut n, &mut d, self.as_raw()) })?;
+        let dtype = if dt == sys::DPAR_I32 { DType::I32 } else { DType::F32 };
+        Ok((dtype, n, Device::from_raw(d)))
+    }
+    /// A copy of an f32 tensor's elements.
+    fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        let (_, n, _) = self.info()?;
+        let mut v = vec![0f32; n];
+        check(unsafe {
+            sys::dpar_tensor_copy_to_host(v.as_mut_ptr() as *mut c_void, self.as_raw(), n * 4)
+        })?;
+        Ok(v)
+    }
+    /// A copy of an i32 tensor's elements.
+    fn to_vec_i32(&self) -> Result<Vec<i32>> {
+        let (_, n, _) = self.info()?;
+        let mut v = vec![0i32; n];
+        check(unsafe {
+            sys::dpar_tensor_copy_to_host(v.as_mut_ptr() as *mut c_void, self.as_raw(), n * 4)
+        })?;
+        Ok(v)
+    }
+}
+
+/// An owned tensor. `'a` is the lifetime of caller memory it wraps without a copy (`'static` for dpar's own).
+pub struct Tensor<'a> {
+    raw: *mut sys::dpar_tensor,
+    _memory: PhantomData<&'a mut [u8]>,
+}
+
+// A tensor handle may move between threads; it must not be used by two at once (no Sync).
+unsafe impl Send for Tensor<'_> {}
+
+impl fmt::Debug for Tensor<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor{:?}", self.shape().unwrap_or_default())
+    }
+}
+
+impl AsTensor for Tensor<'_> {
+    fn as_raw(&self) -> *const sys::dpar_tensor {
+        self.raw
+    }
+}
+
+impl Drop for Tensor<'_> {
+    fn drop(&mut self) {
+        unsafe { sys::dpar_tensor_free(self.raw) }
+    }
+}
+
+impl Tensor<'static> {
+    /// A zero-filled tensor on a device.
+    pub fn zeros(dtype: DType, shape: &[i64], device: Device) -> Result<Tensor<'static>> {
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::dpar_tensor_create(&mut raw, dtype.raw(), shape.as_ptr(), shape.len(), device.raw()) })?;
+        Ok(Tensor { raw, _memory: PhantomData })
+    }
+    /// A cpu:0 f32 tensor holding a copy of `values`.
+    pub fn from_f32(shape: &[i64], values: &[f32]) -> Result<Tensor<'static>> {
+        let t = Tensor::zeros(DType::F32, shape, Device::cpu(0))?;
+        check(unsafe { sys::dpar_tensor_copy_from_host(t.raw, values.as_ptr() as *const c_void, values.len() * 4) })?;
+        Ok(t)
+    }
+    /// A cpu:0 i32 tensor holding a copy of `values`.
+    pub fn from_i32(shape: &[i64], values: &[i32]) -> Result<Tensor<'static>> {
+        let t = Tensor::zeros(DType::I32, shape, Device::cpu(0))?;
+        check(unsafe { sys::dpar_tensor_copy_from_host(t.raw, values.as_ptr() as *const c_void, values.len() * 4) })?;
+        Ok(t)
+    }
+    /// Takes a DLPack tensor (`DLManagedTensor*`) from another framework without a copy; dpar calls its deleter
+    /// when the tensor is dropped.
+    ///
+    /// # Safety
+    /// `managed` must be a valid DLManagedTensor whose memory stays valid until its deleter runs.
+    pub unsafe fn from_dlpack(managed: *mut c_void) -> Result<Tensor<'static>> {
+        let mut raw = ptr::null_mut();
+        check(sys::dpar_tensor_from_dlpack(&mut raw, managed as *mut sys::DLManagedTensor))?;
+        Ok(Tensor { raw, _memory: PhantomData })
+    }
+}
+
+impl<'a> Tensor<'a> {
+    /// Wraps caller memory as a cpu:0 f32 tensor, without a copy: the slice stays borrowed while the tensor lives.
+    pub fn wrap_f32(shape: &[i64], data: &'a mut [f32]) -> Result<Tensor<'a>> {
+        Tensor::wrap(DType::F32, shape, data.as_mut_ptr() as *mut c_void, data.len())
+    }
+    /// Wraps caller memory as a cpu:0 i32 tensor, without a copy.
+    pub fn wrap_i32(shape: &[i64], data: &'a mut [i32]) -> Result<Tensor<'a>> {
+        Tensor::wrap(DType::I32, shape, data.as_mut_ptr() as *mut c_void, data.len())
+    }
+    fn wrap(dtype: DType, shape: &[i64], data: *mut c_void, len: usize) -> Result<Tensor<'a>> {
+        let numel: i64 = shape.iter().product();
+        if shape.is_empty() || numel < 0 || numel as usize != len {
+            return Err(Error::new(
+                status::INVALID_ARGUMENT,
+                format!("shape {:?} holds {} elements, the slice {}", shape, numel, len),
+            ));
+        }
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::dpar_tensor_wrap_host(&mut raw, dtype.raw(), shape.as_ptr(), shape.len(), data) })?;
+        Ok(Tensor { raw, _memory: PhantomData })
+    }
+    /// Overwrites an f32 tensor's elements.
+    pub fn copy_from_f32(&mut self, values: &[f32]) -> Result<()> {
+        check(unsafe { sys::dpar_tensor_copy_from_host(self.raw, values.as_ptr() as *const c_void, values.len() * 4) })
+    }
+    /// A host f32 tensor's elements, in place.
+    pub fn as_f32_mut(&mut self) -> Result<&mut [f32]> {
+        let (dtype, n, _) = self.info()?;
+        if dtype != DType::F32 {
+            return Err(Error::new(status::INVALID_ARGUMENT, "tensor: not f32"));
+        }
+        let mut p = ptr::null_mut();
+        check(unsafe { sys::dpar_tensor_data(&mut p, self.raw) })?;
+        Ok(unsafe { std::slice::from_raw_parts_mut(p as *mut f32, n) })
+    }
+    /// Hands the tensor to another framework as a DLPack `DLManagedTensor*` (shares the storage). The receiver
+    /// calls its deleter.
+    pub fn to_dlpack(&self) -> Result<*mut c_void> {
+        let mut out = ptr::null_mut();
+        check(unsafe { sys::dpar_tensor_to_dlpack(&mut out, self.raw) })?;
+        Ok(out as *mut c_void)
+    }
+}
+
+/// A tensor borrowed from its parent (a loader's batch, a custom layer's argument) for `'a`.
+#[derive(Clone, Copy)]
+pub struct TensorRef<'a> {
+    raw: *const sys::dpar_tensor,
+    _parent: PhantomData<&'a ()>,
+}
+
+impl AsTensor for TensorRef<'_> {
+    fn as_raw(&self) -> *const sys::dpar_tensor {
+        self.raw
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Models and custom layers
+
+/// Elementwise activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Relu,
+    Gelu,
+    Tanh,
+    Sigmoid,
+}
+
+/// How a custom layer's parameter is initialised.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    Zeros,
+    /// Uniform in [-bound, bound], from the model's seed.
+    Uniform(f32),
+}
+
+/// One parameter of a custom layer.
+#[derive(Debug, Clone)]
+pub struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub init: Init,
+}
+
+/// What a custom layer's forward receives: the replica's tensors, for the duration of the call.
+pub struct Forward<'a> {
+    pub replica: usize,
+    pub training: bool,
+    pub input_shape: Vec<i64>,
+    pub input: &'a [f32],
+    pub output: &'a mut [f32],
+    pub params: Vec<&'a [f32]>,
+}
+
+/// What a custom layer's backward receives. `grads` are written (not added to): dpar accumulates.
+pub struct Backward<'a> {
+    pub replica: usize,
+    pub input_shape: Vec<i64>,
+    pub input: &'a [f32],
+    pub output: &'a [f32],
+    pub grad_output: &'a [f32],
+    /// None when dpar does not need dL/d input (the first layer).
+    pub grad_input: Option<&'a mut [f32]>,
+    pub params: Vec<&'a [f32]>,
+    pub grads: Vec<&'a mut [f32]>,
+}
+
+/// A layer whose math is written in Rust. Replicas call it concurrently from their worker threads, hence
+/// `Send + Sync`. An `Err` fails the engine call with the error's status and message; a panic is caught at the
+/// boundary and reported as DPAR_ERR_INTERNAL.
+pub trait CustomLayer: Send + Sync + 'static {
+    /// The output shape for an input shape (batch extent first, kept).
+    fn output_shape(&self, input: &[i64]) -> Result<Vec<i64>>;
+    fn forward(&self, args: Forward<'_>) -> Result<()>;
+    fn backward(&self, args: Backward<'_>) -> Result<()>;
+}
+
+unsafe fn host_slice<'a>(t: *const sys::dpar_tensor) -> Result<&'a mut [f32]> {
+    let r = TensorRef { raw: t, _parent: PhantomData };
+    let (_, n, _) = r.info()?;
+    let mut p = ptr::null_mut();
+    check(sys::dpar_tensor_data(&mut p, t as *mut sys::dpar_tensor))?;
+    Ok(std::slice::from_raw_parts_mut(p as *mut f32, n))
+}
+
+unsafe extern "C" fn custom_shape<L: CustomLayer>(
+    payload: *mut c_void,
+    out_shape: *mut i64,
+    out_ndim: *mut usize,
+    in_shape: *const i64,
+    in_ndim: usize,
+) -> i32 {
+    let layer = &*(payload as *const L);
+    boundary(|| {
+        let input = std::slice::from_raw_parts(in_shape, in_ndim);
+        let out = layer.output_shape(input)?;
+        if out.is_empty() || out.len() > sys::DPAR_MAX_DIMS {
+            return Err(Error::new(status::INVALID_ARGUMENT, format!("output_shape gave {:?}", out)));
+        }
+        for (i, e) in out.iter().enumerate() {
+            *out_shape.add(i) = *e;
+        }
+        *out_ndim = out.len();
+        Ok(())
+    })
+}
+
+unsafe fn params_of<'a>(call: &sys::dpar_custom_call) -> Result<Vec<&'a [f32]>> {
+    (0..call.num_params).map(|i| host_slice(*call.params.add(i)).map(|s| &*s)).collect()
+}
+
+unsafe extern "C" fn custom_forward<L: CustomLayer>(payload: *mut c_void, call: *const sys::dpar_custom_call) -> i32 {
+    let layer = &*(payload as *const L);
+    boundary(|| {
+        let c = &*call;
+        let input_ref = TensorRef { raw: c.input, _parent: PhantomData };
+        layer.forward(Forward {
+            replica: c.replica,
+            training: c.training != 0,
+            input_shape: input_ref.shape()?,
+            input: host_slice(c.input)?,
+            output: host_slice(c.output)?,
+            params: params_of(c)?,
+        })
+    })
+}
+
+unsafe extern "C" fn custom_backward<L: CustomLayer>(payload: *mut c_void, call: *const sys::dpar_custom_call) -> i32 {
+    let layer = &*(payload as *const L);
+    boundary(|| {
+        let c = &*call;
+        let input_ref = TensorRef { raw: c.input, _parent: PhantomData };
+        let grad_input = if c.grad_input.is_null() { None } else { Some(host_slice(c.grad_input)?) };
+        let grads = (0..c.num_params).map(|i| host_slice(*c.grads.add(i))).collect::<Result<Vec<_>>>()?;
+        layer.backward(Backward {
+            replica: c.replica,
+            input_shape: input_ref.shape()?,
+            input: host_slice(c.input)?,
+            output: host_slice(c.output)?,
+            grad_output: host_slice(c.grad_output)?,
+            grad_input,
+            params: params_of(c)?,
+            grads,
+        })
+    })
+}
+
+unsafe extern "C" fn drop_payload<T>(payload: *mut c_void) {
+    drop(Box::from_raw(payload as *mut T));
+}
+
+/// A sequential model on the host: the template an [`Engine`] copies to every device.
+pub struct Model {
+    raw: *mut sys::dpar_model,
+}
+
+unsafe impl Send for Model {}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        unsafe { sys::dpar_model_free(self.raw) }
+    }
+}
+
+impl Model {
+    /// An empty model whose parameters are initialised from `seed`.
+    pub fn new(seed: u64) -> Result<Model> {
+        let mut o = unsafe { std::mem::zeroed::<sys::dpar_model_options>() };
+        check(unsafe { sys::dpar_model_options_init(&mut o) })?;
+        o.seed = seed;
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::dpar_model_create(&mut raw, &o) })?;
+        Ok(Model { raw })
+    }
+    /// Appends y = x W^T + b, initialised as PyTorch's nn.Linear.
+    pub fn linear(&mut self, in_features: i64, out_features: i64, bias: bool) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_linear(self.raw, in_features, out_features, bias as i32) })?;
+        Ok(self)
+    }
+    pub fn activation(&mut self, a: Activation) -> Result<&mut Model> {
+        let code = match a {
+            Activation::Relu => sys::DPAR_RELU,
+            Activation::Gelu => sys::DPAR_GELU,
+            Activation::Tanh => sys::DPAR_TANH,
+            Activation::Sigmoid => sys::DPAR_SIGMOID,
+        };
+        check(unsafe { sys::dpar_model_add_activation(self.raw, code) })?;
+        Ok(self)
+    }
+    pub fn dropout(&mut self, p: f32) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_dropout(self.raw, p) })?;
+        Ok(self)
+    }
+    /// Appends a layer written in Rust. dpar owns `layer` from here: it is dropped when the model and every engine
+    /// built from it are gone.
+    pub fn custom<L: CustomLayer>(&mut self, name: &str, params: &[ParamSpec], layer: L) -> Result<&mut Model> {
+        let cname = cstring(name, "name")?;
+        let names = params.iter().map(|p| cstring(&p.name, "param name")).collect::<Result<Vec<_>>>()?;
+        let mut specs = Vec::with_capacity(params.len());
+        for (p, n) in params.iter().zip(&names) {
+            if p.shape.is_empty() || p.shape.len() > sys::DPAR_MAX_DIMS {
+                return Err(Error::new(status::INVALID_ARGUMENT, format!("{}: shape {:?}", p.name, p.shape)));
+            }
+            let mut shape = [0i64; sys::DPAR_MAX_DIMS];
+            shape[..p.shape.len()].copy_from_slice(&p.shape);
+            let (init, bound) = match p.init {
+                Init::Zeros => (sys::DPAR_INIT_ZEROS, 0.0),
+                Init::Uniform(b) => (sys::DPAR_INIT_UNIFORM, b),
+            };
+            specs.push(sys::dpar_param_spec { name: n.as_ptr(), ndim: p.shape.len(), shape, init, bound });
+        }
+        let mut desc = unsafe { std::mem::zeroed::<sys::dpar_custom_layer>() };
+        check(unsafe { sys::dpar_custom_layer_init(&mut desc) })?;
+        desc.name = cname.as_ptr();
+        desc.params = specs.as_ptr();
+        desc.num_params = specs.len();
+        desc.output_shape = Some(custom_shape::<L>);
+        desc.forward = Some(custom_forward::<L>);
+        desc.backward = Some(custom_backward::<L>);
+        desc.payload = Box::into_raw(Box::new(layer)) as *mut c_void;
+        desc.destroy = Some(drop_payload::<L>);
+        // From here dpar owns the payload, even when it refuses the layer (it calls destroy then).
+        check(unsafe { sys::dpar_model_add_custom(self.raw, &desc) })?;
+        Ok(self)
+    }
+    pub fn num_layers(&self) -> Result<usize> {
+        let mut n = 0;
+        check(unsafe { sys::dpar_model_num_layers(&mut n, self.raw) })?;
+        Ok(n)
+    }
+    /// The number of parameter tensors.
+    pub fn num_params(&self) -> Result<usize> {
+        let mut n = 0;
+        check(unsafe { sys::dpar_model_num_params(&mut n, self.raw) })?;
+        Ok(n)
+    }
+    pub fn num_param_elements(&self) -> Result<usize> {
+        let mut n = 0;
+        check(unsafe { sys::dpar_model_num_param_elements(&mut n, self.raw) })?;
+        Ok(n)
+    }
+    /// Parameter `index`'s name ("0.weight") and shape.
+    pub fn param_info(&self, index: usize) -> Result<(String, Vec<i64>)> {
+        let mut s = [0i64; sys::DPAR_MAX_DIMS];
+        let mut n = 0usize;
+        check(unsafe { sys::dpar_model_param_info(s.as_mut_ptr(), &mut n, self.raw, index) })?;
+        let name = unsafe { sys::dpar_model_param_name(self.raw, index) };
+        if name.is_null() {
+            return Err(take_error(status::INVALID_ARGUMENT));
+        }
+        Ok((unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned(), s[..n].to_vec()))
+    }
+    pub fn get_param(&self, index: usize) -> Result<Vec<f32>> {
+        let (_, shape) = self.param_info(index)?;
+        let mut v = vec![0f32; shape.iter().product::<i64>() as usize];
+        check(unsafe { sys::dpar_model_get_param(v.as_mut_ptr(), self.raw, index, v.len()) })?;
+        Ok(v)
+    }
+    pub fn set_param(&mut self, index: usize, values: &[f32]) -> Result<()> {
+        check(unsafe { sys::dpar_model_set_param(self.raw, index, values.as_ptr(), values.len()) })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The engine
+
+/// Optimizer options, PyTorch's defaults unless set.
+#[derive(Clone, Copy)]
+pub struct Optimizer(sys::dpar_optimizer_options);
+
+impl Optimizer {
+    fn with_kind(kind: i32, lr: f32) -> Optimizer {
+        let mut o = unsafe { std::mem::zeroed::<sys::dpar_optimizer_options>() };
+        unsafe { sys::dpar_optimizer_options_init(&mut o) };
+        o.kind = kind;
+        o.lr = lr;
+        Optimizer(o)
+    }
+    pub fn sgd(lr: f32) -> Optimizer {
+        Optimizer::with_kind(sys::DPAR_SGD, lr)
+    }
+    pub fn adam(lr: f32) -> Optimizer {
+        Optimizer::with_kind(sys::DPAR_ADAM, lr)
+    }
+    pub fn adamw(lr: f32) -> Optimizer {
+        Optimizer::with_kind(sys::DPAR_ADAMW, lr)
+    }
+    pub fn momentum(mut self, m: f32) -> Optimizer {
+        self.0.momentum = m;
+        self
+    }
+    pub fn dampening(mut self, d: f32) -> Optimizer {
+        self.0.dampening = d;
+        self
+    }
+    pub fn nesterov(mut self, on: bool) -> Optimizer {
+        self.0.nesterov = on as i32;
+        self
+    }
+    pub fn weight_decay(mut self, w: f32) -> Optimizer {
+        self.0.weight_decay = w;
+        self
+    }
+    pub fn betas(mut self, beta1: f32, beta2: f32) -> Optimizer {
+        self.0.beta1 = beta1;
+        self.0.beta2 = beta2;
+        self
+    }
+    pub fn eps(mut self, eps: f32) -> Optimizer {
+        self.0.eps = eps;
+        self
+    }
+}
+
+/// Losses of the fused training step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loss {
+    CrossEntropy,
+    Mse,
+}
+
+/// Which processes an engine spans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Processes {
+    Auto,
+    Single,
+    Mpi,
+}
+
+/// Engine options (dpar_engine_options), the header's defaults unless set.
+#[derive(Clone)]
+pub struct EngineOptions {
+    raw: sys::dpar_engine_options,
+    device_ids: Option<Vec<i32>>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> EngineOptions {
+        let mut raw = unsafe { std::mem::zeroed::<sys::dpar_engine_options>() };
+        unsafe { sys::dpar_engine_options_init(&mut raw) };
+        EngineOptions { raw, device_ids: None }
+    }
+}
+
+impl EngineOptions {
+    pub fn new() -> EngineOptions {
+        EngineOptions::default()
+    }
+    /// How many virtual CPU devices exist (0: dpar's default count).
+    pub fn cpu_devices(mut self, n: usize) -> EngineOptions {
+        self.raw.num_cpu_devices = n;
+        self
+    }
+    /// The kind of every device of this engine (default CPU): with Cuda, device_ids name GPUs (one may repeat, to
+    /// put several replicas on it).
+    pub fn device_kind(mut self, kind: DeviceKind) -> EngineOptions {
+        self.raw.device_kind = Device { kind, index: 0 }.raw().kind;
+        self
+    }
+    /// The devices to use, in order.
+    pub fn device_ids(mut self, ids: &[i32]) -> EngineOptions {
+        self.device_ids = Some(ids.to_vec());
+        self
+    }
+    pub fn output_device(mut self, id: i32) -> EngineOptions {
+        self.raw.output_device = id;
+        self
+    }
+    pub fn loss(mut self, loss: Loss) -> EngineOptions {
+        self.raw.loss = if loss == Loss::Mse { sys::DPAR_LOSS_MSE } else { sys::DPAR_LOSS_CROSS_ENTROPY };
+        self
+    }
+    pub fn seed(mut self, seed: u64) -> EngineOptions {
+        self.raw.seed = seed;
+        self
+    }
+    pub fn timeout_seconds(mut self, s: f64) -> EngineOptions {
+        self.raw.timeout_seconds = s;
+        self
+    }
+    pub fn blas_threads(mut self, n: usize) -> EngineOptions {
+        self.raw.blas_threads = n;
+        self
+    }
+    pub fn pin_workers(mut self, on: bool) -> EngineOptions {
+        self.raw.pin_workers = on as i32;
+        self
+    }
+    pub fn buckets(mut self, first_bucket_bytes: usize, bucket_cap_bytes: usize) -> EngineOptions {
+        self.raw.first_bucket_bytes = first_bucket_bytes;
+        self.raw.bucket_cap_bytes = bucket_cap_bytes;
+        self
+    }
+    pub fn processes(mut self, p: Processes) -> EngineOptions {
+        self.raw.processes = match p {
+            Processes::Auto => sys::DPAR_PROCESSES_AUTO,
+            Processes::Single => sys::DPAR_PROCESSES_SINGLE,
+            Processes::Mpi => sys::DPAR_PROCESSES_MPI,
+        };
+        self
+    }
+}
+
+/// Faults that [`Engine::inject_fault`] arms, for tests of error handling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    None,
+    Alloc,
+    Forward,
+    Backward,
+}
+
+type HookFn = dyn Fn(usize, &[i64], &[i64]) -> Result<()> + Send + Sync;
+
+unsafe extern "C" fn hook_trampoline(
+    payload: *mut c_void,
+    replica: usize,
+    input_shape: *const i64,
+    input_ndim: usize,
+    output_shape: *const i64,
+    output_ndim: usize,
+) -> i32 {
+    let hook = &*(payload as *const Box<HookFn>);
+    boundary(|| {
+        hook(
+            replica,
+            std::slice::from_raw_parts(input_shape, input_ndim),
+            std::slice::from_raw_parts(output_shape, output_ndim),
+        )
+    })
+}
+
+/// A DataParallel engine: one worker thread per device, each with a persistent replica.
+pub struct Engine {
+    raw: *mut sys::dpar_engine,
+}
+
+// dpar.h: "an engine may be called from several threads; calls are serialised by a lock inside it".
+unsafe impl Send for Engine {}
+unsafe impl Sync for Engine {}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        unsafe { sys::dpar_engine_free(self.raw) }
+    }
+}
+
+impl Engine {
+    /// Copies `model` to every device (the model may be dropped or changed afterwards).
+    pub fn new(model: &Model, optimizer: &Optimizer, options: &EngineOptions) -> Result<Engine> {
+        let mut o = options.raw;
+        if let Some(ids) = &options.device_ids {
+            o.device_ids = ids.as_ptr();
+            o.num_device_ids = ids.len();
+        }
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::dpar_engine_create(&mut raw, model.raw, &optimizer.0, &o) })?;
+        Ok(Engine { raw })
+    }
+    /// One fused training step; returns the mean loss over the batch.
+    pub fn train_step(&self, input: &impl AsTensor, target: &impl AsTensor) -> Result<f32> {
+        let mut loss = 0f32;
+        check(unsafe { sys::dpar_engine_train_step(&mut loss, self.raw, input.as_raw(), target.as_raw()) })?;
+        Ok(loss)
+    }
+    /// Forward, loss and backward of a micro-batch, accumulating gradients (DDP's no_sync); then [`Engine::step`].
+    pub fn accumulate(&self, input: &impl AsTensor, target: &impl AsTensor) -> Result<f32> {
+        let mut loss = 0f32;
+        check(unsafe { sys::dpar_engine_accumulate(&mut loss, self.raw, input.as_raw(), target.as_raw()) })?;
+        Ok(loss)
+    }
+    pub fn step(&self) -> Result<()> {
+        check(unsafe { sys::dpar_engine_step(self.raw) })
+    }
+    pub fn zero_grad(&self) -> Result<()> {
+        check(unsafe { sys::dpar_engine_zero_grad(self.raw) })
+    }
+    /// DataParallel's forward, gathered on the output device. In training mode the engine keeps a view of the
+    /// input until backward, so the input must be dpar's memory (`Tensor<'static>` or a loader's batch).
+    pub fn forward(&self, input: &Tensor<'static>) -> Result<Tensor<'static>> {
+        self.forward_raw(input.raw)
+    }
+    /// [`Engine::forward`] on a loader's batch (dpar's memory, alive while the engine holds a view of it).
+    pub fn forward_batch(&self, input: TensorRef<'_>) -> Result<Tensor<'static>> {
+        self.forward_raw(input.raw)
+    }
+    fn forward_raw(&self, input: *const sys::dpar_tensor) -> Result<Tensor<'static>> {
+        let mut out = ptr::null_mut();
+        check(unsafe { sys::dpar_engine_forward(&mut out, self.raw, input) })?;
+        Ok(Tensor { raw: out, _memory: PhantomData })
+    }
+    pub fn backward(&self, grad_output: &impl AsTensor) -> Result<()> {
+        check(unsafe { sys::dpar_engine_backward(self.raw, grad_output.as_raw()) })
+    }
+    pub fn set_training(&self, training: bool) -> Result<()> {
+        check(unsafe { sys::dpar_engine_set_training(self.raw, training as i32) })
+    }
+    pub fn set_lr(&self, lr: f32) -> Result<()> {
+        check(unsafe { sys::dpar_engine_set_lr(self.raw, lr) })
+    }
+    pub fn step_count(&self) -> Result<usize> {
+        let mut n = 0;
+        check(unsafe { sys::dpar_engine_step_count(&mut n, self.raw) })?;
+        Ok(n)
+    }
+    pub fn num_replicas(&self) -> Result<usize> {
+        let mut n = 0;
+        check(unsafe { sys::dpar_engine_num_replicas(&mut n, self.raw) })?;
+        Ok(n)
+    }
+    /// This process's rank and the number of processes the engine spans.
+    pub fn processes(&self) -> Result<(usize, usize)> {
+        let (mut r, mut s) = (0usize, 0usize);
+        check(unsafe { sys::dpar_engine_processes(&mut r, &mut s, self.raw) })?;
+        Ok((r, s))
+    }
+    pub fn num_buckets(&self) -> Result<usize> {
+        let mut n = 0;
+        check(unsafe { sys::dpar_engine_num_buckets(&mut n, self.raw) })?;
+        Ok(n)
+    }
+    pub fn replica_device(&self, replica: usize) -> Result<Device> {
+        let mut d = sys::dpar_device { kind: 0, index: 0 };
+        check(unsafe { sys::dpar_engine_replica_device(&mut d, self.raw, replica) })?;
+        Ok(Device::from_raw(d))
+    }
+    /// How a batch of `batch` rows is split over the replicas.
+    pub fn split(&self, batch: usize) -> Result<Vec<usize>> {
+        let mut v = vec![0usize; self.num_replicas()?];
+        check(unsafe { sys::dpar_engine_split(v.as_mut_ptr(), self.raw, batch, v.len()) })?;
+        Ok(v)
+    }
+    /// Each replica's loss in the last step (NaN for replicas that got no rows).
+    pub fn replica_losses(&self) -> Result<Vec<f32>> {
+        let mut v = vec![0f32; self.num_replicas()?];
+        check(unsafe { sys::dpar_engine_replica_losses(v.as_mut_ptr(), self.raw, v.len()) })?;
+        Ok(v)
+    }
+    /// A replica's parameters, flattened in parameter order.
+    pub fn params(&self, replica: usize, model_elements: usize) -> Result<Vec<f32>> {
+        let mut v = vec![0f32; model_elements];
+        check(unsafe { sys::dpar_engine_get_params(v.as_mut_ptr(), self.raw, replica, v.len()) })?;
+        Ok(v)
+    }
+    /// Installs a hook called by each replica after its forward with its chunk's input and output shapes, on the
+    /// worker threads (concurrently); `None` removes it. An `Err` fails the engine call with its message.
+    pub fn set_forward_hook<F>(&self, hook: Option<F>) -> Result<()>
+    where
+        F: Fn(usize, &[i64], &[i64]) -> Result<()> + Send + Sync + 'static,
+    {
+        match hook {
+            None => check(unsafe { sys::dpar_engine_set_forward_hook(self.raw, None, ptr::null_mut(), None) }),
+            Some(f) => {
+                let boxed: Box<Box<HookFn>> = Box::new(Box::new(f));
+                let payload = Box::into_raw(boxed) as *mut c_void;
+                let s = unsafe {
+                    sys::dpar_engine_set_forward_hook(
+                        self.raw,
+                        Some(hook_trampoline),
+                        payload,
+                        Some(drop_payload::<Box<HookFn>>),
+                    )
+                };
+                check(s)
+            }
+        }
+    }
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let p = path_cstring(path.as_ref())?;
+        check(unsafe { sys::dpar_engine_save(self.raw, p.as_ptr()) })
+    }
+    pub fn load(&self, path: impl AsRef<Path>) -> Result<()> {
+        let p = path_cstring(path.as_ref())?;
+        check(unsafe { sys::dpar_engine_load(self.raw, p.as_ptr()) })
+    }
+    /// Aborts a call in flight on another thread; the engine cannot continue afterwards.
+    pub fn abort(&self) -> Result<()> {
+        check(unsafe { sys::dpar_engine_abort(self.raw) })
+    }
+    pub fn inject_fault(&self, replica: usize, fault: Fault) -> Result<()> {
+        let f = match fault {
+            Fault::None => sys::DPAR_FAULT_NONE,
+            Fault::Alloc => sys::DPAR_FAULT_ALLOC,
+            Fault::Forward => sys::DPAR_FAULT_FORWARD,
+            Fault::Backward => sys::DPAR_FAULT_BACKWARD,
+        };
+        check(unsafe { sys::dpar_engine_inject_fault(self.raw, replica, f) })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Datasets and loaders
+
+/// An in-memory dataset of (f32 sample, i32 label).
+pub struct Dataset {
+    raw: *mut sys::dpar_dataset,
+}
+
+unsafe impl Send for Dataset {}
+
+impl Drop for Dataset {
+    fn drop(&mut self) {
+        unsafe { sys::dpar_dataset_free(self.raw) }
+    }
+}
+
+impl Dataset {
+    /// Reads an IDX image file and an IDX label file (plain or .gz), as MNIST and Fashion-MNIST ship.
+    pub fn load_idx(images: impl AsRef<Path>, labels: impl AsRef<Path>) -> Result<Dataset> {
+        let (i, l) = (path_cstring(images.as_ref())?, path_cstring(labels.as_ref())?);
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::dpar_dataset_load_idx(&mut raw, i.as_ptr(), l.as_ptr()) })?;
+        Ok(Dataset { raw })
+    }
+    /// (samples, features, classes).
+    pub fn info(&self) -> Result<(usize, usize, usize)> {
+        let (mut s, mut f, mut c) = (0, 0, 0);
+        check(unsafe { sys::dpar_dataset_info(&mut s, &mut f, &mut c, self.raw) })?;
+        Ok((s, f, c))
+    }
+    pub fn normalize(&mut self, mean: f32, std: f32) -> Result<()> {
+        check(unsafe { sys::dpar_dataset_normalize(self.raw, mean, std) })
+    }
+}
+
+/// A batch borrowed from its loader until the loader's next call.
+pub struct Batch<'a> {
+    pub inputs: TensorRef<'a>,
+    pub labels: TensorRef<'a>,
+}
+
+/// A seeded, shuffling batch loader. It shares the dataset's data: the dataset may be dropped first.
+pub struct Loader {
+    raw: *mut sys::dpar_loader,
+}
+
+unsafe impl Send for Loader {}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        unsafe { sys::dpar_loader_free(self.raw) }
+    }
+}
+
+impl Loader {
+    pub fn new(dataset: &Dataset, batch_size: usize, shuffle: bool, seed: u64, drop_last: bool) -> Result<Loader> {
+        let mut raw = ptr::null_mut();
+        check(unsafe {
+            sys::dpar_loader_create(&mut raw, dataset.raw, batch_size, shuffle as i32, seed, drop_last as i32)
+        })?;
+        Ok(Loader { raw })
+    }
+    pub fn start_epoch(&mut self, epoch: u64) -> Result<()> {
+        check(unsafe { sys::dpar_loader_start_epoch(self.raw, epoch) })
+    }
+    pub fn num_batches(&self) -> Result<usize> {
+        let mut n = 0;
+        check(unsafe { sys::dpar_loader_num_batches(&mut n, self.raw) })?;
+        Ok(n)
+    }
+    /// Yields only shard `shard` of `num_shards` of each batch (one process's part).
+    pub fn shard(&mut self, shard: usize, num_shards: usize) -> Result<()> {
+        check(unsafe { sys::dpar_loader_shard(self.raw, shard, num_shards) })
+    }
+    /// The next batch of the epoch, or None at its end. The batch borrows the loader until the next call.
+    pub fn next_batch(&mut self) -> Result<Option<Batch<'_>>> {
+        let mut more = 0i32;
+        check(unsafe { sys::dpar_loader_next(&mut more, self.raw) })?;
+        if more == 0 {
+            return Ok(None);
+        }
+        let (x, y) = unsafe { (sys::dpar_loader_inputs(self.raw), sys::dpar_loader_labels(self.raw)) };
+        if x.is_null() || y.is_null() {
+            return Err(take_error(status::INTERNAL));
+        }
+        Ok(Some(Batch {
+            inputs: TensorRef { raw: x, _parent: PhantomData },
+            labels: TensorRef { raw: y, _parent: PhantomData },
+        }))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Collectives
+
+/// Element types the collectives move.
+pub trait CommType: Copy {
+    const DTYPE: i32;
+}
+impl CommType for f32 {
+    const DTYPE: i32 = sys::DPAR_F32;
+}
+impl CommType for f64 {
+    const DTYPE: i32 = sys::DPAR_F64;
+}
+impl CommType for i32 {
+    const DTYPE: i32 = sys::DPAR_I32;
+}
+impl CommType for i64 {
+    const DTYPE: i32 = sys::DPAR_I64;
+}
+
+/// Reductions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+    Max,
+    Min,
+}
+
+impl ReduceOp {
+    fn raw(self) -> i32 {
+        match self {
+            ReduceOp::Sum => sys::DPAR_SUM,
+            ReduceOp::Mean => sys::DPAR_MEAN,
+            ReduceOp::Max => sys::DPAR_MAX,
+            ReduceOp::Min => sys::DPAR_MIN,
+        }
+    }
+}
+
+fn comm_options(timeout_seconds: f64) -> Result<sys::dpar_comm_options> {
+    let mut o = unsafe { std::mem::zeroed::<sys::dpar_comm_options>() };
+    check(unsafe { sys::dpar_comm_options_init(&mut o) })?;
+    o.timeout_seconds = timeout_seconds;
+    Ok(o)
+}
+
+/// The participants of one process (one thread each, shared memory). Its members keep it alive.
+pub struct CommGroup {
+    raw: *mut sys::dpar_comm_group,
+}
+
+unsafe impl Send for CommGroup {}
+
+impl Drop for CommGroup {
+    fn drop(&mut self) {
+        unsafe { sys::dpar_comm_group_free(self.raw) }
+    }
+}
+
+impl CommGroup {
+    pub fn new(size: usize, timeout_seconds: f64) -> Result<CommGroup> {
+        let o = comm_options(timeout_seconds)?;
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::dpar_comm_group_create(&mut raw, size, &o) })?;
+        Ok(CommGroup { raw })
+    }
+    /// Participant `rank`'s communicator, for the thread that plays it.
+    pub fn member(&self, rank: usize) -> Result<Comm> {
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::dpar_comm_group_member(&mut raw, self.raw, rank) })?;
+        Ok(Comm { raw })
+    }
+}
+
+/// One participant of a group. Collectives take `&mut self` (a participant's calls must not overlap); abort and
+/// async_error may be called from any thread at any time.
+pub struct Comm {
+    raw: *mut sys::dpar_comm,
+}
+
+unsafe impl Send for Comm {}
+unsafe impl Sync for Comm {}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        unsafe { sys::dpar_comm_free(self.raw) }
+    }
+}
+
+fn same_len(a: usize, b: usize, what: &str) -> Result<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(Error::new(status::INVALID_ARGUMENT, format!("{}: {} elements, expected {}", what, a, b)))
+    }
+}
+
+impl Comm {
+    /// This process's communicator over MPI_COMM_WORLD.
+    pub fn mpi(timeout_seconds: f64) -> Result<Comm> {
+        let o = comm_options(timeout_seconds)?;
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::dpar_comm_create_mpi(&mut raw, &o) })?;
+        Ok(Comm { raw })
+    }
+    /// (rank, size).
+    pub fn info(&self) -> Result<(usize, usize)> {
+        let (mut r, mut s) = (0usize, 0usize);
+        check(unsafe { sys::dpar_comm_info(&mut r, &mut s, self.raw) })?;
+        Ok((r, s))
+    }
+    pub fn all_reduce<T: CommType>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        same_len(recv.len(), send.len(), "recv")?;
+        check(unsafe {
+            sys::dpar_comm_all_reduce(
+                self.raw,
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                send.len(),
+                T::DTYPE,
+                op.raw(),
+            )
+        })
+    }
+    pub fn all_reduce_in_place<T: CommType>(&mut self, buffer: &mut [T], op: ReduceOp) -> Result<()> {
+        let p = buffer.as_mut_ptr() as *mut c_void;
+        check(unsafe { sys::dpar_comm_all_reduce(self.raw, p, p, buffer.len(), T::DTYPE, op.raw()) })
+    }
+    pub fn broadcast<T: CommType>(&mut self, buffer: &mut [T], root: usize) -> Result<()> {
+        check(unsafe {
+            sys::dpar_comm_broadcast(self.raw, buffer.as_mut_ptr() as *mut c_void, buffer.len(), T::DTYPE, root)
+        })
+    }
+    /// Reduces into `root`'s `recv` (ignored elsewhere).
+    pub fn reduce<T: CommType>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        same_len(recv.len(), send.len(), "recv")?;
+        check(unsafe {
+            sys::dpar_comm_reduce(
+                self.raw,
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                send.len(),
+                T::DTYPE,
+                op.raw(),
+                root,
+            )
+        })
+    }
+    /// Every participant's `send` into `recv` (size x send.len()), in rank order.
+    pub fn all_gather<T: CommType>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let (_, size) = self.info()?;
+        same_len(recv.len(), send.len() * size, "recv")?;
+        check(unsafe {
+            sys::dpar_comm_all_gather(
+                self.raw,
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                send.len(),
+                T::DTYPE,
+            )
+        })
+    }
+    /// Reduces `send` (size x recv.len()) element-wise; this participant receives its block in `recv`.
+    pub fn reduce_scatter<T: CommType>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        let (_, size) = self.info()?;
+        same_len(send.len(), recv.len() * size, "send")?;
+        check(unsafe {
+            sys::dpar_comm_reduce_scatter(
+                self.raw,
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                recv.len(),
+                T::DTYPE,
+                op.raw(),
+            )
+        })
+    }
+    pub fn barrier(&mut self) -> Result<()> {
+        check(unsafe { sys::dpar_comm_barrier(self.raw) })
+    }
+    /// Aborts the group: every participant's collectives fail with DPAR_ERR_REMOTE and `reason`.
+    pub fn abort(&self, reason: &str) -> Result<()> {
+        let r = cstring(reason, "reason")?;
+        check(unsafe { sys::dpar_comm_abort(self.raw, r.as_ptr()) })
+    }
+    /// Ok(()) while the communicator is usable; else the error its next collective would return.
+    pub fn async_error(&self) -> Result<()> {
+        let mut s = sys::DPAR_OK;
+        check(unsafe { sys::dpar_comm_get_async_error(&mut s, self.raw) })?;
+        check(s)
+    }
+    /// An all-reduce on the communicator's own thread. The buffer stays borrowed until the work is waited for
+    /// or dropped (dropping waits).
+    pub fn all_reduce_async<'a, T: CommType>(&'a mut self, buffer: &'a mut [T], op: ReduceOp) -> Result<Work<'a>> {
+        let p = buffer.as_mut_ptr() as *mut c_void;
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::dpar_comm_all_reduce_async(&mut raw, self.raw, p, p, buffer.len(), T::DTYPE, op.raw()) })?;
+        Ok(Work { raw, _borrow: PhantomData })
+    }
+    pub fn broadcast_async<'a, T: CommType>(&'a mut self, buffer: &'a mut [T], root: usize) -> Result<Work<'a>> {
+        let mut raw = ptr::null_mut();
+        check(unsafe {
+            sys::dpar_comm_broadcast_async(
+                &mut raw,
+                self.raw,
+                buffer.as_mut_ptr() as *mut c_void,
+                buffer.len(),
+                T::DTYPE,
+                root,
+            )
+        })?;
+        Ok(Work { raw, _borrow: PhantomData })
+    }
+    pub fn all_gather_async<'a, T: CommType>(&'a mut self, send: &'a [T], recv: &'a mut [T]) -> Result<Work<'a>> {
+        let (_, size) = self.info()?;
+        same_len(recv.len(), send.len() * size, "recv")?;
+        let mut raw = ptr::null_mut();
+        check(unsafe {
+            sys::dpar_comm_all_gather_async(
+                &mut raw,
+                self.raw,
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                send.len(),
+                T::DTYPE,
+            )
+        })?;
+        Ok(Work { raw, _borrow: PhantomData })
+    }
+    pub fn reduce_scatter_async<'a, T: CommType>(
+        &'a mut self,
+        send: &'a [T],
+        recv: &'a mut [T],
+        op: ReduceOp,
+    ) -> Result<Work<'a>> {
+        let (_, size) = self.info()?;
+        same_len(send.len(), recv.len() * size, "send")?;
+        let mut raw = ptr::null_mut();
+        check(unsafe {
+            sys::dpar_comm_reduce_scatter_async(
+                &mut raw,
+                self.raw,
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                recv.len(),
+                T::DTYPE,
+                op.raw(),
+            )
+        })?;
+        Ok(Work { raw, _borrow: PhantomData })
+    }
+}
+
+/// An asynchronous collective in flight; its buffers stay borrowed for `'a`. Dropping it waits.
+pub struct Work<'a> {
+    raw: *mut sys::dpar_work,
+    _borrow: PhantomData<&'a mut ()>,
+}
+
+impl Drop for Work<'_> {
+    fn drop(&mut self) {
+        unsafe { sys::dpar_work_free(self.raw) }
+    }
+}
+
+impl Work<'_> {
+    /// True once the work has finished (successfully or not). Never blocks.
+    pub fn test(&self) -> Result<bool> {
+        let mut done = 0i32;
+        check(unsafe { sys::dpar_work_test(&mut done, self.raw) })?;
+        Ok(done != 0)
+    }
+    /// Waits; the collective's own status and message.
+    pub fn wait(self) -> Result<()> {
+        check(unsafe { sys::dpar_work_wait(self.raw) })
+    }
+}
+
+/// DDP's gradient reducer over a communicator, for a framework with its own autograd. It owns the gradient
+/// buffers (so that none is written while its bucket is in flight): write one through [`Reducer::grad_mut`],
+/// mark it with [`Reducer::grad_ready`], and [`Reducer::wait`] before the optimizer step.
+pub struct Reducer<'c> {
+    raw: *mut sys::dpar_reducer,
+    grads: Vec<Vec<f32>>,
+    ready: Vec<bool>,
+    _comm: PhantomData<&'c mut Comm>,
+}
+
+impl Drop for Reducer<'_> {
+    fn drop(&mut self) {
+        unsafe { sys::dpar_reducer_free(self.raw) } // before the buffers go
+    }
+}
+
+impl<'c> Reducer<'c> {
+    /// Buffers of `counts` elements, in the model's forward order; the communicator is not used elsewhere
+    /// while the reducer lives. `first_bucket_bytes`/`bucket_cap_bytes` 0: the defaults.
+    pub fn new(
+        comm: &'c mut Comm,
+        counts: &[usize],
+        first_bucket_bytes: usize,
+        bucket_cap_bytes: usize,
+        op: ReduceOp,
+    ) -> Result<Reducer<'c>> {
+        let mut o = unsafe { std::mem::zeroed::<sys::dpar_reducer_options>() };
+        check(unsafe { sys::dpar_reducer_options_init(&mut o) })?;
+        o.first_bucket_bytes = first_bucket_bytes;
+        o.bucket_cap_bytes = bucket_cap_bytes;
+        o.op = op.raw();
+        let mut grads: Vec<Vec<f32>> = counts.iter().map(|&n| vec![0f32; n]).collect();
+        let ptrs: Vec<*mut f32> = grads.iter_mut().map(|g| g.as_mut_ptr()).collect();
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::dpar_reducer_create(&mut raw, comm.raw, ptrs.as_ptr(), counts.as_ptr(), counts.len(), &o) })?;
+        let ready = vec![false; counts.len()];
+        Ok(Reducer { raw, grads, ready, _comm: PhantomData })
+    }
+    pub fn num_buckets(&self) -> Result<usize> {
+        let mut n = 0;
+        check(unsafe { sys::dpar_reducer_num_buckets(&mut n, self.raw) })?;
+        Ok(n)
+    }
+    /// Gradient `index`'s buffer, to write this step's value; refused once it is marked ready, until wait.
+    pub fn grad_mut(&mut self, index: usize) -> Result<&mut [f32]> {
+        match self.ready.get(index) {
+            None => Err(Error::new(status::INVALID_ARGUMENT, format!("index {} is out of range", index))),
+            Some(true) => Err(Error::new(status::INVALID_STATE, format!("gradient {} is in flight until wait()", index))),
+            Some(false) => Ok(&mut self.grads[index]),
+        }
+    }
+    /// Gradient `index` holds this step's value: its bucket may start.
+    pub fn grad_ready(&mut self, index: usize) -> Result<()> {
+        check(unsafe { sys::dpar_reducer_grad_ready(self.raw, index) })?;
+        self.ready[index] = true;
+        Ok(())
+    }
+    /// Ends the step: every buffer then holds the reduced gradient.
+    pub fn wait(&mut self) -> Result<()> {
+        let r = check(unsafe { sys::dpar_reducer_wait(self.raw) });
+        self.ready.iter_mut().for_each(|r| *r = false);
+        r
+    }
+    /// Gradient `index` after wait().
+    pub fn grad(&self, index: usize) -> &[f32] {
+        &self.grads[index]
+    }
+}

@@ -1,0 +1,218 @@
+// The binding against dpar's C reference (tests/binding_reference.c): the same model, data and seed on 2 CPU
+// devices must give the same loss bits; a bad call and a callback's failure come back as dpar::Error with
+// their messages.
+use dpar::*;
+
+fn reference_model() -> Model {
+    let mut m = Model::new(7).unwrap();
+    m.linear(4, 8, true).unwrap().activation(Activation::Relu).unwrap().linear(8, 3, true).unwrap();
+    m
+}
+
+fn reference_batch() -> (Vec<f32>, Vec<i32>) {
+    let x = (0..40).map(|i| ((i * 37) % 101) as f32 / 101.0 - 0.5).collect();
+    let y = (0..10).map(|r| r % 3).collect();
+    (x, y)
+}
+
+fn options() -> EngineOptions {
+    EngineOptions::new().cpu_devices(2).processes(Processes::Single)
+}
+
+#[test]
+fn losses_have_the_c_reference_bits() {
+    let path = std::env::var("DPAR_REFERENCE_LOSSES")
+        .expect("DPAR_REFERENCE_LOSSES: the file build/tests/binding_reference writes (ctest sets it)");
+    let expected: Vec<String> = std::fs::read_to_string(path).unwrap().lines().map(str::to_string).collect();
+    assert_eq!(expected.len(), 5);
+    let engine = Engine::new(&reference_model(), &Optimizer::sgd(0.1).momentum(0.9), &options()).unwrap();
+    let (mut x, mut y) = reference_batch();
+    let input = Tensor::wrap_f32(&[10, 4], &mut x).unwrap();
+    let labels = Tensor::wrap_i32(&[10], &mut y).unwrap();
+    let got: Vec<String> =
+        (0..5).map(|_| format!("{:08x}", engine.train_step(&input, &labels).unwrap().to_bits())).collect();
+    assert_eq!(got, expected);
+    assert_eq!(engine.step_count().unwrap(), 5);
+}
+
+#[test]
+fn a_bad_call_is_an_error_with_dpars_message() {
+    let engine = Engine::new(&reference_model(), &Optimizer::sgd(0.1), &options()).unwrap();
+    let input = Tensor::from_f32(&[2, 5], &[0.0; 10]).unwrap(); // 5 features, the model takes 4
+    let labels = Tensor::from_i32(&[2], &[0, 1]).unwrap();
+    let e = engine.train_step(&input, &labels).unwrap_err();
+    assert_eq!(e.status(), status::INVALID_ARGUMENT);
+    assert_eq!(e.name(), "DPAR_ERR_INVALID_ARGUMENT");
+    assert!(e.message().contains("4"), "{}", e);
+    let e = Device::parse("tpu:1").unwrap_err();
+    assert!(e.message().contains("tpu:1"), "{}", e);
+    // The error was read and cleared: the next good call is unaffected.
+    assert!(Device::parse("cpu:1").is_ok());
+}
+
+/// y = x W^T + b in Rust, to be checked against the built-in linear layer.
+struct RustLinear {
+    inp: usize,
+    out: usize,
+    fail: Option<&'static str>,
+}
+
+impl CustomLayer for RustLinear {
+    fn output_shape(&self, input: &[i64]) -> Result<Vec<i64>> {
+        if input.len() != 2 || input[1] as usize != self.inp {
+            return Err(Error::new(status::MISMATCH, format!("RustLinear takes {} features", self.inp)));
+        }
+        Ok(vec![input[0], self.out as i64])
+    }
+    fn forward(&self, a: Forward<'_>) -> Result<()> {
+        if let Some(msg) = self.fail {
+            if a.replica == 1 {
+                return Err(Error::new(status::DEVICE, msg));
+            }
+        }
+        let (w, b) = (a.params[0], a.params[1]);
+        let rows = a.input_shape[0] as usize;
+        for i in 0..rows {
+            for o in 0..self.out {
+                let mut acc = b[o];
+                for k in 0..self.inp {
+                    acc += a.input[i * self.inp + k] * w[o * self.inp + k];
+                }
+                a.output[i * self.out + o] = acc;
+            }
+        }
+        Ok(())
+    }
+    fn backward(&self, a: Backward<'_>) -> Result<()> {
+        let rows = a.input_shape[0] as usize;
+        let w = a.params[0];
+        let mut grads = a.grads;
+        let (dw, rest) = grads.split_at_mut(1);
+        let (dw, db) = (&mut *dw[0], &mut *rest[0]);
+        dw.iter_mut().for_each(|v| *v = 0.0);
+        db.iter_mut().for_each(|v| *v = 0.0);
+        for i in 0..rows {
+            for o in 0..self.out {
+                let g = a.grad_output[i * self.out + o];
+                db[o] += g;
+                for k in 0..self.inp {
+                    dw[o * self.inp + k] += g * a.input[i * self.inp + k];
+                }
+            }
+        }
+        if let Some(dx) = a.grad_input {
+            for i in 0..rows {
+                for k in 0..self.inp {
+                    dx[i * self.inp + k] = (0..self.out).map(|o| a.grad_output[i * self.out + o] * w[o * self.inp + k]).sum();
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn specs(inp: i64, out: i64) -> Vec<ParamSpec> {
+    vec![
+        ParamSpec { name: "weight".into(), shape: vec![out, inp], init: Init::Zeros },
+        ParamSpec { name: "bias".into(), shape: vec![out], init: Init::Zeros },
+    ]
+}
+
+#[test]
+fn a_custom_layer_in_rust_trains_like_the_built_in_one() {
+    let mut custom = Model::new(7).unwrap();
+    custom.linear(4, 8, true).unwrap().activation(Activation::Relu).unwrap();
+    custom.custom("rust_linear", &specs(8, 3), RustLinear { inp: 8, out: 3, fail: None }).unwrap();
+    let builtin = reference_model();
+    // The same starting parameters in both.
+    for i in 0..4 {
+        custom.set_param(i, &builtin.get_param(i).unwrap()).unwrap();
+    }
+    assert_eq!(custom.param_info(2).unwrap(), ("2.weight".to_string(), vec![3, 8]));
+    let opt = Optimizer::sgd(0.1).momentum(0.9);
+    let (ec, eb) = (Engine::new(&custom, &opt, &options()).unwrap(), Engine::new(&builtin, &opt, &options()).unwrap());
+    drop(custom); // the engine keeps the layer
+    let (x, y) = reference_batch();
+    let (input, labels) = (Tensor::from_f32(&[10, 4], &x).unwrap(), Tensor::from_i32(&[10], &y).unwrap());
+    for _ in 0..5 {
+        let (lc, lb) = (ec.train_step(&input, &labels).unwrap(), eb.train_step(&input, &labels).unwrap());
+        assert!((lc - lb).abs() < 1e-5, "{} vs {}", lc, lb);
+    }
+    let n = builtin.num_param_elements().unwrap();
+    let (pc, pb) = (ec.params(1, n).unwrap(), eb.params(1, n).unwrap());
+    assert!(pc.iter().zip(&pb).all(|(a, b)| (a - b).abs() < 1e-5));
+}
+
+#[test]
+fn a_callbacks_error_comes_back_with_its_own_message() {
+    let mut m = Model::new(1).unwrap();
+    m.custom("rust_linear", &specs(4, 3), RustLinear { inp: 4, out: 3, fail: Some("the Rust layer gave up") }).unwrap();
+    let engine = Engine::new(&m, &Optimizer::sgd(0.1), &options()).unwrap();
+    let (x, y) = reference_batch();
+    let (input, labels) = (Tensor::from_f32(&[10, 4], &x).unwrap(), Tensor::from_i32(&[10], &y).unwrap());
+    let e = engine.train_step(&input, &labels).unwrap_err();
+    assert_eq!(e.status(), status::DEVICE);
+    assert!(e.message().contains("the Rust layer gave up"), "{}", e);
+    // output_shape's own refusal.
+    let wrong = Tensor::from_f32(&[2, 5], &[0.0; 10]).unwrap();
+    let e = engine.forward(&wrong).unwrap_err();
+    assert_eq!(e.status(), status::MISMATCH);
+    assert!(e.message().contains("RustLinear takes 4 features"), "{}", e);
+    // A panicking hook is caught at the boundary.
+    let mut ok = Model::new(1).unwrap();
+    ok.linear(4, 3, true).unwrap();
+    let engine2 = Engine::new(&ok, &Optimizer::sgd(0.1), &options()).unwrap();
+    engine2.set_forward_hook(Some(|_: usize, _: &[i64], _: &[i64]| -> Result<()> { panic!("hook exploded") })).unwrap();
+    let e = engine2.train_step(&input, &labels).unwrap_err();
+    assert_eq!(e.status(), status::INTERNAL);
+    assert!(e.message().contains("hook exploded"), "{}", e);
+}
+
+#[test]
+fn collectives_over_a_thread_group() {
+    let group = CommGroup::new(3, 30.0).unwrap();
+    let comms: Vec<Comm> = (0..3).map(|r| group.member(r).unwrap()).collect();
+    drop(group);
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|mut c| {
+            std::thread::spawn(move || {
+                let (rank, size) = c.info().unwrap();
+                let mut v = vec![rank as f64 + 1.0; 5];
+                c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+                assert_eq!(v, vec![6.0; 5]);
+                let mut g = vec![0i32; size];
+                c.all_gather(&[rank as i32], &mut g).unwrap();
+                assert_eq!(g, vec![0, 1, 2]);
+                let mut a = vec![1.0f32; 4];
+                c.all_reduce_async(&mut a, ReduceOp::Mean).unwrap().wait().unwrap();
+                assert_eq!(a, vec![1.0; 4]);
+                c.barrier().unwrap();
+                c
+            })
+        })
+        .collect();
+    // Every participant has left the collectives: participant 2 aborts, and each sees it by asking alone.
+    let comms: Vec<Comm> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    comms[2].abort("rank 2 is done").unwrap();
+    for c in &comms {
+        let e = c.async_error().unwrap_err();
+        assert_eq!(e.status(), status::REMOTE);
+        assert!(e.message().contains("rank 2 is done"), "{}", e);
+    }
+}
+
+#[test]
+fn option_structs_have_the_libraries_layout() {
+    // The size the library's _init writes is its sizeof: equal to this crate's struct.
+    let mut o = unsafe { std::mem::zeroed::<sys::dpar_engine_options>() };
+    assert_eq!(unsafe { sys::dpar_engine_options_init(&mut o) }, 0);
+    assert_eq!(o.size, std::mem::size_of::<sys::dpar_engine_options>());
+    let mut l = unsafe { std::mem::zeroed::<sys::dpar_custom_layer>() };
+    assert_eq!(unsafe { sys::dpar_custom_layer_init(&mut l) }, 0);
+    assert_eq!(l.size, std::mem::size_of::<sys::dpar_custom_layer>());
+    let mut p = unsafe { std::mem::zeroed::<sys::dpar_optimizer_options>() };
+    assert_eq!(unsafe { sys::dpar_optimizer_options_init(&mut p) }, 0);
+    assert_eq!(p.size, std::mem::size_of::<sys::dpar_optimizer_options>());
+    assert_eq!(version(), sys::DPAR_VERSION);
+}

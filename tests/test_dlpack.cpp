@@ -1,0 +1,162 @@
+// DLPack through the C ABI: tensors taken from and handed to another framework without a copy.
+#include <gtest/gtest.h>
+
+#include <dlpack/dlpack.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "dpar.h"
+
+namespace {
+
+#define ASSERT_OK(call) ASSERT_EQ((call), DPAR_OK) << #call << ": " << dpar_last_error()
+
+// A DLPack tensor as a producer (NumPy, PyTorch) makes one: its own storage, shape and deleter.
+struct Producer {
+  std::vector<float> data;
+  int64_t shape[2];
+  int64_t strides[2];
+  DLManagedTensor managed{};
+  int deleted = 0;
+  Producer(int64_t rows, int64_t cols) : data(static_cast<size_t>(rows * cols)), shape{rows, cols}, strides{cols, 1} {
+    for (size_t i = 0; i < data.size(); ++i) data[i] = 0.5f * float(i);
+    managed.dl_tensor = DLTensor{data.data(), DLDevice{kDLCPU, 0}, 2, DLDataType{kDLFloat, 32, 1}, shape, nullptr, 0};
+    managed.manager_ctx = this;
+    managed.deleter = [](DLManagedTensor* m) { static_cast<Producer*>(m->manager_ctx)->deleted++; };
+  }
+};
+
+TEST(Dlpack, FromDlpackSharesTheMemoryAndCallsTheDeleterOnceOnFree) {
+  Producer p(3, 4);
+  p.managed.dl_tensor.strides = p.strides;  // compact strides given explicitly
+  dpar_tensor* t = nullptr;
+  ASSERT_OK(dpar_tensor_from_dlpack(&t, &p.managed));
+  void* data = nullptr;
+  ASSERT_OK(dpar_tensor_data(&data, t));
+  EXPECT_EQ(data, p.data.data()) << "a copy was made";
+  int64_t shape[DPAR_MAX_DIMS];
+  size_t ndim = 0;
+  ASSERT_OK(dpar_tensor_shape(shape, &ndim, t, DPAR_MAX_DIMS));
+  EXPECT_EQ(std::vector<int64_t>(shape, shape + ndim), (std::vector<int64_t>{3, 4}));
+  int32_t dtype = -1;
+  dpar_device device{-1, -1};
+  ASSERT_OK(dpar_tensor_info(&dtype, nullptr, &device, t));
+  EXPECT_EQ(dtype, DPAR_F32);
+  EXPECT_EQ(device.kind, DPAR_DEVICE_CPU);
+  EXPECT_EQ(p.deleted, 0);
+  dpar_tensor_free(t);
+  EXPECT_EQ(p.deleted, 1);
+}
+
+TEST(Dlpack, ByteOffsetAndInt32AreHonoured) {
+  std::vector<int32_t> labels{9, 9, 1, 2, 3};
+  int64_t shape[1] = {3};
+  DLManagedTensor m{};
+  m.dl_tensor = DLTensor{labels.data(), DLDevice{kDLCPU, 0}, 1, DLDataType{kDLInt, 32, 1}, shape, nullptr,
+                         2 * sizeof(int32_t)};
+  dpar_tensor* t = nullptr;
+  ASSERT_OK(dpar_tensor_from_dlpack(&t, &m));  // no deleter: nothing to call
+  int32_t out[3] = {};
+  ASSERT_OK(dpar_tensor_copy_to_host(out, t, sizeof out));
+  EXPECT_EQ(std::vector<int32_t>(out, out + 3), (std::vector<int32_t>{1, 2, 3}));
+  int32_t dtype = -1;
+  ASSERT_OK(dpar_tensor_info(&dtype, nullptr, nullptr, t));
+  EXPECT_EQ(dtype, DPAR_I32);
+  dpar_tensor_free(t);
+}
+
+TEST(Dlpack, RefusalsLeaveTheTensorWithTheCaller) {
+  dpar_tensor* t = reinterpret_cast<dpar_tensor*>(&t);
+  EXPECT_EQ(dpar_tensor_from_dlpack(&t, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(t, nullptr);
+  Producer p(2, 3);
+  p.managed.dl_tensor.dtype = DLDataType{kDLFloat, 64, 1};
+  EXPECT_EQ(dpar_tensor_from_dlpack(&t, &p.managed), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("dtype"), std::string::npos) << dpar_last_error();
+  p.managed.dl_tensor.dtype = DLDataType{kDLFloat, 32, 1};
+  int64_t transposed[2] = {1, 2};  // a column-major view
+  p.managed.dl_tensor.strides = transposed;
+  EXPECT_EQ(dpar_tensor_from_dlpack(&t, &p.managed), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("strides"), std::string::npos) << dpar_last_error();
+  p.managed.dl_tensor.strides = nullptr;
+  p.managed.dl_tensor.device = DLDevice{kDLMetal, 0};
+  EXPECT_EQ(dpar_tensor_from_dlpack(&t, &p.managed), DPAR_ERR_NOT_SUPPORTED);
+  p.managed.dl_tensor.device = DLDevice{kDLCPU, 0};
+  p.managed.dl_tensor.ndim = 5;
+  EXPECT_EQ(dpar_tensor_from_dlpack(&t, &p.managed), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(p.deleted, 0);
+  EXPECT_EQ(dpar_tensor_to_dlpack(nullptr, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+}
+
+TEST(Dlpack, CudaTensorsMapToCudaDevicesOrAreRefused) {
+  size_t gpus = 0;
+  const dpar_status cuda = dpar_device_count(&gpus, DPAR_DEVICE_CUDA);
+  dpar_tensor* t = nullptr;
+  if (cuda == DPAR_ERR_NOT_SUPPORTED) {
+    // This build has no CUDA: refused, the producer's tensor untouched.
+    Producer p(2, 2);
+    p.managed.dl_tensor.device = DLDevice{kDLCUDA, 0};
+    EXPECT_EQ(dpar_tensor_from_dlpack(&t, &p.managed), DPAR_ERR_NOT_SUPPORTED);
+    EXPECT_NE(std::string(dpar_last_error()).find("CUDA"), std::string::npos) << dpar_last_error();
+    EXPECT_EQ(t, nullptr);
+    EXPECT_EQ(p.deleted, 0);
+    return;
+  }
+  ASSERT_OK(cuda);
+  {
+    // A GPU this machine does not have (the one past the last): refused naming it, the producer's tensor untouched.
+    Producer p(2, 2);
+    p.managed.dl_tensor.device = DLDevice{kDLCUDA, static_cast<int32_t>(gpus)};
+    EXPECT_EQ(dpar_tensor_from_dlpack(&t, &p.managed), DPAR_ERR_DEVICE);
+    const std::string named = "cuda:" + std::to_string(gpus);
+    EXPECT_NE(std::string(dpar_last_error()).find(named), std::string::npos) << dpar_last_error();
+    EXPECT_EQ(t, nullptr);
+    EXPECT_EQ(p.deleted, 0);
+  }
+  if (gpus == 0) GTEST_SKIP() << "no CUDA device: the mapping of a kDLCUDA tensor onto cuda:K needs one";
+  // Host memory labelled as the last GPU is never dereferenced by from_dlpack: the mapping alone is checked.
+  Producer p(2, 2);
+  const int32_t last = static_cast<int32_t>(gpus) - 1;
+  p.managed.dl_tensor.device = DLDevice{kDLCUDA, last};
+  ASSERT_OK(dpar_tensor_from_dlpack(&t, &p.managed));
+  dpar_device device{-1, -1};
+  ASSERT_OK(dpar_tensor_info(nullptr, nullptr, &device, t));
+  EXPECT_EQ(device.kind, DPAR_DEVICE_CUDA);
+  EXPECT_EQ(device.index, last);
+  dpar_tensor_free(t);
+  EXPECT_EQ(p.deleted, 1);
+}
+
+TEST(Dlpack, ToDlpackOutlivesTheTensorAndRoundTrips) {
+  const int64_t shape[3] = {2, 3, 2};
+  dpar_tensor* t = nullptr;
+  ASSERT_OK(dpar_tensor_create(&t, DPAR_F32, shape, 3, dpar_device{DPAR_DEVICE_CPU, 2}));
+  std::vector<float> values(12);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = float(i) - 3.0f;
+  ASSERT_OK(dpar_tensor_copy_from_host(t, values.data(), values.size() * sizeof(float)));
+  void* data = nullptr;
+  ASSERT_OK(dpar_tensor_data(&data, t));
+  DLManagedTensor* m = nullptr;
+  ASSERT_OK(dpar_tensor_to_dlpack(&m, t));
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(m->dl_tensor.data, data);
+  EXPECT_EQ(m->dl_tensor.device.device_type, kDLCPU);
+  EXPECT_EQ(m->dl_tensor.ndim, 3);
+  EXPECT_EQ(std::vector<int64_t>(m->dl_tensor.shape, m->dl_tensor.shape + 3), std::vector<int64_t>(shape, shape + 3));
+  EXPECT_EQ(m->dl_tensor.dtype.code, kDLFloat);
+  EXPECT_EQ(m->dl_tensor.dtype.bits, 32);
+  dpar_tensor_free(t);  // the DLPack tensor keeps the storage
+  const float* f = static_cast<const float*>(m->dl_tensor.data);
+  EXPECT_EQ(std::vector<float>(f, f + 12), values);
+  // And back: a consumer may hand it to dpar again, which then owns it.
+  dpar_tensor* back = nullptr;
+  ASSERT_OK(dpar_tensor_from_dlpack(&back, m));
+  std::vector<float> read(12);
+  ASSERT_OK(dpar_tensor_copy_to_host(read.data(), back, read.size() * sizeof(float)));
+  EXPECT_EQ(read, values);
+  dpar_tensor_free(back);  // calls m's deleter, which frees the storage
+}
+
+}  // namespace
