@@ -183,8 +183,9 @@ TEST_F(IoTest, IdxRefusesTruncatedData) {
   const Bytes file = idx_bytes(0x08, {3, 2, 4}, pattern(10));
   write_file(path("short"), file);
   write_gz(path("short.gz"), file);
+  // A plain file's size shows the truncation before any data is read.
   EXPECT_DPAR_ERROR(read_idx_u8(path("short")), DPAR_ERR_CORRUPT, path("short"),
-                    "truncated: expected 24 bytes of data, got 10");
+                    "dimensions describe 24 bytes of data, more than the 26-byte file holds");
   EXPECT_DPAR_ERROR(read_idx_u8(path("short.gz")), DPAR_ERR_CORRUPT, path("short.gz"),
                     "truncated: expected 24 bytes of data, got 10");
 }
@@ -226,9 +227,9 @@ TEST_F(IoTest, IdxRefusesBadHeaders) {
        "dimensions [4294967295, 4294967295, 4294967295] describe more than 17179869184 bytes"},
       {"too_big", idx_bytes(0x08, {1u << 17, 1u << 17, 2}, {1, 2, 3}), DPAR_ERR_CORRUPT, "describe more than"},
       {"255_dims", many_dims, DPAR_ERR_CORRUPT, "describe more than"},
-      // The largest size allowed, claimed by a tiny file: refused as truncated, without a 16 GiB allocation.
+      // The largest size allowed, claimed by a tiny file: refused before reading, without a 16 GiB allocation.
       {"huge_claim", idx_bytes(0x08, {1u << 16, 1u << 16, 4}, pattern(100)), DPAR_ERR_CORRUPT,
-       "truncated: expected 17179869184 bytes of data, got 100"},
+       "dimensions describe 17179869184 bytes of data, more than the"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
