@@ -32,8 +32,12 @@
 // error unless told to return NULL, as the system's allocator does.
 // A small quarantine: the test of a leak measures the resident size, which a large one would fill with freed
 // error messages.
-extern "C" const char* __asan_default_options() { return "allocator_may_return_null=1:quarantine_size_mb=8"; }
-extern "C" const char* __tsan_default_options() { return "allocator_may_return_null=1"; }
+extern "C" __attribute__((visibility("default"), used)) const char* __asan_default_options() {
+  return "allocator_may_return_null=1:quarantine_size_mb=8";
+}
+extern "C" __attribute__((visibility("default"), used)) const char* __tsan_default_options() {
+  return "allocator_may_return_null=1";
+}
 
 namespace {
 

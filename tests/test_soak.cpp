@@ -8,7 +8,8 @@
 // end, the process's threads must be those it started with, and its resident memory must not have grown since the
 // first third of the run.
 //
-//   test_soak [--seconds S] [--max-steps N] [--seed K]     (defaults: 60 s, 20000 steps, seed 1)
+//   test_soak [--seconds S] [--max-steps N] [--seed K] [--timeout T]
+//                                          (defaults: 60 s, 20000 steps, seed 1, collective timeout 0.1 s)
 //
 // Prints what it did and exits nonzero on the first failure.
 #include <dirent.h>
@@ -62,7 +63,7 @@ int thread_count() {
 constexpr size_t kDevices = 3;
 constexpr int64_t kIn = 32, kHidden = 128, kClasses = 4, kRows = 96;
 constexpr size_t kParams = kIn * kHidden + kHidden + kHidden * kClasses + kClasses;
-constexpr double kTimeoutSeconds = 0.1;
+double g_timeout_seconds = 0.1;  // --timeout: longer under a sanitizer, which slows every step
 
 // A replica told to arrive late sleeps in the forward hook, past the others' timeout.
 struct Delay {
@@ -73,7 +74,7 @@ void delay_hook(void* payload, size_t replica, const int64_t*, size_t, const int
   auto* d = static_cast<Delay*>(payload);
   int expected = static_cast<int>(replica);
   if (d->replica.compare_exchange_strong(expected, -1))
-    std::this_thread::sleep_for(std::chrono::duration<double>(3 * kTimeoutSeconds));
+    std::this_thread::sleep_for(std::chrono::duration<double>(3 * g_timeout_seconds));
 }
 
 dpar_model* make_model() {
@@ -93,7 +94,7 @@ dpar_engine* make_engine(const dpar_model* m, Delay* delay) {
   opt.momentum = 0.9f;
   dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
   eo.num_cpu_devices = kDevices;
-  eo.timeout_seconds = kTimeoutSeconds;
+  eo.timeout_seconds = g_timeout_seconds;
   eo.pin_workers = 0;
   eo.processes = DPAR_PROCESSES_SINGLE;
   dpar_engine* e = nullptr;
@@ -125,6 +126,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--seconds")) seconds = std::atof(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--max-steps")) max_steps = std::atol(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--seed")) seed = static_cast<unsigned>(std::atol(argv[i + 1]));
+    else if (!std::strcmp(argv[i], "--timeout")) g_timeout_seconds = std::atof(argv[i + 1]);
     else fail(std::string("unknown argument ") + argv[i]);
   }
   std::mt19937 rng(seed);
