@@ -23,6 +23,11 @@
  *    has reused cannot be told apart from it.)
  *  - Thread-safety: every function may be called from any thread. A single handle must not be used by two
  *    threads at once unless its documentation says so; the engine serialises calls on itself with a lock.
+ *    Freeing is the exception: when two threads free the same handle at once, exactly one frees it and the other
+ *    call does nothing.
+ *  - Files (checkpoints, data sets) are untrusted input: a damaged or hostile file is refused with a status and a
+ *    message, never a crash, a hang (a FIFO or device is refused without blocking on it) or an allocation beyond
+ *    what the file can honestly hold.
  *  - No C++ exception ever crosses this interface.
  */
 #ifndef DPAR_H
@@ -425,7 +430,8 @@ DPAR_API dpar_status dpar_optimizer_options_init(dpar_optimizer_options *opts);
  *
  * Thread-safety: an engine may be called from several threads; calls are serialised by a lock inside it.
  * Callbacks (custom layers, the forward hook) run on the worker threads, concurrently across replicas; they must
- * not call engine functions, which return ::DPAR_ERR_INVALID_STATE there. */
+ * not call their own engine's functions, which return ::DPAR_ERR_INVALID_STATE there (another engine, one created
+ * in the callback for example, may be called and freed). */
 /**@{*/
 typedef struct dpar_engine dpar_engine; /**< An opaque DataParallel engine. */
 
@@ -496,8 +502,8 @@ DPAR_API dpar_status dpar_engine_create(dpar_engine **out, const dpar_model *mod
                                         const dpar_optimizer_options *optimizer, const dpar_engine_options *opts);
 /**
  * @brief Stops the workers and frees the engine (NULL is a no-op). A call in flight on another thread finishes
- * first: the engine is destroyed when it returns, and new calls are refused at once. Called from one of the
- * engine's callbacks (on a worker thread), it does nothing.
+ * first: the engine is destroyed when it returns, and new calls are refused at once. Called from one of this
+ * engine's own callbacks (on one of its worker threads), it does nothing; from another engine's callback it frees.
  */
 DPAR_API void dpar_engine_free(dpar_engine *engine);
 
@@ -625,8 +631,10 @@ DPAR_API dpar_status dpar_engine_save(dpar_engine *engine, const char *path);
  * @brief Loads a checkpoint written by dpar_engine_save() into every replica.
  * With several processes every process calls it: rank 0 reads its @p path and broadcasts the file, which every
  * process checks and loads alike (the others' @p path is not opened: no shared file system is needed).
- * @return ::DPAR_OK; ::DPAR_ERR_IO; ::DPAR_ERR_CORRUPT for a truncated or damaged file (checked before anything
- *         changes); ::DPAR_ERR_MISMATCH for a checkpoint of another model or optimizer.
+ * @return ::DPAR_OK; ::DPAR_ERR_IO, also for a path that is not a regular file (a FIFO is refused at once);
+ *         ::DPAR_ERR_CORRUPT for a truncated or damaged file, a header nested too deep, or metadata (step count,
+ *         replica count, RNG offsets) out of range, naming the field (all checked before anything changes);
+ *         ::DPAR_ERR_MISMATCH for a checkpoint of another model or optimizer.
  */
 DPAR_API dpar_status dpar_engine_load(dpar_engine *engine, const char *path);
 
@@ -837,8 +845,11 @@ typedef struct dpar_loader dpar_loader;   /**< An opaque batch loader over a dat
 
 /**
  * @brief Reads an IDX image file and an IDX label file (each plain or .gz). Pixels become f32 in [0, 1].
- * @return ::DPAR_OK; ::DPAR_ERR_IO; ::DPAR_ERR_CORRUPT for a bad magic, size or truncation;
- *         ::DPAR_ERR_MISMATCH when the two files hold different numbers of items.
+ * A header claiming more data than the file can hold (its size, or 1032 times it for a .gz, deflate's largest
+ * ratio) is refused before anything is allocated; the data is read into one buffer, never copied to grow.
+ * @return ::DPAR_OK; ::DPAR_ERR_IO, also for a path that is not a regular file (a FIFO is refused at once);
+ *         ::DPAR_ERR_CORRUPT for a bad magic, size or truncation; ::DPAR_ERR_MISMATCH when the two files hold
+ *         different numbers of items.
  */
 DPAR_API dpar_status dpar_dataset_load_idx(dpar_dataset **out, const char *images_path, const char *labels_path);
 /** @brief Frees a dataset (NULL is a no-op). Loaders share its data, so they may be freed before or after it. */

@@ -58,9 +58,14 @@ TEST(CommApi, AllCollectivesGiveTheReferenceResults) {
     if (dpar_comm_all_gather(c, mine.data(), all.data(), 4, DPAR_I32)) return DPAR_ERR_INTERNAL;
     for (size_t i = 0; i < all.size(); ++i)
       if (all[i] != int32_t(i / 4)) return DPAR_ERR_MISMATCH;
-    std::vector<float> blocks(2 * n, 1.0f), block(2);
+    // Every element distinct across ranks, blocks and positions, so that a wrong op (sum), block or rank shows:
+    // rank r sends 10 r + 3 b + e at element e of block b; block r's mean is 10 (n - 1) / 2 + 3 r + e, exactly.
+    std::vector<float> blocks(2 * n), block(2, -1.0f);
+    for (int b = 0; b < n; ++b)
+      for (int e = 0; e < 2; ++e) blocks[size_t(2 * b + e)] = float(10 * r + 3 * b + e);
     if (dpar_comm_reduce_scatter(c, blocks.data(), block.data(), 2, DPAR_F32, DPAR_MEAN)) return DPAR_ERR_INTERNAL;
-    if (block[0] != 1.0f || block[1] != 1.0f) return DPAR_ERR_MISMATCH;
+    for (int e = 0; e < 2; ++e)
+      if (block[size_t(e)] != float(10 * (n - 1) / 2 + 3 * r + e)) return DPAR_ERR_MISMATCH;
     float one = 1.0f, total = 0.0f;
     if (dpar_comm_reduce(c, &one, r == 0 ? &total : nullptr, 1, DPAR_F32, DPAR_SUM, 0)) return DPAR_ERR_INTERNAL;
     if (r == 0 && total != float(n)) return DPAR_ERR_MISMATCH;

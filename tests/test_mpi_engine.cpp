@@ -5,9 +5,11 @@
 //                                    what their engine returned (tests/mpi/check_rank_exit.sh reads it)
 //
 // The checks, on every rank:
+//  - every launched process joined (--expect-processes P: the engine's world size is the launcher's -np);
 //  - P processes x N devices train exactly as one process of P*N devices and as one device on the global batch
-//    (relative 1e-5 after 20 Adam steps), also with uneven local batches, and every replica of every process
-//    ends with the same parameters;
+//    (relative 1e-5 after 20 Adam steps, and 20 plain SGD steps, which unlike Adam show a gradient of the wrong
+//    scale), also with uneven local batches, the parameters moved, and every replica of every process ends with
+//    the same parameters;
 //  - only rank 0 writes a checkpoint, and a checkpoint that only rank 0 can read loads on every process: training
 //    on from it is bit-identical to training straight; a corrupt one is refused on every process;
 //  - the loader's shards of a global batch are balanced, contiguous and cover it;
@@ -83,11 +85,13 @@ Data make_data() {
 }
 
 // processes: DPAR_PROCESSES_MPI or _SINGLE.
-dpar_engine* make_engine(size_t devices, int32_t processes, double timeout = 60.0) {
+// optimizer: DPAR_ADAM (the default) or DPAR_SGD, plain: Adam normalises a gradient's scale away, SGD's step is
+// proportional to it, so only SGD shows a gradient scaled by the wrong batch size.
+dpar_engine* make_engine(size_t devices, int32_t processes, double timeout = 60.0, int32_t optimizer = DPAR_ADAM) {
   dpar_model* model = make_model();
   dpar_optimizer_options opt = DPAR_OPTIMIZER_OPTIONS_INIT;
-  opt.kind = DPAR_ADAM;
-  opt.lr = 0.01f;
+  opt.kind = optimizer;
+  opt.lr = optimizer == DPAR_SGD ? 0.1f : 0.01f;
   dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
   eo.num_cpu_devices = devices;
   eo.processes = processes;
@@ -139,22 +143,27 @@ std::pair<int64_t, int64_t> my_rows(int64_t skew) {
   return {begin, rows[static_cast<size_t>(g_rank)]};
 }
 
-void check_equivalence(size_t devices, const Data& d, int64_t skew) {
+void check_equivalence(size_t devices, const Data& d, int64_t skew, int32_t optimizer = DPAR_ADAM) {
   const std::string label = std::to_string(g_size) + " processes x " + std::to_string(devices) + " devices" +
-                            (skew ? " (uneven local batches)" : "");
-  dpar_engine* multi = make_engine(devices, DPAR_PROCESSES_MPI);
+                            (optimizer == DPAR_SGD ? ", SGD" : ", Adam") + (skew ? " (uneven local batches)" : "");
+  dpar_engine* multi = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, optimizer);
+  const auto initial = params(multi);
   const auto [begin, rows] = my_rows(skew);
   for (int s = 0; s < kSteps; ++s) CHECK_OK(step_rows(multi, d, s % kBatches, begin, rows));
   const auto got = params(multi);
 
   // The references, computed by every rank on its own: one process of P*N devices, and one device.
-  dpar_engine* wide = make_engine(static_cast<size_t>(g_size) * devices, DPAR_PROCESSES_SINGLE);
-  dpar_engine* one = make_engine(1, DPAR_PROCESSES_SINGLE);
+  dpar_engine* wide = make_engine(static_cast<size_t>(g_size) * devices, DPAR_PROCESSES_SINGLE, 60.0, optimizer);
+  dpar_engine* one = make_engine(1, DPAR_PROCESSES_SINGLE, 60.0, optimizer);
   for (int s = 0; s < kSteps; ++s) {
     CHECK_OK(step_rows(wide, d, s % kBatches, 0, kGlobalBatch));
     CHECK_OK(step_rows(one, d, s % kBatches, 0, kGlobalBatch));
   }
   const auto ref_wide = params(wide), ref_one = params(one);
+  // Equal to the references only means something if training moved the parameters.
+  double moved = 0;
+  for (size_t i = 0; i < got.size(); ++i) moved = std::max(moved, std::abs(double(got[i]) - double(initial[i])));
+  expect(moved > 1e-2, label + ": the parameters barely moved (by " + std::to_string(moved) + " at most)");
   const double e_wide = max_relative_error(got, ref_wide), e_one = max_relative_error(got, ref_one);
   expect(e_wide < 1e-5, label + ": differs from 1 process x " + std::to_string(g_size * devices) +
                             " devices by " + std::to_string(e_wide));
@@ -200,11 +209,15 @@ void check_checkpoints(size_t devices, const Data& d, const std::string& dir) {
   }
   expect(params(resumed) == params(straight), "resuming from rank 0's checkpoint is not bit-identical");
 
-  // Rank 0's file damaged: every process refuses it, and keeps its parameters.
+  // Rank 0's file damaged: every process refuses it, and keeps its parameters. Bits are flipped (writing a fixed
+  // byte changes nothing where the byte already holds it).
   if (g_rank == 0) {
     std::fstream f(mine, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-3, std::ios::end);
+    const int byte = f.get();
     f.seekp(-3, std::ios::end);
-    f.put('\x5a');
+    f.put(static_cast<char>(byte ^ 0x5a));
+    expect(f.good(), "could not damage " + mine);
   }
   const auto before = params(resumed);
   const dpar_status s = dpar_engine_load(resumed, mine.c_str());
@@ -359,11 +372,13 @@ int rank_exit() {
 int main(int argc, char** argv) {
   size_t devices = 2;
   bool exit_mode = false;
+  int expect_processes = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--devices") && i + 1 < argc) devices = static_cast<size_t>(std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--expect-processes") && i + 1 < argc) expect_processes = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--rank-exit")) exit_mode = true;
     else {
-      std::fprintf(stderr, "usage: test_mpi_engine [--devices N] [--rank-exit]\n");
+      std::fprintf(stderr, "usage: test_mpi_engine [--devices N] [--expect-processes P] [--rank-exit]\n");
       return 2;
     }
   }
@@ -375,11 +390,22 @@ int main(int argc, char** argv) {
     g_size = static_cast<int>(size);
     dpar_engine_free(probe);
   }
+  // Every launched process must have joined: an engine that took the job for one process would pass every
+  // equivalence check below, each rank alone as rank 0 of 1.
+  if (expect_processes > 0 && g_size != expect_processes) {
+    std::fprintf(stderr, "[rank %d] FAIL the engine sees %d processes, but %d were launched\n", g_rank, g_size,
+                 expect_processes);
+    return 1;
+  }
   if (exit_mode) return rank_exit();
 
   const Data d = make_data();
   check_equivalence(devices, d, 0);
-  if (g_size > 1) check_equivalence(devices, d, 3);
+  check_equivalence(devices, d, 0, DPAR_SGD);
+  if (g_size > 1) {
+    check_equivalence(devices, d, 3);
+    check_equivalence(devices, d, 3, DPAR_SGD);
+  }
   char dir[] = "/tmp/dpar_mpi_engine_XXXXXX";
   // Each rank makes its own directory: the checkpoint test needs no shared file system.
   if (!mkdtemp(dir)) return 2;

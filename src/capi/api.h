@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <functional>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -73,6 +75,10 @@ enum class HandleKind : uint8_t { kTensor, kModel, kEngine, kDataset, kLoader, k
 void register_handle(const void* handle, HandleKind kind);
 void unregister_handle(const void* handle);
 bool is_live(const void* handle, HandleKind kind);
+// Unregisters a live handle of this kind in one step, so that of two threads freeing the same handle exactly one
+// gets true and deletes it. `may_take` (optional) runs under the registry's lock, while the handle is certainly
+// alive, and can keep the handle (a tensor owned by its parent); false: not live, or kept.
+bool take_handle(const void* handle, HandleKind kind, const std::function<bool()>& may_take = nullptr);
 
 // Holds the registry's shared lock: a handle found live through it cannot be unregistered (freed) until the guard
 // is gone, so the caller can take a strong reference to what the handle owns.
@@ -119,9 +125,7 @@ H* new_handle(Args&&... args) {
 }
 template <class H>
 void free_handle(H* handle) {
-  if (!handle || !is_live(handle, kind_of<H>())) return;
-  unregister_handle(handle);
-  delete handle;
+  if (handle && take_handle(handle, kind_of<H>())) delete handle;
 }
 
 // A device kind from a C caller: unknown kinds are invalid; kinds not built into this library are not supported.
@@ -138,16 +142,22 @@ inline BucketOptions bucket_options(size_t first_bucket_bytes, size_t bucket_cap
 }
 
 // Reads a versioned options struct: NULL gives the defaults; fields the caller's version predates keep them.
+// `version_sizes` lists the size of each version's layout, version 1 first (empty: a struct with one version,
+// sizeof(T)). A size smaller than its version's layout is a struct that was never initialised: refused, for
+// every version alike.
 template <class T>
-T read_options(const T* user, const T& defaults, unsigned current_version, const char* argument) {
+T read_options(const T* user, const T& defaults, unsigned current_version, const char* argument,
+               std::initializer_list<size_t> version_sizes = {}) {
   if (!user) return defaults;
   DPAR_CHECK_ARG(user->version >= 1 && user->version <= current_version, argument, ": unknown version ",
                  user->version, " (this dpar knows 1 to ", current_version, "; use the _INIT macro or _init())");
-  // Version 1 is the first layout: a smaller size means a struct that was never initialised.
-  DPAR_CHECK_ARG(user->size >= sizeof(T) || user->version < current_version, argument, ": size ", user->size,
-                 " is too small for version ", user->version, " (expected ", sizeof(T), ")");
+  DPAR_ENFORCE(version_sizes.size() == 0 || version_sizes.size() == current_version, DPAR_ERR_INTERNAL, argument,
+               ": the layout sizes do not match the version");
+  const size_t layout = version_sizes.size() == 0 ? sizeof(T) : version_sizes.begin()[user->version - 1];
+  DPAR_CHECK_ARG(user->size >= layout, argument, ": size ", user->size, " is too small for version ", user->version,
+                 " (expected at least ", layout, "; use the _INIT macro or _init())");
   T out = defaults;
-  std::memcpy(static_cast<void*>(&out), user, std::min(user->size, sizeof(T)));
+  std::memcpy(static_cast<void*>(&out), user, layout);
   out.size = sizeof(T);
   out.version = current_version;
   return out;

@@ -246,13 +246,14 @@ DPAR_API dpar_status dpar_work_wait(dpar_work* work) {
 }
 
 DPAR_API void dpar_work_free(dpar_work* work) {
-  if (!work || !is_live(work, HandleKind::kWork)) return;
+  // Taken first, so that a second free of the same handle returns at once instead of waiting on a deleted one.
+  if (!work || !take_handle(work, HandleKind::kWork)) return;
   // The operation writes into the caller's buffers: it must be over before the handle goes.
   try {
     work->work->wait();
   } catch (...) {
   }
-  free_handle(work);
+  delete work;
 }
 
 }  // extern "C"

@@ -49,10 +49,10 @@ DPAR_API dpar_status dpar_loader_create(dpar_loader** out, const dpar_dataset* d
 }
 
 DPAR_API void dpar_loader_free(dpar_loader* loader) {
-  if (!loader || !is_live(loader, HandleKind::kLoader)) return;
+  if (!loader || !take_handle(loader, HandleKind::kLoader)) return;
   unregister_handle(&loader->inputs);
   unregister_handle(&loader->labels);
-  free_handle(loader);
+  delete loader;
 }
 
 DPAR_API dpar_status dpar_loader_start_epoch(dpar_loader* loader, uint64_t epoch) {

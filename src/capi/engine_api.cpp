@@ -1,4 +1,5 @@
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <mutex>
 #include <set>
@@ -81,12 +82,13 @@ std::shared_ptr<Communicator> processes_comm(const dpar_engine_options& o) {
 // the engine's lock while its workers run them, so a call back into the engine would wait forever.
 std::shared_ptr<Engine> acquire(const dpar_engine* engine) {
   DPAR_CHECK_ARG(engine != nullptr, "engine: handle is NULL");
-  DPAR_ENFORCE(!on_worker_thread(), DPAR_ERR_INVALID_STATE,
-               "engine: called from a callback on a worker thread (a custom layer or the forward hook); engine "
-               "functions may only be called from outside the engine's callbacks");
   LiveHandleGuard registry;
   DPAR_CHECK_ARG(registry.live(engine, HandleKind::kEngine), "engine",
                  ": not a live handle of this type (freed already, or never created by dpar)");
+  // Another engine (one created inside this callback, say) may be called from here: it has its own lock and workers.
+  DPAR_ENFORCE(!engine->engine->on_own_worker(), DPAR_ERR_INVALID_STATE,
+               "engine: called from a callback on one of its own worker threads (a custom layer or the forward "
+               "hook); an engine's functions may only be called from outside its callbacks");
   return engine->engine;
 }
 
@@ -130,8 +132,9 @@ DPAR_API dpar_status dpar_engine_create(dpar_engine** out, const dpar_model* mod
     checked_out(out);
     *out = nullptr;
     const Model& m = checked(model, "model").model;
+    // Version 1 ended before first_bucket_bytes.
     const auto o = read_options(opts, dpar_engine_options DPAR_ENGINE_OPTIONS_INIT, DPAR_ENGINE_OPTIONS_VERSION,
-                                "opts");
+                                "opts", {offsetof(dpar_engine_options, first_bucket_bytes), sizeof(dpar_engine_options)});
     const auto oo = read_options(optimizer, dpar_optimizer_options DPAR_OPTIMIZER_OPTIONS_INIT,
                                  DPAR_OPTIMIZER_OPTIONS_VERSION, "optimizer");
     EngineConfig config = engine_config(o);
@@ -145,9 +148,12 @@ DPAR_API dpar_status dpar_engine_create(dpar_engine** out, const dpar_model* mod
 }
 
 DPAR_API void dpar_engine_free(dpar_engine* engine) {
-  // From a worker thread this would join the thread it runs on: refused (the engine stays).
-  if (on_worker_thread()) return;
-  free_handle(engine);
+  // From one of the engine's own worker threads this would join the thread it runs on: refused there (the engine
+  // stays), checked under the registry's lock so that the handle cannot be freed meanwhile. Any other thread,
+  // another engine's worker included, frees it.
+  if (engine && take_handle(engine, HandleKind::kEngine, [engine] { return !engine->engine->on_own_worker(); })) {
+    delete engine;
+  }
 }
 
 DPAR_API dpar_status dpar_engine_abort(dpar_engine* engine) {

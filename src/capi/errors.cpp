@@ -39,6 +39,15 @@ void unregister_handle(const void* handle) {
   registry().erase(handle);
 }
 
+bool take_handle(const void* handle, HandleKind kind, const std::function<bool()>& may_take) {
+  std::unique_lock lock(registry_mutex());
+  auto it = registry().find(handle);
+  if (it == registry().end() || it->second != kind) return false;
+  if (may_take && !may_take()) return false;
+  registry().erase(it);
+  return true;
+}
+
 LiveHandleGuard::LiveHandleGuard() : lock_(registry_mutex()) {}
 
 bool LiveHandleGuard::live(const void* handle, HandleKind kind) const {

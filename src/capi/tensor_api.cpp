@@ -68,8 +68,10 @@ DPAR_API dpar_status dpar_tensor_create(dpar_tensor** out, int32_t dtype, const 
     DType dt = checked_dtype(dtype, "dtype");
     Shape s = Shape::checked(shape, ndim, "shape");
     Device dev = checked_device(device, "device");
+    // The storage first: a failed allocation must not leave a registered, unreachable handle behind.
+    Tensor t = Tensor::zeros(dt, s, dev);
     auto* h = new_handle<dpar_tensor>();
-    h->tensor = Tensor::zeros(dt, s, dev);
+    h->tensor = std::move(t);
     *out = h;
   });
 }
@@ -89,7 +91,8 @@ DPAR_API dpar_status dpar_tensor_wrap_host(dpar_tensor** out, int32_t dtype, con
 }
 
 DPAR_API void dpar_tensor_free(dpar_tensor* tensor) {
-  if (tensor && is_live(tensor, HandleKind::kTensor) && !tensor->owned_by_parent) free_handle(tensor);
+  // One step: two threads freeing the same tensor must not both delete it. A tensor its parent owns stays.
+  if (tensor && take_handle(tensor, HandleKind::kTensor, [tensor] { return !tensor->owned_by_parent; })) delete tensor;
 }
 
 DPAR_API dpar_status dpar_tensor_copy_from_host(dpar_tensor* tensor, const void* src, size_t bytes) {

@@ -17,7 +17,13 @@ constexpr size_t kMaxParticipants = 256;
 // Compiled for AVX2 and for baseline x86-64, chosen at load time. Each element is combined with one operation in a
 // fixed order (rank order), so every vector width gives the same bits; no FMA is involved (no multiply-add).
 
+// Not under ThreadSanitizer: it instruments the clones' load-time resolver, which then runs before its runtime is
+// relocated and crashes every program at start-up.
+#if defined(__SANITIZE_THREAD__)
+#define DPAR_CLONES
+#else
 #define DPAR_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
 
 // Integer sums wrap (in unsigned arithmetic: no undefined behaviour on overflow).
 template <class T>

@@ -45,10 +45,12 @@ void WorkerPool::stop_and_join() {
 }
 
 namespace {
-thread_local bool tl_on_worker = false;
+thread_local const WorkerPool* tl_pool = nullptr;  // the pool whose worker this thread is, if any
 }  // namespace
 
-bool on_worker_thread() { return tl_on_worker; }
+bool on_worker_thread() { return tl_pool != nullptr; }
+
+bool WorkerPool::on_own_thread() const { return tl_pool == this; }
 
 WorkerPool::~WorkerPool() { stop_and_join(); }
 
@@ -65,7 +67,7 @@ std::vector<std::exception_ptr> WorkerPool::run_all(const std::function<void(siz
 }
 
 void WorkerPool::loop(size_t worker, const std::function<void(size_t)>& on_start) {
-  tl_on_worker = true;
+  tl_pool = this;
   if (on_start) on_start(worker);
   // The generation every worker was created under; a job may already have been posted before this thread ran.
   uint32_t seen = 0;

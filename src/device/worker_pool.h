@@ -30,6 +30,8 @@ class WorkerPool {
   WorkerPool& operator=(const WorkerPool&) = delete;
 
   size_t size() const { return threads_.size(); }
+  // True on one of this pool's own threads (joining the pool from there would wait forever).
+  bool on_own_thread() const;
 
   // Runs job(worker) on every worker and waits for all. Returns each worker's exception (null where it succeeded):
   // one worker's failure never stops the others from finishing, so the caller always gets control back.

@@ -5,6 +5,7 @@
 // bytes, which every process then checks and loads alike; every process returns rank 0's outcome.
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <map>
 
 #include "common/error.h"
@@ -15,13 +16,29 @@ namespace dpar {
 namespace {
 constexpr const char* kFormat = "dpar-checkpoint-1";
 
-uint64_t parse_u64(const std::map<std::string, std::string>& meta, const std::string& key, const std::string& path) {
+// Step counts and replica counts beyond these are not from a real run: refused as damage rather than loaded (a
+// step count near 2^63 would overflow the optimizer's signed counter a few steps later).
+constexpr uint64_t kMaxSteps = uint64_t{1} << 62;
+constexpr uint64_t kMaxReplicas = uint64_t{1} << 20;
+
+// A metadata value as a decimal integer in [min, max]; anything else is DPAR_ERR_CORRUPT naming the key.
+uint64_t parse_u64(const std::map<std::string, std::string>& meta, const std::string& key, const std::string& path,
+                   uint64_t min = 0, uint64_t max = std::numeric_limits<uint64_t>::max()) {
   auto it = meta.find(key);
   DPAR_ENFORCE(it != meta.end(), DPAR_ERR_CORRUPT, path, ": metadata lacks \"", key, "\"");
   const std::string& s = it->second;
-  DPAR_ENFORCE(!s.empty() && s.size() <= 20 && s.find_first_not_of("0123456789") == std::string::npos,
-               DPAR_ERR_CORRUPT, path, ": metadata \"", key, "\" is not an unsigned integer: \"", s, "\"");
-  return std::stoull(s);
+  DPAR_ENFORCE(!s.empty() && s.find_first_not_of("0123456789") == std::string::npos, DPAR_ERR_CORRUPT, path,
+               ": metadata \"", key, "\" is not an unsigned integer: \"", s.substr(0, 40), "\"");
+  uint64_t value = 0;
+  for (char c : s) {
+    const bool overflow = __builtin_mul_overflow(value, uint64_t{10}, &value) ||
+                          __builtin_add_overflow(value, static_cast<uint64_t>(c - '0'), &value);
+    DPAR_ENFORCE(!overflow, DPAR_ERR_CORRUPT, path, ": metadata \"", key, "\" is out of range: ", s.substr(0, 40),
+                 " exceeds 2^64 - 1");
+  }
+  DPAR_ENFORCE(value >= min && value <= max, DPAR_ERR_CORRUPT, path, ": metadata \"", key, "\" is out of range: ",
+               value, " is not in [", min, ", ", max, "]");
+  return value;
 }
 }  // namespace
 
@@ -144,8 +161,8 @@ void Engine::load(const std::string& path) {
   DPAR_ENFORCE(opt != meta.end() && opt->second == opt0.config().name(), DPAR_ERR_MISMATCH, path,
                ": checkpoint optimizer \"", opt == meta.end() ? "?" : opt->second, "\" differs from the engine's \"",
                opt0.config().name(), "\"");
-  const int64_t steps = static_cast<int64_t>(parse_u64(meta, "dpar.step", path));
-  const uint64_t saved_replicas = parse_u64(meta, "dpar.replicas", path);
+  const int64_t steps = static_cast<int64_t>(parse_u64(meta, "dpar.step", path, 0, kMaxSteps));
+  const uint64_t saved_replicas = parse_u64(meta, "dpar.replicas", path, 1, kMaxReplicas);
 
   auto check_entry = [&](const std::string& name, const ParamInfo& p) {
     DPAR_ENFORCE(file.has(name), DPAR_ERR_MISMATCH, path, ": tensor \"", name, "\" of the model is missing");

@@ -172,8 +172,10 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
 
   if (aborted_.load()) {
     // The group stays aborted, so that a worker still on its way to a collective stops there too.
+    // Replicas may have stepped and stopped apart (an abort can land inside the optimizer's all-gather): only a
+    // recreated engine is known to be whole again, as every later call says (check_usable).
     if (processes_) processes_->abort(std::string(operation) + ": the engine was aborted on another process");
-    fail(status, operation, ": ", message);
+    fail(status, operation, ": ", message, "; the engine was aborted (dpar_engine_abort) and must be recreated");
   }
   // Null while the engine is still being created; a group that cannot recover leaves the engine unusable.
   const bool recovered = !group_ || group_->recover();

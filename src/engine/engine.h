@@ -92,6 +92,9 @@ class Engine {
 
   // Held by the C ABI around every call: an engine serialises its callers.
   std::mutex& mutex() { return mutex_; }
+  // True on one of this engine's worker threads, inside one of its callbacks: the caller of the call in flight
+  // holds the lock and waits for this thread, so a call into the engine from here would wait forever.
+  bool on_own_worker() const { return pool_ && pool_->on_own_thread(); }
 
  private:
   struct Replica {

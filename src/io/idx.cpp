@@ -1,5 +1,7 @@
 #include "io/idx.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -9,6 +11,7 @@
 #include <memory>
 
 #include "common/error.h"
+#include "io/safetensors.h"
 
 namespace dpar::io {
 namespace {
@@ -74,11 +77,20 @@ const char* idx_type_name(unsigned type) {
 }  // namespace
 
 IdxArray read_idx_u8(const std::string& path) {
-  errno = 0;
-  GzHandle handle(gzopen(path.c_str(), "rb"));
+  // A regular file only, opened without blocking (a FIFO would wait for a writer forever), and of known size:
+  // the size bounds how much data the file can honestly hold.
+  const int fd = open_regular_file(path);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int saved = errno;
+    ::close(fd);
+    fail(DPAR_ERR_IO, path, ": cannot stat: ", std::strerror(saved));
+  }
+  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  GzHandle handle(gzdopen(fd, "rb"));
   if (!handle) {
-    // gzopen sets errno when open(2) fails; errno 0 means zlib could not allocate its state.
-    fail(DPAR_ERR_IO, path, ": cannot open: ", errno != 0 ? std::strerror(errno) : "out of memory");
+    ::close(fd);  // gzdopen leaves the descriptor open when it fails: it could not allocate its state
+    fail(DPAR_ERR_OUT_OF_MEMORY, path, ": cannot open: zlib could not allocate its state");
   }
   gzFile file = handle.get();
   gzbuffer(file, 1u << 17);  // Fewer, larger reads than zlib's 8 KiB default.
@@ -127,29 +139,46 @@ IdxArray read_idx_u8(const std::string& path) {
     result.dims.push_back(static_cast<int64_t>(extent));
   }
 
-  // Grow the buffer as data arrives rather than trusting the header with one huge allocation: a damaged or
-  // hostile header then costs at most about twice the bytes the file really holds.
+  // What the file can honestly hold: a plain file its own bytes after the header, a gzip file at most
+  // kDeflateMaxRatio times its compressed bytes. A header claiming more is damaged or hostile, and is refused
+  // before anything is allocated for it.
+  const uint64_t header_bytes = 4 + 4 * uint64_t{ndim};
+  const bool plain = gzdirect(file) != 0;
+  const uint64_t honest = plain ? (file_size > header_bytes ? file_size - header_bytes : 0)
+                                : (file_size > kIdxMaxDataBytes / kDeflateMaxRatio ? kIdxMaxDataBytes
+                                                                                  : file_size * kDeflateMaxRatio);
+  DPAR_ENFORCE(total <= honest, DPAR_ERR_CORRUPT, path, ": the header's dimensions describe ", total,
+               " bytes of data, more than the ", file_size, "-byte ", plain ? "file holds" : "gzip file can inflate to");
+
+  // One allocation of the claimed size, filled as the data arrives: the buffer is never copied to grow, so the
+  // reader holds at most the claimed bytes, once. reserve() only maps address space: a file that ends early has
+  // made the reader touch no more memory than the data it really held.
   const size_t expected = static_cast<size_t>(total);
+  result.data.reserve(expected);
   size_t filled = 0;
-  size_t capacity = std::min<size_t>(expected, size_t{16} << 20);
-  while (true) {
-    result.data.reserve(capacity);  // Exact: the final capacity is `expected`, not a doubling beyond it.
-    result.data.resize(capacity);
-    const size_t got = read_some(path, file, result.data.data() + filled, capacity - filled);
+  while (filled < expected) {
+    const size_t chunk = std::min<size_t>(expected - filled, size_t{4} << 20);
+    result.data.resize(filled + chunk);  // Within the capacity: no reallocation.
+    const size_t got = read_some(path, file, result.data.data() + filled, chunk);
     filled += got;
-    if (filled < capacity) {
+    if (got < chunk) {
       fail(DPAR_ERR_CORRUPT, path, ": truncated: expected ", expected, " bytes of data, got ", filled,
            truncation_note(file));
     }
-    if (filled == expected) break;
-    capacity = expected - capacity < capacity ? expected : 2 * capacity;
   }
 
   // A gzip member's CRC is checked only when its end is reached: read on to it, ignoring any bytes after the
   // data (tolerated, see the header), so that a damaged .gz is refused. A plain file has nothing to verify.
-  if (!gzdirect(file)) {
+  // The bytes after the data are bounded too: a small file that inflates to terabytes of padding would
+  // otherwise keep the reader busy for hours.
+  if (!plain) {
     uint8_t scratch[1 << 14];
-    while (read_some(path, file, scratch, sizeof scratch) == sizeof scratch) {
+    uint64_t trailing = 0;
+    for (size_t got = sizeof scratch; got == sizeof scratch;) {
+      got = read_some(path, file, scratch, sizeof scratch);
+      trailing += got;
+      DPAR_ENFORCE(trailing <= kIdxMaxTrailingBytes, DPAR_ERR_CORRUPT, path, ": more than ", kIdxMaxTrailingBytes,
+                   " bytes follow the data the header describes");
     }
     int code = Z_OK;
     gzerror(file, &code);

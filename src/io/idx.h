@@ -21,13 +21,24 @@ struct IdxArray {
 // damaged header rather than attempted: no data set this library trains on comes near it.
 inline constexpr uint64_t kIdxMaxDataBytes = uint64_t{1} << 34;
 
+// The most bytes deflate can produce per compressed byte (zlib's technical notes: 1032:1). A gzip file's IDX
+// header claiming more data than its compressed size times this is refused before anything is allocated.
+inline constexpr uint64_t kDeflateMaxRatio = 1032;
+
+// The most bytes a gzip-compressed file may hold after the data (padding); more is refused as damaged.
+inline constexpr uint64_t kIdxMaxTrailingBytes = uint64_t{16} << 20;
+
 // Reads an IDX file of type 0x08 (u8). The file may be plain or gzip-compressed (zlib detects which).
-// Data after the last element is ignored, as some tools pad files; a gzip stream's checksum is verified.
+// Data after the last element is ignored (up to kIdxMaxTrailingBytes), as some tools pad files; a gzip stream's
+// checksum is verified.
+// The file must be a regular file (a FIFO or device is refused without blocking on it). Memory: the data is
+// read into one buffer of the size the header claims, which must be no more than the file can hold (its size,
+// or kDeflateMaxRatio times it compressed), so a small gzip file cannot make the reader allocate gigabytes.
 // Throws dpar::Error, with a message that names the file:
-//   DPAR_ERR_IO             the file cannot be opened or read (with the system's reason);
+//   DPAR_ERR_IO             the file cannot be opened or read (with the system's reason), or is not a regular file;
 //   DPAR_ERR_CORRUPT        bad magic number, unknown element type, zero dimensions or a zero extent, extents
-//                           whose product exceeds kIdxMaxDataBytes, a truncated header or data, a damaged gzip
-//                           stream;
+//                           whose product exceeds kIdxMaxDataBytes or what the file can hold, a truncated header
+//                           or data, a damaged gzip stream;
 //   DPAR_ERR_NOT_SUPPORTED  a valid IDX element type other than u8 (i8, i16, i32, f32, f64).
 IdxArray read_idx_u8(const std::string& path);
 

@@ -56,6 +56,11 @@ class Fd {
     if (fd_ >= 0) ::close(fd_);
   }
   int get() const { return fd_; }
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
 
  private:
   int fd_;
@@ -225,7 +230,16 @@ json parse_header(const std::string& path, const std::string& header) {
   std::vector<std::set<std::string>> open_objects;
   std::string duplicate;
   bool has_duplicate = false;
-  const json::parser_callback_t track_keys = [&](int, json::parse_event_t event, json& parsed) {
+  // The depth is capped while parsing, before anything recursive (copying, dumping, destroying the tree) runs
+  // on it: a header nested 100,000 deep would otherwise overflow the stack.
+  const json::parser_callback_t track_keys = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) {
+      // `depth` counts the enclosing containers: 0 for the root object.
+      if (depth >= static_cast<int>(kSafetensorsMaxJsonDepth)) {
+        fail(DPAR_ERR_CORRUPT, path, ": the header nests JSON arrays and objects more than ",
+             kSafetensorsMaxJsonDepth, " deep");
+      }
+    }
     if (event == json::parse_event_t::object_start) {
       open_objects.emplace_back();
     } else if (event == json::parse_event_t::object_end) {
@@ -282,6 +296,23 @@ void check_crc(const std::string& path, const std::map<std::string, std::string>
 }
 
 }  // namespace
+
+int open_regular_file(const std::string& path) {
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever if none comes (and a
+  // checkpoint is opened with the engine's lock held). For a regular file the flag changes nothing.
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK));
+  if (fd.get() < 0) fail(DPAR_ERR_IO, path, ": cannot open: ", std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) fail(DPAR_ERR_IO, path, ": cannot stat: ", std::strerror(errno));
+  DPAR_ENFORCE(!S_ISDIR(st.st_mode), DPAR_ERR_IO, path, ": is a directory");
+  // A FIFO, socket or device has no size to check a header against, and may never end.
+  DPAR_ENFORCE(S_ISREG(st.st_mode), DPAR_ERR_IO, path, ": not a regular file (a FIFO, socket or device)");
+  const int flags = ::fcntl(fd.get(), F_GETFL);
+  if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    fail(DPAR_ERR_IO, path, ": cannot clear O_NONBLOCK: ", std::strerror(errno));
+  }
+  return fd.release();
+}
 
 size_t safetensors_dtype_bits(const std::string& dtype) {
   static const std::map<std::string, size_t> kBits = {
@@ -367,13 +398,9 @@ void write_safetensors(const std::string& path, const std::vector<TensorView>& t
 }
 
 std::vector<uint8_t> SafetensorsFile::read_bytes(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) fail(DPAR_ERR_IO, path, ": cannot open: ", std::strerror(errno));
+  Fd fd(open_regular_file(path));
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) fail(DPAR_ERR_IO, path, ": cannot stat: ", std::strerror(errno));
-  DPAR_ENFORCE(!S_ISDIR(st.st_mode), DPAR_ERR_IO, path, ": is a directory");
-  // The size must be known up front to validate the header against it.
-  DPAR_ENFORCE(S_ISREG(st.st_mode), DPAR_ERR_IO, path, ": not a regular file");
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
   DPAR_ENFORCE(file_size <= std::numeric_limits<size_t>::max(), DPAR_ERR_CORRUPT, path,
                ": the file does not fit in memory");

@@ -27,6 +27,15 @@ inline constexpr const char* kSafetensorsCrcKey = "dpar.crc32";
 inline constexpr const char* kSafetensorsHeaderCrcKey = "dpar.header_crc32";
 // The largest header accepted, as Python's safetensors limits it: a larger length is a damaged file.
 inline constexpr uint64_t kSafetensorsMaxHeaderBytes = 100'000'000;
+// The deepest nesting of JSON arrays and objects accepted in a header. A valid header needs 3 (the root object,
+// a tensor's entry, its shape); the limit leaves room for extra fields and keeps every recursive walk of the
+// parsed header (copy, dump, destruction) far from the stack's end.
+inline constexpr size_t kSafetensorsMaxJsonDepth = 64;
+
+// Opens `path` for reading, refusing anything but a regular file without blocking on it (a FIFO with no writer,
+// a device). Returns the descriptor, close-on-exec, in blocking mode; the caller closes it. Throws dpar::Error
+// DPAR_ERR_IO naming the path: it cannot be opened or examined, or is a directory, FIFO, socket or device.
+int open_regular_file(const std::string& path);
 
 // The size in bits of one element of a safetensors dtype ("F32" -> 32, "F4" -> 4), or 0 for an unknown dtype.
 size_t safetensors_dtype_bits(const std::string& dtype);
@@ -68,7 +77,8 @@ class SafetensorsFile {
   // Reads and validates the whole file. Throws dpar::Error naming the file:
   //   DPAR_ERR_IO       it cannot be opened or read, or is not a regular file;
   //   DPAR_ERR_CORRUPT  shorter than 8 bytes; a header length beyond the file or kSafetensorsMaxHeaderBytes; a
-  //                     header that is not a JSON object (or has duplicate keys); an entry without dtype, shape
+  //                     header that is not a JSON object (or has duplicate keys, or nests deeper than
+  //                     kSafetensorsMaxJsonDepth); an entry without dtype, shape
   //                     or data_offsets, or with values of the wrong JSON type; an unknown dtype; a negative or
   //                     overflowing shape; a size that does not match the shape; tensors that overlap, leave
   //                     gaps or do not end exactly at the end of the file; a metadata value that is not a

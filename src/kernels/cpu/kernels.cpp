@@ -402,8 +402,15 @@ namespace {
 // block first (a vectorisable loop), then the square roots (sqrt_block), then the parameters (vectorisable).
 // Compiled for AVX2 and for baseline x86-64, picked at load time. AVX2 alone brings no FMA, so no multiply-add is
 // contracted and both versions give the same bits.
+// Clang (the fuzz build) cannot multiversion a template: it compiles the baseline version only. Nor does
+// ThreadSanitizer's build: it instruments the load-time resolver, which then crashes before its runtime is ready.
+#if defined(__clang__) || defined(__SANITIZE_THREAD__)
+#define DPAR_ADAM_CLONES
+#else
+#define DPAR_ADAM_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
 template <bool kL2, bool kSmallLerpWeight>
-__attribute__((target_clones("avx2", "default"))) void adam_loop(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, float wd, float w1,
+DPAR_ADAM_CLONES void adam_loop(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, float wd, float w1,
                float one_minus_w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step) {
   constexpr int64_t kBlock = 512;
   float root[kBlock];
