@@ -1,7 +1,7 @@
 /* bench_cuda_train: dpar's training step on a GPU, through the C ABI only (dpar.h, libdpar.so); issue 7, section 8.
  *
  *   bench_cuda_train [--only demo|wide] [--batches B1,B2,..] [--steps N] [--blocks K] [--replicas R]
- *                    [--host-input] [--json PATH] [--torch PATH] [--gemms PATH]
+ *                    [--device-input] [--json PATH] [--torch PATH] [--gemms PATH]
  *
  * For the demo MLP 784-256-128-10 (batches 128, 1024, 8192) and the wide MLP 784-4096-4096-4096-10 (256, 1024,
  * 8192): ReLU, softmax cross-entropy, Adam lr 1e-3, f32, synthetic uniform inputs and random labels, on an engine
@@ -84,8 +84,10 @@ static void run_config(result *r, const bench_mlp *mlp, int64_t batch, int repli
   double *t = NULL;
   if (failed(r, dpar_engine_create(&engine, model, &oo, &eo), "dpar_engine_create")) goto done;
 
-  /* A few distinct batches, cycled; on cuda:0 (the engine's output device) unless --host-input, so that by
-   * default the step starts from data already on the GPU, as the PyTorch anchor's does. */
+  /* A few distinct batches, cycled, in host memory: the engine takes host batches and copies each replica's slice
+   * to its GPU inside the step (it refuses a GPU input today), so dpar's step includes that copy and the PyTorch
+   * anchor's, whose data sits on the GPU, does not. --device-input tries a cuda:0 batch (refused until the engine
+   * takes one). */
   {
     uint64_t rng = 0x9E3779B97F4A7C15ull ^ (uint64_t)batch;
     const dpar_device where = {host_input ? DPAR_DEVICE_CPU : DPAR_DEVICE_CUDA, 0};
@@ -410,13 +412,13 @@ static void compare(const result *res, int nres, const json_file *torch, const j
 
 static void usage(const char *argv0) {
   fprintf(stderr,
-          "usage: %s [--only demo|wide] [--batches B1,B2,..] [--steps N] [--blocks K] [--replicas R] [--host-input]\n"
+          "usage: %s [--only demo|wide] [--batches B1,B2,..] [--steps N] [--blocks K] [--replicas R] [--device-input]\n"
           "          [--json PATH] [--torch PATH] [--gemms PATH]\n"
           "  --only M        one model: demo (784-256-128-10) or wide (784-4096-4096-4096-10)\n"
           "  --batches L     batch sizes for the chosen model(s) (default demo 128,1024,8192; wide 256,1024,8192)\n"
           "  --steps N       timed steps per block (default 50); --blocks K blocks (default 5), after 10 warm-up steps\n"
           "  --replicas R    R replicas, all on cuda:0 (default 1)\n"
-          "  --host-input    batches in host memory (the step then includes their copy to the GPU); default cuda:0\n"
+          "  --device-input  batches on cuda:0 (the engine refuses them today); default host memory, copied in the step\n"
           "  --json PATH     write the results as JSON\n"
           "  --torch PATH    JSON of bench/torch_anchor.py: print dpar beside PyTorch, with ratios and the aims\n"
           "  --gemms PATH    JSON of bench_cuda_gemms: the step's GEMMs in cuBLAS alone\n",
@@ -427,7 +429,7 @@ static void usage(const char *argv0) {
 int main(int argc, char **argv) {
   const char *only = NULL, *json = NULL, *torch_path = NULL, *gemms_path = NULL;
   int64_t batches[kBenchMaxBatches];
-  int nbatches = 0, steps = 50, blocks = 5, replicas = 1, host_input = 0;
+  int nbatches = 0, steps = 50, blocks = 5, replicas = 1, host_input = 1;
   for (int i = 1; i < argc; ++i) {
     const int more = i + 1 < argc;
     if (!strcmp(argv[i], "--only") && more) only = argv[++i];
@@ -436,7 +438,7 @@ int main(int argc, char **argv) {
     } else if (!strcmp(argv[i], "--steps") && more) steps = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--blocks") && more) blocks = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--replicas") && more) replicas = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--host-input")) host_input = 1;
+    else if (!strcmp(argv[i], "--device-input")) host_input = 0;
     else if (!strcmp(argv[i], "--json") && more) json = argv[++i];
     else if (!strcmp(argv[i], "--torch") && more) torch_path = argv[++i];
     else if (!strcmp(argv[i], "--gemms") && more) gemms_path = argv[++i];
