@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""PyTorch's training step on the same GPU as bench_cuda_train: the anchor of issue 7, section 8.
+
+    python3 bench/torch_anchor.py [--only demo|wide] [--batches B1,B2,..] [--steps N] [--blocks K]
+                                  [--variants plain,dataparallel,ddp,graph] [--json PATH]
+
+The same MLPs, batches, data and step counts as bench_cuda_train (bench/cuda_configs.h): the demo MLP
+784-256-128-10 at batch 128, 1024, 8192 and the wide MLP 784-4096-4096-4096-10 at 256, 1024, 8192; nn.Sequential of
+Linear + ReLU (no ReLU after the last Linear), CrossEntropyLoss, Adam(lr=1e-3, fused=True), f32 with IEEE f32 matmuls
+(no TF32, as dpar's cuBLAS calls), uniform inputs and random labels already on the GPU (4 batches, cycled). Variants:
+
+  plain         the module: zero_grad(set_to_none=True), forward, loss, backward, step
+  dataparallel  nn.DataParallel(module, device_ids=[0])
+  ddp           DistributedDataParallel(module, device_ids=[0]) in a process group of world size 1 (NCCL, through a
+                FileStore in a temporary directory: no network needed)
+  graph         the whole step captured in one CUDA graph (the torch.cuda.graphs whole-network recipe: static input
+                and target, warm-up on a side stream, capture of forward, backward and Adam(capturable=True,
+                fused=True).step()); a step is copying the batch into the static tensors and replaying the graph
+
+Each step is followed by torch.cuda.synchronize() and timed by the wall clock around both, as bench_cuda_train times
+one dpar_engine_train_step (which returns once the GPU's work is done). 10 warm-up steps, then blocks of timed
+steps; median, p10 and p90 over all timed steps. Without torch or a GPU it says why, writes that to --json, and exits
+0. --device cpu runs the plain, DataParallel and DDP (gloo) steps on the CPU: a check of this script, not an anchor.
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+# bench/cuda_configs.h
+MODELS = {
+    "demo": ([784, 256, 128, 10], [128, 1024, 8192]),
+    "wide": ([784, 4096, 4096, 4096, 10], [256, 1024, 8192]),
+}
+VARIANTS = ["plain", "dataparallel", "ddp", "graph"]
+DATA_BATCHES = 4
+WARMUP = 10
+
+
+def quantile(sorted_v, q):
+    """Nearest rank, as bench_quantile_sorted."""
+    return sorted_v[min(len(sorted_v) - 1, int(q * (len(sorted_v) - 1) + 0.5))]
+
+
+class Anchor:
+    def __init__(self, torch, device, steps, blocks):
+        self.torch, self.device, self.steps, self.blocks = torch, device, steps, blocks
+        self.errors = []
+        self.ddp_ready = None  # None: not tried; True; or the reason it failed
+
+    def sync(self):
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def mlp(self, sizes):
+        nn = self.torch.nn
+        self.torch.manual_seed(1)
+        layers = []
+        for i in range(len(sizes) - 1):
+            layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+            if i + 2 < len(sizes):
+                layers.append(nn.ReLU())
+        return nn.Sequential(*layers).to(self.device)
+
+    def adam(self, params, **kw):
+        return self.torch.optim.Adam(params, lr=1e-3, fused=True, **kw)
+
+    def time_steps(self, step):
+        """Wall time of step(i) plus a synchronisation, per step, in ms: median, p10, p90."""
+        for i in range(WARMUP):
+            step(i)
+        self.sync()
+        times = []
+        for i in range(self.steps * self.blocks):
+            t0 = time.perf_counter()
+            step(i)
+            self.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        return statistics.median(times), quantile(times, 0.1), quantile(times, 0.9)
+
+    def init_ddp(self):
+        """A process group of world size 1; its failure is recorded and the DDP column stays empty."""
+        if self.ddp_ready is not None:
+            return self.ddp_ready
+        dist = self.torch.distributed
+        try:
+            if not dist.is_available():
+                raise RuntimeError("torch.distributed is not available in this build")
+            # NCCL's bootstrap needs a socket; the GPU machine has no network, and loopback is enough for one rank.
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            self.store_dir = tempfile.TemporaryDirectory()
+            store = dist.FileStore(os.path.join(self.store_dir.name, "store"), 1)
+            backend = "nccl" if self.device == "cuda" else "gloo"
+            kw = {"device_id": self.torch.device("cuda", 0)} if self.device == "cuda" else {}
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, **kw)
+            self.ddp_ready = True
+        except Exception as e:  # noqa: BLE001 - any failure is reported, not fatal
+            self.ddp_ready = f"{type(e).__name__}: {e}"
+            self.errors.append(f"ddp: init_process_group failed: {self.ddp_ready}")
+        return self.ddp_ready
+
+    def run(self, variant, sizes, xs, ys):
+        torch, nn = self.torch, self.torch.nn
+        loss_fn = nn.CrossEntropyLoss()
+        model = self.mlp(sizes)
+        n = len(xs)
+        if variant in ("plain", "dataparallel", "ddp"):
+            if variant == "dataparallel":
+                wrapped = nn.DataParallel(model, device_ids=[0] if self.device == "cuda" else None)
+            elif variant == "ddp":
+                if self.init_ddp() is not True:
+                    return None
+                from torch.nn.parallel import DistributedDataParallel
+
+                wrapped = DistributedDataParallel(model, device_ids=[0] if self.device == "cuda" else None)
+            else:
+                wrapped = model
+            opt = self.adam(wrapped.parameters())
+
+            def step(i):
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(wrapped(xs[i % n]), ys[i % n])
+                loss.backward()
+                opt.step()
+
+            return self.time_steps(step)
+
+        assert variant == "graph"
+        if self.device != "cuda":
+            raise RuntimeError("CUDA graphs need a GPU")
+        opt = self.adam(model.parameters(), capturable=True)
+        static_x, static_y = xs[0].clone(), ys[0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph: Adam's state and cuBLAS's workspace exist after
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(model(static_x), static_y).backward()
+                opt.step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)  # backward inside the graph allocates .grad from the graph's pool
+        with torch.cuda.graph(graph):
+            static_loss = loss_fn(model(static_x), static_y)
+            static_loss.backward()
+            opt.step()
+
+        def step(i):
+            static_x.copy_(xs[i % n])
+            static_y.copy_(ys[i % n])
+            graph.replay()
+
+        return self.time_steps(step)
+
+
+def write_json(path, doc):
+    if path:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+        print(f"\nwrote {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=sorted(MODELS))
+    ap.add_argument("--batches", help="batch sizes for the chosen model(s), e.g. 128,1024")
+    ap.add_argument("--steps", type=int, default=50, help="timed steps per block (default 50)")
+    ap.add_argument("--blocks", type=int, default=5, help="blocks of timed steps (default 5)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="default: " + ",".join(VARIANTS))
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: check this script without a GPU (not an anchor)")
+    ap.add_argument("--json", help="write the results as JSON")
+    args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    if any(v not in VARIANTS for v in variants) or args.steps < 1 or args.blocks < 1:
+        ap.error("bad --variants, --steps or --blocks")
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+    sys.stdout.reconfigure(line_buffering=True)
+
+    print("torch_anchor: PyTorch's training step beside bench_cuda_train (issue 7, section 8)")
+    doc = {"program": "torch_anchor", "skipped": None, "errors": [], "results": []}
+    try:
+        import torch
+    except ImportError as e:
+        doc["skipped"] = f"no PyTorch ({e})"
+    else:
+        doc["torch_version"] = torch.__version__
+        if args.device == "cuda" and not torch.cuda.is_available():
+            doc["skipped"] = f"no CUDA device for PyTorch {torch.__version__} (torch.version.cuda = {torch.version.cuda})"
+    if doc["skipped"]:
+        print("skipped:", doc["skipped"])
+        write_json(args.json, doc)
+        return 0
+
+    # IEEE f32 matmuls, as dpar's cuBLAS handle (CUBLAS_DEFAULT_MATH); "highest" is PyTorch's default, set anyway.
+    torch.set_float32_matmul_precision("highest")
+    doc["matmul_precision"] = torch.get_float32_matmul_precision()
+    if args.device == "cuda":
+        doc["gpu"] = torch.cuda.get_device_name(0)
+        doc["cuda"] = torch.version.cuda
+        print(f"GPU: cuda:0, {doc['gpu']}; PyTorch {torch.__version__}, CUDA {torch.version.cuda}")
+    else:
+        doc["gpu"] = "none: --device cpu, a check of this script, not an anchor"
+        print(f"device: cpu (a check of this script, not an anchor); PyTorch {torch.__version__}")
+    doc.update(device=args.device, steps_per_block=args.steps, blocks=args.blocks, warmup=WARMUP)
+    print(f"f32 matmul precision {doc['matmul_precision']}; Adam fused; {WARMUP} warm-up steps, then {args.blocks} "
+          f"blocks of {args.steps}; ms per step (wall time of the step and a synchronisation), median [p10, p90]\n")
+
+    anchor = Anchor(torch, args.device, args.steps, args.blocks)
+    print(f"  {'config':11} | " + " | ".join(f"{v:>28}" for v in variants))
+    for name, (sizes, default_batches) in MODELS.items():
+        if args.only and name != args.only:
+            continue
+        for batch in batches or default_batches:
+            gen = torch.Generator(device=args.device).manual_seed(batch)
+            xs = [torch.rand(batch, sizes[0], device=args.device, generator=gen) for _ in range(DATA_BATCHES)]
+            ys = [torch.randint(0, sizes[-1], (batch,), device=args.device, generator=gen) for _ in range(DATA_BATCHES)]
+            entry = {"model": name, "batch": batch}
+            cells = []
+            for v in variants:
+                try:
+                    r = anchor.run(v, sizes, xs, ys)
+                except Exception as e:  # noqa: BLE001 - out of memory, capture failures: reported, not fatal
+                    anchor.errors.append(f"{v} {name},{batch}: {type(e).__name__}: {str(e).splitlines()[0]}")
+                    r = None
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                entry[f"{v}_ms"] = r[0] if r else None
+                if r:
+                    entry[f"{v}_p10_ms"], entry[f"{v}_p90_ms"] = r[1], r[2]
+                    entry[f"{v}_samples_per_s"] = batch / r[0] * 1e3
+                cells.append(f"{r[0]:8.3f} [{r[1]:7.3f}, {r[2]:7.3f}]" if r else f"{'-':>28}")
+            doc["results"].append(entry)
+            print(f"  {name + ',' + str(batch):11} | " + " | ".join(cells))
+            del xs, ys
+    doc["errors"] = anchor.errors
+    for e in anchor.errors:
+        print("  error:", e)
+    if anchor.ddp_ready is True:
+        torch.distributed.destroy_process_group()
+    write_json(args.json, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
