@@ -3,7 +3,8 @@
 // Every handle is a Go value with Close() (a finalizer frees it too, as a safety net only); every failed call
 // returns an *Error with dpar's status and message. Each call and the read of its thread-local error run with the
 // goroutine locked to its OS thread. Buffers are Go slices, copied in and out (cgo does not let C keep a Go
-// pointer after a call returns), except Tensor.Float32s, a slice over dpar's own memory.
+// pointer after a call returns), except Tensor.Float32s and Int32s, and a custom layer's CustomCall, slices over dpar's
+// own memory.
 //
 // The raw layer, dpar.dev/go/raw, is SWIG's one-to-one output for bindings/swig/dpar.i.
 package dpar
