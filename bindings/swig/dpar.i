@@ -101,6 +101,7 @@ DPAR_OUT_HANDLE(dpar_reducer)
 
 /* ---- Helpers: Python callables as dpar callbacks, DLPack capsules ---------------------------------------- */
 %nothread dpar_py_set_forward_hook;
+%nothread dpar_py_model_add_custom;
 %nothread dpar_py_tensor_from_dlpack;
 %nothread dpar_py_tensor_to_dlpack;
 
@@ -127,6 +128,26 @@ static PyObject *dpar_py_shape(const int64_t *shape, size_t ndim) {
   return t;
 }
 
+/* The Python exception being raised as dpar's error: DPAR_ERR_INTERNAL, or the status of a DparError (read from
+ * its `status` attribute), with the exception's text given to dpar_set_error. Consumes the exception. */
+static dpar_status dpar_py_fail(void) {
+  dpar_status status = DPAR_ERR_INTERNAL;
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  if (value && PyObject_HasAttrString(value, "status")) {
+    PyObject *s = PyObject_GetAttrString(value, "status");
+    long code = s ? PyLong_AsLong(s) : DPAR_ERR_INTERNAL;
+    if (code < 0) status = (dpar_status)code;
+    Py_XDECREF(s);
+    PyErr_Clear();
+  }
+  PyErr_Restore(type, value, tb);
+  char buf[1024];
+  dpar_py_exception_message(buf, sizeof buf);
+  return dpar_set_error(status, buf);
+}
+
 /* Runs on a worker thread: takes the GIL, calls hook(replica, input_shape, output_shape). An exception becomes
  * DPAR_ERR_INTERNAL (or the status of a DparError, read from its `status` attribute) with its text. */
 static dpar_status dpar_py_hook(void *payload, size_t replica, const int64_t *in, size_t in_ndim,
@@ -135,28 +156,88 @@ static dpar_status dpar_py_hook(void *payload, size_t replica, const int64_t *in
   dpar_status status = DPAR_OK;
   PyObject *r = PyObject_CallFunction((PyObject *)payload, "nNN", (Py_ssize_t)replica, dpar_py_shape(in, in_ndim),
                                       dpar_py_shape(out, out_ndim));
-  if (!r) {
-    status = DPAR_ERR_INTERNAL;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (value && PyObject_HasAttrString(value, "status")) {
-      PyObject *s = PyObject_GetAttrString(value, "status");
-      long code = s ? PyLong_AsLong(s) : DPAR_ERR_INTERNAL;
-      if (code < 0) status = (dpar_status)code;
-      Py_XDECREF(s);
-    }
-    PyErr_Restore(type, value, tb);
-    char buf[1024];
-    dpar_py_exception_message(buf, sizeof buf);
-    dpar_set_error(status, buf);
-  }
+  if (!r) status = dpar_py_fail();
   Py_XDECREF(r);
   PyGILState_Release(g);
   return status;
 }
 
+/* ---- Custom layers: the payload is the package's bridge object (dpar._CustomBridge), whose _output_shape,
+ * _forward and _backward methods run on dpar's worker threads under the GIL. Tensors reach Python as
+ * (address, shape) pairs, of which the package makes NumPy views. */
+static PyObject *dpar_py_view(const dpar_tensor *t) {
+  if (!t) Py_RETURN_NONE;
+  void *data = NULL;
+  int64_t shape[DPAR_MAX_DIMS];
+  size_t ndim = 0;
+  if (dpar_tensor_data(&data, (dpar_tensor *)t) != DPAR_OK || dpar_tensor_shape(shape, &ndim, t, DPAR_MAX_DIMS) != DPAR_OK) {
+    PyErr_Format(PyExc_RuntimeError, "a custom layer's tensor: %s", dpar_last_error());
+    return NULL;
+  }
+  return Py_BuildValue("(NN)", PyLong_FromVoidPtr(data), dpar_py_shape(shape, ndim));
+}
+
+static PyObject *dpar_py_views(dpar_tensor *const *ts, size_t n) {
+  PyObject *t = PyTuple_New((Py_ssize_t)(ts ? n : 0));
+  for (size_t i = 0; t && ts && i < n; ++i) {
+    PyObject *v = dpar_py_view(ts[i]);
+    if (!v) {
+      Py_DECREF(t);
+      return NULL;
+    }
+    PyTuple_SET_ITEM(t, (Py_ssize_t)i, v);
+  }
+  return t;
+}
+
+static dpar_status dpar_py_custom_shape(void *payload, int64_t *out_shape, size_t *out_ndim, const int64_t *in_shape,
+                                        size_t in_ndim) {
+  PyGILState_STATE g = PyGILState_Ensure();
+  dpar_status status = DPAR_OK;
+  PyObject *r = PyObject_CallMethod((PyObject *)payload, "_output_shape", "(N)", dpar_py_shape(in_shape, in_ndim));
+  PyObject *seq = r ? PySequence_Fast(r, "output_shape must return a sequence of extents") : NULL;
+  if (seq) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > DPAR_MAX_DIMS) {
+      PyErr_Format(PyExc_ValueError, "output_shape returned %zd extents (1 to %d)", n, DPAR_MAX_DIMS);
+    } else {
+      for (Py_ssize_t i = 0; i < n && !PyErr_Occurred(); ++i)
+        out_shape[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+      *out_ndim = (size_t)n;
+    }
+  }
+  if (PyErr_Occurred()) status = dpar_py_fail();
+  Py_XDECREF(seq);
+  Py_XDECREF(r);
+  PyGILState_Release(g);
+  return status;
+}
+
+static dpar_status dpar_py_custom_run(void *payload, const dpar_custom_call *c, const char *method) {
+  PyGILState_STATE g = PyGILState_Ensure();
+  dpar_status status = DPAR_OK;
+  PyObject *args = Py_BuildValue("(niiiNNNNNN)", (Py_ssize_t)c->replica, (int)c->device.kind, (int)c->device.index,
+                                 (int)c->training, dpar_py_view(c->input), dpar_py_view(c->output),
+                                 dpar_py_view(c->grad_output), dpar_py_view(c->grad_input),
+                                 dpar_py_views(c->params, c->num_params), dpar_py_views(c->grads, c->num_params));
+  PyObject *r = args ? PyObject_CallMethod((PyObject *)payload, method, "(O)", args) : NULL;
+  if (!r) status = dpar_py_fail();
+  Py_XDECREF(r);
+  Py_XDECREF(args);
+  PyGILState_Release(g);
+  return status;
+}
+
+static dpar_status dpar_py_custom_forward(void *payload, const dpar_custom_call *call) {
+  return dpar_py_custom_run(payload, call, "_forward");
+}
+
+static dpar_status dpar_py_custom_backward(void *payload, const dpar_custom_call *call) {
+  return dpar_py_custom_run(payload, call, "_backward");
+}
+
 static void dpar_py_release(void *payload) {
+  if (!Py_IsInitialized()) return; /* freed after the interpreter: nothing left to release */
   PyGILState_STATE g = PyGILState_Ensure();
   Py_DECREF((PyObject *)payload);
   PyGILState_Release(g);
@@ -171,6 +252,54 @@ static dpar_status dpar_py_set_forward_hook(dpar_engine *engine, PyObject *hook)
   Py_BEGIN_ALLOW_THREADS
   s = dpar_engine_set_forward_hook(engine, dpar_py_hook, hook, dpar_py_release);
   Py_END_ALLOW_THREADS
+  return s;
+}
+
+/* Appends a custom layer: name, specs (a sequence of (name, shape, init, bound)) and the bridge, which dpar holds
+ * (a reference) until the model and every engine built from it are freed. Malformed specs raise TypeError or
+ * ValueError here, before dpar sees the layer. */
+static dpar_status dpar_py_model_add_custom(dpar_model *model, const char *name, PyObject *specs, PyObject *bridge) {
+  PyObject *seq = PySequence_Fast(specs, "params must be a sequence of (name, shape, init, bound)");
+  if (!seq) return dpar_py_fail();
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  dpar_param_spec *ps = (dpar_param_spec *)calloc(n > 0 ? (size_t)n : 1, sizeof *ps);
+  for (Py_ssize_t i = 0; ps && i < n && !PyErr_Occurred(); ++i) {
+    PyObject *shape = NULL;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sOif", &ps[i].name, &shape, &ps[i].init, &ps[i].bound))
+      break;
+    PyObject *dims = PySequence_Fast(shape, "a parameter's shape must be a sequence of extents");
+    if (!dims) break;
+    Py_ssize_t nd = PySequence_Fast_GET_SIZE(dims);
+    if (nd < 1 || nd > DPAR_MAX_DIMS)
+      PyErr_Format(PyExc_ValueError, "parameter %s: %zd extents (1 to %d)", ps[i].name, nd, DPAR_MAX_DIMS);
+    for (Py_ssize_t d = 0; d < nd && d < DPAR_MAX_DIMS && !PyErr_Occurred(); ++d)
+      ps[i].shape[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(dims, d));
+    ps[i].ndim = (size_t)nd;
+    Py_DECREF(dims);
+  }
+  dpar_status s;
+  if (!ps) {
+    s = dpar_set_error(DPAR_ERR_OUT_OF_MEMORY, "custom layer: no memory for its parameter specs");
+  } else if (PyErr_Occurred()) {
+    s = dpar_py_fail();
+  } else {
+    dpar_custom_layer layer;
+    dpar_custom_layer_init(&layer);
+    layer.name = name;
+    layer.params = ps;
+    layer.num_params = (size_t)n;
+    layer.output_shape = dpar_py_custom_shape;
+    layer.forward = dpar_py_custom_forward;
+    layer.backward = dpar_py_custom_backward;
+    layer.payload = bridge;
+    layer.destroy = dpar_py_release;
+    Py_INCREF(bridge); /* dpar owns this reference from here, even when it refuses the layer */
+    Py_BEGIN_ALLOW_THREADS
+    s = dpar_model_add_custom(model, &layer);
+    Py_END_ALLOW_THREADS
+  }
+  free(ps);
+  Py_DECREF(seq);
   return s;
 }
 
@@ -199,6 +328,7 @@ static PyObject *dpar_py_tensor_to_dlpack(dpar_tensor *tensor) {
 %}
 
 dpar_status dpar_py_set_forward_hook(dpar_engine *engine, PyObject *hook);
+dpar_status dpar_py_model_add_custom(dpar_model *model, const char *name, PyObject *specs, PyObject *bridge);
 PyObject *dpar_py_tensor_from_dlpack(PyObject *capsule);
 PyObject *dpar_py_tensor_to_dlpack(dpar_tensor *tensor);
 #endif /* SWIGPYTHON */

@@ -3,7 +3,8 @@
 // Every handle is a Go value with Close() (a finalizer frees it too, as a safety net only); every failed call
 // returns an *Error with dpar's status and message. Each call and the read of its thread-local error run with the
 // goroutine locked to its OS thread. Buffers are Go slices, copied in and out (cgo does not let C keep a Go
-// pointer after a call returns), except Tensor.Float32s, a slice over dpar's own memory.
+// pointer after a call returns), except Tensor.Float32s and Int32s, and a custom layer's CustomCall, slices over dpar's
+// own memory.
 //
 // The raw layer, dpar.dev/go/raw, is SWIG's one-to-one output for bindings/swig/dpar.i.
 package dpar
@@ -98,7 +99,8 @@ const (
 
 // Tensor is a dpar tensor in dpar's memory.
 type Tensor struct {
-	raw raw.Struct_SS_dpar_tensor
+	raw      raw.Struct_SS_dpar_tensor
+	borrowed bool // a loader's batch: its parent frees it
 }
 
 func newTensor(p uintptr) *Tensor {
@@ -107,9 +109,13 @@ func newTensor(p uintptr) *Tensor {
 	return t
 }
 
-// Close frees the tensor (idempotent).
+// Close frees the tensor (idempotent; nothing for a tensor borrowed from a loader).
 func (t *Tensor) Close() {
 	if t.raw != nil {
+		if t.borrowed {
+			t.raw = nil
+			return
+		}
 		raw.Dpar_tensor_free(t.raw)
 		t.raw = nil
 		runtime.SetFinalizer(t, nil)
@@ -199,6 +205,23 @@ func (t *Tensor) Float32s() ([]float32, error) {
 		return nil, err
 	}
 	return unsafe.Slice((*float32)(p), n), nil
+}
+
+// Int32s is a host i32 tensor's memory (a loader's labels), without a copy: valid while the tensor is open.
+func (t *Tensor) Int32s() ([]int32, error) {
+	dtype, n, _, _, err := t.Info()
+	if err != nil {
+		return nil, err
+	}
+	if dtype != I32 {
+		return nil, &Error{Status: ErrInvalidArg, Message: "Int32s: the tensor is not i32"}
+	}
+	var p unsafe.Pointer
+	if err = call(func() int { return raw.Dpar_tensor_data(unsafe.Pointer(&p), t.raw) }); err != nil {
+		return nil, err
+	}
+	runtime.KeepAlive(t)
+	return unsafe.Slice((*int32)(p), n), nil
 }
 
 // Activations.
@@ -333,6 +356,8 @@ type Options struct {
 	Momentum    float32
 	WeightDecay float32
 	Devices     int // CPU devices (0: dpar's default count)
+	DeviceKind  int     // CPU (default) or CUDA
+	DeviceIDs   []int32 // the devices of DeviceKind to use, replica r on DeviceIDs[r] (nil: all)
 	Loss        int
 	Seed        uint64
 	Processes   int
@@ -350,6 +375,12 @@ func NewEngine(model *Model, o Options) (*Engine, error) {
 	eo := raw.NewDpar_engine_options()
 	defer raw.DeleteDpar_engine_options(eo)
 	var p uintptr
+	var ids unsafe.Pointer // copied into C memory: the options struct is C's and may not hold a Go pointer
+	if len(o.DeviceIDs) > 0 {
+		ids = C.malloc(C.size_t(4 * len(o.DeviceIDs)))
+		defer C.free(ids)
+		copy(unsafe.Slice((*int32)(ids), len(o.DeviceIDs)), o.DeviceIDs)
+	}
 	err := call(func() int {
 		if s := raw.Dpar_optimizer_options_init(oo); s != OK {
 			return s
@@ -367,6 +398,11 @@ func NewEngine(model *Model, o Options) (*Engine, error) {
 		eo.SetLoss(o.Loss)
 		eo.SetSeed(o.Seed)
 		eo.SetProcesses(o.Processes)
+		eo.SetDevice_kind(o.DeviceKind)
+		if ids != nil {
+			eo.SetDevice_ids(ids)
+			eo.SetNum_device_ids(int64(len(o.DeviceIDs)))
+		}
 		return raw.Dpar_engine_create(unsafe.Pointer(&p), model.raw, oo, eo)
 	})
 	runtime.KeepAlive(model)

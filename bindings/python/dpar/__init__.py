@@ -236,6 +236,16 @@ class Model(_Handle):
         _check(_raw.dpar_model_add_dropout(self._raw, p))
         return self
 
+    def custom(self, layer):
+        """Appends a layer written in Python (a CustomLayer). dpar holds it until the model and every engine built
+        from it are freed; replicas call it from their worker threads, one at a time (the interpreter lock)."""
+        if not isinstance(layer, CustomLayer):
+            raise DparError(ERR_INVALID_ARGUMENT, "custom: takes a dpar.CustomLayer")
+        specs = [p if isinstance(p, Param) else Param(*p) for p in layer.params]
+        raw_specs = [(str(p.name), tuple(int(e) for e in p.shape), int(p.init), float(p.bound)) for p in specs]
+        _check(_raw.dpar_py_model_add_custom(self._raw, str(layer.name), raw_specs, _CustomBridge(layer)))
+        return self
+
     def _count(self, fn):
         n = _scalar(np.uintp)
         _check(fn(n.ctypes.data, self._raw))
@@ -271,6 +281,89 @@ class Model(_Handle):
     def set_param(self, index, values):
         a = np.ascontiguousarray(values, dtype=np.float32)
         _check(_raw.dpar_model_set_param(self._raw, index, a.ctypes.data, a.size))
+
+
+INIT_ZEROS, INIT_UNIFORM = _raw.DPAR_INIT_ZEROS, _raw.DPAR_INIT_UNIFORM
+
+
+class Param:
+    """One parameter of a custom layer: its name ("weight"), shape, and initialisation (INIT_ZEROS, or
+    INIT_UNIFORM in [-bound, bound] from the model's seed)."""
+
+    def __init__(self, name, shape, init=INIT_ZEROS, bound=0.0):
+        self.name, self.shape, self.init, self.bound = name, tuple(shape), init, bound
+
+    def __repr__(self):
+        return f"Param({self.name!r}, {self.shape}, init={self.init}, bound={self.bound})"
+
+
+class CustomLayer:
+    """A layer whose math is written in Python. Subclass it: set `name` and `params` (a list of Param, in the
+    order forward and backward receive them) and write output_shape, forward and backward.
+
+    forward(call) writes call.output from call.input and call.params; backward(call) writes call.grads (written,
+    not added to: dpar accumulates) and call.grad_input (None for the first layer) from call.grad_output. Every
+    tensor is a float32 NumPy view of the replica's memory, valid during the call only; inputs are read-only.
+    Each replica calls from its own worker thread. An exception fails the engine call with its text (a
+    DparError's status is kept)."""
+
+    name = "custom"
+    params = ()
+
+    def output_shape(self, input_shape):
+        """The output's shape (a tuple, the batch extent first and kept) for an input's shape."""
+        raise NotImplementedError
+
+    def forward(self, call):
+        raise NotImplementedError
+
+    def backward(self, call):
+        raise NotImplementedError
+
+
+def _host_view(pair, writeable):
+    if pair is None:
+        return None
+    address, shape = pair
+    if 0 in shape or not address:
+        view = np.zeros(shape, dtype=np.float32)
+    else:
+        pointer = np.ctypeslib.ctypes.cast(address, np.ctypeslib.ctypes.POINTER(np.ctypeslib.ctypes.c_float))
+        view = np.ctypeslib.as_array(pointer, shape=shape)
+    view.flags.writeable = writeable
+    return view
+
+
+class CustomCall:
+    """What a custom layer's forward or backward receives (see CustomLayer)."""
+
+    __slots__ = ("replica", "device", "training", "input", "output", "grad_output", "grad_input", "params", "grads")
+
+    def __init__(self, args, backward):
+        replica, kind, index, training, x, out, dout, din, params, grads = args
+        self.replica, self.device, self.training = replica, (kind, index), bool(training)
+        self.input = _host_view(x, False)
+        self.output = _host_view(out, not backward)
+        self.grad_output = _host_view(dout, False)
+        self.grad_input = _host_view(din, True)
+        self.params = [_host_view(p, False) for p in params]
+        self.grads = [_host_view(g, True) for g in grads] if backward else []
+
+
+class _CustomBridge:
+    """dpar's payload for a CustomLayer: the C trampolines in bindings/swig/dpar.i call these methods."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def _output_shape(self, input_shape):
+        return tuple(int(e) for e in self.layer.output_shape(input_shape))
+
+    def _forward(self, args):
+        self.layer.forward(CustomCall(args, backward=False))
+
+    def _backward(self, args):
+        self.layer.backward(CustomCall(args, backward=True))
 
 
 class Engine(_Handle):

@@ -1,6 +1,7 @@
 """dpar's Python binding against the C reference (tests/binding_reference.c): the same model, data and seed on 2
 CPU devices give the same loss bits; a bad call raises DparError with dpar's message; a callback's exception comes
-back with its own text. Run: python -m unittest discover bindings/python/tests (DPAR_REFERENCE_LOSSES set)."""
+back with its own text; a layer written in NumPy trains as the built-in linear does.
+Run: python -m unittest discover bindings/python/tests (DPAR_REFERENCE_LOSSES set)."""
 import os
 import threading
 import unittest
@@ -100,6 +101,109 @@ class Tensors(unittest.TestCase):
         self.assertEqual(back[2, 3], 7.0)
         del t
         self.assertEqual(back[0, 0], -1.0)  # the capsule keeps the storage
+
+
+class NumpyLinear(dpar.CustomLayer):
+    """y = x W^T + b in NumPy, with a per-replica call count and a switch that makes one replica raise."""
+
+    name = "numpy_linear"
+
+    def __init__(self, n_in, n_out):
+        self.n_in, self.n_out = n_in, n_out
+        self.params = [dpar.Param("weight", (n_out, n_in), dpar.INIT_UNIFORM, 0.5), dpar.Param("bias", (n_out,))]
+        self.forwards = {}
+        self.fail_replica = None
+        self.lock = threading.Lock()
+
+    def output_shape(self, input_shape):
+        if len(input_shape) != 2 or input_shape[1] != self.n_in:
+            raise ValueError(f"numpy_linear takes {self.n_in} features, not {input_shape[1:]}")
+        return (input_shape[0], self.n_out)
+
+    def forward(self, call):
+        with self.lock:
+            self.forwards[call.replica] = self.forwards.get(call.replica, 0) + 1
+        if call.replica == self.fail_replica:
+            raise RuntimeError(f"numpy_linear refused replica {call.replica}")
+        w, b = call.params
+        call.output[...] = call.input @ w.T + b
+
+    def backward(self, call):
+        w, _ = call.params
+        dw, db = call.grads
+        dw[...] = call.grad_output.T @ call.input
+        db[...] = call.grad_output.sum(axis=0)
+        if call.grad_input is not None:
+            call.grad_input[...] = call.grad_output @ w
+
+
+def custom_and_builtin(layer):
+    """(custom, built-in): linear 6-8, tanh, then the custom layer or a built-in linear 8-4 with its parameters."""
+    custom = dpar.Model(seed=3).linear(6, 8).activation(dpar.TANH).custom(layer)
+    builtin = dpar.Model(seed=5).linear(6, 8).activation(dpar.TANH).linear(8, 4)
+    for i in range(custom.num_params):
+        builtin.set_param(i, custom.get_param(i))
+    return custom, builtin
+
+
+def custom_batch():
+    rng = np.random.default_rng(4)
+    return rng.uniform(-1, 1, (10, 6)).astype(np.float32), rng.integers(0, 4, 10).astype(np.int32)
+
+
+class CustomLayers(unittest.TestCase):
+    def test_numpy_linear_trains_as_the_built_in_one_over_two_devices(self):
+        layer = NumpyLinear(8, 4)
+        custom, builtin = custom_and_builtin(layer)
+        self.assertEqual(custom.param_info(2), ("2.weight", (4, 8)))
+        self.assertEqual(custom.param_info(3), ("2.bias", (4,)))
+        self.assertTrue(np.all(custom.get_param(3) == 0) and np.all(np.abs(custom.get_param(2)) <= 0.5))
+        x, y = custom_batch()
+        n = custom.num_param_elements
+        with custom, builtin, engine(custom) as ec, engine(builtin) as eb:
+            initial = ec.params(0, n)
+            for step in range(8):
+                lc, lb = ec.train_step(x, y), eb.train_step(x, y)
+                # NumPy's and dpar's matrix products may sum in another order: equal within float rounding.
+                self.assertAlmostEqual(lc, lb, delta=1e-5 * abs(lb), msg=f"step {step}")
+            pc, pb = ec.params(0, n), eb.params(0, n)
+            np.testing.assert_allclose(pc, pb, rtol=1e-5, atol=1e-6)
+            self.assertGreater(np.max(np.abs(pc - initial)), 1e-2)  # it trained
+            np.testing.assert_array_equal(ec.params(1, n), pc)  # replicas stay identical
+            self.assertEqual(layer.forwards, {0: 8, 1: 8})  # 10 rows over 2 devices: both ran every step
+            # Eval-mode forward goes through the layer too.
+            ec.set_training(False)
+            eb.set_training(False)
+            np.testing.assert_allclose(ec.forward(x).numpy(), eb.forward(x).numpy(), rtol=1e-5, atol=1e-6)
+
+    def test_an_exception_in_the_layer_comes_back_with_its_message(self):
+        layer = NumpyLinear(8, 4)
+        custom, _ = custom_and_builtin(layer)
+        x, y = custom_batch()
+        with custom, engine(custom) as e:
+            layer.fail_replica = 1
+            with self.assertRaises(dpar.DparError) as cm:
+                e.train_step(x, y)
+            self.assertEqual(cm.exception.status, dpar.ERR_INTERNAL)
+            self.assertIn("numpy_linear", cm.exception.message)  # dpar names the layer
+            self.assertIn("RuntimeError: numpy_linear refused replica 1", cm.exception.message)
+        # A DparError keeps its status; a rejected input shape fails the call with the layer's text.
+        layer = NumpyLinear(8, 4)
+        custom, _ = custom_and_builtin(layer)
+        with custom, engine(custom) as e:
+            def fail(call):
+                raise dpar.DparError(dpar.ERR_DEVICE, "the Python layer lost its device")
+
+            layer.backward = fail
+            with self.assertRaises(dpar.DparError) as cm:
+                e.train_step(x, y)
+            self.assertEqual(cm.exception.status, dpar.ERR_DEVICE)
+            self.assertIn("the Python layer lost its device", cm.exception.message)
+        with dpar.Model(seed=3).linear(6, 5).custom(NumpyLinear(8, 4)) as bad:
+            with self.assertRaises(dpar.DparError) as cm:
+                with engine(bad) as e:
+                    e.train_step(x, y)
+            self.assertIn("numpy_linear takes 8 features", cm.exception.message)
 
 
 class Collectives(unittest.TestCase):
