@@ -425,7 +425,7 @@ TEST(Device, CountChecksItsArguments) {
   EXPECT_INVALID("out", dpar_device_count(nullptr, DPAR_DEVICE_CPU));
   // Built without CUDA: NOT_SUPPORTED; with CUDA: the number of GPUs (0 without a driver or a GPU).
   const dpar_status cuda = dpar_device_count(&n, DPAR_DEVICE_CUDA);
-  if (cuda != DPAR_OK) EXPECT_DPAR_ERROR(DPAR_ERR_NOT_SUPPORTED, "CUDA", cuda);
+  if (cuda != DPAR_OK) EXPECT_DPAR_ERROR(DPAR_ERR_NOT_SUPPORTED, "CUDA", dpar_device_count(&n, DPAR_DEVICE_CUDA));
   EXPECT_INVALID("kind", dpar_device_count(&n, 2));
   EXPECT_INVALID("kind", dpar_device_count(&n, -1));
 }
