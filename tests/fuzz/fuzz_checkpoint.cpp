@@ -14,7 +14,7 @@ Engine& engine() {
   static Engine* e = [] {
     Model m(1);
     m.add(make_linear(3, 4, true));
-    m.add(make_activation(DPAR_RELU));
+    m.add(make_activation(Activation::kRelu));
     m.add(make_linear(4, 2, true));
     OptimizerConfig opt;
     opt.kind = DPAR_SGD;
