@@ -578,6 +578,91 @@ TEST(MpiComm, TimeoutNamesTheRankThatDidNotArrive) {
   comm.reset();  // leaves its pending request to MPI_Finalize
 }
 
+// The last rank arrives after the others' timeout and misses their TIMEOUT notices (as a rank descheduled between
+// its look for notices and its first send would): it completes its exchange with the messages they sent before
+// giving up, and enters a blocking MPI_Allreduce. The ranks that gave up must finish the exchange they left and
+// join that transfer with zeros, so that it gets an error (the result is void) instead of waiting for ever. They
+// do it in their grace period, at their next touch of the communicator, or as they destroy it.
+enum class Release { kInGrace, kByALaterCall, kByDestruction };
+
+void late_rank_is_released(Release how) {
+  // grace = timeout / 4; the late rank arrives inside the grace period, or after it (then the others call
+  // async_error for a while, or are destroyed, which waits a grace period).
+  const double timeout = how == Release::kByDestruction ? 4.0 : 2.0, grace = timeout / 4;
+  const double late = how == Release::kInGrace ? timeout + grace / 2 : timeout + grace + 0.3;
+  auto comm = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, options(timeout));
+  if (comm->size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  const int r = comm->rank(), last = comm->size() - 1;
+  std::vector<double> buffer(1000, 1.0);  // 8000 bytes: not fused, so a transfer follows the exchange
+  comm->barrier("start");
+  if (r == last) {
+    sleep_s(late);
+    detail::set_mpi_skip_arrival_check_for_tests(true);
+  }
+  auto o = outcome([&] { comm->all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF64, ReduceOp::kSum); });
+  detail::set_mpi_skip_arrival_check_for_tests(false);
+  if (r == last) {
+    // Released. With 2 ranks it always completes its exchange and is released from the transfer; with more it
+    // may also see the notices while its exchange waits for a rank that has not yet advanced, and give up too.
+    if (comm->size() == 2) {
+      EXPECT_EQ(o.status, DPAR_ERR_REMOTE) << o.message;
+      EXPECT_TRUE(contains(o.message, "rank 0 had given up on all_reduce #1 and joined its transfer only to "
+                                      "release this rank: the result is void")) << o.message;
+    } else {
+      EXPECT_TRUE(o.status == DPAR_ERR_REMOTE || o.status == DPAR_ERR_TIMEOUT) << o.message;
+    }
+  } else {
+    EXPECT_EQ(o.status, DPAR_ERR_TIMEOUT) << o.message;
+    if (how == Release::kByALaterCall) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::string reason;
+      while (since(t0) < 2.5) {
+        EXPECT_EQ(comm->async_error(&reason), DPAR_ERR_INVALID_STATE);
+        sleep_s(0.01);
+      }
+    }
+  }
+  o = outcome([&] { comm->barrier("after the timeout"); });
+  EXPECT_NE(o.status, DPAR_OK) << "the communicator must stay unusable";
+  comm.reset();
+  // Every rank is out, and the next communicator pairs as it should.
+  MpiCommunicator fresh(MPI_COMM_WORLD, options(30.0));
+  std::fill(buffer.begin(), buffer.end(), 1.0);
+  fresh.all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF64, ReduceOp::kSum);
+  EXPECT_EQ(buffer[999], static_cast<double>(fresh.size()));
+}
+
+TEST(MpiComm, ALateRankThatMissedTheNoticesIsReleasedInTheGracePeriod) { late_rank_is_released(Release::kInGrace); }
+TEST(MpiComm, ALateRankThatMissedTheNoticesIsReleasedByALaterCall) { late_rank_is_released(Release::kByALaterCall); }
+TEST(MpiComm, ALateRankThatMissedTheNoticesIsReleasedByDestruction) {
+  late_rank_is_released(Release::kByDestruction);
+}
+
+// A creation that timed out leaves its duplication of the base pending, so that the ranks' creations over that
+// base no longer pair by order: a later creation over it is refused at once, on every rank, instead of pairing
+// with the wrong duplications (or timing out for no visible reason).
+TEST(MpiComm, ACreationThatTimedOutMakesItsBaseRefused) {
+  int size = 0, r = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  if (size < 2) GTEST_SKIP() << "needs 2 ranks";
+  MPI_Comm base;  // the test's own: it stays unusable for communicators, and is never freed
+  MPI_Comm_dup(MPI_COMM_WORLD, &base);
+  const int last = size - 1;
+  if (r == last) sleep_s(1.5);
+  auto o = outcome([&] { MpiCommunicator comm(base, options(r == last ? 1.0 : 0.5)); });
+  EXPECT_EQ(o.status, DPAR_ERR_TIMEOUT) << o.message;
+  EXPECT_TRUE(contains(o.message, "the creation is collective")) << o.message;
+  o = outcome([&] { MpiCommunicator comm(base, options(30.0)); });
+  EXPECT_EQ(o.status, DPAR_ERR_INVALID_STATE) << o.message;
+  EXPECT_TRUE(contains(o.message, "a creation over this base communicator timed out earlier")) << o.message;
+  // Another base works.
+  MpiCommunicator fresh(MPI_COMM_WORLD, options(30.0));
+  std::vector<double> buffer(1000, 1.0);
+  fresh.all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF64, ReduceOp::kSum);
+  EXPECT_EQ(buffer[0], static_cast<double>(size));
+}
+
 TEST(MpiComm, SingletonWorksAlone) {
   int size = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &size);

@@ -87,10 +87,11 @@ void reduce_blocks(T* out, const char* const* in, size_t m, size_t count, Reduce
 // Notices on the private communicator: int64 kind, sequence number, operation; then the text.
 constexpr int kNoticeTag = 1;
 constexpr int kFingerprintTag = 2;
-enum NoticeKind : int64_t { kAbortNotice = 1, kTimeoutNotice = 2 };
+enum NoticeKind : int64_t { kAbortNotice = 1, kTimeoutNotice = 2, kVoidNotice = 3 };
 constexpr size_t kNoticeHeader = 3 * sizeof(int64_t);
 
 size_t g_max_chunk = INT_MAX;  // elements per MPI call (tests lower it)
+std::atomic<bool> g_skip_arrival_check{false};  // tests only
 
 const char* status_name(int64_t status) {
   switch (status) {
@@ -233,6 +234,19 @@ void finalize_at_exit() {
   }
 }
 
+// How long a rank that gave up listens for the others' notices (and advances what it left): a quarter of the
+// timeout, 50 ms to 1 s (1 s when the timeout is infinite).
+SteadyClock::duration grace_period(double timeout_seconds) {
+  const double timeout = timeout_seconds > 3.0e9 ? 4.0 : timeout_seconds;
+  return std::chrono::duration_cast<SteadyClock::duration>(
+      std::chrono::duration<double>(std::clamp(timeout / 4, 0.05, 1.0)));
+}
+
+// The base communicators over which a creation timed out: their MPI_Comm_idup is still pending (an MPI request
+// cannot be cancelled), so the ranks' creations over them no longer pair by order.
+std::mutex g_stale_bases_mutex;
+std::vector<MPI_Comm> g_stale_bases;
+
 const char* thread_level_name(int level) {
   switch (level) {
     case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
@@ -247,6 +261,7 @@ const char* thread_level_name(int level) {
 
 namespace detail {
 void set_mpi_max_chunk_for_tests(size_t elements) { g_max_chunk = elements ? elements : INT_MAX; }
+void set_mpi_skip_arrival_check_for_tests(bool skip) { g_skip_arrival_check.store(skip); }
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -311,9 +326,9 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(o
   const auto deadline = forever ? SteadyClock::time_point::max()
                                 : SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(
                                                            std::chrono::duration<double>(options_.timeout_seconds));
-  auto dup = [&](MPI_Comm* out, const char* what) {
+  auto dup = [&](MPI_Comm from, MPI_Comm* out, const char* what) {
     MPI_Request request;
-    int rc = MPI_Comm_idup(base, out, &request);
+    int rc = MPI_Comm_idup(from, out, &request);
     if (rc != MPI_SUCCESS)
       fail(DPAR_ERR_COMMUNICATION, "mpi communicator: MPI_Comm_idup (", what, ") failed: ", mpi_error_string(rc));
     for (unsigned i = 0;; ++i) {
@@ -331,8 +346,24 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(o
     }
     MPI_Comm_set_errhandler(*out, MPI_ERRORS_RETURN);
   };
-  dup(&comm_, "collectives");
-  dup(&control_, "control");
+  {
+    std::lock_guard<std::mutex> lock(g_stale_bases_mutex);
+    DPAR_ENFORCE(std::find(g_stale_bases.begin(), g_stale_bases.end(), base) == g_stale_bases.end(),
+                 DPAR_ERR_INVALID_STATE, "mpi communicator: a creation over this base communicator timed out "
+                 "earlier in this process, and its duplication is still pending on the base: a new creation would "
+                 "pair with the wrong ranks' duplications. Create communicators over another base (a new "
+                 "duplicate of MPI_COMM_WORLD, made by every rank) or restart the job");
+  }
+  try {
+    dup(base, &comm_, "collectives");
+    dup(base, &control_, "control");
+  } catch (const Error& e) {
+    if (e.status() == DPAR_ERR_TIMEOUT) {
+      std::lock_guard<std::mutex> lock(g_stale_bases_mutex);
+      g_stale_bases.push_back(base);
+    }
+    throw;
+  }
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   table_.assign(static_cast<size_t>(size_) * kFields, 0);
@@ -344,6 +375,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(o
   offsets_.assign(static_cast<size_t>(size_) + 1, 0);
   payloads_.assign(static_cast<size_t>(size_), nullptr);
   timeout_notice_seq_.assign(static_cast<size_t>(size_), -1);
+  void_notice_seq_.assign(static_cast<size_t>(size_), -1);
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -353,6 +385,9 @@ MpiCommunicator::~MpiCommunicator() {
   if (finalized) return;  // MPI freed everything
   std::lock_guard<std::mutex> lock(mutex_);
   if (abort_requested_.load()) send_abort_notices_locked();
+  // A rank that arrived late may be inside the transfer of a collective this rank left: give it a grace period.
+  const auto end = SteadyClock::now() + grace_period(options_.timeout_seconds);
+  while (!release_abandoned() && SteadyClock::now() < end) std::this_thread::sleep_for(std::chrono::microseconds(100));
   test_pending_sends();
   for (auto& s : pending_sends_) {
     // A notice to a rank that never received it (dead, or gone): MPI may still read the buffer, so it is left
@@ -400,6 +435,7 @@ void MpiCommunicator::throw_unusable(const std::string& where) {
 
 void MpiCommunicator::mpi_failed(const char* function, int code, const std::string& where) {
   requests_left_pending_ = true;
+  exchange_.abandoned = false;  // MPI itself failed: nothing more is attempted on this communicator
   const std::string message = detail::concat(where, ": ", function, " failed: ", mpi_error_string(code));
   mark(kFailed, message);
   throw Error(DPAR_ERR_COMMUNICATION, message);
@@ -424,10 +460,13 @@ void MpiCommunicator::abort(const std::string& reason) {
 dpar_status MpiCommunicator::async_error(std::string* reason) {
   // Progress when no collective runs: send this rank's pending abort notices and read the others' (a collective in
   // flight does both itself). Under less than MPI_THREAD_MULTIPLE another thread may be in MPI: only the state.
-  if (thread_level_ == MPI_THREAD_MULTIPLE && state_.load() == kUsable && mutex_.try_lock()) {
+  if (thread_level_ == MPI_THREAD_MULTIPLE && mutex_.try_lock()) {
     std::lock_guard<std::mutex> lock(mutex_, std::adopt_lock);
     if (abort_requested_.load()) send_abort_notices_locked();
-    drain_notices(seq_.load(), 2);
+    if (state_.load() == kUsable)
+      drain_notices(seq_.load(), 2);
+    else
+      release_abandoned();
   }
   const int state = state_.load(std::memory_order_acquire);
   if (state == kUsable) return DPAR_OK;
@@ -507,6 +546,12 @@ bool MpiCommunicator::drain_notices(uint64_t current_seq, int looks) {
       if (seq != current_seq)
         mark(kFailed, detail::concat("rank ", from, " gave up waiting in ", coll_name(header[2]), " #", seq,
                                      " after its timeout"));
+    } else if (header[0] == kVoidNotice && from >= 0 && from < size_) {
+      const auto seq = static_cast<uint64_t>(header[1]);
+      void_notice_seq_[static_cast<size_t>(from)] = header[1];
+      if (seq != current_seq)
+        mark(kFailed, detail::concat("rank ", from, " had left ", coll_name(header[2]), " #", seq, " (", text,
+                                     ") and joined its transfer only to release the others: its result was void"));
     }
   }
 }
@@ -521,7 +566,11 @@ void MpiCommunicator::check_usable(const Call& call) {
   }
   const uint64_t seq = seq_.load();
   if (abort_requested_.load()) send_abort_notices_locked();
-  if (state_.load() != kUsable) throw_unusable(where(call, seq));
+  if (state_.load() != kUsable) {
+    release_abandoned();
+    throw_unusable(where(call, seq));
+  }
+  if (g_skip_arrival_check.load(std::memory_order_relaxed)) return;
   // Notices already there mean that this rank is late (the others gave up on this collective) or that the group
   // broke. Two looks: OpenMPI's probe looks at its queue before it makes progress, so a notice still in shared
   // memory shows at the second. (A late rank would otherwise complete the exchange with the messages the others
@@ -593,15 +642,20 @@ void MpiCommunicator::wait(MPI_Request* requests, int count, MPI_Status* statuse
     const int rc = MPI_Testall(count, requests, &done, statuses);
     if (rc != MPI_SUCCESS) mpi_failed("MPI_Testall", rc, where(call, seq));
     if (done) return;
-    if (abort_requested_.load(std::memory_order_relaxed)) {
+    // Leaving the exchange: keep it, to release a late rank that completes its own (see the header).
+    const auto leave = [&] {
       requests_left_pending_ = true;
+      if (!transferring) exchange_.abandoned = options_.transfer == MpiOptions::Transfer::kBlocking;
+    };
+    if (abort_requested_.load(std::memory_order_relaxed)) {
+      leave();
       send_abort_notices_locked();
       throw_unusable(where(call, seq));
     }
     if (!sleeping && (i & 15) != 15) continue;
     if (drain_notices(seq, 1)) {
       if (state_.load() != kUsable) {
-        requests_left_pending_ = true;
+        leave();
         std::lock_guard<std::mutex> lock(reason_mutex_);
         fail(DPAR_ERR_REMOTE, where(call, seq), ": stopped because ", broken_reason_);
       }
@@ -627,13 +681,15 @@ void MpiCommunicator::wait(MPI_Request* requests, int count, MPI_Status* statuse
 void MpiCommunicator::give_up(const Call& call, uint64_t seq, bool transferring, int first_notifier) {
   requests_left_pending_ = true;
   send_notice(kTimeoutNotice, seq, call.coll, "");
-  // Listen: every rank waiting in this collective answers with its own notice.
-  const double timeout = options_.timeout_seconds > 3.0e9 ? 4.0 : options_.timeout_seconds;
-  const auto grace = std::chrono::duration<double>(std::clamp(timeout / 4, 0.05, 1.0));
-  const auto end = SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(grace);
+  // Listen: every rank waiting in this collective answers with its own notice. Meanwhile the exchange this rank
+  // leaves goes on, for a late rank that completes its own without seeing the notice (see the header).
+  if (!transferring) exchange_.abandoned = options_.transfer == MpiOptions::Transfer::kBlocking;
+  const auto end = SteadyClock::now() + grace_period(options_.timeout_seconds);
   std::vector<int> waiting{rank_}, silent;
+  bool released = false;  // the exchange completed after all: the late ranks arrived in the grace period
   while (true) {
     drain_notices(seq, 1);
+    if (exchange_.abandoned && release_abandoned()) released = true;
     waiting.assign(1, rank_);
     silent.clear();
     for (int r = 0; r < size_; ++r) {
@@ -643,7 +699,7 @@ void MpiCommunicator::give_up(const Call& call, uint64_t seq, bool transferring,
       else
         silent.push_back(r);
     }
-    if (silent.empty() || SteadyClock::now() >= end) break;
+    if ((silent.empty() && !exchange_.abandoned) || released || SteadyClock::now() >= end) break;
     test_pending_sends();
     sched_yield();
   }
@@ -656,7 +712,11 @@ void MpiCommunicator::give_up(const Call& call, uint64_t seq, bool transferring,
   if (!transferring) {
     if (!silent.empty())
       os << rank_list(silent) << " did not arrive within " << limit << " ("
-         << rank_list(waiting) << " waited)";
+         << rank_list(waiting) << " waited"
+         << (released ? "; they arrived in the grace period after it, and their transfer was released with a void "
+                        "result"
+                      : "")
+         << ")";
     else
       os << "every rank arrived but the fingerprint exchange did not complete within " << limit;
   } else {
@@ -698,42 +758,122 @@ void MpiCommunicator::gather_fingerprints(const int64_t* mine, const void* paylo
   if (payload_bytes) std::memcpy(buf + kHeaderBytes, payload, payload_bytes);
   offsets_[0] = 0;
   offsets_[1] = kHeaderBytes + round_up8(payload_bytes);
-  for (int d = 1; d < size_; d *= 2) {
-    const int blocks = std::min(d, size_ - d);
-    const int from = (rank_ + d) % size_;
-    const size_t capacity = static_cast<size_t>(blocks) * (kHeaderBytes + fused_max_bytes_);
-    MPI_Request requests[2];
-    MPI_Status statuses[2];
-    int rc = MPI_Irecv(buf + offsets_[d], static_cast<int>(capacity), MPI_BYTE, from, kFingerprintTag, control_,
-                       &requests[0]);
-    if (rc != MPI_SUCCESS) mpi_failed("MPI_Irecv", rc, where(c, seq));
-    rc = MPI_Isend(buf, static_cast<int>(offsets_[blocks]), MPI_BYTE, (rank_ - d + size_) % size_, kFingerprintTag,
-                   control_, &requests[1]);
-    if (rc != MPI_SUCCESS) {
-      requests_left_pending_ = true;
-      mpi_failed("MPI_Isend", rc, where(c, seq));
-    }
-    wait(requests, 2, statuses, c, seq, false, start);
-    int got = 0;
-    MPI_Get_count(&statuses[0], MPI_BYTE, &got);
-    size_t at = offsets_[d];
-    const size_t end = at + static_cast<size_t>(std::max(got, 0));
-    for (int j = d; j < d + blocks; ++j) {
-      int64_t bytes = -1;
-      if (at + kHeaderBytes <= end) std::memcpy(&bytes, buf + at + kPayloadBytes * sizeof(int64_t), sizeof bytes);
-      if (bytes < 0 || static_cast<size_t>(bytes) > fused_max_bytes_) {
-        const std::string message = detail::concat(where(c, seq), ": malformed fingerprint message from rank ", from);
-        mark(kFailed, message);
-        throw Error(DPAR_ERR_COMMUNICATION, message);
-      }
-      at += kHeaderBytes + round_up8(static_cast<size_t>(bytes));
-      offsets_[j + 1] = at;
-    }
+  exchange_.seq = seq;
+  exchange_.coll = c.coll;
+  exchange_.distance = 1;
+  if (size_ > 1) post_round(c, seq);
+  while (exchange_.distance < size_) {
+    wait(exchange_.requests, 2, exchange_.statuses, c, seq, false, start);
+    finish_round(c, seq);
   }
+  collect_table();
+}
+
+void MpiCommunicator::post_round(const Call& c, uint64_t seq) {
+  char* buf = reinterpret_cast<char*>(gather_.data());
+  const int d = exchange_.distance;
+  const int blocks = std::min(d, size_ - d);
+  const int from = (rank_ + d) % size_;
+  const size_t capacity = static_cast<size_t>(blocks) * (kHeaderBytes + fused_max_bytes_);
+  int rc = MPI_Irecv(buf + offsets_[d], static_cast<int>(capacity), MPI_BYTE, from, kFingerprintTag, control_,
+                     &exchange_.requests[0]);
+  if (rc != MPI_SUCCESS) mpi_failed("MPI_Irecv", rc, where(c, seq));
+  rc = MPI_Isend(buf, static_cast<int>(offsets_[blocks]), MPI_BYTE, (rank_ - d + size_) % size_, kFingerprintTag,
+                 control_, &exchange_.requests[1]);
+  if (rc != MPI_SUCCESS) mpi_failed("MPI_Isend", rc, where(c, seq));
+}
+
+void MpiCommunicator::finish_round(const Call& c, uint64_t seq) {
+  const char* buf = reinterpret_cast<const char*>(gather_.data());
+  const int d = exchange_.distance;
+  const int blocks = std::min(d, size_ - d);
+  int got = 0;
+  MPI_Get_count(&exchange_.statuses[0], MPI_BYTE, &got);
+  size_t at = offsets_[d];
+  const size_t end = at + static_cast<size_t>(std::max(got, 0));
+  for (int j = d; j < d + blocks; ++j) {
+    int64_t bytes = -1;
+    if (at + kHeaderBytes <= end) std::memcpy(&bytes, buf + at + kPayloadBytes * sizeof(int64_t), sizeof bytes);
+    if (bytes < 0 || static_cast<size_t>(bytes) > fused_max_bytes_) {
+      const std::string message =
+          detail::concat(where(c, seq), ": malformed fingerprint message from rank ", (rank_ + d) % size_);
+      exchange_.abandoned = false;
+      mark(kFailed, message);
+      throw Error(DPAR_ERR_COMMUNICATION, message);
+    }
+    at += kHeaderBytes + round_up8(static_cast<size_t>(bytes));
+    offsets_[j + 1] = at;
+  }
+  exchange_.distance = d * 2;
+  if (exchange_.distance < size_) post_round(c, seq);
+}
+
+void MpiCommunicator::collect_table() {
+  const char* buf = reinterpret_cast<const char*>(gather_.data());
   for (int j = 0; j < size_; ++j) {
     const size_t r = static_cast<size_t>((rank_ + j) % size_);
     std::memcpy(&table_[r * kFields], buf + offsets_[j], kHeaderBytes);
     payloads_[r] = table_[r * kFields + kPayloadBytes] ? buf + offsets_[j] + kHeaderBytes : nullptr;
+  }
+}
+
+bool MpiCommunicator::release_abandoned() {
+  if (!exchange_.abandoned) return true;
+  Call c{exchange_.coll};
+  const uint64_t seq = exchange_.seq;
+  try {
+    while (exchange_.distance < size_) {
+      int done = 0;
+      if (MPI_Testall(2, exchange_.requests, &done, exchange_.statuses) != MPI_SUCCESS) {
+        exchange_.abandoned = false;
+        return true;
+      }
+      if (!done) return false;
+      finish_round(c, seq);
+    }
+    exchange_.abandoned = false;
+    // Every rank has arrived. Those whose exchange completed take the same decision as agree(), from the same
+    // table: a transfer follows only if the fingerprints agree and the data did not ride with them.
+    collect_table();
+    const int64_t* first = &table_[0];
+    for (int r = 0; r < size_; ++r) {
+      const int64_t* fp = &table_[static_cast<size_t>(r) * kFields];
+      if (!std::equal(first, first + kError, fp) || fp[kError] != 0) return true;
+    }
+    c.count = static_cast<size_t>(first[kCount]);
+    c.dtype = static_cast<CommDType>(first[kDType]);
+    if (has_op(c.coll)) c.op = static_cast<ReduceOp>(first[kOp]);
+    if (has_root(c.coll)) c.root = static_cast<int>(first[kRoot]);
+    const size_t bytes = c.count * comm_dtype_size(c.dtype);
+    const bool fused = (c.coll == kAllReduce || c.coll == kAllReduceSum) && c.count > 0 && bytes <= fused_max_bytes_;
+    if (fused || c.count == 0 || c.coll == kBarrier) return true;
+    // Zeros, in place: every form of transfer() accepts send == recv.
+    const bool whole = c.coll == kAllGather || c.coll == kReduceScatter;
+    std::vector<char> scratch(whole ? bytes * static_cast<size_t>(size_) : bytes, 0);
+    c.send = c.recv = scratch.data();
+    std::string reason;
+    {
+      std::lock_guard<std::mutex> lock(reason_mutex_);
+      reason = broken_reason_;
+    }
+    send_notice(kVoidNotice, seq, c.coll, reason);
+    transfer(c, seq);
+  } catch (const std::exception&) {
+    exchange_.abandoned = false;  // MPI failed, or no memory for the zeros: nothing more can be done
+  }
+  return true;
+}
+
+void MpiCommunicator::check_void(const Call& c, uint64_t seq) {
+  drain_notices(seq, 2);
+  for (int r = 0; r < size_; ++r) {
+    const auto i = static_cast<size_t>(r);
+    if (timeout_notice_seq_[i] != static_cast<int64_t>(seq) && void_notice_seq_[i] != static_cast<int64_t>(seq))
+      continue;
+    const std::string reason = detail::concat("rank ", r, " had given up on ", coll_name(c.coll), " #", seq,
+                                              " and joined its transfer only to release this rank");
+    mark(kFailed, reason);
+    fail(DPAR_ERR_REMOTE, where(c, seq), ": ", reason, ": the result is void");
   }
 }
 
@@ -946,10 +1086,14 @@ void MpiCommunicator::run(Call& call) {
   check_usable(call);
   const uint64_t seq = seq_.load();
   // From here on every rank is inside this collective with the same arguments: a local abort() waits for its end.
-  if (agree(call, seq))
+  if (agree(call, seq)) {
     reduce_fused(call);
-  else
+  } else {
     transfer(call, seq);
+    // A blocking transfer may have been joined only to release this rank (see "Abandoned exchanges").
+    if (options_.transfer == MpiOptions::Transfer::kBlocking && call.count && call.coll != kBarrier)
+      check_void(call, seq);
+  }
   finish(call);
   if (abort_requested_.load()) send_abort_notices_locked();
 }

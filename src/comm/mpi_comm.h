@@ -43,8 +43,20 @@
 //    throws Error(REMOTE) without moving data (its exchange would complete with the messages the others sent
 //    before they gave up). A timed-out communicator is unusable: Error(INVALID_STATE) from
 //    then on. Its requests stay pending until MPI_Finalize, which OpenMPI completes regardless. Create a new
-//    communicator to go on. (A rank that arrives within microseconds of the others' deadline can still slip
-//    through the exchange and wait in a blocking transfer that nobody joins: the one race that remains.)
+//    communicator to go on.
+//  - Abandoned exchanges. A late rank can miss the notices (they are still in flight when it looks, or it is
+//    descheduled between its look and its first send), complete its exchange with the messages the others sent
+//    before they gave up, and enter a blocking transfer. Nothing can interrupt a blocking MPI call, so the ranks
+//    that gave up finish what they left instead: a rank that leaves a collective in its fingerprint exchange
+//    (timeout, abort, a notice) keeps that exchange and advances it, during its grace period and then whenever
+//    this communicator is touched again (any call, async_error(), and its destruction, which waits a grace period
+//    for it). Once it completes, every rank has arrived, and if a transfer follows, this rank sends VOID(sequence)
+//    and joins the transfer with zeros, only to release the others. A rank whose blocking transfer ends looks for
+//    TIMEOUT and VOID notices of that collective and throws Error(REMOTE) ("the result is void") if it finds one:
+//    the data it received is not the reduction of everyone's. (With more than 2 ranks a notice may overtake the
+//    data it belongs to; the next call then throws instead.) What remains: a rank that gave up and never touches
+//    the communicator again, or is destroyed before the late rank arrives, leaves that rank in its transfer as a
+//    dead rank would. In kNonBlocking mode the transfer is polled and sees the notices itself.
 //  - MPI errors: both communicators use MPI_ERRORS_RETURN; a failing MPI call becomes Error(COMMUNICATION) with
 //    MPI_Error_string, and the communicator becomes unusable.
 //
@@ -114,7 +126,9 @@ class MpiCommunicator final : public Communicator {
  public:
   // Collective over `base`: every rank of it must construct one (MPI_Comm_idup, twice, polled under the timeout).
   // The participants are base's ranks, in base's order; base itself is used for nothing else. After a timeout
-  // here the duplication stays pending on base, so later communicator creations over base are unreliable.
+  // here the duplication stays pending on base (an MPI request cannot be cancelled, and OpenMPI allocates the
+  // ids of communicators in creation order), so the ranks' creations over base no longer pair: later creations
+  // over the same base handle in this process are refused with Error(INVALID_STATE).
   explicit MpiCommunicator(MPI_Comm base = MPI_COMM_WORLD, MpiOptions options = {});
   // Runs the async work already queued, then frees the private communicators (not after MPI_Finalize, and not
   // those with requests left pending by a timeout or an abort).
@@ -162,6 +176,16 @@ class MpiCommunicator final : public Communicator {
   // Throws REMOTE if a notice says the group broke, or that the others gave up on collective `seq` already.
   void check_late(const Call& call, uint64_t seq, int looks);
   void gather_fingerprints(const int64_t* mine, const void* payload, const Call& call, uint64_t seq);
+  // One round of the exchange: post its messages; parse what came and go to the next round.
+  void post_round(const Call& call, uint64_t seq);
+  void finish_round(const Call& call, uint64_t seq);
+  // Copies the gathered fingerprints into table_, in rank order.
+  void collect_table();
+  // Advances an abandoned exchange without waiting; once it completes, joins the transfer that follows (if any)
+  // with zeros, to release the ranks inside it. Returns true when nothing is left abandoned.
+  bool release_abandoned();
+  // Throws REMOTE if a rank that gave up on collective `seq` joined its transfer only to release this rank.
+  void check_void(const Call& call, uint64_t seq);
   [[noreturn]] void give_up(const Call& call, uint64_t seq, bool transferring, int first_notifier);
   // Receives the notices that have arrived (while in collective `current_seq`); returns true if any did.
   bool drain_notices(uint64_t current_seq, int looks);
@@ -195,8 +219,20 @@ class MpiCommunicator final : public Communicator {
   std::mutex reason_mutex_;     // guards the two strings
   std::string broken_reason_;   // why the communicator is unusable
   std::string abort_reason_;    // abort()'s reason, for the notices
-  // Notices received: per rank, the sequence number of its last TIMEOUT notice (or -1).
+  // Notices received: per rank, the sequence number of its last TIMEOUT notice and of its last VOID notice (or -1).
   std::vector<int64_t> timeout_notice_seq_;
+  std::vector<int64_t> void_notice_seq_;
+  // The fingerprint exchange of the current collective (Bruck's round at `distance`, its two requests). It stays
+  // `abandoned` when the collective is left in it, until release_abandoned() completes it.
+  struct Exchange {
+    uint64_t seq = 0;
+    int64_t coll = 0;
+    int distance = 1;
+    MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    MPI_Status statuses[2];
+    bool abandoned = false;
+  };
+  Exchange exchange_;
   struct PendingSend {
     MPI_Request request;
     std::shared_ptr<std::vector<char>> data;  // one buffer for every destination
@@ -208,6 +244,9 @@ class MpiCommunicator final : public Communicator {
 namespace detail {
 // Tests only: the most elements one MPI call moves (0: INT_MAX, the default), to exercise the chunked path.
 void set_mpi_max_chunk_for_tests(size_t elements);
+// Tests only: skip the look for notices as a collective starts, as a rank descheduled between that look and its
+// first send would (the others' TIMEOUT notices are then found too late).
+void set_mpi_skip_arrival_check_for_tests(bool skip);
 }  // namespace detail
 
 }  // namespace dpar
