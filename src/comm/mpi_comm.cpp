@@ -242,6 +242,14 @@ SteadyClock::duration grace_period(double timeout_seconds) {
       std::chrono::duration<double>(std::clamp(timeout / 4, 0.05, 1.0)));
 }
 
+// The communicators that left a collective in its fingerprint exchange (see "Abandoned exchanges" in the header):
+// a collective of any communicator of this process advances them while it waits, so that a late rank in one is
+// released even while this process waits in another (such as a test's or a program's own agreement after a
+// failure). Entries whose exchange is done are dropped lazily; a communicator removes itself as it is destroyed.
+std::mutex g_abandoned_mutex;
+std::vector<MpiCommunicator*> g_abandoned;
+std::atomic<int> g_abandoned_count{0};
+
 // The base communicators over which a creation timed out: their MPI_Comm_idup is still pending (an MPI request
 // cannot be cancelled), so the ranks' creations over them no longer pair by order.
 std::mutex g_stale_bases_mutex;
@@ -388,6 +396,11 @@ MpiCommunicator::~MpiCommunicator() {
   // A rank that arrived late may be inside the transfer of a collective this rank left: give it a grace period.
   const auto end = SteadyClock::now() + grace_period(options_.timeout_seconds);
   while (!release_abandoned() && SteadyClock::now() < end) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  {
+    std::lock_guard<std::mutex> registry(g_abandoned_mutex);
+    auto it = std::find(g_abandoned.begin(), g_abandoned.end(), this);
+    if (it != g_abandoned.end()) g_abandoned.erase(it), g_abandoned_count.fetch_sub(1);
+  }
   test_pending_sends();
   for (auto& s : pending_sends_) {
     // A notice to a rank that never received it (dead, or gone): MPI may still read the buffer, so it is left
@@ -643,19 +656,17 @@ void MpiCommunicator::wait(MPI_Request* requests, int count, MPI_Status* statuse
     if (rc != MPI_SUCCESS) mpi_failed("MPI_Testall", rc, where(call, seq));
     if (done) return;
     // Leaving the exchange: keep it, to release a late rank that completes its own (see the header).
-    const auto leave = [&] {
-      requests_left_pending_ = true;
-      if (!transferring) exchange_.abandoned = options_.transfer == MpiOptions::Transfer::kBlocking;
-    };
     if (abort_requested_.load(std::memory_order_relaxed)) {
-      leave();
+      requests_left_pending_ = true;
       send_abort_notices_locked();
+      if (!transferring) abandon_exchange(true);
       throw_unusable(where(call, seq));
     }
     if (!sleeping && (i & 15) != 15) continue;
     if (drain_notices(seq, 1)) {
       if (state_.load() != kUsable) {
-        leave();
+        requests_left_pending_ = true;
+        if (!transferring) abandon_exchange(true);
         std::lock_guard<std::mutex> lock(reason_mutex_);
         fail(DPAR_ERR_REMOTE, where(call, seq), ": stopped because ", broken_reason_);
       }
@@ -663,6 +674,7 @@ void MpiCommunicator::wait(MPI_Request* requests, int count, MPI_Status* statuse
         if (timeout_notice_seq_[static_cast<size_t>(r)] == static_cast<int64_t>(seq))
           give_up(call, seq, transferring, r);
     }
+    if (sleeping && g_abandoned_count.load(std::memory_order_relaxed) > 0) release_others();
     const auto now = SteadyClock::now();
     if (now >= deadline) give_up(call, seq, transferring, -1);
     // Spin for a short while (the others are usually close), then sleep in slices of 1/16 of the time waited so
@@ -683,7 +695,7 @@ void MpiCommunicator::give_up(const Call& call, uint64_t seq, bool transferring,
   send_notice(kTimeoutNotice, seq, call.coll, "");
   // Listen: every rank waiting in this collective answers with its own notice. Meanwhile the exchange this rank
   // leaves goes on, for a late rank that completes its own without seeing the notice (see the header).
-  if (!transferring) exchange_.abandoned = options_.transfer == MpiOptions::Transfer::kBlocking;
+  if (!transferring) abandon_exchange(false);
   const auto end = SteadyClock::now() + grace_period(options_.timeout_seconds);
   std::vector<int> waiting{rank_}, silent;
   bool released = false;  // the exchange completed after all: the late ranks arrived in the grace period
@@ -814,6 +826,43 @@ void MpiCommunicator::collect_table() {
     const size_t r = static_cast<size_t>((rank_ + j) % size_);
     std::memcpy(&table_[r * kFields], buf + offsets_[j], kHeaderBytes);
     payloads_[r] = table_[r * kFields + kPayloadBytes] ? buf + offsets_[j] + kHeaderBytes : nullptr;
+  }
+}
+
+void MpiCommunicator::abandon_exchange(bool linger) {
+  if (options_.transfer != MpiOptions::Transfer::kBlocking) return;  // the others' transfers see the notices
+  exchange_.abandoned = true;
+  {
+    std::lock_guard<std::mutex> registry(g_abandoned_mutex);
+    if (std::find(g_abandoned.begin(), g_abandoned.end(), this) == g_abandoned.end())
+      g_abandoned.push_back(this), g_abandoned_count.fetch_add(1);
+  }
+  if (!linger) return;
+  // A late rank is most likely to slip through just now: give it a grace period before leaving.
+  const auto end = SteadyClock::now() + grace_period(options_.timeout_seconds);
+  while (!release_abandoned() && SteadyClock::now() < end) {
+    test_pending_sends();
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void MpiCommunicator::release_others() {
+  // Another thread may be inside MPI for another communicator only under MPI_THREAD_MULTIPLE.
+  if (thread_level_ != MPI_THREAD_MULTIPLE) return;
+  std::lock_guard<std::mutex> registry(g_abandoned_mutex);
+  for (auto it = g_abandoned.begin(); it != g_abandoned.end();) {
+    MpiCommunicator* other = *it;
+    bool done = false;
+    if (other != this && other->mutex_.try_lock()) {
+      std::lock_guard<std::mutex> lock(other->mutex_, std::adopt_lock);
+      done = other->release_abandoned();
+    }
+    if (done) {
+      it = g_abandoned.erase(it);
+      g_abandoned_count.fetch_sub(1);
+    } else {
+      ++it;
+    }
   }
 }
 

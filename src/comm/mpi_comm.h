@@ -48,14 +48,16 @@
 //    descheduled between its look and its first send), complete its exchange with the messages the others sent
 //    before they gave up, and enter a blocking transfer. Nothing can interrupt a blocking MPI call, so the ranks
 //    that gave up finish what they left instead: a rank that leaves a collective in its fingerprint exchange
-//    (timeout, abort, a notice) keeps that exchange and advances it, during its grace period and then whenever
-//    this communicator is touched again (any call, async_error(), and its destruction, which waits a grace period
-//    for it). Once it completes, every rank has arrived, and if a transfer follows, this rank sends VOID(sequence)
-//    and joins the transfer with zeros, only to release the others. A rank whose blocking transfer ends looks for
-//    TIMEOUT and VOID notices of that collective and throws Error(REMOTE) ("the result is void") if it finds one:
-//    the data it received is not the reduction of everyone's. (With more than 2 ranks a notice may overtake the
-//    data it belongs to; the next call then throws instead.) What remains: a rank that gave up and never touches
-//    the communicator again, or is destroyed before the late rank arrives, leaves that rank in its transfer as a
+//    (timeout, abort, a notice) keeps that exchange and advances it: for a grace period as it leaves, then
+//    whenever this communicator is touched again (any call, async_error(), and its destruction, which waits
+//    another grace period), and whenever a collective of another MPI communicator of this process waits (under
+//    MPI_THREAD_MULTIPLE), such as a program's own agreement after the failure. Once the exchange completes,
+//    every rank has arrived, and if a transfer follows, this rank sends VOID(sequence) and joins the transfer
+//    with zeros, only to release the others. A rank whose blocking transfer ends looks for TIMEOUT and VOID
+//    notices of that collective and throws Error(REMOTE) ("the result is void") if it finds one: the data it
+//    received is not the reduction of everyone's. (With more than 2 ranks the data may arrive through another
+//    rank before the notice does; the next call then throws instead.) What remains: a rank that gave up and then
+//    neither touches MPI through dpar nor destroys the communicator leaves the late rank in its transfer, as a
 //    dead rank would. In kNonBlocking mode the transfer is polled and sees the notices itself.
 //  - MPI errors: both communicators use MPI_ERRORS_RETURN; a failing MPI call becomes Error(COMMUNICATION) with
 //    MPI_Error_string, and the communicator becomes unusable.
@@ -184,6 +186,11 @@ class MpiCommunicator final : public Communicator {
   // Advances an abandoned exchange without waiting; once it completes, joins the transfer that follows (if any)
   // with zeros, to release the ranks inside it. Returns true when nothing is left abandoned.
   bool release_abandoned();
+  // Marks the current exchange abandoned (kBlocking only) and lists it for release_others(); with `linger`,
+  // advances it for a grace period first.
+  void abandon_exchange(bool linger);
+  // Advances the exchanges that other communicators of this process abandoned (those not busy now).
+  void release_others();
   // Throws REMOTE if a rank that gave up on collective `seq` joined its transfer only to release this rank.
   void check_void(const Call& call, uint64_t seq);
   [[noreturn]] void give_up(const Call& call, uint64_t seq, bool transferring, int first_notifier);
