@@ -7,9 +7,9 @@
 // process), but a process whose step had finished before it learned of the failure keeps a usable engine: so after
 // every step the processes agree, over a communicator of their own (dpar_comm_create_mpi), whether any must
 // recreate, and then all recreate together. They also check that they hold the same parameters.
-// Not in CTest yet: under mpirun -np 2 it finds a rank stuck in the MPI backend's blocking transfer (MPI_Allreduce)
-// after the other rank gave up at the agreement's deadline (it timed out just as the late rank completed the
-// fingerprint exchange), which no timeout can release. The multi-process soak joins CTest with that fix.
+// In CTest as soak_np2. It found a rank left for ever in the MPI backend's blocking transfer (MPI_Allreduce): the
+// other rank had timed out, or been aborted, just as the late rank completed the fingerprint exchange with what
+// it had sent. The backend now releases such a rank (see "Abandoned exchanges" in src/comm/mpi_comm.h).
 //
 // After every call it checks that the engine either trains on, with every replica holding the same parameters, or
 // says it must be recreated (DPAR_ERR_INVALID_STATE, "must be recreated"), in which case it is freed and recreated
