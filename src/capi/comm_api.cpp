@@ -53,6 +53,17 @@ dpar_work* new_work(std::shared_ptr<Work> w) {
   return h;
 }
 
+// The body of every dpar_comm_*_async: `*out` is reset before anything can fail, then `out` and `comm` are checked
+// (in that order), and `start` checks its own arguments and returns the collective it started.
+template <class Start>
+dpar_status start_async(dpar_work** out, dpar_comm* comm, Start&& start) {
+  if (out) *out = nullptr;
+  return guard([&] {
+    checked_out(out);
+    *out = new_work(start(comm_of(comm)));
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -188,49 +199,37 @@ DPAR_API dpar_status dpar_comm_barrier(dpar_comm* comm) {
 
 DPAR_API dpar_status dpar_comm_all_reduce_async(dpar_work** out, dpar_comm* comm, const void* send, void* recv,
                                                 size_t count, int32_t dtype, int32_t op) {
-  if (out) *out = nullptr;
-  return guard([&] {
-    checked_out(out);
-    Communicator& c = comm_of(comm);
+  return start_async(out, comm, [&](Communicator& c) {
     check_buffer(send, count, "send");
     check_buffer(recv, count, "recv");
-    *out = new_work(c.async_all_reduce(send, recv, count, comm_dtype(dtype), reduce_op(op)));
+    return c.async_all_reduce(send, recv, count, comm_dtype(dtype), reduce_op(op));
   });
 }
 
 DPAR_API dpar_status dpar_comm_broadcast_async(dpar_work** out, dpar_comm* comm, void* buffer, size_t count,
                                                int32_t dtype, size_t root) {
-  if (out) *out = nullptr;
-  return guard([&] {
-    checked_out(out);
-    Communicator& c = comm_of(comm);
+  return start_async(out, comm, [&](Communicator& c) {
     check_buffer(buffer, count, "buffer");
     const int r = check_root(c, root);
-    *out = new_work(c.async_broadcast(buffer, count, comm_dtype(dtype), r));
+    return c.async_broadcast(buffer, count, comm_dtype(dtype), r);
   });
 }
 
 DPAR_API dpar_status dpar_comm_all_gather_async(dpar_work** out, dpar_comm* comm, const void* send, void* recv,
                                                 size_t count, int32_t dtype) {
-  if (out) *out = nullptr;
-  return guard([&] {
-    checked_out(out);
-    Communicator& c = comm_of(comm);
+  return start_async(out, comm, [&](Communicator& c) {
     check_buffer(send, count, "send");
     check_buffer(recv, count, "recv");
-    *out = new_work(c.async_all_gather(send, recv, count, comm_dtype(dtype)));
+    return c.async_all_gather(send, recv, count, comm_dtype(dtype));
   });
 }
 
 DPAR_API dpar_status dpar_comm_reduce_scatter_async(dpar_work** out, dpar_comm* comm, const void* send, void* recv,
                                                     size_t count, int32_t dtype, int32_t op) {
-  if (out) *out = nullptr;
-  return guard([&] {
-    checked_out(out);
-    Communicator& c = comm_of(comm);
+  return start_async(out, comm, [&](Communicator& c) {
     check_buffer(send, count, "send");
     check_buffer(recv, count, "recv");
-    *out = new_work(c.async_reduce_scatter(send, recv, count, comm_dtype(dtype), reduce_op(op)));
+    return c.async_reduce_scatter(send, recv, count, comm_dtype(dtype), reduce_op(op));
   });
 }
 
