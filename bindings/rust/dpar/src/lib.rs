@@ -122,6 +122,29 @@ fn boundary(body: impl FnOnce() -> Result<()>) -> i32 {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Handles
+
+/// Declares a type that owns one dpar handle: the struct with its `raw` pointer, `Send` (a handle may move between
+/// threads; `Sync` only where dpar.h says so, written beside the type), and a `Drop` that frees the handle.
+/// The doc comments and attributes written before `pub struct` reach the type.
+macro_rules! handle {
+    ($(#[$meta:meta])* pub struct $name:ident { raw: *mut sys::$raw:ident } freed by sys::$free:ident;) => {
+        $(#[$meta])*
+        pub struct $name {
+            raw: *mut sys::$raw,
+        }
+
+        unsafe impl Send for $name {}
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                unsafe { sys::$free(self.raw) }
+            }
+        }
+    };
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Versions and devices
 
 /// The loaded library's version, MAJOR*10000 + MINOR*100 + PATCH.
@@ -494,17 +517,9 @@ unsafe extern "C" fn drop_payload<T>(payload: *mut c_void) {
     drop(Box::from_raw(payload as *mut T));
 }
 
-/// A sequential model on the host: the template an [`Engine`] copies to every device.
-pub struct Model {
-    raw: *mut sys::dpar_model,
-}
-
-unsafe impl Send for Model {}
-
-impl Drop for Model {
-    fn drop(&mut self) {
-        unsafe { sys::dpar_model_free(self.raw) }
-    }
+handle! {
+    /// A sequential model on the host: the template an [`Engine`] copies to every device.
+    pub struct Model { raw: *mut sys::dpar_model } freed by sys::dpar_model_free;
 }
 
 impl Model {
@@ -775,20 +790,13 @@ unsafe extern "C" fn hook_trampoline(
     })
 }
 
-/// A DataParallel engine: one worker thread per device, each with a persistent replica.
-pub struct Engine {
-    raw: *mut sys::dpar_engine,
+handle! {
+    /// A DataParallel engine: one worker thread per device, each with a persistent replica.
+    pub struct Engine { raw: *mut sys::dpar_engine } freed by sys::dpar_engine_free;
 }
 
 // dpar.h: "an engine may be called from several threads; calls are serialised by a lock inside it".
-unsafe impl Send for Engine {}
 unsafe impl Sync for Engine {}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        unsafe { sys::dpar_engine_free(self.raw) }
-    }
-}
 
 impl Engine {
     /// Copies `model` to every device (the model may be dropped or changed afterwards).
@@ -936,17 +944,9 @@ impl Engine {
 // ---------------------------------------------------------------------------------------------------------------
 // Datasets and loaders
 
-/// An in-memory dataset of (f32 sample, i32 label).
-pub struct Dataset {
-    raw: *mut sys::dpar_dataset,
-}
-
-unsafe impl Send for Dataset {}
-
-impl Drop for Dataset {
-    fn drop(&mut self) {
-        unsafe { sys::dpar_dataset_free(self.raw) }
-    }
+handle! {
+    /// An in-memory dataset of (f32 sample, i32 label).
+    pub struct Dataset { raw: *mut sys::dpar_dataset } freed by sys::dpar_dataset_free;
 }
 
 impl Dataset {
@@ -974,17 +974,9 @@ pub struct Batch<'a> {
     pub labels: TensorRef<'a>,
 }
 
-/// A seeded, shuffling batch loader. It shares the dataset's data: the dataset may be dropped first.
-pub struct Loader {
-    raw: *mut sys::dpar_loader,
-}
-
-unsafe impl Send for Loader {}
-
-impl Drop for Loader {
-    fn drop(&mut self) {
-        unsafe { sys::dpar_loader_free(self.raw) }
-    }
+handle! {
+    /// A seeded, shuffling batch loader. It shares the dataset's data: the dataset may be dropped first.
+    pub struct Loader { raw: *mut sys::dpar_loader } freed by sys::dpar_loader_free;
 }
 
 impl Loader {
@@ -1072,17 +1064,9 @@ fn comm_options(timeout_seconds: f64) -> Result<sys::dpar_comm_options> {
     Ok(o)
 }
 
-/// The participants of one process (one thread each, shared memory). Its members keep it alive.
-pub struct CommGroup {
-    raw: *mut sys::dpar_comm_group,
-}
-
-unsafe impl Send for CommGroup {}
-
-impl Drop for CommGroup {
-    fn drop(&mut self) {
-        unsafe { sys::dpar_comm_group_free(self.raw) }
-    }
+handle! {
+    /// The participants of one process (one thread each, shared memory). Its members keep it alive.
+    pub struct CommGroup { raw: *mut sys::dpar_comm_group } freed by sys::dpar_comm_group_free;
 }
 
 impl CommGroup {
@@ -1100,20 +1084,13 @@ impl CommGroup {
     }
 }
 
-/// One participant of a group. Collectives take `&mut self` (a participant's calls must not overlap); abort and
-/// async_error may be called from any thread at any time.
-pub struct Comm {
-    raw: *mut sys::dpar_comm,
+handle! {
+    /// One participant of a group. Collectives take `&mut self` (a participant's calls must not overlap); abort and
+    /// async_error may be called from any thread at any time.
+    pub struct Comm { raw: *mut sys::dpar_comm } freed by sys::dpar_comm_free;
 }
 
-unsafe impl Send for Comm {}
 unsafe impl Sync for Comm {}
-
-impl Drop for Comm {
-    fn drop(&mut self) {
-        unsafe { sys::dpar_comm_free(self.raw) }
-    }
-}
 
 fn same_len(a: usize, b: usize, what: &str) -> Result<()> {
     if a == b {
