@@ -93,6 +93,13 @@ fn check(status: i32) -> Result<()> {
     }
 }
 
+/// Runs a dpar call that writes a count through its `out` pointer.
+fn count(call: impl FnOnce(*mut usize) -> i32) -> Result<usize> {
+    let mut n = 0;
+    check(call(&mut n))?;
+    Ok(n)
+}
+
 fn cstring(s: &str, what: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::new(status::INVALID_ARGUMENT, format!("{}: contains a NUL byte", what)))
 }
@@ -584,20 +591,14 @@ impl Model {
         Ok(self)
     }
     pub fn num_layers(&self) -> Result<usize> {
-        let mut n = 0;
-        check(unsafe { sys::dpar_model_num_layers(&mut n, self.raw) })?;
-        Ok(n)
+        count(|n| unsafe { sys::dpar_model_num_layers(n, self.raw) })
     }
     /// The number of parameter tensors.
     pub fn num_params(&self) -> Result<usize> {
-        let mut n = 0;
-        check(unsafe { sys::dpar_model_num_params(&mut n, self.raw) })?;
-        Ok(n)
+        count(|n| unsafe { sys::dpar_model_num_params(n, self.raw) })
     }
     pub fn num_param_elements(&self) -> Result<usize> {
-        let mut n = 0;
-        check(unsafe { sys::dpar_model_num_param_elements(&mut n, self.raw) })?;
-        Ok(n)
+        count(|n| unsafe { sys::dpar_model_num_param_elements(n, self.raw) })
     }
     /// Parameter `index`'s name ("0.weight") and shape.
     pub fn param_info(&self, index: usize) -> Result<(String, Vec<i64>)> {
@@ -852,14 +853,10 @@ impl Engine {
         check(unsafe { sys::dpar_engine_set_lr(self.raw, lr) })
     }
     pub fn step_count(&self) -> Result<usize> {
-        let mut n = 0;
-        check(unsafe { sys::dpar_engine_step_count(&mut n, self.raw) })?;
-        Ok(n)
+        count(|n| unsafe { sys::dpar_engine_step_count(n, self.raw) })
     }
     pub fn num_replicas(&self) -> Result<usize> {
-        let mut n = 0;
-        check(unsafe { sys::dpar_engine_num_replicas(&mut n, self.raw) })?;
-        Ok(n)
+        count(|n| unsafe { sys::dpar_engine_num_replicas(n, self.raw) })
     }
     /// This process's rank and the number of processes the engine spans.
     pub fn processes(&self) -> Result<(usize, usize)> {
@@ -868,9 +865,7 @@ impl Engine {
         Ok((r, s))
     }
     pub fn num_buckets(&self) -> Result<usize> {
-        let mut n = 0;
-        check(unsafe { sys::dpar_engine_num_buckets(&mut n, self.raw) })?;
-        Ok(n)
+        count(|n| unsafe { sys::dpar_engine_num_buckets(n, self.raw) })
     }
     pub fn replica_device(&self, replica: usize) -> Result<Device> {
         let mut d = sys::dpar_device { kind: 0, index: 0 };
@@ -991,9 +986,7 @@ impl Loader {
         check(unsafe { sys::dpar_loader_start_epoch(self.raw, epoch) })
     }
     pub fn num_batches(&self) -> Result<usize> {
-        let mut n = 0;
-        check(unsafe { sys::dpar_loader_num_batches(&mut n, self.raw) })?;
-        Ok(n)
+        count(|n| unsafe { sys::dpar_loader_num_batches(n, self.raw) })
     }
     /// Yields only shard `shard` of `num_shards` of each batch (one process's part).
     pub fn shard(&mut self, shard: usize, num_shards: usize) -> Result<()> {
@@ -1100,6 +1093,11 @@ fn same_len(a: usize, b: usize, what: &str) -> Result<()> {
     }
 }
 
+/// A collective's send and receive buffers as the C call takes them.
+fn c_buffers<T>(send: &[T], recv: &mut [T]) -> (*const c_void, *mut c_void) {
+    (send.as_ptr() as *const c_void, recv.as_mut_ptr() as *mut c_void)
+}
+
 impl Comm {
     /// This process's communicator over MPI_COMM_WORLD.
     pub fn mpi(timeout_seconds: f64) -> Result<Comm> {
@@ -1114,18 +1112,16 @@ impl Comm {
         check(unsafe { sys::dpar_comm_info(&mut r, &mut s, self.raw) })?;
         Ok((r, s))
     }
+    /// Checks that `whole` (an all-gather's recv, a reduce-scatter's send, named `what`) holds one block of `block`
+    /// elements per participant.
+    fn same_len_per_rank(&self, whole: usize, block: usize, what: &str) -> Result<()> {
+        let (_, size) = self.info()?;
+        same_len(whole, block * size, what)
+    }
     pub fn all_reduce<T: CommType>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         same_len(recv.len(), send.len(), "recv")?;
-        check(unsafe {
-            sys::dpar_comm_all_reduce(
-                self.raw,
-                send.as_ptr() as *const c_void,
-                recv.as_mut_ptr() as *mut c_void,
-                send.len(),
-                T::DTYPE,
-                op.raw(),
-            )
-        })
+        let (s, r) = c_buffers(send, recv);
+        check(unsafe { sys::dpar_comm_all_reduce(self.raw, s, r, send.len(), T::DTYPE, op.raw()) })
     }
     pub fn all_reduce_in_place<T: CommType>(&mut self, buffer: &mut [T], op: ReduceOp) -> Result<()> {
         let p = buffer.as_mut_ptr() as *mut c_void;
@@ -1139,46 +1135,20 @@ impl Comm {
     /// Reduces into `root`'s `recv` (ignored elsewhere).
     pub fn reduce<T: CommType>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
         same_len(recv.len(), send.len(), "recv")?;
-        check(unsafe {
-            sys::dpar_comm_reduce(
-                self.raw,
-                send.as_ptr() as *const c_void,
-                recv.as_mut_ptr() as *mut c_void,
-                send.len(),
-                T::DTYPE,
-                op.raw(),
-                root,
-            )
-        })
+        let (s, r) = c_buffers(send, recv);
+        check(unsafe { sys::dpar_comm_reduce(self.raw, s, r, send.len(), T::DTYPE, op.raw(), root) })
     }
     /// Every participant's `send` into `recv` (size x send.len()), in rank order.
     pub fn all_gather<T: CommType>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let (_, size) = self.info()?;
-        same_len(recv.len(), send.len() * size, "recv")?;
-        check(unsafe {
-            sys::dpar_comm_all_gather(
-                self.raw,
-                send.as_ptr() as *const c_void,
-                recv.as_mut_ptr() as *mut c_void,
-                send.len(),
-                T::DTYPE,
-            )
-        })
+        self.same_len_per_rank(recv.len(), send.len(), "recv")?;
+        let (s, r) = c_buffers(send, recv);
+        check(unsafe { sys::dpar_comm_all_gather(self.raw, s, r, send.len(), T::DTYPE) })
     }
     /// Reduces `send` (size x recv.len()) element-wise; this participant receives its block in `recv`.
     pub fn reduce_scatter<T: CommType>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        let (_, size) = self.info()?;
-        same_len(send.len(), recv.len() * size, "send")?;
-        check(unsafe {
-            sys::dpar_comm_reduce_scatter(
-                self.raw,
-                send.as_ptr() as *const c_void,
-                recv.as_mut_ptr() as *mut c_void,
-                recv.len(),
-                T::DTYPE,
-                op.raw(),
-            )
-        })
+        self.same_len_per_rank(send.len(), recv.len(), "send")?;
+        let (s, r) = c_buffers(send, recv);
+        check(unsafe { sys::dpar_comm_reduce_scatter(self.raw, s, r, recv.len(), T::DTYPE, op.raw()) })
     }
     pub fn barrier(&mut self) -> Result<()> {
         check(unsafe { sys::dpar_comm_barrier(self.raw) })
@@ -1198,39 +1168,18 @@ impl Comm {
     /// or dropped (dropping waits).
     pub fn all_reduce_async<'a, T: CommType>(&'a mut self, buffer: &'a mut [T], op: ReduceOp) -> Result<Work<'a>> {
         let p = buffer.as_mut_ptr() as *mut c_void;
-        let mut raw = ptr::null_mut();
-        check(unsafe { sys::dpar_comm_all_reduce_async(&mut raw, self.raw, p, p, buffer.len(), T::DTYPE, op.raw()) })?;
-        Ok(Work { raw, _borrow: PhantomData })
+        Work::start(|out| unsafe {
+            sys::dpar_comm_all_reduce_async(out, self.raw, p, p, buffer.len(), T::DTYPE, op.raw())
+        })
     }
     pub fn broadcast_async<'a, T: CommType>(&'a mut self, buffer: &'a mut [T], root: usize) -> Result<Work<'a>> {
-        let mut raw = ptr::null_mut();
-        check(unsafe {
-            sys::dpar_comm_broadcast_async(
-                &mut raw,
-                self.raw,
-                buffer.as_mut_ptr() as *mut c_void,
-                buffer.len(),
-                T::DTYPE,
-                root,
-            )
-        })?;
-        Ok(Work { raw, _borrow: PhantomData })
+        let p = buffer.as_mut_ptr() as *mut c_void;
+        Work::start(|out| unsafe { sys::dpar_comm_broadcast_async(out, self.raw, p, buffer.len(), T::DTYPE, root) })
     }
     pub fn all_gather_async<'a, T: CommType>(&'a mut self, send: &'a [T], recv: &'a mut [T]) -> Result<Work<'a>> {
-        let (_, size) = self.info()?;
-        same_len(recv.len(), send.len() * size, "recv")?;
-        let mut raw = ptr::null_mut();
-        check(unsafe {
-            sys::dpar_comm_all_gather_async(
-                &mut raw,
-                self.raw,
-                send.as_ptr() as *const c_void,
-                recv.as_mut_ptr() as *mut c_void,
-                send.len(),
-                T::DTYPE,
-            )
-        })?;
-        Ok(Work { raw, _borrow: PhantomData })
+        self.same_len_per_rank(recv.len(), send.len(), "recv")?;
+        let (s, r) = c_buffers(send, recv);
+        Work::start(|out| unsafe { sys::dpar_comm_all_gather_async(out, self.raw, s, r, send.len(), T::DTYPE) })
     }
     pub fn reduce_scatter_async<'a, T: CommType>(
         &'a mut self,
@@ -1238,21 +1187,11 @@ impl Comm {
         recv: &'a mut [T],
         op: ReduceOp,
     ) -> Result<Work<'a>> {
-        let (_, size) = self.info()?;
-        same_len(send.len(), recv.len() * size, "send")?;
-        let mut raw = ptr::null_mut();
-        check(unsafe {
-            sys::dpar_comm_reduce_scatter_async(
-                &mut raw,
-                self.raw,
-                send.as_ptr() as *const c_void,
-                recv.as_mut_ptr() as *mut c_void,
-                recv.len(),
-                T::DTYPE,
-                op.raw(),
-            )
-        })?;
-        Ok(Work { raw, _borrow: PhantomData })
+        self.same_len_per_rank(send.len(), recv.len(), "send")?;
+        let (s, r) = c_buffers(send, recv);
+        Work::start(|out| unsafe {
+            sys::dpar_comm_reduce_scatter_async(out, self.raw, s, r, recv.len(), T::DTYPE, op.raw())
+        })
     }
 }
 
@@ -1268,7 +1207,13 @@ impl Drop for Work<'_> {
     }
 }
 
-impl Work<'_> {
+impl<'a> Work<'a> {
+    /// Runs a dpar_comm_*_async call, which writes the work's handle through `out`.
+    fn start(call: impl FnOnce(*mut *mut sys::dpar_work) -> i32) -> Result<Work<'a>> {
+        let mut raw = ptr::null_mut();
+        check(call(&mut raw))?;
+        Ok(Work { raw, _borrow: PhantomData })
+    }
     /// True once the work has finished (successfully or not). Never blocks.
     pub fn test(&self) -> Result<bool> {
         let mut done = 0i32;
@@ -1320,9 +1265,7 @@ impl<'c> Reducer<'c> {
         Ok(Reducer { raw, grads, ready, _comm: PhantomData })
     }
     pub fn num_buckets(&self) -> Result<usize> {
-        let mut n = 0;
-        check(unsafe { sys::dpar_reducer_num_buckets(&mut n, self.raw) })?;
-        Ok(n)
+        count(|n| unsafe { sys::dpar_reducer_num_buckets(n, self.raw) })
     }
     /// Gradient `index`'s buffer, to write this step's value; refused once it is marked ready, until wait.
     pub fn grad_mut(&mut self, index: usize) -> Result<&mut [f32]> {
