@@ -200,3 +200,49 @@ func TestCollectivesAndAbortOverAThreadGroup(t *testing.T) {
 		comms[r].Close()
 	}
 }
+
+// Accumulate then Step is one TrainStep over the same batch; every handle's Close may be called again.
+func TestAccumulateAndCloseTwice(t *testing.T) {
+	m := referenceModel(t)
+	a, b := referenceEngine(t, m), referenceEngine(t, m)
+	x, y := referenceBatch(t)
+	la, errA := a.TrainStep(x, y)
+	lb, errB := b.Accumulate(x, y)
+	if errA != nil || errB != nil || la != lb || b.Step() != nil {
+		t.Fatalf("TrainStep %v %v, Accumulate %v %v", la, errA, lb, errB)
+	}
+	if pa, pb := mustParams(t, a), mustParams(t, b); fmt.Sprint(pa) != fmt.Sprint(pb) {
+		t.Fatalf("parameters after TrainStep %v, after Accumulate and Step %v", pa, pb)
+	}
+	g, err := NewCommGroup(1, 30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := g.Member(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := NewCommGroup(1, -1); err == nil || !strings.Contains(err.Error(), "timeout_seconds") {
+		t.Fatalf("a negative timeout gave %v", err)
+	}
+	for i := 0; i < 2; i++ {
+		x.Close()
+		y.Close()
+		a.Close()
+		b.Close()
+		m.Close()
+		c.Close()
+		g.Close()
+	}
+	if x.raw != nil || a.raw != nil || m.raw != nil || c.raw != nil || g.raw != nil {
+		t.Fatal("a closed handle still holds its pointer")
+	}
+}
+
+func mustParams(t *testing.T, e *Engine) []float32 {
+	p, err := e.Params(0, 67)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
