@@ -24,13 +24,7 @@ func LoadIDX(imagesPath, labelsPath string) (*Dataset, error) {
 }
 
 // Close frees the dataset; its loaders must be closed first.
-func (d *Dataset) Close() {
-	if d.raw != nil {
-		raw.Dpar_dataset_free(d.raw)
-		d.raw = nil
-		runtime.SetFinalizer(d, nil)
-	}
-}
+func (d *Dataset) Close() { release(d, &d.raw, raw.Dpar_dataset_free) }
 
 // Info is the number of samples, features per sample and classes.
 func (d *Dataset) Info() (samples, features, classes int, err error) {
@@ -70,12 +64,8 @@ func NewLoader(d *Dataset, batchSize int, shuffle bool, seed uint64, dropLast bo
 
 // Close frees the loader and its batches.
 func (l *Loader) Close() {
-	if l.raw != nil {
-		raw.Dpar_loader_free(l.raw)
-		l.raw = nil
-		l.dataset = nil
-		runtime.SetFinalizer(l, nil)
-	}
+	release(l, &l.raw, raw.Dpar_loader_free)
+	l.dataset = nil
 }
 
 // StartEpoch rewinds the loader and draws the epoch's order (from the seed and epoch).

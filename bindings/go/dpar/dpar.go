@@ -66,6 +66,18 @@ func call(f func() int) error {
 	return errorOf(f())
 }
 
+// release is every handle's Close: it frees *h once, then clears it and owner's finalizer, so that a second Close,
+// or the finalizer after Close, finds nothing to free. h is owner's raw field, a SWIG pointer (nil once closed).
+func release[H interface{ Swigcptr() uintptr }](owner any, h *H, free func(H)) {
+	if any(*h) == nil {
+		return
+	}
+	free(*h)
+	var closed H
+	*h = closed
+	runtime.SetFinalizer(owner, nil)
+}
+
 // Version is the loaded library's version, MAJOR*10000 + MINOR*100 + PATCH; VersionString "0.3.0".
 func Version() int           { return raw.Dpar_version() }
 func VersionString() string { return raw.Dpar_version_string() }
@@ -111,15 +123,11 @@ func newTensor(p uintptr) *Tensor {
 
 // Close frees the tensor (idempotent; nothing for a tensor borrowed from a loader).
 func (t *Tensor) Close() {
-	if t.raw != nil {
-		if t.borrowed {
-			t.raw = nil
-			return
-		}
-		raw.Dpar_tensor_free(t.raw)
-		t.raw = nil
-		runtime.SetFinalizer(t, nil)
+	if t.borrowed {
+		t.raw = nil // its parent frees it
+		return
 	}
+	release(t, &t.raw, raw.Dpar_tensor_free)
 }
 
 // Zeros makes a zero-filled tensor on cpu:index (kind CPU) or cuda:index.
@@ -258,13 +266,7 @@ func NewModel(seed uint64) (*Model, error) {
 }
 
 // Close frees the model; engines built from it are not affected.
-func (m *Model) Close() {
-	if m.raw != nil {
-		raw.Dpar_model_free(m.raw)
-		m.raw = nil
-		runtime.SetFinalizer(m, nil)
-	}
-}
+func (m *Model) Close() { release(m, &m.raw, raw.Dpar_model_free) }
 
 func b2i(b bool) int {
 	if b {
@@ -415,28 +417,23 @@ func NewEngine(model *Model, o Options) (*Engine, error) {
 }
 
 // Close stops the workers and frees the engine.
-func (e *Engine) Close() {
-	if e.raw != nil {
-		raw.Dpar_engine_free(e.raw)
-		e.raw = nil
-		runtime.SetFinalizer(e, nil)
-	}
-}
+func (e *Engine) Close() { release(e, &e.raw, raw.Dpar_engine_free) }
 
 // TrainStep is one fused training step; it returns the mean loss over the batch.
 func (e *Engine) TrainStep(input, target *Tensor) (float32, error) {
-	var loss float32
-	err := call(func() int { return raw.Dpar_engine_train_step(unsafe.Pointer(&loss), e.raw, input.raw, target.raw) })
-	runtime.KeepAlive(e)
-	runtime.KeepAlive(input)
-	runtime.KeepAlive(target)
-	return loss, err
+	return e.batchLoss(raw.Dpar_engine_train_step, input, target)
 }
 
 // Accumulate adds one micro-batch's gradient (DDP's no_sync); Step then synchronises and steps.
 func (e *Engine) Accumulate(input, target *Tensor) (float32, error) {
+	return e.batchLoss(raw.Dpar_engine_accumulate, input, target)
+}
+
+// batchLoss runs a call that takes a batch (input, target) and writes its mean loss.
+func (e *Engine) batchLoss(f func(unsafe.Pointer, raw.Struct_SS_dpar_engine, raw.Struct_SS_dpar_tensor,
+	raw.Struct_SS_dpar_tensor) int, input, target *Tensor) (float32, error) {
 	var loss float32
-	err := call(func() int { return raw.Dpar_engine_accumulate(unsafe.Pointer(&loss), e.raw, input.raw, target.raw) })
+	err := call(func() int { return f(unsafe.Pointer(&loss), e.raw, input.raw, target.raw) })
 	runtime.KeepAlive(e)
 	runtime.KeepAlive(input)
 	runtime.KeepAlive(target)
@@ -578,23 +575,25 @@ type CommGroup struct {
 	raw raw.Struct_SS_dpar_comm_group
 }
 
-func commOptions(timeoutSeconds float64) (raw.Dpar_comm_options, int) {
+// withCommOptions calls create with communicator options of the given timeout, freed when it returns; inside
+// call(), so that a failure of either is read on the same thread.
+func withCommOptions(timeoutSeconds float64, create func(raw.Dpar_comm_options) int) int {
 	o := raw.NewDpar_comm_options()
-	s := raw.Dpar_comm_options_init(o)
+	defer raw.DeleteDpar_comm_options(o)
+	if s := raw.Dpar_comm_options_init(o); s != OK {
+		return s
+	}
 	o.SetTimeout_seconds(timeoutSeconds)
-	return o, s
+	return create(o)
 }
 
 // NewCommGroup makes a group of size participants.
 func NewCommGroup(size int, timeoutSeconds float64) (*CommGroup, error) {
 	var p uintptr
 	err := call(func() int {
-		o, s := commOptions(timeoutSeconds)
-		defer raw.DeleteDpar_comm_options(o)
-		if s != OK {
-			return s
-		}
-		return raw.Dpar_comm_group_create(unsafe.Pointer(&p), int64(size), o)
+		return withCommOptions(timeoutSeconds, func(o raw.Dpar_comm_options) int {
+			return raw.Dpar_comm_group_create(unsafe.Pointer(&p), int64(size), o)
+		})
 	})
 	if err != nil {
 		return nil, err
@@ -605,13 +604,7 @@ func NewCommGroup(size int, timeoutSeconds float64) (*CommGroup, error) {
 }
 
 // Close releases the caller's reference; members keep the group alive.
-func (g *CommGroup) Close() {
-	if g.raw != nil {
-		raw.Dpar_comm_group_free(g.raw)
-		g.raw = nil
-		runtime.SetFinalizer(g, nil)
-	}
-}
+func (g *CommGroup) Close() { release(g, &g.raw, raw.Dpar_comm_group_free) }
 
 // Member is participant rank's communicator.
 func (g *CommGroup) Member(rank int) (*Comm, error) {
@@ -639,12 +632,9 @@ func newComm(p uintptr) *Comm {
 func NewMPIComm(timeoutSeconds float64) (*Comm, error) {
 	var p uintptr
 	err := call(func() int {
-		o, s := commOptions(timeoutSeconds)
-		defer raw.DeleteDpar_comm_options(o)
-		if s != OK {
-			return s
-		}
-		return raw.Dpar_comm_create_mpi(unsafe.Pointer(&p), o)
+		return withCommOptions(timeoutSeconds, func(o raw.Dpar_comm_options) int {
+			return raw.Dpar_comm_create_mpi(unsafe.Pointer(&p), o)
+		})
 	})
 	if err != nil {
 		return nil, err
@@ -652,13 +642,7 @@ func NewMPIComm(timeoutSeconds float64) (*Comm, error) {
 	return newComm(p), nil
 }
 
-func (c *Comm) Close() {
-	if c.raw != nil {
-		raw.Dpar_comm_free(c.raw)
-		c.raw = nil
-		runtime.SetFinalizer(c, nil)
-	}
-}
+func (c *Comm) Close() { release(c, &c.raw, raw.Dpar_comm_free) }
 
 // Info is (rank, size).
 func (c *Comm) Info() (rank, size int, err error) {
