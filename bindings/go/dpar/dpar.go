@@ -79,7 +79,7 @@ func release[H interface{ Swigcptr() uintptr }](owner any, h *H, free func(H)) {
 }
 
 // Version is the loaded library's version, MAJOR*10000 + MINOR*100 + PATCH; VersionString "0.3.0".
-func Version() int           { return raw.Dpar_version() }
+func Version() int          { return raw.Dpar_version() }
 func VersionString() string { return raw.Dpar_version_string() }
 
 // Device kinds.
@@ -204,32 +204,29 @@ func (t *Tensor) ToFloat32() ([]float32, error) {
 
 // Float32s is a host f32 tensor's memory, without a copy: valid while the tensor is open.
 func (t *Tensor) Float32s() ([]float32, error) {
-	_, n, _, _, err := t.Info()
-	if err != nil {
-		return nil, err
-	}
-	var p unsafe.Pointer
-	if err = call(func() int { return raw.Dpar_tensor_data(unsafe.Pointer(&p), t.raw) }); err != nil {
-		return nil, err
-	}
-	return unsafe.Slice((*float32)(p), n), nil
+	return hostView[float32](t, F32, "Float32s: the tensor is not f32")
 }
 
 // Int32s is a host i32 tensor's memory (a loader's labels), without a copy: valid while the tensor is open.
 func (t *Tensor) Int32s() ([]int32, error) {
-	dtype, n, _, _, err := t.Info()
+	return hostView[int32](t, I32, "Int32s: the tensor is not i32")
+}
+
+// hostView is a host tensor's memory as a []T, after checking that it holds dtype.
+func hostView[T float32 | int32](t *Tensor, dtype int, wrongType string) ([]T, error) {
+	has, n, _, _, err := t.Info()
 	if err != nil {
 		return nil, err
 	}
-	if dtype != I32 {
-		return nil, &Error{Status: ErrInvalidArg, Message: "Int32s: the tensor is not i32"}
+	if has != dtype {
+		return nil, &Error{Status: ErrInvalidArg, Message: wrongType}
 	}
 	var p unsafe.Pointer
 	if err = call(func() int { return raw.Dpar_tensor_data(unsafe.Pointer(&p), t.raw) }); err != nil {
 		return nil, err
 	}
 	runtime.KeepAlive(t)
-	return unsafe.Slice((*int32)(p), n), nil
+	return unsafe.Slice((*T)(p), n), nil
 }
 
 // Activations.
@@ -357,7 +354,7 @@ type Options struct {
 	LR          float32 // 0: 0.01
 	Momentum    float32
 	WeightDecay float32
-	Devices     int // CPU devices (0: dpar's default count)
+	Devices     int     // CPU devices (0: dpar's default count)
 	DeviceKind  int     // CPU (default) or CUDA
 	DeviceIDs   []int32 // the devices of DeviceKind to use, replica r on DeviceIDs[r] (nil: all)
 	Loss        int
@@ -662,7 +659,9 @@ func (c *Comm) AllReduceFloat32(buf []float32, op int) error {
 // BroadcastFloat32 copies root's buf into every participant's.
 func (c *Comm) BroadcastFloat32(buf []float32, root int) error {
 	defer runtime.KeepAlive(c)
-	return call(func() int { return raw.Dpar_comm_broadcast(c.raw, unsafe.Pointer(&buf[0]), int64(len(buf)), F32, int64(root)) })
+	return call(func() int {
+		return raw.Dpar_comm_broadcast(c.raw, unsafe.Pointer(&buf[0]), int64(len(buf)), F32, int64(root))
+	})
 }
 
 func (c *Comm) Barrier() error {

@@ -100,6 +100,15 @@ func TestABadCallIsAnErrorWithDparsMessage(t *testing.T) {
 	if !strings.HasPrefix(err.Error(), "DPAR_ERR_INVALID_ARGUMENT: ") {
 		t.Fatalf("got %q", err.Error())
 	}
+	if _, err := y.Float32s(); err == nil || !strings.Contains(err.Error(), "not f32") {
+		t.Fatalf("Float32s of an i32 tensor: got %v", err)
+	}
+	if v, err := x.Float32s(); err != nil || len(v) != 10 {
+		t.Fatalf("Float32s: got %v, %v", v, err)
+	}
+	if _, err := x.Int32s(); err == nil || !strings.Contains(err.Error(), "not i32") {
+		t.Fatalf("Int32s of an f32 tensor: got %v", err)
+	}
 	if _, _, err := ParseDevice("tpu:1"); err == nil || !strings.Contains(err.Error(), "tpu:1") {
 		t.Fatalf("got %v", err)
 	}
