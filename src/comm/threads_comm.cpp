@@ -217,17 +217,14 @@ class ThreadCommunicator final : public Communicator {
       check_buffers(kOp, send, recv);
       check_in_place(kOp, send, recv, bytes);
     }
-    auto& self = slot();
-    self.send = send;
-    self.recv = recv;
-    start(kOp, kAllReduce, count, dtype, op, 0);
+    const size_t p = start(kOp, kAllReduce, count, dtype, op, 0, send, recv);
     if (count == 0) return;
 
     const int n = size();
     ReducePass pass = reduce_pass(dtype, op);
     for (int r = 0; r < n; ++r) {
-      pass.in[pass.ni++] = static_cast<const char*>(group_.slots_[r].send);
-      pass.out[pass.no++] = static_cast<char*>(group_.slots_[r].recv);
+      pass.in[pass.ni++] = static_cast<const char*>(peer(r, p).send);
+      pass.out[pass.no++] = static_cast<char*>(peer(r, p).recv);
     }
     pass.target = pass.out[0];  // participant 0's recv is its send (input 0) or overlaps no input
     const auto [begin, end] = slice_of(count, esz, rank_, n);
@@ -248,16 +245,13 @@ class ThreadCommunicator final : public Communicator {
         check_in_place(kOp, send, recv, bytes);
       }
     }
-    auto& self = slot();
-    self.send = send;
-    self.recv = rank_ == root ? recv : nullptr;
-    start(kOp, kReduce, count, dtype, op, root);
+    const size_t p = start(kOp, kReduce, count, dtype, op, root, send, rank_ == root ? recv : nullptr);
     if (count == 0) return;
 
     const int n = size();
     ReducePass pass = reduce_pass(dtype, op);
-    for (int r = 0; r < n; ++r) pass.in[pass.ni++] = static_cast<const char*>(group_.slots_[r].send);
-    const auto& root_slot = group_.slots_[root];
+    for (int r = 0; r < n; ++r) pass.in[pass.ni++] = static_cast<const char*>(peer(r, p).send);
+    const auto& root_slot = peer(root, p);
     pass.out[pass.no++] = static_cast<char*>(root_slot.recv);
     // In place at a root other than 0, root's recv is a later input: accumulate on the stack.
     pass.target = (root_slot.recv == root_slot.send && root != 0) ? nullptr : pass.out[0];
@@ -287,15 +281,12 @@ class ThreadCommunicator final : public Communicator {
       }
       if (deferred) reserve_scratch(kOp, bytes);
     }
-    auto& self = slot();
-    self.send = send;
-    self.recv = recv;
-    start(kOp, kReduceScatter, count, dtype, op, 0);
+    const size_t p = start(kOp, kReduceScatter, count, dtype, op, 0, send, recv);
     if (count == 0) return;
 
     // This participant reduces block `rank_` of every send and writes it to its own recv.
     ReducePass pass = reduce_pass(dtype, op);
-    for (int r = 0; r < n; ++r) pass.in[pass.ni++] = at(group_.slots_[r].send, bytes * static_cast<size_t>(rank_));
+    for (int r = 0; r < n; ++r) pass.in[pass.ni++] = at(peer(r, p).send, bytes * static_cast<size_t>(rank_));
     char* dst = deferred ? reinterpret_cast<char*>(scratch_.get()) : static_cast<char*>(recv);
     pass.out[pass.no++] = dst;
     // NCCL in place at rank > 0: recv is input `rank_`, read after input 0. Accumulate on the stack.
@@ -319,20 +310,17 @@ class ThreadCommunicator final : public Communicator {
       check_bytes(kOp, count, esz, 1);
       if (!buffer) local_failure(DPAR_ERR_INVALID_ARGUMENT, kOp, ": buffer is null");
     }
-    auto& self = slot();
-    self.send = buffer;
-    self.recv = buffer;
-    start(kOp, kBroadcast, count, dtype, ReduceOp::kSum, root);
+    const size_t p = start(kOp, kBroadcast, count, dtype, ReduceOp::kSum, root, buffer, buffer);
     if (count == 0) return;
 
     const int n = size();
-    const char* src = static_cast<const char*>(group_.slots_[root].recv);
+    const char* src = static_cast<const char*>(peer(root, p).recv);
     const auto [begin, end] = slice_of(count, esz, rank_, n);
     const size_t block = kBlockBytes / esz;
     for (size_t b = begin; b < end; b += block) {
       const size_t off = b * esz, bytes = std::min(block, end - b) * esz;
       for (int r = 0; r < n; ++r)
-        if (r != root) std::memcpy(at(group_.slots_[r].recv, off), src + off, bytes);
+        if (r != root) std::memcpy(at(peer(r, p).recv, off), src + off, bytes);
     }
     group_.arrive_and_wait(rank_, kOp);
   }
@@ -355,10 +343,7 @@ class ThreadCommunicator final : public Communicator {
         send = scratch_.get();
       }
     }
-    auto& self = slot();
-    self.send = send;
-    self.recv = recv;
-    start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0);
+    const size_t p = start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0, send, recv);
     if (count == 0) return;
 
     // Participant r copies every send into its own recv: reads of the others' sends, writes to its own lines
@@ -367,7 +352,7 @@ class ThreadCommunicator final : public Communicator {
     // recv moves the lines away from the owner, who reads them next.
     for (int r = 0; r < n; ++r) {
       char* dst = at(recv, bytes * static_cast<size_t>(r));
-      const void* src = group_.slots_[r].send;
+      const void* src = peer(r, p).send;
       if (dst != src) std::memcpy(dst, src, bytes);
     }
     group_.arrive_and_wait(rank_, kOp);
@@ -375,7 +360,7 @@ class ThreadCommunicator final : public Communicator {
 
   void barrier(const char* operation) override {
     Busy busy(*this, operation);
-    start(operation, kBarrier, 0, CommDType::kF32, ReduceOp::kSum, 0);
+    start(operation, kBarrier, 0, CommDType::kF32, ReduceOp::kSum, 0, nullptr, nullptr);
   }
 
   void abort(const std::string& reason) override { group_.abort(reason); }
@@ -414,10 +399,8 @@ class ThreadCommunicator final : public Communicator {
       check_bytes(operation, count, 4, 1);
       if (!buffer) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": buffer is null");
     }
-    auto& self = slot();
-    self.recv = buffer;
-    self.contributes = contributes;
-    start(operation, kind, count, CommDType::kF32, ReduceOp::kSum, to_root ? root : 0);
+    const size_t p = start(operation, kind, count, CommDType::kF32, ReduceOp::kSum, to_root ? root : 0,
+                           contributes ? buffer : nullptr, buffer);
     if (count == 0) return;
 
     const int n = size();
@@ -425,9 +408,9 @@ class ThreadCommunicator final : public Communicator {
     pass.k = &kKernels[0][0];
     pass.esz = sizeof(float);
     for (int r = 0; r < n; ++r) {
-      const auto& s = group_.slots_[r];
+      const auto& s = peer(r, p);
       if (!to_root || r == root) pass.out[pass.no++] = static_cast<char*>(s.recv);
-      if (s.contributes) pass.in[pass.ni++] = static_cast<const char*>(s.recv);
+      if (s.send) pass.in[pass.ni++] = static_cast<const char*>(s.send);
     }
     pass.target = pass.ni ? const_cast<char*>(pass.in[0]) : pass.out[0];
     pass.scale = scale;
@@ -455,12 +438,18 @@ class ThreadCommunicator final : public Communicator {
 
   ThreadGroup::Slot& slot() { return group_.slots_[rank_]; }
 
-  // Publishes this call's fingerprint, waits for every participant and compares the fingerprints.
-  void start(const char* operation, Kind kind, size_t count, CommDType dtype, ReduceOp op, int root) {
+  // Publishes this call's fingerprint and buffers, waits for every participant and compares the fingerprints.
+  // Returns the parity under which every participant's buffers are published (see peer()).
+  size_t start(const char* operation, Kind kind, size_t count, CommDType dtype, ReduceOp op, int root,
+               const void* send, void* recv) {
     auto& self = slot();
     // Every participant enters each barrier round with the same count of arrivals (reset() evens them out).
     const uint64_t round = self.arrivals.load(std::memory_order_relaxed) + 1;
-    auto& fp = self.fp[round & 1];
+    const size_t p = round & 1;
+    auto& pub = self.pub[p];
+    pub.send = send;
+    pub.recv = recv;
+    auto& fp = pub.fp;
     fp.count = count;
     fp.seq = ++self.seq;
     fp.root = static_cast<uint8_t>(root);
@@ -469,7 +458,10 @@ class ThreadCommunicator final : public Communicator {
     fp.op = static_cast<uint8_t>(op);
     group_.arrive_and_wait(rank_, operation);
     group_.check_fingerprints(rank_, round, operation);
+    return p;
   }
+  // What participant r published for the collective that start() returned parity `p` for.
+  const ThreadGroup::Published& peer(int r, size_t p) const { return group_.slots_[r].pub[p]; }
 
   ReducePass reduce_pass(CommDType dtype, ReduceOp op) const {
     ReducePass pass;
@@ -574,22 +566,22 @@ void ThreadGroup::check_fingerprints(int rank, uint64_t round, const char* opera
   // On the critical path of every collective: two 64-bit words per participant and one branch for all of them.
   const size_t p = round & 1;
   uint64_t first[2], diff = 0;
-  std::memcpy(first, &slots_[0].fp[p], sizeof first);
+  std::memcpy(first, &slots_[0].pub[p].fp, sizeof first);
   for (int r = 1; r < size(); ++r) {
     uint64_t f[2];
-    std::memcpy(f, &slots_[r].fp[p], sizeof f);
+    std::memcpy(f, &slots_[r].pub[p].fp, sizeof f);
     diff |= (f[0] ^ first[0]) | (f[1] ^ first[1]);
   }
   if (diff == 0) [[likely]]
     return;
   for (int r = 1; r < size(); ++r)
-    if (!(slots_[r].fp[p] == first_fp(p))) fail_mismatch(rank, r, round, operation);
+    if (!(slots_[r].pub[p].fp == first_fp(p))) fail_mismatch(rank, r, round, operation);
 }
 
 void ThreadGroup::fail_mismatch(int rank, int other, uint64_t round, const char* operation) const {
   const size_t p = round & 1;
-  const Fingerprint& a = slots_[other].fp[p];
-  const Fingerprint& b = slots_[0].fp[p];
+  const Fingerprint& a = slots_[other].pub[p].fp;
+  const Fingerprint& b = first_fp(p);
   auto describe = [&](const Fingerprint& f) {
     std::ostringstream os;
     os << ThreadCommunicator::kind_name(f.kind);

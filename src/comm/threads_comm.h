@@ -27,8 +27,9 @@
 // Fingerprints: every call publishes (its sequence number on this participant, operation, count, dtype, op, root),
 // and after the first barrier each participant compares every slot with participant 0's. All see the same slots,
 // so on a difference all throw Error(MISMATCH) naming the first participant that differs, and none touches data.
-// Fingerprints are double-buffered by the parity of the barrier round, so a participant that leaves early (after a
-// barrier() or a mismatch, which have no second barrier) cannot overwrite the one the others are still reading.
+// Fingerprints, like everything a participant publishes, are double-buffered by the parity of the barrier round,
+// so a participant that leaves early (after a barrier() or a mismatch, which have no second barrier) cannot
+// overwrite what the others are still reading.
 #pragma once
 
 #include <atomic>
@@ -82,23 +83,30 @@ class ThreadGroup final : public Group {
     uint8_t op = 0;
     bool operator==(const Fingerprint&) const = default;
   };
+  // What a participant publishes for one collective: written before the collective's first barrier round, read by
+  // the others after it and before they arrive at their next round. Kept by the parity of that round: a
+  // participant writes the copy of round R + 2 only after the barrier of round R + 1, which every reader of round R
+  // has entered, so no write meets a read (a participant that leaves after one barrier, as barrier() and a
+  // mismatch do, may write before the others have read).
+  struct Published {
+    Fingerprint fp;
+    const void* send = nullptr;  // all_reduce_sum, reduce_sum: null when the participant contributes nothing
+    void* recv = nullptr;
+  };
   // Two cache lines per participant. The first is what the others read in a collective: its owner writes it once
   // per call, before the first barrier. The second is written on every barrier and read by the others only to name
   // who is missing: kept apart, the owner's barrier arrivals do not pull back a line that the others are reading,
   // and a collective costs one transfer of the first line to the others and one back (as before fingerprints).
   struct alignas(64) Slot {
-    Fingerprint fp[2];  // by the parity of the barrier round
-    const void* send = nullptr;
-    void* recv = nullptr;
-    bool contributes = false;
+    Published pub[2];                               // by the parity of the barrier round
     alignas(64) std::atomic<uint64_t> arrivals{0};  // barriers this participant has entered: names who is missing
     uint32_t seq = 0;                               // written by its participant only (and reset())
     std::atomic<bool> busy{false};                  // inside a collective (catches a blocking call beside async work)
   };
-  static_assert(sizeof(Fingerprint) == 16 && sizeof(Slot) == 128);
+  static_assert(sizeof(Fingerprint) == 16 && sizeof(Published) == 32 && sizeof(Slot) == 128);
 
   void arrive_and_wait(int rank, const char* operation);
-  const Fingerprint& first_fp(size_t parity) const { return slots_[0].fp[parity]; }
+  const Fingerprint& first_fp(size_t parity) const { return slots_[0].pub[parity].fp; }
   // After round `round`'s barrier: throws Error(MISMATCH) if any fingerprint differs from participant 0's.
   void check_fingerprints(int rank, uint64_t round, const char* operation) const;
   [[noreturn]] void fail_mismatch(int rank, int other, uint64_t round, const char* operation) const;
