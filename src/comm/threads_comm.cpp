@@ -335,6 +335,7 @@ class ThreadCommunicator final : public Communicator {
       const size_t total = check_bytes(kOp, count, esz, static_cast<size_t>(n));
       bytes = total / static_cast<size_t>(n);
       check_buffers(kOp, send, recv);
+      if (bytes <= ThreadGroup::kStageBytes) return staged_all_gather(send, recv, count, dtype, bytes);
       // In place: send is already in its block. Any other overlap (send == recv at rank > 0) would be
       // overwritten while the others read it: contribute a copy.
       if (overlaps(send, bytes, recv, total) && send != at(recv, bytes * static_cast<size_t>(rank_))) {
@@ -417,6 +418,30 @@ class ThreadCommunicator final : public Communicator {
     const auto [begin, end] = slice_of(count, sizeof(float), rank_, n);
     pass.run(begin, end);
     group_.arrive_and_wait(rank_, operation);
+  }
+
+  // all_gather with one barrier (threads_comm.h): the others read this participant's staging buffer, never its
+  // send or recv, so it may return as soon as its own recv is whole. A copy of the contribution also makes every
+  // overlap of send and recv harmless. count > 0, buffers checked.
+  void staged_all_gather(const void* send, void* recv, size_t count, CommDType dtype, size_t bytes) {
+    static constexpr const char* kOp = "all_gather";
+    const size_t parity = (slot().arrivals.load(std::memory_order_relaxed) + 1) & 1;
+    // In an aborted group, a participant that stopped waiting may still be reading this parity's buffer from two
+    // rounds ago: write nothing (start() would throw the same error).
+    group_.fail_if_aborted(rank_, kOp);
+    unsigned char* stage = nullptr;
+    try {
+      stage = group_.stage(rank_, parity);
+    } catch (const std::bad_alloc&) {
+      local_failure(DPAR_ERR_OUT_OF_MEMORY, kOp, ": out of memory for ", 2 * ThreadGroup::kStageBytes,
+                    " bytes of staging");
+    }
+    std::memcpy(stage, send, bytes);
+    const size_t p = start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0, stage, recv);
+    for (int r = 0; r < size(); ++r) {
+      char* dst = at(recv, bytes * static_cast<size_t>(r));
+      if (r != rank_ || dst != send) std::memcpy(dst, peer(r, p).send, bytes);  // else in place: already there
+    }
   }
 
   // Marks this participant inside a collective, to catch a blocking call made while its asynchronous work runs
@@ -523,7 +548,11 @@ class ThreadCommunicator final : public Communicator {
 // ---- The group -------------------------------------------------------------------------------------------------
 
 ThreadGroup::ThreadGroup(std::vector<std::string> names, std::chrono::duration<double> timeout)
-    : names_(std::move(names)), timeout_(timeout), spin_(spin_policy(names_.size())), slots_(names_.size()) {
+    : names_(std::move(names)),
+      timeout_(timeout),
+      spin_(spin_policy(names_.size())),
+      slots_(names_.size()),
+      stages_(names_.size()) {
   DPAR_ENFORCE(!names_.empty() && names_.size() <= kMaxParticipants, DPAR_ERR_INVALID_ARGUMENT,
                "thread group: size must be 1 to ", kMaxParticipants, ", got ", names_.size());
 }
@@ -610,20 +639,27 @@ void ThreadGroup::fail_mismatch(int rank, int other, uint64_t round, const char*
        " but participant 0 (", names_[0], ") called ", describe(b), " (seen by ", names_[rank], ")");
 }
 
+unsigned char* ThreadGroup::stage(int rank, size_t parity) {
+  auto& stage = stages_[static_cast<size_t>(rank)];
+  if (!stage) stage = std::make_unique<Stage>();
+  return stage->bytes[parity];
+}
+
+void ThreadGroup::remote_failure(int rank, const char* operation) {
+  std::lock_guard<std::mutex> lock(abort_mutex_);
+  fail(DPAR_ERR_REMOTE, operation, ": ", names_[rank], " stopped waiting because ", abort_reason_);
+}
+
 void ThreadGroup::arrive_and_wait(int rank, const char* operation) {
-  auto remote_failure = [&] {
-    std::lock_guard<std::mutex> lock(abort_mutex_);
-    fail(DPAR_ERR_REMOTE, operation, ": ", names_[rank], " stopped waiting because ", abort_reason_);
-  };
   // The generation is read before the abort flag: abort() sets the flag and then bumps the generation, so an
   // abort that lands after this read either shows in the flag or ends the wait below.
   const uint32_t gen = generation_.load();
-  if (aborted()) remote_failure();
+  if (aborted()) remote_failure(rank, operation);
   const uint64_t my_arrival = slots_[rank].arrivals.fetch_add(1, std::memory_order_relaxed) + 1;
   if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(size())) {
     arrived_.store(0, std::memory_order_relaxed);
     generation_.increment_and_wake();  // releases everyone; the release publishes this round's slots
-    if (aborted()) remote_failure();
+    if (aborted()) remote_failure(rank, operation);
     return;
   }
   // A timeout beyond a century means none (and must not overflow the clock's nanoseconds).
@@ -642,7 +678,7 @@ void ThreadGroup::arrive_and_wait(int rank, const char* operation) {
            names_[rank], " waited)");
     }
   }
-  if (aborted()) remote_failure();
+  if (aborted()) remote_failure(rank, operation);
 }
 
 }  // namespace dpar

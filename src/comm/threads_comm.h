@@ -5,13 +5,20 @@
 // moves its share of the data directly between the participants' buffers; the second barrier makes the result
 // visible to all (and tells each participant that the others are done reading its buffers).
 //
+// Except a small all_gather (at most kStageBytes per participant): each participant copies its contribution into a
+// staging buffer of the group's and publishes that instead of its send; after the one barrier, each copies the
+// others' staging buffers into its own recv and returns, since nobody reads its buffers. The staging buffer of a
+// round is not written again before the next round of the same parity, which every reader has finished by
+// entering the round between (see Published). What a small collective costs is its barriers, not its copies: this
+// saves one of two, for one more copy of the contribution (the engine's step ends with such an all_gather).
+//
 // The reductions (all_reduce, all_reduce_sum, reduce, reduce_scatter) split the elements, not the participants:
 // participant r reduces its own slice of every participant's buffer, in rank order, and writes the result to every
 // destination of that slice. Every byte is read once and written once per destination: the lower bound, and no
 // participant does more than 1/size of the work (not "thread 0 sums everything"). all_reduce writes the slice to
 // every participant's recv, reduce only to root's, and reduce_scatter's slice for participant r is block r, which
 // lands in r's recv. broadcast: participant r copies its slice of root's buffer into everyone else's. all_gather:
-// participant r copies every send into its own recv. (threads_comm.cpp says what was measured.)
+// participant r copies every send (or staging buffer) into its own recv. (threads_comm.cpp says what was measured.)
 //
 // The reduction order is rank order, whoever computes a slice, and no FMA is involved: every participant gets the
 // same bits, run after run, whatever the vector width (the float loops are compiled for AVX2 and baseline).
@@ -64,6 +71,8 @@ class ThreadGroup final : public Group {
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   // Every participant waiting now or later throws Error(REMOTE) with `reason` (the first reason is kept).
   void abort(const std::string& reason) override;
+  // An all_gather of at most this many bytes per participant has one barrier instead of two (see above).
+  static constexpr size_t kStageBytes = size_t{16} << 10;
   // The first abort's reason ("" if none).
   std::string abort_reason();
 
@@ -106,6 +115,14 @@ class ThreadGroup final : public Group {
   static_assert(sizeof(Fingerprint) == 16 && sizeof(Published) == 32 && sizeof(Slot) == 128);
 
   void arrive_and_wait(int rank, const char* operation);
+  // Throws Error(REMOTE) if the group is aborted (what arrive_and_wait() throws then).
+  void fail_if_aborted(int rank, const char* operation) {
+    if (aborted()) remote_failure(rank, operation);
+  }
+  [[noreturn]] void remote_failure(int rank, const char* operation);
+  // Participant `rank`'s staging buffer for parity `parity` (kStageBytes), allocated on first use (std::bad_alloc);
+  // called by participant `rank` only.
+  unsigned char* stage(int rank, size_t parity);
   const Fingerprint& first_fp(size_t parity) const { return slots_[0].pub[parity].fp; }
   // After round `round`'s barrier: throws Error(MISMATCH) if any fingerprint differs from participant 0's.
   void check_fingerprints(int rank, uint64_t round, const char* operation) const;
@@ -115,6 +132,13 @@ class ThreadGroup final : public Group {
   std::chrono::duration<double> timeout_;
   Spin spin_;  // whether all participants fit on the cores
   std::vector<Slot> slots_;
+  // Participant r's staging buffers, one per parity, allocated by r on its first staged call. Owned by the group,
+  // not the communicator: the others may still be reading them after r has returned, and its communicator may be
+  // gone by then.
+  struct alignas(64) Stage {
+    unsigned char bytes[2][kStageBytes];
+  };
+  std::vector<std::unique_ptr<Stage>> stages_;
   alignas(64) std::atomic<uint32_t> arrived_{0};
   alignas(64) WaitWord generation_;
   std::atomic<bool> aborted_{false};
