@@ -396,15 +396,17 @@ class ThreadCommunicator final : public Communicator {
     Busy busy(*this, operation);
     const bool to_root = kind == kReduceSum;
     if (to_root) check_root(operation, root);
+    const int n = size();
     if (count) {
       check_bytes(operation, count, 4, 1);
       if (!buffer) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": buffer is null");
+      if (!to_root && count <= ThreadGroup::kStageBytes / sizeof(float) / static_cast<size_t>(n))
+        return staged_all_reduce_sum(buffer, count, contributes, scale);
     }
     const size_t p = start(operation, kind, count, CommDType::kF32, ReduceOp::kSum, to_root ? root : 0,
                            contributes ? buffer : nullptr, buffer);
     if (count == 0) return;
 
-    const int n = size();
     ReducePass pass;
     pass.k = &kKernels[0][0];
     pass.esz = sizeof(float);
@@ -425,22 +427,46 @@ class ThreadCommunicator final : public Communicator {
   // overlap of send and recv harmless. count > 0, buffers checked.
   void staged_all_gather(const void* send, void* recv, size_t count, CommDType dtype, size_t bytes) {
     static constexpr const char* kOp = "all_gather";
-    const size_t parity = (slot().arrivals.load(std::memory_order_relaxed) + 1) & 1;
-    // In an aborted group, a participant that stopped waiting may still be reading this parity's buffer from two
-    // rounds ago: write nothing (start() would throw the same error).
-    group_.fail_if_aborted(rank_, kOp);
-    unsigned char* stage = nullptr;
-    try {
-      stage = group_.stage(rank_, parity);
-    } catch (const std::bad_alloc&) {
-      local_failure(DPAR_ERR_OUT_OF_MEMORY, kOp, ": out of memory for ", 2 * ThreadGroup::kStageBytes,
-                    " bytes of staging");
-    }
+    unsigned char* stage = next_stage(kOp);
     std::memcpy(stage, send, bytes);
     const size_t p = start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0, stage, recv);
     for (int r = 0; r < size(); ++r) {
       char* dst = at(recv, bytes * static_cast<size_t>(r));
       if (r != rank_ || dst != send) std::memcpy(dst, peer(r, p).send, bytes);  // else in place: already there
+    }
+  }
+
+  // all_reduce_sum with one barrier (threads_comm.h), when every participant reducing the whole buffer costs less
+  // than a barrier: each sums the staged contributions itself, in rank order with the same kernels as the sliced
+  // pass, so every participant gets the bits that the sliced pass would give. count > 0, buffer checked.
+  void staged_all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) {
+    static constexpr const char* kOp = "all_reduce_sum";
+    unsigned char* stage = next_stage(kOp);
+    if (contributes) std::memcpy(stage, buffer, count * sizeof(float));
+    const size_t p =
+        start(kOp, kAllReduceSum, count, CommDType::kF32, ReduceOp::kSum, 0, contributes ? stage : nullptr, buffer);
+    ReducePass pass;
+    pass.k = &kKernels[0][0];
+    pass.esz = sizeof(float);
+    for (int r = 0; r < size(); ++r)
+      if (const void* s = peer(r, p).send) pass.in[pass.ni++] = static_cast<const char*>(s);
+    pass.out[pass.no++] = reinterpret_cast<char*>(buffer);
+    pass.target = pass.out[0];  // overlaps no input: those are staging buffers
+    pass.scale = scale;
+    pass.run(0, count);
+  }
+
+  // This participant's staging buffer for its next barrier round. In an aborted group, a participant that stopped
+  // waiting may still be reading that buffer from two rounds ago: none is returned then (start() would throw the
+  // same error).
+  unsigned char* next_stage(const char* operation) {
+    const size_t parity = (slot().arrivals.load(std::memory_order_relaxed) + 1) & 1;
+    group_.fail_if_aborted(rank_, operation);
+    try {
+      return group_.stage(rank_, parity);
+    } catch (const std::bad_alloc&) {
+      local_failure(DPAR_ERR_OUT_OF_MEMORY, operation, ": out of memory for ", 2 * ThreadGroup::kStageBytes,
+                    " bytes of staging");
     }
   }
 

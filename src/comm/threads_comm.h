@@ -5,12 +5,15 @@
 // moves its share of the data directly between the participants' buffers; the second barrier makes the result
 // visible to all (and tells each participant that the others are done reading its buffers).
 //
-// Except a small all_gather (at most kStageBytes per participant): each participant copies its contribution into a
-// staging buffer of the group's and publishes that instead of its send; after the one barrier, each copies the
-// others' staging buffers into its own recv and returns, since nobody reads its buffers. The staging buffer of a
-// round is not written again before the next round of the same parity, which every reader has finished by
-// entering the round between (see Published). What a small collective costs is its barriers, not its copies: this
-// saves one of two, for one more copy of the contribution (the engine's step ends with such an all_gather).
+// Except small ones, which have one barrier: an all_gather of at most kStageBytes per participant, and an
+// all_reduce_sum of at most kStageBytes for all participants together. Each participant copies its contribution
+// into a staging buffer of the group's and publishes that instead of its buffer; after the barrier, each builds
+// its own result from the staging buffers (all_gather copies them into its recv; all_reduce_sum sums them all, in
+// rank order, instead of a slice) and returns, since nobody reads its buffers. The staging buffer of a round is
+// not written again before the next round of the same parity, which every reader has finished by entering the
+// round between (see Published). What a small collective costs is its barriers, not its copies: this saves one
+// of two, for one more copy of the contribution (the engine's step is an all_reduce_sum and an all_gather, both
+// small for a small model).
 //
 // The reductions (all_reduce, all_reduce_sum, reduce, reduce_scatter) split the elements, not the participants:
 // participant r reduces its own slice of every participant's buffer, in rank order, and writes the result to every
@@ -71,7 +74,8 @@ class ThreadGroup final : public Group {
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   // Every participant waiting now or later throws Error(REMOTE) with `reason` (the first reason is kept).
   void abort(const std::string& reason) override;
-  // An all_gather of at most this many bytes per participant has one barrier instead of two (see above).
+  // An all_gather of at most this many bytes per participant, or an all_reduce_sum of at most this many bytes for
+  // all participants together, has one barrier instead of two (see above).
   static constexpr size_t kStageBytes = size_t{16} << 10;
   // The first abort's reason ("" if none).
   std::string abort_reason();
