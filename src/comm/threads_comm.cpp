@@ -427,6 +427,11 @@ class ThreadCommunicator final : public Communicator {
   // overlap of send and recv harmless. count > 0, buffers checked.
   void staged_all_gather(const void* send, void* recv, size_t count, CommDType dtype, size_t bytes) {
     static constexpr const char* kOp = "all_gather";
+    if (size() == 1) {  // nobody reads what this participant publishes: no copy to stage
+      start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0, send, recv);
+      if (send != recv) std::memmove(recv, send, bytes);
+      return;
+    }
     unsigned char* stage = next_stage(kOp);
     std::memcpy(stage, send, bytes);
     const size_t p = start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0, stage, recv);
@@ -441,17 +446,22 @@ class ThreadCommunicator final : public Communicator {
   // pass, so every participant gets the bits that the sliced pass would give. count > 0, buffer checked.
   void staged_all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) {
     static constexpr const char* kOp = "all_reduce_sum";
-    unsigned char* stage = next_stage(kOp);
-    if (contributes) std::memcpy(stage, buffer, count * sizeof(float));
+    // Alone, nobody reads what this participant publishes: its buffer is its contribution, as in the sliced pass.
+    const void* mine = buffer;
+    if (size() > 1) {
+      unsigned char* stage = next_stage(kOp);
+      if (contributes) std::memcpy(stage, buffer, count * sizeof(float));
+      mine = stage;
+    }
     const size_t p =
-        start(kOp, kAllReduceSum, count, CommDType::kF32, ReduceOp::kSum, 0, contributes ? stage : nullptr, buffer);
+        start(kOp, kAllReduceSum, count, CommDType::kF32, ReduceOp::kSum, 0, contributes ? mine : nullptr, buffer);
     ReducePass pass;
     pass.k = &kKernels[0][0];
     pass.esz = sizeof(float);
     for (int r = 0; r < size(); ++r)
       if (const void* s = peer(r, p).send) pass.in[pass.ni++] = static_cast<const char*>(s);
     pass.out[pass.no++] = reinterpret_cast<char*>(buffer);
-    pass.target = pass.out[0];  // overlaps no input: those are staging buffers
+    pass.target = pass.out[0];  // input 0 (alone) or no input (those are staging buffers)
     pass.scale = scale;
     pass.run(0, count);
   }
@@ -677,6 +687,11 @@ void ThreadGroup::remote_failure(int rank, const char* operation) {
 }
 
 void ThreadGroup::arrive_and_wait(int rank, const char* operation) {
+  if (size() == 1) {  // nobody to wait for or to release
+    if (aborted()) remote_failure(rank, operation);
+    slots_[rank].arrivals.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   // The generation is read before the abort flag: abort() sets the flag and then bumps the generation, so an
   // abort that lands after this read either shows in the flag or ends the wait below.
   const uint32_t gen = generation_.load();
