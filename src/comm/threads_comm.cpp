@@ -181,16 +181,7 @@ const char* at(const void* p, size_t offset) { return static_cast<const char*>(p
 
 class ThreadCommunicator final : public Communicator {
  public:
-  enum Kind : uint8_t {
-    kBarrier = 1,
-    kAllReduceSum,
-    kAllReduce,
-    kBroadcast,
-    kReduce,
-    kAllGather,
-    kReduceScatter,
-    kReduceSum,
-  };
+  using enum Collective;
 
   ThreadCommunicator(ThreadGroup& group, int rank) : group_(group), rank_(rank) {}
   // The communication thread calls this object's collectives: it must stop while the object is whole.
@@ -372,26 +363,12 @@ class ThreadCommunicator final : public Communicator {
     return DPAR_ERR_REMOTE;
   }
 
-  static const char* kind_name(uint8_t kind) {
-    switch (kind) {
-      case kBarrier: return "barrier";
-      case kAllReduceSum: return "all_reduce_sum";
-      case kReduceSum: return "reduce_sum";
-      case kAllReduce: return "all_reduce";
-      case kBroadcast: return "broadcast";
-      case kReduce: return "reduce";
-      case kAllGather: return "all_gather";
-      case kReduceScatter: return "reduce_scatter";
-    }
-    return "unknown collective";
-  }
-
  private:
   // The gradient path's sum, scaled, into every participant's buffer (kAllReduceSum) or root's alone (kReduceSum). Participants
   // with contributes == false are left out of the sum. Accumulates in the first contributor's buffer (input 0 and,
   // for all_reduce_sum, an output), so with a root a non-root contributor's buffer is clobbered; with no
   // contributor the outputs get zeros.
-  void sum_pass(const char* operation, Kind kind, float* buffer, size_t count, bool contributes, float scale,
+  void sum_pass(const char* operation, Collective kind, float* buffer, size_t count, bool contributes, float scale,
                 int root) {
     Busy busy(*this, operation);
     const bool to_root = kind == kReduceSum;
@@ -501,7 +478,7 @@ class ThreadCommunicator final : public Communicator {
 
   // Publishes this call's fingerprint and buffers, waits for every participant and compares the fingerprints.
   // Returns the parity under which every participant's buffers are published (see peer()).
-  size_t start(const char* operation, Kind kind, size_t count, CommDType dtype, ReduceOp op, int root,
+  size_t start(const char* operation, Collective kind, size_t count, CommDType dtype, ReduceOp op, int root,
                const void* send, void* recv) {
     auto& self = slot();
     // Every participant enters each barrier round with the same count of arrivals (reset() evens them out).
@@ -514,7 +491,7 @@ class ThreadCommunicator final : public Communicator {
     fp.count = count;
     fp.seq = ++self.seq;
     fp.root = static_cast<uint8_t>(root);
-    fp.kind = kind;
+    fp.kind = static_cast<uint8_t>(kind);
     fp.dtype = static_cast<uint8_t>(dtype);
     fp.op = static_cast<uint8_t>(op);
     group_.arrive_and_wait(rank_, operation);
@@ -649,22 +626,23 @@ void ThreadGroup::fail_mismatch(int rank, int other, uint64_t round, const char*
   const Fingerprint& b = first_fp(p);
   auto describe = [&](const Fingerprint& f) {
     std::ostringstream os;
-    os << ThreadCommunicator::kind_name(f.kind);
+    const auto kind = static_cast<Collective>(f.kind);
+    os << collective_name(kind);
     const auto dtype = comm_dtype_name(static_cast<CommDType>(f.dtype));
     const auto op = reduce_op_name(static_cast<ReduceOp>(f.op));
-    switch (f.kind) {
-      case ThreadCommunicator::kBarrier: break;
-      case ThreadCommunicator::kAllReduceSum:
-      case ThreadCommunicator::kAllGather: os << " of " << f.count << " " << dtype; break;
-      case ThreadCommunicator::kAllReduce:
-      case ThreadCommunicator::kReduceScatter: os << " of " << f.count << " " << dtype << " (" << op << ")"; break;
-      case ThreadCommunicator::kReduce:
+    switch (kind) {
+      case Collective::kBarrier: break;
+      case Collective::kAllReduceSum:
+      case Collective::kAllGather: os << " of " << f.count << " " << dtype; break;
+      case Collective::kAllReduce:
+      case Collective::kReduceScatter: os << " of " << f.count << " " << dtype << " (" << op << ")"; break;
+      case Collective::kReduce:
         os << " of " << f.count << " " << dtype << " (" << op << ") to root " << int(f.root);
         break;
-      case ThreadCommunicator::kReduceSum:
+      case Collective::kReduceSum:
         os << " of " << f.count << " " << dtype << " to root " << int(f.root);
         break;
-      case ThreadCommunicator::kBroadcast:
+      case Collective::kBroadcast:
         os << " of " << f.count << " " << dtype << " from root " << int(f.root);
         break;
     }

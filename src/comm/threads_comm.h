@@ -91,7 +91,7 @@ class ThreadGroup final : public Group {
     uint64_t count = 0;
     uint32_t seq = 0;  // this participant's collectives since the group was made or reset, from 1
     uint8_t root = 0;  // at most 256 participants
-    uint8_t kind = 0;  // a ThreadCommunicator::Kind
+    uint8_t kind = 0;  // a Collective
     uint8_t dtype = 0;
     uint8_t op = 0;
     bool operator==(const Fingerprint&) const = default;
