@@ -494,6 +494,46 @@ TEST_P(Collectives, AllGatherEveryDTypeAndLayout) {
         });
 }
 
+// A small all_gather has one barrier (threads_comm.h): a participant returns while the others may still read what
+// it staged, and stages its next call at once. Back to back, in place and not, with other collectives between,
+// every call must still see its own round's contributions. Counts on both sides of the staging limit; with more
+// ranks than cores, participants are descheduled in the middle of their copies.
+TEST_P(Collectives, BackToBackAllGathersSeeTheirOwnRound) {
+  Group g(GetParam());
+  const int n = g.size();
+  const size_t limit = ThreadGroup::kStageBytes / sizeof(int32_t);
+  const size_t counts[] = {1, limit, limit + 1, 17};
+  std::vector<std::string> wrong(n);  // what a rank found wrong; it then aborts, so the others stop waiting
+  auto out = on_ranks(n, [&](int r) {
+    std::vector<int32_t> send, recv;
+    float one = 1.0f;
+    for (int i = 0; i < 200; ++i) {
+      const size_t count = counts[i % 4];
+      recv.assign(count * static_cast<size_t>(n), -1);
+      send.assign(count, r * 100000 + i);
+      int32_t* s = send.data();
+      if ((i / 4) % 2 == 1) {  // in place
+        s = recv.data() + count * static_cast<size_t>(r);
+        std::copy(send.begin(), send.end(), s);
+      }
+      g[r].all_gather(s, recv.data(), count, CommDType::kI32);
+      for (int q = 0; q < n; ++q)
+        for (size_t j = 0; j < count; ++j)
+          if (recv[q * count + j] != q * 100000 + i) {
+            wrong[r] = "call " + std::to_string(i) + " (count " + std::to_string(count) + "): block " +
+                       std::to_string(q) + " holds " + std::to_string(recv[q * count + j]);
+            g[r].abort(wrong[r]);
+            return;
+          }
+      if (i % 5 == 0) g[r].barrier("between");
+      if (i % 7 == 0) g[r].all_reduce_sum(&one, 1, true, 1.0f / static_cast<float>(n));
+    }
+    if (one != 1.0f) wrong[r] = "the all_reduce_sum between gave " + std::to_string(one);
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(wrong[r], "") << "rank " << r;
+  EXPECT_EQ(first_error(out), "");
+}
+
 TEST_P(Collectives, AllReduceSumWithAndWithoutContributors) {
   Group g(GetParam());
   const int n = g.size();

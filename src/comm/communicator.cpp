@@ -1,4 +1,4 @@
-// The parts of Communicator that every backend shares: dtype and op names, and the asynchronous forms.
+// The parts of Communicator that every backend shares: dtype, op and collective names, and the asynchronous forms.
 //
 // async_*: each participant (Communicator object) has at most one communication thread, started by its first
 // async_* call (detail::CommThread). It runs the blocking collectives queued on it in FIFO order; since every
@@ -49,6 +49,20 @@ const char* reduce_op_name(ReduceOp op) {
     case ReduceOp::kMin: return "min";
   }
   return "unknown op";
+}
+
+const char* collective_name(Collective kind) {
+  switch (kind) {
+    case Collective::kBarrier: return "barrier";
+    case Collective::kAllReduceSum: return "all_reduce_sum";
+    case Collective::kReduceSum: return "reduce_sum";
+    case Collective::kAllReduce: return "all_reduce";
+    case Collective::kBroadcast: return "broadcast";
+    case Collective::kReduce: return "reduce";
+    case Collective::kAllGather: return "all_gather";
+    case Collective::kReduceScatter: return "reduce_scatter";
+  }
+  return "unknown collective";
 }
 
 Communicator::Communicator() = default;

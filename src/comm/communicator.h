@@ -29,9 +29,25 @@ enum class ReduceOp : int32_t { kSum = 0, kMean = 1, kMax = 2, kMin = 3 };
 // Element types of collectives. (bf16 and f16 take the next values when they arrive.)
 enum class CommDType : int32_t { kF32 = 0, kF64 = 1, kI32 = 2, kI64 = 3 };
 
+// What a collective is, in the fingerprints that participants compare and in the messages that name a call: one
+// list for every backend, each using the kinds it has. 64-bit because the backends put it in fingerprints of
+// 64-bit words; the values are only compared between participants of one build.
+enum class Collective : int64_t {
+  kBarrier = 1,
+  kAllReduceSum,
+  kReduceSum,
+  kAllReduce,
+  kBroadcast,
+  kReduce,
+  kAllGather,
+  kReduceScatter,
+};
+
 size_t comm_dtype_size(CommDType dtype);
 const char* comm_dtype_name(CommDType dtype);
 const char* reduce_op_name(ReduceOp op);
+// "all_gather", "barrier", ...; "unknown collective" for a value that is none of them.
+const char* collective_name(Collective kind);
 
 // The completion of an asynchronous collective.
 class Work {

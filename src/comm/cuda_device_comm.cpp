@@ -12,26 +12,15 @@ namespace {
 
 // What a participant publishes for one collective (gathered as kI64 over the thread group).
 struct Record {
-  int64_t kind, count, dtype, op, root, contributes;
+  Collective kind;
+  int64_t count, dtype, op, root, contributes;
   int64_t send, recv;      // device pointers
   int64_t ready, done;     // cudaEvent_t: inputs complete; this participant's slice written
 };
 constexpr size_t kRecordWords = sizeof(Record) / sizeof(int64_t);
 static_assert(sizeof(Record) == 10 * sizeof(int64_t));
 
-enum Kind : int64_t { kBarrier = 1, kAllReduceSum, kReduceSum, kAllReduce, kBroadcast, kAllGather };
-
-const char* kind_name(int64_t kind) {
-  switch (kind) {
-    case kBarrier: return "barrier";
-    case kAllReduceSum: return "all_reduce_sum";
-    case kReduceSum: return "reduce_sum";
-    case kAllReduce: return "all_reduce";
-    case kBroadcast: return "broadcast";
-    case kAllGather: return "all_gather";
-  }
-  return "unknown collective";
-}
+using enum Collective;
 
 // Participant r's slice [begin, end) of count elements: the threads backend's cut, 64-byte aligned.
 std::pair<size_t, size_t> slice_of(size_t count, size_t esz, int rank, int n) {
@@ -168,7 +157,8 @@ class CudaDeviceCommunicator final : public Communicator {
                    ")");
   }
 
-  void sum(const char* operation, Kind kind, float* buffer, size_t count, bool contributes, float scale, int root) {
+  void sum(const char* operation, Collective kind, float* buffer, size_t count, bool contributes, float scale,
+           int root) {
     DPAR_LOCAL_CHECK(count == 0 || buffer != nullptr, operation, ": buffer is null");
     Record mine{kind, static_cast<int64_t>(count), static_cast<int64_t>(CommDType::kF32), 0, root, contributes, 0, 0,
                 0, 0};
@@ -228,7 +218,8 @@ class CudaDeviceCommunicator final : public Communicator {
       const Record& b = all[r];
       if (a.kind == b.kind && a.count == b.count && a.dtype == b.dtype && a.op == b.op && a.root == b.root) continue;
       auto describe = [](const Record& x) {
-        return detail::concat(kind_name(x.kind), " of ", x.count, " ", comm_dtype_name(static_cast<CommDType>(x.dtype)),
+        return detail::concat(collective_name(x.kind), " of ", x.count, " ",
+                              comm_dtype_name(static_cast<CommDType>(x.dtype)),
                               x.kind == kBroadcast || x.kind == kReduceSum ? " root " : "",
                               x.kind == kBroadcast || x.kind == kReduceSum ? std::to_string(x.root) : "");
       };

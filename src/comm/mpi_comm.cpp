@@ -18,32 +18,11 @@ namespace {
 
 using SteadyClock = std::chrono::steady_clock;
 
-// What a collective is, in fingerprints and notices.
-enum Coll : int64_t {
-  kAllReduce = 1,
-  kBroadcast = 2,
-  kReduce = 3,
-  kAllGather = 4,
-  kReduceScatter = 5,
-  kBarrier = 6,
-  kAllReduceSum = 7,
-};
+// What a collective is (communicator.h); fingerprints and notices carry it as an int64.
+using enum Collective;
 
-const char* coll_name(int64_t coll) {
-  switch (coll) {
-    case kAllReduce: return "all_reduce";
-    case kBroadcast: return "broadcast";
-    case kReduce: return "reduce";
-    case kAllGather: return "all_gather";
-    case kReduceScatter: return "reduce_scatter";
-    case kBarrier: return "barrier";
-    case kAllReduceSum: return "all_reduce_sum";
-  }
-  return "collective";
-}
-
-bool has_op(int64_t coll) { return coll == kAllReduce || coll == kReduce || coll == kReduceScatter; }
-bool has_root(int64_t coll) { return coll == kBroadcast || coll == kReduce; }
+bool has_op(Collective coll) { return coll == kAllReduce || coll == kReduce || coll == kReduceScatter; }
+bool has_root(Collective coll) { return coll == kBroadcast || coll == kReduce; }
 
 // A fingerprint: 8 int64 per rank, gathered by every rank. The fields before kError must agree; kPayloadBytes is
 // the size of the data that follows the fingerprint in a fused all-reduce (0 otherwise).
@@ -161,15 +140,16 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 std::string describe(const int64_t* fp) {
   std::ostringstream os;
-  os << coll_name(fp[kColl]) << " #" << fp[kSeq];
-  if (fp[kColl] == kBarrier) return os.str();
+  const auto coll = static_cast<Collective>(fp[kColl]);
+  os << collective_name(coll) << " #" << fp[kSeq];
+  if (coll == kBarrier) return os.str();
   const auto dtype = static_cast<CommDType>(fp[kDType]);
   os << " (" << fp[kCount] << " x " << (valid_dtype(dtype) ? comm_dtype_name(dtype) : "unknown dtype");
-  if (has_op(fp[kColl])) {
+  if (has_op(coll)) {
     const auto op = static_cast<ReduceOp>(fp[kOp]);
     os << ", " << (valid_op(op) ? reduce_op_name(op) : "unknown op");
   }
-  if (has_root(fp[kColl])) os << ", root " << fp[kRoot];
+  if (has_root(coll)) os << ", root " << fp[kRoot];
   os << ")";
   return os.str();
 }
@@ -307,7 +287,7 @@ MpiRuntime& MpiRuntime::instance() {
 // MpiCommunicator
 
 struct MpiCommunicator::Call {
-  int64_t coll;
+  Collective coll;
   const void* send = nullptr;
   void* recv = nullptr;
   size_t count = 0;
@@ -421,7 +401,7 @@ MpiCommunicator::~MpiCommunicator() {
 
 std::string MpiCommunicator::where(const Call& call, uint64_t seq) const {
   std::ostringstream os;
-  os << "mpi " << coll_name(call.coll);
+  os << "mpi " << collective_name(call.coll);
   if (call.coll == kBarrier && call.label && *call.label) os << " '" << call.label << "'";
   os << " #" << seq << " (rank " << rank_ << " of " << size_ << ")";
   return os.str();
@@ -557,13 +537,14 @@ bool MpiCommunicator::drain_notices(uint64_t current_seq, int looks) {
       // For the current collective the callers decide (a late rank, or a waiter that joins the timeout); any
       // other one means that the group cannot go on.
       if (seq != current_seq)
-        mark(kFailed, detail::concat("rank ", from, " gave up waiting in ", coll_name(header[2]), " #", seq,
+        mark(kFailed, detail::concat("rank ", from, " gave up waiting in ",
+                                     collective_name(static_cast<Collective>(header[2])), " #", seq,
                                      " after its timeout"));
     } else if (header[0] == kVoidNotice && from >= 0 && from < size_) {
       const auto seq = static_cast<uint64_t>(header[1]);
       void_notice_seq_[static_cast<size_t>(from)] = header[1];
       if (seq != current_seq)
-        mark(kFailed, detail::concat("rank ", from, " had left ", coll_name(header[2]), " #", seq, " (", text,
+        mark(kFailed, detail::concat("rank ", from, " had left ", collective_name(static_cast<Collective>(header[2])), " #", seq, " (", text,
                                      ") and joined its transfer only to release the others: its result was void"));
     }
   }
@@ -692,7 +673,7 @@ void MpiCommunicator::wait(MPI_Request* requests, int count, MPI_Status* statuse
 
 void MpiCommunicator::give_up(const Call& call, uint64_t seq, bool transferring, int first_notifier) {
   requests_left_pending_ = true;
-  send_notice(kTimeoutNotice, seq, call.coll, "");
+  send_notice(kTimeoutNotice, seq, static_cast<int64_t>(call.coll), "");
   // Listen: every rank waiting in this collective answers with its own notice. Meanwhile the exchange this rank
   // leaves goes on, for a late rank that completes its own without seeing the notice (see the header).
   if (!transferring) abandon_exchange(false);
@@ -749,7 +730,7 @@ void MpiCommunicator::check_late(const Call& c, uint64_t seq, int looks) {
   }
   for (int r = 0; r < size_; ++r) {
     if (timeout_notice_seq_[static_cast<size_t>(r)] != static_cast<int64_t>(seq)) continue;
-    const std::string reason = detail::concat("rank ", r, " gave up waiting in ", coll_name(c.coll), " #", seq,
+    const std::string reason = detail::concat("rank ", r, " gave up waiting in ", collective_name(c.coll), " #", seq,
                                               " after its timeout, before this rank arrived");
     mark(kFailed, reason);
     fail(DPAR_ERR_REMOTE, where(c, seq), ": ", reason, "; nothing was moved");
@@ -905,7 +886,7 @@ bool MpiCommunicator::release_abandoned() {
       std::lock_guard<std::mutex> lock(reason_mutex_);
       reason = broken_reason_;
     }
-    send_notice(kVoidNotice, seq, c.coll, reason);
+    send_notice(kVoidNotice, seq, static_cast<int64_t>(c.coll), reason);
     transfer(c, seq);
   } catch (const std::exception&) {
     exchange_.abandoned = false;  // MPI failed, or no memory for the zeros: nothing more can be done
@@ -919,7 +900,7 @@ void MpiCommunicator::check_void(const Call& c, uint64_t seq) {
     const auto i = static_cast<size_t>(r);
     if (timeout_notice_seq_[i] != static_cast<int64_t>(seq) && void_notice_seq_[i] != static_cast<int64_t>(seq))
       continue;
-    const std::string reason = detail::concat("rank ", r, " had given up on ", coll_name(c.coll), " #", seq,
+    const std::string reason = detail::concat("rank ", r, " had given up on ", collective_name(c.coll), " #", seq,
                                               " and joined its transfer only to release this rank");
     mark(kFailed, reason);
     fail(DPAR_ERR_REMOTE, where(c, seq), ": ", reason, ": the result is void");
@@ -927,7 +908,7 @@ void MpiCommunicator::check_void(const Call& c, uint64_t seq) {
 }
 
 bool MpiCommunicator::agree(const Call& c, uint64_t seq) {
-  int64_t mine[kFields] = {static_cast<int64_t>(seq), c.coll, static_cast<int64_t>(c.count),
+  int64_t mine[kFields] = {static_cast<int64_t>(seq), static_cast<int64_t>(c.coll), static_cast<int64_t>(c.count),
                            static_cast<int64_t>(c.dtype), -1, -1, 0};
   if (has_op(c.coll)) mine[kOp] = static_cast<int64_t>(c.op);
   if (has_root(c.coll)) mine[kRoot] = c.root;
@@ -1005,7 +986,7 @@ void MpiCommunicator::reduce_fused(const Call& c) {
   for (int r = 0; r < size_; ++r) {
     const int64_t sent = table_[static_cast<size_t>(r) * kFields + kPayloadBytes];
     DPAR_ENFORCE(sent == bytes || (sent == 0 && c.coll == kAllReduceSum), DPAR_ERR_INTERNAL, "mpi ",
-                 coll_name(c.coll), ": rank ", r, " sent ", sent, " bytes of data instead of ", bytes);
+                 collective_name(c.coll), ": rank ", r, " sent ", sent, " bytes of data instead of ", bytes);
     if (payloads_[static_cast<size_t>(r)]) in[m++] = payloads_[static_cast<size_t>(r)];
   }
   switch (c.dtype) {

@@ -233,7 +233,7 @@ class MpiCommunicator final : public Communicator {
   // `abandoned` when the collective is left in it, until release_abandoned() completes it.
   struct Exchange {
     uint64_t seq = 0;
-    int64_t coll = 0;
+    Collective coll = Collective::kBarrier;
     int distance = 1;
     MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
     MPI_Status statuses[2];

@@ -14,26 +14,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-enum Kind : int64_t { kBarrier = 1, kAllReduceSum, kReduceSum, kAllReduce, kBroadcast, kReduce, kAllGather,
-                      kReduceScatter };
-
-const char* kind_name(int64_t kind) {
-  switch (kind) {
-    case kBarrier: return "barrier";
-    case kAllReduceSum: return "all_reduce_sum";
-    case kReduceSum: return "reduce_sum";
-    case kAllReduce: return "all_reduce";
-    case kBroadcast: return "broadcast";
-    case kReduce: return "reduce";
-    case kAllGather: return "all_gather";
-    case kReduceScatter: return "reduce_scatter";
-  }
-  return "unknown collective";
-}
+using enum Collective;
 
 // A call's fingerprint, as all participants compare it.
 struct Record {
-  int64_t seq, kind, count, dtype, op, root;
+  int64_t seq;
+  Collective kind;
+  int64_t count, dtype, op, root;
 };
 constexpr size_t kRecordWords = sizeof(Record) / sizeof(int64_t);
 
@@ -180,7 +167,8 @@ class NcclCommunicator final : public Communicator {
     DPAR_CHECK_ARG(root >= 0 && root < size_, operation, ": root ", root, " is not a participant (size ", size_, ")");
   }
 
-  void sum(const char* operation, Kind kind, float* buffer, size_t count, bool contributes, float scale, int root) {
+  void sum(const char* operation, Collective kind, float* buffer, size_t count, bool contributes, float scale,
+           int root) {
     collective(operation, {0, kind, (int64_t)count, (int64_t)CommDType::kF32, 0, root < 0 ? 0 : root}, [&] {
       if (count == 0) return;
       if (!contributes)
@@ -233,9 +221,9 @@ class NcclCommunicator final : public Communicator {
       if (a.seq == b.seq && a.kind == b.kind && a.count == b.count && a.dtype == b.dtype && a.op == b.op &&
           a.root == b.root)
         continue;
-      fail(DPAR_ERR_MISMATCH, operation, ": participant ", r, " called ", kind_name(b.kind), " of ", b.count, " ",
+      fail(DPAR_ERR_MISMATCH, operation, ": participant ", r, " called ", collective_name(b.kind), " of ", b.count, " ",
            comm_dtype_name(static_cast<CommDType>(b.dtype)), " as its collective #", b.seq, " but participant 0 called ",
-           kind_name(a.kind), " of ", a.count, " ", comm_dtype_name(static_cast<CommDType>(a.dtype)),
+           collective_name(a.kind), " of ", a.count, " ", comm_dtype_name(static_cast<CommDType>(a.dtype)),
            " as its collective #", a.seq, " (seen by ", name_, ")");
     }
   }

@@ -181,16 +181,7 @@ const char* at(const void* p, size_t offset) { return static_cast<const char*>(p
 
 class ThreadCommunicator final : public Communicator {
  public:
-  enum Kind : uint8_t {
-    kBarrier = 1,
-    kAllReduceSum,
-    kAllReduce,
-    kBroadcast,
-    kReduce,
-    kAllGather,
-    kReduceScatter,
-    kReduceSum,
-  };
+  using enum Collective;
 
   ThreadCommunicator(ThreadGroup& group, int rank) : group_(group), rank_(rank) {}
   // The communication thread calls this object's collectives: it must stop while the object is whole.
@@ -217,17 +208,14 @@ class ThreadCommunicator final : public Communicator {
       check_buffers(kOp, send, recv);
       check_in_place(kOp, send, recv, bytes);
     }
-    auto& self = slot();
-    self.send = send;
-    self.recv = recv;
-    start(kOp, kAllReduce, count, dtype, op, 0);
+    const size_t p = start(kOp, kAllReduce, count, dtype, op, 0, send, recv);
     if (count == 0) return;
 
     const int n = size();
     ReducePass pass = reduce_pass(dtype, op);
     for (int r = 0; r < n; ++r) {
-      pass.in[pass.ni++] = static_cast<const char*>(group_.slots_[r].send);
-      pass.out[pass.no++] = static_cast<char*>(group_.slots_[r].recv);
+      pass.in[pass.ni++] = static_cast<const char*>(peer(r, p).send);
+      pass.out[pass.no++] = static_cast<char*>(peer(r, p).recv);
     }
     pass.target = pass.out[0];  // participant 0's recv is its send (input 0) or overlaps no input
     const auto [begin, end] = slice_of(count, esz, rank_, n);
@@ -248,16 +236,13 @@ class ThreadCommunicator final : public Communicator {
         check_in_place(kOp, send, recv, bytes);
       }
     }
-    auto& self = slot();
-    self.send = send;
-    self.recv = rank_ == root ? recv : nullptr;
-    start(kOp, kReduce, count, dtype, op, root);
+    const size_t p = start(kOp, kReduce, count, dtype, op, root, send, rank_ == root ? recv : nullptr);
     if (count == 0) return;
 
     const int n = size();
     ReducePass pass = reduce_pass(dtype, op);
-    for (int r = 0; r < n; ++r) pass.in[pass.ni++] = static_cast<const char*>(group_.slots_[r].send);
-    const auto& root_slot = group_.slots_[root];
+    for (int r = 0; r < n; ++r) pass.in[pass.ni++] = static_cast<const char*>(peer(r, p).send);
+    const auto& root_slot = peer(root, p);
     pass.out[pass.no++] = static_cast<char*>(root_slot.recv);
     // In place at a root other than 0, root's recv is a later input: accumulate on the stack.
     pass.target = (root_slot.recv == root_slot.send && root != 0) ? nullptr : pass.out[0];
@@ -287,15 +272,12 @@ class ThreadCommunicator final : public Communicator {
       }
       if (deferred) reserve_scratch(kOp, bytes);
     }
-    auto& self = slot();
-    self.send = send;
-    self.recv = recv;
-    start(kOp, kReduceScatter, count, dtype, op, 0);
+    const size_t p = start(kOp, kReduceScatter, count, dtype, op, 0, send, recv);
     if (count == 0) return;
 
     // This participant reduces block `rank_` of every send and writes it to its own recv.
     ReducePass pass = reduce_pass(dtype, op);
-    for (int r = 0; r < n; ++r) pass.in[pass.ni++] = at(group_.slots_[r].send, bytes * static_cast<size_t>(rank_));
+    for (int r = 0; r < n; ++r) pass.in[pass.ni++] = at(peer(r, p).send, bytes * static_cast<size_t>(rank_));
     char* dst = deferred ? reinterpret_cast<char*>(scratch_.get()) : static_cast<char*>(recv);
     pass.out[pass.no++] = dst;
     // NCCL in place at rank > 0: recv is input `rank_`, read after input 0. Accumulate on the stack.
@@ -319,20 +301,17 @@ class ThreadCommunicator final : public Communicator {
       check_bytes(kOp, count, esz, 1);
       if (!buffer) local_failure(DPAR_ERR_INVALID_ARGUMENT, kOp, ": buffer is null");
     }
-    auto& self = slot();
-    self.send = buffer;
-    self.recv = buffer;
-    start(kOp, kBroadcast, count, dtype, ReduceOp::kSum, root);
+    const size_t p = start(kOp, kBroadcast, count, dtype, ReduceOp::kSum, root, buffer, buffer);
     if (count == 0) return;
 
     const int n = size();
-    const char* src = static_cast<const char*>(group_.slots_[root].recv);
+    const char* src = static_cast<const char*>(peer(root, p).recv);
     const auto [begin, end] = slice_of(count, esz, rank_, n);
     const size_t block = kBlockBytes / esz;
     for (size_t b = begin; b < end; b += block) {
       const size_t off = b * esz, bytes = std::min(block, end - b) * esz;
       for (int r = 0; r < n; ++r)
-        if (r != root) std::memcpy(at(group_.slots_[r].recv, off), src + off, bytes);
+        if (r != root) std::memcpy(at(peer(r, p).recv, off), src + off, bytes);
     }
     group_.arrive_and_wait(rank_, kOp);
   }
@@ -347,6 +326,7 @@ class ThreadCommunicator final : public Communicator {
       const size_t total = check_bytes(kOp, count, esz, static_cast<size_t>(n));
       bytes = total / static_cast<size_t>(n);
       check_buffers(kOp, send, recv);
+      if (bytes <= ThreadGroup::kStageBytes) return staged_all_gather(send, recv, count, dtype, bytes);
       // In place: send is already in its block. Any other overlap (send == recv at rank > 0) would be
       // overwritten while the others read it: contribute a copy.
       if (overlaps(send, bytes, recv, total) && send != at(recv, bytes * static_cast<size_t>(rank_))) {
@@ -355,10 +335,7 @@ class ThreadCommunicator final : public Communicator {
         send = scratch_.get();
       }
     }
-    auto& self = slot();
-    self.send = send;
-    self.recv = recv;
-    start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0);
+    const size_t p = start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0, send, recv);
     if (count == 0) return;
 
     // Participant r copies every send into its own recv: reads of the others' sends, writes to its own lines
@@ -367,7 +344,7 @@ class ThreadCommunicator final : public Communicator {
     // recv moves the lines away from the owner, who reads them next.
     for (int r = 0; r < n; ++r) {
       char* dst = at(recv, bytes * static_cast<size_t>(r));
-      const void* src = group_.slots_[r].send;
+      const void* src = peer(r, p).send;
       if (dst != src) std::memcpy(dst, src, bytes);
     }
     group_.arrive_and_wait(rank_, kOp);
@@ -375,7 +352,7 @@ class ThreadCommunicator final : public Communicator {
 
   void barrier(const char* operation) override {
     Busy busy(*this, operation);
-    start(operation, kBarrier, 0, CommDType::kF32, ReduceOp::kSum, 0);
+    start(operation, kBarrier, 0, CommDType::kF32, ReduceOp::kSum, 0, nullptr, nullptr);
   }
 
   void abort(const std::string& reason) override { group_.abort(reason); }
@@ -386,54 +363,98 @@ class ThreadCommunicator final : public Communicator {
     return DPAR_ERR_REMOTE;
   }
 
-  static const char* kind_name(uint8_t kind) {
-    switch (kind) {
-      case kBarrier: return "barrier";
-      case kAllReduceSum: return "all_reduce_sum";
-      case kReduceSum: return "reduce_sum";
-      case kAllReduce: return "all_reduce";
-      case kBroadcast: return "broadcast";
-      case kReduce: return "reduce";
-      case kAllGather: return "all_gather";
-      case kReduceScatter: return "reduce_scatter";
-    }
-    return "unknown collective";
-  }
-
  private:
   // The gradient path's sum, scaled, into every participant's buffer (kAllReduceSum) or root's alone (kReduceSum). Participants
   // with contributes == false are left out of the sum. Accumulates in the first contributor's buffer (input 0 and,
   // for all_reduce_sum, an output), so with a root a non-root contributor's buffer is clobbered; with no
   // contributor the outputs get zeros.
-  void sum_pass(const char* operation, Kind kind, float* buffer, size_t count, bool contributes, float scale,
+  void sum_pass(const char* operation, Collective kind, float* buffer, size_t count, bool contributes, float scale,
                 int root) {
     Busy busy(*this, operation);
     const bool to_root = kind == kReduceSum;
     if (to_root) check_root(operation, root);
+    const int n = size();
     if (count) {
       check_bytes(operation, count, 4, 1);
       if (!buffer) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": buffer is null");
+      if (!to_root && count <= ThreadGroup::kStageBytes / sizeof(float) / static_cast<size_t>(n))
+        return staged_all_reduce_sum(buffer, count, contributes, scale);
     }
-    auto& self = slot();
-    self.recv = buffer;
-    self.contributes = contributes;
-    start(operation, kind, count, CommDType::kF32, ReduceOp::kSum, to_root ? root : 0);
+    const size_t p = start(operation, kind, count, CommDType::kF32, ReduceOp::kSum, to_root ? root : 0,
+                           contributes ? buffer : nullptr, buffer);
     if (count == 0) return;
 
-    const int n = size();
     ReducePass pass;
     pass.k = &kKernels[0][0];
     pass.esz = sizeof(float);
     for (int r = 0; r < n; ++r) {
-      const auto& s = group_.slots_[r];
+      const auto& s = peer(r, p);
       if (!to_root || r == root) pass.out[pass.no++] = static_cast<char*>(s.recv);
-      if (s.contributes) pass.in[pass.ni++] = static_cast<const char*>(s.recv);
+      if (s.send) pass.in[pass.ni++] = static_cast<const char*>(s.send);
     }
     pass.target = pass.ni ? const_cast<char*>(pass.in[0]) : pass.out[0];
     pass.scale = scale;
     const auto [begin, end] = slice_of(count, sizeof(float), rank_, n);
     pass.run(begin, end);
     group_.arrive_and_wait(rank_, operation);
+  }
+
+  // all_gather with one barrier (threads_comm.h): the others read this participant's staging buffer, never its
+  // send or recv, so it may return as soon as its own recv is whole. A copy of the contribution also makes every
+  // overlap of send and recv harmless. count > 0, buffers checked.
+  void staged_all_gather(const void* send, void* recv, size_t count, CommDType dtype, size_t bytes) {
+    static constexpr const char* kOp = "all_gather";
+    if (size() == 1) {  // nobody reads what this participant publishes: no copy to stage
+      start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0, send, recv);
+      if (send != recv) std::memmove(recv, send, bytes);
+      return;
+    }
+    unsigned char* stage = next_stage(kOp);
+    std::memcpy(stage, send, bytes);
+    const size_t p = start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0, stage, recv);
+    for (int r = 0; r < size(); ++r) {
+      char* dst = at(recv, bytes * static_cast<size_t>(r));
+      if (r != rank_ || dst != send) std::memcpy(dst, peer(r, p).send, bytes);  // else in place: already there
+    }
+  }
+
+  // all_reduce_sum with one barrier (threads_comm.h), when every participant reducing the whole buffer costs less
+  // than a barrier: each sums the staged contributions itself, in rank order with the same kernels as the sliced
+  // pass, so every participant gets the bits that the sliced pass would give. count > 0, buffer checked.
+  void staged_all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) {
+    static constexpr const char* kOp = "all_reduce_sum";
+    // Alone, nobody reads what this participant publishes: its buffer is its contribution, as in the sliced pass.
+    const void* mine = buffer;
+    if (size() > 1) {
+      unsigned char* stage = next_stage(kOp);
+      if (contributes) std::memcpy(stage, buffer, count * sizeof(float));
+      mine = stage;
+    }
+    const size_t p =
+        start(kOp, kAllReduceSum, count, CommDType::kF32, ReduceOp::kSum, 0, contributes ? mine : nullptr, buffer);
+    ReducePass pass;
+    pass.k = &kKernels[0][0];
+    pass.esz = sizeof(float);
+    for (int r = 0; r < size(); ++r)
+      if (const void* s = peer(r, p).send) pass.in[pass.ni++] = static_cast<const char*>(s);
+    pass.out[pass.no++] = reinterpret_cast<char*>(buffer);
+    pass.target = pass.out[0];  // input 0 (alone) or no input (those are staging buffers)
+    pass.scale = scale;
+    pass.run(0, count);
+  }
+
+  // This participant's staging buffer for its next barrier round. In an aborted group, a participant that stopped
+  // waiting may still be reading that buffer from two rounds ago: none is returned then (start() would throw the
+  // same error).
+  unsigned char* next_stage(const char* operation) {
+    const size_t parity = (slot().arrivals.load(std::memory_order_relaxed) + 1) & 1;
+    group_.fail_if_aborted(rank_, operation);
+    try {
+      return group_.stage(rank_, parity);
+    } catch (const std::bad_alloc&) {
+      local_failure(DPAR_ERR_OUT_OF_MEMORY, operation, ": out of memory for ", 2 * ThreadGroup::kStageBytes,
+                    " bytes of staging");
+    }
   }
 
   // Marks this participant inside a collective, to catch a blocking call made while its asynchronous work runs
@@ -455,21 +476,30 @@ class ThreadCommunicator final : public Communicator {
 
   ThreadGroup::Slot& slot() { return group_.slots_[rank_]; }
 
-  // Publishes this call's fingerprint, waits for every participant and compares the fingerprints.
-  void start(const char* operation, Kind kind, size_t count, CommDType dtype, ReduceOp op, int root) {
+  // Publishes this call's fingerprint and buffers, waits for every participant and compares the fingerprints.
+  // Returns the parity under which every participant's buffers are published (see peer()).
+  size_t start(const char* operation, Collective kind, size_t count, CommDType dtype, ReduceOp op, int root,
+               const void* send, void* recv) {
     auto& self = slot();
     // Every participant enters each barrier round with the same count of arrivals (reset() evens them out).
     const uint64_t round = self.arrivals.load(std::memory_order_relaxed) + 1;
-    auto& fp = self.fp[round & 1];
+    const size_t p = round & 1;
+    auto& pub = self.pub[p];
+    pub.send = send;
+    pub.recv = recv;
+    auto& fp = pub.fp;
     fp.count = count;
     fp.seq = ++self.seq;
     fp.root = static_cast<uint8_t>(root);
-    fp.kind = kind;
+    fp.kind = static_cast<uint8_t>(kind);
     fp.dtype = static_cast<uint8_t>(dtype);
     fp.op = static_cast<uint8_t>(op);
     group_.arrive_and_wait(rank_, operation);
     group_.check_fingerprints(rank_, round, operation);
+    return p;
   }
+  // What participant r published for the collective that start() returned parity `p` for.
+  const ThreadGroup::Published& peer(int r, size_t p) const { return group_.slots_[r].pub[p]; }
 
   ReducePass reduce_pass(CommDType dtype, ReduceOp op) const {
     ReducePass pass;
@@ -531,7 +561,11 @@ class ThreadCommunicator final : public Communicator {
 // ---- The group -------------------------------------------------------------------------------------------------
 
 ThreadGroup::ThreadGroup(std::vector<std::string> names, std::chrono::duration<double> timeout)
-    : names_(std::move(names)), timeout_(timeout), spin_(spin_policy(names_.size())), slots_(names_.size()) {
+    : names_(std::move(names)),
+      timeout_(timeout),
+      spin_(spin_policy(names_.size())),
+      slots_(names_.size()),
+      stages_(names_.size()) {
   DPAR_ENFORCE(!names_.empty() && names_.size() <= kMaxParticipants, DPAR_ERR_INVALID_ARGUMENT,
                "thread group: size must be 1 to ", kMaxParticipants, ", got ", names_.size());
 }
@@ -574,40 +608,41 @@ void ThreadGroup::check_fingerprints(int rank, uint64_t round, const char* opera
   // On the critical path of every collective: two 64-bit words per participant and one branch for all of them.
   const size_t p = round & 1;
   uint64_t first[2], diff = 0;
-  std::memcpy(first, &slots_[0].fp[p], sizeof first);
+  std::memcpy(first, &slots_[0].pub[p].fp, sizeof first);
   for (int r = 1; r < size(); ++r) {
     uint64_t f[2];
-    std::memcpy(f, &slots_[r].fp[p], sizeof f);
+    std::memcpy(f, &slots_[r].pub[p].fp, sizeof f);
     diff |= (f[0] ^ first[0]) | (f[1] ^ first[1]);
   }
   if (diff == 0) [[likely]]
     return;
   for (int r = 1; r < size(); ++r)
-    if (!(slots_[r].fp[p] == first_fp(p))) fail_mismatch(rank, r, round, operation);
+    if (!(slots_[r].pub[p].fp == first_fp(p))) fail_mismatch(rank, r, round, operation);
 }
 
 void ThreadGroup::fail_mismatch(int rank, int other, uint64_t round, const char* operation) const {
   const size_t p = round & 1;
-  const Fingerprint& a = slots_[other].fp[p];
-  const Fingerprint& b = slots_[0].fp[p];
+  const Fingerprint& a = slots_[other].pub[p].fp;
+  const Fingerprint& b = first_fp(p);
   auto describe = [&](const Fingerprint& f) {
     std::ostringstream os;
-    os << ThreadCommunicator::kind_name(f.kind);
+    const auto kind = static_cast<Collective>(f.kind);
+    os << collective_name(kind);
     const auto dtype = comm_dtype_name(static_cast<CommDType>(f.dtype));
     const auto op = reduce_op_name(static_cast<ReduceOp>(f.op));
-    switch (f.kind) {
-      case ThreadCommunicator::kBarrier: break;
-      case ThreadCommunicator::kAllReduceSum:
-      case ThreadCommunicator::kAllGather: os << " of " << f.count << " " << dtype; break;
-      case ThreadCommunicator::kAllReduce:
-      case ThreadCommunicator::kReduceScatter: os << " of " << f.count << " " << dtype << " (" << op << ")"; break;
-      case ThreadCommunicator::kReduce:
+    switch (kind) {
+      case Collective::kBarrier: break;
+      case Collective::kAllReduceSum:
+      case Collective::kAllGather: os << " of " << f.count << " " << dtype; break;
+      case Collective::kAllReduce:
+      case Collective::kReduceScatter: os << " of " << f.count << " " << dtype << " (" << op << ")"; break;
+      case Collective::kReduce:
         os << " of " << f.count << " " << dtype << " (" << op << ") to root " << int(f.root);
         break;
-      case ThreadCommunicator::kReduceSum:
+      case Collective::kReduceSum:
         os << " of " << f.count << " " << dtype << " to root " << int(f.root);
         break;
-      case ThreadCommunicator::kBroadcast:
+      case Collective::kBroadcast:
         os << " of " << f.count << " " << dtype << " from root " << int(f.root);
         break;
     }
@@ -618,20 +653,32 @@ void ThreadGroup::fail_mismatch(int rank, int other, uint64_t round, const char*
        " but participant 0 (", names_[0], ") called ", describe(b), " (seen by ", names_[rank], ")");
 }
 
+unsigned char* ThreadGroup::stage(int rank, size_t parity) {
+  auto& stage = stages_[static_cast<size_t>(rank)];
+  if (!stage) stage = std::make_unique<Stage>();
+  return stage->bytes[parity];
+}
+
+void ThreadGroup::remote_failure(int rank, const char* operation) {
+  std::lock_guard<std::mutex> lock(abort_mutex_);
+  fail(DPAR_ERR_REMOTE, operation, ": ", names_[rank], " stopped waiting because ", abort_reason_);
+}
+
 void ThreadGroup::arrive_and_wait(int rank, const char* operation) {
-  auto remote_failure = [&] {
-    std::lock_guard<std::mutex> lock(abort_mutex_);
-    fail(DPAR_ERR_REMOTE, operation, ": ", names_[rank], " stopped waiting because ", abort_reason_);
-  };
+  if (size() == 1) {  // nobody to wait for or to release
+    if (aborted()) remote_failure(rank, operation);
+    slots_[rank].arrivals.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   // The generation is read before the abort flag: abort() sets the flag and then bumps the generation, so an
   // abort that lands after this read either shows in the flag or ends the wait below.
   const uint32_t gen = generation_.load();
-  if (aborted()) remote_failure();
+  if (aborted()) remote_failure(rank, operation);
   const uint64_t my_arrival = slots_[rank].arrivals.fetch_add(1, std::memory_order_relaxed) + 1;
   if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(size())) {
     arrived_.store(0, std::memory_order_relaxed);
     generation_.increment_and_wake();  // releases everyone; the release publishes this round's slots
-    if (aborted()) remote_failure();
+    if (aborted()) remote_failure(rank, operation);
     return;
   }
   // A timeout beyond a century means none (and must not overflow the clock's nanoseconds).
@@ -650,7 +697,7 @@ void ThreadGroup::arrive_and_wait(int rank, const char* operation) {
            names_[rank], " waited)");
     }
   }
-  if (aborted()) remote_failure();
+  if (aborted()) remote_failure(rank, operation);
 }
 
 }  // namespace dpar

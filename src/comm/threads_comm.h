@@ -5,13 +5,23 @@
 // moves its share of the data directly between the participants' buffers; the second barrier makes the result
 // visible to all (and tells each participant that the others are done reading its buffers).
 //
+// Except small ones, which have one barrier: an all_gather of at most kStageBytes per participant, and an
+// all_reduce_sum of at most kStageBytes for all participants together. Each participant copies its contribution
+// into a staging buffer of the group's and publishes that instead of its buffer; after the barrier, each builds
+// its own result from the staging buffers (all_gather copies them into its recv; all_reduce_sum sums them all, in
+// rank order, instead of a slice) and returns, since nobody reads its buffers. The staging buffer of a round is
+// not written again before the next round of the same parity, which every reader has finished by entering the
+// round between (see Published). What a small collective costs is its barriers, not its copies: this saves one
+// of two, for one more copy of the contribution (the engine's step is an all_reduce_sum and an all_gather, both
+// small for a small model).
+//
 // The reductions (all_reduce, all_reduce_sum, reduce, reduce_scatter) split the elements, not the participants:
 // participant r reduces its own slice of every participant's buffer, in rank order, and writes the result to every
 // destination of that slice. Every byte is read once and written once per destination: the lower bound, and no
 // participant does more than 1/size of the work (not "thread 0 sums everything"). all_reduce writes the slice to
 // every participant's recv, reduce only to root's, and reduce_scatter's slice for participant r is block r, which
 // lands in r's recv. broadcast: participant r copies its slice of root's buffer into everyone else's. all_gather:
-// participant r copies every send into its own recv. (threads_comm.cpp says what was measured.)
+// participant r copies every send (or staging buffer) into its own recv. (threads_comm.cpp says what was measured.)
 //
 // The reduction order is rank order, whoever computes a slice, and no FMA is involved: every participant gets the
 // same bits, run after run, whatever the vector width (the float loops are compiled for AVX2 and baseline).
@@ -27,8 +37,9 @@
 // Fingerprints: every call publishes (its sequence number on this participant, operation, count, dtype, op, root),
 // and after the first barrier each participant compares every slot with participant 0's. All see the same slots,
 // so on a difference all throw Error(MISMATCH) naming the first participant that differs, and none touches data.
-// Fingerprints are double-buffered by the parity of the barrier round, so a participant that leaves early (after a
-// barrier() or a mismatch, which have no second barrier) cannot overwrite the one the others are still reading.
+// Fingerprints, like everything a participant publishes, are double-buffered by the parity of the barrier round,
+// so a participant that leaves early (after a barrier() or a mismatch, which have no second barrier) cannot
+// overwrite what the others are still reading.
 #pragma once
 
 #include <atomic>
@@ -63,6 +74,9 @@ class ThreadGroup final : public Group {
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   // Every participant waiting now or later throws Error(REMOTE) with `reason` (the first reason is kept).
   void abort(const std::string& reason) override;
+  // An all_gather of at most this many bytes per participant, or an all_reduce_sum of at most this many bytes for
+  // all participants together, has one barrier instead of two (see above).
+  static constexpr size_t kStageBytes = size_t{16} << 10;
   // The first abort's reason ("" if none).
   std::string abort_reason();
 
@@ -77,28 +91,43 @@ class ThreadGroup final : public Group {
     uint64_t count = 0;
     uint32_t seq = 0;  // this participant's collectives since the group was made or reset, from 1
     uint8_t root = 0;  // at most 256 participants
-    uint8_t kind = 0;  // a ThreadCommunicator::Kind
+    uint8_t kind = 0;  // a Collective
     uint8_t dtype = 0;
     uint8_t op = 0;
     bool operator==(const Fingerprint&) const = default;
+  };
+  // What a participant publishes for one collective: written before the collective's first barrier round, read by
+  // the others after it and before they arrive at their next round. Kept by the parity of that round: a
+  // participant writes the copy of round R + 2 only after the barrier of round R + 1, which every reader of round R
+  // has entered, so no write meets a read (a participant that leaves after one barrier, as barrier() and a
+  // mismatch do, may write before the others have read).
+  struct Published {
+    Fingerprint fp;
+    const void* send = nullptr;  // all_reduce_sum, reduce_sum: null when the participant contributes nothing
+    void* recv = nullptr;
   };
   // Two cache lines per participant. The first is what the others read in a collective: its owner writes it once
   // per call, before the first barrier. The second is written on every barrier and read by the others only to name
   // who is missing: kept apart, the owner's barrier arrivals do not pull back a line that the others are reading,
   // and a collective costs one transfer of the first line to the others and one back (as before fingerprints).
   struct alignas(64) Slot {
-    Fingerprint fp[2];  // by the parity of the barrier round
-    const void* send = nullptr;
-    void* recv = nullptr;
-    bool contributes = false;
+    Published pub[2];                               // by the parity of the barrier round
     alignas(64) std::atomic<uint64_t> arrivals{0};  // barriers this participant has entered: names who is missing
     uint32_t seq = 0;                               // written by its participant only (and reset())
     std::atomic<bool> busy{false};                  // inside a collective (catches a blocking call beside async work)
   };
-  static_assert(sizeof(Fingerprint) == 16 && sizeof(Slot) == 128);
+  static_assert(sizeof(Fingerprint) == 16 && sizeof(Published) == 32 && sizeof(Slot) == 128);
 
   void arrive_and_wait(int rank, const char* operation);
-  const Fingerprint& first_fp(size_t parity) const { return slots_[0].fp[parity]; }
+  // Throws Error(REMOTE) if the group is aborted (what arrive_and_wait() throws then).
+  void fail_if_aborted(int rank, const char* operation) {
+    if (aborted()) remote_failure(rank, operation);
+  }
+  [[noreturn]] void remote_failure(int rank, const char* operation);
+  // Participant `rank`'s staging buffer for parity `parity` (kStageBytes), allocated on first use (std::bad_alloc);
+  // called by participant `rank` only.
+  unsigned char* stage(int rank, size_t parity);
+  const Fingerprint& first_fp(size_t parity) const { return slots_[0].pub[parity].fp; }
   // After round `round`'s barrier: throws Error(MISMATCH) if any fingerprint differs from participant 0's.
   void check_fingerprints(int rank, uint64_t round, const char* operation) const;
   [[noreturn]] void fail_mismatch(int rank, int other, uint64_t round, const char* operation) const;
@@ -107,6 +136,13 @@ class ThreadGroup final : public Group {
   std::chrono::duration<double> timeout_;
   Spin spin_;  // whether all participants fit on the cores
   std::vector<Slot> slots_;
+  // Participant r's staging buffers, one per parity, allocated by r on its first staged call. Owned by the group,
+  // not the communicator: the others may still be reading them after r has returned, and its communicator may be
+  // gone by then.
+  struct alignas(64) Stage {
+    unsigned char bytes[2][kStageBytes];
+  };
+  std::vector<std::unique_ptr<Stage>> stages_;
   alignas(64) std::atomic<uint32_t> arrived_{0};
   alignas(64) WaitWord generation_;
   std::atomic<bool> aborted_{false};
