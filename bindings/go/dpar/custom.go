@@ -135,6 +135,19 @@ func (m *Model) Custom(name string, params []ParamSpec, layer CustomLayer) error
 	return errorOf(int(s))
 }
 
+// views is the memory of n tensors (a layer's parameters or their gradients).
+func views(ts **C.dpar_tensor, n int) ([][]float32, error) {
+	var out [][]float32 // nil when there are none, as before
+	for i := 0; i < n; i++ {
+		v, _, err := view(C.dpar_go_at(ts, C.size_t(i)))
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
 // view is a tensor's memory as a []float32 and its shape (nil for a NULL tensor).
 func view(t *C.dpar_tensor) ([]float32, []int64, error) {
 	if t == nil {
@@ -168,12 +181,8 @@ func customCall(c *C.dpar_custom_call, backward bool) (*CustomCall, error) {
 	if cc.Output, cc.OutputShape, err = view(c.output); err != nil {
 		return nil, err
 	}
-	for i := 0; i < int(c.num_params); i++ {
-		p, _, err := view(C.dpar_go_at(c.params, C.size_t(i)))
-		if err != nil {
-			return nil, err
-		}
-		cc.Params = append(cc.Params, p)
+	if cc.Params, err = views(c.params, int(c.num_params)); err != nil {
+		return nil, err
 	}
 	if !backward {
 		return cc, nil
@@ -184,12 +193,8 @@ func customCall(c *C.dpar_custom_call, backward bool) (*CustomCall, error) {
 	if cc.GradInput, _, err = view(c.grad_input); err != nil {
 		return nil, err
 	}
-	for i := 0; i < int(c.num_params); i++ {
-		g, _, err := view(C.dpar_go_at(c.grads, C.size_t(i)))
-		if err != nil {
-			return nil, err
-		}
-		cc.Grads = append(cc.Grads, g)
+	if cc.Grads, err = views(c.grads, int(c.num_params)); err != nil {
+		return nil, err
 	}
 	return cc, nil
 }
