@@ -543,8 +543,12 @@ DPAR_API dpar_status dpar_engine_split(size_t *out, const dpar_engine *engine, s
  * With several processes, @p input is this process's part of the global batch, and the gradient is that of the
  * mean loss over the global batch (every process's rows).
  * @param[out] out_loss  The mean loss over the batch (the global batch, with several processes); may be NULL.
- * @param input          (B, features...) f32 on the host or the output device.
- * @param target         Cross-entropy: (B) i32 labels in [0, classes). MSE: f32 shaped as the output.
+ * @param input          (B, features...) f32 in host memory or in memory of the engine's devices' kind. A replica
+ *                       whose device holds the input takes its rows as a view, without a copy; the others copy
+ *                       theirs (from the host, or from the other GPU). A GPU input must be complete when the call
+ *                       is made: synchronise the stream that wrote it.
+ * @param target         Cross-entropy: (B) i32 labels in [0, classes). MSE: f32 shaped as the output. Where the
+ *                       input may be (labels on a GPU are copied to the host for their range check).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULLs, B = 0, shapes that do not fit the model or each other,
  *         labels out of range; errors from a worker (::DPAR_ERR_OUT_OF_MEMORY, a custom layer's status, ...).
  *         After a failure before the optimizer step the engine stays usable and its parameters are unchanged;
@@ -579,8 +583,9 @@ DPAR_API dpar_status dpar_engine_zero_grad(dpar_engine *engine);
  */
 DPAR_API dpar_status dpar_engine_forward(dpar_tensor **out, dpar_engine *engine, const dpar_tensor *input);
 /**
- * @brief DataParallel's backward: scatters @p grad_output (shaped as the last forward's output) and runs backward
- * on every replica, adding to its local gradients. Call dpar_engine_step() to synchronise and step.
+ * @brief DataParallel's backward: scatters @p grad_output (shaped as the last forward's output; in host memory or
+ * memory of the engine's devices' kind, as the input of dpar_engine_train_step()) and runs backward on every
+ * replica, adding to its local gradients. Call dpar_engine_step() to synchronise and step.
  * @return ::DPAR_ERR_INVALID_STATE without a preceding training-mode forward.
  */
 DPAR_API dpar_status dpar_engine_backward(dpar_engine *engine, const dpar_tensor *grad_output);
@@ -662,7 +667,8 @@ DPAR_API dpar_status dpar_engine_inject_fault(dpar_engine *engine, size_t replic
  * participant that does not arrive within the timeout makes the others return ::DPAR_ERR_TIMEOUT naming it.
  *
  * Thread-safety: a communicator belongs to one participant; its calls must not overlap, except that asynchronous
- * operations run on its own communication thread. Buffers are host memory. */
+ * operations run on its own communication thread. Buffers are host memory, except in a group made on GPUs by
+ * dpar_comm_group_create_on_devices(): there they are memory of the participant's GPU, ordered on its stream. */
 /**@{*/
 typedef struct dpar_comm dpar_comm;             /**< One participant of a group. */
 typedef struct dpar_comm_group dpar_comm_group; /**< The participants of one process (threads backend). */
@@ -701,6 +707,32 @@ DPAR_API void dpar_comm_group_free(dpar_comm_group *group);
  */
 DPAR_API dpar_status dpar_comm_group_member(dpar_comm **out, dpar_comm_group *group, size_t rank);
 /**
+ * @brief Creates a group of @p size participants inside this process whose buffers are memory of their devices:
+ * participant r's on @p devices[r], all of one kind. For a framework that keeps its tensors on the GPU and uses
+ * dpar to synchronise them (and dpar_reducer_create() for its gradients).
+ *
+ * Over CPU devices it is dpar_comm_group_create()'s group: host memory, no streams. Over CUDA devices the buffers
+ * are device memory: NCCL moves them between distinct GPUs (ncclCommInitAll), and dpar's own reduction in device
+ * memory serves a GPU named more than once (NCCL refuses two ranks on one GPU). That reduction does all_reduce
+ * (f32 sum), broadcast, all_gather and barrier; reduce, reduce_scatter and the other all_reduce types and
+ * operations return ::DPAR_ERR_NOT_SUPPORTED.
+ *
+ * Streams: participant r's collectives are ordered on @p streams[r], a cudaStream_t of devices[r] (a NULL entry,
+ * or a NULL @p streams, is the legacy default stream). A collective reads its inputs after the work queued on
+ * that stream before the call, and work queued on it after the call sees its result. A call may return before
+ * the result is in memory (the device reduction returns once its work is queued): synchronise the stream before
+ * the host reads it. The streams must outlive the members. Each call makes the participant's device current for
+ * its span and then restores the calling thread's.
+ * @param[out] out  The group, owned by the caller. Its members keep it alive: free it and them in any order.
+ * @param streams   NULL, or @p size cudaStream_t values (NULL for every CPU device).
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULL @p devices, a @p size not in 1 to 256, devices of two
+ *         kinds, or a stream given for a CPU device; ::DPAR_ERR_DEVICE for a GPU that does not exist (or none);
+ *         ::DPAR_ERR_NOT_SUPPORTED for CUDA in a build without it; NCCL's failure to initialise.
+ */
+DPAR_API dpar_status dpar_comm_group_create_on_devices(dpar_comm_group **out, const dpar_device *devices,
+                                                      void *const *streams, size_t size,
+                                                      const dpar_comm_options *opts);
+/**
  * @brief This process's communicator over MPI_COMM_WORLD (a duplicate of it). Initialises MPI
  * (MPI_THREAD_MULTIPLE) if the program has not; without mpirun the process is rank 0 of 1.
  * @return ::DPAR_OK; ::DPAR_ERR_COMMUNICATION if MPI cannot start.
@@ -710,6 +742,11 @@ DPAR_API dpar_status dpar_comm_create_mpi(dpar_comm **out, const dpar_comm_optio
 DPAR_API void dpar_comm_free(dpar_comm *comm);
 /** @brief This participant's rank, and the group's size. Either output may be NULL. */
 DPAR_API dpar_status dpar_comm_info(size_t *out_rank, size_t *out_size, const dpar_comm *comm);
+/**
+ * @brief The device whose memory the communicator's buffers are: the participant's device in a group made by
+ * dpar_comm_group_create_on_devices(), cpu:0 (host memory) for every other communicator.
+ */
+DPAR_API dpar_status dpar_comm_device(dpar_device *out, const dpar_comm *comm);
 /**
  * @brief Aborts the group from this participant (NCCL's ncclCommAbort): every participant waiting in a collective
  * now, or calling one later, returns ::DPAR_ERR_REMOTE naming this one and the reason (this participant included),
@@ -805,8 +842,11 @@ typedef struct dpar_reducer_options {
 DPAR_API dpar_status dpar_reducer_options_init(dpar_reducer_options *opts);
 
 /**
- * @brief Creates a reducer over @p comm for @p num_grads f32 gradient buffers in host memory.
- * The reducer keeps the communicator alive: either may be freed first.
+ * @brief Creates a reducer over @p comm for @p num_grads f32 gradient buffers in the memory of the communicator's
+ * device (dpar_comm_device(): host memory, or a GPU's for a group made by dpar_comm_group_create_on_devices()).
+ * On a GPU the reducer's copies and collectives are ordered on the communicator's stream: mark a gradient ready
+ * once the work that computes it is queued there. The reducer keeps the communicator alive: either may be freed
+ * first.
  * @param grads   The buffers, in the model's (forward) order; they must not overlap, and must stay valid until the
  *                reducer is freed.
  * @param counts  Elements of each buffer, each at least 1.
@@ -828,8 +868,9 @@ DPAR_API dpar_status dpar_reducer_num_buckets(size_t *out, const dpar_reducer *r
 DPAR_API dpar_status dpar_reducer_grad_ready(dpar_reducer *reducer, size_t index);
 /**
  * @brief Ends the step: reduces what is left and waits for every bucket. Every registered buffer then holds the
- * reduced gradient (sum or mean over the participants). A step with no gradient marked is allowed (a participant
- * with no data this step): it contributes zeros.
+ * reduced gradient (sum or mean over the participants); on a GPU, for the work queued on the communicator's stream
+ * after this call (the optimizer step). A step with no gradient marked is allowed (a participant with no data this
+ * step): it contributes zeros.
  * @return ::DPAR_OK, or a collective's error (::DPAR_ERR_TIMEOUT, ::DPAR_ERR_MISMATCH, ::DPAR_ERR_REMOTE, ...),
  *         after which the buffers' content is unspecified; the next step starts afresh.
  */

@@ -17,7 +17,7 @@ extern "C" {
 
 /** @brief Version of ::dpar_api_v1, the table dpar_get_api() returns. */
 #define DPAR_API_TABLE_VERSION 1
-/** @brief Every function of dpar.h, in header order (appended to, never reordered). */
+/** @brief Every function of dpar.h (appended to, never reordered: new functions come last). */
 typedef struct dpar_api_v1 {
   size_t size;      /**< sizeof(dpar_api_v1) of the library. */
   uint32_t version; /**< #DPAR_API_TABLE_VERSION. */
@@ -119,6 +119,8 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_loader_next)(int32_t *out, dpar_loader *loader);
   const dpar_tensor *(*dpar_loader_inputs)(const dpar_loader *loader);
   const dpar_tensor *(*dpar_loader_labels)(const dpar_loader *loader);
+  dpar_status (*dpar_comm_group_create_on_devices)(dpar_comm_group **out, const dpar_device *devices, void *const *streams, size_t size, const dpar_comm_options *opts);
+  dpar_status (*dpar_comm_device)(dpar_device *out, const dpar_comm *comm);
 } dpar_api_v1;
 
 /**

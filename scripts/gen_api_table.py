@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Generates dpar's table of function pointers (dpar_get_api) from the declarations in include/dpar.h.
 
-The table lists every DPAR_API function in header order, so that a host that dlopen()s libdpar.so.0 resolves one
-symbol and gets them all. It is written to its own header, include/dpar_api.h (so that dpar.h, which bindings and
+The table lists every DPAR_API function, so that a host that dlopen()s libdpar.so.0 resolves one symbol and gets
+them all. Its order is the ABI: a host compiled against an older table reads the same slots. So the order is the
+committed table's, and a function new to the header is appended after its last entry, wherever the header
+declares it; a function the table has but the header lost is an error (it would shift every slot after it). It is written to its own header, include/dpar_api.h (so that dpar.h, which bindings and
 SWIG read, holds the API alone), and its initialiser to src/capi/api_table.cpp. With --check it changes nothing and
 exits 1 if either file is out of date (a CTest test runs it, so that a header change without a regenerated table
 fails).
@@ -46,7 +48,7 @@ def table_header(decls):
              "",
              "/** @brief Version of ::dpar_api_v1, the table dpar_get_api() returns. */",
              "#define DPAR_API_TABLE_VERSION 1",
-             "/** @brief Every function of dpar.h, in header order (appended to, never reordered). */",
+             "/** @brief Every function of dpar.h (appended to, never reordered: new functions come last). */",
              "typedef struct dpar_api_v1 {",
              "  size_t size;      /**< sizeof(dpar_api_v1) of the library. */",
              "  uint32_t version; /**< #DPAR_API_TABLE_VERSION. */"]
@@ -96,9 +98,25 @@ extern "C" DPAR_API const void* dpar_get_api(uint32_t version) {{
 """
 
 
+def table_order(decls):
+    """The header's declarations in the committed table's order, with new ones appended in header order."""
+    by_name = {name: (ret, name, params) for ret, name, params in decls}
+    committed = []
+    if TABLE_HEADER.exists():
+        text = TABLE_HEADER.read_text()
+        body = text[text.index("typedef struct dpar_api_v1 {"):text.index("} dpar_api_v1;")]
+        committed = re.findall(r"\(\*(dpar_\w+)\)\(", body)
+    lost = [name for name in committed if name not in by_name]
+    if lost:
+        sys.exit("dpar.h no longer declares " + ", ".join(lost) + ": removing a function from the table moves "
+                 "every slot after it (a new table version is needed)")
+    placed = set(committed)
+    return [by_name[name] for name in committed] + [d for d in decls if d[1] not in placed]
+
+
 def main():
     check = "--check" in sys.argv
-    decls = list(declarations(HEADER.read_text()))
+    decls = table_order(list(declarations(HEADER.read_text())))
     new_header = table_header(decls)
     new_cpp = table_cpp(decls)
     stale = []

@@ -16,13 +16,24 @@ namespace {
 
 #define ASSERT_OK(call) ASSERT_EQ((call), DPAR_OK) << #call << ": " << dpar_last_error()
 
+// How a test's group is made: dpar_comm_group_create, or dpar_comm_group_create_on_devices over CPU devices (the
+// same host group, reached through the device path that GPU groups take).
+enum class Made { kPlain, kOnCpuDevices };
+
 // Runs body(rank, comm) on one thread per member of a new in-process group; returns each rank's status.
 template <class F>
-std::vector<dpar_status> run_group(int size, double timeout, F body) {
+std::vector<dpar_status> run_group(int size, double timeout, F body, Made made = Made::kPlain) {
   dpar_comm_options opts = DPAR_COMM_OPTIONS_INIT;
   opts.timeout_seconds = timeout;
   dpar_comm_group* group = nullptr;
-  EXPECT_EQ(dpar_comm_group_create(&group, static_cast<size_t>(size), &opts), DPAR_OK) << dpar_last_error();
+  if (made == Made::kPlain) {
+    EXPECT_EQ(dpar_comm_group_create(&group, static_cast<size_t>(size), &opts), DPAR_OK) << dpar_last_error();
+  } else {
+    std::vector<dpar_device> devices;
+    for (int r = 0; r < size; ++r) devices.push_back({DPAR_DEVICE_CPU, r});
+    EXPECT_EQ(dpar_comm_group_create_on_devices(&group, devices.data(), nullptr, devices.size(), &opts), DPAR_OK)
+        << dpar_last_error();
+  }
   std::vector<dpar_comm*> comms(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r)
     EXPECT_EQ(dpar_comm_group_member(&comms[r], group, static_cast<size_t>(r)), DPAR_OK);
@@ -35,12 +46,21 @@ std::vector<dpar_status> run_group(int size, double timeout, F body) {
   return status;
 }
 
-TEST(CommApi, AllCollectivesGiveTheReferenceResults) {
+class CommApiMade : public ::testing::TestWithParam<Made> {};
+INSTANTIATE_TEST_SUITE_P(CommApi, CommApiMade, ::testing::Values(Made::kPlain, Made::kOnCpuDevices),
+                         [](const auto& info) { return info.param == Made::kPlain ? "Plain" : "OnCpuDevices"; });
+
+TEST_P(CommApiMade, AllCollectivesGiveTheReferenceResults) {
   const int n = 3;
   const size_t count = 1000;
   auto status = run_group(n, 30, [&](int r, dpar_comm* c) -> dpar_status {
     size_t rank = 99, size = 99;
     if (dpar_comm_info(&rank, &size, c) != DPAR_OK || rank != size_t(r) || size != size_t(n)) return DPAR_ERR_INTERNAL;
+    // Host memory: cpu:r for a group made on CPU devices, cpu:0 otherwise.
+    dpar_device where{-1, -1};
+    if (dpar_comm_device(&where, c) != DPAR_OK || where.kind != DPAR_DEVICE_CPU ||
+        where.index != (GetParam() == Made::kPlain ? 0 : r))
+      return DPAR_ERR_DEVICE;
     std::vector<double> x(count), sum(count);
     for (size_t i = 0; i < count; ++i) x[i] = double(i) + 1000.0 * r;
     if (dpar_comm_all_reduce(c, x.data(), sum.data(), count, DPAR_F64, DPAR_SUM)) return DPAR_ERR_INTERNAL;
@@ -70,8 +90,63 @@ TEST(CommApi, AllCollectivesGiveTheReferenceResults) {
     if (dpar_comm_reduce(c, &one, r == 0 ? &total : nullptr, 1, DPAR_F32, DPAR_SUM, 0)) return DPAR_ERR_INTERNAL;
     if (r == 0 && total != float(n)) return DPAR_ERR_MISMATCH;
     return dpar_comm_barrier(c);
-  });
+  }, GetParam());
   for (int r = 0; r < n; ++r) EXPECT_EQ(status[r], DPAR_OK) << "rank " << r;
+}
+
+TEST(CommApi, AGroupOnDevicesChecksItsArguments) {
+  dpar_comm_group* group = nullptr;
+  const dpar_device cpus[2] = {{DPAR_DEVICE_CPU, 0}, {DPAR_DEVICE_CPU, 1}};
+  EXPECT_EQ(dpar_comm_group_create_on_devices(nullptr, cpus, nullptr, 2, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(dpar_comm_group_create_on_devices(&group, nullptr, nullptr, 2, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("devices"), std::string::npos) << dpar_last_error();
+  EXPECT_EQ(dpar_comm_group_create_on_devices(&group, cpus, nullptr, 0, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("size"), std::string::npos) << dpar_last_error();
+  const dpar_device negative[2] = {{DPAR_DEVICE_CPU, 0}, {DPAR_DEVICE_CPU, -1}};
+  EXPECT_EQ(dpar_comm_group_create_on_devices(&group, negative, nullptr, 2, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("devices[1]"), std::string::npos) << dpar_last_error();
+  const dpar_device unknown[1] = {{7, 0}};
+  EXPECT_EQ(dpar_comm_group_create_on_devices(&group, unknown, nullptr, 1, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  // A CPU buffer has no stream to be ordered on.
+  int not_a_stream = 0;
+  void* streams[2] = {nullptr, &not_a_stream};
+  EXPECT_EQ(dpar_comm_group_create_on_devices(&group, cpus, streams, 2, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("streams[1]"), std::string::npos) << dpar_last_error();
+  dpar_comm_options bad = DPAR_COMM_OPTIONS_INIT;
+  bad.timeout_seconds = 0;
+  EXPECT_EQ(dpar_comm_group_create_on_devices(&group, cpus, nullptr, 2, &bad), DPAR_ERR_INVALID_ARGUMENT);
+  // A GPU: refused cleanly where there is none or CUDA is not built; next to a CPU device, refused for the kinds.
+  size_t gpus = 0;
+  const bool cuda_built = dpar_device_count(&gpus, DPAR_DEVICE_CUDA) == DPAR_OK;
+  const dpar_device mixed[2] = {{DPAR_DEVICE_CUDA, 0}, {DPAR_DEVICE_CPU, 0}};
+  const dpar_status got = dpar_comm_group_create_on_devices(&group, mixed, nullptr, 2, nullptr);
+  const std::string why = dpar_last_error();
+  if (!cuda_built) {
+    EXPECT_EQ(got, DPAR_ERR_NOT_SUPPORTED) << why;
+  } else if (gpus == 0) {
+    EXPECT_EQ(got, DPAR_ERR_DEVICE) << why;
+    EXPECT_NE(why.find("devices[0]: cuda:0: no cuda device"), std::string::npos) << why;
+  } else {
+    EXPECT_EQ(got, DPAR_ERR_INVALID_ARGUMENT) << why;
+    EXPECT_NE(why.find("one kind"), std::string::npos) << why;
+  }
+  EXPECT_EQ(group, nullptr);
+  // A group of one on a CPU device is the identity, and its member says where its buffers are.
+  ASSERT_OK(dpar_comm_group_create_on_devices(&group, cpus + 1, nullptr, 1, nullptr));
+  dpar_comm* c = nullptr;
+  EXPECT_EQ(dpar_comm_group_member(&c, group, 1), DPAR_ERR_INVALID_ARGUMENT);
+  ASSERT_OK(dpar_comm_group_member(&c, group, 0));
+  dpar_device where{-1, -1};
+  EXPECT_EQ(dpar_comm_device(nullptr, c), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(dpar_comm_device(&where, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+  ASSERT_OK(dpar_comm_device(&where, c));
+  EXPECT_EQ(where.kind, DPAR_DEVICE_CPU);
+  EXPECT_EQ(where.index, 1);
+  float x[3] = {1, 2, 3};
+  ASSERT_OK(dpar_comm_all_reduce(c, x, x, 3, DPAR_F32, DPAR_MEAN));
+  EXPECT_EQ(x[2], 3.0f);
+  dpar_comm_group_free(group);
+  dpar_comm_free(c);
 }
 
 TEST(CommApi, AsyncWorkCompletesInOrder) {
@@ -269,7 +344,11 @@ dpar_reducer_options small_buckets() {
 
 }  // namespace
 
-TEST(ReducerApi, AveragesWhatEachParticipantProducedStepAfterStep) {
+class ReducerApiMade : public ::testing::TestWithParam<Made> {};
+INSTANTIATE_TEST_SUITE_P(ReducerApi, ReducerApiMade, ::testing::Values(Made::kPlain, Made::kOnCpuDevices),
+                         [](const auto& info) { return info.param == Made::kPlain ? "Plain" : "OnCpuDevices"; });
+
+TEST_P(ReducerApiMade, AveragesWhatEachParticipantProducedStepAfterStep) {
   // Four participants with their own backward order; participant 3 leaves gradient 1 out (an unused parameter);
   // participant 2 produces nothing in step 1 (no data). Buffers hold the mean over the participants, missing = 0.
   const int n = 4;
@@ -304,7 +383,7 @@ TEST(ReducerApi, AveragesWhatEachParticipantProducedStepAfterStep) {
     }
     dpar_reducer_free(red);
     return DPAR_OK;
-  });
+  }, GetParam());
   for (int r = 0; r < n; ++r) EXPECT_EQ(status[r], DPAR_OK) << "participant " << r;
 }
 

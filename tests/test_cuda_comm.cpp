@@ -58,7 +58,7 @@ class CudaDeviceGroupTest : public ::testing::TestWithParam<int> {
 TEST_P(CudaDeviceGroupTest, MatchesTheThreadsBackend) {
   const int n = GetParam();
   const size_t count = 10007;  // not a multiple of the slice alignment
-  CudaDeviceGroup group(names(n, "cuda:0"), std::chrono::seconds(30));
+  CudaDeviceGroup group(std::vector<int>(n, 0), names(n, "cuda:0"), std::chrono::seconds(30));
   ThreadGroup reference(names(n, "cpu"), std::chrono::seconds(30));
   std::vector<std::vector<float>> host(n), expected(n), got(n), gathered(n), gathered_ref(n), bcast(n), bcast_ref(n);
   for (int r = 0; r < n; ++r) host[r] = random_vector(count, 10 + r);
@@ -110,7 +110,7 @@ TEST_P(CudaDeviceGroupTest, MatchesTheThreadsBackend) {
 
 TEST_P(CudaDeviceGroupTest, MismatchIsReportedByEveryParticipant) {
   const int n = GetParam();
-  CudaDeviceGroup group(names(n, "cuda:0"), std::chrono::seconds(10));
+  CudaDeviceGroup group(std::vector<int>(n, 0), names(n, "cuda:0"), std::chrono::seconds(10));
   const auto status = run_threads(n, [&](int r) {
     DPAR_CUDA_CHECK(cudaSetDevice(0), "thread device");
     cudaStream_t stream;
@@ -128,7 +128,7 @@ TEST_P(CudaDeviceGroupTest, MismatchIsReportedByEveryParticipant) {
 
 TEST_P(CudaDeviceGroupTest, MissingParticipantTimesOut) {
   const int n = GetParam();
-  CudaDeviceGroup group(names(n, "cuda:0"), std::chrono::milliseconds(300));
+  CudaDeviceGroup group(std::vector<int>(n, 0), names(n, "cuda:0"), std::chrono::milliseconds(300));
   const auto status = run_threads(n, [&](int r) {
     if (r == 0) return;  // never calls
     DPAR_CUDA_CHECK(cudaSetDevice(0), "thread device");

@@ -2,6 +2,7 @@
 // needs a GPU and reports SKIPPED with the reason where there is none.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -146,17 +147,71 @@ TEST(CudaEngine, DeviceMemoryExhaustionIsACleanErrorAndTheEngineTrainsOn) {
   EXPECT_EQ(e.step_count(), 3);
 }
 
-TEST(CudaEngine, AnInputOnTheGpuIsRefusedNamingWhereItMustBe) {
+// A copy of a host tensor on `device`.
+Tensor on(const Tensor& host, Device device) {
+  Tensor t = Tensor::empty(host.dtype(), host.shape(), device);
+  t.copy_from_host(host.raw());
+  return t;
+}
+
+std::vector<float> values(const Tensor& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  t.copy_to_host(v.data());
+  return v;
+}
+
+// A batch already on the GPU (a framework's tensor, a device-side loader): each replica on that GPU takes its rows
+// as a view, without a copy; the result is the host batch's, bit for bit.
+TEST(CudaEngine, ABatchOnTheGpuTrainsAsTheSameBatchOnTheHost) {
   DPAR_REQUIRE_GPU();
   const Model model = make_mlp(13, 0.0f);
-  Engine e(model, adam(), devices(DeviceKind::kCuda, {0}));
-  Batch b = make_batch(4, 1);
-  Tensor on_gpu = Tensor::zeros(DType::kF32, b.x.shape(), Device{DeviceKind::kCuda, 0});
+  const Device gpu{DeviceKind::kCuda, 0};
+  Engine from_host(model, adam(), devices(DeviceKind::kCuda, {0, 0}));
+  Engine from_gpu(model, adam(), devices(DeviceKind::kCuda, {0, 0}));
+  const auto d = data(23);
+  for (int s = 0; s < 6; ++s) {
+    const Batch& b = d[static_cast<size_t>(s) % d.size()];
+    const Tensor x = on(b.x, gpu), y = on(b.y, gpu);
+    EXPECT_EQ(from_gpu.train_step(x, y), from_host.train_step(b.x, b.y)) << "step " << s;
+  }
+  EXPECT_EQ(from_gpu.params(0), from_host.params(0));
+  EXPECT_EQ(from_gpu.params(1), from_gpu.params(0));
+  // forward and backward take the GPU's memory too, with the same result.
+  const Batch& b = d[0];
+  const std::vector<float> out_host = values(from_host.forward(b.x));
+  const Tensor out_gpu = from_gpu.forward(on(b.x, gpu));
+  EXPECT_EQ(values(out_gpu), out_host);
+  Tensor ones = Tensor::empty(DType::kF32, out_gpu.shape(), Device{});
+  std::fill(ones.f32(), ones.f32() + ones.numel(), 1.0f);
+  from_host.backward(ones);
+  from_gpu.backward(on(ones, gpu));
+  from_host.step();
+  from_gpu.step();
+  EXPECT_EQ(from_gpu.params(0), from_host.params(0));
+  // A label out of range on the GPU is refused as on the host, and the engine goes on.
+  Tensor bad = on(b.y, Device{});
+  bad.i32()[3] = 5;
   try {
-    e.train_step(on_gpu, b.y);
-    FAIL() << "a GPU input was accepted";
+    from_gpu.train_step(on(b.x, gpu), on(bad, gpu));
+    FAIL() << "a label out of range on the GPU was accepted";
   } catch (const Error& err) {
     EXPECT_EQ(err.status(), DPAR_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(err.what()).find("target[3] = 5 is out of range"), std::string::npos) << err.what();
+  }
+  from_gpu.train_step(on(b.x, gpu), on(b.y, gpu));
+}
+
+TEST(CudaEngine, AGpuBatchForACpuEngineIsRefusedNamingWhereItMustBe) {
+  DPAR_REQUIRE_GPU();
+  Engine e(make_mlp(13, 0.0f), adam(), devices(DeviceKind::kCpu, {0}));
+  Batch b = make_batch(4, 1);
+  Tensor on_gpu = on(b.x, Device{DeviceKind::kCuda, 0});
+  try {
+    e.train_step(on_gpu, b.y);
+    FAIL() << "a GPU input was accepted by a CPU engine";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), DPAR_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(err.what()).find("input is on cuda:0"), std::string::npos) << err.what();
     EXPECT_NE(std::string(err.what()).find("host memory"), std::string::npos) << err.what();
   }
   e.train_step(b.x, b.y);  // and the engine goes on

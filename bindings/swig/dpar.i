@@ -10,7 +10,7 @@
  *
  * Conventions of the Python raw layer:
  *  - a handle returned through `T **out` is returned (after the status) as a SWIG pointer, owned by the caller;
- *  - option structs and dpar_device are SWIG proxy classes;
+ *  - option structs and dpar_device are SWIG proxy classes, except an array of devices (an integer address);
  *  - every other pointer (buffers, scalar outputs, shapes) is passed as an integer address, so that the
  *    package on top points dpar at NumPy arrays without a copy (arr.ctypes.data) and keeps them alive;
  *  - functions that take C function pointers (custom layers, the forward hook) and DLPack's struct are reached
@@ -40,7 +40,7 @@
 %enddef
 DPAR_GO_POINTER(void *, const void *, float *, const float *, int32_t *, const int32_t *, int64_t *,
                 const int64_t *, size_t *, const size_t *, float *const *, dpar_status *, void **,
-                dpar_tensor **, dpar_model **, dpar_engine **, dpar_dataset **, dpar_loader **,
+                void *const *, const dpar_device *devices, dpar_tensor **, dpar_model **, dpar_engine **, dpar_dataset **, dpar_loader **,
                 dpar_comm_group **, dpar_comm **, dpar_work **, dpar_reducer **)
 %ignore dpar_engine_set_forward_hook;   /* C function pointers: the idiomatic package bridges them with cgo */
 %ignore dpar_model_add_custom;
@@ -78,12 +78,14 @@ DPAR_OUT_HANDLE(dpar_reducer)
 
 /* Buffers and scalar outputs: integer addresses. */
 %typemap(in) void *, const void *, float *, const float *, int32_t *, const int32_t *, int64_t *, const int64_t *,
-             size_t *, const size_t *, float *const *, dpar_status *, void ** {
+             size_t *, const size_t *, float *const *, dpar_status *, void **, void *const *,
+             const dpar_device *devices {
   $1 = ($1_ltype)PyLong_AsVoidPtr($input);
   if (PyErr_Occurred()) SWIG_fail;
 }
 %typemap(typecheck, precedence=SWIG_TYPECHECK_POINTER) void *, const void *, float *, const float *, int32_t *,
-    const int32_t *, int64_t *, const int64_t *, size_t *, const size_t *, float *const *, dpar_status *, void ** {
+    const int32_t *, int64_t *, const int64_t *, size_t *, const size_t *, float *const *, dpar_status *, void **,
+    void *const *, const dpar_device *devices {
   $1 = PyLong_Check($input) ? 1 : 0;
 }
 

@@ -44,6 +44,10 @@ class Backend {
   virtual void copy_to_host(void* dst, const void* src, size_t bytes, Device device) = 0;
   virtual void copy_from_host(void* dst, const void* src, size_t bytes, Device device) = 0;
   virtual void fill_zero(void* dst, size_t bytes, Device device) = 0;
+  // Throws Error(INVALID_ARGUMENT) naming `argument` when `ptr` is known not to be memory of `device` (a host
+  // pointer handed to a GPU collective would fault on the device, and such a fault ends the process's CUDA
+  // context). CPU memory cannot be told apart from any other pointer: the CPU backend accepts every one.
+  virtual void check_memory(const void* ptr, Device device, const char* argument) = 0;
 
   // ---- Workers ------------------------------------------------------------------------------------------------
   struct WorkerOptions {
@@ -56,6 +60,10 @@ class Backend {
   virtual void start_worker(Device device, size_t worker, const WorkerOptions& options) = 0;
   // A new ordered queue of work on `device`, for the calling (worker) thread's replica.
   virtual std::unique_ptr<Stream> open_stream(Device device) = 0;
+  // A Stream over a queue the caller owns, used and never destroyed: for a framework whose own buffers dpar
+  // reduces, ordered with the framework's work. CUDA: a cudaStream_t of `device` (nullptr: the legacy default
+  // stream); its operations may be called from any thread. CPU has no such queue: `native` must be nullptr.
+  virtual std::unique_ptr<Stream> wrap_stream(Device device, void* native) = 0;
 
   // ---- The in-process group -----------------------------------------------------------------------------------
   // The group that replica r (on devices[r], with streams[r]) reduces with; names[r] names it in messages.

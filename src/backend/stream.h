@@ -26,6 +26,8 @@ class Stream {
   Device device() const { return device_; }
 
   // ---- Ordered memory operations ------------------------------------------------------------------------------
+  // dst and src are memory of devices of the stream's kind; either may be on another device than the stream's
+  // (a replica's rows of an input on another GPU, a gathered output).
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   // The host buffer may be reused as soon as the call returns.
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;

@@ -49,14 +49,18 @@ struct dpar_loader {
 };
 
 struct dpar_comm_group {
-  std::shared_ptr<dpar::ThreadGroup> group;  // shared with its members, so they may be freed in any order
+  std::shared_ptr<dpar::Group> group;  // shared with its members, so they may be freed in any order
+  std::vector<dpar::Device> devices;   // participant r's buffers are memory of devices[r]
+  std::vector<void*> streams;          // participant r's collectives are ordered on the caller's streams[r]
 };
 struct dpar_comm {
-  std::shared_ptr<dpar::ThreadGroup> group;  // null for MPI
+  std::shared_ptr<dpar::Group> group;        // null for MPI
   std::shared_ptr<dpar::Communicator> comm;  // shared with reducers, so either may be freed first
+  dpar::Device device;                       // where its buffers are (cpu:0: host memory)
+  void* stream = nullptr;                    // the caller's stream its collectives are ordered on
 };
 struct dpar_reducer {
-  std::shared_ptr<dpar::ThreadGroup> group;  // what the communicator needs alive (null for MPI)
+  std::shared_ptr<dpar::Group> group;  // what the communicator needs alive (null for MPI)
   std::shared_ptr<dpar::Communicator> comm;
   std::mutex mutex;                          // the reducer's calls may come from several threads
   bool in_step = false;                      // a grad_ready since the last wait

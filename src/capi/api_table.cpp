@@ -104,6 +104,8 @@ const dpar_api_v1 kApiV1 = {
     &dpar_loader_next,
     &dpar_loader_inputs,
     &dpar_loader_labels,
+    &dpar_comm_group_create_on_devices,
+    &dpar_comm_device,
 };
 }  // namespace
 

@@ -35,10 +35,10 @@ std::chrono::duration<double> comm_timeout(const dpar_comm_options* opts) {
   return std::chrono::duration<double>(o.timeout_seconds);
 }
 
-Communicator& comm_of(dpar_comm* comm) { return *checked(comm, "comm").comm; }
-
-void check_buffer(const void* p, size_t count, const char* argument) {
+// A collective's buffer: not NULL unless empty, and memory of the communicator's device where that can be told.
+void check_buffer(const dpar_comm& c, const void* p, size_t count, const char* argument) {
   DPAR_CHECK_ARG(p != nullptr || count == 0, argument, ": is NULL");
+  if (count != 0) backend_for(c.device).check_memory(p, c.device, argument);
 }
 
 int check_root(const Communicator& c, size_t root) {
@@ -60,7 +60,7 @@ dpar_status start_async(dpar_work** out, dpar_comm* comm, Start&& start) {
   if (out) *out = nullptr;
   return guard([&] {
     checked_out(out);
-    *out = new_work(start(comm_of(comm)));
+    *out = new_work(start(checked(comm, "comm")));
   });
 }
 
@@ -82,6 +82,47 @@ DPAR_API dpar_status dpar_comm_group_create(dpar_comm_group** out, size_t size, 
     auto group = std::make_shared<ThreadGroup>(std::move(names), comm_timeout(opts));
     auto* h = new_handle<dpar_comm_group>();
     h->group = std::move(group);
+    h->devices.assign(size, Device{});
+    h->streams.assign(size, nullptr);
+    *out = h;
+  });
+}
+
+DPAR_API dpar_status dpar_comm_group_create_on_devices(dpar_comm_group** out, const dpar_device* devices,
+                                                      void* const* streams, size_t size,
+                                                      const dpar_comm_options* opts) {
+  return guard([&] {
+    checked_out(out);
+    *out = nullptr;
+    DPAR_CHECK_ARG(devices != nullptr, "devices: is NULL");
+    DPAR_CHECK_ARG(size >= 1 && size <= 256, "size: ", size, " must be 1 to 256");
+    const auto timeout = comm_timeout(opts);
+    std::vector<Device> devs;
+    std::vector<std::string> names;
+    for (size_t r = 0; r < size; ++r) {
+      const std::string argument = "devices[" + std::to_string(r) + "]";
+      devs.push_back(checked_device(devices[r], argument.c_str()));
+      DPAR_CHECK_ARG(devs[r].kind == devs[0].kind, argument, ": ", devs[r].str(), " is not of the kind of devices[0] (",
+                     devs[0].str(), "): a group's participants are all of one kind");
+      DPAR_CHECK_ARG(!devs[r].is_host() || streams == nullptr || streams[r] == nullptr, "streams[", r, "]: ",
+                     devs[r].str(), " has no streams (CPU buffers are host memory): pass NULL");
+      names.push_back("participant " + std::to_string(r) + " (" + devs[r].str() + ")");
+    }
+    Backend& backend = backend_for(devs[0]);
+    std::vector<void*> native(size, nullptr);
+    if (streams != nullptr) native.assign(streams, streams + size);
+    // The backend's group queues each participant's work on its Stream: here, views of the caller's streams.
+    std::vector<std::unique_ptr<Stream>> views;
+    std::vector<Stream*> view_ptrs;
+    for (size_t r = 0; r < size; ++r) {
+      views.push_back(backend.wrap_stream(devs[r], native[r]));
+      view_ptrs.push_back(views.back().get());
+    }
+    std::shared_ptr<Group> group = backend.make_group(devs, view_ptrs, std::move(names), timeout);
+    auto* h = new_handle<dpar_comm_group>();
+    h->group = std::move(group);
+    h->devices = std::move(devs);
+    h->streams = std::move(native);
     *out = h;
   });
 }
@@ -92,13 +133,15 @@ DPAR_API dpar_status dpar_comm_group_member(dpar_comm** out, dpar_comm_group* gr
   return guard([&] {
     checked_out(out);
     *out = nullptr;
-    auto& g = checked(group, "group").group;
-    DPAR_CHECK_ARG(rank < static_cast<size_t>(g->size()), "rank: ", rank, " is out of range (the group has ", g->size(),
+    dpar_comm_group& g = checked(group, "group");
+    DPAR_CHECK_ARG(rank < g.devices.size(), "rank: ", rank, " is out of range (the group has ", g.devices.size(),
                    " participants)");
-    auto comm = g->communicator(static_cast<int>(rank));
+    auto comm = g.group->communicator(static_cast<int>(rank));
     auto* h = new_handle<dpar_comm>();
-    h->group = g;
+    h->group = g.group;
     h->comm = std::move(comm);
+    h->device = g.devices[rank];
+    h->stream = g.streams[rank];
     *out = h;
   });
 }
@@ -124,9 +167,17 @@ DPAR_API dpar_status dpar_comm_info(size_t* out_rank, size_t* out_size, const dp
   });
 }
 
+DPAR_API dpar_status dpar_comm_device(dpar_device* out, const dpar_comm* comm) {
+  return guard([&] {
+    checked_out(out);
+    const dpar_comm& c = checked(comm, "comm");
+    *out = dpar_device{static_cast<int32_t>(c.device.kind), c.device.index};
+  });
+}
+
 DPAR_API dpar_status dpar_comm_abort(dpar_comm* comm, const char* reason) {
   return guard([&] {
-    Communicator& c = comm_of(comm);
+    Communicator& c = *checked(comm, "comm").comm;
     c.abort(detail::concat("participant ", c.rank(), " called dpar_comm_abort",
                            reason && *reason ? std::string(": ") + reason : std::string()));
   });
@@ -137,7 +188,7 @@ DPAR_API dpar_status dpar_comm_get_async_error(dpar_status* out, dpar_comm* comm
   const dpar_status rc = guard([&] {
     checked_out(out);
     *out = DPAR_OK;
-    *out = comm_of(comm).async_error(&reason);
+    *out = checked(comm, "comm").comm->async_error(&reason);
   });
   if (rc == DPAR_OK) set_last_error(reason.c_str());
   return rc;
@@ -146,17 +197,19 @@ DPAR_API dpar_status dpar_comm_get_async_error(dpar_status* out, dpar_comm* comm
 DPAR_API dpar_status dpar_comm_all_reduce(dpar_comm* comm, const void* send, void* recv, size_t count,
                                           int32_t dtype, int32_t op) {
   return guard([&] {
-    Communicator& c = comm_of(comm);
-    check_buffer(send, count, "send");
-    check_buffer(recv, count, "recv");
+    dpar_comm& h = checked(comm, "comm");
+    Communicator& c = *h.comm;
+    check_buffer(h, send, count, "send");
+    check_buffer(h, recv, count, "recv");
     c.all_reduce(send, recv, count, comm_dtype(dtype), reduce_op(op));
   });
 }
 
 DPAR_API dpar_status dpar_comm_broadcast(dpar_comm* comm, void* buffer, size_t count, int32_t dtype, size_t root) {
   return guard([&] {
-    Communicator& c = comm_of(comm);
-    check_buffer(buffer, count, "buffer");
+    dpar_comm& h = checked(comm, "comm");
+    Communicator& c = *h.comm;
+    check_buffer(h, buffer, count, "buffer");
     const int r = check_root(c, root);
     c.broadcast(buffer, count, comm_dtype(dtype), r);
   });
@@ -165,10 +218,11 @@ DPAR_API dpar_status dpar_comm_broadcast(dpar_comm* comm, void* buffer, size_t c
 DPAR_API dpar_status dpar_comm_reduce(dpar_comm* comm, const void* send, void* recv, size_t count, int32_t dtype,
                                       int32_t op, size_t root) {
   return guard([&] {
-    Communicator& c = comm_of(comm);
-    check_buffer(send, count, "send");
+    dpar_comm& h = checked(comm, "comm");
+    Communicator& c = *h.comm;
+    check_buffer(h, send, count, "send");
     const int r = check_root(c, root);
-    if (c.rank() == r) check_buffer(recv, count, "recv");
+    if (c.rank() == r) check_buffer(h, recv, count, "recv");
     c.reduce(send, recv, count, comm_dtype(dtype), reduce_op(op), r);
   });
 }
@@ -176,9 +230,10 @@ DPAR_API dpar_status dpar_comm_reduce(dpar_comm* comm, const void* send, void* r
 DPAR_API dpar_status dpar_comm_all_gather(dpar_comm* comm, const void* send, void* recv, size_t count,
                                           int32_t dtype) {
   return guard([&] {
-    Communicator& c = comm_of(comm);
-    check_buffer(send, count, "send");
-    check_buffer(recv, count, "recv");
+    dpar_comm& h = checked(comm, "comm");
+    Communicator& c = *h.comm;
+    check_buffer(h, send, count, "send");
+    check_buffer(h, recv, count, "recv");
     c.all_gather(send, recv, count, comm_dtype(dtype));
   });
 }
@@ -186,30 +241,33 @@ DPAR_API dpar_status dpar_comm_all_gather(dpar_comm* comm, const void* send, voi
 DPAR_API dpar_status dpar_comm_reduce_scatter(dpar_comm* comm, const void* send, void* recv, size_t count,
                                               int32_t dtype, int32_t op) {
   return guard([&] {
-    Communicator& c = comm_of(comm);
-    check_buffer(send, count, "send");
-    check_buffer(recv, count, "recv");
+    dpar_comm& h = checked(comm, "comm");
+    Communicator& c = *h.comm;
+    check_buffer(h, send, count, "send");
+    check_buffer(h, recv, count, "recv");
     c.reduce_scatter(send, recv, count, comm_dtype(dtype), reduce_op(op));
   });
 }
 
 DPAR_API dpar_status dpar_comm_barrier(dpar_comm* comm) {
-  return guard([&] { comm_of(comm).barrier("barrier"); });
+  return guard([&] { checked(comm, "comm").comm->barrier("barrier"); });
 }
 
 DPAR_API dpar_status dpar_comm_all_reduce_async(dpar_work** out, dpar_comm* comm, const void* send, void* recv,
                                                 size_t count, int32_t dtype, int32_t op) {
-  return start_async(out, comm, [&](Communicator& c) {
-    check_buffer(send, count, "send");
-    check_buffer(recv, count, "recv");
+  return start_async(out, comm, [&](dpar_comm& h) {
+    Communicator& c = *h.comm;
+    check_buffer(h, send, count, "send");
+    check_buffer(h, recv, count, "recv");
     return c.async_all_reduce(send, recv, count, comm_dtype(dtype), reduce_op(op));
   });
 }
 
 DPAR_API dpar_status dpar_comm_broadcast_async(dpar_work** out, dpar_comm* comm, void* buffer, size_t count,
                                                int32_t dtype, size_t root) {
-  return start_async(out, comm, [&](Communicator& c) {
-    check_buffer(buffer, count, "buffer");
+  return start_async(out, comm, [&](dpar_comm& h) {
+    Communicator& c = *h.comm;
+    check_buffer(h, buffer, count, "buffer");
     const int r = check_root(c, root);
     return c.async_broadcast(buffer, count, comm_dtype(dtype), r);
   });
@@ -217,18 +275,20 @@ DPAR_API dpar_status dpar_comm_broadcast_async(dpar_work** out, dpar_comm* comm,
 
 DPAR_API dpar_status dpar_comm_all_gather_async(dpar_work** out, dpar_comm* comm, const void* send, void* recv,
                                                 size_t count, int32_t dtype) {
-  return start_async(out, comm, [&](Communicator& c) {
-    check_buffer(send, count, "send");
-    check_buffer(recv, count, "recv");
+  return start_async(out, comm, [&](dpar_comm& h) {
+    Communicator& c = *h.comm;
+    check_buffer(h, send, count, "send");
+    check_buffer(h, recv, count, "recv");
     return c.async_all_gather(send, recv, count, comm_dtype(dtype));
   });
 }
 
 DPAR_API dpar_status dpar_comm_reduce_scatter_async(dpar_work** out, dpar_comm* comm, const void* send, void* recv,
                                                     size_t count, int32_t dtype, int32_t op) {
-  return start_async(out, comm, [&](Communicator& c) {
-    check_buffer(send, count, "send");
-    check_buffer(recv, count, "recv");
+  return start_async(out, comm, [&](dpar_comm& h) {
+    Communicator& c = *h.comm;
+    check_buffer(h, send, count, "send");
+    check_buffer(h, recv, count, "recv");
     return c.async_reduce_scatter(send, recv, count, comm_dtype(dtype), reduce_op(op));
   });
 }

@@ -45,6 +45,7 @@ DPAR_API dpar_status dpar_reducer_create(dpar_reducer** out, dpar_comm* comm, fl
     std::vector<Reducer::Grad> list;
     for (size_t i = 0; i < num_grads; ++i) {
       DPAR_CHECK_ARG(grads[i] != nullptr, "grads[", i, "]: is NULL");
+      backend_for(c.device).check_memory(grads[i], c.device, ("grads[" + std::to_string(i) + "]").c_str());
       DPAR_CHECK_ARG(counts[i] > 0, "counts[", i, "]: is 0");
       DPAR_CHECK_ARG(counts[i] <= SIZE_MAX / sizeof(float), "counts[", i, "]: ", counts[i], " is too large");
       list.push_back({grads[i], counts[i]});
@@ -66,8 +67,9 @@ DPAR_API dpar_status dpar_reducer_create(dpar_reducer** out, dpar_comm* comm, fl
     h->comm = c.comm;
     Communicator* raw = h->comm.get();
     const float scale = o.op == DPAR_MEAN ? 1.0f / static_cast<float>(raw->size()) : 1.0f;
-    // The framework's gradients are host memory: the reducer's copies and fills go through a CPU stream.
-    h->stream = backend_for(DeviceKind::kCpu).open_stream(Device{});
+    // The reducer's copies and fills are ordered with the framework's work on the communicator's device: a CPU
+    // stream for host memory, the caller's own stream on a GPU.
+    h->stream = backend_for(c.device).wrap_stream(c.device, c.stream);
     h->reducer = std::make_unique<Reducer>(
         std::move(list), bucket_options(o.first_bucket_bytes, o.bucket_cap_bytes), *h->stream,
         [raw, scale](float* data, size_t count, bool contributes) {

@@ -49,9 +49,10 @@ T* ptr(int64_t v) {
 
 class CudaDeviceCommunicator final : public Communicator {
  public:
-  CudaDeviceCommunicator(ThreadGroup& host, int rank, cudaStream_t stream)
-      : host_(host), rank_(rank), stream_(stream), comm_(host.communicator(rank)) {
+  CudaDeviceCommunicator(ThreadGroup& host, int rank, int device, cudaStream_t stream)
+      : host_(host), rank_(rank), device_(device), stream_(stream), comm_(host.communicator(rank)) {
     const int n = host_.size();
+    cuda::DeviceScope scope(device_);
     DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "device group: event");
     DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "device group: event");
     DPAR_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&table_), n * sizeof(float*)), "device group: table");
@@ -61,6 +62,7 @@ class CudaDeviceCommunicator final : public Communicator {
   }
   ~CudaDeviceCommunicator() override {
     stop_async();
+    cuda::DeviceScope scope(device_);
     // Queued work may still read the tables: let this participant's stream finish first.
     cudaStreamSynchronize(stream_);
     cudaFree(table_);
@@ -88,8 +90,10 @@ class CudaDeviceCommunicator final : public Communicator {
            " ", reduce_op_name(op));
     DPAR_LOCAL_CHECK(count == 0 || (send != nullptr && recv != nullptr), kOp, ": null buffer");
     // Out of place: recv takes send's values first (on this stream, before the inputs-ready event).
-    if (count != 0 && send != recv)
+    if (count != 0 && send != recv) {
+      cuda::DeviceScope scope(device_);
       DPAR_CUDA_CHECK(cudaMemcpyAsync(recv, send, count * sizeof(float), cudaMemcpyDeviceToDevice, stream_), kOp);
+    }
     sum(kOp, kAllReduce, static_cast<float*>(recv), count, true, 1.0f, 0);
   }
 
@@ -191,6 +195,7 @@ class CudaDeviceCommunicator final : public Communicator {
   // queue this participant's part, publish its done event, meet again, wait for every participant's part.
   template <class Part>
   void run(const char* operation, Record& mine, Part part) {
+    cuda::DeviceScope scope(device_);
     DPAR_CUDA_CHECK(cudaEventRecord(ready_, stream_), operation, ": inputs-ready event");
     mine.ready = reinterpret_cast<intptr_t>(ready_);
     mine.done = reinterpret_cast<intptr_t>(done_);
@@ -230,6 +235,7 @@ class CudaDeviceCommunicator final : public Communicator {
 
   ThreadGroup& host_;
   int rank_;
+  int device_;
   cudaStream_t stream_;
   std::unique_ptr<Communicator> comm_;  // the host side: records, barriers, timeouts, abort
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
@@ -241,12 +247,16 @@ class CudaDeviceCommunicator final : public Communicator {
 
 }  // namespace
 
-CudaDeviceGroup::CudaDeviceGroup(std::vector<std::string> names, std::chrono::duration<double> timeout)
-    : host_(std::move(names), timeout) {}
+CudaDeviceGroup::CudaDeviceGroup(std::vector<int> devices, std::vector<std::string> names,
+                                 std::chrono::duration<double> timeout)
+    : host_(std::move(names), timeout), devices_(std::move(devices)) {
+  DPAR_CHECK_ARG(static_cast<int>(devices_.size()) == host_.size(), "device group: ", devices_.size(),
+                 " devices for ", host_.size(), " names");
+}
 
 std::unique_ptr<Communicator> CudaDeviceGroup::communicator(int rank, cudaStream_t stream) {
   DPAR_CHECK_ARG(rank >= 0 && rank < size(), "device group: rank ", rank, " out of range");
-  return std::make_unique<CudaDeviceCommunicator>(host_, rank, stream);
+  return std::make_unique<CudaDeviceCommunicator>(host_, rank, devices_[static_cast<size_t>(rank)], stream);
 }
 
 }  // namespace dpar

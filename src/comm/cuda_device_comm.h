@@ -37,8 +37,9 @@ namespace dpar {
 
 class CudaDeviceGroup {
  public:
-  // names[r] names participant r in messages ("replica 1 (cuda:0)").
-  CudaDeviceGroup(std::vector<std::string> names, std::chrono::duration<double> timeout);
+  // devices[r] is participant r's CUDA device (the same one several times, or GPUs with peer access); names[r]
+  // names it in messages ("replica 1 (cuda:0)").
+  CudaDeviceGroup(std::vector<int> devices, std::vector<std::string> names, std::chrono::duration<double> timeout);
 
   int size() const { return host_.size(); }
   // Every participant waiting now or later throws Error(REMOTE) with `reason`.
@@ -46,12 +47,14 @@ class CudaDeviceGroup {
   // Makes an aborted group usable again (no participant inside a collective).
   void reset() { host_.reset(); }
 
-  // Participant `rank`'s view, queuing its device work on `stream` (of the current CUDA device, which must be the
-  // device of its buffers). Allocates its small device tables. The group and the stream must outlive it.
+  // Participant `rank`'s view, queuing its device work on `stream` (of devices[rank], the device of its buffers).
+  // Each call makes that device current for its span, whatever thread calls it. Allocates its small device
+  // tables. The group and the stream must outlive it.
   std::unique_ptr<Communicator> communicator(int rank, cudaStream_t stream);
 
  private:
   ThreadGroup host_;
+  std::vector<int> devices_;
 };
 
 }  // namespace dpar

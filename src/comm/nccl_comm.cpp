@@ -55,7 +55,7 @@ class NcclCommunicator final : public Communicator {
       : comm_(comm), owns_comm_(owns_comm), host_(host), rank_(rank), size_(size), device_(device), compute_(compute),
         name_(std::move(name)), timeout_(timeout) {
     if (host_ != nullptr) host_comm_ = host_->communicator(rank);
-    DPAR_CUDA_CHECK(cudaSetDevice(device_), name_, ": nccl communicator");
+    cuda::DeviceScope scope(device_);
     DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking), name_, ": communication stream");
     DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), name_, ": event");
     DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), name_, ": event");
@@ -66,19 +66,13 @@ class NcclCommunicator final : public Communicator {
   }
   ~NcclCommunicator() override {
     stop_async();
-    if (!broken_) cudaStreamSynchronize(comm_stream_);
-    if (owns_comm_ && comm_ != nullptr) {
-      if (broken_)
-        ncclCommAbort(comm_);
-      else
-        ncclCommDestroy(comm_);
+    try {
+      cuda::DeviceScope scope(device_);
+      release();
+    } catch (...) {
+      release();  // the device could not be made current: release what can be
     }
-    if (records_ != nullptr) cudaFree(records_);
-    cudaEventDestroy(ready_);
-    cudaEventDestroy(done_);
-    cudaStreamDestroy(comm_stream_);
   }
-
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const char* backend() const override { return "nccl"; }
@@ -163,6 +157,21 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  // The communicator's CUDA and NCCL resources, with its device current.
+  void release() noexcept {
+    if (!broken_) cudaStreamSynchronize(comm_stream_);
+    if (owns_comm_ && comm_ != nullptr) {
+      if (broken_)
+        ncclCommAbort(comm_);
+      else
+        ncclCommDestroy(comm_);
+    }
+    if (records_ != nullptr) cudaFree(records_);
+    cudaEventDestroy(ready_);
+    cudaEventDestroy(done_);
+    cudaStreamDestroy(comm_stream_);
+  }
+
   void check_root(const char* operation, int root) const {
     DPAR_CHECK_ARG(root >= 0 && root < size_, operation, ": root ", root, " is not a participant (size ", size_, ")");
   }
@@ -188,7 +197,7 @@ class NcclCommunicator final : public Communicator {
     DPAR_ENFORCE(!broken_, DPAR_ERR_INVALID_STATE, operation, ": ", name_,
                  "'s NCCL communicator was aborted by an earlier failure; create a new one");
     if (aborted_.load()) remote_failure(operation);
-    DPAR_CUDA_CHECK(cudaSetDevice(device_), operation, ": ", name_);
+    cuda::DeviceScope scope(device_);
     mine.seq = ++seq_;
     agree(operation, mine);
     // Order: compute stream (inputs) -> communication stream (NCCL) -> compute stream (later work).
@@ -319,7 +328,7 @@ std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int
                                                      cudaStream_t compute_stream, std::string name,
                                                      std::chrono::duration<double> timeout) {
   DPAR_CHECK_ARG(nranks >= 1 && rank >= 0 && rank < nranks, "nccl: rank ", rank, " of ", nranks);
-  DPAR_CUDA_CHECK(cudaSetDevice(device), name, ": nccl communicator");
+  cuda::DeviceScope scope(device);
   ncclComm_t comm = nullptr;
   DPAR_NCCL_CHECK(ncclCommInitRank(&comm, nranks, id, rank), name, ": rank ", rank, " of ", nranks);
   try {

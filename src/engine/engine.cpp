@@ -212,9 +212,17 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
   fail(status, prefix, message, "; the step's gradients were discarded and the engine remains usable");
 }
 
+void Engine::check_reachable(const Tensor& t, const char* what, const char* operation) const {
+  const Device d = t.device();
+  DPAR_CHECK_ARG(d.is_host() || d.kind == backend_.kind(), operation, ": ", what, " is on ", d.str(),
+                 ", but this engine's replicas are on ", backend_.name(), " devices: pass host memory or memory of ",
+                 backend_.name(), " devices");
+}
+
 Shape Engine::check_batch(const Tensor& input, const Tensor* target, const char* operation) const {
   DPAR_CHECK_ARG(input.dtype() == DType::kF32, operation, ": input must be f32, got ", dtype_name(input.dtype()));
-  DPAR_CHECK_ARG(input.device().is_host(), operation, ": input must be in host memory, got ", input.device().str());
+  check_reachable(input, "input", operation);
+  if (target) check_reachable(*target, "target", operation);
   DPAR_CHECK_ARG(input.shape().ndim() >= 1 && input.rows() >= 1, operation, ": input batch is empty");
   Shape out;
   try {
@@ -226,14 +234,18 @@ Shape Engine::check_batch(const Tensor& input, const Tensor* target, const char*
   return out;
 }
 
-Tensor Engine::on_replica(Replica& rep, const Tensor& host, int64_t begin, int64_t rows, Tensor& stage) {
-  Tensor part = host.rows(begin, rows);
-  if (rep.ctx.device.is_host()) return part;
-  const Shape shape = host.shape().with_rows(rows);
-  if (!stage.defined() || stage.dtype() != host.dtype() || stage.numel() < shape.numel())
-    stage = rep.ctx.alloc(host.dtype(), Shape{shape.numel()});
+Tensor Engine::on_replica(Replica& rep, const Tensor& whole, int64_t begin, int64_t rows, Tensor& stage) {
+  Tensor part = whole.rows(begin, rows);
+  // On the replica's own memory already (host memory for a CPU replica): a view.
+  if (rep.ctx.device.is_host() || whole.device() == rep.ctx.device) return part;
+  const Shape shape = whole.shape().with_rows(rows);
+  if (!stage.defined() || stage.dtype() != whole.dtype() || stage.numel() < shape.numel())
+    stage = rep.ctx.alloc(whole.dtype(), Shape{shape.numel()});
   Tensor dst = stage.rows(0, shape.numel()).reshaped(shape);
-  rep.stream->copy_from_host(dst.raw(), part.raw(), part.bytes());
+  if (whole.device().is_host())
+    rep.stream->copy_from_host(dst.raw(), part.raw(), part.bytes());
+  else
+    rep.stream->copy(dst.raw(), part.raw(), part.bytes());  // from another device of the replica's kind
   return dst;
 }
 
@@ -464,16 +476,9 @@ Tensor Engine::forward(const Tensor& input) {
     // Gather: each replica copies its rows into the output, in batch order.
     float* dst = out.f32() + begin * out_row;
     const size_t bytes = static_cast<size_t>(y.numel()) * sizeof(float);
-    if (rep.ctx.device == out_device) {
-      rep.stream->copy(dst, y.f32(), bytes);
-    } else if (out_device.is_host()) {
-      rep.stream->copy_to_host(dst, y.f32(), bytes);
-    } else {
-      // Between two devices of another kind than the host: through the host.
-      std::vector<float> host(static_cast<size_t>(y.numel()));
-      rep.stream->copy_to_host(host.data(), y.f32(), bytes);
-      backend_.copy_from_host(dst, host.data(), bytes, out_device);
-    }
+    // The output device is one of the replicas' devices, of their kind: a copy within the kind (between two GPUs
+    // where the replica is on another one than the output).
+    rep.stream->copy(dst, y.f32(), bytes);
     if (!training_) rep.model->clear_forward_state();
   });
   if (training_) {
@@ -489,8 +494,9 @@ void Engine::backward(const Tensor& grad_output) {
                "backward: no training-mode forward() to go back through");
   DPAR_ENFORCE(pending_ != Pending::kLoss, DPAR_ERR_INVALID_STATE,
                "backward: gradients from accumulate() are pending; call step() or zero_grad() first");
-  DPAR_CHECK_ARG(grad_output.dtype() == DType::kF32 && grad_output.device().is_host(),
-                 "backward: grad_output must be an f32 host tensor");
+  DPAR_CHECK_ARG(grad_output.dtype() == DType::kF32, "backward: grad_output must be f32, got ",
+                 dtype_name(grad_output.dtype()));
+  check_reachable(grad_output, "grad_output", "backward");
   DPAR_CHECK_ARG(grad_output.shape() == forward_output_shape_, "backward: grad_output ", grad_output.shape().str(),
                  " must be shaped as forward's output ", forward_output_shape_.str());
   const auto split = forward_split_;

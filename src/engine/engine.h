@@ -118,9 +118,12 @@ class Engine {
   };
   enum class Pending { kNone, kLoss, kExplicit };
 
-  // Rows [begin, begin + rows) of a host tensor on the replica's device: a view on the host, a copy into the
-  // replica's staging buffer `stage` elsewhere.
-  Tensor on_replica(Replica& rep, const Tensor& host, int64_t begin, int64_t rows, Tensor& stage);
+  // Rows [begin, begin + rows) of a batch tensor on the replica's device: a view where the tensor is the replica's
+  // memory already, a copy into the replica's staging buffer `stage` elsewhere (from the host, or from another
+  // device of the replica's kind).
+  Tensor on_replica(Replica& rep, const Tensor& whole, int64_t begin, int64_t rows, Tensor& stage);
+  // A batch tensor (`what`: input, target, grad_output) must be host memory or memory of the replicas' kind.
+  void check_reachable(const Tensor& t, const char* what, const char* operation) const;
   // Checks input (and target) against the model; returns the output shape for the whole batch.
   Shape check_batch(const Tensor& input, const Tensor* target, const char* operation) const;
   // Runs job on every replica's worker; on failure restores a usable state (or marks the engine broken) and

@@ -1,12 +1,13 @@
 #include "nn/loss.h"
 
+#include <vector>
+
+#include "backend/backend.h"
 #include "common/error.h"
 
 namespace dpar {
 
 void check_loss_target(LossKind kind, const Shape& out, const Tensor& target, const char* operation) {
-  DPAR_CHECK_ARG(target.device().is_host(), operation, ": target must be in host memory, got ",
-                 target.device().str());
   if (kind == LossKind::kCrossEntropy) {
     DPAR_CHECK_ARG(out.ndim() == 2, operation, ": cross-entropy needs a (batch, classes) output, the model gives ",
                    out.str());
@@ -15,7 +16,14 @@ void check_loss_target(LossKind kind, const Shape& out, const Tensor& target, co
     DPAR_CHECK_ARG(target.shape().ndim() == 1 && target.rows() == out[0], operation, ": target ",
                    target.shape().str(), " must be (", out[0], ") labels, one per input row");
     // Checked here, on the host: a device kernel cannot refuse a label.
+    std::vector<int32_t> copied;
     const int32_t* labels = target.i32();
+    if (!target.device().is_host()) {
+      copied.resize(static_cast<size_t>(target.rows()));
+      backend_for(target.device()).copy_to_host(copied.data(), labels, copied.size() * sizeof(int32_t),
+                                                target.device());
+      labels = copied.data();
+    }
     for (int64_t i = 0; i < target.rows(); ++i)
       DPAR_CHECK_ARG(labels[i] >= 0 && labels[i] < out[1], operation, ": target[", i, "] = ", labels[i],
                      " is out of range [0, ", out[1], ")");

@@ -600,6 +600,42 @@ func NewCommGroup(size int, timeoutSeconds float64) (*CommGroup, error) {
 	return g, nil
 }
 
+// NewCommGroupOnDevices makes a group whose participant r's buffers are memory of devices[r] (kind, index pairs
+// such as {CUDA, 0}), all of one kind. On GPUs, participant r's collectives are ordered on streams[r], a
+// cudaStream_t (nil streams, or a zero entry, is the legacy default stream). The collectives of Comm take Go
+// slices, which are host memory: a group on GPUs is for raw.Dpar_comm_* on device pointers.
+func NewCommGroupOnDevices(devices [][2]int, streams []uintptr, timeoutSeconds float64) (*CommGroup, error) {
+	if streams != nil && len(streams) != len(devices) {
+		return nil, &Error{Status: ErrInvalidArg,
+			Message: fmt.Sprintf("streams: %d streams for %d devices", len(streams), len(devices))}
+	}
+	// The C struct dpar_device is two int32 fields: kind, index.
+	flat := make([]int32, 2*len(devices)+1) // never empty, so that &flat[0] exists
+	for i, d := range devices {
+		flat[2*i], flat[2*i+1] = int32(d[0]), int32(d[1])
+	}
+	// The handles travel as C memory: a Go slice holding values that look like pointers is not for cgo to check.
+	var native unsafe.Pointer
+	if len(streams) > 0 {
+		native = C.malloc(C.size_t(len(streams)) * C.size_t(unsafe.Sizeof(uintptr(0))))
+		defer C.free(native)
+		copy(unsafe.Slice((*uintptr)(native), len(streams)), streams)
+	}
+	var p uintptr
+	err := call(func() int {
+		return withCommOptions(timeoutSeconds, func(o raw.Dpar_comm_options) int {
+			return raw.Dpar_comm_group_create_on_devices(unsafe.Pointer(&p), unsafe.Pointer(&flat[0]), native,
+				int64(len(devices)), o)
+		})
+	})
+	if err != nil {
+		return nil, err
+	}
+	g := &CommGroup{raw: raw.SwigcptrStruct_SS_dpar_comm_group(p)}
+	runtime.SetFinalizer(g, (*CommGroup).Close)
+	return g, nil
+}
+
 // Close releases the caller's reference; members keep the group alive.
 func (g *CommGroup) Close() { release(g, &g.raw, raw.Dpar_comm_group_free) }
 
@@ -647,6 +683,15 @@ func (c *Comm) Info() (rank, size int, err error) {
 	err = call(func() int { return raw.Dpar_comm_info(unsafe.Pointer(&r), unsafe.Pointer(&s), c.raw) })
 	runtime.KeepAlive(c)
 	return int(r), int(s), err
+}
+
+// Device is the device whose memory the buffers are: (CPU, 0) for host memory.
+func (c *Comm) Device() (kind, index int, err error) {
+	d := raw.NewDpar_device()
+	defer raw.DeleteDpar_device(d)
+	err = call(func() int { return raw.Dpar_comm_device(d, c.raw) })
+	runtime.KeepAlive(c)
+	return d.GetKind(), d.GetIndex(), err
 }
 
 // AllReduceFloat32 reduces buf in place across the participants.

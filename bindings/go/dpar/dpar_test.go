@@ -234,6 +234,29 @@ func TestAccumulateAndCloseTwice(t *testing.T) {
 	if _, err := NewCommGroup(1, -1); err == nil || !strings.Contains(err.Error(), "timeout_seconds") {
 		t.Fatalf("a negative timeout gave %v", err)
 	}
+	onDevices, err := NewCommGroupOnDevices([][2]int{{CPU, 1}}, nil, 30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	member, err := onDevices.Member(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if kind, index, err := member.Device(); err != nil || kind != CPU || index != 1 {
+		t.Fatalf("Device() = %d:%d, %v; want cpu:1", kind, index, err)
+	}
+	if kind, index, err := c.Device(); err != nil || kind != CPU || index != 0 {
+		t.Fatalf("a plain group's Device() = %d:%d, %v; want cpu:0", kind, index, err)
+	}
+	member.Close()
+	onDevices.Close()
+	if _, err := NewCommGroupOnDevices([][2]int{{CPU, 0}}, []uintptr{1234}, 30); err == nil ||
+		!strings.Contains(err.Error(), "streams[0]") {
+		t.Fatalf("a stream for a CPU device gave %v", err)
+	}
+	if _, err := NewCommGroupOnDevices([][2]int{{CPU, 0}, {CPU, 1}}, []uintptr{0}, 30); err == nil {
+		t.Fatal("one stream for two devices was accepted")
+	}
 	for i := 0; i < 2; i++ {
 		x.Close()
 		y.Close()

@@ -559,6 +559,22 @@ class CommGroup(_Handle):
     def __init__(self, size, timeout_seconds=300.0):
         self._own(_check(_raw.dpar_comm_group_create(size, _comm_options(timeout_seconds))))
 
+    @classmethod
+    def on_devices(cls, devices, streams=None, timeout_seconds=300.0):
+        """A group whose participant r's buffers are memory of devices[r] ("cpu:1", "cuda:0" or (kind, index)).
+
+        On GPUs each participant's collectives are ordered on streams[r], a cudaStream_t as an integer (PyTorch:
+        torch.cuda.Stream.cuda_stream); None, or a None entry, is the legacy default stream. The collectives of
+        Comm take NumPy arrays, which are host memory: a group on GPUs is for the reducer and the raw layer."""
+        devs = np.array([parse_device(d) if isinstance(d, str) else tuple(d) for d in devices], dtype=np.int32)
+        ptrs = None if streams is None else np.array([s or 0 for s in streams], dtype=np.uintp)
+        if ptrs is not None and len(ptrs) != len(devs):
+            raise DparError(ERR_INVALID_ARGUMENT, f"streams: {len(ptrs)} streams for {len(devs)} devices")
+        group = cls.__new__(cls)
+        group._own(_check(_raw.dpar_comm_group_create_on_devices(
+            devs.ctypes.data, 0 if ptrs is None else ptrs.ctypes.data, len(devs), _comm_options(timeout_seconds))))
+        return group
+
     def member(self, rank):
         return Comm(_check(_raw.dpar_comm_group_member(self._raw, rank)))
 
@@ -580,6 +596,13 @@ class Comm(_Handle):
         r, s = _scalar(np.uintp), _scalar(np.uintp)
         _check(_raw.dpar_comm_info(r.ctypes.data, s.ctypes.data, self._raw))
         return int(r[0]), int(s[0])
+
+    @property
+    def device(self):
+        """(kind, index) of the device whose memory the buffers are: (DEVICE_CPU, 0) for host memory."""
+        d = _raw.dpar_device()
+        _check(_raw.dpar_comm_device(d, self._raw))
+        return d.kind, d.index
 
     def all_reduce(self, send, recv=None, op=SUM):
         recv = send if recv is None else recv

@@ -231,6 +231,22 @@ class Collectives(unittest.TestCase):
             self.assertIn("participant 1 stopped", errors[r].message)
         [c.close() for c in comms]
 
+    def test_group_on_devices(self):
+        group = dpar.CommGroup.on_devices(["cpu:0", (dpar.DEVICE_CPU, 1)], timeout_seconds=30)
+        comms = [group.member(r) for r in range(2)]
+        group.close()
+        self.assertEqual([c.device for c in comms], [(dpar.DEVICE_CPU, 0), (dpar.DEVICE_CPU, 1)])
+        threads = [threading.Thread(target=c.all_reduce, args=(np.full(3, 1.0, np.float32),)) for c in comms]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        [c.close() for c in comms]
+        with self.assertRaises(dpar.DparError) as cm:
+            dpar.CommGroup.on_devices(["cpu:0", "cpu:1"], streams=[None])
+        self.assertIn("streams", cm.exception.message)
+        with self.assertRaises(dpar.DparError) as cm:
+            dpar.CommGroup.on_devices(["cpu:0"], streams=[1234])
+        self.assertIn("streams[0]", cm.exception.message)
+
 
 if __name__ == "__main__":
     unittest.main()

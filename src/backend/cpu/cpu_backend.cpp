@@ -101,6 +101,7 @@ class CpuBackend final : public Backend {
   void fill_zero(void* dst, size_t bytes, Device) override {
     if (bytes) std::memset(dst, 0, bytes);
   }
+  void check_memory(const void*, Device, const char*) override {}
 
   void prepare_workers(const WorkerOptions& options) override {
     // OpenBLAS's thread count is process-wide: one BLAS thread inside each worker keeps the workers from
@@ -111,6 +112,10 @@ class CpuBackend final : public Backend {
     if (options.pin) pin_to_cpu(worker);
   }
   std::unique_ptr<Stream> open_stream(Device device) override { return std::make_unique<CpuStream>(device); }
+  std::unique_ptr<Stream> wrap_stream(Device device, void* native) override {
+    DPAR_CHECK_ARG(native == nullptr, device.str(), ": CPU devices have no streams (pass NULL)");
+    return std::make_unique<CpuStream>(device);
+  }
 
   std::unique_ptr<Group> make_group(const std::vector<Device>&, const std::vector<Stream*>&,
                                     std::vector<std::string> names, std::chrono::duration<double> timeout) override {

@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -104,60 +105,46 @@ class CachingAllocator {
   CudaAllocatorStats stats_;
 };
 
-// Makes `device` current on the calling thread for the scope (the runtime's current device is per thread).
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    DPAR_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) DPAR_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
-    device_ = device;
-  }
-  ~DeviceScope() {
-    if (previous_ != device_) (void)cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0, device_ = 0;
-};
+using cuda::DeviceScope;
 
 // ---- A replica's stream -----------------------------------------------------------------------------------------
 class CudaStream final : public Stream {
  public:
+  // A stream of its own (a replica's).
   explicit CudaStream(Device device) : Stream(device) {
     DeviceScope scope(device.index);
     // Non-blocking: the legacy default stream (used by nothing in dpar) does not serialise it with the others.
     DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags on ",
                device.str());
-    try {
-      DPAR_CUBLAS_CHECK(cublasCreate(&blas_), "cublasCreate on ", device.str());
-      DPAR_CUBLAS_CHECK(cublasSetStream(blas_, stream_), "cublasSetStream");
-      // FP32 arithmetic, as the CPU reference computes (no TF32 unless asked for).
-      DPAR_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
-      DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming), "cudaEventCreate");
-    } catch (...) {
-      if (blas_) cublasDestroy(blas_);
-      cudaStreamDestroy(stream_);
-      throw;
-    }
+    owns_stream_ = true;
+    finish_setup();
+  }
+  // The caller's stream (nullptr: the legacy default stream), used and never destroyed. The caller's thread may
+  // have another device current: every operation makes the stream's device current for its span.
+  CudaStream(Device device, cudaStream_t borrowed) : Stream(device), stream_(borrowed), borrowed_(true) {
+    DeviceScope scope(device.index);
+    finish_setup();
   }
   ~CudaStream() override {
     DeviceScope scope(device().index);
     (void)cudaStreamSynchronize(stream_);
     if (pinned_) (void)cudaFreeHost(pinned_);
     (void)cudaEventDestroy(staged_);
-    (void)cublasDestroy(blas_);
-    (void)cudaStreamDestroy(stream_);
+    if (blas_) (void)cublasDestroy(blas_);
+    if (owns_stream_) (void)cudaStreamDestroy(stream_);
   }
 
   cudaStream_t handle() const { return stream_; }
 
   void copy(void* dst, const void* src, size_t bytes) override {
+    const auto scope = enter();
     if (bytes && dst != src)
-      DPAR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "copy on ", device().str());
+      // cudaMemcpyDefault: the pointers say where each side is (unified addressing), so that a copy between two
+      // GPUs goes peer to peer where it can and through the host where it cannot.
+      DPAR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), "copy on ", device().str());
   }
   void copy_from_host(void* dst, const void* host_src, size_t bytes) override {
+    const auto scope = enter();
     if (!bytes) return;
     // Through a pinned buffer, so that the copy is asynchronous and the caller may reuse its memory at once. The
     // buffer is reused once the previous copy out of it has finished.
@@ -175,27 +162,33 @@ class CudaStream final : public Stream {
     DPAR_CUDA_CHECK(cudaEventRecord(staged_, stream_), "cudaEventRecord");
   }
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override {
+    const auto scope = enter();
     if (!bytes) return;
     DPAR_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "device-to-host copy on ",
                device().str());
     synchronize();
   }
   void fill_zero(void* dst, size_t bytes) override {
+    const auto scope = enter();
     if (bytes) DPAR_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_), "fill on ", device().str());
   }
   void synchronize() override {
+    const auto scope = enter();
     DPAR_CUDA_CHECK(cudaStreamSynchronize(stream_), device().str(), ": the device failed while running queued work");
   }
 
   void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
                       int64_t C_out) override {
-    k::linear_forward(out, inp, weight, bias, B, C_in, C_out, blas_, stream_);
+    const auto scope = enter();
+    k::linear_forward(out, inp, weight, bias, B, C_in, C_out, blas(), stream_);
   }
   void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate) override {
-    k::linear_backward(dinp, dweight, dbias, dout, inp, weight, B, C_in, C_out, accumulate, blas_, stream_);
+    const auto scope = enter();
+    k::linear_backward(dinp, dweight, dbias, dout, inp, weight, B, C_in, C_out, accumulate, blas(), stream_);
   }
   void activation_forward(Activation kind, float* out, const float* inp, int64_t n) override {
+    const auto scope = enter();
     switch (kind) {
       case Activation::kRelu: return k::relu_forward(out, inp, n, stream_);
       case Activation::kGelu: return k::gelu_forward(out, inp, n, stream_);
@@ -205,6 +198,7 @@ class CudaStream final : public Stream {
   }
   void activation_backward(Activation kind, float* dinp, const float* dout, const float* inp, const float* out,
                            int64_t n) override {
+    const auto scope = enter();
     switch (kind) {
       case Activation::kRelu: return k::relu_backward(dinp, dout, out, n, stream_);
       case Activation::kGelu: return k::gelu_backward(dinp, dout, inp, n, stream_);
@@ -214,31 +208,73 @@ class CudaStream final : public Stream {
   }
   void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float p, uint64_t seed,
                        uint64_t offset) override {
+    const auto scope = enter();
     k::dropout_forward(out, mask, inp, n, p, seed, offset, stream_);
   }
   void dropout_backward(float* dinp, const float* dout, const float* mask, int64_t n) override {
+    const auto scope = enter();
     k::dropout_backward(dinp, dout, mask, n, stream_);
   }
   void cross_entropy_forward_backward(double* loss_sum, float* dlogits, const float* logits, const int32_t* labels,
                                       int64_t B, int64_t C, float grad_scale) override {
+    const auto scope = enter();
     k::cross_entropy_forward_backward(loss_sum, dlogits, logits, labels, B, C, grad_scale, stream_);
   }
   void mse_forward_backward(double* loss_sum, float* dpred, const float* pred, const float* target, int64_t B,
                             int64_t D, float grad_scale) override {
+    const auto scope = enter();
     k::mse_forward_backward(loss_sum, dpred, pred, target, B, D, grad_scale, stream_);
   }
   void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const kernels::cpu::SgdHyper& h,
                 bool first_step) override {
+    const auto scope = enter();
     k::sgd_step(param, momentum_buf, grad, n, h, first_step, stream_);
   }
   void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n,
                  const kernels::cpu::AdamHyper& h, int64_t step) override {
+    const auto scope = enter();
     k::adam_step(param, exp_avg, exp_avg_sq, grad, n, h, step, stream_);
   }
-  void axpy(float* y, const float* x, float a, int64_t n) override { k::axpy(y, x, a, n, stream_); }
+  void axpy(float* y, const float* x, float a, int64_t n) override {
+    const auto scope = enter();
+    k::axpy(y, x, a, n, stream_);
+  }
 
  private:
+  void finish_setup() {
+    try {
+      DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming), "cudaEventCreate");
+      // A replica's stream runs GEMMs from its first step: its handle is made now, outside the timed steps. A
+      // borrowed stream (a framework's gradients) rarely runs any: its handle waits for the first.
+      if (owns_stream_) (void)blas();
+    } catch (...) {
+      if (staged_) cudaEventDestroy(staged_);
+      if (owns_stream_) cudaStreamDestroy(stream_);
+      throw;
+    }
+  }
+  cublasHandle_t blas() {
+    if (blas_) return blas_;
+    cublasHandle_t h = nullptr;
+    DPAR_CUBLAS_CHECK(cublasCreate(&h), "cublasCreate on ", device().str());
+    try {
+      DPAR_CUBLAS_CHECK(cublasSetStream(h, stream_), "cublasSetStream");
+      // FP32 arithmetic, as the CPU reference computes (no TF32 unless asked for).
+      DPAR_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+    } catch (...) {
+      cublasDestroy(h);
+      throw;
+    }
+    return blas_ = h;
+  }
+  // A borrowed stream's operations run with its device current; a replica's worker has made it current already.
+  std::optional<DeviceScope> enter() const {
+    if (!borrowed_) return std::nullopt;
+    return std::optional<DeviceScope>(std::in_place, device().index);
+  }
+
   cudaStream_t stream_ = nullptr;
+  bool owns_stream_ = false, borrowed_ = false;
   cublasHandle_t blas_ = nullptr;
   cudaEvent_t staged_ = nullptr;  // the last copy out of pinned_ finished
   void* pinned_ = nullptr;
@@ -306,6 +342,9 @@ class CudaBackend final : public Backend {
     if (!bytes) return;
     DeviceScope scope(device.index);
     DPAR_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "copy from the host to ", device.str());
+    // From pageable memory cudaMemcpy may return once the bytes are staged, before they reach the device; the
+    // replicas' streams do not wait for the legacy stream the copy ran on. The contract is "arrived": wait.
+    DPAR_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy), "copy from the host to ", device.str());
   }
   void fill_zero(void* dst, size_t bytes, Device device) override {
     if (!bytes) return;
@@ -314,11 +353,32 @@ class CudaBackend final : public Backend {
     DPAR_CUDA_CHECK(cudaDeviceSynchronize(), "fill on ", device.str());
   }
 
+  void check_memory(const void* ptr, Device device, const char* argument) override {
+    cudaPointerAttributes a{};
+    const cudaError_t rc = cudaPointerGetAttributes(&a, ptr);
+    if (rc != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: clear the thread's last error
+      fail(DPAR_ERR_INVALID_ARGUMENT, argument, ": ", ptr, " is not memory CUDA knows (", cudaGetErrorString(rc),
+           "); it must be memory of ", device.str());
+    }
+    const bool on_device = (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) &&
+                           a.device == device.index;
+    DPAR_CHECK_ARG(on_device, argument, ": ", ptr, " is ",
+                   a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged
+                       ? "memory of cuda:" + std::to_string(a.device)
+                       : std::string(a.type == cudaMemoryTypeHost ? "pinned host memory" : "host memory"),
+                   ", but it must be memory of ", device.str());
+  }
+
   void start_worker(Device device, size_t worker, const WorkerOptions& options) override {
     if (options.pin) pin_to_cpu(worker);
     DPAR_CUDA_CHECK(cudaSetDevice(device.index), "cudaSetDevice(", device.index, ") on the worker of ", device.str());
   }
   std::unique_ptr<Stream> open_stream(Device device) override { return std::make_unique<CudaStream>(device); }
+  std::unique_ptr<Stream> wrap_stream(Device device, void* native) override {
+    check_device_exists(device, "device");
+    return std::make_unique<CudaStream>(device, static_cast<cudaStream_t>(native));
+  }
 
   std::unique_ptr<Group> make_group(const std::vector<Device>& devices, const std::vector<Stream*>& streams,
                                     std::vector<std::string> names, std::chrono::duration<double> timeout) override {
@@ -332,7 +392,7 @@ class CudaBackend final : public Backend {
       return std::make_unique<StreamGroup<NcclGroup>>(std::make_unique<NcclGroup>(ordinals, std::move(names), timeout),
                                                       handles, false);
     return std::make_unique<StreamGroup<CudaDeviceGroup>>(
-        std::make_unique<CudaDeviceGroup>(std::move(names), timeout), handles, true);
+        std::make_unique<CudaDeviceGroup>(ordinals, std::move(names), timeout), handles, true);
   }
 
   CudaAllocatorStats stats(int device) {

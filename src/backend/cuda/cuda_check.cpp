@@ -105,4 +105,14 @@ int cuda_device_count(std::string* why_none) {
   return count;
 }
 
+DeviceScope::DeviceScope(int device) {
+  DPAR_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
+  if (previous_ != device) DPAR_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
+  device_ = device;
+}
+
+DeviceScope::~DeviceScope() {
+  if (previous_ != device_) (void)cudaSetDevice(previous_);
+}
+
 }  // namespace dpar::cuda

@@ -43,6 +43,20 @@ const char* cublas_status_name(cublasStatus_t status);
 // process; later calls return the same answer.
 int cuda_device_count(std::string* why_none = nullptr);
 
+// Makes `device` current on the calling thread for the scope, and the previous one current again after it. The
+// runtime's current device is per thread and belongs to whoever owns the thread (a framework calling through the
+// C API keeps its own): dpar changes it only for the span of its own calls.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0, device_ = 0;
+};
+
 }  // namespace dpar::cuda
 
 // DPAR_CUDA_CHECK(expr, context...): evaluates a cudaError_t expression once; throws unless cudaSuccess.

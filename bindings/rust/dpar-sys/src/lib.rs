@@ -278,9 +278,11 @@ extern "C" {
     pub fn dpar_comm_group_create(out: *mut *mut dpar_comm_group, size: usize, opts: *const dpar_comm_options) -> dpar_status;
     pub fn dpar_comm_group_free(group: *mut dpar_comm_group);
     pub fn dpar_comm_group_member(out: *mut *mut dpar_comm, group: *mut dpar_comm_group, rank: usize) -> dpar_status;
+    pub fn dpar_comm_group_create_on_devices(out: *mut *mut dpar_comm_group, devices: *const dpar_device, streams: *const *mut c_void, size: usize, opts: *const dpar_comm_options) -> dpar_status;
     pub fn dpar_comm_create_mpi(out: *mut *mut dpar_comm, opts: *const dpar_comm_options) -> dpar_status;
     pub fn dpar_comm_free(comm: *mut dpar_comm);
     pub fn dpar_comm_info(out_rank: *mut usize, out_size: *mut usize, comm: *const dpar_comm) -> dpar_status;
+    pub fn dpar_comm_device(out: *mut dpar_device, comm: *const dpar_comm) -> dpar_status;
     pub fn dpar_comm_abort(comm: *mut dpar_comm, reason: *const c_char) -> dpar_status;
     pub fn dpar_comm_get_async_error(out: *mut dpar_status, comm: *mut dpar_comm) -> dpar_status;
     pub fn dpar_comm_all_reduce(comm: *mut dpar_comm, send: *const c_void, recv: *mut c_void, count: usize, dtype: i32, op: i32) -> dpar_status;

@@ -1069,6 +1069,45 @@ impl CommGroup {
         check(unsafe { sys::dpar_comm_group_create(&mut raw, size, &o) })?;
         Ok(CommGroup { raw })
     }
+    /// A group whose participant r's buffers are memory of `devices[r]`, all of one kind, each participant's
+    /// collectives on the device's legacy default stream (see `on_devices_with_streams`). The collectives of
+    /// `Comm` take slices, which are host memory: over GPUs they are refused, and a group there serves the C
+    /// calls on device pointers (`dpar_sys`).
+    pub fn on_devices(devices: &[Device], timeout_seconds: f64) -> Result<CommGroup> {
+        // SAFETY: null streams are the legacy default stream, which needs nothing kept alive.
+        unsafe { CommGroup::create_on_devices(devices, None, timeout_seconds) }
+    }
+    /// As `on_devices`, with participant r's collectives ordered on `streams[r]` (a `cudaStream_t`; null: the
+    /// legacy default stream).
+    ///
+    /// # Safety
+    /// Each stream must be a live CUDA stream of its device (or null), and must outlive the group's members.
+    pub unsafe fn on_devices_with_streams(
+        devices: &[Device],
+        streams: &[*mut c_void],
+        timeout_seconds: f64,
+    ) -> Result<CommGroup> {
+        same_len(streams.len(), devices.len(), "streams")?;
+        CommGroup::create_on_devices(devices, Some(streams), timeout_seconds)
+    }
+    unsafe fn create_on_devices(
+        devices: &[Device],
+        streams: Option<&[*mut c_void]>,
+        timeout_seconds: f64,
+    ) -> Result<CommGroup> {
+        let o = comm_options(timeout_seconds)?;
+        let raw_devices: Vec<sys::dpar_device> = devices.iter().map(Device::raw).collect();
+        let streams_ptr = streams.map_or(ptr::null(), |s| s.as_ptr());
+        let mut raw = ptr::null_mut();
+        check(sys::dpar_comm_group_create_on_devices(
+            &mut raw,
+            if raw_devices.is_empty() { ptr::null() } else { raw_devices.as_ptr() },
+            streams_ptr,
+            devices.len(),
+            &o,
+        ))?;
+        Ok(CommGroup { raw })
+    }
     /// Participant `rank`'s communicator, for the thread that plays it.
     pub fn member(&self, rank: usize) -> Result<Comm> {
         let mut raw = ptr::null_mut();
@@ -1111,6 +1150,12 @@ impl Comm {
         let (mut r, mut s) = (0usize, 0usize);
         check(unsafe { sys::dpar_comm_info(&mut r, &mut s, self.raw) })?;
         Ok((r, s))
+    }
+    /// The device whose memory the buffers are: cpu:0 for host memory.
+    pub fn device(&self) -> Result<Device> {
+        let mut d = sys::dpar_device { kind: 0, index: 0 };
+        check(unsafe { sys::dpar_comm_device(&mut d, self.raw) })?;
+        Ok(Device::from_raw(d))
     }
     /// Checks that `whole` (an all-gather's recv, a reduce-scatter's send, named `what`) holds one block of `block`
     /// elements per participant.

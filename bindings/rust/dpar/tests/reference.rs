@@ -203,6 +203,34 @@ fn collectives_over_a_thread_group() {
 }
 
 #[test]
+fn a_group_on_cpu_devices_says_where_its_buffers_are() {
+    let group = CommGroup::on_devices(&[Device::cpu(0), Device::cpu(1)], 30.0).unwrap();
+    let comms: Vec<Comm> = (0..2).map(|r| group.member(r).unwrap()).collect();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|mut c| {
+            std::thread::spawn(move || {
+                let (rank, _) = c.info().unwrap();
+                assert_eq!(c.device().unwrap(), Device::cpu(rank as i32));
+                let mut v = vec![rank as f32; 3];
+                c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+                assert_eq!(v, vec![1.0; 3]);
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let e = unsafe { CommGroup::on_devices_with_streams(&[Device::cpu(0)], &[], 30.0) }.err().unwrap();
+    assert_eq!(e.status(), status::INVALID_ARGUMENT);
+    let mut not_a_stream = 0u8;
+    let stream = &mut not_a_stream as *mut u8 as *mut std::ffi::c_void;
+    let e = unsafe { CommGroup::on_devices_with_streams(&[Device::cpu(0)], &[stream], 30.0) }.err().unwrap();
+    assert!(e.message().contains("streams[0]"), "{}", e);
+    assert_eq!(CommGroup::on_devices(&[], 30.0).err().unwrap().status(), status::INVALID_ARGUMENT);
+}
+
+#[test]
 fn option_structs_have_the_libraries_layout() {
     // The size the library's _init writes is its sizeof: equal to this crate's struct.
     let mut o = unsafe { std::mem::zeroed::<sys::dpar_engine_options>() };
