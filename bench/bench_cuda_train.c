@@ -1,7 +1,7 @@
 /* bench_cuda_train: dpar's training step on a GPU, through the C ABI only (dpar.h, libdpar.so); issue 7, section 8.
  *
  *   bench_cuda_train [--only demo|wide] [--batches B1,B2,..] [--steps N] [--blocks K] [--replicas R]
- *                    [--device-input] [--json PATH] [--torch PATH] [--gemms PATH]
+ *                    [--host-input] [--json PATH] [--torch PATH] [--gemms PATH] [--data DIR]
  *
  * For the demo MLP 784-256-128-10 (batches 128, 1024, 8192) and the wide MLP 784-4096-4096-4096-10 (256, 1024,
  * 8192): ReLU, softmax cross-entropy, Adam lr 1e-3, f32, synthetic uniform inputs and random labels, on an engine
@@ -9,7 +9,11 @@
  * synchronises every replica's stream before the call returns (Engine::run), so the wall time of a call is the time
  * of the step's GPU work plus the host's part of it, as a synchronised PyTorch step is timed by torch_anchor.py.
  * --torch and --gemms read the JSON of bench/torch_anchor.py and bench_cuda_gemms and print dpar beside them, with
- * the ratios and the verdicts of the issue's three aims. No CUDA device: says why and exits 0 ("skipped"). */
+ * the ratios and the verdicts of the issue's three aims. --data DIR (Fashion-MNIST's IDX files) adds the loader's
+ * part: the demo MLP trained from a shuffling dpar_loader, whose batches come either in host memory (each step
+ * copies them) or prepared on cuda:0 one batch ahead (dpar_loader_to_device: gathered and copied while the step
+ * before runs); per step, the wall time of dpar_loader_next plus dpar_engine_train_step, and the ratio of the two.
+ * No CUDA device: says why and exits 0 ("skipped"). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -84,10 +88,8 @@ static void run_config(result *r, const bench_mlp *mlp, int64_t batch, int repli
   double *t = NULL;
   if (failed(r, dpar_engine_create(&engine, model, &oo, &eo), "dpar_engine_create")) goto done;
 
-  /* A few distinct batches, cycled, in host memory: the engine takes host batches and copies each replica's slice
-   * to its GPU inside the step (it refuses a GPU input today), so dpar's step includes that copy and the PyTorch
-   * anchor's, whose data sits on the GPU, does not. --device-input tries a cuda:0 batch (refused until the engine
-   * takes one). */
+  /* A few distinct batches, cycled, on cuda:0 as the PyTorch anchor's are: a replica there takes its rows as a
+   * view. --host-input keeps them in host memory, so that the step includes each replica's copy to its GPU. */
   {
     uint64_t rng = 0x9E3779B97F4A7C15ull ^ (uint64_t)batch;
     const dpar_device where = {host_input ? DPAR_DEVICE_CPU : DPAR_DEVICE_CUDA, 0};
@@ -408,28 +410,112 @@ static void compare(const result *res, int nres, const json_file *torch, const j
            wide_ratio <= 1.05 ? "met" : "NOT met");
 }
 
+/* ---- the loader's part: host batches against batches prepared ahead on the GPU ----------------------------------- */
+
+/* Median ms of a loader step (next batch + train step) over `steps` steps after 10 warm-up ones; the loader's
+ * batches prepared on cuda:0 when `ahead`. NAN (and a message) when a call fails. */
+static double loader_step_ms(const dpar_dataset *train, size_t batch, int ahead, int steps) {
+  const bench_mlp *mlp = &kBenchMlps[0];
+  dpar_model *model = NULL;
+  dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
+  mo.seed = 1;
+  CHECK(dpar_model_create(&model, &mo));
+  for (int l = 0; l < mlp->nlayers; ++l) {
+    CHECK(dpar_model_add_linear(model, mlp->sizes[l], mlp->sizes[l + 1], 1));
+    if (l + 1 < mlp->nlayers) CHECK(dpar_model_add_activation(model, DPAR_RELU));
+  }
+  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
+  oo.kind = DPAR_ADAM;
+  oo.lr = 1e-3f;
+  int32_t ids[1] = {0};
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.device_kind = DPAR_DEVICE_CUDA;
+  eo.device_ids = ids;
+  eo.num_device_ids = 1;
+  eo.processes = DPAR_PROCESSES_SINGLE;
+  dpar_engine *engine = NULL;
+  dpar_loader *loader = NULL;
+  double *t = (double *)xmalloc(sizeof(double) * (size_t)steps);
+  double med = NAN;
+  dpar_status s = dpar_engine_create(&engine, model, &oo, &eo);
+  if (s == DPAR_OK) s = dpar_loader_create(&loader, train, batch, 1, 0, 1);
+  if (s == DPAR_OK && ahead) s = dpar_loader_to_device(loader, (dpar_device){DPAR_DEVICE_CUDA, 0});
+  uint64_t epoch = 0;
+  for (int i = -10; i < steps && s == DPAR_OK; ++i) {
+    const double t0 = bench_now();
+    int32_t more = 0;
+    s = dpar_loader_next(&more, loader);
+    if (s == DPAR_OK && !more) { /* a new epoch, outside the timing */
+      s = dpar_loader_start_epoch(loader, ++epoch);
+      --i;
+      continue;
+    }
+    if (s == DPAR_OK)
+      s = dpar_engine_train_step(NULL, engine, dpar_loader_inputs(loader), dpar_loader_labels(loader));
+    if (i >= 0) t[i] = (bench_now() - t0) * 1e3;
+  }
+  if (s == DPAR_OK)
+    med = bench_median(t, (size_t)steps);
+  else
+    printf("  loader, batch %zu, %s: failed: %s: %s\n", batch, ahead ? "ahead on cuda:0" : "host batches",
+           dpar_status_str(s), dpar_last_error());
+  free(t);
+  dpar_loader_free(loader);
+  dpar_engine_free(engine);
+  dpar_model_free(model);
+  return med;
+}
+
+static void run_loader_part(const char *dir, int steps) {
+  char images[1024], labels[1024];
+  snprintf(images, sizeof images, "%s/train-images-idx3-ubyte.gz", dir);
+  snprintf(labels, sizeof labels, "%s/train-labels-idx1-ubyte.gz", dir);
+  dpar_dataset *train = NULL;
+  if (dpar_dataset_load_idx(&train, images, labels) != DPAR_OK) {
+    printf("\nloader part: cannot load %s: %s\n", dir, dpar_last_error());
+    return;
+  }
+  CHECK(dpar_dataset_normalize(train, 0.2860f, 0.3530f));
+  printf("\nthe loader's part: demo MLP on Fashion-MNIST, 1 replica on cuda:0; per step, dpar_loader_next + "
+         "dpar_engine_train_step,\nmedian of %d steps (3 rounds alternating, the median round shown)\n", steps);
+  printf("  %-6s | %14s | %17s | %s\n", "batch", "host batches ms", "ahead on cuda:0 ms", "host / ahead");
+  const size_t batches[] = {128, 1024, 8192};
+  for (size_t b = 0; b < sizeof batches / sizeof batches[0]; ++b) {
+    double host[3], ahead[3];
+    for (int round = 0; round < 3; ++round) {
+      host[round] = loader_step_ms(train, batches[b], 0, steps);
+      ahead[round] = loader_step_ms(train, batches[b], 1, steps);
+    }
+    const double h = bench_median(host, 3), a = bench_median(ahead, 3);
+    printf("  %-6zu | %14.3f | %17.3f | %.2fx\n", batches[b], h, a, h / a);
+  }
+  dpar_dataset_free(train);
+}
+
 /* ---- main ------------------------------------------------------------------------------------------------------ */
 
 static void usage(const char *argv0) {
   fprintf(stderr,
-          "usage: %s [--only demo|wide] [--batches B1,B2,..] [--steps N] [--blocks K] [--replicas R] [--device-input]\n"
+          "usage: %s [--only demo|wide] [--batches B1,B2,..] [--steps N] [--blocks K] [--replicas R] [--host-input]\n"
           "          [--json PATH] [--torch PATH] [--gemms PATH]\n"
           "  --only M        one model: demo (784-256-128-10) or wide (784-4096-4096-4096-10)\n"
           "  --batches L     batch sizes for the chosen model(s) (default demo 128,1024,8192; wide 256,1024,8192)\n"
           "  --steps N       timed steps per block (default 50); --blocks K blocks (default 5), after 10 warm-up steps\n"
           "  --replicas R    R replicas, all on cuda:0 (default 1)\n"
-          "  --device-input  batches on cuda:0 (the engine refuses them today); default host memory, copied in the step\n"
+          "  --host-input    batches in host memory, copied to the GPU in the step; default on cuda:0, as PyTorch's\n"
           "  --json PATH     write the results as JSON\n"
           "  --torch PATH    JSON of bench/torch_anchor.py: print dpar beside PyTorch, with ratios and the aims\n"
-          "  --gemms PATH    JSON of bench_cuda_gemms: the step's GEMMs in cuBLAS alone\n",
+          "  --gemms PATH    JSON of bench_cuda_gemms: the step's GEMMs in cuBLAS alone\n"
+          "  --data DIR      Fashion-MNIST's IDX files: time training from the loader, host batches against\n"
+          "                  batches prepared ahead on cuda:0\n",
           argv0);
   exit(2);
 }
 
 int main(int argc, char **argv) {
-  const char *only = NULL, *json = NULL, *torch_path = NULL, *gemms_path = NULL;
+  const char *only = NULL, *json = NULL, *torch_path = NULL, *gemms_path = NULL, *data = NULL;
   int64_t batches[kBenchMaxBatches];
-  int nbatches = 0, steps = 50, blocks = 5, replicas = 1, host_input = 1;
+  int nbatches = 0, steps = 50, blocks = 5, replicas = 1, host_input = 0;
   for (int i = 1; i < argc; ++i) {
     const int more = i + 1 < argc;
     if (!strcmp(argv[i], "--only") && more) only = argv[++i];
@@ -438,10 +524,11 @@ int main(int argc, char **argv) {
     } else if (!strcmp(argv[i], "--steps") && more) steps = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--blocks") && more) blocks = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--replicas") && more) replicas = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--device-input")) host_input = 0;
+    else if (!strcmp(argv[i], "--host-input")) host_input = 1;
     else if (!strcmp(argv[i], "--json") && more) json = argv[++i];
     else if (!strcmp(argv[i], "--torch") && more) torch_path = argv[++i];
     else if (!strcmp(argv[i], "--gemms") && more) gemms_path = argv[++i];
+    else if (!strcmp(argv[i], "--data") && more) data = argv[++i];
     else usage(argv[0]);
   }
   if (only && strcmp(only, "demo") && strcmp(only, "wide")) usage(argv[0]);
@@ -516,6 +603,7 @@ int main(int argc, char **argv) {
       printf("  %-11s | %9.3f %9.3f %9.3f | %8.3f-%-8.3f | %10.0f | %7.4f\n", cfg, r->med, r->p10, r->p90,
              r->block_lo, r->block_hi, (double)r->batch / r->med * 1e3, r->last_loss);
     }
+    if (data) run_loader_part(data, steps);
   }
   if (json) write_json(json, res, nres, replicas, host_input, steps, blocks, skipped);
   if (torch_path || gemms_path) compare(res, nres, &torch, &gemms);

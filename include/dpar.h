@@ -924,6 +924,17 @@ DPAR_API dpar_status dpar_loader_num_batches(size_t *out, const dpar_loader *loa
  */
 DPAR_API dpar_status dpar_loader_shard(dpar_loader *loader, size_t shard, size_t num_shards);
 /**
+ * @brief From the next batch on, yields batches in memory of @p device (for an engine's replica there: it takes
+ * its rows as a view), each prepared while the caller still uses the one before: after dpar_loader_next() hands
+ * out a batch, a thread of the loader's gathers the next one and, on a GPU, copies it there on a stream of its own,
+ * beside the caller's training step. A CPU device gets host batches gathered ahead alike. The batches are those
+ * the loader yields without it, bit for bit. A failure of that thread (device memory, a failed copy) is returned by
+ * the next dpar_loader_next().
+ * @return ::DPAR_OK; ::DPAR_ERR_DEVICE for a GPU that does not exist (or none); ::DPAR_ERR_NOT_SUPPORTED for CUDA
+ *         in a build without it; ::DPAR_ERR_OUT_OF_MEMORY. On failure the loader is unchanged.
+ */
+DPAR_API dpar_status dpar_loader_to_device(dpar_loader *loader, dpar_device device);
+/**
  * @brief Moves to the next batch of the epoch: sets @p *out to 1, or to 0 at the end of the epoch. The batch is
  * then read with dpar_loader_inputs() and dpar_loader_labels().
  */

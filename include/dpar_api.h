@@ -121,6 +121,7 @@ typedef struct dpar_api_v1 {
   const dpar_tensor *(*dpar_loader_labels)(const dpar_loader *loader);
   dpar_status (*dpar_comm_group_create_on_devices)(dpar_comm_group **out, const dpar_device *devices, void *const *streams, size_t size, const dpar_comm_options *opts);
   dpar_status (*dpar_comm_device)(dpar_device *out, const dpar_comm *comm);
+  dpar_status (*dpar_loader_to_device)(dpar_loader *loader, dpar_device device);
 } dpar_api_v1;
 
 /**

@@ -2308,7 +2308,84 @@ std::vector<NamedCall> LoaderCalls(dpar_loader* bad, int32_t* more) {
       {"loader_num_batches", [=] { size_t n; return dpar_loader_num_batches(&n, bad); }},
       {"loader_next", [=] { return dpar_loader_next(more, bad); }},
       {"loader_shard", [=] { return dpar_loader_shard(bad, 0, 1); }},
+      {"loader_to_device", [=] { return dpar_loader_to_device(bad, dpar_device{DPAR_DEVICE_CPU, 0}); }},
   };
+}
+
+// The devices a loader may prepare batches on here: cpu:0, and cuda:0 where there is a GPU.
+std::vector<dpar_device> AheadDevices() {
+  std::vector<dpar_device> devices = {{DPAR_DEVICE_CPU, 0}};
+  size_t gpus = 0;
+  if (dpar_device_count(&gpus, DPAR_DEVICE_CUDA) == DPAR_OK && gpus > 0) devices.push_back({DPAR_DEVICE_CUDA, 0});
+  return devices;
+}
+
+TEST(Loader, BatchesPreparedAheadOnADeviceAreTheSameBatches) {
+  IdxFiles files;
+  DatasetPtr d = LoadDataset(files);
+  for (const dpar_device device : AheadDevices()) {
+    for (int drop_last : {0, 1}) {
+      LoaderPtr plain = NewLoader(d.get(), 3, 1, 42, drop_last);
+      LoaderPtr ahead = NewLoader(d.get(), 3, 1, 42, drop_last);
+      // Switched after a batch: the next batch is the one the plain loader yields next.
+      const dpar_tensor *x = nullptr, *y = nullptr;
+      ASSERT_OK(NextBatch(&x, &y, plain.get()));
+      ASSERT_OK(NextBatch(&x, &y, ahead.get()));
+      ASSERT_OK(dpar_loader_to_device(ahead.get(), device));
+      EXPECT_EQ(ReadEpoch(ahead.get()).order, ReadEpoch(plain.get()).order) << "the rest of epoch 0";
+      for (uint64_t epoch : {1u, 2u, 3u}) {
+        ASSERT_OK(dpar_loader_start_epoch(plain.get(), epoch));
+        ASSERT_OK(dpar_loader_start_epoch(ahead.get(), epoch));
+        const Epoch a = ReadEpoch(ahead.get()), p = ReadEpoch(plain.get());
+        EXPECT_EQ(a.order, p.order) << "epoch " << epoch << ", device kind " << device.kind;
+        EXPECT_EQ(a.batch_sizes, p.batch_sizes) << "epoch " << epoch;
+      }
+      // Restarting midway, while the next batch is in preparation, replays the epoch from its start.
+      ASSERT_OK(dpar_loader_start_epoch(ahead.get(), 2));
+      ASSERT_OK(NextBatch(&x, &y, ahead.get()));
+      dpar_device where{-1, -1};
+      ASSERT_OK(dpar_tensor_info(nullptr, nullptr, &where, x));
+      EXPECT_EQ(where.kind, device.kind);
+      EXPECT_EQ(where.index, device.index);
+      ASSERT_OK(dpar_tensor_info(nullptr, nullptr, &where, y));
+      EXPECT_EQ(where.kind, device.kind);
+      ASSERT_OK(dpar_loader_start_epoch(ahead.get(), 2));
+      ASSERT_OK(dpar_loader_start_epoch(plain.get(), 2));
+      EXPECT_EQ(ReadEpoch(ahead.get()).order, ReadEpoch(plain.get()).order) << "epoch 2 replayed";
+      // A new shard takes effect from the next batch, though the batch after was prepared with the old one.
+      ASSERT_OK(dpar_loader_start_epoch(ahead.get(), 4));
+      ASSERT_OK(dpar_loader_start_epoch(plain.get(), 4));
+      ASSERT_OK(NextBatch(&x, &y, ahead.get()));
+      ASSERT_OK(NextBatch(&x, &y, plain.get()));
+      ASSERT_OK(dpar_loader_shard(ahead.get(), 1, 2));
+      ASSERT_OK(dpar_loader_shard(plain.get(), 1, 2));
+      const Epoch a = ReadEpoch(ahead.get()), p = ReadEpoch(plain.get());
+      EXPECT_EQ(a.order, p.order) << "sharded";
+      EXPECT_EQ(a.batch_sizes, p.batch_sizes) << "sharded";
+    }
+  }
+}
+
+TEST(Loader, ToDeviceChecksItsDeviceAndARefusalChangesNothing) {
+  IdxFiles files;
+  DatasetPtr d = LoadDataset(files);
+  LoaderPtr l = NewLoader(d.get(), 4, 0, 0, 0);
+  EXPECT_INVALID("device", dpar_loader_to_device(l.get(), dpar_device{7, 0}));
+  EXPECT_INVALID("device", dpar_loader_to_device(l.get(), dpar_device{DPAR_DEVICE_CPU, -1}));
+  size_t gpus = 0;
+  const bool cuda_built = dpar_device_count(&gpus, DPAR_DEVICE_CUDA) == DPAR_OK;
+  const dpar_status s = dpar_loader_to_device(l.get(), dpar_device{DPAR_DEVICE_CUDA, static_cast<int32_t>(gpus)});
+  EXPECT_EQ(s, !cuda_built ? DPAR_ERR_NOT_SUPPORTED : gpus == 0 ? DPAR_ERR_DEVICE : DPAR_ERR_INVALID_ARGUMENT)
+      << dpar_last_error();
+  EXPECT_NE(std::string(dpar_last_error()).find("device"), std::string::npos) << dpar_last_error();
+  // Still host batches, from the start of the epoch.
+  const dpar_tensor *x = nullptr, *y = nullptr;
+  ASSERT_OK(NextBatch(&x, &y, l.get()));
+  ASSERT_NE(x, nullptr);
+  dpar_device where{-1, -1};
+  ASSERT_OK(dpar_tensor_info(nullptr, nullptr, &where, x));
+  EXPECT_EQ(where.kind, DPAR_DEVICE_CPU);
+  EXPECT_EQ(ToHost<float>(x, 4 * kFeatures)[0], 0.0f) << "the first batch starts with sample 0";
 }
 
 TEST(Loader, ShardArgumentsAreCheckedAndARefusalChangesNothing) {

@@ -208,6 +208,13 @@ int main(int argc, char **argv) {
   dpar_loader *loader = NULL;
   CHECK(dpar_loader_create(&loader, train, batch, 1, seed, 0));
   if (nproc > 1) CHECK(dpar_loader_shard(loader, rank, nproc));
+  if (use_cuda) {
+    /* Batches on the first replica's GPU, each copied while the step before it runs: that replica takes its rows
+     * as a view, the others copy theirs from it. */
+    dpar_device first;
+    CHECK(dpar_engine_replica_device(&first, engine, 0));
+    CHECK(dpar_loader_to_device(loader, first));
+  }
   size_t batches = 0;
   CHECK(dpar_loader_num_batches(&batches, loader));
   const int tty = root && isatty(STDERR_FILENO);

@@ -42,7 +42,8 @@ struct dpar_dataset {
   std::shared_ptr<dpar::io::Dataset> dataset;  // shared with loaders, so either may be freed first
 };
 struct dpar_loader {
-  explicit dpar_loader(const dpar::io::Loader& l) : loader(l) {}
+  template <class... Args>
+  explicit dpar_loader(Args&&... args) : loader(std::forward<Args>(args)...) {}
   dpar::io::Loader loader;
   dpar_tensor inputs, labels;
   bool has_batch = false;  // the last dpar_loader_next found a batch

@@ -106,6 +106,7 @@ const dpar_api_v1 kApiV1 = {
     &dpar_loader_labels,
     &dpar_comm_group_create_on_devices,
     &dpar_comm_device,
+    &dpar_loader_to_device,
 };
 }  // namespace
 

@@ -40,8 +40,7 @@ DPAR_API dpar_status dpar_loader_create(dpar_loader** out, const dpar_dataset* d
     checked_out(out);
     *out = nullptr;
     const dpar_dataset& d = checked(dataset, "dataset");
-    io::Loader loader(d.dataset, batch_size, shuffle != 0, seed, drop_last != 0);
-    auto* h = new_handle<dpar_loader>(loader);
+    auto* h = new_handle<dpar_loader>(d.dataset, batch_size, shuffle != 0, seed, drop_last != 0);
     h->inputs.owned_by_parent = true;
     h->labels.owned_by_parent = true;
     *out = h;
@@ -65,6 +64,13 @@ DPAR_API dpar_status dpar_loader_num_batches(size_t* out, const dpar_loader* loa
 
 DPAR_API dpar_status dpar_loader_shard(dpar_loader* loader, size_t shard, size_t num_shards) {
   return guard([&] { checked(loader, "loader").loader.set_shard(shard, num_shards); });
+}
+
+DPAR_API dpar_status dpar_loader_to_device(dpar_loader* loader, dpar_device device) {
+  return guard([&] {
+    dpar_loader& l = checked(loader, "loader");
+    l.loader.set_device(checked_device(device, "device"));
+  });
 }
 
 DPAR_API dpar_status dpar_loader_next(int32_t* out, dpar_loader* loader) {

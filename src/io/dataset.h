@@ -29,10 +29,22 @@ class Dataset {
   size_t classes_ = 0;
 };
 
+// Batches of a dataset, in the order of a seeded permutation per epoch.
+//
+// Ahead of the caller (set_device): the loader yields batches in memory of a device, and prepares each one while
+// the caller still uses the one before. After next() hands out batch k, a thread of the loader's gathers batch k+1
+// into host memory and, for a device that is not the host, copies it there on a stream of its own and waits for
+// that copy; so on a GPU the copy runs beside the caller's training step, and the next next() finds the batch
+// already in place. Two slots alternate: the worker writes the one the caller does not hold. Whatever changes
+// what the next batch is (start_epoch, set_shard) waits for the worker and discards what it prepared; a failure
+// on the worker's side (device memory, a failed copy) is thrown by the next next().
 class Loader {
  public:
   // The loader shares the dataset, which therefore lives as long as either of them.
   Loader(std::shared_ptr<const Dataset> dataset, size_t batch_size, bool shuffle, uint64_t seed, bool drop_last);
+  ~Loader();
+  Loader(const Loader&) = delete;
+  Loader& operator=(const Loader&) = delete;
 
   size_t num_batches() const;
   // The permutation of epoch e is a function of (seed, e) alone: restarting an epoch replays it.
@@ -42,8 +54,28 @@ class Loader {
   // From the next batch on, yields only slice `shard` of `num_shards` balanced, contiguous slices of each batch;
   // a last batch with fewer rows than shards is dropped (every shard gets at least one row).
   void set_shard(size_t shard, size_t num_shards);
+  // From the next batch on, yields batches in memory of `device`, prepared one batch ahead (see above).
+  void set_device(Device device);
+  Device device() const { return device_; }
 
  private:
+  // Where the batch starting at `cursor` lies: its rows, the first of them in the permutation, and the cursor
+  // after it. rows == 0: no batch (the end of the epoch).
+  struct Plan {
+    size_t rows = 0, first = 0, next_cursor = 0;
+  };
+  Plan plan(size_t cursor) const;
+  // Copies a planned batch's samples and labels into host memory.
+  void gather(const Plan& p, float* x, int32_t* y) const;
+
+  struct Ahead;
+  // Waits until the worker is idle (no batch in preparation).
+  void settle();
+  // Throws away a prepared batch (the next batch is no longer the one it holds).
+  void discard();
+  // Ends the worker, after the batch it is preparing (if any).
+  void stop_worker();
+
   std::shared_ptr<const Dataset> owner_;
   const Dataset& dataset_;
   size_t batch_size_;
@@ -52,7 +84,9 @@ class Loader {
   std::vector<uint32_t> order_;
   size_t cursor_ = 0;
   size_t shard_ = 0, num_shards_ = 1;
-  Tensor inputs_, labels_;  // capacity batch_size rows; next() returns views
+  Device device_;
+  Tensor inputs_, labels_;       // capacity batch_size rows on the host; next() returns views (without set_device)
+  std::unique_ptr<Ahead> ahead_;  // with set_device
 };
 
 }  // namespace dpar::io

@@ -88,6 +88,17 @@ func (l *Loader) Shard(shard, numShards int) error {
 	return call(func() int { return raw.Dpar_loader_shard(l.raw, int64(shard), int64(numShards)) })
 }
 
+// ToDevice makes the loader yield, from the next batch on, batches in memory of the device (kind, index), each
+// prepared (on a GPU: copied) while the caller still uses the one before. The batches are the same, bit for bit.
+func (l *Loader) ToDevice(kind, index int) error {
+	defer runtime.KeepAlive(l)
+	d := raw.NewDpar_device()
+	defer raw.DeleteDpar_device(d)
+	d.SetKind(kind)
+	d.SetIndex(index)
+	return call(func() int { return raw.Dpar_loader_to_device(l.raw, d) })
+}
+
 // Next is the next batch's inputs and labels, borrowed from the loader until the following call (ok false at the
 // end of the epoch).
 func (l *Loader) Next() (inputs, labels *Tensor, ok bool, err error) {

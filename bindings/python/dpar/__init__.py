@@ -526,6 +526,13 @@ class Loader(_Handle):
     def shard(self, shard, num_shards):
         _check(_raw.dpar_loader_shard(self._raw, shard, num_shards))
 
+    def to_device(self, device):
+        """From the next batch on, batches in memory of `device` ("cuda:0", "cpu" or (kind, index)), each prepared
+        (on a GPU: copied) while the caller still uses the one before. The batches are the same, bit for bit."""
+        d = _raw.dpar_device()
+        d.kind, d.index = parse_device(device) if isinstance(device, str) else tuple(device)
+        _check(_raw.dpar_loader_to_device(self._raw, d))
+
     def next(self):
         more = _scalar(np.int32)
         _check(_raw.dpar_loader_next(more.ctypes.data, self._raw))

@@ -313,6 +313,7 @@ extern "C" {
     pub fn dpar_loader_start_epoch(loader: *mut dpar_loader, epoch: u64) -> dpar_status;
     pub fn dpar_loader_num_batches(out: *mut usize, loader: *const dpar_loader) -> dpar_status;
     pub fn dpar_loader_shard(loader: *mut dpar_loader, shard: usize, num_shards: usize) -> dpar_status;
+    pub fn dpar_loader_to_device(loader: *mut dpar_loader, device: dpar_device) -> dpar_status;
     pub fn dpar_loader_next(out: *mut i32, loader: *mut dpar_loader) -> dpar_status;
     pub fn dpar_loader_inputs(loader: *const dpar_loader) -> *const dpar_tensor;
     pub fn dpar_loader_labels(loader: *const dpar_loader) -> *const dpar_tensor;

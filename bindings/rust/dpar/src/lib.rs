@@ -992,6 +992,11 @@ impl Loader {
     pub fn shard(&mut self, shard: usize, num_shards: usize) -> Result<()> {
         check(unsafe { sys::dpar_loader_shard(self.raw, shard, num_shards) })
     }
+    /// From the next batch on, yields batches in memory of `device`, each prepared (on a GPU: copied) while the
+    /// caller still uses the one before. The batches are the same, bit for bit.
+    pub fn to_device(&mut self, device: Device) -> Result<()> {
+        check(unsafe { sys::dpar_loader_to_device(self.raw, device.raw()) })
+    }
     /// The next batch of the epoch, or None at its end. The batch borrows the loader until the next call.
     pub fn next_batch(&mut self) -> Result<Option<Batch<'_>>> {
         let mut more = 0i32;
