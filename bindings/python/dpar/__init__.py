@@ -553,6 +553,35 @@ _DT = {np.dtype(np.float32): F32, np.dtype(np.float64): _raw.DPAR_F64, np.dtype(
        np.dtype(np.int64): _raw.DPAR_I64}
 
 
+def _buffer(obj, what):
+    """(address, elements, dtype) of a C-contiguous buffer: a NumPy array (host memory), or an object with
+    __cuda_array_interface__ (PyTorch CUDA tensors, CuPy and Numba arrays: memory of a GPU, for a group made by
+    CommGroup.on_devices). Their writer's stream must have finished with them, or be the group's stream."""
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous or obj.dtype not in _DT:
+            raise DparError(ERR_INVALID_ARGUMENT, f"{what}: a C-contiguous array of float32, float64, int32 or "
+                                                  f"int64, got {obj.dtype} {'' if obj.flags.c_contiguous else 'strided'}")
+        return obj.ctypes.data, obj.size, _DT[obj.dtype]
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is None:
+        raise DparError(ERR_INVALID_ARGUMENT, f"{what}: expected a NumPy array or an object with "
+                                              f"__cuda_array_interface__, got {type(obj).__name__}")
+    dtype = np.dtype(cai["typestr"])
+    shape = tuple(cai["shape"])
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    strides = cai.get("strides")
+    if strides is not None:
+        expected, step = [], dtype.itemsize
+        for extent in reversed(shape):
+            expected.append(step)
+            step *= extent
+        if tuple(reversed(expected)) != tuple(strides) and n > 1:
+            raise DparError(ERR_INVALID_ARGUMENT, f"{what}: strided CUDA arrays are not supported (make it contiguous)")
+    if dtype not in _DT:
+        raise DparError(ERR_INVALID_ARGUMENT, f"{what}: {dtype} is not float32, float64, int32 or int64")
+    return int(cai["data"][0]), n, _DT[dtype]
+
+
 def _comm_options(timeout_seconds):
     o = _raw.dpar_comm_options()
     _check(_raw.dpar_comm_options_init(o))
@@ -613,26 +642,27 @@ class Comm(_Handle):
 
     def all_reduce(self, send, recv=None, op=SUM):
         recv = send if recv is None else recv
-        _check(_raw.dpar_comm_all_reduce(self._raw, send.ctypes.data, recv.ctypes.data, send.size,
-                                         _DT[send.dtype], op))
+        (sp, n, dt), (rp, _, _) = _buffer(send, "send"), _buffer(recv, "recv")
+        _check(_raw.dpar_comm_all_reduce(self._raw, sp, rp, n, dt, op))
         return recv
 
     def broadcast(self, buffer, root):
-        _check(_raw.dpar_comm_broadcast(self._raw, buffer.ctypes.data, buffer.size, _DT[buffer.dtype], root))
+        p, n, dt = _buffer(buffer, "buffer")
+        _check(_raw.dpar_comm_broadcast(self._raw, p, n, dt, root))
         return buffer
 
     def reduce(self, send, recv, op=SUM, root=0):
-        _check(_raw.dpar_comm_reduce(self._raw, send.ctypes.data, recv.ctypes.data, send.size, _DT[send.dtype], op,
-                                     root))
+        (sp, n, dt), (rp, _, _) = _buffer(send, "send"), _buffer(recv, "recv")
+        _check(_raw.dpar_comm_reduce(self._raw, sp, rp, n, dt, op, root))
 
     def all_gather(self, send, recv):
-        _check(_raw.dpar_comm_all_gather(self._raw, send.ctypes.data, recv.ctypes.data, send.size,
-                                         _DT[send.dtype]))
+        (sp, n, dt), (rp, _, _) = _buffer(send, "send"), _buffer(recv, "recv")
+        _check(_raw.dpar_comm_all_gather(self._raw, sp, rp, n, dt))
         return recv
 
     def reduce_scatter(self, send, recv, op=SUM):
-        _check(_raw.dpar_comm_reduce_scatter(self._raw, send.ctypes.data, recv.ctypes.data, recv.size,
-                                             _DT[send.dtype], op))
+        (sp, _, dt), (rp, n, _) = _buffer(send, "send"), _buffer(recv, "recv")
+        _check(_raw.dpar_comm_reduce_scatter(self._raw, sp, rp, n, dt, op))
         return recv
 
     def barrier(self):
@@ -655,20 +685,20 @@ class Comm(_Handle):
         return Work(_check(result), buffers)
 
     def all_reduce_async(self, buffer, op=SUM):
-        return self._work(_raw.dpar_comm_all_reduce_async(self._raw, buffer.ctypes.data, buffer.ctypes.data,
-                                                          buffer.size, _DT[buffer.dtype], op), buffer)
+        p, n, dt = _buffer(buffer, "buffer")
+        return self._work(_raw.dpar_comm_all_reduce_async(self._raw, p, p, n, dt, op), buffer)
 
     def broadcast_async(self, buffer, root):
-        return self._work(_raw.dpar_comm_broadcast_async(self._raw, buffer.ctypes.data, buffer.size,
-                                                         _DT[buffer.dtype], root), buffer)
+        p, n, dt = _buffer(buffer, "buffer")
+        return self._work(_raw.dpar_comm_broadcast_async(self._raw, p, n, dt, root), buffer)
 
     def all_gather_async(self, send, recv):
-        return self._work(_raw.dpar_comm_all_gather_async(self._raw, send.ctypes.data, recv.ctypes.data, send.size,
-                                                          _DT[send.dtype]), send, recv)
+        (sp, n, dt), (rp, _, _) = _buffer(send, "send"), _buffer(recv, "recv")
+        return self._work(_raw.dpar_comm_all_gather_async(self._raw, sp, rp, n, dt), send, recv)
 
     def reduce_scatter_async(self, send, recv, op=SUM):
-        return self._work(_raw.dpar_comm_reduce_scatter_async(self._raw, send.ctypes.data, recv.ctypes.data,
-                                                              recv.size, _DT[send.dtype], op), send, recv)
+        (sp, _, dt), (rp, n, _) = _buffer(send, "send"), _buffer(recv, "recv")
+        return self._work(_raw.dpar_comm_reduce_scatter_async(self._raw, sp, rp, n, dt, op), send, recv)
 
 
 class Work(_Handle):
@@ -690,16 +720,18 @@ class Work(_Handle):
 
 
 class Reducer(_Handle):
-    """DDP's gradient reducer over float32 arrays it keeps alive; mark each with grad_ready(i), then wait()."""
+    """DDP's gradient reducer over float32 buffers it keeps alive (NumPy arrays, or on a group made on GPUs, CUDA
+    arrays such as PyTorch's or CuPy's); mark each with grad_ready(i), then wait()."""
 
     _free = staticmethod(_raw.dpar_reducer_free)
 
     def __init__(self, comm, grads, first_bucket_bytes=0, bucket_cap_bytes=0, op=MEAN):
-        self._grads = [g if g.dtype == np.float32 and g.flags.c_contiguous else None for g in grads]
-        if any(g is None for g in self._grads):
-            raise DparError(ERR_INVALID_ARGUMENT, "grads: C-contiguous float32 arrays only")
-        self._ptrs = np.array([g.ctypes.data for g in grads], dtype=np.uintp)
-        self._counts = np.array([g.size for g in grads], dtype=np.uintp)
+        self._grads = list(grads)
+        views = [_buffer(g, f"grads[{i}]") for i, g in enumerate(self._grads)]
+        if any(dt != F32 for _, _, dt in views):
+            raise DparError(ERR_INVALID_ARGUMENT, "grads: float32 buffers only")
+        self._ptrs = np.array([p for p, _, _ in views], dtype=np.uintp)
+        self._counts = np.array([n for _, n, _ in views], dtype=np.uintp)
         o = _raw.dpar_reducer_options()
         _check(_raw.dpar_reducer_options_init(o))
         o.first_bucket_bytes, o.bucket_cap_bytes, o.op = first_bucket_bytes, bucket_cap_bytes, op

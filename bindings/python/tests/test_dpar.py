@@ -231,6 +231,52 @@ class Collectives(unittest.TestCase):
             self.assertIn("participant 1 stopped", errors[r].message)
         [c.close() for c in comms]
 
+    def test_cuda_array_interface_buffers(self):
+        # What a PyTorch CUDA tensor or a CuPy array shows: __cuda_array_interface__. Over host memory here, which
+        # a group on CPU devices accepts, so that the same code path runs without a GPU.
+        class HostAsCudaArray:
+            def __init__(self, a, strides=None):
+                self.a = a
+                self.__cuda_array_interface__ = {"shape": a.shape, "typestr": a.dtype.str, "version": 3,
+                                                 "data": (a.ctypes.data, False), "strides": strides}
+
+        group = dpar.CommGroup.on_devices(["cpu:0", "cpu:1"], timeout_seconds=30)
+        comms = [group.member(r) for r in range(2)]
+        group.close()
+        grads = [[np.zeros(7, np.float32), np.zeros((3, 5), np.float32)] for _ in range(2)]
+        sums = [None, None]
+
+        def body(r):
+            c = comms[r]
+            buf = np.full(4, r + 1.0, np.float64)
+            c.all_reduce(HostAsCudaArray(buf))
+            sums[r] = buf.copy()
+            red = dpar.Reducer(c, [HostAsCudaArray(g) for g in grads[r]], op=dpar.SUM)
+            for i, g in enumerate(grads[r]):
+                g[...] = r + 1 + i
+                red.grad_ready(i)
+            red.wait()
+            red.close()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        [c.close() for c in comms]
+        for r in range(2):
+            np.testing.assert_array_equal(sums[r], np.full(4, 3.0))
+            np.testing.assert_array_equal(grads[r][0], np.full(7, 3.0, np.float32))
+            np.testing.assert_array_equal(grads[r][1], np.full((3, 5), 5.0, np.float32))
+        with dpar.CommGroup(1) as g, g.member(0) as c:
+            with self.assertRaises(dpar.DparError) as cm:
+                c.all_reduce(np.zeros((4, 4), np.float32)[:, 1])  # strided
+            self.assertIn("send", cm.exception.message)
+            with self.assertRaises(dpar.DparError) as cm:
+                c.all_reduce(HostAsCudaArray(np.zeros((2, 2), np.float32), strides=(4, 8)))
+            self.assertIn("strided", cm.exception.message)
+            with self.assertRaises(dpar.DparError) as cm:
+                c.broadcast([1.0, 2.0], 0)
+            self.assertIn("__cuda_array_interface__", cm.exception.message)
+
     def test_group_on_devices(self):
         group = dpar.CommGroup.on_devices(["cpu:0", (dpar.DEVICE_CPU, 1)], timeout_seconds=30)
         comms = [group.member(r) for r in range(2)]
