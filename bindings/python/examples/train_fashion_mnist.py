@@ -89,6 +89,8 @@ def main():
     loader = dpar.Loader(train, a.batch_size, shuffle=True, seed=a.seed)
     if nproc > 1:
         loader.shard(rank, nproc)
+    if use_cuda:  # batches on the first replica's GPU, each copied while the step before it runs
+        loader.to_device(engine.replica_device(0))
     batches = loader.num_batches
     accuracy = 0.0
     for epoch in range(a.epochs):

@@ -131,6 +131,10 @@ fn run(a: &Args) -> dpar::Result<f64> {
     if nproc > 1 {
         loader.shard(rank, nproc)?;
     }
+    if use_cuda {
+        // Batches on the first replica's GPU, each copied while the step before it runs.
+        loader.to_device(engine.replica_device(0)?)?;
+    }
     let batches = loader.num_batches()?;
     let mut accuracy = 0.0;
     for epoch in 0..a.epochs {

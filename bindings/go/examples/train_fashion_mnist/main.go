@@ -219,6 +219,16 @@ func run(a args) (float64, error) {
 			return 0, err
 		}
 	}
+	if useCUDA {
+		// Batches on the first replica's GPU, each copied while the step before it runs.
+		kind, index, err := engine.ReplicaDevice(0)
+		if err == nil {
+			err = loader.ToDevice(kind, index)
+		}
+		if err != nil {
+			return 0, err
+		}
+	}
 	batches, err := loader.NumBatches()
 	if err != nil {
 		return 0, err
