@@ -717,17 +717,24 @@ DPAR_API dpar_status dpar_comm_group_member(dpar_comm **out, dpar_comm_group *gr
  * (f32 sum), broadcast, all_gather and barrier; reduce, reduce_scatter and the other all_reduce types and
  * operations return ::DPAR_ERR_NOT_SUPPORTED.
  *
+ * A GPU named more than once next to other GPUs needs peer access between them (enabled here; where the GPUs
+ * cannot reach each other the group is refused with ::DPAR_ERR_NOT_SUPPORTED).
+ *
  * Streams: participant r's collectives are ordered on @p streams[r], a cudaStream_t of devices[r] (a NULL entry,
- * or a NULL @p streams, is the legacy default stream). A collective reads its inputs after the work queued on
- * that stream before the call, and work queued on it after the call sees its result. A call may return before
- * the result is in memory (the device reduction returns once its work is queued): synchronise the stream before
- * the host reads it. The streams must outlive the members. Each call makes the participant's device current for
- * its span and then restores the calling thread's.
+ * or a NULL @p streams, is the legacy default stream, even in a program built with a per-thread default stream;
+ * cudaStreamPerThread is refused: it names each thread's own stream). A collective reads its inputs after the
+ * work queued on that stream before the call, and work queued on it after the call sees its result. A call may
+ * return before the result is in memory (the device reduction returns once its work is queued): synchronise the
+ * stream before the host reads it. An asynchronous collective is ordered on the stream when the communicator's
+ * thread starts it: queue the work that writes its inputs before the call, and the work that reads its result
+ * after dpar_work_wait(). The streams must outlive the members and the reducers over them. Each call makes the
+ * participant's device current for its span and then restores the calling thread's.
  * @param[out] out  The group, owned by the caller. Its members keep it alive: free it and them in any order.
  * @param streams   NULL, or @p size cudaStream_t values (NULL for every CPU device).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULL @p devices, a @p size not in 1 to 256, devices of two
- *         kinds, or a stream given for a CPU device; ::DPAR_ERR_DEVICE for a GPU that does not exist (or none);
- *         ::DPAR_ERR_NOT_SUPPORTED for CUDA in a build without it; NCCL's failure to initialise.
+ *         kinds, a GPU index past the last GPU, or a stream given for a CPU device; ::DPAR_ERR_DEVICE where there
+ *         is no GPU; ::DPAR_ERR_NOT_SUPPORTED for CUDA in a build without it, or GPUs without the peer access the
+ *         group needs; NCCL's failure to initialise.
  */
 DPAR_API dpar_status dpar_comm_group_create_on_devices(dpar_comm_group **out, const dpar_device *devices,
                                                       void *const *streams, size_t size,
@@ -929,9 +936,12 @@ DPAR_API dpar_status dpar_loader_shard(dpar_loader *loader, size_t shard, size_t
  * out a batch, a thread of the loader's gathers the next one and, on a GPU, copies it there on a stream of its own,
  * beside the caller's training step. A CPU device gets host batches gathered ahead alike. The batches are those
  * the loader yields without it, bit for bit. A failure of that thread (device memory, a failed copy) is returned by
- * the next dpar_loader_next().
- * @return ::DPAR_OK; ::DPAR_ERR_DEVICE for a GPU that does not exist (or none); ::DPAR_ERR_NOT_SUPPORTED for CUDA
- *         in a build without it; ::DPAR_ERR_OUT_OF_MEMORY. On failure the loader is unchanged.
+ * the next dpar_loader_next(). The batch before is rewritten as soon as dpar_loader_next() returns: work that reads
+ * a batch on a stream of its own must be finished before the next dpar_loader_next() (an engine's calls return
+ * with their work done).
+ * @return ::DPAR_OK; ::DPAR_ERR_DEVICE where there is no GPU; ::DPAR_ERR_INVALID_ARGUMENT for a GPU index past the
+ *         last GPU; ::DPAR_ERR_NOT_SUPPORTED for CUDA in a build without it; ::DPAR_ERR_OUT_OF_MEMORY. On failure
+ *         the loader is unchanged.
  */
 DPAR_API dpar_status dpar_loader_to_device(dpar_loader *loader, dpar_device device);
 /**

@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <algorithm>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,8 +39,19 @@ struct OwnStream {
 };
 
 // A host function queued on a stream: it holds the stream back, so that work queued after it runs late, and a
-// collective that did not wait for the stream would read stale inputs.
+// collective that did not wait for the stream would read stale inputs. (The copies queued after it come from pinned
+// memory: from pageable memory cudaMemcpyAsync may wait for the stream itself, and the test would prove nothing.)
 void CUDART_CB hold_back(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(20)); }
+
+// Pinned host memory for n values of T, freed on destruction.
+template <class T>
+struct Pinned {
+  T* p = nullptr;
+  explicit Pinned(size_t n) { EXPECT_EQ(cudaMallocHost(reinterpret_cast<void**>(&p), n * sizeof(T)), cudaSuccess); }
+  ~Pinned() { cudaFreeHost(p); }
+  Pinned(const Pinned&) = delete;
+  Pinned& operator=(const Pinned&) = delete;
+};
 
 // Runs body(rank, comm, stream) on one thread per participant of a group on cuda:0, named `n` times, each
 // participant with a stream of its own; returns each participant's status.
@@ -77,15 +90,17 @@ TEST(CudaCommApi, CollectivesOnDeviceBuffersAreOrderedOnTheCallersStreams) {
     dpar_device where{-1, -1};
     if (dpar_comm_device(&where, c) != DPAR_OK || where.kind != DPAR_DEVICE_CUDA || where.index != 0)
       return DPAR_ERR_INTERNAL;
-    std::vector<float> x(count), got(count);
-    for (size_t i = 0; i < count; ++i) x[i] = float(i % 1000) + 1000.0f * float(r);
+    Pinned<float> x(count);
+    if (x.p == nullptr) return DPAR_ERR_OUT_OF_MEMORY;
+    std::vector<float> got(count);
+    for (size_t i = 0; i < count; ++i) x.p[i] = float(i % 1000) + 1000.0f * float(r);
     float* d = nullptr;
     float* gathered = nullptr;
     CUDA_OR_FAIL(cudaMalloc(reinterpret_cast<void**>(&d), count * sizeof(float)));
     CUDA_OR_FAIL(cudaMalloc(reinterpret_cast<void**>(&gathered), n * 8 * sizeof(float)));
     // The inputs arrive late on the stream: the collective must wait for them.
     CUDA_OR_FAIL(cudaLaunchHostFunc(s, hold_back, nullptr));
-    CUDA_OR_FAIL(cudaMemcpyAsync(d, x.data(), count * sizeof(float), cudaMemcpyHostToDevice, s));
+    CUDA_OR_FAIL(cudaMemcpyAsync(d, x.p, count * sizeof(float), cudaMemcpyHostToDevice, s));
     if (dpar_status st = dpar_comm_all_reduce(c, d, d, count, DPAR_F32, DPAR_SUM)) return st;
     // Its result, read on the stream after the call.
     CUDA_OR_FAIL(cudaMemcpyAsync(got.data(), d, count * sizeof(float), cudaMemcpyDeviceToHost, s));
@@ -101,8 +116,15 @@ TEST(CudaCommApi, CollectivesOnDeviceBuffersAreOrderedOnTheCallersStreams) {
     for (size_t i = 0; i < all.size(); ++i)
       if (all[i] != 3.0f * float(i % 8) + 3000.0f) return DPAR_ERR_MISMATCH;
     // Host memory handed to a GPU collective is refused before anything moves (on the GPU it would fault).
-    if (dpar_comm_all_reduce(c, x.data(), d, count, DPAR_F32, DPAR_SUM) != DPAR_ERR_INVALID_ARGUMENT)
+    if (dpar_comm_all_reduce(c, got.data(), d, count, DPAR_F32, DPAR_SUM) != DPAR_ERR_INVALID_ARGUMENT)
       return DPAR_ERR_INTERNAL;
+    if (std::string(dpar_last_error()).find("send") == std::string::npos) return DPAR_ERR_INTERNAL;
+    // So is pinned host memory, and a count that runs past the end of the device buffer.
+    if (dpar_comm_all_reduce(c, x.p, d, count, DPAR_F32, DPAR_SUM) != DPAR_ERR_INVALID_ARGUMENT)
+      return DPAR_ERR_INTERNAL;
+    if (dpar_comm_all_reduce(c, d, d, size_t{1} << 28, DPAR_F32, DPAR_SUM) != DPAR_ERR_INVALID_ARGUMENT)
+      return DPAR_ERR_INTERNAL;  // 1 GiB past a 400 KB buffer
+    if (std::string(dpar_last_error()).find("the last byte of") == std::string::npos) return DPAR_ERR_INTERNAL;
     if (std::string(dpar_last_error()).find("send") == std::string::npos) return DPAR_ERR_INTERNAL;
     // What one GPU named several times does not do is refused alike on every participant, without waiting.
     if (dpar_comm_reduce_scatter(c, d, d, 1, DPAR_F32, DPAR_SUM) != DPAR_ERR_NOT_SUPPORTED) return DPAR_ERR_INTERNAL;
@@ -117,15 +139,24 @@ TEST(CudaCommApi, CollectivesOnDeviceBuffersAreOrderedOnTheCallersStreams) {
 TEST(CudaCommApi, TheReducerAveragesDeviceGradientsOnTheCallersStreams) {
   REQUIRE_GPU();
   const int n = 2;
-  // Separate allocations (staged buckets) and one flat buffer cut in two (a bucket reduced in place).
+  // Gradients 0 and 1 are one allocation cut in two (their bucket can be reduced in place); the others are
+  // allocations of their own (staged buckets).
   const std::vector<size_t> sizes = {300, 7, 1200, 64, 513};
   auto status = run_on_gpu(n, [&](int r, dpar_comm* c, cudaStream_t s) -> dpar_status {
     std::vector<float*> grads;
+    std::vector<float*> allocations;
     for (size_t k = 0; k < sizes.size(); ++k) {
+      if (k == 1) {
+        grads.push_back(grads[0] + sizes[0]);
+        continue;
+      }
       float* p = nullptr;
-      CUDA_OR_FAIL(cudaMalloc(reinterpret_cast<void**>(&p), sizes[k] * sizeof(float)));
+      CUDA_OR_FAIL(cudaMalloc(reinterpret_cast<void**>(&p), (k == 0 ? sizes[0] + sizes[1] : sizes[k]) * sizeof(float)));
       grads.push_back(p);
+      allocations.push_back(p);
     }
+    std::vector<std::unique_ptr<Pinned<float>>> staged;  // each gradient's values, copied late on the stream
+    for (size_t k = 0; k < sizes.size(); ++k) staged.push_back(std::make_unique<Pinned<float>>(sizes[k]));
     dpar_reducer_options o = DPAR_REDUCER_OPTIONS_INIT;
     o.first_bucket_bytes = 256;
     o.bucket_cap_bytes = 2048;
@@ -135,10 +166,10 @@ TEST(CudaCommApi, TheReducerAveragesDeviceGradientsOnTheCallersStreams) {
       for (size_t k = sizes.size(); k-- > 0;) {
         // Participant 1 produces no gradient 1 (an unused parameter): it counts as zero.
         if (r == 1 && k == 1) continue;
-        std::vector<float> g(sizes[k], float(4 * (r + 1) + int(k) + step));
+        // The stream has passed the previous step's copies: the end of that step synchronised it.
+        std::fill(staged[k]->p, staged[k]->p + sizes[k], float(4 * (r + 1) + int(k) + step));
         CUDA_OR_FAIL(cudaLaunchHostFunc(s, hold_back, nullptr));
-        CUDA_OR_FAIL(cudaMemcpyAsync(grads[k], g.data(), g.size() * sizeof(float), cudaMemcpyHostToDevice, s));
-        // Pageable memory: the copy has taken the bytes when it returns, so g may go.
+        CUDA_OR_FAIL(cudaMemcpyAsync(grads[k], staged[k]->p, sizes[k] * sizeof(float), cudaMemcpyHostToDevice, s));
         if (dpar_status st = dpar_reducer_grad_ready(red, k)) return st;
       }
       if (dpar_status st = dpar_reducer_wait(red)) return st;
@@ -154,7 +185,7 @@ TEST(CudaCommApi, TheReducerAveragesDeviceGradientsOnTheCallersStreams) {
       }
     }
     dpar_reducer_free(red);
-    for (float* p : grads) cudaFree(p);
+    for (float* p : allocations) cudaFree(p);
     return DPAR_OK;
   });
   for (int r = 0; r < n; ++r) EXPECT_EQ(status[r], DPAR_OK) << "participant " << r;

@@ -161,7 +161,8 @@ std::vector<float> values(const Tensor& t) {
 }
 
 // A batch already on the GPU (a framework's tensor, a device-side loader): each replica on that GPU takes its rows
-// as a view, without a copy; the result is the host batch's, bit for bit.
+// as a view, without a copy; the result is the host batch's. (Within rounding, not bit for bit: a view may start at
+// another alignment than the staging buffer a host batch is copied into, and cuBLAS may pick its kernel by it.)
 TEST(CudaEngine, ABatchOnTheGpuTrainsAsTheSameBatchOnTheHost) {
   DPAR_REQUIRE_GPU();
   const Model model = make_mlp(13, 0.0f);
@@ -172,22 +173,23 @@ TEST(CudaEngine, ABatchOnTheGpuTrainsAsTheSameBatchOnTheHost) {
   for (int s = 0; s < 6; ++s) {
     const Batch& b = d[static_cast<size_t>(s) % d.size()];
     const Tensor x = on(b.x, gpu), y = on(b.y, gpu);
-    EXPECT_EQ(from_gpu.train_step(x, y), from_host.train_step(b.x, b.y)) << "step " << s;
+    const double lg = from_gpu.train_step(x, y), lh = from_host.train_step(b.x, b.y);
+    EXPECT_NEAR(lg, lh, 1e-6 * std::abs(lh)) << "step " << s;
   }
-  EXPECT_EQ(from_gpu.params(0), from_host.params(0));
-  EXPECT_EQ(from_gpu.params(1), from_gpu.params(0));
+  EXPECT_LT(max_relative_error(from_gpu.params(0), from_host.params(0)), 1e-5);
+  EXPECT_EQ(from_gpu.params(1), from_gpu.params(0)) << "the replicas differ";
   // forward and backward take the GPU's memory too, with the same result.
   const Batch& b = d[0];
   const std::vector<float> out_host = values(from_host.forward(b.x));
   const Tensor out_gpu = from_gpu.forward(on(b.x, gpu));
-  EXPECT_EQ(values(out_gpu), out_host);
+  EXPECT_LT(max_relative_error(values(out_gpu), out_host), 1e-5);
   Tensor ones = Tensor::empty(DType::kF32, out_gpu.shape(), Device{});
   std::fill(ones.f32(), ones.f32() + ones.numel(), 1.0f);
   from_host.backward(ones);
   from_gpu.backward(on(ones, gpu));
   from_host.step();
   from_gpu.step();
-  EXPECT_EQ(from_gpu.params(0), from_host.params(0));
+  EXPECT_LT(max_relative_error(from_gpu.params(0), from_host.params(0)), 1e-5);
   // A label out of range on the GPU is refused as on the host, and the engine goes on.
   Tensor bad = on(b.y, Device{});
   bad.i32()[3] = 5;

@@ -44,10 +44,10 @@ class Backend {
   virtual void copy_to_host(void* dst, const void* src, size_t bytes, Device device) = 0;
   virtual void copy_from_host(void* dst, const void* src, size_t bytes, Device device) = 0;
   virtual void fill_zero(void* dst, size_t bytes, Device device) = 0;
-  // Throws Error(INVALID_ARGUMENT) naming `argument` when `ptr` is known not to be memory of `device` (a host
-  // pointer handed to a GPU collective would fault on the device, and such a fault ends the process's CUDA
-  // context). CPU memory cannot be told apart from any other pointer: the CPU backend accepts every one.
-  virtual void check_memory(const void* ptr, Device device, const char* argument) = 0;
+  // Throws Error(INVALID_ARGUMENT) naming `argument` when the `bytes` at `ptr` are known not to be memory of
+  // `device` (a host pointer handed to a GPU collective would fault on the device, and such a fault ends the
+  // process's CUDA context). CPU memory cannot be told apart from any other pointer: the CPU backend accepts all.
+  virtual void check_memory(const void* ptr, size_t bytes, Device device, const char* argument) = 0;
 
   // ---- Workers ------------------------------------------------------------------------------------------------
   struct WorkerOptions {

@@ -35,10 +35,22 @@ std::chrono::duration<double> comm_timeout(const dpar_comm_options* opts) {
   return std::chrono::duration<double>(o.timeout_seconds);
 }
 
-// A collective's buffer: not NULL unless empty, and memory of the communicator's device where that can be told.
-void check_buffer(const dpar_comm& c, const void* p, size_t count, const char* argument) {
-  DPAR_CHECK_ARG(p != nullptr || count == 0, argument, ": is NULL");
-  if (count != 0) backend_for(c.device).check_memory(p, c.device, argument);
+// A collective's buffer of `elements` elements of `dtype`: not NULL unless empty, and memory of the
+// communicator's device where that can be told.
+void check_buffer(const dpar_comm& c, const void* p, size_t elements, int32_t dtype, const char* argument) {
+  DPAR_CHECK_ARG(p != nullptr || elements == 0, argument, ": is NULL");
+  if (elements == 0 || c.device.is_host()) return;
+  const size_t esz = comm_dtype_size(comm_dtype(dtype));
+  DPAR_CHECK_ARG(elements <= SIZE_MAX / esz, argument, ": ", elements, " elements overflow the address space");
+  backend_for(c.device).check_memory(p, elements * esz, c.device, argument);
+}
+
+// Elements of a buffer that holds one block of `count` per participant (an all-gather's recv, a reduce-scatter's
+// send).
+size_t per_participant(const Communicator& c, size_t count) {
+  const auto n = static_cast<size_t>(c.size());
+  DPAR_CHECK_ARG(count <= SIZE_MAX / n, "count: ", count, " x ", n, " participants overflows");
+  return count * n;
 }
 
 int check_root(const Communicator& c, size_t root) {
@@ -199,8 +211,8 @@ DPAR_API dpar_status dpar_comm_all_reduce(dpar_comm* comm, const void* send, voi
   return guard([&] {
     dpar_comm& h = checked(comm, "comm");
     Communicator& c = *h.comm;
-    check_buffer(h, send, count, "send");
-    check_buffer(h, recv, count, "recv");
+    check_buffer(h, send, count, dtype, "send");
+    check_buffer(h, recv, count, dtype, "recv");
     c.all_reduce(send, recv, count, comm_dtype(dtype), reduce_op(op));
   });
 }
@@ -209,7 +221,7 @@ DPAR_API dpar_status dpar_comm_broadcast(dpar_comm* comm, void* buffer, size_t c
   return guard([&] {
     dpar_comm& h = checked(comm, "comm");
     Communicator& c = *h.comm;
-    check_buffer(h, buffer, count, "buffer");
+    check_buffer(h, buffer, count, dtype, "buffer");
     const int r = check_root(c, root);
     c.broadcast(buffer, count, comm_dtype(dtype), r);
   });
@@ -220,9 +232,9 @@ DPAR_API dpar_status dpar_comm_reduce(dpar_comm* comm, const void* send, void* r
   return guard([&] {
     dpar_comm& h = checked(comm, "comm");
     Communicator& c = *h.comm;
-    check_buffer(h, send, count, "send");
+    check_buffer(h, send, count, dtype, "send");
     const int r = check_root(c, root);
-    if (c.rank() == r) check_buffer(h, recv, count, "recv");
+    if (c.rank() == r) check_buffer(h, recv, count, dtype, "recv");
     c.reduce(send, recv, count, comm_dtype(dtype), reduce_op(op), r);
   });
 }
@@ -232,8 +244,8 @@ DPAR_API dpar_status dpar_comm_all_gather(dpar_comm* comm, const void* send, voi
   return guard([&] {
     dpar_comm& h = checked(comm, "comm");
     Communicator& c = *h.comm;
-    check_buffer(h, send, count, "send");
-    check_buffer(h, recv, count, "recv");
+    check_buffer(h, send, count, dtype, "send");
+    check_buffer(h, recv, per_participant(c, count), dtype, "recv");
     c.all_gather(send, recv, count, comm_dtype(dtype));
   });
 }
@@ -243,8 +255,8 @@ DPAR_API dpar_status dpar_comm_reduce_scatter(dpar_comm* comm, const void* send,
   return guard([&] {
     dpar_comm& h = checked(comm, "comm");
     Communicator& c = *h.comm;
-    check_buffer(h, send, count, "send");
-    check_buffer(h, recv, count, "recv");
+    check_buffer(h, send, per_participant(c, count), dtype, "send");
+    check_buffer(h, recv, count, dtype, "recv");
     c.reduce_scatter(send, recv, count, comm_dtype(dtype), reduce_op(op));
   });
 }
@@ -257,8 +269,8 @@ DPAR_API dpar_status dpar_comm_all_reduce_async(dpar_work** out, dpar_comm* comm
                                                 size_t count, int32_t dtype, int32_t op) {
   return start_async(out, comm, [&](dpar_comm& h) {
     Communicator& c = *h.comm;
-    check_buffer(h, send, count, "send");
-    check_buffer(h, recv, count, "recv");
+    check_buffer(h, send, count, dtype, "send");
+    check_buffer(h, recv, count, dtype, "recv");
     return c.async_all_reduce(send, recv, count, comm_dtype(dtype), reduce_op(op));
   });
 }
@@ -267,7 +279,7 @@ DPAR_API dpar_status dpar_comm_broadcast_async(dpar_work** out, dpar_comm* comm,
                                                int32_t dtype, size_t root) {
   return start_async(out, comm, [&](dpar_comm& h) {
     Communicator& c = *h.comm;
-    check_buffer(h, buffer, count, "buffer");
+    check_buffer(h, buffer, count, dtype, "buffer");
     const int r = check_root(c, root);
     return c.async_broadcast(buffer, count, comm_dtype(dtype), r);
   });
@@ -277,8 +289,8 @@ DPAR_API dpar_status dpar_comm_all_gather_async(dpar_work** out, dpar_comm* comm
                                                 size_t count, int32_t dtype) {
   return start_async(out, comm, [&](dpar_comm& h) {
     Communicator& c = *h.comm;
-    check_buffer(h, send, count, "send");
-    check_buffer(h, recv, count, "recv");
+    check_buffer(h, send, count, dtype, "send");
+    check_buffer(h, recv, per_participant(c, count), dtype, "recv");
     return c.async_all_gather(send, recv, count, comm_dtype(dtype));
   });
 }
@@ -287,8 +299,8 @@ DPAR_API dpar_status dpar_comm_reduce_scatter_async(dpar_work** out, dpar_comm* 
                                                     size_t count, int32_t dtype, int32_t op) {
   return start_async(out, comm, [&](dpar_comm& h) {
     Communicator& c = *h.comm;
-    check_buffer(h, send, count, "send");
-    check_buffer(h, recv, count, "recv");
+    check_buffer(h, send, per_participant(c, count), dtype, "send");
+    check_buffer(h, recv, count, dtype, "recv");
     return c.async_reduce_scatter(send, recv, count, comm_dtype(dtype), reduce_op(op));
   });
 }

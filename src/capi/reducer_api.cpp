@@ -45,9 +45,10 @@ DPAR_API dpar_status dpar_reducer_create(dpar_reducer** out, dpar_comm* comm, fl
     std::vector<Reducer::Grad> list;
     for (size_t i = 0; i < num_grads; ++i) {
       DPAR_CHECK_ARG(grads[i] != nullptr, "grads[", i, "]: is NULL");
-      backend_for(c.device).check_memory(grads[i], c.device, ("grads[" + std::to_string(i) + "]").c_str());
       DPAR_CHECK_ARG(counts[i] > 0, "counts[", i, "]: is 0");
       DPAR_CHECK_ARG(counts[i] <= SIZE_MAX / sizeof(float), "counts[", i, "]: ", counts[i], " is too large");
+      backend_for(c.device).check_memory(grads[i], counts[i] * sizeof(float), c.device,
+                                         ("grads[" + std::to_string(i) + "]").c_str());
       list.push_back({grads[i], counts[i]});
     }
     // Overlapping buffers would be reduced twice: refused, naming a pair.

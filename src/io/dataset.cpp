@@ -196,8 +196,12 @@ void Loader::settle() {
 
 void Loader::discard() {
   if (!ahead_) return;
-  settle();
-  for (auto& slot : ahead_->slots) slot.cursor = Ahead::kNothing;
+  Ahead& a = *ahead_;
+  std::unique_lock<std::mutex> lock(a.mutex);
+  a.changed.wait(lock, [&] { return !a.busy; });
+  // What the worker prepared, or failed to prepare, is no longer the next batch: its failure goes with it.
+  a.error = nullptr;
+  for (auto& slot : a.slots) slot.cursor = Ahead::kNothing;
 }
 
 void Loader::set_device(Device device) {

@@ -101,7 +101,7 @@ class CpuBackend final : public Backend {
   void fill_zero(void* dst, size_t bytes, Device) override {
     if (bytes) std::memset(dst, 0, bytes);
   }
-  void check_memory(const void*, Device, const char*) override {}
+  void check_memory(const void*, size_t, Device, const char*) override {}
 
   void prepare_workers(const WorkerOptions& options) override {
     // OpenBLAS's thread count is process-wide: one BLAS thread inside each worker keeps the workers from

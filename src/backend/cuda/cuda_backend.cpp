@@ -127,7 +127,12 @@ class CudaStream final : public Stream {
   }
   ~CudaStream() override {
     DeviceScope scope(device().index);
-    (void)cudaStreamSynchronize(stream_);
+    // A borrowed stream is the caller's, with the caller's work on it: wait only for the copy out of the pinned
+    // buffer freed below. Its own stream may hold anything this Stream queued.
+    if (borrowed_)
+      (void)cudaEventSynchronize(staged_);
+    else
+      (void)cudaStreamSynchronize(stream_);
     if (pinned_) (void)cudaFreeHost(pinned_);
     (void)cudaEventDestroy(staged_);
     if (blas_) (void)cublasDestroy(blas_);
@@ -353,18 +358,24 @@ class CudaBackend final : public Backend {
     DPAR_CUDA_CHECK(cudaDeviceSynchronize(), "fill on ", device.str());
   }
 
-  void check_memory(const void* ptr, Device device, const char* argument) override {
+  void check_memory(const void* ptr, size_t bytes, Device device, const char* argument) override {
+    // Both ends: a count past the end of a device allocation may land in host memory or another GPU's.
+    check_byte(ptr, device, argument, "");
+    if (bytes > 1) check_byte(static_cast<const char*>(ptr) + bytes - 1, device, argument, "the last byte of ");
+  }
+  static void check_byte(const void* p, Device device, const char* argument, const char* which) {
     cudaPointerAttributes a{};
-    const cudaError_t rc = cudaPointerGetAttributes(&a, ptr);
+    const cudaError_t rc = cudaPointerGetAttributes(&a, p);
     if (rc != cudaSuccess) {
       (void)cudaGetLastError();  // not sticky: clear the thread's last error
-      fail(DPAR_ERR_INVALID_ARGUMENT, argument, ": ", ptr, " is not memory CUDA knows (", cudaGetErrorString(rc),
+      fail(DPAR_ERR_INVALID_ARGUMENT, argument, ": ", which, p, " is not memory CUDA knows (", cudaGetErrorString(rc),
            "); it must be memory of ", device.str());
     }
-    const bool on_device = (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) &&
-                           a.device == device.index;
-    DPAR_CHECK_ARG(on_device, argument, ": ", ptr, " is ",
-                   a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged
+    // Managed memory is reachable from every GPU; device memory only from its own (peer access aside, which a
+    // collective's kernels do not rely on).
+    const bool ok = a.type == cudaMemoryTypeManaged || (a.type == cudaMemoryTypeDevice && a.device == device.index);
+    DPAR_CHECK_ARG(ok, argument, ": ", which, p, " is ",
+                   a.type == cudaMemoryTypeDevice
                        ? "memory of cuda:" + std::to_string(a.device)
                        : std::string(a.type == cudaMemoryTypeHost ? "pinned host memory" : "host memory"),
                    ", but it must be memory of ", device.str());
@@ -377,6 +388,11 @@ class CudaBackend final : public Backend {
   std::unique_ptr<Stream> open_stream(Device device) override { return std::make_unique<CudaStream>(device); }
   std::unique_ptr<Stream> wrap_stream(Device device, void* native) override {
     check_device_exists(device, "device");
+    // cudaStreamPerThread names the calling thread's own stream: dpar's threads would each get theirs, not the
+    // caller's. (nullptr and cudaStreamLegacy name one stream, whichever thread uses them.)
+    DPAR_CHECK_ARG(static_cast<cudaStream_t>(native) != cudaStreamPerThread, device.str(),
+                   ": cudaStreamPerThread names each thread's own stream; pass the stream itself, or NULL for the "
+                   "legacy default stream");
     return std::make_unique<CudaStream>(device, static_cast<cudaStream_t>(native));
   }
 
@@ -387,12 +403,33 @@ class CudaBackend final : public Backend {
     std::vector<int> ordinals;
     for (const Device& d : devices) ordinals.push_back(d.index);
     // NCCL between distinct GPUs; dpar's device reduction when a GPU holds several replicas (NCCL refuses that).
-    const bool distinct = std::set<int>(ordinals.begin(), ordinals.end()).size() == ordinals.size();
-    if (distinct && ordinals.size() > 1)
+    const std::set<int> gpus(ordinals.begin(), ordinals.end());
+    if (gpus.size() == ordinals.size() && ordinals.size() > 1)
       return std::make_unique<StreamGroup<NcclGroup>>(std::make_unique<NcclGroup>(ordinals, std::move(names), timeout),
                                                       handles, false);
+    // The device reduction's kernels read and write every participant's buffer: across GPUs that takes peer access
+    // both ways (without it the first access is an illegal address, which ends the process's CUDA context).
+    for (int a : gpus)
+      for (int b : gpus)
+        if (a != b) enable_peer_access(a, b);
     return std::make_unique<StreamGroup<CudaDeviceGroup>>(
         std::make_unique<CudaDeviceGroup>(ordinals, std::move(names), timeout), handles, true);
+  }
+
+  // Lets kernels on GPU `from` reach GPU `to`'s memory; refuses a pair that cannot.
+  static void enable_peer_access(int from, int to) {
+    int can = 0;
+    DPAR_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, from, to), "cudaDeviceCanAccessPeer(", from, ", ", to, ")");
+    DPAR_ENFORCE(can, DPAR_ERR_NOT_SUPPORTED, "cuda:", from, " cannot reach cuda:", to,
+                 "'s memory (no peer access): a group that names a GPU more than once must not span GPUs without "
+                 "it; name each GPU once (NCCL), or use one GPU");
+    DeviceScope scope(from);
+    const cudaError_t rc = cudaDeviceEnablePeerAccess(to, 0);
+    if (rc == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+      return;
+    }
+    DPAR_CUDA_CHECK(rc, "cudaDeviceEnablePeerAccess from cuda:", from, " to cuda:", to);
   }
 
   CudaAllocatorStats stats(int device) {
