@@ -501,7 +501,9 @@ TEST_P(Collectives, AllGatherEveryDTypeAndLayout) {
 TEST_P(Collectives, BackToBackAllGathersSeeTheirOwnRound) {
   Group g(GetParam());
   const int n = g.size();
-  const size_t limit = ThreadGroup::kStageBytes / sizeof(int32_t);
+  const size_t limit = g.group.stage_limit() / sizeof(int32_t);
+  ASSERT_GE(g.group.stage_limit(), size_t{1} << 10);
+  ASSERT_LE(g.group.stage_limit(), ThreadGroup::kStageBytes);
   const size_t counts[] = {1, limit, limit + 1, 17};
   std::vector<std::string> wrong(n);  // what a rank found wrong; it then aborts, so the others stop waiting
   auto out = on_ranks(n, [&](int r) {

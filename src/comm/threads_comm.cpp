@@ -326,7 +326,7 @@ class ThreadCommunicator final : public Communicator {
       const size_t total = check_bytes(kOp, count, esz, static_cast<size_t>(n));
       bytes = total / static_cast<size_t>(n);
       check_buffers(kOp, send, recv);
-      if (bytes <= ThreadGroup::kStageBytes) return staged_all_gather(send, recv, count, dtype, bytes);
+      if (bytes <= group_.stage_limit()) return staged_all_gather(send, recv, count, dtype, bytes);
       // In place: send is already in its block. Any other overlap (send == recv at rank > 0) would be
       // overwritten while the others read it: contribute a copy.
       if (overlaps(send, bytes, recv, total) && send != at(recv, bytes * static_cast<size_t>(rank_))) {
@@ -377,7 +377,7 @@ class ThreadCommunicator final : public Communicator {
     if (count) {
       check_bytes(operation, count, 4, 1);
       if (!buffer) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": buffer is null");
-      if (!to_root && count <= ThreadGroup::kStageBytes / sizeof(float) / static_cast<size_t>(n))
+      if (!to_root && count <= group_.stage_limit() / sizeof(float) / static_cast<size_t>(n))
         return staged_all_reduce_sum(buffer, count, contributes, scale);
     }
     const size_t p = start(operation, kind, count, CommDType::kF32, ReduceOp::kSum, to_root ? root : 0,
@@ -564,6 +564,7 @@ ThreadGroup::ThreadGroup(std::vector<std::string> names, std::chrono::duration<d
     : names_(std::move(names)),
       timeout_(timeout),
       spin_(spin_policy(names_.size())),
+      stage_limit_(spin_ == Spin::kYes ? size_t{1} << 10 : kStageBytes),
       slots_(names_.size()),
       stages_(names_.size()) {
   DPAR_ENFORCE(!names_.empty() && names_.size() <= kMaxParticipants, DPAR_ERR_INVALID_ARGUMENT,
