@@ -57,21 +57,15 @@ static int failed(result *r, dpar_status s, const char *what) {
   return 1;
 }
 
-static void run_config(result *r, const bench_mlp *mlp, int64_t batch, int replicas, int steps, int blocks,
-                       int host_input) {
-  memset(r, 0, sizeof *r);
-  r->mlp = mlp;
-  r->model = mlp->name;
-  r->batch = batch;
-  const int64_t in = mlp->sizes[0], classes = mlp->sizes[mlp->nlayers];
-
-  dpar_model *model = NULL;
+/* The MLP (ReLU between its layers, PyTorch's initialisation from seed 1) and an Adam (lr 1e-3) engine with
+ * `replicas` replicas on cuda:0 and softmax cross-entropy. *model is the caller's to free, with the engine. */
+static dpar_status make_engine(dpar_engine **engine, dpar_model **model, const bench_mlp *mlp, int replicas) {
   dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
   mo.seed = 1;
-  CHECK(dpar_model_create(&model, &mo));
+  CHECK(dpar_model_create(model, &mo));
   for (int l = 0; l < mlp->nlayers; ++l) {
-    CHECK(dpar_model_add_linear(model, mlp->sizes[l], mlp->sizes[l + 1], 1));
-    if (l + 1 < mlp->nlayers) CHECK(dpar_model_add_activation(model, DPAR_RELU));
+    CHECK(dpar_model_add_linear(*model, mlp->sizes[l], mlp->sizes[l + 1], 1));
+    if (l + 1 < mlp->nlayers) CHECK(dpar_model_add_activation(*model, DPAR_RELU));
   }
   dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
   oo.kind = DPAR_ADAM;
@@ -83,10 +77,22 @@ static void run_config(result *r, const bench_mlp *mlp, int64_t batch, int repli
   eo.num_device_ids = (size_t)replicas;
   eo.loss = DPAR_LOSS_CROSS_ENTROPY;
   eo.processes = DPAR_PROCESSES_SINGLE;
+  return dpar_engine_create(engine, *model, &oo, &eo);
+}
+
+static void run_config(result *r, const bench_mlp *mlp, int64_t batch, int replicas, int steps, int blocks,
+                       int host_input) {
+  memset(r, 0, sizeof *r);
+  r->mlp = mlp;
+  r->model = mlp->name;
+  r->batch = batch;
+  const int64_t in = mlp->sizes[0], classes = mlp->sizes[mlp->nlayers];
+
+  dpar_model *model = NULL;
   dpar_engine *engine = NULL;
   dpar_tensor *x[kDataBatches] = {0}, *y[kDataBatches] = {0};
   double *t = NULL;
-  if (failed(r, dpar_engine_create(&engine, model, &oo, &eo), "dpar_engine_create")) goto done;
+  if (failed(r, make_engine(&engine, &model, mlp, replicas), "dpar_engine_create")) goto done;
 
   /* A few distinct batches, cycled, on cuda:0 as the PyTorch anchor's are: a replica there takes its rows as a
    * view. --host-input keeps them in host memory, so that the step includes each replica's copy to its GPU. */
@@ -415,29 +421,12 @@ static void compare(const result *res, int nres, const json_file *torch, const j
 /* Median ms of a loader step (next batch + train step) over `steps` steps after 10 warm-up ones; the loader's
  * batches prepared on cuda:0 when `ahead`. NAN (and a message) when a call fails. */
 static double loader_step_ms(const dpar_dataset *train, size_t batch, int ahead, int steps) {
-  const bench_mlp *mlp = &kBenchMlps[0];
   dpar_model *model = NULL;
-  dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
-  mo.seed = 1;
-  CHECK(dpar_model_create(&model, &mo));
-  for (int l = 0; l < mlp->nlayers; ++l) {
-    CHECK(dpar_model_add_linear(model, mlp->sizes[l], mlp->sizes[l + 1], 1));
-    if (l + 1 < mlp->nlayers) CHECK(dpar_model_add_activation(model, DPAR_RELU));
-  }
-  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
-  oo.kind = DPAR_ADAM;
-  oo.lr = 1e-3f;
-  int32_t ids[1] = {0};
-  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
-  eo.device_kind = DPAR_DEVICE_CUDA;
-  eo.device_ids = ids;
-  eo.num_device_ids = 1;
-  eo.processes = DPAR_PROCESSES_SINGLE;
   dpar_engine *engine = NULL;
   dpar_loader *loader = NULL;
   double *t = (double *)xmalloc(sizeof(double) * (size_t)steps);
   double med = NAN;
-  dpar_status s = dpar_engine_create(&engine, model, &oo, &eo);
+  dpar_status s = make_engine(&engine, &model, &kBenchMlps[0], 1);
   if (s == DPAR_OK) s = dpar_loader_create(&loader, train, batch, 1, 0, 1);
   if (s == DPAR_OK && ahead) s = dpar_loader_to_device(loader, (dpar_device){DPAR_DEVICE_CUDA, 0});
   uint64_t epoch = 0;

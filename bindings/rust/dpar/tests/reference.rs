@@ -202,25 +202,23 @@ fn collectives_over_a_thread_group() {
     }
 }
 
+/// Runs `body` for each of the group's `n` members, each on a thread of its own, and waits for all of them.
+fn on_each_member(group: &CommGroup, n: usize, body: fn(&mut Comm)) {
+    let comms: Vec<Comm> = (0..n).map(|r| group.member(r).unwrap()).collect();
+    let handles: Vec<_> = comms.into_iter().map(|mut c| std::thread::spawn(move || body(&mut c))).collect();
+    handles.into_iter().for_each(|h| h.join().unwrap());
+}
+
 #[test]
 fn a_group_on_cpu_devices_says_where_its_buffers_are() {
     let group = CommGroup::on_devices(&[Device::cpu(0), Device::cpu(1)], 30.0).unwrap();
-    let comms: Vec<Comm> = (0..2).map(|r| group.member(r).unwrap()).collect();
-    let handles: Vec<_> = comms
-        .into_iter()
-        .map(|mut c| {
-            std::thread::spawn(move || {
-                let (rank, _) = c.info().unwrap();
-                assert_eq!(c.device().unwrap(), Device::cpu(rank as i32));
-                let mut v = vec![rank as f32; 3];
-                c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
-                assert_eq!(v, vec![1.0; 3]);
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    on_each_member(&group, 2, |c| {
+        let (rank, _) = c.info().unwrap();
+        assert_eq!(c.device().unwrap(), Device::cpu(rank as i32));
+        let mut v = vec![rank as f32; 3];
+        c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, vec![1.0; 3]);
+    });
     let e = unsafe { CommGroup::on_devices_with_streams(&[Device::cpu(0)], &[], 30.0) }.err().unwrap();
     assert_eq!(e.status(), status::INVALID_ARGUMENT);
     let mut not_a_stream = 0u8;
@@ -248,50 +246,43 @@ fn option_structs_have_the_libraries_layout() {
 #[test]
 fn every_collective_and_its_length_checks() {
     let group = CommGroup::new(2, 30.0).unwrap();
-    let comms: Vec<Comm> = (0..2).map(|r| group.member(r).unwrap()).collect();
-    let handles: Vec<_> = comms
-        .into_iter()
-        .map(|mut c| {
-            std::thread::spawn(move || {
-                let (rank, _) = c.info().unwrap();
-                let me = rank as f32 + 1.0; // 1 and 2
-                let mut r = [0f32; 2];
-                c.all_reduce(&[me, 10.0 * me], &mut r, ReduceOp::Sum).unwrap();
-                assert_eq!(r, [3.0, 30.0]);
-                let mut b = [me; 3];
-                c.broadcast(&mut b, 1).unwrap();
-                assert_eq!(b, [2.0; 3]);
-                let mut r = [0f32; 1];
-                c.reduce(&[me], &mut r, ReduceOp::Max, 0).unwrap();
-                assert_eq!(r[0], if rank == 0 { 2.0 } else { 0.0 });
-                let mut g = [0f32; 2];
-                c.all_gather(&[me], &mut g).unwrap();
-                assert_eq!(g, [1.0, 2.0]);
-                let mut s = [0f32; 1];
-                c.reduce_scatter(&[me, 10.0 * me], &mut s, ReduceOp::Sum).unwrap();
-                assert_eq!(s[0], if rank == 0 { 3.0 } else { 30.0 });
-                let mut b = [me; 2];
-                c.broadcast_async(&mut b, 0).unwrap().wait().unwrap();
-                assert_eq!(b, [1.0; 2]);
-                let mut g = [0f32; 2];
-                c.all_gather_async(&[me], &mut g).unwrap().wait().unwrap();
-                assert_eq!(g, [1.0, 2.0]);
-                let mut s = [0f32; 1];
-                c.reduce_scatter_async(&[me, 10.0 * me], &mut s, ReduceOp::Mean).unwrap().wait().unwrap();
-                assert_eq!(s[0], if rank == 0 { 1.5 } else { 15.0 });
-                // Refused before any participant waits for the others.
-                let e = c.all_reduce(&[me; 2], &mut [0f32; 3], ReduceOp::Sum).unwrap_err();
-                assert_eq!(e.message(), "recv: 3 elements, expected 2");
-                let e = c.all_gather(&[me; 2], &mut [0f32; 3]).unwrap_err();
-                assert_eq!(e.message(), "recv: 3 elements, expected 4");
-                let e = c.reduce_scatter_async(&[me; 3], &mut [0f32; 2], ReduceOp::Sum).err().unwrap();
-                assert_eq!(e.status(), status::INVALID_ARGUMENT);
-                assert_eq!(e.message(), "send: 3 elements, expected 4");
-                c.barrier().unwrap();
-            })
-        })
-        .collect();
-    handles.into_iter().for_each(|h| h.join().unwrap());
+    on_each_member(&group, 2, |c| {
+        let (rank, _) = c.info().unwrap();
+        let me = rank as f32 + 1.0; // 1 and 2
+        let mut r = [0f32; 2];
+        c.all_reduce(&[me, 10.0 * me], &mut r, ReduceOp::Sum).unwrap();
+        assert_eq!(r, [3.0, 30.0]);
+        let mut b = [me; 3];
+        c.broadcast(&mut b, 1).unwrap();
+        assert_eq!(b, [2.0; 3]);
+        let mut r = [0f32; 1];
+        c.reduce(&[me], &mut r, ReduceOp::Max, 0).unwrap();
+        assert_eq!(r[0], if rank == 0 { 2.0 } else { 0.0 });
+        let mut g = [0f32; 2];
+        c.all_gather(&[me], &mut g).unwrap();
+        assert_eq!(g, [1.0, 2.0]);
+        let mut s = [0f32; 1];
+        c.reduce_scatter(&[me, 10.0 * me], &mut s, ReduceOp::Sum).unwrap();
+        assert_eq!(s[0], if rank == 0 { 3.0 } else { 30.0 });
+        let mut b = [me; 2];
+        c.broadcast_async(&mut b, 0).unwrap().wait().unwrap();
+        assert_eq!(b, [1.0; 2]);
+        let mut g = [0f32; 2];
+        c.all_gather_async(&[me], &mut g).unwrap().wait().unwrap();
+        assert_eq!(g, [1.0, 2.0]);
+        let mut s = [0f32; 1];
+        c.reduce_scatter_async(&[me, 10.0 * me], &mut s, ReduceOp::Mean).unwrap().wait().unwrap();
+        assert_eq!(s[0], if rank == 0 { 1.5 } else { 15.0 });
+        // Refused before any participant waits for the others.
+        let e = c.all_reduce(&[me; 2], &mut [0f32; 3], ReduceOp::Sum).unwrap_err();
+        assert_eq!(e.message(), "recv: 3 elements, expected 2");
+        let e = c.all_gather(&[me; 2], &mut [0f32; 3]).unwrap_err();
+        assert_eq!(e.message(), "recv: 3 elements, expected 4");
+        let e = c.reduce_scatter_async(&[me; 3], &mut [0f32; 2], ReduceOp::Sum).err().unwrap();
+        assert_eq!(e.status(), status::INVALID_ARGUMENT);
+        assert_eq!(e.message(), "send: 3 elements, expected 4");
+        c.barrier().unwrap();
+    });
     let model = reference_model();
     assert_eq!((model.num_layers().unwrap(), model.num_params().unwrap()), (3, 4));
 }
