@@ -45,15 +45,18 @@ void Dataset::normalize(float mean, float std) {
 }
 
 // ---- One batch ahead ---------------------------------------------------------------------------------------------
-struct Loader::Ahead {
-  struct Slot {
-    Tensor host_x, host_y;  // where the worker gathers: the batch itself when the device is the host
-    Tensor dev_x, dev_y;    // the batch on a device that is not the host
-    size_t cursor = kNothing;  // the cursor the batch was planned from
-    Plan plan;
-  };
-  static constexpr size_t kNothing = SIZE_MAX;
+namespace {
+constexpr size_t kNothingPrepared = SIZE_MAX;  // a slot's cursor while it holds no prepared batch
+}  // namespace
 
+struct Loader::Slot {
+  Tensor host_x, host_y;  // where the worker gathers: the batch itself when the device is the host
+  Tensor dev_x, dev_y;    // the batch on a device that is not the host
+  size_t cursor = kNothingPrepared;  // the cursor the batch was planned from
+  Plan plan;
+};
+
+struct Loader::Ahead {
   Slot slots[2];
   int held = -1;                    // the slot whose batch the caller holds
   std::unique_ptr<Stream> stream;   // the worker's copies (a device that is not the host)
@@ -169,7 +172,7 @@ bool Loader::next(Tensor& inputs, Tensor& labels) {
     launch(s, cursor_);
     settle();
   }
-  Ahead::Slot& slot = a.slots[s];
+  Slot& slot = a.slots[s];
   if (slot.plan.rows == 0) return false;
   cursor_ = slot.plan.next_cursor;
   a.held = s;
@@ -181,27 +184,24 @@ bool Loader::next(Tensor& inputs, Tensor& labels) {
   return true;
 }
 
-void Loader::settle() {
-  if (!ahead_) return;
+std::exception_ptr Loader::settle_and_take_error(bool discard) {
   Ahead& a = *ahead_;
   std::unique_lock<std::mutex> lock(a.mutex);
   a.changed.wait(lock, [&] { return !a.busy; });
-  if (a.error) {
-    std::exception_ptr e = std::exchange(a.error, nullptr);
-    for (auto& slot : a.slots) slot.cursor = Ahead::kNothing;
-    lock.unlock();
-    std::rethrow_exception(e);
-  }
+  std::exception_ptr error = std::exchange(a.error, nullptr);
+  if (discard || error)
+    for (auto& slot : a.slots) slot.cursor = kNothingPrepared;
+  return error;
+}
+
+void Loader::settle() {
+  if (!ahead_) return;
+  if (std::exception_ptr error = settle_and_take_error(false)) std::rethrow_exception(error);
 }
 
 void Loader::discard() {
-  if (!ahead_) return;
-  Ahead& a = *ahead_;
-  std::unique_lock<std::mutex> lock(a.mutex);
-  a.changed.wait(lock, [&] { return !a.busy; });
   // What the worker prepared, or failed to prepare, is no longer the next batch: its failure goes with it.
-  a.error = nullptr;
-  for (auto& slot : a.slots) slot.cursor = Ahead::kNothing;
+  if (ahead_) (void)settle_and_take_error(true);
 }
 
 void Loader::set_device(Device device) {
@@ -223,54 +223,59 @@ void Loader::set_device(Device device) {
   stop_worker();
   device_ = Device{};
   Ahead* ahead = a.get();
-  a->thread = std::thread([this, ahead, device, &backend] {
-    Ahead& w = *ahead;
-    std::exception_ptr start_error;
-    try {
-      Backend::WorkerOptions options;
-      options.pin = false;  // the caller's cores are its own
-      backend.start_worker(device, 0, options);
-    } catch (...) {
-      start_error = std::current_exception();
-    }
-    std::unique_lock<std::mutex> lock(w.mutex);
-    for (;;) {
-      w.changed.wait(lock, [&] { return w.stop || w.job >= 0; });
-      if (w.stop) return;
-      Ahead::Slot& slot = w.slots[w.job];
-      const size_t cursor = w.job_cursor;
-      w.job = -1;
-      lock.unlock();
-      std::exception_ptr error = start_error;
-      if (!error) {
-        try {
-          // Reads the permutation and the shard, which the caller changes only while the worker is idle.
-          slot.plan = plan(cursor);
-          if (slot.plan.rows != 0) {
-            gather(slot.plan, slot.host_x.f32(), slot.host_y.i32());
-            if (w.stream) {
-              const size_t rows = slot.plan.rows;
-              w.stream->copy_from_host(slot.dev_x.raw(), slot.host_x.raw(), rows * dataset_.features() * sizeof(float));
-              w.stream->copy_from_host(slot.dev_y.raw(), slot.host_y.raw(), rows * sizeof(int32_t));
-              w.stream->synchronize();
-            }
-          }
-          slot.cursor = cursor;
-        } catch (...) {
-          error = std::current_exception();
-        }
-      }
-      lock.lock();
-      if (error) {
-        slot.cursor = Ahead::kNothing;
-        w.error = error;
-      }
-      w.busy = false;
-      w.changed.notify_all();
-    }
-  });
+  a->thread = std::thread([this, ahead, device, &backend] { work(*ahead, device, backend); });
   ahead_ = std::move(a);
   device_ = device;
+}
+
+void Loader::work(Ahead& w, Device device, Backend& backend) {
+  std::exception_ptr start_error;
+  try {
+    Backend::WorkerOptions options;
+    options.pin = false;  // the caller's cores are its own
+    backend.start_worker(device, 0, options);
+  } catch (...) {
+    start_error = std::current_exception();
+  }
+  std::unique_lock<std::mutex> lock(w.mutex);
+  for (;;) {
+    w.changed.wait(lock, [&] { return w.stop || w.job >= 0; });
+    if (w.stop) return;
+    Slot& slot = w.slots[w.job];
+    const size_t cursor = w.job_cursor;
+    w.job = -1;
+    lock.unlock();
+    std::exception_ptr error = start_error;
+    if (!error) {
+      try {
+        prepare(slot, w.stream.get(), cursor);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    lock.lock();
+    if (error) {
+      slot.cursor = kNothingPrepared;
+      w.error = error;
+    }
+    w.busy = false;
+    w.changed.notify_all();
+  }
+}
+
+void Loader::prepare(Slot& slot, Stream* stream, size_t cursor) const {
+  // Reads the permutation and the shard, which the caller changes only while the worker is idle.
+  slot.plan = plan(cursor);
+  if (slot.plan.rows != 0) {
+    gather(slot.plan, slot.host_x.f32(), slot.host_y.i32());
+    if (stream) {
+      const size_t rows = slot.plan.rows;
+      stream->copy_from_host(slot.dev_x.raw(), slot.host_x.raw(), rows * dataset_.features() * sizeof(float));
+      stream->copy_from_host(slot.dev_y.raw(), slot.host_y.raw(), rows * sizeof(int32_t));
+      stream->synchronize();
+    }
+  }
+  slot.cursor = cursor;
 }
 
 }  // namespace dpar::io

@@ -2,11 +2,17 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "tensor/tensor.h"
+
+namespace dpar {
+class Backend;
+class Stream;
+}  // namespace dpar
 
 namespace dpar::io {
 
@@ -68,11 +74,19 @@ class Loader {
   // Copies a planned batch's samples and labels into host memory.
   void gather(const Plan& p, float* x, int32_t* y) const;
 
+  struct Slot;
   struct Ahead;
-  // Waits until the worker is idle (no batch in preparation).
+  // Waits until the worker is idle (no batch in preparation), and throws its failure, if any.
   void settle();
-  // Throws away a prepared batch (the next batch is no longer the one it holds).
+  // Waits until the worker is idle and throws away what it prepared, failure included (the next batch is no
+  // longer the one it holds).
   void discard();
+  // Waits until the worker is idle and takes its failure; forgets the prepared batches with `discard` or a failure.
+  std::exception_ptr settle_and_take_error(bool discard);
+  // The worker thread: prepares the slots the caller hands it, until it is stopped.
+  void work(Ahead& w, Device device, Backend& backend);
+  // Gathers the batch planned from `cursor` into a slot, and copies it on `stream` to the device if there is one.
+  void prepare(Slot& slot, Stream* stream, size_t cursor) const;
   // Ends the worker, after the batch it is preparing (if any).
   void stop_worker();
 
