@@ -600,8 +600,8 @@ class CommGroup(_Handle):
         """A group whose participant r's buffers are memory of devices[r] ("cpu:1", "cuda:0" or (kind, index)).
 
         On GPUs each participant's collectives are ordered on streams[r], a cudaStream_t as an integer (PyTorch:
-        torch.cuda.Stream.cuda_stream); None, or a None entry, is the legacy default stream. The collectives of
-        Comm take NumPy arrays, which are host memory: a group on GPUs is for the reducer and the raw layer."""
+        torch.cuda.Stream.cuda_stream); None, or a None entry, is the legacy default stream. Over GPUs, Comm's
+        collectives and the Reducer take arrays with __cuda_array_interface__ (NumPy arrays are host memory)."""
         devs = np.array([parse_device(d) if isinstance(d, str) else tuple(d) for d in devices], dtype=np.int32)
         ptrs = None if streams is None else np.array([s or 0 for s in streams], dtype=np.uintp)
         if ptrs is not None and len(ptrs) != len(devs):

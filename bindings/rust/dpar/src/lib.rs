@@ -1075,9 +1075,8 @@ impl CommGroup {
         Ok(CommGroup { raw })
     }
     /// A group whose participant r's buffers are memory of `devices[r]`, all of one kind, each participant's
-    /// collectives on the device's legacy default stream (see `on_devices_with_streams`). The collectives of
-    /// `Comm` take slices, which are host memory: over GPUs they are refused, and a group there serves the C
-    /// calls on device pointers (`dpar_sys`).
+    /// collectives on the device's legacy default stream (see `on_devices_with_streams`). Slices are host memory:
+    /// over GPUs the buffers are [`RawBuffer`]s, for the `*_raw` collectives and [`RawReducer`].
     pub fn on_devices(devices: &[Device], timeout_seconds: f64) -> Result<CommGroup> {
         // SAFETY: null streams are the legacy default stream, which needs nothing kept alive.
         unsafe { CommGroup::create_on_devices(devices, None, timeout_seconds) }
@@ -1137,9 +1136,59 @@ fn same_len(a: usize, b: usize, what: &str) -> Result<()> {
     }
 }
 
-/// A collective's send and receive buffers as the C call takes them.
-fn c_buffers<T>(send: &[T], recv: &mut [T]) -> (*const c_void, *mut c_void) {
-    (send.as_ptr() as *const c_void, recv.as_mut_ptr() as *mut c_void)
+/// A buffer that dpar reaches through a raw pointer: memory Rust does not own, such as a framework's GPU tensor
+/// (a CUDA device pointer from `cudarc`, a tensor's data pointer) for a communicator of a group made by
+/// [`CommGroup::on_devices`]. The `*_raw` collectives and [`RawReducer`] take it. dpar refuses, before anything
+/// moves, a buffer it can tell is not memory of the communicator's device (host memory handed to a GPU's
+/// participant, for instance).
+#[derive(Debug)]
+pub struct RawBuffer<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+impl<T> Clone for RawBuffer<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for RawBuffer<T> {}
+
+// SAFETY: a RawBuffer is an address and a length; `from_raw_parts`'s contract makes its holder answerable for the
+// memory, from whichever thread the collective runs.
+unsafe impl<T: Send> Send for RawBuffer<T> {}
+
+impl<T: CommType> RawBuffer<T> {
+    /// `len` elements at `ptr`.
+    ///
+    /// # Safety
+    /// The elements must be memory of one device (host memory or one GPU's), valid for reads and writes by dpar
+    /// whenever a collective uses the buffer: for a blocking call, until it returns; for an asynchronous one, until
+    /// its [`Work`] is waited for or dropped; for a [`RawReducer`], for the reducer's whole life. Nothing else may
+    /// write them meanwhile. On a GPU, the work that produced them must be finished or queued on the participant's
+    /// stream (see [`CommGroup::on_devices_with_streams`]).
+    pub unsafe fn from_raw_parts(ptr: *mut T, len: usize) -> RawBuffer<T> {
+        RawBuffer { ptr, len }
+    }
+    /// A slice's elements, for the span of one blocking call.
+    fn of(slice: &[T]) -> RawBuffer<T> {
+        RawBuffer { ptr: slice.as_ptr() as *mut T, len: slice.len() }
+    }
+    fn of_mut(slice: &mut [T]) -> RawBuffer<T> {
+        RawBuffer { ptr: slice.as_mut_ptr(), len: slice.len() }
+    }
+    pub fn as_ptr(&self) -> *mut T {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    fn c(&self) -> *mut c_void {
+        self.ptr as *mut c_void
+    }
 }
 
 impl Comm {
@@ -1169,36 +1218,57 @@ impl Comm {
         same_len(whole, block * size, what)
     }
     pub fn all_reduce<T: CommType>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        same_len(recv.len(), send.len(), "recv")?;
-        let (s, r) = c_buffers(send, recv);
-        check(unsafe { sys::dpar_comm_all_reduce(self.raw, s, r, send.len(), T::DTYPE, op.raw()) })
+        self.all_reduce_raw(RawBuffer::of(send), RawBuffer::of_mut(recv), op)
     }
     pub fn all_reduce_in_place<T: CommType>(&mut self, buffer: &mut [T], op: ReduceOp) -> Result<()> {
-        let p = buffer.as_mut_ptr() as *mut c_void;
-        check(unsafe { sys::dpar_comm_all_reduce(self.raw, p, p, buffer.len(), T::DTYPE, op.raw()) })
+        let b = RawBuffer::of_mut(buffer);
+        self.all_reduce_raw(b, b, op)
     }
     pub fn broadcast<T: CommType>(&mut self, buffer: &mut [T], root: usize) -> Result<()> {
-        check(unsafe {
-            sys::dpar_comm_broadcast(self.raw, buffer.as_mut_ptr() as *mut c_void, buffer.len(), T::DTYPE, root)
-        })
+        self.broadcast_raw(RawBuffer::of_mut(buffer), root)
     }
     /// Reduces into `root`'s `recv` (ignored elsewhere).
     pub fn reduce<T: CommType>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        same_len(recv.len(), send.len(), "recv")?;
-        let (s, r) = c_buffers(send, recv);
-        check(unsafe { sys::dpar_comm_reduce(self.raw, s, r, send.len(), T::DTYPE, op.raw(), root) })
+        self.reduce_raw(RawBuffer::of(send), RawBuffer::of_mut(recv), op, root)
     }
     /// Every participant's `send` into `recv` (size x send.len()), in rank order.
     pub fn all_gather<T: CommType>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
-        self.same_len_per_rank(recv.len(), send.len(), "recv")?;
-        let (s, r) = c_buffers(send, recv);
-        check(unsafe { sys::dpar_comm_all_gather(self.raw, s, r, send.len(), T::DTYPE) })
+        self.all_gather_raw(RawBuffer::of(send), RawBuffer::of_mut(recv))
     }
     /// Reduces `send` (size x recv.len()) element-wise; this participant receives its block in `recv`.
     pub fn reduce_scatter<T: CommType>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_raw(RawBuffer::of(send), RawBuffer::of_mut(recv), op)
+    }
+    /// `all_reduce` on buffers Rust does not own (a GPU's memory); `send` and `recv` may be the same buffer.
+    pub fn all_reduce_raw<T: CommType>(&mut self, send: RawBuffer<T>, recv: RawBuffer<T>, op: ReduceOp) -> Result<()> {
+        same_len(recv.len(), send.len(), "recv")?;
+        check(unsafe { sys::dpar_comm_all_reduce(self.raw, send.c(), recv.c(), send.len(), T::DTYPE, op.raw()) })
+    }
+    pub fn broadcast_raw<T: CommType>(&mut self, buffer: RawBuffer<T>, root: usize) -> Result<()> {
+        check(unsafe { sys::dpar_comm_broadcast(self.raw, buffer.c(), buffer.len(), T::DTYPE, root) })
+    }
+    pub fn reduce_raw<T: CommType>(
+        &mut self,
+        send: RawBuffer<T>,
+        recv: RawBuffer<T>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        same_len(recv.len(), send.len(), "recv")?;
+        check(unsafe { sys::dpar_comm_reduce(self.raw, send.c(), recv.c(), send.len(), T::DTYPE, op.raw(), root) })
+    }
+    pub fn all_gather_raw<T: CommType>(&mut self, send: RawBuffer<T>, recv: RawBuffer<T>) -> Result<()> {
+        self.same_len_per_rank(recv.len(), send.len(), "recv")?;
+        check(unsafe { sys::dpar_comm_all_gather(self.raw, send.c(), recv.c(), send.len(), T::DTYPE) })
+    }
+    pub fn reduce_scatter_raw<T: CommType>(
+        &mut self,
+        send: RawBuffer<T>,
+        recv: RawBuffer<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
         self.same_len_per_rank(send.len(), recv.len(), "send")?;
-        let (s, r) = c_buffers(send, recv);
-        check(unsafe { sys::dpar_comm_reduce_scatter(self.raw, s, r, recv.len(), T::DTYPE, op.raw()) })
+        check(unsafe { sys::dpar_comm_reduce_scatter(self.raw, send.c(), recv.c(), recv.len(), T::DTYPE, op.raw()) })
     }
     pub fn barrier(&mut self) -> Result<()> {
         check(unsafe { sys::dpar_comm_barrier(self.raw) })
@@ -1217,19 +1287,13 @@ impl Comm {
     /// An all-reduce on the communicator's own thread. The buffer stays borrowed until the work is waited for
     /// or dropped (dropping waits).
     pub fn all_reduce_async<'a, T: CommType>(&'a mut self, buffer: &'a mut [T], op: ReduceOp) -> Result<Work<'a>> {
-        let p = buffer.as_mut_ptr() as *mut c_void;
-        Work::start(|out| unsafe {
-            sys::dpar_comm_all_reduce_async(out, self.raw, p, p, buffer.len(), T::DTYPE, op.raw())
-        })
+        self.all_reduce_raw_async(RawBuffer::of_mut(buffer), op)
     }
     pub fn broadcast_async<'a, T: CommType>(&'a mut self, buffer: &'a mut [T], root: usize) -> Result<Work<'a>> {
-        let p = buffer.as_mut_ptr() as *mut c_void;
-        Work::start(|out| unsafe { sys::dpar_comm_broadcast_async(out, self.raw, p, buffer.len(), T::DTYPE, root) })
+        self.broadcast_raw_async(RawBuffer::of_mut(buffer), root)
     }
     pub fn all_gather_async<'a, T: CommType>(&'a mut self, send: &'a [T], recv: &'a mut [T]) -> Result<Work<'a>> {
-        self.same_len_per_rank(recv.len(), send.len(), "recv")?;
-        let (s, r) = c_buffers(send, recv);
-        Work::start(|out| unsafe { sys::dpar_comm_all_gather_async(out, self.raw, s, r, send.len(), T::DTYPE) })
+        self.all_gather_raw_async(RawBuffer::of(send), RawBuffer::of_mut(recv))
     }
     pub fn reduce_scatter_async<'a, T: CommType>(
         &'a mut self,
@@ -1237,10 +1301,36 @@ impl Comm {
         recv: &'a mut [T],
         op: ReduceOp,
     ) -> Result<Work<'a>> {
-        self.same_len_per_rank(send.len(), recv.len(), "send")?;
-        let (s, r) = c_buffers(send, recv);
+        self.reduce_scatter_raw_async(RawBuffer::of(send), RawBuffer::of_mut(recv), op)
+    }
+    /// `all_reduce_async` on a buffer Rust does not own, in place. On a GPU the collective is ordered on the
+    /// participant's stream when the communicator's thread starts it: read the result after [`Work::wait`].
+    pub fn all_reduce_raw_async<T: CommType>(&mut self, buffer: RawBuffer<T>, op: ReduceOp) -> Result<Work<'_>> {
+        let p = buffer.c();
         Work::start(|out| unsafe {
-            sys::dpar_comm_reduce_scatter_async(out, self.raw, s, r, recv.len(), T::DTYPE, op.raw())
+            sys::dpar_comm_all_reduce_async(out, self.raw, p, p, buffer.len(), T::DTYPE, op.raw())
+        })
+    }
+    pub fn broadcast_raw_async<T: CommType>(&mut self, buffer: RawBuffer<T>, root: usize) -> Result<Work<'_>> {
+        Work::start(|out| unsafe {
+            sys::dpar_comm_broadcast_async(out, self.raw, buffer.c(), buffer.len(), T::DTYPE, root)
+        })
+    }
+    pub fn all_gather_raw_async<T: CommType>(&mut self, send: RawBuffer<T>, recv: RawBuffer<T>) -> Result<Work<'_>> {
+        self.same_len_per_rank(recv.len(), send.len(), "recv")?;
+        Work::start(|out| unsafe {
+            sys::dpar_comm_all_gather_async(out, self.raw, send.c(), recv.c(), send.len(), T::DTYPE)
+        })
+    }
+    pub fn reduce_scatter_raw_async<T: CommType>(
+        &mut self,
+        send: RawBuffer<T>,
+        recv: RawBuffer<T>,
+        op: ReduceOp,
+    ) -> Result<Work<'_>> {
+        self.same_len_per_rank(send.len(), recv.len(), "send")?;
+        Work::start(|out| unsafe {
+            sys::dpar_comm_reduce_scatter_async(out, self.raw, send.c(), recv.c(), recv.len(), T::DTYPE, op.raw())
         })
     }
 }
@@ -1276,6 +1366,26 @@ impl<'a> Work<'a> {
     }
 }
 
+/// A dpar_reducer over `grads`, in the model's forward order.
+fn create_reducer(
+    comm: &mut Comm,
+    grads: &[RawBuffer<f32>],
+    first_bucket_bytes: usize,
+    bucket_cap_bytes: usize,
+    op: ReduceOp,
+) -> Result<*mut sys::dpar_reducer> {
+    let mut o = unsafe { std::mem::zeroed::<sys::dpar_reducer_options>() };
+    check(unsafe { sys::dpar_reducer_options_init(&mut o) })?;
+    o.first_bucket_bytes = first_bucket_bytes;
+    o.bucket_cap_bytes = bucket_cap_bytes;
+    o.op = op.raw();
+    let ptrs: Vec<*mut f32> = grads.iter().map(|g| g.as_ptr()).collect();
+    let counts: Vec<usize> = grads.iter().map(|g| g.len()).collect();
+    let mut raw = ptr::null_mut();
+    check(unsafe { sys::dpar_reducer_create(&mut raw, comm.raw, ptrs.as_ptr(), counts.as_ptr(), counts.len(), &o) })?;
+    Ok(raw)
+}
+
 /// DDP's gradient reducer over a communicator, for a framework with its own autograd. It owns the gradient
 /// buffers (so that none is written while its bucket is in flight): write one through [`Reducer::grad_mut`],
 /// mark it with [`Reducer::grad_ready`], and [`Reducer::wait`] before the optimizer step.
@@ -1302,15 +1412,10 @@ impl<'c> Reducer<'c> {
         bucket_cap_bytes: usize,
         op: ReduceOp,
     ) -> Result<Reducer<'c>> {
-        let mut o = unsafe { std::mem::zeroed::<sys::dpar_reducer_options>() };
-        check(unsafe { sys::dpar_reducer_options_init(&mut o) })?;
-        o.first_bucket_bytes = first_bucket_bytes;
-        o.bucket_cap_bytes = bucket_cap_bytes;
-        o.op = op.raw();
         let mut grads: Vec<Vec<f32>> = counts.iter().map(|&n| vec![0f32; n]).collect();
-        let ptrs: Vec<*mut f32> = grads.iter_mut().map(|g| g.as_mut_ptr()).collect();
-        let mut raw = ptr::null_mut();
-        check(unsafe { sys::dpar_reducer_create(&mut raw, comm.raw, ptrs.as_ptr(), counts.as_ptr(), counts.len(), &o) })?;
+        let buffers: Vec<RawBuffer<f32>> = grads.iter_mut().map(|g| RawBuffer::of_mut(g)).collect();
+        // The vectors' heap blocks stay where they are when `grads` moves into the Reducer.
+        let raw = create_reducer(comm, &buffers, first_bucket_bytes, bucket_cap_bytes, op)?;
         let ready = vec![false; counts.len()];
         Ok(Reducer { raw, grads, ready, _comm: PhantomData })
     }
@@ -1340,5 +1445,49 @@ impl<'c> Reducer<'c> {
     /// Gradient `index` after wait().
     pub fn grad(&self, index: usize) -> &[f32] {
         &self.grads[index]
+    }
+}
+
+/// DDP's gradient reducer over gradient buffers the caller owns: a framework's GPU gradients, for a communicator
+/// of a group made by [`CommGroup::on_devices`] (its copies and collectives are then ordered on the participant's
+/// stream). Mark each gradient with [`RawReducer::grad_ready`] once backward has written it (queued on that
+/// stream is enough), and [`RawReducer::wait`] before the optimizer step; nothing else writes a gradient between
+/// the two.
+pub struct RawReducer<'c> {
+    raw: *mut sys::dpar_reducer,
+    _comm: PhantomData<&'c mut Comm>,
+}
+
+impl Drop for RawReducer<'_> {
+    fn drop(&mut self) {
+        unsafe { sys::dpar_reducer_free(self.raw) }
+    }
+}
+
+impl<'c> RawReducer<'c> {
+    /// `grads` in the model's forward order, each valid for the reducer's life ([`RawBuffer::from_raw_parts`]);
+    /// the communicator is not used elsewhere while the reducer lives. `first_bucket_bytes`/`bucket_cap_bytes`
+    /// 0: the defaults.
+    pub fn new(
+        comm: &'c mut Comm,
+        grads: &[RawBuffer<f32>],
+        first_bucket_bytes: usize,
+        bucket_cap_bytes: usize,
+        op: ReduceOp,
+    ) -> Result<RawReducer<'c>> {
+        let raw = create_reducer(comm, grads, first_bucket_bytes, bucket_cap_bytes, op)?;
+        Ok(RawReducer { raw, _comm: PhantomData })
+    }
+    pub fn num_buckets(&self) -> Result<usize> {
+        count(|n| unsafe { sys::dpar_reducer_num_buckets(n, self.raw) })
+    }
+    /// Gradient `index` holds this step's value: its bucket may start.
+    pub fn grad_ready(&mut self, index: usize) -> Result<()> {
+        check(unsafe { sys::dpar_reducer_grad_ready(self.raw, index) })
+    }
+    /// Ends the step: every gradient then holds the reduced value (on a GPU: for the work queued on the
+    /// participant's stream after this call, such as the optimizer step).
+    pub fn wait(&mut self) -> Result<()> {
+        check(unsafe { sys::dpar_reducer_wait(self.raw) })
     }
 }

@@ -286,3 +286,103 @@ fn every_collective_and_its_length_checks() {
     let model = reference_model();
     assert_eq!((model.num_layers().unwrap(), model.num_params().unwrap()), (3, 4));
 }
+
+#[test]
+fn a_reducer_sums_gradients_marked_in_any_order_and_guards_them_in_flight() {
+    let group = CommGroup::new(2, 30.0).unwrap();
+    on_each_member(&group, 2, |c| {
+        let (rank, _) = c.info().unwrap();
+        let me = rank as f32 + 1.0; // 1 and 2
+        // 8-byte first bucket, 16-byte later ones: gradients of 3, 5 and 2 floats make three buckets.
+        let mut reducer = Reducer::new(c, &[3, 5, 2], 8, 16, ReduceOp::Sum).unwrap();
+        assert_eq!(reducer.num_buckets().unwrap(), 3);
+        for step in 1..=2 {
+            let s = step as f32;
+            for i in 0..3 {
+                reducer.grad_mut(i).unwrap().iter_mut().for_each(|g| *g = s * me * (i as f32 + 1.0));
+            }
+            // Rank 0 marks backward's order; rank 1 another, and leaves gradient 1 out (it counts as zero).
+            let order: &[usize] = if rank == 0 { &[2, 1, 0] } else { &[0, 2] };
+            for &i in order {
+                reducer.grad_ready(i).unwrap();
+                let e = reducer.grad_mut(i).unwrap_err();
+                assert_eq!(e.status(), status::INVALID_STATE);
+            }
+            assert_eq!(reducer.grad_ready(order[0]).unwrap_err().status(), status::INVALID_STATE);
+            reducer.wait().unwrap();
+            assert_eq!(reducer.grad(0), &[3.0 * s; 3]);
+            assert_eq!(reducer.grad(1), &[2.0 * s; 5]); // rank 0's alone
+            assert_eq!(reducer.grad(2), &[9.0 * s; 2]);
+        }
+        assert_eq!(reducer.grad_mut(3).unwrap_err().status(), status::INVALID_ARGUMENT);
+        assert_eq!(reducer.grad_ready(3).unwrap_err().status(), status::INVALID_ARGUMENT);
+    });
+}
+
+#[test]
+fn raw_buffers_go_through_every_collective_and_the_reducer() {
+    // A group on devices, as a framework with GPU tensors makes one; here its devices are CPU devices, whose
+    // memory is host memory, so the buffers can be plain vectors.
+    let group = CommGroup::on_devices(&[Device::cpu(0), Device::cpu(1)], 30.0).unwrap();
+    on_each_member(&group, 2, |c| {
+        let (rank, _) = c.info().unwrap();
+        let me = rank as f64 + 1.0; // 1 and 2
+        let mut v = vec![me, 10.0 * me];
+        let mut r = vec![0f64; 2];
+        let raw = |v: &mut Vec<f64>| unsafe { RawBuffer::from_raw_parts(v.as_mut_ptr(), v.len()) };
+        c.all_reduce_raw(raw(&mut v), raw(&mut r), ReduceOp::Sum).unwrap();
+        assert_eq!(r, [3.0, 30.0]);
+        let inplace = raw(&mut v);
+        c.all_reduce_raw(inplace, inplace, ReduceOp::Max).unwrap();
+        assert_eq!(v, [2.0, 20.0]);
+        let mut b = vec![me; 3];
+        c.broadcast_raw(raw(&mut b), 0).unwrap();
+        assert_eq!(b, [1.0; 3]);
+        let (mut send, mut recv) = (vec![me], vec![0.0]);
+        c.reduce_raw(raw(&mut send), raw(&mut recv), ReduceOp::Min, 1).unwrap();
+        assert_eq!(recv[0], if rank == 1 { 1.0 } else { 0.0 });
+        let mut g = vec![0f64; 2];
+        c.all_gather_raw(raw(&mut send), raw(&mut g)).unwrap();
+        assert_eq!(g, [1.0, 2.0]);
+        let (mut whole, mut mine) = (vec![me, 10.0 * me], vec![0.0]);
+        c.reduce_scatter_raw(raw(&mut whole), raw(&mut mine), ReduceOp::Mean).unwrap();
+        assert_eq!(mine[0], if rank == 0 { 1.5 } else { 15.0 });
+
+        let mut a = vec![me; 4];
+        c.all_reduce_raw_async(raw(&mut a), ReduceOp::Sum).unwrap().wait().unwrap();
+        assert_eq!(a, [3.0; 4]);
+        let mut b = vec![me; 2];
+        c.broadcast_raw_async(raw(&mut b), 1).unwrap().wait().unwrap();
+        assert_eq!(b, [2.0; 2]);
+        c.all_gather_raw_async(raw(&mut send), raw(&mut g)).unwrap().wait().unwrap();
+        assert_eq!(g, [1.0, 2.0]);
+        let work = c.reduce_scatter_raw_async(raw(&mut whole), raw(&mut mine), ReduceOp::Sum).unwrap();
+        work.wait().unwrap();
+        assert_eq!(mine[0], if rank == 0 { 3.0 } else { 30.0 });
+
+        // Refused before any participant waits for the others.
+        let mut three = vec![0f64; 3];
+        let e = c.all_reduce_raw(raw(&mut v), raw(&mut three), ReduceOp::Sum).unwrap_err();
+        assert_eq!(e.message(), "recv: 3 elements, expected 2");
+        let e = c.all_gather_raw(raw(&mut v), raw(&mut three)).unwrap_err();
+        assert_eq!(e.message(), "recv: 3 elements, expected 4");
+        let e = c.reduce_scatter_raw_async(raw(&mut three), raw(&mut v), ReduceOp::Sum).err().unwrap();
+        assert_eq!(e.message(), "send: 3 elements, expected 4");
+        c.barrier().unwrap();
+
+        // The reducer over gradients the caller owns: a mean over the participants.
+        let mut grads = [vec![me as f32; 3], vec![-me as f32; 2]];
+        let raw_grads: Vec<RawBuffer<f32>> =
+            grads.iter_mut().map(|g| unsafe { RawBuffer::from_raw_parts(g.as_mut_ptr(), g.len()) }).collect();
+        {
+            let mut reducer = RawReducer::new(c, &raw_grads, 0, 0, ReduceOp::Mean).unwrap();
+            assert_eq!(reducer.num_buckets().unwrap(), 1);
+            reducer.grad_ready(1).unwrap();
+            reducer.grad_ready(0).unwrap();
+            assert_eq!(reducer.grad_ready(0).unwrap_err().status(), status::INVALID_STATE);
+            reducer.wait().unwrap();
+        }
+        assert_eq!(grads[0], [1.5f32; 3]);
+        assert_eq!(grads[1], [-1.5f32; 2]);
+    });
+}
