@@ -288,8 +288,8 @@ void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contrib
       if (rep.ctx.device.is_host()) {
         processes_->all_reduce(data, data, count, CommDType::kF32, ReduceOp::kSum);
       } else {
-        // The processes' communicator moves host memory (MPI): the bucket goes through the host.
-        std::vector<float> host(count);
+        std::vector<float>& host = rep.process_stage;
+        if (host.size() < count) host.resize(count);
         rep.stream->copy_to_host(host.data(), data, count * sizeof(float));
         processes_->all_reduce(host.data(), host.data(), count, CommDType::kF32, ReduceOp::kSum);
         rep.stream->copy_from_host(data, host.data(), count * sizeof(float));

@@ -113,6 +113,9 @@ class Engine {
     Tensor loss_sum_device;  // where the loss kernel writes the sum (a double) on the replica's device
     // The replica's rows of a host batch (input, target, backward()'s grad_output) on a device that is not the host.
     Tensor input_stage, target_stage, grad_stage;
+    // A bucket of a replica on a GPU, on its way through the host to the other processes (MPI moves host memory).
+    // Used by the replica's communication thread alone, one bucket at a time; grows to the largest bucket.
+    std::vector<float> process_stage;
     int64_t rows = 0;       // rows of the current call
     int64_t loss_rows = 0;  // rows behind loss_sum (the last training step or accumulate)
   };
