@@ -5,8 +5,8 @@
 // goroutine locked to its OS thread. Buffers are Go slices, copied in and out (cgo does not let C keep a Go
 // pointer after a call returns), except Tensor.Float32s and Int32s, and a custom layer's CustomCall, slices over dpar's
 // own memory. The synchronous collectives use a Go slice in place for the call's span; the asynchronous ones copy
-// it into C memory and back at Work.Wait. Memory that is not a Go slice (a GPU's) goes to the collectives as
-// addresses, through the *Unsafe methods of Comm.
+// it into C memory and back at Work.Wait; a Reducer's gradients are slices over C memory it owns. Memory that is
+// not a Go slice (a GPU's) goes to the collectives as addresses, through the *Unsafe methods of Comm.
 //
 // The raw layer, dpar.dev/go/raw, is SWIG's one-to-one output for bindings/swig/dpar.i.
 package dpar
@@ -607,7 +607,8 @@ func NewCommGroup(size int, timeoutSeconds float64) (*CommGroup, error) {
 // NewCommGroupOnDevices makes a group whose participant r's buffers are memory of devices[r] (kind, index pairs
 // such as {CUDA, 0}), all of one kind. On GPUs, participant r's collectives are ordered on streams[r], a
 // cudaStream_t (nil streams, or a zero entry, is the legacy default stream). Go slices are host memory: on GPUs
-// the collectives take device addresses (Comm.AllReduceUnsafe and the other *Unsafe methods).
+// the collectives take device addresses (Comm.AllReduceUnsafe and the other *Unsafe methods), and the reducer
+// the framework's gradients (NewReducerUnsafe).
 func NewCommGroupOnDevices(devices [][2]int, streams []uintptr, timeoutSeconds float64) (*CommGroup, error) {
 	if streams != nil && len(streams) != len(devices) {
 		return nil, &Error{Status: ErrInvalidArg,
