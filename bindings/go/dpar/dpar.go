@@ -4,7 +4,9 @@
 // returns an *Error with dpar's status and message. Each call and the read of its thread-local error run with the
 // goroutine locked to its OS thread. Buffers are Go slices, copied in and out (cgo does not let C keep a Go
 // pointer after a call returns), except Tensor.Float32s and Int32s, and a custom layer's CustomCall, slices over dpar's
-// own memory.
+// own memory. The synchronous collectives use a Go slice in place for the call's span; the asynchronous ones copy
+// it into C memory and back at Work.Wait; a Reducer's gradients are slices over C memory it owns. Memory that is
+// not a Go slice (a GPU's) goes to the collectives as addresses, through the *Unsafe methods of Comm.
 //
 // The raw layer, dpar.dev/go/raw, is SWIG's one-to-one output for bindings/swig/dpar.i.
 package dpar
@@ -103,10 +105,12 @@ func ParseDevice(text string) (kind, index int, err error) {
 	return d.GetKind(), d.GetIndex(), err
 }
 
-// Element types.
+// Element types: tensors hold F32 and I32; the collectives move all four.
 const (
 	F32 = 0
 	I32 = 1
+	F64 = 5
+	I64 = 6
 )
 
 // Tensor is a dpar tensor in dpar's memory.
@@ -602,8 +606,9 @@ func NewCommGroup(size int, timeoutSeconds float64) (*CommGroup, error) {
 
 // NewCommGroupOnDevices makes a group whose participant r's buffers are memory of devices[r] (kind, index pairs
 // such as {CUDA, 0}), all of one kind. On GPUs, participant r's collectives are ordered on streams[r], a
-// cudaStream_t (nil streams, or a zero entry, is the legacy default stream). The collectives of Comm take Go
-// slices, which are host memory: a group on GPUs is for raw.Dpar_comm_* on device pointers.
+// cudaStream_t (nil streams, or a zero entry, is the legacy default stream). Go slices are host memory: on GPUs
+// the collectives take device addresses (Comm.AllReduceUnsafe and the other *Unsafe methods), and the reducer
+// the framework's gradients (NewReducerUnsafe).
 func NewCommGroupOnDevices(devices [][2]int, streams []uintptr, timeoutSeconds float64) (*CommGroup, error) {
 	if streams != nil && len(streams) != len(devices) {
 		return nil, &Error{Status: ErrInvalidArg,
@@ -694,20 +699,11 @@ func (c *Comm) Device() (kind, index int, err error) {
 	return d.GetKind(), d.GetIndex(), err
 }
 
-// AllReduceFloat32 reduces buf in place across the participants.
-func (c *Comm) AllReduceFloat32(buf []float32, op int) error {
-	defer runtime.KeepAlive(c)
-	p := unsafe.Pointer(&buf[0])
-	return call(func() int { return raw.Dpar_comm_all_reduce(c.raw, p, p, int64(len(buf)), F32, op) })
-}
+// AllReduceFloat32 reduces buf in place across the participants: AllReduce(c, buf, buf, op).
+func (c *Comm) AllReduceFloat32(buf []float32, op int) error { return AllReduce(c, buf, buf, op) }
 
-// BroadcastFloat32 copies root's buf into every participant's.
-func (c *Comm) BroadcastFloat32(buf []float32, root int) error {
-	defer runtime.KeepAlive(c)
-	return call(func() int {
-		return raw.Dpar_comm_broadcast(c.raw, unsafe.Pointer(&buf[0]), int64(len(buf)), F32, int64(root))
-	})
-}
+// BroadcastFloat32 copies root's buf into every participant's: Broadcast(c, buf, root).
+func (c *Comm) BroadcastFloat32(buf []float32, root int) error { return Broadcast(c, buf, root) }
 
 func (c *Comm) Barrier() error {
 	defer runtime.KeepAlive(c)
