@@ -594,6 +594,19 @@ DPAR_API dpar_status dpar_engine_backward(dpar_engine *engine, const dpar_tensor
 DPAR_API dpar_status dpar_engine_set_training(dpar_engine *engine, int32_t training);
 /** @brief Changes the learning rate for the following steps (a scheduler's job). */
 DPAR_API dpar_status dpar_engine_set_lr(dpar_engine *engine, float lr);
+/**
+ * @brief Clips the gradient of the following steps: before each step the gradient (summed over the replicas and
+ * processes, as the step applies it) is scaled by min(1, max_norm / (norm + 1e-6)), norm being its L2 norm over
+ * every parameter, as torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) does between backward and the
+ * step. 0 turns clipping off; engines start without it.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a negative or non-finite @p max_norm.
+ */
+DPAR_API dpar_status dpar_engine_set_max_grad_norm(dpar_engine *engine, float max_norm);
+/**
+ * @brief The gradient's L2 norm before clipping at the last step taken with clipping on (what clip_grad_norm_
+ * returns, to log); NaN before any such step.
+ */
+DPAR_API dpar_status dpar_engine_grad_norm(float *out, const dpar_engine *engine);
 /** @brief The number of optimizer steps taken. */
 DPAR_API dpar_status dpar_engine_step_count(size_t *out, const dpar_engine *engine);
 

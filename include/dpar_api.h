@@ -122,6 +122,8 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_comm_group_create_on_devices)(dpar_comm_group **out, const dpar_device *devices, void *const *streams, size_t size, const dpar_comm_options *opts);
   dpar_status (*dpar_comm_device)(dpar_device *out, const dpar_comm *comm);
   dpar_status (*dpar_loader_to_device)(dpar_loader *loader, dpar_device device);
+  dpar_status (*dpar_engine_set_max_grad_norm)(dpar_engine *engine, float max_norm);
+  dpar_status (*dpar_engine_grad_norm)(float *out, const dpar_engine *engine);
 } dpar_api_v1;
 
 /**

@@ -1083,6 +1083,43 @@ TEST(OptimizerOptions, NullMeansSgdWithItsDefaults) {
   EXPECT_FALSE(SameBits(Params(a.get()), Params(c.get()))) << "the test can tell optimizers apart";
 }
 
+TEST(GradientClipping, TheSetterClipsTheNextStepsAndTheNormIsReported) {
+  ModelPtr m = LinearModel();
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 2;
+  dpar_engine *a = nullptr, *b = nullptr;
+  ASSERT_OK(dpar_engine_create(&a, m.get(), nullptr, &eo));
+  EnginePtr plain(a);
+  ASSERT_OK(dpar_engine_create(&b, m.get(), nullptr, &eo));
+  EnginePtr clipping(b);
+  float norm = 0.0f;
+  ASSERT_OK(dpar_engine_grad_norm(&norm, b));
+  EXPECT_TRUE(std::isnan(norm)) << "no step has clipped yet";
+  for (float bad : {-1.0f, std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    EXPECT_INVALID("max_grad_norm", dpar_engine_set_max_grad_norm(b, bad));
+  }
+  EXPECT_INVALID("out", dpar_engine_grad_norm(nullptr, b));
+  EXPECT_INVALID("engine", dpar_engine_set_max_grad_norm(nullptr, 1.0f));
+  Batch batch = MakeBatch();
+  // Off, the default: the same bits as an engine never told.
+  ASSERT_OK(dpar_engine_set_max_grad_norm(b, 0.0f));
+  for (dpar_engine* e : {a, b}) ASSERT_OK(dpar_engine_train_step(nullptr, e, batch.x.get(), batch.y.get()));
+  EXPECT_TRUE(SameBits(Params(a), Params(b)));
+  ASSERT_OK(dpar_engine_grad_norm(&norm, b));
+  EXPECT_TRUE(std::isnan(norm));
+  // Far above the norm: nothing is scaled, and the norm is reported.
+  ASSERT_OK(dpar_engine_set_max_grad_norm(b, 1e6f));
+  for (dpar_engine* e : {a, b}) ASSERT_OK(dpar_engine_train_step(nullptr, e, batch.x.get(), batch.y.get()));
+  EXPECT_TRUE(SameBits(Params(a), Params(b)));
+  ASSERT_OK(dpar_engine_grad_norm(&norm, b));
+  EXPECT_GT(norm, 0.0f);
+  EXPECT_TRUE(std::isfinite(norm));
+  // Below it: the step differs.
+  ASSERT_OK(dpar_engine_set_max_grad_norm(b, norm / 10));
+  for (dpar_engine* e : {a, b}) ASSERT_OK(dpar_engine_train_step(nullptr, e, batch.x.get(), batch.y.get()));
+  EXPECT_FALSE(SameBits(Params(a), Params(b))) << "the test can tell clipping from none";
+}
+
 // =================================================================================================================
 // Engine creation and its options
 // =================================================================================================================

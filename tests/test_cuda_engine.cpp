@@ -42,7 +42,7 @@ Batch make_batch(int64_t rows, uint64_t seed) {
 
 OptimizerConfig adam() {
   OptimizerConfig c;
-  c.kind = DPAR_ADAM;
+  c.kind = OptimizerKind::kAdam;
   c.lr = 1e-3f;
   return c;
 }
@@ -85,6 +85,24 @@ TEST(CudaEngine, TwentyAdamStepsOnTheGpuEqualTheCpu) {
   }
   EXPECT_LT(max_relative_error(gpu.params(0), cpu.params(0)), 1e-4);
   EXPECT_GT(max_relative_error(gpu.params(0), model.values()), 1e-3) << "training did not move the parameters";
+}
+
+TEST(CudaEngine, GradientClippingOnTheGpuEqualsTheCpu) {
+  DPAR_REQUIRE_GPU();
+  const Model model = make_mlp(4, 0.0f);
+  const auto d = data(29);
+  OptimizerConfig opt = adam();
+  opt.max_grad_norm = 0.05f;  // below every step's norm: each step is clipped
+  Engine cpu(model, opt, devices(DeviceKind::kCpu, {0, 1}));
+  Engine gpu(model, opt, devices(DeviceKind::kCuda, {0, 0}));
+  train(cpu, d, 20);
+  train(gpu, d, 20);
+  EXPECT_LT(max_relative_error(gpu.params(0), cpu.params(0)), 1e-4);
+  EXPECT_EQ(gpu.params(1), gpu.params(0)) << "the replicas computed different norms";
+  opt.max_grad_norm = 0.0f;
+  Engine unclipped(model, opt, devices(DeviceKind::kCpu, {0, 1}));
+  train(unclipped, d, 20);
+  EXPECT_GT(max_relative_error(unclipped.params(0), cpu.params(0)), 1e-3) << "the clipping changed nothing";
 }
 
 TEST(CudaEngine, ReplicasSharingOneGpuEqualOneReplicaOnTheFullBatch) {

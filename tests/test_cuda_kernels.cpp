@@ -518,6 +518,25 @@ TEST_F(CudaKernels, AxpyAndScaleMatchCpuBitForBit) {
   EXPECT_THROW(gpu::scale(nullptr, 1.0f, -1, stream_), Error);
 }
 
+TEST_F(CudaKernels, SumSquaresMatchesCpuWithinDoubleRoundingAndRepeatsItsBits) {
+  DeviceBuffer<double> scratch(gpu::kSumSquaresBlocks + 1);
+  double* partials = scratch.get();
+  double* total = scratch.get() + gpu::kSumSquaresBlocks;
+  for (int64_t n : {0, 1, 255, 256, 257, 65537, 1000003}) {
+    const auto x = random_vector(n, 11);
+    DeviceBuffer<float> d_x(x);
+    const double expected = cpu::sum_squares(x.data(), n);
+    gpu::sum_squares(total, partials, d_x.get(), n, stream_);
+    const double first = scratch.download()[gpu::kSumSquaresBlocks];
+    gpu::sum_squares(total, partials, d_x.get(), n, stream_);
+    const double again = scratch.download()[gpu::kSumSquaresBlocks];
+    // Terms are exact and positive: two orders of adding them differ by at most n roundings of the total.
+    EXPECT_LE(std::abs(first - expected), 1e-15 * static_cast<double>(n + 1) * expected) << "n " << n;
+    EXPECT_EQ(first, again) << "n " << n << ": the same bits on every call";
+  }
+  EXPECT_THROW(gpu::sum_squares(total, partials, nullptr, -1, stream_), Error);
+}
+
 // The threads backend's pass, on the host: contributors added in buffer order from the first one, then scaled.
 std::vector<float> host_sum(const std::vector<std::vector<float>>& bufs, const std::vector<uint8_t>& contributes,
                             float scale) {

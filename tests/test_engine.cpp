@@ -49,7 +49,7 @@ Batch make_batch(int64_t rows, int64_t in, int64_t classes, uint64_t seed) {
 
 OptimizerConfig sgd_momentum() {
   OptimizerConfig c;
-  c.kind = DPAR_SGD;
+  c.kind = OptimizerKind::kSgd;
   c.lr = 0.05f;
   c.momentum = 0.9f;
   c.weight_decay = 1e-4f;
@@ -58,7 +58,7 @@ OptimizerConfig sgd_momentum() {
 
 OptimizerConfig adam() {
   OptimizerConfig c;
-  c.kind = DPAR_ADAM;
+  c.kind = OptimizerKind::kAdam;
   c.lr = 1e-3f;
   return c;
 }
@@ -83,10 +83,24 @@ struct Standalone {
   }
 };
 
+// torch.nn.utils.clip_grad_norm_(params, max_norm), restated: total_norm = the L2 norm of every gradient
+// element (summed here in long double, in index order: not the kernel's order), clip_coef = max_norm /
+// (total_norm + 1e-6) in float, clamped to 1, gradients multiplied by it. Returns whether it scaled them.
+bool reference_clip(float* grads, int64_t n, float max_norm) {
+  long double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += static_cast<long double>(grads[i]) * grads[i];
+  const float total_norm = static_cast<float>(std::sqrt(sum));
+  const float coef = max_norm / (total_norm + 1e-6f);
+  if (coef >= 1.0f) return false;
+  for (int64_t i = 0; i < n; ++i) grads[i] *= coef;
+  return true;
+}
+
 // Single-device full-batch training, written without the engine: forward the whole batch, cross-entropy mean,
-// backward, optimizer step.
+// backward, gradient clipping where the optimizer asks for it, optimizer step. `clipped` counts the steps whose
+// gradient the clipping scaled.
 std::vector<float> reference_training(const Model& model, const OptimizerConfig& opt, const std::vector<Batch>& data,
-                                      int steps) {
+                                      int steps, int* clipped = nullptr) {
   Standalone single;
   const ReplicaContext& ctx = single.ctx;
   ReplicaModel replica(model, ctx);
@@ -99,6 +113,9 @@ std::vector<float> reference_training(const Model& model, const OptimizerConfig&
     kernels::cpu::cross_entropy_forward_backward(dout.f32(), out.f32(), b.y.i32(), rows, out.shape()[1],
                                                  1.0f / static_cast<float>(rows));
     replica.backward(ctx, dout, false);
+    if (opt.max_grad_norm > 0.0f && reference_clip(replica.grads(), model.num_param_elements(), opt.max_grad_norm) &&
+        clipped)
+      ++*clipped;
     optimizer.step(*single.stream, replica.params(), replica.grads());
   }
   return std::vector<float>(replica.params(), replica.params() + model.num_param_elements());
@@ -193,6 +210,52 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(info.param.adam ? "adam_" : "sgd_") + std::to_string(info.param.devices) + "dev_batch" +
              std::to_string(info.param.batch);
     });
+
+// Gradient clipping acts on the summed gradient, as clip_grad_norm_ after DDP's backward: N devices still train as
+// one device on the full batch, whether the norm is clipped on every step, on some, or on none.
+TEST(Engine, GradientClippingOverDevicesMatchesSingleDeviceFullBatch) {
+  const Model model = make_mlp(13);
+  std::vector<Batch> data;
+  for (int i = 0; i < 4; ++i) data.push_back(make_batch(30, 12, 5, 700 + i));
+  const int steps = 20;
+  for (OptimizerConfig opt : {sgd_momentum(), adam()}) {
+    const auto unclipped = reference_training(model, opt, data, steps);
+    // The norms of these gradients lie between 0.24 and 0.39: 0.05 clips every step, 0.3 some, 1e3 none.
+    for (float max_norm : {0.05f, 0.3f, 1e3f}) {
+      opt.max_grad_norm = max_norm;
+      int clipped = 0;
+      const auto expected = reference_training(model, opt, data, steps, &clipped);
+      SCOPED_TRACE(std::string(opt.name()) + ", max_grad_norm " + std::to_string(max_norm) + ", clipped " +
+                   std::to_string(clipped) + " of " + std::to_string(steps) + " steps");
+      if (max_norm == 0.05f) EXPECT_EQ(clipped, steps);
+      if (max_norm == 0.3f) {
+        EXPECT_GT(clipped, 0);
+        EXPECT_LT(clipped, steps);
+      }
+      if (max_norm == 1e3f) EXPECT_EQ(clipped, 0);
+      // Clipping changed the training wherever it scaled a gradient.
+      if (clipped > 0) EXPECT_GT(max_relative_error(expected, unclipped), 1e-4);
+      for (size_t devices : {1, 2, 3, 8}) {
+        Engine engine(model, opt, cpu_devices(devices));
+        for (int s = 0; s < steps; ++s) engine.train_step(data[s % 4].x, data[s % 4].y);
+        const auto got = engine.params(0);
+        EXPECT_LT(max_relative_error(got, expected), 1e-5) << devices << " devices";
+        for (size_t r = 1; r < engine.num_replicas(); ++r) EXPECT_EQ(engine.params(r), got) << "replica " << r;
+      }
+    }
+  }
+  OptimizerConfig bad = adam();
+  for (float v : {-1.0f, std::nanf(""), INFINITY}) {
+    bad.max_grad_norm = v;
+    try {
+      Engine engine(model, bad, cpu_devices(2));
+      ADD_FAILURE() << "max_grad_norm " << v << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), DPAR_ERR_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(e.what()).find("optimizer.max_grad_norm"), std::string::npos) << e.what();
+    }
+  }
+}
 
 // Buckets change when gradients move, not what they sum to: every element is still reduced in rank order, so
 // any bucket layout gives the very same bits as one all-reduce after backward, on every device count.

@@ -778,6 +778,24 @@ TEST(Helpers, AxpyAndScale) {
   EXPECT_EQ(y, (Vec{-1.5f, -3, -4.5f}));
 }
 
+TEST(Helpers, SumSquaresIsTheLaneOrderedSumInDouble) {
+  EXPECT_EQ(k::sum_squares(nullptr, 0), 0.0);
+  EXPECT_EQ(k::sum_squares(Vec{3, -4}.data(), 2), 25.0);
+  // Squares of floats are exact in double: a sum that would round in float comes out whole.
+  const Vec big = {16777216.0f, 1.0f};  // (2^24)^2 + 1 = 2^48 + 1: exact in double, 2^48 in float
+  EXPECT_EQ(k::sum_squares(big.data(), 2), 281474976710657.0);
+  for (int64_t n : {1, 7, 8, 9, 15, 16, 17, 1000, 100003}) {
+    const Vec x = uniform(static_cast<size_t>(n), 40 + static_cast<uint32_t>(n), -3.0f, 3.0f);
+    // The documented order, restated: lane l adds elements l, l + 8, ... then the lanes in a pairwise tree.
+    double lane[k::kSumSquaresLanes] = {};
+    for (int64_t i = 0; i < n; ++i) lane[i % k::kSumSquaresLanes] += double(x[i]) * double(x[i]);
+    for (int width = k::kSumSquaresLanes / 2; width > 0; width /= 2)
+      for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
+    EXPECT_EQ(k::sum_squares(x.data(), n), lane[0]) << n << " elements";
+  }
+  EXPECT_THROW(k::sum_squares(nullptr, -1), dpar::Error);
+}
+
 // =============================================================================================================
 // Against numbers computed by PyTorch (tests/data/torch_reference.json)
 

@@ -66,6 +66,11 @@ class Stream {
                          const kernels::cpu::AdamHyper& h, int64_t step) = 0;
   // y += a*x
   virtual void axpy(float* y, const float* x, float a, int64_t n) = 0;
+  // x *= a
+  virtual void scale(float* x, float a, int64_t n) = 0;
+  // The sum of x[i]^2 in double, once everything queued before has run: on CPU kernels::cpu::sum_squares, on
+  // another device a twin equal to it within rounding. The same bits on every call on one device.
+  virtual double sum_squares(const float* x, int64_t n) = 0;
 
  private:
   Device device_;

@@ -107,6 +107,8 @@ const dpar_api_v1 kApiV1 = {
     &dpar_comm_group_create_on_devices,
     &dpar_comm_device,
     &dpar_loader_to_device,
+    &dpar_engine_set_max_grad_norm,
+    &dpar_engine_grad_norm,
 };
 }  // namespace
 

@@ -12,6 +12,27 @@ using namespace dpar::capi;
 
 namespace {
 
+// The fields of the options' kind (another kind's fields are ignored, whatever they hold), checked.
+OptimizerConfig optimizer_config(const dpar_optimizer_options& o) {
+  DPAR_CHECK_ARG(o.kind == DPAR_SGD || o.kind == DPAR_ADAM || o.kind == DPAR_ADAMW, "optimizer.kind: unknown kind ",
+                 o.kind);
+  OptimizerConfig c;
+  c.kind = o.kind == DPAR_SGD ? OptimizerKind::kSgd : o.kind == DPAR_ADAM ? OptimizerKind::kAdam : OptimizerKind::kAdamW;
+  c.lr = o.lr;
+  c.weight_decay = o.weight_decay;
+  if (c.kind == OptimizerKind::kSgd) {
+    c.momentum = o.momentum;
+    c.dampening = o.dampening;
+    c.nesterov = o.nesterov != 0;
+  } else {
+    c.beta1 = o.beta1;
+    c.beta2 = o.beta2;
+    c.eps = o.eps;
+  }
+  c.check("optimizer");
+  return c;
+}
+
 EngineConfig engine_config(const dpar_engine_options& o) {
   EngineConfig c;
   const DeviceKind kind = checked_device_kind(o.device_kind, "opts.device_kind");
@@ -138,7 +159,7 @@ DPAR_API dpar_status dpar_engine_create(dpar_engine** out, const dpar_model* mod
     const auto oo = read_options(optimizer, dpar_optimizer_options DPAR_OPTIMIZER_OPTIONS_INIT,
                                  DPAR_OPTIMIZER_OPTIONS_VERSION, "optimizer");
     EngineConfig config = engine_config(o);
-    OptimizerConfig opt = OptimizerConfig::from_options(oo);
+    const OptimizerConfig opt = optimizer_config(oo);
     config.processes = processes_comm(o);
     auto engine = std::make_unique<Engine>(m, opt, std::move(config));
     auto* h = new_handle<dpar_engine>();
@@ -240,6 +261,14 @@ DPAR_API dpar_status dpar_engine_set_training(dpar_engine* engine, int32_t train
 
 DPAR_API dpar_status dpar_engine_set_lr(dpar_engine* engine, float lr) {
   return with_engine(engine, [&](Engine& e) { e.set_lr(lr); });
+}
+
+DPAR_API dpar_status dpar_engine_set_max_grad_norm(dpar_engine* engine, float max_norm) {
+  return with_engine(engine, [&](Engine& e) { e.set_max_grad_norm(max_norm); });
+}
+
+DPAR_API dpar_status dpar_engine_grad_norm(float* out, const dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.grad_norm(); });
 }
 
 DPAR_API dpar_status dpar_engine_step_count(size_t* out, const dpar_engine* engine) {

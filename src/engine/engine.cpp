@@ -39,6 +39,7 @@ Backend& backend_of(const std::vector<Device>& devices) {
 Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfig config)
     : model_(model), config_(std::move(config)), backend_(backend_of(config_.devices)) {
   DPAR_CHECK_ARG(model_.num_layers() > 0, "model: has no layers");
+  optimizer.check("optimizer");
   DPAR_CHECK_ARG(config_.timeout_seconds > 0, "timeout_seconds: must be positive");
   DPAR_CHECK_ARG(config_.blas_threads >= 1 && config_.blas_threads <= 1024, "blas_threads: ", config_.blas_threads,
                  " must be 1 to 1024");
@@ -303,6 +304,20 @@ void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contrib
   rep.comm->broadcast(data, count, CommDType::kF32, 0);
 }
 
+void Engine::clip_gradient(Replica& rep, int64_t begin, int64_t end) {
+  // Every replica holds the whole summed gradient, the same bits on all of them: each computes the same norm with
+  // the same kernel and scales the shard it steps.
+  const int64_t n = model_.num_param_elements();
+  float* grads = rep.model->grads();
+  const float norm = static_cast<float>(std::sqrt(rep.stream->sum_squares(grads, n)));
+  // torch.nn.utils.clip_grad_norm_, in its float arithmetic: clip_coef = max_norm / (total_norm + 1e-6), clamped
+  // to 1. A NaN coefficient (a NaN gradient) is applied, as torch.clamp passes NaN on.
+  const float coef = rep.optimizer->config().max_grad_norm / (norm + 1e-6f);
+  if (rep.ctx.replica == 0) grad_norm_ = norm;  // read after the step, once every worker has finished
+  end = std::min(end, n);
+  if (!(coef >= 1.0f) && end > begin) rep.stream->scale(grads + begin, coef, end - begin);
+}
+
 void Engine::finish_and_step(Replica& rep) {
   rep.reducer->finish();
   rep.stepped = true;
@@ -312,6 +327,7 @@ void Engine::finish_and_step(Replica& rep) {
   // state for a shard is current in the shard's owner only; save() gathers it.)
   const auto [begin, end] = optimizer_shard(rep.ctx.replica);
   float* params = rep.model->params();
+  if (rep.optimizer->config().max_grad_norm > 0.0f) clip_gradient(rep, begin, end);
   rep.optimizer->step_range(*rep.stream, params, rep.model->grads(), begin, end);
   if (replicas_.size() > 1)
     rep.comm->all_gather(params + begin, params, static_cast<size_t>(shard_elements_), CommDType::kF32);
@@ -516,6 +532,13 @@ void Engine::set_training(bool training) { training_ = training; for (auto& rep 
 void Engine::set_lr(float lr) {
   DPAR_CHECK_ARG(std::isfinite(lr) && lr >= 0.0f, "lr: ", lr, " must be finite and >= 0");
   for (auto& rep : replicas_) rep->optimizer->set_lr(lr);
+}
+
+void Engine::set_max_grad_norm(float max_norm) {
+  OptimizerConfig config = replicas_[0]->optimizer->config();
+  config.max_grad_norm = max_norm;
+  config.check("optimizer");
+  for (auto& rep : replicas_) rep->optimizer->set_max_grad_norm(max_norm);
 }
 
 int64_t Engine::step_count() const { return replicas_[0]->optimizer->steps(); }

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -78,6 +79,10 @@ class Engine {
 
   void set_training(bool training);
   void set_lr(float lr);
+  // Clips the gradient of the following steps to this global L2 norm (OptimizerConfig::max_grad_norm); 0: off.
+  void set_max_grad_norm(float max_norm);
+  // The gradient's norm before clipping at the last step that clipped; NaN before any.
+  float grad_norm() const { return grad_norm_; }
   int64_t step_count() const;
   std::vector<float> replica_losses() const;
   std::vector<float> params(size_t replica) const;
@@ -140,6 +145,8 @@ class Engine {
   void reduce_bucket(Replica& rep, float* data, size_t count, bool contributes);
   // Copies the replica's loss sum of its last rows from its device into rep.loss_sum.
   void read_loss(Replica& rep);
+  // Scales the gradient's elements [begin, end) so that its global L2 norm is at most the optimizer's max_grad_norm.
+  void clip_gradient(Replica& rep, int64_t begin, int64_t end);
   // Finishes the reduction of the step's gradients (scaled by rep.grad_scale) and applies the optimizer.
   void finish_and_step(Replica& rep);
   // Runs `check` (the call's argument and state checks, returning this process's batch) and returns the global
@@ -171,6 +178,7 @@ class Engine {
   std::mutex mutex_;
   ForwardHook hook_;
   bool training_ = true;
+  float grad_norm_ = std::numeric_limits<float>::quiet_NaN();  // clip_gradient on replica 0 writes it
   bool broken_ = false;
   std::atomic<bool> aborted_{false};  // set by abort() from any thread
   std::string broken_reason_;

@@ -7,48 +7,41 @@
 
 namespace dpar {
 
-OptimizerConfig OptimizerConfig::from_options(const dpar_optimizer_options& o) {
-  DPAR_CHECK_ARG(o.kind >= DPAR_SGD && o.kind <= DPAR_ADAMW, "optimizer.kind: unknown kind ", o.kind);
-  DPAR_CHECK_ARG(std::isfinite(o.lr) && o.lr >= 0.0f, "optimizer.lr: ", o.lr, " must be finite and >= 0");
-  DPAR_CHECK_ARG(std::isfinite(o.weight_decay) && o.weight_decay >= 0.0f, "optimizer.weight_decay: ", o.weight_decay,
+void OptimizerConfig::check(const char* what) const {
+  DPAR_CHECK_ARG(kind == OptimizerKind::kSgd || kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW, what,
+                 ".kind: unknown kind ", static_cast<int32_t>(kind));
+  DPAR_CHECK_ARG(std::isfinite(lr) && lr >= 0.0f, what, ".lr: ", lr, " must be finite and >= 0");
+  DPAR_CHECK_ARG(std::isfinite(weight_decay) && weight_decay >= 0.0f, what, ".weight_decay: ", weight_decay,
                  " must be finite and >= 0");
-  OptimizerConfig c;
-  c.kind = o.kind;
-  c.lr = o.lr;
-  c.weight_decay = o.weight_decay;
-  if (o.kind == DPAR_SGD) {
-    DPAR_CHECK_ARG(std::isfinite(o.momentum) && o.momentum >= 0.0f, "optimizer.momentum: ", o.momentum,
+  DPAR_CHECK_ARG(std::isfinite(max_grad_norm) && max_grad_norm >= 0.0f, what, ".max_grad_norm: ", max_grad_norm,
+                 " must be finite and >= 0 (0: no clipping)");
+  if (kind == OptimizerKind::kSgd) {
+    DPAR_CHECK_ARG(std::isfinite(momentum) && momentum >= 0.0f, what, ".momentum: ", momentum,
                    " must be finite and >= 0");
-    DPAR_CHECK_ARG(std::isfinite(o.dampening), "optimizer.dampening: must be finite");
+    DPAR_CHECK_ARG(std::isfinite(dampening), what, ".dampening: must be finite");
     // torch.optim.SGD: "Nesterov momentum requires a momentum and zero dampening".
-    DPAR_CHECK_ARG(!o.nesterov || (o.momentum > 0.0f && o.dampening == 0.0f),
-                   "optimizer.nesterov: requires momentum > 0 and dampening 0");
-    c.momentum = o.momentum;
-    c.dampening = o.dampening;
-    c.nesterov = o.nesterov != 0;
+    DPAR_CHECK_ARG(!nesterov || (momentum > 0.0f && dampening == 0.0f), what,
+                   ".nesterov: requires momentum > 0 and dampening 0");
   } else {
-    DPAR_CHECK_ARG(o.beta1 >= 0.0f && o.beta1 < 1.0f, "optimizer.beta1: ", o.beta1, " must be in [0, 1)");
-    DPAR_CHECK_ARG(o.beta2 >= 0.0f && o.beta2 < 1.0f, "optimizer.beta2: ", o.beta2, " must be in [0, 1)");
-    DPAR_CHECK_ARG(std::isfinite(o.eps) && o.eps >= 0.0f, "optimizer.eps: ", o.eps, " must be finite and >= 0");
-    c.beta1 = o.beta1;
-    c.beta2 = o.beta2;
-    c.eps = o.eps;
+    DPAR_CHECK_ARG(beta1 >= 0.0f && beta1 < 1.0f, what, ".beta1: ", beta1, " must be in [0, 1)");
+    DPAR_CHECK_ARG(beta2 >= 0.0f && beta2 < 1.0f, what, ".beta2: ", beta2, " must be in [0, 1)");
+    DPAR_CHECK_ARG(std::isfinite(eps) && eps >= 0.0f, what, ".eps: ", eps, " must be finite and >= 0");
   }
-  return c;
 }
 
 const char* OptimizerConfig::name() const {
   switch (kind) {
-    case DPAR_SGD: return "sgd";
-    case DPAR_ADAM: return "adam";
-    default: return "adamw";
+    case OptimizerKind::kSgd: return "sgd";
+    case OptimizerKind::kAdam: return "adam";
+    case OptimizerKind::kAdamW: return "adamw";
   }
+  return "unknown";
 }
 
 Optimizer::Optimizer(const OptimizerConfig& config, int64_t num_params, Device device)
     : config_(config), num_params_(num_params) {
   const Shape shape{std::max<int64_t>(num_params, 1)};
-  if (config_.kind == DPAR_SGD) {
+  if (config_.kind == OptimizerKind::kSgd) {
     if (config_.momentum != 0.0f) buf_a_ = Tensor::zeros(DType::kF32, shape, device);
   } else {
     buf_a_ = Tensor::zeros(DType::kF32, shape, device);
@@ -63,19 +56,19 @@ void Optimizer::step_range(Stream& stream, float* params, const float* grads, in
   if (n <= 0) return;
   params += begin;
   grads += begin;
-  if (config_.kind == DPAR_SGD) {
+  if (config_.kind == OptimizerKind::kSgd) {
     kernels::cpu::SgdHyper h{config_.lr, config_.momentum, config_.dampening, config_.weight_decay, config_.nesterov};
     stream.sgd_step(params, buf_a_.defined() ? buf_a_.f32() + begin : nullptr, grads, n, h, steps_ == 1);
   } else {
     kernels::cpu::AdamHyper h{config_.lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay,
-                              config_.kind == DPAR_ADAMW};
+                              config_.kind == OptimizerKind::kAdamW};
     stream.adam_step(params, buf_a_.f32() + begin, buf_b_.f32() + begin, grads, n, h, steps_);
   }
 }
 
 std::vector<std::pair<std::string, Tensor>> Optimizer::state() const {
   std::vector<std::pair<std::string, Tensor>> s;
-  if (config_.kind == DPAR_SGD) {
+  if (config_.kind == OptimizerKind::kSgd) {
     if (buf_a_.defined()) s.emplace_back("momentum_buffer", buf_a_);
   } else {
     s.emplace_back("exp_avg", buf_a_);

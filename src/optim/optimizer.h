@@ -7,19 +7,27 @@
 #include <vector>
 
 #include "backend/stream.h"
-#include "dpar.h"
 #include "tensor/tensor.h"
 
 namespace dpar {
 
+enum class OptimizerKind : int32_t {
+  kSgd,   // torch.optim.SGD
+  kAdam,  // torch.optim.Adam (L2 weight decay added to the gradient)
+  kAdamW  // torch.optim.AdamW (decoupled weight decay)
+};
+
 struct OptimizerConfig {
-  int32_t kind = DPAR_SGD;
+  OptimizerKind kind = OptimizerKind::kSgd;
   float lr = 0.01f, momentum = 0.0f, dampening = 0.0f;
   bool nesterov = false;
   float weight_decay = 0.0f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  // Before each step, the gradient's global L2 norm is clipped to this, as torch.nn.utils.clip_grad_norm_ does
+  // between backward and the step; 0: no clipping.
+  float max_grad_norm = 0.0f;
 
-  // Checks values from the C ABI, naming the field that is wrong.
-  static OptimizerConfig from_options(const dpar_optimizer_options& o);
+  // Checks every value, naming the field that is wrong (`what`: the options' name, as "optimizer").
+  void check(const char* what) const;
   const char* name() const;  // "sgd", "adam", "adamw"
 };
 
@@ -35,6 +43,7 @@ class Optimizer {
   // over all of them.
   void step_range(Stream& stream, float* params, const float* grads, int64_t begin, int64_t end);
   void set_lr(float lr) { config_.lr = lr; }
+  void set_max_grad_norm(float max_norm) { config_.max_grad_norm = max_norm; }
   const OptimizerConfig& config() const { return config_; }
   int64_t steps() const { return steps_; }
   void set_steps(int64_t steps) { steps_ = steps; }

@@ -477,6 +477,19 @@ func (e *Engine) SetLR(lr float32) error {
 	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_set_lr(r, lr) })
 }
 
+// SetMaxGradNorm clips the gradient of the following steps to this global L2 norm, as PyTorch's clip_grad_norm_
+// between backward and the step; 0 turns clipping off.
+func (e *Engine) SetMaxGradNorm(maxNorm float32) error {
+	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_set_max_grad_norm(r, maxNorm) })
+}
+
+// GradNorm is the gradient's norm before clipping at the last step that clipped (NaN before any).
+func (e *Engine) GradNorm() (float32, error) {
+	var norm float32
+	err := e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_grad_norm(unsafe.Pointer(&norm), r) })
+	return norm, err
+}
+
 func (e *Engine) count(f func(unsafe.Pointer, raw.Struct_SS_dpar_engine) int) (int, error) {
 	var n uint64
 	err := e.simple(func(r raw.Struct_SS_dpar_engine) int { return f(unsafe.Pointer(&n), r) })

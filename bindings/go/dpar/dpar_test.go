@@ -85,6 +85,53 @@ func TestLossesHaveTheCReferenceBits(t *testing.T) {
 	}
 }
 
+func TestGradientClippingAndTheReportedNorm(t *testing.T) {
+	m := referenceModel(t)
+	defer m.Close()
+	plain, clipping := referenceEngine(t, m), referenceEngine(t, m)
+	defer plain.Close()
+	defer clipping.Close()
+	x, y := referenceBatch(t)
+	defer x.Close()
+	defer y.Close()
+	step := func() (float32, float32) {
+		a, err := plain.TrainStep(x, y)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := clipping.TrainStep(x, y)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return a, b
+	}
+	if norm, err := clipping.GradNorm(); err != nil || !math.IsNaN(float64(norm)) {
+		t.Fatalf("before any clipped step: %v, %v; want NaN", norm, err)
+	}
+	if err := clipping.SetMaxGradNorm(1e6); err != nil { // far above the norm: the same step
+		t.Fatal(err)
+	}
+	if a, b := step(); a != b {
+		t.Fatalf("an unclipped step differs: %v vs %v", a, b)
+	}
+	norm, err := clipping.GradNorm()
+	if err != nil || !(norm > 0 && norm < 1e6) {
+		t.Fatalf("norm %v, %v", norm, err)
+	}
+	if err := clipping.SetMaxGradNorm(norm / 10); err != nil {
+		t.Fatal(err)
+	}
+	step() // a step's loss is taken before its update
+	if a, b := step(); a == b {
+		t.Fatalf("clipping changed nothing: %v", a)
+	}
+	err = clipping.SetMaxGradNorm(-1)
+	var de *Error
+	if !errors.As(err, &de) || de.Status != ErrInvalidArg || !strings.Contains(de.Message, "max_grad_norm") {
+		t.Fatalf("a negative norm: %v", err)
+	}
+}
+
 func TestABadCallIsAnErrorWithDparsMessage(t *testing.T) {
 	m := referenceModel(t)
 	defer m.Close()

@@ -429,6 +429,18 @@ class Engine(_Handle):
     def set_lr(self, lr):
         _check(_raw.dpar_engine_set_lr(self._raw, lr))
 
+    def set_max_grad_norm(self, max_norm):
+        """Clips the gradient of the following steps to this global L2 norm (torch.nn.utils.clip_grad_norm_
+        between backward and the step); 0 turns clipping off."""
+        _check(_raw.dpar_engine_set_max_grad_norm(self._raw, max_norm))
+
+    @property
+    def grad_norm(self):
+        """The gradient's norm before clipping at the last step that clipped (NaN before any)."""
+        out = _scalar(np.float32)
+        _check(_raw.dpar_engine_grad_norm(out.ctypes.data, self._raw))
+        return float(out[0])
+
     def _count(self, fn):
         n = _scalar(np.uintp)
         _check(fn(n.ctypes.data, self._raw))

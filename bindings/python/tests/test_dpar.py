@@ -76,6 +76,21 @@ class Reference(unittest.TestCase):
             e.set_forward_hook(None)
             e.train_step(x, y)
 
+    def test_gradient_clipping_and_the_reported_norm(self):
+        x, y = reference_batch()
+        with reference_model() as m, engine(m) as plain, engine(m) as clipping:
+            self.assertTrue(np.isnan(clipping.grad_norm))
+            clipping.set_max_grad_norm(1e6)  # far above the norm: the same step
+            self.assertEqual(plain.train_step(x, y), clipping.train_step(x, y))
+            norm = clipping.grad_norm
+            self.assertTrue(0 < norm < 1e6)
+            clipping.set_max_grad_norm(norm / 10)
+            plain.train_step(x, y), clipping.train_step(x, y)  # a step's loss is taken before its update
+            self.assertNotEqual(plain.train_step(x, y), clipping.train_step(x, y))
+            with self.assertRaises(dpar.DparError) as cm:
+                clipping.set_max_grad_norm(-1.0)
+            self.assertIn("max_grad_norm", cm.exception.message)
+
 
 class Tensors(unittest.TestCase):
     def test_numpy_in_and_out_without_a_copy(self):

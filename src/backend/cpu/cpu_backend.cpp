@@ -76,6 +76,8 @@ class CpuStream final : public Stream {
     k::adam_step(param, exp_avg, exp_avg_sq, grad, n, h, step);
   }
   void axpy(float* y, const float* x, float a, int64_t n) override { k::axpy(y, x, a, n); }
+  void scale(float* x, float a, int64_t n) override { k::scale(x, a, n); }
+  double sum_squares(const float* x, int64_t n) override { return k::sum_squares(x, n); }
 };
 
 class CpuBackend final : public Backend {

@@ -134,6 +134,7 @@ class CudaStream final : public Stream {
     else
       (void)cudaStreamSynchronize(stream_);
     if (pinned_) (void)cudaFreeHost(pinned_);
+    if (sum_scratch_) (void)cudaFree(sum_scratch_);
     (void)cudaEventDestroy(staged_);
     if (blas_) (void)cublasDestroy(blas_);
     if (owns_stream_) (void)cudaStreamDestroy(stream_);
@@ -244,6 +245,20 @@ class CudaStream final : public Stream {
     const auto scope = enter();
     k::axpy(y, x, a, n, stream_);
   }
+  void scale(float* x, float a, int64_t n) override {
+    const auto scope = enter();
+    k::scale(x, a, n, stream_);
+  }
+  double sum_squares(const float* x, int64_t n) override {
+    const auto scope = enter();
+    if (!sum_scratch_)  // once per stream: the kernels' partial sums and their total
+      DPAR_CUDA_CHECK(cudaMalloc(&sum_scratch_, (k::kSumSquaresBlocks + 1) * sizeof(double)),
+                      "cudaMalloc of the sum of squares' scratch on ", device().str());
+    k::sum_squares(sum_scratch_ + k::kSumSquaresBlocks, sum_scratch_, x, n, stream_);
+    double total = 0.0;
+    copy_to_host(&total, sum_scratch_ + k::kSumSquaresBlocks, sizeof(double));
+    return total;
+  }
 
  private:
   void finish_setup() {
@@ -284,6 +299,7 @@ class CudaStream final : public Stream {
   cudaEvent_t staged_ = nullptr;  // the last copy out of pinned_ finished
   void* pinned_ = nullptr;
   size_t pinned_bytes_ = 0;
+  double* sum_scratch_ = nullptr;  // sum_squares's partial sums (kSumSquaresBlocks) and total (1), device memory
 };
 
 // ---- The in-process groups -------------------------------------------------------------------------------------

@@ -494,4 +494,36 @@ void scale(float* x, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] * a;
 }
 
+namespace {
+// Independent lanes: the loop vectorises without reordering any lane's additions.
+#if defined(__clang__) || defined(__SANITIZE_THREAD__)
+#define DPAR_SUM_SQUARES_CLONES
+#else
+#define DPAR_SUM_SQUARES_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
+DPAR_SUM_SQUARES_CLONES double sum_squares_loop(const float* x, int64_t n) {
+  constexpr int64_t L = kSumSquaresLanes;
+  double lane[L] = {};
+  int64_t i = 0;
+  for (; i + L <= n; i += L)
+    for (int64_t l = 0; l < L; ++l) {
+      const double v = x[i + l];
+      lane[l] += v * v;
+    }
+  for (int64_t l = 0; i + l < n; ++l) {
+    const double v = x[i + l];
+    lane[l] += v * v;
+  }
+  for (int64_t width = L / 2; width > 0; width /= 2)
+    for (int64_t l = 0; l < width; ++l) lane[l] += lane[l + width];
+  return lane[0];
+}
+}  // namespace
+
+// x (n)
+double sum_squares(const float* x, int64_t n) {
+  check_count(n);
+  return sum_squares_loop(x, n);
+}
+
 }  // namespace dpar::kernels::cpu

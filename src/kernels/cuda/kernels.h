@@ -91,6 +91,12 @@ void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* gra
 void axpy(float* y, const float* x, float a, int64_t n, cudaStream_t stream);
 // x *= a.  x (n)
 void scale(float* x, float a, int64_t n, cudaStream_t stream);
+// *total = the sum of x[i]^2 in double: block b of a fixed grid of kSumSquaresBlocks adds its grid-stride elements
+// and writes partials[b], then one block adds the partials, each in a fixed tree, so every call gives the same bits.
+// The CPU twin (8 lanes) adds in another order: equal within double rounding.
+// total (1), partials (kSumSquaresBlocks), both device memory; x (n)
+constexpr int kSumSquaresBlocks = 256;
+void sum_squares(double* total, double* partials, const float* x, int64_t n, cudaStream_t stream);
 
 // The reduction of replicas that share a device (or reach each other's memory by peer access): elements
 // [begin, end) of every buffer get (sum over b, in index order, of buffers[b][i] where contributes[b]) * scale.

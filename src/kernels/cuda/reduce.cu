@@ -33,7 +33,50 @@ __global__ void sum_slice_into_all_kernel(float* const* buffers, const uint8_t* 
   }
 }
 
+constexpr int kSumThreads = 256;
+static_assert(kSumSquaresBlocks == kSumThreads, "the final pass adds one partial sum per thread");
+
+// Adds the block's per-thread values in a fixed tree; returns the total in thread 0.
+__device__ double block_sum(double mine) {
+  __shared__ double partial[kSumThreads];
+  const int t = threadIdx.x;
+  partial[t] = mine;
+  __syncthreads();
+  for (int stride = kSumThreads / 2; stride > 0; stride /= 2) {
+    if (t < stride) partial[t] += partial[t + stride];
+    __syncthreads();
+  }
+  return partial[0];
+}
+
+// partials[b] = the sum of x[i]^2 over block b's grid-stride elements.  partials (gridDim.x), x (n)
+__global__ void sum_squares_blocks_kernel(double* partials, const float* x, int64_t n) {
+  double mine = 0.0;
+  DPAR_GRID_STRIDE_LOOP(i, n) {
+    const double v = x[i];
+    mine += v * v;
+  }
+  const double total = block_sum(mine);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+// *total = the sum of the partials.  total (1), partials (kSumThreads)
+__global__ void sum_partials_kernel(double* total, const double* partials) {
+  const double sum = block_sum(partials[threadIdx.x]);
+  if (threadIdx.x == 0) *total = sum;
+}
+
 }  // namespace
+
+void sum_squares(double* total, double* partials, const float* x, int64_t n, cudaStream_t stream) {
+  DPAR_CHECK_ARG(n >= 0, "sum_squares: element count must be >= 0, got ", n);
+  DPAR_CHECK_ARG(total != nullptr && partials != nullptr, "sum_squares: null scratch");
+  // A fixed grid whatever n: the order of the additions, and so the bits, depend on n alone.
+  sum_squares_blocks_kernel<<<kSumSquaresBlocks, kSumThreads, 0, stream>>>(partials, x, n);
+  DPAR_CUDA_CHECK_LAUNCH("sum_squares (blocks)");
+  sum_partials_kernel<<<1, kSumThreads, 0, stream>>>(total, partials);
+  DPAR_CUDA_CHECK_LAUNCH("sum_squares (total)");
+}
 
 void sum_slice_into_all(float* const* buffers, const uint8_t* contributes, int num_buffers, int64_t begin,
                         int64_t end, float scale, cudaStream_t stream) {

@@ -16,7 +16,8 @@ const libdpar = let p = get(ENV, "DPAR_LIB", joinpath(@__DIR__, "..", "..", ".."
 end
 
 export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, train_step!, step_count, num_params,
-       param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_training!, forward, num_replicas
+       param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
+       forward, num_replicas
 
 const OK = Int32(0)
 const ERR_INVALID_ARGUMENT = Int32(-1)
@@ -323,6 +324,16 @@ function num_replicas(e::Engine)
 end
 
 set_lr!(e::Engine, lr::Real) = check(ccall((:dpar_engine_set_lr, libdpar), Int32, (Ptr{Cvoid}, Cfloat), e.ptr, lr))
+"""Clips the gradient of the following steps to this global L2 norm (`clip_grad_norm_` between backward and the
+step); 0 turns clipping off."""
+set_max_grad_norm!(e::Engine, max_norm::Real) =
+    check(ccall((:dpar_engine_set_max_grad_norm, libdpar), Int32, (Ptr{Cvoid}, Cfloat), e.ptr, max_norm))
+"""The gradient's norm before clipping at the last step that clipped (NaN before any)."""
+function grad_norm(e::Engine)
+    out = Ref{Cfloat}(0)
+    check(ccall((:dpar_engine_grad_norm, libdpar), Int32, (Ref{Cfloat}, Ptr{Cvoid}), out, e.ptr))
+    out[]
+end
 set_training!(e::Engine, on::Bool) =
     check(ccall((:dpar_engine_set_training, libdpar), Int32, (Ptr{Cvoid}, Int32), e.ptr, on))
 save(e::Engine, path::AbstractString) =

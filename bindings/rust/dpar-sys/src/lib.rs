@@ -267,6 +267,8 @@ extern "C" {
     pub fn dpar_engine_backward(engine: *mut dpar_engine, grad_output: *const dpar_tensor) -> dpar_status;
     pub fn dpar_engine_set_training(engine: *mut dpar_engine, training: i32) -> dpar_status;
     pub fn dpar_engine_set_lr(engine: *mut dpar_engine, lr: f32) -> dpar_status;
+    pub fn dpar_engine_set_max_grad_norm(engine: *mut dpar_engine, max_norm: f32) -> dpar_status;
+    pub fn dpar_engine_grad_norm(out: *mut f32, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_step_count(out: *mut usize, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_replica_losses(out: *mut f32, engine: *const dpar_engine, capacity: usize) -> dpar_status;
     pub fn dpar_engine_get_params(dst: *mut f32, engine: *mut dpar_engine, replica: usize, count: usize) -> dpar_status;

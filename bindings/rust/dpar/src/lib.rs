@@ -852,6 +852,17 @@ impl Engine {
     pub fn set_lr(&self, lr: f32) -> Result<()> {
         check(unsafe { sys::dpar_engine_set_lr(self.raw, lr) })
     }
+    /// Clips the gradient of the following steps to this global L2 norm, as `clip_grad_norm_` between backward and
+    /// the step; 0 turns clipping off.
+    pub fn set_max_grad_norm(&self, max_norm: f32) -> Result<()> {
+        check(unsafe { sys::dpar_engine_set_max_grad_norm(self.raw, max_norm) })
+    }
+    /// The gradient's norm before clipping at the last step that clipped (NaN before any).
+    pub fn grad_norm(&self) -> Result<f32> {
+        let mut norm = 0f32;
+        check(unsafe { sys::dpar_engine_grad_norm(&mut norm, self.raw) })?;
+        Ok(norm)
+    }
     pub fn step_count(&self) -> Result<usize> {
         count(|n| unsafe { sys::dpar_engine_step_count(n, self.raw) })
     }

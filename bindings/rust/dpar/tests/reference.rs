@@ -119,6 +119,29 @@ fn specs(inp: i64, out: i64) -> Vec<ParamSpec> {
 }
 
 #[test]
+fn gradient_clipping_and_the_reported_norm() {
+    let m = reference_model();
+    let (plain, clipping) = (
+        Engine::new(&m, &Optimizer::sgd(0.1), &options()).unwrap(),
+        Engine::new(&m, &Optimizer::sgd(0.1), &options()).unwrap(),
+    );
+    let (x, y) = reference_batch();
+    let (input, labels) = (Tensor::from_f32(&[10, 4], &x).unwrap(), Tensor::from_i32(&[10], &y).unwrap());
+    assert!(clipping.grad_norm().unwrap().is_nan());
+    clipping.set_max_grad_norm(1e6).unwrap(); // far above the norm: the same step
+    assert_eq!(plain.train_step(&input, &labels).unwrap(), clipping.train_step(&input, &labels).unwrap());
+    let norm = clipping.grad_norm().unwrap();
+    assert!(norm > 0.0 && norm < 1e6, "{}", norm);
+    clipping.set_max_grad_norm(norm / 10.0).unwrap();
+    clipping.train_step(&input, &labels).unwrap();
+    plain.train_step(&input, &labels).unwrap();
+    assert_ne!(plain.train_step(&input, &labels).unwrap(), clipping.train_step(&input, &labels).unwrap());
+    let e = clipping.set_max_grad_norm(f32::NAN).unwrap_err();
+    assert_eq!(e.status(), status::INVALID_ARGUMENT);
+    assert!(e.message().contains("max_grad_norm"), "{}", e);
+}
+
+#[test]
 fn a_custom_layer_in_rust_trains_like_the_built_in_one() {
     let mut custom = Model::new(7).unwrap();
     custom.linear(4, 8, true).unwrap().activation(Activation::Relu).unwrap();
