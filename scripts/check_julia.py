@@ -3,6 +3,10 @@
 and every `ccall((:dpar_x, libdpar), Ret, (Args...), ...)` names a function that libdpar.so exports, with the
 argument count and C types of its declaration in include/dpar.h.
 
+A ccall into Julia's own runtime, `ccall(:jl_x, Ret, (Args...), ...)`, is checked the same way against
+JULIA_RUNTIME below, the declarations of julia.h that the package may call (its exports cannot be checked here:
+there is no libjulia). Any other ccall is an error.
+
   check_julia.py <libdpar.so>      (needs the Python packages tree-sitter and tree-sitter-julia)
 Exits 77 (CTest's skip) when they are missing; where `julia` is on the PATH, CTest runs Pkg.test() too.
 """
@@ -27,8 +31,12 @@ except ImportError:
 INTS = {"int32_t": {"Int32", "Cint"}, "dpar_status": {"Int32", "Cint"}, "int64_t": {"Int64", "Clonglong"},
         "uint64_t": {"UInt64", "Culonglong"}, "uint32_t": {"UInt32", "Cuint"}, "size_t": {"Csize_t", "UInt"},
         "float": {"Cfloat", "Float32"}, "double": {"Cdouble", "Float64"}, "void": {"Cvoid", "Nothing"},
-        "dpar_device": {"DparDevice"}}
+        "int8_t": {"Int8"}, "dpar_device": {"DparDevice"}}
 FUNCTION_POINTERS = {"dpar_forward_hook", "dpar_destroy_fn"}
+# Julia's runtime functions that the package calls, as julia.h declares them (name: (return type, parameters)).
+# jl_gc_safe_enter/leave bracket a dpar call that waits for other threads (src/jlapi.c: `JL_DLLEXPORT int8_t
+# (jl_gc_safe_enter)(void)`, `JL_DLLEXPORT void (jl_gc_safe_leave)(int8_t state)`).
+JULIA_RUNTIME = {"jl_gc_safe_enter": ("int8_t", "void"), "jl_gc_safe_leave": ("void", "int8_t state")}
 
 
 def julia_types(c_type):
@@ -78,6 +86,26 @@ def balanced(text, start):
     raise ValueError("unbalanced")
 
 
+def check_call(where, name, c_ret, c_params, inner):
+    """Problems of one ccall (`inner`: its arguments, split) against a C declaration's return and parameters."""
+    problems = []
+    ret, argtypes = inner[1], inner[2]
+    types = split_top(argtypes[1:-1]) if argtypes.startswith("(") else []
+    c_types = [] if c_params.strip() == "void" else [re.sub(r"\w+$", "", p).strip() or p
+                                                    for p in split_top(c_params)]
+    if len(types) != len(c_types):
+        return [f"{where}: {name} takes {len(c_types)} arguments, the ccall gives {len(types)}"]
+    if not matches(c_ret, ret):
+        problems.append(f"{where}: {name} returns {c_ret}, the ccall says {ret}")
+    for i, (c, j) in enumerate(zip(c_types, types)):
+        if not matches(c, j):
+            problems.append(f"{where}: {name} argument {i + 1} is {c}, the ccall says {j}")
+    given = len(inner) - 3
+    if given != len(types):
+        problems.append(f"{where}: {name}: {len(types)} types but {given} values")
+    return problems
+
+
 def main():
     lib = sys.argv[1]
     exported = set(subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True,
@@ -86,7 +114,7 @@ def main():
     decls = {name: (ret, params) for ret, name, params in gen_api_table.declarations(
         (ROOT / "include/dpar.h").read_text())}
     parser = tree_sitter.Parser(tree_sitter.Language(tree_sitter_julia.language()))
-    problems, calls, files = [], 0, 0
+    problems, calls, runtime_calls, files = [], 0, 0, 0
     for path in sorted((ROOT / "bindings/julia").rglob("*.jl")):
         files += 1
         src = path.read_text()
@@ -95,39 +123,36 @@ def main():
             problems.append(f"{path}: does not parse")
         for m in re.finditer(r"ccall\(", src):
             inner = split_top(balanced(src, m.end() - 1))
-            target = re.match(r"\(:(\w+),\s*libdpar\)", inner[0])
             line = src.count("\n", 0, m.start()) + 1
             where = f"{path.relative_to(ROOT)}:{line}"
-            if not target:
-                problems.append(f"{where}: ccall without (:symbol, libdpar)")
+            target = re.match(r"\(:(\w+),\s*libdpar\)", inner[0])
+            runtime = re.fullmatch(r":(jl_\w+)", inner[0])
+            if target:
+                name = target.group(1)
+                calls += 1
+                if name not in exported:
+                    problems.append(f"{where}: {name} is not exported by {lib}")
+                if name not in decls:
+                    problems.append(f"{where}: {name} is not declared in dpar.h")
+                    continue
+                c_ret, c_params = decls[name]
+            elif runtime and runtime.group(1) in JULIA_RUNTIME:
+                name = runtime.group(1)
+                runtime_calls += 1
+                c_ret, c_params = JULIA_RUNTIME[name]
+            elif runtime:
+                problems.append(f"{where}: {runtime.group(1)} is not among the Julia runtime functions this check knows")
                 continue
-            name, ret, argtypes = target.group(1), inner[1], inner[2]
-            calls += 1
-            if name not in exported:
-                problems.append(f"{where}: {name} is not exported by {lib}")
-            if name not in decls:
-                problems.append(f"{where}: {name} is not declared in dpar.h")
+            else:
+                problems.append(f"{where}: ccall without (:symbol, libdpar) or :jl_symbol")
                 continue
-            c_ret, c_params = decls[name]
-            types = split_top(argtypes[1:-1]) if argtypes.startswith("(") else []
-            c_types = [] if c_params.strip() == "void" else [re.sub(r"\w+$", "", p).strip() or p
-                                                            for p in split_top(c_params)]
-            if len(types) != len(c_types):
-                problems.append(f"{where}: {name} takes {len(c_types)} arguments, the ccall gives {len(types)}")
-                continue
-            if not matches(c_ret, ret):
-                problems.append(f"{where}: {name} returns {c_ret}, the ccall says {ret}")
-            for i, (c, j) in enumerate(zip(c_types, types)):
-                if not matches(c, j):
-                    problems.append(f"{where}: {name} argument {i + 1} is {c}, the ccall says {j}")
-            given = len(inner) - 3
-            if given != len(types):
-                problems.append(f"{where}: {name}: {len(types)} types but {given} values")
+            problems += check_call(where, name, c_ret, c_params, inner)
     for p in problems:
         print(p)
     if problems:
         return 1
-    print(f"julia: {files} files parse; {calls} ccalls match dpar.h and {pathlib.Path(lib).name}'s exports")
+    print(f"julia: {files} files parse; {calls} ccalls match dpar.h and {pathlib.Path(lib).name}'s exports; "
+          f"{runtime_calls} match Julia's runtime declarations")
     return 0
 
 
