@@ -1,7 +1,9 @@
 """
     Dpar
 
-dpar for Julia: data-parallel training over several devices through dpar's C ABI (`libdpar.so.0`).
+dpar for Julia: data-parallel training over several devices through dpar's C ABI (`libdpar.so.0`): an `Engine`
+that trains a `Model` on several devices, and collectives (`CommGroup`, `Comm`, `all_reduce!`, ...) for a program
+that brings its own model and autograd.
 
 Every handle is a Julia object with `close` (a finalizer frees it too); every failed call throws a `DparError`
 carrying dpar's status and message. `do`-block helpers (`Model(seed) do m ... end`) close at the end. The library is
@@ -16,7 +18,8 @@ const libdpar = let p = get(ENV, "DPAR_LIB", joinpath(@__DIR__, "..", "..", ".."
 end
 
 export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, train_step!, step_count, num_params,
-       param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_training!, forward, num_replicas
+       param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_training!, forward, num_replicas,
+       ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier
 
 const OK = Int32(0)
 const ERR_INVALID_ARGUMENT = Int32(-1)
@@ -43,11 +46,15 @@ version_string() = unsafe_string(ccall((:dpar_version_string, libdpar), Cstring,
 
 # Reads, then clears, the thread's error: the ccall and this read run on the same OS thread (no task switch
 # between them: neither yields).
-function check(status::Int32)
-    status == OK && return nothing
+function take_error(status::Int32)
     msg = unsafe_string(ccall((:dpar_last_error, libdpar), Cstring, ()))
     ccall((:dpar_clear_error, libdpar), Cvoid, ())
-    throw(DparError(status, msg))
+    DparError(status, msg)
+end
+
+function check(status::Int32)
+    status == OK && return nothing
+    throw(take_error(status))
 end
 
 function device_count(kind::Integer=0)
@@ -56,11 +63,14 @@ function device_count(kind::Integer=0)
     Int(n[])
 end
 
+"""A device: `kind` (0 for a CPU device, 1 for a CUDA GPU) and `index`, from 0; `parse_device("cuda:1")` makes
+one from its name."""
 struct DparDevice
     kind::Int32
     index::Int32
 end
 
+"""`parse_device(text)`: the `DparDevice` named "cpu:3", "cpu" (index 0) or "cuda:1"."""
 function parse_device(text::AbstractString)
     d = Ref(DparDevice(0, 0))
     check(ccall((:dpar_device_parse, libdpar), Int32, (Ptr{DparDevice}, Cstring), d, text))
@@ -424,6 +434,347 @@ function set_forward_hook!(e::Engine, f)
                     e.ptr, tramp, pointer_from_objref(box), C_NULL))
     end
     nothing
+end
+
+# ---- Collectives -------------------------------------------------------------------------------------------
+
+const F64 = Int32(5)
+const I64 = Int32(6)
+
+"""The element types the collectives move: `Float32`, `Float64`, `Int32` and `Int64`."""
+const CommType = Union{Float32,Float64,Int32,Int64}
+
+comm_dtype(::Type{Float32}) = F32
+comm_dtype(::Type{Float64}) = F64
+comm_dtype(::Type{Int32}) = I32
+comm_dtype(::Type{Int64}) = I64
+
+"""
+    ReduceOp
+
+The reductions: `Dpar.SUM`, `Dpar.MEAN` (the sum divided by the number of participants, truncated toward zero for
+integers), `Dpar.MAX` and `Dpar.MIN`. Wherever an `op` is taken, Base's `+`, `max` and `min` name `SUM`, `MAX`
+and `MIN` too.
+"""
+@enum ReduceOp::Int32 begin
+    SUM = 0   # DPAR_SUM
+    MEAN = 1  # DPAR_MEAN
+    MAX = 2   # DPAR_MAX
+    MIN = 3   # DPAR_MIN
+end
+
+reduce_op(op::ReduceOp) = Int32(op)
+reduce_op(::typeof(+)) = Int32(SUM)
+reduce_op(::typeof(max)) = Int32(MAX)
+reduce_op(::typeof(min)) = Int32(MIN)
+
+# Runs `f()`, the ccall of a dpar call that waits for other participants (a collective, a wait, a free that waits
+# for work in flight), in GC-safe state, keeping `roots` (the handle's object, the arrays dpar reads and writes)
+# alive until it returns. Julia's GC stops every thread at a safepoint first, and a thread blocked inside dpar
+# reaches none: a member that collects garbage while another member waits for it in a collective would wait for
+# that member, which waits for it, until dpar's timeout. In GC-safe state nothing may allocate or touch Julia
+# objects, so `f` makes the ccall alone, on arguments already converted to pointers and integers.
+@inline function blocking(f, roots...)
+    GC.@preserve roots begin
+        state = ccall(:jl_gc_safe_enter, Int8, ())
+        result = f()
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), state)
+        result
+    end
+end
+
+struct CommOptions  # dpar_comm_options, version 1
+    size::Csize_t
+    version::UInt32
+    timeout_seconds::Cdouble
+end
+const COMM_OPTIONS_VERSION = UInt32(1)
+
+# dpar's defaults, or the given timeout, as this struct's version: a newer library reads only the fields it has.
+function comm_options(timeout_seconds::Union{Real,Nothing})
+    o = Ref(CommOptions(0, 0, 0))
+    check(ccall((:dpar_comm_options_init, libdpar), Int32, (Ptr{CommOptions},), o))
+    Ref(CommOptions(sizeof(CommOptions), COMM_OPTIONS_VERSION,
+                    timeout_seconds === nothing ? o[].timeout_seconds : timeout_seconds))
+end
+
+# `T(args...) do x ... end`: x is closed at the end of the block.
+function closing(f, x)
+    try
+        f(x)
+    finally
+        close(x)
+    end
+end
+
+"""
+    CommGroup(size; timeout_seconds=300)
+    CommGroup(devices; streams=nothing, timeout_seconds=300)
+    CommGroup(f, args...; kwargs...)
+
+The participants of a group inside this process: one task each (on a thread of its own: a participant blocks its
+thread inside dpar until the others arrive), sharing memory. [`member`](@ref) gives each its [`Comm`](@ref). A
+participant waits `timeout_seconds` for the others at each step of a collective, then throws `ERR_TIMEOUT` naming
+the one that did not come. The members keep the group alive: close it and them in any order. The `do`-block form
+closes the group at the end of the block.
+
+The second form puts participant r's buffers in the memory of `devices[r + 1]` (`DparDevice`s or names such as
+"cuda:0", all of one kind), for a framework that keeps its tensors on the GPU: the members' collectives and
+reducers then take device memory through their `Ptr` methods. On GPUs participant r's collectives are ordered on
+`streams[r + 1]`, a `cudaStream_t` as a `Ptr{Cvoid}` (`nothing` or `C_NULL`, or no `streams`: the legacy default
+stream), which must outlive the members. Over CPU devices it is the first form's group, host memory and no streams.
+"""
+mutable struct CommGroup
+    ptr::Ptr{Cvoid}
+    CommGroup(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr))
+end
+
+function CommGroup(n::Integer; timeout_seconds::Union{Real,Nothing}=nothing)
+    o = comm_options(timeout_seconds)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(ccall((:dpar_comm_group_create, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Csize_t, Ptr{CommOptions}), out, n, o))
+    CommGroup(out[])
+end
+
+function CommGroup(devices::AbstractVector; streams::Union{AbstractVector,Nothing}=nothing,
+                   timeout_seconds::Union{Real,Nothing}=nothing)
+    devs = DparDevice[d isa AbstractString ? parse_device(d) : d for d in devices]
+    if streams !== nothing && length(streams) != length(devs)
+        throw(DparError(ERR_INVALID_ARGUMENT, "streams: $(length(streams)) streams for $(length(devs)) devices"))
+    end
+    ptrs = streams === nothing ? Ptr{Cvoid}[] : Ptr{Cvoid}[s === nothing ? C_NULL : s for s in streams]
+    o = comm_options(timeout_seconds)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    GC.@preserve ptrs check(ccall((:dpar_comm_group_create_on_devices, libdpar), Int32,
+                                  (Ptr{Ptr{Cvoid}}, Ptr{DparDevice}, Ptr{Ptr{Cvoid}}, Csize_t, Ptr{CommOptions}),
+                                  out, devs, streams === nothing ? C_NULL : pointer(ptrs), length(devs), o))
+    CommGroup(out[])
+end
+
+CommGroup(f::Function, args...; kwargs...) = closing(f, CommGroup(args...; kwargs...))
+
+function Base.close(g::CommGroup)
+    g.ptr == C_NULL && return
+    ccall((:dpar_comm_group_free, libdpar), Cvoid, (Ptr{Cvoid},), g.ptr)
+    g.ptr = C_NULL
+end
+
+"""
+    Comm
+
+One participant of a group: a [`member`](@ref) of a [`CommGroup`](@ref), or this process among those of an MPI
+job ([`mpi_comm`](@ref)). A participant's calls must not overlap (one task drives it), except [`abort`](@ref) and
+[`async_error`](@ref), which any task may call at any time. `close` frees it, after its asynchronous work has
+finished.
+
+Its collectives take `Array`s of `Float32`, `Float64`, `Int32` or `Int64` (host memory), or for memory of the
+communicator's device ([`device`](@ref); a group made on devices, see [`CommGroup`](@ref)) a `Ptr{T}` and an
+element count: for a CUDA.jl `CuArray` `x`, `reinterpret(Ptr{Float32}, pointer(x))`, kept alive by the caller
+(`GC.@preserve`) until the call returns, or until the asynchronous work completes. Every participant calls the
+same collectives in the same order with the same lengths, element type, op and root; a participant that differs
+makes each throw `DparError` with `ERR_MISMATCH` naming it.
+"""
+mutable struct Comm
+    ptr::Ptr{Cvoid}
+    Comm(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr))
+end
+
+"""`member(group, rank)`: participant `rank`'s [`Comm`](@ref) (ranks from 0, as dpar and MPI number them), for the
+task that plays it."""
+function member(g::CommGroup, rank::Integer)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(ccall((:dpar_comm_group_member, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Csize_t), out, g.ptr, rank))
+    Comm(out[])
+end
+
+"""`mpi_comm(; timeout_seconds=300)`: this process's [`Comm`](@ref) over MPI_COMM_WORLD (MPI is started if the
+program has not; without mpirun the process is rank 0 of 1). Every process of the job calls it."""
+function mpi_comm(; timeout_seconds::Union{Real,Nothing}=nothing)
+    o = comm_options(timeout_seconds)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    outp, op = Base.unsafe_convert(Ptr{Ptr{Cvoid}}, out), Base.unsafe_convert(Ptr{CommOptions}, o)
+    check(blocking(out, o) do
+        ccall((:dpar_comm_create_mpi, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{CommOptions}), outp, op)
+    end)
+    Comm(out[])
+end
+
+function Base.close(c::Comm)
+    c.ptr == C_NULL && return
+    h = c.ptr
+    c.ptr = C_NULL
+    blocking(c) do
+        ccall((:dpar_comm_free, libdpar), Cvoid, (Ptr{Cvoid},), h)
+    end
+    nothing
+end
+
+function comm_info(c::Comm)
+    r, n = Ref{Csize_t}(0), Ref{Csize_t}(0)
+    check(ccall((:dpar_comm_info, libdpar), Int32, (Ptr{Csize_t}, Ptr{Csize_t}, Ptr{Cvoid}), r, n, c.ptr))
+    (Int(r[]), Int(n[]))
+end
+
+"""`rank(comm)`: this participant's rank, from 0."""
+rank(c::Comm) = comm_info(c)[1]
+
+"""`nranks(comm)`: the number of participants in the communicator's group."""
+nranks(c::Comm) = comm_info(c)[2]
+
+"""`device(comm)`: the `DparDevice` whose memory the buffers are: the participant's device in a group made on
+devices, cpu:0 (host memory) for every other communicator."""
+function device(c::Comm)
+    d = Ref(DparDevice(0, 0))
+    check(ccall((:dpar_comm_device, libdpar), Int32, (Ptr{DparDevice}, Ptr{Cvoid}), d, c.ptr))
+    d[]
+end
+
+"""`abort(comm, reason="")`: aborts the group from this participant: every participant waiting in a collective,
+or calling one later, throws `ERR_REMOTE` naming this one and `reason`. Any task may call it at any time. The
+communicator can run no collective afterwards; close it as usual."""
+abort(c::Comm, reason::AbstractString="") =
+    check(ccall((:dpar_comm_abort, libdpar), Int32, (Ptr{Cvoid}, Cstring), c.ptr, reason))
+
+"""`async_error(comm)`: `nothing` while the communicator is usable, else the `DparError` its next collective would
+throw (an abort, a participant that gave up, failed asynchronous work). Never blocks; any task may call it."""
+function async_error(c::Comm)
+    s = Ref{Int32}(OK)
+    check(ccall((:dpar_comm_get_async_error, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), s, c.ptr))
+    s[] == OK ? nothing : take_error(s[])
+end
+
+same_length(got::Integer, expected::Integer, what::AbstractString) =
+    got == expected || throw(DparError(ERR_INVALID_ARGUMENT, "$what: $got elements, expected $expected"))
+
+"""
+    all_reduce!(comm, recv, send; op=SUM) -> recv
+    all_reduce!(comm, buffer; op=SUM) -> buffer
+    all_reduce!(comm, recv::Ptr{T}, send::Ptr{T}, count; op=SUM)
+    all_reduce!(comm, buffer::Ptr{T}, count; op=SUM)
+
+Reduces every participant's `send` element-wise with `op` (a [`ReduceOp`](@ref), or `+`, `max`, `min`) into every
+participant's `recv`, an array of the same length; the two-argument forms work in place.
+"""
+function all_reduce! end
+
+function all_reduce!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer; op=SUM) where {T<:CommType}
+    h, n, dt, o = c.ptr, Csize_t(count), comm_dtype(T), reduce_op(op)
+    check(blocking(c) do
+        ccall((:dpar_comm_all_reduce, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Int32),
+              h, send, recv, n, dt, o)
+    end)
+end
+
+all_reduce!(c::Comm, buffer::Ptr{T}, count::Integer; op=SUM) where {T<:CommType} =
+    all_reduce!(c, buffer, buffer, count; op=op)
+
+function all_reduce!(c::Comm, recv::Array{T}, send::Array{T}; op=SUM) where {T<:CommType}
+    same_length(length(recv), length(send), "recv")
+    GC.@preserve recv send all_reduce!(c, pointer(recv), pointer(send), length(send); op=op)
+    recv
+end
+
+all_reduce!(c::Comm, buffer::Array{<:CommType}; op=SUM) = all_reduce!(c, buffer, buffer; op=op)
+
+"""
+    Dpar.broadcast!(comm, buffer; root=0) -> buffer
+    Dpar.broadcast!(comm, buffer::Ptr{T}, count; root=0)
+
+Copies participant `root`'s `buffer` into every participant's. Not exported, since `using Dpar` would make it
+ambiguous with `Base.broadcast!`: call it as `Dpar.broadcast!`.
+"""
+function broadcast! end
+
+function broadcast!(c::Comm, buffer::Ptr{T}, count::Integer; root::Integer=0) where {T<:CommType}
+    h, n, dt, r = c.ptr, Csize_t(count), comm_dtype(T), Csize_t(root)
+    check(blocking(c) do
+        ccall((:dpar_comm_broadcast, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Csize_t),
+              h, buffer, n, dt, r)
+    end)
+end
+
+function broadcast!(c::Comm, buffer::Array{T}; root::Integer=0) where {T<:CommType}
+    GC.@preserve buffer broadcast!(c, pointer(buffer), length(buffer); root=root)
+    buffer
+end
+
+"""
+    reduce!(comm, recv, send; op=SUM, root=0) -> recv
+    reduce!(comm, recv::Ptr{T}, send::Ptr{T}, count; op=SUM, root=0)
+
+Reduces every participant's `send` element-wise with `op` into participant `root`'s `recv`. Elsewhere `recv` is
+left as it is, and may be `nothing` (a null `Ptr`).
+"""
+function reduce! end
+
+function reduce!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer; op=SUM, root::Integer=0) where {T<:CommType}
+    h, n, dt, o, r = c.ptr, Csize_t(count), comm_dtype(T), reduce_op(op), Csize_t(root)
+    check(blocking(c) do
+        ccall((:dpar_comm_reduce, libdpar), Int32,
+              (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Int32, Csize_t), h, send, recv, n, dt, o, r)
+    end)
+end
+
+function reduce!(c::Comm, recv::Union{Array{T},Nothing}, send::Array{T}; op=SUM, root::Integer=0) where {T<:CommType}
+    recv === nothing || same_length(length(recv), length(send), "recv")
+    GC.@preserve recv send reduce!(c, recv === nothing ? Ptr{T}(C_NULL) : pointer(recv), pointer(send),
+                                   length(send); op=op, root=root)
+    recv
+end
+
+"""
+    all_gather!(comm, recv, send) -> recv
+    all_gather!(comm, recv::Ptr{T}, send::Ptr{T}, count)
+
+Every participant's `send` into every participant's `recv`, in rank order: `recv` holds `nranks(comm)` times
+`length(send)` elements (a `length(send) x nranks(comm)` matrix gets participant r's in column r + 1). The `Ptr`
+method's `count` is the elements of `send`.
+"""
+function all_gather! end
+
+function all_gather!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer) where {T<:CommType}
+    h, n, dt = c.ptr, Csize_t(count), comm_dtype(T)
+    check(blocking(c) do
+        ccall((:dpar_comm_all_gather, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32),
+              h, send, recv, n, dt)
+    end)
+end
+
+function all_gather!(c::Comm, recv::Array{T}, send::Array{T}) where {T<:CommType}
+    same_length(length(recv), length(send) * nranks(c), "recv")
+    GC.@preserve recv send all_gather!(c, pointer(recv), pointer(send), length(send))
+    recv
+end
+
+"""
+    reduce_scatter!(comm, recv, send; op=SUM) -> recv
+    reduce_scatter!(comm, recv::Ptr{T}, send::Ptr{T}, count; op=SUM)
+
+Reduces every participant's `send` (`nranks(comm)` blocks of `length(recv)` elements, in rank order) element-wise
+with `op`; participant r receives block r in `recv`. The `Ptr` method's `count` is the elements of `recv`.
+"""
+function reduce_scatter! end
+
+function reduce_scatter!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer; op=SUM) where {T<:CommType}
+    h, n, dt, o = c.ptr, Csize_t(count), comm_dtype(T), reduce_op(op)
+    check(blocking(c) do
+        ccall((:dpar_comm_reduce_scatter, libdpar), Int32,
+              (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Int32), h, send, recv, n, dt, o)
+    end)
+end
+
+function reduce_scatter!(c::Comm, recv::Array{T}, send::Array{T}; op=SUM) where {T<:CommType}
+    same_length(length(send), length(recv) * nranks(c), "send")
+    GC.@preserve recv send reduce_scatter!(c, pointer(recv), pointer(send), length(recv); op=op)
+    recv
+end
+
+"""`barrier(comm)`: returns once every participant has entered it."""
+function barrier(c::Comm)
+    h = c.ptr
+    check(blocking(c) do
+        ccall((:dpar_comm_barrier, libdpar), Int32, (Ptr{Cvoid},), h)
+    end)
 end
 
 end # module

@@ -1,7 +1,69 @@
 # Dpar.jl against dpar's C reference (tests/binding_reference.c): same model, data and seed on 2 CPU devices,
 # same loss bits; a bad call throws DparError with dpar's message; a hook's exception comes back with its text.
+# The collectives run one task per member of a group, each on a thread of its own: the sizes this julia has too
+# few threads for are skipped with a warning (julia --threads=4 runs them all).
 using Dpar
+using Dpar: libdpar
 using Test
+
+# f() throws a DparError with `status` whose message contains `needle`.
+function throws_dpar(f, status, needle)
+    err = try
+        f()
+        nothing
+    catch e
+        e
+    end
+    ok = err isa DparError && err.status == status && occursin(needle, err.message)
+    ok || @error "expected a DparError $(Dpar.status_name(status)) with \"$needle\"" got = err
+    ok
+end
+
+# Runs body(comm) for each of the n members of `group`, each in a task of its own, and returns their results in
+# rank order. A member blocks its OS thread inside dpar until the others arrive, so the n tasks need n threads. A
+# member that throws aborts the group, so that the others fail at once instead of at the timeout.
+function on_each_member(body, group::Dpar.CommGroup, n::Integer)
+    comms = [Dpar.member(group, r) for r in 0:n-1]
+    tasks = map(comms) do c
+        Threads.@spawn try
+            body(c)
+        catch err
+            Dpar.abort(c, sprint(showerror, err))
+            rethrow()
+        end
+    end
+    for t in tasks  # every member has left dpar before its communicator is closed
+        try
+            wait(t)
+        catch
+        end
+    end
+    close.(comms)
+    fetch.(tasks)
+end
+
+# Whether this julia has a thread for each of n members; warns when it has not.
+function threads_for(n, what)
+    Threads.nthreads() >= n && return true
+    @warn "skipped: $what needs $n threads (julia --threads=4); this julia has $(Threads.nthreads())"
+    false
+end
+
+const DTYPES = (Float32, Float64, Int32, Int64)
+const OPS = (Dpar.SUM, Dpar.MEAN, Dpar.MAX, Dpar.MIN)
+
+# Participant r's element i (from 1) of an all-reduce: distinct per participant and signed, so that MEAN's
+# truncation toward zero shows on integers; small, so that every dtype holds the sums exactly.
+contribution(T, r, i) = T((r + 1) * i * (isodd(i) ? -1 : 1))
+
+# MEAN as dpar defines it: the sum divided by the number of participants, truncated toward zero for integers.
+mean_of(T, s, n) = T <: Integer ? T(div(s, n)) : T(s) / T(n)
+
+# What `op` makes of the n participants' element i, computed from the contributions themselves.
+function reduced(T, op, n, i)
+    v = [contribution(T, r, i) for r in 0:n-1]
+    op == Dpar.SUM ? T(sum(v)) : op == Dpar.MAX ? maximum(v) : op == Dpar.MIN ? minimum(v) : mean_of(T, sum(v), n)
+end
 
 reference_model(m) = (Dpar.linear!(m, 4, 8); Dpar.activation!(m, Dpar.RELU); Dpar.linear!(m, 8, 3))
 
@@ -49,5 +111,162 @@ end
                 end
             end
         end
+    end
+
+    @testset "collectives over $n members" for n in 2:4
+        if !threads_for(n, "a group of $n members")
+            @test_skip Threads.nthreads() >= n
+        else
+            results = Dpar.CommGroup(n; timeout_seconds=60) do group
+                on_each_member(group, n) do c
+                    r = Dpar.rank(c)
+                    all_reduced = Dict()
+                    for T in DTYPES, op in OPS
+                        all_reduced[(T, op)] = Dpar.all_reduce!(c, zeros(T, 5), [contribution(T, r, i) for i in 1:5];
+                                                                op=op)
+                    end
+                    in_place = Dpar.all_reduce!(c, [contribution(Float64, r, i) for i in 1:5]; op=+)
+                    bcast = Dict(T => Dpar.broadcast!(c, fill(T(10r + 1), 3); root=n - 1) for T in DTYPES)
+                    reduced_max = Dict(T => Dpar.reduce!(c, r == 1 ? fill(T(-7), 4) : nothing,
+                                                         [contribution(T, r, i) for i in 1:4]; op=max, root=1)
+                                       for T in DTYPES)
+                    reduced_sum = Dpar.reduce!(c, fill(-7, 4), [contribution(Int64, r, i) for i in 1:4])
+                    gathered = Dict(T => Dpar.all_gather!(c, zeros(T, 3, n), T[100r + i for i in 1:3]) for T in DTYPES)
+                    # Block b of participant r holds 10 r + 3 b + e at element e: a wrong block or rank shows.
+                    blocks(T) = T[10r + 3b + e for e in 0:1, b in 0:n-1]
+                    scattered = Dict((T, op) => Dpar.reduce_scatter!(c, zeros(T, 2), blocks(T); op=op)
+                                     for T in DTYPES, op in (Dpar.SUM, Dpar.MEAN))
+                    if r == 0
+                        sleep(0.2)  # the others wait in the barrier by now, blocked inside dpar
+                        GC.gc()     # which stops every thread: those in dpar let it, being GC-safe
+                    end
+                    Dpar.barrier(c)
+                    (rank=r, size=Dpar.nranks(c), device=Dpar.device(c), all_reduced=all_reduced, in_place=in_place,
+                     bcast=bcast, reduced_max=reduced_max, reduced_sum=reduced_sum, gathered=gathered,
+                     scattered=scattered)
+                end
+            end
+            for (k, got) in enumerate(results)
+                r = k - 1
+                @test (got.rank, got.size, got.device) == (r, n, Dpar.DparDevice(0, 0))
+                for T in DTYPES, op in OPS
+                    @test got.all_reduced[(T, op)] == [reduced(T, op, n, i) for i in 1:5]
+                end
+                @test got.in_place == [reduced(Float64, Dpar.SUM, n, i) for i in 1:5]
+                for T in DTYPES
+                    @test got.bcast[T] == fill(T(10(n - 1) + 1), 3)
+                    @test got.reduced_max[T] == (r == 1 ? [reduced(T, Dpar.MAX, n, i) for i in 1:4] : nothing)
+                    @test got.gathered[T] == T[100p + i for i in 1:3, p in 0:n-1]
+                    for op in (Dpar.SUM, Dpar.MEAN)
+                        sums = [sum(T(10p + 3r + e) for p in 0:n-1) for e in 0:1]
+                        @test got.scattered[(T, op)] == (op == Dpar.SUM ? sums : [mean_of(T, s, n) for s in sums])
+                    end
+                end
+                # The root's recv gets the sum; the others' is left as it was.
+                @test got.reduced_sum == (r == 0 ? [reduced(Int64, Dpar.SUM, n, i) for i in 1:4] : fill(-7, 4))
+            end
+        end
+    end
+
+    @testset "a group on CPU devices: its buffers' device, and pointers" begin
+        if !threads_for(2, "a group of 2 members")
+            @test_skip Threads.nthreads() >= 2
+        else
+            results = Dpar.CommGroup(["cpu:0", Dpar.DparDevice(0, 1)]; timeout_seconds=60) do group
+                on_each_member(group, 2) do c
+                    r = Dpar.rank(c)
+                    x = fill(Float64(r + 1), 4)
+                    send, recv = Int32[r, 10r], zeros(Int32, 4)
+                    GC.@preserve x send recv begin
+                        Dpar.all_reduce!(c, pointer(x), length(x); op=Dpar.MAX)
+                        Dpar.all_gather!(c, pointer(recv), pointer(send), length(send))
+                    end
+                    (device=Dpar.device(c), x=x, gathered=recv)
+                end
+            end
+            for (k, got) in enumerate(results)
+                @test got.device == Dpar.DparDevice(0, k - 1)
+                @test got.x == fill(2.0, 4)
+                @test got.gathered == Int32[0, 0, 1, 10]
+            end
+        end
+    end
+
+    @testset "an abort releases every member and shows as an asynchronous error" begin
+        n = 3
+        if !threads_for(n, "a group of $n members")
+            @test_skip Threads.nthreads() >= n
+        else
+            results = Dpar.CommGroup(n; timeout_seconds=60) do group
+                on_each_member(group, n) do c
+                    before = Dpar.async_error(c)
+                    Dpar.barrier(c)  # every member asked before the abort
+                    Dpar.rank(c) == n - 1 && Dpar.abort(c, "the input pipeline died")
+                    err = try Dpar.barrier(c); nothing catch e; e end
+                    (before=before, err=err, after=Dpar.async_error(c))
+                end
+            end
+            for got in results
+                @test got.before === nothing
+                @test got.err isa DparError && got.err.status == Dpar.ERR_REMOTE
+                @test occursin("the input pipeline died", got.err.message)
+                @test got.after isa DparError && got.after.status == Dpar.ERR_REMOTE
+                @test occursin("participant $(n - 1) called dpar_comm_abort", got.after.message)
+            end
+        end
+    end
+
+    @testset "members that disagree all throw a mismatch naming the one that differs" begin
+        if !threads_for(2, "a group of 2 members")
+            @test_skip Threads.nthreads() >= 2
+        else
+            errs = Dpar.CommGroup(2; timeout_seconds=60) do group
+                on_each_member(group, 2) do c
+                    x = zeros(Float32, Dpar.rank(c) == 0 ? 100 : 200)
+                    try Dpar.all_reduce!(c, x); nothing catch e; e end
+                end
+            end
+            for err in errs
+                @test err isa DparError && err.status == Dpar.ERR_MISMATCH
+                @test occursin("all_reduce", err.message) && occursin("participant 1", err.message)
+            end
+        end
+    end
+
+    @testset "collectives refuse bad arguments with dpar's message" begin
+        @test throws_dpar(() -> Dpar.CommGroup(0), Dpar.ERR_INVALID_ARGUMENT, "size")
+        @test throws_dpar(() -> Dpar.CommGroup(2; timeout_seconds=-1), Dpar.ERR_INVALID_ARGUMENT, "timeout_seconds")
+        @test throws_dpar(() -> Dpar.CommGroup(["cpu:0", "cpu:1"]; streams=[C_NULL]), Dpar.ERR_INVALID_ARGUMENT,
+                          "streams: 1 streams for 2 devices")
+        @test throws_dpar(() -> Dpar.CommGroup(["cpu:0"]; streams=[Ptr{Cvoid}(UInt(0x1234))]),
+                          Dpar.ERR_INVALID_ARGUMENT, "streams[0]")
+        @test throws_dpar(() -> Dpar.CommGroup([Dpar.DparDevice(0, 0), Dpar.DparDevice(0, -1)]),
+                          Dpar.ERR_INVALID_ARGUMENT, "devices[1]")
+        Dpar.CommGroup(1; timeout_seconds=30) do g
+            @test throws_dpar(() -> Dpar.member(g, 1), Dpar.ERR_INVALID_ARGUMENT, "rank")
+            c = Dpar.member(g, 0)
+            x = Float32[1, 2, 3, 4]
+            @test throws_dpar(() -> Dpar.broadcast!(c, x; root=1), Dpar.ERR_INVALID_ARGUMENT, "root")
+            @test throws_dpar(() -> Dpar.reduce!(c, nothing, x; root=2), Dpar.ERR_INVALID_ARGUMENT, "root")
+            # Lengths are checked before any participant waits for the others.
+            @test throws_dpar(() -> Dpar.all_reduce!(c, zeros(Float32, 3), x), Dpar.ERR_INVALID_ARGUMENT,
+                              "recv: 3 elements, expected 4")
+            @test throws_dpar(() -> Dpar.all_gather!(c, zeros(Float32, 3), x), Dpar.ERR_INVALID_ARGUMENT,
+                              "recv: 3 elements, expected 4")
+            @test throws_dpar(() -> Dpar.reduce_scatter!(c, zeros(Float32, 2), Float32[1, 2, 3]),
+                              Dpar.ERR_INVALID_ARGUMENT, "send: 3 elements, expected 2")
+            # The communicator still works after the refusals, and a group of one is the identity.
+            @test Dpar.all_reduce!(c, copy(x); op=Dpar.MEAN) == x
+            @test (Dpar.rank(c), Dpar.nranks(c)) == (0, 1)
+            close(c)
+            @test throws_dpar(() -> Dpar.barrier(c), Dpar.ERR_INVALID_ARGUMENT, "comm")
+            close(c)  # a second close does nothing
+        end
+    end
+
+    @testset "the option structs have the library's layout" begin
+        o = Ref(Dpar.CommOptions(0, 0, 0))
+        @test ccall((:dpar_comm_options_init, libdpar), Int32, (Ptr{Dpar.CommOptions},), o) == Dpar.OK
+        @test (o[].size, o[].version, o[].timeout_seconds) == (sizeof(Dpar.CommOptions), Dpar.COMM_OPTIONS_VERSION, 300)
     end
 end
