@@ -19,7 +19,8 @@ end
 
 export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_training!, forward, num_replicas,
-       ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier
+       ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
+       all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!
 
 const OK = Int32(0)
 const ERR_INVALID_ARGUMENT = Int32(-1)
@@ -775,6 +776,158 @@ function barrier(c::Comm)
     check(blocking(c) do
         ccall((:dpar_comm_barrier, libdpar), Int32, (Ptr{Cvoid},), h)
     end)
+end
+
+# ---- Asynchronous work -------------------------------------------------------------------------------------
+
+"""
+    Work
+
+An asynchronous collective, started by [`all_reduce_async!`](@ref), [`broadcast_async!`](@ref),
+[`all_gather_async!`](@ref) or [`reduce_scatter_async!`](@ref) on the communicator's own thread. The collectives
+started on one communicator run in the order they were started.
+
+`wait(work)` waits for it, and throws its `DparError` if it failed; `isready(work)` says, without blocking, whether
+it has finished (successfully or not); `close(work)` frees it, waiting first if it still runs. Until it has
+finished, the arrays it reads and writes are held by the `Work` (so that dropping them cannot free them under dpar),
+and must be neither read, written nor resized. Wait for or close every `Work`: its finalizer waits too, stalling
+whichever task the garbage collector happens to run it on.
+"""
+mutable struct Work
+    ptr::Ptr{Cvoid}
+    buffers::Any  # the arrays dpar reads and writes until the work has finished; nothing for pointers
+    Work(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr, nothing))
+end
+
+function Base.wait(w::Work)
+    h = w.ptr
+    status = blocking(w) do
+        ccall((:dpar_work_wait, libdpar), Int32, (Ptr{Cvoid},), h)
+    end
+    w.buffers = nothing  # finished, successfully or not: dpar is done with them
+    check(status)
+end
+
+function Base.isready(w::Work)
+    done = Ref{Int32}(0)
+    check(ccall((:dpar_work_test, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), done, w.ptr))
+    done[] != 0
+end
+
+function Base.close(w::Work)
+    w.ptr == C_NULL && return
+    h = w.ptr
+    w.ptr = C_NULL
+    blocking(w) do
+        ccall((:dpar_work_free, libdpar), Cvoid, (Ptr{Cvoid},), h)
+    end
+    w.buffers = nothing
+    nothing
+end
+
+# The Work of an asynchronous start, `start(out)`, which writes its handle through `out`.
+function start_work(start)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(start(out))
+    Work(out[])
+end
+
+# `w`, holding `buffers` until it finishes: called inside the GC.@preserve of the arrays whose pointers started it.
+function holding(w::Work, buffers...)
+    w.buffers = buffers
+    w
+end
+
+"""
+    all_reduce_async!(comm, recv, send; op=SUM) -> Work
+    all_reduce_async!(comm, buffer; op=SUM) -> Work
+    all_reduce_async!(comm, recv::Ptr{T}, send::Ptr{T}, count; op=SUM) -> Work
+    all_reduce_async!(comm, buffer::Ptr{T}, count; op=SUM) -> Work
+
+[`all_reduce!`](@ref) on the communicator's thread: returns at once with the [`Work`](@ref).
+"""
+function all_reduce_async! end
+
+function all_reduce_async!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer; op=SUM) where {T<:CommType}
+    start_work() do out
+        ccall((:dpar_comm_all_reduce_async, libdpar), Int32,
+              (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Int32),
+              out, c.ptr, send, recv, count, comm_dtype(T), reduce_op(op))
+    end
+end
+
+all_reduce_async!(c::Comm, buffer::Ptr{T}, count::Integer; op=SUM) where {T<:CommType} =
+    all_reduce_async!(c, buffer, buffer, count; op=op)
+
+function all_reduce_async!(c::Comm, recv::Array{T}, send::Array{T}; op=SUM) where {T<:CommType}
+    same_length(length(recv), length(send), "recv")
+    GC.@preserve recv send holding(all_reduce_async!(c, pointer(recv), pointer(send), length(send); op=op),
+                                   recv, send)
+end
+
+all_reduce_async!(c::Comm, buffer::Array{<:CommType}; op=SUM) = all_reduce_async!(c, buffer, buffer; op=op)
+
+"""
+    broadcast_async!(comm, buffer; root=0) -> Work
+    broadcast_async!(comm, buffer::Ptr{T}, count; root=0) -> Work
+
+[`Dpar.broadcast!`](@ref) on the communicator's thread: returns at once with the [`Work`](@ref).
+"""
+function broadcast_async! end
+
+function broadcast_async!(c::Comm, buffer::Ptr{T}, count::Integer; root::Integer=0) where {T<:CommType}
+    start_work() do out
+        ccall((:dpar_comm_broadcast_async, libdpar), Int32,
+              (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Csize_t),
+              out, c.ptr, buffer, count, comm_dtype(T), root)
+    end
+end
+
+function broadcast_async!(c::Comm, buffer::Array{T}; root::Integer=0) where {T<:CommType}
+    GC.@preserve buffer holding(broadcast_async!(c, pointer(buffer), length(buffer); root=root), buffer)
+end
+
+"""
+    all_gather_async!(comm, recv, send) -> Work
+    all_gather_async!(comm, recv::Ptr{T}, send::Ptr{T}, count) -> Work
+
+[`all_gather!`](@ref) on the communicator's thread: returns at once with the [`Work`](@ref).
+"""
+function all_gather_async! end
+
+function all_gather_async!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer) where {T<:CommType}
+    start_work() do out
+        ccall((:dpar_comm_all_gather_async, libdpar), Int32,
+              (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32),
+              out, c.ptr, send, recv, count, comm_dtype(T))
+    end
+end
+
+function all_gather_async!(c::Comm, recv::Array{T}, send::Array{T}) where {T<:CommType}
+    same_length(length(recv), length(send) * nranks(c), "recv")
+    GC.@preserve recv send holding(all_gather_async!(c, pointer(recv), pointer(send), length(send)), recv, send)
+end
+
+"""
+    reduce_scatter_async!(comm, recv, send; op=SUM) -> Work
+    reduce_scatter_async!(comm, recv::Ptr{T}, send::Ptr{T}, count; op=SUM) -> Work
+
+[`reduce_scatter!`](@ref) on the communicator's thread: returns at once with the [`Work`](@ref).
+"""
+function reduce_scatter_async! end
+
+function reduce_scatter_async!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer; op=SUM) where {T<:CommType}
+    start_work() do out
+        ccall((:dpar_comm_reduce_scatter_async, libdpar), Int32,
+              (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Int32),
+              out, c.ptr, send, recv, count, comm_dtype(T), reduce_op(op))
+    end
+end
+
+function reduce_scatter_async!(c::Comm, recv::Array{T}, send::Array{T}; op=SUM) where {T<:CommType}
+    same_length(length(send), length(recv) * nranks(c), "send")
+    GC.@preserve recv send holding(reduce_scatter_async!(c, pointer(recv), pointer(send), length(recv); op=op),
+                                   recv, send)
 end
 
 end # module

@@ -49,6 +49,13 @@ function threads_for(n, what)
     false
 end
 
+# Starts an all-reduce on an array that only the returned work refers to (not inlined: no caller's variable holds
+# the array).
+@noinline function unreferenced_all_reduce(c, value)
+    buffer = fill(value, 1 << 16)
+    (Dpar.all_reduce_async!(c, buffer), WeakRef(buffer))
+end
+
 const DTYPES = (Float32, Float64, Int32, Int64)
 const OPS = (Dpar.SUM, Dpar.MEAN, Dpar.MAX, Dpar.MIN)
 
@@ -233,6 +240,59 @@ end
         end
     end
 
+    @testset "asynchronous work" begin
+        if !threads_for(2, "a group of 2 members")
+            @test_skip Threads.nthreads() >= 2
+        else
+            results = Dpar.CommGroup(2; timeout_seconds=60) do group
+                on_each_member(group, 2) do c
+                    r = Dpar.rank(c)
+                    a = fill(Float32(r + 1), 4096)
+                    b, bmax = fill(Int64(10(r + 1)), 4096), zeros(Int64, 4096)
+                    wa = Dpar.all_reduce_async!(c, a)
+                    wb = Dpar.all_reduce_async!(c, bmax, b; op=Dpar.MAX)
+                    wait(wb)
+                    a_done_first = isready(wa)  # they run in the order they were started
+                    wait(wa)
+                    a_done = isready(wa)
+                    # The work holds the array it writes: one that only the work refers to outlives a collection.
+                    w, weak = unreferenced_all_reduce(c, Float64(r + 1))
+                    GC.gc()
+                    kept = weak.value
+                    wait(w)
+                    bc = fill(Int32(r + 5), 3)
+                    wait(Dpar.broadcast_async!(c, bc; root=1))
+                    gathered = zeros(Float32, 2, 2)
+                    wait(Dpar.all_gather_async!(c, gathered, Float32[r, -r]))
+                    scattered = zeros(Float64, 2)
+                    wait(Dpar.reduce_scatter_async!(c, scattered, Float64[10r + 3b + e for e in 0:1, b in 0:1];
+                                                    op=Dpar.MEAN))
+                    x = Float32[r, r]
+                    GC.@preserve x wait(Dpar.all_reduce_async!(c, pointer(x), length(x); op=Dpar.MIN))
+                    closed = Dpar.all_reduce_async!(c, fill(1.0f0, 2))
+                    close(closed)  # waits for it
+                    close(closed)  # does nothing
+                    err = try wait(closed); nothing catch e; e end
+                    (a=a, bmax=bmax, a_done_first=a_done_first, a_done=a_done, kept=kept, bc=bc,
+                     gathered=gathered, scattered=scattered, x=x, err=err)
+                end
+            end
+            for (k, got) in enumerate(results)
+                r = k - 1
+                @test got.a == fill(3.0f0, 4096)
+                @test got.bmax == fill(20, 4096)
+                @test got.a_done_first && got.a_done
+                @test got.kept !== nothing && got.kept == fill(3.0, 1 << 16)
+                @test got.bc == fill(Int32(6), 3)
+                @test got.gathered == Float32[0 1; 0 -1]
+                @test got.scattered == [mean_of(Float64, 10 + 2 * (3r + e), 2) for e in 0:1]
+                @test got.x == Float32[0, 0]
+                @test got.err isa DparError && got.err.status == Dpar.ERR_INVALID_ARGUMENT
+                @test occursin("work", got.err.message)
+            end
+        end
+    end
+
     @testset "collectives refuse bad arguments with dpar's message" begin
         @test throws_dpar(() -> Dpar.CommGroup(0), Dpar.ERR_INVALID_ARGUMENT, "size")
         @test throws_dpar(() -> Dpar.CommGroup(2; timeout_seconds=-1), Dpar.ERR_INVALID_ARGUMENT, "timeout_seconds")
@@ -255,6 +315,9 @@ end
                               "recv: 3 elements, expected 4")
             @test throws_dpar(() -> Dpar.reduce_scatter!(c, zeros(Float32, 2), Float32[1, 2, 3]),
                               Dpar.ERR_INVALID_ARGUMENT, "send: 3 elements, expected 2")
+            @test throws_dpar(() -> Dpar.reduce_scatter_async!(c, zeros(Float32, 2), Float32[1, 2, 3]),
+                              Dpar.ERR_INVALID_ARGUMENT, "send: 3 elements, expected 2")
+            @test throws_dpar(() -> Dpar.broadcast_async!(c, x; root=1), Dpar.ERR_INVALID_ARGUMENT, "root")
             # The communicator still works after the refusals, and a group of one is the identity.
             @test Dpar.all_reduce!(c, copy(x); op=Dpar.MEAN) == x
             @test (Dpar.rank(c), Dpar.nranks(c)) == (0, 1)
