@@ -2,8 +2,8 @@
     Dpar
 
 dpar for Julia: data-parallel training over several devices through dpar's C ABI (`libdpar.so.0`): an `Engine`
-that trains a `Model` on several devices, and collectives (`CommGroup`, `Comm`, `all_reduce!`, ...) for a program
-that brings its own model and autograd.
+that trains a `Model` on several devices, and collectives (`CommGroup`, `Comm`, `all_reduce!`, ...) and a gradient
+`Reducer` for a program that brings its own model and autograd.
 
 Every handle is a Julia object with `close` (a finalizer frees it too); every failed call throws a `DparError`
 carrying dpar's status and message. `do`-block helpers (`Model(seed) do m ... end`) close at the end. The library is
@@ -20,7 +20,8 @@ end
 export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_training!, forward, num_replicas,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
-       all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!
+       all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
+       num_buckets
 
 const OK = Int32(0)
 const ERR_INVALID_ARGUMENT = Int32(-1)
@@ -928,6 +929,125 @@ function reduce_scatter_async!(c::Comm, recv::Array{T}, send::Array{T}; op=SUM) 
     same_length(length(send), length(recv) * nranks(c), "send")
     GC.@preserve recv send holding(reduce_scatter_async!(c, pointer(recv), pointer(send), length(recv); op=op),
                                    recv, send)
+end
+
+# ---- The gradient reducer ----------------------------------------------------------------------------------
+
+struct ReducerOptions  # dpar_reducer_options, version 1
+    size::Csize_t
+    version::UInt32
+    first_bucket_bytes::Csize_t
+    bucket_cap_bytes::Csize_t
+    op::Int32
+end
+const REDUCER_OPTIONS_VERSION = UInt32(1)
+
+"""
+    Reducer(comm, grads; first_bucket_bytes=nothing, bucket_cap_bytes=nothing, op=MEAN)
+    Reducer(comm, grads::AbstractVector{Ptr{Float32}}, counts; kwargs...)
+    Reducer(f, comm, grads...; kwargs...)
+
+DDP's gradient reducer over `comm`, for a program with its own autograd: register the gradient buffers once, in
+the model's forward order (`Array{Float32}`s, held by the reducer until it is closed; or, for memory of the
+communicator's device, pointers with their element counts, kept valid by the caller until `close`). Every
+participant registers the same sizes in the same order. Each step, mark each buffer with [`grad_ready!`](@ref) as
+soon as it holds its gradient: buckets of gradients (the last ones first, closing at `first_bucket_bytes`, then at
+`bucket_cap_bytes`; `nothing`: dpar's 1 MiB and 25 MiB) are reduced on the communicator's thread while backward
+goes on. `wait(reducer)` ends the step: every buffer then holds the `op` (`SUM`, or `MEAN` over the participants)
+of the participants' gradients, a gradient never marked in the step counting as zeros. Between a step's first
+`grad_ready!` and its `wait`, a marked buffer must not be written, and the communicator must not run other
+collectives. `close` frees the reducer after its buckets in flight; the `do`-block form closes it at the end.
+"""
+mutable struct Reducer
+    ptr::Ptr{Cvoid}
+    grads::Union{Vector{Array{Float32}},Nothing}  # the buffers dpar reads and writes, held until close
+    index::IdDict{Any,Int}                       # each buffer's index, from 0
+    Reducer(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr, nothing, IdDict{Any,Int}()))
+end
+
+function Reducer(c::Comm, grads::AbstractVector{Ptr{Float32}}, counts::AbstractVector{<:Integer};
+                 first_bucket_bytes::Union{Integer,Nothing}=nothing, bucket_cap_bytes::Union{Integer,Nothing}=nothing,
+                 op=nothing)
+    same_length(length(counts), length(grads), "counts")
+    d = Ref(ReducerOptions(0, 0, 0, 0, 0))
+    check(ccall((:dpar_reducer_options_init, libdpar), Int32, (Ptr{ReducerOptions},), d))
+    o = Ref(ReducerOptions(sizeof(ReducerOptions), REDUCER_OPTIONS_VERSION,
+                           first_bucket_bytes === nothing ? d[].first_bucket_bytes : first_bucket_bytes,
+                           bucket_cap_bytes === nothing ? d[].bucket_cap_bytes : bucket_cap_bytes,
+                           op === nothing ? d[].op : reduce_op(op)))
+    ptrs, ns = Vector{Ptr{Cfloat}}(grads), Vector{Csize_t}(counts)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(ccall((:dpar_reducer_create, libdpar), Int32,
+                (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}, Csize_t, Ptr{ReducerOptions}),
+                out, c.ptr, ptrs, ns, length(ptrs), o))
+    Reducer(out[])
+end
+
+function Reducer(c::Comm, grads::AbstractVector{<:Array{Float32}}; kwargs...)
+    held = Array{Float32}[g for g in grads]  # the list as given: a later change to the caller's vector unroots none
+    r = GC.@preserve held Reducer(c, Ptr{Float32}[pointer(g) for g in held], [length(g) for g in held]; kwargs...)
+    r.grads = held
+    for (i, g) in enumerate(held)
+        r.index[g] = i - 1
+    end
+    r
+end
+
+Reducer(f::Function, c::Comm, args...; kwargs...) = closing(f, Reducer(c, args...; kwargs...))
+
+function Base.close(r::Reducer)
+    r.ptr == C_NULL && return
+    h = r.ptr
+    r.ptr = C_NULL
+    blocking(r) do
+        ccall((:dpar_reducer_free, libdpar), Cvoid, (Ptr{Cvoid},), h)
+    end
+    r.grads = nothing
+    empty!(r.index)
+    nothing
+end
+
+# Every call on a reducer takes its lock, which `wait` holds while it waits for the other participants: they all
+# run GC-safe.
+
+"""`num_buckets(reducer)`: the number of buckets the gradients were grouped in."""
+function num_buckets(r::Reducer)
+    n = Ref{Csize_t}(0)
+    h, np = r.ptr, Base.unsafe_convert(Ptr{Csize_t}, n)
+    check(blocking(r, n) do
+        ccall((:dpar_reducer_num_buckets, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), np, h)
+    end)
+    Int(n[])
+end
+
+"""
+    grad_ready!(reducer, grad::Array{Float32})
+    grad_ready!(reducer, index)
+
+Gradient `grad` (one of the registered arrays), or gradient `index` (from 0, as dpar numbers them: the buffer
+`grads[index + 1]`), holds this step's value; the first call of a step starts it. Launches the buckets this
+completes. Marking a gradient twice in a step throws `ERR_INVALID_STATE`, and leaves the step as it was.
+"""
+function grad_ready! end
+
+function grad_ready!(r::Reducer, index::Integer)
+    h, i = r.ptr, Csize_t(index)
+    check(blocking(r) do
+        ccall((:dpar_reducer_grad_ready, libdpar), Int32, (Ptr{Cvoid}, Csize_t), h, i)
+    end)
+end
+
+function grad_ready!(r::Reducer, grad::Array{Float32})
+    index = get(r.index, grad, -1)
+    index >= 0 || throw(DparError(ERR_INVALID_ARGUMENT, "grad: not one of the reducer's buffers"))
+    grad_ready!(r, index)
+end
+
+function Base.wait(r::Reducer)
+    h = r.ptr
+    check(blocking(r) do
+        ccall((:dpar_reducer_wait, libdpar), Int32, (Ptr{Cvoid},), h)
+    end)
 end
 
 end # module

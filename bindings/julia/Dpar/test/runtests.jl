@@ -56,6 +56,15 @@ end
     (Dpar.all_reduce_async!(c, buffer), WeakRef(buffer))
 end
 
+# A reducer over one array that only the reducer refers to, and a weak reference to that array.
+@noinline function unreferenced_reducer(c, n)
+    grad = zeros(Float32, n)
+    (Dpar.Reducer(c, [grad]), WeakRef(grad))
+end
+
+# Participant r's gradient k (from 0) in a step: distinct per participant, gradient and step.
+grad_value(r, k, step) = Float32((r + 1) * 4 + k + step)
+
 const DTYPES = (Float32, Float64, Int32, Int64)
 const OPS = (Dpar.SUM, Dpar.MEAN, Dpar.MAX, Dpar.MIN)
 
@@ -293,7 +302,85 @@ end
         end
     end
 
-    @testset "collectives refuse bad arguments with dpar's message" begin
+    @testset "the reducer sums what each member produced, in its own order, step after step" begin
+        n = Threads.nthreads() >= 4 ? 4 : 2
+        if !threads_for(n, "a group of $n members")
+            @test_skip Threads.nthreads() >= n
+        else
+            sizes = [300, 7, 1200, 64, 513]
+            results = Dpar.CommGroup(n; timeout_seconds=60) do group
+                on_each_member(group, n) do c
+                    r = Dpar.rank(c)
+                    grads = [zeros(Float32, s) for s in sizes]
+                    red = Dpar.Reducer(c, grads; first_bucket_bytes=256, bucket_cap_bytes=2048, op=Dpar.SUM)
+                    buckets = Dpar.num_buckets(red)
+                    steps = []
+                    for step in 0:2
+                        # Backward's order, and another on odd members. Member 1 has no data in step 1, and the last
+                        # member never produces gradient 1 (an unused parameter): a gradient never marked counts
+                        # as zeros, whatever its buffer holds.
+                        for k in (isodd(r) ? [2, 3, 4, 1, 0] : [4, 3, 2, 1, 0])
+                            if (r == 1 && step == 1) || (r == n - 1 && k == 1)
+                                fill!(grads[k + 1], NaN32)
+                                continue
+                            end
+                            fill!(grads[k + 1], grad_value(r, k, step))
+                            # Marked by the array, or by dpar's index.
+                            isodd(k) ? Dpar.grad_ready!(red, grads[k + 1]) : Dpar.grad_ready!(red, k)
+                        end
+                        wait(red)
+                        push!(steps, copy.(grads))
+                    end
+                    close(red)
+                    (buckets=buckets, steps=steps)
+                end
+            end
+            for got in results
+                @test got.buckets >= 3
+                for step in 0:2, k in 0:4
+                    total = sum(Float32[grad_value(p, k, step) for p in 0:n-1
+                                        if !(p == 1 && step == 1) && !(p == n - 1 && k == 1)])
+                    @test got.steps[step + 1][k + 1] == fill(total, sizes[k + 1])
+                end
+            end
+        end
+    end
+
+    @testset "the reducer holds its arrays, averages by default, and takes pointers on a group on devices" begin
+        if !threads_for(2, "a group of 2 members")
+            @test_skip Threads.nthreads() >= 2
+        else
+            results = Dpar.CommGroup(["cpu:0", "cpu:1"]; timeout_seconds=60) do group
+                on_each_member(group, 2) do c
+                    r = Dpar.rank(c)
+                    # An array that only the reducer refers to outlives a collection.
+                    red, weak = unreferenced_reducer(c, 100)
+                    GC.gc()
+                    g = weak.value
+                    g === nothing || fill!(g, r + 1)
+                    Dpar.grad_ready!(red, 0)
+                    wait(red)
+                    close(red)
+                    # Pointers with their counts, as a CuArray's would be over GPUs.
+                    bufs = [fill(Float32(r + 1), 7), fill(Float32(10(r + 1)), 15)]
+                    GC.@preserve bufs begin
+                        Dpar.Reducer(c, Ptr{Float32}[pointer(b) for b in bufs], length.(bufs); op=Dpar.SUM) do pr
+                            Dpar.grad_ready!(pr, 1)
+                            Dpar.grad_ready!(pr, 0)
+                            wait(pr)
+                        end
+                    end
+                    (mean=g, bufs=bufs)
+                end
+            end
+            for got in results
+                @test got.mean == fill(1.5f0, 100)
+                @test got.bufs == [fill(3.0f0, 7), fill(30.0f0, 15)]
+            end
+        end
+    end
+
+    @testset "collectives and the reducer refuse bad arguments with dpar's message" begin
         @test throws_dpar(() -> Dpar.CommGroup(0), Dpar.ERR_INVALID_ARGUMENT, "size")
         @test throws_dpar(() -> Dpar.CommGroup(2; timeout_seconds=-1), Dpar.ERR_INVALID_ARGUMENT, "timeout_seconds")
         @test throws_dpar(() -> Dpar.CommGroup(["cpu:0", "cpu:1"]; streams=[C_NULL]), Dpar.ERR_INVALID_ARGUMENT,
@@ -318,6 +405,25 @@ end
             @test throws_dpar(() -> Dpar.reduce_scatter_async!(c, zeros(Float32, 2), Float32[1, 2, 3]),
                               Dpar.ERR_INVALID_ARGUMENT, "send: 3 elements, expected 2")
             @test throws_dpar(() -> Dpar.broadcast_async!(c, x; root=1), Dpar.ERR_INVALID_ARGUMENT, "root")
+            g = zeros(Float32, 4)
+            @test throws_dpar(() -> Dpar.Reducer(c, [g]; op=Dpar.MAX), Dpar.ERR_INVALID_ARGUMENT, "opts.op")
+            h = zeros(Float32, 4)
+            @test throws_dpar(() -> GC.@preserve(g, h, Dpar.Reducer(c, [pointer(g), pointer(h)], [4, 0])),
+                              Dpar.ERR_INVALID_ARGUMENT, "counts[1]")
+            @test throws_dpar(() -> Dpar.Reducer(c, [g, g]), Dpar.ERR_INVALID_ARGUMENT, "overlap")
+            @test throws_dpar(() -> Dpar.Reducer(c, [pointer(g)], [4, 4]), Dpar.ERR_INVALID_ARGUMENT,
+                              "counts: 2 elements, expected 1")
+            Dpar.Reducer(c, [g]) do red
+                Dpar.grad_ready!(red, 0)
+                @test throws_dpar(() -> Dpar.grad_ready!(red, g), Dpar.ERR_INVALID_STATE, "twice")
+                @test throws_dpar(() -> Dpar.grad_ready!(red, 1), Dpar.ERR_INVALID_ARGUMENT, "out of range")
+                @test throws_dpar(() -> Dpar.grad_ready!(red, zeros(Float32, 4)), Dpar.ERR_INVALID_ARGUMENT,
+                                  "not one of the reducer's buffers")
+                wait(red)  # the step went on
+            end
+            red = Dpar.Reducer(c, [g])
+            close(red)
+            @test throws_dpar(() -> wait(red), Dpar.ERR_INVALID_ARGUMENT, "reducer")
             # The communicator still works after the refusals, and a group of one is the identity.
             @test Dpar.all_reduce!(c, copy(x); op=Dpar.MEAN) == x
             @test (Dpar.rank(c), Dpar.nranks(c)) == (0, 1)
@@ -331,5 +437,9 @@ end
         o = Ref(Dpar.CommOptions(0, 0, 0))
         @test ccall((:dpar_comm_options_init, libdpar), Int32, (Ptr{Dpar.CommOptions},), o) == Dpar.OK
         @test (o[].size, o[].version, o[].timeout_seconds) == (sizeof(Dpar.CommOptions), Dpar.COMM_OPTIONS_VERSION, 300)
+        r = Ref(Dpar.ReducerOptions(0, 0, 0, 0, 0))
+        @test ccall((:dpar_reducer_options_init, libdpar), Int32, (Ptr{Dpar.ReducerOptions},), r) == Dpar.OK
+        @test (r[].size, r[].version, r[].op) == (sizeof(Dpar.ReducerOptions), Dpar.REDUCER_OPTIONS_VERSION,
+                                                     Int32(Dpar.MEAN))
     end
 end
