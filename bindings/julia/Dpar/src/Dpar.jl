@@ -2,8 +2,8 @@
     Dpar
 
 dpar for Julia: data-parallel training over several devices through dpar's C ABI (`libdpar.so.0`): an `Engine`
-that trains a `Model` on several devices, and collectives (`CommGroup`, `Comm`, `all_reduce!`, ...) and a gradient
-`Reducer` for a program that brings its own model and autograd.
+that trains a `Model` on several devices; collectives (`CommGroup`, `Comm`, `all_reduce!`, ...) and a gradient
+`Reducer` for a program that brings its own model and autograd; IDX datasets and a batch `Loader`.
 
 Every handle is a Julia object with `close` (a finalizer frees it too); every failed call throws a `DparError`
 carrying dpar's status and message. `do`-block helpers (`Model(seed) do m ... end`) close at the end. The library is
@@ -21,7 +21,7 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, train_s
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_training!, forward, num_replicas,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
-       num_buckets
+       num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!
 
 const OK = Int32(0)
 const ERR_INVALID_ARGUMENT = Int32(-1)
@@ -82,19 +82,21 @@ end
 # ---- Tensors -----------------------------------------------------------------------------------------------
 
 """A dpar tensor. `Tensor(array)` copies a Float32 or Int32 array (row-major: dpar's shape is the array's
-dimensions reversed, so a Julia `features x batch` matrix is dpar's `(batch, features)`)."""
+dimensions reversed, so a Julia `features x batch` matrix is dpar's `(batch, features)`). A `Loader`'s batches are
+tensors borrowed from the loader: valid until its next batch, never freed by `close`."""
 mutable struct Tensor
     ptr::Ptr{Cvoid}
-    keep::Any  # memory the tensor wraps
-    function Tensor(ptr::Ptr{Cvoid}, keep=nothing)
-        t = new(ptr, keep)
-        finalizer(close, t)
+    keep::Any     # memory the tensor wraps, or the loader a borrowed batch belongs to
+    owned::Bool   # false for a borrowed tensor: its parent frees it
+    function Tensor(ptr::Ptr{Cvoid}, keep=nothing; owned::Bool=true)
+        t = new(ptr, keep, owned)
+        owned ? finalizer(close, t) : t
     end
 end
 
 function Base.close(t::Tensor)
     t.ptr == C_NULL && return
-    ccall((:dpar_tensor_free, libdpar), Cvoid, (Ptr{Cvoid},), t.ptr)
+    t.owned && ccall((:dpar_tensor_free, libdpar), Cvoid, (Ptr{Cvoid},), t.ptr)
     t.ptr = C_NULL
 end
 
@@ -1049,5 +1051,136 @@ function Base.wait(r::Reducer)
         ccall((:dpar_reducer_wait, libdpar), Int32, (Ptr{Cvoid},), h)
     end)
 end
+
+# ---- Datasets and loaders ----------------------------------------------------------------------------------
+
+"""
+    Dataset(images_path, labels_path)
+    Dataset(f, images_path, labels_path)
+
+An in-memory dataset of (Float32 sample, Int32 label) read from an IDX image file and an IDX label file, each plain
+or gzip-compressed, as MNIST and Fashion-MNIST ship; pixels become Float32 in [0, 1]. A damaged file throws
+`ERR_CORRUPT`, a missing one `ERR_IO`. Loaders share its data: close it before or after them. The `do`-block form
+closes it at the end.
+"""
+mutable struct Dataset
+    ptr::Ptr{Cvoid}
+    Dataset(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr))
+end
+
+function Dataset(images_path::AbstractString, labels_path::AbstractString)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(ccall((:dpar_dataset_load_idx, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Cstring, Cstring),
+                out, images_path, labels_path))
+    Dataset(out[])
+end
+
+Dataset(f::Function, images_path::AbstractString, labels_path::AbstractString) =
+    closing(f, Dataset(images_path, labels_path))
+
+function Base.close(d::Dataset)
+    d.ptr == C_NULL && return
+    ccall((:dpar_dataset_free, libdpar), Cvoid, (Ptr{Cvoid},), d.ptr)
+    d.ptr = C_NULL
+end
+
+"""`info(dataset)`: `(samples=..., features=..., classes=...)`, classes being the largest label + 1."""
+function info(d::Dataset)
+    s, f, c = Ref{Csize_t}(0), Ref{Csize_t}(0), Ref{Csize_t}(0)
+    check(ccall((:dpar_dataset_info, libdpar), Int32, (Ptr{Csize_t}, Ptr{Csize_t}, Ptr{Csize_t}, Ptr{Cvoid}),
+                s, f, c, d.ptr))
+    (samples=Int(s[]), features=Int(f[]), classes=Int(c[]))
+end
+
+"""`Dpar.normalize!(dataset, mean, std)`: standardises every feature, x = (x - mean) / std. Not exported: it would
+be ambiguous with `LinearAlgebra.normalize!`."""
+function normalize!(d::Dataset, mean::Real, std::Real)
+    check(ccall((:dpar_dataset_normalize, libdpar), Int32, (Ptr{Cvoid}, Cfloat, Cfloat), d.ptr, mean, std))
+    d
+end
+
+"""
+    Loader(dataset, batch_size; shuffle=false, seed=0, drop_last=false)
+    Loader(f, dataset, batch_size; kwargs...)
+
+A batch loader over `dataset`. Iterating it yields the rest of the current epoch's batches, each an
+`(inputs, labels)` pair of [`Tensor`](@ref)s: `(b, features)` Float32 and `(b,)` Int32 (as Julia arrays,
+`Array(inputs)` is `features x b`). They are borrowed from the loader and hold the next batch once the loop moves
+on: copy what must outlive the iteration. Batches have `batch_size` rows, the last fewer unless `drop_last`. The
+loader starts at epoch 0; [`start_epoch!`](@ref) starts another, whose order with `shuffle` is a permutation drawn
+from (`seed`, epoch) alone. See also [`shard!`](@ref) and [`to_device!`](@ref). The `do`-block form closes it at
+the end.
+"""
+mutable struct Loader
+    ptr::Ptr{Cvoid}
+    Loader(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr))
+end
+
+function Loader(d::Dataset, batch_size::Integer; shuffle::Bool=false, seed::Integer=0, drop_last::Bool=false)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(ccall((:dpar_loader_create, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Csize_t, Int32, UInt64, Int32),
+                out, d.ptr, batch_size, shuffle, seed, drop_last))
+    Loader(out[])
+end
+
+Loader(f::Function, d::Dataset, batch_size::Integer; kwargs...) = closing(f, Loader(d, batch_size; kwargs...))
+
+function Base.close(l::Loader)
+    l.ptr == C_NULL && return
+    ccall((:dpar_loader_free, libdpar), Cvoid, (Ptr{Cvoid},), l.ptr)
+    l.ptr = C_NULL
+end
+
+"""`start_epoch!(loader, epoch)`: starts epoch `epoch` from its first batch."""
+function start_epoch!(l::Loader, epoch::Integer)
+    check(ccall((:dpar_loader_start_epoch, libdpar), Int32, (Ptr{Cvoid}, UInt64), l.ptr, epoch))
+    l
+end
+
+"""`num_batches(loader)`: the number of batches in an epoch."""
+function num_batches(l::Loader)
+    n = Ref{Csize_t}(0)
+    check(ccall((:dpar_loader_num_batches, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, l.ptr))
+    Int(n[])
+end
+
+"""`shard!(loader, shard, num_shards)`: from the next batch, yields only part `shard` (from 0) of `num_shards` of
+each batch: the shard-th of `num_shards` contiguous slices of its rows, their sizes differing by at most one
+(`batch_size` stays the global batch). Each process of a multi-process engine makes the same loader, same seed,
+and takes its own shard; a last batch with fewer rows than shards is dropped."""
+function shard!(l::Loader, shard::Integer, num_shards::Integer)
+    check(ccall((:dpar_loader_shard, libdpar), Int32, (Ptr{Cvoid}, Csize_t, Csize_t), l.ptr, shard, num_shards))
+    l
+end
+
+"""`to_device!(loader, device)`: from the next batch, yields batches in memory of `device` (a `DparDevice`, or a
+name such as "cuda:0"), each prepared, on a GPU copied, while the caller still uses the one before: the batches
+are the same, bit for bit. An engine's replica on that device takes its rows without a copy."""
+function to_device!(l::Loader, device::DparDevice)
+    check(ccall((:dpar_loader_to_device, libdpar), Int32, (Ptr{Cvoid}, DparDevice), l.ptr, device))
+    l
+end
+
+to_device!(l::Loader, device::AbstractString) = to_device!(l, parse_device(device))
+
+# The next batch of the epoch as (inputs, labels) tensors borrowed from the loader, or nothing at its end.
+function next_batch!(l::Loader)
+    more = Ref{Int32}(0)
+    check(ccall((:dpar_loader_next, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), more, l.ptr))
+    more[] == 0 && return nothing
+    x = ccall((:dpar_loader_inputs, libdpar), Ptr{Cvoid}, (Ptr{Cvoid},), l.ptr)
+    x == C_NULL && throw(take_error(ERR_INTERNAL))
+    y = ccall((:dpar_loader_labels, libdpar), Ptr{Cvoid}, (Ptr{Cvoid},), l.ptr)
+    y == C_NULL && throw(take_error(ERR_INTERNAL))
+    (Tensor(x, l; owned=false), Tensor(y, l; owned=false))
+end
+
+function Base.iterate(l::Loader, _=nothing)
+    batch = next_batch!(l)
+    batch === nothing ? nothing : (batch, nothing)
+end
+
+Base.IteratorSize(::Type{Loader}) = Base.SizeUnknown()
+Base.eltype(::Type{Loader}) = Tuple{Tensor,Tensor}
 
 end # module

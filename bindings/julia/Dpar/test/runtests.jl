@@ -65,6 +65,33 @@ end
 # Participant r's gradient k (from 0) in a step: distinct per participant, gradient and step.
 grad_value(r, k, step) = Float32((r + 1) * 4 + k + step)
 
+# An IDX file as dpar reads it: big-endian u32 magic and extents, then the u8 data.
+function write_idx(path, magic, dims, data)
+    open(path, "w") do io
+        write(io, hton(UInt32(magic)))
+        foreach(d -> write(io, hton(UInt32(d))), dims)
+        write(io, UInt8.(data))
+    end
+    path
+end
+
+# A small IDX pair: 10 images of 2 x 3 pixels, pixel j of sample i being 16 i + j (so that a batch's row tells which
+# sample it is), and label (7 i) mod 4.
+const SAMPLES = 10
+pixels(i) = Float32[Float32(16i + j) / 255.0f0 for j in 0:5]  # as dpar reads them: u8 / 255 in Float32
+label(i) = Int32((7i) % 4)
+sample_of(column) = round(Int, column[1] * 255) ÷ 16
+
+function write_dataset(dir)
+    images = write_idx(joinpath(dir, "images-idx3-ubyte"), 0x00000803, (SAMPLES, 2, 3),
+                       [16i + j for i in 0:SAMPLES-1 for j in 0:5])
+    labels = write_idx(joinpath(dir, "labels-idx1-ubyte"), 0x00000801, (SAMPLES,), label.(0:SAMPLES-1))
+    (images, labels)
+end
+
+# The rest of the loader's epoch, each batch copied into (features x b inputs, labels) before the next.
+copies(loader) = [(Array(x), Array(y)) for (x, y) in loader]
+
 const DTYPES = (Float32, Float64, Int32, Int64)
 const OPS = (Dpar.SUM, Dpar.MEAN, Dpar.MAX, Dpar.MIN)
 
@@ -430,6 +457,93 @@ end
             close(c)
             @test throws_dpar(() -> Dpar.barrier(c), Dpar.ERR_INVALID_ARGUMENT, "comm")
             close(c)  # a second close does nothing
+        end
+    end
+
+    @testset "datasets and the loader" begin
+        mktempdir() do dir
+            images, labels = write_dataset(dir)
+            Dpar.Dataset(images, labels) do d
+                @test Dpar.info(d) == (samples=10, features=6, classes=4)
+                # In order: the plain pass over the samples, 4 at a time, the last batch short.
+                plain = Dpar.Loader(d, 4) do l
+                    @test Dpar.num_batches(l) == 3
+                    got = copies(l)
+                    @test isempty(copies(l))  # the epoch is over until another starts
+                    @test copies(Dpar.start_epoch!(l, 1)) == got  # without shuffle every epoch is the same
+                    got
+                end
+                @test [size(x, 2) for (x, _) in plain] == [4, 4, 2]
+                @test reduce(hcat, first.(plain)) == reduce(hcat, pixels.(0:9))
+                @test reduce(vcat, last.(plain)) == label.(0:9)
+                Dpar.Loader(d, 4; drop_last=true) do l
+                    @test Dpar.num_batches(l) == 2
+                    @test [size(x, 2) for (x, _) in copies(l)] == [4, 4]
+                end
+                # Shuffled: each epoch a permutation of the samples, each label with its sample.
+                shuffled = Dpar.Loader(d, 4; shuffle=true, seed=3) do l
+                    [copies(Dpar.start_epoch!(l, epoch)) for epoch in 0:1]
+                end
+                for epoch in shuffled
+                    xs, ys = reduce(hcat, first.(epoch)), reduce(vcat, last.(epoch))
+                    order = [sample_of(xs[:, k]) for k in 1:size(xs, 2)]
+                    @test sort(order) == 0:9
+                    @test xs == reduce(hcat, pixels.(order)) && ys == label.(order)
+                end
+                @test shuffled[1] != shuffled[2]
+                # The order is a function of (seed, epoch) alone; batches prepared ahead on a device are the same,
+                # bit for bit.
+                Dpar.Loader(d, 4; shuffle=true, seed=3) do l
+                    Dpar.to_device!(l, "cpu:0")
+                    @test [copies(Dpar.start_epoch!(l, epoch)) for epoch in 0:1] == shuffled
+                end
+                # Two shards of each batch make the batch.
+                parts = [Dpar.Loader(l -> copies(Dpar.shard!(l, s, 2)), d, 4; shuffle=true, seed=3) for s in 0:1]
+                @test length(parts[1]) == length(parts[2]) == 3
+                for b in 1:3
+                    @test hcat(parts[1][b][1], parts[2][b][1]) == shuffled[1][b][1]
+                    @test vcat(parts[1][b][2], parts[2][b][2]) == shuffled[1][b][2]
+                end
+                # A borrowed batch trains an engine as a copy of it does.
+                losses = map((true, false)) do borrowed
+                    Dpar.Model(5) do m
+                        Dpar.linear!(m, 6, 4)
+                        Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do e
+                            Dpar.Loader(d, 4) do l
+                                [borrowed ? Dpar.train_step!(e, x, y) :
+                                            Dpar.train_step!(e, Dpar.Tensor(Array(x)), Dpar.Tensor(Array(y)))
+                                 for (x, y) in l]
+                            end
+                        end
+                    end
+                end
+                @test length(losses[1]) == 3 && losses[1] == losses[2]
+                # Bad arguments.
+                @test throws_dpar(() -> Dpar.Loader(d, 0), Dpar.ERR_INVALID_ARGUMENT, "batch_size")
+                @test throws_dpar(() -> Dpar.Loader(d, 11; drop_last=true), Dpar.ERR_INVALID_ARGUMENT, "batch_size")
+                Dpar.Loader(d, 4) do l
+                    @test throws_dpar(() -> Dpar.shard!(l, 2, 2), Dpar.ERR_INVALID_ARGUMENT, "shard")
+                    @test throws_dpar(() -> Dpar.shard!(l, 0, 5), Dpar.ERR_INVALID_ARGUMENT, "num_shards")
+                    @test throws_dpar(() -> Dpar.to_device!(l, Dpar.DparDevice(7, 0)), Dpar.ERR_INVALID_ARGUMENT,
+                                      "device")
+                    x, _ = first(l)
+                    close(l)
+                    @test throws_dpar(() -> Array(x), Dpar.ERR_INVALID_ARGUMENT, "tensor")  # its loader is gone
+                    @test throws_dpar(() -> Dpar.num_batches(l), Dpar.ERR_INVALID_ARGUMENT, "loader")
+                end
+                @test throws_dpar(() -> Dpar.normalize!(d, 0, 0), Dpar.ERR_INVALID_ARGUMENT, "std")
+                # Standardised: (x - mean) / std, every feature.
+                Dpar.normalize!(d, 0.5, 0.25)
+                Dpar.Loader(d, SAMPLES) do l
+                    x, _ = first(copies(l))
+                    @test x == reduce(hcat, [(pixels(i) .- 0.5f0) ./ 0.25f0 for i in 0:9])
+                end
+            end
+            missing_images = joinpath(dir, "missing-images-idx3-ubyte")
+            @test throws_dpar(() -> Dpar.Dataset(missing_images, labels), Dpar.ERR_IO, missing_images)
+            garbage = joinpath(dir, "garbage")
+            write(garbage, "GIF89a and so on, not an IDX file")
+            @test throws_dpar(() -> Dpar.Dataset(garbage, labels), Dpar.ERR_CORRUPT, garbage)
         end
     end
 
