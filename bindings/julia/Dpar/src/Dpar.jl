@@ -791,10 +791,10 @@ An asynchronous collective, started by [`all_reduce_async!`](@ref), [`broadcast_
 started on one communicator run in the order they were started.
 
 `wait(work)` waits for it, and throws its `DparError` if it failed; `isready(work)` says, without blocking, whether
-it has finished (successfully or not); `close(work)` frees it, waiting first if it still runs. Until it has
-finished, the arrays it reads and writes are held by the `Work` (so that dropping them cannot free them under dpar),
-and must be neither read, written nor resized. Wait for or close every `Work`: its finalizer waits too, stalling
-whichever task the garbage collector happens to run it on.
+it has finished (successfully or not); `close(work)` frees it, waiting first if it still runs. The arrays it reads
+and writes are held by the `Work` until `wait` or `close` (so that dropping them cannot free them under dpar), and
+must be neither read, written nor resized before it has finished. Wait for or close every `Work`: its finalizer
+waits too, stalling whichever task the garbage collector happens to run it on.
 """
 mutable struct Work
     ptr::Ptr{Cvoid}
@@ -958,7 +958,8 @@ soon as it holds its gradient: buckets of gradients (the last ones first, closin
 goes on. `wait(reducer)` ends the step: every buffer then holds the `op` (`SUM`, or `MEAN` over the participants)
 of the participants' gradients, a gradient never marked in the step counting as zeros. Between a step's first
 `grad_ready!` and its `wait`, a marked buffer must not be written, and the communicator must not run other
-collectives. `close` frees the reducer after its buckets in flight; the `do`-block form closes it at the end.
+collectives. Several tasks may call one reducer (dpar serialises the calls), as backward hooks on several threads
+do. `close` frees the reducer after its buckets in flight; the `do`-block form closes it at the end.
 """
 mutable struct Reducer
     ptr::Ptr{Cvoid}
@@ -1175,7 +1176,7 @@ function next_batch!(l::Loader)
     (Tensor(x, l; owned=false), Tensor(y, l; owned=false))
 end
 
-function Base.iterate(l::Loader, _=nothing)
+function Base.iterate(l::Loader, state=nothing)
     batch = next_batch!(l)
     batch === nothing ? nothing : (batch, nothing)
 end

@@ -284,9 +284,9 @@ end
                 on_each_member(group, 2) do c
                     r = Dpar.rank(c)
                     a = fill(Float32(r + 1), 4096)
-                    b, bmax = fill(Int64(10(r + 1)), 4096), zeros(Int64, 4096)
+                    v, vmax = fill(Int64(10(r + 1)), 4096), zeros(Int64, 4096)
                     wa = Dpar.all_reduce_async!(c, a)
-                    wb = Dpar.all_reduce_async!(c, bmax, b; op=Dpar.MAX)
+                    wb = Dpar.all_reduce_async!(c, vmax, v; op=Dpar.MAX)
                     wait(wb)
                     a_done_first = isready(wa)  # they run in the order they were started
                     wait(wa)
@@ -309,14 +309,14 @@ end
                     close(closed)  # waits for it
                     close(closed)  # does nothing
                     err = try wait(closed); nothing catch e; e end
-                    (a=a, bmax=bmax, a_done_first=a_done_first, a_done=a_done, kept=kept, bc=bc,
+                    (a=a, vmax=vmax, a_done_first=a_done_first, a_done=a_done, kept=kept, bc=bc,
                      gathered=gathered, scattered=scattered, x=x, err=err)
                 end
             end
             for (k, got) in enumerate(results)
                 r = k - 1
                 @test got.a == fill(3.0f0, 4096)
-                @test got.bmax == fill(20, 4096)
+                @test got.vmax == fill(20, 4096)
                 @test got.a_done_first && got.a_done
                 @test got.kept !== nothing && got.kept == fill(3.0, 1 << 16)
                 @test got.bc == fill(Int32(6), 3)
@@ -432,23 +432,22 @@ end
             @test throws_dpar(() -> Dpar.reduce_scatter_async!(c, zeros(Float32, 2), Float32[1, 2, 3]),
                               Dpar.ERR_INVALID_ARGUMENT, "send: 3 elements, expected 2")
             @test throws_dpar(() -> Dpar.broadcast_async!(c, x; root=1), Dpar.ERR_INVALID_ARGUMENT, "root")
-            g = zeros(Float32, 4)
-            @test throws_dpar(() -> Dpar.Reducer(c, [g]; op=Dpar.MAX), Dpar.ERR_INVALID_ARGUMENT, "opts.op")
-            h = zeros(Float32, 4)
-            @test throws_dpar(() -> GC.@preserve(g, h, Dpar.Reducer(c, [pointer(g), pointer(h)], [4, 0])),
+            grad, other = zeros(Float32, 4), zeros(Float32, 4)
+            @test throws_dpar(() -> Dpar.Reducer(c, [grad]; op=Dpar.MAX), Dpar.ERR_INVALID_ARGUMENT, "opts.op")
+            @test throws_dpar(() -> GC.@preserve(grad, other, Dpar.Reducer(c, [pointer(grad), pointer(other)], [4, 0])),
                               Dpar.ERR_INVALID_ARGUMENT, "counts[1]")
-            @test throws_dpar(() -> Dpar.Reducer(c, [g, g]), Dpar.ERR_INVALID_ARGUMENT, "overlap")
-            @test throws_dpar(() -> Dpar.Reducer(c, [pointer(g)], [4, 4]), Dpar.ERR_INVALID_ARGUMENT,
+            @test throws_dpar(() -> Dpar.Reducer(c, [grad, grad]), Dpar.ERR_INVALID_ARGUMENT, "overlap")
+            @test throws_dpar(() -> Dpar.Reducer(c, [pointer(grad)], [4, 4]), Dpar.ERR_INVALID_ARGUMENT,
                               "counts: 2 elements, expected 1")
-            Dpar.Reducer(c, [g]) do red
+            Dpar.Reducer(c, [grad]) do red
                 Dpar.grad_ready!(red, 0)
-                @test throws_dpar(() -> Dpar.grad_ready!(red, g), Dpar.ERR_INVALID_STATE, "twice")
+                @test throws_dpar(() -> Dpar.grad_ready!(red, grad), Dpar.ERR_INVALID_STATE, "twice")
                 @test throws_dpar(() -> Dpar.grad_ready!(red, 1), Dpar.ERR_INVALID_ARGUMENT, "out of range")
-                @test throws_dpar(() -> Dpar.grad_ready!(red, zeros(Float32, 4)), Dpar.ERR_INVALID_ARGUMENT,
+                @test throws_dpar(() -> Dpar.grad_ready!(red, other), Dpar.ERR_INVALID_ARGUMENT,
                                   "not one of the reducer's buffers")
                 wait(red)  # the step went on
             end
-            red = Dpar.Reducer(c, [g])
+            red = Dpar.Reducer(c, [grad])
             close(red)
             @test throws_dpar(() -> wait(red), Dpar.ERR_INVALID_ARGUMENT, "reducer")
             # The communicator still works after the refusals, and a group of one is the identity.
