@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Checks the Julia package without a Julia runtime: every .jl file of bindings/julia parses (tree-sitter-julia),
 and every `ccall((:dpar_x, libdpar), Ret, (Args...), ...)` names a function that libdpar.so exports, with the
-argument count and C types of its declaration in include/dpar.h.
+argument count and C types of its declaration in include/dpar.h: a pointer down to what it points at (Ptr{Csize_t}
+for `size_t *`, Ptr{Ptr{Cvoid}} for a handle's `**out`, the Julia mirror of a struct). A Julia struct named after a
+struct of dpar.h (CommOptions for dpar_comm_options) must have its fields, in order, with matching types.
 
 A ccall into Julia's own runtime, `ccall(:jl_x, Ret, (Args...), ...)`, is checked the same way against
 JULIA_RUNTIME below, the declarations of julia.h that the package may call (its exports cannot be checked here:
@@ -39,23 +41,100 @@ FUNCTION_POINTERS = {"dpar_forward_hook", "dpar_destroy_fn"}
 JULIA_RUNTIME = {"jl_gc_safe_enter": ("int8_t", "void"), "jl_gc_safe_leave": ("void", "int8_t state")}
 
 
-def julia_types(c_type):
-    """The Julia types a C parameter or return type may be given as."""
+def c_pointer(c_type):
+    """(base type, pointer depth) of a C type: "float *const *" is ("float", 2)."""
+    t = " ".join(c_type.replace("const", " ").replace("struct", " ").split())
+    return t.replace("*", " ").strip(), t.count("*")
+
+
+def julia_pointer(jl):
+    """(base type, pointer depth) of a ccall type: "Ptr{Ptr{Cfloat}}" is ("Cfloat", 2); a module prefix goes."""
+    depth = 0
+    while (m := re.fullmatch(r"(?:Ptr|Ref)\{(.*)\}", jl.strip())):
+        jl, depth = m.group(1), depth + 1
+    return jl.strip().split(".")[-1], depth
+
+
+def julia_struct_names(c_struct):
+    """The names a Julia mirror of dpar.h's struct may have: dpar_comm_options is CommOptions (or DparCommOptions)."""
+    camel = "".join(w.capitalize() for w in c_struct[len("dpar_"):].split("_"))
+    return {camel, "Dpar" + camel}
+
+
+def matches(c_type, jl, header):
+    """Whether the ccall type `jl` passes the C type `c_type` of dpar.h (`header`: its opaque handle types and its
+    structs): scalars as INTS says, `char *` as a string, a function pointer as Ptr{Cvoid}, and any other pointer as
+    Ptr{}/Ref{} nested as deep as the C pointer, down to what it points at: Cvoid for a handle (or void), the
+    Julia mirror of a struct, the scalar type. A `void *` takes any pointer."""
     t = " ".join(c_type.replace("const", " ").replace("struct", " ").split())
     if t in FUNCTION_POINTERS:
-        return {"Ptr{Cvoid}"}
+        return jl == "Ptr{Cvoid}"
     if t == "char *":
-        return {"Cstring", "Ptr{UInt8}", "Ptr{Cchar}"}
-    if t.endswith("*"):
-        return {"POINTER"}
-    return INTS.get(t, {t})
+        return jl in {"Cstring", "Ptr{UInt8}", "Ptr{Cchar}"}
+    if "*" not in t:
+        return jl in INTS.get(t, {t})
+    base, depth = c_pointer(c_type)
+    jbase, jdepth = julia_pointer(jl)
+    if (base, depth) == ("void", 1):
+        return jdepth >= 1
+    if jdepth != depth:
+        return False
+    if base == "void" or base in header.opaque:
+        return jbase in INTS["void"]
+    if base in header.structs:
+        return jbase in julia_struct_names(base)
+    if base == "char":
+        return jbase in {"UInt8", "Cchar"}
+    return jbase in INTS.get(base, set())
 
 
-def matches(c_type, jl):
-    allowed = julia_types(c_type)
-    if "POINTER" in allowed:
-        return jl.startswith("Ptr{") or jl.startswith("Ref{") or jl == "Cstring"
-    return jl in allowed
+class Header:
+    """What dpar.h says of its types: `opaque`, the handle types it declares without a body (and DLPack's), and
+    `structs`, each struct with a body as its [(C type, field name)]."""
+
+    def __init__(self, text):
+        text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+        text = re.sub(r"//[^\n]*", "", text)
+        self.opaque = set(re.findall(r"typedef\s+struct\s+(\w+)\s+\1\s*;", text))
+        self.opaque |= set(re.findall(r"^\s*struct\s+(\w+)\s*;", text, flags=re.M))
+        self.structs = {}
+        for name, body in re.findall(r"typedef\s+struct\s+(\w+)\s*\{(.*?)\}\s*\1\s*;", text, flags=re.S):
+            fields = []
+            for decl in body.split(";"):
+                m = re.fullmatch(r"(.*?)(\w+)\s*(\[[^\]]*\])?", " ".join(decl.split()))
+                if m:
+                    # An inline array ("int64_t shape[4]") keeps its extent: no ccall type is taken as one.
+                    fields.append((m.group(1).strip() + (m.group(3) or ""), m.group(2)))
+            self.structs[name] = fields
+
+
+def julia_structs(src):
+    """Each top-level `struct` or `mutable struct` of a .jl file: {name: (line, [(field, type)])}."""
+    found = {}
+    for m in re.finditer(r"^(?:mutable\s+)?struct\s+(\w+)\b[^\n]*\n(.*?)^end\b", src, flags=re.S | re.M):
+        fields = re.findall(r"^\s*(\w+)::(\S+)", m.group(2), flags=re.M)
+        found[m.group(1)] = (src.count("\n", 0, m.start()) + 1, fields)
+    return found
+
+
+def check_mirrors(where_file, src, header):
+    """Problems of the Julia structs that mirror a struct of dpar.h: the same fields, in order, of matching types
+    (so that ccall passes them with the C layout)."""
+    problems = []
+    mirrors = {jname: c for c in header.structs for jname in julia_struct_names(c)}
+    for name, (line, fields) in julia_structs(src).items():
+        if name not in mirrors:
+            continue
+        c_name, c_fields = mirrors[name], header.structs[mirrors[name]]
+        where = f"{where_file}:{line}"
+        if [f for f, _ in fields] != [f for _, f in c_fields]:
+            problems.append(f"{where}: {name} has fields {[f for f, _ in fields]}, {c_name} has "
+                            f"{[f for _, f in c_fields]}")
+            continue
+        for (field, jl), (ctype, _) in zip(fields, c_fields):
+            if not matches(ctype, jl, header):
+                problems.append(f"{where}: {name}.{field} is {jl}, {c_name}.{field} is {ctype}")
+    return problems
 
 
 def split_top(text):
@@ -86,7 +165,7 @@ def balanced(text, start):
     raise ValueError("unbalanced")
 
 
-def check_call(where, name, c_ret, c_params, inner):
+def check_call(where, name, c_ret, c_params, inner, header):
     """Problems of one ccall (`inner`: its arguments, split) against a C declaration's return and parameters."""
     problems = []
     ret, argtypes = inner[1], inner[2]
@@ -95,10 +174,10 @@ def check_call(where, name, c_ret, c_params, inner):
                                                     for p in split_top(c_params)]
     if len(types) != len(c_types):
         return [f"{where}: {name} takes {len(c_types)} arguments, the ccall gives {len(types)}"]
-    if not matches(c_ret, ret):
+    if not matches(c_ret, ret, header):
         problems.append(f"{where}: {name} returns {c_ret}, the ccall says {ret}")
     for i, (c, j) in enumerate(zip(c_types, types)):
-        if not matches(c, j):
+        if not matches(c, j, header):
             problems.append(f"{where}: {name} argument {i + 1} is {c}, the ccall says {j}")
     given = len(inner) - 3
     if given != len(types):
@@ -111,8 +190,9 @@ def main():
     exported = set(subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True,
                                   check=True).stdout.split())
     exported = {s.split("@")[0] for s in exported}
-    decls = {name: (ret, params) for ret, name, params in gen_api_table.declarations(
-        (ROOT / "include/dpar.h").read_text())}
+    header_text = (ROOT / "include/dpar.h").read_text()
+    decls = {name: (ret, params) for ret, name, params in gen_api_table.declarations(header_text)}
+    header = Header(header_text)
     parser = tree_sitter.Parser(tree_sitter.Language(tree_sitter_julia.language()))
     problems, calls, runtime_calls, files = [], 0, 0, 0
     for path in sorted((ROOT / "bindings/julia").rglob("*.jl")):
@@ -121,6 +201,7 @@ def main():
         tree = parser.parse(src.encode())
         if tree.root_node.has_error:
             problems.append(f"{path}: does not parse")
+        problems += check_mirrors(path.relative_to(ROOT), src, header)
         for m in re.finditer(r"ccall\(", src):
             inner = split_top(balanced(src, m.end() - 1))
             line = src.count("\n", 0, m.start()) + 1
@@ -146,7 +227,7 @@ def main():
             else:
                 problems.append(f"{where}: ccall without (:symbol, libdpar) or :jl_symbol")
                 continue
-            problems += check_call(where, name, c_ret, c_params, inner)
+            problems += check_call(where, name, c_ret, c_params, inner, header)
     for p in problems:
         print(p)
     if problems:
