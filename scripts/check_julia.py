@@ -6,8 +6,8 @@ for `size_t *`, Ptr{Ptr{Cvoid}} for a handle's `**out`, the Julia mirror of a st
 struct of dpar.h (CommOptions for dpar_comm_options) must have its fields, in order, with matching types.
 
 A ccall into Julia's own runtime, `ccall(:jl_x, Ret, (Args...), ...)`, is checked the same way against
-JULIA_RUNTIME below, the declarations of julia.h that the package may call (its exports cannot be checked here:
-there is no libjulia). Any other ccall is an error.
+JULIA_RUNTIME below, the declarations of the libjulia functions that the package may call (their exports cannot be
+checked here: there is no libjulia). Any other ccall is an error.
 
   check_julia.py <libdpar.so>      (needs the Python packages tree-sitter and tree-sitter-julia)
 Exits 77 (CTest's skip) when they are missing; where `julia` is on the PATH, CTest runs Pkg.test() too.
@@ -35,9 +35,9 @@ INTS = {"int32_t": {"Int32", "Cint"}, "dpar_status": {"Int32", "Cint"}, "int64_t
         "float": {"Cfloat", "Float32"}, "double": {"Cdouble", "Float64"}, "void": {"Cvoid", "Nothing"},
         "int8_t": {"Int8"}, "dpar_device": {"DparDevice"}}
 FUNCTION_POINTERS = {"dpar_forward_hook", "dpar_destroy_fn"}
-# Julia's runtime functions that the package calls, as julia.h declares them (name: (return type, parameters)).
-# jl_gc_safe_enter/leave bracket a dpar call that waits for other threads (src/jlapi.c: `JL_DLLEXPORT int8_t
-# (jl_gc_safe_enter)(void)`, `JL_DLLEXPORT void (jl_gc_safe_leave)(int8_t state)`).
+# Julia's runtime functions that the package calls, as libjulia exports them (name: (return type, parameters)):
+# `JL_DLLEXPORT int8_t (jl_gc_safe_enter)(void)` and `JL_DLLEXPORT void (jl_gc_safe_leave)(int8_t state)`, which
+# bracket a dpar call that waits for other threads.
 JULIA_RUNTIME = {"jl_gc_safe_enter": ("int8_t", "void"), "jl_gc_safe_leave": ("void", "int8_t state")}
 
 
@@ -222,7 +222,8 @@ def main():
                 runtime_calls += 1
                 c_ret, c_params = JULIA_RUNTIME[name]
             elif runtime:
-                problems.append(f"{where}: {runtime.group(1)} is not among the Julia runtime functions this check knows")
+                problems.append(f"{where}: {runtime.group(1)} is not among the Julia runtime functions this "
+                                "check knows")
                 continue
             else:
                 problems.append(f"{where}: ccall without (:symbol, libdpar) or :jl_symbol")
