@@ -155,6 +155,13 @@ struct ModelOptions
     seed::UInt64
 end
 
+"""
+    Model(seed=0)
+    Model(f, seed=0)
+
+An empty sequential model, whose layers' parameters are initialised from `seed`: the template an `Engine` copies to
+every device. Append layers with `linear!`, `activation!` and `dropout!`. The `do`-block form closes it at the end.
+"""
 mutable struct Model
     ptr::Ptr{Cvoid}
     function Model(seed::Integer=0)
@@ -183,22 +190,27 @@ function Base.close(m::Model)
     m.ptr = C_NULL
 end
 
+"""`linear!(model, in_features, out_features; bias=true)`: appends y = x W^T + b, initialised as PyTorch's
+nn.Linear is."""
 function linear!(m::Model, in_features::Integer, out_features::Integer; bias::Bool=true)
     check(ccall((:dpar_model_add_linear, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64, Int32),
                 m.ptr, in_features, out_features, bias))
     m
 end
 
+"""`activation!(model, kind)`: appends `Dpar.RELU`, `Dpar.GELU`, `Dpar.TANH` or `Dpar.SIGMOID`."""
 function activation!(m::Model, kind::Integer)
     check(ccall((:dpar_model_add_activation, libdpar), Int32, (Ptr{Cvoid}, Int32), m.ptr, kind))
     m
 end
 
+"""`dropout!(model, p)`: appends dropout with drop probability `p` in [0, 1), active in training mode only."""
 function dropout!(m::Model, p::Real)
     check(ccall((:dpar_model_add_dropout, libdpar), Int32, (Ptr{Cvoid}, Cfloat), m.ptr, p))
     m
 end
 
+"""`num_params(model)`: the number of parameter tensors."""
 function num_params(m::Model)
     n = Ref{Csize_t}(0)
     check(ccall((:dpar_model_num_params, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, m.ptr))
@@ -227,6 +239,7 @@ function param_info(m::Model, index::Integer)
     (unsafe_string(name), Tuple(s[1:n[]]))
 end
 
+"""`get_param(model, index)`: parameter `index` (from 0), flattened, as a copy."""
 function get_param(m::Model, index::Integer)
     _, shape = param_info(m, index)
     v = zeros(Float32, prod(shape))
@@ -235,6 +248,7 @@ function get_param(m::Model, index::Integer)
     v
 end
 
+"""`set_param!(model, index, values)`: overwrites parameter `index` (from 0) with `values`, exactly its size."""
 function set_param!(m::Model, index::Integer, v::Vector{Float32})
     check(ccall((:dpar_model_set_param, libdpar), Int32, (Ptr{Cvoid}, Csize_t, Ptr{Cfloat}, Csize_t),
                 m.ptr, index, v, length(v)))
@@ -276,6 +290,15 @@ mutable struct EngineOptions
     EngineOptions() = new()
 end
 
+"""
+    Engine(model; optimizer=SGD, lr=0.01, momentum=0.0, devices=0, loss=LOSS_CROSS_ENTROPY, seed=0,
+           processes=PROCESSES_AUTO)
+    Engine(f, model; kwargs...)
+
+dpar's DataParallel engine: a replica of `model` on each of `devices` CPU devices (0: as many as dpar counts),
+each batch split across them, gradients all-reduced and one optimizer step applied to every replica. Calls on an
+engine are serialised by a lock inside it. The `do`-block form closes it at the end.
+"""
 mutable struct Engine
     ptr::Ptr{Cvoid}
     hook::Any  # the forward hook's Julia closure, rooted while dpar may call it
@@ -317,6 +340,7 @@ function train_step!(e::Engine, input::Tensor, target::Tensor)
     l[]
 end
 
+"""`forward(engine, input)`: the output of the model for `input`, gathered in batch order, as a new `Tensor`."""
 function forward(e::Engine, input::Tensor)
     out = Ref{Ptr{Cvoid}}(C_NULL)
     check(ccall((:dpar_engine_forward, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}),
@@ -324,19 +348,23 @@ function forward(e::Engine, input::Tensor)
     Tensor(out[])
 end
 
+"""`step_count(engine)`: the number of optimizer steps taken."""
 function step_count(e::Engine)
     n = Ref{Csize_t}(0)
     check(ccall((:dpar_engine_step_count, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, e.ptr))
     Int(n[])
 end
 
+"""`num_replicas(engine)`: the number of replicas (devices) of this process."""
 function num_replicas(e::Engine)
     n = Ref{Csize_t}(0)
     check(ccall((:dpar_engine_num_replicas, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, e.ptr))
     Int(n[])
 end
 
+"""`set_lr!(engine, lr)`: the learning rate of the following steps."""
 set_lr!(e::Engine, lr::Real) = check(ccall((:dpar_engine_set_lr, libdpar), Int32, (Ptr{Cvoid}, Cfloat), e.ptr, lr))
+"""`set_training!(engine, on)`: training mode (dropout active) or eval mode; engines start in training mode."""
 set_training!(e::Engine, on::Bool) =
     check(ccall((:dpar_engine_set_training, libdpar), Int32, (Ptr{Cvoid}, Int32), e.ptr, on))
 save(e::Engine, path::AbstractString) =
