@@ -3,7 +3,8 @@
 and every `ccall((:dpar_x, libdpar), Ret, (Args...), ...)` names a function that libdpar.so exports, with the
 argument count and C types of its declaration in include/dpar.h: a pointer down to what it points at (Ptr{Csize_t}
 for `size_t *`, Ptr{Ptr{Cvoid}} for a handle's `**out`, the Julia mirror of a struct). A Julia struct named after a
-struct of dpar.h (CommOptions for dpar_comm_options) must have its fields, in order, with matching types.
+struct of dpar.h (CommOptions for dpar_comm_options) must have its fields, in order, with matching types. Every
+`Dpar.name` a file uses, and every name the module exports, must be defined at the module's top level.
 
 A ccall into Julia's own runtime, `ccall(:jl_x, Ret, (Args...), ...)`, is checked the same way against
 JULIA_RUNTIME below, the declarations of the libjulia functions that the package may call (their exports cannot be
@@ -185,6 +186,61 @@ def check_call(where, name, c_ret, c_params, inner, header):
     return problems
 
 
+def module_names(tree):
+    """{module: the names it defines at its top level}: functions in both forms, structs, constants, @enum types and
+    values, macros. A name qualified by another module (Base.close) defines nothing here."""
+    found = {}
+    for module in (n for n in tree.root_node.children if n.type == "module_definition"):
+        name = next(c.text.decode() for c in module.children if c.type == "identifier")
+        names = found.setdefault(name, set())
+        for node in module.children:
+            text = node.text.decode()
+            for pattern in (r"(?:@inline\s+)?function\s+([\w!]+)(?![\w!.])", r"(?:mutable\s+)?struct\s+(\w+)",
+                            r"macro\s+(\w+)", r"([\w!]+)(?:\{[^}]*\})?\("):
+                if (m := re.match(pattern, text)):
+                    names.add(m.group(1))
+                    break
+            if node.type == "const_statement":
+                names |= {n.strip() for n in re.match(r"const\s+([\w,\s]+?)\s*=", text).group(1).split(",")}
+            if (m := re.match(r"@enum\s+(\w+)(?:::\w+)?\s+begin(.*)end", text, flags=re.S)):
+                names |= {m.group(1)} | set(re.findall(r"^\s*(\w+)\s*=", m.group(2), flags=re.M))
+    return found
+
+
+def qualified_uses(tree):
+    """[(line, module, name)] of every `Module.name` in a file (outside strings and comments)."""
+    uses, stack = [], [tree.root_node]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.type == "field_expression" and node.children[0].type == "identifier":
+            uses.append((node.start_point[0] + 1, node.children[0].text.decode(), node.children[-1].text.decode()))
+    return uses
+
+
+def check_names(parsed):
+    """Problems of the names the Julia files use: every `Dpar.name` (in the tests, say) and every exported name is
+    defined at the top level of the package's module; without a Julia runtime nothing else would notice a name
+    that is not."""
+    defined = {}
+    for _, tree in parsed:
+        for module, names in module_names(tree).items():
+            defined.setdefault(module, set()).update(names)
+    problems = []
+    for where_file, tree in parsed:
+        for line, module, name in qualified_uses(tree):
+            if module in defined and name not in defined[module]:
+                problems.append(f"{where_file}:{line}: {module}.{name} is not defined by module {module}")
+        for module in (n for n in tree.root_node.children if n.type == "module_definition"):
+            mname = next(c.text.decode() for c in module.children if c.type == "identifier")
+            for export in (n for n in module.children if n.type == "export_statement"):
+                for name in re.findall(r"[\w!]+", export.text.decode()[len("export"):]):
+                    if name not in defined[mname]:
+                        problems.append(f"{where_file}:{export.start_point[0] + 1}: {mname} exports {name}, "
+                                        "which it does not define")
+    return problems
+
+
 def main():
     lib = sys.argv[1]
     exported = set(subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True,
@@ -194,11 +250,12 @@ def main():
     decls = {name: (ret, params) for ret, name, params in gen_api_table.declarations(header_text)}
     header = Header(header_text)
     parser = tree_sitter.Parser(tree_sitter.Language(tree_sitter_julia.language()))
-    problems, calls, runtime_calls, files = [], 0, 0, 0
+    problems, calls, runtime_calls, files, parsed = [], 0, 0, 0, []
     for path in sorted((ROOT / "bindings/julia").rglob("*.jl")):
         files += 1
         src = path.read_text()
         tree = parser.parse(src.encode())
+        parsed.append((path.relative_to(ROOT), tree))
         if tree.root_node.has_error:
             problems.append(f"{path}: does not parse")
         problems += check_mirrors(path.relative_to(ROOT), src, header)
@@ -229,12 +286,13 @@ def main():
                 problems.append(f"{where}: ccall without (:symbol, libdpar) or :jl_symbol")
                 continue
             problems += check_call(where, name, c_ret, c_params, inner, header)
+    problems += check_names(parsed)
     for p in problems:
         print(p)
     if problems:
         return 1
-    print(f"julia: {files} files parse; {calls} ccalls match dpar.h and {pathlib.Path(lib).name}'s exports; "
-          f"{runtime_calls} match Julia's runtime declarations")
+    print(f"julia: {files} files parse, and the names they use are defined; {calls} ccalls match dpar.h and "
+          f"{pathlib.Path(lib).name}'s exports; {runtime_calls} match Julia's runtime declarations")
     return 0
 
 
