@@ -1,7 +1,14 @@
 #!/usr/bin/env python3
 """Checks the Julia package without a Julia runtime: every .jl file of bindings/julia parses (tree-sitter-julia),
 and every `ccall((:dpar_x, libdpar), Ret, (Args...), ...)` names a function that libdpar.so exports, with the
-argument count and C types of its declaration in include/dpar.h.
+argument count and C types of its declaration in include/dpar.h: a pointer down to what it points at (Ptr{Csize_t}
+for `size_t *`, Ptr{Ptr{Cvoid}} for a handle's `**out`, the Julia mirror of a struct). A Julia struct named after a
+struct of dpar.h (CommOptions for dpar_comm_options) must have its fields, in order, with matching types. Every
+`Dpar.name` a file uses, and every name the module exports, must be defined at the module's top level.
+
+A ccall into Julia's own runtime, `ccall(:jl_x, Ret, (Args...), ...)`, is checked the same way against
+JULIA_RUNTIME below, the declarations of the libjulia functions that the package may call (their exports cannot be
+checked here: there is no libjulia). Any other ccall is an error.
 
   check_julia.py <libdpar.so>      (needs the Python packages tree-sitter and tree-sitter-julia)
 Exits 77 (CTest's skip) when they are missing; where `julia` is on the PATH, CTest runs Pkg.test() too.
@@ -27,27 +34,108 @@ except ImportError:
 INTS = {"int32_t": {"Int32", "Cint"}, "dpar_status": {"Int32", "Cint"}, "int64_t": {"Int64", "Clonglong"},
         "uint64_t": {"UInt64", "Culonglong"}, "uint32_t": {"UInt32", "Cuint"}, "size_t": {"Csize_t", "UInt"},
         "float": {"Cfloat", "Float32"}, "double": {"Cdouble", "Float64"}, "void": {"Cvoid", "Nothing"},
-        "dpar_device": {"DparDevice"}}
+        "int8_t": {"Int8"}, "dpar_device": {"DparDevice"}}
 FUNCTION_POINTERS = {"dpar_forward_hook", "dpar_destroy_fn"}
+# Julia's runtime functions that the package calls, as libjulia exports them (name: (return type, parameters)):
+# `JL_DLLEXPORT int8_t (jl_gc_safe_enter)(void)` and `JL_DLLEXPORT void (jl_gc_safe_leave)(int8_t state)`, which
+# bracket a dpar call that waits for other threads.
+JULIA_RUNTIME = {"jl_gc_safe_enter": ("int8_t", "void"), "jl_gc_safe_leave": ("void", "int8_t state")}
 
 
-def julia_types(c_type):
-    """The Julia types a C parameter or return type may be given as."""
+def c_pointer(c_type):
+    """(base type, pointer depth) of a C type: "float *const *" is ("float", 2)."""
+    t = " ".join(c_type.replace("const", " ").replace("struct", " ").split())
+    return t.replace("*", " ").strip(), t.count("*")
+
+
+def julia_pointer(jl):
+    """(base type, pointer depth) of a ccall type: "Ptr{Ptr{Cfloat}}" is ("Cfloat", 2); a module prefix goes."""
+    depth = 0
+    while (m := re.fullmatch(r"(?:Ptr|Ref)\{(.*)\}", jl.strip())):
+        jl, depth = m.group(1), depth + 1
+    return jl.strip().split(".")[-1], depth
+
+
+def julia_struct_names(c_struct):
+    """The names a Julia mirror of dpar.h's struct may have: dpar_comm_options is CommOptions (or DparCommOptions)."""
+    camel = "".join(w.capitalize() for w in c_struct[len("dpar_"):].split("_"))
+    return {camel, "Dpar" + camel}
+
+
+def matches(c_type, jl, header):
+    """Whether the ccall type `jl` passes the C type `c_type` of dpar.h (`header`: its opaque handle types and its
+    structs): scalars as INTS says, `char *` as a string, a function pointer as Ptr{Cvoid}, and any other pointer as
+    Ptr{}/Ref{} nested as deep as the C pointer, down to what it points at: Cvoid for a handle (or void), the
+    Julia mirror of a struct, the scalar type. A `void *` takes any pointer."""
     t = " ".join(c_type.replace("const", " ").replace("struct", " ").split())
     if t in FUNCTION_POINTERS:
-        return {"Ptr{Cvoid}"}
+        return jl == "Ptr{Cvoid}"
     if t == "char *":
-        return {"Cstring", "Ptr{UInt8}", "Ptr{Cchar}"}
-    if t.endswith("*"):
-        return {"POINTER"}
-    return INTS.get(t, {t})
+        return jl in {"Cstring", "Ptr{UInt8}", "Ptr{Cchar}"}
+    if "*" not in t:
+        return jl in INTS.get(t, {t})
+    base, depth = c_pointer(c_type)
+    jbase, jdepth = julia_pointer(jl)
+    if (base, depth) == ("void", 1):
+        return jdepth >= 1
+    if jdepth != depth:
+        return False
+    if base == "void" or base in header.opaque:
+        return jbase in INTS["void"]
+    if base in header.structs:
+        return jbase in julia_struct_names(base)
+    if base == "char":
+        return jbase in {"UInt8", "Cchar"}
+    return jbase in INTS.get(base, set())
 
 
-def matches(c_type, jl):
-    allowed = julia_types(c_type)
-    if "POINTER" in allowed:
-        return jl.startswith("Ptr{") or jl.startswith("Ref{") or jl == "Cstring"
-    return jl in allowed
+class Header:
+    """What dpar.h says of its types: `opaque`, the handle types it declares without a body (and DLPack's), and
+    `structs`, each struct with a body as its [(C type, field name)]."""
+
+    def __init__(self, text):
+        text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+        text = re.sub(r"//[^\n]*", "", text)
+        self.opaque = set(re.findall(r"typedef\s+struct\s+(\w+)\s+\1\s*;", text))
+        self.opaque |= set(re.findall(r"^\s*struct\s+(\w+)\s*;", text, flags=re.M))
+        self.structs = {}
+        for name, body in re.findall(r"typedef\s+struct\s+(\w+)\s*\{(.*?)\}\s*\1\s*;", text, flags=re.S):
+            fields = []
+            for decl in body.split(";"):
+                m = re.fullmatch(r"(.*?)(\w+)\s*(\[[^\]]*\])?", " ".join(decl.split()))
+                if m:
+                    # An inline array ("int64_t shape[4]") keeps its extent: no ccall type is taken as one.
+                    fields.append((m.group(1).strip() + (m.group(3) or ""), m.group(2)))
+            self.structs[name] = fields
+
+
+def julia_structs(src):
+    """Each top-level `struct` or `mutable struct` of a .jl file: {name: (line, [(field, type)])}."""
+    found = {}
+    for m in re.finditer(r"^(?:mutable\s+)?struct\s+(\w+)\b[^\n]*\n(.*?)^end\b", src, flags=re.S | re.M):
+        fields = re.findall(r"^\s*(\w+)::(\S+)", m.group(2), flags=re.M)
+        found[m.group(1)] = (src.count("\n", 0, m.start()) + 1, fields)
+    return found
+
+
+def check_mirrors(where_file, src, header):
+    """Problems of the Julia structs that mirror a struct of dpar.h: the same fields, in order, of matching types
+    (so that ccall passes them with the C layout)."""
+    problems = []
+    mirrors = {jname: c for c in header.structs for jname in julia_struct_names(c)}
+    for name, (line, fields) in julia_structs(src).items():
+        if name not in mirrors:
+            continue
+        c_name, c_fields = mirrors[name], header.structs[mirrors[name]]
+        where = f"{where_file}:{line}"
+        if [f for f, _ in fields] != [f for _, f in c_fields]:
+            problems.append(f"{where}: {name} has fields {[f for f, _ in fields]}, {c_name} has "
+                            f"{[f for _, f in c_fields]}")
+            continue
+        for (field, jl), (ctype, _) in zip(fields, c_fields):
+            if not matches(ctype, jl, header):
+                problems.append(f"{where}: {name}.{field} is {jl}, {c_name}.{field} is {ctype}")
+    return problems
 
 
 def split_top(text):
@@ -78,56 +166,133 @@ def balanced(text, start):
     raise ValueError("unbalanced")
 
 
+def check_call(where, name, c_ret, c_params, inner, header):
+    """Problems of one ccall (`inner`: its arguments, split) against a C declaration's return and parameters."""
+    problems = []
+    ret, argtypes = inner[1], inner[2]
+    types = split_top(argtypes[1:-1]) if argtypes.startswith("(") else []
+    c_types = [] if c_params.strip() == "void" else [re.sub(r"\w+$", "", p).strip() or p
+                                                    for p in split_top(c_params)]
+    if len(types) != len(c_types):
+        return [f"{where}: {name} takes {len(c_types)} arguments, the ccall gives {len(types)}"]
+    if not matches(c_ret, ret, header):
+        problems.append(f"{where}: {name} returns {c_ret}, the ccall says {ret}")
+    for i, (c, j) in enumerate(zip(c_types, types)):
+        if not matches(c, j, header):
+            problems.append(f"{where}: {name} argument {i + 1} is {c}, the ccall says {j}")
+    given = len(inner) - 3
+    if given != len(types):
+        problems.append(f"{where}: {name}: {len(types)} types but {given} values")
+    return problems
+
+
+def module_names(tree):
+    """{module: the names it defines at its top level}: functions in both forms, structs, constants, @enum types and
+    values, macros. A name qualified by another module (Base.close) defines nothing here."""
+    found = {}
+    for module in (n for n in tree.root_node.children if n.type == "module_definition"):
+        name = next(c.text.decode() for c in module.children if c.type == "identifier")
+        names = found.setdefault(name, set())
+        for node in module.children:
+            text = node.text.decode()
+            for pattern in (r"(?:@inline\s+)?function\s+([\w!]+)(?![\w!.])", r"(?:mutable\s+)?struct\s+(\w+)",
+                            r"macro\s+(\w+)", r"([\w!]+)(?:\{[^}]*\})?\("):
+                if (m := re.match(pattern, text)):
+                    names.add(m.group(1))
+                    break
+            if node.type == "const_statement":
+                names |= {n.strip() for n in re.match(r"const\s+([\w,\s]+?)\s*=", text).group(1).split(",")}
+            if (m := re.match(r"@enum\s+(\w+)(?:::\w+)?\s+begin(.*)end", text, flags=re.S)):
+                names |= {m.group(1)} | set(re.findall(r"^\s*(\w+)\s*=", m.group(2), flags=re.M))
+    return found
+
+
+def qualified_uses(tree):
+    """[(line, module, name)] of every `Module.name` in a file (outside strings and comments)."""
+    uses, stack = [], [tree.root_node]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.type == "field_expression" and node.children[0].type == "identifier":
+            uses.append((node.start_point[0] + 1, node.children[0].text.decode(), node.children[-1].text.decode()))
+    return uses
+
+
+def check_names(parsed):
+    """Problems of the names the Julia files use: every `Dpar.name` (in the tests, say) and every exported name is
+    defined at the top level of the package's module; without a Julia runtime nothing else would notice a name
+    that is not."""
+    defined = {}
+    for _, tree in parsed:
+        for module, names in module_names(tree).items():
+            defined.setdefault(module, set()).update(names)
+    problems = []
+    for where_file, tree in parsed:
+        for line, module, name in qualified_uses(tree):
+            if module in defined and name not in defined[module]:
+                problems.append(f"{where_file}:{line}: {module}.{name} is not defined by module {module}")
+        for module in (n for n in tree.root_node.children if n.type == "module_definition"):
+            mname = next(c.text.decode() for c in module.children if c.type == "identifier")
+            for export in (n for n in module.children if n.type == "export_statement"):
+                for name in re.findall(r"[\w!]+", export.text.decode()[len("export"):]):
+                    if name not in defined[mname]:
+                        problems.append(f"{where_file}:{export.start_point[0] + 1}: {mname} exports {name}, "
+                                        "which it does not define")
+    return problems
+
+
 def main():
     lib = sys.argv[1]
     exported = set(subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True,
                                   check=True).stdout.split())
     exported = {s.split("@")[0] for s in exported}
-    decls = {name: (ret, params) for ret, name, params in gen_api_table.declarations(
-        (ROOT / "include/dpar.h").read_text())}
+    header_text = (ROOT / "include/dpar.h").read_text()
+    decls = {name: (ret, params) for ret, name, params in gen_api_table.declarations(header_text)}
+    header = Header(header_text)
     parser = tree_sitter.Parser(tree_sitter.Language(tree_sitter_julia.language()))
-    problems, calls, files = [], 0, 0
+    problems, calls, runtime_calls, files, parsed = [], 0, 0, 0, []
     for path in sorted((ROOT / "bindings/julia").rglob("*.jl")):
         files += 1
         src = path.read_text()
         tree = parser.parse(src.encode())
+        parsed.append((path.relative_to(ROOT), tree))
         if tree.root_node.has_error:
             problems.append(f"{path}: does not parse")
+        problems += check_mirrors(path.relative_to(ROOT), src, header)
         for m in re.finditer(r"ccall\(", src):
             inner = split_top(balanced(src, m.end() - 1))
-            target = re.match(r"\(:(\w+),\s*libdpar\)", inner[0])
             line = src.count("\n", 0, m.start()) + 1
             where = f"{path.relative_to(ROOT)}:{line}"
-            if not target:
-                problems.append(f"{where}: ccall without (:symbol, libdpar)")
+            target = re.match(r"\(:(\w+),\s*libdpar\)", inner[0])
+            runtime = re.fullmatch(r":(jl_\w+)", inner[0])
+            if target:
+                name = target.group(1)
+                calls += 1
+                if name not in exported:
+                    problems.append(f"{where}: {name} is not exported by {lib}")
+                if name not in decls:
+                    problems.append(f"{where}: {name} is not declared in dpar.h")
+                    continue
+                c_ret, c_params = decls[name]
+            elif runtime and runtime.group(1) in JULIA_RUNTIME:
+                name = runtime.group(1)
+                runtime_calls += 1
+                c_ret, c_params = JULIA_RUNTIME[name]
+            elif runtime:
+                problems.append(f"{where}: {runtime.group(1)} is not among the Julia runtime functions this "
+                                "check knows")
                 continue
-            name, ret, argtypes = target.group(1), inner[1], inner[2]
-            calls += 1
-            if name not in exported:
-                problems.append(f"{where}: {name} is not exported by {lib}")
-            if name not in decls:
-                problems.append(f"{where}: {name} is not declared in dpar.h")
+            else:
+                problems.append(f"{where}: ccall without (:symbol, libdpar) or :jl_symbol")
                 continue
-            c_ret, c_params = decls[name]
-            types = split_top(argtypes[1:-1]) if argtypes.startswith("(") else []
-            c_types = [] if c_params.strip() == "void" else [re.sub(r"\w+$", "", p).strip() or p
-                                                            for p in split_top(c_params)]
-            if len(types) != len(c_types):
-                problems.append(f"{where}: {name} takes {len(c_types)} arguments, the ccall gives {len(types)}")
-                continue
-            if not matches(c_ret, ret):
-                problems.append(f"{where}: {name} returns {c_ret}, the ccall says {ret}")
-            for i, (c, j) in enumerate(zip(c_types, types)):
-                if not matches(c, j):
-                    problems.append(f"{where}: {name} argument {i + 1} is {c}, the ccall says {j}")
-            given = len(inner) - 3
-            if given != len(types):
-                problems.append(f"{where}: {name}: {len(types)} types but {given} values")
+            problems += check_call(where, name, c_ret, c_params, inner, header)
+    problems += check_names(parsed)
     for p in problems:
         print(p)
     if problems:
         return 1
-    print(f"julia: {files} files parse; {calls} ccalls match dpar.h and {pathlib.Path(lib).name}'s exports")
+    print(f"julia: {files} files parse, and the names they use are defined; {calls} ccalls match dpar.h and "
+          f"{pathlib.Path(lib).name}'s exports; {runtime_calls} match Julia's runtime declarations")
     return 0
 
 

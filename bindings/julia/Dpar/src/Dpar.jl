@@ -1,7 +1,9 @@
 """
     Dpar
 
-dpar for Julia: data-parallel training over several devices through dpar's C ABI (`libdpar.so.0`).
+dpar for Julia: data-parallel training over several devices through dpar's C ABI (`libdpar.so.0`): an `Engine`
+that trains a `Model` on several devices; collectives (`CommGroup`, `Comm`, `all_reduce!`, ...) and a gradient
+`Reducer` for a program that brings its own model and autograd; IDX datasets and a batch `Loader`.
 
 Every handle is a Julia object with `close` (a finalizer frees it too); every failed call throws a `DparError`
 carrying dpar's status and message. `do`-block helpers (`Model(seed) do m ... end`) close at the end. The library is
@@ -17,11 +19,23 @@ end
 
 export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
-       forward, num_replicas
+       forward, num_replicas,
+       ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
+       all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
+       num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!
 
 const OK = Int32(0)
 const ERR_INVALID_ARGUMENT = Int32(-1)
+const ERR_OUT_OF_MEMORY = Int32(-2)
 const ERR_DEVICE = Int32(-3)
+const ERR_COMMUNICATION = Int32(-4)
+const ERR_REMOTE = Int32(-5)
+const ERR_TIMEOUT = Int32(-6)
+const ERR_MISMATCH = Int32(-7)
+const ERR_IO = Int32(-8)
+const ERR_CORRUPT = Int32(-9)
+const ERR_NOT_SUPPORTED = Int32(-10)
+const ERR_INVALID_STATE = Int32(-11)
 const ERR_INTERNAL = Int32(-12)
 const F32 = Int32(0)
 const I32 = Int32(1)
@@ -44,11 +58,15 @@ version_string() = unsafe_string(ccall((:dpar_version_string, libdpar), Cstring,
 
 # Reads, then clears, the thread's error: the ccall and this read run on the same OS thread (no task switch
 # between them: neither yields).
-function check(status::Int32)
-    status == OK && return nothing
+function take_error(status::Int32)
     msg = unsafe_string(ccall((:dpar_last_error, libdpar), Cstring, ()))
     ccall((:dpar_clear_error, libdpar), Cvoid, ())
-    throw(DparError(status, msg))
+    DparError(status, msg)
+end
+
+function check(status::Int32)
+    status == OK && return nothing
+    throw(take_error(status))
 end
 
 function device_count(kind::Integer=0)
@@ -57,11 +75,14 @@ function device_count(kind::Integer=0)
     Int(n[])
 end
 
+"""A device: `kind` (0 for a CPU device, 1 for a CUDA GPU) and `index`, from 0; `parse_device("cuda:1")` makes
+one from its name."""
 struct DparDevice
     kind::Int32
     index::Int32
 end
 
+"""`parse_device(text)`: the `DparDevice` named "cpu:3", "cpu" (index 0) or "cuda:1"."""
 function parse_device(text::AbstractString)
     d = Ref(DparDevice(0, 0))
     check(ccall((:dpar_device_parse, libdpar), Int32, (Ptr{DparDevice}, Cstring), d, text))
@@ -71,19 +92,21 @@ end
 # ---- Tensors -----------------------------------------------------------------------------------------------
 
 """A dpar tensor. `Tensor(array)` copies a Float32 or Int32 array (row-major: dpar's shape is the array's
-dimensions reversed, so a Julia `features x batch` matrix is dpar's `(batch, features)`)."""
+dimensions reversed, so a Julia `features x batch` matrix is dpar's `(batch, features)`). A `Loader`'s batches are
+tensors borrowed from the loader: valid until its next batch, never freed by `close`."""
 mutable struct Tensor
     ptr::Ptr{Cvoid}
-    keep::Any  # memory the tensor wraps
-    function Tensor(ptr::Ptr{Cvoid}, keep=nothing)
-        t = new(ptr, keep)
-        finalizer(close, t)
+    keep::Any     # memory the tensor wraps, or the loader a borrowed batch belongs to
+    owned::Bool   # false for a borrowed tensor: its parent frees it
+    function Tensor(ptr::Ptr{Cvoid}, keep=nothing; owned::Bool=true)
+        t = new(ptr, keep, owned)
+        owned ? finalizer(close, t) : t
     end
 end
 
 function Base.close(t::Tensor)
     t.ptr == C_NULL && return
-    ccall((:dpar_tensor_free, libdpar), Cvoid, (Ptr{Cvoid},), t.ptr)
+    t.owned && ccall((:dpar_tensor_free, libdpar), Cvoid, (Ptr{Cvoid},), t.ptr)
     t.ptr = C_NULL
 end
 
@@ -142,6 +165,13 @@ struct ModelOptions
     seed::UInt64
 end
 
+"""
+    Model(seed=0)
+    Model(f, seed=0)
+
+An empty sequential model, whose layers' parameters are initialised from `seed`: the template an `Engine` copies to
+every device. Append layers with `linear!`, `activation!` and `dropout!`. The `do`-block form closes it at the end.
+"""
 mutable struct Model
     ptr::Ptr{Cvoid}
     function Model(seed::Integer=0)
@@ -170,22 +200,27 @@ function Base.close(m::Model)
     m.ptr = C_NULL
 end
 
+"""`linear!(model, in_features, out_features; bias=true)`: appends y = x W^T + b, initialised as PyTorch's
+nn.Linear is."""
 function linear!(m::Model, in_features::Integer, out_features::Integer; bias::Bool=true)
     check(ccall((:dpar_model_add_linear, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64, Int32),
                 m.ptr, in_features, out_features, bias))
     m
 end
 
+"""`activation!(model, kind)`: appends `Dpar.RELU`, `Dpar.GELU`, `Dpar.TANH` or `Dpar.SIGMOID`."""
 function activation!(m::Model, kind::Integer)
     check(ccall((:dpar_model_add_activation, libdpar), Int32, (Ptr{Cvoid}, Int32), m.ptr, kind))
     m
 end
 
+"""`dropout!(model, p)`: appends dropout with drop probability `p` in [0, 1), active in training mode only."""
 function dropout!(m::Model, p::Real)
     check(ccall((:dpar_model_add_dropout, libdpar), Int32, (Ptr{Cvoid}, Cfloat), m.ptr, p))
     m
 end
 
+"""`num_params(model)`: the number of parameter tensors."""
 function num_params(m::Model)
     n = Ref{Csize_t}(0)
     check(ccall((:dpar_model_num_params, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, m.ptr))
@@ -214,6 +249,7 @@ function param_info(m::Model, index::Integer)
     (unsafe_string(name), Tuple(s[1:n[]]))
 end
 
+"""`get_param(model, index)`: parameter `index` (from 0), flattened, as a copy."""
 function get_param(m::Model, index::Integer)
     _, shape = param_info(m, index)
     v = zeros(Float32, prod(shape))
@@ -222,6 +258,7 @@ function get_param(m::Model, index::Integer)
     v
 end
 
+"""`set_param!(model, index, values)`: overwrites parameter `index` (from 0) with `values`, exactly its size."""
 function set_param!(m::Model, index::Integer, v::Vector{Float32})
     check(ccall((:dpar_model_set_param, libdpar), Int32, (Ptr{Cvoid}, Csize_t, Ptr{Cfloat}, Csize_t),
                 m.ptr, index, v, length(v)))
@@ -263,6 +300,15 @@ mutable struct EngineOptions
     EngineOptions() = new()
 end
 
+"""
+    Engine(model; optimizer=SGD, lr=0.01, momentum=0.0, devices=0, loss=LOSS_CROSS_ENTROPY, seed=0,
+           processes=PROCESSES_AUTO)
+    Engine(f, model; kwargs...)
+
+dpar's DataParallel engine: a replica of `model` on each of `devices` CPU devices (0: as many as dpar counts),
+each batch split across them, gradients all-reduced and one optimizer step applied to every replica. Calls on an
+engine are serialised by a lock inside it. The `do`-block form closes it at the end.
+"""
 mutable struct Engine
     ptr::Ptr{Cvoid}
     hook::Any  # the forward hook's Julia closure, rooted while dpar may call it
@@ -304,6 +350,7 @@ function train_step!(e::Engine, input::Tensor, target::Tensor)
     l[]
 end
 
+"""`forward(engine, input)`: the output of the model for `input`, gathered in batch order, as a new `Tensor`."""
 function forward(e::Engine, input::Tensor)
     out = Ref{Ptr{Cvoid}}(C_NULL)
     check(ccall((:dpar_engine_forward, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}),
@@ -311,29 +358,33 @@ function forward(e::Engine, input::Tensor)
     Tensor(out[])
 end
 
+"""`step_count(engine)`: the number of optimizer steps taken."""
 function step_count(e::Engine)
     n = Ref{Csize_t}(0)
     check(ccall((:dpar_engine_step_count, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, e.ptr))
     Int(n[])
 end
 
+"""`num_replicas(engine)`: the number of replicas (devices) of this process."""
 function num_replicas(e::Engine)
     n = Ref{Csize_t}(0)
     check(ccall((:dpar_engine_num_replicas, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, e.ptr))
     Int(n[])
 end
 
+"""`set_lr!(engine, lr)`: the learning rate of the following steps."""
 set_lr!(e::Engine, lr::Real) = check(ccall((:dpar_engine_set_lr, libdpar), Int32, (Ptr{Cvoid}, Cfloat), e.ptr, lr))
-"""Clips the gradient of the following steps to this global L2 norm (`clip_grad_norm_` between backward and the
-step); 0 turns clipping off."""
+"""`set_max_grad_norm!(engine, max_norm)`: clips the gradient of the following steps to this global L2 norm
+(`clip_grad_norm_` between backward and the step); 0 turns clipping off."""
 set_max_grad_norm!(e::Engine, max_norm::Real) =
     check(ccall((:dpar_engine_set_max_grad_norm, libdpar), Int32, (Ptr{Cvoid}, Cfloat), e.ptr, max_norm))
-"""The gradient's norm before clipping at the last step that clipped (NaN before any)."""
+"""`grad_norm(engine)`: the gradient's norm before clipping at the last step that clipped (NaN before any)."""
 function grad_norm(e::Engine)
     out = Ref{Cfloat}(0)
     check(ccall((:dpar_engine_grad_norm, libdpar), Int32, (Ref{Cfloat}, Ptr{Cvoid}), out, e.ptr))
     out[]
 end
+"""`set_training!(engine, on)`: training mode (dropout active) or eval mode; engines start in training mode."""
 set_training!(e::Engine, on::Bool) =
     check(ccall((:dpar_engine_set_training, libdpar), Int32, (Ptr{Cvoid}, Int32), e.ptr, on))
 save(e::Engine, path::AbstractString) =
@@ -436,5 +487,749 @@ function set_forward_hook!(e::Engine, f)
     end
     nothing
 end
+
+# ---- Collectives -------------------------------------------------------------------------------------------
+
+const F64 = Int32(5)
+const I64 = Int32(6)
+
+"""The element types the collectives move: `Float32`, `Float64`, `Int32` and `Int64`."""
+const CommType = Union{Float32,Float64,Int32,Int64}
+
+comm_dtype(::Type{Float32}) = F32
+comm_dtype(::Type{Float64}) = F64
+comm_dtype(::Type{Int32}) = I32
+comm_dtype(::Type{Int64}) = I64
+
+"""
+    ReduceOp
+
+The reductions: `Dpar.SUM`, `Dpar.MEAN` (the sum divided by the number of participants, truncated toward zero for
+integers), `Dpar.MAX` and `Dpar.MIN`. Wherever an `op` is taken, Base's `+`, `max` and `min` name `SUM`, `MAX`
+and `MIN` too.
+"""
+@enum ReduceOp::Int32 begin
+    SUM = 0   # DPAR_SUM
+    MEAN = 1  # DPAR_MEAN
+    MAX = 2   # DPAR_MAX
+    MIN = 3   # DPAR_MIN
+end
+
+reduce_op(op::ReduceOp) = Int32(op)
+reduce_op(::typeof(+)) = Int32(SUM)
+reduce_op(::typeof(max)) = Int32(MAX)
+reduce_op(::typeof(min)) = Int32(MIN)
+
+# Runs `f()`, the ccall of a dpar call that waits for other participants (a collective, a wait, a free that waits
+# for work in flight), in GC-safe state, keeping `roots` (the handle's object, the arrays dpar reads and writes)
+# alive until it returns. Julia's GC stops every thread at a safepoint first, and a thread blocked inside dpar
+# reaches none: a member that collects garbage while another member waits for it in a collective would wait for
+# that member, which waits for it, until dpar's timeout. In GC-safe state nothing may allocate or touch Julia
+# objects, so `f` makes the ccall alone, on arguments already converted to pointers and integers.
+@inline function blocking(f, roots...)
+    GC.@preserve roots begin
+        state = ccall(:jl_gc_safe_enter, Int8, ())
+        result = f()
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), state)
+        result
+    end
+end
+
+struct CommOptions  # dpar_comm_options, version 1
+    size::Csize_t
+    version::UInt32
+    timeout_seconds::Cdouble
+end
+const COMM_OPTIONS_VERSION = UInt32(1)
+
+# dpar's defaults, or the given timeout, as this struct's version: a newer library reads only the fields it has.
+function comm_options(timeout_seconds::Union{Real,Nothing})
+    o = Ref(CommOptions(0, 0, 0))
+    check(ccall((:dpar_comm_options_init, libdpar), Int32, (Ptr{CommOptions},), o))
+    Ref(CommOptions(sizeof(CommOptions), COMM_OPTIONS_VERSION,
+                    timeout_seconds === nothing ? o[].timeout_seconds : timeout_seconds))
+end
+
+# `T(args...) do x ... end`: x is closed at the end of the block.
+function closing(f, x)
+    try
+        f(x)
+    finally
+        close(x)
+    end
+end
+
+"""
+    CommGroup(size; timeout_seconds=300)
+    CommGroup(devices; streams=nothing, timeout_seconds=300)
+    CommGroup(f, args...; kwargs...)
+
+The participants of a group inside this process: one task each (on a thread of its own: a participant blocks its
+thread inside dpar until the others arrive), sharing memory. [`member`](@ref) gives each its [`Comm`](@ref). A
+participant waits `timeout_seconds` for the others at each step of a collective, then throws `ERR_TIMEOUT` naming
+the one that did not come. The members keep the group alive: close it and them in any order. The `do`-block form
+closes the group at the end of the block.
+
+The second form puts participant r's buffers in the memory of `devices[r + 1]` (`DparDevice`s or names such as
+"cuda:0", all of one kind), for a framework that keeps its tensors on the GPU: the members' collectives and
+reducers then take device memory through their `Ptr` methods. On GPUs participant r's collectives are ordered on
+`streams[r + 1]`, a `cudaStream_t` as a `Ptr{Cvoid}` (`nothing` or `C_NULL`, or no `streams`: the legacy default
+stream), which must outlive the members. Over CPU devices it is the first form's group, host memory and no streams.
+"""
+mutable struct CommGroup
+    ptr::Ptr{Cvoid}
+    CommGroup(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr))
+end
+
+function CommGroup(n::Integer; timeout_seconds::Union{Real,Nothing}=nothing)
+    o = comm_options(timeout_seconds)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(ccall((:dpar_comm_group_create, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Csize_t, Ptr{CommOptions}), out, n, o))
+    CommGroup(out[])
+end
+
+function CommGroup(devices::AbstractVector; streams::Union{AbstractVector,Nothing}=nothing,
+                   timeout_seconds::Union{Real,Nothing}=nothing)
+    devs = DparDevice[d isa AbstractString ? parse_device(d) : d for d in devices]
+    if streams !== nothing && length(streams) != length(devs)
+        throw(DparError(ERR_INVALID_ARGUMENT, "streams: $(length(streams)) streams for $(length(devs)) devices"))
+    end
+    ptrs = streams === nothing ? Ptr{Cvoid}[] : Ptr{Cvoid}[s === nothing ? C_NULL : s for s in streams]
+    o = comm_options(timeout_seconds)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    GC.@preserve ptrs check(ccall((:dpar_comm_group_create_on_devices, libdpar), Int32,
+                                  (Ptr{Ptr{Cvoid}}, Ptr{DparDevice}, Ptr{Ptr{Cvoid}}, Csize_t, Ptr{CommOptions}),
+                                  out, devs, streams === nothing ? C_NULL : pointer(ptrs), length(devs), o))
+    CommGroup(out[])
+end
+
+CommGroup(f::Function, args...; kwargs...) = closing(f, CommGroup(args...; kwargs...))
+
+function Base.close(g::CommGroup)
+    g.ptr == C_NULL && return
+    ccall((:dpar_comm_group_free, libdpar), Cvoid, (Ptr{Cvoid},), g.ptr)
+    g.ptr = C_NULL
+end
+
+"""
+    Comm
+
+One participant of a group: a [`member`](@ref) of a [`CommGroup`](@ref), or this process among those of an MPI
+job ([`mpi_comm`](@ref)). A participant's calls must not overlap (one task drives it), except [`abort`](@ref) and
+[`async_error`](@ref), which any task may call at any time. `close` frees it, after its asynchronous work has
+finished.
+
+Its collectives take `Array`s of `Float32`, `Float64`, `Int32` or `Int64` (host memory), or for memory of the
+communicator's device ([`device`](@ref); a group made on devices, see [`CommGroup`](@ref)) a `Ptr{T}` and an
+element count: for a CUDA.jl `CuArray` `x`, `reinterpret(Ptr{Float32}, pointer(x))`, kept alive by the caller
+(`GC.@preserve`) until the call returns, or until the asynchronous work completes. Every participant calls the
+same collectives in the same order with the same lengths, element type, op and root; a participant that differs
+makes each throw `DparError` with `ERR_MISMATCH` naming it.
+"""
+mutable struct Comm
+    ptr::Ptr{Cvoid}
+    Comm(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr))
+end
+
+"""`member(group, rank)`: participant `rank`'s [`Comm`](@ref) (ranks from 0, as dpar and MPI number them), for the
+task that plays it."""
+function member(g::CommGroup, rank::Integer)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(ccall((:dpar_comm_group_member, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Csize_t), out, g.ptr, rank))
+    Comm(out[])
+end
+
+"""`mpi_comm(; timeout_seconds=300)`: this process's [`Comm`](@ref) over MPI_COMM_WORLD (MPI is started if the
+program has not; without mpirun the process is rank 0 of 1). Every process of the job calls it."""
+function mpi_comm(; timeout_seconds::Union{Real,Nothing}=nothing)
+    o = comm_options(timeout_seconds)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    outp, op = Base.unsafe_convert(Ptr{Ptr{Cvoid}}, out), Base.unsafe_convert(Ptr{CommOptions}, o)
+    check(blocking(out, o) do
+        ccall((:dpar_comm_create_mpi, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{CommOptions}), outp, op)
+    end)
+    Comm(out[])
+end
+
+function Base.close(c::Comm)
+    c.ptr == C_NULL && return
+    h = c.ptr
+    c.ptr = C_NULL
+    blocking(c) do
+        ccall((:dpar_comm_free, libdpar), Cvoid, (Ptr{Cvoid},), h)
+    end
+    nothing
+end
+
+function comm_info(c::Comm)
+    r, n = Ref{Csize_t}(0), Ref{Csize_t}(0)
+    check(ccall((:dpar_comm_info, libdpar), Int32, (Ptr{Csize_t}, Ptr{Csize_t}, Ptr{Cvoid}), r, n, c.ptr))
+    (Int(r[]), Int(n[]))
+end
+
+"""`rank(comm)`: this participant's rank, from 0."""
+rank(c::Comm) = comm_info(c)[1]
+
+"""`nranks(comm)`: the number of participants in the communicator's group."""
+nranks(c::Comm) = comm_info(c)[2]
+
+"""`device(comm)`: the `DparDevice` whose memory the buffers are: the participant's device in a group made on
+devices, cpu:0 (host memory) for every other communicator."""
+function device(c::Comm)
+    d = Ref(DparDevice(0, 0))
+    check(ccall((:dpar_comm_device, libdpar), Int32, (Ptr{DparDevice}, Ptr{Cvoid}), d, c.ptr))
+    d[]
+end
+
+"""`abort(comm, reason="")`: aborts the group from this participant: every participant waiting in a collective,
+or calling one later, throws `ERR_REMOTE` naming this one and `reason`. Any task may call it at any time. The
+communicator can run no collective afterwards; close it as usual."""
+abort(c::Comm, reason::AbstractString="") =
+    check(ccall((:dpar_comm_abort, libdpar), Int32, (Ptr{Cvoid}, Cstring), c.ptr, reason))
+
+"""`async_error(comm)`: `nothing` while the communicator is usable, else the `DparError` its next collective would
+throw (an abort, a participant that gave up, failed asynchronous work). Never blocks; any task may call it."""
+function async_error(c::Comm)
+    s = Ref{Int32}(OK)
+    check(ccall((:dpar_comm_get_async_error, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), s, c.ptr))
+    s[] == OK ? nothing : take_error(s[])
+end
+
+same_length(got::Integer, expected::Integer, what::AbstractString) =
+    got == expected || throw(DparError(ERR_INVALID_ARGUMENT, "$what: $got elements, expected $expected"))
+
+"""
+    all_reduce!(comm, recv, send; op=SUM) -> recv
+    all_reduce!(comm, buffer; op=SUM) -> buffer
+    all_reduce!(comm, recv::Ptr{T}, send::Ptr{T}, count; op=SUM)
+    all_reduce!(comm, buffer::Ptr{T}, count; op=SUM)
+
+Reduces every participant's `send` element-wise with `op` (a [`ReduceOp`](@ref), or `+`, `max`, `min`) into every
+participant's `recv`, an array of the same length; the two-argument forms work in place.
+"""
+function all_reduce! end
+
+function all_reduce!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer; op=SUM) where {T<:CommType}
+    h, n, dt, o = c.ptr, Csize_t(count), comm_dtype(T), reduce_op(op)
+    check(blocking(c) do
+        ccall((:dpar_comm_all_reduce, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Int32),
+              h, send, recv, n, dt, o)
+    end)
+end
+
+all_reduce!(c::Comm, buffer::Ptr{T}, count::Integer; op=SUM) where {T<:CommType} =
+    all_reduce!(c, buffer, buffer, count; op=op)
+
+function all_reduce!(c::Comm, recv::Array{T}, send::Array{T}; op=SUM) where {T<:CommType}
+    same_length(length(recv), length(send), "recv")
+    GC.@preserve recv send all_reduce!(c, pointer(recv), pointer(send), length(send); op=op)
+    recv
+end
+
+all_reduce!(c::Comm, buffer::Array{<:CommType}; op=SUM) = all_reduce!(c, buffer, buffer; op=op)
+
+"""
+    Dpar.broadcast!(comm, buffer; root=0) -> buffer
+    Dpar.broadcast!(comm, buffer::Ptr{T}, count; root=0)
+
+Copies participant `root`'s `buffer` into every participant's. Not exported, since `using Dpar` would make it
+ambiguous with `Base.broadcast!`: call it as `Dpar.broadcast!`.
+"""
+function broadcast! end
+
+function broadcast!(c::Comm, buffer::Ptr{T}, count::Integer; root::Integer=0) where {T<:CommType}
+    h, n, dt, r = c.ptr, Csize_t(count), comm_dtype(T), Csize_t(root)
+    check(blocking(c) do
+        ccall((:dpar_comm_broadcast, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Csize_t),
+              h, buffer, n, dt, r)
+    end)
+end
+
+function broadcast!(c::Comm, buffer::Array{T}; root::Integer=0) where {T<:CommType}
+    GC.@preserve buffer broadcast!(c, pointer(buffer), length(buffer); root=root)
+    buffer
+end
+
+"""
+    reduce!(comm, recv, send; op=SUM, root=0) -> recv
+    reduce!(comm, recv::Ptr{T}, send::Ptr{T}, count; op=SUM, root=0)
+
+Reduces every participant's `send` element-wise with `op` into participant `root`'s `recv`. Elsewhere `recv` is
+left as it is, and may be `nothing` (a null `Ptr`).
+"""
+function reduce! end
+
+function reduce!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer; op=SUM, root::Integer=0) where {T<:CommType}
+    h, n, dt, o, r = c.ptr, Csize_t(count), comm_dtype(T), reduce_op(op), Csize_t(root)
+    check(blocking(c) do
+        ccall((:dpar_comm_reduce, libdpar), Int32,
+              (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Int32, Csize_t), h, send, recv, n, dt, o, r)
+    end)
+end
+
+function reduce!(c::Comm, recv::Union{Array{T},Nothing}, send::Array{T}; op=SUM, root::Integer=0) where {T<:CommType}
+    recv === nothing || same_length(length(recv), length(send), "recv")
+    GC.@preserve recv send reduce!(c, recv === nothing ? Ptr{T}(C_NULL) : pointer(recv), pointer(send),
+                                   length(send); op=op, root=root)
+    recv
+end
+
+"""
+    all_gather!(comm, recv, send) -> recv
+    all_gather!(comm, recv::Ptr{T}, send::Ptr{T}, count)
+
+Every participant's `send` into every participant's `recv`, in rank order: `recv` holds `nranks(comm)` times
+`length(send)` elements (a `length(send) x nranks(comm)` matrix gets participant r's in column r + 1). The `Ptr`
+method's `count` is the elements of `send`.
+"""
+function all_gather! end
+
+function all_gather!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer) where {T<:CommType}
+    h, n, dt = c.ptr, Csize_t(count), comm_dtype(T)
+    check(blocking(c) do
+        ccall((:dpar_comm_all_gather, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32),
+              h, send, recv, n, dt)
+    end)
+end
+
+function all_gather!(c::Comm, recv::Array{T}, send::Array{T}) where {T<:CommType}
+    same_length(length(recv), length(send) * nranks(c), "recv")
+    GC.@preserve recv send all_gather!(c, pointer(recv), pointer(send), length(send))
+    recv
+end
+
+"""
+    reduce_scatter!(comm, recv, send; op=SUM) -> recv
+    reduce_scatter!(comm, recv::Ptr{T}, send::Ptr{T}, count; op=SUM)
+
+Reduces every participant's `send` (`nranks(comm)` blocks of `length(recv)` elements, in rank order) element-wise
+with `op`; participant r receives block r in `recv`. The `Ptr` method's `count` is the elements of `recv`.
+"""
+function reduce_scatter! end
+
+function reduce_scatter!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer; op=SUM) where {T<:CommType}
+    h, n, dt, o = c.ptr, Csize_t(count), comm_dtype(T), reduce_op(op)
+    check(blocking(c) do
+        ccall((:dpar_comm_reduce_scatter, libdpar), Int32,
+              (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Int32), h, send, recv, n, dt, o)
+    end)
+end
+
+function reduce_scatter!(c::Comm, recv::Array{T}, send::Array{T}; op=SUM) where {T<:CommType}
+    same_length(length(send), length(recv) * nranks(c), "send")
+    GC.@preserve recv send reduce_scatter!(c, pointer(recv), pointer(send), length(recv); op=op)
+    recv
+end
+
+"""`barrier(comm)`: returns once every participant has entered it."""
+function barrier(c::Comm)
+    h = c.ptr
+    check(blocking(c) do
+        ccall((:dpar_comm_barrier, libdpar), Int32, (Ptr{Cvoid},), h)
+    end)
+end
+
+# ---- Asynchronous work -------------------------------------------------------------------------------------
+
+"""
+    Work
+
+An asynchronous collective, started by [`all_reduce_async!`](@ref), [`broadcast_async!`](@ref),
+[`all_gather_async!`](@ref) or [`reduce_scatter_async!`](@ref) on the communicator's own thread. The collectives
+started on one communicator run in the order they were started.
+
+`wait(work)` waits for it, and throws its `DparError` if it failed; `isready(work)` says, without blocking, whether
+it has finished (successfully or not); `close(work)` frees it, waiting first if it still runs. The arrays it reads
+and writes are held by the `Work` until `wait` or `close` (so that dropping them cannot free them under dpar), and
+must be neither read, written nor resized before it has finished. Wait for or close every `Work`: its finalizer
+waits too, stalling whichever task the garbage collector happens to run it on.
+"""
+mutable struct Work
+    ptr::Ptr{Cvoid}
+    buffers::Any  # the arrays dpar reads and writes until the work has finished; nothing for pointers
+    Work(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr, nothing))
+end
+
+function Base.wait(w::Work)
+    h = w.ptr
+    status = blocking(w) do
+        ccall((:dpar_work_wait, libdpar), Int32, (Ptr{Cvoid},), h)
+    end
+    w.buffers = nothing  # finished, successfully or not: dpar is done with them
+    check(status)
+end
+
+function Base.isready(w::Work)
+    done = Ref{Int32}(0)
+    check(ccall((:dpar_work_test, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), done, w.ptr))
+    done[] != 0
+end
+
+function Base.close(w::Work)
+    w.ptr == C_NULL && return
+    h = w.ptr
+    w.ptr = C_NULL
+    blocking(w) do
+        ccall((:dpar_work_free, libdpar), Cvoid, (Ptr{Cvoid},), h)
+    end
+    w.buffers = nothing
+    nothing
+end
+
+# The Work of an asynchronous start, `start(out)`, which writes its handle through `out`.
+function start_work(start)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(start(out))
+    Work(out[])
+end
+
+# `w`, holding `buffers` until it finishes: called inside the GC.@preserve of the arrays whose pointers started it.
+function holding(w::Work, buffers...)
+    w.buffers = buffers
+    w
+end
+
+"""
+    all_reduce_async!(comm, recv, send; op=SUM) -> Work
+    all_reduce_async!(comm, buffer; op=SUM) -> Work
+    all_reduce_async!(comm, recv::Ptr{T}, send::Ptr{T}, count; op=SUM) -> Work
+    all_reduce_async!(comm, buffer::Ptr{T}, count; op=SUM) -> Work
+
+[`all_reduce!`](@ref) on the communicator's thread: returns at once with the [`Work`](@ref).
+"""
+function all_reduce_async! end
+
+function all_reduce_async!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer; op=SUM) where {T<:CommType}
+    start_work() do out
+        ccall((:dpar_comm_all_reduce_async, libdpar), Int32,
+              (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Int32),
+              out, c.ptr, send, recv, count, comm_dtype(T), reduce_op(op))
+    end
+end
+
+all_reduce_async!(c::Comm, buffer::Ptr{T}, count::Integer; op=SUM) where {T<:CommType} =
+    all_reduce_async!(c, buffer, buffer, count; op=op)
+
+function all_reduce_async!(c::Comm, recv::Array{T}, send::Array{T}; op=SUM) where {T<:CommType}
+    same_length(length(recv), length(send), "recv")
+    GC.@preserve recv send holding(all_reduce_async!(c, pointer(recv), pointer(send), length(send); op=op),
+                                   recv, send)
+end
+
+all_reduce_async!(c::Comm, buffer::Array{<:CommType}; op=SUM) = all_reduce_async!(c, buffer, buffer; op=op)
+
+"""
+    broadcast_async!(comm, buffer; root=0) -> Work
+    broadcast_async!(comm, buffer::Ptr{T}, count; root=0) -> Work
+
+[`Dpar.broadcast!`](@ref) on the communicator's thread: returns at once with the [`Work`](@ref).
+"""
+function broadcast_async! end
+
+function broadcast_async!(c::Comm, buffer::Ptr{T}, count::Integer; root::Integer=0) where {T<:CommType}
+    start_work() do out
+        ccall((:dpar_comm_broadcast_async, libdpar), Int32,
+              (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Csize_t),
+              out, c.ptr, buffer, count, comm_dtype(T), root)
+    end
+end
+
+function broadcast_async!(c::Comm, buffer::Array{T}; root::Integer=0) where {T<:CommType}
+    GC.@preserve buffer holding(broadcast_async!(c, pointer(buffer), length(buffer); root=root), buffer)
+end
+
+"""
+    all_gather_async!(comm, recv, send) -> Work
+    all_gather_async!(comm, recv::Ptr{T}, send::Ptr{T}, count) -> Work
+
+[`all_gather!`](@ref) on the communicator's thread: returns at once with the [`Work`](@ref).
+"""
+function all_gather_async! end
+
+function all_gather_async!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer) where {T<:CommType}
+    start_work() do out
+        ccall((:dpar_comm_all_gather_async, libdpar), Int32,
+              (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32),
+              out, c.ptr, send, recv, count, comm_dtype(T))
+    end
+end
+
+function all_gather_async!(c::Comm, recv::Array{T}, send::Array{T}) where {T<:CommType}
+    same_length(length(recv), length(send) * nranks(c), "recv")
+    GC.@preserve recv send holding(all_gather_async!(c, pointer(recv), pointer(send), length(send)), recv, send)
+end
+
+"""
+    reduce_scatter_async!(comm, recv, send; op=SUM) -> Work
+    reduce_scatter_async!(comm, recv::Ptr{T}, send::Ptr{T}, count; op=SUM) -> Work
+
+[`reduce_scatter!`](@ref) on the communicator's thread: returns at once with the [`Work`](@ref).
+"""
+function reduce_scatter_async! end
+
+function reduce_scatter_async!(c::Comm, recv::Ptr{T}, send::Ptr{T}, count::Integer; op=SUM) where {T<:CommType}
+    start_work() do out
+        ccall((:dpar_comm_reduce_scatter_async, libdpar), Int32,
+              (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Int32, Int32),
+              out, c.ptr, send, recv, count, comm_dtype(T), reduce_op(op))
+    end
+end
+
+function reduce_scatter_async!(c::Comm, recv::Array{T}, send::Array{T}; op=SUM) where {T<:CommType}
+    same_length(length(send), length(recv) * nranks(c), "send")
+    GC.@preserve recv send holding(reduce_scatter_async!(c, pointer(recv), pointer(send), length(recv); op=op),
+                                   recv, send)
+end
+
+# ---- The gradient reducer ----------------------------------------------------------------------------------
+
+struct ReducerOptions  # dpar_reducer_options, version 1
+    size::Csize_t
+    version::UInt32
+    first_bucket_bytes::Csize_t
+    bucket_cap_bytes::Csize_t
+    op::Int32
+end
+const REDUCER_OPTIONS_VERSION = UInt32(1)
+
+"""
+    Reducer(comm, grads; first_bucket_bytes=nothing, bucket_cap_bytes=nothing, op=MEAN)
+    Reducer(comm, grads::AbstractVector{Ptr{Float32}}, counts; kwargs...)
+    Reducer(f, comm, grads...; kwargs...)
+
+DDP's gradient reducer over `comm`, for a program with its own autograd: register the gradient buffers once, in
+the model's forward order (`Array{Float32}`s, held by the reducer until it is closed; or, for memory of the
+communicator's device, pointers with their element counts, kept valid by the caller until `close`). Every
+participant registers the same sizes in the same order. Each step, mark each buffer with [`grad_ready!`](@ref) as
+soon as it holds its gradient: buckets of gradients (the last ones first, closing at `first_bucket_bytes`, then at
+`bucket_cap_bytes`; `nothing`: dpar's 1 MiB and 25 MiB) are reduced on the communicator's thread while backward
+goes on. `wait(reducer)` ends the step: every buffer then holds the `op` (`SUM`, or `MEAN` over the participants)
+of the participants' gradients, a gradient never marked in the step counting as zeros. Between a step's first
+`grad_ready!` and its `wait`, a marked buffer must not be written, and the communicator must not run other
+collectives. Several tasks may call one reducer (dpar serialises the calls), as backward hooks on several threads
+do. `close` frees the reducer after its buckets in flight; the `do`-block form closes it at the end.
+"""
+mutable struct Reducer
+    ptr::Ptr{Cvoid}
+    grads::Union{Vector{Array{Float32}},Nothing}  # the buffers dpar reads and writes, held until close
+    index::IdDict{Any,Int}                       # each buffer's index, from 0
+    Reducer(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr, nothing, IdDict{Any,Int}()))
+end
+
+function Reducer(c::Comm, grads::AbstractVector{Ptr{Float32}}, counts::AbstractVector{<:Integer};
+                 first_bucket_bytes::Union{Integer,Nothing}=nothing, bucket_cap_bytes::Union{Integer,Nothing}=nothing,
+                 op=nothing)
+    same_length(length(counts), length(grads), "counts")
+    d = Ref(ReducerOptions(0, 0, 0, 0, 0))
+    check(ccall((:dpar_reducer_options_init, libdpar), Int32, (Ptr{ReducerOptions},), d))
+    o = Ref(ReducerOptions(sizeof(ReducerOptions), REDUCER_OPTIONS_VERSION,
+                           first_bucket_bytes === nothing ? d[].first_bucket_bytes : first_bucket_bytes,
+                           bucket_cap_bytes === nothing ? d[].bucket_cap_bytes : bucket_cap_bytes,
+                           op === nothing ? d[].op : reduce_op(op)))
+    ptrs, ns = Vector{Ptr{Cfloat}}(grads), Vector{Csize_t}(counts)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(ccall((:dpar_reducer_create, libdpar), Int32,
+                (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}, Csize_t, Ptr{ReducerOptions}),
+                out, c.ptr, ptrs, ns, length(ptrs), o))
+    Reducer(out[])
+end
+
+function Reducer(c::Comm, grads::AbstractVector{<:Array{Float32}}; kwargs...)
+    held = Array{Float32}[g for g in grads]  # the list as given: a later change to the caller's vector unroots none
+    r = GC.@preserve held Reducer(c, Ptr{Float32}[pointer(g) for g in held], [length(g) for g in held]; kwargs...)
+    r.grads = held
+    for (i, g) in enumerate(held)
+        r.index[g] = i - 1
+    end
+    r
+end
+
+Reducer(f::Function, c::Comm, args...; kwargs...) = closing(f, Reducer(c, args...; kwargs...))
+
+function Base.close(r::Reducer)
+    r.ptr == C_NULL && return
+    h = r.ptr
+    r.ptr = C_NULL
+    blocking(r) do
+        ccall((:dpar_reducer_free, libdpar), Cvoid, (Ptr{Cvoid},), h)
+    end
+    r.grads = nothing
+    empty!(r.index)
+    nothing
+end
+
+# Every call on a reducer takes its lock, which `wait` holds while it waits for the other participants: they all
+# run GC-safe.
+
+"""`num_buckets(reducer)`: the number of buckets the gradients were grouped in."""
+function num_buckets(r::Reducer)
+    n = Ref{Csize_t}(0)
+    h, np = r.ptr, Base.unsafe_convert(Ptr{Csize_t}, n)
+    check(blocking(r, n) do
+        ccall((:dpar_reducer_num_buckets, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), np, h)
+    end)
+    Int(n[])
+end
+
+"""
+    grad_ready!(reducer, grad::Array{Float32})
+    grad_ready!(reducer, index)
+
+Gradient `grad` (one of the registered arrays), or gradient `index` (from 0, as dpar numbers them: the buffer
+`grads[index + 1]`), holds this step's value; the first call of a step starts it. Launches the buckets this
+completes. Marking a gradient twice in a step throws `ERR_INVALID_STATE`, and leaves the step as it was.
+"""
+function grad_ready! end
+
+function grad_ready!(r::Reducer, index::Integer)
+    h, i = r.ptr, Csize_t(index)
+    check(blocking(r) do
+        ccall((:dpar_reducer_grad_ready, libdpar), Int32, (Ptr{Cvoid}, Csize_t), h, i)
+    end)
+end
+
+function grad_ready!(r::Reducer, grad::Array{Float32})
+    index = get(r.index, grad, -1)
+    index >= 0 || throw(DparError(ERR_INVALID_ARGUMENT, "grad: not one of the reducer's buffers"))
+    grad_ready!(r, index)
+end
+
+function Base.wait(r::Reducer)
+    h = r.ptr
+    check(blocking(r) do
+        ccall((:dpar_reducer_wait, libdpar), Int32, (Ptr{Cvoid},), h)
+    end)
+end
+
+# ---- Datasets and loaders ----------------------------------------------------------------------------------
+
+"""
+    Dataset(images_path, labels_path)
+    Dataset(f, images_path, labels_path)
+
+An in-memory dataset of (Float32 sample, Int32 label) read from an IDX image file and an IDX label file, each plain
+or gzip-compressed, as MNIST and Fashion-MNIST ship; pixels become Float32 in [0, 1]. A damaged file throws
+`ERR_CORRUPT`, a missing one `ERR_IO`. Loaders share its data: close it before or after them. The `do`-block form
+closes it at the end.
+"""
+mutable struct Dataset
+    ptr::Ptr{Cvoid}
+    Dataset(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr))
+end
+
+function Dataset(images_path::AbstractString, labels_path::AbstractString)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(ccall((:dpar_dataset_load_idx, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Cstring, Cstring),
+                out, images_path, labels_path))
+    Dataset(out[])
+end
+
+Dataset(f::Function, images_path::AbstractString, labels_path::AbstractString) =
+    closing(f, Dataset(images_path, labels_path))
+
+function Base.close(d::Dataset)
+    d.ptr == C_NULL && return
+    ccall((:dpar_dataset_free, libdpar), Cvoid, (Ptr{Cvoid},), d.ptr)
+    d.ptr = C_NULL
+end
+
+"""`info(dataset)`: `(samples=..., features=..., classes=...)`, classes being the largest label + 1."""
+function info(d::Dataset)
+    s, f, c = Ref{Csize_t}(0), Ref{Csize_t}(0), Ref{Csize_t}(0)
+    check(ccall((:dpar_dataset_info, libdpar), Int32, (Ptr{Csize_t}, Ptr{Csize_t}, Ptr{Csize_t}, Ptr{Cvoid}),
+                s, f, c, d.ptr))
+    (samples=Int(s[]), features=Int(f[]), classes=Int(c[]))
+end
+
+"""`Dpar.normalize!(dataset, mean, std)`: standardises every feature, x = (x - mean) / std. Not exported: it would
+be ambiguous with `LinearAlgebra.normalize!`."""
+function normalize!(d::Dataset, mean::Real, std::Real)
+    check(ccall((:dpar_dataset_normalize, libdpar), Int32, (Ptr{Cvoid}, Cfloat, Cfloat), d.ptr, mean, std))
+    d
+end
+
+"""
+    Loader(dataset, batch_size; shuffle=false, seed=0, drop_last=false)
+    Loader(f, dataset, batch_size; kwargs...)
+
+A batch loader over `dataset`. Iterating it yields the rest of the current epoch's batches, each an
+`(inputs, labels)` pair of [`Tensor`](@ref)s: `(b, features)` Float32 and `(b,)` Int32 (as Julia arrays,
+`Array(inputs)` is `features x b`). They are borrowed from the loader and hold the next batch once the loop moves
+on: copy what must outlive the iteration. Batches have `batch_size` rows, the last fewer unless `drop_last`. The
+loader starts at epoch 0; [`start_epoch!`](@ref) starts another, whose order with `shuffle` is a permutation drawn
+from (`seed`, epoch) alone. See also [`shard!`](@ref) and [`to_device!`](@ref). The `do`-block form closes it at
+the end.
+"""
+mutable struct Loader
+    ptr::Ptr{Cvoid}
+    Loader(ptr::Ptr{Cvoid}) = finalizer(close, new(ptr))
+end
+
+function Loader(d::Dataset, batch_size::Integer; shuffle::Bool=false, seed::Integer=0, drop_last::Bool=false)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(ccall((:dpar_loader_create, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Csize_t, Int32, UInt64, Int32),
+                out, d.ptr, batch_size, shuffle, seed, drop_last))
+    Loader(out[])
+end
+
+Loader(f::Function, d::Dataset, batch_size::Integer; kwargs...) = closing(f, Loader(d, batch_size; kwargs...))
+
+function Base.close(l::Loader)
+    l.ptr == C_NULL && return
+    ccall((:dpar_loader_free, libdpar), Cvoid, (Ptr{Cvoid},), l.ptr)
+    l.ptr = C_NULL
+end
+
+"""`start_epoch!(loader, epoch)`: starts epoch `epoch` from its first batch."""
+function start_epoch!(l::Loader, epoch::Integer)
+    check(ccall((:dpar_loader_start_epoch, libdpar), Int32, (Ptr{Cvoid}, UInt64), l.ptr, epoch))
+    l
+end
+
+"""`num_batches(loader)`: the number of batches in an epoch."""
+function num_batches(l::Loader)
+    n = Ref{Csize_t}(0)
+    check(ccall((:dpar_loader_num_batches, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, l.ptr))
+    Int(n[])
+end
+
+"""`shard!(loader, shard, num_shards)`: from the next batch, yields only part `shard` (from 0) of `num_shards` of
+each batch: the shard-th of `num_shards` contiguous slices of its rows, their sizes differing by at most one
+(`batch_size` stays the global batch). Each process of a multi-process engine makes the same loader, same seed,
+and takes its own shard; a last batch with fewer rows than shards is dropped."""
+function shard!(l::Loader, shard::Integer, num_shards::Integer)
+    check(ccall((:dpar_loader_shard, libdpar), Int32, (Ptr{Cvoid}, Csize_t, Csize_t), l.ptr, shard, num_shards))
+    l
+end
+
+"""`to_device!(loader, device)`: from the next batch, yields batches in memory of `device` (a `DparDevice`, or a
+name such as "cuda:0"), each prepared, on a GPU copied, while the caller still uses the one before: the batches
+are the same, bit for bit. An engine's replica on that device takes its rows without a copy."""
+function to_device!(l::Loader, device::DparDevice)
+    check(ccall((:dpar_loader_to_device, libdpar), Int32, (Ptr{Cvoid}, DparDevice), l.ptr, device))
+    l
+end
+
+to_device!(l::Loader, device::AbstractString) = to_device!(l, parse_device(device))
+
+# The next batch of the epoch as (inputs, labels) tensors borrowed from the loader, or nothing at its end.
+function next_batch!(l::Loader)
+    more = Ref{Int32}(0)
+    check(ccall((:dpar_loader_next, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), more, l.ptr))
+    more[] == 0 && return nothing
+    x = ccall((:dpar_loader_inputs, libdpar), Ptr{Cvoid}, (Ptr{Cvoid},), l.ptr)
+    x == C_NULL && throw(take_error(ERR_INTERNAL))
+    y = ccall((:dpar_loader_labels, libdpar), Ptr{Cvoid}, (Ptr{Cvoid},), l.ptr)
+    y == C_NULL && throw(take_error(ERR_INTERNAL))
+    (Tensor(x, l; owned=false), Tensor(y, l; owned=false))
+end
+
+function Base.iterate(l::Loader, state=nothing)
+    batch = next_batch!(l)
+    batch === nothing ? nothing : (batch, nothing)
+end
+
+Base.IteratorSize(::Type{Loader}) = Base.SizeUnknown()
+Base.eltype(::Type{Loader}) = Tuple{Tensor,Tensor}
 
 end # module

@@ -1,7 +1,112 @@
 # Dpar.jl against dpar's C reference (tests/binding_reference.c): same model, data and seed on 2 CPU devices,
 # same loss bits; a bad call throws DparError with dpar's message; a hook's exception comes back with its text.
+# The collectives run one task per member of a group, each on a thread of its own: the sizes this julia has too
+# few threads for are skipped with a warning (julia --threads=4 runs them all).
 using Dpar
+using Dpar: libdpar
 using Test
+
+# f() throws a DparError with `status` whose message contains `needle`.
+function throws_dpar(f, status, needle)
+    err = try
+        f()
+        nothing
+    catch e
+        e
+    end
+    ok = err isa DparError && err.status == status && occursin(needle, err.message)
+    ok || @error "expected a DparError $(Dpar.status_name(status)) with \"$needle\"" got = err
+    ok
+end
+
+# Runs body(comm) for each of the n members of `group`, each in a task of its own, and returns their results in
+# rank order. A member blocks its OS thread inside dpar until the others arrive, so the n tasks need n threads. A
+# member that throws aborts the group, so that the others fail at once instead of at the timeout.
+function on_each_member(body, group::Dpar.CommGroup, n::Integer)
+    comms = [Dpar.member(group, r) for r in 0:n-1]
+    tasks = map(comms) do c
+        Threads.@spawn try
+            body(c)
+        catch err
+            Dpar.abort(c, sprint(showerror, err))
+            rethrow()
+        end
+    end
+    for t in tasks  # every member has left dpar before its communicator is closed
+        try
+            wait(t)
+        catch
+        end
+    end
+    close.(comms)
+    fetch.(tasks)
+end
+
+# Whether this julia has a thread for each of n members; warns when it has not.
+function threads_for(n, what)
+    Threads.nthreads() >= n && return true
+    @warn "skipped: $what needs $n threads (julia --threads=4); this julia has $(Threads.nthreads())"
+    false
+end
+
+# Starts an all-reduce on an array that only the returned work refers to (not inlined: no caller's variable holds
+# the array).
+@noinline function unreferenced_all_reduce(c, value)
+    buffer = fill(value, 1 << 16)
+    (Dpar.all_reduce_async!(c, buffer), WeakRef(buffer))
+end
+
+# A reducer over one array that only the reducer refers to, and a weak reference to that array.
+@noinline function unreferenced_reducer(c, n)
+    grad = zeros(Float32, n)
+    (Dpar.Reducer(c, [grad]), WeakRef(grad))
+end
+
+# Participant r's gradient k (from 0) in a step: distinct per participant, gradient and step.
+grad_value(r, k, step) = Float32((r + 1) * 4 + k + step)
+
+# An IDX file as dpar reads it: big-endian u32 magic and extents, then the u8 data.
+function write_idx(path, magic, dims, data)
+    open(path, "w") do io
+        write(io, hton(UInt32(magic)))
+        foreach(d -> write(io, hton(UInt32(d))), dims)
+        write(io, UInt8.(data))
+    end
+    path
+end
+
+# A small IDX pair: 10 images of 2 x 3 pixels, pixel j of sample i being 16 i + j (so that a batch's row tells which
+# sample it is), and label (7 i) mod 4.
+const SAMPLES = 10
+pixels(i) = Float32[Float32(16i + j) / 255.0f0 for j in 0:5]  # as dpar reads them: u8 / 255 in Float32
+label(i) = Int32((7i) % 4)
+sample_of(column) = round(Int, column[1] * 255) ÷ 16
+
+function write_dataset(dir)
+    images = write_idx(joinpath(dir, "images-idx3-ubyte"), 0x00000803, (SAMPLES, 2, 3),
+                       [16i + j for i in 0:SAMPLES-1 for j in 0:5])
+    labels = write_idx(joinpath(dir, "labels-idx1-ubyte"), 0x00000801, (SAMPLES,), label.(0:SAMPLES-1))
+    (images, labels)
+end
+
+# The rest of the loader's epoch, each batch copied into (features x b inputs, labels) before the next.
+copies(loader) = [(Array(x), Array(y)) for (x, y) in loader]
+
+const DTYPES = (Float32, Float64, Int32, Int64)
+const OPS = (Dpar.SUM, Dpar.MEAN, Dpar.MAX, Dpar.MIN)
+
+# Participant r's element i (from 1) of an all-reduce: distinct per participant and signed, so that MEAN's
+# truncation toward zero shows on integers; small, so that every dtype holds the sums exactly.
+contribution(T, r, i) = T((r + 1) * i * (isodd(i) ? -1 : 1))
+
+# MEAN as dpar defines it: the sum divided by the number of participants, truncated toward zero for integers.
+mean_of(T, s, n) = T <: Integer ? T(div(s, n)) : T(s) / T(n)
+
+# What `op` makes of the n participants' element i, computed from the contributions themselves.
+function reduced(T, op, n, i)
+    v = [contribution(T, r, i) for r in 0:n-1]
+    op == Dpar.SUM ? T(sum(v)) : op == Dpar.MAX ? maximum(v) : op == Dpar.MIN ? minimum(v) : mean_of(T, sum(v), n)
+end
 
 reference_model(m) = (Dpar.linear!(m, 4, 8); Dpar.activation!(m, Dpar.RELU); Dpar.linear!(m, 8, 3))
 
@@ -36,6 +141,27 @@ end
             end
         end
     end
+    @testset "gradient clipping and the reported norm" begin
+        Dpar.Model(7) do m
+            reference_model(m)
+            opts = (lr=0.1, momentum=0.9, devices=2, processes=Dpar.PROCESSES_SINGLE)
+            Dpar.Engine(m; opts...) do plain
+                Dpar.Engine(m; opts...) do clipping
+                    x, y = reference_batch()
+                    @test isnan(Dpar.grad_norm(clipping))
+                    Dpar.set_max_grad_norm!(clipping, 1e6)  # far above the norm: the same step
+                    @test Dpar.train_step!(plain, x, y) == Dpar.train_step!(clipping, x, y)
+                    norm = Dpar.grad_norm(clipping)
+                    @test 0 < norm < 1e6
+                    Dpar.set_max_grad_norm!(clipping, norm / 10)
+                    Dpar.train_step!(plain, x, y); Dpar.train_step!(clipping, x, y)  # a loss precedes its update
+                    @test Dpar.train_step!(plain, x, y) != Dpar.train_step!(clipping, x, y)
+                    err = try Dpar.set_max_grad_norm!(clipping, -1); nothing catch ex; ex end
+                    @test err isa DparError && occursin("max_grad_norm", err.message)
+                end
+            end
+        end
+    end
     if VERSION >= v"1.9"
         @testset "a hook's exception comes back with its message" begin
             Dpar.Model(7) do m
@@ -49,5 +175,405 @@ end
                 end
             end
         end
+    end
+
+    @testset "collectives over $n members" for n in 2:4
+        if !threads_for(n, "a group of $n members")
+            @test_skip Threads.nthreads() >= n
+        else
+            results = Dpar.CommGroup(n; timeout_seconds=60) do group
+                on_each_member(group, n) do c
+                    r = Dpar.rank(c)
+                    all_reduced = Dict()
+                    for T in DTYPES, op in OPS
+                        all_reduced[(T, op)] = Dpar.all_reduce!(c, zeros(T, 5), [contribution(T, r, i) for i in 1:5];
+                                                                op=op)
+                    end
+                    in_place = Dpar.all_reduce!(c, [contribution(Float64, r, i) for i in 1:5]; op=+)
+                    bcast = Dict(T => Dpar.broadcast!(c, fill(T(10r + 1), 3); root=n - 1) for T in DTYPES)
+                    reduced_max = Dict(T => Dpar.reduce!(c, r == 1 ? fill(T(-7), 4) : nothing,
+                                                         [contribution(T, r, i) for i in 1:4]; op=max, root=1)
+                                       for T in DTYPES)
+                    reduced_sum = Dpar.reduce!(c, fill(-7, 4), [contribution(Int64, r, i) for i in 1:4])
+                    gathered = Dict(T => Dpar.all_gather!(c, zeros(T, 3, n), T[100r + i for i in 1:3]) for T in DTYPES)
+                    # Block b of participant r holds 10 r + 3 b + e at element e: a wrong block or rank shows.
+                    blocks(T) = T[10r + 3b + e for e in 0:1, b in 0:n-1]
+                    scattered = Dict((T, op) => Dpar.reduce_scatter!(c, zeros(T, 2), blocks(T); op=op)
+                                     for T in DTYPES, op in (Dpar.SUM, Dpar.MEAN))
+                    if r == 0
+                        sleep(0.2)  # the others wait in the barrier by now, blocked inside dpar
+                        GC.gc()     # which stops every thread: those in dpar let it, being GC-safe
+                    end
+                    Dpar.barrier(c)
+                    (rank=r, size=Dpar.nranks(c), device=Dpar.device(c), all_reduced=all_reduced, in_place=in_place,
+                     bcast=bcast, reduced_max=reduced_max, reduced_sum=reduced_sum, gathered=gathered,
+                     scattered=scattered)
+                end
+            end
+            for (k, got) in enumerate(results)
+                r = k - 1
+                @test (got.rank, got.size, got.device) == (r, n, Dpar.DparDevice(0, 0))
+                for T in DTYPES, op in OPS
+                    @test got.all_reduced[(T, op)] == [reduced(T, op, n, i) for i in 1:5]
+                end
+                @test got.in_place == [reduced(Float64, Dpar.SUM, n, i) for i in 1:5]
+                for T in DTYPES
+                    @test got.bcast[T] == fill(T(10(n - 1) + 1), 3)
+                    @test got.reduced_max[T] == (r == 1 ? [reduced(T, Dpar.MAX, n, i) for i in 1:4] : nothing)
+                    @test got.gathered[T] == T[100p + i for i in 1:3, p in 0:n-1]
+                    for op in (Dpar.SUM, Dpar.MEAN)
+                        sums = [sum(T(10p + 3r + e) for p in 0:n-1) for e in 0:1]
+                        @test got.scattered[(T, op)] == (op == Dpar.SUM ? sums : [mean_of(T, s, n) for s in sums])
+                    end
+                end
+                # The root's recv gets the sum; the others' is left as it was.
+                @test got.reduced_sum == (r == 0 ? [reduced(Int64, Dpar.SUM, n, i) for i in 1:4] : fill(-7, 4))
+            end
+        end
+    end
+
+    @testset "a group on CPU devices: its buffers' device, and pointers" begin
+        if !threads_for(2, "a group of 2 members")
+            @test_skip Threads.nthreads() >= 2
+        else
+            results = Dpar.CommGroup(["cpu:0", Dpar.DparDevice(0, 1)]; timeout_seconds=60) do group
+                on_each_member(group, 2) do c
+                    r = Dpar.rank(c)
+                    x = fill(Float64(r + 1), 4)
+                    send, recv = Int32[r, 10r], zeros(Int32, 4)
+                    GC.@preserve x send recv begin
+                        Dpar.all_reduce!(c, pointer(x), length(x); op=Dpar.MAX)
+                        Dpar.all_gather!(c, pointer(recv), pointer(send), length(send))
+                    end
+                    (device=Dpar.device(c), x=x, gathered=recv)
+                end
+            end
+            for (k, got) in enumerate(results)
+                @test got.device == Dpar.DparDevice(0, k - 1)
+                @test got.x == fill(2.0, 4)
+                @test got.gathered == Int32[0, 0, 1, 10]
+            end
+        end
+    end
+
+    @testset "an abort releases every member and shows as an asynchronous error" begin
+        n = 3
+        if !threads_for(n, "a group of $n members")
+            @test_skip Threads.nthreads() >= n
+        else
+            results = Dpar.CommGroup(n; timeout_seconds=60) do group
+                on_each_member(group, n) do c
+                    before = Dpar.async_error(c)
+                    Dpar.barrier(c)  # every member asked before the abort
+                    Dpar.rank(c) == n - 1 && Dpar.abort(c, "the input pipeline died")
+                    err = try Dpar.barrier(c); nothing catch e; e end
+                    (before=before, err=err, after=Dpar.async_error(c))
+                end
+            end
+            for got in results
+                @test got.before === nothing
+                @test got.err isa DparError && got.err.status == Dpar.ERR_REMOTE
+                @test occursin("the input pipeline died", got.err.message)
+                @test got.after isa DparError && got.after.status == Dpar.ERR_REMOTE
+                @test occursin("participant $(n - 1) called dpar_comm_abort", got.after.message)
+            end
+        end
+    end
+
+    @testset "members that disagree all throw a mismatch naming the one that differs" begin
+        if !threads_for(2, "a group of 2 members")
+            @test_skip Threads.nthreads() >= 2
+        else
+            errs = Dpar.CommGroup(2; timeout_seconds=60) do group
+                on_each_member(group, 2) do c
+                    x = zeros(Float32, Dpar.rank(c) == 0 ? 100 : 200)
+                    try Dpar.all_reduce!(c, x); nothing catch e; e end
+                end
+            end
+            for err in errs
+                @test err isa DparError && err.status == Dpar.ERR_MISMATCH
+                @test occursin("all_reduce", err.message) && occursin("participant 1", err.message)
+            end
+        end
+    end
+
+    @testset "asynchronous work" begin
+        if !threads_for(2, "a group of 2 members")
+            @test_skip Threads.nthreads() >= 2
+        else
+            results = Dpar.CommGroup(2; timeout_seconds=60) do group
+                on_each_member(group, 2) do c
+                    r = Dpar.rank(c)
+                    a = fill(Float32(r + 1), 4096)
+                    v, vmax = fill(Int64(10(r + 1)), 4096), zeros(Int64, 4096)
+                    wa = Dpar.all_reduce_async!(c, a)
+                    wb = Dpar.all_reduce_async!(c, vmax, v; op=Dpar.MAX)
+                    wait(wb)
+                    a_done_first = isready(wa)  # they run in the order they were started
+                    wait(wa)
+                    a_done = isready(wa)
+                    # The work holds the array it writes: one that only the work refers to outlives a collection.
+                    w, weak = unreferenced_all_reduce(c, Float64(r + 1))
+                    GC.gc()
+                    kept = weak.value
+                    wait(w)
+                    bc = fill(Int32(r + 5), 3)
+                    wait(Dpar.broadcast_async!(c, bc; root=1))
+                    gathered = zeros(Float32, 2, 2)
+                    wait(Dpar.all_gather_async!(c, gathered, Float32[r, -r]))
+                    scattered = zeros(Float64, 2)
+                    wait(Dpar.reduce_scatter_async!(c, scattered, Float64[10r + 3b + e for e in 0:1, b in 0:1];
+                                                    op=Dpar.MEAN))
+                    x = Float32[r, r]
+                    GC.@preserve x wait(Dpar.all_reduce_async!(c, pointer(x), length(x); op=Dpar.MIN))
+                    closed = Dpar.all_reduce_async!(c, fill(1.0f0, 2))
+                    close(closed)  # waits for it
+                    close(closed)  # does nothing
+                    err = try wait(closed); nothing catch e; e end
+                    (a=a, vmax=vmax, a_done_first=a_done_first, a_done=a_done, kept=kept, bc=bc,
+                     gathered=gathered, scattered=scattered, x=x, err=err)
+                end
+            end
+            for (k, got) in enumerate(results)
+                r = k - 1
+                @test got.a == fill(3.0f0, 4096)
+                @test got.vmax == fill(20, 4096)
+                @test got.a_done_first && got.a_done
+                @test got.kept !== nothing && got.kept == fill(3.0, 1 << 16)
+                @test got.bc == fill(Int32(6), 3)
+                @test got.gathered == Float32[0 1; 0 -1]
+                @test got.scattered == [mean_of(Float64, 10 + 2 * (3r + e), 2) for e in 0:1]
+                @test got.x == Float32[0, 0]
+                @test got.err isa DparError && got.err.status == Dpar.ERR_INVALID_ARGUMENT
+                @test occursin("work", got.err.message)
+            end
+        end
+    end
+
+    @testset "the reducer sums what each member produced, in its own order, step after step" begin
+        n = Threads.nthreads() >= 4 ? 4 : 2
+        if !threads_for(n, "a group of $n members")
+            @test_skip Threads.nthreads() >= n
+        else
+            sizes = [300, 7, 1200, 64, 513]
+            results = Dpar.CommGroup(n; timeout_seconds=60) do group
+                on_each_member(group, n) do c
+                    r = Dpar.rank(c)
+                    grads = [zeros(Float32, s) for s in sizes]
+                    red = Dpar.Reducer(c, grads; first_bucket_bytes=256, bucket_cap_bytes=2048, op=Dpar.SUM)
+                    buckets = Dpar.num_buckets(red)
+                    steps = []
+                    for step in 0:2
+                        # Backward's order, and another on odd members. Member 1 has no data in step 1, and the last
+                        # member never produces gradient 1 (an unused parameter): a gradient never marked counts
+                        # as zeros, whatever its buffer holds.
+                        for k in (isodd(r) ? [2, 3, 4, 1, 0] : [4, 3, 2, 1, 0])
+                            if (r == 1 && step == 1) || (r == n - 1 && k == 1)
+                                fill!(grads[k + 1], NaN32)
+                                continue
+                            end
+                            fill!(grads[k + 1], grad_value(r, k, step))
+                            # Marked by the array, or by dpar's index.
+                            isodd(k) ? Dpar.grad_ready!(red, grads[k + 1]) : Dpar.grad_ready!(red, k)
+                        end
+                        wait(red)
+                        push!(steps, copy.(grads))
+                    end
+                    close(red)
+                    (buckets=buckets, steps=steps)
+                end
+            end
+            for got in results
+                @test got.buckets >= 3
+                for step in 0:2, k in 0:4
+                    total = sum(Float32[grad_value(p, k, step) for p in 0:n-1
+                                        if !(p == 1 && step == 1) && !(p == n - 1 && k == 1)])
+                    @test got.steps[step + 1][k + 1] == fill(total, sizes[k + 1])
+                end
+            end
+        end
+    end
+
+    @testset "the reducer holds its arrays, averages by default, and takes pointers on a group on devices" begin
+        if !threads_for(2, "a group of 2 members")
+            @test_skip Threads.nthreads() >= 2
+        else
+            results = Dpar.CommGroup(["cpu:0", "cpu:1"]; timeout_seconds=60) do group
+                on_each_member(group, 2) do c
+                    r = Dpar.rank(c)
+                    # An array that only the reducer refers to outlives a collection.
+                    red, weak = unreferenced_reducer(c, 100)
+                    GC.gc()
+                    g = weak.value
+                    g === nothing || fill!(g, r + 1)
+                    Dpar.grad_ready!(red, 0)
+                    wait(red)
+                    close(red)
+                    # Pointers with their counts, as a CuArray's would be over GPUs.
+                    bufs = [fill(Float32(r + 1), 7), fill(Float32(10(r + 1)), 15)]
+                    GC.@preserve bufs begin
+                        Dpar.Reducer(c, Ptr{Float32}[pointer(b) for b in bufs], length.(bufs); op=Dpar.SUM) do pr
+                            Dpar.grad_ready!(pr, 1)
+                            Dpar.grad_ready!(pr, 0)
+                            wait(pr)
+                        end
+                    end
+                    (mean=g, bufs=bufs)
+                end
+            end
+            for got in results
+                @test got.mean == fill(1.5f0, 100)
+                @test got.bufs == [fill(3.0f0, 7), fill(30.0f0, 15)]
+            end
+        end
+    end
+
+    @testset "collectives and the reducer refuse bad arguments with dpar's message" begin
+        @test throws_dpar(() -> Dpar.CommGroup(0), Dpar.ERR_INVALID_ARGUMENT, "size")
+        @test throws_dpar(() -> Dpar.CommGroup(2; timeout_seconds=-1), Dpar.ERR_INVALID_ARGUMENT, "timeout_seconds")
+        @test throws_dpar(() -> Dpar.CommGroup(["cpu:0", "cpu:1"]; streams=[C_NULL]), Dpar.ERR_INVALID_ARGUMENT,
+                          "streams: 1 streams for 2 devices")
+        @test throws_dpar(() -> Dpar.CommGroup(["cpu:0"]; streams=[Ptr{Cvoid}(UInt(0x1234))]),
+                          Dpar.ERR_INVALID_ARGUMENT, "streams[0]")
+        @test throws_dpar(() -> Dpar.CommGroup([Dpar.DparDevice(0, 0), Dpar.DparDevice(0, -1)]),
+                          Dpar.ERR_INVALID_ARGUMENT, "devices[1]")
+        Dpar.CommGroup(1; timeout_seconds=30) do g
+            @test throws_dpar(() -> Dpar.member(g, 1), Dpar.ERR_INVALID_ARGUMENT, "rank")
+            c = Dpar.member(g, 0)
+            x = Float32[1, 2, 3, 4]
+            @test throws_dpar(() -> Dpar.broadcast!(c, x; root=1), Dpar.ERR_INVALID_ARGUMENT, "root")
+            @test throws_dpar(() -> Dpar.reduce!(c, nothing, x; root=2), Dpar.ERR_INVALID_ARGUMENT, "root")
+            # Lengths are checked before any participant waits for the others.
+            @test throws_dpar(() -> Dpar.all_reduce!(c, zeros(Float32, 3), x), Dpar.ERR_INVALID_ARGUMENT,
+                              "recv: 3 elements, expected 4")
+            @test throws_dpar(() -> Dpar.all_gather!(c, zeros(Float32, 3), x), Dpar.ERR_INVALID_ARGUMENT,
+                              "recv: 3 elements, expected 4")
+            @test throws_dpar(() -> Dpar.reduce_scatter!(c, zeros(Float32, 2), Float32[1, 2, 3]),
+                              Dpar.ERR_INVALID_ARGUMENT, "send: 3 elements, expected 2")
+            @test throws_dpar(() -> Dpar.reduce_scatter_async!(c, zeros(Float32, 2), Float32[1, 2, 3]),
+                              Dpar.ERR_INVALID_ARGUMENT, "send: 3 elements, expected 2")
+            @test throws_dpar(() -> Dpar.broadcast_async!(c, x; root=1), Dpar.ERR_INVALID_ARGUMENT, "root")
+            grad, other = zeros(Float32, 4), zeros(Float32, 4)
+            @test throws_dpar(() -> Dpar.Reducer(c, [grad]; op=Dpar.MAX), Dpar.ERR_INVALID_ARGUMENT, "opts.op")
+            @test throws_dpar(() -> GC.@preserve(grad, other, Dpar.Reducer(c, [pointer(grad), pointer(other)], [4, 0])),
+                              Dpar.ERR_INVALID_ARGUMENT, "counts[1]")
+            @test throws_dpar(() -> Dpar.Reducer(c, [grad, grad]), Dpar.ERR_INVALID_ARGUMENT, "overlap")
+            @test throws_dpar(() -> Dpar.Reducer(c, [pointer(grad)], [4, 4]), Dpar.ERR_INVALID_ARGUMENT,
+                              "counts: 2 elements, expected 1")
+            Dpar.Reducer(c, [grad]) do red
+                Dpar.grad_ready!(red, 0)
+                @test throws_dpar(() -> Dpar.grad_ready!(red, grad), Dpar.ERR_INVALID_STATE, "twice")
+                @test throws_dpar(() -> Dpar.grad_ready!(red, 1), Dpar.ERR_INVALID_ARGUMENT, "out of range")
+                @test throws_dpar(() -> Dpar.grad_ready!(red, other), Dpar.ERR_INVALID_ARGUMENT,
+                                  "not one of the reducer's buffers")
+                wait(red)  # the step went on
+            end
+            red = Dpar.Reducer(c, [grad])
+            close(red)
+            @test throws_dpar(() -> wait(red), Dpar.ERR_INVALID_ARGUMENT, "reducer")
+            # The communicator still works after the refusals, and a group of one is the identity.
+            @test Dpar.all_reduce!(c, copy(x); op=Dpar.MEAN) == x
+            @test (Dpar.rank(c), Dpar.nranks(c)) == (0, 1)
+            close(c)
+            @test throws_dpar(() -> Dpar.barrier(c), Dpar.ERR_INVALID_ARGUMENT, "comm")
+            close(c)  # a second close does nothing
+        end
+    end
+
+    @testset "datasets and the loader" begin
+        mktempdir() do dir
+            images, labels = write_dataset(dir)
+            Dpar.Dataset(images, labels) do d
+                @test Dpar.info(d) == (samples=10, features=6, classes=4)
+                # In order: the plain pass over the samples, 4 at a time, the last batch short.
+                plain = Dpar.Loader(d, 4) do l
+                    @test Dpar.num_batches(l) == 3
+                    got = copies(l)
+                    @test isempty(copies(l))  # the epoch is over until another starts
+                    @test copies(Dpar.start_epoch!(l, 1)) == got  # without shuffle every epoch is the same
+                    got
+                end
+                @test [size(x, 2) for (x, _) in plain] == [4, 4, 2]
+                @test reduce(hcat, first.(plain)) == reduce(hcat, pixels.(0:9))
+                @test reduce(vcat, last.(plain)) == label.(0:9)
+                Dpar.Loader(d, 4; drop_last=true) do l
+                    @test Dpar.num_batches(l) == 2
+                    @test [size(x, 2) for (x, _) in copies(l)] == [4, 4]
+                end
+                # Shuffled: each epoch a permutation of the samples, each label with its sample.
+                shuffled = Dpar.Loader(d, 4; shuffle=true, seed=3) do l
+                    [copies(Dpar.start_epoch!(l, epoch)) for epoch in 0:1]
+                end
+                for epoch in shuffled
+                    xs, ys = reduce(hcat, first.(epoch)), reduce(vcat, last.(epoch))
+                    order = [sample_of(xs[:, k]) for k in 1:size(xs, 2)]
+                    @test sort(order) == 0:9
+                    @test xs == reduce(hcat, pixels.(order)) && ys == label.(order)
+                end
+                @test shuffled[1] != shuffled[2]
+                # The order is a function of (seed, epoch) alone; batches prepared ahead on a device are the same,
+                # bit for bit.
+                Dpar.Loader(d, 4; shuffle=true, seed=3) do l
+                    Dpar.to_device!(l, "cpu:0")
+                    @test [copies(Dpar.start_epoch!(l, epoch)) for epoch in 0:1] == shuffled
+                end
+                # Two shards of each batch make the batch.
+                parts = [Dpar.Loader(l -> copies(Dpar.shard!(l, s, 2)), d, 4; shuffle=true, seed=3) for s in 0:1]
+                @test length(parts[1]) == length(parts[2]) == 3
+                for b in 1:3
+                    @test hcat(parts[1][b][1], parts[2][b][1]) == shuffled[1][b][1]
+                    @test vcat(parts[1][b][2], parts[2][b][2]) == shuffled[1][b][2]
+                end
+                # A borrowed batch trains an engine as a copy of it does.
+                losses = map((true, false)) do borrowed
+                    Dpar.Model(5) do m
+                        Dpar.linear!(m, 6, 4)
+                        Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do e
+                            Dpar.Loader(d, 4) do l
+                                [borrowed ? Dpar.train_step!(e, x, y) :
+                                            Dpar.train_step!(e, Dpar.Tensor(Array(x)), Dpar.Tensor(Array(y)))
+                                 for (x, y) in l]
+                            end
+                        end
+                    end
+                end
+                @test length(losses[1]) == 3 && losses[1] == losses[2]
+                # Bad arguments.
+                @test throws_dpar(() -> Dpar.Loader(d, 0), Dpar.ERR_INVALID_ARGUMENT, "batch_size")
+                @test throws_dpar(() -> Dpar.Loader(d, 11; drop_last=true), Dpar.ERR_INVALID_ARGUMENT, "batch_size")
+                Dpar.Loader(d, 4) do l
+                    @test throws_dpar(() -> Dpar.shard!(l, 2, 2), Dpar.ERR_INVALID_ARGUMENT, "shard")
+                    @test throws_dpar(() -> Dpar.shard!(l, 0, 5), Dpar.ERR_INVALID_ARGUMENT, "num_shards")
+                    @test throws_dpar(() -> Dpar.to_device!(l, Dpar.DparDevice(7, 0)), Dpar.ERR_INVALID_ARGUMENT,
+                                      "device")
+                    x, _ = first(l)
+                    close(l)
+                    @test throws_dpar(() -> Array(x), Dpar.ERR_INVALID_ARGUMENT, "tensor")  # its loader is gone
+                    @test throws_dpar(() -> Dpar.num_batches(l), Dpar.ERR_INVALID_ARGUMENT, "loader")
+                end
+                @test throws_dpar(() -> Dpar.normalize!(d, 0, 0), Dpar.ERR_INVALID_ARGUMENT, "std")
+                # Standardised: (x - mean) / std, every feature.
+                Dpar.normalize!(d, 0.5, 0.25)
+                Dpar.Loader(d, SAMPLES) do l
+                    x, _ = first(copies(l))
+                    @test x == reduce(hcat, [(pixels(i) .- 0.5f0) ./ 0.25f0 for i in 0:9])
+                end
+            end
+            missing_images = joinpath(dir, "missing-images-idx3-ubyte")
+            @test throws_dpar(() -> Dpar.Dataset(missing_images, labels), Dpar.ERR_IO, missing_images)
+            garbage = joinpath(dir, "garbage")
+            write(garbage, "GIF89a and so on, not an IDX file")
+            @test throws_dpar(() -> Dpar.Dataset(garbage, labels), Dpar.ERR_CORRUPT, garbage)
+        end
+    end
+
+    @testset "the option structs have the library's layout" begin
+        o = Ref(Dpar.CommOptions(0, 0, 0))
+        @test ccall((:dpar_comm_options_init, libdpar), Int32, (Ptr{Dpar.CommOptions},), o) == Dpar.OK
+        @test (o[].size, o[].version, o[].timeout_seconds) == (sizeof(Dpar.CommOptions), Dpar.COMM_OPTIONS_VERSION, 300)
+        r = Ref(Dpar.ReducerOptions(0, 0, 0, 0, 0))
+        @test ccall((:dpar_reducer_options_init, libdpar), Int32, (Ptr{Dpar.ReducerOptions},), r) == Dpar.OK
+        @test (r[].size, r[].version, r[].op) == (sizeof(Dpar.ReducerOptions), Dpar.REDUCER_OPTIONS_VERSION,
+                                                     Int32(Dpar.MEAN))
     end
 end
