@@ -322,7 +322,10 @@ typedef struct dpar_custom_call {
 
 /**
  * @brief A custom layer's forward or backward. It runs on the replica's worker thread; replicas call it
- * concurrently, each with its own tensors. Write outputs in place through dpar_tensor_data(). Return ::DPAR_OK,
+ * concurrently, each with its own tensors. Write outputs in place through dpar_tensor_data(). On a GPU replica the
+ * tensors are that GPU's memory: dpar's work on them has finished when the callback starts, and the callback's own
+ * device work must have finished when it returns; reach them through dpar_tensor_to_dlpack() (a kDLCUDA tensor),
+ * or dpar_tensor_copy_to_host() and dpar_tensor_copy_from_host(). Return ::DPAR_OK,
  * or an error status (best through dpar_set_error(), with a message), which fails the engine call with a message
  * naming the layer and carrying the callback's own message.
  */

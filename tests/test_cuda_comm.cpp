@@ -66,7 +66,7 @@ TEST_P(CudaDeviceGroupTest, MatchesTheThreadsBackend) {
   const auto status = run_threads(n, [&](int r) {
     DPAR_CUDA_CHECK(cudaSetDevice(0), "thread device");
     cudaStream_t stream;
-    DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    DPAR_CUDA_CHECK(cudaStreamCreate(&stream), "stream");  // blocking: ordered with the legacy-stream uploads
     {
       auto comm = group.communicator(r, stream);
       auto ref = reference.communicator(r);
@@ -114,7 +114,7 @@ TEST_P(CudaDeviceGroupTest, MismatchIsReportedByEveryParticipant) {
   const auto status = run_threads(n, [&](int r) {
     DPAR_CUDA_CHECK(cudaSetDevice(0), "thread device");
     cudaStream_t stream;
-    DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    DPAR_CUDA_CHECK(cudaStreamCreate(&stream), "stream");  // blocking: ordered with the legacy-stream uploads
     struct StreamGuard {
       cudaStream_t s;
       ~StreamGuard() { cudaStreamDestroy(s); }
@@ -157,7 +157,7 @@ TEST(NcclGroupTest, AllReduceSumAndBroadcastMatchTheThreadsBackend) {
   const auto status = run_threads(n, [&](int r) {
     DPAR_CUDA_CHECK(cudaSetDevice(r), "thread device");
     cudaStream_t stream;
-    DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    DPAR_CUDA_CHECK(cudaStreamCreate(&stream), "stream");  // blocking: ordered with the legacy-stream uploads
     {
       auto comm = group.communicator(r, stream);
       auto ref = reference.communicator(r);

@@ -100,7 +100,9 @@ class CudaKernels : public ::testing::Test {
   void SetUp() override {
     DPAR_REQUIRE_GPU();
     DPAR_CUDA_CHECK(cudaSetDevice(0), "test device");
-    DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "test stream");
+    // A blocking stream: the tests' uploads and downloads (cudaMemcpy, on the legacy stream) are ordered with
+    // the kernels on it both ways, as a non-blocking stream's would not be.
+    DPAR_CUDA_CHECK(cudaStreamCreate(&stream_), "test stream");
     DPAR_CUBLAS_CHECK(cublasCreate(&blas_), "test handle");
     DPAR_CUBLAS_CHECK(cublasSetStream(blas_, stream_), "test handle");
   }

@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "backend/cpu/cpu_backend.h"
 #include "comm/threads_comm.h"
+#include "device/worker_pool.h"
 #include "engine/engine.h"
 #include "kernels/cpu/kernels.h"
 
@@ -537,6 +538,29 @@ TEST(Checkpoint, CorruptOrTruncatedFileIsRefusedAndChangesNothing) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Failures on one worker reach the caller; the others do not deadlock
+
+// A worker whose start failed (on a GPU: its device could not be made current) must not end the process: each of
+// its jobs fails with the start's exception, and the other workers work.
+TEST(Faults, AWorkerThatCouldNotStartFailsItsJobsWithTheReason) {
+  WorkerPool pool(3, [](size_t w) {
+    if (w == 1) fail(DPAR_ERR_DEVICE, "worker 1 could not make its device current");
+  });
+  std::atomic<int> ran{0};
+  for (int call = 0; call < 2; ++call) {
+    const auto errors = pool.run_all([&](size_t) { ++ran; });
+    ASSERT_EQ(errors.size(), 3u);
+    EXPECT_EQ(errors[0], nullptr);
+    EXPECT_EQ(errors[2], nullptr);
+    ASSERT_NE(errors[1], nullptr);
+    try {
+      std::rethrow_exception(errors[1]);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), DPAR_ERR_DEVICE);
+      EXPECT_NE(std::string(e.what()).find("worker 1 could not make its device current"), std::string::npos);
+    }
+  }
+  EXPECT_EQ(ran.load(), 4) << "the two workers that started ran every job";
+}
 
 TEST(Faults, FailureOnOneWorkerIsReportedAndEngineStaysUsable) {
   for (Fault fault : {Fault::kAlloc, Fault::kForward, Fault::kBackward}) {

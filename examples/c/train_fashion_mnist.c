@@ -54,8 +54,8 @@ static double evaluate(dpar_engine *engine, const dpar_dataset *test, size_t bat
   dpar_loader *loader = NULL;
   CHECK(dpar_loader_create(&loader, test, batch, 0, 0, 0));
   CHECK(dpar_engine_set_training(engine, 0));
-  size_t correct = 0, seen = 0;
-  float *logits = NULL;
+  size_t correct = 0, seen = 0, capacity = 0;
+  float *logits = NULL;  // the gathered output, copied to the host (on a GPU engine it lives on the output GPU)
   for (;;) {
     int32_t more = 0;
     CHECK(dpar_loader_next(&more, loader));
@@ -66,10 +66,19 @@ static double evaluate(dpar_engine *engine, const dpar_dataset *test, size_t bat
     int64_t shape[DPAR_MAX_DIMS];
     size_t ndim = 0;
     CHECK(dpar_tensor_shape(shape, &ndim, out, DPAR_MAX_DIMS));
-    void *labels_ptr = NULL, *logits_ptr = NULL;
-    CHECK(dpar_tensor_data(&labels_ptr, (dpar_tensor *)y));
-    CHECK(dpar_tensor_data(&logits_ptr, out));
-    logits = logits_ptr;
+    const size_t count = (size_t)(shape[0] * shape[1]);
+    if (count > capacity) {
+      float *grown = realloc(logits, count * sizeof(float));
+      if (!grown) {
+        fprintf(stderr, "out of memory for %zu logits\n", count);
+        exit(1);
+      }
+      logits = grown;
+      capacity = count;
+    }
+    CHECK(dpar_tensor_copy_to_host(logits, out, count * sizeof(float)));
+    void *labels_ptr = NULL;
+    CHECK(dpar_tensor_data(&labels_ptr, (dpar_tensor *)y));  // the test loader's batches are host memory
     const int32_t *labels = labels_ptr;
     for (int64_t i = 0; i < shape[0]; ++i) {
       int64_t best = 0;
@@ -81,6 +90,7 @@ static double evaluate(dpar_engine *engine, const dpar_dataset *test, size_t bat
     dpar_tensor_free(out);
   }
   CHECK(dpar_engine_set_training(engine, 1));
+  free(logits);
   dpar_loader_free(loader);
   return (double)correct / (double)seen;
 }

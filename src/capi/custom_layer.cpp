@@ -68,6 +68,7 @@ class CustomLayer final : public Layer {
     dpar_custom_call call = base_call(ctx);
     call.input = in_.set(in);
     call.output = out_.set(out);
+    ctx.stream->synchronize();  // the callback reads what the replica's queued work writes (on a GPU)
     invoke(desc_->forward, call, "forward");
   }
 
@@ -89,6 +90,7 @@ class CustomLayer final : public Layer {
       for (size_t i = 0; i < grad_tensors_.size(); ++i) grad_ptrs_[i] = grad_views_[i].set(grad_tensors_[i]);
     }
     call.grads = grad_ptrs_.data();
+    ctx.stream->synchronize();
     invoke(desc_->backward, call, "backward");
     if (accumulate)
       for (size_t i = 0; i < scratch_.size(); ++i) ctx.stream->axpy(grads_[i], scratch_[i].f32(), 1.0f, scratch_[i].numel());

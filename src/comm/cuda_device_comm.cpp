@@ -62,7 +62,7 @@ class CudaDeviceCommunicator final : public Communicator {
   }
   ~CudaDeviceCommunicator() override {
     stop_async();
-    cuda::DeviceScope scope(device_);
+    cuda::DeviceScope scope(device_, std::nothrow);
     // Queued work may still read the tables: let this participant's stream finish first.
     cudaStreamSynchronize(stream_);
     cudaFree(table_);

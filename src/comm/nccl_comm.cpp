@@ -47,13 +47,60 @@ ncclRedOp_t nccl_op(CommDType dtype, ReduceOp op) {
   fail(DPAR_ERR_INVALID_ARGUMENT, "nccl: unknown reduce op ", static_cast<int>(op));
 }
 
+}  // namespace
+
+// The NCCL communicators of one process that fail together: a group's (one per GPU), or a process's single rank.
+// When one participant fails, every one is aborted: a healthy rank's kernels would otherwise wait for the dead one
+// forever. The lock keeps a communicator alive while a participant uses it, so that an abort from another thread
+// never frees it under a call.
+class NcclComms {
+ public:
+  explicit NcclComms(std::vector<ncclComm_t> comms) : comms_(std::move(comms)) {}
+  ~NcclComms() {
+    for (ncclComm_t c : comms_)
+      if (c != nullptr) ncclCommDestroy(c);
+  }
+  NcclComms(const NcclComms&) = delete;
+  NcclComms& operator=(const NcclComms&) = delete;
+
+  // Runs use(comm) with communicator `index`; false (use not run) once they have been aborted.
+  template <class F>
+  bool with(size_t index, F&& use) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (comms_[index] == nullptr) return false;
+    use(comms_[index]);
+    return true;
+  }
+  // Aborts every communicator (ncclCommAbort ends their kernels and frees them), once; the first reason stays.
+  void abort(const std::string& reason) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (reason_.empty()) reason_ = reason;
+    for (ncclComm_t& c : comms_) {
+      if (c != nullptr) ncclCommAbort(c);
+      c = nullptr;
+    }
+  }
+  std::string reason() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return reason_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<ncclComm_t> comms_;
+  std::string reason_;
+};
+
+namespace {
+
 class NcclCommunicator final : public Communicator {
  public:
-  // host: the in-process group that agrees fingerprints (null across processes). owns_comm: destroy comm after.
-  NcclCommunicator(ncclComm_t comm, bool owns_comm, ThreadGroup* host, int rank, int size, int device,
+  // comms: the communicators that fail together, this participant's at `index`. host: the in-process group that
+  // agrees fingerprints (null across processes).
+  NcclCommunicator(std::shared_ptr<NcclComms> comms, size_t index, ThreadGroup* host, int rank, int size, int device,
                    cudaStream_t compute, std::string name, std::chrono::duration<double> timeout)
-      : comm_(comm), owns_comm_(owns_comm), host_(host), rank_(rank), size_(size), device_(device), compute_(compute),
-        name_(std::move(name)), timeout_(timeout) {
+      : comms_(std::move(comms)), index_(index), host_(host), rank_(rank), size_(size), device_(device),
+        compute_(compute), name_(std::move(name)), timeout_(timeout) {
     if (host_ != nullptr) host_comm_ = host_->communicator(rank);
     cuda::DeviceScope scope(device_);
     DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking), name_, ": communication stream");
@@ -80,31 +127,31 @@ class NcclCommunicator final : public Communicator {
   void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override {
     const ncclRedOp_t nop = nccl_op(dtype, op);
     collective("all_reduce", {0, kAllReduce, (int64_t)count, (int64_t)dtype, (int64_t)op, 0}, [&] {
-      DPAR_NCCL_CHECK(ncclAllReduce(send, recv, count, nccl_type(dtype), nop, comm_, comm_stream_), name_);
+      nccl("ncclAllReduce", [&](ncclComm_t c) { return ncclAllReduce(send, recv, count, nccl_type(dtype), nop, c, comm_stream_); });
     });
   }
   void broadcast(void* buffer, size_t count, CommDType dtype, int root) override {
     check_root("broadcast", root);
     collective("broadcast", {0, kBroadcast, (int64_t)count, (int64_t)dtype, 0, root}, [&] {
-      DPAR_NCCL_CHECK(ncclBroadcast(buffer, buffer, count, nccl_type(dtype), root, comm_, comm_stream_), name_);
+      nccl("ncclBroadcast", [&](ncclComm_t c) { return ncclBroadcast(buffer, buffer, count, nccl_type(dtype), root, c, comm_stream_); });
     });
   }
   void reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root) override {
     check_root("reduce", root);
     const ncclRedOp_t nop = nccl_op(dtype, op);
     collective("reduce", {0, kReduce, (int64_t)count, (int64_t)dtype, (int64_t)op, root}, [&] {
-      DPAR_NCCL_CHECK(ncclReduce(send, recv, count, nccl_type(dtype), nop, root, comm_, comm_stream_), name_);
+      nccl("ncclReduce", [&](ncclComm_t c) { return ncclReduce(send, recv, count, nccl_type(dtype), nop, root, c, comm_stream_); });
     });
   }
   void all_gather(const void* send, void* recv, size_t count, CommDType dtype) override {
     collective("all_gather", {0, kAllGather, (int64_t)count, (int64_t)dtype, 0, 0}, [&] {
-      DPAR_NCCL_CHECK(ncclAllGather(send, recv, count, nccl_type(dtype), comm_, comm_stream_), name_);
+      nccl("ncclAllGather", [&](ncclComm_t c) { return ncclAllGather(send, recv, count, nccl_type(dtype), c, comm_stream_); });
     });
   }
   void reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override {
     const ncclRedOp_t nop = nccl_op(dtype, op);
     collective("reduce_scatter", {0, kReduceScatter, (int64_t)count, (int64_t)dtype, (int64_t)op, 0}, [&] {
-      DPAR_NCCL_CHECK(ncclReduceScatter(send, recv, count, nccl_type(dtype), nop, comm_, comm_stream_), name_);
+      nccl("ncclReduceScatter", [&](ncclComm_t c) { return ncclReduceScatter(send, recv, count, nccl_type(dtype), nop, c, comm_stream_); });
     });
   }
   void barrier(const char* operation) override {
@@ -141,12 +188,15 @@ class NcclCommunicator final : public Communicator {
       const dpar_status host = host_comm_->async_error(reason);
       if (host != DPAR_OK) return host;
     }
-    // NCCL's own errors between collectives. A collective in flight polls them itself (and may replace comm_), so
-    // only an idle communicator is asked here.
+    // NCCL's own errors between collectives (a collective in flight polls them itself), and another participant's
+    // failure, which aborted this one's NCCL communicator too.
     std::unique_lock<std::mutex> idle(call_mutex_, std::try_to_lock);
-    if (idle.owns_lock() && comm_ != nullptr) {
-      ncclResult_t async = ncclSuccess;
-      const ncclResult_t got = ncclCommGetAsyncError(comm_, &async);
+    if (idle.owns_lock()) {
+      ncclResult_t got = ncclSuccess, async = ncclSuccess;
+      if (!comms_->with(index_, [&](ncclComm_t c) { got = ncclCommGetAsyncError(c, &async); })) {
+        *reason = detail::concat(name_, " cannot run collectives: ", comms_->reason());
+        return DPAR_ERR_REMOTE;
+      }
       const ncclResult_t bad = got != ncclSuccess ? got : async;
       if (bad != ncclSuccess && bad != ncclInProgress) {
         *reason = detail::concat(name_, ": ncclCommGetAsyncError: ", ncclGetErrorString(bad));
@@ -157,15 +207,9 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
-  // The communicator's CUDA and NCCL resources, with its device current.
+  // The communicator's CUDA resources, with its device current. (Its NCCL communicator goes with comms_.)
   void release() noexcept {
     if (!broken_) cudaStreamSynchronize(comm_stream_);
-    if (owns_comm_ && comm_ != nullptr) {
-      if (broken_)
-        ncclCommAbort(comm_);
-      else
-        ncclCommDestroy(comm_);
-    }
     if (records_ != nullptr) cudaFree(records_);
     cudaEventDestroy(ready_);
     cudaEventDestroy(done_);
@@ -183,9 +227,13 @@ class NcclCommunicator final : public Communicator {
       if (!contributes)
         DPAR_CUDA_CHECK(cudaMemsetAsync(buffer, 0, count * sizeof(float), comm_stream_), operation, ": ", name_);
       if (root < 0)
-        DPAR_NCCL_CHECK(ncclAllReduce(buffer, buffer, count, ncclFloat32, ncclSum, comm_, comm_stream_), name_);
+        nccl("ncclAllReduce", [&](ncclComm_t c) {
+          return ncclAllReduce(buffer, buffer, count, ncclFloat32, ncclSum, c, comm_stream_);
+        });
       else
-        DPAR_NCCL_CHECK(ncclReduce(buffer, buffer, count, ncclFloat32, ncclSum, root, comm_, comm_stream_), name_);
+        nccl("ncclReduce", [&](ncclComm_t c) {
+          return ncclReduce(buffer, buffer, count, ncclFloat32, ncclSum, root, c, comm_stream_);
+        });
       if (scale != 1.0f && (root < 0 || root == rank_))
         kernels::cuda::scale(buffer, scale, static_cast<int64_t>(count), comm_stream_);
     });
@@ -197,15 +245,18 @@ class NcclCommunicator final : public Communicator {
     DPAR_ENFORCE(!broken_, DPAR_ERR_INVALID_STATE, operation, ": ", name_,
                  "'s NCCL communicator was aborted by an earlier failure; create a new one");
     if (aborted_.load()) remote_failure(operation);
+    check_host_group(operation);
     cuda::DeviceScope scope(device_);
     mine.seq = ++seq_;
     agree(operation, mine);
-    // Order: compute stream (inputs) -> communication stream (NCCL) -> compute stream (later work).
+    // The inputs: the communication stream waits for everything queued on the compute stream so far. The result:
+    // this call returns once the host has seen it complete (wait), so whatever reads it is queued after it on any
+    // stream. The compute stream is not made to wait on the GPU as well: that would hold back the backward kernels
+    // queued meanwhile, which are what the collective overlaps with.
     DPAR_CUDA_CHECK(cudaEventRecord(ready_, compute_), operation, ": ", name_);
     DPAR_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ready_, 0), operation, ": ", name_);
     enqueue();
     DPAR_CUDA_CHECK(cudaEventRecord(done_, comm_stream_), operation, ": ", name_);
-    DPAR_CUDA_CHECK(cudaStreamWaitEvent(compute_, done_, 0), operation, ": ", name_);
     wait(operation);
   }
 
@@ -217,8 +268,9 @@ class NcclCommunicator final : public Communicator {
     } else {
       DPAR_CUDA_CHECK(cudaMemcpyAsync(records_ + rank_, &mine, sizeof(Record), cudaMemcpyHostToDevice, comm_stream_),
                       operation, ": fingerprint");
-      DPAR_NCCL_CHECK(ncclAllGather(records_ + rank_, records_, kRecordWords, ncclInt64, comm_, comm_stream_),
-                      operation, " (fingerprints): ", name_);
+      nccl("ncclAllGather (fingerprints)", [&](ncclComm_t c) {
+        return ncclAllGather(records_ + rank_, records_, kRecordWords, ncclInt64, c, comm_stream_);
+      });
       DPAR_CUDA_CHECK(cudaEventRecord(done_, comm_stream_), operation, ": ", name_);
       wait(operation);
       DPAR_CUDA_CHECK(cudaMemcpy(all.data(), records_, sizeof(Record) * size_, cudaMemcpyDeviceToHost), operation,
@@ -237,7 +289,8 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
-  // Until done_ has completed: polls NCCL's asynchronous errors, abort() and the deadline.
+  // Until done_ has completed: polls NCCL's asynchronous errors, abort() (here, or of the in-process group), the
+  // other participants' failures and the deadline. Any failure aborts every communicator of comms_.
   void wait(const char* operation) {
     const auto deadline = timeout_.count() > 3.0e9
                               ? Clock::time_point::max()
@@ -246,27 +299,26 @@ class NcclCommunicator final : public Communicator {
       const cudaError_t q = cudaEventQuery(done_);
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady) {
-        broken_ = true;
+        give_up(detail::concat(name_, "'s device failed: ", cudaGetErrorString(q)));
         cuda::fail_cuda(q, "cudaEventQuery", detail::concat(operation, ": ", name_));
       }
-      ncclResult_t async = ncclSuccess;
-      const ncclResult_t got = ncclCommGetAsyncError(comm_, &async);
-      if (got != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
+      ncclResult_t got = ncclSuccess, async = ncclSuccess;
+      if (!comms_->with(index_, [&](ncclComm_t c) { got = ncclCommGetAsyncError(c, &async); })) {
         broken_ = true;
-        ncclCommAbort(comm_);
-        comm_ = nullptr;
-        cuda::fail_nccl(got != ncclSuccess ? got : async, "ncclCommGetAsyncError", detail::concat(operation, ": ", name_));
+        fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", comms_->reason());
+      }
+      if (got != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
+        const ncclResult_t bad = got != ncclSuccess ? got : async;
+        give_up(detail::concat(name_, ": ncclCommGetAsyncError: ", ncclGetErrorString(bad)));
+        cuda::fail_nccl(bad, "ncclCommGetAsyncError", detail::concat(operation, ": ", name_));
       }
       if (aborted_.load()) {
-        broken_ = true;
-        ncclCommAbort(comm_);
-        comm_ = nullptr;
+        give_up(detail::concat(name_, " was aborted"));
         remote_failure(operation);
       }
+      check_host_group(operation);
       if (Clock::now() >= deadline) {
-        broken_ = true;
-        ncclCommAbort(comm_);
-        comm_ = nullptr;
+        give_up(detail::concat(name_, "'s ", operation, " did not finish within ", timeout_.count(), " s"));
         fail(DPAR_ERR_TIMEOUT, operation, ": ", name_, "'s NCCL operation did not finish within ", timeout_.count(),
              " s (a participant did not arrive, or the transport stalled); the communicator was aborted");
       }
@@ -274,13 +326,39 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  // This participant cannot go on: neither can the others, whose kernels may be waiting for it.
+  void give_up(const std::string& why) {
+    broken_ = true;
+    comms_->abort(why);
+  }
+
+  // The in-process group's abort (another participant's, or the engine's) stops this participant too.
+  void check_host_group(const char* operation) {
+    std::string why;
+    if (host_comm_ == nullptr || host_comm_->async_error(&why) == DPAR_OK) return;
+    give_up(why);
+    fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", why);
+  }
+
+  // One NCCL call on this participant's communicator; it fails with Error(REMOTE) once the communicators were
+  // aborted.
+  template <class Call>
+  void nccl(const char* what, Call call) {
+    ncclResult_t r = ncclSuccess;
+    if (!comms_->with(index_, [&](ncclComm_t c) { r = call(c); })) {
+      broken_ = true;
+      fail(DPAR_ERR_REMOTE, what, ": ", name_, " stopped because ", comms_->reason());
+    }
+    DPAR_NCCL_CHECK(r, what, ": ", name_);
+  }
+
   [[noreturn]] void remote_failure(const char* operation) {
     std::lock_guard<std::mutex> lock(abort_mutex_);
     fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", abort_reason_);
   }
 
-  ncclComm_t comm_;
-  bool owns_comm_;
+  std::shared_ptr<NcclComms> comms_;
+  size_t index_;
   ThreadGroup* host_;
   std::unique_ptr<Communicator> host_comm_;
   int rank_, size_, device_;
@@ -308,20 +386,18 @@ NcclGroup::NcclGroup(std::vector<int> devices, std::vector<std::string> names, s
     for (size_t j = 0; j < i; ++j)
       DPAR_CHECK_ARG(devices_[i] != devices_[j], "nccl group: device ", devices_[i],
                      " is named twice (NCCL refuses two ranks on one GPU: use the CUDA device group)");
-  comms_.assign(devices_.size(), nullptr);
-  DPAR_NCCL_CHECK(ncclCommInitAll(comms_.data(), static_cast<int>(devices_.size()), devices_.data()),
+  std::vector<ncclComm_t> comms(devices_.size(), nullptr);
+  DPAR_NCCL_CHECK(ncclCommInitAll(comms.data(), static_cast<int>(devices_.size()), devices_.data()),
                   "nccl group of ", devices_.size(), " GPUs");
+  comms_ = std::make_shared<NcclComms>(std::move(comms));
 }
 
-NcclGroup::~NcclGroup() {
-  for (auto c : comms_)
-    if (c != nullptr) (host_.aborted() ? ncclCommAbort(c) : ncclCommDestroy(c));
-}
+NcclGroup::~NcclGroup() = default;
 
 std::unique_ptr<Communicator> NcclGroup::communicator(int rank, cudaStream_t compute_stream) {
   DPAR_CHECK_ARG(rank >= 0 && rank < size(), "nccl group: rank ", rank, " out of range");
-  return std::make_unique<NcclCommunicator>(comms_[rank], false, &host_, rank, size(), devices_[rank], compute_stream,
-                                            host_.name(rank), timeout_);
+  return std::make_unique<NcclCommunicator>(comms_, static_cast<size_t>(rank), &host_, rank, size(), devices_[rank],
+                                            compute_stream, host_.name(rank), timeout_);
 }
 
 std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int nranks, int rank, int device,
@@ -331,13 +407,9 @@ std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int
   cuda::DeviceScope scope(device);
   ncclComm_t comm = nullptr;
   DPAR_NCCL_CHECK(ncclCommInitRank(&comm, nranks, id, rank), name, ": rank ", rank, " of ", nranks);
-  try {
-    return std::make_unique<NcclCommunicator>(comm, true, nullptr, rank, nranks, device, compute_stream,
-                                              std::move(name), timeout);
-  } catch (...) {
-    ncclCommDestroy(comm);
-    throw;
-  }
+  auto comms = std::make_shared<NcclComms>(std::vector<ncclComm_t>{comm});  // destroys it, whatever follows
+  return std::make_unique<NcclCommunicator>(std::move(comms), 0, nullptr, rank, nranks, device, compute_stream,
+                                            std::move(name), timeout);
 }
 
 }  // namespace dpar

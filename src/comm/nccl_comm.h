@@ -2,15 +2,19 @@
 // process (nccl_rank_communicator, ncclCommInitRank with a unique id the caller distributes, e.g. through MPI).
 //
 // Streams. A participant is built with its replica's compute stream. Each collective makes the communicator's own
-// communication stream wait for an event recorded on the compute stream (the inputs are complete), queues the NCCL
-// call there, records an event that the compute stream then waits for (work queued later sees the result).
+// communication stream wait for an event recorded on the compute stream (the inputs are complete) and queues the
+// NCCL call there. It returns once the host has seen the call complete, so work queued after it on any stream sees
+// the result; the compute stream itself never waits for the communication stream, so that the kernels queued on
+// it meanwhile (the rest of backward) run beside the collective.
 //
 // Blocking and errors, not hangs. A collective returns when its NCCL work has finished on the GPU: it waits for the
-// completion event by polling, and meanwhile polls ncclCommGetAsyncError (a failed peer or network shows there)
-// and abort(). A collective that has not finished within the timeout is aborted (ncclCommAbort) and throws
-// Error(TIMEOUT) naming the operation; an asynchronous NCCL error throws its Error (COMMUNICATION, REMOTE, ...);
-// abort() makes a waiting or later call throw Error(REMOTE). After any of them the communicator is unusable
-// (Error(INVALID_STATE)): build a new one. The engine runs collectives on the communication thread (async_*), so
+// completion event by polling, and meanwhile polls ncclCommGetAsyncError (a failed peer or network shows there),
+// abort() of the participant or of its group, and the others' failures. A collective that has not finished within
+// the timeout throws Error(TIMEOUT) naming the operation; an asynchronous NCCL error throws its Error
+// (COMMUNICATION, REMOTE, ...); an abort makes a waiting or later call throw Error(REMOTE). Any of them aborts
+// (ncclCommAbort) every NCCL communicator of the group, once, so that the others' kernels waiting for this
+// participant end too, and the others throw Error(REMOTE) with the first reason. After that the communicators are
+// unusable (Error(INVALID_STATE) or REMOTE): build new ones. The engine runs collectives on the communication thread (async_*), so
 // this wait does not block the replica's worker.
 //
 // Fingerprints are agreed before any data moves, so that a participant calling another collective makes all of
@@ -35,6 +39,8 @@
 
 namespace dpar {
 
+class NcclComms;  // the NCCL communicators that fail together (nccl_comm.cpp)
+
 // One communicator per GPU of this process. devices[r] is participant r's CUDA device (each at most once: NCCL
 // refuses two ranks on one GPU, use CudaDeviceGroup there).
 class NcclGroup {
@@ -53,7 +59,7 @@ class NcclGroup {
   ThreadGroup host_;
   std::chrono::duration<double> timeout_;
   std::vector<int> devices_;
-  std::vector<ncclComm_t> comms_;
+  std::shared_ptr<NcclComms> comms_;
 };
 
 // This process's participant of an NCCL communicator over `nranks` processes (ncclCommInitRank): every rank passes

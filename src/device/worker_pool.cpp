@@ -68,7 +68,16 @@ std::vector<std::exception_ptr> WorkerPool::run_all(const std::function<void(siz
 
 void WorkerPool::loop(size_t worker, const std::function<void(size_t)>& on_start) {
   tl_pool = this;
-  if (on_start) on_start(worker);
+  // A worker that could not start (its device could not be made current, say) fails every job with the reason,
+  // so that the caller hears it: an exception leaving the thread would end the process.
+  std::exception_ptr start_error;
+  if (on_start) {
+    try {
+      on_start(worker);
+    } catch (...) {
+      start_error = std::current_exception();
+    }
+  }
   // The generation every worker was created under; a job may already have been posted before this thread ran.
   uint32_t seen = 0;
   for (;;) {
@@ -76,6 +85,7 @@ void WorkerPool::loop(size_t worker, const std::function<void(size_t)>& on_start
     seen = generation_.load();
     if (stopping_) return;
     try {
+      if (start_error) std::rethrow_exception(start_error);
       (*job_)(worker);
     } catch (...) {
       errors_[worker] = std::current_exception();

@@ -23,7 +23,8 @@ bool on_worker_thread();
 
 class WorkerPool {
  public:
-  // Starts `size` threads. `on_start(worker)` runs first on each thread (e.g. to set per-thread BLAS state).
+  // Starts `size` threads. `on_start(worker)` runs first on each thread (e.g. to set per-thread BLAS state); if it
+  // throws, every job of that worker fails with its exception.
   WorkerPool(size_t size, std::function<void(size_t)> on_start);
   ~WorkerPool();  // finishes the job in flight, then joins
   WorkerPool(const WorkerPool&) = delete;

@@ -128,19 +128,27 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     // Whatever fails releases the others from any collective they wait in (the group keeps the first reason,
     // so a replica that only saw another one fail does not overwrite the cause).
     // Its buckets in flight are then waited for: they fail fast in the aborted group, and their buffers must not
-    // be in use once the job returns.
+    // be in use once the job returns. So is the work already queued on its device: a reduction kernel queued
+    // before the failure may still write into any replica's buffers, which the next call reuses.
+    const auto settle = [&rep](const std::string& why) {
+      if (rep.comm) rep.comm->abort(rep.ctx.device.str() + " failed: " + why);
+      if (rep.reducer) rep.reducer->drain();
+      try {
+        if (rep.stream) rep.stream->synchronize();
+      } catch (...) {
+        // The device's own failure: run() asks every device again below.
+      }
+    };
     try {
       job(rep, r);
       // A job ends with its device work done: the caller may then read any replica's memory, and a device
       // failure is this job's.
       if (rep.stream) rep.stream->synchronize();
     } catch (const std::exception& e) {
-      if (rep.comm) rep.comm->abort(rep.ctx.device.str() + " failed: " + e.what());
-      if (rep.reducer) rep.reducer->drain();
+      settle(e.what());
       throw;
     } catch (...) {
-      if (rep.comm) rep.comm->abort(rep.ctx.device.str() + " failed: unknown exception");
-      if (rep.reducer) rep.reducer->drain();
+      settle("unknown exception");
       throw;
     }
   });
@@ -178,8 +186,18 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     if (processes_) processes_->abort(std::string(operation) + ": the engine was aborted on another process");
     fail(status, operation, ": ", message, "; the engine was aborted (dpar_engine_abort) and must be recreated");
   }
+  // A device that failed for good (on a GPU, a sticky error such as an illegal address) fails every call after:
+  // its replica cannot take part in another step.
+  std::string device_lost;
+  for (auto& rep : replicas_) {
+    try {
+      if (rep->stream) rep->stream->synchronize();
+    } catch (const std::exception& e) {
+      if (device_lost.empty()) device_lost = e.what();
+    }
+  }
   // Null while the engine is still being created; a group that cannot recover leaves the engine unusable.
-  const bool recovered = !group_ || group_->recover();
+  const bool recovered = device_lost.empty() && (!group_ || group_->recover());
   bool any_stepped = false;
   for (auto& rep : replicas_) {
     any_stepped = any_stepped || rep->stepped;
@@ -198,6 +216,12 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     broken_ = true;
     broken_reason_ = prefix + message;
     fail(status, prefix, message, "; the processes may differ now, so the engine must be recreated on every process");
+  }
+  if (!device_lost.empty()) {
+    broken_ = true;
+    broken_reason_ = prefix + message;
+    fail(status, prefix, message, "; a device failed for good (", device_lost,
+         "), so the engine cannot go on: a GPU in that state needs a new process");
   }
   if (!recovered) {
     broken_ = true;

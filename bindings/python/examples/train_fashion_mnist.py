@@ -38,7 +38,7 @@ def evaluate(engine, test, batch):
     correct = seen = 0
     with dpar.Loader(test, batch) as loader:
         for x, y in loader:
-            logits = engine.forward(x).numpy()
+            logits = engine.forward(x).copy_to_numpy()  # on a GPU engine the output lives on its GPU
             # np.argmax takes the first of equal maxima, as the C example's loop does.
             correct += int(np.count_nonzero(np.argmax(logits, axis=1) == y.numpy()))
             seen += logits.shape[0]

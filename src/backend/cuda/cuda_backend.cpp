@@ -70,6 +70,7 @@ class CachingAllocator {
     auto it = in_use_.find(p);
     if (it == in_use_.end()) return;
     // Work queued on any stream of this GPU may still read or write the block (see the class comment).
+    cuda::DeviceScope scope(device_, std::nothrow);
     (void)cudaDeviceSynchronize();
     cache_[it->second].push_back(p);
     in_use_.erase(it);
@@ -87,6 +88,7 @@ class CachingAllocator {
     return bytes < kLargeFrom ? (bytes + kSmall - 1) / kSmall * kSmall : (bytes + kLarge - 1) / kLarge * kLarge;
   }
   void release_cache_locked() noexcept {
+    cuda::DeviceScope scope(device_, std::nothrow);
     (void)cudaDeviceSynchronize();
     for (auto& [size, blocks] : cache_) {
       for (void* p : blocks) {
@@ -126,7 +128,7 @@ class CudaStream final : public Stream {
     finish_setup();
   }
   ~CudaStream() override {
-    DeviceScope scope(device().index);
+    DeviceScope scope(device().index, std::nothrow);
     // A borrowed stream is the caller's, with the caller's work on it: wait only for the copy out of the pinned
     // buffer freed below. Its own stream may hold anything this Stream queued.
     if (borrowed_)
@@ -287,11 +289,9 @@ class CudaStream final : public Stream {
     }
     return blas_ = h;
   }
-  // A borrowed stream's operations run with its device current; a replica's worker has made it current already.
-  std::optional<DeviceScope> enter() const {
-    if (!borrowed_) return std::nullopt;
-    return std::optional<DeviceScope>(std::in_place, device().index);
-  }
+  // Every operation runs with the stream's device current: a replica's worker has made it current already (the
+  // scope then costs one cudaGetDevice), but its communication thread and a borrowed stream's callers have not.
+  DeviceScope enter() const { return DeviceScope(device().index); }
 
   cudaStream_t stream_ = nullptr;
   bool owns_stream_ = false, borrowed_ = false;

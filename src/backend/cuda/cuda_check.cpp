@@ -62,6 +62,9 @@ const char* cublas_status_name(cublasStatus_t status) {
 }
 
 void fail_cuda(cudaError_t err, const char* call, const std::string& context) {
+  // The error is reported here: it must not be reported again by the next launch check on this thread, which
+  // reads the same last error. (A sticky error stays: every later call returns it anyway.)
+  (void)cudaGetLastError();
   fail(cuda_error_status(err), describe(call, context, cudaGetErrorString(err), cudaGetErrorName(err)));
 }
 
@@ -109,6 +112,20 @@ DeviceScope::DeviceScope(int device) {
   DPAR_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
   if (previous_ != device) DPAR_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
   device_ = device;
+}
+
+DeviceScope::DeviceScope(int device, std::nothrow_t) noexcept {
+  int current = 0;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;  // previous_ == device_: nothing to restore
+  }
+  previous_ = device_ = current;
+  if (current == device) return;
+  if (cudaSetDevice(device) == cudaSuccess)
+    device_ = device;
+  else
+    (void)cudaGetLastError();
 }
 
 DeviceScope::~DeviceScope() {

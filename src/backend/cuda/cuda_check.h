@@ -17,6 +17,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <new>
 #include <string>
 
 #include "common/error.h"
@@ -49,6 +50,9 @@ int cuda_device_count(std::string* why_none = nullptr);
 class DeviceScope {
  public:
   explicit DeviceScope(int device);
+  // For destructors and other noexcept paths: makes `device` current if it can, and never throws. When it cannot
+  // (a sticky error), the calls that follow fail on their own and the current device stays as it was.
+  DeviceScope(int device, std::nothrow_t) noexcept;
   ~DeviceScope();
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;

@@ -85,7 +85,7 @@ func evaluate(engine *dpar.Engine, test *dpar.Dataset, batch int) (float64, erro
 		if err != nil {
 			return 0, err
 		}
-		logits, err := out.Float32s()
+		logits, err := out.ToFloat32() // a copy: on a GPU engine the output lives on its GPU
 		if err != nil {
 			return 0, err
 		}
