@@ -32,7 +32,7 @@ func dtypeOf[T Element]() int {
 }
 
 // address is a slice's first element, or nil for an empty slice (dpar takes NULL for zero elements).
-func address[T Element](s []T) unsafe.Pointer {
+func address[T any](s []T) unsafe.Pointer {
 	if len(s) == 0 {
 		return nil
 	}

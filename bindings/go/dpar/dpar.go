@@ -142,7 +142,7 @@ func Zeros(dtype int, shape []int64, kind, index int) (*Tensor, error) {
 	d.SetIndex(index)
 	var p uintptr
 	err := call(func() int {
-		return raw.Dpar_tensor_create(unsafe.Pointer(&p), dtype, unsafe.Pointer(&shape[0]), int64(len(shape)), d)
+		return raw.Dpar_tensor_create(unsafe.Pointer(&p), dtype, address(shape), int64(len(shape)), d)
 	})
 	if err != nil {
 		return nil, err
@@ -152,20 +152,25 @@ func Zeros(dtype int, shape []int64, kind, index int) (*Tensor, error) {
 
 // FromFloat32 copies values into a new cpu:0 f32 tensor of the given shape.
 func FromFloat32(shape []int64, values []float32) (*Tensor, error) {
-	t, err := Zeros(F32, shape, CPU, 0)
-	if err == nil {
-		err = t.copyFrom(unsafe.Pointer(&values[0]), 4*len(values))
-	}
-	return t, err
+	return fromHost(F32, shape, address(values), 4*len(values))
 }
 
 // FromInt32 copies values into a new cpu:0 i32 tensor.
 func FromInt32(shape []int64, values []int32) (*Tensor, error) {
-	t, err := Zeros(I32, shape, CPU, 0)
-	if err == nil {
-		err = t.copyFrom(unsafe.Pointer(&values[0]), 4*len(values))
+	return fromHost(I32, shape, address(values), 4*len(values))
+}
+
+// fromHost is a new cpu:0 tensor holding bytes copied from p; nil and dpar's error when they do not fit the shape.
+func fromHost(dtype int, shape []int64, p unsafe.Pointer, bytes int) (*Tensor, error) {
+	t, err := Zeros(dtype, shape, CPU, 0)
+	if err != nil {
+		return nil, err
 	}
-	return t, err
+	if err := t.copyFrom(p, bytes); err != nil {
+		t.Close()
+		return nil, err
+	}
+	return t, nil
 }
 
 func (t *Tensor) copyFrom(p unsafe.Pointer, bytes int) error {
@@ -201,7 +206,10 @@ func (t *Tensor) ToFloat32() ([]float32, error) {
 		return nil, err
 	}
 	out := make([]float32, n)
-	err = call(func() int { return raw.Dpar_tensor_copy_to_host(unsafe.Pointer(&out[0]), t.raw, int64(4*n)) })
+	if n == 0 {
+		return out, nil
+	}
+	err = call(func() int { return raw.Dpar_tensor_copy_to_host(address(out), t.raw, int64(4*n)) })
 	runtime.KeepAlive(t)
 	return out, err
 }
@@ -326,7 +334,7 @@ func (m *Model) GetParam(index int) ([]float32, error) {
 		n *= e
 	}
 	out := make([]float32, n)
-	err = call(func() int { return raw.Dpar_model_get_param(unsafe.Pointer(&out[0]), m.raw, int64(index), n) })
+	err = call(func() int { return raw.Dpar_model_get_param(address(out), m.raw, int64(index), n) })
 	runtime.KeepAlive(m)
 	return out, err
 }
@@ -334,7 +342,7 @@ func (m *Model) GetParam(index int) ([]float32, error) {
 func (m *Model) SetParam(index int, values []float32) error {
 	defer runtime.KeepAlive(m)
 	return call(func() int {
-		return raw.Dpar_model_set_param(m.raw, int64(index), unsafe.Pointer(&values[0]), int64(len(values)))
+		return raw.Dpar_model_set_param(m.raw, int64(index), address(values), int64(len(values)))
 	})
 }
 
@@ -525,7 +533,7 @@ func (e *Engine) Split(batch int) ([]int, error) {
 	}
 	rows := make([]uint64, n)
 	err = e.simple(func(x raw.Struct_SS_dpar_engine) int {
-		return raw.Dpar_engine_split(unsafe.Pointer(&rows[0]), x, int64(batch), int64(n))
+		return raw.Dpar_engine_split(address(rows), x, int64(batch), int64(n))
 	})
 	out := make([]int, n)
 	for i, r := range rows {
@@ -542,7 +550,7 @@ func (e *Engine) ReplicaLosses() ([]float32, error) {
 	}
 	out := make([]float32, n)
 	err = e.simple(func(x raw.Struct_SS_dpar_engine) int {
-		return raw.Dpar_engine_replica_losses(unsafe.Pointer(&out[0]), x, int64(n))
+		return raw.Dpar_engine_replica_losses(address(out), x, int64(n))
 	})
 	return out, err
 }
@@ -551,7 +559,7 @@ func (e *Engine) ReplicaLosses() ([]float32, error) {
 func (e *Engine) Params(replica, count int) ([]float32, error) {
 	out := make([]float32, count)
 	err := e.simple(func(x raw.Struct_SS_dpar_engine) int {
-		return raw.Dpar_engine_get_params(unsafe.Pointer(&out[0]), x, int64(replica), int64(count))
+		return raw.Dpar_engine_get_params(address(out), x, int64(replica), int64(count))
 	})
 	return out, err
 }

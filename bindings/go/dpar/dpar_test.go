@@ -85,6 +85,28 @@ func TestLossesHaveTheCReferenceBits(t *testing.T) {
 	}
 }
 
+func TestEmptyOrMismatchedSlicesAreErrorsNotPanics(t *testing.T) {
+	expectInvalid := func(what string, err error) {
+		t.Helper()
+		var de *Error
+		if !errors.As(err, &de) || de.Status != ErrInvalidArg || de.Message == "" {
+			t.Errorf("%s: %v, want an invalid-argument error with dpar's message", what, err)
+		}
+	}
+	x, err := FromFloat32([]int64{2}, nil)
+	expectInvalid("FromFloat32 without values", err)
+	if x != nil {
+		t.Error("FromFloat32 returned a tensor with its error")
+	}
+	_, err = FromInt32([]int64{3}, []int32{1, 2})
+	expectInvalid("FromInt32 with too few values", err)
+	_, err = Zeros(F32, nil, CPU, 0)
+	expectInvalid("Zeros without a shape", err)
+	m := referenceModel(t)
+	defer m.Close()
+	expectInvalid("SetParam without values", m.SetParam(0, nil))
+}
+
 func TestGradientClippingAndTheReportedNorm(t *testing.T) {
 	m := referenceModel(t)
 	defer m.Close()
