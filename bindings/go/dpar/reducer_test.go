@@ -171,16 +171,7 @@ func TestTheReducerOverTheCallersMemory(t *testing.T) {
 }
 
 func TestReducerOptionsReachDpar(t *testing.T) {
-	g, err := NewCommGroup(1, 30)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
-	c, err := g.Member(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := soloComm(t)
 	for _, check := range []struct {
 		options ReducerOptions
 		buckets int
@@ -202,16 +193,7 @@ func TestReducerOptionsReachDpar(t *testing.T) {
 }
 
 func TestBadReducerArgumentsAreErrorsWithDparsMessage(t *testing.T) {
-	g, err := NewCommGroup(1, 30)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
-	c, err := g.Member(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := soloComm(t)
 	memory, _, err := cBuffer[float32](40)
 	if err != nil {
 		t.Fatal(err)
@@ -317,15 +299,8 @@ func noCount(_ int, err error) error { return err }
 
 // dpar keeps the communicator for the reducer: the Comm may be closed first.
 func TestTheReducerOutlivesItsComm(t *testing.T) {
-	g, err := NewCommGroup(1, 30)
-	if err != nil {
-		t.Fatal(err)
-	}
+	g, c := soloGroup(t)
 	defer g.Close()
-	c, err := g.Member(0)
-	if err != nil {
-		t.Fatal(err)
-	}
 	red, err := NewReducer(c, []int{100}, Mean, ReducerOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -373,4 +348,29 @@ func TestAReducersWaitNamesAMemberThatNeverCame(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// soloGroup is a group of one and its member, for tests of one participant's calls.
+func soloGroup(t *testing.T) (*CommGroup, *Comm) {
+	t.Helper()
+	g, err := NewCommGroup(1, 30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := g.Member(0)
+	if err != nil {
+		g.Close()
+		t.Fatal(err)
+	}
+	return g, c
+}
+
+// soloComm is the member of a group of one, closed (with its group) when the test ends.
+func soloComm(t *testing.T) *Comm {
+	g, c := soloGroup(t)
+	t.Cleanup(func() {
+		c.Close()
+		g.Close()
+	})
+	return c
 }

@@ -29,6 +29,24 @@ inline void check_count(const char* kernel, int64_t n) {
   DPAR_CHECK_ARG(n >= 0, kernel, ": element count must be >= 0, got ", n);
 }
 
+#ifdef __CUDACC__
+// The sum of the block's per-thread values, added in a fixed tree: the same bits on every launch, whatever the
+// threads' timing. Every thread gets it. Blocks of kBlockThreads threads, a power of two; every thread calls it.
+template <int kBlockThreads>
+__device__ double block_sum(double mine) {
+  static_assert((kBlockThreads & (kBlockThreads - 1)) == 0, "the tree halves the block");
+  __shared__ double partial[kBlockThreads];
+  const int t = threadIdx.x;
+  partial[t] = mine;
+  __syncthreads();
+  for (int stride = kBlockThreads / 2; stride > 0; stride /= 2) {
+    if (t < stride) partial[t] += partial[t + stride];
+    __syncthreads();
+  }
+  return partial[0];
+}
+#endif
+
 }  // namespace dpar::kernels::cuda::detail
 
 // for (int64_t i = first; i < n; i += stride): element i of a grid-stride loop. Whatever the launch shape, element

@@ -21,18 +21,10 @@ namespace {
 
 constexpr int kLossThreads = 1024;  // the one block of a loss kernel
 
-// Adds the block's per-thread values in a fixed tree and stores the total in *out (thread 0).
-// The tree is the same on every launch: the result's bits do not depend on thread timing.
+// *out = the block's per-thread values added in a fixed tree (thread 0 stores it).
 __device__ void block_sum_to(double* out, double mine) {
-  __shared__ double partial[kLossThreads];
-  const int t = threadIdx.x;
-  partial[t] = mine;
-  __syncthreads();
-  for (int stride = kLossThreads / 2; stride > 0; stride /= 2) {
-    if (t < stride) partial[t] += partial[t + stride];
-    __syncthreads();
-  }
-  if (t == 0) *out = partial[0];
+  const double total = detail::block_sum<kLossThreads>(mine);
+  if (threadIdx.x == 0) *out = total;
 }
 
 // One thread per row (rows t, t + 1024, ...), each row exactly as the CPU twin computes it: row max, exp(x - max)

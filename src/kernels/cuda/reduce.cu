@@ -35,19 +35,7 @@ __global__ void sum_slice_into_all_kernel(float* const* buffers, const uint8_t* 
 
 constexpr int kSumThreads = 256;
 static_assert(kSumSquaresBlocks == kSumThreads, "the final pass adds one partial sum per thread");
-
-// Adds the block's per-thread values in a fixed tree; returns the total in thread 0.
-__device__ double block_sum(double mine) {
-  __shared__ double partial[kSumThreads];
-  const int t = threadIdx.x;
-  partial[t] = mine;
-  __syncthreads();
-  for (int stride = kSumThreads / 2; stride > 0; stride /= 2) {
-    if (t < stride) partial[t] += partial[t + stride];
-    __syncthreads();
-  }
-  return partial[0];
-}
+using detail::block_sum;
 
 // partials[b] = the sum of x[i]^2 over block b's grid-stride elements.  partials (gridDim.x), x (n)
 __global__ void sum_squares_blocks_kernel(double* partials, const float* x, int64_t n) {
@@ -56,13 +44,13 @@ __global__ void sum_squares_blocks_kernel(double* partials, const float* x, int6
     const double v = x[i];
     mine += v * v;
   }
-  const double total = block_sum(mine);
+  const double total = block_sum<kSumThreads>(mine);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
 // *total = the sum of the partials.  total (1), partials (kSumThreads)
 __global__ void sum_partials_kernel(double* total, const double* partials) {
-  const double sum = block_sum(partials[threadIdx.x]);
+  const double sum = block_sum<kSumThreads>(partials[threadIdx.x]);
   if (threadIdx.x == 0) *total = sum;
 }
 
