@@ -1,6 +1,6 @@
 /* bench_train: what dpar's DataParallel engine delivers, through the C ABI only (dpar.h, libdpar.so).
  *
- *   bench_train [--rounds R] [--seconds S] [--pin] [--only a|b]
+ *   bench_train [--rounds R] [--seconds S] [--pin] [--only a|b|c]
  *
  * (a) Training throughput of the demo MLP 784-256-128-10 (ReLU, softmax cross-entropy, Adam lr 1e-3) at batch
  *     256 on synthetic random data: 1 device (1 BLAS thread), 2 devices (1 BLAS thread each), and 1 device with
@@ -8,6 +8,8 @@
  * (b) The engine's own cost per dpar_engine_train_step on a 5->2 linear model at batch 30 (cross-entropy over 2
  *     classes, SGD) over 4, 2 and 1 devices, beside a hand-written C step of the same arithmetic (the compute
  *     that any implementation must do), so that the overhead is separable.
+ * (c) The cost of gradient clipping (dpar_engine_set_max_grad_norm) on the model of (a) over 2 devices: off, on
+ *     without scaling, on with scaling, interleaved on one engine.
  *
  * Between rounds it measures the core-to-core latency that tells where the host placed the two vCPUs.
  * --pin pins replica r's worker to CPU r mod ncpu from the forward hook (an experiment: the engine does not pin).
@@ -148,12 +150,8 @@ static const config kConfigsA[kConfigs] = {
     {"1 device, 2 BLAS threads", 1, 2},
 };
 
-static void part_a(int rounds, double seconds) {
-  printf("(a) training throughput: MLP 784-256-128-10 (ReLU), softmax cross-entropy, Adam lr 1e-3, batch %d,\n"
-         "    synthetic data (%d random batches, cycled). %d rounds; each round runs every configuration once (the\n"
-         "    order rotates) on a fresh engine (OpenBLAS's thread count is process-wide and is set when an engine\n"
-         "    is created), 10 warm-up steps, then ~%.2f s of timed steps; samples/s = %d / median step time\n",
-         kBatchA, kBatchesA, rounds, seconds, kBatchA);
+/* The demo MLP 784-256-128-10 (ReLU) and kBatchesA random batches of kBatchA rows on the host. */
+static dpar_model *demo_model_and_batches(dpar_tensor **x, dpar_tensor **y) {
   dpar_model *model = NULL;
   dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
   mo.seed = 1;
@@ -163,16 +161,6 @@ static void part_a(int rounds, double seconds) {
   CHECK(dpar_model_add_linear(model, 256, 128, 1));
   CHECK(dpar_model_add_activation(model, DPAR_RELU));
   CHECK(dpar_model_add_linear(model, 128, kClasses, 1));
-  size_t nparams = 0;
-  CHECK(dpar_model_num_param_elements(&nparams, model));
-  printf("    %zu parameters (%.2f MiB of f32 gradients all-reduced per step with 2 devices)\n", nparams,
-         (double)nparams * 4.0 / 1048576.0);
-
-  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
-  oo.kind = DPAR_ADAM;
-  oo.lr = 1e-3f;
-
-  dpar_tensor *x[kBatchesA], *y[kBatchesA];
   dpar_device cpu0 = {DPAR_DEVICE_CPU, 0};
   float *xs = (float *)xmalloc(sizeof(float) * kBatchA * kFeatures);
   int32_t ys[kBatchA];
@@ -186,6 +174,33 @@ static void part_a(int rounds, double seconds) {
     CHECK(dpar_tensor_copy_from_host(y[b], ys, sizeof ys));
   }
   free(xs);
+  return model;
+}
+
+static void free_demo(dpar_model *model, dpar_tensor **x, dpar_tensor **y) {
+  for (int b = 0; b < kBatchesA; ++b) {
+    dpar_tensor_free(x[b]);
+    dpar_tensor_free(y[b]);
+  }
+  dpar_model_free(model);
+}
+
+static void part_a(int rounds, double seconds) {
+  printf("(a) training throughput: MLP 784-256-128-10 (ReLU), softmax cross-entropy, Adam lr 1e-3, batch %d,\n"
+         "    synthetic data (%d random batches, cycled). %d rounds; each round runs every configuration once (the\n"
+         "    order rotates) on a fresh engine (OpenBLAS's thread count is process-wide and is set when an engine\n"
+         "    is created), 10 warm-up steps, then ~%.2f s of timed steps; samples/s = %d / median step time\n",
+         kBatchA, kBatchesA, rounds, seconds, kBatchA);
+  dpar_tensor *x[kBatchesA], *y[kBatchesA];
+  dpar_model *model = demo_model_and_batches(x, y);
+  size_t nparams = 0;
+  CHECK(dpar_model_num_param_elements(&nparams, model));
+  printf("    %zu parameters (%.2f MiB of f32 gradients all-reduced per step with 2 devices)\n", nparams,
+         (double)nparams * 4.0 / 1048576.0);
+
+  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
+  oo.kind = DPAR_ADAM;
+  oo.lr = 1e-3f;
 
   vec all[kConfigs] = {{0}};
   double *round_med = (double *)xmalloc(sizeof(double) * (size_t)rounds * kConfigs);
@@ -265,11 +280,7 @@ static void part_a(int rounds, double seconds) {
   free(round_med);
   free(lat);
   free(clean);
-  for (int b = 0; b < kBatchesA; ++b) {
-    dpar_tensor_free(x[b]);
-    dpar_tensor_free(y[b]);
-  }
-  dpar_model_free(model);
+  free_demo(model, x, y);
 }
 
 /* ---- (b) engine overhead ------------------------------------------------------------------------------------- */
@@ -400,15 +411,56 @@ static void part_b(int rounds, double seconds) {
   dpar_model_free(model);
 }
 
+/* ---- (c) gradient clipping ----------------------------------------------------------------------------------- */
+
+enum { kClipConfigs = 3 };
+
+static void part_c(int rounds, double seconds) {
+  printf("(c) gradient clipping (dpar_engine_set_max_grad_norm): the demo MLP of (a), Adam, 2 devices, batch %d.\n"
+         "    One engine; each round times a block of steps per setting (the order rotates): off; on with a norm far\n"
+         "    above the gradient's (the norm is computed, nothing is scaled); on with a norm below it (each step\n"
+         "    scales). The anchor is the step without clipping: the ratios are the feature's cost.\n",
+         kBatchA);
+  dpar_tensor *x[kBatchesA], *y[kBatchesA];
+  dpar_model *model = demo_model_and_batches(x, y);
+  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
+  oo.kind = DPAR_ADAM;
+  oo.lr = 1e-3f;
+  dpar_engine *e = make_engine(model, &oo, DPAR_LOSS_CROSS_ENTROPY, 2, 2, 1);
+  static const char *const names[kClipConfigs] = {"off", "on, max_norm 1e6 (no scaling)",
+                                                  "on, max_norm 1e-3 (scales)"};
+  static const float max_norm[kClipConfigs] = {0.0f, 1e6f, 1e-3f};
+  vec all[kClipConfigs] = {{0}};
+  for (int r = 0; r < rounds; ++r) {
+    for (int k = 0; k < kClipConfigs; ++k) {
+      const int c = (k + r) % kClipConfigs;
+      CHECK(dpar_engine_set_max_grad_norm(e, max_norm[c]));
+      time_steps(e, x, y, kBatchesA, 5, 20, seconds, &all[c]);
+    }
+  }
+  float norm = 0.0f;
+  CHECK(dpar_engine_grad_norm(&norm, e));
+  printf("\n    %-32s | %9s | %9s | %6s\n", "clipping", "median ms", "vs off", "steps");
+  const double off = vec_median(&all[0]);
+  for (int c = 0; c < kClipConfigs; ++c) {
+    const double m = vec_median(&all[c]);
+    printf("    %-32s | %9.3f | %8.3fx | %6zu\n", names[c], m * 1e3, m / off, all[c].n);
+    free(all[c].v);
+  }
+  printf("    (the last clipped step's gradient norm: %.4g)\n", norm);
+  dpar_engine_free(e);
+  free_demo(model, x, y);
+}
+
 /* ---- main ------------------------------------------------------------------------------------------------------ */
 
 static void usage(const char *argv0) {
   fprintf(stderr,
-          "usage: %s [--rounds R] [--seconds S] [--pin] [--only a|b]\n"
+          "usage: %s [--rounds R] [--seconds S] [--pin] [--only a|b|c]\n"
           "  --rounds R   interleaved rounds (default 12; at most 64)\n"
           "  --seconds S  timed seconds per configuration per round (default 0.3)\n"
           "  --pin        pin replica r's worker to CPU r mod ncpu (from the forward hook), as an experiment\n"
-          "  --only a|b   run one part\n",
+          "  --only a|b|c run one part\n",
           argv0);
   exit(2);
 }
@@ -416,7 +468,7 @@ static void usage(const char *argv0) {
 int main(int argc, char **argv) {
   int rounds = 12;
   double seconds = 0.3;
-  int run_a = 1, run_b = 1;
+  int run_a = 1, run_b = 1, run_c = 1;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--rounds") && i + 1 < argc)
       rounds = atoi(argv[++i]);
@@ -428,6 +480,7 @@ int main(int argc, char **argv) {
       ++i;
       run_a = !strcmp(argv[i], "a");
       run_b = !strcmp(argv[i], "b");
+      run_c = !strcmp(argv[i], "c");
     } else
       usage(argv[0]);
   }
@@ -447,6 +500,8 @@ int main(int argc, char **argv) {
   if (run_a) part_a(rounds, seconds);
   if (run_a && run_b) printf("\n");
   if (run_b) part_b(rounds, seconds);
+  if ((run_a || run_b) && run_c) printf("\n");
+  if (run_c) part_c(rounds, seconds);
   bench_cpu_usage_now(&u1);
   printf("\n");
   bench_print_cpu_usage(stdout, &u0, &u1, g_ncpu);
