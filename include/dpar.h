@@ -52,7 +52,7 @@ extern "C" {
 /** @name Versions */
 /**@{*/
 #define DPAR_VERSION_MAJOR 0 /**< Major version: changes when the ABI breaks (it is the SONAME). */
-#define DPAR_VERSION_MINOR 3 /**< Minor version: grows when functions or option fields are appended. */
+#define DPAR_VERSION_MINOR 4 /**< Minor version: grows when functions or option fields are appended. */
 #define DPAR_VERSION_PATCH 0 /**< Patch version: fixes only. */
 /** The version as one integer, MAJOR*10000 + MINOR*100 + PATCH. */
 #define DPAR_VERSION (DPAR_VERSION_MAJOR * 10000 + DPAR_VERSION_MINOR * 100 + DPAR_VERSION_PATCH)
@@ -601,7 +601,8 @@ DPAR_API dpar_status dpar_engine_set_lr(dpar_engine *engine, float lr);
  * @brief Clips the gradient of the following steps: before each step the gradient (summed over the replicas and
  * processes, as the step applies it) is scaled by min(1, max_norm / (norm + 1e-6)), norm being its L2 norm over
  * every parameter, as torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) does between backward and the
- * step. 0 turns clipping off; engines start without it.
+ * step. 0 turns clipping off; engines start without it. With several processes, every process sets the same
+ * value before the same step (as with dpar_engine_set_lr()).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a negative or non-finite @p max_norm.
  */
 DPAR_API dpar_status dpar_engine_set_max_grad_norm(dpar_engine *engine, float max_norm);

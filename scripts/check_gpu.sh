@@ -12,8 +12,9 @@
 #   racecheck the kernel tests under --tool racecheck (shared-memory hazards: dpar's own kernels are all there; the
 #             other binaries add cuBLAS's kernels, which racecheck slows down most, and no kernel of dpar's)
 #
-# Each stage has its own time limit (DPAR_GPU_STAGE_LIMIT_S, default 280 s; a sanitizer stage's is split over its
-# binaries) so that one hang cannot eat a whole lease; a stage that fails does not stop the next.
+# Each stage has its own time limit (DPAR_GPU_STAGE_LIMIT_S, default 280 s; under a sanitizer each binary has its
+# own, DPAR_GPU_SANITIZER_LIMIT_S, default 300 s) so that one hang cannot eat a whole lease; a stage that fails does
+# not stop the next. On a machine lent for a few minutes per command, run memcheck alone, or lower its limit.
 # LOGDIR/summary.txt has one line per stage: its status, its seconds and its log. The exit status is 0 only when
 # every stage run passed.
 #
@@ -33,6 +34,7 @@ stages=("$@")
 root=$(cd "$(dirname "$0")/.." && pwd)
 build="$root/build-gpu"
 limit=${DPAR_GPU_STAGE_LIMIT_S:-280}
+sanitizer_limit=${DPAR_GPU_SANITIZER_LIMIT_S:-300}
 command -v compute-sanitizer > /dev/null || PATH="/usr/local/cuda/bin:$PATH"
 data=${DPAR_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
 summary="$logs/summary.txt"
@@ -40,12 +42,17 @@ failed=0
 
 note() { echo "$*" | tee -a "$summary"; }
 
-# run_stage NAME LIMIT COMMAND...: runs the command with its output in LOGDIR/NAME.log, under a time limit.
+# run_stage NAME LIMIT COMMAND...: runs the command with its output in LOGDIR/NAME.log, under a time limit (0: the
+# command bounds its own parts).
 run_stage() {
   local name=$1 stage_limit=$2
   shift 2
   local start=$SECONDS status
-  timeout --kill-after=10 "$stage_limit" "$@" > "$logs/$name.log" 2>&1
+  if [ "$stage_limit" -gt 0 ]; then
+    timeout --kill-after=10 "$stage_limit" "$@" > "$logs/$name.log" 2>&1
+  else
+    "$@" > "$logs/$name.log" 2>&1
+  fi
   status=$?
   local took=$((SECONDS - start)) verdict=passed
   if [ $status -eq 124 ] || [ $status -eq 137 ]; then
@@ -95,7 +102,7 @@ stage_bench() {
 sanitize() {
   local cuda_tests=(test_cuda_kernels test_cuda_comm test_cuda_engine test_cuda_capi)
   [ "$1" = racecheck ] && cuda_tests=(test_cuda_kernels)
-  local tool=$1 status=0 each=$((limit / ${#cuda_tests[@]}))
+  local tool=$1 status=0 each=$sanitizer_limit
   for t in "${cuda_tests[@]}"; do
     echo "== compute-sanitizer --tool $tool $t (limit ${each} s)"
     timeout --kill-after=10 "$each" compute-sanitizer --tool "$tool" --error-exitcode 99 \
@@ -108,12 +115,12 @@ sanitize() {
 note "dpar GPU checks, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null)"
 note "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null ||
   echo 'NO GPU VISIBLE (nvidia-smi): the CUDA tests and benchmarks below skip, and a skip is not a pass')"
-export root build data logs limit
+export root build data logs limit sanitizer_limit
 export -f stage_build stage_test stage_fmnist stage_bench sanitize
 for stage in "${stages[@]}"; do
   case $stage in
     build | test | fmnist | bench) run_stage "$stage" "$limit" bash -c "stage_$stage" ;;
-    memcheck | racecheck) run_stage "$stage" $((limit + 30)) bash -c "sanitize $stage" ;;
+    memcheck | racecheck) run_stage "$stage" 0 bash -c "sanitize $stage" ;;
     *) note "unknown stage '$stage' (build test fmnist bench memcheck racecheck)"; failed=1 ;;
   esac
 done

@@ -242,6 +242,14 @@ TEST(Engine, GradientClippingOverDevicesMatchesSingleDeviceFullBatch) {
         const auto got = engine.params(0);
         EXPECT_LT(max_relative_error(got, expected), 1e-5) << devices << " devices";
         for (size_t r = 1; r < engine.num_replicas(); ++r) EXPECT_EQ(engine.params(r), got) << "replica " << r;
+        // Each replica scales its own shard by the coefficient of its own norm: the norms must be the same bits
+        // (the all-gather above would hide a difference of an ulp).
+        const auto norms = engine.replica_grad_norms();
+        for (size_t r = 0; r < norms.size(); ++r) {
+          EXPECT_TRUE(std::isfinite(norms[r]) && norms[r] > 0.0f) << "replica " << r << ": " << norms[r];
+          EXPECT_EQ(std::memcmp(&norms[r], &norms[0], sizeof(float)), 0) << "replica " << r << "'s norm";
+        }
+        EXPECT_EQ(engine.grad_norm(), norms[0]);
       }
     }
   }

@@ -51,11 +51,13 @@ ncclRedOp_t nccl_op(CommDType dtype, ReduceOp op) {
 
 // The NCCL communicators of one process that fail together: a group's (one per GPU), or a process's single rank.
 // When one participant fails, every one is aborted: a healthy rank's kernels would otherwise wait for the dead one
-// forever. The lock keeps a communicator alive while a participant uses it, so that an abort from another thread
-// never frees it under a call.
+// forever. Each communicator has its own lock, held while its participant calls NCCL with it, so that an abort
+// from another thread never frees it under a call. The locks are per communicator, never one for all: a
+// participant's NCCL call may block until the others make theirs (NCCL connects peers inside the first calls), and
+// a lock shared between them would then deadlock.
 class NcclComms {
  public:
-  explicit NcclComms(std::vector<ncclComm_t> comms) : comms_(std::move(comms)) {}
+  explicit NcclComms(std::vector<ncclComm_t> comms) : comms_(std::move(comms)), locks_(comms_.size()) {}
   ~NcclComms() {
     for (ncclComm_t c : comms_)
       if (c != nullptr) ncclCommDestroy(c);
@@ -66,28 +68,42 @@ class NcclComms {
   // Runs use(comm) with communicator `index`; false (use not run) once they have been aborted.
   template <class F>
   bool with(size_t index, F&& use) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (comms_[index] == nullptr) return false;
+    std::lock_guard<std::mutex> lock(locks_[index]);
+    if (aborted_.load()) {
+      abort_locked(index);  // an abort that found this one in use left it to its participant
+      return false;
+    }
     use(comms_[index]);
     return true;
   }
-  // Aborts every communicator (ncclCommAbort ends their kernels and frees them), once; the first reason stays.
+  // Aborts every communicator that no participant is using now (ncclCommAbort ends their kernels and frees them);
+  // the ones in use are aborted by their participant as its call returns. The first reason stays.
   void abort(const std::string& reason) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (reason_.empty()) reason_ = reason;
-    for (ncclComm_t& c : comms_) {
-      if (c != nullptr) ncclCommAbort(c);
-      c = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(reason_mutex_);
+      if (reason_.empty()) reason_ = reason;
+    }
+    aborted_.store(true);
+    for (size_t i = 0; i < comms_.size(); ++i) {
+      std::unique_lock<std::mutex> lock(locks_[i], std::try_to_lock);
+      if (lock.owns_lock()) abort_locked(i);
     }
   }
   std::string reason() {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(reason_mutex_);
     return reason_;
   }
 
  private:
-  std::mutex mutex_;
-  std::vector<ncclComm_t> comms_;
+  void abort_locked(size_t index) {
+    if (comms_[index] != nullptr) ncclCommAbort(comms_[index]);
+    comms_[index] = nullptr;
+  }
+
+  std::vector<ncclComm_t> comms_;  // comms_[i] under locks_[i]
+  std::vector<std::mutex> locks_;
+  std::atomic<bool> aborted_{false};
+  std::mutex reason_mutex_;
   std::string reason_;
 };
 
@@ -253,11 +269,17 @@ class NcclCommunicator final : public Communicator {
     // this call returns once the host has seen it complete (wait), so whatever reads it is queued after it on any
     // stream. The compute stream is not made to wait on the GPU as well: that would hold back the backward kernels
     // queued meanwhile, which are what the collective overlaps with.
-    DPAR_CUDA_CHECK(cudaEventRecord(ready_, compute_), operation, ": ", name_);
-    DPAR_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ready_, 0), operation, ": ", name_);
-    enqueue();
-    DPAR_CUDA_CHECK(cudaEventRecord(done_, comm_stream_), operation, ": ", name_);
-    wait(operation);
+    try {
+      DPAR_CUDA_CHECK(cudaEventRecord(ready_, compute_), operation, ": ", name_);
+      DPAR_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ready_, 0), operation, ": ", name_);
+      enqueue();
+      DPAR_CUDA_CHECK(cudaEventRecord(done_, comm_stream_), operation, ": ", name_);
+      wait(operation);
+    } catch (const std::exception& e) {
+      // The others may already be waiting in this collective for this participant: they must not wait on.
+      if (!broken_) give_up(detail::concat(name_, "'s ", operation, " failed: ", e.what()));
+      throw;
+    }
   }
 
   // Fingerprints: every participant gets every record and all decide alike.

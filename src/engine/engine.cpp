@@ -52,10 +52,21 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   // processes of n devices draw what one process of P*n devices would.
   int64_t first_replica = 0;
   if (processes_) {
-    std::vector<int64_t> counts(static_cast<size_t>(processes_->size()));
-    const int64_t local = static_cast<int64_t>(n);
-    processes_->all_gather(&local, counts.data(), 1, CommDType::kI64);
-    for (int p = 0; p < processes_->rank(); ++p) first_replica += counts[static_cast<size_t>(p)];
+    // Each process's replica count and device kind.
+    std::vector<int64_t> all(2 * static_cast<size_t>(processes_->size()));
+    const int64_t local[2] = {static_cast<int64_t>(n), static_cast<int64_t>(backend_.kind())};
+    processes_->all_gather(local, all.data(), 2, CommDType::kI64);
+    for (int p = 0; p < processes_->rank(); ++p) first_replica += all[2 * static_cast<size_t>(p)];
+    // Every process must take the same steps from the same summed gradient. What each computes locally on it (the
+    // clipping norm) is the same bits only from the same kernels: one device kind for all. Every process sees the
+    // same table and refuses alike.
+    const auto kind_name = [](int64_t k) { return k == static_cast<int64_t>(DeviceKind::kCpu) ? "cpu" : "cuda"; };
+    for (int p = 0; p < processes_->size(); ++p) {
+      const int64_t kind = all[2 * static_cast<size_t>(p) + 1];
+      DPAR_ENFORCE(kind == all[1], DPAR_ERR_NOT_SUPPORTED, "processes: process ", p, "'s replicas are on ",
+                   kind_name(kind), " devices and process 0's on ", kind_name(all[1]),
+                   " devices: every process's engine must use one device kind");
+    }
     // Every process starts from rank 0's parameters, whatever each one's model was initialised with (as DDP).
     processes_->broadcast(model_.values().data(), model_.values().size(), CommDType::kF32, 0);
   }
@@ -337,9 +348,20 @@ void Engine::clip_gradient(Replica& rep, int64_t begin, int64_t end) {
   // torch.nn.utils.clip_grad_norm_, in its float arithmetic: clip_coef = max_norm / (total_norm + 1e-6), clamped
   // to 1. A NaN coefficient (a NaN gradient) is applied, as torch.clamp passes NaN on.
   const float coef = rep.optimizer->config().max_grad_norm / (norm + 1e-6f);
-  if (rep.ctx.replica == 0) grad_norm_ = norm;  // read after the step, once every worker has finished
+  rep.grad_norm = norm;
   end = std::min(end, n);
   if (!(coef >= 1.0f) && end > begin) rep.stream->scale(grads + begin, coef, end - begin);
+}
+
+void Engine::publish_grad_norm() {
+  // A step that failed threw before this: the norm told is always that of a step taken.
+  if (replicas_[0]->optimizer->config().max_grad_norm > 0.0f) grad_norm_ = replicas_[0]->grad_norm;
+}
+
+std::vector<float> Engine::replica_grad_norms() const {
+  std::vector<float> out;
+  for (const auto& rep : replicas_) out.push_back(rep->grad_norm);
+  return out;
 }
 
 void Engine::finish_and_step(Replica& rep) {
@@ -462,6 +484,7 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
     finish_and_step(rep);
     read_loss(rep);
   });
+  publish_grad_norm();
   forward_split_.clear();
   return finish_loss("train_step", global_batch);
 }
@@ -481,6 +504,7 @@ void Engine::step() {
     finish_and_step(rep);
     rep.model->clear_forward_state();
   });
+  publish_grad_norm();
   pending_ = Pending::kNone;
   pending_samples_ = 0;
   forward_split_.clear();

@@ -81,8 +81,11 @@ class Engine {
   void set_lr(float lr);
   // Clips the gradient of the following steps to this global L2 norm (OptimizerConfig::max_grad_norm); 0: off.
   void set_max_grad_norm(float max_norm);
-  // The gradient's norm before clipping at the last step that clipped; NaN before any.
+  // The gradient's norm before clipping at the last step taken with clipping on; NaN before any.
   float grad_norm() const { return grad_norm_; }
+  // Each replica's own computation of that norm (the same bits on every replica, or the shards would be scaled
+  // apart): for tests.
+  std::vector<float> replica_grad_norms() const;
   int64_t step_count() const;
   std::vector<float> replica_losses() const;
   std::vector<float> params(size_t replica) const;
@@ -123,6 +126,7 @@ class Engine {
     std::vector<float> process_stage;
     int64_t rows = 0;       // rows of the current call
     int64_t loss_rows = 0;  // rows behind loss_sum (the last training step or accumulate)
+    float grad_norm = std::numeric_limits<float>::quiet_NaN();  // the gradient's norm at this call's clipping
   };
   enum class Pending { kNone, kLoss, kExplicit };
 
@@ -147,6 +151,8 @@ class Engine {
   void read_loss(Replica& rep);
   // Scales the gradient's elements [begin, end) so that its global L2 norm is at most the optimizer's max_grad_norm.
   void clip_gradient(Replica& rep, int64_t begin, int64_t end);
+  // After a step that succeeded: the norm its clipping saw becomes grad_norm().
+  void publish_grad_norm();
   // Finishes the reduction of the step's gradients (scaled by rep.grad_scale) and applies the optimizer.
   void finish_and_step(Replica& rep);
   // Runs `check` (the call's argument and state checks, returning this process's batch) and returns the global
@@ -178,7 +184,7 @@ class Engine {
   std::mutex mutex_;
   ForwardHook hook_;
   bool training_ = true;
-  float grad_norm_ = std::numeric_limits<float>::quiet_NaN();  // clip_gradient on replica 0 writes it
+  float grad_norm_ = std::numeric_limits<float>::quiet_NaN();
   bool broken_ = false;
   std::atomic<bool> aborted_{false};  // set by abort() from any thread
   std::string broken_reason_;

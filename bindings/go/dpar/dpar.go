@@ -80,7 +80,7 @@ func release[H interface{ Swigcptr() uintptr }](owner any, h *H, free func(H)) {
 	runtime.SetFinalizer(owner, nil)
 }
 
-// Version is the loaded library's version, MAJOR*10000 + MINOR*100 + PATCH; VersionString "0.3.0".
+// Version is the loaded library's version, MAJOR*10000 + MINOR*100 + PATCH; VersionString "0.4.0".
 func Version() int          { return raw.Dpar_version() }
 func VersionString() string { return raw.Dpar_version_string() }
 
@@ -491,7 +491,7 @@ func (e *Engine) SetMaxGradNorm(maxNorm float32) error {
 	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_set_max_grad_norm(r, maxNorm) })
 }
 
-// GradNorm is the gradient's norm before clipping at the last step that clipped (NaN before any).
+// GradNorm is the gradient's norm before clipping at the last step taken with clipping on (NaN before any).
 func (e *Engine) GradNorm() (float32, error) {
 	var norm float32
 	err := e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_grad_norm(unsafe.Pointer(&norm), r) })

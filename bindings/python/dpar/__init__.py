@@ -436,7 +436,7 @@ class Engine(_Handle):
 
     @property
     def grad_norm(self):
-        """The gradient's norm before clipping at the last step that clipped (NaN before any)."""
+        """The gradient's norm before clipping at the last step taken with clipping on (NaN before any)."""
         out = _scalar(np.float32)
         _check(_raw.dpar_engine_grad_norm(out.ctypes.data, self._raw))
         return float(out[0])

@@ -81,11 +81,12 @@ class Reference(unittest.TestCase):
         with reference_model() as m, engine(m) as plain, engine(m) as clipping:
             self.assertTrue(np.isnan(clipping.grad_norm))
             clipping.set_max_grad_norm(1e6)  # far above the norm: the same step
+            plain.train_step(x, y), clipping.train_step(x, y)  # a step's loss is taken before its update
             self.assertEqual(plain.train_step(x, y), clipping.train_step(x, y))
             norm = clipping.grad_norm
             self.assertTrue(0 < norm < 1e6)
             clipping.set_max_grad_norm(norm / 10)
-            plain.train_step(x, y), clipping.train_step(x, y)  # a step's loss is taken before its update
+            plain.train_step(x, y), clipping.train_step(x, y)
             self.assertNotEqual(plain.train_step(x, y), clipping.train_step(x, y))
             with self.assertRaises(dpar.DparError) as cm:
                 clipping.set_max_grad_norm(-1.0)

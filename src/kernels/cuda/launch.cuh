@@ -43,7 +43,9 @@ __device__ double block_sum(double mine) {
     if (t < stride) partial[t] += partial[t + stride];
     __syncthreads();
   }
-  return partial[0];
+  const double total = partial[0];
+  __syncthreads();  // every thread has read it before a later call may write partial[] again
+  return total;
 }
 #endif
 

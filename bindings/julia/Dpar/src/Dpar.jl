@@ -378,7 +378,7 @@ set_lr!(e::Engine, lr::Real) = check(ccall((:dpar_engine_set_lr, libdpar), Int32
 (`clip_grad_norm_` between backward and the step); 0 turns clipping off."""
 set_max_grad_norm!(e::Engine, max_norm::Real) =
     check(ccall((:dpar_engine_set_max_grad_norm, libdpar), Int32, (Ptr{Cvoid}, Cfloat), e.ptr, max_norm))
-"""`grad_norm(engine)`: the gradient's norm before clipping at the last step that clipped (NaN before any)."""
+"""`grad_norm(engine)`: the gradient's norm before clipping at the last step taken with clipping on (NaN before any)."""
 function grad_norm(e::Engine)
     out = Ref{Cfloat}(0)
     check(ccall((:dpar_engine_grad_norm, libdpar), Int32, (Ref{Cfloat}, Ptr{Cvoid}), out, e.ptr))

@@ -23,7 +23,7 @@ pub const DPAR_ERR_INVALID_STATE: dpar_status = -11;
 pub const DPAR_ERR_INTERNAL: dpar_status = -12;
 
 pub const DPAR_VERSION_MAJOR: i32 = 0;
-pub const DPAR_VERSION_MINOR: i32 = 3;
+pub const DPAR_VERSION_MINOR: i32 = 4;
 pub const DPAR_VERSION_PATCH: i32 = 0;
 pub const DPAR_VERSION: i32 = DPAR_VERSION_MAJOR * 10000 + DPAR_VERSION_MINOR * 100 + DPAR_VERSION_PATCH;
 pub const DPAR_MAX_DIMS: usize = 4;

@@ -159,7 +159,7 @@ pub fn version() -> i32 {
     unsafe { sys::dpar_version() }
 }
 
-/// The loaded library's version string, such as "0.3.0".
+/// The loaded library's version string, such as "0.4.0".
 pub fn version_string() -> &'static str {
     unsafe { CStr::from_ptr(sys::dpar_version_string()) }.to_str().unwrap_or("")
 }
@@ -857,7 +857,7 @@ impl Engine {
     pub fn set_max_grad_norm(&self, max_norm: f32) -> Result<()> {
         check(unsafe { sys::dpar_engine_set_max_grad_norm(self.raw, max_norm) })
     }
-    /// The gradient's norm before clipping at the last step that clipped (NaN before any).
+    /// The gradient's norm before clipping at the last step taken with clipping on (NaN before any).
     pub fn grad_norm(&self) -> Result<f32> {
         let mut norm = 0f32;
         check(unsafe { sys::dpar_engine_grad_norm(&mut norm, self.raw) })?;
@@ -1176,7 +1176,7 @@ impl<T: CommType> RawBuffer<T> {
     /// The elements must be memory of one device (host memory or one GPU's), valid for reads and writes by dpar
     /// whenever a collective uses the buffer: for a blocking call, until it returns; for an asynchronous one, until
     /// its [`Work`] is waited for or dropped; for a [`RawReducer`], for the reducer's whole life. Nothing else may
-    /// write them meanwhile. On a GPU, the work that produced them must be finished or queued on the participant's
+    /// write them meanwhile, another collective or reducer on overlapping memory included. On a GPU, the work that produced them must be finished or queued on the participant's
     /// stream (see [`CommGroup::on_devices_with_streams`]).
     pub unsafe fn from_raw_parts(ptr: *mut T, len: usize) -> RawBuffer<T> {
         RawBuffer { ptr, len }

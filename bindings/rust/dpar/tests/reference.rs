@@ -129,6 +129,8 @@ fn gradient_clipping_and_the_reported_norm() {
     let (input, labels) = (Tensor::from_f32(&[10, 4], &x).unwrap(), Tensor::from_i32(&[10], &y).unwrap());
     assert!(clipping.grad_norm().unwrap().is_nan());
     clipping.set_max_grad_norm(1e6).unwrap(); // far above the norm: the same step
+    plain.train_step(&input, &labels).unwrap(); // a step's loss is taken before its update
+    clipping.train_step(&input, &labels).unwrap();
     assert_eq!(plain.train_step(&input, &labels).unwrap(), clipping.train_step(&input, &labels).unwrap());
     let norm = clipping.grad_norm().unwrap();
     assert!(norm > 0.0 && norm < 1e6, "{}", norm);
