@@ -14,8 +14,11 @@
 // (COMMUNICATION, REMOTE, ...); an abort makes a waiting or later call throw Error(REMOTE). Any of them aborts
 // (ncclCommAbort) every NCCL communicator of the group, once, so that the others' kernels waiting for this
 // participant end too, and the others throw Error(REMOTE) with the first reason. After that the communicators are
-// unusable (Error(INVALID_STATE) or REMOTE): build new ones. The engine runs collectives on the communication thread (async_*), so
-// this wait does not block the replica's worker.
+// unusable (Error(INVALID_STATE) or REMOTE): build new ones. A communicator whose participant is inside an NCCL
+// call at that moment is aborted by that participant when the call returns; a call that never returns (one that
+// waits on the host for a rank that never makes its own) is beyond this, and NCCL's non-blocking communicators
+// would be the way to bound it. The engine runs collectives on the communication thread (async_*), so this wait
+// does not block the replica's worker.
 //
 // Fingerprints are agreed before any data moves, so that a participant calling another collective makes all of
 // them throw Error(MISMATCH): in one process over a ThreadGroup (host all-gather of each call's record, with its
