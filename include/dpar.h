@@ -815,8 +815,8 @@ DPAR_API dpar_status dpar_comm_barrier(dpar_comm *comm);
 
 /**
  * @brief dpar_comm_all_reduce() on the communicator's own thread; returns at once. Operations started on one
- * communicator run in the order they were started. The buffers must stay valid and untouched until the work
- * completes.
+ * communicator run in the order they were started; a blocking collective called after them runs after them, on
+ * that thread (never beside one of them). The buffers must stay valid and untouched until the work completes.
  * @param[out] out  The work, owned by the caller (dpar_work_free()).
  */
 DPAR_API dpar_status dpar_comm_all_reduce_async(dpar_work **out, dpar_comm *comm, const void *send, void *recv,

@@ -167,6 +167,35 @@ TEST(CommApi, AsyncWorkCompletesInOrder) {
   for (int r = 0; r < n; ++r) EXPECT_EQ(status[r], DPAR_OK) << "rank " << r;
 }
 
+// A blocking collective called while the participant's asynchronous ones are queued runs after them, never beside
+// them: the participants' collectives stay in one order (a blocking one running beside a queued one would pair
+// with the wrong call of the others, or touch the participant's state from two threads at once).
+TEST(CommApi, ABlockingCollectiveAfterAsyncOnesRunsAfterThem) {
+  const int n = 3;
+  auto status = run_group(n, 30, [&](int r, dpar_comm* c) -> dpar_status {
+    std::vector<float> a(1 << 16, float(r + 1)), b(64, float(10 * (r + 1)));
+    std::vector<int64_t> g(n, -1);
+    const int64_t mine = r;
+    dpar_work *wa = nullptr, *wb = nullptr;
+    if (dpar_comm_all_reduce_async(&wa, c, a.data(), a.data(), a.size(), DPAR_F32, DPAR_SUM)) return DPAR_ERR_INTERNAL;
+    // Blocking, while the asynchronous one may still be queued: an all-gather of a different size and type.
+    const dpar_status gathered = dpar_comm_all_gather(c, &mine, g.data(), 1, DPAR_I64);
+    if (dpar_comm_broadcast_async(&wb, c, b.data(), b.size(), DPAR_F32, 2)) return DPAR_ERR_INTERNAL;
+    const dpar_status barrier = dpar_comm_barrier(c);
+    const dpar_status wait_a = dpar_work_wait(wa), wait_b = dpar_work_wait(wb);
+    dpar_work_free(wa);
+    dpar_work_free(wb);
+    if (gathered != DPAR_OK) return gathered;
+    if (barrier != DPAR_OK) return barrier;
+    if (wait_a != DPAR_OK) return wait_a;
+    if (wait_b != DPAR_OK) return wait_b;
+    for (int p = 0; p < n; ++p)
+      if (g[p] != p) return DPAR_ERR_MISMATCH;
+    return a[12345] == 6.0f && b[63] == 30.0f ? DPAR_OK : DPAR_ERR_MISMATCH;
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(status[r], DPAR_OK) << "rank " << r << ": " << dpar_status_str(status[r]);
+}
+
 TEST(CommApi, DifferentCountsAreAMismatchForEveryParticipant) {
   std::vector<std::string> messages(2);
   auto status = run_group(2, 30, [&](int r, dpar_comm* c) -> dpar_status {

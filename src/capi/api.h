@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <initializer_list>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -59,6 +60,7 @@ struct dpar_comm {
   std::shared_ptr<dpar::Communicator> comm;  // shared with reducers, so either may be freed first
   dpar::Device device;                       // where its buffers are (cpu:0: host memory)
   void* stream = nullptr;                    // the caller's stream its collectives are ordered on
+  std::atomic<bool> async_started{false};    // an asynchronous collective was started: see run_blocking
 };
 struct dpar_reducer {
   std::shared_ptr<dpar::Group> group;  // what the communicator needs alive (null for MPI)

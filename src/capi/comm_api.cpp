@@ -72,8 +72,19 @@ dpar_status start_async(dpar_work** out, dpar_comm* comm, Start&& start) {
   if (out) *out = nullptr;
   return guard([&] {
     checked_out(out);
-    *out = new_work(start(checked(comm, "comm")));
+    dpar_comm& h = checked(comm, "comm");
+    h.async_started.store(true, std::memory_order_release);
+    *out = new_work(start(h));
   });
+}
+
+// A blocking collective of a participant that started asynchronous ones runs on its communication thread, after
+// those already queued: in the order of the calls, and never beside one of them on the same participant (its
+// collectives must not overlap). Before any asynchronous call it runs on the caller's thread.
+template <class Op>
+void run_blocking(dpar_comm& h, const char* operation, Op&& op) {
+  if (!h.async_started.load(std::memory_order_acquire)) return op();
+  h.comm->async_run(operation, std::forward<Op>(op))->wait();
 }
 
 }  // namespace
@@ -213,7 +224,7 @@ DPAR_API dpar_status dpar_comm_all_reduce(dpar_comm* comm, const void* send, voi
     Communicator& c = *h.comm;
     check_buffer(h, send, count, dtype, "send");
     check_buffer(h, recv, count, dtype, "recv");
-    c.all_reduce(send, recv, count, comm_dtype(dtype), reduce_op(op));
+    run_blocking(h, "all_reduce", [&] { c.all_reduce(send, recv, count, comm_dtype(dtype), reduce_op(op)); });
   });
 }
 
@@ -223,7 +234,7 @@ DPAR_API dpar_status dpar_comm_broadcast(dpar_comm* comm, void* buffer, size_t c
     Communicator& c = *h.comm;
     check_buffer(h, buffer, count, dtype, "buffer");
     const int r = check_root(c, root);
-    c.broadcast(buffer, count, comm_dtype(dtype), r);
+    run_blocking(h, "broadcast", [&] { c.broadcast(buffer, count, comm_dtype(dtype), r); });
   });
 }
 
@@ -235,7 +246,7 @@ DPAR_API dpar_status dpar_comm_reduce(dpar_comm* comm, const void* send, void* r
     check_buffer(h, send, count, dtype, "send");
     const int r = check_root(c, root);
     if (c.rank() == r) check_buffer(h, recv, count, dtype, "recv");
-    c.reduce(send, recv, count, comm_dtype(dtype), reduce_op(op), r);
+    run_blocking(h, "reduce", [&] { c.reduce(send, recv, count, comm_dtype(dtype), reduce_op(op), r); });
   });
 }
 
@@ -246,7 +257,7 @@ DPAR_API dpar_status dpar_comm_all_gather(dpar_comm* comm, const void* send, voi
     Communicator& c = *h.comm;
     check_buffer(h, send, count, dtype, "send");
     check_buffer(h, recv, per_participant(c, count), dtype, "recv");
-    c.all_gather(send, recv, count, comm_dtype(dtype));
+    run_blocking(h, "all_gather", [&] { c.all_gather(send, recv, count, comm_dtype(dtype)); });
   });
 }
 
@@ -257,12 +268,16 @@ DPAR_API dpar_status dpar_comm_reduce_scatter(dpar_comm* comm, const void* send,
     Communicator& c = *h.comm;
     check_buffer(h, send, per_participant(c, count), dtype, "send");
     check_buffer(h, recv, count, dtype, "recv");
-    c.reduce_scatter(send, recv, count, comm_dtype(dtype), reduce_op(op));
+    run_blocking(h, "reduce_scatter",
+                 [&] { c.reduce_scatter(send, recv, count, comm_dtype(dtype), reduce_op(op)); });
   });
 }
 
 DPAR_API dpar_status dpar_comm_barrier(dpar_comm* comm) {
-  return guard([&] { checked(comm, "comm").comm->barrier("barrier"); });
+  return guard([&] {
+    dpar_comm& h = checked(comm, "comm");
+    run_blocking(h, "barrier", [&] { h.comm->barrier("barrier"); });
+  });
 }
 
 DPAR_API dpar_status dpar_comm_all_reduce_async(dpar_work** out, dpar_comm* comm, const void* send, void* recv,

@@ -1295,41 +1295,67 @@ impl Comm {
         check(unsafe { sys::dpar_comm_get_async_error(&mut s, self.raw) })?;
         check(s)
     }
-    /// An all-reduce on the communicator's own thread. The buffer stays borrowed until the work is waited for
-    /// or dropped (dropping waits).
-    pub fn all_reduce_async<'a, T: CommType>(&'a mut self, buffer: &'a mut [T], op: ReduceOp) -> Result<Work<'a>> {
-        self.all_reduce_raw_async(RawBuffer::of_mut(buffer), op)
+    /// An all-reduce, in place, on the communicator's own thread. The Work owns the buffer until
+    /// [`Work::wait`] hands it back reduced.
+    pub fn all_reduce_async<T: CommType>(&mut self, mut buffer: Vec<T>, op: ReduceOp) -> Result<Work<'_, Vec<T>>> {
+        let b = RawBuffer::of_mut(&mut buffer);
+        let raw = self.raw;
+        Work::start(buffer, |out| unsafe {
+            sys::dpar_comm_all_reduce_async(out, raw, b.c(), b.c(), b.len(), T::DTYPE, op.raw())
+        })
     }
-    pub fn broadcast_async<'a, T: CommType>(&'a mut self, buffer: &'a mut [T], root: usize) -> Result<Work<'a>> {
-        self.broadcast_raw_async(RawBuffer::of_mut(buffer), root)
+    pub fn broadcast_async<T: CommType>(&mut self, mut buffer: Vec<T>, root: usize) -> Result<Work<'_, Vec<T>>> {
+        let b = RawBuffer::of_mut(&mut buffer);
+        let raw = self.raw;
+        Work::start(buffer, |out| unsafe { sys::dpar_comm_broadcast_async(out, raw, b.c(), b.len(), T::DTYPE, root) })
     }
-    pub fn all_gather_async<'a, T: CommType>(&'a mut self, send: &'a [T], recv: &'a mut [T]) -> Result<Work<'a>> {
-        self.all_gather_raw_async(RawBuffer::of(send), RawBuffer::of_mut(recv))
+    /// Every participant's `send` into `recv` (size x send.len()); [`Work::wait`] hands back (send, recv).
+    pub fn all_gather_async<T: CommType>(
+        &mut self,
+        send: Vec<T>,
+        mut recv: Vec<T>,
+    ) -> Result<Work<'_, (Vec<T>, Vec<T>)>> {
+        self.same_len_per_rank(recv.len(), send.len(), "recv")?;
+        let (s, r) = (RawBuffer::of(&send), RawBuffer::of_mut(&mut recv));
+        let raw = self.raw;
+        Work::start((send, recv), |out| unsafe {
+            sys::dpar_comm_all_gather_async(out, raw, s.c(), r.c(), s.len(), T::DTYPE)
+        })
     }
-    pub fn reduce_scatter_async<'a, T: CommType>(
-        &'a mut self,
-        send: &'a [T],
-        recv: &'a mut [T],
+    /// Reduces `send` (size x recv.len()); [`Work::wait`] hands back (send, recv) with this participant's block.
+    pub fn reduce_scatter_async<T: CommType>(
+        &mut self,
+        send: Vec<T>,
+        mut recv: Vec<T>,
         op: ReduceOp,
-    ) -> Result<Work<'a>> {
-        self.reduce_scatter_raw_async(RawBuffer::of(send), RawBuffer::of_mut(recv), op)
+    ) -> Result<Work<'_, (Vec<T>, Vec<T>)>> {
+        self.same_len_per_rank(send.len(), recv.len(), "send")?;
+        let (s, r) = (RawBuffer::of(&send), RawBuffer::of_mut(&mut recv));
+        let raw = self.raw;
+        Work::start((send, recv), |out| unsafe {
+            sys::dpar_comm_reduce_scatter_async(out, raw, s.c(), r.c(), r.len(), T::DTYPE, op.raw())
+        })
     }
     /// `all_reduce_async` on a buffer Rust does not own, in place. On a GPU the collective is ordered on the
     /// participant's stream when the communicator's thread starts it: read the result after [`Work::wait`].
-    pub fn all_reduce_raw_async<T: CommType>(&mut self, buffer: RawBuffer<T>, op: ReduceOp) -> Result<Work<'_>> {
+    pub fn all_reduce_raw_async<T: CommType>(&mut self, buffer: RawBuffer<T>, op: ReduceOp) -> Result<Work<'_, ()>> {
         let p = buffer.c();
-        Work::start(|out| unsafe {
+        Work::start((), |out| unsafe {
             sys::dpar_comm_all_reduce_async(out, self.raw, p, p, buffer.len(), T::DTYPE, op.raw())
         })
     }
-    pub fn broadcast_raw_async<T: CommType>(&mut self, buffer: RawBuffer<T>, root: usize) -> Result<Work<'_>> {
-        Work::start(|out| unsafe {
+    pub fn broadcast_raw_async<T: CommType>(&mut self, buffer: RawBuffer<T>, root: usize) -> Result<Work<'_, ()>> {
+        Work::start((), |out| unsafe {
             sys::dpar_comm_broadcast_async(out, self.raw, buffer.c(), buffer.len(), T::DTYPE, root)
         })
     }
-    pub fn all_gather_raw_async<T: CommType>(&mut self, send: RawBuffer<T>, recv: RawBuffer<T>) -> Result<Work<'_>> {
+    pub fn all_gather_raw_async<T: CommType>(
+        &mut self,
+        send: RawBuffer<T>,
+        recv: RawBuffer<T>,
+    ) -> Result<Work<'_, ()>> {
         self.same_len_per_rank(recv.len(), send.len(), "recv")?;
-        Work::start(|out| unsafe {
+        Work::start((), |out| unsafe {
             sys::dpar_comm_all_gather_async(out, self.raw, send.c(), recv.c(), send.len(), T::DTYPE)
         })
     }
@@ -1338,32 +1364,36 @@ impl Comm {
         send: RawBuffer<T>,
         recv: RawBuffer<T>,
         op: ReduceOp,
-    ) -> Result<Work<'_>> {
+    ) -> Result<Work<'_, ()>> {
         self.same_len_per_rank(send.len(), recv.len(), "send")?;
-        Work::start(|out| unsafe {
+        Work::start((), |out| unsafe {
             sys::dpar_comm_reduce_scatter_async(out, self.raw, send.c(), recv.c(), recv.len(), T::DTYPE, op.raw())
         })
     }
 }
 
-/// An asynchronous collective in flight; its buffers stay borrowed for `'a`. Dropping it waits.
-pub struct Work<'a> {
+/// An asynchronous collective in flight. It owns the buffers it reads and writes (`B`: the vectors moved in, or
+/// nothing for [`RawBuffer`]s), so that nothing else can touch them meanwhile, whatever becomes of the Work:
+/// [`Work::wait`] hands them back; dropping it waits, then drops them; forgetting it (`mem::forget`) leaks them
+/// where the communication thread may still write, which is safe.
+pub struct Work<'c, B> {
     raw: *mut sys::dpar_work,
-    _borrow: PhantomData<&'a mut ()>,
+    buffers: Option<B>,
+    _comm: PhantomData<&'c mut Comm>,
 }
 
-impl Drop for Work<'_> {
+impl<B> Drop for Work<'_, B> {
     fn drop(&mut self) {
-        unsafe { sys::dpar_work_free(self.raw) }
+        unsafe { sys::dpar_work_free(self.raw) } // waits; the buffers go after
     }
 }
 
-impl<'a> Work<'a> {
-    /// Runs a dpar_comm_*_async call, which writes the work's handle through `out`.
-    fn start(call: impl FnOnce(*mut *mut sys::dpar_work) -> i32) -> Result<Work<'a>> {
+impl<'c, B> Work<'c, B> {
+    /// Runs a dpar_comm_*_async call, which writes the work's handle through `out`, on `buffers`' memory.
+    fn start(buffers: B, call: impl FnOnce(*mut *mut sys::dpar_work) -> i32) -> Result<Work<'c, B>> {
         let mut raw = ptr::null_mut();
         check(call(&mut raw))?;
-        Ok(Work { raw, _borrow: PhantomData })
+        Ok(Work { raw, buffers: Some(buffers), _comm: PhantomData })
     }
     /// True once the work has finished (successfully or not). Never blocks.
     pub fn test(&self) -> Result<bool> {
@@ -1371,9 +1401,12 @@ impl<'a> Work<'a> {
         check(unsafe { sys::dpar_work_test(&mut done, self.raw) })?;
         Ok(done != 0)
     }
-    /// Waits; the collective's own status and message.
-    pub fn wait(self) -> Result<()> {
-        check(unsafe { sys::dpar_work_wait(self.raw) })
+    /// Waits; the buffers, or the collective's own status and message.
+    pub fn wait(mut self) -> Result<B> {
+        let status = check(unsafe { sys::dpar_work_wait(self.raw) });
+        let buffers = self.buffers.take();
+        drop(self);
+        status.map(|()| buffers.expect("a Work holds its buffers until wait"))
     }
 }
 

@@ -209,8 +209,7 @@ fn collectives_over_a_thread_group() {
                 let mut g = vec![0i32; size];
                 c.all_gather(&[rank as i32], &mut g).unwrap();
                 assert_eq!(g, vec![0, 1, 2]);
-                let mut a = vec![1.0f32; 4];
-                c.all_reduce_async(&mut a, ReduceOp::Mean).unwrap().wait().unwrap();
+                let a = c.all_reduce_async(vec![1.0f32; 4], ReduceOp::Mean).unwrap().wait().unwrap();
                 assert_eq!(a, vec![1.0; 4]);
                 c.barrier().unwrap();
                 c
@@ -289,21 +288,23 @@ fn every_collective_and_its_length_checks() {
         let mut s = [0f32; 1];
         c.reduce_scatter(&[me, 10.0 * me], &mut s, ReduceOp::Sum).unwrap();
         assert_eq!(s[0], if rank == 0 { 3.0 } else { 30.0 });
-        let mut b = [me; 2];
-        c.broadcast_async(&mut b, 0).unwrap().wait().unwrap();
+        let b = c.broadcast_async(vec![me; 2], 0).unwrap().wait().unwrap();
         assert_eq!(b, [1.0; 2]);
-        let mut g = [0f32; 2];
-        c.all_gather_async(&[me], &mut g).unwrap().wait().unwrap();
-        assert_eq!(g, [1.0, 2.0]);
-        let mut s = [0f32; 1];
-        c.reduce_scatter_async(&[me, 10.0 * me], &mut s, ReduceOp::Mean).unwrap().wait().unwrap();
+        let (send, g) = c.all_gather_async(vec![me], vec![0f32; 2]).unwrap().wait().unwrap();
+        assert_eq!((send, g), (vec![me], vec![1.0, 2.0]));
+        let (_, s) = c.reduce_scatter_async(vec![me, 10.0 * me], vec![0f32; 1], ReduceOp::Mean).unwrap().wait().unwrap();
         assert_eq!(s[0], if rank == 0 { 1.5 } else { 15.0 });
+        // A Work dropped unwaited waits; one forgotten keeps its buffer, whatever the collective still writes.
+        drop(c.all_reduce_async(vec![me; 8], ReduceOp::Sum).unwrap());
+        std::mem::forget(c.all_reduce_async(vec![me; 8], ReduceOp::Sum).unwrap());
+        let after = c.all_reduce_async(vec![me; 8], ReduceOp::Max).unwrap().wait().unwrap();
+        assert_eq!(after, [2.0; 8]);
         // Refused before any participant waits for the others.
         let e = c.all_reduce(&[me; 2], &mut [0f32; 3], ReduceOp::Sum).unwrap_err();
         assert_eq!(e.message(), "recv: 3 elements, expected 2");
         let e = c.all_gather(&[me; 2], &mut [0f32; 3]).unwrap_err();
         assert_eq!(e.message(), "recv: 3 elements, expected 4");
-        let e = c.reduce_scatter_async(&[me; 3], &mut [0f32; 2], ReduceOp::Sum).err().unwrap();
+        let e = c.reduce_scatter_async(vec![me; 3], vec![0f32; 2], ReduceOp::Sum).err().unwrap();
         assert_eq!(e.status(), status::INVALID_ARGUMENT);
         assert_eq!(e.message(), "send: 3 elements, expected 4");
         c.barrier().unwrap();
