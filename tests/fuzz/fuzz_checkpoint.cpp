@@ -17,7 +17,7 @@ Engine& engine() {
     m.add(make_activation(Activation::kRelu));
     m.add(make_linear(4, 2, true));
     OptimizerConfig opt;
-    opt.kind = DPAR_SGD;
+    opt.kind = OptimizerKind::kSgd;
     opt.lr = 0.1f;
     opt.momentum = 0.9f;
     EngineConfig c;
