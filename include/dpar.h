@@ -18,6 +18,9 @@
  *    once, when it no longer needs the payload (sqlite3's xDestroy).
  *  - Output parameters come first, then the handle, then the other arguments.
  *  - Option structs are versioned: initialise them with their `_INIT` macro or `_init()` function, then set fields.
+ *    A newer library reads an older caller's struct by its `size` and `version`, but `_init()` writes the struct as
+ *    the library it calls declares it: a program that may run against a newer libdpar than this header uses the
+ *    `_INIT` macros.
  *  - A NULL handle, a freed one or one of another type is refused with ::DPAR_ERR_INVALID_ARGUMENT: dpar looks every
  *    handle up among the live ones before using it. (A freed handle whose address a new handle of the same type
  *    has reused cannot be told apart from it.)
