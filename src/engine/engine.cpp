@@ -139,27 +139,19 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     // Whatever fails releases the others from any collective they wait in (the group keeps the first reason,
     // so a replica that only saw another one fail does not overwrite the cause).
     // Its buckets in flight are then waited for: they fail fast in the aborted group, and their buffers must not
-    // be in use once the job returns. So is the work already queued on its device: a reduction kernel queued
-    // before the failure may still write into any replica's buffers, which the next call reuses.
-    const auto settle = [&rep](const std::string& why) {
-      if (rep.comm) rep.comm->abort(rep.ctx.device.str() + " failed: " + why);
-      if (rep.reducer) rep.reducer->drain();
-      try {
-        if (rep.stream) rep.stream->synchronize();
-      } catch (...) {
-        // The device's own failure: run() asks every device again below.
-      }
-    };
+    // be in use once the job returns. (The work already queued on its device is waited for below.)
     try {
       job(rep, r);
       // A job ends with its device work done: the caller may then read any replica's memory, and a device
       // failure is this job's.
       if (rep.stream) rep.stream->synchronize();
     } catch (const std::exception& e) {
-      settle(e.what());
+      if (rep.comm) rep.comm->abort(rep.ctx.device.str() + " failed: " + e.what());
+      if (rep.reducer) rep.reducer->drain();
       throw;
     } catch (...) {
-      settle("unknown exception");
+      if (rep.comm) rep.comm->abort(rep.ctx.device.str() + " failed: unknown exception");
+      if (rep.reducer) rep.reducer->drain();
       throw;
     }
   });
@@ -190,15 +182,9 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
   }
   if (first == errors.size()) return;
 
-  if (aborted_.load()) {
-    // The group stays aborted, so that a worker still on its way to a collective stops there too.
-    // Replicas may have stepped and stopped apart (an abort can land inside the optimizer's all-gather): only a
-    // recreated engine is known to be whole again, as every later call says (check_usable).
-    if (processes_) processes_->abort(std::string(operation) + ": the engine was aborted on another process");
-    fail(status, operation, ": ", message, "; the engine was aborted (dpar_engine_abort) and must be recreated");
-  }
-  // A device that failed for good (on a GPU, a sticky error such as an illegal address) fails every call after:
-  // its replica cannot take part in another step.
+  // Every replica's queued device work is waited for: a reduction kernel queued before the failure may still
+  // write into any replica's buffers, which the next call reuses. A device whose wait still fails failed for good
+  // (on a GPU, a sticky error such as an illegal address): its replica cannot take part in another step.
   std::string device_lost;
   for (auto& rep : replicas_) {
     try {
@@ -206,6 +192,13 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     } catch (const std::exception& e) {
       if (device_lost.empty()) device_lost = e.what();
     }
+  }
+  if (aborted_.load()) {
+    // The group stays aborted, so that a worker still on its way to a collective stops there too.
+    // Replicas may have stepped and stopped apart (an abort can land inside the optimizer's all-gather): only a
+    // recreated engine is known to be whole again, as every later call says (check_usable).
+    if (processes_) processes_->abort(std::string(operation) + ": the engine was aborted on another process");
+    fail(status, operation, ": ", message, "; the engine was aborted (dpar_engine_abort) and must be recreated");
   }
   // Null while the engine is still being created; a group that cannot recover leaves the engine unusable.
   const bool recovered = device_lost.empty() && (!group_ || group_->recover());
