@@ -332,11 +332,7 @@ func TestEveryCollectiveGivesTheReferenceForEveryTypeOpAndWay(t *testing.T) {
 // Work started on one communicator runs in order and may be waited for in any order; the slices are the caller's
 // until Wait, which alone writes the result into them.
 func TestAsyncWorkOverGoSlices(t *testing.T) {
-	g, err := NewCommGroup(2, 30)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
+	g := testGroup(t, 2, 30)
 	onEachMember(t, g, 2, func(c *Comm, rank int) error {
 		a := make([]float32, 4096)
 		b := make([]int64, 4096)
@@ -398,11 +394,7 @@ func isDparError(err error, status int, message string) bool {
 }
 
 func TestBadCollectiveArgumentsAreErrorsWithDparsMessage(t *testing.T) {
-	g, err := NewCommGroup(2, 30)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
+	g := testGroup(t, 2, 30)
 	noWork := func(_ *Work, err error) error { return err }
 	noDone := func(_ bool, err error) error { return err }
 	// Member 0 alone: every refusal comes before a participant waits for another.
@@ -485,11 +477,7 @@ func TestBadCollectiveArgumentsAreErrorsWithDparsMessage(t *testing.T) {
 // A failed collective's error comes back from Wait with dpar's message: participants that disagree on the count,
 // then a participant that never arrives.
 func TestAWorksErrorIsTheCollectives(t *testing.T) {
-	g, err := NewCommGroup(2, 30)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
+	g := testGroup(t, 2, 30)
 	onEachMember(t, g, 2, func(c *Comm, rank int) error {
 		w, err := AllReduceAsync(c, make([]float64, 3+rank), Sum)
 		if err != nil {

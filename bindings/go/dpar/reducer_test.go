@@ -324,11 +324,7 @@ func TestTheReducerOutlivesItsComm(t *testing.T) {
 
 // A member that never ends its step: the others' Wait returns dpar's timeout, naming it.
 func TestAReducersWaitNamesAMemberThatNeverCame(t *testing.T) {
-	g, err := NewCommGroup(3, 0.5)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
+	g := testGroup(t, 3, 0.5)
 	onEachMember(t, g, 3, func(c *Comm, rank int) error {
 		red, err := NewReducer(c, []int{1000, 1000}, Sum, smallBuckets)
 		if err != nil {
@@ -348,6 +344,17 @@ func TestAReducersWaitNamesAMemberThatNeverCame(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// testGroup is a group of size participants, closed when the test ends.
+func testGroup(t *testing.T, size int, timeoutSeconds float64) *CommGroup {
+	t.Helper()
+	g, err := NewCommGroup(size, timeoutSeconds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(g.Close)
+	return g
 }
 
 // soloGroup is a group of one and its member, for tests of one participant's calls.
