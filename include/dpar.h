@@ -17,10 +17,10 @@
  *  - Every `void *payload` given to dpar comes with an optional destructor (::dpar_destroy_fn) that dpar calls exactly
  *    once, when it no longer needs the payload (sqlite3's xDestroy).
  *  - Output parameters come first, then the handle, then the other arguments.
- *  - Option structs are versioned: initialise them with their `_INIT` macro or `_init()` function, then set fields.
- *    A newer library reads an older caller's struct by its `size` and `version`, but `_init()` writes the struct as
- *    the library it calls declares it: a program that may run against a newer libdpar than this header uses the
- *    `_INIT` macros.
+ *  - Option structs are versioned: initialise them with their `_INIT` macro or `_init()`, then set fields. `_init()`
+ *    is a macro that passes the struct's size as the caller compiled it (`_init_sized()`): a newer library fills
+ *    the caller's layout, and reads it back by its `size` and `version`. A binding that cannot use C macros calls
+ *    `_init_sized()` with its own size of the struct.
  *  - A NULL handle, a freed one or one of another type is refused with ::DPAR_ERR_INVALID_ARGUMENT: dpar looks every
  *    handle up among the live ones before using it. (A freed handle whose address a new handle of the same type
  *    has reused cannot be told apart from it.)
@@ -55,7 +55,7 @@ extern "C" {
 /** @name Versions */
 /**@{*/
 #define DPAR_VERSION_MAJOR 0 /**< Major version: changes when the ABI breaks (it is the SONAME). */
-#define DPAR_VERSION_MINOR 4 /**< Minor version: grows when functions or option fields are appended. */
+#define DPAR_VERSION_MINOR 5 /**< Minor version: grows when functions or option fields are appended. */
 #define DPAR_VERSION_PATCH 0 /**< Patch version: fixes only. */
 /** The version as one integer, MAJOR*10000 + MINOR*100 + PATCH. */
 #define DPAR_VERSION (DPAR_VERSION_MAJOR * 10000 + DPAR_VERSION_MINOR * 100 + DPAR_VERSION_PATCH)
@@ -256,8 +256,19 @@ typedef struct dpar_model_options {
 } dpar_model_options;
 #define DPAR_MODEL_OPTIONS_VERSION 1
 #define DPAR_MODEL_OPTIONS_INIT {sizeof(dpar_model_options), DPAR_MODEL_OPTIONS_VERSION, 0}
-/** @brief Fills @p opts with defaults, for languages without macros. */
+/**
+ * @brief Fills @p opts with defaults: the layout of @p size bytes, sizeof(dpar_model_options) as the caller compiled
+ * it, and no byte past it. ::DPAR_ERR_NOT_SUPPORTED for a layout newer than the library's. Call it as
+ * dpar_model_options_init().
+ */
+DPAR_API dpar_status dpar_model_options_init_sized(dpar_model_options *opts, size_t size);
+/**
+ * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_model_options_init_sized(), so
+ * that a newer libdpar writes the caller's layout. (The function of this name, which programs built against dpar.h 0.4
+ * and older call, writes the library's own layout.)
+ */
 DPAR_API dpar_status dpar_model_options_init(dpar_model_options *opts);
+#define dpar_model_options_init(opts) dpar_model_options_init_sized((opts), sizeof(dpar_model_options))
 
 /**
  * @brief Creates an empty sequential model.
@@ -359,8 +370,19 @@ typedef struct dpar_custom_layer {
 #define DPAR_CUSTOM_LAYER_VERSION 1
 #define DPAR_CUSTOM_LAYER_INIT \
   {sizeof(dpar_custom_layer), DPAR_CUSTOM_LAYER_VERSION, NULL, NULL, 0, NULL, NULL, NULL, NULL, NULL}
-/** @brief Fills @p layer with empty defaults, for languages without macros. */
+/**
+ * @brief Fills @p layer with empty defaults: the layout of @p size bytes, sizeof(dpar_custom_layer) as the caller
+ * compiled it, and no byte past it. ::DPAR_ERR_NOT_SUPPORTED for a layout newer than the library's. Call it as
+ * dpar_custom_layer_init().
+ */
+DPAR_API dpar_status dpar_custom_layer_init_sized(dpar_custom_layer *layer, size_t size);
+/**
+ * @brief Fills @p layer with empty defaults: a macro that passes the caller's sizeof to
+ * dpar_custom_layer_init_sized(), so that a newer libdpar writes the caller's layout. (The function of this name,
+ * which programs built against dpar.h 0.4 and older call, writes the library's own layout.)
+ */
 DPAR_API dpar_status dpar_custom_layer_init(dpar_custom_layer *layer);
+#define dpar_custom_layer_init(layer) dpar_custom_layer_init_sized((layer), sizeof(dpar_custom_layer))
 /**
  * @brief Appends a custom layer. dpar allocates its parameters and gradients on every device, synchronises the
  * gradients and applies the optimizer. The layer (and its payload) is shared by the model and every engine built
@@ -422,8 +444,19 @@ typedef struct dpar_optimizer_options {
 #define DPAR_OPTIMIZER_OPTIONS_VERSION 1
 #define DPAR_OPTIMIZER_OPTIONS_INIT \
   {sizeof(dpar_optimizer_options), DPAR_OPTIMIZER_OPTIONS_VERSION, DPAR_SGD, 0.01f, 0.0f, 0.0f, 0, 0.0f, 0.9f, 0.999f, 1e-8f}
-/** @brief Fills @p opts with defaults. */
+/**
+ * @brief Fills @p opts with defaults: the layout of @p size bytes, sizeof(dpar_optimizer_options) as the caller
+ * compiled it, and no byte past it. ::DPAR_ERR_NOT_SUPPORTED for a layout newer than the library's. Call it as
+ * dpar_optimizer_options_init().
+ */
+DPAR_API dpar_status dpar_optimizer_options_init_sized(dpar_optimizer_options *opts, size_t size);
+/**
+ * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_optimizer_options_init_sized(),
+ * so that a newer libdpar writes the caller's layout. (The function of this name, which programs built against dpar.h
+ * 0.4 and older call, writes the library's own layout.)
+ */
 DPAR_API dpar_status dpar_optimizer_options_init(dpar_optimizer_options *opts);
+#define dpar_optimizer_options_init(opts) dpar_optimizer_options_init_sized((opts), sizeof(dpar_optimizer_options))
 /**@}*/
 
 /* ------------------------------------------------------------------------------------------------------------ */
@@ -490,8 +523,19 @@ typedef struct dpar_engine_options {
 #define DPAR_ENGINE_OPTIONS_INIT                                                                                   \
   {sizeof(dpar_engine_options), DPAR_ENGINE_OPTIONS_VERSION, DPAR_DEVICE_CPU, 0, NULL, 0, -1, DPAR_LOSS_CROSS_ENTROPY, \
    0, 300.0, 1, 1, 0, 0, DPAR_PROCESSES_AUTO}
-/** @brief Fills @p opts with defaults. */
+/**
+ * @brief Fills @p opts with defaults: the layout of @p size bytes, sizeof(dpar_engine_options) as the caller compiled
+ * it, and no byte past it. ::DPAR_ERR_NOT_SUPPORTED for a layout newer than the library's. Call it as
+ * dpar_engine_options_init().
+ */
+DPAR_API dpar_status dpar_engine_options_init_sized(dpar_engine_options *opts, size_t size);
+/**
+ * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_engine_options_init_sized(), so
+ * that a newer libdpar writes the caller's layout. (The function of this name, which programs built against dpar.h 0.4
+ * and older call, writes the library's own layout.)
+ */
 DPAR_API dpar_status dpar_engine_options_init(dpar_engine_options *opts);
+#define dpar_engine_options_init(opts) dpar_engine_options_init_sized((opts), sizeof(dpar_engine_options))
 
 /**
  * @brief Creates an engine: starts one worker per device and copies the model to each, once.
@@ -711,8 +755,19 @@ typedef struct dpar_comm_options {
 } dpar_comm_options;
 #define DPAR_COMM_OPTIONS_VERSION 1
 #define DPAR_COMM_OPTIONS_INIT {sizeof(dpar_comm_options), DPAR_COMM_OPTIONS_VERSION, 300.0}
-/** @brief Fills @p opts with defaults. */
+/**
+ * @brief Fills @p opts with defaults: the layout of @p size bytes, sizeof(dpar_comm_options) as the caller compiled
+ * it, and no byte past it. ::DPAR_ERR_NOT_SUPPORTED for a layout newer than the library's. Call it as
+ * dpar_comm_options_init().
+ */
+DPAR_API dpar_status dpar_comm_options_init_sized(dpar_comm_options *opts, size_t size);
+/**
+ * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_comm_options_init_sized(), so
+ * that a newer libdpar writes the caller's layout. (The function of this name, which programs built against dpar.h 0.4
+ * and older call, writes the library's own layout.)
+ */
 DPAR_API dpar_status dpar_comm_options_init(dpar_comm_options *opts);
+#define dpar_comm_options_init(opts) dpar_comm_options_init_sized((opts), sizeof(dpar_comm_options))
 
 /**
  * @brief Creates a group of @p size participants inside this process (one thread each, shared memory).
@@ -865,8 +920,19 @@ typedef struct dpar_reducer_options {
 } dpar_reducer_options;
 #define DPAR_REDUCER_OPTIONS_VERSION 1
 #define DPAR_REDUCER_OPTIONS_INIT {sizeof(dpar_reducer_options), DPAR_REDUCER_OPTIONS_VERSION, 0, 0, DPAR_MEAN}
-/** @brief Fills @p opts with defaults. */
+/**
+ * @brief Fills @p opts with defaults: the layout of @p size bytes, sizeof(dpar_reducer_options) as the caller compiled
+ * it, and no byte past it. ::DPAR_ERR_NOT_SUPPORTED for a layout newer than the library's. Call it as
+ * dpar_reducer_options_init().
+ */
+DPAR_API dpar_status dpar_reducer_options_init_sized(dpar_reducer_options *opts, size_t size);
+/**
+ * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_reducer_options_init_sized(), so
+ * that a newer libdpar writes the caller's layout. (The function of this name, which programs built against dpar.h 0.4
+ * and older call, writes the library's own layout.)
+ */
 DPAR_API dpar_status dpar_reducer_options_init(dpar_reducer_options *opts);
+#define dpar_reducer_options_init(opts) dpar_reducer_options_init_sized((opts), sizeof(dpar_reducer_options))
 
 /**
  * @brief Creates a reducer over @p comm for @p num_grads f32 gradient buffers in the memory of the communicator's

@@ -124,6 +124,12 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_loader_to_device)(dpar_loader *loader, dpar_device device);
   dpar_status (*dpar_engine_set_max_grad_norm)(dpar_engine *engine, float max_norm);
   dpar_status (*dpar_engine_grad_norm)(float *out, const dpar_engine *engine);
+  dpar_status (*dpar_model_options_init_sized)(dpar_model_options *opts, size_t size);
+  dpar_status (*dpar_custom_layer_init_sized)(dpar_custom_layer *layer, size_t size);
+  dpar_status (*dpar_optimizer_options_init_sized)(dpar_optimizer_options *opts, size_t size);
+  dpar_status (*dpar_engine_options_init_sized)(dpar_engine_options *opts, size_t size);
+  dpar_status (*dpar_comm_options_init_sized)(dpar_comm_options *opts, size_t size);
+  dpar_status (*dpar_reducer_options_init_sized)(dpar_reducer_options *opts, size_t size);
 } dpar_api_v1;
 
 /**

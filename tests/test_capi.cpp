@@ -1165,6 +1165,78 @@ TEST(EngineOptions, AVersionOneStructGetsTheNewFieldsDefaults) {
   EXPECT_EQ(size, 1u);
 }
 
+TEST(EngineOptions, InitFillsTheCallersLayoutAndNotAByteMore) {
+  // A program compiled against version 1 of the struct passes its own, smaller sizeof: the library writes that
+  // layout (version 1) and leaves the bytes after it alone. The guard bytes stand for whatever the caller keeps
+  // after its struct.
+  constexpr size_t v1 = offsetof(dpar_engine_options, first_bucket_bytes);
+  unsigned char buffer[sizeof(dpar_engine_options) + 16];
+  std::memset(buffer, 0xab, sizeof buffer);
+  auto* o = reinterpret_cast<dpar_engine_options*>(buffer);
+  ASSERT_OK(dpar_engine_options_init_sized(o, v1));
+  EXPECT_EQ(o->size, v1);
+  EXPECT_EQ(o->version, 1u);
+  EXPECT_EQ(o->timeout_seconds, 300.0);
+  EXPECT_EQ(o->pin_workers, 1);
+  for (size_t i = v1; i < sizeof buffer; ++i) ASSERT_EQ(buffer[i], 0xab) << "byte " << i << " written";
+  // The struct so filled is read back as version 1: the fields appended since keep their defaults.
+  o->num_cpu_devices = 2;
+  ModelPtr m = LinearModel();
+  dpar_engine* raw = nullptr;
+  ASSERT_OK(dpar_engine_create(&raw, m.get(), nullptr, o));
+  EnginePtr e(raw);
+  size_t replicas = 0;
+  ASSERT_OK(dpar_engine_num_replicas(&replicas, e.get()));
+  EXPECT_EQ(replicas, 2u);
+
+  // The macro passes the caller's sizeof: the current layout.
+  std::memset(buffer, 0xab, sizeof buffer);
+  ASSERT_OK(dpar_engine_options_init(o));
+  EXPECT_EQ(o->size, sizeof(dpar_engine_options));
+  EXPECT_EQ(o->version, static_cast<unsigned>(DPAR_ENGINE_OPTIONS_VERSION));
+  EXPECT_EQ(o->processes, DPAR_PROCESSES_AUTO);
+  for (size_t i = sizeof(dpar_engine_options); i < sizeof buffer; ++i) ASSERT_EQ(buffer[i], 0xab);
+  // So does the function of that name, which programs built against dpar.h 0.4 call: this library's layout.
+  std::memset(buffer, 0xab, sizeof buffer);
+  ASSERT_OK((dpar_engine_options_init)(o));
+  EXPECT_EQ(o->size, sizeof(dpar_engine_options));
+  EXPECT_EQ(o->version, static_cast<unsigned>(DPAR_ENGINE_OPTIONS_VERSION));
+
+  // A layout newer than the library's: the program was built against a newer dpar.h. Nothing is written.
+  std::memset(buffer, 0xab, sizeof buffer);
+  EXPECT_DPAR_ERROR(DPAR_ERR_NOT_SUPPORTED, "newer dpar.h", dpar_engine_options_init_sized(o, sizeof(dpar_engine_options) + 8));
+  // A size between two layouts, or short of the first, is no struct dpar knows.
+  EXPECT_INVALID("no layout of dpar_engine_options", dpar_engine_options_init_sized(o, v1 + 8));
+  EXPECT_INVALID("no layout of dpar_engine_options", dpar_engine_options_init_sized(o, 0));
+  for (unsigned char b : buffer) ASSERT_EQ(b, 0xab);
+  EXPECT_INVALID("opts", dpar_engine_options_init_sized(nullptr, sizeof(dpar_engine_options)));
+}
+
+TEST(OptionStructs, EverySizedInitWritesItsLayoutAndRefusesOthers) {
+  // One layout each (version 1): the size is sizeof, and any other is refused before a byte is written.
+  const auto check = [](auto* tag, auto init_sized, unsigned version) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    unsigned char buffer[sizeof(T) + 16];
+    std::memset(buffer, 0xab, sizeof buffer);
+    auto* o = reinterpret_cast<T*>(buffer);
+    ASSERT_OK(init_sized(o, sizeof(T)));
+    EXPECT_EQ(o->size, sizeof(T));
+    EXPECT_EQ(o->version, version);
+    for (size_t i = sizeof(T); i < sizeof buffer; ++i) ASSERT_EQ(buffer[i], 0xab);
+    std::memset(buffer, 0xab, sizeof buffer);
+    EXPECT_DPAR_ERROR(DPAR_ERR_NOT_SUPPORTED, "newer dpar.h", init_sized(o, sizeof(T) + 8));
+    EXPECT_INVALID("no layout", init_sized(o, sizeof(T) - 8));
+    for (unsigned char b : buffer) ASSERT_EQ(b, 0xab);
+    EXPECT_INVALID("is NULL", init_sized(nullptr, sizeof(T)));
+  };
+  check(static_cast<dpar_model_options*>(nullptr), dpar_model_options_init_sized, DPAR_MODEL_OPTIONS_VERSION);
+  check(static_cast<dpar_custom_layer*>(nullptr), dpar_custom_layer_init_sized, DPAR_CUSTOM_LAYER_VERSION);
+  check(static_cast<dpar_optimizer_options*>(nullptr), dpar_optimizer_options_init_sized,
+        DPAR_OPTIMIZER_OPTIONS_VERSION);
+  check(static_cast<dpar_comm_options*>(nullptr), dpar_comm_options_init_sized, DPAR_COMM_OPTIONS_VERSION);
+  check(static_cast<dpar_reducer_options*>(nullptr), dpar_reducer_options_init_sized, DPAR_REDUCER_OPTIONS_VERSION);
+}
+
 TEST(EngineOptions, BucketSizesSetTheBuckets) {
   ModelPtr m = LinearModel();  // a weight and a bias
   for (const auto& [first, cap, expected] :

@@ -6,7 +6,8 @@
 #include <cstddef>
 #include <cstring>
 #include <functional>
-#include <initializer_list>
+#include <iterator>
+#include <string>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -148,26 +149,107 @@ inline BucketOptions bucket_options(size_t first_bucket_bytes, size_t bucket_cap
   return b;
 }
 
-// Reads a versioned options struct: NULL gives the defaults; fields the caller's version predates keep them.
-// `version_sizes` lists the size of each version's layout, version 1 first (empty: a struct with one version,
-// sizeof(T)). A size smaller than its version's layout is a struct that was never initialised: refused, for
-// every version alike.
+// Every versioned struct of dpar.h: its defaults, and the size of each version's layout, version 1 first (the
+// current version is the last). A struct grows only by appending fields, so the first `layout` bytes of the
+// defaults are the defaults of that version.
 template <class T>
-T read_options(const T* user, const T& defaults, unsigned current_version, const char* argument,
-               std::initializer_list<size_t> version_sizes = {}) {
-  if (!user) return defaults;
-  DPAR_CHECK_ARG(user->version >= 1 && user->version <= current_version, argument, ": unknown version ",
-                 user->version, " (this dpar knows 1 to ", current_version, "; use the _INIT macro or _init())");
-  DPAR_ENFORCE(version_sizes.size() == 0 || version_sizes.size() == current_version, DPAR_ERR_INTERNAL, argument,
-               ": the layout sizes do not match the version");
-  const size_t layout = version_sizes.size() == 0 ? sizeof(T) : version_sizes.begin()[user->version - 1];
+struct Versioned;
+template <>
+struct Versioned<dpar_model_options> {
+  static constexpr const char* name = "dpar_model_options";
+  static dpar_model_options defaults() { return DPAR_MODEL_OPTIONS_INIT; }
+  static constexpr size_t layouts[] = {sizeof(dpar_model_options)};
+};
+template <>
+struct Versioned<dpar_custom_layer> {
+  static constexpr const char* name = "dpar_custom_layer";
+  static dpar_custom_layer defaults() { return DPAR_CUSTOM_LAYER_INIT; }
+  static constexpr size_t layouts[] = {sizeof(dpar_custom_layer)};
+};
+template <>
+struct Versioned<dpar_optimizer_options> {
+  static constexpr const char* name = "dpar_optimizer_options";
+  static dpar_optimizer_options defaults() { return DPAR_OPTIMIZER_OPTIONS_INIT; }
+  static constexpr size_t layouts[] = {sizeof(dpar_optimizer_options)};
+};
+template <>
+struct Versioned<dpar_engine_options> {
+  static constexpr const char* name = "dpar_engine_options";
+  static dpar_engine_options defaults() { return DPAR_ENGINE_OPTIONS_INIT; }
+  // Version 1 ended before first_bucket_bytes.
+  static constexpr size_t layouts[] = {offsetof(dpar_engine_options, first_bucket_bytes), sizeof(dpar_engine_options)};
+};
+template <>
+struct Versioned<dpar_comm_options> {
+  static constexpr const char* name = "dpar_comm_options";
+  static dpar_comm_options defaults() { return DPAR_COMM_OPTIONS_INIT; }
+  static constexpr size_t layouts[] = {sizeof(dpar_comm_options)};
+};
+template <>
+struct Versioned<dpar_reducer_options> {
+  static constexpr const char* name = "dpar_reducer_options";
+  static dpar_reducer_options defaults() { return DPAR_REDUCER_OPTIONS_INIT; }
+  static constexpr size_t layouts[] = {sizeof(dpar_reducer_options)};
+};
+
+template <class T>
+constexpr uint32_t current_version() {
+  return static_cast<uint32_t>(std::size(Versioned<T>::layouts));
+}
+static_assert(current_version<dpar_model_options>() == DPAR_MODEL_OPTIONS_VERSION &&
+              current_version<dpar_custom_layer>() == DPAR_CUSTOM_LAYER_VERSION &&
+              current_version<dpar_optimizer_options>() == DPAR_OPTIMIZER_OPTIONS_VERSION &&
+              current_version<dpar_engine_options>() == DPAR_ENGINE_OPTIONS_VERSION &&
+              current_version<dpar_comm_options>() == DPAR_COMM_OPTIONS_VERSION &&
+              current_version<dpar_reducer_options>() == DPAR_REDUCER_OPTIONS_VERSION,
+              "a struct's version grew without its layout's size");
+
+// Reads a versioned options struct: NULL gives the defaults; fields the caller's version predates keep them.
+// A size smaller than its version's layout is a struct that was never initialised: refused, for every version
+// alike.
+template <class T>
+T read_options(const T* user, const char* argument) {
+  using V = Versioned<T>;
+  constexpr uint32_t current = current_version<T>();
+  if (!user) return V::defaults();
+  DPAR_CHECK_ARG(user->version >= 1 && user->version <= current, argument, ": unknown version ", user->version,
+                 " (this dpar knows 1 to ", current, "; use the _INIT macro or _init())");
+  const size_t layout = V::layouts[user->version - 1];
   DPAR_CHECK_ARG(user->size >= layout, argument, ": size ", user->size, " is too small for version ", user->version,
                  " (expected at least ", layout, "; use the _INIT macro or _init())");
-  T out = defaults;
+  T out = V::defaults();
   std::memcpy(static_cast<void*>(&out), user, layout);
   out.size = sizeof(T);
-  out.version = current_version;
+  out.version = current;
   return out;
+}
+
+// Fills the caller's struct with the defaults of the version whose layout is `size` bytes, writing those bytes and
+// no more: a program compiled against an older dpar.h passes its own, smaller sizeof. A size of no version's
+// layout is refused: larger than the newest one, the program was compiled against a newer dpar.h than this library.
+template <class T>
+void init_options(T* opts, size_t size, const char* argument) {
+  using V = Versioned<T>;
+  constexpr uint32_t current = current_version<T>();
+  DPAR_CHECK_ARG(opts != nullptr, argument, ": is NULL");
+  uint32_t version = 0;
+  for (uint32_t v = 1; v <= current; ++v)
+    if (V::layouts[v - 1] == size) version = v;
+  if (version == 0) {
+    std::string known;
+    for (uint32_t v = 1; v <= current; ++v)
+      known += (v > 1 ? ", " : "") + std::to_string(V::layouts[v - 1]) + " (version " + std::to_string(v) + ")";
+    DPAR_ENFORCE(size <= V::layouts[current - 1], DPAR_ERR_NOT_SUPPORTED, "size: ", V::name, " is ", size,
+                 " bytes in the caller, larger than any layout this dpar (", DPAR_VERSION_MAJOR, ".",
+                 DPAR_VERSION_MINOR, ".", DPAR_VERSION_PATCH, ") knows: ", known,
+                 "; the program was compiled against a newer dpar.h than the library it runs with");
+    fail(DPAR_ERR_INVALID_ARGUMENT, "size: ", size, " bytes is no layout of ", V::name, ": this dpar knows ", known,
+         "; pass sizeof(", V::name, ")");
+  }
+  T defaults = V::defaults();
+  defaults.size = size;
+  defaults.version = version;
+  std::memcpy(static_cast<void*>(opts), &defaults, size);
 }
 
 void set_last_error(const char* message);

@@ -109,6 +109,12 @@ const dpar_api_v1 kApiV1 = {
     &dpar_loader_to_device,
     &dpar_engine_set_max_grad_norm,
     &dpar_engine_grad_norm,
+    &dpar_model_options_init_sized,
+    &dpar_custom_layer_init_sized,
+    &dpar_optimizer_options_init_sized,
+    &dpar_engine_options_init_sized,
+    &dpar_comm_options_init_sized,
+    &dpar_reducer_options_init_sized,
 };
 }  // namespace
 

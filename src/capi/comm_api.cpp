@@ -29,7 +29,7 @@ ReduceOp reduce_op(int32_t op) {
 }
 
 std::chrono::duration<double> comm_timeout(const dpar_comm_options* opts) {
-  const auto o = read_options(opts, dpar_comm_options DPAR_COMM_OPTIONS_INIT, DPAR_COMM_OPTIONS_VERSION, "opts");
+  const auto o = read_options(opts, "opts");
   DPAR_CHECK_ARG(o.timeout_seconds > 0, "opts.timeout_seconds: ", o.timeout_seconds,
                  " must be positive (INFINITY for none)");
   return std::chrono::duration<double>(o.timeout_seconds);
@@ -91,8 +91,14 @@ void run_blocking(dpar_comm& h, const char* operation, Op&& op) {
 
 extern "C" {
 
-DPAR_API dpar_status dpar_comm_options_init(dpar_comm_options* opts) {
-  return guard([&] { *checked_out(opts, "opts") = dpar_comm_options DPAR_COMM_OPTIONS_INIT; });
+// What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
+// caller's size to dpar_comm_options_init_sized): it writes this library's layout, as it always did.
+DPAR_API dpar_status (dpar_comm_options_init)(dpar_comm_options* opts) {
+  return guard([&] { init_options(opts, sizeof(dpar_comm_options), "opts"); });
+}
+
+DPAR_API dpar_status dpar_comm_options_init_sized(dpar_comm_options* opts, size_t size) {
+  return guard([&] { init_options(opts, size, "opts"); });
 }
 
 DPAR_API dpar_status dpar_comm_group_create(dpar_comm_group** out, size_t size, const dpar_comm_options* opts) {

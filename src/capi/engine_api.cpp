@@ -140,11 +140,14 @@ size_t replica_arg(const Engine& e, size_t replica) {
 
 extern "C" {
 
-DPAR_API dpar_status dpar_engine_options_init(dpar_engine_options* opts) {
-  return guard([&] {
-    checked_out(opts, "opts");
-    *opts = dpar_engine_options DPAR_ENGINE_OPTIONS_INIT;
-  });
+// What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
+// caller's size to dpar_engine_options_init_sized): it writes this library's layout, as it always did.
+DPAR_API dpar_status (dpar_engine_options_init)(dpar_engine_options* opts) {
+  return guard([&] { init_options(opts, sizeof(dpar_engine_options), "opts"); });
+}
+
+DPAR_API dpar_status dpar_engine_options_init_sized(dpar_engine_options* opts, size_t size) {
+  return guard([&] { init_options(opts, size, "opts"); });
 }
 
 DPAR_API dpar_status dpar_engine_create(dpar_engine** out, const dpar_model* model,
@@ -153,11 +156,8 @@ DPAR_API dpar_status dpar_engine_create(dpar_engine** out, const dpar_model* mod
     checked_out(out);
     *out = nullptr;
     const Model& m = checked(model, "model").model;
-    // Version 1 ended before first_bucket_bytes.
-    const auto o = read_options(opts, dpar_engine_options DPAR_ENGINE_OPTIONS_INIT, DPAR_ENGINE_OPTIONS_VERSION,
-                                "opts", {offsetof(dpar_engine_options, first_bucket_bytes), sizeof(dpar_engine_options)});
-    const auto oo = read_options(optimizer, dpar_optimizer_options DPAR_OPTIMIZER_OPTIONS_INIT,
-                                 DPAR_OPTIMIZER_OPTIONS_VERSION, "optimizer");
+    const auto o = read_options(opts, "opts");
+    const auto oo = read_options(optimizer, "optimizer");
     EngineConfig config = engine_config(o);
     const OptimizerConfig opt = optimizer_config(oo);
     config.processes = processes_comm(o);

@@ -5,11 +5,14 @@ using namespace dpar::capi;
 
 extern "C" {
 
-DPAR_API dpar_status dpar_model_options_init(dpar_model_options* opts) {
-  return guard([&] {
-    checked_out(opts, "opts");
-    *opts = dpar_model_options DPAR_MODEL_OPTIONS_INIT;
-  });
+// What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
+// caller's size to dpar_model_options_init_sized): it writes this library's layout, as it always did.
+DPAR_API dpar_status (dpar_model_options_init)(dpar_model_options* opts) {
+  return guard([&] { init_options(opts, sizeof(dpar_model_options), "opts"); });
+}
+
+DPAR_API dpar_status dpar_model_options_init_sized(dpar_model_options* opts, size_t size) {
+  return guard([&] { init_options(opts, size, "opts"); });
 }
 
 DPAR_API dpar_status dpar_model_create(dpar_model** out, const dpar_model_options* opts) {
@@ -17,7 +20,7 @@ DPAR_API dpar_status dpar_model_create(dpar_model** out, const dpar_model_option
     checked_out(out);
     *out = nullptr;
     const dpar_model_options o =
-        read_options(opts, dpar_model_options DPAR_MODEL_OPTIONS_INIT, DPAR_MODEL_OPTIONS_VERSION, "opts");
+        read_options(opts, "opts");
     *out = new_handle<dpar_model>(o.seed);
   });
 }
@@ -44,11 +47,14 @@ DPAR_API dpar_status dpar_model_add_dropout(dpar_model* model, float p) {
   return guard([&] { checked(model, "model").model.add(make_dropout(p)); });
 }
 
-DPAR_API dpar_status dpar_custom_layer_init(dpar_custom_layer* layer) {
-  return guard([&] {
-    checked_out(layer, "layer");
-    *layer = dpar_custom_layer DPAR_CUSTOM_LAYER_INIT;
-  });
+// What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
+// caller's size to dpar_custom_layer_init_sized): it writes this library's layout, as it always did.
+DPAR_API dpar_status (dpar_custom_layer_init)(dpar_custom_layer* layer) {
+  return guard([&] { init_options(layer, sizeof(dpar_custom_layer), "layer"); });
+}
+
+DPAR_API dpar_status dpar_custom_layer_init_sized(dpar_custom_layer* layer, size_t size) {
+  return guard([&] { init_options(layer, size, "layer"); });
 }
 
 DPAR_API dpar_status dpar_model_add_custom(dpar_model* model, const dpar_custom_layer* layer) {
@@ -57,7 +63,7 @@ DPAR_API dpar_status dpar_model_add_custom(dpar_model* model, const dpar_custom_
     DPAR_CHECK_ARG(layer != nullptr, "layer: is NULL");
     // A struct dpar cannot read (unknown version) is refused before its destroy is trusted.
     const dpar_custom_layer desc =
-        read_options(layer, dpar_custom_layer DPAR_CUSTOM_LAYER_INIT, DPAR_CUSTOM_LAYER_VERSION, "layer");
+        read_options(layer, "layer");
     // The layer owns the payload from make_custom_layer's first line: one refused there or by add() releases it.
     m.add(make_custom_layer(desc));
   });
@@ -119,11 +125,14 @@ DPAR_API dpar_status dpar_model_set_param(dpar_model* model, size_t index, const
   });
 }
 
-DPAR_API dpar_status dpar_optimizer_options_init(dpar_optimizer_options* opts) {
-  return guard([&] {
-    checked_out(opts, "opts");
-    *opts = dpar_optimizer_options DPAR_OPTIMIZER_OPTIONS_INIT;
-  });
+// What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
+// caller's size to dpar_optimizer_options_init_sized): it writes this library's layout, as it always did.
+DPAR_API dpar_status (dpar_optimizer_options_init)(dpar_optimizer_options* opts) {
+  return guard([&] { init_options(opts, sizeof(dpar_optimizer_options), "opts"); });
+}
+
+DPAR_API dpar_status dpar_optimizer_options_init_sized(dpar_optimizer_options* opts, size_t size) {
+  return guard([&] { init_options(opts, size, "opts"); });
 }
 
 }  // extern "C"

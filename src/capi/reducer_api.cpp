@@ -26,8 +26,14 @@ dpar_status with_reducer(dpar_reducer* reducer, F&& body) {
 
 extern "C" {
 
-DPAR_API dpar_status dpar_reducer_options_init(dpar_reducer_options* opts) {
-  return guard([&] { *checked_out(opts, "opts") = dpar_reducer_options DPAR_REDUCER_OPTIONS_INIT; });
+// What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
+// caller's size to dpar_reducer_options_init_sized): it writes this library's layout, as it always did.
+DPAR_API dpar_status (dpar_reducer_options_init)(dpar_reducer_options* opts) {
+  return guard([&] { init_options(opts, sizeof(dpar_reducer_options), "opts"); });
+}
+
+DPAR_API dpar_status dpar_reducer_options_init_sized(dpar_reducer_options* opts, size_t size) {
+  return guard([&] { init_options(opts, size, "opts"); });
 }
 
 DPAR_API dpar_status dpar_reducer_create(dpar_reducer** out, dpar_comm* comm, float* const* grads,
@@ -36,8 +42,7 @@ DPAR_API dpar_status dpar_reducer_create(dpar_reducer** out, dpar_comm* comm, fl
     checked_out(out);
     *out = nullptr;
     dpar_comm& c = checked(comm, "comm");
-    const auto o = read_options(opts, dpar_reducer_options DPAR_REDUCER_OPTIONS_INIT, DPAR_REDUCER_OPTIONS_VERSION,
-                                "opts");
+    const auto o = read_options(opts, "opts");
     DPAR_CHECK_ARG(o.op == DPAR_SUM || o.op == DPAR_MEAN, "opts.op: ", o.op, " must be DPAR_SUM or DPAR_MEAN");
     DPAR_CHECK_ARG(grads != nullptr, "grads: is NULL");
     DPAR_CHECK_ARG(counts != nullptr, "counts: is NULL");

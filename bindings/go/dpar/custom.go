@@ -122,7 +122,7 @@ func (m *Model) Custom(name string, params []ParamSpec, layer CustomLayer) error
 	var desc C.dpar_custom_layer
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	if err := errorOf(int(C.dpar_custom_layer_init(&desc))); err != nil {
+	if err := errorOf(int(C.dpar_custom_layer_init_sized(&desc, C.size_t(C.sizeof_dpar_custom_layer)))); err != nil {
 		return err
 	}
 	desc.name = cname

@@ -80,7 +80,7 @@ func release[H interface{ Swigcptr() uintptr }](owner any, h *H, free func(H)) {
 	runtime.SetFinalizer(owner, nil)
 }
 
-// Version is the loaded library's version, MAJOR*10000 + MINOR*100 + PATCH; VersionString "0.4.0".
+// Version is the loaded library's version, MAJOR*10000 + MINOR*100 + PATCH; VersionString "0.5.0".
 func Version() int          { return raw.Dpar_version() }
 func VersionString() string { return raw.Dpar_version_string() }
 

@@ -176,7 +176,8 @@ mutable struct Model
     ptr::Ptr{Cvoid}
     function Model(seed::Integer=0)
         o = Ref(ModelOptions(0, 0, 0))
-        check(ccall((:dpar_model_options_init, libdpar), Int32, (Ptr{ModelOptions},), o))
+        check(ccall((:dpar_model_options_init_sized, libdpar), Int32, (Ptr{ModelOptions}, Csize_t),
+                    o, sizeof(ModelOptions)))
         o[] = ModelOptions(o[].size, o[].version, UInt64(seed))
         out = Ref{Ptr{Cvoid}}(C_NULL)
         check(ccall((:dpar_model_create, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{ModelOptions}), out, o))
@@ -317,8 +318,10 @@ end
 function Engine(model::Model; optimizer::Integer=SGD, lr::Real=0.01, momentum::Real=0.0, devices::Integer=0,
                 loss::Integer=LOSS_CROSS_ENTROPY, seed::Integer=0, processes::Integer=PROCESSES_AUTO)
     oo, eo = OptimizerOptions(), EngineOptions()
-    check(ccall((:dpar_optimizer_options_init, libdpar), Int32, (Ref{OptimizerOptions},), oo))
-    check(ccall((:dpar_engine_options_init, libdpar), Int32, (Ref{EngineOptions},), eo))
+    check(ccall((:dpar_optimizer_options_init_sized, libdpar), Int32, (Ref{OptimizerOptions}, Csize_t),
+                oo, sizeof(OptimizerOptions)))
+    check(ccall((:dpar_engine_options_init_sized, libdpar), Int32, (Ref{EngineOptions}, Csize_t),
+                eo, sizeof(EngineOptions)))
     oo.kind, oo.lr, oo.momentum = optimizer, lr, momentum
     eo.num_cpu_devices, eo.loss, eo.seed, eo.processes = devices, loss, seed, processes
     out = Ref{Ptr{Cvoid}}(C_NULL)
@@ -545,7 +548,7 @@ const COMM_OPTIONS_VERSION = UInt32(1)
 # dpar's defaults, or the given timeout, as this struct's version: a newer library reads only the fields it has.
 function comm_options(timeout_seconds::Union{Real,Nothing})
     o = Ref(CommOptions(0, 0, 0))
-    check(ccall((:dpar_comm_options_init, libdpar), Int32, (Ptr{CommOptions},), o))
+    check(ccall((:dpar_comm_options_init_sized, libdpar), Int32, (Ptr{CommOptions}, Csize_t), o, sizeof(CommOptions)))
     Ref(CommOptions(sizeof(CommOptions), COMM_OPTIONS_VERSION,
                     timeout_seconds === nothing ? o[].timeout_seconds : timeout_seconds))
 end
@@ -1021,7 +1024,8 @@ function Reducer(c::Comm, grads::AbstractVector{Ptr{Float32}}, counts::AbstractV
                  op=nothing)
     same_length(length(counts), length(grads), "counts")
     d = Ref(ReducerOptions(0, 0, 0, 0, 0))
-    check(ccall((:dpar_reducer_options_init, libdpar), Int32, (Ptr{ReducerOptions},), d))
+    check(ccall((:dpar_reducer_options_init_sized, libdpar), Int32, (Ptr{ReducerOptions}, Csize_t),
+                d, sizeof(ReducerOptions)))
     o = Ref(ReducerOptions(sizeof(ReducerOptions), REDUCER_OPTIONS_VERSION,
                            first_bucket_bytes === nothing ? d[].first_bucket_bytes : first_bucket_bytes,
                            bucket_cap_bytes === nothing ? d[].bucket_cap_bytes : bucket_cap_bytes,

@@ -570,10 +570,12 @@ end
 
     @testset "the option structs have the library's layout" begin
         o = Ref(Dpar.CommOptions(0, 0, 0))
-        @test ccall((:dpar_comm_options_init, libdpar), Int32, (Ptr{Dpar.CommOptions},), o) == Dpar.OK
+        @test ccall((:dpar_comm_options_init_sized, libdpar), Int32, (Ptr{Dpar.CommOptions}, Csize_t),
+                    o, sizeof(Dpar.CommOptions)) == Dpar.OK
         @test (o[].size, o[].version, o[].timeout_seconds) == (sizeof(Dpar.CommOptions), Dpar.COMM_OPTIONS_VERSION, 300)
         r = Ref(Dpar.ReducerOptions(0, 0, 0, 0, 0))
-        @test ccall((:dpar_reducer_options_init, libdpar), Int32, (Ptr{Dpar.ReducerOptions},), r) == Dpar.OK
+        @test ccall((:dpar_reducer_options_init_sized, libdpar), Int32, (Ptr{Dpar.ReducerOptions}, Csize_t),
+                    r, sizeof(Dpar.ReducerOptions)) == Dpar.OK
         @test (r[].size, r[].version, r[].op) == (sizeof(Dpar.ReducerOptions), Dpar.REDUCER_OPTIONS_VERSION,
                                                      Int32(Dpar.MEAN))
     end

@@ -23,7 +23,7 @@ pub const DPAR_ERR_INVALID_STATE: dpar_status = -11;
 pub const DPAR_ERR_INTERNAL: dpar_status = -12;
 
 pub const DPAR_VERSION_MAJOR: i32 = 0;
-pub const DPAR_VERSION_MINOR: i32 = 4;
+pub const DPAR_VERSION_MINOR: i32 = 5;
 pub const DPAR_VERSION_PATCH: i32 = 0;
 pub const DPAR_VERSION: i32 = DPAR_VERSION_MAJOR * 10000 + DPAR_VERSION_MINOR * 100 + DPAR_VERSION_PATCH;
 pub const DPAR_MAX_DIMS: usize = 4;
@@ -234,13 +234,19 @@ extern "C" {
     pub fn dpar_tensor_data(out: *mut *mut c_void, tensor: *mut dpar_tensor) -> dpar_status;
     pub fn dpar_tensor_from_dlpack(out: *mut *mut dpar_tensor, managed: *mut DLManagedTensor) -> dpar_status;
     pub fn dpar_tensor_to_dlpack(out: *mut *mut DLManagedTensor, tensor: *mut dpar_tensor) -> dpar_status;
+    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_model_options_init_sized`.
     pub fn dpar_model_options_init(opts: *mut dpar_model_options) -> dpar_status;
+    /// Fills `size` bytes (`size_of::<dpar_model_options>()`) with the defaults of that layout.
+    pub fn dpar_model_options_init_sized(opts: *mut dpar_model_options, size: usize) -> dpar_status;
     pub fn dpar_model_create(out: *mut *mut dpar_model, opts: *const dpar_model_options) -> dpar_status;
     pub fn dpar_model_free(model: *mut dpar_model);
     pub fn dpar_model_add_linear(model: *mut dpar_model, in_features: i64, out_features: i64, has_bias: i32) -> dpar_status;
     pub fn dpar_model_add_activation(model: *mut dpar_model, activation: i32) -> dpar_status;
     pub fn dpar_model_add_dropout(model: *mut dpar_model, p: f32) -> dpar_status;
+    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_custom_layer_init_sized`.
     pub fn dpar_custom_layer_init(layer: *mut dpar_custom_layer) -> dpar_status;
+    /// Fills `size` bytes (`size_of::<dpar_custom_layer>()`) with the defaults of that layout.
+    pub fn dpar_custom_layer_init_sized(layer: *mut dpar_custom_layer, size: usize) -> dpar_status;
     pub fn dpar_model_add_custom(model: *mut dpar_model, layer: *const dpar_custom_layer) -> dpar_status;
     pub fn dpar_model_num_layers(out: *mut usize, model: *const dpar_model) -> dpar_status;
     pub fn dpar_model_num_params(out: *mut usize, model: *const dpar_model) -> dpar_status;
@@ -249,8 +255,14 @@ extern "C" {
     pub fn dpar_model_param_name(model: *const dpar_model, index: usize) -> *const c_char;
     pub fn dpar_model_get_param(dst: *mut f32, model: *const dpar_model, index: usize, count: usize) -> dpar_status;
     pub fn dpar_model_set_param(model: *mut dpar_model, index: usize, src: *const f32, count: usize) -> dpar_status;
+    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_optimizer_options_init_sized`.
     pub fn dpar_optimizer_options_init(opts: *mut dpar_optimizer_options) -> dpar_status;
+    /// Fills `size` bytes (`size_of::<dpar_optimizer_options>()`) with the defaults of that layout.
+    pub fn dpar_optimizer_options_init_sized(opts: *mut dpar_optimizer_options, size: usize) -> dpar_status;
+    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_engine_options_init_sized`.
     pub fn dpar_engine_options_init(opts: *mut dpar_engine_options) -> dpar_status;
+    /// Fills `size` bytes (`size_of::<dpar_engine_options>()`) with the defaults of that layout.
+    pub fn dpar_engine_options_init_sized(opts: *mut dpar_engine_options, size: usize) -> dpar_status;
     pub fn dpar_engine_create(out: *mut *mut dpar_engine, model: *const dpar_model, optimizer: *const dpar_optimizer_options, opts: *const dpar_engine_options) -> dpar_status;
     pub fn dpar_engine_free(engine: *mut dpar_engine);
     pub fn dpar_engine_abort(engine: *mut dpar_engine) -> dpar_status;
@@ -276,7 +288,10 @@ extern "C" {
     pub fn dpar_engine_save(engine: *mut dpar_engine, path: *const c_char) -> dpar_status;
     pub fn dpar_engine_load(engine: *mut dpar_engine, path: *const c_char) -> dpar_status;
     pub fn dpar_engine_inject_fault(engine: *mut dpar_engine, replica: usize, fault: i32) -> dpar_status;
+    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_comm_options_init_sized`.
     pub fn dpar_comm_options_init(opts: *mut dpar_comm_options) -> dpar_status;
+    /// Fills `size` bytes (`size_of::<dpar_comm_options>()`) with the defaults of that layout.
+    pub fn dpar_comm_options_init_sized(opts: *mut dpar_comm_options, size: usize) -> dpar_status;
     pub fn dpar_comm_group_create(out: *mut *mut dpar_comm_group, size: usize, opts: *const dpar_comm_options) -> dpar_status;
     pub fn dpar_comm_group_free(group: *mut dpar_comm_group);
     pub fn dpar_comm_group_member(out: *mut *mut dpar_comm, group: *mut dpar_comm_group, rank: usize) -> dpar_status;
@@ -300,7 +315,10 @@ extern "C" {
     pub fn dpar_work_test(out: *mut i32, work: *mut dpar_work) -> dpar_status;
     pub fn dpar_work_wait(work: *mut dpar_work) -> dpar_status;
     pub fn dpar_work_free(work: *mut dpar_work);
+    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_reducer_options_init_sized`.
     pub fn dpar_reducer_options_init(opts: *mut dpar_reducer_options) -> dpar_status;
+    /// Fills `size` bytes (`size_of::<dpar_reducer_options>()`) with the defaults of that layout.
+    pub fn dpar_reducer_options_init_sized(opts: *mut dpar_reducer_options, size: usize) -> dpar_status;
     pub fn dpar_reducer_create(out: *mut *mut dpar_reducer, comm: *mut dpar_comm, grads: *const *mut f32, counts: *const usize, num_grads: usize, opts: *const dpar_reducer_options) -> dpar_status;
     pub fn dpar_reducer_free(reducer: *mut dpar_reducer);
     pub fn dpar_reducer_num_buckets(out: *mut usize, reducer: *const dpar_reducer) -> dpar_status;

@@ -93,6 +93,29 @@ fn check(status: i32) -> Result<()> {
     }
 }
 
+/// A `dpar.h` option struct with the defaults of this crate's layout of it, filled by the library's `_init_sized`
+/// (C programs reach it through the `_init` macro, which passes the size the same way). A library older than this
+/// crate refuses the layout: the struct then holds this crate's size and version over zeros, so that the call it is
+/// passed to refuses it by its version, and the error comes back beside it.
+fn defaults<T>(init_sized: unsafe extern "C" fn(*mut T, usize) -> sys::dpar_status, version: u32) -> (T, Result<()>) {
+    // Every versioned struct of dpar.h begins with these two fields.
+    #[repr(C)]
+    struct Head {
+        size: usize,
+        version: u32,
+    }
+    let mut o = unsafe { std::mem::zeroed::<T>() };
+    let status = check(unsafe { init_sized(&mut o, std::mem::size_of::<T>()) });
+    if status.is_err() {
+        let head = &mut o as *mut T as *mut Head;
+        unsafe {
+            (*head).size = std::mem::size_of::<T>();
+            (*head).version = version;
+        }
+    }
+    (o, status)
+}
+
 /// Runs a dpar call that writes a count through its `out` pointer.
 fn count(call: impl FnOnce(*mut usize) -> i32) -> Result<usize> {
     let mut n = 0;
@@ -159,7 +182,7 @@ pub fn version() -> i32 {
     unsafe { sys::dpar_version() }
 }
 
-/// The loaded library's version string, such as "0.4.0".
+/// The loaded library's version string, such as "0.5.0".
 pub fn version_string() -> &'static str {
     unsafe { CStr::from_ptr(sys::dpar_version_string()) }.to_str().unwrap_or("")
 }
@@ -532,8 +555,8 @@ handle! {
 impl Model {
     /// An empty model whose parameters are initialised from `seed`.
     pub fn new(seed: u64) -> Result<Model> {
-        let mut o = unsafe { std::mem::zeroed::<sys::dpar_model_options>() };
-        check(unsafe { sys::dpar_model_options_init(&mut o) })?;
+        let (mut o, status) = defaults(sys::dpar_model_options_init_sized, sys::DPAR_MODEL_OPTIONS_VERSION);
+        status?;
         o.seed = seed;
         let mut raw = ptr::null_mut();
         check(unsafe { sys::dpar_model_create(&mut raw, &o) })?;
@@ -576,8 +599,8 @@ impl Model {
             };
             specs.push(sys::dpar_param_spec { name: n.as_ptr(), ndim: p.shape.len(), shape, init, bound });
         }
-        let mut desc = unsafe { std::mem::zeroed::<sys::dpar_custom_layer>() };
-        check(unsafe { sys::dpar_custom_layer_init(&mut desc) })?;
+        let (mut desc, status) = defaults(sys::dpar_custom_layer_init_sized, sys::DPAR_CUSTOM_LAYER_VERSION);
+        status?;
         desc.name = cname.as_ptr();
         desc.params = specs.as_ptr();
         desc.num_params = specs.len();
@@ -631,8 +654,8 @@ pub struct Optimizer(sys::dpar_optimizer_options);
 
 impl Optimizer {
     fn with_kind(kind: i32, lr: f32) -> Optimizer {
-        let mut o = unsafe { std::mem::zeroed::<sys::dpar_optimizer_options>() };
-        unsafe { sys::dpar_optimizer_options_init(&mut o) };
+        // A refused layout is refused again, by its version, when the engine is created.
+        let (mut o, _) = defaults(sys::dpar_optimizer_options_init_sized, sys::DPAR_OPTIMIZER_OPTIONS_VERSION);
         o.kind = kind;
         o.lr = lr;
         Optimizer(o)
@@ -697,8 +720,8 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> EngineOptions {
-        let mut raw = unsafe { std::mem::zeroed::<sys::dpar_engine_options>() };
-        unsafe { sys::dpar_engine_options_init(&mut raw) };
+        // A refused layout is refused again, by its version, when the engine is created.
+        let (raw, _) = defaults(sys::dpar_engine_options_init_sized, sys::DPAR_ENGINE_OPTIONS_VERSION);
         EngineOptions { raw, device_ids: None }
     }
 }
@@ -1067,8 +1090,8 @@ impl ReduceOp {
 }
 
 fn comm_options(timeout_seconds: f64) -> Result<sys::dpar_comm_options> {
-    let mut o = unsafe { std::mem::zeroed::<sys::dpar_comm_options>() };
-    check(unsafe { sys::dpar_comm_options_init(&mut o) })?;
+    let (mut o, status) = defaults(sys::dpar_comm_options_init_sized, sys::DPAR_COMM_OPTIONS_VERSION);
+    status?;
     o.timeout_seconds = timeout_seconds;
     Ok(o)
 }
@@ -1418,8 +1441,8 @@ fn create_reducer(
     bucket_cap_bytes: usize,
     op: ReduceOp,
 ) -> Result<*mut sys::dpar_reducer> {
-    let mut o = unsafe { std::mem::zeroed::<sys::dpar_reducer_options>() };
-    check(unsafe { sys::dpar_reducer_options_init(&mut o) })?;
+    let (mut o, status) = defaults(sys::dpar_reducer_options_init_sized, sys::DPAR_REDUCER_OPTIONS_VERSION);
+    status?;
     o.first_bucket_bytes = first_bucket_bytes;
     o.bucket_cap_bytes = bucket_cap_bytes;
     o.op = op.raw();
@@ -1533,5 +1556,45 @@ impl<'c> RawReducer<'c> {
     /// participant's stream after this call, such as the optimizer step).
     pub fn wait(&mut self) -> Result<()> {
         check(unsafe { sys::dpar_reducer_wait(self.raw) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This crate's `dpar_comm_options` as a later dpar.h might declare it: one field longer, version 2.
+    #[repr(C)]
+    struct NewerCommOptions {
+        known: sys::dpar_comm_options,
+        appended: u64,
+    }
+
+    unsafe extern "C" fn newer_init_sized(o: *mut NewerCommOptions, size: usize) -> sys::dpar_status {
+        sys::dpar_comm_options_init_sized(o.cast(), size)
+    }
+
+    #[test]
+    fn defaults_fill_the_crates_layout() {
+        let (o, init) = defaults(sys::dpar_comm_options_init_sized, sys::DPAR_COMM_OPTIONS_VERSION);
+        init.unwrap();
+        assert_eq!(o.size, std::mem::size_of::<sys::dpar_comm_options>());
+        assert_eq!(o.version, sys::DPAR_COMM_OPTIONS_VERSION);
+        assert_eq!(o.timeout_seconds, 300.0);
+    }
+
+    #[test]
+    fn a_layout_newer_than_the_library_is_refused_by_name() {
+        // The library does not know the longer layout: it writes nothing, and the struct keeps this crate's size
+        // and version, which the call it is passed to refuses in turn.
+        let (o, init) = defaults(newer_init_sized, sys::DPAR_COMM_OPTIONS_VERSION + 1);
+        let e = init.err().unwrap();
+        assert_eq!(e.status(), status::NOT_SUPPORTED);
+        assert!(e.message().contains("newer dpar.h"), "{}", e);
+        assert_eq!(o.known.size, std::mem::size_of::<NewerCommOptions>());
+        assert_eq!(o.known.version, sys::DPAR_COMM_OPTIONS_VERSION + 1);
+        let mut group = ptr::null_mut();
+        let refused = check(unsafe { sys::dpar_comm_group_create(&mut group, 2, &o.known) }).err().unwrap();
+        assert!(refused.message().contains("unknown version"), "{}", refused);
     }
 }

@@ -253,17 +253,26 @@ fn a_group_on_cpu_devices_says_where_its_buffers_are() {
 }
 
 #[test]
-fn option_structs_have_the_libraries_layout() {
-    // The size the library's _init writes is its sizeof: equal to this crate's struct.
+fn option_structs_have_the_crates_layout() {
+    // _init_sized writes the layout of the size it is given, this crate's: equal to the library's here.
     let mut o = unsafe { std::mem::zeroed::<sys::dpar_engine_options>() };
-    assert_eq!(unsafe { sys::dpar_engine_options_init(&mut o) }, 0);
-    assert_eq!(o.size, std::mem::size_of::<sys::dpar_engine_options>());
+    let size = std::mem::size_of::<sys::dpar_engine_options>();
+    assert_eq!(unsafe { sys::dpar_engine_options_init_sized(&mut o, size) }, 0);
+    assert_eq!((o.size, o.version), (size, sys::DPAR_ENGINE_OPTIONS_VERSION));
+    // The function without the size writes the library's own layout, the same one while the two agree.
+    let mut plain = unsafe { std::mem::zeroed::<sys::dpar_engine_options>() };
+    assert_eq!(unsafe { sys::dpar_engine_options_init(&mut plain) }, 0);
+    assert_eq!(plain.size, size);
     let mut l = unsafe { std::mem::zeroed::<sys::dpar_custom_layer>() };
-    assert_eq!(unsafe { sys::dpar_custom_layer_init(&mut l) }, 0);
-    assert_eq!(l.size, std::mem::size_of::<sys::dpar_custom_layer>());
+    let size = std::mem::size_of::<sys::dpar_custom_layer>();
+    assert_eq!(unsafe { sys::dpar_custom_layer_init_sized(&mut l, size) }, 0);
+    assert_eq!(l.size, size);
     let mut p = unsafe { std::mem::zeroed::<sys::dpar_optimizer_options>() };
-    assert_eq!(unsafe { sys::dpar_optimizer_options_init(&mut p) }, 0);
-    assert_eq!(p.size, std::mem::size_of::<sys::dpar_optimizer_options>());
+    let size = std::mem::size_of::<sys::dpar_optimizer_options>();
+    assert_eq!(unsafe { sys::dpar_optimizer_options_init_sized(&mut p, size) }, 0);
+    assert_eq!(p.size, size);
+    // A size that is no layout of the struct is refused.
+    assert_eq!(unsafe { sys::dpar_optimizer_options_init_sized(&mut p, size + 8) }, status::NOT_SUPPORTED);
     assert_eq!(version(), sys::DPAR_VERSION);
 }
 
