@@ -464,8 +464,8 @@ DPAR_API dpar_status dpar_optimizer_options_init(dpar_optimizer_options *opts);
  * One worker thread per device, each holding a persistent replica of the model. A batch is split across devices
  * as torch.nn.DataParallel splits it (chunks of ceil(B/n) rows; the last may be smaller and trailing devices may
  * get none). Gradients are those of the mean loss over the whole batch, summed across devices by an all-reduce,
- * and every replica gets the same optimizer step (each worker computes it for its shard of the parameters and
- * writes it into every replica), so replicas stay bit-identical.
+ * and every replica gets the same optimizer step (each worker computes it for its shard of the parameters, keeping
+ * the optimizer's state for that shard alone, and writes it into every replica), so replicas stay bit-identical.
  *
  * Thread-safety: an engine may be called from several threads; calls are serialised by a lock inside it.
  * Callbacks (custom layers, the forward hook) run on the worker threads, concurrently across replicas; they must

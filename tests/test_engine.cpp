@@ -16,6 +16,7 @@
 #include "comm/threads_comm.h"
 #include "device/worker_pool.h"
 #include "engine/engine.h"
+#include "io/safetensors.h"
 #include "kernels/cpu/kernels.h"
 
 namespace dpar {
@@ -105,7 +106,7 @@ std::vector<float> reference_training(const Model& model, const OptimizerConfig&
   Standalone single;
   const ReplicaContext& ctx = single.ctx;
   ReplicaModel replica(model, ctx);
-  Optimizer optimizer(opt, model.num_param_elements(), Device{});
+  Optimizer optimizer(opt, 0, model.num_param_elements(), Device{});
   for (int s = 0; s < steps; ++s) {
     const Batch& b = data[static_cast<size_t>(s) % data.size()];
     Tensor out = replica.forward(ctx, b.x);
@@ -321,7 +322,7 @@ TEST(Engine, MseLossMatchesReference) {
   Standalone single;
   const ReplicaContext& ctx = single.ctx;
   ReplicaModel ref(model, ctx);
-  Optimizer ref_opt(sgd_momentum(), model.num_param_elements(), Device{});
+  Optimizer ref_opt(sgd_momentum(), 0, model.num_param_elements(), Device{});
   EngineConfig config = cpu_devices(3);
   config.loss = LossKind::kMse;
   Engine engine(model, sgd_momentum(), config);
@@ -496,6 +497,58 @@ TEST(Checkpoint, ResumeIsBitIdenticalToTrainingStraight) {
     EXPECT_EQ(resumed.params(2), straight.params(2)) << opt.name();
     std::remove(path.c_str());
   }
+}
+
+// Each replica holds the optimizer's state for its own shard only: together, one full state.
+TEST(Engine, EachReplicaHoldsOnlyItsShardOfTheOptimizerState) {
+  const Model model = make_mlp(5);
+  const size_t elements = static_cast<size_t>(model.num_param_elements());
+  for (size_t devices : {1, 3, 8}) {
+    Engine engine(model, adam(), cpu_devices(devices));
+    const auto bytes = engine.replica_optimizer_state_bytes();
+    ASSERT_EQ(bytes.size(), devices);
+    size_t total = 0;
+    for (size_t b : bytes) {
+      total += b;
+      // exp_avg and exp_avg_sq for at most one shard: the parameters split n ways, rounded up to 16 elements.
+      EXPECT_LE(b, 2 * sizeof(float) * ((elements + devices - 1) / devices + 15) / 16 * 16) << devices;
+    }
+    EXPECT_EQ(total, 2 * sizeof(float) * elements) << devices << " devices";
+  }
+  // SGD without momentum keeps no state at all.
+  Engine plain(model, OptimizerConfig{}, cpu_devices(2));
+  for (size_t b : plain.replica_optimizer_state_bytes()) EXPECT_EQ(b, 0u);
+}
+
+// A checkpoint written by one sharding of the optimizer state and loaded into another (replicas whose shards are
+// empty included) carries the same state: written again, every tensor has the same bytes.
+TEST(Checkpoint, OptimizerStateMovesBetweenShardings) {
+  const Model model = make_mlp(41);
+  const std::string first = temp_path("dpar_shards_3.safetensors"), second = temp_path("dpar_shards_n.safetensors");
+  for (const OptimizerConfig& opt : {sgd_momentum(), adam()}) {
+    Engine source(model, opt, cpu_devices(3));
+    for (int s = 0; s < 3; ++s) {
+      Batch b = make_batch(24, 12, 5, 70 + s);
+      source.train_step(b.x, b.y);
+    }
+    source.save(first);
+    const io::SafetensorsFile saved = io::SafetensorsFile::parse(first, io::SafetensorsFile::read_bytes(first));
+    for (size_t devices : {1, 2, 8, 40}) {
+      Engine target(model, opt, cpu_devices(devices));
+      target.load(first);
+      target.save(second);
+      const io::SafetensorsFile again = io::SafetensorsFile::parse(second, io::SafetensorsFile::read_bytes(second));
+      ASSERT_EQ(again.names(), saved.names());
+      for (const std::string& name : saved.names()) {
+        if (name.rfind("optimizer.", 0) != 0) continue;
+        ASSERT_EQ(again.entry(name).bytes, saved.entry(name).bytes) << name;
+        EXPECT_EQ(std::memcmp(again.data(name), saved.data(name), saved.entry(name).bytes), 0)
+            << opt.name() << ", " << devices << " devices: " << name;
+      }
+    }
+  }
+  std::remove(first.c_str());
+  std::remove(second.c_str());
 }
 
 TEST(Checkpoint, CorruptOrTruncatedFileIsRefusedAndChangesNothing) {

@@ -1,6 +1,7 @@
 // Engine checkpoints in the safetensors layout: parameters under their state_dict names ("0.weight"), optimizer
 // state as "optimizer.<state>.<name>", and the rest (step count, optimizer, RNG streams) as metadata. Every
-// replica holds the same parameters and optimizer state, so replica 0's are saved and loaded into all. With several
+// replica holds the same parameters, so replica 0's are saved and loaded into all; the optimizer's state is held in
+// shards, one per replica, gathered for saving and cut along the loading engine's shards. With several
 // processes every process holds them too: rank 0 alone writes, and rank 0 alone reads and broadcasts the file's
 // bytes, which every process then checks and loads alike; every process returns rank 0's outcome.
 #include <algorithm>
@@ -99,22 +100,19 @@ void Engine::write_checkpoint(const std::string& path) const {
   for (const ParamInfo& p : model_.params())
     views.push_back({p.name, "F32", std::vector<int64_t>(p.shape.data(), p.shape.data() + p.shape.ndim()),
                      params.data() + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
-  // Each replica's optimizer state is current for its own shard (finish_and_step): gather the shards.
-  auto state_names = rep.optimizer->state();
+  // Each replica holds the optimizer's state for its own shard (finish_and_step): gather the shards.
+  const std::vector<std::string> state_names = Optimizer::state_names(rep.optimizer->config());
   std::vector<std::vector<float>> gathered(state_names.size());
   for (size_t s = 0; s < state_names.size(); ++s) {
     gathered[s].resize(elements);
-    for (size_t r = 0; r < replicas_.size(); ++r) {
-      const auto [first, last] = optimizer_shard(r);
-      const size_t begin = std::min(elements, static_cast<size_t>(first));
-      const size_t end = std::min(elements, static_cast<size_t>(last));
-      if (begin == end) continue;
-      const Tensor state = replicas_[r]->optimizer->state()[s].second;
-      backend_.copy_to_host(gathered[s].data() + begin, state.f32() + begin, (end - begin) * sizeof(float),
-                            replicas_[r]->ctx.device);
+    for (const auto& owner : replicas_) {
+      const Optimizer& opt = *owner->optimizer;
+      if (opt.begin() == opt.end()) continue;
+      backend_.copy_to_host(gathered[s].data() + opt.begin(), opt.state()[s].second.f32(),
+                            static_cast<size_t>(opt.end() - opt.begin()) * sizeof(float), owner->ctx.device);
     }
     for (const ParamInfo& p : model_.params())
-      views.push_back({"optimizer." + state_names[s].first + "." + p.name, "F32",
+      views.push_back({"optimizer." + state_names[s] + "." + p.name, "F32",
                        std::vector<int64_t>(p.shape.data(), p.shape.data() + p.shape.ndim()),
                        gathered[s].data() + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
   }
@@ -173,8 +171,7 @@ void Engine::load(const std::string& path) {
   };
   size_t expected = 0;
   for (const ParamInfo& p : model_.params()) check_entry(p.name, p), ++expected;
-  auto state_names = opt0.state();
-  for (auto& [state_name, buffer] : state_names)
+  for (const std::string& state_name : Optimizer::state_names(opt0.config()))
     for (const ParamInfo& p : model_.params()) check_entry("optimizer." + state_name + "." + p.name, p), ++expected;
   DPAR_ENFORCE(file.names().size() == expected, DPAR_ERR_MISMATCH, path, ": holds ", file.names().size(),
                " tensors, the model and optimizer have ", expected);
@@ -187,10 +184,16 @@ void Engine::load(const std::string& path) {
   run("load", [&](Replica& rep, size_t r) {
     for (const ParamInfo& p : model_.params())
       rep.stream->copy_from_host(rep.model->params() + p.offset, file.data(p.name), file.entry(p.name).bytes);
-    for (auto& [state_name, buffer] : rep.optimizer->state())
+    // The replica's optimizer state is its shard's: the part of each parameter's state that falls in it.
+    const Optimizer& opt = *rep.optimizer;
+    for (auto& [state_name, buffer] : opt.state())
       for (const ParamInfo& p : model_.params()) {
-        const std::string name = "optimizer." + state_name + "." + p.name;
-        rep.stream->copy_from_host(buffer.f32() + p.offset, file.data(name), file.entry(name).bytes);
+        const int64_t from = std::max(opt.begin(), p.offset), to = std::min(opt.end(), p.offset + p.shape.numel());
+        if (from >= to) continue;
+        const uint8_t* values = file.data("optimizer." + state_name + "." + p.name);  // f32, maybe unaligned
+        rep.stream->copy_from_host(buffer.f32() + (from - opt.begin()),
+                                   values + static_cast<size_t>(from - p.offset) * sizeof(float),
+                                   static_cast<size_t>(to - from) * sizeof(float));
       }
     rep.optimizer->set_steps(steps);
     // RNG streams continue where they were only when the replica layout is the same.

@@ -105,7 +105,9 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
 
   run("create", [&](Replica& rep, size_t) {
     rep.model = std::make_unique<ReplicaModel>(model_, rep.ctx, shard_elements_ * parts);
-    rep.optimizer = std::make_unique<Optimizer>(optimizer, model_.num_param_elements(), rep.ctx.device);
+    // The optimizer's state for this replica's shard alone: the shard is all it steps (finish_and_step).
+    const auto [begin, end] = optimizer_shard(rep.ctx.replica);
+    rep.optimizer = std::make_unique<Optimizer>(optimizer, begin, end, rep.ctx.device);
     rep.loss_sum_device = Tensor::zeros(DType::kF32, Shape{2}, rep.ctx.device);  // room for one double
     std::vector<Reducer::Grad> grads;
     for (const ParamInfo& p : model_.params())
@@ -301,8 +303,10 @@ void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor
 }
 
 std::pair<int64_t, int64_t> Engine::optimizer_shard(size_t replica) const {
-  const int64_t begin = shard_elements_ * static_cast<int64_t>(replica);
-  return {begin, begin + shard_elements_};
+  // The last replicas' shards may end past the parameters, or lie wholly past them (then empty).
+  const int64_t elements = model_.num_param_elements();
+  const int64_t begin = std::min(elements, shard_elements_ * static_cast<int64_t>(replica));
+  return {begin, std::min(elements, begin + shard_elements_)};
 }
 
 void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contributes) {
@@ -357,19 +361,27 @@ std::vector<float> Engine::replica_grad_norms() const {
   return out;
 }
 
+std::vector<size_t> Engine::replica_optimizer_state_bytes() const {
+  std::vector<size_t> out;
+  for (const auto& rep : replicas_) out.push_back(rep->optimizer->state_bytes());
+  return out;
+}
+
 void Engine::finish_and_step(Replica& rep) {
   rep.reducer->finish();
   rep.stepped = true;
   // Every replica now holds the same summed gradient, so the optimizer's result is the same on all of them. Each
   // worker computes it for its own shard only, and an all-gather puts the shards together in every replica: the
-  // replicas end identical, bit for bit, as if each had stepped everything, for 1/n of the optimizer's work. (Its
-  // state for a shard is current in the shard's owner only; save() gathers it.)
-  const auto [begin, end] = optimizer_shard(rep.ctx.replica);
+  // replicas end identical, bit for bit, as if each had stepped everything, for 1/n of the optimizer's work and
+  // 1/n of its state (a shard's state lives with its owner only; save() gathers it).
   float* params = rep.model->params();
-  if (rep.optimizer->config().max_grad_norm > 0.0f) clip_gradient(rep, begin, end);
-  rep.optimizer->step_range(*rep.stream, params, rep.model->grads(), begin, end);
+  if (rep.optimizer->config().max_grad_norm > 0.0f)
+    clip_gradient(rep, rep.optimizer->begin(), rep.optimizer->end());
+  rep.optimizer->step(*rep.stream, params, rep.model->grads());
+  // Block r of the padded parameters is replica r's shard (its tail past the parameters is padding).
   if (replicas_.size() > 1)
-    rep.comm->all_gather(params + begin, params, static_cast<size_t>(shard_elements_), CommDType::kF32);
+    rep.comm->all_gather(params + shard_elements_ * static_cast<int64_t>(rep.ctx.replica), params,
+                         static_cast<size_t>(shard_elements_), CommDType::kF32);
   rep.has_grad = false;
 }
 

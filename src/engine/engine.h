@@ -86,6 +86,8 @@ class Engine {
   // Each replica's own computation of that norm (the same bits on every replica, or the shards would be scaled
   // apart): for tests.
   std::vector<float> replica_grad_norms() const;
+  // Bytes of optimizer state each replica holds, for tests (its shard's).
+  std::vector<size_t> replica_optimizer_state_bytes() const;
   int64_t step_count() const;
   std::vector<float> replica_losses() const;
   std::vector<float> params(size_t replica) const;
@@ -166,8 +168,9 @@ class Engine {
   // rank 0's failure elsewhere.
   void share_outcome(const char* operation, std::exception_ptr error) const;
   void write_checkpoint(const std::string& path) const;
-  // Elements [begin, end) of the (padded) flat parameters whose optimizer step replica `replica` computes: every
-  // shard has shard_elements_ elements, so that an all-gather puts them together.
+  // Elements [begin, end) of the flat parameters whose optimizer step replica `replica` computes and whose
+  // optimizer state it holds: its block of shard_elements_ (equal blocks, so that an all-gather of the padded
+  // parameters puts them together), cut at the parameters' end. The last replicas' shards may be empty.
   std::pair<int64_t, int64_t> optimizer_shard(size_t replica) const;
   // The mean loss of the last step or micro-batch over the global batch.
   double finish_loss(const char* operation, int64_t global_batch);

@@ -38,9 +38,11 @@ const char* OptimizerConfig::name() const {
   return "unknown";
 }
 
-Optimizer::Optimizer(const OptimizerConfig& config, int64_t num_params, Device device)
-    : config_(config), num_params_(num_params) {
-  const Shape shape{std::max<int64_t>(num_params, 1)};
+Optimizer::Optimizer(const OptimizerConfig& config, int64_t begin, int64_t end, Device device)
+    : config_(config), begin_(begin), end_(end) {
+  DPAR_ENFORCE(0 <= begin && begin <= end, DPAR_ERR_INTERNAL, "optimizer: [", begin, ", ", end, ") is not a range of parameters");
+  if (end == begin) return;
+  const Shape shape{end - begin};
   if (config_.kind == OptimizerKind::kSgd) {
     if (config_.momentum != 0.0f) buf_a_ = Tensor::zeros(DType::kF32, shape, device);
   } else {
@@ -49,32 +51,39 @@ Optimizer::Optimizer(const OptimizerConfig& config, int64_t num_params, Device d
   }
 }
 
-void Optimizer::step_range(Stream& stream, float* params, const float* grads, int64_t begin, int64_t end) {
-  ++steps_;
-  end = std::min(end, num_params_);
-  const int64_t n = end - begin;
-  if (n <= 0) return;
-  params += begin;
-  grads += begin;
+void Optimizer::step(Stream& stream, float* params, const float* grads) {
+  ++steps_;  // the step counter advances on every replica, whatever its range
+  const int64_t n = end_ - begin_;
+  if (n == 0) return;
+  params += begin_;
+  grads += begin_;
   if (config_.kind == OptimizerKind::kSgd) {
     kernels::cpu::SgdHyper h{config_.lr, config_.momentum, config_.dampening, config_.weight_decay, config_.nesterov};
-    stream.sgd_step(params, buf_a_.defined() ? buf_a_.f32() + begin : nullptr, grads, n, h, steps_ == 1);
+    stream.sgd_step(params, buf_a_.defined() ? buf_a_.f32() : nullptr, grads, n, h, steps_ == 1);
   } else {
     kernels::cpu::AdamHyper h{config_.lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay,
                               config_.kind == OptimizerKind::kAdamW};
-    stream.adam_step(params, buf_a_.f32() + begin, buf_b_.f32() + begin, grads, n, h, steps_);
+    stream.adam_step(params, buf_a_.f32(), buf_b_.f32(), grads, n, h, steps_);
   }
+}
+
+std::vector<std::string> Optimizer::state_names(const OptimizerConfig& config) {
+  if (config.kind == OptimizerKind::kSgd) {
+    if (config.momentum != 0.0f) return {"momentum_buffer"};
+    return {};
+  }
+  return {"exp_avg", "exp_avg_sq"};
 }
 
 std::vector<std::pair<std::string, Tensor>> Optimizer::state() const {
   std::vector<std::pair<std::string, Tensor>> s;
-  if (config_.kind == OptimizerKind::kSgd) {
-    if (buf_a_.defined()) s.emplace_back("momentum_buffer", buf_a_);
-  } else {
-    s.emplace_back("exp_avg", buf_a_);
-    s.emplace_back("exp_avg_sq", buf_b_);
-  }
+  const std::vector<std::string> names = state_names(config_);
+  for (size_t i = 0; i < names.size(); ++i) s.emplace_back(names[i], i == 0 ? buf_a_ : buf_b_);
   return s;
+}
+
+size_t Optimizer::state_bytes() const {
+  return (buf_a_.defined() ? buf_a_.bytes() : 0) + (buf_b_.defined() ? buf_b_.bytes() : 0);
 }
 
 }  // namespace dpar

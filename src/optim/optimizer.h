@@ -31,31 +31,38 @@ struct OptimizerConfig {
   const char* name() const;  // "sgd", "adam", "adamw"
 };
 
+// Steps one range of a replica's flat parameters, [begin, end), and keeps state for that range alone: in the
+// engine each replica steps its own shard of the summed gradient, so each holds 1/n of the optimizer's state
+// (ZeRO stage 1) rather than a full copy that only its shard would keep current.
 class Optimizer {
  public:
-  // State buffers (zeros) on `device`.
-  Optimizer(const OptimizerConfig& config, int64_t num_params, Device device);
+  // State buffers (zeros) on `device` for elements [begin, end); begin <= end.
+  Optimizer(const OptimizerConfig& config, int64_t begin, int64_t end, Device device);
 
-  // One step over all parameters, queued on `stream`.
-  void step(Stream& stream, float* params, const float* grads) { step_range(stream, params, grads, 0, num_params_); }
-  // One step that updates (and keeps state for) only elements [begin, end) (clipped to the parameters): the step
-  // counter still advances once. The element-wise formulas make a step over ranges equal, bit for bit, to a step
-  // over all of them.
-  void step_range(Stream& stream, float* params, const float* grads, int64_t begin, int64_t end);
+  // One step of elements [begin, end) of `params` (the whole flat buffer) from the same range of `grads`, queued
+  // on `stream`. The element-wise formulas make the steps of ranges equal, bit for bit, to one step over all.
+  void step(Stream& stream, float* params, const float* grads);
   void set_lr(float lr) { config_.lr = lr; }
   void set_max_grad_norm(float max_norm) { config_.max_grad_norm = max_norm; }
   const OptimizerConfig& config() const { return config_; }
   int64_t steps() const { return steps_; }
   void set_steps(int64_t steps) { steps_ = steps; }
+  int64_t begin() const { return begin_; }
+  int64_t end() const { return end_; }
 
-  // Named state buffers, each num_params long ("momentum_buffer"; "exp_avg", "exp_avg_sq"), for checkpoints.
+  // Named state buffers, each end - begin long ("momentum_buffer"; "exp_avg", "exp_avg_sq"), for checkpoints.
+  // Every kind of state is listed even when the range is empty (its tensors are then undefined).
   std::vector<std::pair<std::string, Tensor>> state() const;
+  // The state's names for this configuration, without a replica.
+  static std::vector<std::string> state_names(const OptimizerConfig& config);
+  // Bytes of state held (for tests: the shards of a replica set add up to one full state).
+  size_t state_bytes() const;
 
  private:
   OptimizerConfig config_;
-  int64_t num_params_;
+  int64_t begin_, end_;
   int64_t steps_ = 0;
-  Tensor buf_a_;  // momentum buffer, or Adam's exp_avg (undefined for SGD without momentum)
+  Tensor buf_a_;  // momentum buffer, or Adam's exp_avg (undefined for SGD without momentum, or an empty range)
   Tensor buf_b_;  // Adam's exp_avg_sq
 };
 
