@@ -13,6 +13,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "cuda_test_util.h"
 #include "engine/engine.h"
+#include "io/safetensors.h"
 
 namespace dpar {
 namespace {
@@ -150,7 +151,19 @@ TEST(CudaEngine, CheckpointsMoveBetweenGpuAndCpu) {
   back.load(path);
   EXPECT_EQ(back.params(0), cpu.params(0)) << "written on the CPU, loaded on the GPU";
   EXPECT_EQ(back.step_count(), 8);
+  // The optimizer's state too, which each engine holds in shards of its own (two on the CPU, one on the GPU):
+  // written again from the GPU, every tensor has the CPU file's bytes.
+  const std::string again = ::testing::TempDir() + "dpar_cuda_engine_again.safetensors";
+  back.save(again);
+  const auto cpu_file = io::SafetensorsFile::parse(path, io::SafetensorsFile::read_bytes(path));
+  const auto gpu_file = io::SafetensorsFile::parse(again, io::SafetensorsFile::read_bytes(again));
+  ASSERT_EQ(gpu_file.names(), cpu_file.names());
+  for (const std::string& name : cpu_file.names()) {
+    ASSERT_EQ(gpu_file.entry(name).bytes, cpu_file.entry(name).bytes) << name;
+    EXPECT_EQ(std::memcmp(gpu_file.data(name), cpu_file.data(name), cpu_file.entry(name).bytes), 0) << name;
+  }
   std::remove(path.c_str());
+  std::remove(again.c_str());
 }
 
 TEST(CudaEngine, DeviceMemoryExhaustionIsACleanErrorAndTheEngineTrainsOn) {

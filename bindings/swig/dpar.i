@@ -45,6 +45,7 @@ DPAR_GO_POINTER(void *, const void *, float *, const float *, int32_t *, const i
 %ignore dpar_engine_set_forward_hook;   /* C function pointers: the idiomatic package bridges them with cgo */
 %ignore dpar_model_add_custom;
 %ignore dpar_custom_layer_init;
+%ignore dpar_custom_layer_init_sized;
 %ignore dpar_custom_layer;
 %ignore dpar_custom_call;
 %ignore dpar_param_spec;
@@ -93,6 +94,7 @@ DPAR_OUT_HANDLE(dpar_reducer)
 %ignore dpar_engine_set_forward_hook;
 %ignore dpar_model_add_custom;
 %ignore dpar_custom_layer_init;
+%ignore dpar_custom_layer_init_sized;
 %ignore dpar_tensor_from_dlpack;
 %ignore dpar_tensor_to_dlpack;
 %ignore dpar_custom_layer;

@@ -149,9 +149,14 @@ inline BucketOptions bucket_options(size_t first_bucket_bytes, size_t bucket_cap
   return b;
 }
 
-// Every versioned struct of dpar.h: its defaults, and the size of each version's layout, version 1 first (the
-// current version is the last). A struct grows only by appending fields, so the first `layout` bytes of the
-// defaults are the defaults of that version.
+// Every versioned struct of dpar.h: its defaults, the size of each version's layout, version 1 first (the
+// current version is the last), and the version that the unsized X_init() symbol writes. A struct grows only by
+// appending fields, so the first `layout` bytes of the defaults are the defaults of that version.
+//
+// The unsized symbol is what programs built against dpar.h 0.4 or older call (later headers make X_init a macro
+// over X_init_sized): it writes the layout those headers declared, forever, so that a struct grown later does
+// not overrun them. A layout's size is the sizeof of the struct as that version declared it: where the first
+// appended field is aligned as strictly as the struct, that is the field's offset (as in dpar_engine_options).
 template <class T>
 struct Versioned;
 template <>
@@ -159,18 +164,21 @@ struct Versioned<dpar_model_options> {
   static constexpr const char* name = "dpar_model_options";
   static dpar_model_options defaults() { return DPAR_MODEL_OPTIONS_INIT; }
   static constexpr size_t layouts[] = {sizeof(dpar_model_options)};
+  static constexpr uint32_t unsized_init_version = 1;
 };
 template <>
 struct Versioned<dpar_custom_layer> {
   static constexpr const char* name = "dpar_custom_layer";
   static dpar_custom_layer defaults() { return DPAR_CUSTOM_LAYER_INIT; }
   static constexpr size_t layouts[] = {sizeof(dpar_custom_layer)};
+  static constexpr uint32_t unsized_init_version = 1;
 };
 template <>
 struct Versioned<dpar_optimizer_options> {
   static constexpr const char* name = "dpar_optimizer_options";
   static dpar_optimizer_options defaults() { return DPAR_OPTIMIZER_OPTIONS_INIT; }
   static constexpr size_t layouts[] = {sizeof(dpar_optimizer_options)};
+  static constexpr uint32_t unsized_init_version = 1;
 };
 template <>
 struct Versioned<dpar_engine_options> {
@@ -178,24 +186,40 @@ struct Versioned<dpar_engine_options> {
   static dpar_engine_options defaults() { return DPAR_ENGINE_OPTIONS_INIT; }
   // Version 1 ended before first_bucket_bytes.
   static constexpr size_t layouts[] = {offsetof(dpar_engine_options, first_bucket_bytes), sizeof(dpar_engine_options)};
+  static constexpr uint32_t unsized_init_version = 2;  // dpar.h 0.4's
+  static_assert(offsetof(dpar_engine_options, first_bucket_bytes) % alignof(dpar_engine_options) == 0,
+                "version 1's sizeof is no longer the offset of version 2's first field");
 };
 template <>
 struct Versioned<dpar_comm_options> {
   static constexpr const char* name = "dpar_comm_options";
   static dpar_comm_options defaults() { return DPAR_COMM_OPTIONS_INIT; }
   static constexpr size_t layouts[] = {sizeof(dpar_comm_options)};
+  static constexpr uint32_t unsized_init_version = 1;
 };
 template <>
 struct Versioned<dpar_reducer_options> {
   static constexpr const char* name = "dpar_reducer_options";
   static dpar_reducer_options defaults() { return DPAR_REDUCER_OPTIONS_INIT; }
   static constexpr size_t layouts[] = {sizeof(dpar_reducer_options)};
+  static constexpr uint32_t unsized_init_version = 1;
 };
 
 template <class T>
 constexpr uint32_t current_version() {
   return static_cast<uint32_t>(std::size(Versioned<T>::layouts));
 }
+// Every version's layout is larger than the one before (a size names one version) and the unsized symbol's
+// version exists.
+template <class T>
+constexpr bool layouts_are_sound() {
+  for (size_t v = 1; v < std::size(Versioned<T>::layouts); ++v)
+    if (Versioned<T>::layouts[v] <= Versioned<T>::layouts[v - 1]) return false;
+  return Versioned<T>::unsized_init_version >= 1 && Versioned<T>::unsized_init_version <= current_version<T>();
+}
+static_assert(layouts_are_sound<dpar_model_options>() && layouts_are_sound<dpar_custom_layer>() &&
+              layouts_are_sound<dpar_optimizer_options>() && layouts_are_sound<dpar_engine_options>() &&
+              layouts_are_sound<dpar_comm_options>() && layouts_are_sound<dpar_reducer_options>());
 static_assert(current_version<dpar_model_options>() == DPAR_MODEL_OPTIONS_VERSION &&
               current_version<dpar_custom_layer>() == DPAR_CUSTOM_LAYER_VERSION &&
               current_version<dpar_optimizer_options>() == DPAR_OPTIMIZER_OPTIONS_VERSION &&
@@ -227,6 +251,15 @@ T read_options(const T* user, const char* argument) {
 // Fills the caller's struct with the defaults of the version whose layout is `size` bytes, writing those bytes and
 // no more: a program compiled against an older dpar.h passes its own, smaller sizeof. A size of no version's
 // layout is refused: larger than the newest one, the program was compiled against a newer dpar.h than this library.
+template <class T>
+void init_options(T* opts, size_t size, const char* argument);
+
+// What the unsized X_init() symbol does: the layout of the version it has always written.
+template <class T>
+void init_unsized_options(T* opts, const char* argument) {
+  init_options(opts, Versioned<T>::layouts[Versioned<T>::unsized_init_version - 1], argument);
+}
+
 template <class T>
 void init_options(T* opts, size_t size, const char* argument) {
   using V = Versioned<T>;

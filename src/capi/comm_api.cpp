@@ -92,9 +92,9 @@ void run_blocking(dpar_comm& h, const char* operation, Op&& op) {
 extern "C" {
 
 // What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
-// caller's size to dpar_comm_options_init_sized): it writes this library's layout, as it always did.
+// caller's size to dpar_comm_options_init_sized): it writes dpar.h 0.4's layout, whatever this library's is.
 DPAR_API dpar_status (dpar_comm_options_init)(dpar_comm_options* opts) {
-  return guard([&] { init_options(opts, sizeof(dpar_comm_options), "opts"); });
+  return guard([&] { init_unsized_options(opts, "opts"); });
 }
 
 DPAR_API dpar_status dpar_comm_options_init_sized(dpar_comm_options* opts, size_t size) {

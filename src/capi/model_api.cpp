@@ -6,9 +6,9 @@ using namespace dpar::capi;
 extern "C" {
 
 // What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
-// caller's size to dpar_model_options_init_sized): it writes this library's layout, as it always did.
+// caller's size to dpar_model_options_init_sized): it writes dpar.h 0.4's layout, whatever this library's is.
 DPAR_API dpar_status (dpar_model_options_init)(dpar_model_options* opts) {
-  return guard([&] { init_options(opts, sizeof(dpar_model_options), "opts"); });
+  return guard([&] { init_unsized_options(opts, "opts"); });
 }
 
 DPAR_API dpar_status dpar_model_options_init_sized(dpar_model_options* opts, size_t size) {
@@ -48,9 +48,9 @@ DPAR_API dpar_status dpar_model_add_dropout(dpar_model* model, float p) {
 }
 
 // What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
-// caller's size to dpar_custom_layer_init_sized): it writes this library's layout, as it always did.
+// caller's size to dpar_custom_layer_init_sized): it writes dpar.h 0.4's layout, whatever this library's is.
 DPAR_API dpar_status (dpar_custom_layer_init)(dpar_custom_layer* layer) {
-  return guard([&] { init_options(layer, sizeof(dpar_custom_layer), "layer"); });
+  return guard([&] { init_unsized_options(layer, "layer"); });
 }
 
 DPAR_API dpar_status dpar_custom_layer_init_sized(dpar_custom_layer* layer, size_t size) {
@@ -126,9 +126,9 @@ DPAR_API dpar_status dpar_model_set_param(dpar_model* model, size_t index, const
 }
 
 // What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
-// caller's size to dpar_optimizer_options_init_sized): it writes this library's layout, as it always did.
+// caller's size to dpar_optimizer_options_init_sized): it writes dpar.h 0.4's layout, whatever this library's is.
 DPAR_API dpar_status (dpar_optimizer_options_init)(dpar_optimizer_options* opts) {
-  return guard([&] { init_options(opts, sizeof(dpar_optimizer_options), "opts"); });
+  return guard([&] { init_unsized_options(opts, "opts"); });
 }
 
 DPAR_API dpar_status dpar_optimizer_options_init_sized(dpar_optimizer_options* opts, size_t size) {

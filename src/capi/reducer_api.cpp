@@ -27,9 +27,9 @@ dpar_status with_reducer(dpar_reducer* reducer, F&& body) {
 extern "C" {
 
 // What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
-// caller's size to dpar_reducer_options_init_sized): it writes this library's layout, as it always did.
+// caller's size to dpar_reducer_options_init_sized): it writes dpar.h 0.4's layout, whatever this library's is.
 DPAR_API dpar_status (dpar_reducer_options_init)(dpar_reducer_options* opts) {
-  return guard([&] { init_options(opts, sizeof(dpar_reducer_options), "opts"); });
+  return guard([&] { init_unsized_options(opts, "opts"); });
 }
 
 DPAR_API dpar_status dpar_reducer_options_init_sized(dpar_reducer_options* opts, size_t size) {
