@@ -1,7 +1,7 @@
 /* bench_cuda_train: dpar's training step on a GPU, through the C ABI only (dpar.h, libdpar.so); issue 7, section 8.
  *
  *   bench_cuda_train [--only demo|wide] [--batches B1,B2,..] [--steps N] [--blocks K] [--replicas R]
- *                    [--host-input] [--json PATH] [--torch PATH] [--gemms PATH] [--data DIR]
+ *                    [--host-input] [--json PATH] [--torch PATH] [--gemms PATH] [--data DIR] [--trace DIR]
  *
  * For the demo MLP 784-256-128-10 (batches 128, 1024, 8192) and the wide MLP 784-4096-4096-4096-10 (256, 1024,
  * 8192): ReLU, softmax cross-entropy, Adam lr 1e-3, f32, synthetic uniform inputs and random labels, on an engine
@@ -13,7 +13,8 @@
  * part: the demo MLP trained from a shuffling dpar_loader, whose batches come either in host memory (each step
  * copies them) or prepared on cuda:0 one batch ahead (dpar_loader_to_device: gathered and copied while the step
  * before runs); per step, the wall time of dpar_loader_next plus dpar_engine_train_step, and the ratio of the two.
- * No CUDA device: says why and exits 0 ("skipped"). */
+ * --trace DIR writes, for each configuration, a timeline of 5 more steps after the timed ones (dpar_engine_trace_start;
+ * DIR/trace-<model>-<batch>.json, for ui.perfetto.dev). No CUDA device: says why and exits 0 ("skipped"). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -81,7 +82,7 @@ static dpar_status make_engine(dpar_engine **engine, dpar_model **model, const b
 }
 
 static void run_config(result *r, const bench_mlp *mlp, int64_t batch, int replicas, int steps, int blocks,
-                       int host_input) {
+                       int host_input, const char *trace_dir) {
   memset(r, 0, sizeof *r);
   r->mlp = mlp;
   r->model = mlp->name;
@@ -145,6 +146,17 @@ static void run_config(result *r, const bench_mlp *mlp, int64_t batch, int repli
   r->p10 = bench_quantile_sorted(t, n, 0.1);
   r->p90 = bench_quantile_sorted(t, n, 0.9);
   r->steps = n;
+  /* --trace: a few more steps, untimed, recorded as a timeline of the engine's threads. */
+  if (trace_dir) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/trace-%s-%lld.json", trace_dir, r->model, (long long)batch);
+    if (failed(r, dpar_engine_trace_start(engine), "dpar_engine_trace_start")) goto done;
+    for (int i = 0; i < 5; ++i)
+      if (failed(r, dpar_engine_train_step(&r->last_loss, engine, x[i % kDataBatches], y[i % kDataBatches]),
+                 "dpar_engine_train_step (traced)"))
+        goto done;
+    if (failed(r, dpar_engine_trace_stop(engine, path), "dpar_engine_trace_stop")) goto done;
+  }
   r->ok = 1;
 done:
   free(t);
@@ -486,7 +498,7 @@ static void run_loader_part(const char *dir, int steps) {
 static void usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [--only demo|wide] [--batches B1,B2,..] [--steps N] [--blocks K] [--replicas R] [--host-input]\n"
-          "          [--json PATH] [--torch PATH] [--gemms PATH]\n"
+          "          [--json PATH] [--torch PATH] [--gemms PATH] [--data DIR] [--trace DIR]\n"
           "  --only M        one model: demo (784-256-128-10) or wide (784-4096-4096-4096-10)\n"
           "  --batches L     batch sizes for the chosen model(s) (default demo 128,1024,8192; wide 256,1024,8192)\n"
           "  --steps N       timed steps per block (default 50); --blocks K blocks (default 5), after 10 warm-up steps\n"
@@ -496,13 +508,14 @@ static void usage(const char *argv0) {
           "  --torch PATH    JSON of bench/torch_anchor.py: print dpar beside PyTorch, with ratios and the aims\n"
           "  --gemms PATH    JSON of bench_cuda_gemms: the step's GEMMs in cuBLAS alone\n"
           "  --data DIR      Fashion-MNIST's IDX files: time training from the loader, host batches against\n"
-          "                  batches prepared ahead on cuda:0\n",
+          "                  batches prepared ahead on cuda:0\n"
+          "  --trace DIR     after each configuration's timed steps, a timeline of 5 more: DIR/trace-<model>-<batch>.json\n",
           argv0);
   exit(2);
 }
 
 int main(int argc, char **argv) {
-  const char *only = NULL, *json = NULL, *torch_path = NULL, *gemms_path = NULL, *data = NULL;
+  const char *only = NULL, *json = NULL, *torch_path = NULL, *gemms_path = NULL, *data = NULL, *trace_dir = NULL;
   int64_t batches[kBenchMaxBatches];
   int nbatches = 0, steps = 50, blocks = 5, replicas = 1, host_input = 0;
   for (int i = 1; i < argc; ++i) {
@@ -518,6 +531,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--torch") && more) torch_path = argv[++i];
     else if (!strcmp(argv[i], "--gemms") && more) gemms_path = argv[++i];
     else if (!strcmp(argv[i], "--data") && more) data = argv[++i];
+    else if (!strcmp(argv[i], "--trace") && more) trace_dir = argv[++i];
     else usage(argv[0]);
   }
   if (only && strcmp(only, "demo") && strcmp(only, "wide")) usage(argv[0]);
@@ -582,7 +596,7 @@ int main(int argc, char **argv) {
            "block medians ms", "samples/s", "loss");
     for (int i = 0; i < nres; ++i) {
       result *r = &res[i];
-      run_config(r, r->mlp, r->batch, replicas, steps, blocks, host_input);
+      run_config(r, r->mlp, r->batch, replicas, steps, blocks, host_input, trace_dir);
       char cfg[32];
       snprintf(cfg, sizeof cfg, "%s,%lld", r->model, (long long)r->batch);
       if (!r->ok) {

@@ -1,6 +1,6 @@
 /* bench_train: what dpar's DataParallel engine delivers, through the C ABI only (dpar.h, libdpar.so).
  *
- *   bench_train [--rounds R] [--seconds S] [--pin] [--only a|b|c]
+ *   bench_train [--rounds R] [--seconds S] [--pin] [--only a|b|c|d]
  *
  * (a) Training throughput of the demo MLP 784-256-128-10 (ReLU, softmax cross-entropy, Adam lr 1e-3) at batch
  *     256 on synthetic random data: 1 device (1 BLAS thread), 2 devices (1 BLAS thread each), and 1 device with
@@ -10,6 +10,8 @@
  *     that any implementation must do), so that the overhead is separable.
  * (c) The cost of gradient clipping (dpar_engine_set_max_grad_norm) on the model of (a) over 2 devices: off, on
  *     without scaling, on with scaling, interleaved on one engine.
+ * (d) The cost of recording a trace (dpar_engine_trace_start) over 2 devices, on the model of (a) and on the tiny
+ *     model of (b), where a step is mostly the engine's own work: off and on, interleaved on one engine each.
  *
  * Between rounds it measures the core-to-core latency that tells where the host placed the two vCPUs.
  * --pin pins replica r's worker to CPU r mod ncpu from the forward hook (an experiment: the engine does not pin).
@@ -331,19 +333,13 @@ static double time_hand_step(const float *xs, const int32_t *ys) {
   return bench_median(runs, kRuns);
 }
 
-static void part_b(int rounds, double seconds) {
-  printf("(b) engine overhead: linear 5->2 (bias), cross-entropy over 2 classes, SGD lr 0.01, batch %d, synthetic\n"
-         "    data; median time of one dpar_engine_train_step (timed one by one) over %d interleaved rounds of\n"
-         "    ~%.2f s per configuration (after 200 warm-up steps); engines on num_cpu_devices = 4\n",
-         kBatchB, rounds, seconds);
+/* The linear model 5->2 (bias) and kBatchesB random batches of kBatchB rows, filled into xs and ys on the host
+ * and copied into tensors. */
+static dpar_model *tiny_model_and_batches(dpar_tensor **x, dpar_tensor **y, float xs[kBatchesB * kBatchB * kInB],
+                                          int32_t ys[kBatchesB * kBatchB]) {
   dpar_model *model = NULL;
   CHECK(dpar_model_create(&model, NULL));
   CHECK(dpar_model_add_linear(model, kInB, kOutB, 1));
-  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT; /* SGD, lr 0.01 */
-
-  dpar_tensor *x[kBatchesB], *y[kBatchesB];
-  float xs[kBatchesB * kBatchB * kInB];
-  int32_t ys[kBatchesB * kBatchB];
   dpar_device cpu0 = {DPAR_DEVICE_CPU, 0};
   for (int i = 0; i < kBatchesB * kBatchB * kInB; ++i) xs[i] = 2 * uniform() - 1;
   for (int i = 0; i < kBatchesB * kBatchB; ++i) ys[i] = (int32_t)(next_u64() % kOutB);
@@ -354,6 +350,19 @@ static void part_b(int rounds, double seconds) {
     CHECK(dpar_tensor_copy_from_host(x[b], xs + b * kBatchB * kInB, sizeof(float) * kBatchB * kInB));
     CHECK(dpar_tensor_copy_from_host(y[b], ys + b * kBatchB, sizeof(int32_t) * kBatchB));
   }
+  return model;
+}
+
+static void part_b(int rounds, double seconds) {
+  printf("(b) engine overhead: linear 5->2 (bias), cross-entropy over 2 classes, SGD lr 0.01, batch %d, synthetic\n"
+         "    data; median time of one dpar_engine_train_step (timed one by one) over %d interleaved rounds of\n"
+         "    ~%.2f s per configuration (after 200 warm-up steps); engines on num_cpu_devices = 4\n",
+         kBatchB, rounds, seconds);
+  dpar_tensor *x[kBatchesB], *y[kBatchesB];
+  float xs[kBatchesB * kBatchB * kInB];
+  int32_t ys[kBatchesB * kBatchB];
+  dpar_model *model = tiny_model_and_batches(x, y, xs, ys);
+  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT; /* SGD, lr 0.01 */
 
   enum { kN = 3 };
   const size_t devs[kN] = {4, 2, 1};
@@ -452,15 +461,73 @@ static void part_c(int rounds, double seconds) {
   free_demo(model, x, y);
 }
 
+/* ---- (d) tracing --------------------------------------------------------------------------------------------- */
+
+static void part_d(int rounds, double seconds) {
+  printf("(d) recording a trace (dpar_engine_trace_start): 2 devices; the demo MLP of (a) (Adam, batch %d) and the\n"
+         "    5->2 linear model of (b) (SGD, batch %d), whose step is mostly the engine's own work. One engine\n"
+         "    each; each round times a block with the trace off and one with it on (restarted, so that it never\n"
+         "    reaches its cap; the order rotates). The anchor is the step without the trace.\n",
+         kBatchA, kBatchB);
+  dpar_tensor *xa[kBatchesA], *ya[kBatchesA];
+  dpar_model *demo = demo_model_and_batches(xa, ya);
+  dpar_optimizer_options adam = DPAR_OPTIMIZER_OPTIONS_INIT;
+  adam.kind = DPAR_ADAM;
+  adam.lr = 1e-3f;
+  dpar_engine *demo_engine = make_engine(demo, &adam, DPAR_LOSS_CROSS_ENTROPY, 2, 2, 1);
+  dpar_tensor *xb[kBatchesB], *yb[kBatchesB];
+  float xs[kBatchesB * kBatchB * kInB];
+  int32_t ys[kBatchesB * kBatchB];
+  dpar_model *tiny = tiny_model_and_batches(xb, yb, xs, ys);
+  dpar_optimizer_options sgd = DPAR_OPTIMIZER_OPTIONS_INIT;
+  dpar_engine *tiny_engine = make_engine(tiny, &sgd, DPAR_LOSS_CROSS_ENTROPY, 2, 2, 1);
+  /* A block of the tiny model records ~15 spans per step: 0.1 s of steps stays under the trace's 2^20 spans. */
+  const double tiny_seconds = seconds < 0.1 ? seconds : 0.1;
+  vec all[2][2] = {{{0}}};
+  for (int r = 0; r < rounds; ++r) {
+    for (int k = 0; k < 2; ++k) {
+      const int on = (k + r) % 2;
+      if (on) {
+        CHECK(dpar_engine_trace_start(demo_engine));
+        CHECK(dpar_engine_trace_start(tiny_engine));
+      }
+      time_steps(demo_engine, xa, ya, kBatchesA, 5, 20, seconds, &all[0][on]);
+      time_steps(tiny_engine, xb, yb, kBatchesB, 200, 200, tiny_seconds, &all[1][on]);
+      if (on) {
+        CHECK(dpar_engine_trace_stop(demo_engine, NULL));
+        CHECK(dpar_engine_trace_stop(tiny_engine, NULL));
+      }
+    }
+  }
+  static const char *const models[2] = {"demo MLP, batch 256", "linear 5->2, batch 30"};
+  printf("\n    %-24s | %12s | %12s | %8s | %s\n", "model", "off (median)", "on (median)", "on / off", "steps");
+  for (int m = 0; m < 2; ++m) {
+    const double off = vec_median(&all[m][0]), on = vec_median(&all[m][1]);
+    const int us = m == 1;
+    printf("    %-24s | %9.3f %s | %9.3f %s | %7.3fx | %zu, %zu\n", models[m], off * (us ? 1e6 : 1e3), us ? "us" : "ms",
+           on * (us ? 1e6 : 1e3), us ? "us" : "ms", on / off, all[m][0].n, all[m][1].n);
+    free(all[m][0].v);
+    free(all[m][1].v);
+  }
+  dpar_engine_free(demo_engine);
+  dpar_engine_free(tiny_engine);
+  free_demo(demo, xa, ya);
+  for (int b = 0; b < kBatchesB; ++b) {
+    dpar_tensor_free(xb[b]);
+    dpar_tensor_free(yb[b]);
+  }
+  dpar_model_free(tiny);
+}
+
 /* ---- main ------------------------------------------------------------------------------------------------------ */
 
 static void usage(const char *argv0) {
   fprintf(stderr,
-          "usage: %s [--rounds R] [--seconds S] [--pin] [--only a|b|c]\n"
+          "usage: %s [--rounds R] [--seconds S] [--pin] [--only a|b|c|d]\n"
           "  --rounds R   interleaved rounds (default 12; at most 64)\n"
           "  --seconds S  timed seconds per configuration per round (default 0.3)\n"
           "  --pin        pin replica r's worker to CPU r mod ncpu (from the forward hook), as an experiment\n"
-          "  --only a|b|c run one part\n",
+          "  --only a|b|c|d run one part\n",
           argv0);
   exit(2);
 }
@@ -468,7 +535,7 @@ static void usage(const char *argv0) {
 int main(int argc, char **argv) {
   int rounds = 12;
   double seconds = 0.3;
-  int run_a = 1, run_b = 1, run_c = 1;
+  int run_a = 1, run_b = 1, run_c = 1, run_d = 1;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--rounds") && i + 1 < argc)
       rounds = atoi(argv[++i]);
@@ -481,6 +548,7 @@ int main(int argc, char **argv) {
       run_a = !strcmp(argv[i], "a");
       run_b = !strcmp(argv[i], "b");
       run_c = !strcmp(argv[i], "c");
+      run_d = !strcmp(argv[i], "d");
     } else
       usage(argv[0]);
   }
@@ -502,6 +570,8 @@ int main(int argc, char **argv) {
   if (run_b) part_b(rounds, seconds);
   if ((run_a || run_b) && run_c) printf("\n");
   if (run_c) part_c(rounds, seconds);
+  if ((run_a || run_b || run_c) && run_d) printf("\n");
+  if (run_d) part_d(rounds, seconds);
   bench_cpu_usage_now(&u1);
   printf("\n");
   bench_print_cpu_usage(stdout, &u0, &u1, g_ncpu);

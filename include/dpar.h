@@ -20,7 +20,8 @@
  *  - Option structs are versioned: initialise them with their `_INIT` macro or `_init()`, then set fields. `_init()`
  *    is a macro that passes the struct's size as the caller compiled it (`_init_sized()`): a newer library fills
  *    the caller's layout, and reads it back by its `size` and `version`. A binding that cannot use C macros calls
- *    `_init_sized()` with its own size of the struct.
+ *    `_init_sized()` with its own size of the struct. A program built against this header needs a libdpar of at
+ *    least its MAJOR.MINOR version (#DPAR_VERSION_MINOR grows with every function added).
  *  - A NULL handle, a freed one or one of another type is refused with ::DPAR_ERR_INVALID_ARGUMENT: dpar looks every
  *    handle up among the live ones before using it. (A freed handle whose address a new handle of the same type
  *    has reused cannot be told apart from it.)
@@ -264,8 +265,9 @@ typedef struct dpar_model_options {
 DPAR_API dpar_status dpar_model_options_init_sized(dpar_model_options *opts, size_t size);
 /**
  * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_model_options_init_sized(), so
- * that a newer libdpar writes the caller's layout. (The function of this name, which programs built against dpar.h 0.4
- * and older call, writes the library's own layout.)
+ * that a newer libdpar writes the caller's layout. The function of this name, which programs built against dpar.h 0.4
+ * and older call, writes dpar.h 0.4's layout; a table of functions (dpar_api.h) or a binding without C macros calls
+ * the _sized one.
  */
 DPAR_API dpar_status dpar_model_options_init(dpar_model_options *opts);
 #define dpar_model_options_init(opts) dpar_model_options_init_sized((opts), sizeof(dpar_model_options))
@@ -378,8 +380,9 @@ typedef struct dpar_custom_layer {
 DPAR_API dpar_status dpar_custom_layer_init_sized(dpar_custom_layer *layer, size_t size);
 /**
  * @brief Fills @p layer with empty defaults: a macro that passes the caller's sizeof to
- * dpar_custom_layer_init_sized(), so that a newer libdpar writes the caller's layout. (The function of this name,
- * which programs built against dpar.h 0.4 and older call, writes the library's own layout.)
+ * dpar_custom_layer_init_sized(), so that a newer libdpar writes the caller's layout. The function of this name, which
+ * programs built against dpar.h 0.4 and older call, writes dpar.h 0.4's layout; a table of functions (dpar_api.h) or a
+ * binding without C macros calls the _sized one.
  */
 DPAR_API dpar_status dpar_custom_layer_init(dpar_custom_layer *layer);
 #define dpar_custom_layer_init(layer) dpar_custom_layer_init_sized((layer), sizeof(dpar_custom_layer))
@@ -452,8 +455,9 @@ typedef struct dpar_optimizer_options {
 DPAR_API dpar_status dpar_optimizer_options_init_sized(dpar_optimizer_options *opts, size_t size);
 /**
  * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_optimizer_options_init_sized(),
- * so that a newer libdpar writes the caller's layout. (The function of this name, which programs built against dpar.h
- * 0.4 and older call, writes the library's own layout.)
+ * so that a newer libdpar writes the caller's layout. The function of this name, which programs built against dpar.h
+ * 0.4 and older call, writes dpar.h 0.4's layout; a table of functions (dpar_api.h) or a binding without C macros
+ * calls the _sized one.
  */
 DPAR_API dpar_status dpar_optimizer_options_init(dpar_optimizer_options *opts);
 #define dpar_optimizer_options_init(opts) dpar_optimizer_options_init_sized((opts), sizeof(dpar_optimizer_options))
@@ -531,8 +535,9 @@ typedef struct dpar_engine_options {
 DPAR_API dpar_status dpar_engine_options_init_sized(dpar_engine_options *opts, size_t size);
 /**
  * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_engine_options_init_sized(), so
- * that a newer libdpar writes the caller's layout. (The function of this name, which programs built against dpar.h 0.4
- * and older call, writes the library's own layout.)
+ * that a newer libdpar writes the caller's layout. The function of this name, which programs built against dpar.h 0.4
+ * and older call, writes dpar.h 0.4's layout; a table of functions (dpar_api.h) or a binding without C macros calls
+ * the _sized one.
  */
 DPAR_API dpar_status dpar_engine_options_init(dpar_engine_options *opts);
 #define dpar_engine_options_init(opts) dpar_engine_options_init_sized((opts), sizeof(dpar_engine_options))
@@ -707,6 +712,25 @@ DPAR_API dpar_status dpar_engine_save(dpar_engine *engine, const char *path);
  */
 DPAR_API dpar_status dpar_engine_load(dpar_engine *engine, const char *path);
 
+/**
+ * @brief Starts recording a timeline of the engine's calls: what each replica's worker thread and communication
+ * thread did, span by span (forward, loss, backward, each gradient bucket's collectives, the optimizer, the
+ * parameters' all-gather, the wait for the device), and the calls themselves on the calling thread. Recording
+ * forgets a timeline recorded before. Off, it costs nothing measurable; on, two clock reads per span.
+ * Times are the host's: on a GPU a span is the time spent queuing its work, and the wait for the device is the
+ * span "device sync". At most 2^20 spans are kept; the file says how many more were dropped.
+ * @return ::DPAR_OK.
+ */
+DPAR_API dpar_status dpar_engine_trace_start(dpar_engine *engine);
+/**
+ * @brief Stops recording and writes the timeline to @p path in Chrome's trace event format (JSON, opened by
+ * ui.perfetto.dev and chrome://tracing), atomically; one track per thread, the process's rank as its pid. NULL
+ * only stops. The timeline stays until the next dpar_engine_trace_start(), so a write that failed may be tried
+ * again with another path. Each process of an engine records and writes its own: give each its own path.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_STATE if no trace was started; ::DPAR_ERR_IO naming the path.
+ */
+DPAR_API dpar_status dpar_engine_trace_stop(dpar_engine *engine, const char *path);
+
 /** @brief Points at which dpar_engine_inject_fault() makes a worker fail, to test error paths. */
 typedef enum dpar_fault {
   DPAR_FAULT_NONE = 0,     /**< Clears an armed fault. */
@@ -763,8 +787,9 @@ typedef struct dpar_comm_options {
 DPAR_API dpar_status dpar_comm_options_init_sized(dpar_comm_options *opts, size_t size);
 /**
  * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_comm_options_init_sized(), so
- * that a newer libdpar writes the caller's layout. (The function of this name, which programs built against dpar.h 0.4
- * and older call, writes the library's own layout.)
+ * that a newer libdpar writes the caller's layout. The function of this name, which programs built against dpar.h 0.4
+ * and older call, writes dpar.h 0.4's layout; a table of functions (dpar_api.h) or a binding without C macros calls
+ * the _sized one.
  */
 DPAR_API dpar_status dpar_comm_options_init(dpar_comm_options *opts);
 #define dpar_comm_options_init(opts) dpar_comm_options_init_sized((opts), sizeof(dpar_comm_options))
@@ -928,8 +953,9 @@ typedef struct dpar_reducer_options {
 DPAR_API dpar_status dpar_reducer_options_init_sized(dpar_reducer_options *opts, size_t size);
 /**
  * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_reducer_options_init_sized(), so
- * that a newer libdpar writes the caller's layout. (The function of this name, which programs built against dpar.h 0.4
- * and older call, writes the library's own layout.)
+ * that a newer libdpar writes the caller's layout. The function of this name, which programs built against dpar.h 0.4
+ * and older call, writes dpar.h 0.4's layout; a table of functions (dpar_api.h) or a binding without C macros calls
+ * the _sized one.
  */
 DPAR_API dpar_status dpar_reducer_options_init(dpar_reducer_options *opts);
 #define dpar_reducer_options_init(opts) dpar_reducer_options_init_sized((opts), sizeof(dpar_reducer_options))

@@ -5,6 +5,10 @@
  * symbol, dpar_get_api, and calls every function of dpar.h through the table it returns.
  * dlclose() leaves dpar loaded: the runtimes under it (CUDA, NCCL, OpenBLAS, MPI) keep threads and
  * exit handlers that must not outlive their code.
+ * In dpar.h an option struct's `_init` name is a macro over `_init_sized`, and the preprocessor expands it
+ * after `->` too: `api->dpar_engine_options_init(&o)` calls the `_init_sized` slot, with the caller's size
+ * (what it should). Call that slot by its name to say so; a host that checks the table's size against the
+ * slots it uses must count it.
  */
 #ifndef DPAR_API_H
 #define DPAR_API_H
@@ -130,6 +134,8 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_engine_options_init_sized)(dpar_engine_options *opts, size_t size);
   dpar_status (*dpar_comm_options_init_sized)(dpar_comm_options *opts, size_t size);
   dpar_status (*dpar_reducer_options_init_sized)(dpar_reducer_options *opts, size_t size);
+  dpar_status (*dpar_engine_trace_start)(dpar_engine *engine);
+  dpar_status (*dpar_engine_trace_stop)(dpar_engine *engine, const char *path);
 } dpar_api_v1;
 
 /**

@@ -7,7 +7,8 @@
 #   build     configure and build build-gpu/ (Release, the CUDA backend required: DPAR_WITH_CUDA=ON)
 #   test      every CTest test, the CUDA ones included (CTest lists the ones that skipped)
 #   fmnist    the C example trains on Fashion-MNIST over cuda devices for 10 epochs and must reach 88%
-#   bench     bench_cuda_gemms, torch_anchor.py (where PyTorch is), bench_cuda_train with both anchors
+#   bench     bench_cuda_gemms, torch_anchor.py (where PyTorch is), bench_cuda_train with both anchors (and a
+#             timeline of each configuration's step in LOGDIR/traces, for ui.perfetto.dev)
 #   memcheck  the CUDA test binaries under compute-sanitizer --tool memcheck
 #   racecheck the kernel tests under --tool racecheck (shared-memory hazards: dpar's own kernels are all there; the
 #             other binaries add cuBLAS's kernels, which racecheck slows down most, and no kernel of dpar's)
@@ -94,7 +95,9 @@ stage_bench() {
   [ -s "$logs/gemms.json" ] && anchors+=(--gemms "$logs/gemms.json")
   local loader=()
   [ -e "$data/train-images-idx3-ubyte.gz" ] || [ -e "$data/train-images-idx3-ubyte" ] && loader=(--data "$data")
-  "$build/bench/bench_cuda_train" --json "$logs/dpar.json" "${anchors[@]}" "${loader[@]}" || status=1
+  mkdir -p "$logs/traces"
+  "$build/bench/bench_cuda_train" --json "$logs/dpar.json" --trace "$logs/traces" "${anchors[@]}" "${loader[@]}" ||
+    status=1
   return $status
 }
 

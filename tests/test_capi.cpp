@@ -1884,6 +1884,30 @@ TEST_F(EngineFixture, SaveAndLoadCheckTheirPathAndLoseNothing) {
   ExpectSameAsReference();
 }
 
+TEST(Trace, StartAndStopAreCheckedAndTheFileIsWritten) {
+  TempDir dir;
+  const std::string path = dir / "trace.json";
+  EXPECT_INVALID("engine", dpar_engine_trace_start(nullptr));
+  EXPECT_INVALID("engine", dpar_engine_trace_stop(nullptr, path.c_str()));
+  ModelPtr m = LinearModel();
+  EnginePtr e = NewEngine(m.get(), 2);
+  EXPECT_DPAR_ERROR(DPAR_ERR_INVALID_STATE, "no trace was started", dpar_engine_trace_stop(e.get(), nullptr));
+  ASSERT_OK(dpar_engine_trace_start(e.get()));
+  Batch b = MakeBatch(kRows, 1);
+  ASSERT_OK(dpar_engine_train_step(nullptr, e.get(), b.x.get(), b.y.get()));
+  EXPECT_INVALID("path", dpar_engine_trace_stop(e.get(), ""));
+  EXPECT_DPAR_ERROR(DPAR_ERR_IO, "/nonexistent-dpar-dir/trace.json",
+                    dpar_engine_trace_stop(e.get(), "/nonexistent-dpar-dir/trace.json"));
+  ASSERT_OK(dpar_engine_trace_stop(e.get(), path.c_str()));
+  std::ifstream in(path);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("\"traceEvents\""), std::string::npos);
+  EXPECT_NE(text.find("\"name\":\"train_step\""), std::string::npos);
+  EXPECT_NE(text.find("replica 1 (cpu:1) worker"), std::string::npos);
+  // Stopped: a stop that only stops is allowed, and nothing is recorded any more.
+  ASSERT_OK(dpar_engine_trace_stop(e.get(), nullptr));
+}
+
 TEST(Checkpoint, SaveThenLoadRoundTripsParametersOptimizerStateAndStepCount) {
   TempDir dir;
   const std::string path = dir / "ckpt.safetensors";

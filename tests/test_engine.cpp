@@ -3,10 +3,13 @@
 // checkpoint resume, gradient accumulation).
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -207,7 +210,9 @@ INSTANTIATE_TEST_SUITE_P(
                       EquivalenceCase{3, 10, false}, EquivalenceCase{4, 9, false}, EquivalenceCase{1, 30, true},
                       EquivalenceCase{2, 30, true}, EquivalenceCase{3, 30, true}, EquivalenceCase{4, 30, true},
                       EquivalenceCase{8, 30, true}, EquivalenceCase{8, 10, true}, EquivalenceCase{3, 10, true},
-                      EquivalenceCase{4, 9, true}),
+                      EquivalenceCase{4, 9, true},
+                      // 565 parameters in shards of 16: the last 4 of 40 replicas hold no shard and step nothing.
+                      EquivalenceCase{40, 60, false}, EquivalenceCase{40, 60, true}),
     [](const auto& info) {
       return std::string(info.param.adam ? "adam_" : "sgd_") + std::to_string(info.param.devices) + "dev_batch" +
              std::to_string(info.param.batch);
@@ -511,7 +516,7 @@ TEST(Engine, EachReplicaHoldsOnlyItsShardOfTheOptimizerState) {
     for (size_t b : bytes) {
       total += b;
       // exp_avg and exp_avg_sq for at most one shard: the parameters split n ways, rounded up to 16 elements.
-      EXPECT_LE(b, 2 * sizeof(float) * ((elements + devices - 1) / devices + 15) / 16 * 16) << devices;
+      EXPECT_LE(b, 2 * sizeof(float) * (((elements + devices - 1) / devices + 15) / 16 * 16)) << devices;
     }
     EXPECT_EQ(total, 2 * sizeof(float) * elements) << devices << " devices";
   }
@@ -521,17 +526,19 @@ TEST(Engine, EachReplicaHoldsOnlyItsShardOfTheOptimizerState) {
 }
 
 // A checkpoint written by one sharding of the optimizer state and loaded into another (replicas whose shards are
-// empty included) carries the same state: written again, every tensor has the same bytes.
+// empty included) carries the same state: written again, every tensor has the same bytes; and training on from it
+// is training on from the source, up to the rounding of another replica count.
 TEST(Checkpoint, OptimizerStateMovesBetweenShardings) {
   const Model model = make_mlp(41);
   const std::string first = temp_path("dpar_shards_3.safetensors"), second = temp_path("dpar_shards_n.safetensors");
+  std::vector<Batch> data;
+  for (int s = 0; s < 6; ++s) data.push_back(make_batch(48, 12, 5, 70 + s));
   for (const OptimizerConfig& opt : {sgd_momentum(), adam()}) {
     Engine source(model, opt, cpu_devices(3));
-    for (int s = 0; s < 3; ++s) {
-      Batch b = make_batch(24, 12, 5, 70 + s);
-      source.train_step(b.x, b.y);
-    }
+    for (int s = 0; s < 3; ++s) source.train_step(data[s].x, data[s].y);
     source.save(first);
+    const std::vector<float> saved_params = source.params(0);
+    for (int s = 3; s < 6; ++s) source.train_step(data[s].x, data[s].y);
     const io::SafetensorsFile saved = io::SafetensorsFile::parse(first, io::SafetensorsFile::read_bytes(first));
     for (size_t devices : {1, 2, 8, 40}) {
       Engine target(model, opt, cpu_devices(devices));
@@ -545,6 +552,9 @@ TEST(Checkpoint, OptimizerStateMovesBetweenShardings) {
         EXPECT_EQ(std::memcmp(again.data(name), saved.data(name), saved.entry(name).bytes), 0)
             << opt.name() << ", " << devices << " devices: " << name;
       }
+      for (int s = 3; s < 6; ++s) target.train_step(data[s].x, data[s].y);
+      EXPECT_LT(max_relative_error(target.params(0), source.params(0)), 1e-5) << opt.name() << ", " << devices;
+      EXPECT_GT(max_relative_error(target.params(0), saved_params), 1e-3) << "the steps after loading moved nothing";
     }
   }
   std::remove(first.c_str());
@@ -594,6 +604,126 @@ TEST(Checkpoint, CorruptOrTruncatedFileIsRefusedAndChangesNothing) {
   // The engine still works after the refusals.
   target.load(path);
   EXPECT_EQ(target.params(0), engine.params(0));
+  std::remove(path.c_str());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The trace
+
+// A trace file's spans, by track.
+struct TraceSpans {
+  std::map<int, std::vector<nlohmann::json>> by_track;
+  std::map<int, std::string> track_names;
+  int64_t dropped = -1;
+
+  explicit TraceSpans(const std::string& path) {
+    std::ifstream in(path);
+    const nlohmann::json file = nlohmann::json::parse(in);
+    dropped = file.at("otherData").at("dropped_events").get<int64_t>();
+    for (const auto& e : file.at("traceEvents")) {
+      const int tid = e.at("tid").get<int>();
+      if (e.at("ph") == "M" && e.at("name") == "thread_name") track_names[tid] = e.at("args").at("name");
+      if (e.at("ph") == "X") by_track[tid].push_back(e);
+    }
+  }
+  size_t count(int track, const std::string& name) const {
+    if (!by_track.count(track)) return 0;
+    size_t n = 0;
+    for (const auto& e : by_track.at(track)) n += e.at("name") == name;
+    return n;
+  }
+};
+
+TEST(Trace, EachReplicasWorkIsOnItsOwnTracksNestedInTheCalls) {
+  const Model model = make_mlp(3);
+  EngineConfig config = cpu_devices(2);
+  config.buckets.first_bucket_bytes = 256;  // several buckets: all but the last go to the communication threads
+  config.buckets.bucket_cap_bytes = 256;
+  Engine engine(model, adam(), config);
+  const size_t buckets = engine.num_buckets();
+  ASSERT_GE(buckets, 3u);
+  const Batch b = make_batch(16, 12, 5, 4);
+  engine.train_step(b.x, b.y);  // before the trace: not in it
+  engine.trace_start();
+  for (int s = 0; s < 3; ++s) engine.train_step(b.x, b.y);
+  const std::string path = temp_path("dpar_trace.json");
+  engine.trace_stop(path);
+  engine.train_step(b.x, b.y);  // after it: not in it either
+
+  const TraceSpans trace(path);
+  EXPECT_EQ(trace.dropped, 0);
+  EXPECT_EQ(trace.track_names.at(0), "calls (the calling thread)");
+  EXPECT_EQ(trace.track_names.at(1), "replica 0 (cpu:0) worker");
+  EXPECT_EQ(trace.track_names.at(4), "replica 1 (cpu:1) communication");
+  EXPECT_EQ(trace.count(0, "train_step"), 3u);
+  EXPECT_EQ(trace.by_track.at(0).front().at("args").at("rows"), 16);
+  for (int r = 0; r < 2; ++r) {
+    const int worker = 1 + 2 * r, comm = 2 + 2 * r;
+    for (const char* name : {"train_step", "batch to device", "forward", "loss", "backward", "gradient buckets finish",
+                             "optimizer", "parameters all-gather", "loss to host", "device sync"})
+      EXPECT_EQ(trace.count(worker, name), 3u) << "replica " << r << ": " << name;
+    // The last bucket is reduced by the worker when backward ends, the others by the communication thread.
+    EXPECT_EQ(trace.count(worker, "bucket all-reduce"), 3u) << r;
+    EXPECT_EQ(trace.count(comm, "bucket all-reduce"), 3 * (buckets - 1)) << r;
+  }
+  // Every track's spans nest: each starts after the one before it and ends inside every span still open.
+  const auto ends = [](const nlohmann::json& e) { return e.at("ts").get<double>() + e.at("dur").get<double>(); };
+  for (const auto& [track, spans] : trace.by_track) {
+    std::vector<double> open;
+    double last_start = -1;
+    for (const auto& e : spans) {
+      const double start = e.at("ts").get<double>();
+      EXPECT_GE(start, last_start) << "track " << track;
+      last_start = start;
+      while (!open.empty() && open.back() <= start) open.pop_back();
+      if (!open.empty()) EXPECT_LE(ends(e), open.back() + 1e-3) << "track " << track << ": " << e.dump();
+      open.push_back(ends(e));
+    }
+  }
+  // Each worker's job lies inside the call that handed it over.
+  for (size_t step = 0; step < 3; ++step) {
+    const auto& call = trace.by_track.at(0)[step];
+    for (int worker : {1, 3}) {
+      const auto& job = trace.by_track.at(worker)[step * (trace.by_track.at(worker).size() / 3)];
+      EXPECT_EQ(job.at("name"), "train_step");
+      EXPECT_GE(job.at("ts").get<double>(), call.at("ts").get<double>());
+      EXPECT_LE(ends(job), ends(call) + 1e-3);
+    }
+  }
+  std::remove(path.c_str());
+}
+
+TEST(Trace, AFailedStepShowsWhereItFailedAndStopIsCheckedAndRetried) {
+  Engine engine(make_mlp(5), adam(), cpu_devices(2));
+  const Batch b = make_batch(8, 12, 5, 6);
+  try {
+    engine.trace_stop(temp_path("dpar_trace_never.json"));
+    ADD_FAILURE() << "a trace that never started was written";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), DPAR_ERR_INVALID_STATE) << e.what();
+  }
+  engine.trace_start();
+  engine.inject_fault(1, Fault::kBackward);
+  EXPECT_THROW(engine.train_step(b.x, b.y), Error);
+  engine.train_step(b.x, b.y);
+  // A directory that does not exist: the write fails, and the timeline stays for another path.
+  try {
+    engine.trace_stop("/nonexistent-dpar-dir/trace.json");
+    ADD_FAILURE() << "written into a directory that does not exist";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), DPAR_ERR_IO) << e.what();
+  }
+  const std::string path = temp_path("dpar_trace_failed.json");
+  engine.trace_stop(path);
+  const TraceSpans trace(path);
+  EXPECT_EQ(trace.count(0, "train_step"), 2u);
+  size_t failed = 0;
+  for (const auto& e : trace.by_track.at(3))  // replica 1's worker
+    if (e.contains("args") && e.at("args").value("failed", false)) {
+      ++failed;
+      EXPECT_TRUE(e.at("name") == "backward" || e.at("name") == "train_step") << e.dump();
+    }
+  EXPECT_EQ(failed, 2u) << "the job and its backward";
   std::remove(path.c_str());
 }
 

@@ -31,7 +31,7 @@ int main(int argc, char **argv) {
   dpar_optimizer_options opt;
   dpar_engine_options eo;
   if (dp->dpar_model_create(&model, NULL) || dp->dpar_model_add_linear(model, 2, 1, 1) ||
-      dp->dpar_optimizer_options_init(&opt) || dp->dpar_engine_options_init(&eo))
+      dp->dpar_optimizer_options_init_sized(&opt, sizeof opt) || dp->dpar_engine_options_init_sized(&eo, sizeof eo))
     return fprintf(stderr, "%s\n", dp->dpar_last_error()), 1;
   opt.lr = 0.3f;
   eo.num_cpu_devices = 2;

@@ -115,6 +115,8 @@ const dpar_api_v1 kApiV1 = {
     &dpar_engine_options_init_sized,
     &dpar_comm_options_init_sized,
     &dpar_reducer_options_init_sized,
+    &dpar_engine_trace_start,
+    &dpar_engine_trace_stop,
 };
 }  // namespace
 

@@ -141,9 +141,9 @@ size_t replica_arg(const Engine& e, size_t replica) {
 extern "C" {
 
 // What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the
-// caller's size to dpar_engine_options_init_sized): it writes this library's layout, as it always did.
+// caller's size to dpar_engine_options_init_sized): it writes dpar.h 0.4's layout, whatever this library's is.
 DPAR_API dpar_status (dpar_engine_options_init)(dpar_engine_options* opts) {
-  return guard([&] { init_options(opts, sizeof(dpar_engine_options), "opts"); });
+  return guard([&] { init_unsized_options(opts, "opts"); });
 }
 
 DPAR_API dpar_status dpar_engine_options_init_sized(dpar_engine_options* opts, size_t size) {
@@ -334,6 +334,17 @@ DPAR_API dpar_status dpar_engine_load(dpar_engine* engine, const char* path) {
   return with_engine(engine, [&](Engine& e) {
     DPAR_CHECK_ARG(path != nullptr, "path: is NULL");
     e.load(path);
+  });
+}
+
+DPAR_API dpar_status dpar_engine_trace_start(dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { e.trace_start(); });
+}
+
+DPAR_API dpar_status dpar_engine_trace_stop(dpar_engine* engine, const char* path) {
+  return with_engine(engine, [&](Engine& e) {
+    DPAR_CHECK_ARG(path == nullptr || path[0] != '\0', "path: empty (NULL only stops)");
+    e.trace_stop(path ? path : "");
   });
 }
 

@@ -71,6 +71,13 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
     processes_->broadcast(model_.values().data(), model_.values().size(), CommDType::kF32, 0);
   }
   std::vector<std::string> names;
+  std::vector<std::string> tracks{"calls (the calling thread)"};
+  for (size_t r = 0; r < n; ++r) {
+    const std::string replica = "replica " + std::to_string(r) + " (" + config_.devices[r].str() + ")";
+    tracks.push_back(replica + " worker");
+    tracks.push_back(replica + " communication");
+  }
+  trace_ = std::make_unique<Trace>(std::move(tracks));
   for (size_t r = 0; r < n; ++r) {
     auto rep = std::make_unique<Replica>();
     rep->ctx.replica = r;
@@ -116,7 +123,12 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
     rep.reducer = std::make_unique<Reducer>(
         std::move(grads), config_.buckets, *rep.stream,
         [this, &rep](float* data, size_t count, bool contributes) { reduce_bucket(rep, data, count, contributes); },
-        [comm](std::function<void()> op) { return comm->async_run("gradient bucket", std::move(op)); });
+        [this, comm, r = rep.ctx.replica](std::function<void()> op) {
+          return comm->async_run("gradient bucket", [this, r, op = std::move(op)] {
+            TraceTrack track(comm_track(r));
+            op();
+          });
+        });
   });
 }
 
@@ -138,6 +150,8 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
   for (auto& rep : replicas_) rep->stepped = false;
   auto errors = pool_->run_all([&](size_t r) {
     Replica& rep = *replicas_[r];
+    TraceTrack track(worker_track(r));
+    TraceSpan span(*trace_, operation);
     // Whatever fails releases the others from any collective they wait in (the group keeps the first reason,
     // so a replica that only saw another one fail does not overwrite the cause).
     // Its buckets in flight are then waited for: they fail fast in the aborted group, and their buffers must not
@@ -146,7 +160,10 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
       job(rep, r);
       // A job ends with its device work done: the caller may then read any replica's memory, and a device
       // failure is this job's.
-      if (rep.stream) rep.stream->synchronize();
+      if (rep.stream) {
+        TraceSpan sync(*trace_, "device sync");
+        rep.stream->synchronize();
+      }
     } catch (const std::exception& e) {
       if (rep.comm) rep.comm->abort(rep.ctx.device.str() + " failed: " + e.what());
       if (rep.reducer) rep.reducer->drain();
@@ -283,15 +300,26 @@ Tensor Engine::on_replica(Replica& rep, const Tensor& whole, int64_t begin, int6
 void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin,
                                  bool reduce) {
   const ReplicaContext& ctx = rep.ctx;
-  Tensor x = on_replica(rep, input, begin, rep.rows, rep.input_stage);
-  Tensor t = on_replica(rep, target, begin, rep.rows, rep.target_stage);
-  Tensor out = rep.model->forward(ctx, x);
-  if (hook_) hook_(ctx.replica, x.shape(), out.shape());
+  Tensor x, t, out;
+  {
+    TraceSpan span(*trace_, "batch to device", "rows", rep.rows);
+    x = on_replica(rep, input, begin, rep.rows, rep.input_stage);
+    t = on_replica(rep, target, begin, rep.rows, rep.target_stage);
+  }
+  {
+    TraceSpan span(*trace_, "forward", "rows", rep.rows);
+    out = rep.model->forward(ctx, x);
+    if (hook_) hook_(ctx.replica, x.shape(), out.shape());
+  }
   Tensor dout = rep.model->output_grad_buffer(ctx);
-  // The gradient of the SUM of this chunk's losses; the all-reduce divides by the whole batch.
-  auto* loss_sum = static_cast<double*>(rep.loss_sum_device.raw());
-  loss_forward_backward(config_.loss, ctx, loss_sum, dout, out, t, 1.0f);
+  {
+    // The gradient of the SUM of this chunk's losses; the all-reduce divides by the whole batch.
+    TraceSpan span(*trace_, "loss");
+    auto* loss_sum = static_cast<double*>(rep.loss_sum_device.raw());
+    loss_forward_backward(config_.loss, ctx, loss_sum, dout, out, t, 1.0f);
+  }
   rep.loss_rows = rep.rows;
+  TraceSpan span(*trace_, "backward");
   if (reduce) {
     rep.model->backward(ctx, dout, rep.has_grad, [&](size_t layer) {
       for (size_t p : layer_params_[layer]) rep.reducer->mark_ready(p);
@@ -310,13 +338,19 @@ std::pair<int64_t, int64_t> Engine::optimizer_shard(size_t replica) const {
 }
 
 void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contributes) {
+  const auto elements = static_cast<int64_t>(count);
   if (!processes_) {
+    TraceSpan span(*trace_, "bucket all-reduce", "elements", elements);
     rep.comm->all_reduce_sum(data, count, contributes, rep.grad_scale);
     return;
   }
   // The process's sum lands in replica 0 only: the broadcast below is what the others receive.
-  rep.comm->reduce_sum(data, count, contributes, rep.grad_scale, 0);
+  {
+    TraceSpan span(*trace_, "bucket reduce (replicas)", "elements", elements);
+    rep.comm->reduce_sum(data, count, contributes, rep.grad_scale, 0);
+  }
   if (rep.ctx.replica == 0) {
+    TraceSpan span(*trace_, "bucket all-reduce (processes)", "elements", elements);
     try {
       if (rep.ctx.device.is_host()) {
         processes_->all_reduce(data, data, count, CommDType::kF32, ReduceOp::kSum);
@@ -333,6 +367,7 @@ void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contrib
       throw;
     }
   }
+  TraceSpan span(*trace_, "bucket broadcast (replicas)", "elements", elements);
   rep.comm->broadcast(data, count, CommDType::kF32, 0);
 }
 
@@ -368,17 +403,27 @@ std::vector<size_t> Engine::replica_optimizer_state_bytes() const {
 }
 
 void Engine::finish_and_step(Replica& rep) {
-  rep.reducer->finish();
+  {
+    // The buckets still in flight, and the last one, which backward's end leaves to this thread.
+    TraceSpan span(*trace_, "gradient buckets finish");
+    rep.reducer->finish();
+  }
   rep.stepped = true;
   // Every replica now holds the same summed gradient, so the optimizer's result is the same on all of them. Each
   // worker computes it for its own shard only, and an all-gather puts the shards together in every replica: the
   // replicas end identical, bit for bit, as if each had stepped everything, for 1/n of the optimizer's work and
   // 1/n of its state (a shard's state lives with its owner only; save() gathers it).
   float* params = rep.model->params();
-  if (rep.optimizer->config().max_grad_norm > 0.0f)
+  if (rep.optimizer->config().max_grad_norm > 0.0f) {
+    TraceSpan span(*trace_, "gradient clipping");
     clip_gradient(rep, rep.optimizer->begin(), rep.optimizer->end());
-  rep.optimizer->step(*rep.stream, params, rep.model->grads());
+  }
+  {
+    TraceSpan span(*trace_, "optimizer", "elements", rep.optimizer->end() - rep.optimizer->begin());
+    rep.optimizer->step(*rep.stream, params, rep.model->grads());
+  }
   // Block r of the padded parameters is replica r's shard (its tail past the parameters is padding).
+  TraceSpan span(*trace_, "parameters all-gather");
   if (replicas_.size() > 1)
     rep.comm->all_gather(params + shard_elements_ * static_cast<int64_t>(rep.ctx.replica), params,
                          static_cast<size_t>(shard_elements_), CommDType::kF32);
@@ -386,7 +431,9 @@ void Engine::finish_and_step(Replica& rep) {
 }
 
 void Engine::read_loss(Replica& rep) {
-  if (rep.loss_rows > 0) rep.stream->copy_to_host(&rep.loss_sum, rep.loss_sum_device.raw(), sizeof(double));
+  if (rep.loss_rows == 0) return;
+  TraceSpan span(*trace_, "loss to host");
+  rep.stream->copy_to_host(&rep.loss_sum, rep.loss_sum_device.raw(), sizeof(double));
 }
 
 template <class T>
@@ -442,6 +489,8 @@ double Engine::finish_loss(const char* operation, int64_t global_batch) {
 
 double Engine::accumulate(const Tensor& input, const Tensor& target) {
   check_usable("accumulate");
+  const TraceTrack track(0);
+  const TraceSpan span(*trace_, "accumulate", "rows", input.rows());
   const int64_t global_batch = global_batch_of("accumulate", [&] {
     check_batch(input, &target, "accumulate");
     DPAR_ENFORCE(pending_ != Pending::kExplicit, DPAR_ERR_INVALID_STATE,
@@ -466,6 +515,8 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
 
 double Engine::train_step(const Tensor& input, const Tensor& target) {
   check_usable("train_step");
+  const TraceTrack track(0);
+  const TraceSpan span(*trace_, "train_step", "rows", input.rows());
   const int64_t global_batch = global_batch_of("train_step", [&] {
     check_batch(input, &target, "train_step");
     DPAR_ENFORCE(pending_ == Pending::kNone, DPAR_ERR_INVALID_STATE,
@@ -496,6 +547,8 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
 
 void Engine::step() {
   check_usable("step");
+  const TraceTrack track(0);
+  const TraceSpan span(*trace_, "step");
   DPAR_ENFORCE(pending_ != Pending::kNone, DPAR_ERR_INVALID_STATE,
                "step: no gradient is pending (call accumulate() or forward() and backward() first)");
   const float scale =
@@ -529,6 +582,8 @@ void Engine::zero_grad() {
 
 Tensor Engine::forward(const Tensor& input) {
   check_usable("forward");
+  const TraceTrack track(0);
+  const TraceSpan span(*trace_, "forward", "rows", input.rows());
   const Shape out_shape = check_batch(input, nullptr, "forward");
   const auto split = split_batch(input.rows(), replicas_.size());
   const Device out_device = config_.devices[config_.output_replica];
@@ -540,8 +595,12 @@ Tensor Engine::forward(const Tensor& input) {
     rep.rows = split[r];
     if (rep.rows == 0) return;
     Tensor x = on_replica(rep, input, begin, rep.rows, rep.input_stage);
-    Tensor y = rep.model->forward(rep.ctx, x);
-    if (hook_) hook_(r, x.shape(), y.shape());
+    Tensor y;
+    {
+      TraceSpan span(*trace_, "forward", "rows", rep.rows);
+      y = rep.model->forward(rep.ctx, x);
+      if (hook_) hook_(r, x.shape(), y.shape());
+    }
     // Gather: each replica copies its rows into the output, in batch order.
     float* dst = out.f32() + begin * out_row;
     const size_t bytes = static_cast<size_t>(y.numel()) * sizeof(float);
@@ -559,6 +618,8 @@ Tensor Engine::forward(const Tensor& input) {
 
 void Engine::backward(const Tensor& grad_output) {
   check_usable("backward");
+  const TraceTrack track(0);
+  const TraceSpan span(*trace_, "backward");
   DPAR_ENFORCE(!forward_split_.empty(), DPAR_ERR_INVALID_STATE,
                "backward: no training-mode forward() to go back through");
   DPAR_ENFORCE(pending_ != Pending::kLoss, DPAR_ERR_INVALID_STATE,
@@ -573,7 +634,9 @@ void Engine::backward(const Tensor& grad_output) {
     if (split[r] == 0) return;
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
-    rep.model->backward(rep.ctx, on_replica(rep, grad_output, begin, split[r], rep.grad_stage), rep.has_grad);
+    const Tensor dout = on_replica(rep, grad_output, begin, split[r], rep.grad_stage);
+    TraceSpan span(*trace_, "backward");
+    rep.model->backward(rep.ctx, dout, rep.has_grad);
     rep.has_grad = true;
   });
   forward_split_.clear();
@@ -612,6 +675,14 @@ std::vector<float> Engine::params(size_t replica) const {
 }
 
 void Engine::set_forward_hook(ForwardHook hook) { hook_ = std::move(hook); }
+
+void Engine::trace_start() { trace_->start(); }
+
+void Engine::trace_stop(const std::string& path) {
+  DPAR_ENFORCE(trace_->started(), DPAR_ERR_INVALID_STATE, "trace_stop: no trace was started (dpar_engine_trace_start)");
+  trace_->stop();
+  if (!path.empty()) trace_->write(path, process_rank());
+}
 
 void Engine::inject_fault(size_t replica, Fault fault) { replicas_[replica]->fault = fault; }
 

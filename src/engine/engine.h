@@ -29,6 +29,7 @@
 
 #include "backend/backend.h"
 #include "device/worker_pool.h"
+#include "engine/trace.h"
 #include "nn/loss.h"
 #include "nn/model.h"
 #include "optim/optimizer.h"
@@ -96,6 +97,12 @@ class Engine {
 
   void save(const std::string& path) const;
   void load(const std::string& path);
+
+  // A timeline of the engine's calls from now on (engine/trace.h): forgets one recorded before.
+  void trace_start();
+  // Stops recording and writes the timeline to `path` (Chrome's trace event format), atomically; an empty path
+  // only stops. What was recorded stays until the next trace_start(), so a failed write may be tried again.
+  void trace_stop(const std::string& path);
 
   // Aborts the call in flight, if any, and every later call. Thread-safe without the engine's lock.
   void abort();
@@ -195,6 +202,10 @@ class Engine {
   int64_t pending_samples_ = 0;
   std::vector<int64_t> forward_split_;  // chunk rows of the last training-mode forward
   Shape forward_output_shape_;
+  // Track 0: the calling thread; replica r's worker on track 1 + 2r, its communication thread on 2 + 2r.
+  std::unique_ptr<Trace> trace_;
+  static size_t worker_track(size_t replica) { return 1 + 2 * replica; }
+  static size_t comm_track(size_t replica) { return 2 + 2 * replica; }
 };
 
 }  // namespace dpar

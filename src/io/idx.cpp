@@ -11,7 +11,7 @@
 #include <memory>
 
 #include "common/error.h"
-#include "io/safetensors.h"
+#include "io/file.h"
 
 namespace dpar::io {
 namespace {

@@ -32,11 +32,6 @@ inline constexpr uint64_t kSafetensorsMaxHeaderBytes = 100'000'000;
 // parsed header (copy, dump, destruction) far from the stack's end.
 inline constexpr size_t kSafetensorsMaxJsonDepth = 64;
 
-// Opens `path` for reading, refusing anything but a regular file without blocking on it (a FIFO with no writer,
-// a device). Returns the descriptor, close-on-exec, in blocking mode; the caller closes it. Throws dpar::Error
-// DPAR_ERR_IO naming the path: it cannot be opened or examined, or is a directory, FIFO, socket or device.
-int open_regular_file(const std::string& path);
-
 // The size in bits of one element of a safetensors dtype ("F32" -> 32, "F4" -> 4), or 0 for an unknown dtype.
 size_t safetensors_dtype_bits(const std::string& dtype);
 

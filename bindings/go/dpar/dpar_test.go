@@ -1,10 +1,12 @@
 package dpar
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -105,6 +107,57 @@ func TestEmptyOrMismatchedSlicesAreErrorsNotPanics(t *testing.T) {
 	m := referenceModel(t)
 	defer m.Close()
 	expectInvalid("SetParam without values", m.SetParam(0, nil))
+}
+
+func TestATraceIsWrittenAsChromesJSON(t *testing.T) {
+	m := referenceModel(t)
+	defer m.Close()
+	e := referenceEngine(t, m)
+	defer e.Close()
+	var de *Error
+	if err := e.TraceStop(""); !errors.As(err, &de) || de.Status != ErrInvalidState {
+		t.Fatalf("a stop without a start: %v", err)
+	}
+	x, y := referenceBatch(t)
+	defer x.Close()
+	defer y.Close()
+	if err := e.TraceStart(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.TrainStep(x, y); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "trace.json")
+	if err := e.TraceStop(path); err != nil {
+		t.Fatal(err)
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var trace struct {
+		TraceEvents []struct {
+			Name, Ph string
+			Tid      int
+		}
+	}
+	if err := json.Unmarshal(data, &trace); err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for _, ev := range trace.TraceEvents {
+		if ev.Ph == "X" {
+			seen[fmt.Sprint(ev.Tid, " ", ev.Name)] = true
+		}
+	}
+	for _, want := range []string{"0 train_step", "1 forward", "1 backward", "3 forward", "3 optimizer"} {
+		if !seen[want] {
+			t.Errorf("no span %q in the trace", want)
+		}
+	}
+	if err := e.TraceStop(""); err != nil { // only stops, again: allowed
+		t.Fatal(err)
+	}
 }
 
 func TestGradientClippingAndTheReportedNorm(t *testing.T) {

@@ -495,6 +495,17 @@ class Engine(_Handle):
     def load(self, path):
         _check(_raw.dpar_engine_load(self._raw, str(path)))
 
+    def trace_start(self):
+        """Starts recording a timeline of the engine's calls (each replica's worker and communication thread, span
+        by span), forgetting one recorded before."""
+        _check(_raw.dpar_engine_trace_start(self._raw))
+
+    def trace_stop(self, path=None):
+        """Stops recording and writes the timeline to path in Chrome's trace event format (ui.perfetto.dev,
+        chrome://tracing), atomically; None only stops. The timeline stays until the next trace_start(), so a
+        failed write may be tried again with another path."""
+        _check(_raw.dpar_engine_trace_stop(self._raw, None if path is None else str(path)))
+
     def abort(self):
         _check(_raw.dpar_engine_abort(self._raw))
 

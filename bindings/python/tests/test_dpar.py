@@ -2,7 +2,9 @@
 CPU devices give the same loss bits; a bad call raises DparError with dpar's message; a callback's exception comes
 back with its own text; a layer written in NumPy trains as the built-in linear does.
 Run: python -m unittest discover bindings/python/tests (DPAR_REFERENCE_LOSSES set)."""
+import json
 import os
+import tempfile
 import threading
 import unittest
 
@@ -75,6 +77,26 @@ class Reference(unittest.TestCase):
             self.assertIn("ZeroDivisionError", cm.exception.message)
             e.set_forward_hook(None)
             e.train_step(x, y)
+
+    def test_a_trace_is_written_as_chromes_json(self):
+        x, y = reference_batch()
+        with reference_model() as m, engine(m) as e:
+            with self.assertRaises(dpar.DparError) as cm:
+                e.trace_stop()
+            self.assertEqual(cm.exception.status, dpar.ERR_INVALID_STATE)
+            e.trace_start()
+            e.train_step(x, y)
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "trace.json")
+                e.trace_stop(path)
+                with open(path) as f:
+                    trace = json.load(f)
+            spans = [(ev["tid"], ev["name"]) for ev in trace["traceEvents"] if ev["ph"] == "X"]
+            for name in ("forward", "loss", "backward", "optimizer", "device sync"):
+                self.assertIn((1, name), spans)  # replica 0's worker
+                self.assertIn((3, name), spans)  # replica 1's
+            self.assertIn((0, "train_step"), spans)
+            e.trace_stop()  # only stops, again: allowed
 
     def test_gradient_clipping_and_the_reported_norm(self):
         x, y = reference_batch()

@@ -19,7 +19,7 @@ end
 
 export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
-       forward, num_replicas,
+       forward, num_replicas, trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
        num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!
@@ -395,6 +395,14 @@ save(e::Engine, path::AbstractString) =
 load(e::Engine, path::AbstractString) =
     check(ccall((:dpar_engine_load, libdpar), Int32, (Ptr{Cvoid}, Cstring), e.ptr, path))
 abort(e::Engine) = check(ccall((:dpar_engine_abort, libdpar), Int32, (Ptr{Cvoid},), e.ptr))
+"""`trace_start!(engine)`: records a timeline of the engine's calls (each replica's worker and communication
+thread, span by span), forgetting one recorded before."""
+trace_start!(e::Engine) = check(ccall((:dpar_engine_trace_start, libdpar), Int32, (Ptr{Cvoid},), e.ptr))
+"""`trace_stop!(engine, path=nothing)`: stops recording and writes the timeline to `path` in Chrome's trace event
+format (ui.perfetto.dev), atomically; `nothing` only stops. The timeline stays until the next `trace_start!`."""
+trace_stop!(e::Engine, path::Union{AbstractString,Nothing}=nothing) =
+    check(ccall((:dpar_engine_trace_stop, libdpar), Int32, (Ptr{Cvoid}, Cstring), e.ptr,
+                path === nothing ? C_NULL : path))
 
 """Replica `replica`'s parameters (from 0), flattened."""
 function params(e::Engine, replica::Integer, count::Integer)

@@ -141,6 +141,26 @@ end
             end
         end
     end
+    @testset "a trace is written as Chrome's JSON" begin
+        Dpar.Model(7) do m
+            reference_model(m)
+            Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do e
+                err = try Dpar.trace_stop!(e); nothing catch ex; ex end
+                @test err isa DparError && err.status == Dpar.ERR_INVALID_STATE
+                x, y = reference_batch()
+                Dpar.trace_start!(e)
+                Dpar.train_step!(e, x, y)
+                path = joinpath(mktempdir(), "trace.json")
+                Dpar.trace_stop!(e, path)
+                text = read(path, String)
+                @test occursin("\"traceEvents\"", text)
+                for name in ("train_step", "forward", "backward", "optimizer", "replica 1 (cpu:1) worker")
+                    @test occursin("\"$name\"", text)
+                end
+                Dpar.trace_stop!(e)  # only stops, again: allowed
+            end
+        end
+    end
     @testset "gradient clipping and the reported norm" begin
         Dpar.Model(7) do m
             reference_model(m)

@@ -234,7 +234,7 @@ extern "C" {
     pub fn dpar_tensor_data(out: *mut *mut c_void, tensor: *mut dpar_tensor) -> dpar_status;
     pub fn dpar_tensor_from_dlpack(out: *mut *mut dpar_tensor, managed: *mut DLManagedTensor) -> dpar_status;
     pub fn dpar_tensor_to_dlpack(out: *mut *mut DLManagedTensor, tensor: *mut dpar_tensor) -> dpar_status;
-    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_model_options_init_sized`.
+    /// Writes dpar.h 0.4's layout, for programs built against it: call `dpar_model_options_init_sized`.
     pub fn dpar_model_options_init(opts: *mut dpar_model_options) -> dpar_status;
     /// Fills `size` bytes (`size_of::<dpar_model_options>()`) with the defaults of that layout.
     pub fn dpar_model_options_init_sized(opts: *mut dpar_model_options, size: usize) -> dpar_status;
@@ -243,7 +243,7 @@ extern "C" {
     pub fn dpar_model_add_linear(model: *mut dpar_model, in_features: i64, out_features: i64, has_bias: i32) -> dpar_status;
     pub fn dpar_model_add_activation(model: *mut dpar_model, activation: i32) -> dpar_status;
     pub fn dpar_model_add_dropout(model: *mut dpar_model, p: f32) -> dpar_status;
-    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_custom_layer_init_sized`.
+    /// Writes dpar.h 0.4's layout, for programs built against it: call `dpar_custom_layer_init_sized`.
     pub fn dpar_custom_layer_init(layer: *mut dpar_custom_layer) -> dpar_status;
     /// Fills `size` bytes (`size_of::<dpar_custom_layer>()`) with the defaults of that layout.
     pub fn dpar_custom_layer_init_sized(layer: *mut dpar_custom_layer, size: usize) -> dpar_status;
@@ -255,11 +255,11 @@ extern "C" {
     pub fn dpar_model_param_name(model: *const dpar_model, index: usize) -> *const c_char;
     pub fn dpar_model_get_param(dst: *mut f32, model: *const dpar_model, index: usize, count: usize) -> dpar_status;
     pub fn dpar_model_set_param(model: *mut dpar_model, index: usize, src: *const f32, count: usize) -> dpar_status;
-    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_optimizer_options_init_sized`.
+    /// Writes dpar.h 0.4's layout, for programs built against it: call `dpar_optimizer_options_init_sized`.
     pub fn dpar_optimizer_options_init(opts: *mut dpar_optimizer_options) -> dpar_status;
     /// Fills `size` bytes (`size_of::<dpar_optimizer_options>()`) with the defaults of that layout.
     pub fn dpar_optimizer_options_init_sized(opts: *mut dpar_optimizer_options, size: usize) -> dpar_status;
-    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_engine_options_init_sized`.
+    /// Writes dpar.h 0.4's layout, for programs built against it: call `dpar_engine_options_init_sized`.
     pub fn dpar_engine_options_init(opts: *mut dpar_engine_options) -> dpar_status;
     /// Fills `size` bytes (`size_of::<dpar_engine_options>()`) with the defaults of that layout.
     pub fn dpar_engine_options_init_sized(opts: *mut dpar_engine_options, size: usize) -> dpar_status;
@@ -287,8 +287,10 @@ extern "C" {
     pub fn dpar_engine_set_forward_hook(engine: *mut dpar_engine, hook: Option<dpar_forward_hook>, payload: *mut c_void, destroy: Option<dpar_destroy_fn>) -> dpar_status;
     pub fn dpar_engine_save(engine: *mut dpar_engine, path: *const c_char) -> dpar_status;
     pub fn dpar_engine_load(engine: *mut dpar_engine, path: *const c_char) -> dpar_status;
+    pub fn dpar_engine_trace_start(engine: *mut dpar_engine) -> dpar_status;
+    pub fn dpar_engine_trace_stop(engine: *mut dpar_engine, path: *const c_char) -> dpar_status;
     pub fn dpar_engine_inject_fault(engine: *mut dpar_engine, replica: usize, fault: i32) -> dpar_status;
-    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_comm_options_init_sized`.
+    /// Writes dpar.h 0.4's layout, for programs built against it: call `dpar_comm_options_init_sized`.
     pub fn dpar_comm_options_init(opts: *mut dpar_comm_options) -> dpar_status;
     /// Fills `size` bytes (`size_of::<dpar_comm_options>()`) with the defaults of that layout.
     pub fn dpar_comm_options_init_sized(opts: *mut dpar_comm_options, size: usize) -> dpar_status;
@@ -315,7 +317,7 @@ extern "C" {
     pub fn dpar_work_test(out: *mut i32, work: *mut dpar_work) -> dpar_status;
     pub fn dpar_work_wait(work: *mut dpar_work) -> dpar_status;
     pub fn dpar_work_free(work: *mut dpar_work);
-    /// Writes the loaded library's layout, which may be larger than this crate's: call `dpar_reducer_options_init_sized`.
+    /// Writes dpar.h 0.4's layout, for programs built against it: call `dpar_reducer_options_init_sized`.
     pub fn dpar_reducer_options_init(opts: *mut dpar_reducer_options) -> dpar_status;
     /// Fills `size` bytes (`size_of::<dpar_reducer_options>()`) with the defaults of that layout.
     pub fn dpar_reducer_options_init_sized(opts: *mut dpar_reducer_options, size: usize) -> dpar_status;

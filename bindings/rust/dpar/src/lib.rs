@@ -95,8 +95,9 @@ fn check(status: i32) -> Result<()> {
 
 /// A `dpar.h` option struct with the defaults of this crate's layout of it, filled by the library's `_init_sized`
 /// (C programs reach it through the `_init` macro, which passes the size the same way). A library older than this
-/// crate refuses the layout: the struct then holds this crate's size and version over zeros, so that the call it is
-/// passed to refuses it by its version, and the error comes back beside it.
+/// crate (but not older than 0.5, which brought `_init_sized`) refuses the layout: the struct then holds this crate's
+/// size and version over zeros, so that the call it is passed to refuses it by its version, and the error comes
+/// back beside it.
 fn defaults<T>(init_sized: unsafe extern "C" fn(*mut T, usize) -> sys::dpar_status, version: u32) -> (T, Result<()>) {
     // Every versioned struct of dpar.h begins with these two fields.
     #[repr(C)]
@@ -954,6 +955,18 @@ impl Engine {
     pub fn load(&self, path: impl AsRef<Path>) -> Result<()> {
         let p = path_cstring(path.as_ref())?;
         check(unsafe { sys::dpar_engine_load(self.raw, p.as_ptr()) })
+    }
+    /// Starts recording a timeline of the engine's calls (each replica's worker and communication thread, span by
+    /// span), forgetting one recorded before.
+    pub fn trace_start(&self) -> Result<()> {
+        check(unsafe { sys::dpar_engine_trace_start(self.raw) })
+    }
+    /// Stops recording and writes the timeline to `path` in Chrome's trace event format (ui.perfetto.dev,
+    /// chrome://tracing), atomically; `None` only stops. The timeline stays until the next `trace_start`, so a
+    /// failed write may be tried again with another path.
+    pub fn trace_stop(&self, path: Option<&Path>) -> Result<()> {
+        let p = path.map(path_cstring).transpose()?;
+        check(unsafe { sys::dpar_engine_trace_stop(self.raw, p.as_ref().map_or(ptr::null(), |c| c.as_ptr())) })
     }
     /// Aborts a call in flight on another thread; the engine cannot continue afterwards.
     pub fn abort(&self) -> Result<()> {

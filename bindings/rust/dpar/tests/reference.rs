@@ -1,6 +1,7 @@
 // The binding against dpar's C reference (tests/binding_reference.c): the same model, data and seed on 2 CPU
 // devices must give the same loss bits; a bad call and a callback's failure come back as dpar::Error with
 // their messages.
+use std::path::Path;
 use dpar::*;
 
 fn reference_model() -> Model {
@@ -116,6 +117,28 @@ fn specs(inp: i64, out: i64) -> Vec<ParamSpec> {
         ParamSpec { name: "weight".into(), shape: vec![out, inp], init: Init::Zeros },
         ParamSpec { name: "bias".into(), shape: vec![out], init: Init::Zeros },
     ]
+}
+
+#[test]
+fn a_trace_is_written_as_chromes_json_and_stop_is_checked() {
+    let m = reference_model();
+    let engine = Engine::new(&m, &Optimizer::sgd(0.1), &options()).unwrap();
+    let e = engine.trace_stop(None).unwrap_err();
+    assert_eq!(e.status(), status::INVALID_STATE, "{}", e);
+    let (x, y) = reference_batch();
+    let (input, labels) = (Tensor::from_f32(&[10, 4], &x).unwrap(), Tensor::from_i32(&[10], &y).unwrap());
+    engine.trace_start().unwrap();
+    engine.train_step(&input, &labels).unwrap();
+    let e = engine.trace_stop(Some(Path::new("/nonexistent-dpar-dir/trace.json"))).unwrap_err();
+    assert_eq!(e.status(), status::IO, "{}", e);
+    let path = std::env::temp_dir().join(format!("dpar_rust_trace_{}.json", std::process::id()));
+    engine.trace_stop(Some(&path)).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(text.starts_with("{") && text.contains("\"traceEvents\""), "{}", &text[..80.min(text.len())]);
+    for span in ["\"train_step\"", "\"forward\"", "\"backward\"", "\"optimizer\"", "replica 1 (cpu:1) worker"] {
+        assert!(text.contains(span), "no {} in the trace", span);
+    }
 }
 
 #[test]

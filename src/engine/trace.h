@@ -1,0 +1,111 @@
+// A timeline of an engine's work, to see where a step's time goes: spans on tracks (the calling thread, and each
+// replica's worker and communication thread), written in Chrome's trace event format, which chrome://tracing and
+// ui.perfetto.dev open. Recording costs a relaxed load per span when off; when on, two clock reads and an append.
+//
+// Times are the host's (steady_clock). On a GPU a span is the time the host spent queuing its work, and the wait
+// for the device shows as a span of its own ("device sync"), so a step that the host cannot feed fast enough and
+// one that waits for the GPU look different.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace dpar {
+
+class Trace {
+ public:
+  using Clock = std::chrono::steady_clock;
+  // Events kept in all, so that a trace left running cannot take all memory (48 MiB at most); later ones are
+  // counted and dropped, and the file says how many.
+  static constexpr size_t kMaxEvents = size_t{1} << 20;
+
+  // Track t is called track_names[t] in the file.
+  explicit Trace(std::vector<std::string> track_names);
+
+  bool recording() const { return recording_.load(std::memory_order_relaxed); }
+  // Forgets what was recorded and records from now. Called while no span is open (between an engine's calls).
+  void start();
+  void stop() { recording_.store(false, std::memory_order_relaxed); }
+  // Whether start() was ever called (a stopped trace keeps its events until the next start).
+  bool started() const { return started_; }
+
+  // A span [begin, end) on `track`. `name` and `arg` are string literals, kept by pointer; `arg` (may be null)
+  // names `value` in the file. `failed`: the span ended by an exception.
+  void add(size_t track, const char* name, Clock::time_point begin, Clock::time_point end, const char* arg,
+           int64_t value, bool failed);
+
+  // Writes what was recorded to `path` atomically, as Chrome's JSON trace; `process` is the pid in the file (the
+  // process's rank) and names its process ("dpar rank 0"). Throws dpar::Error DPAR_ERR_IO naming the path.
+  void write(const std::string& path, int process) const;
+
+  // The track the calling thread records on, set by TraceTrack; 0 (the calling thread's track) by default.
+  static size_t current_track();
+
+ private:
+  struct Event {
+    const char* name;
+    int64_t begin_ns, end_ns;  // since origin_
+    const char* arg;
+    int64_t value;
+    bool failed;
+  };
+  struct Track {
+    mutable std::mutex mutex;  // one writer at a time in practice (one thread per track); the lock keeps it so
+    std::vector<Event> events;
+  };
+
+  std::vector<std::string> names_;
+  std::unique_ptr<Track[]> tracks_;
+  std::atomic<bool> recording_{false};
+  bool started_ = false;
+  Clock::time_point origin_;
+  std::atomic<size_t> kept_{0}, dropped_{0};
+};
+
+// While it lives, the calling thread's spans go on `track` (a replica's worker or communication thread runs jobs
+// for one replica at a time).
+class TraceTrack {
+ public:
+  explicit TraceTrack(size_t track);
+  ~TraceTrack();
+  TraceTrack(const TraceTrack&) = delete;
+  TraceTrack& operator=(const TraceTrack&) = delete;
+
+ private:
+  size_t previous_;
+};
+
+// A span from construction to destruction on the calling thread's track, when `trace` records.
+class TraceSpan {
+ public:
+  TraceSpan(Trace& trace, const char* name, const char* arg = nullptr, int64_t value = 0)
+      : trace_(trace.recording() ? &trace : nullptr), name_(name), arg_(arg), value_(value) {
+    if (trace_) {
+      exceptions_ = std::uncaught_exceptions();
+      begin_ = Trace::Clock::now();
+    }
+  }
+  ~TraceSpan() {
+    if (trace_)
+      trace_->add(Trace::current_track(), name_, begin_, Trace::Clock::now(), arg_, value_,
+                  std::uncaught_exceptions() > exceptions_);
+  }
+  TraceSpan(const TraceSpan&) = delete;
+  TraceSpan& operator=(const TraceSpan&) = delete;
+
+ private:
+  Trace* trace_;
+  const char* name_;
+  const char* arg_;
+  int64_t value_;
+  int exceptions_ = 0;
+  Trace::Clock::time_point begin_;
+};
+
+}  // namespace dpar

@@ -1,0 +1,49 @@
+// Files, for the readers and writers of src/io/ and the engine's outputs: descriptors closed on every path,
+// regular files opened without blocking, and writes that replace a file atomically.
+#pragma once
+
+#include <unistd.h>
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace dpar::io {
+
+// Closes a descriptor on every path out of a function.
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_;
+};
+
+// Opens `path` for reading, refusing anything but a regular file without blocking on it (a FIFO with no writer,
+// a device). Returns the descriptor, close-on-exec, in blocking mode; the caller closes it. Throws dpar::Error
+// DPAR_ERR_IO naming the path: it cannot be opened or examined, or is a directory, FIFO, socket or device.
+int open_regular_file(const std::string& path);
+
+// A piece of a file's content: `bytes` bytes at `data` (null only when bytes is 0).
+struct FilePiece {
+  const void* data;
+  size_t bytes;
+};
+
+// Writes the pieces, in order, as the whole content of `path`, atomically: into a temporary file beside it, made
+// durable (fsync), renamed over `path`, and the directory synced. A reader sees the old file or the new one,
+// never a part; a failure (dpar::Error DPAR_ERR_IO naming the path) leaves the old file and no temporary one.
+void write_file_atomically(const std::string& path, const std::vector<FilePiece>& pieces);
+
+}  // namespace dpar::io
