@@ -1898,14 +1898,20 @@ TEST(Trace, StartAndStopAreCheckedAndTheFileIsWritten) {
   EXPECT_INVALID("path", dpar_engine_trace_stop(e.get(), ""));
   EXPECT_DPAR_ERROR(DPAR_ERR_IO, "/nonexistent-dpar-dir/trace.json",
                     dpar_engine_trace_stop(e.get(), "/nonexistent-dpar-dir/trace.json"));
+  // NULL only stops; the step after it is not recorded, and what was recorded stays to be written.
+  ASSERT_OK(dpar_engine_trace_stop(e.get(), nullptr));
+  ASSERT_OK(dpar_engine_train_step(nullptr, e.get(), b.x.get(), b.y.get()));
   ASSERT_OK(dpar_engine_trace_stop(e.get(), path.c_str()));
   std::ifstream in(path);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("\"traceEvents\""), std::string::npos);
-  EXPECT_NE(text.find("\"name\":\"train_step\""), std::string::npos);
   EXPECT_NE(text.find("replica 1 (cpu:1) worker"), std::string::npos);
-  // Stopped: a stop that only stops is allowed, and nothing is recorded any more.
-  ASSERT_OK(dpar_engine_trace_stop(e.get(), nullptr));
+  // One step: its call on the calling thread, and each of the 2 replicas' jobs.
+  size_t steps = 0;
+  for (size_t at = text.find("\"name\":\"train_step\""); at != std::string::npos;
+       at = text.find("\"name\":\"train_step\"", at + 1))
+    ++steps;
+  EXPECT_EQ(steps, 3u);
 }
 
 TEST(Checkpoint, SaveThenLoadRoundTripsParametersOptimizerStateAndStepCount) {

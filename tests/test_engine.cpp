@@ -646,9 +646,10 @@ TEST(Trace, EachReplicasWorkIsOnItsOwnTracksNestedInTheCalls) {
   engine.train_step(b.x, b.y);  // before the trace: not in it
   engine.trace_start();
   for (int s = 0; s < 3; ++s) engine.train_step(b.x, b.y);
+  engine.trace_stop("");        // stops without writing
+  engine.train_step(b.x, b.y);  // after the stop: not in it either
   const std::string path = temp_path("dpar_trace.json");
-  engine.trace_stop(path);
-  engine.train_step(b.x, b.y);  // after it: not in it either
+  engine.trace_stop(path);      // what was recorded stays until the next start
 
   const TraceSpans trace(path);
   EXPECT_EQ(trace.dropped, 0);
@@ -690,6 +691,33 @@ TEST(Trace, EachReplicasWorkIsOnItsOwnTracksNestedInTheCalls) {
       EXPECT_LE(ends(job), ends(call) + 1e-3);
     }
   }
+  std::remove(path.c_str());
+}
+
+// The cap: spans past it, and spans for a track that does not exist, are dropped and counted in the file.
+TEST(Trace, SpansPastTheCapAreCountedAsDropped) {
+  Trace trace({"one", "two"}, 10);
+  trace.start();
+  for (int i = 0; i < 15; ++i) {
+    const TraceTrack track(static_cast<size_t>(i % 2));
+    const TraceSpan span(trace, "work", "i", i);
+  }
+  const auto now = Trace::Clock::now();
+  trace.add(7, "nowhere", now, now, nullptr, 0, false);
+  trace.stop();
+  const std::string path = temp_path("dpar_trace_cap.json");
+  trace.write(path, 3);
+  const TraceSpans spans(path);
+  EXPECT_EQ(spans.dropped, 6);
+  EXPECT_EQ(spans.count(0, "work") + spans.count(1, "work"), 10u);
+  EXPECT_EQ(spans.count(0, "work"), 5u);  // the first ten, alternating
+  EXPECT_EQ(spans.by_track.at(1).front().at("pid"), 3);
+  // A new start forgets all of it.
+  trace.start();
+  trace.stop();
+  trace.write(path, 0);
+  EXPECT_EQ(TraceSpans(path).dropped, 0);
+  EXPECT_TRUE(TraceSpans(path).by_track.empty());
   std::remove(path.c_str());
 }
 

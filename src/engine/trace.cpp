@@ -13,8 +13,10 @@ namespace {
 
 thread_local size_t tls_track = 0;
 
-// Microseconds, Chrome's unit, with nanosecond digits.
+// Microseconds, Chrome's unit, with nanosecond digits. Spans start after the origin on a monotonic clock, so a
+// negative time would be a bug: it is written as 0 rather than as invalid JSON.
 void append_us(std::string& out, int64_t ns) {
+  ns = std::max<int64_t>(ns, 0);
   char text[32];
   std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
                 static_cast<long long>(ns % 1000));
@@ -23,8 +25,8 @@ void append_us(std::string& out, int64_t ns) {
 
 }  // namespace
 
-Trace::Trace(std::vector<std::string> track_names)
-    : names_(std::move(track_names)), tracks_(std::make_unique<Track[]>(names_.size())) {}
+Trace::Trace(std::vector<std::string> track_names, size_t max_events)
+    : names_(std::move(track_names)), tracks_(std::make_unique<Track[]>(names_.size())), max_events_(max_events) {}
 
 void Trace::start() {
   for (size_t t = 0; t < names_.size(); ++t) {
@@ -39,19 +41,22 @@ void Trace::start() {
 }
 
 void Trace::add(size_t track, const char* name, Clock::time_point begin, Clock::time_point end, const char* arg,
-                int64_t value, bool failed) {
-  if (track >= names_.size()) return;
-  if (kept_.fetch_add(1, std::memory_order_relaxed) >= kMaxEvents) {
+                int64_t value, bool failed) noexcept {
+  const auto drop = [&] {
     kept_.fetch_sub(1, std::memory_order_relaxed);
     dropped_.fetch_add(1, std::memory_order_relaxed);
-    return;
-  }
+  };
+  if (kept_.fetch_add(1, std::memory_order_relaxed) >= max_events_ || track >= names_.size()) return drop();
   const auto since = [&](Clock::time_point t) {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(t - origin_).count();
   };
-  Track& tr = tracks_[track];
-  std::lock_guard<std::mutex> lock(tr.mutex);
-  tr.events.push_back({name, since(begin), since(end), arg, value, failed});
+  try {
+    Track& tr = tracks_[track];
+    std::lock_guard<std::mutex> lock(tr.mutex);
+    tr.events.push_back({name, since(begin), since(end), arg, value, failed});
+  } catch (...) {  // no memory for a longer record, or a lock that failed
+    drop();
+  }
 }
 
 void Trace::write(const std::string& path, int process) const {

@@ -21,12 +21,13 @@ namespace dpar {
 class Trace {
  public:
   using Clock = std::chrono::steady_clock;
-  // Events kept in all, so that a trace left running cannot take all memory (48 MiB at most); later ones are
-  // counted and dropped, and the file says how many.
+  // Events kept in all, so that a trace left running cannot take all memory (their records take up to 48 MiB,
+  // and writing them builds the file's text, some 150 MB, in memory); later ones are counted and dropped, and the
+  // file says how many.
   static constexpr size_t kMaxEvents = size_t{1} << 20;
 
-  // Track t is called track_names[t] in the file.
-  explicit Trace(std::vector<std::string> track_names);
+  // Track t is called track_names[t] in the file. `max_events`: the cap (kMaxEvents; tests make it small).
+  explicit Trace(std::vector<std::string> track_names, size_t max_events = kMaxEvents);
 
   bool recording() const { return recording_.load(std::memory_order_relaxed); }
   // Forgets what was recorded and records from now. Called while no span is open (between an engine's calls).
@@ -36,9 +37,10 @@ class Trace {
   bool started() const { return started_; }
 
   // A span [begin, end) on `track`. `name` and `arg` are string literals, kept by pointer; `arg` (may be null)
-  // names `value` in the file. `failed`: the span ended by an exception.
+  // names `value` in the file. `failed`: the span ended by an exception. Never throws (it runs in destructors,
+  // during unwinding too): a span that cannot be kept is counted as dropped.
   void add(size_t track, const char* name, Clock::time_point begin, Clock::time_point end, const char* arg,
-           int64_t value, bool failed);
+           int64_t value, bool failed) noexcept;
 
   // Writes what was recorded to `path` atomically, as Chrome's JSON trace; `process` is the pid in the file (the
   // process's rank) and names its process ("dpar rank 0"). Throws dpar::Error DPAR_ERR_IO naming the path.
@@ -64,6 +66,7 @@ class Trace {
   std::unique_ptr<Track[]> tracks_;
   std::atomic<bool> recording_{false};
   bool started_ = false;
+  size_t max_events_;
   Clock::time_point origin_;
   std::atomic<size_t> kept_{0}, dropped_{0};
 };
