@@ -6,7 +6,8 @@
 # Stages, in order (all of them when none is named):
 #   build     configure and build build-gpu/ (Release, the CUDA backend required: DPAR_WITH_CUDA=ON)
 #   test      every CTest test, the CUDA ones included (CTest lists the ones that skipped)
-#   fmnist    the C example trains on Fashion-MNIST over cuda devices for 10 epochs and must reach 88%
+#   fmnist    the C example trains on Fashion-MNIST over cuda devices for 10 epochs and must reach 88% (and writes
+#             a timeline of its first epoch to LOGDIR/traces)
 #   bench     bench_cuda_gemms, torch_anchor.py (where PyTorch is), bench_cuda_train with both anchors (and a
 #             timeline of each configuration's step in LOGDIR/traces, for ui.perfetto.dev)
 #   memcheck  the CUDA test binaries under compute-sanitizer --tool memcheck
@@ -79,7 +80,9 @@ stage_test() {
 }
 
 stage_fmnist() {
-  "$build/examples/c/train_fashion_mnist" --device cuda --data "$data" --epochs 10 --min-accuracy 88
+  mkdir -p "$logs/traces"
+  "$build/examples/c/train_fashion_mnist" --device cuda --data "$data" --epochs 10 --min-accuracy 88 \
+    --trace "$logs/traces/fmnist-epoch1.json"
 }
 
 stage_bench() {

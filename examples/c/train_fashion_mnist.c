@@ -2,6 +2,7 @@
  *
  *   train_fashion_mnist [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B] [--lr LR]
  *                       [--optimizer adam|sgd] [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]
+ *                       [--trace PATH]
  *
  * --device auto (the default) trains over every GPU when dpar finds any, and over the CPU devices otherwise.
  * --devices N sets the number of replicas: CPU devices, or replicas spread over the GPUs in turn (with one GPU,
@@ -15,7 +16,8 @@
  * The learning rate follows a cosine schedule from --lr down to zero over the run (dpar_engine_set_lr before each
  * step), as torch.optim.lr_scheduler.CosineAnnealingLR does per step.
  * Prints per-epoch train loss, test accuracy and samples per second, with a progress bar on a terminal, and
- * saves a checkpoint at the end. With --min-accuracy it exits 1 if the final test accuracy is lower. */
+ * saves a checkpoint at the end. With --min-accuracy it exits 1 if the final test accuracy is lower. --trace PATH
+ * writes a timeline of the first epoch's training steps (dpar_engine_trace_start; rank 0's), for ui.perfetto.dev. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, isatty */
 #include <math.h>
 #include <stdio.h>
@@ -102,6 +104,7 @@ int main(int argc, char **argv) {
   const char *optimizer = "adam";
   const char *data = "/usr/share/datasets/fashion-mnist";
   const char *checkpoint = "fashion_mnist.safetensors";
+  const char *trace = NULL;
   unsigned long long seed = 0;
   double min_accuracy = 0.0;
   for (int i = 1; i < argc; ++i) {
@@ -109,7 +112,8 @@ int main(int argc, char **argv) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       printf("usage: %s [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B] [--lr LR]\n"
-             "          [--optimizer adam|sgd] [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]\n",
+             "          [--optimizer adam|sgd] [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]\n"
+             "          [--trace PATH]   (a timeline of the first epoch's steps, for ui.perfetto.dev; rank 0's)\n",
              argv[0]);
       return 0;
     }
@@ -127,6 +131,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--checkpoint")) checkpoint = v;
     else if (!strcmp(a, "--seed")) seed = strtoull(v, NULL, 10);
     else if (!strcmp(a, "--min-accuracy")) min_accuracy = strtod(v, NULL);
+    else if (!strcmp(a, "--trace")) trace = v;
     else {
       fprintf(stderr, "%s: unknown option %s (see --help)\n", argv[0], a);
       return 2;
@@ -229,6 +234,7 @@ int main(int argc, char **argv) {
   CHECK(dpar_loader_num_batches(&batches, loader));
   const int tty = root && isatty(STDERR_FILENO);
   double accuracy = 0.0;
+  if (trace && root) CHECK(dpar_engine_trace_start(engine));
   for (size_t epoch = 0; epoch < epochs; ++epoch) {
     CHECK(dpar_loader_start_epoch(loader, epoch));
     double loss_sum = 0.0, t0 = now_seconds();
@@ -249,7 +255,11 @@ int main(int argc, char **argv) {
       if (tty && (b % 20 == 0 || b == batches)) progress(b, batches, loss);
     }
     double seconds = now_seconds() - t0;
-    if (!root) continue; /* forward() is local: rank 0 evaluates alone, the parameters being the same */
+    if (!root) continue;
+    if (trace && epoch == 0) {
+      CHECK(dpar_engine_trace_stop(engine, trace));
+      printf("wrote the timeline of epoch 1's steps to %s\n", trace);
+    } /* forward() is local: rank 0 evaluates alone, the parameters being the same */
     accuracy = evaluate(engine, test, 1000);
     printf("epoch %2zu  train loss %.4f  test accuracy %.2f%%  %.0f samples/s\n", epoch + 1,
            loss_sum / (double)samples, 100.0 * accuracy, (double)samples / seconds);
