@@ -420,6 +420,14 @@ static void part_b(int rounds, double seconds) {
   dpar_model_free(model);
 }
 
+/* The demo MLP's engine of parts (c) and (d): Adam lr 1e-3, cross-entropy, 2 devices with 1 BLAS thread each. */
+static dpar_engine *demo_adam_engine(const dpar_model *model) {
+  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
+  oo.kind = DPAR_ADAM;
+  oo.lr = 1e-3f;
+  return make_engine(model, &oo, DPAR_LOSS_CROSS_ENTROPY, 2, 2, 1);
+}
+
 /* ---- (c) gradient clipping ----------------------------------------------------------------------------------- */
 
 enum { kClipConfigs = 3 };
@@ -432,10 +440,7 @@ static void part_c(int rounds, double seconds) {
          kBatchA);
   dpar_tensor *x[kBatchesA], *y[kBatchesA];
   dpar_model *model = demo_model_and_batches(x, y);
-  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
-  oo.kind = DPAR_ADAM;
-  oo.lr = 1e-3f;
-  dpar_engine *e = make_engine(model, &oo, DPAR_LOSS_CROSS_ENTROPY, 2, 2, 1);
+  dpar_engine *e = demo_adam_engine(model);
   static const char *const names[kClipConfigs] = {"off", "on, max_norm 1e6 (no scaling)",
                                                   "on, max_norm 1e-3 (scales)"};
   static const float max_norm[kClipConfigs] = {0.0f, 1e6f, 1e-3f};
@@ -471,10 +476,7 @@ static void part_d(int rounds, double seconds) {
          kBatchA, kBatchB);
   dpar_tensor *xa[kBatchesA], *ya[kBatchesA];
   dpar_model *demo = demo_model_and_batches(xa, ya);
-  dpar_optimizer_options adam = DPAR_OPTIMIZER_OPTIONS_INIT;
-  adam.kind = DPAR_ADAM;
-  adam.lr = 1e-3f;
-  dpar_engine *demo_engine = make_engine(demo, &adam, DPAR_LOSS_CROSS_ENTROPY, 2, 2, 1);
+  dpar_engine *demo_engine = demo_adam_engine(demo);
   dpar_tensor *xb[kBatchesB], *yb[kBatchesB];
   float xs[kBatchesB * kBatchB * kInB];
   int32_t ys[kBatchesB * kBatchB];

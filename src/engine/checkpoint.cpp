@@ -80,8 +80,7 @@ void Engine::share_outcome(const char* operation, std::exception_ptr error) cons
 void Engine::save(const std::string& path) const {
   check_usable("save");
   DPAR_CHECK_ARG(!path.empty(), "path: empty");
-  const TraceTrack track(0);
-  const TraceSpan span(*trace_, "save");
+  const TraceSpan span(*trace_, kCallTrack, "save");
   std::exception_ptr error;
   if (process_rank() == 0) {
     try {
@@ -132,8 +131,7 @@ void Engine::write_checkpoint(const std::string& path) const {
 void Engine::load(const std::string& path) {
   check_usable("load");
   DPAR_CHECK_ARG(!path.empty(), "path: empty");
-  const TraceTrack track(0);
-  const TraceSpan span(*trace_, "load");
+  const TraceSpan span(*trace_, kCallTrack, "load");
   // Read and check everything before touching a replica: a refused file changes nothing.
   std::vector<uint8_t> bytes;
   std::exception_ptr error;

@@ -489,8 +489,7 @@ double Engine::finish_loss(const char* operation, int64_t global_batch) {
 
 double Engine::accumulate(const Tensor& input, const Tensor& target) {
   check_usable("accumulate");
-  const TraceTrack track(0);
-  const TraceSpan span(*trace_, "accumulate", "rows", input.rows());
+  const TraceSpan span(*trace_, kCallTrack, "accumulate", "rows", input.rows());
   const int64_t global_batch = global_batch_of("accumulate", [&] {
     check_batch(input, &target, "accumulate");
     DPAR_ENFORCE(pending_ != Pending::kExplicit, DPAR_ERR_INVALID_STATE,
@@ -515,8 +514,7 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
 
 double Engine::train_step(const Tensor& input, const Tensor& target) {
   check_usable("train_step");
-  const TraceTrack track(0);
-  const TraceSpan span(*trace_, "train_step", "rows", input.rows());
+  const TraceSpan span(*trace_, kCallTrack, "train_step", "rows", input.rows());
   const int64_t global_batch = global_batch_of("train_step", [&] {
     check_batch(input, &target, "train_step");
     DPAR_ENFORCE(pending_ == Pending::kNone, DPAR_ERR_INVALID_STATE,
@@ -547,8 +545,7 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
 
 void Engine::step() {
   check_usable("step");
-  const TraceTrack track(0);
-  const TraceSpan span(*trace_, "step");
+  const TraceSpan span(*trace_, kCallTrack, "step");
   DPAR_ENFORCE(pending_ != Pending::kNone, DPAR_ERR_INVALID_STATE,
                "step: no gradient is pending (call accumulate() or forward() and backward() first)");
   const float scale =
@@ -582,8 +579,7 @@ void Engine::zero_grad() {
 
 Tensor Engine::forward(const Tensor& input) {
   check_usable("forward");
-  const TraceTrack track(0);
-  const TraceSpan span(*trace_, "forward", "rows", input.rows());
+  const TraceSpan span(*trace_, kCallTrack, "forward", "rows", input.rows());
   const Shape out_shape = check_batch(input, nullptr, "forward");
   const auto split = split_batch(input.rows(), replicas_.size());
   const Device out_device = config_.devices[config_.output_replica];
@@ -618,8 +614,7 @@ Tensor Engine::forward(const Tensor& input) {
 
 void Engine::backward(const Tensor& grad_output) {
   check_usable("backward");
-  const TraceTrack track(0);
-  const TraceSpan span(*trace_, "backward");
+  const TraceSpan span(*trace_, kCallTrack, "backward");
   DPAR_ENFORCE(!forward_split_.empty(), DPAR_ERR_INVALID_STATE,
                "backward: no training-mode forward() to go back through");
   DPAR_ENFORCE(pending_ != Pending::kLoss, DPAR_ERR_INVALID_STATE,

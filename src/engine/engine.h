@@ -204,6 +204,7 @@ class Engine {
   Shape forward_output_shape_;
   // Track 0: the calling thread; replica r's worker on track 1 + 2r, its communication thread on 2 + 2r.
   std::unique_ptr<Trace> trace_;
+  static constexpr size_t kCallTrack = 0;
   static size_t worker_track(size_t replica) { return 1 + 2 * replica; }
   static size_t comm_track(size_t replica) { return 2 + 2 * replica; }
 };

@@ -84,11 +84,13 @@ class TraceTrack {
   size_t previous_;
 };
 
-// A span from construction to destruction on the calling thread's track, when `trace` records.
+// A span from construction to destruction, when `trace` records: on the calling thread's track, or on `track`.
 class TraceSpan {
  public:
   TraceSpan(Trace& trace, const char* name, const char* arg = nullptr, int64_t value = 0)
-      : trace_(trace.recording() ? &trace : nullptr), name_(name), arg_(arg), value_(value) {
+      : TraceSpan(trace, Trace::current_track(), name, arg, value) {}
+  TraceSpan(Trace& trace, size_t track, const char* name, const char* arg = nullptr, int64_t value = 0)
+      : trace_(trace.recording() ? &trace : nullptr), track_(track), name_(name), arg_(arg), value_(value) {
     if (trace_) {
       exceptions_ = std::uncaught_exceptions();
       begin_ = Trace::Clock::now();
@@ -96,14 +98,14 @@ class TraceSpan {
   }
   ~TraceSpan() {
     if (trace_)
-      trace_->add(Trace::current_track(), name_, begin_, Trace::Clock::now(), arg_, value_,
-                  std::uncaught_exceptions() > exceptions_);
+      trace_->add(track_, name_, begin_, Trace::Clock::now(), arg_, value_, std::uncaught_exceptions() > exceptions_);
   }
   TraceSpan(const TraceSpan&) = delete;
   TraceSpan& operator=(const TraceSpan&) = delete;
 
  private:
   Trace* trace_;
+  size_t track_;
   const char* name_;
   const char* arg_;
   int64_t value_;
