@@ -56,7 +56,7 @@ extern "C" {
 /** @name Versions */
 /**@{*/
 #define DPAR_VERSION_MAJOR 0 /**< Major version: changes when the ABI breaks (it is the SONAME). */
-#define DPAR_VERSION_MINOR 5 /**< Minor version: grows when functions or option fields are appended. */
+#define DPAR_VERSION_MINOR 6 /**< Minor version: grows when functions or option fields are appended. */
 #define DPAR_VERSION_PATCH 0 /**< Patch version: fixes only. */
 /** The version as one integer, MAJOR*10000 + MINOR*100 + PATCH. */
 #define DPAR_VERSION (DPAR_VERSION_MAJOR * 10000 + DPAR_VERSION_MINOR * 100 + DPAR_VERSION_PATCH)
@@ -580,6 +580,15 @@ DPAR_API dpar_status dpar_engine_num_replicas(size_t *out, const dpar_engine *en
  * (dpar_loader_shard()), and to let rank 0 alone print.
  */
 DPAR_API dpar_status dpar_engine_processes(size_t *out_rank, size_t *out_size, const dpar_engine *engine);
+/**
+ * @brief How gradient buckets travel between the processes: "" for a single process; "mpi" (CPU devices);
+ * "nccl" (GPUs, each process driving GPUs of its own); or "mpi through host memory (...)" where NCCL could not be
+ * used, saying why (two processes driving one GPU, which NCCL does not allow; NCCL failing to connect them). Every
+ * process of a job reports the same transport.
+ * @return Borrowed from the engine, valid until it is freed. NULL for a bad engine, with dpar_last_error() saying
+ *         why.
+ */
+DPAR_API const char *dpar_engine_process_transport(const dpar_engine *engine);
 /** @brief The number of gradient buckets of the training step (see dpar_engine_options.first_bucket_bytes). */
 DPAR_API dpar_status dpar_engine_num_buckets(size_t *out, const dpar_engine *engine);
 /** @brief The device of replica @p replica. */

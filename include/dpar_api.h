@@ -136,6 +136,7 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_reducer_options_init_sized)(dpar_reducer_options *opts, size_t size);
   dpar_status (*dpar_engine_trace_start)(dpar_engine *engine);
   dpar_status (*dpar_engine_trace_stop)(dpar_engine *engine, const char *path);
+  const char *(*dpar_engine_process_transport)(const dpar_engine *engine);
 } dpar_api_v1;
 
 /**

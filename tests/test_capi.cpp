@@ -1163,6 +1163,9 @@ TEST(EngineOptions, AVersionOneStructGetsTheNewFieldsDefaults) {
   ASSERT_OK(dpar_engine_processes(&rank, &size, e.get()));
   EXPECT_EQ(rank, 0u);
   EXPECT_EQ(size, 1u);
+  const char* transport = dpar_engine_process_transport(e.get());
+  ASSERT_NE(transport, nullptr) << dpar_last_error();
+  EXPECT_STREQ(transport, "") << "one process has no transport between processes";
 }
 
 TEST(EngineOptions, InitFillsTheCallersLayoutAndNotAByteMore) {
@@ -1418,6 +1421,9 @@ class EngineHandleCalls {
     return {
         {"num_replicas", [=] { size_t n; return dpar_engine_num_replicas(&n, bad); }},
         {"processes", [=] { size_t r, n; return dpar_engine_processes(&r, &n, bad); }},
+        // A string, not a status: NULL for a bad engine, and dpar_last_error() names it.
+        {"process_transport",
+         [=] { return dpar_engine_process_transport(bad) ? DPAR_OK : DPAR_ERR_INVALID_ARGUMENT; }},
         {"num_buckets", [=] { size_t n; return dpar_engine_num_buckets(&n, bad); }},
         {"replica_device", [=] { dpar_device d; return dpar_engine_replica_device(&d, bad, 0); }},
         {"split", [=] { size_t rows[8]; return dpar_engine_split(rows, bad, 6, 8); }},

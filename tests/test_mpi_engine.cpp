@@ -1,6 +1,9 @@
 // The engine over several processes, through the C ABI, run under mpirun (tests/CMakeLists.txt):
 //
 //   test_mpi_engine --devices N      every check below; each process runs N devices
+//   test_mpi_engine --cuda           the same on GPUs (each process's replicas on cuda:K in turn, from its rank's
+//                                    first): NCCL between the processes where each has a GPU of its own, MPI
+//                                    through host memory where they share one; exits 77 (skipped) without a GPU
 //   test_mpi_engine --rank-exit      not a check suite: rank 1 exits before its third step, and the others print
 //                                    what their engine returned (tests/mpi/check_rank_exit.sh reads it)
 //
@@ -34,6 +37,7 @@
 namespace {
 
 int g_rank = 0, g_size = 1, g_failures = 0;
+size_t g_gpus = 0;  // with --cuda: the GPUs this process sees (replicas go on them in turn); 0: CPU devices
 
 #define CHECK_OK(call)                                                                                          \
   do {                                                                                                          \
@@ -94,6 +98,16 @@ dpar_engine* make_engine(size_t devices, int32_t processes, double timeout = 60.
   opt.lr = optimizer == DPAR_SGD ? 0.1f : 0.01f;
   dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
   eo.num_cpu_devices = devices;
+  std::vector<int32_t> gpus;
+  if (g_gpus > 0) {
+    // A process of the job starts at its rank's GPU (a distinct one per process where there are enough); a
+    // reference engine of this process alone starts at GPU 0.
+    const size_t first = processes == DPAR_PROCESSES_MPI ? static_cast<size_t>(g_rank) * devices : 0;
+    for (size_t r = 0; r < devices; ++r) gpus.push_back(static_cast<int32_t>((first + r) % g_gpus));
+    eo.device_kind = DPAR_DEVICE_CUDA;
+    eo.device_ids = gpus.data();
+    eo.num_device_ids = gpus.size();
+  }
   eo.processes = processes;
   eo.timeout_seconds = timeout;
   eo.first_bucket_bytes = 64;  // several buckets even for this small model: the hierarchy runs per bucket
@@ -129,6 +143,17 @@ double max_relative_error(const std::vector<float>& a, const std::vector<float>&
   return worst;
 }
 
+// How the engines of make_engine(devices, DPAR_PROCESSES_MPI) send buckets across the processes: MPI on CPU devices;
+// on GPUs NCCL where each process's first replica has a GPU of its own, MPI through host memory (the start of a
+// longer text that says why) where two share one.
+std::string expected_transport(size_t devices) {
+  if (g_gpus == 0) return "mpi";
+  std::vector<size_t> firsts;
+  for (int r = 0; r < g_size; ++r) firsts.push_back(static_cast<size_t>(r) * devices % g_gpus);
+  std::sort(firsts.begin(), firsts.end());
+  return std::adjacent_find(firsts.begin(), firsts.end()) == firsts.end() ? "nccl" : "mpi through host memory";
+}
+
 // This rank's rows of a global batch: balanced (sizes differ by one at most), or skewed by `skew` rows toward rank 0.
 std::pair<int64_t, int64_t> my_rows(int64_t skew) {
   const int64_t base = kGlobalBatch / g_size, extra = kGlobalBatch % g_size;
@@ -147,6 +172,10 @@ void check_equivalence(size_t devices, const Data& d, int64_t skew, int32_t opti
   const std::string label = std::to_string(g_size) + " processes x " + std::to_string(devices) + " devices" +
                             (optimizer == DPAR_SGD ? ", SGD" : ", Adam") + (skew ? " (uneven local batches)" : "");
   dpar_engine* multi = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, optimizer);
+  const std::string transport = dpar_engine_process_transport(multi), want = expected_transport(devices);
+  // Staged through the host, the transport goes on to say why: "mpi through host memory (...)".
+  const bool as_expected = want == "mpi through host memory" ? transport.rfind(want + " (", 0) == 0 : transport == want;
+  expect(as_expected, label + ": buckets cross the processes by \"" + transport + "\", expected \"" + want + "\"");
   const auto initial = params(multi);
   const auto [begin, rows] = my_rows(skew);
   for (int s = 0; s < kSteps; ++s) CHECK_OK(step_rows(multi, d, s % kBatches, begin, rows));
@@ -177,8 +206,8 @@ void check_equivalence(size_t devices, const Data& d, int64_t skew, int32_t opti
   expect(root == got, label + ": this process's parameters differ from rank 0's");
   dpar_comm_free(world);
   if (g_rank == 0)
-    std::printf("%s: max relative difference %.2e to 1x%zu devices, %.2e to 1 device\n", label.c_str(), e_wide,
-                static_cast<size_t>(g_size) * devices, e_one);
+    std::printf("%s: max relative difference %.2e to 1x%zu devices, %.2e to 1 device (across processes: %s)\n",
+                label.c_str(), e_wide, static_cast<size_t>(g_size) * devices, e_one, transport.c_str());
   dpar_engine_free(multi);
   dpar_engine_free(wide);
   dpar_engine_free(one);
@@ -371,15 +400,24 @@ int rank_exit() {
 
 int main(int argc, char** argv) {
   size_t devices = 2;
-  bool exit_mode = false;
+  bool exit_mode = false, cuda = false;
   int expect_processes = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--devices") && i + 1 < argc) devices = static_cast<size_t>(std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--expect-processes") && i + 1 < argc) expect_processes = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--rank-exit")) exit_mode = true;
+    else if (!std::strcmp(argv[i], "--cuda")) cuda = true;
     else {
-      std::fprintf(stderr, "usage: test_mpi_engine [--devices N] [--expect-processes P] [--rank-exit]\n");
+      std::fprintf(stderr, "usage: test_mpi_engine [--devices N] [--expect-processes P] [--rank-exit] [--cuda]\n");
       return 2;
+    }
+  }
+  if (cuda) {
+    // Every process sees the same machine's answer: all skip, or none.
+    const dpar_status s = dpar_device_count(&g_gpus, DPAR_DEVICE_CUDA);
+    if (s != DPAR_OK || g_gpus == 0) {
+      std::printf("SKIP: no CUDA device (%s)\n", s != DPAR_OK ? dpar_last_error() : "this machine has none");
+      return 77;
     }
   }
   {

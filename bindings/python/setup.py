@@ -38,7 +38,7 @@ class SwigBuildExt(build_ext):
 
 setup(
     name="dpar",
-    version="0.5.0",
+    version="0.6.0",
     description="Data-parallel training over several devices through dpar's C ABI",
     packages=["dpar"],
     python_requires=">=3.9",

@@ -218,6 +218,7 @@ int main(int argc, char **argv) {
            dpar_version_string(), features, classes, optimizer, (double)lr, batch, nproc, nproc > 1 ? "es" : "",
            devices, use_cuda ? (gpus == 1 ? "replicas on 1 GPU" : "replicas on GPUs") : "CPU devices", n_train,
            n_test);
+  if (root && nproc > 1) printf("gradients cross the processes by %s\n", dpar_engine_process_transport(engine));
 
   /* Every process draws the same permutation (same seed) and takes its own slice of each batch. */
   dpar_loader *loader = NULL;

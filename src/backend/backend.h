@@ -7,7 +7,8 @@
 //    through their replica's Stream only, never a CPU or CUDA kernel by name;
 //  - the worker start (CPU: pinning and BLAS threads; CUDA: the current device);
 //  - the in-process group that the replicas of an engine reduce their gradients with (CPU: the threads backend
-//    over shared memory; CUDA: NCCL between GPUs, dpar's own device reduction between replicas sharing one GPU).
+//    over shared memory; CUDA: NCCL between GPUs, dpar's own device reduction between replicas sharing one GPU);
+//  - the link between processes for a replica's memory (CPU: MPI itself; CUDA: NCCL over the processes' GPUs).
 //
 // Adding a device kind is adding one Backend; the engine, the layers and the reducer do not change.
 #pragma once
@@ -70,6 +71,22 @@ class Backend {
   virtual std::unique_ptr<Group> make_group(const std::vector<Device>& devices, const std::vector<Stream*>& streams,
                                             std::vector<std::string> names,
                                             std::chrono::duration<double> timeout) = 0;
+
+  // ---- Across processes ---------------------------------------------------------------------------------------
+  // How one replica of each process reaches the others' for the last level of a hierarchical reduction.
+  struct ProcessLink {
+    // Collectives over the processes on memory of the replica's device, ordered after its stream's work. Null:
+    // `processes` carries them itself, on host memory (a replica elsewhere than the host stages through it).
+    std::unique_ptr<Communicator> comm;
+    std::string transport;  // for messages and traces: "mpi", "nccl", or what was used and why
+  };
+  // Made collectively: every process of `processes` calls it at the same point of its own collectives on it, with
+  // its replica's device and stream (which must outlive the link). The default: `processes` itself.
+  virtual ProcessLink link_processes(Device /*device*/, Stream& /*stream*/,
+                                     const std::shared_ptr<Communicator>& processes,
+                                     std::chrono::duration<double> /*timeout*/) {
+    return {nullptr, processes->backend()};
+  }
 };
 
 // The backend of a device kind. Throws Error(NOT_SUPPORTED) for a kind not built into this library.

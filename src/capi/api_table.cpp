@@ -117,6 +117,7 @@ const dpar_api_v1 kApiV1 = {
     &dpar_reducer_options_init_sized,
     &dpar_engine_trace_start,
     &dpar_engine_trace_stop,
+    &dpar_engine_process_transport,
 };
 }  // namespace
 

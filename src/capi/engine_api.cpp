@@ -192,6 +192,12 @@ DPAR_API dpar_status dpar_engine_processes(size_t* out_rank, size_t* out_size, c
   });
 }
 
+DPAR_API const char* dpar_engine_process_transport(const dpar_engine* engine) {
+  const char* transport = nullptr;
+  with_engine(engine, [&](Engine& e) { transport = e.process_transport().c_str(); });
+  return transport;
+}
+
 DPAR_API dpar_status dpar_engine_num_buckets(size_t* out, const dpar_engine* engine) {
   return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.num_buckets(); });
 }

@@ -112,11 +112,13 @@ namespace {
 class NcclCommunicator final : public Communicator {
  public:
   // comms: the communicators that fail together, this participant's at `index`. host: the in-process group that
-  // agrees fingerprints (null across processes).
+  // agrees fingerprints (null across processes). watch: a communicator over the same participants whose failures
+  // stop this one too (null: none).
   NcclCommunicator(std::shared_ptr<NcclComms> comms, size_t index, ThreadGroup* host, int rank, int size, int device,
-                   cudaStream_t compute, std::string name, std::chrono::duration<double> timeout)
-      : comms_(std::move(comms)), index_(index), host_(host), rank_(rank), size_(size), device_(device),
-        compute_(compute), name_(std::move(name)), timeout_(timeout) {
+                   cudaStream_t compute, std::string name, std::chrono::duration<double> timeout,
+                   std::shared_ptr<Communicator> watch = nullptr)
+      : comms_(std::move(comms)), index_(index), host_(host), watch_(std::move(watch)), rank_(rank), size_(size),
+        device_(device), compute_(compute), name_(std::move(name)), timeout_(timeout) {
     if (host_ != nullptr) host_comm_ = host_->communicator(rank);
     cuda::DeviceScope scope(device_);
     DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking), name_, ": communication stream");
@@ -200,9 +202,10 @@ class NcclCommunicator final : public Communicator {
       *reason = detail::concat(name_, " cannot run collectives: ", abort_reason_);
       return DPAR_ERR_REMOTE;
     }
-    if (host_comm_ != nullptr) {
-      const dpar_status host = host_comm_->async_error(reason);
-      if (host != DPAR_OK) return host;
+    for (Communicator* peers : {host_comm_.get(), watch_.get()}) {
+      if (peers == nullptr) continue;
+      const dpar_status status = peers->async_error(reason);
+      if (status != DPAR_OK) return status;
     }
     // NCCL's own errors between collectives (a collective in flight polls them itself), and another participant's
     // failure, which aborted this one's NCCL communicator too.
@@ -261,7 +264,7 @@ class NcclCommunicator final : public Communicator {
     DPAR_ENFORCE(!broken_, DPAR_ERR_INVALID_STATE, operation, ": ", name_,
                  "'s NCCL communicator was aborted by an earlier failure; create a new one");
     if (aborted_.load()) remote_failure(operation);
-    check_host_group(operation);
+    check_peers(operation, true);
     cuda::DeviceScope scope(device_);
     mine.seq = ++seq_;
     agree(operation, mine);
@@ -338,7 +341,7 @@ class NcclCommunicator final : public Communicator {
         give_up(detail::concat(name_, " was aborted"));
         remote_failure(operation);
       }
-      check_host_group(operation);
+      check_peers(operation, spins % 64 == 0);
       if (Clock::now() >= deadline) {
         give_up(detail::concat(name_, "'s ", operation, " did not finish within ", timeout_.count(), " s"));
         fail(DPAR_ERR_TIMEOUT, operation, ": ", name_, "'s NCCL operation did not finish within ", timeout_.count(),
@@ -354,12 +357,19 @@ class NcclCommunicator final : public Communicator {
     comms_->abort(why);
   }
 
-  // The in-process group's abort (another participant's, or the engine's) stops this participant too.
-  void check_host_group(const char* operation) {
+  // The in-process group's abort (another participant's, or the engine's) stops this participant too, and so does
+  // a failure the watched communicator reports (`with_watch`: asking it may take a probe of the network, so a
+  // waiting participant asks it on some of its polls only).
+  void check_peers(const char* operation, bool with_watch) {
     std::string why;
-    if (host_comm_ == nullptr || host_comm_->async_error(&why) == DPAR_OK) return;
-    give_up(why);
-    fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", why);
+    if (host_comm_ != nullptr && host_comm_->async_error(&why) != DPAR_OK) {
+      give_up(why);
+      fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", why);
+    }
+    if (with_watch && watch_ != nullptr && watch_->async_error(&why) != DPAR_OK) {
+      give_up(why);
+      fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", why);
+    }
   }
 
   // One NCCL call on this participant's communicator; it fails with Error(REMOTE) once the communicators were
@@ -383,6 +393,7 @@ class NcclCommunicator final : public Communicator {
   size_t index_;
   ThreadGroup* host_;
   std::unique_ptr<Communicator> host_comm_;
+  std::shared_ptr<Communicator> watch_;
   int rank_, size_, device_;
   cudaStream_t compute_;
   std::string name_;
@@ -424,14 +435,15 @@ std::unique_ptr<Communicator> NcclGroup::communicator(int rank, cudaStream_t com
 
 std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int nranks, int rank, int device,
                                                      cudaStream_t compute_stream, std::string name,
-                                                     std::chrono::duration<double> timeout) {
+                                                     std::chrono::duration<double> timeout,
+                                                     std::shared_ptr<Communicator> watch) {
   DPAR_CHECK_ARG(nranks >= 1 && rank >= 0 && rank < nranks, "nccl: rank ", rank, " of ", nranks);
   cuda::DeviceScope scope(device);
   ncclComm_t comm = nullptr;
   DPAR_NCCL_CHECK(ncclCommInitRank(&comm, nranks, id, rank), name, ": rank ", rank, " of ", nranks);
   auto comms = std::make_shared<NcclComms>(std::vector<ncclComm_t>{comm});  // destroys it, whatever follows
   return std::make_unique<NcclCommunicator>(std::move(comms), 0, nullptr, rank, nranks, device, compute_stream,
-                                            std::move(name), timeout);
+                                            std::move(name), timeout, std::move(watch));
 }
 
 }  // namespace dpar

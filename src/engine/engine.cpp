@@ -106,6 +106,13 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   for (auto& rep : replicas_) streams.push_back(rep->stream.get());
   group_ = backend_.make_group(config_.devices, streams, names, std::chrono::duration<double>(config_.timeout_seconds));
   for (size_t r = 0; r < n; ++r) replicas_[r]->comm = group_->communicator(static_cast<int>(r));
+  if (processes_) {
+    Replica& first = *replicas_[0];
+    Backend::ProcessLink link = backend_.link_processes(first.ctx.device, *first.stream, processes_,
+                                                        std::chrono::duration<double>(config_.timeout_seconds));
+    across_ = std::move(link.comm);
+    process_transport_ = std::move(link.transport);
+  }
 
   layer_params_.resize(model_.num_layers());
   for (size_t i = 0; i < model_.params().size(); ++i) layer_params_[model_.params()[i].layer].push_back(i);
@@ -132,7 +139,14 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   });
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  // A replica's communicator belongs to group_ ("the group must outlive it"), which members' reverse order would
+  // destroy first; the reducer calls the communicator.
+  for (auto& rep : replicas_) {
+    rep->reducer.reset();
+    rep->comm.reset();
+  }
+}
 
 void Engine::check_usable(const char* operation) const {
   DPAR_ENFORCE(!aborted_.load(), DPAR_ERR_INVALID_STATE, operation,
@@ -144,6 +158,7 @@ void Engine::abort() {
   aborted_.store(true);
   group_->abort("the engine was aborted (dpar_engine_abort)");
   if (processes_) processes_->abort("the engine of rank " + std::to_string(processes_->rank()) + " was aborted");
+  if (across_) across_->abort("the engine of rank " + std::to_string(processes_->rank()) + " was aborted");
 }
 
 void Engine::run(const char* operation, const std::function<void(Replica&, size_t)>& job) {
@@ -217,6 +232,7 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     // Replicas may have stepped and stopped apart (an abort can land inside the optimizer's all-gather): only a
     // recreated engine is known to be whole again, as every later call says (check_usable).
     if (processes_) processes_->abort(std::string(operation) + ": the engine was aborted on another process");
+    if (across_) across_->abort(std::string(operation) + ": the engine was aborted on another process");
     fail(status, operation, ": ", message, "; the engine was aborted (dpar_engine_abort) and must be recreated");
   }
   // Null while the engine is still being created; a group that cannot recover leaves the engine unusable.
@@ -236,6 +252,7 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     // The other processes cannot all be told to discard the step at the same point: tell them the engine failed
     // (they stop waiting for this process) and give up on it everywhere.
     processes_->abort(prefix + message);
+    if (across_) across_->abort(prefix + message);
     broken_ = true;
     broken_reason_ = prefix + message;
     fail(status, prefix, message, "; the processes may differ now, so the engine must be recreated on every process");
@@ -350,9 +367,12 @@ void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contrib
     rep.comm->reduce_sum(data, count, contributes, rep.grad_scale, 0);
   }
   if (rep.ctx.replica == 0) {
-    TraceSpan span(*trace_, "bucket all-reduce (processes)", "elements", elements);
+    TraceSpan span(*trace_, across_ ? "bucket all-reduce (processes, nccl)" : "bucket all-reduce (processes)",
+                   "elements", elements);
     try {
-      if (rep.ctx.device.is_host()) {
+      if (across_) {
+        across_->all_reduce(data, data, count, CommDType::kF32, ReduceOp::kSum);
+      } else if (rep.ctx.device.is_host()) {
         processes_->all_reduce(data, data, count, CommDType::kF32, ReduceOp::kSum);
       } else {
         std::vector<float>& host = rep.process_stage;

@@ -12,8 +12,9 @@
 //
 // Several processes (mpirun -np P): each runs this engine over its own devices, and `processes` connects them,
 // one participant per process. A bucket is reduced hierarchically: summed among the process's replicas (threads,
-// shared memory), then replica 0 sums it across the processes (MPI), then the result is shared back to the other
-// replicas. Each process feeds its own part of the global batch; the gradient is that of the mean loss over the
+// shared memory; on GPUs NCCL or dpar's device reduction), then replica 0 sums it across the processes (MPI; NCCL
+// between the processes' GPUs where each process has a GPU of its own), then the result is shared back to the
+// other replicas. Each process feeds its own part of the global batch; the gradient is that of the mean loss over the
 // global batch, so P processes of n devices train exactly as one process of P*n devices. Only rank 0 writes
 // checkpoints, and a checkpoint that rank 0 reads is broadcast to the others.
 #pragma once
@@ -67,6 +68,9 @@ class Engine {
   int process_rank() const { return processes_ ? processes_->rank() : 0; }
   int num_processes() const { return processes_ ? processes_->size() : 1; }
   size_t num_buckets() const { return replicas_[0]->reducer->num_buckets(); }
+  // How buckets cross the processes: "" with one process, else "mpi", "nccl", or "mpi through host memory (why
+  // not NCCL)".
+  const std::string& process_transport() const { return process_transport_; }
   Device replica_device(size_t r) const { return replicas_[r]->ctx.device; }
   const Model& model() const { return model_; }
 
@@ -189,6 +193,10 @@ class Engine {
   int64_t shard_elements_ = 0;
   std::unique_ptr<Group> group_;
   std::shared_ptr<Communicator> processes_;
+  // Replica 0's link to the other processes' replica 0 for its device's memory (Backend::link_processes); null:
+  // processes_ carries the buckets, through host memory.
+  std::unique_ptr<Communicator> across_;
+  std::string process_transport_;
   std::vector<std::vector<size_t>> layer_params_;  // per layer, the indices of its parameters
   std::unique_ptr<WorkerPool> pool_;
   std::mutex mutex_;

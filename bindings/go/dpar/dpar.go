@@ -80,7 +80,7 @@ func release[H interface{ Swigcptr() uintptr }](owner any, h *H, free func(H)) {
 	runtime.SetFinalizer(owner, nil)
 }
 
-// Version is the loaded library's version, MAJOR*10000 + MINOR*100 + PATCH; VersionString "0.5.0".
+// Version is the loaded library's version, MAJOR*10000 + MINOR*100 + PATCH; VersionString "0.6.0".
 func Version() int          { return raw.Dpar_version() }
 func VersionString() string { return raw.Dpar_version_string() }
 
@@ -515,6 +515,21 @@ func (e *Engine) Processes() (rank, size int, err error) {
 		return raw.Dpar_engine_processes(unsafe.Pointer(&r), unsafe.Pointer(&s), x)
 	})
 	return int(r), int(s), err
+}
+
+// ProcessTransport is how gradient buckets travel between the processes: "" for one process, "mpi", "nccl", or
+// "mpi through host memory (...)" saying why NCCL could not be used.
+func (e *Engine) ProcessTransport() (string, error) {
+	transport := ""
+	err := e.simple(func(x raw.Struct_SS_dpar_engine) int {
+		// The handle is checked by a call that returns a status; the string has none.
+		st := raw.Dpar_engine_processes(nil, nil, x)
+		if st == OK {
+			transport = raw.Dpar_engine_process_transport(x)
+		}
+		return st
+	})
+	return transport, err
 }
 
 // ReplicaDevice is replica's device (kind, index).

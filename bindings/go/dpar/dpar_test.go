@@ -85,6 +85,13 @@ func TestLossesHaveTheCReferenceBits(t *testing.T) {
 	if n, _ := e.StepCount(); n != 5 {
 		t.Fatalf("step count %d", n)
 	}
+	if rank, size, err := e.Processes(); err != nil || rank != 0 || size != 1 {
+		t.Fatalf("processes %d of %d (%v), want 0 of 1", rank, size, err)
+	}
+	// One process: nothing travels between processes.
+	if transport, err := e.ProcessTransport(); err != nil || transport != "" {
+		t.Fatalf("process transport %q (%v), want \"\"", transport, err)
+	}
 }
 
 func TestEmptyOrMismatchedSlicesAreErrorsNotPanics(t *testing.T) {

@@ -464,6 +464,15 @@ class Engine(_Handle):
         _check(_raw.dpar_engine_processes(r.ctypes.data, s.ctypes.data, self._raw))
         return int(r[0]), int(s[0])
 
+    @property
+    def process_transport(self):
+        """How gradient buckets travel between the processes: "" for one process, "mpi", "nccl", or
+        "mpi through host memory (...)" saying why NCCL could not be used."""
+        transport = _raw.dpar_engine_process_transport(self._raw)
+        if transport is None:
+            _check(ERR_INVALID_ARGUMENT)
+        return transport
+
     def replica_device(self, replica):
         d = _raw.dpar_device()
         _check(_raw.dpar_engine_replica_device(d, self._raw, replica))

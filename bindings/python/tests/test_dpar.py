@@ -38,6 +38,8 @@ class Reference(unittest.TestCase):
         with reference_model() as m, engine(m) as e:
             got = [format(np.float32(e.train_step(x, y)).view(np.uint32), "08x") for _ in range(5)]
             self.assertEqual(e.step_count, 5)
+            self.assertEqual(e.processes, (0, 1))
+            self.assertEqual(e.process_transport, "")  # one process: nothing travels between processes
         self.assertEqual(got, expected)
 
     def test_bad_call_raises_with_dpars_message(self):

@@ -2,8 +2,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <set>
 #include <mutex>
@@ -430,6 +434,72 @@ class CudaBackend final : public Backend {
         if (a != b) enable_peer_access(a, b);
     return std::make_unique<StreamGroup<CudaDeviceGroup>>(
         std::make_unique<CudaDeviceGroup>(ordinals, std::move(names), timeout), handles, true);
+  }
+
+  // NCCL between the processes' GPUs, where each process drives a GPU of its own; MPI through host memory where two
+  // share one (NCCL takes one rank per GPU, and may hang on two), or where NCCL cannot connect them. Every step is
+  // agreed over `processes`, so that all of them take the same transport, or all throw.
+  ProcessLink link_processes(Device device, Stream& stream, const std::shared_ptr<Communicator>& processes,
+                             std::chrono::duration<double> timeout) override {
+    const int rank = processes->rank(), size = processes->size();
+    const std::string staged = "mpi through host memory";
+    const std::array<int64_t, 2> mine = gpu_identity(device);
+    std::vector<int64_t> all(2 * static_cast<size_t>(size));
+    processes->all_gather(mine.data(), all.data(), 2, CommDType::kI64);
+    for (int p = 0; p < size; ++p)
+      for (int q = p + 1; q < size; ++q)
+        if (all[2 * p] == all[2 * q] && all[2 * p + 1] == all[2 * q + 1])
+          return {nullptr, detail::concat(staged, " (processes ", p, " and ", q, " drive the same GPU, and NCCL ",
+                                          "takes one process per GPU)")};
+
+    // Rank 0's id, after a word that says whether it could make one.
+    constexpr size_t kIdWords = (sizeof(ncclUniqueId) + sizeof(int64_t) - 1) / sizeof(int64_t);
+    std::array<int64_t, 1 + kIdWords> id_words{};
+    if (rank == 0) {
+      ncclUniqueId id{};
+      if (ncclGetUniqueId(&id) == ncclSuccess) {
+        id_words[0] = 1;
+        std::memcpy(&id_words[1], &id, sizeof id);
+      }
+    }
+    processes->broadcast(id_words.data(), id_words.size(), CommDType::kI64, 0);
+    if (id_words[0] == 0) return {nullptr, staged + " (rank 0 could not make an NCCL id: ncclGetUniqueId failed)"};
+    ncclUniqueId id{};
+    std::memcpy(&id, &id_words[1], sizeof id);
+
+    // Every process joins; NCCL is kept only if every one could.
+    std::unique_ptr<Communicator> comm;
+    std::string why;
+    try {
+      comm = nccl_rank_communicator(id, size, rank, device.index, static_cast<CudaStream&>(stream).handle(),
+                                    detail::concat("rank ", rank, " (", device.str(), ")"), timeout, processes);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    const int64_t joined = comm ? 1 : 0;
+    int64_t all_joined = 0;
+    processes->all_reduce(&joined, &all_joined, 1, CommDType::kI64, ReduceOp::kMin);
+    if (all_joined == 0)
+      return {nullptr, detail::concat(staged, " (NCCL could not connect the processes", why.empty() ? "" : ": ", why,
+                                      ")")};
+    return {std::move(comm), "nccl"};
+  }
+
+  // Which GPU `device` is, comparable across the processes of a job: its host (name and boot) and PCI address.
+  static std::array<int64_t, 2> gpu_identity(Device device) {
+    cudaDeviceProp prop{};
+    DPAR_CUDA_CHECK(cudaGetDeviceProperties(&prop, device.index), "cudaGetDeviceProperties(", device.index, ")");
+    std::string host(256, '\0');
+    if (gethostname(host.data(), host.size() - 1) != 0) host.clear();
+    host.resize(std::strlen(host.c_str()));
+    std::ifstream boot("/proc/sys/kernel/random/boot_id");
+    std::string boot_id;
+    std::getline(boot, boot_id);
+    uint64_t hash = 14695981039346656037ull;  // FNV-1a: the same on every process, whatever its standard library
+    for (const char c : host + "/" + boot_id) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    const int64_t pci = (static_cast<int64_t>(prop.pciDomainID) << 32) | (static_cast<int64_t>(prop.pciBusID) << 8) |
+                        static_cast<int64_t>(prop.pciDeviceID);
+    return {static_cast<int64_t>(hash), pci};
   }
 
   // Lets kernels on GPU `from` reach GPU `to`'s memory; refuses a pair that cannot.

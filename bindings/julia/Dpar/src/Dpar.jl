@@ -438,6 +438,14 @@ function processes(e::Engine)
     (Int(r[]), Int(s[]))
 end
 
+"""How gradient buckets travel between the processes: "" for one process, "mpi", "nccl", or
+"mpi through host memory (...)" saying why NCCL could not be used."""
+function process_transport(e::Engine)
+    t = ccall((:dpar_engine_process_transport, libdpar), Cstring, (Ptr{Cvoid},), e.ptr)
+    t == C_NULL && check(ERR_INVALID_ARGUMENT)
+    unsafe_string(t)
+end
+
 function replica_device(e::Engine, replica::Integer)
     d = Ref(DparDevice(0, 0))
     check(ccall((:dpar_engine_replica_device, libdpar), Int32, (Ptr{DparDevice}, Ptr{Cvoid}, Csize_t),

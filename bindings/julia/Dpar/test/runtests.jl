@@ -125,6 +125,8 @@ end
                 got = [string(reinterpret(UInt32, Dpar.train_step!(e, x, y)), base=16, pad=8) for _ in 1:5]
                 @test got == expected
                 @test Dpar.step_count(e) == 5
+                @test Dpar.processes(e) == (0, 1)
+                @test Dpar.process_transport(e) == ""  # one process: nothing travels between processes
             end
         end
     end

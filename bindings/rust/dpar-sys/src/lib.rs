@@ -23,7 +23,7 @@ pub const DPAR_ERR_INVALID_STATE: dpar_status = -11;
 pub const DPAR_ERR_INTERNAL: dpar_status = -12;
 
 pub const DPAR_VERSION_MAJOR: i32 = 0;
-pub const DPAR_VERSION_MINOR: i32 = 5;
+pub const DPAR_VERSION_MINOR: i32 = 6;
 pub const DPAR_VERSION_PATCH: i32 = 0;
 pub const DPAR_VERSION: i32 = DPAR_VERSION_MAJOR * 10000 + DPAR_VERSION_MINOR * 100 + DPAR_VERSION_PATCH;
 pub const DPAR_MAX_DIMS: usize = 4;
@@ -268,6 +268,7 @@ extern "C" {
     pub fn dpar_engine_abort(engine: *mut dpar_engine) -> dpar_status;
     pub fn dpar_engine_num_replicas(out: *mut usize, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_processes(out_rank: *mut usize, out_size: *mut usize, engine: *const dpar_engine) -> dpar_status;
+    pub fn dpar_engine_process_transport(engine: *const dpar_engine) -> *const c_char;
     pub fn dpar_engine_num_buckets(out: *mut usize, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_replica_device(out: *mut dpar_device, engine: *const dpar_engine, replica: usize) -> dpar_status;
     pub fn dpar_engine_split(out: *mut usize, engine: *const dpar_engine, batch: usize, capacity: usize) -> dpar_status;

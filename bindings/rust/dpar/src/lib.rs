@@ -183,7 +183,7 @@ pub fn version() -> i32 {
     unsafe { sys::dpar_version() }
 }
 
-/// The loaded library's version string, such as "0.5.0".
+/// The loaded library's version string, such as "0.6.0".
 pub fn version_string() -> &'static str {
     unsafe { CStr::from_ptr(sys::dpar_version_string()) }.to_str().unwrap_or("")
 }
@@ -898,6 +898,15 @@ impl Engine {
         let (mut r, mut s) = (0usize, 0usize);
         check(unsafe { sys::dpar_engine_processes(&mut r, &mut s, self.raw) })?;
         Ok((r, s))
+    }
+    /// How gradient buckets travel between the processes: "" for one process, "mpi", "nccl", or
+    /// "mpi through host memory (...)" saying why NCCL could not be used.
+    pub fn process_transport(&self) -> Result<String> {
+        let t = unsafe { sys::dpar_engine_process_transport(self.raw) };
+        if t.is_null() {
+            return Err(take_error(status::INVALID_ARGUMENT));
+        }
+        Ok(unsafe { CStr::from_ptr(t) }.to_string_lossy().into_owned())
     }
     pub fn num_buckets(&self) -> Result<usize> {
         count(|n| unsafe { sys::dpar_engine_num_buckets(n, self.raw) })

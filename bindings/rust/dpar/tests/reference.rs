@@ -34,6 +34,8 @@ fn losses_have_the_c_reference_bits() {
         (0..5).map(|_| format!("{:08x}", engine.train_step(&input, &labels).unwrap().to_bits())).collect();
     assert_eq!(got, expected);
     assert_eq!(engine.step_count().unwrap(), 5);
+    assert_eq!(engine.processes().unwrap(), (0, 1));
+    assert_eq!(engine.process_transport().unwrap(), ""); // one process: nothing travels between processes
 }
 
 #[test]
