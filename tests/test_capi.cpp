@@ -1166,6 +1166,9 @@ TEST(EngineOptions, AVersionOneStructGetsTheNewFieldsDefaults) {
   const char* transport = dpar_engine_process_transport(e.get());
   ASSERT_NE(transport, nullptr) << dpar_last_error();
   EXPECT_STREQ(transport, "") << "one process has no transport between processes";
+  EXPECT_INVALID("compression", dpar_engine_set_gradient_compression(e.get(), 2));
+  EXPECT_INVALID("compression", dpar_engine_set_gradient_compression(e.get(), -1));
+  ASSERT_OK(dpar_engine_set_gradient_compression(e.get(), DPAR_COMPRESSION_BF16));
 }
 
 TEST(EngineOptions, InitFillsTheCallersLayoutAndNotAByteMore) {
@@ -1435,6 +1438,7 @@ class EngineHandleCalls {
         {"backward", [=] { return dpar_engine_backward(bad, g); }},
         {"set_training", [=] { return dpar_engine_set_training(bad, 0); }},
         {"set_lr", [=] { return dpar_engine_set_lr(bad, 0.5f); }},
+        {"set_gradient_compression", [=] { return dpar_engine_set_gradient_compression(bad, DPAR_COMPRESSION_BF16); }},
         {"step_count", [=] { size_t n; return dpar_engine_step_count(&n, bad); }},
         {"replica_losses", [=] { float l[8]; return dpar_engine_replica_losses(l, bad, 8); }},
         {"get_params", [=] { float p[kParams]; return dpar_engine_get_params(p, bad, 0, kParams); }},

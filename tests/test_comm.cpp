@@ -932,6 +932,13 @@ TEST(Comm, BadArgumentsAreRefusedAndReleaseTheGroup) {
     EXPECT_EQ(e.status(), DPAR_ERR_INVALID_ARGUMENT);
   }
   g.group.reset();
+  try {  // bf16 crosses processes only (MPI, NCCL): threads share memory
+    g[0].all_reduce(v, v, 2, CommDType::kBF16, ReduceOp::kSum);
+    ADD_FAILURE() << "bf16 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), DPAR_ERR_NOT_SUPPORTED) << e.what();
+  }
+  g.group.reset();
   g[0].all_reduce(nullptr, nullptr, 0, CommDType::kF32, ReduceOp::kSum);  // count 0 needs no buffers
 }
 

@@ -6,8 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -518,6 +520,29 @@ TEST_F(CudaKernels, AxpyAndScaleMatchCpuBitForBit) {
     EXPECT_TRUE(bitwise_equal(d_y.download(), y)) << "n " << n;
   }
   EXPECT_THROW(gpu::scale(nullptr, 1.0f, -1, stream_), Error);
+}
+
+TEST_F(CudaKernels, Bf16ConversionsMatchCpuBitForBit) {
+  // Random bits over every exponent (NaNs and infinities among them), ties, and every bfloat16 back.
+  for (int64_t n : {1, 257, 65536, 100003}) {
+    std::vector<float> x(static_cast<size_t>(n));
+    std::mt19937 gen(static_cast<uint32_t>(n));
+    for (auto& v : x) {
+      const uint32_t b = static_cast<uint32_t>(gen()) & (gen() % 4 == 0 ? 0xffff8000u : 0xffffffffu);  // ties too
+      std::memcpy(&v, &b, sizeof v);
+    }
+    std::vector<uint16_t> want(x.size());
+    cpu::to_bf16(want.data(), x.data(), n);
+    DeviceBuffer<float> d_x(x), d_wide(n);
+    DeviceBuffer<uint16_t> d_h(n);
+    gpu::to_bf16(d_h.get(), d_x.get(), n, stream_);
+    EXPECT_EQ(d_h.download(), want) << "to_bf16, n " << n;
+    std::vector<float> wide(x.size());
+    cpu::from_bf16(wide.data(), want.data(), n);
+    gpu::from_bf16(d_wide.get(), d_h.get(), n, stream_);
+    EXPECT_TRUE(bitwise_equal(d_wide.download(), wide)) << "from_bf16, n " << n;
+  }
+  EXPECT_THROW(gpu::to_bf16(nullptr, nullptr, -1, stream_), Error);
 }
 
 TEST_F(CudaKernels, SumSquaresMatchesCpuWithinDoubleRoundingAndRepeatsItsBits) {

@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bf16.h"
 #include "common/error.h"
 #include "kernels/cpu/kernels.h"
 
@@ -794,6 +795,75 @@ TEST(Helpers, SumSquaresIsTheLaneOrderedSumInDouble) {
     EXPECT_EQ(k::sum_squares(x.data(), n), lane[0]) << n << " elements";
   }
   EXPECT_THROW(k::sum_squares(nullptr, -1), dpar::Error);
+}
+
+namespace {
+uint32_t bits_of(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+float float_of(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+// bfloat16 rounding restated from IEEE's definition: of the two bfloat16 values around f (its upper half, and the
+// next one away from zero), the nearer one in exact (double) arithmetic, the even one on a tie; past the largest
+// finite bfloat16, the next one is 2^128, which rounds to infinity.
+uint16_t reference_bf16(float f) {
+  const uint32_t b = bits_of(f);
+  const uint32_t lo = b & 0xffff0000u, hi = lo + 0x10000u;
+  const double x = std::fabs(double(f)), below = std::fabs(double(float_of(lo)));
+  const double above = (hi & 0x7fffffffu) == 0x7f800000u ? std::ldexp(1.0, 128) : std::fabs(double(float_of(hi)));
+  const double d_lo = x - below, d_hi = above - x;
+  const bool up = d_hi < d_lo || (d_hi == d_lo && (lo & 0x10000u) != 0);
+  return static_cast<uint16_t>((up ? hi : lo) >> 16);
+}
+}  // namespace
+
+TEST(Helpers, Bf16RoundsToNearestEvenAndWidensExactly) {
+  // Every bfloat16 widens to the float with its bits on top, and rounds back to itself (NaNs to a NaN).
+  std::vector<uint16_t> all(65536), back(65536);
+  for (uint32_t h = 0; h < 65536; ++h) all[h] = static_cast<uint16_t>(h);
+  Vec wide(65536);
+  k::from_bf16(wide.data(), all.data(), 65536);
+  k::to_bf16(back.data(), wide.data(), 65536);
+  for (uint32_t h = 0; h < 65536; ++h) {
+    ASSERT_EQ(bits_of(wide[h]), h << 16) << std::hex << h;
+    if (std::isnan(wide[h]))
+      EXPECT_TRUE(std::isnan(dpar::from_bf16(back[h])) && (back[h] >> 15u) == (h >> 15u))
+          << std::hex << h << ": a NaN must stay a NaN of its sign";
+    else
+      EXPECT_EQ(back[h], h) << std::hex << h;
+  }
+  // Ties go to the even neighbour; anything past a tie goes up; FLT_MAX and the largest bfloat16's half-ulp round
+  // to infinity.
+  const std::vector<std::pair<uint32_t, uint16_t>> cases = {
+      {0x3f808000u, 0x3f80}, {0x3f818000u, 0x3f82}, {0x3f808001u, 0x3f81}, {0x3f807fffu, 0x3f80},
+      {0xbf818000u, 0xbf82}, {0x7f7fffffu, 0x7f80}, {0x7f7f8000u, 0x7f80}, {0x7f7f7fffu, 0x7f7f},
+      {0x00000001u, 0x0000}, {0x00008000u, 0x0000}, {0x00018000u, 0x0002}, {0x7f800000u, 0x7f80},
+      {0xff800000u, 0xff80}, {0x80000000u, 0x8000}};
+  for (const auto& [in, want] : cases) {
+    const float f = float_of(in);
+    uint16_t got = 0;
+    k::to_bf16(&got, &f, 1);
+    EXPECT_EQ(got, want) << std::hex << in;
+    EXPECT_EQ(reference_bf16(f), want) << std::hex << in << " (the reference itself)";
+  }
+  // Random floats over the whole range of exponents, against the reference.
+  std::mt19937 gen(91);
+  Vec x(200000);
+  for (auto& v : x) {
+    do v = float_of(static_cast<uint32_t>(gen())); while (std::isnan(v));
+  }
+  std::vector<uint16_t> got(x.size());
+  k::to_bf16(got.data(), x.data(), static_cast<int64_t>(x.size()));
+  size_t wrong = 0;
+  for (size_t i = 0; i < x.size(); ++i) wrong += got[i] != reference_bf16(x[i]);
+  EXPECT_EQ(wrong, 0u) << "of " << x.size() << " random floats";
+  EXPECT_THROW(k::to_bf16(nullptr, nullptr, -1), dpar::Error);
+  EXPECT_THROW(k::from_bf16(nullptr, nullptr, -1), dpar::Error);
 }
 
 // =============================================================================================================

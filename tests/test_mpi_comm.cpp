@@ -20,12 +20,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "comm/mpi_comm.h"
+#include "common/bf16.h"
 
 namespace dpar {
 namespace {
@@ -253,6 +255,41 @@ TEST_P(Collectives, ReduceScatter) {
   reduce_scatter<double>();
   reduce_scatter<int32_t>();
   reduce_scatter<int64_t>();
+}
+
+// bfloat16 sums, the engine's compressed buckets: exact where every partial sum is a bfloat16 (whichever order MPI
+// adds in), the same bits on every rank where they round, both in fused messages and through MPI_Allreduce's own
+// op; other reductions are refused.
+TEST_P(Collectives, Bf16AllReduceSumsInFloatAndEveryRankGetsTheSameBits) {
+  const int n = comm_->size(), r = comm_->rank();
+  for (size_t count : kCounts) {
+    SCOPED_TRACE(detail::concat("bf16 count ", count));
+    // Quarters of small integers: every partial sum has at most 8 significant bits, so none rounds.
+    auto exact = [](int rank, size_t i) { return static_cast<float>(static_cast<int>((rank + 3 * i) % 9) - 4) * 0.25f; };
+    std::vector<uint16_t> mine(count);
+    for (size_t i = 0; i < count; ++i) mine[i] = to_bf16(exact(r, i));
+    comm_->all_reduce(mine.data(), mine.data(), count, CommDType::kBF16, ReduceOp::kSum);
+    long wrong = -1;
+    for (size_t i = 0; i < count && wrong < 0; ++i) {
+      float want = 0;
+      for (int q = 0; q < n; ++q) want += exact(q, i);
+      if (from_bf16(mine[i]) != want) wrong = static_cast<long>(i);
+    }
+    EXPECT_EQ(wrong, -1) << "first wrong element";
+    // Values that round: every rank must still end with rank 0's bits.
+    std::mt19937 gen(static_cast<uint32_t>(7 * r + 1));
+    std::uniform_real_distribution<float> uniform(-3.0f, 3.0f);
+    for (auto& h : mine) h = to_bf16(uniform(gen));
+    comm_->all_reduce(mine.data(), mine.data(), count, CommDType::kBF16, ReduceOp::kSum);
+    std::vector<uint16_t> root = mine;
+    comm_->broadcast(root.data(), count, CommDType::kBF16, 0);
+    EXPECT_EQ(root, mine) << "rank " << r << "'s sum differs from rank 0's";
+  }
+  uint16_t x = 0;
+  for (ReduceOp op : {ReduceOp::kMean, ReduceOp::kMax}) {
+    const auto o = outcome([&] { comm_->all_reduce(&x, &x, 1, CommDType::kBF16, op); });
+    EXPECT_EQ(o.status, DPAR_ERR_NOT_SUPPORTED) << o.message;
+  }
 }
 
 TEST_P(Collectives, AllReduceSumWithNonContributorsAndScale) {

@@ -213,6 +213,49 @@ void check_equivalence(size_t devices, const Data& d, int64_t skew, int32_t opti
   dpar_engine_free(one);
 }
 
+// Gradients compressed to bfloat16 between the processes: every replica of every process still ends with the same
+// bits, the result differs from f32's (the compression ran) by about bfloat16's precision, and a process that
+// compresses while another does not makes every process's step fail with MISMATCH.
+void check_compression(size_t devices, const Data& d) {
+  if (g_size < 2) return;
+  // SGD: its step is linear in the gradient, so rounding the gradient to bfloat16 (a relative 2^-9) moves the
+  // parameters by about as much (Adam divides by the gradient's own size and magnifies it where that is small).
+  dpar_engine* plain = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_SGD);
+  dpar_engine* packed = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_SGD);
+  CHECK_OK(dpar_engine_set_gradient_compression(packed, DPAR_COMPRESSION_BF16));
+  expect(dpar_engine_set_gradient_compression(packed, 7) == DPAR_ERR_INVALID_ARGUMENT,
+         "an unknown compression was accepted");
+  const auto [begin, rows] = my_rows(0);
+  for (int s = 0; s < kSteps; ++s) {
+    CHECK_OK(step_rows(plain, d, s % kBatches, begin, rows));
+    CHECK_OK(step_rows(packed, d, s % kBatches, begin, rows));
+  }
+  const auto want = params(plain), got = params(packed);
+  const double e = max_relative_error(got, want);
+  expect(got != want, "bf16: the parameters are f32's bit for bit: the buckets were not compressed");
+  expect(e < 2e-2, "bf16: differs from f32 by " + std::to_string(e));
+  for (size_t r = 1; r < devices; ++r) expect(params(packed, r) == got, "bf16: replica " + std::to_string(r) + " differs");
+  dpar_comm* world = nullptr;
+  CHECK_OK(dpar_comm_create_mpi(&world, nullptr));
+  std::vector<float> root = got;
+  CHECK_OK(dpar_comm_broadcast(world, root.data(), root.size(), DPAR_F32, 0));
+  expect(root == got, "bf16: this process's parameters differ from rank 0's");
+  dpar_comm_free(world);
+  dpar_engine_free(plain);
+  dpar_engine_free(packed);
+
+  dpar_engine* split = make_engine(devices, DPAR_PROCESSES_MPI);
+  if (g_rank == 1) CHECK_OK(dpar_engine_set_gradient_compression(split, DPAR_COMPRESSION_BF16));
+  const dpar_status s = step_rows(split, d, 0, begin, rows);
+  const std::string msg = dpar_last_error();
+  expect(s == DPAR_ERR_MISMATCH || s == DPAR_ERR_REMOTE,
+         std::string("a step with compression on rank 1 alone returned ") + dpar_status_str(s) + ": " + msg);
+  dpar_engine_free(split);
+  if (g_rank == 0)
+    std::printf("bf16 compression: max relative difference %.2e to f32; processes identical; a process that "
+                "differs fails the step (%s)\n", e, dpar_status_str(s));
+}
+
 bool exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
 
 void check_checkpoints(size_t devices, const Data& d, const std::string& dir) {
@@ -451,6 +494,7 @@ int main(int argc, char** argv) {
   rmdir(dir);
   check_loader_shards();
   check_refused_input(devices, d);
+  check_compression(devices, d);
   check_abort(devices, d);
   if (g_rank == 0) std::printf("%s\n", g_failures ? "FAILED" : "ALL PASSED");
   return g_failures ? 1 : 0;

@@ -2,7 +2,7 @@
  *
  *   train_fashion_mnist [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B] [--lr LR]
  *                       [--optimizer adam|sgd] [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]
- *                       [--trace PATH]
+ *                       [--trace PATH] [--gradient-compression none|bf16]
  *
  * --device auto (the default) trains over every GPU when dpar finds any, and over the CPU devices otherwise.
  * --devices N sets the number of replicas: CPU devices, or replicas spread over the GPUs in turn (with one GPU,
@@ -17,7 +17,9 @@
  * step), as torch.optim.lr_scheduler.CosineAnnealingLR does per step.
  * Prints per-epoch train loss, test accuracy and samples per second, with a progress bar on a terminal, and
  * saves a checkpoint at the end. With --min-accuracy it exits 1 if the final test accuracy is lower. --trace PATH
- * writes a timeline of the first epoch's training steps (dpar_engine_trace_start; rank 0's), for ui.perfetto.dev. */
+ * writes a timeline of the first epoch's training steps (dpar_engine_trace_start; rank 0's), for ui.perfetto.dev.
+ * --gradient-compression bf16 sends gradients between processes as bfloat16 (dpar_engine_set_gradient_compression;
+ * no effect on one process). */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, isatty */
 #include <math.h>
 #include <stdio.h>
@@ -105,6 +107,7 @@ int main(int argc, char **argv) {
   const char *data = "/usr/share/datasets/fashion-mnist";
   const char *checkpoint = "fashion_mnist.safetensors";
   const char *trace = NULL;
+  const char *compression = "none";
   unsigned long long seed = 0;
   double min_accuracy = 0.0;
   for (int i = 1; i < argc; ++i) {
@@ -113,7 +116,8 @@ int main(int argc, char **argv) {
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       printf("usage: %s [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B] [--lr LR]\n"
              "          [--optimizer adam|sgd] [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]\n"
-             "          [--trace PATH]   (a timeline of the first epoch's steps, for ui.perfetto.dev; rank 0's)\n",
+             "          [--trace PATH]   (a timeline of the first epoch's steps, for ui.perfetto.dev; rank 0's)\n"
+             "          [--gradient-compression none|bf16]   (gradients between processes as bfloat16)\n",
              argv[0]);
       return 0;
     }
@@ -132,11 +136,16 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--seed")) seed = strtoull(v, NULL, 10);
     else if (!strcmp(a, "--min-accuracy")) min_accuracy = strtod(v, NULL);
     else if (!strcmp(a, "--trace")) trace = v;
+    else if (!strcmp(a, "--gradient-compression")) compression = v;
     else {
       fprintf(stderr, "%s: unknown option %s (see --help)\n", argv[0], a);
       return 2;
     }
     ++i;
+  }
+  if (strcmp(compression, "none") && strcmp(compression, "bf16")) {
+    fprintf(stderr, "%s: --gradient-compression %s: expected none or bf16\n", argv[0], compression);
+    return 2;
   }
   /* The GPUs when there are any (auto) or when asked for (cuda: an error names why there are none). */
   size_t gpus = 0;
@@ -218,7 +227,11 @@ int main(int argc, char **argv) {
            dpar_version_string(), features, classes, optimizer, (double)lr, batch, nproc, nproc > 1 ? "es" : "",
            devices, use_cuda ? (gpus == 1 ? "replicas on 1 GPU" : "replicas on GPUs") : "CPU devices", n_train,
            n_test);
-  if (root && nproc > 1) printf("gradients cross the processes by %s\n", dpar_engine_process_transport(engine));
+  CHECK(dpar_engine_set_gradient_compression(engine, strcmp(compression, "bf16") ? DPAR_COMPRESSION_NONE
+                                                                                   : DPAR_COMPRESSION_BF16));
+  if (root && nproc > 1)
+    printf("gradients cross the processes by %s%s\n", dpar_engine_process_transport(engine),
+           strcmp(compression, "bf16") ? "" : ", as bfloat16");
 
   /* Every process draws the same permutation (same seed) and takes its own slice of each batch. */
   dpar_loader *loader = NULL;

@@ -71,6 +71,9 @@ class Stream {
   // The sum of x[i]^2 in double, once everything queued before has run: on CPU kernels::cpu::sum_squares, on
   // another device a twin equal to it within rounding. The same bits on every call on one device.
   virtual double sum_squares(const float* x, int64_t n) = 0;
+  // bfloat16 copies of floats and back (kernels::cpu::to_bf16 / from_bf16: the same bits on every backend).
+  virtual void to_bf16(uint16_t* dst, const float* src, int64_t n) = 0;
+  virtual void from_bf16(float* dst, const uint16_t* src, int64_t n) = 0;
 
  private:
   Device device_;

@@ -27,6 +27,7 @@ size_t comm_dtype_size(CommDType dtype) {
     case CommDType::kF64: return 8;
     case CommDType::kI32: return 4;
     case CommDType::kI64: return 8;
+    case CommDType::kBF16: return 2;
   }
   fail(DPAR_ERR_INVALID_ARGUMENT, "dtype: unknown collective element type ", static_cast<int32_t>(dtype));
 }
@@ -37,6 +38,7 @@ const char* comm_dtype_name(CommDType dtype) {
     case CommDType::kF64: return "f64";
     case CommDType::kI32: return "i32";
     case CommDType::kI64: return "i64";
+    case CommDType::kBF16: return "bf16";
   }
   return "unknown dtype";
 }

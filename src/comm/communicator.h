@@ -26,8 +26,10 @@ class CommThread;  // communicator.cpp / comm_thread.h: a participant's communic
 }  // namespace detail
 
 enum class ReduceOp : int32_t { kSum = 0, kMean = 1, kMax = 2, kMin = 3 };
-// Element types of collectives. (bf16 and f16 take the next values when they arrive.)
-enum class CommDType : int32_t { kF32 = 0, kF64 = 1, kI32 = 2, kI64 = 3 };
+// Element types of collectives. kBF16 (common/bf16.h) is what the engine's compressed gradient buckets cross the
+// processes in: the MPI backend reduces it with sums only (in float, each sum rounded back to bfloat16), NCCL
+// natively; the in-process backends refuse it (NOT_SUPPORTED), and the C ABI does not offer it.
+enum class CommDType : int32_t { kF32 = 0, kF64 = 1, kI32 = 2, kI64 = 3, kBF16 = 4 };
 
 // What a collective is, in the fingerprints that participants compare and in the messages that name a call: one
 // list for every backend, each using the kinds it has. 64-bit because the backends put it in fingerprints of

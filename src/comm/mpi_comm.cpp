@@ -12,6 +12,9 @@
 #include <sstream>
 #include <condition_variable>
 #include <thread>
+#include <mutex>
+
+#include "common/bf16.h"
 
 namespace dpar {
 namespace {
@@ -63,6 +66,19 @@ void reduce_blocks(T* out, const char* const* in, size_t m, size_t count, Reduce
   }
 }
 
+// The same for bf16 sums, added in float and rounded after each addition, as bf16_sum() does.
+void reduce_bf16_blocks(uint16_t* out, const char* const* in, size_t m, size_t count) {
+  if (m == 0) {
+    std::memset(out, 0, count * sizeof(uint16_t));
+    return;
+  }
+  std::memcpy(out, in[0], count * sizeof(uint16_t));
+  for (size_t k = 1; k < m; ++k) {
+    const auto* b = reinterpret_cast<const uint16_t*>(in[k]);
+    for (size_t i = 0; i < count; ++i) out[i] = to_bf16(from_bf16(out[i]) + from_bf16(b[i]));
+  }
+}
+
 // Notices on the private communicator: int64 kind, sequence number, operation; then the text.
 constexpr int kNoticeTag = 1;
 constexpr int kFingerprintTag = 2;
@@ -86,7 +102,8 @@ bool valid_dtype(CommDType dtype) {
     case CommDType::kF32:
     case CommDType::kF64:
     case CommDType::kI32:
-    case CommDType::kI64: return true;
+    case CommDType::kI64:
+    case CommDType::kBF16: return true;
   }
   return false;
 }
@@ -107,12 +124,34 @@ MPI_Datatype mpi_type(CommDType dtype) {
     case CommDType::kF64: return MPI_DOUBLE;
     case CommDType::kI32: return MPI_INT32_T;
     case CommDType::kI64: return MPI_INT64_T;
+    case CommDType::kBF16: return MPI_UINT16_T;  // moved as bits; summed by bf16_sum_op()
   }
   return MPI_DATATYPE_NULL;
 }
 
-// kMean is a sum, divided afterwards.
-MPI_Op mpi_op(ReduceOp op) {
+// inout[i] = bfloat16(float(in[i]) + float(inout[i])): commutative, so every rank of an all-reduce gets the same bits.
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const uint16_t*>(in);
+  auto* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = to_bf16(from_bf16(a[i]) + from_bf16(b[i]));
+}
+
+// MPI has no bfloat16: its sum is an operation of dpar's, made once MPI runs (and never freed: it lives as long as
+// MPI does).
+MPI_Op bf16_sum_op() {
+  static std::once_flag once;
+  static MPI_Op op = MPI_OP_NULL;
+  std::call_once(once, [] {
+    const int rc = MPI_Op_create(&bf16_sum, 1, &op);
+    if (rc != MPI_SUCCESS) op = MPI_OP_NULL;
+  });
+  DPAR_ENFORCE(op != MPI_OP_NULL, DPAR_ERR_COMMUNICATION, "mpi: MPI_Op_create for the bf16 sum failed");
+  return op;
+}
+
+// kMean is a sum, divided afterwards. bf16 has sums only (validate() refuses the rest).
+MPI_Op mpi_op(CommDType dtype, ReduceOp op) {
+  if (dtype == CommDType::kBF16) return bf16_sum_op();
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kMean: return MPI_SUM;
@@ -166,6 +205,7 @@ void divide(void* data, size_t count, CommDType dtype, int by) {
     case CommDType::kF64: return divide_all<double>(data, count, static_cast<double>(by));
     case CommDType::kI32: return divide_all<int32_t>(data, count, by);
     case CommDType::kI64: return divide_all<int64_t>(data, count, by);
+    case CommDType::kBF16: return;  // validate() refuses a bf16 mean
   }
 }
 
@@ -390,8 +430,10 @@ MpiCommunicator::~MpiCommunicator() {
   }
   pending_sends_.clear();
   // A communicator with a request that never completes is left to MPI_Finalize, and so are the buffers that such
-  // a request may still write into if the rank it waits for arrives after all.
-  if (!requests_left_pending_) {
+  // a request may still write into if the rank it waits for arrives after all. So is one that failed: the others
+  // may have sent it notices or fingerprints it never received, and OpenMPI hands a freed communicator's context id
+  // to the next one created, unreceived messages included (a later engine then read an earlier one's abort).
+  if (!requests_left_pending_ && state_.load() == kUsable && !abort_requested_.load()) {
     MPI_Comm_free(&comm_);
     MPI_Comm_free(&control_);
   } else {
@@ -574,8 +616,11 @@ void MpiCommunicator::check_usable(const Call& call) {
 
 void MpiCommunicator::validate(const Call& c) const {
   DPAR_CHECK_ARG(valid_dtype(c.dtype), "unknown dtype ", static_cast<int32_t>(c.dtype));
-  if (has_op(c.coll))
+  if (has_op(c.coll)) {
     DPAR_CHECK_ARG(valid_op(c.op), "unknown reduce op ", static_cast<int32_t>(c.op));
+    DPAR_ENFORCE(c.dtype != CommDType::kBF16 || c.op == ReduceOp::kSum, DPAR_ERR_NOT_SUPPORTED, "bf16 ",
+                 reduce_op_name(c.op), ": the MPI backend reduces bf16 with sums only");
+  }
   if (has_root(c.coll))
     DPAR_CHECK_ARG(c.root >= 0 && c.root < size_, "root ", c.root, " is not a rank of this ",
                    size_, "-rank communicator");
@@ -996,6 +1041,7 @@ void MpiCommunicator::reduce_fused(const Call& c) {
     case CommDType::kF64: return reduce_blocks(static_cast<double*>(c.recv), in, m, c.count, c.op);
     case CommDType::kI32: return reduce_blocks(static_cast<int32_t*>(c.recv), in, m, c.count, c.op);
     case CommDType::kI64: return reduce_blocks(static_cast<int64_t*>(c.recv), in, m, c.count, c.op);
+    case CommDType::kBF16: return reduce_bf16_blocks(static_cast<uint16_t*>(c.recv), in, m, c.count);
   }
 }
 
@@ -1033,7 +1079,7 @@ void MpiCommunicator::transfer(const Call& c, uint64_t seq) {
     case kAllReduceSum: {
       const bool in_place = c.coll == kAllReduceSum || c.send == c.recv;
       if (c.coll == kAllReduceSum && !c.contributes) std::memset(c.recv, 0, bytes);
-      const MPI_Op op = mpi_op(c.op);
+      const MPI_Op op = mpi_op(c.dtype, c.op);
       chunks([&](size_t off, int n) {
         const void* send = in_place ? MPI_IN_PLACE : cbytes(c.send, off);
         void* recv = bytes_at(c.recv, off);
@@ -1053,7 +1099,7 @@ void MpiCommunicator::transfer(const Call& c, uint64_t seq) {
       break;
     case kReduce: {
       const bool is_root = rank_ == c.root;
-      const MPI_Op op = mpi_op(c.op);
+      const MPI_Op op = mpi_op(c.dtype, c.op);
       chunks([&](size_t off, int n) {
         const void* send = is_root && c.send == c.recv ? MPI_IN_PLACE : cbytes(c.send, off);
         void* recv = is_root ? bytes_at(c.recv, off) : nullptr;
@@ -1076,7 +1122,7 @@ void MpiCommunicator::transfer(const Call& c, uint64_t seq) {
     }
     case kReduceScatter: {
       const int n = static_cast<int>(c.count);
-      const MPI_Op op = mpi_op(c.op);
+      const MPI_Op op = mpi_op(c.dtype, c.op);
       // In place, MPI takes the input from the receive buffer (all blocks) and leaves the result at its start.
       void* whole = const_cast<void*>(c.send);
       const bool nccl_in_place = c.recv != c.send && c.recv == bytes_at(whole, rank_ * bytes);

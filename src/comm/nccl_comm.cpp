@@ -30,6 +30,7 @@ ncclDataType_t nccl_type(CommDType dtype) {
     case CommDType::kF64: return ncclFloat64;
     case CommDType::kI32: return ncclInt32;
     case CommDType::kI64: return ncclInt64;
+    case CommDType::kBF16: return ncclBfloat16;
   }
   fail(DPAR_ERR_INVALID_ARGUMENT, "nccl: unknown dtype ", static_cast<int>(dtype));
 }
@@ -40,7 +41,7 @@ ncclRedOp_t nccl_op(CommDType dtype, ReduceOp op) {
     case ReduceOp::kMax: return ncclMax;
     case ReduceOp::kMin: return ncclMin;
     case ReduceOp::kMean:
-      if (dtype != CommDType::kF32 && dtype != CommDType::kF64)
+      if (dtype != CommDType::kF32 && dtype != CommDType::kF64 && dtype != CommDType::kBF16)
         fail(DPAR_ERR_NOT_SUPPORTED, "nccl: mean of ", comm_dtype_name(dtype), " (ncclAvg is for floating types)");
       return ncclAvg;
   }

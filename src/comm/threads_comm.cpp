@@ -519,6 +519,9 @@ class ThreadCommunicator final : public Communicator {
 
   size_t check_types(const char* operation, CommDType dtype, ReduceOp op) {
     const auto d = static_cast<int32_t>(dtype), o = static_cast<int32_t>(op);
+    if (dtype == CommDType::kBF16)
+      local_failure(DPAR_ERR_NOT_SUPPORTED, operation, ": the threads backend does not move bf16 (threads share "
+                    "memory: compressing would only cost)");
     if (d < 0 || d > 3) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": unknown dtype ", d);
     if (o < 0 || o > 3) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": unknown reduce op ", o);
     return comm_dtype_size(dtype);

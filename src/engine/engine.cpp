@@ -367,20 +367,13 @@ void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contrib
     rep.comm->reduce_sum(data, count, contributes, rep.grad_scale, 0);
   }
   if (rep.ctx.replica == 0) {
-    TraceSpan span(*trace_, across_ ? "bucket all-reduce (processes, nccl)" : "bucket all-reduce (processes)",
+    const bool bf16 = compression_ == GradientCompression::kBf16;
+    TraceSpan span(*trace_,
+                   across_ ? (bf16 ? "bucket all-reduce (processes, nccl, bf16)" : "bucket all-reduce (processes, nccl)")
+                           : (bf16 ? "bucket all-reduce (processes, bf16)" : "bucket all-reduce (processes)"),
                    "elements", elements);
     try {
-      if (across_) {
-        across_->all_reduce(data, data, count, CommDType::kF32, ReduceOp::kSum);
-      } else if (rep.ctx.device.is_host()) {
-        processes_->all_reduce(data, data, count, CommDType::kF32, ReduceOp::kSum);
-      } else {
-        std::vector<float>& host = rep.process_stage;
-        if (host.size() < count) host.resize(count);
-        rep.stream->copy_to_host(host.data(), data, count * sizeof(float));
-        processes_->all_reduce(host.data(), host.data(), count, CommDType::kF32, ReduceOp::kSum);
-        rep.stream->copy_from_host(data, host.data(), count * sizeof(float));
-      }
+      reduce_across_processes(rep, data, count);
     } catch (const std::exception& e) {
       // The other replicas wait for this one in the broadcast below.
       rep.comm->abort(std::string("the reduction across processes failed: ") + e.what());
@@ -389,6 +382,31 @@ void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contrib
   }
   TraceSpan span(*trace_, "bucket broadcast (replicas)", "elements", elements);
   rep.comm->broadcast(data, count, CommDType::kF32, 0);
+}
+
+void Engine::reduce_across_processes(Replica& rep, float* data, size_t count) {
+  // One process sums nothing across: compressing would only round.
+  if (compression_ == GradientCompression::kNone || processes_->size() == 1)
+    return sum_across_processes(rep, data, count, CommDType::kF32);
+  const auto n = static_cast<int64_t>(count);
+  if (!rep.bf16_stage.defined() || rep.bf16_stage.numel() < (n + 1) / 2)
+    rep.bf16_stage = rep.ctx.alloc(DType::kI32, Shape{(n + 1) / 2});
+  auto* packed = static_cast<uint16_t*>(rep.bf16_stage.raw());
+  rep.stream->to_bf16(packed, data, n);
+  sum_across_processes(rep, packed, count, CommDType::kBF16);
+  rep.stream->from_bf16(data, packed, n);
+}
+
+void Engine::sum_across_processes(Replica& rep, void* buffer, size_t count, CommDType dtype) {
+  if (across_) return across_->all_reduce(buffer, buffer, count, dtype, ReduceOp::kSum);
+  if (rep.ctx.device.is_host()) return processes_->all_reduce(buffer, buffer, count, dtype, ReduceOp::kSum);
+  // MPI moves host memory: through the host and back.
+  const size_t bytes = count * comm_dtype_size(dtype);
+  std::vector<unsigned char>& host = rep.process_stage;
+  if (host.size() < bytes) host.resize(bytes);
+  rep.stream->copy_to_host(host.data(), buffer, bytes);
+  processes_->all_reduce(host.data(), host.data(), count, dtype, ReduceOp::kSum);
+  rep.stream->copy_from_host(buffer, host.data(), bytes);
 }
 
 void Engine::clip_gradient(Replica& rep, int64_t begin, int64_t end) {
@@ -659,6 +677,12 @@ void Engine::backward(const Tensor& grad_output) {
 }
 
 void Engine::set_training(bool training) { training_ = training; for (auto& rep : replicas_) rep->ctx.training = training; }
+
+void Engine::set_gradient_compression(GradientCompression compression) {
+  DPAR_CHECK_ARG(compression == GradientCompression::kNone || compression == GradientCompression::kBf16,
+                 "compression: unknown gradient compression ", static_cast<int32_t>(compression));
+  compression_ = compression;
+}
 
 void Engine::set_lr(float lr) {
   DPAR_CHECK_ARG(std::isfinite(lr) && lr >= 0.0f, "lr: ", lr, " must be finite and >= 0");

@@ -42,6 +42,15 @@ namespace dpar {
 // smaller, and devices past the last row get 0 (10 over 8 is 2,2,2,2,2,0,0,0), as torch.nn.DataParallel does.
 std::vector<int64_t> split_batch(int64_t batch, size_t devices);
 
+// How gradient buckets cross the processes (DDP's bf16_compress_hook, Horovod's compression): within a process
+// they are always summed in f32.
+enum class GradientCompression : int32_t {
+  kNone = 0,
+  // The process's sum, rounded to bfloat16, summed across the processes in bfloat16 and widened back: half the
+  // bytes between processes, f32's range, about 3 significant digits.
+  kBf16 = 1,
+};
+
 struct EngineConfig {
   std::vector<Device> devices;  // replica r runs on devices[r]; all of one kind
   size_t output_replica = 0;    // forward() gathers on this replica's device
@@ -83,6 +92,9 @@ class Engine {
   void backward(const Tensor& grad_output);
 
   void set_training(bool training);
+  // From the next step on. Every process must set the same: the processes' collectives compare their element
+  // types, so a process that differs makes the step fail with MISMATCH on all of them. No effect on one process.
+  void set_gradient_compression(GradientCompression compression);
   void set_lr(float lr);
   // Clips the gradient of the following steps to this global L2 norm (OptimizerConfig::max_grad_norm); 0: off.
   void set_max_grad_norm(float max_norm);
@@ -134,9 +146,12 @@ class Engine {
     Tensor loss_sum_device;  // where the loss kernel writes the sum (a double) on the replica's device
     // The replica's rows of a host batch (input, target, backward()'s grad_output) on a device that is not the host.
     Tensor input_stage, target_stage, grad_stage;
-    // A bucket of a replica on a GPU, on its way through the host to the other processes (MPI moves host memory).
-    // Used by the replica's communication thread alone, one bucket at a time; grows to the largest bucket.
-    std::vector<float> process_stage;
+    // A bucket of a replica on a GPU, on its way through the host to the other processes (MPI moves host memory),
+    // and a bucket rounded to bfloat16 on the replica's device (GradientCompression::kBf16; i32 storage, two to
+    // an element). Used by the replica's communication thread alone, one bucket at a time; both grow to the
+    // largest bucket.
+    std::vector<unsigned char> process_stage;
+    Tensor bf16_stage;
     int64_t rows = 0;       // rows of the current call
     int64_t loss_rows = 0;  // rows behind loss_sum (the last training step or accumulate)
     float grad_norm = std::numeric_limits<float>::quiet_NaN();  // the gradient's norm at this call's clipping
@@ -160,6 +175,10 @@ class Engine {
   void local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin, bool reduce);
   // One bucket's collectives on replica `rep`: within the process, then across the processes.
   void reduce_bucket(Replica& rep, float* data, size_t count, bool contributes);
+  // Replica 0's part of that: the sum over the processes of the bucket in its memory, compressed or not.
+  void reduce_across_processes(Replica& rep, float* data, size_t count);
+  // The sum over the processes of `count` elements of `dtype` at `buffer`, memory of replica 0's device.
+  void sum_across_processes(Replica& rep, void* buffer, size_t count, CommDType dtype);
   // Copies the replica's loss sum of its last rows from its device into rep.loss_sum.
   void read_loss(Replica& rep);
   // Scales the gradient's elements [begin, end) so that its global L2 norm is at most the optimizer's max_grad_norm.
@@ -197,6 +216,7 @@ class Engine {
   // processes_ carries the buckets, through host memory.
   std::unique_ptr<Communicator> across_;
   std::string process_transport_;
+  GradientCompression compression_ = GradientCompression::kNone;
   std::vector<std::vector<size_t>> layer_params_;  // per layer, the indices of its parameters
   std::unique_ptr<WorkerPool> pool_;
   std::mutex mutex_;

@@ -358,6 +358,10 @@ const (
 	ProcessesAuto   = 0
 	ProcessesSingle = 1
 	ProcessesMPI    = 2
+
+	// How gradient buckets cross the processes (SetGradientCompression).
+	CompressionNone = 0 // f32, as summed
+	CompressionBF16 = 1 // each process's sum rounded to bfloat16, summed across the processes in bfloat16
 )
 
 // Options of an engine and its optimizer; zero values take dpar's defaults except where noted.
@@ -489,6 +493,14 @@ func (e *Engine) SetLR(lr float32) error {
 // between backward and the step; 0 turns clipping off.
 func (e *Engine) SetMaxGradNorm(maxNorm float32) error {
 	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_set_max_grad_norm(r, maxNorm) })
+}
+
+// SetGradientCompression compresses gradient buckets between processes from the next step on (CompressionNone,
+// CompressionBF16). Every process sets the same; with one process it changes nothing.
+func (e *Engine) SetGradientCompression(compression int) error {
+	return e.simple(func(r raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_set_gradient_compression(r, compression)
+	})
 }
 
 // GradNorm is the gradient's norm before clipping at the last step taken with clipping on (NaN before any).

@@ -92,6 +92,13 @@ func TestLossesHaveTheCReferenceBits(t *testing.T) {
 	if transport, err := e.ProcessTransport(); err != nil || transport != "" {
 		t.Fatalf("process transport %q (%v), want \"\"", transport, err)
 	}
+	if err := e.SetGradientCompression(CompressionBF16); err != nil { // one process: changes nothing
+		t.Fatal(err)
+	}
+	var de *Error
+	if err := e.SetGradientCompression(7); !errors.As(err, &de) || de.Status != ErrInvalidArg {
+		t.Fatalf("compression 7: %v, want an invalid-argument error", err)
+	}
 }
 
 func TestEmptyOrMismatchedSlicesAreErrorsNotPanics(t *testing.T) {

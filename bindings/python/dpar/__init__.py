@@ -31,6 +31,7 @@ SUM, MEAN, MAX, MIN = _raw.DPAR_SUM, _raw.DPAR_MEAN, _raw.DPAR_MAX, _raw.DPAR_MI
 LOSS_CROSS_ENTROPY, LOSS_MSE = _raw.DPAR_LOSS_CROSS_ENTROPY, _raw.DPAR_LOSS_MSE
 PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = (_raw.DPAR_PROCESSES_AUTO, _raw.DPAR_PROCESSES_SINGLE,
                                                    _raw.DPAR_PROCESSES_MPI)
+COMPRESSION_NONE, COMPRESSION_BF16 = _raw.DPAR_COMPRESSION_NONE, _raw.DPAR_COMPRESSION_BF16
 SGD, ADAM, ADAMW = _raw.DPAR_SGD, _raw.DPAR_ADAM, _raw.DPAR_ADAMW
 FAULT_NONE, FAULT_ALLOC, FAULT_FORWARD, FAULT_BACKWARD = (_raw.DPAR_FAULT_NONE, _raw.DPAR_FAULT_ALLOC,
                                                           _raw.DPAR_FAULT_FORWARD, _raw.DPAR_FAULT_BACKWARD)
@@ -433,6 +434,11 @@ class Engine(_Handle):
         """Clips the gradient of the following steps to this global L2 norm (torch.nn.utils.clip_grad_norm_
         between backward and the step); 0 turns clipping off."""
         _check(_raw.dpar_engine_set_max_grad_norm(self._raw, max_norm))
+
+    def set_gradient_compression(self, compression):
+        """Compresses gradient buckets between processes from the next step on (COMPRESSION_NONE,
+        COMPRESSION_BF16). Every process sets the same; with one process it changes nothing."""
+        _check(_raw.dpar_engine_set_gradient_compression(self._raw, compression))
 
     @property
     def grad_norm(self):

@@ -40,6 +40,10 @@ class Reference(unittest.TestCase):
             self.assertEqual(e.step_count, 5)
             self.assertEqual(e.processes, (0, 1))
             self.assertEqual(e.process_transport, "")  # one process: nothing travels between processes
+            e.set_gradient_compression(dpar.COMPRESSION_BF16)  # one process: changes nothing
+            with self.assertRaises(dpar.DparError) as cm:
+                e.set_gradient_compression(7)
+            self.assertIn("compression", cm.exception.message)
         self.assertEqual(got, expected)
 
     def test_bad_call_raises_with_dpars_message(self):

@@ -78,6 +78,8 @@ class CpuStream final : public Stream {
   void axpy(float* y, const float* x, float a, int64_t n) override { k::axpy(y, x, a, n); }
   void scale(float* x, float a, int64_t n) override { k::scale(x, a, n); }
   double sum_squares(const float* x, int64_t n) override { return k::sum_squares(x, n); }
+  void to_bf16(uint16_t* dst, const float* src, int64_t n) override { k::to_bf16(dst, src, n); }
+  void from_bf16(float* dst, const uint16_t* src, int64_t n) override { k::from_bf16(dst, src, n); }
 };
 
 class CpuBackend final : public Backend {

@@ -255,6 +255,14 @@ class CudaStream final : public Stream {
     const auto scope = enter();
     k::scale(x, a, n, stream_);
   }
+  void to_bf16(uint16_t* dst, const float* src, int64_t n) override {
+    const auto scope = enter();
+    k::to_bf16(dst, src, n, stream_);
+  }
+  void from_bf16(float* dst, const uint16_t* src, int64_t n) override {
+    const auto scope = enter();
+    k::from_bf16(dst, src, n, stream_);
+  }
   double sum_squares(const float* x, int64_t n) override {
     const auto scope = enter();
     if (!sum_scratch_)  // once per stream: the kernels' partial sums and their total

@@ -22,6 +22,7 @@
 #endif
 
 #include "common/error.h"
+#include "common/bf16.h"
 
 namespace dpar::kernels::cpu {
 
@@ -524,6 +525,18 @@ DPAR_SUM_SQUARES_CLONES double sum_squares_loop(const float* x, int64_t n) {
 double sum_squares(const float* x, int64_t n) {
   check_count(n);
   return sum_squares_loop(x, n);
+}
+
+// dst (n), src (n)
+void to_bf16(uint16_t* dst, const float* src, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = dpar::to_bf16(src[i]);
+}
+
+// dst (n), src (n)
+void from_bf16(float* dst, const uint16_t* src, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = dpar::from_bf16(src[i]);
 }
 
 }  // namespace dpar::kernels::cpu

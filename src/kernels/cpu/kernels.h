@@ -131,4 +131,9 @@ void scale(float* x, float a, int64_t n);
 constexpr int kSumSquaresLanes = 8;
 double sum_squares(const float* x, int64_t n);
 
+// dst[i] = src[i] rounded to bfloat16 (common/bf16.h: to nearest, ties to even).  dst (n), src (n)
+void to_bf16(uint16_t* dst, const float* src, int64_t n);
+// dst[i] = src[i], exactly.  dst (n), src (n)
+void from_bf16(float* dst, const uint16_t* src, int64_t n);
+
 }  // namespace dpar::kernels::cpu

@@ -1,4 +1,4 @@
-// Elementwise CUDA kernels: activations, dropout, axpy, scale. The formulas and operation order are the CPU
+// Elementwise CUDA kernels: activations, dropout, axpy, scale, bfloat16 conversions. The formulas and operation order are the CPU
 // twins' (kernels/cpu/kernels.cpp), element by element; see kernels.h for the contracts.
 #include "kernels/cuda/kernels.h"
 
@@ -105,6 +105,22 @@ __global__ void scale_kernel(float* x, float a, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) { x[i] = x[i] * a; }
 }
 
+// dst = src rounded to bfloat16, as common/bf16.h's to_bf16 does it: a NaN keeps its sign and becomes quiet; any
+// other value gets half an ulp of bfloat16 added, plus one if the kept part is odd (ties to even), and the low 16
+// bits cut.  dst (n), src (n)
+__global__ void to_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) {
+    const uint32_t bits = __float_as_uint(src[i]);
+    const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    dst[i] = static_cast<uint16_t>(nan ? (bits >> 16) | 0x0040u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
+// dst = src, exactly: a bfloat16 is a float's upper half.  dst (n), src (n)
+__global__ void from_bf16_kernel(float* dst, const uint16_t* src, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) { dst[i] = __uint_as_float(static_cast<uint32_t>(src[i]) << 16); }
+}
+
 }  // namespace
 
 #define DPAR_LAUNCH_ELEMENTWISE(kernel, n, stream, ...)                     \
@@ -155,5 +171,11 @@ void axpy(float* y, const float* x, float a, int64_t n, cudaStream_t stream) {
   DPAR_LAUNCH_ELEMENTWISE(axpy, n, stream, y, x, a, n);
 }
 void scale(float* x, float a, int64_t n, cudaStream_t stream) { DPAR_LAUNCH_ELEMENTWISE(scale, n, stream, x, a, n); }
+void to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(to_bf16, n, stream, dst, src, n);
+}
+void from_bf16(float* dst, const uint16_t* src, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(from_bf16, n, stream, dst, src, n);
+}
 
 }  // namespace dpar::kernels::cuda

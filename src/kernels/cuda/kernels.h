@@ -91,6 +91,10 @@ void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* gra
 void axpy(float* y, const float* x, float a, int64_t n, cudaStream_t stream);
 // x *= a.  x (n)
 void scale(float* x, float a, int64_t n, cudaStream_t stream);
+// The CPU twins' bfloat16 conversions, bit for bit (to nearest, ties to even; a NaN stays a quiet NaN of its sign).
+// dst (n), src (n)
+void to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t stream);
+void from_bf16(float* dst, const uint16_t* src, int64_t n, cudaStream_t stream);
 // *total = the sum of x[i]^2 in double: block b of a fixed grid of kSumSquaresBlocks adds its grid-stride elements
 // and writes partials[b], then one block adds the partials, each in a fixed tree, so every call gives the same bits.
 // The CPU twin (8 lanes) adds in another order: equal within double rounding.

@@ -19,7 +19,7 @@ end
 
 export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
-       forward, num_replicas, trace_start!, trace_stop!,
+       set_gradient_compression!, forward, num_replicas, trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
        num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!
@@ -43,6 +43,7 @@ const RELU, GELU, TANH, SIGMOID = Int32(0), Int32(1), Int32(2), Int32(3)
 const SGD, ADAM, ADAMW = Int32(0), Int32(1), Int32(2)
 const LOSS_CROSS_ENTROPY, LOSS_MSE = Int32(0), Int32(1)
 const PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Int32(0), Int32(1), Int32(2)
+const COMPRESSION_NONE, COMPRESSION_BF16 = Int32(0), Int32(1)
 
 """A failed dpar call: `status` (negative) and dpar's `message`. Throw one from a callback to fail the engine
 call with that status and message."""
@@ -381,6 +382,10 @@ set_lr!(e::Engine, lr::Real) = check(ccall((:dpar_engine_set_lr, libdpar), Int32
 (`clip_grad_norm_` between backward and the step); 0 turns clipping off."""
 set_max_grad_norm!(e::Engine, max_norm::Real) =
     check(ccall((:dpar_engine_set_max_grad_norm, libdpar), Int32, (Ptr{Cvoid}, Cfloat), e.ptr, max_norm))
+"""`set_gradient_compression!(engine, compression)`: compresses gradient buckets between processes from the next
+step on (`COMPRESSION_NONE`, `COMPRESSION_BF16`). Every process sets the same; with one process it changes nothing."""
+set_gradient_compression!(e::Engine, compression::Integer) =
+    check(ccall((:dpar_engine_set_gradient_compression, libdpar), Int32, (Ptr{Cvoid}, Int32), e.ptr, compression))
 """`grad_norm(engine)`: the gradient's norm before clipping at the last step taken with clipping on (NaN before any)."""
 function grad_norm(e::Engine)
     out = Ref{Cfloat}(0)

@@ -127,6 +127,8 @@ end
                 @test Dpar.step_count(e) == 5
                 @test Dpar.processes(e) == (0, 1)
                 @test Dpar.process_transport(e) == ""  # one process: nothing travels between processes
+                Dpar.set_gradient_compression!(e, Dpar.COMPRESSION_BF16)  # one process: changes nothing
+                @test throws_dpar(() -> Dpar.set_gradient_compression!(e, 7), Dpar.ERR_INVALID_ARGUMENT, "compression")
             end
         end
     end

@@ -704,6 +704,15 @@ pub enum Loss {
     Mse,
 }
 
+/// How gradient buckets cross the processes (`Engine::set_gradient_compression`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// f32, as summed.
+    None,
+    /// Each process's sum rounded to bfloat16, summed across the processes in bfloat16: half the bytes.
+    Bf16,
+}
+
 /// Which processes an engine spans.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Processes {
@@ -880,6 +889,15 @@ impl Engine {
     /// the step; 0 turns clipping off.
     pub fn set_max_grad_norm(&self, max_norm: f32) -> Result<()> {
         check(unsafe { sys::dpar_engine_set_max_grad_norm(self.raw, max_norm) })
+    }
+    /// Compresses gradient buckets between processes from the next step on (every process sets the same; no
+    /// effect with one process).
+    pub fn set_gradient_compression(&self, compression: Compression) -> Result<()> {
+        let c = match compression {
+            Compression::None => sys::DPAR_COMPRESSION_NONE,
+            Compression::Bf16 => sys::DPAR_COMPRESSION_BF16,
+        };
+        check(unsafe { sys::dpar_engine_set_gradient_compression(self.raw, c) })
     }
     /// The gradient's norm before clipping at the last step taken with clipping on (NaN before any).
     pub fn grad_norm(&self) -> Result<f32> {

@@ -36,6 +36,7 @@ fn losses_have_the_c_reference_bits() {
     assert_eq!(engine.step_count().unwrap(), 5);
     assert_eq!(engine.processes().unwrap(), (0, 1));
     assert_eq!(engine.process_transport().unwrap(), ""); // one process: nothing travels between processes
+    engine.set_gradient_compression(dpar::Compression::Bf16).unwrap(); // one process: changes nothing
 }
 
 #[test]

@@ -1,0 +1,28 @@
+// bfloat16: the upper 16 bits of an IEEE float (sign, 8 exponent bits, 7 mantissa bits), as torch.bfloat16 and
+// NCCL's ncclBfloat16 store it. Gradients cross the processes in it when compressed: half the bytes, f32's range.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace dpar {
+
+// f rounded to the nearest bfloat16, ties to even (torch's float -> bfloat16); a NaN stays a (quiet) NaN of its
+// sign, and infinities and the range are f32's, so nothing overflows that did not already.
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Exact: every bfloat16 is a float.
+inline float from_bf16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+}  // namespace dpar
