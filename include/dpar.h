@@ -581,9 +581,10 @@ DPAR_API dpar_status dpar_engine_num_replicas(size_t *out, const dpar_engine *en
  */
 DPAR_API dpar_status dpar_engine_processes(size_t *out_rank, size_t *out_size, const dpar_engine *engine);
 /**
- * @brief How gradient buckets travel between the processes: "" for a single process; "mpi" (CPU devices);
- * "nccl" (GPUs, each process driving GPUs of its own); or "mpi through host memory (...)" where NCCL could not be
- * used, saying why (two processes driving one GPU, which NCCL does not allow; NCCL failing to connect them). Every
+ * @brief How gradient buckets travel between the processes: "" when the engine spans one process (a job of one
+ * process included); "mpi" (CPU devices); "nccl" (GPUs, each process's first replica on a GPU of its own: that
+ * replica carries its process's buckets); or "mpi through host memory (...)" where NCCL could not be used, saying
+ * why (two processes' first replicas on one GPU, which NCCL does not allow; NCCL failing to connect them). Every
  * process of a job reports the same transport.
  * @return Borrowed from the engine, valid until it is freed. NULL for a bad engine, with dpar_last_error() saying
  *         why.

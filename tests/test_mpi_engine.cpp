@@ -143,10 +143,12 @@ double max_relative_error(const std::vector<float>& a, const std::vector<float>&
   return worst;
 }
 
-// How the engines of make_engine(devices, DPAR_PROCESSES_MPI) send buckets across the processes: MPI on CPU devices;
+// How the engines of make_engine(devices, DPAR_PROCESSES_MPI) send buckets across the processes: nothing for one
+// process; MPI on CPU devices;
 // on GPUs NCCL where each process's first replica has a GPU of its own, MPI through host memory (the start of a
 // longer text that says why) where two share one.
 std::string expected_transport(size_t devices) {
+  if (g_size == 1) return "";  // a job of one process trains as a single process
   if (g_gpus == 0) return "mpi";
   std::vector<size_t> firsts;
   for (int r = 0; r < g_size; ++r) firsts.push_back(static_cast<size_t>(r) * devices % g_gpus);

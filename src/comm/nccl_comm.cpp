@@ -48,6 +48,20 @@ ncclRedOp_t nccl_op(CommDType dtype, ReduceOp op) {
   fail(DPAR_ERR_INVALID_ARGUMENT, "nccl: unknown reduce op ", static_cast<int>(op));
 }
 
+// Waits until a non-blocking communicator's last call has finished its host-side work (ncclCommGetAsyncError leaves
+// ncclInProgress), for at most `limit`; its outcome, or ncclInProgress if the time ran out.
+ncclResult_t settle(ncclComm_t comm, std::chrono::duration<double> limit) {
+  const auto deadline = limit.count() > 3.0e9 ? Clock::time_point::max()
+                                              : Clock::now() + std::chrono::duration_cast<Clock::duration>(limit);
+  for (int spins = 0;; ++spins) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t got = ncclCommGetAsyncError(comm, &state);
+    if (got != ncclSuccess) return got;
+    if (state != ncclInProgress || Clock::now() >= deadline) return state;
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
 }  // namespace
 
 // The NCCL communicators of one process that fail together: a group's (one per GPU), or a process's single rank.
@@ -59,9 +73,12 @@ ncclRedOp_t nccl_op(CommDType dtype, ReduceOp op) {
 class NcclComms {
  public:
   explicit NcclComms(std::vector<ncclComm_t> comms) : comms_(std::move(comms)), locks_(comms_.size()) {}
+  // ncclCommAbort, not ncclCommDestroy: every participant has waited for its collectives by now (nothing is left to
+  // flush), and NCCL's destroy may wait for the other ranks on the host to destroy theirs too, which would make
+  // freeing an engine a collective between processes that free in their own order.
   ~NcclComms() {
     for (ncclComm_t c : comms_)
-      if (c != nullptr) ncclCommDestroy(c);
+      if (c != nullptr) ncclCommAbort(c);
   }
   NcclComms(const NcclComms&) = delete;
   NcclComms& operator=(const NcclComms&) = delete;
@@ -190,7 +207,13 @@ class NcclCommunicator final : public Communicator {
       if (abort_reason_.empty()) abort_reason_ = reason;
     }
     aborted_.store(true);
-    if (host_ != nullptr) host_->abort(reason);
+    if (host_ != nullptr) {
+      host_->abort(reason);
+    } else {
+      // Across processes no host group tells the others: the NCCL communicator itself is aborted, which ends this
+      // rank's kernels now and shows the others an error instead of a rank that never comes.
+      comms_->abort(reason);
+    }
   }
 
   dpar_status async_error(std::string* reason) override {
@@ -374,11 +397,15 @@ class NcclCommunicator final : public Communicator {
   }
 
   // One NCCL call on this participant's communicator; it fails with Error(REMOTE) once the communicators were
-  // aborted.
+  // aborted. On a non-blocking communicator (across processes) a call may return ncclInProgress before its work is
+  // on the stream: it is waited for here (under the timeout), so that what follows is ordered after it.
   template <class Call>
   void nccl(const char* what, Call call) {
     ncclResult_t r = ncclSuccess;
-    if (!comms_->with(index_, [&](ncclComm_t c) { r = call(c); })) {
+    if (!comms_->with(index_, [&](ncclComm_t c) {
+          r = call(c);
+          if (r == ncclInProgress) r = settle(c, timeout_);
+        })) {
       broken_ = true;
       fail(DPAR_ERR_REMOTE, what, ": ", name_, " stopped because ", comms_->reason());
     }
@@ -437,12 +464,38 @@ std::unique_ptr<Communicator> NcclGroup::communicator(int rank, cudaStream_t com
 std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int nranks, int rank, int device,
                                                      cudaStream_t compute_stream, std::string name,
                                                      std::chrono::duration<double> timeout,
+                                                     std::chrono::duration<double> join_within,
                                                      std::shared_ptr<Communicator> watch) {
   DPAR_CHECK_ARG(nranks >= 1 && rank >= 0 && rank < nranks, "nccl: rank ", rank, " of ", nranks);
   cuda::DeviceScope scope(device);
+  // Non-blocking: a blocking ncclCommInitRank waits for every rank without a limit, so a rank that failed before
+  // joining would hold the others there for good. Here the creation is polled under the timeout and the watch, and
+  // aborted when either ends it.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
   ncclComm_t comm = nullptr;
-  DPAR_NCCL_CHECK(ncclCommInitRank(&comm, nranks, id, rank), name, ": rank ", rank, " of ", nranks);
-  auto comms = std::make_shared<NcclComms>(std::vector<ncclComm_t>{comm});  // destroys it, whatever follows
+  ncclResult_t r = ncclCommInitRankConfig(&comm, nranks, id, rank, &config);
+  const auto deadline = join_within.count() > 3.0e9
+                            ? Clock::time_point::max()
+                            : Clock::now() + std::chrono::duration_cast<Clock::duration>(join_within);
+  dpar_status gave_up = DPAR_OK;  // TIMEOUT, or the watch's failure
+  std::string why;
+  while (r == ncclInProgress && gave_up == DPAR_OK) {
+    r = settle(comm, std::chrono::milliseconds(1));
+    if (r != ncclInProgress) break;
+    if (watch != nullptr && watch->async_error(&why) != DPAR_OK) {
+      gave_up = DPAR_ERR_REMOTE;
+    } else if (Clock::now() >= deadline) {
+      gave_up = DPAR_ERR_TIMEOUT;
+      why = detail::concat("not every rank joined within ", join_within.count(), " s");
+    }
+  }
+  if (r != ncclSuccess) {
+    if (comm != nullptr) ncclCommAbort(comm);
+    if (gave_up != DPAR_OK) fail(gave_up, name, ": ncclCommInitRankConfig, rank ", rank, " of ", nranks, ": ", why);
+    DPAR_NCCL_CHECK(r, name, ": rank ", rank, " of ", nranks);
+  }
+  auto comms = std::make_shared<NcclComms>(std::vector<ncclComm_t>{comm});  // aborts it, whatever follows
   return std::make_unique<NcclCommunicator>(std::move(comms), 0, nullptr, rank, nranks, device, compute_stream,
                                             std::move(name), timeout, std::move(watch));
 }

@@ -65,15 +65,18 @@ class NcclGroup {
   std::shared_ptr<NcclComms> comms_;
 };
 
-// This process's participant of an NCCL communicator over `nranks` processes (ncclCommInitRank): every rank passes
-// the same id (made by ncclGetUniqueId on one rank and broadcast by the caller). Owns the NCCL communicator.
-// ncclCommInitRank returns once every rank has joined: the caller makes sure they all call it (a rank that fails
-// before it leaves the others waiting there). `watch`, if given, is another communicator over the same processes
-// (MPI) whose failures end this one's waits too: a process that fails outside NCCL tells the others through it, and
-// their collectives throw Error(REMOTE) at once instead of waiting out the timeout for its kernels.
+// This process's participant of an NCCL communicator over `nranks` processes: every rank passes the same id (made
+// by ncclGetUniqueId on one rank and broadcast by the caller). Owns the NCCL communicator, which is non-blocking
+// (ncclCommInitRankConfig, blocking = 0): its creation returns once every rank has joined, or throws TIMEOUT when
+// one has not within `join_within` (a blocking creation would wait for it forever); collectives time out after
+// `timeout`. A call that NCCL leaves in
+// progress is waited for before the next. `watch`, if given, is another communicator over the same processes (MPI)
+// whose failures end this one's waits too, the creation's included: a process that fails outside NCCL tells the
+// others through it, and they throw Error(REMOTE) at once instead of waiting out the timeout for it.
 std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int nranks, int rank, int device,
                                                      cudaStream_t compute_stream, std::string name,
                                                      std::chrono::duration<double> timeout,
+                                                     std::chrono::duration<double> join_within,
                                                      std::shared_ptr<Communicator> watch = nullptr);
 
 }  // namespace dpar

@@ -47,7 +47,8 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   backend_.prepare_workers(workers);
 
   const size_t n = config_.devices.size();
-  processes_ = config_.processes;
+  // A job of one process has nothing to sum across: it trains as a single process (and says so: no transport).
+  processes_ = config_.processes && config_.processes->size() > 1 ? config_.processes : nullptr;
   // Replicas are numbered across the processes (rank 0's first), so that each has its own RNG stream and P
   // processes of n devices draw what one process of P*n devices would.
   int64_t first_replica = 0;
@@ -139,14 +140,7 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   });
 }
 
-Engine::~Engine() {
-  // A replica's communicator belongs to group_ ("the group must outlive it"), which members' reverse order would
-  // destroy first; the reducer calls the communicator.
-  for (auto& rep : replicas_) {
-    rep->reducer.reset();
-    rep->comm.reset();
-  }
-}
+Engine::~Engine() = default;
 
 void Engine::check_usable(const char* operation) const {
   DPAR_ENFORCE(!aborted_.load(), DPAR_ERR_INVALID_STATE, operation,
@@ -385,9 +379,7 @@ void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contrib
 }
 
 void Engine::reduce_across_processes(Replica& rep, float* data, size_t count) {
-  // One process sums nothing across: compressing would only round.
-  if (compression_ == GradientCompression::kNone || processes_->size() == 1)
-    return sum_across_processes(rep, data, count, CommDType::kF32);
+  if (compression_ == GradientCompression::kNone) return sum_across_processes(rep, data, count, CommDType::kF32);
   const auto n = static_cast<int64_t>(count);
   if (!rep.bf16_stage.defined() || rep.bf16_stage.numel() < (n + 1) / 2)
     rep.bf16_stage = rep.ctx.alloc(DType::kI32, Shape{(n + 1) / 2});

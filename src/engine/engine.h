@@ -208,9 +208,11 @@ class Engine {
   Model model_;
   EngineConfig config_;
   Backend& backend_;
+  // Before the replicas: a replica's communicator belongs to the group, which must outlive it (members are
+  // destroyed in reverse order, also when the constructor throws).
+  std::unique_ptr<Group> group_;
   std::vector<std::unique_ptr<Replica>> replicas_;
   int64_t shard_elements_ = 0;
-  std::unique_ptr<Group> group_;
   std::shared_ptr<Communicator> processes_;
   // Replica 0's link to the other processes' replica 0 for its device's memory (Backend::link_processes); null:
   // processes_ carries the buckets, through host memory.

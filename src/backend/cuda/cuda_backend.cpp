@@ -479,8 +479,11 @@ class CudaBackend final : public Backend {
     std::unique_ptr<Communicator> comm;
     std::string why;
     try {
+      // Half the timeout to join: a rank that failed before joining waits in the agreement below, and must still be
+      // waiting there when this one gives up.
       comm = nccl_rank_communicator(id, size, rank, device.index, static_cast<CudaStream&>(stream).handle(),
-                                    detail::concat("rank ", rank, " (", device.str(), ")"), timeout, processes);
+                                    detail::concat("rank ", rank, " (", device.str(), ")"), timeout, timeout / 2,
+                                    processes);
     } catch (const std::exception& e) {
       why = e.what();
     }
