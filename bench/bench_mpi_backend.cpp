@@ -1,7 +1,8 @@
 // bench_mpi_backend: dpar's MPI backend (MpiCommunicator::all_reduce) beside a plain MPI_Allreduce, in the same
 // processes, interleaved. The aim: dpar's backend within 5% of plain MPI_Allreduce.
 //
-//   bench_mpi_backend [--np N] [--rounds R]     starts itself under mpirun (-np 2 by default, bound to cores)
+//   bench_mpi_backend [--np N] [--rounds R] [--tcp]   starts itself under mpirun (-np 2 by default, bound to cores;
+//                                                     shared memory, or TCP over loopback as between machines)
 //
 // f32 sum, in place, 4 KiB to 16 MiB per rank. Every measurement: a barrier, then `iters` back-to-back all-reduces;
 // the time per operation is the longest over the ranks. Rounds alternate the variants (rotating their order) and
@@ -15,7 +16,9 @@
 //   plain-nb     MPI_Iallreduce + MPI_Test loop (what dpar-nb costs without dpar)
 //   pl+bar       MPI_Barrier + MPI_Allreduce: plain with a synchronisation before every operation, as dpar's
 //                fingerprint exchange is (back-to-back plain all-reduces overlap one call's end with the next's start)
-// and, once, the pieces of dpar's overhead: its barrier (the fingerprint exchange alone) beside the other ways
+// then, for the engine's gradient compression, the same gradient elements summed as f32 and as bf16 (rounded to
+// bfloat16 before and widened after, as the engine does: the conversions are in the bf16 time), and, once, the
+// pieces of dpar's overhead: its barrier (the fingerprint exchange alone) beside the other ways
 // to exchange a fingerprint (MPI_Allgather, which cannot time out; MPI_Iallgather and an MPI_Iallreduce of
 // [x, -x] with MPI_MIN, polled) and a plain MPI_Barrier.
 #include <mpi.h>
@@ -31,6 +34,7 @@
 
 #include "bench_util.h"
 #include "comm/mpi_comm.h"
+#include "common/bf16.h"
 
 namespace {
 
@@ -49,14 +53,16 @@ double measure(MPI_Comm sync, const std::function<void()>& op, int iters) {
   return longest;
 }
 
-void relaunch_under_mpirun(int argc, char** argv, int np) {
+void relaunch_under_mpirun(int argc, char** argv, int np, bool tcp) {
 #ifdef BENCH_MPIEXEC
   if (geteuid() == 0) {
     setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
     setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
   }
   std::vector<std::string> args = {BENCH_MPIEXEC, "-np", std::to_string(np), "--oversubscribe", "--bind-to", "core",
-                                   "--mca", "pml", "ob1", "--mca", "btl", "self,vader", argv[0]};
+                                   "--mca", "pml", "ob1", "--mca", "btl", tcp ? "self,tcp" : "self,vader"};
+  if (tcp) args.insert(args.end(), {"--mca", "btl_tcp_if_include", "lo"});
+  args.push_back(argv[0]);
   for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
   std::vector<char*> cargs;
   for (auto& a : args) cargs.push_back(a.data());
@@ -65,7 +71,7 @@ void relaunch_under_mpirun(int argc, char** argv, int np) {
   std::perror("bench_mpi_backend: cannot start mpirun");
   std::exit(2);
 #else
-  (void)argc, (void)argv, (void)np;
+  (void)argc, (void)argv, (void)np, (void)tcp;
   std::fprintf(stderr, "bench_mpi_backend: run it under mpirun\n");
   std::exit(2);
 #endif
@@ -75,17 +81,18 @@ void relaunch_under_mpirun(int argc, char** argv, int np) {
 
 int main(int argc, char** argv) {
   int np = 2, rounds = 15;
-  bool nonblocking = true;
+  bool nonblocking = true, tcp = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--np") && i + 1 < argc) np = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--tcp")) tcp = true;
     else if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = std::max(1, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--no-nb")) nonblocking = false;
     else {
-      std::fprintf(stderr, "usage: %s [--np N] [--rounds R] [--no-nb]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--np N] [--rounds R] [--no-nb] [--tcp]\n", argv[0]);
       return 2;
     }
   }
-  if (!std::getenv("OMPI_COMM_WORLD_SIZE")) relaunch_under_mpirun(argc, argv, np);
+  if (!std::getenv("OMPI_COMM_WORLD_SIZE")) relaunch_under_mpirun(argc, argv, np, tcp);
 
   dpar::MpiCommunicator dpar_comm;  // initialises MPI
   dpar::MpiOptions nb;
@@ -97,7 +104,8 @@ int main(int argc, char** argv) {
   const int rank = dpar_comm.rank(), size = dpar_comm.size();
   if (rank == 0) {
     bench_print_machine(stdout);
-    std::printf("ranks: %d (mpirun --bind-to core, btl self,vader); %d rounds, median over rounds\n\n", size, rounds);
+    std::printf("ranks: %d (mpirun --bind-to core, btl %s); %d rounds, median over rounds\n\n", size,
+                tcp ? "self,tcp over loopback" : "self,vader", rounds);
   }
 
   const size_t sizes[] = {4 << 10, 64 << 10, 1 << 20, 16 << 20};
@@ -155,6 +163,63 @@ int main(int argc, char** argv) {
       std::printf("%-8zu %9.2f %9.2f %9.2f %9.2f %10.2f %9.2f %9.2f  %7.3fx %7.3fx %7.3fx %10.2f %6.2f GB/s\n",
                   bytes, med[0] * 1e6, low[0] * 1e6, med[1] * 1e6, low[1] * 1e6, med[2] * 1e6, med[3] * 1e6,
                   med[4] * 1e6, med[1] / med[0], ratio, low[1] / low[0], (med[1] - med[0]) * 1e6, busbw);
+  }
+
+  // Gradient compression: elements of a bucket as f32, and as bf16 with its conversions (the engine's
+  // reduce_across_processes; the loops of kernels::cpu::to_bf16 and from_bf16). Random values, so that the bf16
+  // sums round as real gradients do.
+  const auto to_bf16 = [](uint16_t* dst, const float* src, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = dpar::to_bf16(src[i]);
+  };
+  const auto from_bf16 = [](float* dst, const uint16_t* src, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = dpar::from_bf16(src[i]);
+  };
+  {
+    std::vector<float> grads((16 << 20) / sizeof(float));
+    uint64_t rng = 0x243F6A8885A308D3ull + static_cast<uint64_t>(rank);
+    for (auto& g : grads) g = bench_uniform(&rng) * 1e-3f;
+    std::vector<uint16_t> packed(grads.size());
+    if (rank == 0)
+      std::printf("\ngradient compression (dpar's backend): a bucket of floats summed as f32, and as bf16 with its "
+                  "conversions\n%-10s %10s %10s %10s %9s\n", "elements", "f32 us", "bf16 us", "(convert)", "f32/bf16");
+    for (size_t count : {size_t{1} << 18, size_t{1} << 20, size_t{1} << 22}) {
+      const int iters = count <= (size_t{1} << 18) ? 100 : count <= (size_t{1} << 20) ? 30 : 8;
+      const auto n = static_cast<int64_t>(count);
+      std::vector<Variant> variants = {
+          {"f32", [&] { dpar_comm.all_reduce(grads.data(), grads.data(), count, dpar::CommDType::kF32,
+                                             dpar::ReduceOp::kSum); }},
+          {"bf16",
+           [&] {
+             to_bf16(packed.data(), grads.data(), n);
+             dpar_comm.all_reduce(packed.data(), packed.data(), count, dpar::CommDType::kBF16, dpar::ReduceOp::kSum);
+             from_bf16(grads.data(), packed.data(), n);
+           }},
+          {"convert",
+           [&] {
+             to_bf16(packed.data(), grads.data(), n);
+             from_bf16(grads.data(), packed.data(), n);
+           }},
+      };
+      std::vector<std::vector<double>> times(variants.size());
+      std::vector<double> ratios;
+      for (auto& v : variants) measure(sync, v.op, std::max(1, iters / 4));
+      for (int round = 0; round < rounds; ++round) {
+        std::vector<double> t(variants.size());
+        for (size_t k = 0; k < variants.size(); ++k) {
+          const size_t v = (k + static_cast<size_t>(round)) % variants.size();
+          t[v] = measure(sync, variants[v].op, iters);
+        }
+        for (size_t v = 0; v < variants.size(); ++v) times[v].push_back(t[v]);
+        ratios.push_back(t[0] / t[1]);
+      }
+      std::vector<double> med;
+      for (auto& t : times) med.push_back(bench_median(t.data(), t.size()));
+      if (rank == 0)
+        std::printf("%-10zu %10.1f %10.1f %10.1f %8.2fx\n", count, med[0] * 1e6, med[1] * 1e6, med[2] * 1e6,
+                    bench_median(ratios.data(), ratios.size()));
+      // Keep the values in range: the sums double them every call.
+      for (auto& g : grads) g = bench_uniform(&rng) * 1e-3f;
+    }
   }
 
   // The pieces of the fixed overhead.

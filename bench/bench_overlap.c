@@ -10,6 +10,9 @@
  *   overlap    buckets (by default dpar's: first 1 MiB, then 25 MiB; or --first-kib, --cap-kib), each all-reduced
  *              while backward goes on;
  *   one        a single bucket (bucket_cap_bytes = SIZE_MAX): one all-reduce after backward, the baseline;
+ * with several processes a third,
+ *   bf16       overlap's buckets, sent between the processes as bfloat16 (dpar_engine_set_gradient_compression):
+ *              half the bytes across; ovl/bf16 is what that buys the step;
  * and the anchor, the all-reduce alone: the same bytes through the same path with no computation (the threads
  * of one process: a dpar_comm group of N; several processes: the MPI communicator between them, after the local
  * sum, which is what the engine's hierarchy does).
@@ -170,7 +173,12 @@ int main(int argc, char **argv) {
   size_t buckets = 0;
   CHECK(dpar_engine_num_buckets(&buckets, overlap));
   dpar_comm *mpi = NULL;
-  if (nproc > 1) CHECK(dpar_comm_create_mpi(&mpi, NULL));
+  dpar_engine *packed = NULL; /* with several processes: overlap's buckets, bf16 between the processes */
+  if (nproc > 1) {
+    CHECK(dpar_comm_create_mpi(&mpi, NULL));
+    packed = make_engine(model, &o, o.first_kib * 1024, o.cap_kib * 1024);
+    CHECK(dpar_engine_set_gradient_compression(packed, DPAR_COMPRESSION_BF16));
+  }
 
   /* This process's part of the global batch. */
   const size_t local = o.batch / nproc + (rank < o.batch % nproc ? 1 : 0);
@@ -194,41 +202,50 @@ int main(int argc, char **argv) {
            "global batch %zu over %zu process(es) x %zu device(s); %d rounds of %d steps, medians\n\n",
            shape, (double)params * 4 / 1e6, buckets, o.first_kib ? o.first_kib : 1024,
            o.cap_kib ? o.cap_kib : 25 * 1024, o.batch, nproc, o.devices, o.rounds, o.steps);
-    printf("%6s %14s %14s %14s %9s %8s\n", "round", "overlap ms", "one bucket ms", "all-reduce ms", "one/ovl",
+    printf("%6s %14s %14s %14s %9s %8s", "round", "overlap ms", "one bucket ms", "all-reduce ms", "one/ovl",
            "hidden");
+    if (packed) printf(" %10s %9s", "bf16 ms", "ovl/bf16");
+    printf("\n");
   }
-  double t_ovl[kMaxRounds], t_one[kMaxRounds], t_ar[kMaxRounds], hidden[kMaxRounds];
+  double t_ovl[kMaxRounds], t_one[kMaxRounds], t_ar[kMaxRounds], hidden[kMaxRounds], t_bf16[kMaxRounds];
   time_steps(overlap, x, y, 3); /* warm-up: first-touch of activations, BLAS buffers */
   time_steps(one, x, y, 3);
+  if (packed) time_steps(packed, x, y, 3);
   for (int r = 0; r < o.rounds; ++r) {
-    /* Alternate the order, so that neither engine always runs right after the other. */
-    if (r % 2 == 0) {
-      t_ovl[r] = time_steps(overlap, x, y, o.steps);
-      t_one[r] = time_steps(one, x, y, o.steps);
-    } else {
-      t_one[r] = time_steps(one, x, y, o.steps);
-      t_ovl[r] = time_steps(overlap, x, y, o.steps);
+    /* Rotate the order, so that no engine always runs right after another. */
+    dpar_engine *order[3] = {overlap, one, packed};
+    double *slot[3] = {&t_ovl[r], &t_one[r], &t_bf16[r]};
+    const int engines = packed ? 3 : 2;
+    for (int k = 0; k < engines; ++k) {
+      const int e = (k + r) % engines;
+      *slot[e] = time_steps(order[e], x, y, o.steps);
     }
     t_ar[r] = anchor_allreduce(o.devices, mpi, params, o.steps);
     hidden[r] = (t_one[r] - t_ovl[r]) / t_ar[r];
-    if (rank == 0)
-      printf("%6d %14.3f %14.3f %14.3f %9.3f %7.0f%%\n", r, t_ovl[r] * 1e3, t_one[r] * 1e3, t_ar[r] * 1e3,
+    if (rank == 0) {
+      printf("%6d %14.3f %14.3f %14.3f %9.3f %7.0f%%", r, t_ovl[r] * 1e3, t_one[r] * 1e3, t_ar[r] * 1e3,
              t_one[r] / t_ovl[r], hidden[r] * 100);
+      if (packed) printf(" %10.3f %9.3f", t_bf16[r] * 1e3, t_ovl[r] / t_bf16[r]);
+      printf("\n");
+    }
   }
   const double m_ovl = bench_median(t_ovl, (size_t)o.rounds), m_one = bench_median(t_one, (size_t)o.rounds);
   const double m_ar = bench_median(t_ar, (size_t)o.rounds), m_hidden = bench_median(hidden, (size_t)o.rounds);
   if (rank == 0) {
-    printf("%6s %14.3f %14.3f %14.3f %9.3f %7.0f%%\n", "median", m_ovl * 1e3, m_one * 1e3, m_ar * 1e3,
+    printf("%6s %14.3f %14.3f %14.3f %9.3f %7.0f%%", "median", m_ovl * 1e3, m_one * 1e3, m_ar * 1e3,
            m_one / m_ovl, m_hidden * 100);
-    printf("\nsamples/s: overlap %.0f, one bucket %.0f; hidden = (one - overlap) / all-reduce, median of rounds "
-           "(aim: at least 50%%)\n",
-           (double)o.batch / m_ovl, (double)o.batch / m_one);
+    const double m_bf16 = packed ? bench_median(t_bf16, (size_t)o.rounds) : 0;
+    if (packed) printf(" %10.3f %9.3f", m_bf16 * 1e3, m_ovl / m_bf16);
+    printf("\n\nsamples/s: overlap %.0f, one bucket %.0f", (double)o.batch / m_ovl, (double)o.batch / m_one);
+    if (packed) printf(", bf16 between processes %.0f", (double)o.batch / m_bf16);
+    printf("; hidden = (one - overlap) / all-reduce, median of rounds (aim: at least 50%%)\n");
   }
   dpar_tensor_free(x);
   dpar_tensor_free(y);
   dpar_comm_free(mpi);
   dpar_engine_free(overlap);
   dpar_engine_free(one);
+  dpar_engine_free(packed);
   dpar_model_free(model);
   return 0;
 }

@@ -9,12 +9,13 @@ namespace dpar {
 
 // f rounded to the nearest bfloat16, ties to even (torch's float -> bfloat16); a NaN stays a (quiet) NaN of its
 // sign, and infinities and the range are f32's, so nothing overflows that did not already.
+// Branch-free, so that a loop of it vectorises (a select, not a jump, picks the NaN case).
 inline uint16_t to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x0040u;
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 // Exact: every bfloat16 is a float.
