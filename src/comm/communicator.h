@@ -28,7 +28,8 @@ class CommThread;  // communicator.cpp / comm_thread.h: a participant's communic
 enum class ReduceOp : int32_t { kSum = 0, kMean = 1, kMax = 2, kMin = 3 };
 // Element types of collectives. kBF16 (common/bf16.h) is what the engine's compressed gradient buckets cross the
 // processes in: the MPI backend reduces it with sums only (in float, each sum rounded back to bfloat16), NCCL
-// natively; the in-process backends refuse it (NOT_SUPPORTED), and the C ABI does not offer it.
+// natively; the threads backend refuses it (NOT_SUPPORTED), dpar's CUDA device group reduces f32 alone, and the C
+// ABI does not offer it.
 enum class CommDType : int32_t { kF32 = 0, kF64 = 1, kI32 = 2, kI64 = 3, kBF16 = 4 };
 
 // What a collective is, in the fingerprints that participants compare and in the messages that name a call: one

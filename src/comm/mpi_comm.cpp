@@ -273,6 +273,49 @@ std::atomic<int> g_abandoned_count{0};
 // The base communicators over which a creation timed out: their MPI_Comm_idup is still pending (an MPI request
 // cannot be cancelled), so the ranks' creations over them no longer pair by order.
 std::mutex g_stale_bases_mutex;
+
+// The duplicates of communicators that failed, waiting to be freed. A rank that gave up on a collective may have
+// sent notices or fingerprints that this rank never received, and OpenMPI gives a freed communicator's context id
+// to the next one created, with the messages still queued for it: a later communicator would read an earlier one's
+// abort. So a failed communicator is freed only once every rank has created the next one over the same base (the
+// duplication is collective: what the others sent before it has been sent), and what reached it is received first.
+struct Quarantined {
+  MPI_Comm comm, control;
+};
+std::mutex g_quarantine_mutex;
+std::vector<Quarantined> g_quarantine;
+
+// Receives every point-to-point message that has reached `comm` (some looks: a message still in shared memory
+// shows only at a later one), then frees it.
+void drain_and_free(MPI_Comm& comm) {
+  for (int empty = 0; empty < 64;) {
+    int flag = 0;
+    MPI_Message message;
+    MPI_Status status;
+    if (MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm, &flag, &message, &status) != MPI_SUCCESS) break;
+    if (!flag) {
+      ++empty;
+      continue;
+    }
+    int count = 0;
+    MPI_Get_count(&status, MPI_BYTE, &count);
+    std::vector<char> data(static_cast<size_t>(std::max(count, 1)));
+    MPI_Mrecv(data.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+  }
+  MPI_Comm_free(&comm);
+}
+
+void free_quarantined() {
+  std::vector<Quarantined> ready;
+  {
+    std::lock_guard<std::mutex> lock(g_quarantine_mutex);
+    ready.swap(g_quarantine);
+  }
+  for (Quarantined& q : ready) {
+    drain_and_free(q.control);
+    drain_and_free(q.comm);
+  }
+}
 std::vector<MPI_Comm> g_stale_bases;
 
 const char* thread_level_name(int level) {
@@ -385,6 +428,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(o
   try {
     dup(base, &comm_, "collectives");
     dup(base, &control_, "control");
+    free_quarantined();
   } catch (const Error& e) {
     if (e.status() == DPAR_ERR_TIMEOUT) {
       std::lock_guard<std::mutex> lock(g_stale_bases_mutex);
@@ -430,14 +474,16 @@ MpiCommunicator::~MpiCommunicator() {
   }
   pending_sends_.clear();
   // A communicator with a request that never completes is left to MPI_Finalize, and so are the buffers that such
-  // a request may still write into if the rank it waits for arrives after all. So is one that failed: the others
-  // may have sent it notices or fingerprints it never received, and OpenMPI hands a freed communicator's context id
-  // to the next one created, unreceived messages included (a later engine then read an earlier one's abort).
-  if (!requests_left_pending_ && state_.load() == kUsable && !abort_requested_.load()) {
+  // a request may still write into if the rank it waits for arrives after all. One that failed waits in quarantine
+  // for the next creation (g_quarantine): the others may have sent it messages it never received.
+  if (requests_left_pending_) {
+    (void)new std::vector<int64_t>(std::move(gather_));
+  } else if (state_.load() == kUsable && !abort_requested_.load()) {
     MPI_Comm_free(&comm_);
     MPI_Comm_free(&control_);
   } else {
-    (void)new std::vector<int64_t>(std::move(gather_));
+    std::lock_guard<std::mutex> lock(g_quarantine_mutex);
+    g_quarantine.push_back({comm_, control_});
   }
 }
 

@@ -8,7 +8,8 @@
 namespace dpar {
 
 // f rounded to the nearest bfloat16, ties to even (torch's float -> bfloat16); a NaN stays a (quiet) NaN of its
-// sign, and infinities and the range are f32's, so nothing overflows that did not already.
+// sign. The exponent range is f32's: only floats within half a bfloat16 ulp of FLT_MAX (above about 3.396e38)
+// round up to infinity.
 // Branch-free, so that a loop of it vectorises (a select, not a jump, picks the NaN case).
 inline uint16_t to_bf16(float f) {
   uint32_t bits;

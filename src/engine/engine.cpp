@@ -381,8 +381,10 @@ void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contrib
 void Engine::reduce_across_processes(Replica& rep, float* data, size_t count) {
   if (compression_ == GradientCompression::kNone) return sum_across_processes(rep, data, count, CommDType::kF32);
   const auto n = static_cast<int64_t>(count);
+  // Tensor::empty, not rep.ctx.alloc: this runs on the communication thread, and the test faults armed for the
+  // worker's allocations are the worker's.
   if (!rep.bf16_stage.defined() || rep.bf16_stage.numel() < (n + 1) / 2)
-    rep.bf16_stage = rep.ctx.alloc(DType::kI32, Shape{(n + 1) / 2});
+    rep.bf16_stage = Tensor::empty(DType::kI32, Shape{(n + 1) / 2}, rep.ctx.device);
   auto* packed = static_cast<uint16_t*>(rep.bf16_stage.raw());
   rep.stream->to_bf16(packed, data, n);
   sum_across_processes(rep, packed, count, CommDType::kBF16);

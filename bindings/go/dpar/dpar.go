@@ -498,6 +498,9 @@ func (e *Engine) SetMaxGradNorm(maxNorm float32) error {
 // SetGradientCompression compresses gradient buckets between processes from the next step on (CompressionNone,
 // CompressionBF16). Every process sets the same; with one process it changes nothing.
 func (e *Engine) SetGradientCompression(compression int) error {
+	if int(int32(compression)) != compression { // the C argument is an int32_t: refuse, do not truncate
+		return &Error{Status: ErrInvalidArg, Message: fmt.Sprintf("compression: %d is not a compression", compression)}
+	}
 	return e.simple(func(r raw.Struct_SS_dpar_engine) int {
 		return raw.Dpar_engine_set_gradient_compression(r, compression)
 	})

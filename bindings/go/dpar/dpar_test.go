@@ -96,8 +96,10 @@ func TestLossesHaveTheCReferenceBits(t *testing.T) {
 		t.Fatal(err)
 	}
 	var de *Error
-	if err := e.SetGradientCompression(7); !errors.As(err, &de) || de.Status != ErrInvalidArg {
-		t.Fatalf("compression 7: %v, want an invalid-argument error", err)
+	for _, bad := range []int{7, 1<<32 | CompressionBF16} { // the second would be BF16 if cut to 32 bits
+		if err := e.SetGradientCompression(bad); !errors.As(err, &de) || de.Status != ErrInvalidArg {
+			t.Fatalf("compression %d: %v, want an invalid-argument error", bad, err)
+		}
 	}
 }
 
