@@ -34,7 +34,7 @@
 
 #include "bench_util.h"
 #include "comm/mpi_comm.h"
-#include "common/bf16.h"
+#include "kernels/cpu/kernels.h"
 
 namespace {
 
@@ -166,14 +166,10 @@ int main(int argc, char** argv) {
   }
 
   // Gradient compression: elements of a bucket as f32, and as bf16 with its conversions (the engine's
-  // reduce_across_processes; the loops of kernels::cpu::to_bf16 and from_bf16). Random values, so that the bf16
-  // sums round as real gradients do.
-  const auto to_bf16 = [](uint16_t* dst, const float* src, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = dpar::to_bf16(src[i]);
-  };
-  const auto from_bf16 = [](float* dst, const uint16_t* src, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = dpar::from_bf16(src[i]);
-  };
+  // reduce_across_processes, with the CPU kernels it runs). Random values, so that the bf16 sums round as real
+  // gradients do.
+  using dpar::kernels::cpu::from_bf16;
+  using dpar::kernels::cpu::to_bf16;
   {
     std::vector<float> grads((16 << 20) / sizeof(float));
     uint64_t rng = 0x243F6A8885A308D3ull + static_cast<uint64_t>(rank);

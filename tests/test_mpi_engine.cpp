@@ -136,6 +136,16 @@ std::vector<float> params(dpar_engine* e, size_t replica = 0) {
   return p;
 }
 
+// The same bits on every process: rank 0's values, broadcast, against this rank's.
+bool same_as_rank0(const std::vector<float>& mine) {
+  dpar_comm* world = nullptr;
+  CHECK_OK(dpar_comm_create_mpi(&world, nullptr));
+  std::vector<float> root = mine;
+  CHECK_OK(dpar_comm_broadcast(world, root.data(), root.size(), DPAR_F32, 0));
+  dpar_comm_free(world);
+  return root == mine;
+}
+
 double max_relative_error(const std::vector<float>& a, const std::vector<float>& b) {
   double worst = 0;
   for (size_t i = 0; i < a.size(); ++i)
@@ -200,13 +210,7 @@ void check_equivalence(size_t devices, const Data& d, int64_t skew, int32_t opti
                             " devices by " + std::to_string(e_wide));
   expect(e_one < 1e-5, label + ": differs from 1 device by " + std::to_string(e_one));
   for (size_t r = 1; r < devices; ++r) expect(params(multi, r) == got, label + ": replica " + std::to_string(r) + " differs");
-  // The same bits on every process: rank 0's parameters, broadcast, against this rank's.
-  dpar_comm* world = nullptr;
-  CHECK_OK(dpar_comm_create_mpi(&world, nullptr));
-  std::vector<float> root = got;
-  CHECK_OK(dpar_comm_broadcast(world, root.data(), root.size(), DPAR_F32, 0));
-  expect(root == got, label + ": this process's parameters differ from rank 0's");
-  dpar_comm_free(world);
+  expect(same_as_rank0(got), label + ": this process's parameters differ from rank 0's");
   if (g_rank == 0)
     std::printf("%s: max relative difference %.2e to 1x%zu devices, %.2e to 1 device (across processes: %s)\n",
                 label.c_str(), e_wide, static_cast<size_t>(g_size) * devices, e_one, transport.c_str());
@@ -237,12 +241,7 @@ void check_compression(size_t devices, const Data& d) {
   expect(got != want, "bf16: the parameters are f32's bit for bit: the buckets were not compressed");
   expect(e < 2e-2, "bf16: differs from f32 by " + std::to_string(e));
   for (size_t r = 1; r < devices; ++r) expect(params(packed, r) == got, "bf16: replica " + std::to_string(r) + " differs");
-  dpar_comm* world = nullptr;
-  CHECK_OK(dpar_comm_create_mpi(&world, nullptr));
-  std::vector<float> root = got;
-  CHECK_OK(dpar_comm_broadcast(world, root.data(), root.size(), DPAR_F32, 0));
-  expect(root == got, "bf16: this process's parameters differ from rank 0's");
-  dpar_comm_free(world);
+  expect(same_as_rank0(got), "bf16: this process's parameters differ from rank 0's");
   dpar_engine_free(plain);
   dpar_engine_free(packed);
 

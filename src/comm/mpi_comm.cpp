@@ -41,6 +41,19 @@ constexpr size_t kEagerMessageBytes = 3968;
 
 size_t round_up8(size_t n) { return (n + 7) & ~size_t{7}; }
 
+// bfloat16 as the reductions add it: in float, rounded back after each addition (so a sum is commutative, and every
+// rank of an all-reduce gets the same bits). Only sums reach it (validate()); the comparison is there for the
+// template below.
+struct Bf16 {
+  uint16_t bits;
+  Bf16& operator+=(Bf16 other) {
+    bits = to_bf16(from_bf16(bits) + from_bf16(other.bits));
+    return *this;
+  }
+  bool operator<(Bf16 other) const { return from_bf16(bits) < from_bf16(other.bits); }
+};
+static_assert(sizeof(Bf16) == 2, "moved as MPI_UINT16_T");
+
 // out = the reduction of in[0..m) (rank order), or zeros for m == 0.
 template <class T>
 void reduce_blocks(T* out, const char* const* in, size_t m, size_t count, ReduceOp op) {
@@ -63,19 +76,6 @@ void reduce_blocks(T* out, const char* const* in, size_t m, size_t count, Reduce
         for (size_t i = 0; i < count; ++i) out[i] = b[i] < out[i] ? b[i] : out[i];
         break;
     }
-  }
-}
-
-// The same for bf16 sums, added in float and rounded after each addition, as bf16_sum() does.
-void reduce_bf16_blocks(uint16_t* out, const char* const* in, size_t m, size_t count) {
-  if (m == 0) {
-    std::memset(out, 0, count * sizeof(uint16_t));
-    return;
-  }
-  std::memcpy(out, in[0], count * sizeof(uint16_t));
-  for (size_t k = 1; k < m; ++k) {
-    const auto* b = reinterpret_cast<const uint16_t*>(in[k]);
-    for (size_t i = 0; i < count; ++i) out[i] = to_bf16(from_bf16(out[i]) + from_bf16(b[i]));
   }
 }
 
@@ -129,11 +129,11 @@ MPI_Datatype mpi_type(CommDType dtype) {
   return MPI_DATATYPE_NULL;
 }
 
-// inout[i] = bfloat16(float(in[i]) + float(inout[i])): commutative, so every rank of an all-reduce gets the same bits.
+// inout[i] += in[i], as Bf16 adds.
 void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
-  const auto* a = static_cast<const uint16_t*>(in);
-  auto* b = static_cast<uint16_t*>(inout);
-  for (int i = 0; i < *len; ++i) b[i] = to_bf16(from_bf16(a[i]) + from_bf16(b[i]));
+  const auto* a = static_cast<const Bf16*>(in);
+  auto* b = static_cast<Bf16*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] += a[i];
 }
 
 // MPI has no bfloat16: its sum is an operation of dpar's, made once MPI runs (and never freed: it lives as long as
@@ -1087,7 +1087,7 @@ void MpiCommunicator::reduce_fused(const Call& c) {
     case CommDType::kF64: return reduce_blocks(static_cast<double*>(c.recv), in, m, c.count, c.op);
     case CommDType::kI32: return reduce_blocks(static_cast<int32_t*>(c.recv), in, m, c.count, c.op);
     case CommDType::kI64: return reduce_blocks(static_cast<int64_t*>(c.recv), in, m, c.count, c.op);
-    case CommDType::kBF16: return reduce_bf16_blocks(static_cast<uint16_t*>(c.recv), in, m, c.count);
+    case CommDType::kBF16: return reduce_blocks(static_cast<Bf16*>(c.recv), in, m, c.count, c.op);
   }
 }
 

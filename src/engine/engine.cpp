@@ -361,11 +361,12 @@ void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contrib
     rep.comm->reduce_sum(data, count, contributes, rep.grad_scale, 0);
   }
   if (rep.ctx.replica == 0) {
-    const bool bf16 = compression_ == GradientCompression::kBf16;
-    TraceSpan span(*trace_,
-                   across_ ? (bf16 ? "bucket all-reduce (processes, nccl, bf16)" : "bucket all-reduce (processes, nccl)")
-                           : (bf16 ? "bucket all-reduce (processes, bf16)" : "bucket all-reduce (processes)"),
-                   "elements", elements);
+    // [nccl][bf16]: span names are literals (engine/trace.h).
+    static constexpr const char* kNames[2][2] = {
+        {"bucket all-reduce (processes)", "bucket all-reduce (processes, bf16)"},
+        {"bucket all-reduce (processes, nccl)", "bucket all-reduce (processes, nccl, bf16)"}};
+    TraceSpan span(*trace_, kNames[across_ ? 1 : 0][compression_ == GradientCompression::kBf16 ? 1 : 0], "elements",
+                   elements);
     try {
       reduce_across_processes(rep, data, count);
     } catch (const std::exception& e) {
@@ -674,7 +675,8 @@ void Engine::set_training(bool training) { training_ = training; for (auto& rep 
 
 void Engine::set_gradient_compression(GradientCompression compression) {
   DPAR_CHECK_ARG(compression == GradientCompression::kNone || compression == GradientCompression::kBf16,
-                 "compression: unknown gradient compression ", static_cast<int32_t>(compression));
+                 "compression: ", static_cast<int32_t>(compression), " is not a gradient compression (0: none, ",
+                 "1: bf16)");
   compression_ = compression;
 }
 
