@@ -1,133 +1,175 @@
 #!/usr/bin/env bash
-# Runs every check dpar has for a GPU, on a machine with one, and keeps each check's log:
+# Every GPU check dpar has, in one command that fits one call on a GPU machine lent for minutes (under 8 minutes
+# in all), each log kept where it comes back even when a stage hangs:
 #
 #   scripts/check_gpu.sh LOGDIR [STAGE...]
 #
-# Stages, in order (all of them when none is named):
-#   build     configure and build build-gpu/ (Release, the CUDA backend required: DPAR_WITH_CUDA=ON)
-#   test      every CTest test, the CUDA ones included (CTest lists the ones that skipped)
-#   fmnist    the C example trains on Fashion-MNIST over cuda devices for 10 epochs and must reach 88% (and writes
-#             a timeline of its first epoch to LOGDIR/traces)
-#   bench     bench_cuda_gemms, torch_anchor.py (where PyTorch is), bench_cuda_train with both anchors (and a
-#             timeline of each configuration's step in LOGDIR/traces, for ui.perfetto.dev)
-#   memcheck  the CUDA test binaries under compute-sanitizer --tool memcheck
-#   racecheck the kernel tests under --tool racecheck (shared-memory hazards: dpar's own kernels are all there; the
-#             other binaries add cuBLAS's kernels, which racecheck slows down most, and no kernel of dpar's)
+# Stages, in order (all but racecheck when none is named):
+#   build     configure build-gpu/ (Release, the CUDA backend required) and print the CUDA, cuBLAS, NCCL and
+#             DLPack it found (cuDNN: dpar does not use it yet); build
+#   test      the GPU tests only (CTest label "cuda"), each under its own 60 s limit: a hung one is killed and
+#             named ("Timeout") while the others go on. A GPU test that skips here is listed: on a GPU machine a
+#             skip is a finding (tests that need a second GPU skip on a machine with one)
+#   fmnist    the C example trains on Fashion-MNIST on cuda for 10 epochs and must reach 88% (a timeline of its
+#             first epoch goes to LOGDIR/traces)
+#   bench     the GPU training benchmark for the demo MLP at batch 128 and the wide MLP 784-4096-4096-4096-10 at
+#             batch 8192: dpar's step beside PyTorch's (plain, DataParallel, DDP of world size 1, CUDA graph, where
+#             PyTorch with CUDA is installed) and beside the step's GEMMs in cuBLAS alone, with the ratios
+#   memcheck  dpar's own kernel and engine tests under compute-sanitizer memcheck; API errors are not reported
+#             (dpar checks every API call's status itself, and its tests fail calls on purpose, e.g. the
+#             out-of-memory test's 4 TiB allocation)
+#   racecheck (only when named) the kernel tests under racecheck: shared-memory hazards in dpar's kernels
 #
-# Each stage has its own time limit (DPAR_GPU_STAGE_LIMIT_S, default 280 s; under a sanitizer each binary has its
-# own, DPAR_GPU_SANITIZER_LIMIT_S, default 300 s) so that one hang cannot eat a whole lease; a stage that fails does
-# not stop the next. On a machine lent for a few minutes per command, run memcheck alone, or lower its limit.
-# LOGDIR/summary.txt has one line per stage: its status, its seconds and its log. The exit status is 0 only when
+# The whole check has a budget (DPAR_GPU_CHECK_BUDGET_S, default 420 s); each stage runs under its own limit,
+# never past what is left of the budget, and a stage that fails or times out does not stop the next.
+# LOGDIR/summary.txt has one line per stage (status, seconds, log); it is printed last. Exit status 0 only when
 # every stage run passed.
 #
-# On the project's GPU machines (../shared/device/README.md) source .gpudeps/on-device.sh first: it exports
-# DEVICE_CMAKE_ARGS (where the carried OpenBLAS, zlib and GoogleTest are) and DPAR_FASHION_MNIST_DIR.
+# On the project's GPU machines (../shared/device/README.md), from the project's root:
+#   source .gpudeps/on-device.sh && bash scripts/check_gpu.sh "$OUT/gpu"
+# on-device.sh exports DEVICE_CMAKE_ARGS (where the carried OpenBLAS, zlib, GoogleTest and DLPack are) and
+# DPAR_FASHION_MNIST_DIR.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 logs=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(build test fmnist bench memcheck racecheck)
+[ ${#stages[@]} -gt 0 ] || stages=(build test fmnist bench memcheck)
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 build="$root/build-gpu"
-limit=${DPAR_GPU_STAGE_LIMIT_S:-280}
-sanitizer_limit=${DPAR_GPU_SANITIZER_LIMIT_S:-300}
+budget=${DPAR_GPU_CHECK_BUDGET_S:-420}
 command -v compute-sanitizer > /dev/null || PATH="/usr/local/cuda/bin:$PATH"
 data=${DPAR_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
 summary="$logs/summary.txt"
 failed=0
+started=$SECONDS
 
-note() { echo "$*" | tee -a "$summary"; }
+note() { echo "$*" >> "$summary"; echo "$*"; }
 
-# run_stage NAME LIMIT COMMAND...: runs the command with its output in LOGDIR/NAME.log, under a time limit (0: the
-# command bounds its own parts).
+# run_stage NAME CAP COMMAND...: the command with its output in LOGDIR/NAME.log, under min(CAP, what is left of
+# the budget) seconds.
 run_stage() {
-  local name=$1 stage_limit=$2
+  local name=$1 cap=$2
   shift 2
-  local start=$SECONDS status
-  if [ "$stage_limit" -gt 0 ]; then
-    timeout --kill-after=10 "$stage_limit" "$@" > "$logs/$name.log" 2>&1
-  else
-    "$@" > "$logs/$name.log" 2>&1
+  local left=$((budget - (SECONDS - started)))
+  local limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 5 ]; then
+    note "$(printf '%-9s %-30s %5d s  %s' "$name" "NOT RUN (budget spent)" 0 "-")"
+    failed=1
+    return
   fi
+  local start=$SECONDS status verdict=passed
+  echo "== $name (limit $limit s): $logs/$name.log"
+  timeout --kill-after=10 "$limit" "$@" > "$logs/$name.log" 2>&1
   status=$?
-  local took=$((SECONDS - start)) verdict=passed
   if [ $status -eq 124 ] || [ $status -eq 137 ]; then
-    verdict="TIMED OUT after ${stage_limit} s"
+    verdict="TIMED OUT after $limit s"
   elif [ $status -ne 0 ]; then
     verdict="FAILED (exit $status)"
   fi
   [ "$verdict" = passed ] || failed=1
-  note "$(printf '%-10s %-28s %5d s  %s' "$name" "$verdict" "$took" "$logs/$name.log")"
+  note "$(printf '%-9s %-30s %5d s  %s' "$name" "$verdict" "$((SECONDS - start))" "$logs/$name.log")"
+  # What a reader needs first, without opening the log.
+  case $name in
+    build) grep -E "^-- dpar: " "$logs/$name.log" | sed 's/^-- /          /' | tee -a "$summary" ;;
+    test) grep -E "tests passed|\(Timeout\)|\(Failed\)|\(SEGFAULT\)|\(Subprocess aborted\)|Not Run|Skipped" \
+            "$logs/$name.log" | sed 's/^/          /' | tee -a "$summary" ;;
+    fmnist) grep -E "^(dpar|epoch +10|.*accuracy|.*wall)" "$logs/$name.log" | tail -4 | sed 's/^/          /' |
+              tee -a "$summary" ;;
+    memcheck | racecheck) grep -E "^== |ERROR SUMMARY" "$logs/$name.log" | sed 's/^/          /' |
+                            tee -a "$summary" ;;
+  esac
 }
 
 stage_build() {
-  # DEVICE_CMAKE_ARGS is a list of -D flags; it is split on purpose.
+  # DEVICE_CMAKE_ARGS is a list of -D flags; it is split on purpose. The GPU tests get a 60 s limit each. CMake's
+  # "dpar: " lines name the CUDA, cuBLAS, NCCL and DLPack it found.
   # shellcheck disable=SC2086
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDPAR_WITH_CUDA=ON ${DEVICE_CMAKE_ARGS:-} &&
-    cmake --build "$build" -j "$(nproc)"
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDPAR_WITH_CUDA=ON -DDPAR_CUDA_TEST_TIMEOUT=60 \
+    ${DEVICE_CMAKE_ARGS:-} || return 1
+  cmake --build "$build" -j "$(nproc)"
 }
 
 stage_test() {
-  # A GPU test that skips here is a finding: CTest lists the skipped ones at the end (the CUDA tests' skips are
-  # CTest skips: tests/CMakeLists.txt); the binary itself prints why.
-  cd "$build" && ctest -j "$(nproc)" --timeout 200 --output-on-failure
+  local status=0
+  ctest --test-dir "$build" -L cuda -j 4 --output-on-failure > "$logs/test-ctest.log" 2>&1 || status=1
+  cat "$logs/test-ctest.log"
+  # CTest counts a test that printed [  SKIPPED ] as skipped: on a GPU machine each is listed, with why.
+  echo "== GPU tests that skipped here (each says why in its output above):"
+  grep -E "\*\*\*Skipped|Skipped$" "$logs/test-ctest.log" || echo "   none"
+  return $status
 }
 
 stage_fmnist() {
   mkdir -p "$logs/traces"
+  local start=$SECONDS
   "$build/examples/c/train_fashion_mnist" --device cuda --data "$data" --epochs 10 --min-accuracy 88 \
-    --trace "$logs/traces/fmnist-epoch1.json"
+    --trace "$logs/traces/fmnist-epoch1.json" || return 1
+  echo "wall time, 10 epochs on cuda: $((SECONDS - start)) s"
 }
 
 stage_bench() {
-  local status=0
-  "$build/bench/bench_cuda_gemms" --json "$logs/gemms.json" || status=1
-  if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    python3 "$root/bench/torch_anchor.py" --json "$logs/torch.json" || status=1
-  else
-    echo "torch_anchor.py: no PyTorch with CUDA here; dpar's figures alone"
-  fi
-  local anchors=()
-  [ -s "$logs/torch.json" ] && anchors+=(--torch "$logs/torch.json")
-  [ -s "$logs/gemms.json" ] && anchors+=(--gemms "$logs/gemms.json")
-  local loader=()
-  [ -e "$data/train-images-idx3-ubyte.gz" ] || [ -e "$data/train-images-idx3-ubyte" ] && loader=(--data "$data")
-  mkdir -p "$logs/traces"
-  "$build/bench/bench_cuda_train" --json "$logs/dpar.json" --trace "$logs/traces" "${anchors[@]}" "${loader[@]}" ||
-    status=1
+  local status=0 torch_ok=0
+  python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null && torch_ok=1
+  [ $torch_ok -eq 1 ] || echo "torch_anchor.py: no PyTorch with CUDA here; dpar's figures and cuBLAS alone"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+  python3 -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.version.cuda)' 2>/dev/null || true
+  for config in "demo 128" "wide 8192"; do
+    set -- $config
+    local model=$1 batch=$2 tag="$1-$2"
+    echo "==== $model MLP, batch $batch"
+    "$build/bench/bench_cuda_gemms" --only "$model" --batches "$batch" --json "$logs/gemms-$tag.json" || status=1
+    if [ $torch_ok -eq 1 ]; then
+      python3 "$root/bench/torch_anchor.py" --only "$model" --batches "$batch" --steps 30 --blocks 3 \
+        --json "$logs/torch-$tag.json" || status=1
+    fi
+    local anchors=()
+    [ -s "$logs/torch-$tag.json" ] && anchors+=(--torch "$logs/torch-$tag.json")
+    [ -s "$logs/gemms-$tag.json" ] && anchors+=(--gemms "$logs/gemms-$tag.json")
+    mkdir -p "$logs/traces"
+    "$build/bench/bench_cuda_train" --only "$model" --batches "$batch" --steps 30 --blocks 3 \
+      --json "$logs/dpar-$tag.json" --trace "$logs/traces" "${anchors[@]}" || status=1
+  done
   return $status
 }
 
-# sanitize TOOL: each CUDA test binary under compute-sanitizer; a report or a failed test fails the stage.
+# sanitize TOOL: dpar's own kernel and engine tests under compute-sanitizer; a report or a failed test fails it.
 sanitize() {
-  local cuda_tests=(test_cuda_kernels test_cuda_comm test_cuda_engine test_cuda_capi)
-  [ "$1" = racecheck ] && cuda_tests=(test_cuda_kernels)
-  local tool=$1 status=0 each=$sanitizer_limit
-  for t in "${cuda_tests[@]}"; do
-    echo "== compute-sanitizer --tool $tool $t (limit ${each} s)"
-    timeout --kill-after=10 "$each" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-      "$build/tests/$t" || { echo "== $t: exit $?"; status=1; }
+  local tool=$1 status=0 tests=(test_cuda_kernels test_cuda_engine)
+  [ "$tool" = racecheck ] && tests=(test_cuda_kernels)
+  for t in "${tests[@]}"; do
+    echo "== compute-sanitizer --tool $tool $t"
+    compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 "$build/tests/$t" ||
+      { echo "== $t: exit $?"; status=1; }
   done
   return $status
 }
 
 : > "$summary"
-note "dpar GPU checks, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null)"
-note "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null ||
-  echo 'NO GPU VISIBLE (nvidia-smi): the CUDA tests and benchmarks below skip, and a skip is not a pass')"
-export root build data logs limit sanitizer_limit
+{
+  echo "dpar GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null ||
+    echo 'NO GPU VISIBLE (nvidia-smi): the GPU tests and benchmarks below skip, and a skip is not a pass'
+} | tee -a "$summary"
+export root build data logs
 export -f stage_build stage_test stage_fmnist stage_bench sanitize
 for stage in "${stages[@]}"; do
   case $stage in
-    build | test | fmnist | bench) run_stage "$stage" "$limit" bash -c "stage_$stage" ;;
-    memcheck | racecheck) run_stage "$stage" 0 bash -c "sanitize $stage" ;;
+    build) run_stage build 180 bash -c stage_build ;;
+    test) run_stage test 150 bash -c stage_test ;;
+    fmnist) run_stage fmnist 90 bash -c stage_fmnist ;;
+    bench) run_stage bench 120 bash -c stage_bench ;;
+    memcheck | racecheck) run_stage "$stage" 240 bash -c "sanitize $stage" ;;
     *) note "unknown stage '$stage' (build test fmnist bench memcheck racecheck)"; failed=1 ;;
   esac
 done
+note "total: $((SECONDS - started)) s of a $budget s budget"
+echo
+echo "==== summary ($summary)"
+cat "$summary"
 exit $failed

@@ -64,24 +64,38 @@ inline std::vector<float> random_vector(size_t n, uint64_t seed, float lo = -1.0
   return v;
 }
 
-// max |a - b| / max(max |b|, floor): the error of a against the reference b, relative to the reference's scale.
+// max |a - b| / max(max |b|, floor) over the finite elements: the error of a against the reference b, relative to
+// the reference's scale. A NaN must meet a NaN and an infinity the same infinity (else the error is infinite):
+// an infinity in the scale would make every error look like 0, so that the comparison could not fail.
 inline double normalised_error(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-30) {
-  EXPECT_EQ(a.size(), b.size());
+  if (a.size() != b.size()) {
+    ADD_FAILURE() << "sizes " << a.size() << " vs " << b.size();
+    return INFINITY;
+  }
   double err = 0.0, scale = floor;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+  for (size_t i = 0; i < a.size(); ++i) {
     if (std::isnan(a[i]) != std::isnan(b[i])) return INFINITY;
     if (std::isnan(b[i])) continue;
+    if (std::isinf(a[i]) || std::isinf(b[i])) {
+      if (a[i] != b[i]) return INFINITY;
+      continue;
+    }
     err = std::max(err, std::fabs(static_cast<double>(a[i]) - b[i]));
     scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
   }
   return err / scale;
 }
 
-// Every element within `ulps` units in the last place of the reference (NaN matches NaN).
+// Every element within `ulps` units in the last place of the reference (NaN matches NaN, an infinity only the same
+// infinity: its ulp is infinite, so without that any finite value would pass).
 inline ::testing::AssertionResult within_ulps(const std::vector<float>& a, const std::vector<float>& b, int ulps) {
   if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes " << a.size() << " vs " << b.size();
   for (size_t i = 0; i < a.size(); ++i) {
     if (std::isnan(a[i]) && std::isnan(b[i])) continue;
+    if (std::isinf(a[i]) || std::isinf(b[i])) {
+      if (a[i] == b[i]) continue;
+      return ::testing::AssertionFailure() << "element " << i << ": " << a[i] << " vs reference " << b[i];
+    }
     const double tol = ulps * std::max(std::ldexp(1.0, -149), std::fabs(static_cast<double>(b[i])) * 0x1p-23);
     if (!(std::fabs(static_cast<double>(a[i]) - b[i]) <= tol))
       return ::testing::AssertionFailure() << "element " << i << ": " << a[i] << " vs reference " << b[i] << " (more than "

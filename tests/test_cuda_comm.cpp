@@ -15,6 +15,7 @@
 #include "comm/nccl_comm.h"
 #include "comm/threads_comm.h"
 #include "common/error.h"
+#include "kernels/cuda/kernels.h"
 #include "cuda_test_util.h"
 
 namespace dpar {
@@ -177,6 +178,82 @@ TEST(NcclGroupTest, AllReduceSumAndBroadcastMatchTheThreadsBackend) {
     ASSERT_EQ(status[r], DPAR_OK) << "rank " << r;
     EXPECT_LT(test::normalised_error(got[r], expected[r]), 1e-6) << "all_reduce_sum, rank " << r;
     EXPECT_TRUE(bitwise_equal(bcast[r], host[0])) << "broadcast, rank " << r;
+  }
+}
+
+// The engine's buckets over GPUs: all_reduce_sum after all_reduce_sum, each scaled by a kernel on the
+// communication stream after its NCCL call, whose completion is polled. A poll's "not ready" must not fail the next
+// bucket's scale kernel (it did when launches read the thread's last-error slot). One rank, so that a machine with
+// one GPU runs it; blocking calls and calls on the communication thread, as the engine makes them.
+TEST(NcclGroupTest, ScaledSumsBackToBackOnOneRank) {
+  DPAR_REQUIRE_GPU();
+  NcclGroup group({0}, names(1, "cuda"), std::chrono::seconds(60));
+  DPAR_CUDA_CHECK(cudaSetDevice(0), "test device");
+  cudaStream_t stream;
+  DPAR_CUDA_CHECK(cudaStreamCreate(&stream), "stream");
+  const size_t count = size_t{1} << 24;  // 64 MiB: the scale kernel is long enough for polls to find it running
+  const auto host = random_vector(count, 5);
+  std::vector<float> expected = host;
+  for (auto& x : expected) x = x * 0.5f * 0.5f * 0.5f * 0.5f;  // powers of two: exact, whatever the order
+  std::vector<float> got;
+  {
+    auto comm = group.communicator(0, stream);
+    DeviceBuffer<float> d(host);
+    for (int i = 0; i < 2; ++i) comm->all_reduce_sum(d.get(), count, true, 0.5f);
+    for (int i = 0; i < 2; ++i)
+      comm->async_run("bucket", [&] { comm->all_reduce_sum(d.get(), count, true, 0.5f); })->wait();
+    got = d.download();
+  }
+  cudaStreamDestroy(stream);
+  EXPECT_TRUE(bitwise_equal(got, expected));
+}
+
+// The same-GPU reduction reads every participant's buffer from the launch's arguments: buffers and contributors
+// that change from call to call are each reduced as given (a table kept in device memory between calls could go
+// stale).
+TEST_P(CudaDeviceGroupTest, BuffersThatChangeEveryCallAreReducedAsGiven) {
+  const int n = GetParam();
+  const size_t count = 4099;
+  CudaDeviceGroup group(std::vector<int>(n, 0), names(n, "cuda:0"), std::chrono::seconds(30));
+  ThreadGroup reference(names(n, "cpu"), std::chrono::seconds(30));
+  std::vector<std::vector<float>> got(n), expected(n);
+  const auto status = run_threads(n, [&](int r) {
+    DPAR_CUDA_CHECK(cudaSetDevice(0), "thread device");
+    cudaStream_t stream;
+    DPAR_CUDA_CHECK(cudaStreamCreate(&stream), "stream");  // blocking: ordered with the legacy-stream uploads
+    {
+      auto comm = group.communicator(r, stream);
+      auto ref = reference.communicator(r);
+      DeviceBuffer<float> a(random_vector(count, 100 + r)), b(random_vector(count, 200 + r));
+      std::vector<float> ha = random_vector(count, 100 + r), hb = random_vector(count, 200 + r);
+      for (int call = 0; call < 6; ++call) {
+        const bool use_a = call % 2 == 0;
+        const bool contributes = (call + r) % 3 != 0;
+        comm->all_reduce_sum(use_a ? a.get() : b.get(), count, contributes, call == 5 ? 0.25f : 1.0f);
+        ref->all_reduce_sum(use_a ? ha.data() : hb.data(), count, contributes, call == 5 ? 0.25f : 1.0f);
+      }
+      DPAR_CUDA_CHECK(cudaStreamSynchronize(stream), "sync");
+      got[r] = a.download();
+      const auto gb = b.download();
+      got[r].insert(got[r].end(), gb.begin(), gb.end());
+      expected[r] = ha;
+      expected[r].insert(expected[r].end(), hb.begin(), hb.end());
+    }
+    cudaStreamDestroy(stream);
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_EQ(status[r], DPAR_OK) << "replica " << r;
+    EXPECT_TRUE(bitwise_equal(got[r], expected[r])) << "replica " << r;
+  }
+}
+
+TEST(CudaDeviceGroupLimits, MoreParticipantsThanOneLaunchCanNameAreRefused) {
+  std::vector<std::string> many = names(kernels::cuda::SumBuffers::kMaxBuffers + 1, "cuda:0");
+  try {
+    CudaDeviceGroup group(std::vector<int>(many.size(), 0), many, std::chrono::seconds(1));
+    FAIL() << "65 participants accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), DPAR_ERR_NOT_SUPPORTED) << e.what();
   }
 }
 

@@ -5,12 +5,15 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
@@ -31,6 +34,28 @@ using test::random_vector;
 using test::within_ulps;
 
 // ---- Host-side checks: no GPU needed -----------------------------------------------------------------------------
+
+// The measures every kernel test compares with must be able to fail: an infinity in the reference (activation
+// inputs include +-inf) once made the normalised error's scale infinite, and so every error 0.
+TEST(CudaTestMeasures, InfinitiesAndNaNsMustMatch) {
+  const std::vector<float> ref = {1.0f, INFINITY, -2.0f, NAN, -INFINITY};
+  EXPECT_EQ(normalised_error(ref, ref), 0.0);
+  EXPECT_TRUE(within_ulps(ref, ref, 0));
+  auto off = [&](size_t i, float v) {
+    auto a = ref;
+    a[i] = v;
+    return a;
+  };
+  EXPECT_GT(normalised_error(off(0, 1.5f), ref), 0.1) << "a finite error beside an infinity in the reference";
+  EXPECT_FALSE(within_ulps(off(0, 1.5f), ref, 4));
+  for (float wrong : {0.0f, 3.0e38f, -INFINITY, NAN}) {
+    EXPECT_EQ(normalised_error(off(1, wrong), ref), INFINITY) << "got " << wrong << " for +inf";
+    EXPECT_FALSE(within_ulps(off(1, wrong), ref, 4)) << "got " << wrong << " for +inf";
+  }
+  EXPECT_EQ(normalised_error(off(3, 0.0f), ref), INFINITY) << "a number for NaN";
+  EXPECT_EQ(normalised_error(off(2, INFINITY), ref), INFINITY) << "an infinity for a number";
+  EXPECT_FALSE(within_ulps(off(2, INFINITY), ref, 4)) << "an infinity for a number";
+}
 
 TEST(CudaRuntime, DeviceCountReportsWhyNone) {
   std::string why;
@@ -582,7 +607,7 @@ std::vector<float> host_sum(const std::vector<std::vector<float>>& bufs, const s
 }
 
 TEST_F(CudaKernels, SumSliceIntoAllMatchesTheThreadsPass) {
-  for (int nb : {1, 2, 3, 8}) {
+  for (int nb : {1, 2, 3, 8, 64}) {  // 64: every bit of the contributes mask
     for (int pattern = 0; pattern < 3; ++pattern) {
       SCOPED_TRACE(::testing::Message() << nb << " buffers, pattern " << pattern);
       const int64_t n = 10007;
@@ -599,15 +624,95 @@ TEST_F(CudaKernels, SumSliceIntoAllMatchesTheThreadsPass) {
       }
       const float scale = pattern == 0 ? 1.0f : 0.25f;
       const auto expected = host_sum(host, contributes, scale);
-      DeviceBuffer<float*> d_ptrs(ptrs);
-      DeviceBuffer<uint8_t> d_contrib(contributes);
+      gpu::SumBuffers buffers{};
+      buffers.count = nb;
+      for (int b = 0; b < nb; ++b) {
+        buffers.buffer[b] = ptrs[b];
+        if (contributes[b]) buffers.contributes |= uint64_t{1} << b;
+      }
       // Three participants' slices, as the device group cuts them, each launched separately.
       const int64_t cuts[] = {0, 3333, 6672, n};
-      for (int r = 0; r < 3; ++r)
-        gpu::sum_slice_into_all(d_ptrs.get(), d_contrib.get(), nb, cuts[r], cuts[r + 1], scale, stream_);
+      for (int r = 0; r < 3; ++r) gpu::sum_slice_into_all(buffers, cuts[r], cuts[r + 1], scale, stream_);
       for (int b = 0; b < nb; ++b) EXPECT_TRUE(bitwise_equal(dev[b]->download(), expected)) << "buffer " << b;
     }
   }
+}
+
+// A "not ready" left in the thread's last-error slot by an event query must not fail the next launch (launches
+// check their own status), and dpar's own polls leave nothing there (cuda::query_event), since cuBLAS reads the
+// slot after its launches. The engine's communication thread polls events between its kernels.
+TEST_F(CudaKernels, LaunchAfterANotReadyQuerySucceeds) {
+  cudaStream_t held = nullptr;
+  DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking), "held stream");
+  std::atomic<bool> release{false};
+  // Holds `held` until the test releases it: its event stays not ready for as long as the test needs.
+  DPAR_CUDA_CHECK(cudaLaunchHostFunc(
+                      held,
+                      [](void* flag) {
+                        while (!static_cast<std::atomic<bool>*>(flag)->load())
+                          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                      },
+                      &release),
+                  "hold the stream");
+  cudaEvent_t event = nullptr;
+  DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "event");
+  DPAR_CUDA_CHECK(cudaEventRecord(event, held), "record");
+  struct Release {
+    std::atomic<bool>& flag;
+    cudaStream_t stream;
+    cudaEvent_t event;
+    ~Release() {
+      flag.store(true);
+      cudaStreamSynchronize(stream);
+      cudaEventDestroy(event);
+      cudaStreamDestroy(stream);
+    }
+  } guard{release, held, event};
+
+  DeviceBuffer<float> x(std::vector<float>(1000, 2.0f));
+  ASSERT_EQ(cudaEventQuery(event), cudaErrorNotReady);  // the raw query: its answer stays in the slot
+  EXPECT_NO_THROW(gpu::scale(x.get(), 0.5f, 1000, stream_)) << "a launch failed on an earlier query's answer";
+  (void)cudaGetLastError();
+  EXPECT_EQ(cuda::query_event(event), cudaErrorNotReady);
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess) << "query_event left its \"not ready\" in the last-error slot";
+  EXPECT_NO_THROW(gpu::scale(x.get(), 0.5f, 1000, stream_));
+  sync();
+  release.store(true);
+  DPAR_CUDA_CHECK(cudaStreamSynchronize(held), "release");
+  EXPECT_EQ(cuda::query_event(event), cudaSuccess);
+  EXPECT_TRUE(bitwise_equal(x.download(), std::vector<float>(1000, 0.5f)));
+}
+
+// A thread that never used CUDA gets no context back from a DeviceScope: restoring cudaGetDevice()'s answer (0 on
+// such a thread) would create a context on GPU 0 in every process of a job of one GPU per process. A thread that
+// chose a device gets it back.
+TEST(CudaRuntime, DeviceScopeRestoresOnlyAContextThatExisted) {
+  DPAR_REQUIRE_GPU();
+  const int last = cuda::cuda_device_count() - 1;
+  std::thread([&] {
+    EXPECT_FALSE(cuda::thread_has_context()) << "a new thread has no context";
+    {
+      cuda::DeviceScope scope(last);
+      DPAR_CUDA_CHECK(cudaFree(nullptr), "a call in the scope");  // binds the device's context to the thread
+      int current = -1;
+      DPAR_CUDA_CHECK(cudaGetDevice(&current), "current device");
+      EXPECT_EQ(current, last);
+      EXPECT_TRUE(cuda::thread_has_context());
+    }
+    EXPECT_FALSE(cuda::thread_has_context()) << "the scope left its context current on a thread that had none";
+    EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+  }).join();
+  std::thread([&] {
+    DPAR_CUDA_CHECK(cudaSetDevice(0), "the thread's own device");
+    {
+      cuda::DeviceScope scope(last);
+      DPAR_CUDA_CHECK(cudaFree(nullptr), "a call in the scope");
+    }
+    int current = -1;
+    DPAR_CUDA_CHECK(cudaGetDevice(&current), "current device");
+    EXPECT_EQ(current, 0);
+    EXPECT_TRUE(cuda::thread_has_context());
+  }).join();
 }
 
 }  // namespace

@@ -17,8 +17,12 @@ void AsyncWork::finish(std::exception_ptr error) noexcept {
   done_.notify_all();
 }
 
-CommThread::CommThread(std::function<void(const std::exception_ptr&)> on_error) : on_error_(std::move(on_error)) {
-  thread_ = std::thread([this] { loop(); });
+CommThread::CommThread(std::function<void(const std::exception_ptr&)> on_error, std::function<void()> on_start)
+    : on_error_(std::move(on_error)) {
+  thread_ = std::thread([this, start = std::move(on_start)] {
+    if (start) start();
+    loop();
+  });
 }
 
 CommThread::~CommThread() { stop(nullptr); }

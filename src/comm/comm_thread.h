@@ -38,7 +38,8 @@ class CommThread {
   // Starts the thread (throws std::system_error if it cannot). `on_error` runs on the communication thread after
   // an operation failed and before its Work completes (the Communicator uses it to abort the group); it must not
   // throw.
-  explicit CommThread(std::function<void(const std::exception_ptr&)> on_error);
+  // `on_start`, if given, runs first on the thread; it must not throw.
+  explicit CommThread(std::function<void(const std::exception_ptr&)> on_error, std::function<void()> on_start = {});
   // Stops the thread as stop(nullptr) does, if stop() was not called.
   ~CommThread();
   CommThread(const CommThread&) = delete;

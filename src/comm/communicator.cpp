@@ -90,7 +90,7 @@ std::shared_ptr<Work> Communicator::submit_async(const char* operation, std::fun
   try {
     std::lock_guard<std::mutex> lock(async_mutex_);
     if (!async_) {
-      async_ = std::make_unique<detail::CommThread>([this](const std::exception_ptr& error) {
+      auto on_error = [this](const std::exception_ptr& error) {
         // REMOTE, TIMEOUT and MISMATCH: every participant concerned already knows (the group is aborted, or they
         // all decided alike; aborting after a mismatch would turn a slower participant's MISMATCH into REMOTE).
         // Any other failure is local: this participant will not arrive, so release the others.
@@ -105,7 +105,8 @@ std::shared_ptr<Work> Communicator::submit_async(const char* operation, std::fun
         } catch (...) {
           abort("async collective failed: unknown exception");
         }
-      });
+      };
+      async_ = std::make_unique<detail::CommThread>(std::move(on_error), [this] { prepare_thread(); });
     }
     return async_->submit(std::move(op));
   } catch (const std::system_error& e) {

@@ -125,6 +125,11 @@ class Communicator {
   virtual dpar_status async_error(std::string* reason) = 0;
 
  protected:
+  // Runs first on this participant's communication thread, when the first async_* call starts it. A backend whose
+  // work is bound to a device makes that device current there, once, as a worker thread does when it starts, so
+  // that no call on the thread has to change it and change it back. Must not throw.
+  virtual void prepare_thread() noexcept {}
+
   // Lets the operations queued so far run, then joins the communication thread (a no-op if none started).
   // Every derived class's destructor must call it first: the thread calls the derived class's virtual collectives,
   // and by the time ~Communicator runs the derived part is destroyed (its vtable is gone too). ~Communicator only

@@ -51,22 +51,15 @@ class CudaDeviceCommunicator final : public Communicator {
  public:
   CudaDeviceCommunicator(ThreadGroup& host, int rank, int device, cudaStream_t stream)
       : host_(host), rank_(rank), device_(device), stream_(stream), comm_(host.communicator(rank)) {
-    const int n = host_.size();
     cuda::DeviceScope scope(device_);
     DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "device group: event");
     DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "device group: event");
-    DPAR_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&table_), n * sizeof(float*)), "device group: table");
-    DPAR_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&contributes_), n), "device group: table");
-    table_host_.assign(n, nullptr);
-    contributes_host_.assign(n, 2);  // 2: never a valid flag, so the first call uploads
   }
   ~CudaDeviceCommunicator() override {
     stop_async();
     cuda::DeviceScope scope(device_, std::nothrow);
-    // Queued work may still read the tables: let this participant's stream finish first.
+    // Queued work may still wait for the events: let this participant's stream finish first.
     cudaStreamSynchronize(stream_);
-    cudaFree(table_);
-    cudaFree(contributes_);
     cudaEventDestroy(ready_);
     cudaEventDestroy(done_);
   }
@@ -155,6 +148,11 @@ class CudaDeviceCommunicator final : public Communicator {
   void abort(const std::string& reason) override { host_.abort(reason); }
   dpar_status async_error(std::string* reason) override { return comm_->async_error(reason); }
 
+ protected:
+  void prepare_thread() noexcept override {
+    if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();  // each call's scope sets it then
+  }
+
  private:
   void check_root(const char* operation, int root) {
     DPAR_LOCAL_CHECK(root >= 0 && root < size(), operation, ": root ", root, " is not a participant (size ", size(),
@@ -168,26 +166,18 @@ class CudaDeviceCommunicator final : public Communicator {
                 0, 0};
     mine.recv = reinterpret_cast<intptr_t>(buffer);
     run(operation, mine, [&](const std::vector<Record>& all) {
+      // Every participant's buffer travels in the launch itself (no table in device memory to upload and keep in
+      // step with the buffers).
       const int n = size();
-      bool changed = false;
+      kernels::cuda::SumBuffers buffers{};
+      buffers.count = n;
       for (int r = 0; r < n; ++r) {
-        float* p = ptr<float>(all[r].recv);
-        const uint8_t c = all[r].contributes != 0;
-        changed |= table_host_[r] != p || contributes_host_[r] != c;
-        table_host_[r] = p;
-        contributes_host_[r] = c;
-      }
-      if (changed) {  // the gradient buckets are the same buffers step after step: upload once
-        DPAR_CUDA_CHECK(cudaMemcpyAsync(table_, table_host_.data(), n * sizeof(float*), cudaMemcpyHostToDevice, stream_),
-                        operation, ": table");
-        DPAR_CUDA_CHECK(cudaMemcpyAsync(contributes_, contributes_host_.data(), n, cudaMemcpyHostToDevice, stream_),
-                        operation, ": table");
-        // From pageable memory, cudaMemcpyAsync stages the host array before it returns: rewriting it next call is
-        // safe, and the stream orders the upload after the previous call's kernel, which read the old table.
+        buffers.buffer[r] = ptr<float>(all[r].recv);
+        if (all[r].contributes != 0) buffers.contributes |= uint64_t{1} << r;
       }
       const auto [begin, end] = slice_of(count, sizeof(float), rank_, n);
-      kernels::cuda::sum_slice_into_all(table_, contributes_, n, static_cast<int64_t>(begin), static_cast<int64_t>(end),
-                                        scale, stream_);
+      kernels::cuda::sum_slice_into_all(buffers, static_cast<int64_t>(begin), static_cast<int64_t>(end), scale,
+                                        stream_);
     });
   }
 
@@ -239,10 +229,6 @@ class CudaDeviceCommunicator final : public Communicator {
   cudaStream_t stream_;
   std::unique_ptr<Communicator> comm_;  // the host side: records, barriers, timeouts, abort
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
-  float** table_ = nullptr;        // device: every participant's buffer for the current sum
-  uint8_t* contributes_ = nullptr;  // device: whether each contributes
-  std::vector<float*> table_host_;
-  std::vector<uint8_t> contributes_host_;
 };
 
 }  // namespace
@@ -252,6 +238,10 @@ CudaDeviceGroup::CudaDeviceGroup(std::vector<int> devices, std::vector<std::stri
     : host_(std::move(names), timeout), devices_(std::move(devices)) {
   DPAR_CHECK_ARG(static_cast<int>(devices_.size()) == host_.size(), "device group: ", devices_.size(),
                  " devices for ", host_.size(), " names");
+  // Each sum names every participant's buffer in its kernel's arguments, which have a fixed size.
+  if (host_.size() > kernels::cuda::SumBuffers::kMaxBuffers)
+    fail(DPAR_ERR_NOT_SUPPORTED, "device group: ", host_.size(), " participants; at most ",
+         kernels::cuda::SumBuffers::kMaxBuffers, " replicas reduce in one GPU's memory");
 }
 
 std::unique_ptr<Communicator> CudaDeviceGroup::communicator(int rank, cudaStream_t stream) {

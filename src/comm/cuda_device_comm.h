@@ -48,8 +48,8 @@ class CudaDeviceGroup {
   void reset() { host_.reset(); }
 
   // Participant `rank`'s view, queuing its device work on `stream` (of devices[rank], the device of its buffers).
-  // Each call makes that device current for its span, whatever thread calls it. Allocates its small device
-  // tables. The group and the stream must outlive it.
+  // Each call makes that device current for its span, whatever thread calls it. The group and the stream must
+  // outlive it. At most kernels::cuda::SumBuffers::kMaxBuffers (64) participants: more throw NOT_SUPPORTED.
   std::unique_ptr<Communicator> communicator(int rank, cudaStream_t stream);
 
  private:

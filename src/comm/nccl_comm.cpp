@@ -1,6 +1,7 @@
 // See nccl_comm.h.
 #include "comm/nccl_comm.h"
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <thread>
@@ -216,6 +217,10 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  void prepare_thread() noexcept override {
+    if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();  // each call's scope sets it then
+  }
+
   dpar_status async_error(std::string* reason) override {
     if (broken_.load()) {
       *reason = name_ + "'s NCCL communicator was aborted by an earlier failure; create a new one";
@@ -345,7 +350,7 @@ class NcclCommunicator final : public Communicator {
                               ? Clock::time_point::max()
                               : Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout_);
     for (int spins = 0;; ++spins) {
-      const cudaError_t q = cudaEventQuery(done_);
+      const cudaError_t q = cuda::query_event(done_);  // "not ready" is not left for the next launch to find
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady) {
         give_up(detail::concat(name_, "'s device failed: ", cudaGetErrorString(q)));
@@ -397,19 +402,48 @@ class NcclCommunicator final : public Communicator {
   }
 
   // One NCCL call on this participant's communicator; it fails with Error(REMOTE) once the communicators were
-  // aborted. On a non-blocking communicator (across processes) a call may return ncclInProgress before its work is
-  // on the stream: it is waited for here (under the timeout), so that what follows is ordered after it.
+  // aborted. Every communicator is non-blocking, so a call may return ncclInProgress before its work is on the
+  // stream (NCCL connects peers inside the first collectives, waiting for them on the host): it is waited for
+  // here, so that what follows is ordered after it.
   template <class Call>
   void nccl(const char* what, Call call) {
     ncclResult_t r = ncclSuccess;
-    if (!comms_->with(index_, [&](ncclComm_t c) {
-          r = call(c);
-          if (r == ncclInProgress) r = settle(c, timeout_);
-        })) {
+    if (!comms_->with(index_, [&](ncclComm_t c) { r = call(c); })) {
       broken_ = true;
       fail(DPAR_ERR_REMOTE, what, ": ", name_, " stopped because ", comms_->reason());
     }
+    if (r == ncclInProgress) r = settle_call(what);
     DPAR_NCCL_CHECK(r, what, ": ", name_);
+  }
+
+  // Polls a call that returned ncclInProgress until NCCL has finished its host-side part, holding the
+  // communicator's lock only for each poll: an abort from another thread (a peer that failed before making its own
+  // call, which this one would wait for) takes the lock between polls and ends the call. Also ends on this
+  // participant's abort(), the others' failures and the timeout; each of those aborts every communicator.
+  ncclResult_t settle_call(const char* what) {
+    const auto deadline = timeout_.count() > 3.0e9
+                              ? Clock::time_point::max()
+                              : Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout_);
+    for (int spins = 0;; ++spins) {
+      ncclResult_t got = ncclSuccess, state = ncclSuccess;
+      if (!comms_->with(index_, [&](ncclComm_t c) { got = ncclCommGetAsyncError(c, &state); })) {
+        broken_ = true;
+        fail(DPAR_ERR_REMOTE, what, ": ", name_, " stopped because ", comms_->reason());
+      }
+      if (got != ncclSuccess) return got;
+      if (state != ncclInProgress) return state;
+      if (aborted_.load()) {
+        give_up(detail::concat(name_, " was aborted"));
+        remote_failure(what);
+      }
+      check_peers(what, spins % 64 == 0);
+      if (Clock::now() >= deadline) {
+        give_up(detail::concat(name_, "'s ", what, " did not start within ", timeout_.count(), " s"));
+        fail(DPAR_ERR_TIMEOUT, what, ": ", name_, "'s NCCL call did not get its work onto the GPU within ",
+             timeout_.count(), " s (a participant did not arrive); the communicator was aborted");
+      }
+      if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
   }
 
   [[noreturn]] void remote_failure(const char* operation) {
@@ -447,10 +481,66 @@ NcclGroup::NcclGroup(std::vector<int> devices, std::vector<std::string> names, s
     for (size_t j = 0; j < i; ++j)
       DPAR_CHECK_ARG(devices_[i] != devices_[j], "nccl group: device ", devices_[i],
                      " is named twice (NCCL refuses two ranks on one GPU: use the CUDA device group)");
-  std::vector<ncclComm_t> comms(devices_.size(), nullptr);
-  DPAR_NCCL_CHECK(ncclCommInitAll(comms.data(), static_cast<int>(devices_.size()), devices_.data()),
-                  "nccl group of ", devices_.size(), " GPUs");
-  comms_ = std::make_shared<NcclComms>(std::move(comms));
+  comms_ = std::make_shared<NcclComms>(init_group(devices_, timeout_));
+}
+
+// ncclCommInitAll's communicators, but non-blocking (ncclCommInitRankConfig, blocking = 0, in one NCCL group), so
+// that an abort always reaches a call in progress: NCCL connects peers inside the first collectives and, on a
+// blocking communicator, waits there on the host for a peer that may never call, where no abort can reach it.
+// The creation itself is polled under `timeout`.
+std::vector<ncclComm_t> NcclGroup::init_group(const std::vector<int>& devices, std::chrono::duration<double> timeout) {
+  const int n = static_cast<int>(devices.size());
+  DPAR_CHECK_ARG(n > 0, "nccl group: no devices");
+  ncclUniqueId id;
+  DPAR_NCCL_CHECK(ncclGetUniqueId(&id), "nccl group of ", n, " GPUs");
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  std::vector<ncclComm_t> comms(devices.size(), nullptr);
+  ncclResult_t r = ncclSuccess;
+  cudaError_t device_error = cudaSuccess;
+  int failed_device = -1;
+  {
+    // The loop makes each device current in turn and ends on the last, which is this scope's own: the scope then
+    // gives the caller's thread back its context.
+    cuda::DeviceScope scope(devices.back());
+    DPAR_NCCL_CHECK(ncclGroupStart(), "nccl group of ", n, " GPUs");
+    for (int i = 0; i < n && (r == ncclSuccess || r == ncclInProgress); ++i) {
+      device_error = cudaSetDevice(devices[i]);
+      if (device_error != cudaSuccess) {
+        failed_device = devices[i];
+        break;
+      }
+      r = ncclCommInitRankConfig(&comms[i], n, id, i, &config);
+    }
+    const ncclResult_t end = ncclGroupEnd();  // always, to close the group the loop opened
+    if (r == ncclSuccess || r == ncclInProgress) r = end;
+    if (device_error != cudaSuccess) (void)cudaSetDevice(devices.back());
+  }
+  auto abort_all = [&] {
+    for (ncclComm_t c : comms)
+      if (c != nullptr) ncclCommAbort(c);
+  };
+  if (device_error != cudaSuccess) {
+    abort_all();
+    cuda::fail_cuda(device_error, "cudaSetDevice", detail::concat("nccl group: cuda:", failed_device));
+  }
+  if (r != ncclSuccess && r != ncclInProgress) {
+    abort_all();
+    DPAR_NCCL_CHECK(r, "nccl group of ", n, " GPUs");
+  }
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::min(timeout, std::chrono::duration<double>(3.0e9)));
+  for (int i = 0; i < n; ++i) {
+    const auto left = std::max(Clock::duration::zero(), deadline - Clock::now());
+    const ncclResult_t state = settle(comms[i], left);
+    if (state == ncclSuccess) continue;
+    abort_all();
+    if (state == ncclInProgress)
+      fail(DPAR_ERR_TIMEOUT, "nccl group of ", n, " GPUs: rank ", i, " (cuda:", devices[i],
+           ") was not created within ", timeout.count(), " s");
+    DPAR_NCCL_CHECK(state, "nccl group of ", n, " GPUs: rank ", i, " (cuda:", devices[i], ")");
+  }
+  return comms;
 }
 
 NcclGroup::~NcclGroup() = default;

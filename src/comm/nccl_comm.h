@@ -14,11 +14,11 @@
 // (COMMUNICATION, REMOTE, ...); an abort makes a waiting or later call throw Error(REMOTE). Any of them aborts
 // (ncclCommAbort) every NCCL communicator of the group, once, so that the others' kernels waiting for this
 // participant end too, and the others throw Error(REMOTE) with the first reason. After that the communicators are
-// unusable (Error(INVALID_STATE) or REMOTE): build new ones. A communicator whose participant is inside an NCCL
-// call at that moment is aborted by that participant when the call returns; a call that never returns (one that
-// waits on the host for a rank that never makes its own) is beyond this, and NCCL's non-blocking communicators
-// would be the way to bound it. The engine runs collectives on the communication thread (async_*), so this wait
-// does not block the replica's worker.
+// unusable (Error(INVALID_STATE) or REMOTE): build new ones. Every communicator is non-blocking (blocking = 0), in
+// a process as across processes: an NCCL call returns at once, ncclInProgress while NCCL still waits on the host
+// (for peers to connect, inside the first collectives), and is polled with the communicator's lock taken only for
+// each poll, so that an abort always reaches it. The engine runs collectives on the communication thread
+// (async_*), so this wait does not block the replica's worker.
 //
 // Fingerprints are agreed before any data moves, so that a participant calling another collective makes all of
 // them throw Error(MISMATCH): in one process over a ThreadGroup (host all-gather of each call's record, with its
@@ -48,6 +48,7 @@ class NcclComms;  // the NCCL communicators that fail together (nccl_comm.cpp)
 // refuses two ranks on one GPU, use CudaDeviceGroup there).
 class NcclGroup {
  public:
+  // Creates the communicators (non-blocking, in one NCCL group), waiting at most `timeout` for them.
   NcclGroup(std::vector<int> devices, std::vector<std::string> names, std::chrono::duration<double> timeout);
   ~NcclGroup();
   NcclGroup(const NcclGroup&) = delete;
@@ -59,6 +60,7 @@ class NcclGroup {
   std::unique_ptr<Communicator> communicator(int rank, cudaStream_t compute_stream);
 
  private:
+  static std::vector<ncclComm_t> init_group(const std::vector<int>& devices, std::chrono::duration<double> timeout);
   ThreadGroup host_;
   std::chrono::duration<double> timeout_;
   std::vector<int> devices_;

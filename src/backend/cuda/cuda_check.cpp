@@ -1,6 +1,8 @@
 // See cuda_check.h.
 #include "backend/cuda/cuda_check.h"
 
+#include <cuda.h>  // the driver's types only: its functions are reached through the runtime's entry points
+
 #include <mutex>
 
 namespace dpar::cuda {
@@ -108,28 +110,90 @@ int cuda_device_count(std::string* why_none) {
   return count;
 }
 
+cudaError_t query_event(cudaEvent_t event) noexcept {
+  const cudaError_t state = cudaEventQuery(event);
+  if (state == cudaErrorNotReady) (void)cudaGetLastError();
+  return state;
+}
+
+namespace {
+
+// cuCtxGetCurrent and cuCtxSetCurrent, from the runtime's table of driver entry points (null where the driver has
+// none to give, e.g. no driver at all).
+struct DriverContextCalls {
+  CUresult (*get_current)(CUcontext*) = nullptr;
+  CUresult (*set_current)(CUcontext) = nullptr;
+};
+
+const DriverContextCalls& driver_context_calls() {
+  static const DriverContextCalls calls = [] {
+    DriverContextCalls c;
+    auto find = [](const char* symbol) -> void* {
+      void* fn = nullptr;
+      cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+      if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+          found != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        return nullptr;
+      }
+      return fn;
+    };
+    c.get_current = reinterpret_cast<CUresult (*)(CUcontext*)>(find("cuCtxGetCurrent"));
+    c.set_current = reinterpret_cast<CUresult (*)(CUcontext)>(find("cuCtxSetCurrent"));
+    return c;
+  }();
+  return calls;
+}
+
+}  // namespace
+
+bool thread_has_context() noexcept {
+  const auto& calls = driver_context_calls();
+  CUcontext current = nullptr;
+  if (calls.get_current == nullptr || calls.get_current(&current) != CUDA_SUCCESS) return true;
+  return current != nullptr;
+}
+
+void DeviceScope::remember_previous() noexcept {
+  // Without a way to clear the context again, restoring the old device is the closest to "as before".
+  had_context_ = thread_has_context() || driver_context_calls().set_current == nullptr;
+}
+
 DeviceScope::DeviceScope(int device) {
+  remember_previous();
   DPAR_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
-  if (previous_ != device) DPAR_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
   device_ = device;
+  if (previous_ != device) {
+    DPAR_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
+    changed_ = true;
+  }
 }
 
 DeviceScope::DeviceScope(int device, std::nothrow_t) noexcept {
+  remember_previous();
   int current = 0;
   if (cudaGetDevice(&current) != cudaSuccess) {
     (void)cudaGetLastError();
-    return;  // previous_ == device_: nothing to restore
+    return;  // nothing changed, nothing to restore
   }
   previous_ = device_ = current;
   if (current == device) return;
-  if (cudaSetDevice(device) == cudaSuccess)
+  if (cudaSetDevice(device) == cudaSuccess) {
     device_ = device;
-  else
+    changed_ = true;
+  } else {
     (void)cudaGetLastError();
+  }
 }
 
 DeviceScope::~DeviceScope() {
-  if (previous_ != device_) (void)cudaSetDevice(previous_);
+  if (!had_context_) {
+    // The thread had no context: it gets none back (not device 0's, which restoring cudaGetDevice()'s 0 would
+    // create). The scope's calls made one current, whether or not it changed the device.
+    (void)driver_context_calls().set_current(nullptr);
+    return;
+  }
+  if (changed_ && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
 }
 
 }  // namespace dpar::cuda

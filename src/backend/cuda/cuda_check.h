@@ -5,7 +5,10 @@
 //   DPAR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream), "copy of ", bytes, " bytes to ", name);
 //   DPAR_CUBLAS_CHECK(cublasSgemm(...), "linear_forward");
 //   DPAR_NCCL_CHECK(ncclAllReduce(...), "all_reduce on ", comm_name);
-//   DPAR_CUDA_CHECK_LAUNCH("relu_forward");   // right after a <<<...>>> launch
+//
+// Kernels are launched through kernels::cuda::detail::launch (launch.cuh), which checks the launch's own status.
+// Nothing in dpar reads cudaGetLastError() to learn whether a call failed: that slot also holds what earlier calls
+// left there (a "not ready" from a query among them), so it would blame a good call for an old answer.
 //
 // Statuses: cudaErrorMemoryAllocation becomes DPAR_ERR_OUT_OF_MEMORY (and cuBLAS's ALLOC_FAILED too); every other
 // CUDA or cuBLAS failure DPAR_ERR_DEVICE; an NCCL failure DPAR_ERR_COMMUNICATION, except ncclRemoteError
@@ -44,9 +47,22 @@ const char* cublas_status_name(cublasStatus_t status);
 // process; later calls return the same answer.
 int cuda_device_count(std::string* why_none = nullptr);
 
-// Makes `device` current on the calling thread for the scope, and the previous one current again after it. The
-// runtime's current device is per thread and belongs to whoever owns the thread (a framework calling through the
-// C API keeps its own): dpar changes it only for the span of its own calls.
+// cudaEventQuery without its side effect: "not ready" is a state, not a failure, yet the runtime records it in the
+// thread's last-error slot, where a later reader of cudaGetLastError() (cuBLAS reads it after its own launches)
+// would take it for an error of its own. Returns cudaSuccess, cudaErrorNotReady, or the failure (left in the slot
+// for fail_cuda, which clears it).
+cudaError_t query_event(cudaEvent_t event) noexcept;
+
+// Makes `device` current on the calling thread for the scope, and the thread's previous context current again
+// after it. The runtime's current device is per thread and belongs to whoever owns the thread (a framework
+// calling through the C API keeps its own): dpar changes it only for the span of its own calls.
+//
+// A thread that had no context (one that never used CUDA) gets none back: cudaGetDevice() says 0 there, and
+// setting device 0 "back" would create a context on GPU 0 (cudaSetDevice creates the primary context since CUDA
+// 12), so that every process of a job of one GPU per process would hold one on GPU 0, and on a GPU in exclusive
+// compute mode the restore would fail. A restore that fails leaves nothing in the thread's last-error slot.
+// Threads that dpar owns (workers, communication threads) set their device once when they start, so a scope on
+// them changes nothing.
 class DeviceScope {
  public:
   explicit DeviceScope(int device);
@@ -58,8 +74,15 @@ class DeviceScope {
   DeviceScope& operator=(const DeviceScope&) = delete;
 
  private:
+  void remember_previous() noexcept;
   int previous_ = 0, device_ = 0;
+  bool had_context_ = true;  // false: the thread had no current context before the scope, and gets none back
+  bool changed_ = false;
 };
+
+// Whether the calling thread has a current CUDA context (asked through the driver's cuCtxGetCurrent, reached via
+// the runtime's entry-point table: dpar never links libcuda). True when it cannot tell.
+bool thread_has_context() noexcept;
 
 }  // namespace dpar::cuda
 
@@ -69,14 +92,6 @@ class DeviceScope {
     const cudaError_t dpar_cuda_err_ = (expr);                                                       \
     if (dpar_cuda_err_ != cudaSuccess)                                                               \
       ::dpar::cuda::fail_cuda(dpar_cuda_err_, #expr, ::dpar::detail::concat(__VA_ARGS__));           \
-  } while (0)
-
-// After a kernel launch: a bad configuration (or an earlier asynchronous error) throws, naming the kernel.
-#define DPAR_CUDA_CHECK_LAUNCH(kernel_name)                                                          \
-  do {                                                                                               \
-    const cudaError_t dpar_cuda_err_ = cudaGetLastError();                                           \
-    if (dpar_cuda_err_ != cudaSuccess)                                                               \
-      ::dpar::cuda::fail_cuda(dpar_cuda_err_, "kernel launch", ::dpar::detail::concat(kernel_name)); \
   } while (0)
 
 #define DPAR_CUBLAS_CHECK(expr, ...)                                                                 \

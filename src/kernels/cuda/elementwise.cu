@@ -19,7 +19,7 @@ constexpr float kInvSqrt2Pi = 0.39894228040143267794f;  // 1/sqrt(2*pi)
 // Out-of-place and in-place (out == inp) use are both fine: element i is read before it is written, by one thread.
 
 // inp (n), out (n)
-__global__ void relu_forward_kernel(float* out, const float* inp, int64_t n) {
+__global__ void __launch_bounds__(kThreads) relu_forward_kernel(float* out, const float* inp, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) {
     const float x = inp[i];
     out[i] = x < 0.0f ? 0.0f : x;  // NaN passes through, as torch.relu
@@ -27,7 +27,7 @@ __global__ void relu_forward_kernel(float* out, const float* inp, int64_t n) {
 }
 
 // dinp (n), dout (n), out (n)
-__global__ void relu_backward_kernel(float* dinp, const float* dout, const float* out, int64_t n) {
+__global__ void __launch_bounds__(kThreads) relu_backward_kernel(float* dinp, const float* dout, const float* out, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) {
     const float g = dout[i], y = out[i];
     dinp[i] = y <= 0.0f ? 0.0f : g;
@@ -35,7 +35,7 @@ __global__ void relu_backward_kernel(float* dinp, const float* dout, const float
 }
 
 // out = x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt 2)).  inp (n), out (n)
-__global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n) {
+__global__ void __launch_bounds__(kThreads) gelu_forward_kernel(float* out, const float* inp, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) {
     const float x = inp[i];
     out[i] = x * 0.5f * (1.0f + erff(x * kSqrt1_2));
@@ -43,7 +43,7 @@ __global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n) {
 }
 
 // dinp = dout * (Phi(x) + x * phi(x)).  dinp (n), dout (n), inp (n)
-__global__ void gelu_backward_kernel(float* dinp, const float* dout, const float* inp, int64_t n) {
+__global__ void __launch_bounds__(kThreads) gelu_backward_kernel(float* dinp, const float* dout, const float* inp, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) {
     const float x = inp[i];
     const float cdf = 0.5f * (1.0f + erff(x * kSqrt1_2));
@@ -53,12 +53,12 @@ __global__ void gelu_backward_kernel(float* dinp, const float* dout, const float
 }
 
 // inp (n), out (n)
-__global__ void tanh_forward_kernel(float* out, const float* inp, int64_t n) {
+__global__ void __launch_bounds__(kThreads) tanh_forward_kernel(float* out, const float* inp, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) { out[i] = tanhf(inp[i]); }
 }
 
 // dinp = dout * (1 - y^2).  dinp (n), dout (n), out (n)
-__global__ void tanh_backward_kernel(float* dinp, const float* dout, const float* out, int64_t n) {
+__global__ void __launch_bounds__(kThreads) tanh_backward_kernel(float* dinp, const float* dout, const float* out, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) {
     const float y = out[i];
     dinp[i] = dout[i] * (1.0f - y * y);
@@ -66,12 +66,12 @@ __global__ void tanh_backward_kernel(float* dinp, const float* dout, const float
 }
 
 // inp (n), out (n)
-__global__ void sigmoid_forward_kernel(float* out, const float* inp, int64_t n) {
+__global__ void __launch_bounds__(kThreads) sigmoid_forward_kernel(float* out, const float* inp, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) { out[i] = 1.0f / (1.0f + expf(-inp[i])); }
 }
 
 // dinp = dout * (1 - y) * y.  dinp (n), dout (n), out (n)
-__global__ void sigmoid_backward_kernel(float* dinp, const float* dout, const float* out, int64_t n) {
+__global__ void __launch_bounds__(kThreads) sigmoid_backward_kernel(float* dinp, const float* dout, const float* out, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) {
     const float y = out[i];
     dinp[i] = dout[i] * (1.0f - y) * y;
@@ -80,7 +80,7 @@ __global__ void sigmoid_backward_kernel(float* dinp, const float* dout, const fl
 
 // Element i is kept iff uniform24(key, offset + i) >= p; mask = kept ? keep_scale : 0; out = inp * mask.
 // out (n), mask (n), inp (n)
-__global__ void dropout_forward_kernel(float* out, float* mask, const float* inp, int64_t n, float p, float keep_scale,
+__global__ void __launch_bounds__(kThreads) dropout_forward_kernel(float* out, float* mask, const float* inp, int64_t n, float p, float keep_scale,
                                        uint64_t key, uint64_t offset) {
   DPAR_GRID_STRIDE_LOOP(i, n) {
     const float u = rng::uniform24(key, offset + static_cast<uint64_t>(i));
@@ -91,24 +91,24 @@ __global__ void dropout_forward_kernel(float* out, float* mask, const float* inp
 }
 
 // dinp (n), dout (n), mask (n)
-__global__ void dropout_backward_kernel(float* dinp, const float* dout, const float* mask, int64_t n) {
+__global__ void __launch_bounds__(kThreads) dropout_backward_kernel(float* dinp, const float* dout, const float* mask, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) { dinp[i] = dout[i] * mask[i]; }
 }
 
 // y += a*x.  y (n), x (n)
-__global__ void axpy_kernel(float* y, const float* x, float a, int64_t n) {
+__global__ void __launch_bounds__(kThreads) axpy_kernel(float* y, const float* x, float a, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) { y[i] = y[i] + a * x[i]; }
 }
 
 // x *= a.  x (n)
-__global__ void scale_kernel(float* x, float a, int64_t n) {
+__global__ void __launch_bounds__(kThreads) scale_kernel(float* x, float a, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) { x[i] = x[i] * a; }
 }
 
 // dst = src rounded to bfloat16, as common/bf16.h's to_bf16 does it: a NaN keeps its sign and becomes quiet; any
 // other value gets half an ulp of bfloat16 added, plus one if the kept part is odd (ties to even), and the low 16
 // bits cut.  dst (n), src (n)
-__global__ void to_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
+__global__ void __launch_bounds__(kThreads) to_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) {
     const uint32_t bits = __float_as_uint(src[i]);
     const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
@@ -117,7 +117,7 @@ __global__ void to_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
 }
 
 // dst = src, exactly: a bfloat16 is a float's upper half.  dst (n), src (n)
-__global__ void from_bf16_kernel(float* dst, const uint16_t* src, int64_t n) {
+__global__ void __launch_bounds__(kThreads) from_bf16_kernel(float* dst, const uint16_t* src, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) { dst[i] = __uint_as_float(static_cast<uint32_t>(src[i]) << 16); }
 }
 
@@ -127,8 +127,7 @@ __global__ void from_bf16_kernel(float* dst, const uint16_t* src, int64_t n) {
   do {                                                                      \
     check_count(#kernel, n);                                                \
     if ((n) == 0) return;                                                   \
-    kernel##_kernel<<<blocks_for(n), kThreads, 0, stream>>>(__VA_ARGS__);   \
-    DPAR_CUDA_CHECK_LAUNCH(#kernel);                                        \
+    detail::launch(#kernel, kernel##_kernel, blocks_for(n), kThreads, stream, __VA_ARGS__); \
   } while (0)
 
 void relu_forward(float* out, const float* inp, int64_t n, cudaStream_t stream) {

@@ -102,13 +102,22 @@ void from_bf16(float* dst, const uint16_t* src, int64_t n, cudaStream_t stream);
 constexpr int kSumSquaresBlocks = 256;
 void sum_squares(double* total, double* partials, const float* x, int64_t n, cudaStream_t stream);
 
+// The buffers of one reduction of replicas that share a device: passed to the kernel by value, as its argument, so
+// that no table lives in device memory. A table there would have to be uploaded when the buffers change (from the
+// host, ordered with the kernels that read the previous one) and could go stale after a failed upload; an argument
+// is part of the launch itself. kMaxBuffers bounds its size (kernel arguments are limited to 4 KiB).
+struct SumBuffers {
+  static constexpr int kMaxBuffers = 64;
+  float* buffer[kMaxBuffers];
+  uint64_t contributes;  // bit b: whether buffer[b] contributes
+  int count;             // buffers in use, <= kMaxBuffers
+};
+
 // The reduction of replicas that share a device (or reach each other's memory by peer access): elements
-// [begin, end) of every buffer get (sum over b, in index order, of buffers[b][i] where contributes[b]) * scale.
-// buffers: a device array of num_buffers device pointers; contributes: a device array of num_buffers bytes.
-// Each participant reduces its own slice of every buffer on its own stream (the one-pass algorithm of the
+// [begin, end) of every buffer get (sum over b, in index order, of buffer[b][i] where contributes has bit b) *
+// scale. Each participant reduces its own slice of every buffer on its own stream (the one-pass algorithm of the
 // threads backend, in device memory). Order of the sum is buffer order, so every slice gets the same bits
 // whichever participant computes it.
-void sum_slice_into_all(float* const* buffers, const uint8_t* contributes, int num_buffers, int64_t begin,
-                        int64_t end, float scale, cudaStream_t stream);
+void sum_slice_into_all(const SumBuffers& buffers, int64_t begin, int64_t end, float scale, cudaStream_t stream);
 
 }  // namespace dpar::kernels::cuda

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "backend/cuda/cuda_check.h"
 #include "common/error.h"
@@ -30,6 +31,22 @@ inline void check_count(const char* kernel, int64_t n) {
 }
 
 #ifdef __CUDACC__
+// kernel<<<grid, block, 0, stream>>>(args...), throwing Error(DEVICE) naming the kernel if the launch itself failed.
+// The status is this launch's own (cudaLaunchKernelEx returns it), never an error an earlier call left in the
+// thread's last-error slot: a "not ready" from an event query there, or another library's failure, cannot make a
+// good launch throw (reading cudaGetLastError() after <<<...>>> would take it for this launch's).
+template <class... Params, class... Args>
+void launch(const char* kernel_name, void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+            Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) ::dpar::cuda::fail_cuda(err, "kernel launch", kernel_name);
+}
+
 // The sum of the block's per-thread values, added in a fixed tree: the same bits on every launch, whatever the
 // threads' timing. Every thread gets it. Blocks of kBlockThreads threads, a power of two; every thread calls it.
 template <int kBlockThreads>

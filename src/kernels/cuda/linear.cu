@@ -29,7 +29,7 @@ int blas_dim(int64_t v, const char* name) {
 }
 
 // out[b, j] = bias[j].  out (B,C_out), bias (C_out)
-__global__ void bias_broadcast_kernel(float* out, const float* bias, int64_t B, int64_t C_out) {
+__global__ void __launch_bounds__(kThreads) bias_broadcast_kernel(float* out, const float* bias, int64_t B, int64_t C_out) {
   DPAR_GRID_STRIDE_LOOP(i, B * C_out) { out[i] = bias[i % C_out]; }
 }
 
@@ -38,7 +38,7 @@ __global__ void bias_broadcast_kernel(float* out, const float* bias, int64_t B, 
 // the kRows partial sums of a column are added in a fixed tree. No atomics: the same bits on every call.
 // dbias (C_out), dout (B,C_out)
 constexpr int kTile = 32, kRows = 32;
-__global__ void bias_backward_kernel(float* dbias, const float* dout, int64_t B, int64_t C_out, bool accumulate) {
+__global__ void __launch_bounds__(kTile * kRows) bias_backward_kernel(float* dbias, const float* dout, int64_t B, int64_t C_out, bool accumulate) {
   __shared__ double partial[kRows][kTile + 1];  // +1: no bank conflicts on the column reads below
   const int x = threadIdx.x, y = threadIdx.y;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * kTile + x;
@@ -59,8 +59,8 @@ __global__ void bias_backward_kernel(float* dbias, const float* dout, int64_t B,
 }
 
 void bias_broadcast(float* out, const float* bias, int64_t B, int64_t C_out, cudaStream_t stream) {
-  bias_broadcast_kernel<<<blocks_for(B * C_out), kThreads, 0, stream>>>(out, bias, B, C_out);
-  DPAR_CUDA_CHECK_LAUNCH("linear_forward (bias)");
+  detail::launch("linear_forward (bias)", bias_broadcast_kernel, blocks_for(B * C_out), kThreads, stream, out, bias, B,
+                 C_out);
 }
 
 void fill_zero(float* x, int64_t n, cudaStream_t stream, const char* what) {
@@ -130,8 +130,8 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
   // dbias (C_out) = column sums of dout (B,C_out).
   if (dbias != nullptr && C_out > 0) {
     const unsigned tiles = static_cast<unsigned>((C_out + kTile - 1) / kTile);
-    bias_backward_kernel<<<tiles, dim3(kTile, kRows), 0, stream>>>(dbias, dout, B, C_out, accumulate);
-    DPAR_CUDA_CHECK_LAUNCH("linear_backward (bias)");
+    detail::launch("linear_backward (bias)", bias_backward_kernel, tiles, dim3(kTile, kRows), stream, dbias, dout, B,
+                   C_out, accumulate);
   }
 }
 

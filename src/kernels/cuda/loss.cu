@@ -30,7 +30,7 @@ __device__ void block_sum_to(double* out, double mine) {
 // One thread per row (rows t, t + 1024, ...), each row exactly as the CPU twin computes it: row max, exp(x - max)
 // summed in double in column order, softmax, then the loss logsumexp(x) - x[label] in double.
 // loss_sum (1), dlogits (B,C) or nullptr, logits (B,C), labels (B)
-__global__ void cross_entropy_kernel(double* loss_sum, float* dlogits, const float* logits, const int32_t* labels,
+__global__ void __launch_bounds__(kLossThreads) cross_entropy_kernel(double* loss_sum, float* dlogits, const float* logits, const int32_t* labels,
                                      int64_t B, int64_t C, float grad_scale) {
   double total = 0.0;
   for (int64_t b = threadIdx.x; b < B; b += blockDim.x) {
@@ -66,7 +66,7 @@ __global__ void cross_entropy_kernel(double* loss_sum, float* dlogits, const flo
 
 // Per-sample loss mean over D of (pred - target)^2, one thread per row as the CPU twin (column order, double).
 // loss_sum (1), pred (B,D), target (B,D)
-__global__ void mse_loss_kernel(double* loss_sum, const float* pred, const float* target, int64_t B, int64_t D) {
+__global__ void __launch_bounds__(kLossThreads) mse_loss_kernel(double* loss_sum, const float* pred, const float* target, int64_t B, int64_t D) {
   double total = 0.0;
   for (int64_t b = threadIdx.x; b < B; b += blockDim.x) {
     const float* p = pred + b * D;
@@ -82,7 +82,7 @@ __global__ void mse_loss_kernel(double* loss_sum, const float* pred, const float
 }
 
 // dpred = (pred - target) * coef, coef = 2 * grad_scale / D.  dpred (B*D), pred (B*D), target (B*D)
-__global__ void mse_grad_kernel(float* dpred, const float* pred, const float* target, int64_t n, float coef) {
+__global__ void __launch_bounds__(kThreads) mse_grad_kernel(float* dpred, const float* pred, const float* target, int64_t n, float coef) {
   DPAR_GRID_STRIDE_LOOP(i, n) { dpred[i] = (pred[i] - target[i]) * coef; }
 }
 
@@ -93,8 +93,8 @@ void cross_entropy_forward_backward(double* loss_sum, float* dlogits, const floa
   DPAR_CHECK_ARG(B >= 0, "cross_entropy: B must be >= 0, got ", B);
   DPAR_CHECK_ARG(C > 0, "cross_entropy: C must be > 0, got ", C);
   DPAR_CHECK_ARG(loss_sum != nullptr, "cross_entropy: loss_sum is null");
-  cross_entropy_kernel<<<1, kLossThreads, 0, stream>>>(loss_sum, dlogits, logits, labels, B, C, grad_scale);
-  DPAR_CUDA_CHECK_LAUNCH("cross_entropy_forward_backward");
+  detail::launch("cross_entropy_forward_backward", cross_entropy_kernel, 1, kLossThreads, stream, loss_sum, dlogits,
+                 logits, labels, B, C, grad_scale);
 }
 
 void mse_forward_backward(double* loss_sum, float* dpred, const float* pred, const float* target, int64_t B,
@@ -102,14 +102,13 @@ void mse_forward_backward(double* loss_sum, float* dpred, const float* pred, con
   DPAR_CHECK_ARG(B >= 0, "mse: B must be >= 0, got ", B);
   DPAR_CHECK_ARG(D > 0, "mse: D must be > 0, got ", D);
   DPAR_CHECK_ARG(loss_sum != nullptr, "mse: loss_sum is null");
-  mse_loss_kernel<<<1, kLossThreads, 0, stream>>>(loss_sum, pred, target, B, D);
-  DPAR_CUDA_CHECK_LAUNCH("mse_forward_backward (loss)");
+  detail::launch("mse_forward_backward (loss)", mse_loss_kernel, 1, kLossThreads, stream, loss_sum, pred, target, B, D);
   const int64_t n = B * D;
   if (dpred != nullptr && n > 0) {
     // The CPU twin's factor, folded into one float the same way.
     const float coef = static_cast<float>(2.0 * static_cast<double>(grad_scale) / static_cast<double>(D));
-    mse_grad_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dpred, pred, target, n, coef);
-    DPAR_CUDA_CHECK_LAUNCH("mse_forward_backward (gradient)");
+    detail::launch("mse_forward_backward (gradient)", mse_grad_kernel, blocks_for(n), kThreads, stream, dpred, pred,
+                   target, n, coef);
   }
 }
 

@@ -18,7 +18,7 @@ namespace {
 // kMomentum: 0 none, 1 first step (buf = d), 2 later steps.
 // param (n), momentum_buf (n) or nullptr, grad (n)
 template <bool kWd, int kMomentum, bool kNesterov>
-__global__ void sgd_kernel(float* param, float* momentum_buf, const float* grad, int64_t n, float wd, float mom,
+__global__ void __launch_bounds__(kThreads) sgd_kernel(float* param, float* momentum_buf, const float* grad, int64_t n, float wd, float mom,
                            float one_minus_damp, float neg_lr) {
   DPAR_GRID_STRIDE_LOOP(i, n) {
     const float p = param[i];
@@ -44,28 +44,22 @@ void sgd_dispatch(float* param, float* momentum_buf, const float* grad, int64_t 
                   cudaStream_t stream) {
   const float wd = h.weight_decay, mom = h.momentum, neg_lr = -h.lr;
   const float omd = static_cast<float>(1.0 - static_cast<double>(h.dampening));
-  const unsigned blocks = blocks_for(n);
-  if (mom == 0.0f) {
-    sgd_kernel<kWd, 0, false><<<blocks, kThreads, 0, stream>>>(param, momentum_buf, grad, n, wd, mom, omd, neg_lr);
-  } else if (first_step) {
-    if (h.nesterov)
-      sgd_kernel<kWd, 1, true><<<blocks, kThreads, 0, stream>>>(param, momentum_buf, grad, n, wd, mom, omd, neg_lr);
+  auto kernel = sgd_kernel<kWd, 0, false>;
+  if (mom != 0.0f) {
+    if (first_step)
+      kernel = h.nesterov ? sgd_kernel<kWd, 1, true> : sgd_kernel<kWd, 1, false>;
     else
-      sgd_kernel<kWd, 1, false><<<blocks, kThreads, 0, stream>>>(param, momentum_buf, grad, n, wd, mom, omd, neg_lr);
-  } else {
-    if (h.nesterov)
-      sgd_kernel<kWd, 2, true><<<blocks, kThreads, 0, stream>>>(param, momentum_buf, grad, n, wd, mom, omd, neg_lr);
-    else
-      sgd_kernel<kWd, 2, false><<<blocks, kThreads, 0, stream>>>(param, momentum_buf, grad, n, wd, mom, omd, neg_lr);
+      kernel = h.nesterov ? sgd_kernel<kWd, 2, true> : sgd_kernel<kWd, 2, false>;
   }
-  DPAR_CUDA_CHECK_LAUNCH("sgd_step");
+  detail::launch("sgd_step", kernel, blocks_for(n), kThreads, stream, param, momentum_buf, grad, n, wd, mom, omd,
+                 neg_lr);
 }
 
 // AdamW's decay (p *= decay, decay = 1 - lr*wd, or 1 for none), then Adam (with the L2 term if kL2):
 // m = lerp(m, g, w1); v = b2*v + ((1-b2)*g)*g; denom = sqrt(v)/sqrt(bc2) + eps; p += (-step_size*m)/denom.
 // param (n), m_buf (n), v_buf (n), grad (n)
 template <bool kL2, bool kSmallLerpWeight>
-__global__ void adam_kernel(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, float decay,
+__global__ void __launch_bounds__(kThreads) adam_kernel(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, float decay,
                             float wd, float w1, float one_minus_w1, float beta2, float one_minus_beta2, float bc2_sqrt,
                             float eps, float neg_step) {
   DPAR_GRID_STRIDE_LOOP(i, n) {
@@ -123,23 +117,10 @@ void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* gra
   const float b2 = h.beta2, omb2 = static_cast<float>(1.0 - beta2);
   const float bc2s = static_cast<float>(bias_correction2_sqrt), eps = h.eps;
   const float neg_step = static_cast<float>(-step_size);
-  const unsigned blocks = blocks_for(n);
-#define DPAR_ADAM_LAUNCH(L2, SMALL)                                                                           \
-  adam_kernel<L2, SMALL><<<blocks, kThreads, 0, stream>>>(param, exp_avg, exp_avg_sq, grad, n, decay, args_wd, \
-                                                           w1, one_minus_w1, b2, omb2, bc2s, eps, neg_step)
-  if (l2) {
-    if (small_weight)
-      DPAR_ADAM_LAUNCH(true, true);
-    else
-      DPAR_ADAM_LAUNCH(true, false);
-  } else {
-    if (small_weight)
-      DPAR_ADAM_LAUNCH(false, true);
-    else
-      DPAR_ADAM_LAUNCH(false, false);
-  }
-#undef DPAR_ADAM_LAUNCH
-  DPAR_CUDA_CHECK_LAUNCH("adam_step");
+  auto kernel = l2 ? (small_weight ? adam_kernel<true, true> : adam_kernel<true, false>)
+                  : (small_weight ? adam_kernel<false, true> : adam_kernel<false, false>);
+  detail::launch("adam_step", kernel, blocks_for(n), kThreads, stream, param, exp_avg, exp_avg_sq, grad, n, decay,
+                 args_wd, w1, one_minus_w1, b2, omb2, bc2s, eps, neg_step);
 }
 
 }  // namespace dpar::kernels::cuda

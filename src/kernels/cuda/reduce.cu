@@ -14,22 +14,22 @@ namespace {
 // For i in [begin, end): s = the contributors' buffers[b][i] added in buffer order, starting from the first one
 // (not from 0, so -0 stays -0, as the threads backend's pass), then s * scale; s is written to every buffer.
 // With no contributor every buffer gets 0. Buffers may be any device memory this GPU can address.
-// buffers (num_buffers) of (>= end) floats each, contributes (num_buffers)
-__global__ void sum_slice_into_all_kernel(float* const* buffers, const uint8_t* contributes, int num_buffers,
-                                          int64_t begin, int64_t end, float scale) {
+// buffers.buffer[b] (>= end floats each), for b < buffers.count
+__global__ void __launch_bounds__(kThreads) sum_slice_into_all_kernel(const SumBuffers buffers, int64_t begin,
+                                                                      int64_t end, float scale) {
   const int64_t n = end - begin;
   DPAR_GRID_STRIDE_LOOP(k, n) {
     const int64_t i = begin + k;
     float s = 0.0f;
     bool any = false;
-    for (int b = 0; b < num_buffers; ++b) {
-      if (!contributes[b]) continue;
-      const float x = buffers[b][i];
+    for (int b = 0; b < buffers.count; ++b) {
+      if (!((buffers.contributes >> b) & 1u)) continue;
+      const float x = buffers.buffer[b][i];
       s = any ? s + x : x;
       any = true;
     }
     if (scale != 1.0f) s = s * scale;
-    for (int b = 0; b < num_buffers; ++b) buffers[b][i] = s;
+    for (int b = 0; b < buffers.count; ++b) buffers.buffer[b][i] = s;
   }
 }
 
@@ -38,7 +38,7 @@ static_assert(kSumSquaresBlocks == kSumThreads, "the final pass adds one partial
 using detail::block_sum;
 
 // partials[b] = the sum of x[i]^2 over block b's grid-stride elements.  partials (gridDim.x), x (n)
-__global__ void sum_squares_blocks_kernel(double* partials, const float* x, int64_t n) {
+__global__ void __launch_bounds__(kSumThreads) sum_squares_blocks_kernel(double* partials, const float* x, int64_t n) {
   double mine = 0.0;
   DPAR_GRID_STRIDE_LOOP(i, n) {
     const double v = x[i];
@@ -49,7 +49,7 @@ __global__ void sum_squares_blocks_kernel(double* partials, const float* x, int6
 }
 
 // *total = the sum of the partials.  total (1), partials (kSumThreads)
-__global__ void sum_partials_kernel(double* total, const double* partials) {
+__global__ void __launch_bounds__(kSumThreads) sum_partials_kernel(double* total, const double* partials) {
   const double sum = block_sum<kSumThreads>(partials[threadIdx.x]);
   if (threadIdx.x == 0) *total = sum;
 }
@@ -60,21 +60,20 @@ void sum_squares(double* total, double* partials, const float* x, int64_t n, cud
   DPAR_CHECK_ARG(n >= 0, "sum_squares: element count must be >= 0, got ", n);
   DPAR_CHECK_ARG(total != nullptr && partials != nullptr, "sum_squares: null scratch");
   // A fixed grid whatever n: the order of the additions, and so the bits, depend on n alone.
-  sum_squares_blocks_kernel<<<kSumSquaresBlocks, kSumThreads, 0, stream>>>(partials, x, n);
-  DPAR_CUDA_CHECK_LAUNCH("sum_squares (blocks)");
-  sum_partials_kernel<<<1, kSumThreads, 0, stream>>>(total, partials);
-  DPAR_CUDA_CHECK_LAUNCH("sum_squares (total)");
+  detail::launch("sum_squares (blocks)", sum_squares_blocks_kernel, kSumSquaresBlocks, kSumThreads, stream, partials, x,
+                 n);
+  detail::launch("sum_squares (total)", sum_partials_kernel, 1, kSumThreads, stream, total, partials);
 }
 
-void sum_slice_into_all(float* const* buffers, const uint8_t* contributes, int num_buffers, int64_t begin,
-                        int64_t end, float scale, cudaStream_t stream) {
-  DPAR_CHECK_ARG(num_buffers >= 0, "sum_slice_into_all: num_buffers must be >= 0, got ", num_buffers);
+void sum_slice_into_all(const SumBuffers& buffers, int64_t begin, int64_t end, float scale, cudaStream_t stream) {
+  DPAR_CHECK_ARG(buffers.count >= 0 && buffers.count <= SumBuffers::kMaxBuffers, "sum_slice_into_all: ",
+                 buffers.count, " buffers (0 to ", SumBuffers::kMaxBuffers, ")");
   DPAR_CHECK_ARG(begin >= 0 && begin <= end, "sum_slice_into_all: bad slice [", begin, ", ", end, ")");
-  if (begin == end || num_buffers == 0) return;
-  DPAR_CHECK_ARG(buffers != nullptr && contributes != nullptr, "sum_slice_into_all: null buffer table");
-  sum_slice_into_all_kernel<<<blocks_for(end - begin), kThreads, 0, stream>>>(buffers, contributes, num_buffers,
-                                                                              begin, end, scale);
-  DPAR_CUDA_CHECK_LAUNCH("sum_slice_into_all");
+  if (begin == end || buffers.count == 0) return;
+  for (int b = 0; b < buffers.count; ++b)
+    DPAR_CHECK_ARG(buffers.buffer[b] != nullptr, "sum_slice_into_all: buffer ", b, " is null");
+  detail::launch("sum_slice_into_all", sum_slice_into_all_kernel, blocks_for(end - begin), kThreads, stream, buffers,
+                 begin, end, scale);
 }
 
 }  // namespace dpar::kernels::cuda
