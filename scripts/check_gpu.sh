@@ -77,8 +77,9 @@ run_stage() {
   # What a reader needs first, without opening the log.
   case $name in
     build) grep -E "^-- dpar: " "$logs/$name.log" | sed 's/^-- /          /' | tee -a "$summary" ;;
-    test) grep -E "tests passed|\(Timeout\)|\(Failed\)|\(SEGFAULT\)|\(Subprocess aborted\)|Not Run|Skipped" \
-            "$logs/$name.log" | sed 's/^/          /' | tee -a "$summary" ;;
+    test) { grep -E "tests passed|\*\*\*(Timeout|Failed|Exception)|SEGFAULT|Subprocess aborted|Not Run" "$logs/$name.log"
+            echo "GPU tests skipped: $(grep -c '\*\*\*Skipped' "$logs/test-ctest.log") (listed in the log)"; } |
+            sed 's/^/          /' | tee -a "$summary" ;;
     fmnist) grep -E "^(dpar|epoch +10|.*accuracy|.*wall)" "$logs/$name.log" | tail -4 | sed 's/^/          /' |
               tee -a "$summary" ;;
     memcheck | racecheck) grep -E "^== |ERROR SUMMARY" "$logs/$name.log" | sed 's/^/          /' |
