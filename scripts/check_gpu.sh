@@ -90,9 +90,22 @@ run_stage() {
 stage_build() {
   # DEVICE_CMAKE_ARGS is a list of -D flags; it is split on purpose. The GPU tests get a 60 s limit each. CMake's
   # "dpar: " lines name the CUDA, cuBLAS, NCCL and DLPack it found.
+  # A development package unpacked for this machine may link to a runtime library of another version than the
+  # machine's own: Debian 12's libz.so points at /lib/x86_64-linux-gnu/libz.so.1.2.13 by absolute path, which a
+  # machine with another zlib lacks, and CMake would then find no zlib. Where that link dangles, the machine's own
+  # libz.so.1 is linked instead (same ABI; the carried headers are zlib 1.2.13's).
+  local extra=() prefix
+  for prefix in $(echo "${DEVICE_CMAKE_ARGS:-}" | sed -n 's/.*-DCMAKE_PREFIX_PATH=\([^ ]*\).*/\1/p' | tr ';' ' '); do
+    local link="$prefix/lib/x86_64-linux-gnu/libz.so"
+    if [ -L "$link" ] && [ ! -e "$link" ]; then
+      local runtime
+      runtime=$(ldconfig -p 2>/dev/null | awk '$1 == "libz.so.1" && /x86-64/ {print $NF; exit}')
+      [ -n "$runtime" ] && extra+=(-DZLIB_LIBRARY="$runtime") && echo "-- zlib: $link dangles; linking $runtime"
+    fi
+  done
   # shellcheck disable=SC2086
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDPAR_WITH_CUDA=ON -DDPAR_CUDA_TEST_TIMEOUT=60 \
-    ${DEVICE_CMAKE_ARGS:-} || return 1
+    ${DEVICE_CMAKE_ARGS:-} "${extra[@]}" || return 1
   cmake --build "$build" -j "$(nproc)"
 }
 
