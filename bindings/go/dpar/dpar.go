@@ -3,10 +3,11 @@
 // Every handle is a Go value with Close() (a finalizer frees it too, as a safety net only); every failed call
 // returns an *Error with dpar's status and message. Each call and the read of its thread-local error run with the
 // goroutine locked to its OS thread. Buffers are Go slices, copied in and out (cgo does not let C keep a Go
-// pointer after a call returns), except Tensor.Float32s and Int32s, and a custom layer's CustomCall, slices over dpar's
-// own memory. The synchronous collectives use a Go slice in place for the call's span; the asynchronous ones copy
-// it into C memory and back at Work.Wait; a Reducer's gradients are slices over C memory it owns. Memory that is
-// not a Go slice (a GPU's) goes to the collectives as addresses, through the *Unsafe methods of Comm.
+// pointer after a call returns), except Tensor.UnsafeFloat32s and UnsafeInt32s, and a custom layer's CustomCall,
+// slices over dpar's own memory valid while their owner is (Float32s and Int32s copy). The synchronous collectives
+// use a Go slice in place for the call's span; the asynchronous ones copy it into C memory and back at Work.Wait;
+// a Reducer's gradients are slices over C memory it owns. Memory that is not a Go slice (a GPU's) goes to the
+// collectives as addresses, through the *Unsafe methods of Comm.
 //
 // The raw layer, dpar.dev/go/raw, is SWIG's one-to-one output for bindings/swig/dpar.i.
 package dpar
@@ -214,14 +215,45 @@ func (t *Tensor) ToFloat32() ([]float32, error) {
 	return out, err
 }
 
-// Float32s is a host f32 tensor's memory, without a copy: valid while the tensor is open.
+// Float32s is a copy of an f32 tensor's values (host or device memory). It stays valid whatever becomes of the
+// tensor: a slice over dpar's memory would not survive the finalizer that frees the tensor once it is unreachable.
 func (t *Tensor) Float32s() ([]float32, error) {
-	return hostView[float32](t, F32, "Float32s: the tensor is not f32")
+	return copyOut[float32](t, F32, "Float32s: the tensor is not f32")
 }
 
-// Int32s is a host i32 tensor's memory (a loader's labels), without a copy: valid while the tensor is open.
+// Int32s is a copy of an i32 tensor's values (a loader's labels), as Float32s.
 func (t *Tensor) Int32s() ([]int32, error) {
-	return hostView[int32](t, I32, "Int32s: the tensor is not i32")
+	return copyOut[int32](t, I32, "Int32s: the tensor is not i32")
+}
+
+// UnsafeFloat32s is a host f32 tensor's memory, without a copy. The slice is valid only while the tensor is open
+// and reachable: the caller must Close the tensor, or call runtime.KeepAlive(t), after its last use of the
+// slice, or the finalizer may free the memory under it (and a loader's batch changes at its next Next).
+func (t *Tensor) UnsafeFloat32s() ([]float32, error) {
+	return hostView[float32](t, F32, "UnsafeFloat32s: the tensor is not f32")
+}
+
+// UnsafeInt32s is a host i32 tensor's memory, without a copy, valid as UnsafeFloat32s says.
+func (t *Tensor) UnsafeInt32s() ([]int32, error) {
+	return hostView[int32](t, I32, "UnsafeInt32s: the tensor is not i32")
+}
+
+// copyOut is a copy of a tensor's values as a []T, after checking that it holds dtype.
+func copyOut[T float32 | int32](t *Tensor, dtype int, wrongType string) ([]T, error) {
+	has, n, _, _, err := t.Info()
+	if err != nil {
+		return nil, err
+	}
+	if has != dtype {
+		return nil, &Error{Status: ErrInvalidArg, Message: wrongType}
+	}
+	out := make([]T, n)
+	if n == 0 {
+		return out, nil
+	}
+	err = call(func() int { return raw.Dpar_tensor_copy_to_host(address(out), t.raw, int64(4*n)) })
+	runtime.KeepAlive(t)
+	return out, err
 }
 
 // hostView is a host tensor's memory as a []T, after checking that it holds dtype.
