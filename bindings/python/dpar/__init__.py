@@ -5,6 +5,7 @@ raises DparError carrying dpar's status and message. float32/int32 NumPy arrays 
 Tensor.wrap(array) keeps the array alive as long as the tensor, Tensor.numpy() is a view of dpar's memory, and
 tensors speak DLPack (__dlpack__, Tensor.from_dlpack).
 """
+import operator
 import weakref
 
 import numpy as np
@@ -92,18 +93,42 @@ def parse_device(text):
     return d.kind, d.index
 
 
+class _Life:
+    """A handle's claim on its dpar object: the object is freed when the last holder of its _Life lets go. The
+    handle holds it until close(); a NumPy view of the object's memory holds it too (through the view's base), so
+    that a view read after close(), or after its `with` block, still reads live memory. `keep` is what the memory
+    belongs to (a wrapped array, a loader's _Life for its batches), kept as long."""
+
+    __slots__ = ("raw", "keep", "_finalizer", "__weakref__")
+
+    def __init__(self, raw, free, keep=None):
+        self.raw, self.keep = raw, keep
+        self._finalizer = None if free is None else weakref.finalize(self, free, raw)
+
+
 class _Handle:
-    """Owns one dpar handle: close() frees it (idempotent); the finalizer is a safety net only."""
+    """Owns one dpar handle: close() lets it go (idempotent), freeing it unless views of its memory remain, which
+    then free it when the last is gone; the finalizer is a safety net only. A closed handle's methods raise
+    DparError rather than pass dpar a freed pointer."""
 
     _free = None
+    _life = None
+    _handle = None
 
-    def _own(self, raw):
-        self._raw = raw
-        self._finalizer = weakref.finalize(self, type(self)._free, raw)
+    def _own(self, raw, keep=None):
+        self._handle = raw
+        self._life = _Life(raw, type(self)._free, keep)
+
+    @property
+    def _raw(self):
+        if self._handle is None:
+            raise DparError(ERR_INVALID_STATE, f"this {type(self).__name__} is closed")
+        return self._handle
 
     def close(self):
-        if getattr(self, "_finalizer", None) is not None:
-            self._finalizer()
+        # In CPython the object is freed here, as the last reference to its _Life goes, unless a view holds it.
+        self._life = None
+        self._handle = None
 
     def __enter__(self):
         return self
@@ -122,10 +147,9 @@ class Tensor(_Handle):
 
     def __init__(self, raw, keep=None, owned=True):
         if owned:
-            self._own(raw)
-        else:  # borrowed from its parent (a loader's batch): never freed here
-            self._raw, self._finalizer = raw, None
-        self._keep = keep  # what the memory belongs to
+            self._own(raw, keep)  # keep: what the memory belongs to (a wrapped array, a DLPack producer)
+        else:  # borrowed from its parent (a loader's batch): never freed here; `keep` is the parent's _Life
+            self._handle, self._life = raw, keep
 
     @classmethod
     def zeros(cls, shape, dtype=F32, device=(DEVICE_CPU, 0)):
@@ -177,15 +201,12 @@ class Tensor(_Handle):
         return self.info()[0]
 
     def numpy(self):
-        """A view of the tensor's host memory (no copy); it keeps the tensor alive."""
+        """A view of the tensor's host memory (no copy). The view keeps the memory alive: after close(), or the
+        end of a `with` block, the memory is freed when the last view goes."""
         dtype, n, _ = self.info()
         addr = _scalar(np.uintp)
         _check(_raw.dpar_tensor_data(addr.ctypes.data, self._raw))
-        ctype = np.ctypeslib.ctypes.c_float if dtype == F32 else np.ctypeslib.ctypes.c_int32
-        pointer = np.ctypeslib.ctypes.cast(int(addr[0]), np.ctypeslib.ctypes.POINTER(ctype))
-        view = np.ctypeslib.as_array(pointer, shape=self.shape).view(_View)
-        view._owner = self  # the tensor lives as long as the view
-        return view
+        return np.asarray(_Memory(self._life, int(addr[0]), self.shape, _NP[dtype]))
 
     def copy_to_numpy(self):
         dtype, n, _ = self.info()
@@ -205,13 +226,17 @@ class Tensor(_Handle):
         return (2, index) if kind == DEVICE_CUDA else (1, 0)  # kDLCUDA, kDLCPU
 
 
-class _View(np.ndarray):
-    """A NumPy view of a dpar tensor's memory that keeps the tensor alive."""
+class _Memory:
+    """A dpar object's memory as NumPy sees it (__array_interface__): the base of a view, holding the object's
+    _Life, so that the memory lives as long as any view of it (NumPy keeps a view's base alive, and the base of
+    every view taken from that view)."""
 
-    _owner = None
+    __slots__ = ("_life", "__array_interface__")
 
-    def __array_finalize__(self, obj):
-        self._owner = getattr(obj, "_owner", None)
+    def __init__(self, life, address, shape, dtype):
+        self._life = life
+        self.__array_interface__ = {"version": 3, "shape": tuple(shape), "typestr": np.dtype(dtype).str,
+                                    "data": (address, False)}
 
 
 class Model(_Handle):
@@ -222,7 +247,7 @@ class Model(_Handle):
     def __init__(self, seed=0):
         o = _raw.dpar_model_options()
         _check(_raw.dpar_model_options_init(o))
-        o.seed = seed
+        _set_fields(o, {"seed": "uint64"}, seed=seed)
         self._own(_check(_raw.dpar_model_create(o)))
 
     def linear(self, in_features, out_features, bias=True):
@@ -367,26 +392,79 @@ class _CustomBridge:
         self.layer.backward(CustomCall(args, backward=True))
 
 
+# The C type of every option field a keyword sets, for checking a value before SWIG sees it (its own message names
+# a generated setter, not the argument). The keyword is the field's name except where a comment says otherwise.
+_OPTIMIZER_FIELDS = {"kind": "int32",  # the keyword `optimizer`
+                     "lr": "float", "momentum": "float", "dampening": "float", "nesterov": "bool",
+                     "weight_decay": "float", "beta1": "float", "beta2": "float", "eps": "float"}
+_ENGINE_FIELDS = {"device_kind": "int32", "num_cpu_devices": "size",  # the keyword `devices`
+                  "output_device": "int32", "loss": "int32", "seed": "uint64", "timeout_seconds": "double",
+                  "blas_threads": "size", "pin_workers": "bool", "first_bucket_bytes": "size",
+                  "bucket_cap_bytes": "size", "processes": "int32"}
+_KEYWORD = {"kind": "optimizer", "num_cpu_devices": "devices"}
+_RANGES = {"int32": (-2**31, 2**31 - 1), "uint64": (0, 2**64 - 1), "size": (0, 2**64 - 1)}
+
+
+def _field_value(name, ctype, value):
+    """value converted for a C field of type ctype, or TypeError/ValueError naming the argument and the value."""
+    if ctype == "bool":
+        if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+            return int(bool(value))
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+    if ctype in ("float", "double"):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name}: expected a number, got {value!r}")
+        value = float(value)
+        if ctype == "float" and np.isfinite(value) and abs(value) > float(np.finfo(np.float32).max):
+            raise ValueError(f"{name}: {value!r} does not fit a float32")
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {value!r}") from None
+    low, high = _RANGES[ctype]
+    if not low <= value <= high:
+        raise ValueError(f"{name}: {value} is out of range [{low}, {high}]")
+    return value
+
+
+def _set_fields(struct, types, **values):
+    """Sets each field whose value is not None (None keeps what the options' init set: dpar's default)."""
+    for field, value in values.items():
+        if value is not None:
+            setattr(struct, field, _field_value(_KEYWORD.get(field, field), types[field], value))
+
+
 class Engine(_Handle):
     """A DataParallel engine. Thread-safe (dpar serialises calls on it); the lock is released during calls."""
 
     _free = staticmethod(_raw.dpar_engine_free)
 
-    def __init__(self, model, optimizer=SGD, lr=0.01, momentum=0.0, weight_decay=0.0, nesterov=False,
-                 devices=0, device_ids=None, loss=LOSS_CROSS_ENTROPY, seed=0, timeout_seconds=300.0,
-                 processes=PROCESSES_AUTO, **engine_fields):
+    def __init__(self, model, optimizer=None, lr=None, momentum=None, weight_decay=None, nesterov=None,
+                 devices=None, device_ids=None, loss=None, seed=None, timeout_seconds=None, processes=None, *,
+                 dampening=None, beta1=None, beta2=None, eps=None, device_kind=None, output_device=None,
+                 blas_threads=None, pin_workers=None, first_bucket_bytes=None, bucket_cap_bytes=None):
+        """Every field of dpar_optimizer_options and dpar_engine_options is a keyword (None: dpar's default).
+        optimizer is the optimizer's kind (SGD, ADAM, ADAMW); devices is num_cpu_devices; device_ids sets
+        device_ids and num_device_ids. An unknown keyword is a TypeError naming it, as for any Python function."""
         oo = _raw.dpar_optimizer_options()
         _check(_raw.dpar_optimizer_options_init(oo))
-        oo.kind, oo.lr, oo.momentum, oo.weight_decay, oo.nesterov = optimizer, lr, momentum, weight_decay, int(nesterov)
+        _set_fields(oo, _OPTIMIZER_FIELDS, kind=optimizer, lr=lr, momentum=momentum, dampening=dampening,
+                    nesterov=nesterov, weight_decay=weight_decay, beta1=beta1, beta2=beta2, eps=eps)
         eo = _raw.dpar_engine_options()
         _check(_raw.dpar_engine_options_init(eo))
-        eo.num_cpu_devices, eo.loss, eo.seed, eo.timeout_seconds, eo.processes = (devices, loss, seed,
-                                                                                  timeout_seconds, processes)
-        for k, v in engine_fields.items():
-            setattr(eo, k, v)
+        _set_fields(eo, _ENGINE_FIELDS, device_kind=device_kind, num_cpu_devices=devices, output_device=output_device,
+                    loss=loss, seed=seed, timeout_seconds=timeout_seconds, blas_threads=blas_threads,
+                    pin_workers=pin_workers, first_bucket_bytes=first_bucket_bytes,
+                    bucket_cap_bytes=bucket_cap_bytes, processes=processes)
         self._ids = None
         if device_ids is not None:
-            self._ids = np.ascontiguousarray(device_ids, dtype=np.int32)
+            try:
+                self._ids = np.array([operator.index(i) for i in device_ids], dtype=np.int32)
+            except (TypeError, OverflowError):
+                raise TypeError(f"device_ids: expected a sequence of device indices, got {device_ids!r}") from None
             eo.device_ids, eo.num_device_ids = self._ids.ctypes.data, len(self._ids)
         self._inputs = None  # a training-mode forward's input stays alive until the next call
         self._own(_check(_raw.dpar_engine_create(model._raw, oo, eo)))
@@ -577,7 +655,8 @@ class Loader(_Handle):
         if not more[0]:
             return None
         x, y = _raw.dpar_loader_inputs(self._raw), _raw.dpar_loader_labels(self._raw)
-        return Tensor(x, keep=self, owned=False), Tensor(y, keep=self, owned=False)
+        # Borrowed from the loader: their views hold the loader's _Life, so close() frees it after the last view.
+        return Tensor(x, keep=self._life, owned=False), Tensor(y, keep=self._life, owned=False)
 
     def __iter__(self):
         while True:
@@ -623,7 +702,7 @@ def _buffer(obj, what):
 def _comm_options(timeout_seconds):
     o = _raw.dpar_comm_options()
     _check(_raw.dpar_comm_options_init(o))
-    o.timeout_seconds = timeout_seconds
+    _set_fields(o, {"timeout_seconds": "double"}, timeout_seconds=timeout_seconds)
     return o
 
 
@@ -772,7 +851,8 @@ class Reducer(_Handle):
         self._counts = np.array([n for _, n, _ in views], dtype=np.uintp)
         o = _raw.dpar_reducer_options()
         _check(_raw.dpar_reducer_options_init(o))
-        o.first_bucket_bytes, o.bucket_cap_bytes, o.op = first_bucket_bytes, bucket_cap_bytes, op
+        _set_fields(o, {"first_bucket_bytes": "size", "bucket_cap_bytes": "size", "op": "int32"},
+                    first_bucket_bytes=first_bucket_bytes, bucket_cap_bytes=bucket_cap_bytes, op=op)
         self._comm = comm
         self._own(_check(_raw.dpar_reducer_create(comm._raw, self._ptrs.ctypes.data, self._counts.ctypes.data,
                                                   len(grads), o)))
