@@ -5,6 +5,7 @@ raises DparError carrying dpar's status and message. float32/int32 NumPy arrays 
 Tensor.wrap(array) keeps the array alive as long as the tensor, Tensor.numpy() is a view of dpar's memory, and
 tensors speak DLPack (__dlpack__, Tensor.from_dlpack).
 """
+import enum
 import operator
 import weakref
 
@@ -12,31 +13,39 @@ import numpy as np
 
 from . import raw as _raw
 
-OK = _raw.DPAR_OK
-ERR_INVALID_ARGUMENT = _raw.DPAR_ERR_INVALID_ARGUMENT
-ERR_OUT_OF_MEMORY = _raw.DPAR_ERR_OUT_OF_MEMORY
-ERR_DEVICE = _raw.DPAR_ERR_DEVICE
-ERR_COMMUNICATION = _raw.DPAR_ERR_COMMUNICATION
-ERR_REMOTE = _raw.DPAR_ERR_REMOTE
-ERR_TIMEOUT = _raw.DPAR_ERR_TIMEOUT
-ERR_MISMATCH = _raw.DPAR_ERR_MISMATCH
-ERR_IO = _raw.DPAR_ERR_IO
-ERR_CORRUPT = _raw.DPAR_ERR_CORRUPT
-ERR_NOT_SUPPORTED = _raw.DPAR_ERR_NOT_SUPPORTED
-ERR_INVALID_STATE = _raw.DPAR_ERR_INVALID_STATE
-ERR_INTERNAL = _raw.DPAR_ERR_INTERNAL
+def _enum(name, prefix, members, doc):
+    """An IntEnum of dpar.h's constants `prefix + member` (an int wherever dpar takes one)."""
+    e = enum.IntEnum(name, [(m, getattr(_raw, prefix + m)) for m in members], module=__name__)
+    e.__doc__ = doc
+    return e
 
-F32, I32 = _raw.DPAR_F32, _raw.DPAR_I32
-RELU, GELU, TANH, SIGMOID = _raw.DPAR_RELU, _raw.DPAR_GELU, _raw.DPAR_TANH, _raw.DPAR_SIGMOID
-SUM, MEAN, MAX, MIN = _raw.DPAR_SUM, _raw.DPAR_MEAN, _raw.DPAR_MAX, _raw.DPAR_MIN
-LOSS_CROSS_ENTROPY, LOSS_MSE = _raw.DPAR_LOSS_CROSS_ENTROPY, _raw.DPAR_LOSS_MSE
-PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = (_raw.DPAR_PROCESSES_AUTO, _raw.DPAR_PROCESSES_SINGLE,
-                                                   _raw.DPAR_PROCESSES_MPI)
-COMPRESSION_NONE, COMPRESSION_BF16 = _raw.DPAR_COMPRESSION_NONE, _raw.DPAR_COMPRESSION_BF16
-SGD, ADAM, ADAMW = _raw.DPAR_SGD, _raw.DPAR_ADAM, _raw.DPAR_ADAMW
-FAULT_NONE, FAULT_ALLOC, FAULT_FORWARD, FAULT_BACKWARD = (_raw.DPAR_FAULT_NONE, _raw.DPAR_FAULT_ALLOC,
-                                                          _raw.DPAR_FAULT_FORWARD, _raw.DPAR_FAULT_BACKWARD)
-DEVICE_CPU, DEVICE_CUDA = _raw.DPAR_DEVICE_CPU, _raw.DPAR_DEVICE_CUDA
+
+Status = _enum("Status", "DPAR_", ["OK", "ERR_INVALID_ARGUMENT", "ERR_OUT_OF_MEMORY", "ERR_DEVICE",
+                                   "ERR_COMMUNICATION", "ERR_REMOTE", "ERR_TIMEOUT", "ERR_MISMATCH", "ERR_IO",
+                                   "ERR_CORRUPT", "ERR_NOT_SUPPORTED", "ERR_INVALID_STATE", "ERR_INTERNAL"],
+               "dpar_status. A newer library may return others: any negative status is an error.")
+DType = _enum("DType", "DPAR_", ["F32", "I32", "BF16", "F16", "U8", "F64", "I64"], "dpar_dtype: element types.")
+DeviceKind = _enum("DeviceKind", "DPAR_DEVICE_", ["CPU", "CUDA"], "dpar_device_kind.")
+Activation = _enum("Activation", "DPAR_", ["RELU", "GELU", "TANH", "SIGMOID"], "dpar_activation.")
+ReduceOp = _enum("ReduceOp", "DPAR_", ["SUM", "MEAN", "MAX", "MIN"], "dpar_reduce_op.")
+Loss = _enum("Loss", "DPAR_LOSS_", ["CROSS_ENTROPY", "MSE"], "dpar_loss.")
+Processes = _enum("Processes", "DPAR_PROCESSES_", ["AUTO", "SINGLE", "MPI"], "dpar_processes.")
+Compression = _enum("Compression", "DPAR_COMPRESSION_", ["NONE", "BF16"], "dpar_gradient_compression.")
+Optimizer = _enum("Optimizer", "DPAR_", ["SGD", "ADAM", "ADAMW"], "dpar_optimizer_kind.")
+Fault = _enum("Fault", "DPAR_FAULT_", ["NONE", "ALLOC", "FORWARD", "BACKWARD"], "dpar_fault.")
+Init = _enum("Init", "DPAR_INIT_", ["ZEROS", "UNIFORM"], "dpar_init: a custom layer's parameter initialisation.")
+
+# The flat names of earlier versions, as members of those enums.
+globals().update({m.name: m for m in Status})
+F32, I32 = DType.F32, DType.I32
+RELU, GELU, TANH, SIGMOID = Activation
+SUM, MEAN, MAX, MIN = ReduceOp
+LOSS_CROSS_ENTROPY, LOSS_MSE = Loss
+PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Processes
+COMPRESSION_NONE, COMPRESSION_BF16 = Compression
+SGD, ADAM, ADAMW = Optimizer
+FAULT_NONE, FAULT_ALLOC, FAULT_FORWARD, FAULT_BACKWARD = Fault
+DEVICE_CPU, DEVICE_CUDA = DeviceKind
 
 
 class DparError(Exception):
@@ -45,7 +54,7 @@ class DparError(Exception):
 
     def __init__(self, status, message):
         super().__init__(f"{status_name(status)}: {message}")
-        self.status = status
+        self.status = Status(status) if status in Status._value2member_map_ else status
         self.message = message
 
     @property
@@ -194,7 +203,7 @@ class Tensor(_Handle):
         """(dtype, numel, (device kind, index))."""
         dt, n, d = _scalar(np.int32), _scalar(np.uintp), _raw.dpar_device()
         _check(_raw.dpar_tensor_info(dt.ctypes.data, n.ctypes.data, d, self._raw))
-        return int(dt[0]), int(n[0]), (d.kind, d.index)
+        return DType(int(dt[0])), int(n[0]), (DeviceKind(d.kind), d.index)
 
     @property
     def dtype(self):
@@ -218,8 +227,23 @@ class Tensor(_Handle):
         a = np.ascontiguousarray(array, dtype=_NP[self.dtype])
         _check(_raw.dpar_tensor_copy_from_host(self._raw, a.ctypes.data, a.nbytes))
 
-    def __dlpack__(self, stream=None):
-        return _check(list(_raw.dpar_py_tensor_to_dlpack(self._raw)))
+    def __dlpack__(self, stream=None, *, max_version=None, dl_device=None, copy=None):
+        """The DLPack export of the array API: a "dltensor_versioned" capsule (DLPack 1.0, whose flags say the
+        memory is writable, so np.from_dlpack's array is) when max_version is (1, 0) or later, else DLPack 0.x's
+        "dltensor". dl_device other than the tensor's own, or copy=True, exports a copy, to the host only
+        ((1, 0), kDLCPU); copy=False refuses to copy (BufferError), as the protocol says."""
+        source, here = self, self.__dlpack_device__()
+        if dl_device is not None and tuple(dl_device) != here:
+            if copy is False:
+                raise BufferError(f"dl_device: {tuple(dl_device)} is not the tensor's device {here}, and copy=False")
+            if tuple(dl_device) != (1, 0):
+                raise BufferError(f"dl_device: {tuple(dl_device)}: a copy goes to the host, (1, 0), only")
+            copy = True
+        if copy:
+            source = Tensor.from_numpy(self.copy_to_numpy())  # the capsule keeps its storage after it is freed
+        if max_version is not None and tuple(max_version) >= (1, 0):
+            return _check(list(_raw.dpar_py_tensor_to_dlpack_versioned(source._raw, int(bool(copy)))))
+        return _check(list(_raw.dpar_py_tensor_to_dlpack(source._raw)))
 
     def __dlpack_device__(self):
         _, _, (kind, index) = self.info()
@@ -309,7 +333,7 @@ class Model(_Handle):
         _check(_raw.dpar_model_set_param(self._raw, index, a.ctypes.data, a.size))
 
 
-INIT_ZEROS, INIT_UNIFORM = _raw.DPAR_INIT_ZEROS, _raw.DPAR_INIT_UNIFORM
+INIT_ZEROS, INIT_UNIFORM = Init
 
 
 class Param:
@@ -580,7 +604,23 @@ class Engine(_Handle):
     def set_forward_hook(self, hook):
         """hook(replica, input_shape, output_shape) on every replica's worker thread after its forward; None
         removes it. An exception fails the engine call with its text (a DparError's status is kept)."""
-        _check(_raw.dpar_py_set_forward_hook(self._raw, hook))
+        if hook is None:
+            _check(_raw.dpar_py_set_forward_hook(self._raw, None))
+            self._hook = None
+            return
+        # dpar holds a trampoline that reaches the hook through a weak reference to the engine, and the engine holds
+        # the hook: a hook that captures its engine is a cycle Python's collector sees, not a reference held in C
+        # that would keep the engine (and its threads) alive for good.
+        engine = weakref.ref(self)
+
+        def trampoline(replica, input_shape, output_shape):
+            e = engine()
+            f = None if e is None else e._hook
+            if f is not None:
+                f(replica, input_shape, output_shape)
+
+        self._hook = hook
+        _check(_raw.dpar_py_set_forward_hook(self._raw, trampoline))
 
     def save(self, path):
         _check(_raw.dpar_engine_save(self._raw, str(path)))
@@ -630,8 +670,13 @@ class Loader(_Handle):
     def __init__(self, dataset, batch_size, shuffle=False, seed=0, drop_last=False):
         self._own(_check(_raw.dpar_loader_create(dataset._raw, batch_size, int(shuffle), seed, int(drop_last))))
 
+    _epoch = 0  # a new loader is at the start of epoch 0
+    _rewound = True  # no `for` has begun since the loader was made or rewound
+
     def start_epoch(self, epoch):
+        """Rewinds the loader to the start of `epoch` (its order drawn from the seed and the epoch)."""
         _check(_raw.dpar_loader_start_epoch(self._raw, epoch))
+        self._epoch, self._rewound = epoch, True
 
     @property
     def num_batches(self):
@@ -659,6 +704,11 @@ class Loader(_Handle):
         return Tensor(x, keep=self._life, owned=False), Tensor(y, keep=self._life, owned=False)
 
     def __iter__(self):
+        """One epoch of batches. A `for` after the first, without start_epoch() between, starts the next epoch (as
+        PyTorch's DataLoader reshuffles each time it is iterated)."""
+        if not self._rewound:
+            self.start_epoch(self._epoch + 1)
+        self._rewound = False
         while True:
             batch = self.next()
             if batch is None:

@@ -1,4 +1,5 @@
-"""Views of dpar's memory outlive close() safely, and Engine's keywords are every option field and nothing else.
+"""Views of dpar's memory outlive close() safely; Engine's keywords are every option field and nothing else; a
+loader iterates again; DLPack export speaks the 1.0 protocol; enums are IntEnums; a hook does not pin its engine.
 
 The view tests read a view after its tensor (or loader) was closed and the freed memory was handed out again with
 other values: before views held their memory, they read those values (or crashed)."""
@@ -7,6 +8,7 @@ import os
 import struct
 import tempfile
 import unittest
+import weakref
 
 import numpy as np
 
@@ -132,3 +134,68 @@ class EngineKeywords(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def hook_holding(engine, seen):
+    """A forward hook that holds `engine` in its closure (as a hook that reads the engine's state does)."""
+    return lambda replica, input_shape, output_shape: seen.append((replica, engine)[0])
+
+
+class Protocols(unittest.TestCase):
+    def test_a_second_for_iterates_again(self):
+        rng = np.random.default_rng(4)
+        images, labels = rng.integers(0, 256, (8, 2, 2)), np.arange(8)
+        with tempfile.TemporaryDirectory() as d:
+            with dpar.Dataset(*write_idx(d, images, labels)) as data, \
+                    dpar.Loader(data, batch_size=4, shuffle=True, seed=1) as loader:
+                epochs = [[y.copy_to_numpy().tolist() for _, y in loader] for _ in range(3)]
+                loader.start_epoch(1)
+                again = [y.copy_to_numpy().tolist() for _, y in loader]
+        for epoch in epochs:  # each `for` is a whole epoch: every sample once
+            self.assertEqual(len(epoch), 2)
+            self.assertEqual(sorted(sum(epoch, [])), list(range(8)))
+        self.assertNotEqual(epochs[0], epochs[1])  # the next epoch, reshuffled
+        self.assertEqual(again, epochs[1])  # start_epoch(1) rewinds to that epoch's order
+
+    def test_dlpack_export_versions_devices_and_copies(self):
+        import ctypes
+        is_valid = ctypes.pythonapi.PyCapsule_IsValid
+        is_valid.restype, is_valid.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+        t = dpar.Tensor.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+        self.assertTrue(is_valid(t.__dlpack__(max_version=(1, 0)), b"dltensor_versioned"))
+        self.assertTrue(is_valid(t.__dlpack__(), b"dltensor"))  # a consumer of DLPack 0.x
+        shared = np.from_dlpack(t)  # NumPy asks for a versioned capsule: writable, as dpar's memory is
+        self.assertTrue(shared.flags.writeable)
+        shared[0, 1] = 42.0
+        self.assertEqual(t.copy_to_numpy()[0, 1], 42.0)
+        copied = np.from_dlpack(t, copy=True)
+        copied[0, 0] = -5.0
+        self.assertEqual(t.copy_to_numpy()[0, 0], 0.0)
+        self.assertEqual(np.from_dlpack(t, device="cpu").shape, (2, 3))  # dl_device: the tensor's own
+        with self.assertRaises(BufferError):
+            t.__dlpack__(dl_device=(2, 0), copy=False)  # another device, and copying refused
+        t.close()
+        self.assertEqual(shared[0, 1], 42.0)  # the capsule's consumer keeps the storage
+
+    def test_enums_are_int_enums(self):
+        import enum
+        for member in (dpar.RELU, dpar.SUM, dpar.F32, dpar.ADAM, dpar.LOSS_MSE, dpar.PROCESSES_SINGLE,
+                       dpar.COMPRESSION_BF16, dpar.FAULT_ALLOC, dpar.DEVICE_CPU, dpar.INIT_UNIFORM, dpar.OK):
+            self.assertIsInstance(member, enum.IntEnum)
+        self.assertIs(dpar.Tensor.zeros((2,), dpar.I32).dtype, dpar.DType.I32)
+        with self.assertRaises(dpar.DparError) as cm:
+            dpar.parse_device("tpu:1")
+        self.assertIs(cm.exception.status, dpar.Status.ERR_INVALID_ARGUMENT)
+
+    def test_a_hook_that_captures_its_engine_does_not_keep_it_alive(self):
+        x, y = reference_batch()
+        seen = []
+        with reference_model() as m:
+            e = engine(m)
+            e.set_forward_hook(hook_holding(e, seen))
+            e.train_step(x, y)
+            alive = weakref.ref(e)
+            del e
+            gc.collect()
+        self.assertEqual(sorted(seen), [0, 1])  # the hook ran, on both replicas
+        self.assertIsNone(alive(), "the engine outlived every reference but its hook's")
