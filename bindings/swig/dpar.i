@@ -17,6 +17,9 @@
  *    through the dpar_py_* helpers below, which bridge Python callables and capsules. */
 #ifdef SWIGPYTHON
 %module(package="dpar", threads="1") raw
+/* Each function's docstring starts with its parameters' names, "dpar_x(out, engine, input)": the package names
+ * the argument SWIG refused with it, instead of passing on SWIG's "in method 'dpar_x', argument 2 of type ...". */
+%feature("autodoc", "0");
 #else
 %module raw
 #endif

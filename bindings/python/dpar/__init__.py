@@ -7,11 +7,60 @@ tensors speak DLPack (__dlpack__, Tensor.from_dlpack).
 """
 import enum
 import operator
+import re
 import weakref
 
 import numpy as np
 
-from . import raw as _raw
+from . import raw as _swig
+
+# SWIG's refusal of an argument: "in method 'dpar_model_add_linear', argument 2 of type 'int64_t'".
+_SWIG_REFUSAL = re.compile(r"in method '(\w+)', argument (\d+) of type '([^']+)'")
+_C_TYPES = {"int32_t": "an integer in [-2**31, 2**31)", "int64_t": "an integer in [-2**63, 2**63)",
+            "uint64_t": "an integer in [0, 2**64)", "size_t": "an integer in [0, 2**64)", "float": "a number",
+            "double": "a number", "char const *": "a str", "char *": "a str"}
+
+
+class _Raw:
+    """The raw layer, each function wrapped so that SWIG's own message for an argument it refuses ("in method
+    'dpar_x', argument 2 of type 'int64_t'") never reaches the user: the error names the argument (from the
+    function's docstring, "dpar_x(model, in_features, ...)") and the value it got."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        f = getattr(self._module, name)
+        if callable(f) and not isinstance(f, type) and name.startswith("dpar_"):
+            f = self._wrap(name, f)
+        setattr(self, name, f)  # looked up once
+        return f
+
+    @staticmethod
+    def _wrap(name, f):
+        doc = f.__doc__ or ""
+        m = re.match(rf"{name}\(([^)]*)\)", doc)
+        params = [p.strip() for p in m.group(1).split(",")] if m else []
+
+        def call(*args):
+            try:
+                return f(*args)
+            except (TypeError, OverflowError, ValueError) as e:
+                refused = _SWIG_REFUSAL.search(str(e))
+                if refused is None:
+                    raise
+                n, ctype = int(refused.group(2)), refused.group(3)
+                arg = params[n - 1] if n <= len(params) else f"argument {n}"
+                got = repr(args[n - 1]) if n <= len(args) else "nothing"
+                raise type(e)(f"{name[len('dpar_'):]}: {arg} must be {_C_TYPES.get(ctype, ctype)}, got {got}") \
+                    from None
+
+        call.__name__ = call.__qualname__ = name
+        call.__doc__ = doc
+        return call
+
+
+_raw = _Raw(_swig)
 
 def _enum(name, prefix, members, doc):
     """An IntEnum of dpar.h's constants `prefix + member` (an int wherever dpar takes one)."""

@@ -98,6 +98,18 @@ class EngineKeywords(unittest.TestCase):
                     self.assertIn(repr(value) if not isinstance(value, int) else str(value), text)
                     self.assertNotIn("in method", text)
 
+    def test_swigs_messages_never_reach_the_user(self):
+        with dpar.Model() as m:
+            for call, name, value in [(lambda: m.linear("a", 3), "in_features", "'a'"),
+                                      (lambda: m.dropout("x"), "p", "'x'"),
+                                      (lambda: m.linear(4, 2**70), "out_features", str(2**70))]:
+                with self.assertRaises((TypeError, OverflowError)) as cm:
+                    call()
+                text = str(cm.exception)
+                self.assertIn(name, text)
+                self.assertIn(value, text)
+                self.assertNotIn("in method", text)
+
     def params_after(self, steps=3, **kw):
         x, y = reference_batch()
         with reference_model() as m, dpar.Engine(m, devices=2, processes=dpar.PROCESSES_SINGLE, **kw) as e:
