@@ -2,8 +2,9 @@
 
 Every handle is an object with close() and a context manager (and a finalizer as a safety net); every failed call
 raises DparError carrying dpar's status and message. float32/int32 NumPy arrays go in and come out without a copy:
-Tensor.wrap(array) keeps the array alive as long as the tensor, Tensor.numpy() is a view of dpar's memory, and
-tensors speak DLPack (__dlpack__, Tensor.from_dlpack).
+Tensor.wrap(array) keeps the array alive as long as the tensor, Tensor.numpy() is a view of dpar's memory that
+keeps that memory alive (after close() too), and tensors speak DLPack (__dlpack__, Tensor.from_dlpack). Every
+option of dpar.h's option structs is a keyword; the enums are IntEnums.
 """
 import enum
 import operator
