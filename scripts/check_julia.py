@@ -6,6 +6,11 @@ for `size_t *`, Ptr{Ptr{Cvoid}} for a handle's `**out`, the Julia mirror of a st
 struct of dpar.h (CommOptions for dpar_comm_options) must have its fields, in order, with matching types. Every
 `Dpar.name` a file uses, and every name the module exports, must be defined at the module's top level.
 
+Every ccall of an engine function (dpar_engine_*, but abort, which must not wait, and the options' init) must run
+in GC-safe state: inside a call of one of GC_SAFE_WRAPPERS (an argument or its do-block). An engine call may wait
+for the engine's lock or its workers, and a forward hook runs Julia code on those workers; a caller blocked
+outside GC-safe state would stop the hook's garbage collection for good.
+
 A ccall into Julia's own runtime, `ccall(:jl_x, Ret, (Args...), ...)`, is checked the same way against
 JULIA_RUNTIME below, the declarations of the libjulia functions that the package may call (their exports cannot be
 checked here: there is no libjulia). Any other ccall is an error.
@@ -36,6 +41,8 @@ INTS = {"int32_t": {"Int32", "Cint"}, "dpar_status": {"Int32", "Cint"}, "int64_t
         "float": {"Cfloat", "Float32"}, "double": {"Cdouble", "Float64"}, "void": {"Cvoid", "Nothing"},
         "int8_t": {"Int8"}, "dpar_device": {"DparDevice"}}
 FUNCTION_POINTERS = {"dpar_forward_hook", "dpar_destroy_fn"}
+GC_SAFE_WRAPPERS = {"blocking", "engine_call", "path_call"}
+NOT_WAITING = {"dpar_engine_abort", "dpar_engine_options_init_sized"}
 # Julia's runtime functions that the package calls, as libjulia exports them (name: (return type, parameters)):
 # `JL_DLLEXPORT int8_t (jl_gc_safe_enter)(void)` and `JL_DLLEXPORT void (jl_gc_safe_leave)(int8_t state)`, which
 # bracket a dpar call that waits for other threads.
@@ -241,6 +248,17 @@ def check_names(parsed):
     return problems
 
 
+def in_gc_safe_call(tree, offset):
+    """Whether the byte at `offset` lies inside a call of one of GC_SAFE_WRAPPERS (in its arguments or do-block)."""
+    node = tree.root_node.descendant_for_byte_range(offset, offset)
+    while node is not None:
+        if node.type == "call_expression" and node.child_count and node.children[0].type == "identifier" \
+                and node.children[0].text.decode() in GC_SAFE_WRAPPERS:
+            return True
+        node = node.parent
+    return False
+
+
 def main():
     lib = sys.argv[1]
     exported = set(subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True,
@@ -274,6 +292,10 @@ def main():
                     problems.append(f"{where}: {name} is not declared in dpar.h")
                     continue
                 c_ret, c_params = decls[name]
+                if name.startswith("dpar_engine_") and name not in NOT_WAITING and \
+                        not in_gc_safe_call(tree, len(src[:m.start()].encode())):
+                    problems.append(f"{where}: {name} may wait, so it must run in GC-safe state (inside one of "
+                                    f"{', '.join(sorted(GC_SAFE_WRAPPERS))})")
             elif runtime and runtime.group(1) in JULIA_RUNTIME:
                 name = runtime.group(1)
                 runtime_calls += 1

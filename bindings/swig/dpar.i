@@ -17,6 +17,9 @@
  *    through the dpar_py_* helpers below, which bridge Python callables and capsules. */
 #ifdef SWIGPYTHON
 %module(package="dpar", threads="1") raw
+/* Each function's docstring starts with its parameters' names, "dpar_x(out, engine, input)": the package names
+ * the argument SWIG refused with it, instead of passing on SWIG's "in method 'dpar_x', argument 2 of type ...". */
+%feature("autodoc", "0");
 #else
 %module raw
 #endif
@@ -108,6 +111,7 @@ DPAR_OUT_HANDLE(dpar_reducer)
 %nothread dpar_py_model_add_custom;
 %nothread dpar_py_tensor_from_dlpack;
 %nothread dpar_py_tensor_to_dlpack;
+%nothread dpar_py_tensor_to_dlpack_versioned;
 
 %{
 /* The message of the Python exception being raised, consumed. */
@@ -329,10 +333,63 @@ static PyObject *dpar_py_tensor_to_dlpack(dpar_tensor *tensor) {
   if (s != DPAR_OK) return Py_BuildValue("iO", (int)s, Py_None);
   return Py_BuildValue("iN", (int)s, PyCapsule_New(m, "dltensor", dpar_py_capsule_deleter));
 }
+
+/* DLPack 1.x's versioned tensor, as its dlpack.h lays it out. The C ABI exports DLPack 0.x's DLManagedTensor (the
+ * dlpack.h installed here predates 1.0), so the versioned capsule a consumer asks for with max_version >= (1, 0)
+ * wraps it: its manager_ctx is the unversioned tensor, whose deleter its own deleter calls. */
+typedef struct {
+  uint32_t major, minor;
+} dpar_py_dlpack_version;
+typedef struct dpar_py_managed_versioned {
+  dpar_py_dlpack_version version;
+  void *manager_ctx;
+  void (*deleter)(struct dpar_py_managed_versioned *self);
+  uint64_t flags;
+  DLTensor dl_tensor;
+} dpar_py_managed_versioned;
+#define DPAR_PY_DLPACK_FLAG_IS_COPIED (1ULL << 1)
+
+static void dpar_py_versioned_deleter(dpar_py_managed_versioned *v) {
+  DLManagedTensor *m = (DLManagedTensor *)v->manager_ctx;
+  if (m && m->deleter) m->deleter(m);
+  free(v);
+}
+
+static void dpar_py_versioned_capsule_deleter(PyObject *capsule) {
+  if (PyCapsule_IsValid(capsule, "used_dltensor_versioned")) return; /* a consumer took it */
+  dpar_py_managed_versioned *v =
+      (dpar_py_managed_versioned *)PyCapsule_GetPointer(capsule, "dltensor_versioned");
+  if (v && v->deleter) v->deleter(v);
+}
+
+/* A "dltensor_versioned" capsule (DLPack 1.0) of the tensor; `copied`: the tensor is a copy made for the consumer. */
+static PyObject *dpar_py_tensor_to_dlpack_versioned(dpar_tensor *tensor, int copied) {
+  DLManagedTensor *m = NULL;
+  dpar_status s = dpar_tensor_to_dlpack(&m, tensor);
+  if (s != DPAR_OK) return Py_BuildValue("iO", (int)s, Py_None);
+  dpar_py_managed_versioned *v = (dpar_py_managed_versioned *)calloc(1, sizeof *v);
+  if (!v) {
+    m->deleter(m);
+    return PyErr_NoMemory();
+  }
+  v->version.major = 1;
+  v->version.minor = 0;
+  v->manager_ctx = m;
+  v->deleter = dpar_py_versioned_deleter;
+  v->flags = copied ? DPAR_PY_DLPACK_FLAG_IS_COPIED : 0; /* not read-only: dpar's memory is writable */
+  v->dl_tensor = m->dl_tensor; /* its shape and strides stay m's, alive until the deleter */
+  PyObject *capsule = PyCapsule_New(v, "dltensor_versioned", dpar_py_versioned_capsule_deleter);
+  if (!capsule) {
+    dpar_py_versioned_deleter(v);
+    return NULL;
+  }
+  return Py_BuildValue("iN", (int)s, capsule);
+}
 %}
 
 dpar_status dpar_py_set_forward_hook(dpar_engine *engine, PyObject *hook);
 dpar_status dpar_py_model_add_custom(dpar_model *model, const char *name, PyObject *specs, PyObject *bridge);
 PyObject *dpar_py_tensor_from_dlpack(PyObject *capsule);
 PyObject *dpar_py_tensor_to_dlpack(dpar_tensor *tensor);
+PyObject *dpar_py_tensor_to_dlpack_versioned(dpar_tensor *tensor, int copied);
 #endif /* SWIGPYTHON */

@@ -17,7 +17,7 @@ type Element interface {
 }
 
 // dtypeOf is T's dpar element type.
-func dtypeOf[T Element]() int {
+func dtypeOf[T Element]() DType {
 	var zero T
 	switch any(zero).(type) {
 	case float32:
@@ -83,7 +83,7 @@ func (c *Comm) size() (int, error) {
 
 // AllReduce reduces every participant's send into every participant's recv, of the same length (recv may be send:
 // in place).
-func AllReduce[T Element](c *Comm, send, recv []T, op int) error {
+func AllReduce[T Element](c *Comm, send, recv []T, op ReduceOp) error {
 	if err := sameLen("recv", len(recv), len(send)); err != nil {
 		return err
 	}
@@ -97,7 +97,7 @@ func Broadcast[T Element](c *Comm, buf []T, root int) error {
 
 // Reduce reduces every participant's send into root's recv, of the same length. Elsewhere recv is not used and
 // may be nil.
-func Reduce[T Element](c *Comm, send, recv []T, op, root int) error {
+func Reduce[T Element](c *Comm, send, recv []T, op ReduceOp, root int) error {
 	if len(recv) != 0 {
 		if err := sameLen("recv", len(recv), len(send)); err != nil {
 			return err
@@ -121,7 +121,7 @@ func AllGather[T Element](c *Comm, send, recv []T) error {
 
 // ReduceScatter reduces send, one block of len(recv) per participant, element-wise across the participants;
 // participant r receives block r in recv.
-func ReduceScatter[T Element](c *Comm, send, recv []T, op int) error {
+func ReduceScatter[T Element](c *Comm, send, recv []T, op ReduceOp) error {
 	n, err := c.size()
 	if err != nil {
 		return err
@@ -135,7 +135,7 @@ func ReduceScatter[T Element](c *Comm, send, recv []T, op int) error {
 // The asynchronous collectives over Go slices run on a copy in C memory (see Work): the slices stay the caller's.
 
 // AllReduceAsync starts AllReduce(c, buf, buf, op) on the communicator's own thread; Wait puts the result in buf.
-func AllReduceAsync[T Element](c *Comm, buf []T, op int) (*Work, error) {
+func AllReduceAsync[T Element](c *Comm, buf []T, op ReduceOp) (*Work, error) {
 	return startStaged(buf, buf, true, func(send, recv unsafe.Pointer) (*Work, error) {
 		return c.AllReduceAsyncUnsafe(send, recv, len(buf), dtypeOf[T](), op)
 	})
@@ -163,7 +163,7 @@ func AllGatherAsync[T Element](c *Comm, send, recv []T) (*Work, error) {
 }
 
 // ReduceScatterAsync starts ReduceScatter(c, send, recv, op); Wait fills recv.
-func ReduceScatterAsync[T Element](c *Comm, send, recv []T, op int) (*Work, error) {
+func ReduceScatterAsync[T Element](c *Comm, send, recv []T, op ReduceOp) (*Work, error) {
 	n, err := c.size()
 	if err != nil {
 		return nil, err
@@ -228,95 +228,95 @@ func startStaged[T Element](send, recv []T, inPlace bool,
 // allocated by C. count is in elements of dtype (F32, F64, I32 or I64). A synchronous call uses the addresses only
 // while it runs. An asynchronous one keeps them until its Work is done: they must not be Go memory (cgo forbids C
 // keeping a Go pointer), and must stay valid and untouched until Wait or Close returns.
-func (c *Comm) AllReduceUnsafe(send, recv unsafe.Pointer, count, dtype, op int) error {
+func (c *Comm) AllReduceUnsafe(send, recv unsafe.Pointer, count int, dtype DType, op ReduceOp) error {
 	if err := sizeArg("count", count); err != nil {
 		return err
 	}
 	defer runtime.KeepAlive(c)
-	return call(func() int { return raw.Dpar_comm_all_reduce(c.handle(), send, recv, int64(count), dtype, op) })
+	return call(func() int { return raw.Dpar_comm_all_reduce(c.handle(), send, recv, int64(count), int(dtype), int(op)) })
 }
 
 // BroadcastUnsafe is Broadcast on count elements at buf.
-func (c *Comm) BroadcastUnsafe(buf unsafe.Pointer, count, dtype, root int) error {
+func (c *Comm) BroadcastUnsafe(buf unsafe.Pointer, count int, dtype DType, root int) error {
 	if err := firstError(sizeArg("count", count), sizeArg("root", root)); err != nil {
 		return err
 	}
 	defer runtime.KeepAlive(c)
-	return call(func() int { return raw.Dpar_comm_broadcast(c.handle(), buf, int64(count), dtype, int64(root)) })
+	return call(func() int { return raw.Dpar_comm_broadcast(c.handle(), buf, int64(count), int(dtype), int64(root)) })
 }
 
 // ReduceUnsafe is Reduce on count elements at send, into root's recv (nil elsewhere is fine).
-func (c *Comm) ReduceUnsafe(send, recv unsafe.Pointer, count, dtype, op, root int) error {
+func (c *Comm) ReduceUnsafe(send, recv unsafe.Pointer, count int, dtype DType, op ReduceOp, root int) error {
 	if err := firstError(sizeArg("count", count), sizeArg("root", root)); err != nil {
 		return err
 	}
 	defer runtime.KeepAlive(c)
 	return call(func() int {
-		return raw.Dpar_comm_reduce(c.handle(), send, recv, int64(count), dtype, op, int64(root))
+		return raw.Dpar_comm_reduce(c.handle(), send, recv, int64(count), int(dtype), int(op), int64(root))
 	})
 }
 
 // AllGatherUnsafe is AllGather of count elements at send into size x count elements at recv.
-func (c *Comm) AllGatherUnsafe(send, recv unsafe.Pointer, count, dtype int) error {
+func (c *Comm) AllGatherUnsafe(send, recv unsafe.Pointer, count int, dtype DType) error {
 	if err := sizeArg("count", count); err != nil {
 		return err
 	}
 	defer runtime.KeepAlive(c)
-	return call(func() int { return raw.Dpar_comm_all_gather(c.handle(), send, recv, int64(count), dtype) })
+	return call(func() int { return raw.Dpar_comm_all_gather(c.handle(), send, recv, int64(count), int(dtype)) })
 }
 
 // ReduceScatterUnsafe is ReduceScatter of size x count elements at send into count elements at recv.
-func (c *Comm) ReduceScatterUnsafe(send, recv unsafe.Pointer, count, dtype, op int) error {
+func (c *Comm) ReduceScatterUnsafe(send, recv unsafe.Pointer, count int, dtype DType, op ReduceOp) error {
 	if err := sizeArg("count", count); err != nil {
 		return err
 	}
 	defer runtime.KeepAlive(c)
 	return call(func() int {
-		return raw.Dpar_comm_reduce_scatter(c.handle(), send, recv, int64(count), dtype, op)
+		return raw.Dpar_comm_reduce_scatter(c.handle(), send, recv, int64(count), int(dtype), int(op))
 	})
 }
 
 // AllReduceAsyncUnsafe starts AllReduceUnsafe on the communicator's own thread; dpar keeps the addresses, which
 // must not be Go memory, until the Work is done (see AllReduceUnsafe).
-func (c *Comm) AllReduceAsyncUnsafe(send, recv unsafe.Pointer, count, dtype, op int) (*Work, error) {
+func (c *Comm) AllReduceAsyncUnsafe(send, recv unsafe.Pointer, count int, dtype DType, op ReduceOp) (*Work, error) {
 	if err := sizeArg("count", count); err != nil {
 		return nil, err
 	}
 	return c.startWork(func(out unsafe.Pointer) int {
-		return raw.Dpar_comm_all_reduce_async(out, c.handle(), send, recv, int64(count), dtype, op)
+		return raw.Dpar_comm_all_reduce_async(out, c.handle(), send, recv, int64(count), int(dtype), int(op))
 	})
 }
 
 // BroadcastAsyncUnsafe starts BroadcastUnsafe on the communicator's own thread; dpar keeps the addresses, which
 // must not be Go memory, until the Work is done (see AllReduceUnsafe).
-func (c *Comm) BroadcastAsyncUnsafe(buf unsafe.Pointer, count, dtype, root int) (*Work, error) {
+func (c *Comm) BroadcastAsyncUnsafe(buf unsafe.Pointer, count int, dtype DType, root int) (*Work, error) {
 	if err := firstError(sizeArg("count", count), sizeArg("root", root)); err != nil {
 		return nil, err
 	}
 	return c.startWork(func(out unsafe.Pointer) int {
-		return raw.Dpar_comm_broadcast_async(out, c.handle(), buf, int64(count), dtype, int64(root))
+		return raw.Dpar_comm_broadcast_async(out, c.handle(), buf, int64(count), int(dtype), int64(root))
 	})
 }
 
 // AllGatherAsyncUnsafe starts AllGatherUnsafe on the communicator's own thread; dpar keeps the addresses, which
 // must not be Go memory, until the Work is done (see AllReduceUnsafe).
-func (c *Comm) AllGatherAsyncUnsafe(send, recv unsafe.Pointer, count, dtype int) (*Work, error) {
+func (c *Comm) AllGatherAsyncUnsafe(send, recv unsafe.Pointer, count int, dtype DType) (*Work, error) {
 	if err := sizeArg("count", count); err != nil {
 		return nil, err
 	}
 	return c.startWork(func(out unsafe.Pointer) int {
-		return raw.Dpar_comm_all_gather_async(out, c.handle(), send, recv, int64(count), dtype)
+		return raw.Dpar_comm_all_gather_async(out, c.handle(), send, recv, int64(count), int(dtype))
 	})
 }
 
 // ReduceScatterAsyncUnsafe starts ReduceScatterUnsafe on the communicator's own thread; dpar keeps the addresses,
 // which must not be Go memory, until the Work is done (see AllReduceUnsafe).
-func (c *Comm) ReduceScatterAsyncUnsafe(send, recv unsafe.Pointer, count, dtype, op int) (*Work, error) {
+func (c *Comm) ReduceScatterAsyncUnsafe(send, recv unsafe.Pointer, count int, dtype DType, op ReduceOp) (*Work, error) {
 	if err := sizeArg("count", count); err != nil {
 		return nil, err
 	}
 	return c.startWork(func(out unsafe.Pointer) int {
-		return raw.Dpar_comm_reduce_scatter_async(out, c.handle(), send, recv, int64(count), dtype, op)
+		return raw.Dpar_comm_reduce_scatter_async(out, c.handle(), send, recv, int64(count), int(dtype), int(op))
 	})
 }
 

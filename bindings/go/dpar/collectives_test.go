@@ -19,7 +19,7 @@ var groupMakers = []struct {
 	{"on CPU devices", func(n int) (*CommGroup, error) {
 		devices := make([][2]int, n)
 		for r := range devices {
-			devices[r] = [2]int{CPU, r}
+			devices[r] = [2]int{int(CPU), r}
 		}
 		return NewCommGroupOnDevices(devices, nil, 30)
 	}},
@@ -71,7 +71,7 @@ func valueOf[T Element](r, i int) T {
 
 // reduced is what op makes of element i over n participants, as dpar.h defines it: the sum in rank order, divided
 // by n for Mean (integers truncated toward zero, as Go's division does).
-func reduced[T Element](op, n, i int) T {
+func reduced[T Element](op ReduceOp, n, i int) T {
 	acc := valueOf[T](0, i)
 	for r := 1; r < n; r++ {
 		v := valueOf[T](r, i)
@@ -94,16 +94,16 @@ func reduced[T Element](op, n, i int) T {
 	return acc
 }
 
-var opNames = map[int]string{Sum: "sum", Mean: "mean", Max: "max", Min: "min"}
+var opNames = map[ReduceOp]string{Sum: "sum", Mean: "mean", Max: "max", Min: "min"}
 
 // way is one way of running the collectives, so that one set of checks covers them all.
 type way[T Element] struct {
 	name          string
-	allReduce     func(c *Comm, send, recv []T, op int) error
+	allReduce     func(c *Comm, send, recv []T, op ReduceOp) error
 	broadcast     func(c *Comm, buf []T, root int) error
-	reduce        func(c *Comm, send, recv []T, op, root int) error
+	reduce        func(c *Comm, send, recv []T, op ReduceOp, root int) error
 	allGather     func(c *Comm, send, recv []T) error
-	reduceScatter func(c *Comm, send, recv []T, op int) error
+	reduceScatter func(c *Comm, send, recv []T, op ReduceOp) error
 }
 
 // waited waits for a work that start returned, and checks what Test says after it.
@@ -150,20 +150,20 @@ func ways[T Element]() []way[T] {
 		{"Go slices", AllReduce[T], Broadcast[T], Reduce[T], AllGather[T], ReduceScatter[T]},
 		{
 			name: "Go slices, asynchronously",
-			allReduce: func(c *Comm, send, recv []T, op int) error {
+			allReduce: func(c *Comm, send, recv []T, op ReduceOp) error {
 				copy(recv, send)
 				return waited(AllReduceAsync(c, recv, op))
 			},
 			broadcast: func(c *Comm, buf []T, root int) error { return waited(BroadcastAsync(c, buf, root)) },
 			reduce:    Reduce[T], // dpar has no asynchronous reduce
 			allGather: func(c *Comm, send, recv []T) error { return waited(AllGatherAsync(c, send, recv)) },
-			reduceScatter: func(c *Comm, send, recv []T, op int) error {
+			reduceScatter: func(c *Comm, send, recv []T, op ReduceOp) error {
 				return waited(ReduceScatterAsync(c, send, recv, op))
 			},
 		},
 		{
 			name: "addresses",
-			allReduce: func(c *Comm, send, recv []T, op int) error {
+			allReduce: func(c *Comm, send, recv []T, op ReduceOp) error {
 				return atAddresses(send, recv, func(s, r unsafe.Pointer) error {
 					return c.AllReduceUnsafe(s, r, len(send), dtype, op)
 				})
@@ -174,7 +174,7 @@ func ways[T Element]() []way[T] {
 					return c.BroadcastUnsafe(p, len(buf), dtype, root)
 				})
 			},
-			reduce: func(c *Comm, send, recv []T, op, root int) error {
+			reduce: func(c *Comm, send, recv []T, op ReduceOp, root int) error {
 				return atAddresses(send, recv, func(s, r unsafe.Pointer) error {
 					return c.ReduceUnsafe(s, r, len(send), dtype, op, root)
 				})
@@ -184,7 +184,7 @@ func ways[T Element]() []way[T] {
 					return c.AllGatherUnsafe(s, r, len(send), dtype)
 				})
 			},
-			reduceScatter: func(c *Comm, send, recv []T, op int) error {
+			reduceScatter: func(c *Comm, send, recv []T, op ReduceOp) error {
 				return atAddresses(send, recv, func(s, r unsafe.Pointer) error {
 					return c.ReduceScatterUnsafe(s, r, len(recv), dtype, op)
 				})
@@ -192,7 +192,7 @@ func ways[T Element]() []way[T] {
 		},
 		{
 			name: "addresses, asynchronously",
-			allReduce: func(c *Comm, send, recv []T, op int) error {
+			allReduce: func(c *Comm, send, recv []T, op ReduceOp) error {
 				copy(recv, send)
 				return atAddresses(nil, recv, func(_, p unsafe.Pointer) error {
 					copy(unsafe.Slice((*T)(p), len(recv)), recv)
@@ -205,7 +205,7 @@ func ways[T Element]() []way[T] {
 					return waited(c.BroadcastAsyncUnsafe(p, len(buf), dtype, root))
 				})
 			},
-			reduce: func(c *Comm, send, recv []T, op, root int) error {
+			reduce: func(c *Comm, send, recv []T, op ReduceOp, root int) error {
 				return atAddresses(send, recv, func(s, r unsafe.Pointer) error {
 					return c.ReduceUnsafe(s, r, len(send), dtype, op, root)
 				})
@@ -215,7 +215,7 @@ func ways[T Element]() []way[T] {
 					return waited(c.AllGatherAsyncUnsafe(s, r, len(send), dtype))
 				})
 			},
-			reduceScatter: func(c *Comm, send, recv []T, op int) error {
+			reduceScatter: func(c *Comm, send, recv []T, op ReduceOp) error {
 				return atAddresses(send, recv, func(s, r unsafe.Pointer) error {
 					return waited(c.ReduceScatterAsyncUnsafe(s, r, len(recv), dtype, op))
 				})
@@ -234,7 +234,7 @@ func checkCollectives[T Element](c *Comm, rank, n int, w way[T]) error {
 	mismatch := func(what string, got, want any) error {
 		return fmt.Errorf("%s: %v, expected %v", what, got, want)
 	}
-	for _, op := range []int{Sum, Mean, Max, Min} {
+	for _, op := range []ReduceOp{Sum, Mean, Max, Min} {
 		recv := make([]T, count)
 		if err := w.allReduce(c, send, recv, op); err != nil {
 			return fmt.Errorf("all-reduce (%s): %w", opNames[op], err)
@@ -388,7 +388,7 @@ func TestAsyncWorkOverGoSlices(t *testing.T) {
 	})
 }
 
-func isDparError(err error, status int, message string) bool {
+func isDparError(err error, status Status, message string) bool {
 	var de *Error
 	return errors.As(err, &de) && de.Status == status && strings.Contains(de.Message, message)
 }
@@ -411,7 +411,7 @@ func TestBadCollectiveArgumentsAreErrorsWithDparsMessage(t *testing.T) {
 		for _, check := range []struct {
 			what    string
 			err     error
-			status  int
+			status  Status
 			message string
 		}{
 			{"a longer recv", AllReduce(c, x, make([]float32, 3), Sum), ErrInvalidArg, "recv: 3 elements, expected 2"},

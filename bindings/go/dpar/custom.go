@@ -47,17 +47,19 @@ import (
 	"unsafe"
 )
 
-// How a custom layer's parameter is initialised.
+// InitKind is how a custom layer's parameter is initialised (a dpar_init).
+type InitKind int32
+
 const (
-	InitZeros   = 0 // all zeros
-	InitUniform = 1 // uniform in [-Bound, Bound], from the model's seed
+	InitZeros   InitKind = 0 // all zeros
+	InitUniform InitKind = 1 // uniform in [-Bound, Bound], from the model's seed
 )
 
 // ParamSpec is one parameter of a custom layer.
 type ParamSpec struct {
 	Name  string // "weight"; the model names it "<layer>.weight"
 	Shape []int64
-	Init  int
+	Init  InitKind
 	Bound float32 // for InitUniform
 }
 
@@ -65,7 +67,7 @@ type ParamSpec struct {
 // the call only. Input, Params and (in Backward) Output and GradOutput are read-only.
 type CustomCall struct {
 	Replica     int
-	DeviceKind  int
+	DeviceKind  DeviceKind
 	DeviceIndex int
 	Training    bool
 	InputShape  []int64
@@ -157,7 +159,7 @@ func view(t *C.dpar_tensor) ([]float32, []int64, error) {
 	var shape [4]C.int64_t
 	var ndim C.size_t
 	if s := C.dpar_go_view(t, &data, &shape[0], &ndim); s != 0 {
-		return nil, nil, &Error{Status: int(s), Message: "a custom layer's tensor: " + C.GoString(C.dpar_last_error())}
+		return nil, nil, &Error{Status: Status(s), Message: "a custom layer's tensor: " + C.GoString(C.dpar_last_error())}
 	}
 	dims := make([]int64, int(ndim))
 	n := int64(1)
@@ -172,7 +174,7 @@ func view(t *C.dpar_tensor) ([]float32, []int64, error) {
 }
 
 func customCall(c *C.dpar_custom_call, backward bool) (*CustomCall, error) {
-	cc := &CustomCall{Replica: int(c.replica), DeviceKind: int(c.device.kind), DeviceIndex: int(c.device.index),
+	cc := &CustomCall{Replica: int(c.replica), DeviceKind: DeviceKind(c.device.kind), DeviceIndex: int(c.device.index),
 		Training: c.training != 0}
 	var err error
 	if cc.Input, cc.InputShape, err = view(c.input); err != nil {

@@ -90,11 +90,11 @@ func (l *Loader) Shard(shard, numShards int) error {
 
 // ToDevice makes the loader yield, from the next batch on, batches in memory of the device (kind, index), each
 // prepared (on a GPU: copied) while the caller still uses the one before. The batches are the same, bit for bit.
-func (l *Loader) ToDevice(kind, index int) error {
+func (l *Loader) ToDevice(kind DeviceKind, index int) error {
 	defer runtime.KeepAlive(l)
 	d := raw.NewDpar_device()
 	defer raw.DeleteDpar_device(d)
-	d.SetKind(kind)
+	d.SetKind(int(kind))
 	d.SetIndex(index)
 	return call(func() int { return raw.Dpar_loader_to_device(l.raw, d) })
 }

@@ -3,10 +3,11 @@
 // Every handle is a Go value with Close() (a finalizer frees it too, as a safety net only); every failed call
 // returns an *Error with dpar's status and message. Each call and the read of its thread-local error run with the
 // goroutine locked to its OS thread. Buffers are Go slices, copied in and out (cgo does not let C keep a Go
-// pointer after a call returns), except Tensor.Float32s and Int32s, and a custom layer's CustomCall, slices over dpar's
-// own memory. The synchronous collectives use a Go slice in place for the call's span; the asynchronous ones copy
-// it into C memory and back at Work.Wait; a Reducer's gradients are slices over C memory it owns. Memory that is
-// not a Go slice (a GPU's) goes to the collectives as addresses, through the *Unsafe methods of Comm.
+// pointer after a call returns), except Tensor.UnsafeFloat32s and UnsafeInt32s, and a custom layer's CustomCall,
+// slices over dpar's own memory valid while their owner is (Float32s and Int32s copy). The synchronous collectives
+// use a Go slice in place for the call's span; the asynchronous ones copy it into C memory and back at Work.Wait;
+// a Reducer's gradients are slices over C memory it owns. Memory that is not a Go slice (a GPU's) goes to the
+// collectives as addresses, through the *Unsafe methods of Comm.
 //
 // The raw layer, dpar.dev/go/raw, is SWIG's one-to-one output for bindings/swig/dpar.i.
 package dpar
@@ -22,43 +23,54 @@ import (
 	"dpar.dev/go/raw"
 )
 
-// Status codes of dpar.h. A newer library may return others: any negative status is an error.
+// Status is a dpar_status: OK, or a negative error. A newer library may return others: any negative status is an
+// error. Each is an error value too, for errors.Is: errors.Is(err, dpar.ErrTimeout) holds for an *Error whose Status
+// is ErrTimeout (an *Error unwraps to its Status).
+type Status int32
+
+// Error is the status's name ("DPAR_ERR_TIMEOUT").
+func (s Status) Error() string { return StatusName(s) }
+
+// Status codes of dpar.h.
 const (
-	OK               = 0
-	ErrInvalidArg    = -1
-	ErrOutOfMemory   = -2
-	ErrDevice        = -3
-	ErrCommunication = -4
-	ErrRemote        = -5
-	ErrTimeout       = -6
-	ErrMismatch      = -7
-	ErrIO            = -8
-	ErrCorrupt       = -9
-	ErrNotSupported  = -10
-	ErrInvalidState  = -11
-	ErrInternal      = -12
+	OK               Status = 0
+	ErrInvalidArg    Status = -1
+	ErrOutOfMemory   Status = -2
+	ErrDevice        Status = -3
+	ErrCommunication Status = -4
+	ErrRemote        Status = -5
+	ErrTimeout       Status = -6
+	ErrMismatch      Status = -7
+	ErrIO            Status = -8
+	ErrCorrupt       Status = -9
+	ErrNotSupported  Status = -10
+	ErrInvalidState  Status = -11
+	ErrInternal      Status = -12
 )
 
 // Error is a failed dpar call: its status and dpar's message. Return one from a callback to fail the engine call
 // with that status and message.
 type Error struct {
-	Status  int
+	Status  Status
 	Message string
 }
 
 func (e *Error) Error() string { return StatusName(e.Status) + ": " + e.Message }
 
+// Unwrap is the error's Status, so that errors.Is(err, dpar.ErrTimeout) tests the status.
+func (e *Error) Unwrap() error { return e.Status }
+
 // StatusName is a status's name, such as "DPAR_ERR_TIMEOUT".
-func StatusName(status int) string { return raw.Dpar_status_str(status) }
+func StatusName(status Status) string { return raw.Dpar_status_str(int(status)) }
 
 // errorOf reads, then clears, the calling thread's error: the caller holds runtime.LockOSThread.
 func errorOf(status int) error {
-	if status == OK {
+	if status == int(OK) {
 		return nil
 	}
 	msg := raw.Dpar_last_error()
 	raw.Dpar_clear_error()
-	return &Error{Status: status, Message: msg}
+	return &Error{Status: Status(status), Message: msg}
 }
 
 // call runs one dpar call and reads its error on the same OS thread.
@@ -84,33 +96,38 @@ func release[H interface{ Swigcptr() uintptr }](owner any, h *H, free func(H)) {
 func Version() int          { return raw.Dpar_version() }
 func VersionString() string { return raw.Dpar_version_string() }
 
+// DeviceKind is a dpar_device_kind.
+type DeviceKind int32
+
 // Device kinds.
 const (
-	CPU  = 0
-	CUDA = 1
+	CPU  DeviceKind = 0
+	CUDA DeviceKind = 1
 )
 
 // DeviceCount is the number of devices of a kind an engine uses by default.
-func DeviceCount(kind int) (int, error) {
+func DeviceCount(kind DeviceKind) (int, error) {
 	var n uint64
-	err := call(func() int { return raw.Dpar_device_count(unsafe.Pointer(&n), kind) })
+	err := call(func() int { return raw.Dpar_device_count(unsafe.Pointer(&n), int(kind)) })
 	return int(n), err
 }
 
 // ParseDevice parses "cpu:3", "cpu" or "cuda:1" into (kind, index).
-func ParseDevice(text string) (kind, index int, err error) {
+func ParseDevice(text string) (kind DeviceKind, index int, err error) {
 	d := raw.NewDpar_device()
 	defer raw.DeleteDpar_device(d)
 	err = call(func() int { return raw.Dpar_device_parse(d, text) })
-	return d.GetKind(), d.GetIndex(), err
+	return DeviceKind(d.GetKind()), d.GetIndex(), err
 }
 
-// Element types: tensors hold F32 and I32; the collectives move all four.
+// DType is a dpar_dtype, an element type: tensors hold F32 and I32; the collectives move all four.
+type DType int32
+
 const (
-	F32 = 0
-	I32 = 1
-	F64 = 5
-	I64 = 6
+	F32 DType = 0
+	I32 DType = 1
+	F64 DType = 5
+	I64 DType = 6
 )
 
 // Tensor is a dpar tensor in dpar's memory.
@@ -135,14 +152,14 @@ func (t *Tensor) Close() {
 }
 
 // Zeros makes a zero-filled tensor on cpu:index (kind CPU) or cuda:index.
-func Zeros(dtype int, shape []int64, kind, index int) (*Tensor, error) {
+func Zeros(dtype DType, shape []int64, kind DeviceKind, index int) (*Tensor, error) {
 	d := raw.NewDpar_device()
 	defer raw.DeleteDpar_device(d)
-	d.SetKind(kind)
+	d.SetKind(int(kind))
 	d.SetIndex(index)
 	var p uintptr
 	err := call(func() int {
-		return raw.Dpar_tensor_create(unsafe.Pointer(&p), dtype, address(shape), int64(len(shape)), d)
+		return raw.Dpar_tensor_create(unsafe.Pointer(&p), int(dtype), address(shape), int64(len(shape)), d)
 	})
 	if err != nil {
 		return nil, err
@@ -161,7 +178,7 @@ func FromInt32(shape []int64, values []int32) (*Tensor, error) {
 }
 
 // fromHost is a new cpu:0 tensor holding bytes copied from p; nil and dpar's error when they do not fit the shape.
-func fromHost(dtype int, shape []int64, p unsafe.Pointer, bytes int) (*Tensor, error) {
+func fromHost(dtype DType, shape []int64, p unsafe.Pointer, bytes int) (*Tensor, error) {
 	t, err := Zeros(dtype, shape, CPU, 0)
 	if err != nil {
 		return nil, err
@@ -189,14 +206,14 @@ func (t *Tensor) Shape() ([]int64, error) {
 }
 
 // Info is the tensor's dtype, element count and device (kind, index).
-func (t *Tensor) Info() (dtype, numel, kind, index int, err error) {
+func (t *Tensor) Info() (dtype DType, numel int, kind DeviceKind, index int, err error) {
 	var dt int32
 	var n uint64
 	d := raw.NewDpar_device()
 	defer raw.DeleteDpar_device(d)
 	err = call(func() int { return raw.Dpar_tensor_info(unsafe.Pointer(&dt), unsafe.Pointer(&n), d, t.raw) })
 	runtime.KeepAlive(t)
-	return int(dt), int(n), d.GetKind(), d.GetIndex(), err
+	return DType(dt), int(n), DeviceKind(d.GetKind()), d.GetIndex(), err
 }
 
 // ToFloat32 copies an f32 tensor out.
@@ -214,18 +231,49 @@ func (t *Tensor) ToFloat32() ([]float32, error) {
 	return out, err
 }
 
-// Float32s is a host f32 tensor's memory, without a copy: valid while the tensor is open.
+// Float32s is a copy of an f32 tensor's values (host or device memory). It stays valid whatever becomes of the
+// tensor: a slice over dpar's memory would not survive the finalizer that frees the tensor once it is unreachable.
 func (t *Tensor) Float32s() ([]float32, error) {
-	return hostView[float32](t, F32, "Float32s: the tensor is not f32")
+	return copyOut[float32](t, F32, "Float32s: the tensor is not f32")
 }
 
-// Int32s is a host i32 tensor's memory (a loader's labels), without a copy: valid while the tensor is open.
+// Int32s is a copy of an i32 tensor's values (a loader's labels), as Float32s.
 func (t *Tensor) Int32s() ([]int32, error) {
-	return hostView[int32](t, I32, "Int32s: the tensor is not i32")
+	return copyOut[int32](t, I32, "Int32s: the tensor is not i32")
+}
+
+// UnsafeFloat32s is a host f32 tensor's memory, without a copy. The slice is valid only while the tensor is open
+// and reachable: the caller must Close the tensor, or call runtime.KeepAlive(t), after its last use of the
+// slice, or the finalizer may free the memory under it (and a loader's batch changes at its next Next).
+func (t *Tensor) UnsafeFloat32s() ([]float32, error) {
+	return hostView[float32](t, F32, "UnsafeFloat32s: the tensor is not f32")
+}
+
+// UnsafeInt32s is a host i32 tensor's memory, without a copy, valid as UnsafeFloat32s says.
+func (t *Tensor) UnsafeInt32s() ([]int32, error) {
+	return hostView[int32](t, I32, "UnsafeInt32s: the tensor is not i32")
+}
+
+// copyOut is a copy of a tensor's values as a []T, after checking that it holds dtype.
+func copyOut[T float32 | int32](t *Tensor, dtype DType, wrongType string) ([]T, error) {
+	has, n, _, _, err := t.Info()
+	if err != nil {
+		return nil, err
+	}
+	if has != dtype {
+		return nil, &Error{Status: ErrInvalidArg, Message: wrongType}
+	}
+	out := make([]T, n)
+	if n == 0 {
+		return out, nil
+	}
+	err = call(func() int { return raw.Dpar_tensor_copy_to_host(address(out), t.raw, int64(4*n)) })
+	runtime.KeepAlive(t)
+	return out, err
 }
 
 // hostView is a host tensor's memory as a []T, after checking that it holds dtype.
-func hostView[T float32 | int32](t *Tensor, dtype int, wrongType string) ([]T, error) {
+func hostView[T float32 | int32](t *Tensor, dtype DType, wrongType string) ([]T, error) {
 	has, n, _, _, err := t.Info()
 	if err != nil {
 		return nil, err
@@ -241,12 +289,14 @@ func hostView[T float32 | int32](t *Tensor, dtype int, wrongType string) ([]T, e
 	return unsafe.Slice((*T)(p), n), nil
 }
 
-// Activations.
+// ActivationKind is a dpar_activation, a layer of Model.Activation.
+type ActivationKind int32
+
 const (
-	ReLU    = 0
-	GELU    = 1
-	Tanh    = 2
-	Sigmoid = 3
+	ReLU    ActivationKind = 0
+	GELU    ActivationKind = 1
+	Tanh    ActivationKind = 2
+	Sigmoid ActivationKind = 3
 )
 
 // Model is a sequential model: the template an Engine copies to every device.
@@ -260,7 +310,7 @@ func NewModel(seed uint64) (*Model, error) {
 	defer raw.DeleteDpar_model_options(o)
 	var p uintptr
 	err := call(func() int {
-		if s := raw.Dpar_model_options_init(o); s != OK {
+		if s := raw.Dpar_model_options_init(o); s != int(OK) {
 			return s
 		}
 		o.SetSeed(seed)
@@ -288,9 +338,9 @@ func (m *Model) Linear(in, out int64, bias bool) error {
 	defer runtime.KeepAlive(m)
 	return call(func() int { return raw.Dpar_model_add_linear(m.raw, in, out, b2i(bias)) })
 }
-func (m *Model) Activation(kind int) error {
+func (m *Model) Activation(kind ActivationKind) error {
 	defer runtime.KeepAlive(m)
-	return call(func() int { return raw.Dpar_model_add_activation(m.raw, kind) })
+	return call(func() int { return raw.Dpar_model_add_activation(m.raw, int(kind)) })
 }
 func (m *Model) Dropout(p float32) error {
 	defer runtime.KeepAlive(m)
@@ -316,7 +366,7 @@ func (m *Model) ParamInfo(index int) (string, []int64, error) {
 	name := ""
 	err := call(func() int {
 		st := raw.Dpar_model_param_info(unsafe.Pointer(&s[0]), unsafe.Pointer(&n), m.raw, int64(index))
-		if st == OK {
+		if st == int(OK) {
 			name = raw.Dpar_model_param_name(m.raw, int64(index))
 		}
 		return st
@@ -346,36 +396,68 @@ func (m *Model) SetParam(index int, values []float32) error {
 	})
 }
 
-// Optimizer kinds, losses and process modes.
+// OptimizerKind is a dpar_optimizer_kind.
+type OptimizerKind int32
+
 const (
-	SGD   = 0
-	Adam  = 1
-	AdamW = 2
-
-	CrossEntropy = 0
-	MSE          = 1
-
-	ProcessesAuto   = 0
-	ProcessesSingle = 1
-	ProcessesMPI    = 2
-
-	// How gradient buckets cross the processes (SetGradientCompression).
-	CompressionNone = 0 // f32, as summed
-	CompressionBF16 = 1 // each process's sum rounded to bfloat16, summed across the processes in bfloat16
+	SGD   OptimizerKind = 0
+	Adam  OptimizerKind = 1
+	AdamW OptimizerKind = 2
 )
 
-// Options of an engine and its optimizer; zero values take dpar's defaults except where noted.
+// Loss is a dpar_loss, the loss of the fused training step.
+type Loss int32
+
+const (
+	CrossEntropy Loss = 0
+	MSE          Loss = 1
+)
+
+// ProcessMode is a dpar_processes: which processes an engine spans.
+type ProcessMode int32
+
+const (
+	ProcessesAuto   ProcessMode = 0
+	ProcessesSingle ProcessMode = 1
+	ProcessesMPI    ProcessMode = 2
+)
+
+// Compression is how gradient buckets cross the processes (SetGradientCompression).
+type Compression int32
+
+const (
+	CompressionNone Compression = 0 // f32, as summed
+	CompressionBF16 Compression = 1 // each process's sum rounded to bfloat16, summed across the processes in bfloat16
+)
+
+// Options of an engine and its optimizer (dpar_optimizer_options and dpar_engine_options, every field); zero
+// values take dpar's defaults except where noted. A nil pointer field takes dpar's default too: its zero value is a
+// setting of its own.
 type Options struct {
-	Optimizer   int     // SGD (default), Adam, AdamW
-	LR          float32 // 0: 0.01
-	Momentum    float32
+	// The optimizer.
+	Optimizer   OptimizerKind // SGD (default), Adam, AdamW
+	LR          float32       // 0: 0.01
+	Momentum    float32       // SGD
+	Dampening   float32       // SGD
+	Nesterov    bool          // SGD; needs Momentum > 0 and Dampening 0
 	WeightDecay float32
-	Devices     int     // CPU devices (0: dpar's default count)
-	DeviceKind  int     // CPU (default) or CUDA
-	DeviceIDs   []int32 // the devices of DeviceKind to use, replica r on DeviceIDs[r] (nil: all)
-	Loss        int
-	Seed        uint64
-	Processes   int
+	Beta1       float32 // Adam, AdamW; 0: 0.9
+	Beta2       float32 // Adam, AdamW; 0: 0.999
+	Eps         float32 // Adam, AdamW; 0: 1e-8
+
+	// The engine.
+	Devices          int         // CPU devices (0: dpar's default count)
+	DeviceKind       DeviceKind  // CPU (default) or CUDA
+	DeviceIDs        []int32     // the devices of DeviceKind to use, replica r on DeviceIDs[r] (nil: all)
+	OutputDevice     *int32      // where Forward gathers, one of the devices (nil: the first)
+	Loss             Loss        // CrossEntropy (default) or MSE
+	Seed             uint64      // each replica's RNG stream (dropout)
+	TimeoutSeconds   float64     // how long a worker waits for the others (0: 300; math.Inf(1): no limit)
+	BLASThreads      int         // BLAS threads in each CPU worker (0: 1)
+	PinWorkers       *bool       // worker r on the r-th CPU of the affinity mask (nil: true)
+	FirstBucketBytes uint64      // the first gradient bucket closes at this many bytes (0: 1 MiB)
+	BucketCapBytes   uint64      // later buckets close at this many bytes (0: 25 MiB; math.MaxUint64: one bucket)
+	Processes        ProcessMode // ProcessesAuto (default), ProcessesSingle, ProcessesMPI
 }
 
 // Engine is a DataParallel engine. dpar serialises calls on it, so it may be shared between goroutines.
@@ -397,23 +479,48 @@ func NewEngine(model *Model, o Options) (*Engine, error) {
 		copy(unsafe.Slice((*int32)(ids), len(o.DeviceIDs)), o.DeviceIDs)
 	}
 	err := call(func() int {
-		if s := raw.Dpar_optimizer_options_init(oo); s != OK {
+		if s := raw.Dpar_optimizer_options_init(oo); s != int(OK) {
 			return s
 		}
-		if s := raw.Dpar_engine_options_init(eo); s != OK {
+		if s := raw.Dpar_engine_options_init(eo); s != int(OK) {
 			return s
 		}
-		oo.SetKind(o.Optimizer)
+		oo.SetKind(int(o.Optimizer))
 		if o.LR != 0 {
 			oo.SetLr(o.LR)
 		}
 		oo.SetMomentum(o.Momentum)
+		oo.SetDampening(o.Dampening)
+		oo.SetNesterov(b2i(o.Nesterov))
 		oo.SetWeight_decay(o.WeightDecay)
+		if o.Beta1 != 0 {
+			oo.SetBeta1(o.Beta1)
+		}
+		if o.Beta2 != 0 {
+			oo.SetBeta2(o.Beta2)
+		}
+		if o.Eps != 0 {
+			oo.SetEps(o.Eps)
+		}
 		eo.SetNum_cpu_devices(int64(o.Devices))
-		eo.SetLoss(o.Loss)
+		eo.SetDevice_kind(int(o.DeviceKind))
+		if o.OutputDevice != nil {
+			eo.SetOutput_device(int(*o.OutputDevice))
+		}
+		eo.SetLoss(int(o.Loss))
 		eo.SetSeed(o.Seed)
-		eo.SetProcesses(o.Processes)
-		eo.SetDevice_kind(o.DeviceKind)
+		if o.TimeoutSeconds != 0 {
+			eo.SetTimeout_seconds(o.TimeoutSeconds)
+		}
+		if o.BLASThreads != 0 {
+			eo.SetBlas_threads(int64(o.BLASThreads))
+		}
+		if o.PinWorkers != nil {
+			eo.SetPin_workers(b2i(*o.PinWorkers))
+		}
+		eo.SetFirst_bucket_bytes(int64(o.FirstBucketBytes))
+		eo.SetBucket_cap_bytes(int64(o.BucketCapBytes))
+		eo.SetProcesses(int(o.Processes))
 		if ids != nil {
 			eo.SetDevice_ids(ids)
 			eo.SetNum_device_ids(int64(len(o.DeviceIDs)))
@@ -497,12 +604,9 @@ func (e *Engine) SetMaxGradNorm(maxNorm float32) error {
 
 // SetGradientCompression compresses gradient buckets between processes from the next step on (CompressionNone,
 // CompressionBF16). Every process sets the same; with one process it changes nothing.
-func (e *Engine) SetGradientCompression(compression int) error {
-	if int(int32(compression)) != compression { // the C argument is an int32_t: refuse, do not truncate
-		return &Error{Status: ErrInvalidArg, Message: fmt.Sprintf("compression: %d is not a compression", compression)}
-	}
+func (e *Engine) SetGradientCompression(compression Compression) error {
 	return e.simple(func(r raw.Struct_SS_dpar_engine) int {
-		return raw.Dpar_engine_set_gradient_compression(r, compression)
+		return raw.Dpar_engine_set_gradient_compression(r, int(compression))
 	})
 }
 
@@ -539,7 +643,7 @@ func (e *Engine) ProcessTransport() (string, error) {
 	err := e.simple(func(x raw.Struct_SS_dpar_engine) int {
 		// The handle is checked by a call that returns a status; the string has none.
 		st := raw.Dpar_engine_processes(nil, nil, x)
-		if st == OK {
+		if st == int(OK) {
 			transport = raw.Dpar_engine_process_transport(x)
 		}
 		return st
@@ -548,11 +652,11 @@ func (e *Engine) ProcessTransport() (string, error) {
 }
 
 // ReplicaDevice is replica's device (kind, index).
-func (e *Engine) ReplicaDevice(replica int) (kind, index int, err error) {
+func (e *Engine) ReplicaDevice(replica int) (kind DeviceKind, index int, err error) {
 	d := raw.NewDpar_device()
 	defer raw.DeleteDpar_device(d)
 	err = e.simple(func(x raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_replica_device(d, x, int64(replica)) })
-	return d.GetKind(), d.GetIndex(), err
+	return DeviceKind(d.GetKind()), d.GetIndex(), err
 }
 
 // Split is how a batch of rows is split over the replicas.
@@ -602,24 +706,30 @@ func (e *Engine) Load(path string) error {
 	return e.simple(func(x raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_load(x, path) })
 }
 
-// Faults for InjectFault.
+// Fault is a dpar_fault, for InjectFault.
+type Fault int32
+
 const (
-	FaultNone     = 0
-	FaultAlloc    = 1
-	FaultForward  = 2
-	FaultBackward = 3
+	FaultNone     Fault = 0
+	FaultAlloc    Fault = 1
+	FaultForward  Fault = 2
+	FaultBackward Fault = 3
 )
 
-func (e *Engine) InjectFault(replica, fault int) error {
-	return e.simple(func(x raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_inject_fault(x, int64(replica), fault) })
+func (e *Engine) InjectFault(replica int, fault Fault) error {
+	return e.simple(func(x raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_inject_fault(x, int64(replica), int(fault))
+	})
 }
 
-// Reductions.
+// ReduceOp is a dpar_reduce_op.
+type ReduceOp int32
+
 const (
-	Sum  = 0
-	Mean = 1
-	Max  = 2
-	Min  = 3
+	Sum  ReduceOp = 0
+	Mean ReduceOp = 1
+	Max  ReduceOp = 2
+	Min  ReduceOp = 3
 )
 
 // CommGroup is the participants of one process (one goroutine each, shared memory).
@@ -632,7 +742,7 @@ type CommGroup struct {
 func withCommOptions(timeoutSeconds float64, create func(raw.Dpar_comm_options) int) int {
 	o := raw.NewDpar_comm_options()
 	defer raw.DeleteDpar_comm_options(o)
-	if s := raw.Dpar_comm_options_init(o); s != OK {
+	if s := raw.Dpar_comm_options_init(o); s != int(OK) {
 		return s
 	}
 	o.SetTimeout_seconds(timeoutSeconds)
@@ -742,16 +852,16 @@ func (c *Comm) Info() (rank, size int, err error) {
 }
 
 // Device is the device whose memory the buffers are: (CPU, 0) for host memory.
-func (c *Comm) Device() (kind, index int, err error) {
+func (c *Comm) Device() (kind DeviceKind, index int, err error) {
 	d := raw.NewDpar_device()
 	defer raw.DeleteDpar_device(d)
 	err = call(func() int { return raw.Dpar_comm_device(d, c.raw) })
 	runtime.KeepAlive(c)
-	return d.GetKind(), d.GetIndex(), err
+	return DeviceKind(d.GetKind()), d.GetIndex(), err
 }
 
 // AllReduceFloat32 reduces buf in place across the participants: AllReduce(c, buf, buf, op).
-func (c *Comm) AllReduceFloat32(buf []float32, op int) error { return AllReduce(c, buf, buf, op) }
+func (c *Comm) AllReduceFloat32(buf []float32, op ReduceOp) error { return AllReduce(c, buf, buf, op) }
 
 // BroadcastFloat32 copies root's buf into every participant's: Broadcast(c, buf, root).
 func (c *Comm) BroadcastFloat32(buf []float32, root int) error { return Broadcast(c, buf, root) }

@@ -25,6 +25,7 @@ static dpar_status dpar_go_set_forward_hook(uintptr_t engine, uintptr_t handle) 
 import "C"
 
 import (
+	"errors"
 	"runtime"
 	"runtime/cgo"
 	"unsafe"
@@ -52,9 +53,13 @@ func shapeOf(p *C.int64_t, n C.size_t) []int64 {
 
 // setCallbackError reports a callback's failure through dpar_set_error, on the worker thread that runs it.
 func setCallbackError(err error) C.dpar_status {
-	status := -12 // DPAR_ERR_INTERNAL
-	if de, ok := err.(*Error); ok && de.Status < 0 {
+	status := ErrInternal // the status of an error that carries none
+	var de *Error
+	var st Status // a bare status returned as an error
+	if errors.As(err, &de) && de.Status < 0 {
 		status = de.Status
+	} else if errors.As(err, &st) && st < 0 {
+		status = st
 	}
 	msg := C.CString(err.Error())
 	defer C.free(unsafe.Pointer(msg))

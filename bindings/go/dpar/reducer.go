@@ -37,7 +37,7 @@ type Reducer struct {
 // NewReducer makes a reducer over c for gradients of counts elements each, in the model's forward order (backward
 // produces the last first, and the buckets follow it), in memory the reducer allocates: write gradient i through
 // Grad(i). op is Sum, or Mean (DDP's average).
-func NewReducer(c *Comm, counts []int, op int, o ReducerOptions) (*Reducer, error) {
+func NewReducer(c *Comm, counts []int, op ReduceOp, o ReducerOptions) (*Reducer, error) {
 	total := 0
 	for i, n := range counts {
 		if err := sizeArg(fmt.Sprintf("counts[%d]", i), n); err != nil {
@@ -73,7 +73,7 @@ func NewReducer(c *Comm, counts []int, op int, o ReducerOptions) (*Reducer, erro
 // the reducer's copies and collectives are ordered on the participant's stream (mark a gradient ready once the
 // work that computes it is queued there), or host memory allocated by C. dpar uses them until the reducer is
 // closed: they must not be Go memory, must not overlap, and must stay valid until Close returns.
-func NewReducerUnsafe(c *Comm, grads []unsafe.Pointer, counts []int, op int, o ReducerOptions) (*Reducer, error) {
+func NewReducerUnsafe(c *Comm, grads []unsafe.Pointer, counts []int, op ReduceOp, o ReducerOptions) (*Reducer, error) {
 	if err := sameLen("counts", len(counts), len(grads)); err != nil {
 		return nil, err
 	}
@@ -85,7 +85,7 @@ func NewReducerUnsafe(c *Comm, grads []unsafe.Pointer, counts []int, op int, o R
 	return newReducer(c, grads, counts, op, o)
 }
 
-func newReducer(c *Comm, grads []unsafe.Pointer, counts []int, op int, o ReducerOptions) (*Reducer, error) {
+func newReducer(c *Comm, grads []unsafe.Pointer, counts []int, op ReduceOp, o ReducerOptions) (*Reducer, error) {
 	if err := firstError(sizeArg("FirstBucketBytes", o.FirstBucketBytes),
 		sizeArg("BucketCapBytes", o.BucketCapBytes)); err != nil {
 		return nil, err
@@ -102,12 +102,12 @@ func newReducer(c *Comm, grads []unsafe.Pointer, counts []int, op int, o Reducer
 	defer raw.DeleteDpar_reducer_options(opts)
 	var p uintptr
 	err := call(func() int {
-		if s := raw.Dpar_reducer_options_init(opts); s != OK {
+		if s := raw.Dpar_reducer_options_init(opts); s != int(OK) {
 			return s
 		}
 		opts.SetFirst_bucket_bytes(int64(o.FirstBucketBytes))
 		opts.SetBucket_cap_bytes(int64(o.BucketCapBytes))
-		opts.SetOp(op)
+		opts.SetOp(int(op))
 		return raw.Dpar_reducer_create(unsafe.Pointer(&p), c.handle(), unsafe.Pointer(&addresses[0]),
 			unsafe.Pointer(&sizes[0]), int64(len(grads)), opts)
 	})

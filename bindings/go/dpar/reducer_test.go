@@ -36,7 +36,7 @@ func backwardOrder(r, step int) []int {
 
 // expectedGrad is gradient k's element i after step s: the sum over the participants that produced it (the
 // others count as zero), divided by n for Mean.
-func expectedGrad(k, i, step, n, op int) float32 {
+func expectedGrad(k, i, step, n int, op ReduceOp) float32 {
 	var sum float32
 	for r := 0; r < n; r++ {
 		if produces(r, k, step, n) {
@@ -51,7 +51,7 @@ func expectedGrad(k, i, step, n, op int) float32 {
 
 // checkReduced compares a reduced gradient with expectedGrad: exactly for Sum; for Mean within a rounding of the
 // exact quotient, since dpar may scale by 1/n rather than divide.
-func checkReduced(got []float32, k, step, n, op int) error {
+func checkReduced(got []float32, k, step, n int, op ReduceOp) error {
 	for i, v := range got {
 		want := expectedGrad(k, i, step, n, op)
 		if v == want || (op == Mean && math.Abs(float64(v-want)) <= 1e-6*math.Abs(float64(want))) {
@@ -65,7 +65,7 @@ func checkReduced(got []float32, k, step, n, op int) error {
 // runSteps plays three training steps of one participant on a reducer over gradSizes: each produced gradient is
 // written (through write) and marked in the participant's own order; the others are filled with NaN, which the
 // reducer must ignore; after Wait every gradient (read through read) is checked.
-func runSteps(red *Reducer, rank, n, op int, write func(k int) ([]float32, error)) error {
+func runSteps(red *Reducer, rank, n int, op ReduceOp, write func(k int) ([]float32, error)) error {
 	for step := 0; step < 3; step++ {
 		for _, k := range backwardOrder(rank, step) {
 			g, err := write(k)
@@ -104,7 +104,7 @@ func runSteps(red *Reducer, rank, n, op int, write func(k int) ([]float32, error
 func TestTheReducerGivesTheSumOrMeanOfWhatEachMemberProduced(t *testing.T) {
 	for _, maker := range groupMakers {
 		for n := 2; n <= 4; n++ {
-			for _, op := range []int{Sum, Mean} {
+			for _, op := range []ReduceOp{Sum, Mean} {
 				maker, n, op := maker, n, op
 				t.Run(fmt.Sprintf("%s, %d members, %s", maker.name, n, opNames[op]), func(t *testing.T) {
 					g, err := maker.make(n)
@@ -210,7 +210,7 @@ func TestBadReducerArgumentsAreErrorsWithDparsMessage(t *testing.T) {
 	for _, check := range []struct {
 		what    string
 		err     error
-		status  int
+		status  Status
 		message string
 	}{
 		{"a negative count", noReducer(NewReducer(c, []int{10, -2}, Sum, ReducerOptions{})), ErrInvalidArg,
@@ -264,7 +264,7 @@ func TestBadReducerArgumentsAreErrorsWithDparsMessage(t *testing.T) {
 	for _, check := range []struct {
 		what    string
 		err     error
-		status  int
+		status  Status
 		message string
 	}{
 		{"a second mark", red.GradReady(1), ErrInvalidState, "gradient 1 was marked ready twice in one step"},

@@ -2,40 +2,100 @@
 
 Every handle is an object with close() and a context manager (and a finalizer as a safety net); every failed call
 raises DparError carrying dpar's status and message. float32/int32 NumPy arrays go in and come out without a copy:
-Tensor.wrap(array) keeps the array alive as long as the tensor, Tensor.numpy() is a view of dpar's memory, and
-tensors speak DLPack (__dlpack__, Tensor.from_dlpack).
+Tensor.wrap(array) keeps the array alive as long as the tensor, Tensor.numpy() is a view of dpar's memory that
+keeps that memory alive (after close() too), and tensors speak DLPack (__dlpack__, Tensor.from_dlpack). Every
+option of dpar.h's option structs is a keyword; the enums are IntEnums.
 """
+import enum
+import operator
+import re
 import weakref
 
 import numpy as np
 
-from . import raw as _raw
+from . import raw as _swig
 
-OK = _raw.DPAR_OK
-ERR_INVALID_ARGUMENT = _raw.DPAR_ERR_INVALID_ARGUMENT
-ERR_OUT_OF_MEMORY = _raw.DPAR_ERR_OUT_OF_MEMORY
-ERR_DEVICE = _raw.DPAR_ERR_DEVICE
-ERR_COMMUNICATION = _raw.DPAR_ERR_COMMUNICATION
-ERR_REMOTE = _raw.DPAR_ERR_REMOTE
-ERR_TIMEOUT = _raw.DPAR_ERR_TIMEOUT
-ERR_MISMATCH = _raw.DPAR_ERR_MISMATCH
-ERR_IO = _raw.DPAR_ERR_IO
-ERR_CORRUPT = _raw.DPAR_ERR_CORRUPT
-ERR_NOT_SUPPORTED = _raw.DPAR_ERR_NOT_SUPPORTED
-ERR_INVALID_STATE = _raw.DPAR_ERR_INVALID_STATE
-ERR_INTERNAL = _raw.DPAR_ERR_INTERNAL
+# SWIG's refusal of an argument: "in method 'dpar_model_add_linear', argument 2 of type 'int64_t'".
+_SWIG_REFUSAL = re.compile(r"in method '(\w+)', argument (\d+) of type '([^']+)'")
+_C_TYPES = {"int32_t": "an integer in [-2**31, 2**31)", "int64_t": "an integer in [-2**63, 2**63)",
+            "uint64_t": "an integer in [0, 2**64)", "size_t": "an integer in [0, 2**64)", "float": "a number",
+            "double": "a number", "char const *": "a str", "char *": "a str"}
 
-F32, I32 = _raw.DPAR_F32, _raw.DPAR_I32
-RELU, GELU, TANH, SIGMOID = _raw.DPAR_RELU, _raw.DPAR_GELU, _raw.DPAR_TANH, _raw.DPAR_SIGMOID
-SUM, MEAN, MAX, MIN = _raw.DPAR_SUM, _raw.DPAR_MEAN, _raw.DPAR_MAX, _raw.DPAR_MIN
-LOSS_CROSS_ENTROPY, LOSS_MSE = _raw.DPAR_LOSS_CROSS_ENTROPY, _raw.DPAR_LOSS_MSE
-PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = (_raw.DPAR_PROCESSES_AUTO, _raw.DPAR_PROCESSES_SINGLE,
-                                                   _raw.DPAR_PROCESSES_MPI)
-COMPRESSION_NONE, COMPRESSION_BF16 = _raw.DPAR_COMPRESSION_NONE, _raw.DPAR_COMPRESSION_BF16
-SGD, ADAM, ADAMW = _raw.DPAR_SGD, _raw.DPAR_ADAM, _raw.DPAR_ADAMW
-FAULT_NONE, FAULT_ALLOC, FAULT_FORWARD, FAULT_BACKWARD = (_raw.DPAR_FAULT_NONE, _raw.DPAR_FAULT_ALLOC,
-                                                          _raw.DPAR_FAULT_FORWARD, _raw.DPAR_FAULT_BACKWARD)
-DEVICE_CPU, DEVICE_CUDA = _raw.DPAR_DEVICE_CPU, _raw.DPAR_DEVICE_CUDA
+
+class _Raw:
+    """The raw layer, each function wrapped so that SWIG's own message for an argument it refuses ("in method
+    'dpar_x', argument 2 of type 'int64_t'") never reaches the user: the error names the argument (from the
+    function's docstring, "dpar_x(model, in_features, ...)") and the value it got."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        f = getattr(self._module, name)
+        if callable(f) and not isinstance(f, type) and name.startswith("dpar_"):
+            f = self._wrap(name, f)
+        setattr(self, name, f)  # looked up once
+        return f
+
+    @staticmethod
+    def _wrap(name, f):
+        doc = f.__doc__ or ""
+        m = re.match(rf"{name}\(([^)]*)\)", doc)
+        params = [p.strip() for p in m.group(1).split(",")] if m else []
+
+        def call(*args):
+            try:
+                return f(*args)
+            except (TypeError, OverflowError, ValueError) as e:
+                refused = _SWIG_REFUSAL.search(str(e))
+                if refused is None:
+                    raise
+                n, ctype = int(refused.group(2)), refused.group(3)
+                arg = params[n - 1] if n <= len(params) else f"argument {n}"
+                got = repr(args[n - 1]) if n <= len(args) else "nothing"
+                raise type(e)(f"{name[len('dpar_'):]}: {arg} must be {_C_TYPES.get(ctype, ctype)}, got {got}") \
+                    from None
+
+        call.__name__ = call.__qualname__ = name
+        call.__doc__ = doc
+        return call
+
+
+_raw = _Raw(_swig)
+
+def _enum(name, prefix, members, doc):
+    """An IntEnum of dpar.h's constants `prefix + member` (an int wherever dpar takes one)."""
+    e = enum.IntEnum(name, [(m, getattr(_raw, prefix + m)) for m in members], module=__name__)
+    e.__doc__ = doc
+    return e
+
+
+Status = _enum("Status", "DPAR_", ["OK", "ERR_INVALID_ARGUMENT", "ERR_OUT_OF_MEMORY", "ERR_DEVICE",
+                                   "ERR_COMMUNICATION", "ERR_REMOTE", "ERR_TIMEOUT", "ERR_MISMATCH", "ERR_IO",
+                                   "ERR_CORRUPT", "ERR_NOT_SUPPORTED", "ERR_INVALID_STATE", "ERR_INTERNAL"],
+               "dpar_status. A newer library may return others: any negative status is an error.")
+DType = _enum("DType", "DPAR_", ["F32", "I32", "BF16", "F16", "U8", "F64", "I64"], "dpar_dtype: element types.")
+DeviceKind = _enum("DeviceKind", "DPAR_DEVICE_", ["CPU", "CUDA"], "dpar_device_kind.")
+Activation = _enum("Activation", "DPAR_", ["RELU", "GELU", "TANH", "SIGMOID"], "dpar_activation.")
+ReduceOp = _enum("ReduceOp", "DPAR_", ["SUM", "MEAN", "MAX", "MIN"], "dpar_reduce_op.")
+Loss = _enum("Loss", "DPAR_LOSS_", ["CROSS_ENTROPY", "MSE"], "dpar_loss.")
+Processes = _enum("Processes", "DPAR_PROCESSES_", ["AUTO", "SINGLE", "MPI"], "dpar_processes.")
+Compression = _enum("Compression", "DPAR_COMPRESSION_", ["NONE", "BF16"], "dpar_gradient_compression.")
+Optimizer = _enum("Optimizer", "DPAR_", ["SGD", "ADAM", "ADAMW"], "dpar_optimizer_kind.")
+Fault = _enum("Fault", "DPAR_FAULT_", ["NONE", "ALLOC", "FORWARD", "BACKWARD"], "dpar_fault.")
+Init = _enum("Init", "DPAR_INIT_", ["ZEROS", "UNIFORM"], "dpar_init: a custom layer's parameter initialisation.")
+
+# The flat names of earlier versions, as members of those enums.
+globals().update({m.name: m for m in Status})
+F32, I32 = DType.F32, DType.I32
+RELU, GELU, TANH, SIGMOID = Activation
+SUM, MEAN, MAX, MIN = ReduceOp
+LOSS_CROSS_ENTROPY, LOSS_MSE = Loss
+PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Processes
+COMPRESSION_NONE, COMPRESSION_BF16 = Compression
+SGD, ADAM, ADAMW = Optimizer
+FAULT_NONE, FAULT_ALLOC, FAULT_FORWARD, FAULT_BACKWARD = Fault
+DEVICE_CPU, DEVICE_CUDA = DeviceKind
 
 
 class DparError(Exception):
@@ -44,7 +104,7 @@ class DparError(Exception):
 
     def __init__(self, status, message):
         super().__init__(f"{status_name(status)}: {message}")
-        self.status = status
+        self.status = Status(status) if status in Status._value2member_map_ else status
         self.message = message
 
     @property
@@ -92,18 +152,42 @@ def parse_device(text):
     return d.kind, d.index
 
 
+class _Life:
+    """A handle's claim on its dpar object: the object is freed when the last holder of its _Life lets go. The
+    handle holds it until close(); a NumPy view of the object's memory holds it too (through the view's base), so
+    that a view read after close(), or after its `with` block, still reads live memory. `keep` is what the memory
+    belongs to (a wrapped array, a loader's _Life for its batches), kept as long."""
+
+    __slots__ = ("raw", "keep", "_finalizer", "__weakref__")
+
+    def __init__(self, raw, free, keep=None):
+        self.raw, self.keep = raw, keep
+        self._finalizer = None if free is None else weakref.finalize(self, free, raw)
+
+
 class _Handle:
-    """Owns one dpar handle: close() frees it (idempotent); the finalizer is a safety net only."""
+    """Owns one dpar handle: close() lets it go (idempotent), freeing it unless views of its memory remain, which
+    then free it when the last is gone; the finalizer is a safety net only. A closed handle's methods raise
+    DparError rather than pass dpar a freed pointer."""
 
     _free = None
+    _life = None
+    _handle = None
 
-    def _own(self, raw):
-        self._raw = raw
-        self._finalizer = weakref.finalize(self, type(self)._free, raw)
+    def _own(self, raw, keep=None):
+        self._handle = raw
+        self._life = _Life(raw, type(self)._free, keep)
+
+    @property
+    def _raw(self):
+        if self._handle is None:
+            raise DparError(ERR_INVALID_STATE, f"this {type(self).__name__} is closed")
+        return self._handle
 
     def close(self):
-        if getattr(self, "_finalizer", None) is not None:
-            self._finalizer()
+        # In CPython the object is freed here, as the last reference to its _Life goes, unless a view holds it.
+        self._life = None
+        self._handle = None
 
     def __enter__(self):
         return self
@@ -122,10 +206,9 @@ class Tensor(_Handle):
 
     def __init__(self, raw, keep=None, owned=True):
         if owned:
-            self._own(raw)
-        else:  # borrowed from its parent (a loader's batch): never freed here
-            self._raw, self._finalizer = raw, None
-        self._keep = keep  # what the memory belongs to
+            self._own(raw, keep)  # keep: what the memory belongs to (a wrapped array, a DLPack producer)
+        else:  # borrowed from its parent (a loader's batch): never freed here; `keep` is the parent's _Life
+            self._handle, self._life = raw, keep
 
     @classmethod
     def zeros(cls, shape, dtype=F32, device=(DEVICE_CPU, 0)):
@@ -170,22 +253,19 @@ class Tensor(_Handle):
         """(dtype, numel, (device kind, index))."""
         dt, n, d = _scalar(np.int32), _scalar(np.uintp), _raw.dpar_device()
         _check(_raw.dpar_tensor_info(dt.ctypes.data, n.ctypes.data, d, self._raw))
-        return int(dt[0]), int(n[0]), (d.kind, d.index)
+        return DType(int(dt[0])), int(n[0]), (DeviceKind(d.kind), d.index)
 
     @property
     def dtype(self):
         return self.info()[0]
 
     def numpy(self):
-        """A view of the tensor's host memory (no copy); it keeps the tensor alive."""
+        """A view of the tensor's host memory (no copy). The view keeps the memory alive: after close(), or the
+        end of a `with` block, the memory is freed when the last view goes."""
         dtype, n, _ = self.info()
         addr = _scalar(np.uintp)
         _check(_raw.dpar_tensor_data(addr.ctypes.data, self._raw))
-        ctype = np.ctypeslib.ctypes.c_float if dtype == F32 else np.ctypeslib.ctypes.c_int32
-        pointer = np.ctypeslib.ctypes.cast(int(addr[0]), np.ctypeslib.ctypes.POINTER(ctype))
-        view = np.ctypeslib.as_array(pointer, shape=self.shape).view(_View)
-        view._owner = self  # the tensor lives as long as the view
-        return view
+        return np.asarray(_Memory(self._life, int(addr[0]), self.shape, _NP[dtype]))
 
     def copy_to_numpy(self):
         dtype, n, _ = self.info()
@@ -197,21 +277,40 @@ class Tensor(_Handle):
         a = np.ascontiguousarray(array, dtype=_NP[self.dtype])
         _check(_raw.dpar_tensor_copy_from_host(self._raw, a.ctypes.data, a.nbytes))
 
-    def __dlpack__(self, stream=None):
-        return _check(list(_raw.dpar_py_tensor_to_dlpack(self._raw)))
+    def __dlpack__(self, stream=None, *, max_version=None, dl_device=None, copy=None):
+        """The DLPack export of the array API: a "dltensor_versioned" capsule (DLPack 1.0, whose flags say the
+        memory is writable, so np.from_dlpack's array is) when max_version is (1, 0) or later, else DLPack 0.x's
+        "dltensor". dl_device other than the tensor's own, or copy=True, exports a copy, to the host only
+        ((1, 0), kDLCPU); copy=False refuses to copy (BufferError), as the protocol says."""
+        source, here = self, self.__dlpack_device__()
+        if dl_device is not None and tuple(dl_device) != here:
+            if copy is False:
+                raise BufferError(f"dl_device: {tuple(dl_device)} is not the tensor's device {here}, and copy=False")
+            if tuple(dl_device) != (1, 0):
+                raise BufferError(f"dl_device: {tuple(dl_device)}: a copy goes to the host, (1, 0), only")
+            copy = True
+        if copy:
+            source = Tensor.from_numpy(self.copy_to_numpy())  # the capsule keeps its storage after it is freed
+        if max_version is not None and tuple(max_version) >= (1, 0):
+            return _check(list(_raw.dpar_py_tensor_to_dlpack_versioned(source._raw, int(bool(copy)))))
+        return _check(list(_raw.dpar_py_tensor_to_dlpack(source._raw)))
 
     def __dlpack_device__(self):
         _, _, (kind, index) = self.info()
         return (2, index) if kind == DEVICE_CUDA else (1, 0)  # kDLCUDA, kDLCPU
 
 
-class _View(np.ndarray):
-    """A NumPy view of a dpar tensor's memory that keeps the tensor alive."""
+class _Memory:
+    """A dpar object's memory as NumPy sees it (__array_interface__): the base of a view, holding the object's
+    _Life, so that the memory lives as long as any view of it (NumPy keeps a view's base alive, and the base of
+    every view taken from that view)."""
 
-    _owner = None
+    __slots__ = ("_life", "__array_interface__")
 
-    def __array_finalize__(self, obj):
-        self._owner = getattr(obj, "_owner", None)
+    def __init__(self, life, address, shape, dtype):
+        self._life = life
+        self.__array_interface__ = {"version": 3, "shape": tuple(shape), "typestr": np.dtype(dtype).str,
+                                    "data": (address, False)}
 
 
 class Model(_Handle):
@@ -222,7 +321,7 @@ class Model(_Handle):
     def __init__(self, seed=0):
         o = _raw.dpar_model_options()
         _check(_raw.dpar_model_options_init(o))
-        o.seed = seed
+        _set_fields(o, {"seed": "uint64"}, seed=seed)
         self._own(_check(_raw.dpar_model_create(o)))
 
     def linear(self, in_features, out_features, bias=True):
@@ -284,7 +383,7 @@ class Model(_Handle):
         _check(_raw.dpar_model_set_param(self._raw, index, a.ctypes.data, a.size))
 
 
-INIT_ZEROS, INIT_UNIFORM = _raw.DPAR_INIT_ZEROS, _raw.DPAR_INIT_UNIFORM
+INIT_ZEROS, INIT_UNIFORM = Init
 
 
 class Param:
@@ -367,26 +466,79 @@ class _CustomBridge:
         self.layer.backward(CustomCall(args, backward=True))
 
 
+# The C type of every option field a keyword sets, for checking a value before SWIG sees it (its own message names
+# a generated setter, not the argument). The keyword is the field's name except where a comment says otherwise.
+_OPTIMIZER_FIELDS = {"kind": "int32",  # the keyword `optimizer`
+                     "lr": "float", "momentum": "float", "dampening": "float", "nesterov": "bool",
+                     "weight_decay": "float", "beta1": "float", "beta2": "float", "eps": "float"}
+_ENGINE_FIELDS = {"device_kind": "int32", "num_cpu_devices": "size",  # the keyword `devices`
+                  "output_device": "int32", "loss": "int32", "seed": "uint64", "timeout_seconds": "double",
+                  "blas_threads": "size", "pin_workers": "bool", "first_bucket_bytes": "size",
+                  "bucket_cap_bytes": "size", "processes": "int32"}
+_KEYWORD = {"kind": "optimizer", "num_cpu_devices": "devices"}
+_RANGES = {"int32": (-2**31, 2**31 - 1), "uint64": (0, 2**64 - 1), "size": (0, 2**64 - 1)}
+
+
+def _field_value(name, ctype, value):
+    """value converted for a C field of type ctype, or TypeError/ValueError naming the argument and the value."""
+    if ctype == "bool":
+        if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+            return int(bool(value))
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+    if ctype in ("float", "double"):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name}: expected a number, got {value!r}")
+        value = float(value)
+        if ctype == "float" and np.isfinite(value) and abs(value) > float(np.finfo(np.float32).max):
+            raise ValueError(f"{name}: {value!r} does not fit a float32")
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {value!r}") from None
+    low, high = _RANGES[ctype]
+    if not low <= value <= high:
+        raise ValueError(f"{name}: {value} is out of range [{low}, {high}]")
+    return value
+
+
+def _set_fields(struct, types, **values):
+    """Sets each field whose value is not None (None keeps what the options' init set: dpar's default)."""
+    for field, value in values.items():
+        if value is not None:
+            setattr(struct, field, _field_value(_KEYWORD.get(field, field), types[field], value))
+
+
 class Engine(_Handle):
     """A DataParallel engine. Thread-safe (dpar serialises calls on it); the lock is released during calls."""
 
     _free = staticmethod(_raw.dpar_engine_free)
 
-    def __init__(self, model, optimizer=SGD, lr=0.01, momentum=0.0, weight_decay=0.0, nesterov=False,
-                 devices=0, device_ids=None, loss=LOSS_CROSS_ENTROPY, seed=0, timeout_seconds=300.0,
-                 processes=PROCESSES_AUTO, **engine_fields):
+    def __init__(self, model, optimizer=None, lr=None, momentum=None, weight_decay=None, nesterov=None,
+                 devices=None, device_ids=None, loss=None, seed=None, timeout_seconds=None, processes=None, *,
+                 dampening=None, beta1=None, beta2=None, eps=None, device_kind=None, output_device=None,
+                 blas_threads=None, pin_workers=None, first_bucket_bytes=None, bucket_cap_bytes=None):
+        """Every field of dpar_optimizer_options and dpar_engine_options is a keyword (None: dpar's default).
+        optimizer is the optimizer's kind (SGD, ADAM, ADAMW); devices is num_cpu_devices; device_ids sets
+        device_ids and num_device_ids. An unknown keyword is a TypeError naming it, as for any Python function."""
         oo = _raw.dpar_optimizer_options()
         _check(_raw.dpar_optimizer_options_init(oo))
-        oo.kind, oo.lr, oo.momentum, oo.weight_decay, oo.nesterov = optimizer, lr, momentum, weight_decay, int(nesterov)
+        _set_fields(oo, _OPTIMIZER_FIELDS, kind=optimizer, lr=lr, momentum=momentum, dampening=dampening,
+                    nesterov=nesterov, weight_decay=weight_decay, beta1=beta1, beta2=beta2, eps=eps)
         eo = _raw.dpar_engine_options()
         _check(_raw.dpar_engine_options_init(eo))
-        eo.num_cpu_devices, eo.loss, eo.seed, eo.timeout_seconds, eo.processes = (devices, loss, seed,
-                                                                                  timeout_seconds, processes)
-        for k, v in engine_fields.items():
-            setattr(eo, k, v)
+        _set_fields(eo, _ENGINE_FIELDS, device_kind=device_kind, num_cpu_devices=devices, output_device=output_device,
+                    loss=loss, seed=seed, timeout_seconds=timeout_seconds, blas_threads=blas_threads,
+                    pin_workers=pin_workers, first_bucket_bytes=first_bucket_bytes,
+                    bucket_cap_bytes=bucket_cap_bytes, processes=processes)
         self._ids = None
         if device_ids is not None:
-            self._ids = np.ascontiguousarray(device_ids, dtype=np.int32)
+            try:
+                self._ids = np.array([operator.index(i) for i in device_ids], dtype=np.int32)
+            except (TypeError, OverflowError):
+                raise TypeError(f"device_ids: expected a sequence of device indices, got {device_ids!r}") from None
             eo.device_ids, eo.num_device_ids = self._ids.ctypes.data, len(self._ids)
         self._inputs = None  # a training-mode forward's input stays alive until the next call
         self._own(_check(_raw.dpar_engine_create(model._raw, oo, eo)))
@@ -502,7 +654,23 @@ class Engine(_Handle):
     def set_forward_hook(self, hook):
         """hook(replica, input_shape, output_shape) on every replica's worker thread after its forward; None
         removes it. An exception fails the engine call with its text (a DparError's status is kept)."""
-        _check(_raw.dpar_py_set_forward_hook(self._raw, hook))
+        if hook is None:
+            _check(_raw.dpar_py_set_forward_hook(self._raw, None))
+            self._hook = None
+            return
+        # dpar holds a trampoline that reaches the hook through a weak reference to the engine, and the engine holds
+        # the hook: a hook that captures its engine is a cycle Python's collector sees, not a reference held in C
+        # that would keep the engine (and its threads) alive for good.
+        engine = weakref.ref(self)
+
+        def trampoline(replica, input_shape, output_shape):
+            e = engine()
+            f = None if e is None else e._hook
+            if f is not None:
+                f(replica, input_shape, output_shape)
+
+        self._hook = hook
+        _check(_raw.dpar_py_set_forward_hook(self._raw, trampoline))
 
     def save(self, path):
         _check(_raw.dpar_engine_save(self._raw, str(path)))
@@ -552,8 +720,13 @@ class Loader(_Handle):
     def __init__(self, dataset, batch_size, shuffle=False, seed=0, drop_last=False):
         self._own(_check(_raw.dpar_loader_create(dataset._raw, batch_size, int(shuffle), seed, int(drop_last))))
 
+    _epoch = 0  # a new loader is at the start of epoch 0
+    _rewound = True  # no `for` has begun since the loader was made or rewound
+
     def start_epoch(self, epoch):
+        """Rewinds the loader to the start of `epoch` (its order drawn from the seed and the epoch)."""
         _check(_raw.dpar_loader_start_epoch(self._raw, epoch))
+        self._epoch, self._rewound = epoch, True
 
     @property
     def num_batches(self):
@@ -577,9 +750,15 @@ class Loader(_Handle):
         if not more[0]:
             return None
         x, y = _raw.dpar_loader_inputs(self._raw), _raw.dpar_loader_labels(self._raw)
-        return Tensor(x, keep=self, owned=False), Tensor(y, keep=self, owned=False)
+        # Borrowed from the loader: their views hold the loader's _Life, so close() frees it after the last view.
+        return Tensor(x, keep=self._life, owned=False), Tensor(y, keep=self._life, owned=False)
 
     def __iter__(self):
+        """One epoch of batches. A `for` after the first, without start_epoch() between, starts the next epoch (as
+        PyTorch's DataLoader reshuffles each time it is iterated)."""
+        if not self._rewound:
+            self.start_epoch(self._epoch + 1)
+        self._rewound = False
         while True:
             batch = self.next()
             if batch is None:
@@ -623,7 +802,7 @@ def _buffer(obj, what):
 def _comm_options(timeout_seconds):
     o = _raw.dpar_comm_options()
     _check(_raw.dpar_comm_options_init(o))
-    o.timeout_seconds = timeout_seconds
+    _set_fields(o, {"timeout_seconds": "double"}, timeout_seconds=timeout_seconds)
     return o
 
 
@@ -772,7 +951,8 @@ class Reducer(_Handle):
         self._counts = np.array([n for _, n, _ in views], dtype=np.uintp)
         o = _raw.dpar_reducer_options()
         _check(_raw.dpar_reducer_options_init(o))
-        o.first_bucket_bytes, o.bucket_cap_bytes, o.op = first_bucket_bytes, bucket_cap_bytes, op
+        _set_fields(o, {"first_bucket_bytes": "size", "bucket_cap_bytes": "size", "op": "int32"},
+                    first_bucket_bytes=first_bucket_bytes, bucket_cap_bytes=bucket_cap_bytes, op=op)
         self._comm = comm
         self._own(_check(_raw.dpar_reducer_create(comm._raw, self._ptrs.ctypes.data, self._counts.ctypes.data,
                                                   len(grads), o)))

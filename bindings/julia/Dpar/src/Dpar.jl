@@ -303,31 +303,61 @@ mutable struct EngineOptions
 end
 
 """
-    Engine(model; optimizer=SGD, lr=0.01, momentum=0.0, devices=0, loss=LOSS_CROSS_ENTROPY, seed=0,
-           processes=PROCESSES_AUTO)
+    Engine(model; optimizer=SGD, lr=0.01, momentum=0.0, dampening=0.0, nesterov=false, weight_decay=0.0,
+           beta1=0.9, beta2=0.999, eps=1e-8, devices=0, device_kind=DEVICE_CPU, device_ids=nothing,
+           output_device=nothing, loss=LOSS_CROSS_ENTROPY, seed=0, timeout_seconds=nothing, blas_threads=nothing,
+           pin_workers=nothing, first_bucket_bytes=nothing, bucket_cap_bytes=nothing, processes=PROCESSES_AUTO)
     Engine(f, model; kwargs...)
 
-dpar's DataParallel engine: a replica of `model` on each of `devices` CPU devices (0: as many as dpar counts),
-each batch split across them, gradients all-reduced and one optimizer step applied to every replica. Calls on an
-engine are serialised by a lock inside it. The `do`-block form closes it at the end.
+dpar's DataParallel engine: a replica of `model` on each of `devices` CPU devices (0: as many as dpar counts), or
+with `device_kind=DEVICE_CUDA` on every GPU, or on the devices `device_ids` of that kind (replica r on
+`device_ids[r]`, a device may repeat). Each batch is split across them, gradients all-reduced and one optimizer step
+applied to every replica. Every keyword is a field of dpar_optimizer_options or dpar_engine_options (`optimizer`
+is the kind, `devices` is num_cpu_devices); `nothing` is dpar's default. Calls on an engine are serialised by a
+lock inside it. The `do`-block form closes it at the end.
 """
 mutable struct Engine
     ptr::Ptr{Cvoid}
     hook::Any  # the forward hook's Julia closure, rooted while dpar may call it
 end
 
-function Engine(model::Model; optimizer::Integer=SGD, lr::Real=0.01, momentum::Real=0.0, devices::Integer=0,
-                loss::Integer=LOSS_CROSS_ENTROPY, seed::Integer=0, processes::Integer=PROCESSES_AUTO)
+function Engine(model::Model; optimizer::Integer=SGD, lr::Real=0.01, momentum::Real=0.0, dampening::Real=0.0,
+                nesterov::Bool=false, weight_decay::Real=0.0, beta1::Union{Real,Nothing}=nothing,
+                beta2::Union{Real,Nothing}=nothing, eps::Union{Real,Nothing}=nothing, devices::Integer=0,
+                device_kind::Integer=DEVICE_CPU, device_ids::Union{AbstractVector{<:Integer},Nothing}=nothing,
+                output_device::Union{Integer,Nothing}=nothing, loss::Integer=LOSS_CROSS_ENTROPY, seed::Integer=0,
+                timeout_seconds::Union{Real,Nothing}=nothing, blas_threads::Union{Integer,Nothing}=nothing,
+                pin_workers::Union{Bool,Nothing}=nothing, first_bucket_bytes::Union{Integer,Nothing}=nothing,
+                bucket_cap_bytes::Union{Integer,Nothing}=nothing, processes::Integer=PROCESSES_AUTO)
     oo, eo = OptimizerOptions(), EngineOptions()
     check(ccall((:dpar_optimizer_options_init_sized, libdpar), Int32, (Ref{OptimizerOptions}, Csize_t),
                 oo, sizeof(OptimizerOptions)))
     check(ccall((:dpar_engine_options_init_sized, libdpar), Int32, (Ref{EngineOptions}, Csize_t),
                 eo, sizeof(EngineOptions)))
-    oo.kind, oo.lr, oo.momentum = optimizer, lr, momentum
-    eo.num_cpu_devices, eo.loss, eo.seed, eo.processes = devices, loss, seed, processes
+    oo.kind, oo.lr, oo.momentum, oo.dampening = optimizer, lr, momentum, dampening
+    oo.nesterov, oo.weight_decay = nesterov, weight_decay
+    beta1 === nothing || (oo.beta1 = beta1)
+    beta2 === nothing || (oo.beta2 = beta2)
+    eps === nothing || (oo.eps = eps)
+    eo.num_cpu_devices, eo.device_kind, eo.loss, eo.seed, eo.processes = devices, device_kind, loss, seed, processes
+    output_device === nothing || (eo.output_device = output_device)
+    timeout_seconds === nothing || (eo.timeout_seconds = timeout_seconds)
+    blas_threads === nothing || (eo.blas_threads = blas_threads)
+    pin_workers === nothing || (eo.pin_workers = pin_workers)
+    first_bucket_bytes === nothing || (eo.first_bucket_bytes = first_bucket_bytes)
+    bucket_cap_bytes === nothing || (eo.bucket_cap_bytes = bucket_cap_bytes)
+    ids = device_ids === nothing ? Int32[] : Vector{Int32}(device_ids)  # dpar copies them
+    if device_ids !== nothing
+        eo.device_ids, eo.num_device_ids = pointer(ids), length(ids)
+    end
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    check(ccall((:dpar_engine_create, libdpar), Int32,
-                (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ref{OptimizerOptions}, Ref{EngineOptions}), out, model.ptr, oo, eo))
+    # Creating an engine over several processes is a collective: it waits for the others.
+    outp, h = Base.unsafe_convert(Ptr{Ptr{Cvoid}}, out), model.ptr
+    oop, eop = Ptr{OptimizerOptions}(pointer_from_objref(oo)), Ptr{EngineOptions}(pointer_from_objref(eo))
+    check(blocking(out, model, oo, eo, ids) do
+        ccall((:dpar_engine_create, libdpar), Int32,
+              (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{OptimizerOptions}, Ptr{EngineOptions}), outp, h, oop, eop)
+    end)
     finalizer(close, Engine(out[], nothing))
 end
 
@@ -340,135 +370,216 @@ function Engine(f::Function, model::Model; kwargs...)
     end
 end
 
+# Every engine call runs in GC-safe state (see `blocking`): it may wait for the engine's lock while another
+# thread's call runs, and for the workers, on whose threads a forward hook runs Julia code that may collect
+# garbage; a caller blocked outside GC-safe state would stop that collection, and the hook, for good. `f` makes the
+# ccall alone, on arguments converted beforehand; `roots` stay alive until it returns.
+engine_call(f, e::Engine, roots...) = check(blocking(f, e, roots...))
+
 function Base.close(e::Engine)
     e.ptr == C_NULL && return
-    ccall((:dpar_engine_free, libdpar), Cvoid, (Ptr{Cvoid},), e.ptr)
+    h = e.ptr
+    blocking(e) do  # joins the workers, which may be running a hook
+        ccall((:dpar_engine_free, libdpar), Cvoid, (Ptr{Cvoid},), h)
+    end
     e.ptr = C_NULL
 end
 
 """One fused training step; returns the mean loss."""
 function train_step!(e::Engine, input::Tensor, target::Tensor)
     l = Ref{Cfloat}(0)
-    check(ccall((:dpar_engine_train_step, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}),
-                l, e.ptr, input.ptr, target.ptr))
+    lp, h, x, y = Base.unsafe_convert(Ptr{Cfloat}, l), e.ptr, input.ptr, target.ptr
+    engine_call(e, l, input, target) do
+        ccall((:dpar_engine_train_step, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}),
+              lp, h, x, y)
+    end
     l[]
 end
 
 """`forward(engine, input)`: the output of the model for `input`, gathered in batch order, as a new `Tensor`."""
 function forward(e::Engine, input::Tensor)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    check(ccall((:dpar_engine_forward, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}),
-                out, e.ptr, input.ptr))
+    outp, h, x = Base.unsafe_convert(Ptr{Ptr{Cvoid}}, out), e.ptr, input.ptr
+    engine_call(e, out, input) do
+        ccall((:dpar_engine_forward, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}), outp, h, x)
+    end
     Tensor(out[])
 end
 
 """`step_count(engine)`: the number of optimizer steps taken."""
 function step_count(e::Engine)
     n = Ref{Csize_t}(0)
-    check(ccall((:dpar_engine_step_count, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, e.ptr))
+    np, h = Base.unsafe_convert(Ptr{Csize_t}, n), e.ptr
+    engine_call(e, n) do
+        ccall((:dpar_engine_step_count, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), np, h)
+    end
     Int(n[])
 end
 
 """`num_replicas(engine)`: the number of replicas (devices) of this process."""
 function num_replicas(e::Engine)
     n = Ref{Csize_t}(0)
-    check(ccall((:dpar_engine_num_replicas, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, e.ptr))
+    np, h = Base.unsafe_convert(Ptr{Csize_t}, n), e.ptr
+    engine_call(e, n) do
+        ccall((:dpar_engine_num_replicas, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), np, h)
+    end
     Int(n[])
 end
 
 """`set_lr!(engine, lr)`: the learning rate of the following steps."""
-set_lr!(e::Engine, lr::Real) = check(ccall((:dpar_engine_set_lr, libdpar), Int32, (Ptr{Cvoid}, Cfloat), e.ptr, lr))
+function set_lr!(e::Engine, lr::Real)
+    h, v = e.ptr, Cfloat(lr)
+    engine_call(() -> ccall((:dpar_engine_set_lr, libdpar), Int32, (Ptr{Cvoid}, Cfloat), h, v), e)
+end
 """`set_max_grad_norm!(engine, max_norm)`: clips the gradient of the following steps to this global L2 norm
 (`clip_grad_norm_` between backward and the step); 0 turns clipping off."""
-set_max_grad_norm!(e::Engine, max_norm::Real) =
-    check(ccall((:dpar_engine_set_max_grad_norm, libdpar), Int32, (Ptr{Cvoid}, Cfloat), e.ptr, max_norm))
+function set_max_grad_norm!(e::Engine, max_norm::Real)
+    h, v = e.ptr, Cfloat(max_norm)
+    engine_call(() -> ccall((:dpar_engine_set_max_grad_norm, libdpar), Int32, (Ptr{Cvoid}, Cfloat), h, v), e)
+end
 """`set_gradient_compression!(engine, compression)`: compresses gradient buckets between processes from the next
 step on (`COMPRESSION_NONE`, `COMPRESSION_BF16`). Every process sets the same; with one process it changes nothing."""
-set_gradient_compression!(e::Engine, compression::Integer) =
-    check(ccall((:dpar_engine_set_gradient_compression, libdpar), Int32, (Ptr{Cvoid}, Int32), e.ptr, compression))
+function set_gradient_compression!(e::Engine, compression::Integer)
+    h, v = e.ptr, Int32(compression)
+    engine_call(() -> ccall((:dpar_engine_set_gradient_compression, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)
+end
 """`grad_norm(engine)`: the gradient's norm before clipping at the last step taken with clipping on (NaN before any)."""
 function grad_norm(e::Engine)
     out = Ref{Cfloat}(0)
-    check(ccall((:dpar_engine_grad_norm, libdpar), Int32, (Ref{Cfloat}, Ptr{Cvoid}), out, e.ptr))
+    op, h = Base.unsafe_convert(Ptr{Cfloat}, out), e.ptr
+    engine_call(() -> ccall((:dpar_engine_grad_norm, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}), op, h), e, out)
     out[]
 end
 """`set_training!(engine, on)`: training mode (dropout active) or eval mode; engines start in training mode."""
-set_training!(e::Engine, on::Bool) =
-    check(ccall((:dpar_engine_set_training, libdpar), Int32, (Ptr{Cvoid}, Int32), e.ptr, on))
+function set_training!(e::Engine, on::Bool)
+    h, v = e.ptr, Int32(on)
+    engine_call(() -> ccall((:dpar_engine_set_training, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)
+end
+# A path as a C string, converted before the GC-safe call (the conversion checks for NUL bytes and may throw).
+function path_call(f, e::Engine, path::AbstractString)
+    c = Base.cconvert(Cstring, path)
+    GC.@preserve c begin
+        h, p = e.ptr, Base.unsafe_convert(Cstring, c)
+        engine_call(() -> f(h, p), e, c)
+    end
+end
 save(e::Engine, path::AbstractString) =
-    check(ccall((:dpar_engine_save, libdpar), Int32, (Ptr{Cvoid}, Cstring), e.ptr, path))
+    path_call(e, path) do h, p
+        ccall((:dpar_engine_save, libdpar), Int32, (Ptr{Cvoid}, Cstring), h, p)
+    end
 load(e::Engine, path::AbstractString) =
-    check(ccall((:dpar_engine_load, libdpar), Int32, (Ptr{Cvoid}, Cstring), e.ptr, path))
+    path_call(e, path) do h, p
+        ccall((:dpar_engine_load, libdpar), Int32, (Ptr{Cvoid}, Cstring), h, p)
+    end
 abort(e::Engine) = check(ccall((:dpar_engine_abort, libdpar), Int32, (Ptr{Cvoid},), e.ptr))
 """`trace_start!(engine)`: records a timeline of the engine's calls (each replica's worker and communication
 thread, span by span), forgetting one recorded before."""
-trace_start!(e::Engine) = check(ccall((:dpar_engine_trace_start, libdpar), Int32, (Ptr{Cvoid},), e.ptr))
+function trace_start!(e::Engine)
+    h = e.ptr
+    engine_call(() -> ccall((:dpar_engine_trace_start, libdpar), Int32, (Ptr{Cvoid},), h), e)
+end
 """`trace_stop!(engine, path=nothing)`: stops recording and writes the timeline to `path` in Chrome's trace event
 format (ui.perfetto.dev), atomically; `nothing` only stops. The timeline stays until the next `trace_start!`."""
-trace_stop!(e::Engine, path::Union{AbstractString,Nothing}=nothing) =
-    check(ccall((:dpar_engine_trace_stop, libdpar), Int32, (Ptr{Cvoid}, Cstring), e.ptr,
-                path === nothing ? C_NULL : path))
+function trace_stop!(e::Engine, path::Union{AbstractString,Nothing}=nothing)
+    path === nothing || return path_call(e, path) do h, p
+        ccall((:dpar_engine_trace_stop, libdpar), Int32, (Ptr{Cvoid}, Cstring), h, p)
+    end
+    h = e.ptr
+    engine_call(e) do
+        ccall((:dpar_engine_trace_stop, libdpar), Int32, (Ptr{Cvoid}, Cstring), h, C_NULL)
+    end
+end
 
 """Replica `replica`'s parameters (from 0), flattened."""
 function params(e::Engine, replica::Integer, count::Integer)
     v = zeros(Float32, count)
-    check(ccall((:dpar_engine_get_params, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}, Csize_t, Csize_t),
-                v, e.ptr, replica, count))
+    vp, h, r, n = pointer(v), e.ptr, Csize_t(replica), Csize_t(count)
+    engine_call(e, v) do
+        ccall((:dpar_engine_get_params, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}, Csize_t, Csize_t), vp, h, r, n)
+    end
     v
 end
 
 function accumulate!(e::Engine, input::Tensor, target::Tensor)
     l = Ref{Cfloat}(0)
-    check(ccall((:dpar_engine_accumulate, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}),
-                l, e.ptr, input.ptr, target.ptr))
+    lp, h, x, y = Base.unsafe_convert(Ptr{Cfloat}, l), e.ptr, input.ptr, target.ptr
+    engine_call(e, l, input, target) do
+        ccall((:dpar_engine_accumulate, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}),
+              lp, h, x, y)
+    end
     l[]
 end
-step!(e::Engine) = check(ccall((:dpar_engine_step, libdpar), Int32, (Ptr{Cvoid},), e.ptr))
-zero_grad!(e::Engine) = check(ccall((:dpar_engine_zero_grad, libdpar), Int32, (Ptr{Cvoid},), e.ptr))
-backward!(e::Engine, grad_output::Tensor) =
-    check(ccall((:dpar_engine_backward, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}), e.ptr, grad_output.ptr))
-inject_fault!(e::Engine, replica::Integer, fault::Integer) =
-    check(ccall((:dpar_engine_inject_fault, libdpar), Int32, (Ptr{Cvoid}, Csize_t, Int32), e.ptr, replica, fault))
+function step!(e::Engine)
+    h = e.ptr
+    engine_call(() -> ccall((:dpar_engine_step, libdpar), Int32, (Ptr{Cvoid},), h), e)
+end
+function zero_grad!(e::Engine)
+    h = e.ptr
+    engine_call(() -> ccall((:dpar_engine_zero_grad, libdpar), Int32, (Ptr{Cvoid},), h), e)
+end
+function backward!(e::Engine, grad_output::Tensor)
+    h, g = e.ptr, grad_output.ptr
+    engine_call(() -> ccall((:dpar_engine_backward, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}), h, g), e, grad_output)
+end
+function inject_fault!(e::Engine, replica::Integer, fault::Integer)
+    h, r, f = e.ptr, Csize_t(replica), Int32(fault)
+    engine_call(() -> ccall((:dpar_engine_inject_fault, libdpar), Int32, (Ptr{Cvoid}, Csize_t, Int32), h, r, f), e)
+end
 
 function num_buckets(e::Engine)
     n = Ref{Csize_t}(0)
-    check(ccall((:dpar_engine_num_buckets, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, e.ptr))
+    np, h = Base.unsafe_convert(Ptr{Csize_t}, n), e.ptr
+    engine_call(e, n) do
+        ccall((:dpar_engine_num_buckets, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), np, h)
+    end
     Int(n[])
 end
 
 """(rank, size) of this process among those the engine spans (rank from 0)."""
 function processes(e::Engine)
     r, s = Ref{Csize_t}(0), Ref{Csize_t}(0)
-    check(ccall((:dpar_engine_processes, libdpar), Int32, (Ptr{Csize_t}, Ptr{Csize_t}, Ptr{Cvoid}), r, s, e.ptr))
+    rp, sp, h = Base.unsafe_convert(Ptr{Csize_t}, r), Base.unsafe_convert(Ptr{Csize_t}, s), e.ptr
+    engine_call(e, r, s) do
+        ccall((:dpar_engine_processes, libdpar), Int32, (Ptr{Csize_t}, Ptr{Csize_t}, Ptr{Cvoid}), rp, sp, h)
+    end
     (Int(r[]), Int(s[]))
 end
 
 """How gradient buckets travel between the processes: "" for one process, "mpi", "nccl", or
 "mpi through host memory (...)" saying why NCCL could not be used."""
 function process_transport(e::Engine)
-    t = ccall((:dpar_engine_process_transport, libdpar), Cstring, (Ptr{Cvoid},), e.ptr)
+    h = e.ptr
+    t = blocking(e) do
+        ccall((:dpar_engine_process_transport, libdpar), Cstring, (Ptr{Cvoid},), h)
+    end
     t == C_NULL && check(ERR_INVALID_ARGUMENT)
     unsafe_string(t)
 end
 
 function replica_device(e::Engine, replica::Integer)
     d = Ref(DparDevice(0, 0))
-    check(ccall((:dpar_engine_replica_device, libdpar), Int32, (Ptr{DparDevice}, Ptr{Cvoid}, Csize_t),
-                d, e.ptr, replica))
+    dp, h, r = Base.unsafe_convert(Ptr{DparDevice}, d), e.ptr, Csize_t(replica)
+    engine_call(e, d) do
+        ccall((:dpar_engine_replica_device, libdpar), Int32, (Ptr{DparDevice}, Ptr{Cvoid}, Csize_t), dp, h, r)
+    end
     d[]
 end
 
 function split(e::Engine, batch::Integer)
     v = zeros(Csize_t, num_replicas(e))
-    check(ccall((:dpar_engine_split, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}, Csize_t, Csize_t),
-                v, e.ptr, batch, length(v)))
+    vp, h, b, n = pointer(v), e.ptr, Csize_t(batch), Csize_t(length(v))
+    engine_call(e, v) do
+        ccall((:dpar_engine_split, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}, Csize_t, Csize_t), vp, h, b, n)
+    end
     Int.(v)
 end
 
 function replica_losses(e::Engine)
     v = zeros(Float32, num_replicas(e))
-    check(ccall((:dpar_engine_replica_losses, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}, Csize_t),
-                v, e.ptr, length(v)))
+    vp, h, n = pointer(v), e.ptr, Csize_t(length(v))
+    engine_call(e, v) do
+        ccall((:dpar_engine_replica_losses, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}, Csize_t), vp, h, n)
+    end
     v
 end
 
@@ -500,14 +611,20 @@ fails the engine call with its message. Needs Julia 1.9 or later (dpar's worker 
 function set_forward_hook!(e::Engine, f)
     tramp = @cfunction(hook_trampoline, Int32, (Ptr{Cvoid}, Csize_t, Ptr{Int64}, Csize_t, Ptr{Int64}, Csize_t))
     if f === nothing
-        check(ccall((:dpar_engine_set_forward_hook, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}),
-                    e.ptr, C_NULL, C_NULL, C_NULL))
+        h = e.ptr
+        engine_call(e) do  # waits for a step in flight, whose workers may be running the hook
+            ccall((:dpar_engine_set_forward_hook, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}),
+                  h, C_NULL, C_NULL, C_NULL)
+        end
         e.hook = nothing
     else
         box = Ref{Any}(f)  # rooted by the engine object, which outlives its hook: no destroy needed
         e.hook = box
-        check(ccall((:dpar_engine_set_forward_hook, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}),
-                    e.ptr, tramp, pointer_from_objref(box), C_NULL))
+        h, payload = e.ptr, pointer_from_objref(box)
+        engine_call(e, box) do
+            ccall((:dpar_engine_set_forward_hook, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}),
+                  h, tramp, payload, C_NULL)
+        end
     end
     nothing
 end

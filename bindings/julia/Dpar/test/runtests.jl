@@ -187,6 +187,41 @@ end
             end
         end
     end
+    @testset "every optimizer and engine option reaches dpar" begin
+        # Each keyword changes the parameters after a few steps; one dropped on the way would not.
+        function params_after(; kw...)
+            Dpar.Model(7) do m
+                reference_model(m)
+                Dpar.Engine(m; devices=2, processes=Dpar.PROCESSES_SINGLE, kw...) do e
+                    x, y = reference_batch()
+                    for _ in 1:3
+                        Dpar.train_step!(e, x, y)
+                    end
+                    Dpar.params(e, 0, Dpar.num_param_elements(m))
+                end
+            end
+        end
+        adam = (optimizer=Dpar.ADAM, lr=0.01)
+        base = params_after(; adam...)
+        for kw in [(beta1=0.5,), (beta2=0.9,), (eps=0.1,), (weight_decay=0.5,)]
+            @test params_after(; adam..., kw...) != base
+        end
+        @test params_after(; adam..., beta1=0.9, beta2=0.999, eps=1e-8) == base  # dpar's defaults, spelled out
+        sgd = (lr=0.1, momentum=0.9)
+        base = params_after(; sgd...)
+        for kw in [(dampening=0.5,), (nesterov=true,), (weight_decay=0.5,)]
+            @test params_after(; sgd..., kw...) != base
+        end
+        Dpar.Model(7) do m
+            reference_model(m)
+            Dpar.Engine(m; device_ids=[1, 0, 1], output_device=1, first_bucket_bytes=64, bucket_cap_bytes=64,
+                        blas_threads=1, pin_workers=false, timeout_seconds=30, processes=Dpar.PROCESSES_SINGLE) do e
+                @test Dpar.num_replicas(e) == 3
+                @test Dpar.replica_device(e, 0).index == 1
+                @test Dpar.num_buckets(e) > 1
+            end
+        end
+    end
     if VERSION >= v"1.9"
         @testset "a hook's exception comes back with its message" begin
             Dpar.Model(7) do m

@@ -1,0 +1,100 @@
+package dpar
+
+import (
+	"runtime"
+	"testing"
+	"time"
+)
+
+// forwardOutput is the helper of the bug report: it returns a forward pass's output as a slice and lets the
+// tensor go. Before Float32s copied, the slice pointed into the tensor's memory, which the finalizer freed.
+func forwardOutput(t *testing.T, e *Engine, x *Tensor) []float32 {
+	out, err := e.Forward(x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := out.Float32s()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+func labelsOf(t *testing.T, values []int32) []int32 {
+	y, err := FromInt32([]int64{int64(len(values))}, values)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := y.Int32s()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+// collectAndReuse runs the collector and the finalizers it queues, then allocates tensors of the same sizes
+// filled with other values, so that memory freed by a finalizer is reused and a stale slice reads them.
+func collectAndReuse(t *testing.T, floats, ints int) []*Tensor {
+	for i := 0; i < 10; i++ {
+		runtime.GC()
+		time.Sleep(2 * time.Millisecond) // finalizers run on their own goroutine
+	}
+	var keep []*Tensor
+	for i := 0; i < 16; i++ {
+		f := make([]float32, floats)
+		for j := range f {
+			f[j] = -12345
+		}
+		ft, err := FromFloat32([]int64{int64(floats)}, f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := make([]int32, ints)
+		for j := range n {
+			n[j] = -777
+		}
+		it, err := FromInt32([]int64{int64(ints)}, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		keep = append(keep, ft, it)
+	}
+	return keep
+}
+
+func TestSlicesOutliveTheirTensor(t *testing.T) {
+	m := referenceModel(t)
+	defer m.Close()
+	e := referenceEngine(t, m)
+	defer e.Close()
+	x, _ := referenceBatch(t)
+	defer x.Close()
+	if err := e.SetTraining(false); err != nil {
+		t.Fatal(err)
+	}
+	want, err := e.Forward(x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantOut, err := want.ToFloat32()
+	want.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantLabels := []int32{3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8}
+
+	got := forwardOutput(t, e, x)
+	gotLabels := labelsOf(t, wantLabels)
+	keep := collectAndReuse(t, len(wantOut), len(wantLabels))
+	for i := range wantOut {
+		if got[i] != wantOut[i] {
+			t.Fatalf("output[%d] = %v after the collector ran, want %v", i, got[i], wantOut[i])
+		}
+	}
+	for i := range wantLabels {
+		if gotLabels[i] != wantLabels[i] {
+			t.Fatalf("labels[%d] = %v after the collector ran, want %v", i, gotLabels[i], wantLabels[i])
+		}
+	}
+	runtime.KeepAlive(keep)
+}
