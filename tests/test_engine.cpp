@@ -539,13 +539,16 @@ TEST(Engine, CompressionChangesNothingInOneProcess) {
 // shows (a last element that no shard steps). Each such model trains as one device on the full batch, and
 // together the replicas hold one full optimizer state.
 TEST(Engine, OptimizerShardsCoverParameterCountsJustAboveAMultiple) {
-  struct Shape2 { size_t devices; int64_t in, out; };  // a linear layer of out x (in + 1) parameters
+  struct Case {
+    size_t devices;
+    int64_t in, out;  // a linear layer of out x (in + 1) parameters
+  };
   // 33 = 2x16 + 1, 49 = 3x16 + 1, 65 = 4x16 + 1, 81 = 5x16 + 1, 130 = 4x32 + 2.
-  for (const Shape2 c : {Shape2{2, 10, 3}, Shape2{3, 6, 7}, Shape2{4, 12, 5}, Shape2{5, 8, 9}, Shape2{4, 12, 10}}) {
+  for (const Case c : {Case{2, 10, 3}, Case{3, 6, 7}, Case{4, 12, 5}, Case{5, 8, 9}, Case{4, 12, 10}}) {
     Model model(3);
     model.add(make_linear(c.in, c.out, true));
     const auto elements = static_cast<size_t>(model.num_param_elements());
-    ASSERT_EQ(elements % (c.devices * 16) == 1 || elements % (c.devices * 16) == 2, true) << elements;
+    ASSERT_TRUE(elements % (c.devices * 16) == 1 || elements % (c.devices * 16) == 2) << elements;
     std::vector<Batch> data;
     for (int i = 0; i < 3; ++i) data.push_back(make_batch(12, c.in, c.out, 60 + i));
     for (const OptimizerConfig& opt : {sgd_momentum(), adam()}) {
