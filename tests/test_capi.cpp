@@ -1120,6 +1120,53 @@ TEST(GradientClipping, TheSetterClipsTheNextStepsAndTheNormIsReported) {
   EXPECT_FALSE(SameBits(Params(a), Params(b))) << "the test can tell clipping from none";
 }
 
+// What clipping does to the step, measured on it: with plain SGD of lr 1 the step moves the parameters by exactly
+// the (clipped) gradient, up to the rounding of p - g. Below the norm, the step's global L2 norm is max_norm and
+// it points where the unclipped one does; above it, nothing is scaled. The reported norm is the unclipped one.
+TEST(GradientClipping, TheClippedStepHasTheNormItWasClippedTo) {
+  ModelPtr m = LinearModel();
+  const std::vector<float> initial = ModelParams(m.get());
+  dpar_optimizer_options sgd = DPAR_OPTIMIZER_OPTIONS_INIT;
+  sgd.lr = 1.0f;
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 2;
+  const Batch batch = MakeBatch();
+  // The move of one step from the model's parameters, in double, and its L2 norm.
+  auto one_step = [&](float max_norm, float* reported) {
+    dpar_engine* e = nullptr;
+    EXPECT_OK(dpar_engine_create(&e, m.get(), &sgd, &eo));
+    EnginePtr engine(e);
+    EXPECT_OK(dpar_engine_set_max_grad_norm(e, max_norm));
+    EXPECT_OK(dpar_engine_train_step(nullptr, e, batch.x.get(), batch.y.get()));
+    EXPECT_OK(dpar_engine_grad_norm(reported, e));
+    const std::vector<float> p = Params(e);
+    std::vector<double> move(p.size());
+    for (size_t i = 0; i < p.size(); ++i) move[i] = double(initial[i]) - double(p[i]);
+    return move;
+  };
+  auto l2 = [](const std::vector<double>& v) {
+    double sum = 0;
+    for (double x : v) sum += x * x;
+    return std::sqrt(sum);
+  };
+  float no_norm = 0.0f;
+  const std::vector<double> plain = one_step(0.0f, &no_norm);
+  const double norm = l2(plain);
+  ASSERT_GT(norm, 1e-2) << "the step must be large enough to measure";
+  // Far above the norm: the same step, and the norm reported is the gradient's.
+  float reported = 0.0f;
+  EXPECT_EQ(one_step(1e6f, &reported), plain);
+  EXPECT_NEAR(reported, norm, 1e-4 * norm);
+  for (double fraction : {0.5, 0.1}) {
+    const float max_norm = static_cast<float>(norm * fraction);
+    const std::vector<double> clipped = one_step(max_norm, &reported);
+    EXPECT_NEAR(l2(clipped), max_norm, 1e-4 * max_norm) << "the clipped step's norm";
+    EXPECT_NEAR(reported, norm, 1e-4 * norm) << "the norm before clipping";
+    for (size_t i = 0; i < plain.size(); ++i)
+      EXPECT_NEAR(clipped[i], plain[i] * max_norm / norm, 1e-4 * max_norm) << "element " << i;
+  }
+}
+
 // =================================================================================================================
 // Engine creation and its options
 // =================================================================================================================
@@ -2296,6 +2343,33 @@ TEST(Loader, YieldsEveryBatchWithTheLastSmallerUnlessDropped) {
   EXPECT_OK(NextBatch(&x, &y, keep.get()));
   EXPECT_EQ(x, nullptr);
   EXPECT_EQ(y, nullptr);
+}
+
+// A shuffle draws every permutation alike, so over many epochs every sample lands in every position about equally
+// often (1 in kSamples of the epochs), keeping its own place included. Checked on the counts: each is within half
+// of its expectation, many standard deviations away for a fair shuffle, while a shuffle that can never leave a
+// sample where it was (or never move it, or favours some positions) has counts of 0 or far off.
+TEST(Loader, ShufflePutsEverySampleInEveryPositionAlike) {
+  IdxFiles files;
+  DatasetPtr d = LoadDataset(files);
+  LoaderPtr l = NewLoader(d.get(), kSamples, 1, 5, 0);
+  constexpr int kEpochs = 1000;
+  std::vector<std::vector<int>> count(kSamples, std::vector<int>(kSamples, 0));  // [sample][position]
+  for (uint64_t epoch = 0; epoch < kEpochs; ++epoch) {
+    ASSERT_OK(dpar_loader_start_epoch(l.get(), epoch));
+    const Epoch e = ReadEpoch(l.get());
+    ASSERT_EQ(e.order.size(), kSamples);
+    for (size_t pos = 0; pos < kSamples; ++pos) {
+      ASSERT_GE(e.order[pos], 0);
+      ++count[static_cast<size_t>(e.order[pos])][pos];
+    }
+  }
+  const int expected = kEpochs / static_cast<int>(kSamples);
+  for (size_t sample = 0; sample < kSamples; ++sample)
+    for (size_t pos = 0; pos < kSamples; ++pos)
+      EXPECT_TRUE(count[sample][pos] > expected / 2 && count[sample][pos] < expected * 3 / 2)
+          << "sample " << sample << " was at position " << pos << " in " << count[sample][pos] << " of " << kEpochs
+          << " epochs (expected about " << expected << ")";
 }
 
 TEST(Loader, OrderIsAFunctionOfSeedAndEpoch) {

@@ -454,6 +454,120 @@ TEST(Engine, AccumulationEqualsOneLargeBatch) {
   EXPECT_EQ(accumulated.step_count(), 3);
 }
 
+// accumulate() over micro-batches and one step() apply the gradient of the mean loss over all their rows: the
+// same update as train_step() on those rows at once, and as one device on them without any engine. Plain SGD,
+// whose update is proportional to the gradient (Adam's would hide a gradient of the wrong scale), with clipping
+// off and on (clipping every step). The micro-batches change from step to step so that replicas get rows in one
+// step and none in the next, none in some micro-batches of a step, or none in a whole step (micro-batches with
+// fewer rows than devices): whatever they held from earlier must not reach the step.
+TEST(Engine, AccumulateAndStepEqualTrainStepOnTheWholeBatch) {
+  const Model model = make_mlp(17);
+  OptimizerConfig sgd;
+  sgd.kind = OptimizerKind::kSgd;
+  sgd.lr = 0.1f;
+  // Each step's micro-batches; every step has 12 rows.
+  const std::vector<std::vector<int64_t>> micro = {{12}, {1, 2, 9}, {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+                                                   {5, 1, 6}, {12}, {2, 2, 2, 2, 2, 2}};
+  std::vector<Batch> data;
+  for (size_t s = 0; s < micro.size(); ++s) data.push_back(make_batch(12, 12, 5, 900 + s));
+  const int steps = static_cast<int>(micro.size());
+  const auto unclipped = reference_training(model, sgd, data, steps);
+  // The norms of these gradients are above 0.2: 0.05 clips every step.
+  for (float max_norm : {0.0f, 0.05f}) {
+    OptimizerConfig opt = sgd;
+    opt.max_grad_norm = max_norm;
+    int clipped = 0;
+    const auto expected = reference_training(model, opt, data, steps, &clipped);
+    if (max_norm > 0.0f) {
+      EXPECT_EQ(clipped, steps);
+      EXPECT_GT(max_relative_error(expected, unclipped), 1e-3) << "clipping must change the training";
+    }
+    for (size_t devices : {1, 3, 4}) {
+      SCOPED_TRACE(std::to_string(devices) + " devices, max_grad_norm " + std::to_string(max_norm));
+      Engine fused(model, opt, cpu_devices(devices));
+      Engine accumulated(model, opt, cpu_devices(devices));
+      for (int s = 0; s < steps; ++s) {
+        const Batch& b = data[static_cast<size_t>(s)];
+        fused.train_step(b.x, b.y);
+        int64_t begin = 0;
+        for (int64_t rows : micro[static_cast<size_t>(s)]) {
+          accumulated.accumulate(b.x.rows(begin, rows), b.y.rows(begin, rows));
+          begin += rows;
+        }
+        accumulated.step();
+      }
+      const auto got = accumulated.params(0);
+      EXPECT_LT(max_relative_error(got, fused.params(0)), 1e-5) << "against train_step";
+      EXPECT_LT(max_relative_error(got, expected), 1e-5) << "against one device without the engine";
+      EXPECT_GT(max_relative_error(got, model.values()), 1e-2) << "training barely moved the parameters";
+      for (size_t r = 1; r < accumulated.num_replicas(); ++r) EXPECT_EQ(accumulated.params(r), got) << r;
+      if (max_norm > 0.0f) EXPECT_GT(accumulated.grad_norm(), max_norm) << "the last step's norm was not clipped";
+    }
+  }
+}
+
+// Gradient compression acts between processes only (within one they share memory and sum in f32): an engine of
+// one process trains to the same bits with it as without it, on any device count.
+TEST(Engine, CompressionChangesNothingInOneProcess) {
+  const Model model = make_mlp(19);
+  OptimizerConfig opt;
+  opt.kind = OptimizerKind::kSgd;
+  opt.lr = 0.1f;
+  std::vector<Batch> data;
+  for (int i = 0; i < 3; ++i) data.push_back(make_batch(10, 12, 5, 40 + i));
+  for (size_t devices : {1, 2, 3}) {
+    Engine plain(model, opt, cpu_devices(devices));
+    Engine compressed(model, opt, cpu_devices(devices));
+    compressed.set_gradient_compression(GradientCompression::kBf16);
+    for (int s = 0; s < 6; ++s) {
+      const Batch& b = data[static_cast<size_t>(s) % data.size()];
+      plain.train_step(b.x, b.y);
+      compressed.train_step(b.x, b.y);
+    }
+    // The accumulate path too.
+    for (Engine* e : {&plain, &compressed}) {
+      e->accumulate(data[0].x.rows(0, 3), data[0].y.rows(0, 3));
+      e->accumulate(data[1].x, data[1].y);
+      e->step();
+    }
+    EXPECT_EQ(compressed.params(0), plain.params(0)) << devices << " devices";
+  }
+}
+
+// The optimizer's shards must cover every parameter whatever its count. Shards are rounded to 16 elements, which
+// hides a shard size rounded down for most counts: counts just above a multiple of devices x 16 are where it
+// shows (a last element that no shard steps). Each such model trains as one device on the full batch, and
+// together the replicas hold one full optimizer state.
+TEST(Engine, OptimizerShardsCoverParameterCountsJustAboveAMultiple) {
+  struct Case {
+    size_t devices;
+    int64_t in, out;  // a linear layer of out x (in + 1) parameters
+  };
+  // 33 = 2x16 + 1, 49 = 3x16 + 1, 65 = 4x16 + 1, 81 = 5x16 + 1, 130 = 4x32 + 2.
+  for (const Case c : {Case{2, 10, 3}, Case{3, 6, 7}, Case{4, 12, 5}, Case{5, 8, 9}, Case{4, 12, 10}}) {
+    Model model(3);
+    model.add(make_linear(c.in, c.out, true));
+    const auto elements = static_cast<size_t>(model.num_param_elements());
+    ASSERT_TRUE(elements % (c.devices * 16) == 1 || elements % (c.devices * 16) == 2) << elements;
+    std::vector<Batch> data;
+    for (int i = 0; i < 3; ++i) data.push_back(make_batch(12, c.in, c.out, 60 + i));
+    for (const OptimizerConfig& opt : {sgd_momentum(), adam()}) {
+      SCOPED_TRACE(std::to_string(c.devices) + " devices, " + std::to_string(elements) + " parameters, " +
+                   opt.name());
+      const auto expected = reference_training(model, opt, data, 6);
+      Engine engine(model, opt, cpu_devices(c.devices));
+      for (int s = 0; s < 6; ++s) engine.train_step(data[s % 3].x, data[s % 3].y);
+      const auto got = engine.params(0);
+      EXPECT_LT(max_relative_error(got, expected), 1e-5);
+      // Every parameter moved, the last ones included.
+      for (size_t i = 0; i < elements; ++i) EXPECT_NE(got[i], model.values()[i]) << "parameter " << i;
+      size_t total = 0;
+      for (size_t b : engine.replica_optimizer_state_bytes()) total += b;
+      EXPECT_EQ(total, (opt.kind == OptimizerKind::kAdam ? 2 : 1) * sizeof(float) * elements);
+    }
+  }
+}
+
 TEST(Engine, LearningRateChangesBetweenSteps) {
   Model model = make_mlp(8);
   Batch b = make_batch(12, 12, 5, 1);

@@ -15,8 +15,15 @@
 //    the same parameters;
 //  - only rank 0 writes a checkpoint, and a checkpoint that only rank 0 can read loads on every process: training
 //    on from it is bit-identical to training straight; a corrupt one is refused on every process;
+//  - accumulate() over micro-batches (some with fewer rows than devices, uneven between processes) and step()
+//    equal one device's train_step on the global batches, with plain SGD, clipping off and on;
+//  - each process's trace carries its rank as the pid of every event;
+//  - processes given their rows by the launcher's world (not the engine's) and an engine of default options train
+//    as one process of all their devices: a job that fell apart into independent processes would not;
 //  - the loader's shards of a global batch are balanced, contiguous and cover it;
 //  - a call refused on one process (bad labels) is refused on every process at once, and all go on;
+//  - bf16 compression: the result equals its definition (each process's f32 sum rounded once to bfloat16, to
+//    nearest even, summed across processes in bfloat16), and in a job of one process it changes nothing;
 //  - dpar_engine_abort on rank 0 makes the other processes' next step return REMOTE.
 // Every rank prints its failures as "[rank r] FAIL ..." and exits nonzero if it saw one; rank 0 prints a summary.
 #include <unistd.h>
@@ -31,6 +38,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "dpar.h"
 
@@ -91,11 +100,13 @@ Data make_data() {
 // processes: DPAR_PROCESSES_MPI or _SINGLE.
 // optimizer: DPAR_ADAM (the default) or DPAR_SGD, plain: Adam normalises a gradient's scale away, SGD's step is
 // proportional to it, so only SGD shows a gradient scaled by the wrong batch size.
-dpar_engine* make_engine(size_t devices, int32_t processes, double timeout = 60.0, int32_t optimizer = DPAR_ADAM) {
-  dpar_model* model = make_model();
+// lr: 0 for the optimizer's usual one here. model: make_model()'s when NULL; the caller keeps its own.
+dpar_engine* make_engine(size_t devices, int32_t processes, double timeout = 60.0, int32_t optimizer = DPAR_ADAM,
+                         float lr = 0.0f, const dpar_model* own_model = nullptr) {
+  dpar_model* model = own_model ? nullptr : make_model();
   dpar_optimizer_options opt = DPAR_OPTIMIZER_OPTIONS_INIT;
   opt.kind = optimizer;
-  opt.lr = optimizer == DPAR_SGD ? 0.1f : 0.01f;
+  opt.lr = lr > 0.0f ? lr : optimizer == DPAR_SGD ? 0.1f : 0.01f;
   dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
   eo.num_cpu_devices = devices;
   std::vector<int32_t> gpus;
@@ -113,7 +124,7 @@ dpar_engine* make_engine(size_t devices, int32_t processes, double timeout = 60.
   eo.first_bucket_bytes = 64;  // several buckets even for this small model: the hierarchy runs per bucket
   eo.bucket_cap_bytes = 256;
   dpar_engine* e = nullptr;
-  CHECK_OK(dpar_engine_create(&e, model, &opt, &eo));
+  CHECK_OK(dpar_engine_create(&e, own_model ? own_model : model, &opt, &eo));
   dpar_model_free(model);
   return e;
 }
@@ -130,8 +141,9 @@ dpar_status step_rows(dpar_engine* e, const Data& d, int b, int64_t begin, int64
   return s;
 }
 
-std::vector<float> params(dpar_engine* e, size_t replica = 0) {
-  std::vector<float> p(kIn * kHidden + kHidden + kHidden * kClasses + kClasses);
+// count: the model's parameter elements (make_model()'s when 0).
+std::vector<float> params(dpar_engine* e, size_t replica = 0, size_t count = 0) {
+  std::vector<float> p(count ? count : kIn * kHidden + kHidden + kHidden * kClasses + kClasses);
   CHECK_OK(dpar_engine_get_params(p.data(), e, replica, p.size()));
   return p;
 }
@@ -167,8 +179,8 @@ std::string expected_transport(size_t devices) {
 }
 
 // This rank's rows of a global batch: balanced (sizes differ by one at most), or skewed by `skew` rows toward rank 0.
-std::pair<int64_t, int64_t> my_rows(int64_t skew) {
-  const int64_t base = kGlobalBatch / g_size, extra = kGlobalBatch % g_size;
+std::pair<int64_t, int64_t> my_rows(int64_t skew, int64_t global = kGlobalBatch) {
+  const int64_t base = global / g_size, extra = global % g_size;
   std::vector<int64_t> rows(static_cast<size_t>(g_size));
   for (int r = 0; r < g_size; ++r) rows[static_cast<size_t>(r)] = base + (r < extra ? 1 : 0);
   if (g_size > 1) {
@@ -219,11 +231,94 @@ void check_equivalence(size_t devices, const Data& d, int64_t skew, int32_t opti
   dpar_engine_free(one);
 }
 
+// accumulate() on this process's rows of each micro-batch, then step(): the gradient of the mean loss over every
+// process's rows of every micro-batch, as one device's train_step on the global batch. Each micro-batch's mean is
+// taken over the global micro-batch (a process that scaled by its own rows would step by P times too much, which
+// plain SGD shows). Clipping off and on (the norm of the summed gradient). Micro-batches with fewer rows than
+// devices leave replicas without rows in some of a step's micro-batches, or in a whole step: what they held from
+// earlier steps must not reach the sum.
+void check_accumulation(size_t devices, const Data& d) {
+  constexpr int kAccSteps = 6;
+  const float kMaxNorm = 0.05f;  // below every step's gradient norm here (checked below): it clips each step
+  std::vector<float> unclipped;
+  for (float max_norm : {0.0f, kMaxNorm}) {
+    const std::string label = std::to_string(g_size) + " processes x " + std::to_string(devices) +
+                              " devices, accumulate and step, SGD, " +
+                              (max_norm > 0 ? "clipping to " + std::to_string(max_norm) : std::string("no clipping"));
+    dpar_engine* multi = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_SGD);
+    dpar_engine* one = make_engine(1, DPAR_PROCESSES_SINGLE, 60.0, DPAR_SGD);
+    CHECK_OK(dpar_engine_set_max_grad_norm(multi, max_norm));
+    CHECK_OK(dpar_engine_set_max_grad_norm(one, max_norm));
+    const auto initial = params(multi);
+    for (int s = 0; s < kAccSteps; ++s) {
+      const int b = s % kBatches;
+      // Step kinds: 0, the whole global batch in one micro-batch; 1, uneven local batches in micro-batches of 1, 2
+      // and the rest; 2, a global batch of 2 rows per process in micro-batches of 1 (replicas past the first get
+      // none in the whole step).
+      const int kind = s % 3;
+      const int64_t global = kind == 2 ? 2 * g_size : kGlobalBatch;
+      const auto [begin, rows] = my_rows(kind == 1 && g_size > 1 ? 3 : 0, global);
+      const std::vector<int64_t> micro = kind == 0   ? std::vector<int64_t>{rows}
+                                         : kind == 1 ? std::vector<int64_t>{1, 2, rows - 3}
+                                                     : std::vector<int64_t>{1, 1};
+      int64_t at = begin;
+      for (int64_t m : micro) {
+        const int64_t xs[2] = {m, kIn}, ys[1] = {m};
+        dpar_tensor *x = nullptr, *y = nullptr;
+        CHECK_OK(dpar_tensor_wrap_host(&x, DPAR_F32, xs, 2, const_cast<float*>(d.x[b].data() + at * kIn)));
+        CHECK_OK(dpar_tensor_wrap_host(&y, DPAR_I32, ys, 1, const_cast<int32_t*>(d.y[b].data() + at)));
+        CHECK_OK(dpar_engine_accumulate(nullptr, multi, x, y));
+        dpar_tensor_free(x);
+        dpar_tensor_free(y);
+        at += m;
+      }
+      CHECK_OK(dpar_engine_step(multi));
+      CHECK_OK(step_rows(one, d, b, 0, global));
+    }
+    const auto got = params(multi), want = params(one);
+    double moved = 0;
+    for (size_t i = 0; i < got.size(); ++i) moved = std::max(moved, std::abs(double(got[i]) - double(initial[i])));
+    // Clipped to 0.05, 6 steps of lr 0.1 move a parameter by 0.03 at most.
+    expect(moved > 1e-3, label + ": the parameters barely moved (by " + std::to_string(moved) + " at most)");
+    const double e = max_relative_error(got, want);
+    expect(e < 1e-5, label + ": differs from 1 device's train_step on the global batches by " + std::to_string(e));
+    for (size_t r = 1; r < devices; ++r)
+      expect(params(multi, r) == got, label + ": replica " + std::to_string(r) + " differs");
+    expect(same_as_rank0(got), label + ": this process's parameters differ from rank 0's");
+    if (max_norm > 0) {
+      float norm = 0;
+      CHECK_OK(dpar_engine_grad_norm(&norm, multi));
+      expect(norm > max_norm, label + ": the last step's norm " + std::to_string(norm) + " was not clipped");
+      const double change = max_relative_error(want, unclipped);
+      expect(change > 1e-3, label + ": clipping changed the reference by " + std::to_string(change) + " only");
+    } else {
+      unclipped = want;
+    }
+    if (g_rank == 0) std::printf("%s: max relative difference %.2e to 1 device\n", label.c_str(), e);
+    dpar_engine_free(multi);
+    dpar_engine_free(one);
+  }
+}
+
 // Gradients compressed to bfloat16 between the processes: every replica of every process still ends with the same
 // bits, the result differs from f32's (the compression ran) by about bfloat16's precision, and a process that
 // compresses while another does not makes every process's step fail with MISMATCH.
 void check_compression(size_t devices, const Data& d) {
-  if (g_size < 2) return;
+  if (g_size < 2) {
+    // A job of one process has nothing to send between processes: compression changes nothing at all.
+    dpar_engine* plain = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_SGD);
+    dpar_engine* packed = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_SGD);
+    CHECK_OK(dpar_engine_set_gradient_compression(packed, DPAR_COMPRESSION_BF16));
+    for (int s = 0; s < 4; ++s) {
+      CHECK_OK(step_rows(plain, d, s % kBatches, 0, kGlobalBatch));
+      CHECK_OK(step_rows(packed, d, s % kBatches, 0, kGlobalBatch));
+    }
+    expect(params(packed) == params(plain), "bf16 in a job of one process changed the parameters");
+    dpar_engine_free(plain);
+    dpar_engine_free(packed);
+    if (g_rank == 0) std::printf("bf16 compression: a job of one process trains to the same bits as without it\n");
+    return;
+  }
   // SGD: its step is linear in the gradient, so rounding the gradient to bfloat16 (a relative 2^-9) moves the
   // parameters by about as much (Adam divides by the gradient's own size and magnifies it where that is small).
   dpar_engine* plain = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_SGD);
@@ -255,6 +350,167 @@ void check_compression(size_t devices, const Data& d) {
   if (g_rank == 0)
     std::printf("bf16 compression: max relative difference %.2e to f32; processes identical; a process that "
                 "differs fails the step (%s)\n", e, dpar_status_str(s));
+}
+
+// x rounded to the nearest bfloat16, ties to the even one, from the definition: of the two bfloat16 values around x
+// (x with its low 16 bits cleared, and the next one away from zero), the nearer; on a tie, the one whose last kept
+// bit is 0. Finite values only.
+float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t low_bits = bits & 0xffff0000u, high_bits = low_bits + 0x10000u;
+  float low, high;
+  std::memcpy(&low, &low_bits, sizeof low);
+  std::memcpy(&high, &high_bits, sizeof high);
+  const double to_low = std::abs(double(x) - double(low)), to_high = std::abs(double(high) - double(x));
+  if (to_low != to_high) return to_low < to_high ? low : high;
+  return (low_bits & 0x10000u) ? high : low;
+}
+
+// Every value a bf16 sum of `values` can take, whatever order the reduction adds them in (MPI chooses the order
+// with more than two processes): each addition widens its two bfloat16 operands, adds them in f32 (exact for these
+// values) and rounds the sum to bfloat16.
+std::vector<float> bf16_sums(const std::vector<float>& values) {
+  const size_t n = values.size();
+  std::vector<std::vector<float>> of(size_t(1) << n);  // of[subset]: the sums of that subset
+  for (size_t i = 0; i < n; ++i) of[size_t(1) << i] = {values[i]};
+  for (size_t set = 1; set < of.size(); ++set) {
+    if ((set & (set - 1)) == 0) continue;
+    for (size_t a = (set - 1) & set; a > 0; a = (a - 1) & set) {
+      for (float x : of[a])
+        for (float y : of[set & ~a]) of[set].push_back(round_bf16(x + y));
+    }
+    std::sort(of[set].begin(), of[set].end());
+    of[set].erase(std::unique(of[set].begin(), of[set].end()), of[set].end());
+  }
+  return of.back();
+}
+
+// The compressed sum against its definition: each process's f32 sum of its replicas' gradients is rounded once to
+// bfloat16 (to nearest, ties to even), and those are summed across the processes in bfloat16. The gradients are
+// chosen so that every f32 sum in the engine is exact (multiples of 2^-14 with 13 significant bits) but not a
+// bfloat16: where the rounding is applied, and how, shows in the result. A linear layer 1 -> K on inputs of 1 makes
+// each parameter's gradient the sum of one column of grad_output (dpar_engine_backward), and SGD with lr 1 the
+// update p - g, in f32 as the test computes it.
+void check_compression_against_definition(size_t devices) {
+  constexpr int64_t kOut = 64;
+  const int64_t local_rows = 3 * static_cast<int64_t>(devices);  // several rows on every replica
+  dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
+  mo.seed = 3;
+  dpar_model* model = nullptr;
+  CHECK_OK(dpar_model_create(&model, &mo));
+  CHECK_OK(dpar_model_add_linear(model, 1, kOut, 1));
+  dpar_engine* e = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_SGD, 1.0f, model);
+  dpar_model_free(model);
+  CHECK_OK(dpar_engine_set_gradient_compression(e, DPAR_COMPRESSION_BF16));
+  // Every process's grad_output rows, the same on every rank; process p's are rows [p * local_rows, ...).
+  std::mt19937 gen(99);
+  std::uniform_int_distribution<int> mantissa(-(1 << 12), 1 << 12);
+  std::vector<float> g(static_cast<size_t>(g_size * local_rows * kOut));
+  for (auto& v : g) v = std::ldexp(static_cast<float>(mantissa(gen)), -14);
+  const std::vector<float> ones(static_cast<size_t>(local_rows), 1.0f);
+  const auto before = params(e, 0, 2 * kOut);
+  {
+    const int64_t xs[2] = {local_rows, 1}, gs[2] = {local_rows, kOut};
+    dpar_tensor *x = nullptr, *gout = nullptr, *out = nullptr;
+    CHECK_OK(dpar_tensor_wrap_host(&x, DPAR_F32, xs, 2, const_cast<float*>(ones.data())));
+    CHECK_OK(dpar_tensor_wrap_host(&gout, DPAR_F32, gs, 2, g.data() + g_rank * local_rows * kOut));
+    CHECK_OK(dpar_engine_forward(&out, e, x));
+    CHECK_OK(dpar_engine_backward(e, gout));
+    CHECK_OK(dpar_engine_step(e));
+    dpar_tensor_free(out);
+    dpar_tensor_free(x);
+    dpar_tensor_free(gout);
+  }
+  const auto got = params(e, 0, 2 * kOut);
+  size_t wrong = 0, rounded = 0, first_wrong = got.size();
+  for (int64_t j = 0; j < kOut; ++j) {
+    std::vector<float> per_process;
+    float exact = 0;
+    for (int p = 0; p < g_size; ++p) {
+      float sum = 0;  // exact: 13-bit multiples of 2^-14, a few of them
+      for (int64_t r = 0; r < local_rows; ++r) sum += g[static_cast<size_t>((p * local_rows + r) * kOut + j)];
+      per_process.push_back(round_bf16(sum));
+      exact += sum;
+    }
+    const std::vector<float> sums = bf16_sums(per_process);
+    // The weight (kOut x 1) and the bias (kOut) have the same gradient.
+    for (size_t i : {static_cast<size_t>(j), static_cast<size_t>(kOut + j)}) {
+      bool ok = false;
+      for (float sum : sums) ok = ok || got[i] == before[i] - sum;
+      if (!ok && wrong++ == 0) first_wrong = i;
+      rounded += got[i] != before[i] - exact;
+    }
+  }
+  expect(rounded > 0, "bf16 against its definition: no gradient was changed by rounding (the test shows nothing)");
+  expect(wrong == 0, "bf16 against its definition: " + std::to_string(wrong) + " of " + std::to_string(got.size()) +
+                         " parameters differ from the reference, the first parameter " + std::to_string(first_wrong));
+  for (size_t r = 1; r < devices; ++r)
+    expect(params(e, r, got.size()) == got, "bf16 definition: replica " + std::to_string(r) + " differs");
+  dpar_engine_free(e);
+  if (g_rank == 0 && wrong == 0)
+    std::printf("bf16 compression: %zu of %zu gradients rounded, on rank 0 every one as the definition says\n",
+                rounded, got.size());
+}
+
+// Each process writes its own trace, and names itself in it by its rank (Chrome's pid): the files of a job can be
+// opened side by side. Every event of this process's file carries this rank, and the process is named after it.
+void check_trace(size_t devices, const Data& d, const std::string& dir) {
+  dpar_engine* e = make_engine(devices, DPAR_PROCESSES_MPI);
+  const auto [begin, rows] = my_rows(0);
+  CHECK_OK(dpar_engine_trace_start(e));
+  CHECK_OK(step_rows(e, d, 0, begin, rows));
+  const std::string path = dir + "/trace_rank" + std::to_string(g_rank) + ".json";
+  CHECK_OK(dpar_engine_trace_stop(e, path.c_str()));
+  dpar_engine_free(e);
+  std::ifstream in(path);
+  const nlohmann::json trace = nlohmann::json::parse(in, nullptr, false);
+  expect(!trace.is_discarded() && trace.contains("traceEvents"), "trace: " + path + " is not a trace");
+  if (trace.is_discarded() || !trace.contains("traceEvents")) return;
+  size_t events = 0, other = 0;
+  bool named = false;
+  for (const auto& ev : trace["traceEvents"]) {
+    ++events;
+    if (!ev.contains("pid") || ev["pid"] != g_rank) ++other;
+    if (ev.value("name", "") == "process_name")
+      named = ev["args"].value("name", "") == "dpar rank " + std::to_string(g_rank);
+  }
+  expect(events > 0 && other == 0, "trace: " + std::to_string(other) + " of " + std::to_string(events) +
+                                       " events do not carry this process's rank as their pid");
+  expect(named, "trace: the process is not named \"dpar rank " + std::to_string(g_rank) + "\"");
+  std::remove(path.c_str());
+  if (g_rank == 0 && named && other == 0)
+    std::printf("trace: rank 0's events carry its rank (each rank checks its own)\n");
+}
+
+// The README's promise, checked without the engine's own account of the job: the launcher's world (MPI_COMM_WORLD,
+// not dpar_engine_processes) gives each process its rows, and an engine created with the defaults
+// (DPAR_PROCESSES_AUTO) under mpirun must train P processes of N devices exactly as one process of P*N devices. An
+// engine that took each process for a job of its own would train on that process's rows alone.
+void check_job_is_one_training(size_t devices, const Data& d) {
+  dpar_comm* world = nullptr;
+  CHECK_OK(dpar_comm_create_mpi(&world, nullptr));
+  size_t rank = 0, size = 1;
+  CHECK_OK(dpar_comm_info(&rank, &size, world));
+  dpar_comm_free(world);
+  if (size < 2) return;
+  const std::string label = std::to_string(size) + " launched processes x " + std::to_string(devices) +
+                            " devices (DPAR_PROCESSES_AUTO)";
+  dpar_engine* job = make_engine(devices, DPAR_PROCESSES_AUTO, 60.0, DPAR_SGD);
+  dpar_engine* wide = make_engine(size * devices, DPAR_PROCESSES_SINGLE, 60.0, DPAR_SGD);
+  const int64_t base = kGlobalBatch / static_cast<int64_t>(size), extra = kGlobalBatch % static_cast<int64_t>(size);
+  const int64_t rows = base + (static_cast<int64_t>(rank) < extra ? 1 : 0);
+  const int64_t begin = static_cast<int64_t>(rank) * base + std::min(static_cast<int64_t>(rank), extra);
+  for (int s = 0; s < 5; ++s) {
+    CHECK_OK(step_rows(job, d, s % kBatches, begin, rows));
+    CHECK_OK(step_rows(wide, d, s % kBatches, 0, kGlobalBatch));
+  }
+  const double e = max_relative_error(params(job), params(wide));
+  expect(e < 1e-5, label + ": differs from 1 process x " + std::to_string(size * devices) + " devices by " +
+                       std::to_string(e));
+  dpar_engine_free(job);
+  dpar_engine_free(wide);
+  if (g_rank == 0) std::printf("%s: max relative difference %.2e to 1 process\n", label.c_str(), e);
 }
 
 bool exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
@@ -492,10 +748,14 @@ int main(int argc, char** argv) {
   // Each rank makes its own directory: the checkpoint test needs no shared file system.
   if (!mkdtemp(dir)) return 2;
   check_checkpoints(devices, d, dir);
+  check_accumulation(devices, d);
+  check_trace(devices, d, dir);
   rmdir(dir);
+  check_job_is_one_training(devices, d);
   check_loader_shards();
   check_refused_input(devices, d);
   check_compression(devices, d);
+  if (g_size > 1) check_compression_against_definition(devices);
   check_abort(devices, d);
   if (g_rank == 0) std::printf("%s\n", g_failures ? "FAILED" : "ALL PASSED");
   return g_failures ? 1 : 0;

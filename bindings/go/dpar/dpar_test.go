@@ -224,6 +224,88 @@ func TestGradientClippingAndTheReportedNorm(t *testing.T) {
 	}
 }
 
+// Plain SGD with lr 1 moves the parameters by the (clipped) gradient itself, up to the rounding of p - g: below the
+// gradient's norm the move's L2 norm is maxNorm and it points where the unclipped move does; above it nothing is
+// scaled. GradNorm is the norm before clipping.
+func TestTheClippedStepHasTheNormItWasClippedTo(t *testing.T) {
+	m := referenceModel(t)
+	defer m.Close()
+	n, err := m.NumParamElements()
+	if err != nil {
+		t.Fatal(err)
+	}
+	x, y := referenceBatch(t)
+	defer x.Close()
+	defer y.Close()
+	step := func(maxNorm float32) ([]float64, float32) {
+		e, err := NewEngine(m, Options{LR: 1, Devices: 2, Processes: ProcessesSingle})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer e.Close()
+		before, err := e.Params(0, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := e.SetMaxGradNorm(maxNorm); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := e.TrainStep(x, y); err != nil {
+			t.Fatal(err)
+		}
+		after, err := e.Params(0, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		norm, err := e.GradNorm()
+		if err != nil {
+			t.Fatal(err)
+		}
+		move := make([]float64, n)
+		for i := range move {
+			move[i] = float64(before[i]) - float64(after[i])
+		}
+		return move, norm
+	}
+	l2 := func(v []float64) float64 {
+		sum := 0.0
+		for _, x := range v {
+			sum += x * x
+		}
+		return math.Sqrt(sum)
+	}
+	plain, _ := step(0)
+	norm := l2(plain)
+	if norm <= 1e-2 {
+		t.Fatalf("the step is too small to measure: %v", norm)
+	}
+	same, reported := step(1e6)
+	for i := range same {
+		if same[i] != plain[i] {
+			t.Fatalf("an unclipped step differs at %d: %v vs %v", i, same[i], plain[i])
+		}
+	}
+	if math.Abs(float64(reported)-norm) > 1e-4*norm {
+		t.Fatalf("reported %v for a norm of %v", reported, norm)
+	}
+	for _, fraction := range []float64{0.5, 0.1} {
+		maxNorm := float32(norm * fraction)
+		clipped, reported := step(maxNorm)
+		want := float64(maxNorm)
+		if got := l2(clipped); math.Abs(got-want) > 1e-4*want {
+			t.Fatalf("clipped to %v, the step's norm is %v", want, got)
+		}
+		if math.Abs(float64(reported)-norm) > 1e-4*norm {
+			t.Fatalf("reported %v for a norm of %v", reported, norm)
+		}
+		for i := range clipped {
+			if math.Abs(clipped[i]-plain[i]*want/norm) > 1e-4*want {
+				t.Fatalf("element %d moved by %v, not %v", i, clipped[i], plain[i]*want/norm)
+			}
+		}
+	}
+}
+
 func TestABadCallIsAnErrorWithDparsMessage(t *testing.T) {
 	m := referenceModel(t)
 	defer m.Close()

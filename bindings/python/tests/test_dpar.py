@@ -120,6 +120,34 @@ class Reference(unittest.TestCase):
                 clipping.set_max_grad_norm(-1.0)
             self.assertIn("max_grad_norm", cm.exception.message)
 
+    def test_the_clipped_step_has_the_norm_it_was_clipped_to(self):
+        # Plain SGD with lr 1 moves the parameters by the (clipped) gradient itself, up to the rounding of p - g:
+        # below the gradient's norm the move's L2 norm is max_norm and it points where the unclipped move does;
+        # above it nothing is scaled. grad_norm is the norm before clipping.
+        x, y = reference_batch()
+        with reference_model() as m:
+            n = m.num_param_elements
+
+            def move(max_norm):
+                with dpar.Engine(m, lr=1.0, devices=2, processes=dpar.PROCESSES_SINGLE) as e:
+                    before = e.params(0, n).astype(np.float64)
+                    e.set_max_grad_norm(max_norm)
+                    e.train_step(x, y)
+                    return before - e.params(0, n).astype(np.float64), e.grad_norm
+
+            plain, _ = move(0.0)
+            norm = np.linalg.norm(plain)
+            self.assertGreater(norm, 1e-2)
+            same, reported = move(1e6)
+            np.testing.assert_array_equal(same, plain)
+            self.assertAlmostEqual(reported, norm, delta=1e-4 * norm)
+            for fraction in (0.5, 0.1):
+                max_norm = float(np.float32(norm * fraction))
+                clipped, reported = move(max_norm)
+                self.assertAlmostEqual(np.linalg.norm(clipped), max_norm, delta=1e-4 * max_norm)
+                self.assertAlmostEqual(reported, norm, delta=1e-4 * norm)
+                np.testing.assert_allclose(clipped, plain * (max_norm / norm), rtol=0, atol=1e-4 * max_norm)
+
 
 class Tensors(unittest.TestCase):
     def test_numpy_in_and_out_without_a_copy(self):

@@ -169,6 +169,42 @@ fn gradient_clipping_and_the_reported_norm() {
     assert!(e.message().contains("max_grad_norm"), "{}", e);
 }
 
+// Plain SGD with lr 1 moves the parameters by the (clipped) gradient itself, up to the rounding of p - g: below the
+// gradient's norm the move's L2 norm is max_norm and it points where the unclipped move does; above it nothing is
+// scaled. grad_norm is the norm before clipping.
+#[test]
+fn the_clipped_step_has_the_norm_it_was_clipped_to() {
+    let m = reference_model();
+    let n = m.num_param_elements().unwrap();
+    let (x, y) = reference_batch();
+    let (input, labels) = (Tensor::from_f32(&[10, 4], &x).unwrap(), Tensor::from_i32(&[10], &y).unwrap());
+    let step = |max_norm: f32| -> (Vec<f64>, f32) {
+        let e = Engine::new(&m, &Optimizer::sgd(1.0), &options()).unwrap();
+        let before = e.params(0, n).unwrap();
+        e.set_max_grad_norm(max_norm).unwrap();
+        e.train_step(&input, &labels).unwrap();
+        let after = e.params(0, n).unwrap();
+        (before.iter().zip(&after).map(|(b, a)| *b as f64 - *a as f64).collect(), e.grad_norm().unwrap())
+    };
+    let l2 = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let (plain, _) = step(0.0);
+    let norm = l2(&plain);
+    assert!(norm > 1e-2, "{}", norm);
+    let (same, reported) = step(1e6);
+    assert_eq!(same, plain);
+    assert!((reported as f64 - norm).abs() <= 1e-4 * norm, "reported {} for {}", reported, norm);
+    for fraction in [0.5, 0.1] {
+        let max_norm = (norm * fraction) as f32;
+        let (clipped, reported) = step(max_norm);
+        let want = max_norm as f64;
+        assert!((l2(&clipped) - want).abs() <= 1e-4 * want, "clipped to {}, the step's norm is {}", want, l2(&clipped));
+        assert!((reported as f64 - norm).abs() <= 1e-4 * norm, "reported {} for {}", reported, norm);
+        for (c, p) in clipped.iter().zip(&plain) {
+            assert!((c - p * want / norm).abs() <= 1e-4 * want, "{} against {}", c, p * want / norm);
+        }
+    }
+}
+
 #[test]
 fn a_custom_layer_in_rust_trains_like_the_built_in_one() {
     let mut custom = Model::new(7).unwrap();
