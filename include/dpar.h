@@ -65,6 +65,16 @@ extern "C" {
 DPAR_API int32_t dpar_version(void);
 /** @brief The version string of the loaded library, such as "0.1.0". Static storage; never NULL. */
 DPAR_API const char *dpar_version_string(void);
+/**
+ * @brief What runs dpar's CPU matrix multiplies: the GEMM library, its version and the kernels it chose for this
+ * CPU, such as "oneDNN 2.6.3 (OpenMP), avx512_core f32 kernels (CPU ISA avx512_core_amx)".
+ *
+ * For a bug report and a benchmark's first line. The library picks its kernels from the CPU's feature bits when
+ * first asked; where they fall below what the CPU supports (AVX2, AVX-512), dpar also says so once on stderr, with
+ * the remedy, when an engine starts CPU devices. Static storage, the same pointer on every call; never NULL.
+ * Thread-safe. Never fails.
+ */
+DPAR_API const char *dpar_cpu_gemm_backend(void);
 /**@}*/
 
 /* ------------------------------------------------------------------------------------------------------------ */
