@@ -300,22 +300,24 @@ static const int kBatchesE[kTorchBatches] = {256, 1024};
 
 /* Runs torch_anchor.py --cpu-threads 1,2 once (a process of its own, so that PyTorch's OpenMP threads are gone
  * when dpar's next block starts) and reads its medians, ms[threads-1][batch index]; 0 where it gave none. */
-static int run_torch(const char *python, double seconds, double ms[kTorchThreads][kTorchBatches], char *version,
-                     size_t cap) {
+static int run_torch(const char *python, double seconds, double ms[kTorchThreads][kTorchBatches],
+                     double best[kTorchThreads][kTorchBatches], char *version, size_t cap) {
   char cmd[2048];
   snprintf(cmd, sizeof cmd, "'%s' '%s' --cpu-threads 1,2 --batches %d,%d --seconds %g 2>&1", python,
            BENCH_TORCH_ANCHOR, kBatchesE[0], kBatchesE[1], seconds);
   memset(ms, 0, sizeof(double) * kTorchThreads * kTorchBatches);
+  memset(best, 0, sizeof(double) * kTorchThreads * kTorchBatches);
   FILE *p = popen(cmd, "r");
   if (!p) return 0;
   char line[1024];
   int got = 0;
   while (fgets(line, sizeof line, p)) {
     int t = 0, b = 0, steps = 0;
-    double m = 0;
-    if (sscanf(line, "cpu_anchor threads=%d batch=%d median_ms=%lf steps=%d", &t, &b, &m, &steps) == 4) {
+    double m = 0, mn = 0;
+    if (sscanf(line, "cpu_anchor threads=%d batch=%d median_ms=%lf steps=%d min_ms=%lf", &t, &b, &m, &steps, &mn) ==
+        5) {
       for (int i = 0; i < kTorchBatches; ++i)
-        if (b == kBatchesE[i] && t >= 1 && t <= kTorchThreads) ms[t - 1][i] = m * 1e-3, ++got;
+        if (b == kBatchesE[i] && t >= 1 && t <= kTorchThreads) ms[t - 1][i] = m * 1e-3, best[t - 1][i] = mn * 1e-3, ++got;
     } else if (!strncmp(line, "cpu_anchor ", 11)) {
       line[strcspn(line, "\n")] = 0;
       snprintf(version, cap, "%s", line + 11);
@@ -343,6 +345,7 @@ static void part_e(int rounds, double seconds, const char *python) {
   oo.lr = 1e-3f;
   /* [round][batch][config]: configs 0 dpar 1 device, 1 dpar 2 devices, 2 torch 1 thread, 3 torch 2 threads */
   double *m = (double *)xmalloc(sizeof(double) * (size_t)rounds * kTorchBatches * 4);
+  double fastest[kTorchBatches][4] = {{0}}; /* the shortest step of each configuration over all rounds */
   int *clean = (int *)xmalloc(sizeof(int) * (size_t)rounds);
   char torch_version[1024] = "";
   int have_torch = 1;
@@ -356,19 +359,26 @@ static void part_e(int rounds, double seconds, const char *python) {
         vec all = {0};
         dpar_engine *e = make_engine(model, &oo, DPAR_LOSS_CROSS_ENTROPY, 2, (size_t)d + 1, 1);
         m[(r * kTorchBatches + bi) * 4 + d] = time_steps(e, x, y, kBatchesA, 10, 20, seconds, &all);
+        for (size_t i = 0; i < all.n; ++i)
+          if (fastest[bi][d] == 0 || all.v[i] < fastest[bi][d]) fastest[bi][d] = all.v[i];
         dpar_engine_free(e);
         free(all.v);
       }
       free_demo(model, x, y);
     }
-    double t[kTorchThreads][kTorchBatches];
-    if (have_torch && run_torch(python, seconds, t, torch_version, sizeof torch_version) < kTorchThreads * kTorchBatches) {
+    double t[kTorchThreads][kTorchBatches], tb[kTorchThreads][kTorchBatches];
+    if (have_torch &&
+        run_torch(python, seconds, t, tb, torch_version, sizeof torch_version) < kTorchThreads * kTorchBatches) {
       printf("    PyTorch did not run (%s): the PyTorch columns stay empty; give a Python with torch: --torch PYTHON\n",
              torch_version[0] ? torch_version : "no figures from torch_anchor.py");
       have_torch = 0;
     }
     for (int bi = 0; bi < kTorchBatches; ++bi)
-      for (int th = 0; th < kTorchThreads; ++th) m[(r * kTorchBatches + bi) * 4 + 2 + th] = have_torch ? t[th][bi] : 0;
+      for (int th = 0; th < kTorchThreads; ++th) {
+        m[(r * kTorchBatches + bi) * 4 + 2 + th] = have_torch ? t[th][bi] : 0;
+        if (have_torch && (fastest[bi][2 + th] == 0 || tb[th][bi] < fastest[bi][2 + th]))
+          fastest[bi][2 + th] = tb[th][bi];
+      }
     bench_cpu_usage_now(&u1);
     /* PyTorch runs in a child process: this process's own account excludes it only while it is alive, so the
      * share is judged loosely here (a whole round, both sides). */
@@ -407,6 +417,17 @@ static void part_e(int rounds, double seconds, const char *python) {
       }
       printf("\n");
     }
+  }
+  /* On a shared machine every figure is slowed by the others' work, never sped up: the shortest step of each
+   * configuration is the one least disturbed, and its ratio is the other reading of the same comparison. */
+  printf("\n    shortest step over all rounds (the least disturbed), samples/s:\n");
+  for (int bi = 0; bi < kTorchBatches; ++bi) {
+    const double *f = fastest[bi];
+    printf("    batch %4d: dpar 1 device %7.0f, 2 devices %7.0f; PyTorch 1 thread %7.0f, 2 threads %7.0f", kBatchesE[bi],
+           kBatchesE[bi] / f[0], kBatchesE[bi] / f[1], f[2] > 0 ? kBatchesE[bi] / f[2] : 0,
+           f[3] > 0 ? kBatchesE[bi] / f[3] : 0);
+    if (f[2] > 0 && f[3] > 0) printf("; ratios %.2fx (1 vs 1), %.2fx (2 vs 2)", f[2] / f[0], f[3] / f[1]);
+    printf("\n");
   }
   free(m);
   free(clean);

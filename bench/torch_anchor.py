@@ -27,7 +27,7 @@ steps; median, p10 and p90 over all timed steps. Without torch or a GPU it says 
 is the CPU anchor that bench_train's part (e) runs between its own blocks: the demo MLP (the same nn.Sequential,
 CrossEntropyLoss, Adam lr 1e-3) on the CPU with torch.set_num_threads(T), uniform inputs and random labels (8
 batches, cycled), 10 warm-up steps, then at least 20 steps and --seconds; one line per thread count and batch with
-the median step time.
+the median and the shortest step time.
 """
 import argparse
 import gc
@@ -168,7 +168,8 @@ class Anchor:
 def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind):
     """PyTorch on the CPU beside bench_train's part (e): the demo MLP, Adam, at each thread count and batch.
 
-    One line per configuration, "cpu_anchor threads=T batch=B median_ms=M steps=N", which bench_train reads."""
+    One line per configuration, "cpu_anchor threads=T batch=B median_ms=M steps=N min_ms=S", which bench_train
+    reads."""
     sizes = MODELS["demo"][0]
     nn = torch.nn
     for threads in threads_list:
@@ -201,7 +202,7 @@ def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind):
                 if i >= 20 and t1 - start >= seconds:
                     break
             print(f"cpu_anchor threads={threads} batch={batch} median_ms={statistics.median(times) * 1e3:.4f} "
-                  f"steps={len(times)}", flush=True)
+                  f"steps={len(times)} min_ms={min(times) * 1e3:.4f}", flush=True)
 
 
 def write_json(path, doc):
