@@ -518,8 +518,8 @@ typedef struct dpar_engine_options {
   uint64_t seed;            /**< Seeds each replica's RNG stream (dropout). Default 0. */
   double timeout_seconds;   /**< How long a worker waits for the others at each synchronisation point of a
                                  collective. Default 300; INFINITY for no limit. */
-  size_t blas_threads;      /**< BLAS threads inside each CPU worker. Default 1 (no oversubscription). OpenBLAS's
-                                 thread count is process-wide: the engine created last sets it for all. */
+  size_t blas_threads;      /**< GEMM threads inside each CPU worker (oneDNN's OpenMP team, set per worker).
+                                 Default 1 (no oversubscription). A pinned worker is pinned to this many cores. */
   int32_t pin_workers;      /**< Boolean. Nonzero (default): worker r runs on the r-th CPU (mod their number) of the process's
                                  affinity mask, as `mpirun --bind-to core` binds ranks. A worker that sleeps between
                                  steps is otherwise often woken on a core that another worker is using. */

@@ -112,7 +112,11 @@ class CpuBackend final : public Backend {
     k::warn_if_gemm_generic();
   }
   void start_worker(Device, size_t worker, const WorkerOptions& options) override {
-    if (options.pin) pin_to_cpu(worker);
+    // A worker with GEMM threads gets as many cores: OpenMP starts its team from the worker, and the team
+    // inherits the worker's affinity (on a single core, the team's threads would take turns and spin-wait for
+    // each other: a step 25x slower, measured).
+    const size_t threads = static_cast<size_t>(options.blas_threads > 1 ? options.blas_threads : 1);
+    if (options.pin) pin_to_cpus(worker * threads, threads);
     // The GEMM's thread count belongs to the calling thread: one thread inside each worker (the default) keeps
     // the workers from oversubscribing the cores.
     k::set_gemm_threads(options.blas_threads);
