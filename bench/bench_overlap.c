@@ -198,6 +198,7 @@ int main(int argc, char **argv) {
 
   if (rank == 0) {
     bench_print_machine(stdout);
+    printf("CPU GEMM: %s\n", dpar_cpu_gemm_backend());
     printf("bench_overlap: MLP %s, %.1f MB of gradients in %zu buckets (first %zu KiB, cap %zu KiB), Adam, "
            "global batch %zu over %zu process(es) x %zu device(s); %d rounds of %d steps, medians\n\n",
            shape, (double)params * 4 / 1e6, buckets, o.first_kib ? o.first_kib : 1024,

@@ -152,8 +152,8 @@ static const config kConfigsA[kConfigs] = {
     {"1 device, 2 BLAS threads", 1, 2},
 };
 
-/* The demo MLP 784-256-128-10 (ReLU) and kBatchesA random batches of kBatchA rows on the host. */
-static dpar_model *demo_model_and_batches(dpar_tensor **x, dpar_tensor **y) {
+/* The demo MLP 784-256-128-10 (ReLU) and kBatchesA random batches of `batch` rows on the host. */
+static dpar_model *demo_model_and_batches_of(int batch, dpar_tensor **x, dpar_tensor **y) {
   dpar_model *model = NULL;
   dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
   mo.seed = 1;
@@ -164,19 +164,24 @@ static dpar_model *demo_model_and_batches(dpar_tensor **x, dpar_tensor **y) {
   CHECK(dpar_model_add_activation(model, DPAR_RELU));
   CHECK(dpar_model_add_linear(model, 128, kClasses, 1));
   dpar_device cpu0 = {DPAR_DEVICE_CPU, 0};
-  float *xs = (float *)xmalloc(sizeof(float) * kBatchA * kFeatures);
-  int32_t ys[kBatchA];
+  float *xs = (float *)xmalloc(sizeof(float) * (size_t)batch * kFeatures);
+  int32_t *ys = (int32_t *)xmalloc(sizeof(int32_t) * (size_t)batch);
   for (int b = 0; b < kBatchesA; ++b) {
-    for (int i = 0; i < kBatchA * kFeatures; ++i) xs[i] = uniform();  /* pixels in [0, 1) */
-    for (int i = 0; i < kBatchA; ++i) ys[i] = (int32_t)(next_u64() % kClasses);
-    const int64_t xshape[2] = {kBatchA, kFeatures}, yshape[1] = {kBatchA};
+    for (int i = 0; i < batch * kFeatures; ++i) xs[i] = uniform();  /* pixels in [0, 1) */
+    for (int i = 0; i < batch; ++i) ys[i] = (int32_t)(next_u64() % kClasses);
+    const int64_t xshape[2] = {batch, kFeatures}, yshape[1] = {batch};
     CHECK(dpar_tensor_create(&x[b], DPAR_F32, xshape, 2, cpu0));
     CHECK(dpar_tensor_create(&y[b], DPAR_I32, yshape, 1, cpu0));
-    CHECK(dpar_tensor_copy_from_host(x[b], xs, sizeof(float) * kBatchA * kFeatures));
-    CHECK(dpar_tensor_copy_from_host(y[b], ys, sizeof ys));
+    CHECK(dpar_tensor_copy_from_host(x[b], xs, sizeof(float) * (size_t)batch * kFeatures));
+    CHECK(dpar_tensor_copy_from_host(y[b], ys, sizeof(int32_t) * (size_t)batch));
   }
   free(xs);
+  free(ys);
   return model;
+}
+
+static dpar_model *demo_model_and_batches(dpar_tensor **x, dpar_tensor **y) {
+  return demo_model_and_batches_of(kBatchA, x, y);
 }
 
 static void free_demo(dpar_model *model, dpar_tensor **x, dpar_tensor **y) {
@@ -190,8 +195,8 @@ static void free_demo(dpar_model *model, dpar_tensor **x, dpar_tensor **y) {
 static void part_a(int rounds, double seconds) {
   printf("(a) training throughput: MLP 784-256-128-10 (ReLU), softmax cross-entropy, Adam lr 1e-3, batch %d,\n"
          "    synthetic data (%d random batches, cycled). %d rounds; each round runs every configuration once (the\n"
-         "    order rotates) on a fresh engine (OpenBLAS's thread count is process-wide and is set when an engine\n"
-         "    is created), 10 warm-up steps, then ~%.2f s of timed steps; samples/s = %d / median step time\n",
+         "    order rotates) on a fresh engine (each worker sets its own GEMM thread count when it starts), 10\n"
+         "    warm-up steps, then ~%.2f s of timed steps; samples/s = %d / median step time\n",
          kBatchA, kBatchesA, rounds, seconds, kBatchA);
   dpar_tensor *x[kBatchesA], *y[kBatchesA];
   dpar_model *model = demo_model_and_batches(x, y);
@@ -226,7 +231,7 @@ static void part_a(int rounds, double seconds) {
       others = o > others ? o : others;
       round_med[r * kConfigs + c] = m;
       dpar_engine_free(e);
-      /* OpenBLAS's idle threads keep yielding for ~0.1 s before they sleep: let them, before the next block. */
+      /* With 2 GEMM threads, OpenMP's idle thread spins a while before it sleeps: let it, before the next block. */
       usleep(150000);
     }
     clean[r] = others < kDisturbed;
@@ -283,6 +288,149 @@ static void part_a(int rounds, double seconds) {
   free(lat);
   free(clean);
   free_demo(model, x, y);
+}
+
+/* ---- (e) against PyTorch ---------------------------------------------------------------------------------- */
+
+#ifndef BENCH_TORCH_ANCHOR
+#define BENCH_TORCH_ANCHOR "bench/torch_anchor.py"
+#endif
+enum { kTorchBatches = 2, kTorchThreads = 2 };
+static const int kBatchesE[kTorchBatches] = {256, 1024};
+
+/* Runs torch_anchor.py --cpu-threads 1,2 once (a process of its own, so that PyTorch's OpenMP threads are gone
+ * when dpar's next block starts) and reads its medians, ms[threads-1][batch index]; 0 where it gave none. */
+static int run_torch(const char *python, double seconds, double ms[kTorchThreads][kTorchBatches],
+                     double best[kTorchThreads][kTorchBatches], char *version, size_t cap) {
+  char cmd[2048];
+  snprintf(cmd, sizeof cmd, "'%s' '%s' --cpu-threads 1,2 --batches %d,%d --seconds %g 2>&1", python,
+           BENCH_TORCH_ANCHOR, kBatchesE[0], kBatchesE[1], seconds);
+  memset(ms, 0, sizeof(double) * kTorchThreads * kTorchBatches);
+  memset(best, 0, sizeof(double) * kTorchThreads * kTorchBatches);
+  FILE *p = popen(cmd, "r");
+  if (!p) return 0;
+  char line[1024];
+  int got = 0;
+  while (fgets(line, sizeof line, p)) {
+    int t = 0, b = 0, steps = 0;
+    double m = 0, mn = 0;
+    if (sscanf(line, "cpu_anchor threads=%d batch=%d median_ms=%lf steps=%d min_ms=%lf", &t, &b, &m, &steps, &mn) ==
+        5) {
+      for (int i = 0; i < kTorchBatches; ++i)
+        if (b == kBatchesE[i] && t >= 1 && t <= kTorchThreads) ms[t - 1][i] = m * 1e-3, best[t - 1][i] = mn * 1e-3, ++got;
+    } else if (!strncmp(line, "cpu_anchor ", 11)) {
+      line[strcspn(line, "\n")] = 0;
+      snprintf(version, cap, "%s", line + 11);
+    } else {
+      fputs("    torch_anchor: ", stdout);
+      fputs(line, stdout);
+    }
+  }
+  pclose(p);
+  return got;
+}
+
+/* The demo MLP with Adam at batch 256 and 1024: dpar on 1 and 2 devices (1 GEMM thread each) against PyTorch on
+ * the CPU at 1 and 2 threads, interleaved round by round. */
+static void part_e(int rounds, double seconds, const char *python) {
+  printf("(e) against PyTorch: MLP 784-256-128-10 (ReLU), softmax cross-entropy, Adam lr 1e-3, batch %d and %d,\n"
+         "    synthetic data. %d rounds; each runs dpar on 1 and 2 devices (fresh engines, 1 GEMM thread per worker)\n"
+         "    and then PyTorch at 1 and 2 threads (%s %s --cpu-threads 1,2, a process per round),\n"
+         "    ~%.2f s of timed steps per configuration; figures are medians over rounds of each block's median\n"
+         "    step time. The floor: dpar 2 devices >= 1.3x PyTorch 2 threads, dpar 1 device >= 1.0x PyTorch 1 thread.\n",
+         kBatchesE[0], kBatchesE[1], rounds, python, BENCH_TORCH_ANCHOR, seconds);
+  printf("    CPU GEMM: %s\n", dpar_cpu_gemm_backend());
+  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
+  oo.kind = DPAR_ADAM;
+  oo.lr = 1e-3f;
+  /* [round][batch][config]: configs 0 dpar 1 device, 1 dpar 2 devices, 2 torch 1 thread, 3 torch 2 threads */
+  double *m = (double *)xmalloc(sizeof(double) * (size_t)rounds * kTorchBatches * 4);
+  double fastest[kTorchBatches][4] = {{0}}; /* the shortest step of each configuration over all rounds */
+  int *clean = (int *)xmalloc(sizeof(int) * (size_t)rounds);
+  char torch_version[1024] = "";
+  int have_torch = 1;
+  for (int r = 0; r < rounds; ++r) {
+    bench_cpu_usage u0, u1;
+    bench_cpu_usage_now(&u0);
+    for (int bi = 0; bi < kTorchBatches; ++bi) {
+      dpar_tensor *x[kBatchesA], *y[kBatchesA];
+      dpar_model *model = demo_model_and_batches_of(kBatchesE[bi], x, y);
+      for (int d = 0; d < 2; ++d) {
+        vec all = {0};
+        dpar_engine *e = make_engine(model, &oo, DPAR_LOSS_CROSS_ENTROPY, 2, (size_t)d + 1, 1);
+        m[(r * kTorchBatches + bi) * 4 + d] = time_steps(e, x, y, kBatchesA, 10, 20, seconds, &all);
+        for (size_t i = 0; i < all.n; ++i)
+          if (fastest[bi][d] == 0 || all.v[i] < fastest[bi][d]) fastest[bi][d] = all.v[i];
+        dpar_engine_free(e);
+        free(all.v);
+      }
+      free_demo(model, x, y);
+    }
+    double t[kTorchThreads][kTorchBatches], tb[kTorchThreads][kTorchBatches];
+    if (have_torch &&
+        run_torch(python, seconds, t, tb, torch_version, sizeof torch_version) < kTorchThreads * kTorchBatches) {
+      printf("    PyTorch did not run (%s): the PyTorch columns stay empty; give a Python with torch: --torch PYTHON\n",
+             torch_version[0] ? torch_version : "no figures from torch_anchor.py");
+      have_torch = 0;
+    }
+    for (int bi = 0; bi < kTorchBatches; ++bi)
+      for (int th = 0; th < kTorchThreads; ++th) {
+        m[(r * kTorchBatches + bi) * 4 + 2 + th] = have_torch ? t[th][bi] : 0;
+        if (have_torch && (fastest[bi][2 + th] == 0 || tb[th][bi] < fastest[bi][2 + th]))
+          fastest[bi][2 + th] = tb[th][bi];
+      }
+    bench_cpu_usage_now(&u1);
+    /* PyTorch runs in a child process: this process's own account excludes it only while it is alive, so the
+     * share is judged loosely here (a whole round, both sides). */
+    const double others = bench_others_share(&u0, &u1, g_ncpu);
+    clean[r] = others < kDisturbed;
+    printf("    round %2d:", r);
+    for (int bi = 0; bi < kTorchBatches; ++bi) {
+      const double *q = &m[(r * kTorchBatches + bi) * 4];
+      printf("  batch %4d: dpar %6.0f %6.0f torch %6.0f %6.0f samples/s |", kBatchesE[bi], kBatchesE[bi] / q[0],
+             kBatchesE[bi] / q[1], q[2] > 0 ? kBatchesE[bi] / q[2] : 0, q[3] > 0 ? kBatchesE[bi] / q[3] : 0);
+    }
+    printf(" others %3.0f%%\n", 100 * others);
+  }
+  if (torch_version[0]) printf("    PyTorch: %s\n", torch_version);
+  printf("\n    %-6s | %-22s | %10s | %10s | %s\n", "batch", "configuration", "median ms", "samples/s",
+         "dpar / PyTorch (samples/s; median of per-round ratios in brackets)");
+  for (int bi = 0; bi < kTorchBatches; ++bi) {
+    double med[4], v[64], ratio[2][64];
+    for (int c = 0; c < 4; ++c) {
+      for (int r = 0; r < rounds; ++r) v[r] = m[(r * kTorchBatches + bi) * 4 + c];
+      med[c] = bench_median(v, (size_t)rounds);
+    }
+    for (int r = 0; r < rounds; ++r)
+      for (int d = 0; d < 2; ++d) {
+        const double *q = &m[(r * kTorchBatches + bi) * 4];
+        ratio[d][r] = q[0 + d] > 0 && q[2 + d] > 0 ? q[2 + d] / q[0 + d] : 0;
+      }
+    static const char *names[4] = {"dpar, 1 device", "dpar, 2 devices", "PyTorch, 1 thread", "PyTorch, 2 threads"};
+    for (int c = 0; c < 4; ++c) {
+      printf("    %-6d | %-22s | %10.3f | %10.0f |", kBatchesE[bi], names[c], med[c] * 1e3,
+             med[c] > 0 ? kBatchesE[bi] / med[c] : 0);
+      if (c < 2 && med[2 + c] > 0) {
+        const double rr = bench_median(ratio[c], (size_t)rounds);
+        printf(" %.2fx PyTorch %d thread%s [%.2fx]; floor %.1fx: %s", med[2 + c] / med[c], c + 1, c ? "s" : "", rr,
+               c ? 1.3 : 1.0, med[2 + c] / med[c] >= (c ? 1.3 : 1.0) ? "met" : "NOT met");
+      }
+      printf("\n");
+    }
+  }
+  /* On a shared machine every figure is slowed by the others' work, never sped up: the shortest step of each
+   * configuration is the one least disturbed, and its ratio is the other reading of the same comparison. */
+  printf("\n    shortest step over all rounds (the least disturbed), samples/s:\n");
+  for (int bi = 0; bi < kTorchBatches; ++bi) {
+    const double *f = fastest[bi];
+    printf("    batch %4d: dpar 1 device %7.0f, 2 devices %7.0f; PyTorch 1 thread %7.0f, 2 threads %7.0f", kBatchesE[bi],
+           kBatchesE[bi] / f[0], kBatchesE[bi] / f[1], f[2] > 0 ? kBatchesE[bi] / f[2] : 0,
+           f[3] > 0 ? kBatchesE[bi] / f[3] : 0);
+    if (f[2] > 0 && f[3] > 0) printf("; ratios %.2fx (1 vs 1), %.2fx (2 vs 2)", f[2] / f[0], f[3] / f[1]);
+    printf("\n");
+  }
+  free(m);
+  free(clean);
 }
 
 /* ---- (b) engine overhead ------------------------------------------------------------------------------------- */
@@ -525,11 +673,12 @@ static void part_d(int rounds, double seconds) {
 
 static void usage(const char *argv0) {
   fprintf(stderr,
-          "usage: %s [--rounds R] [--seconds S] [--pin] [--only a|b|c|d]\n"
+          "usage: %s [--rounds R] [--seconds S] [--pin] [--only a|b|c|d|e] [--torch PYTHON]\n"
           "  --rounds R   interleaved rounds (default 12; at most 64)\n"
           "  --seconds S  timed seconds per configuration per round (default 0.3)\n"
           "  --pin        pin replica r's worker to CPU r mod ncpu (from the forward hook), as an experiment\n"
-          "  --only a|b|c|d run one part\n",
+          "  --only a|b|c|d|e run one part (e, against PyTorch on the CPU, runs only when named or with --torch)\n"
+          "  --torch PYTHON  a Python with torch for part (e) (default python3)\n",
           argv0);
   exit(2);
 }
@@ -537,7 +686,8 @@ static void usage(const char *argv0) {
 int main(int argc, char **argv) {
   int rounds = 12;
   double seconds = 0.3;
-  int run_a = 1, run_b = 1, run_c = 1, run_d = 1;
+  int run_a = 1, run_b = 1, run_c = 1, run_d = 1, run_e = 0;
+  const char *python = "python3";
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--rounds") && i + 1 < argc)
       rounds = atoi(argv[++i]);
@@ -551,6 +701,10 @@ int main(int argc, char **argv) {
       run_b = !strcmp(argv[i], "b");
       run_c = !strcmp(argv[i], "c");
       run_d = !strcmp(argv[i], "d");
+      run_e = !strcmp(argv[i], "e");
+    } else if (!strcmp(argv[i], "--torch") && i + 1 < argc) {
+      python = argv[++i];
+      run_e = 1;
     } else
       usage(argv[0]);
   }
@@ -560,6 +714,7 @@ int main(int argc, char **argv) {
 
   printf("bench_train: dpar %s through its C ABI; training throughput and the engine's overhead per step\n",
          dpar_version_string());
+  printf("CPU GEMM: %s\n", dpar_cpu_gemm_backend());
   bench_cpu_usage u0, u1;
   bench_cpu_usage_now(&u0);
   bench_print_machine(stdout);
@@ -574,6 +729,8 @@ int main(int argc, char **argv) {
   if (run_c) part_c(rounds, seconds);
   if ((run_a || run_b || run_c) && run_d) printf("\n");
   if (run_d) part_d(rounds, seconds);
+  if ((run_a || run_b || run_c || run_d) && run_e) printf("\n");
+  if (run_e) part_e(rounds, seconds, python);
   bench_cpu_usage_now(&u1);
   printf("\n");
   bench_print_cpu_usage(stdout, &u0, &u1, g_ncpu);

@@ -21,6 +21,13 @@ Each step is followed by torch.cuda.synchronize() and timed by the wall clock ar
 one dpar_engine_train_step (which returns once the GPU's work is done). 10 warm-up steps, then blocks of timed
 steps; median, p10 and p90 over all timed steps. Without torch or a GPU it says why, writes that to --json, and exits
 0. --device cpu runs the plain, DataParallel and DDP (gloo) steps on the CPU: a check of this script, not an anchor.
+
+    python3 bench/torch_anchor.py --cpu-threads 1,2 [--batches 256,1024] [--seconds S] [--adam fused|foreach|single]
+
+is the CPU anchor that bench_train's part (e) runs between its own blocks: the demo MLP (the same nn.Sequential,
+CrossEntropyLoss, Adam lr 1e-3) on the CPU with torch.set_num_threads(T), uniform inputs and random labels (8
+batches, cycled), 10 warm-up steps, then at least 20 steps and --seconds; one line per thread count and batch with
+the median and the shortest step time.
 """
 import argparse
 import gc
@@ -158,6 +165,46 @@ class Anchor:
         return self.time_steps(step)
 
 
+def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind):
+    """PyTorch on the CPU beside bench_train's part (e): the demo MLP, Adam, at each thread count and batch.
+
+    One line per configuration, "cpu_anchor threads=T batch=B median_ms=M steps=N min_ms=S", which bench_train
+    reads."""
+    sizes = MODELS["demo"][0]
+    nn = torch.nn
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        for batch in batches:
+            gen = torch.Generator().manual_seed(batch)
+            xs = [torch.rand(batch, sizes[0], generator=gen) for _ in range(8)]
+            ys = [torch.randint(0, sizes[-1], (batch,), generator=gen) for _ in range(8)]
+            torch.manual_seed(1)
+            model = nn.Sequential(nn.Linear(sizes[0], sizes[1]), nn.ReLU(), nn.Linear(sizes[1], sizes[2]), nn.ReLU(),
+                                  nn.Linear(sizes[2], sizes[3]))
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3, **({"fused": True} if adam_kind == "fused" else
+                                                                   {"foreach": adam_kind == "foreach"}))
+            loss_fn = nn.CrossEntropyLoss()
+
+            def step(i):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(model(xs[i % 8]), ys[i % 8]).backward()
+                opt.step()
+
+            for i in range(warmup):
+                step(i)
+            times, start, i = [], time.perf_counter(), 0
+            while True:
+                t0 = time.perf_counter()
+                step(i)
+                t1 = time.perf_counter()
+                times.append(t1 - t0)
+                i += 1
+                if i >= 20 and t1 - start >= seconds:
+                    break
+            print(f"cpu_anchor threads={threads} batch={batch} median_ms={statistics.median(times) * 1e3:.4f} "
+                  f"steps={len(times)} min_ms={min(times) * 1e3:.4f}", flush=True)
+
+
 def write_json(path, doc):
     if path:
         with open(path, "w") as f:
@@ -176,7 +223,25 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: check this script without a GPU (not an anchor)")
     ap.add_argument("--json", help="write the results as JSON")
+    ap.add_argument("--cpu-threads", help="the CPU anchor of bench_train (e): PyTorch on the CPU at these thread "
+                    "counts, e.g. 1,2, for the demo MLP at --batches (default 256,1024) for --seconds each")
+    ap.add_argument("--seconds", type=float, default=1.0, help="with --cpu-threads: timed seconds per configuration")
+    ap.add_argument("--adam", choices=["fused", "foreach", "single"], default="fused",
+                    help="with --cpu-threads: PyTorch's Adam implementation (default fused)")
     args = ap.parse_args()
+    if args.cpu_threads:
+        try:
+            import torch
+        except ImportError as e:
+            print(f"cpu_anchor skipped: no PyTorch ({e})")
+            return 0
+        print(f"cpu_anchor torch={torch.__version__} adam={args.adam} "
+              f"blas={torch.backends.mkl.is_available() and 'MKL' or 'other'} "
+              f"mkldnn={torch.backends.mkldnn.is_available()}", flush=True)
+        threads = [int(t) for t in args.cpu_threads.split(",") if t]
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else [256, 1024]
+        cpu_anchor(torch, threads, batches, args.seconds, WARMUP, args.adam)
+        return 0
     variants = [v for v in args.variants.split(",") if v]
     if any(v not in VARIANTS for v in variants) or args.steps < 1 or args.blocks < 1:
         ap.error("bad --variants, --steps or --blocks")

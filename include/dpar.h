@@ -65,6 +65,16 @@ extern "C" {
 DPAR_API int32_t dpar_version(void);
 /** @brief The version string of the loaded library, such as "0.1.0". Static storage; never NULL. */
 DPAR_API const char *dpar_version_string(void);
+/**
+ * @brief What runs dpar's CPU matrix multiplies: the GEMM library, its version and the kernels it chose for this
+ * CPU, such as "oneDNN 2.6.3 (OpenMP), avx512_core f32 kernels (CPU ISA avx512_core_amx)".
+ *
+ * For a bug report and a benchmark's first line. The library picks its kernels from the CPU's feature bits when
+ * first asked; where they fall below what the CPU supports (AVX2, AVX-512), dpar also says so once on stderr, with
+ * the remedy, when an engine starts CPU devices. Static storage, the same pointer on every call; never NULL.
+ * Thread-safe. Never fails.
+ */
+DPAR_API const char *dpar_cpu_gemm_backend(void);
 /**@}*/
 
 /* ------------------------------------------------------------------------------------------------------------ */
@@ -508,8 +518,8 @@ typedef struct dpar_engine_options {
   uint64_t seed;            /**< Seeds each replica's RNG stream (dropout). Default 0. */
   double timeout_seconds;   /**< How long a worker waits for the others at each synchronisation point of a
                                  collective. Default 300; INFINITY for no limit. */
-  size_t blas_threads;      /**< BLAS threads inside each CPU worker. Default 1 (no oversubscription). OpenBLAS's
-                                 thread count is process-wide: the engine created last sets it for all. */
+  size_t blas_threads;      /**< GEMM threads inside each CPU worker (oneDNN's OpenMP team, set per worker).
+                                 Default 1 (no oversubscription). A pinned worker is pinned to this many cores. */
   int32_t pin_workers;      /**< Boolean. Nonzero (default): worker r runs on the r-th CPU (mod their number) of the process's
                                  affinity mask, as `mpirun --bind-to core` binds ranks. A worker that sleeps between
                                  steps is otherwise often woken on a core that another worker is using. */

@@ -3,7 +3,7 @@
  * @file dpar_api.h
  * @brief Loading dpar at run time: a host that loads dpar with dlopen("libdpar.so.0") resolves one
  * symbol, dpar_get_api, and calls every function of dpar.h through the table it returns.
- * dlclose() leaves dpar loaded: the runtimes under it (CUDA, NCCL, OpenBLAS, MPI) keep threads and
+ * dlclose() leaves dpar loaded: the runtimes under it (CUDA, NCCL, oneDNN, MPI) keep threads and
  * exit handlers that must not outlive their code.
  * In dpar.h an option struct's `_init` name is a macro over `_init_sized`, and the preprocessor expands it
  * after `->` too: `api->dpar_engine_options_init(&o)` calls the `_init_sized` slot, with the caller's size
@@ -138,6 +138,7 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_engine_trace_stop)(dpar_engine *engine, const char *path);
   const char *(*dpar_engine_process_transport)(const dpar_engine *engine);
   dpar_status (*dpar_engine_set_gradient_compression)(dpar_engine *engine, int32_t compression);
+  const char *(*dpar_cpu_gemm_backend)(void);
 } dpar_api_v1;
 
 /**

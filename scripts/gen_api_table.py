@@ -34,7 +34,7 @@ def table_header(decls):
              " * @file dpar_api.h",
              " * @brief Loading dpar at run time: a host that loads dpar with dlopen(\"libdpar.so.0\") resolves one",
              " * symbol, dpar_get_api, and calls every function of dpar.h through the table it returns.",
-             " * dlclose() leaves dpar loaded: the runtimes under it (CUDA, NCCL, OpenBLAS, MPI) keep threads and",
+             " * dlclose() leaves dpar loaded: the runtimes under it (CUDA, NCCL, oneDNN, MPI) keep threads and",
              " * exit handlers that must not outlive their code.",
              " * In dpar.h an option struct's `_init` name is a macro over `_init_sized`, and the preprocessor expands it",
              " * after `->` too: `api->dpar_engine_options_init(&o)` calls the `_init_sized` slot, with the caller's size",

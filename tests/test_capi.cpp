@@ -9,6 +9,9 @@
 // Not here: custom layers (test_custom_layer.cpp), numerical equivalence and fault injection (test_engine.cpp).
 #include <gtest/gtest.h>
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -1910,6 +1913,49 @@ TEST_F(EngineFixture, ForwardHookSeesEachReplicasChunkAndCanBeRemoved) {
   EXPECT_TRUE(log.calls.empty());
   ASSERT_OK(dpar_engine_train_step(nullptr, reference(), batch_.x.get(), batch_.y.get()));
   ExpectSameAsReference();
+}
+
+// A pinned worker gets as many cores as it has GEMM threads (its OpenMP team inherits its affinity; on one core
+// the team's threads would take turns), one core with one GEMM thread; the forward hook runs on the worker.
+struct AffinityLog {
+  std::mutex mutex;
+  std::vector<std::pair<size_t, int>> cores;  // replica, CPUs in its worker's affinity mask
+  static dpar_status Record(void* payload, size_t replica, const int64_t*, size_t, const int64_t*, size_t) {
+    auto* log = static_cast<AffinityLog*>(payload);
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int n = pthread_getaffinity_np(pthread_self(), sizeof set, &set) == 0 ? CPU_COUNT(&set) : -1;
+    std::lock_guard<std::mutex> lock(log->mutex);
+    log->cores.emplace_back(replica, n);
+    return DPAR_OK;
+  }
+};
+
+TEST(EngineWorkers, APinnedWorkerHasACoreForEachGemmThread) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  const int ncpu = CPU_COUNT(&allowed);
+  if (ncpu < 2) GTEST_SKIP() << "one CPU allowed: every mask is that CPU";
+  ModelPtr m = LinearModel();
+  Batch batch = MakeBatch(4);
+  for (size_t threads : {size_t{1}, size_t{2}}) {
+    dpar_engine_options opts = DPAR_ENGINE_OPTIONS_INIT;
+    opts.num_cpu_devices = 2;
+    opts.blas_threads = threads;
+    opts.pin_workers = 1;
+    opts.timeout_seconds = 60;
+    const dpar_optimizer_options o = SgdMomentum();
+    dpar_engine* raw = nullptr;
+    ASSERT_OK(dpar_engine_create(&raw, m.get(), &o, &opts));
+    EnginePtr e(raw);
+    AffinityLog log;
+    ASSERT_OK(dpar_engine_set_forward_hook(e.get(), &AffinityLog::Record, &log, nullptr));
+    ASSERT_OK(dpar_engine_train_step(nullptr, e.get(), batch.x.get(), batch.y.get()));
+    std::sort(log.cores.begin(), log.cores.end());
+    const int want = static_cast<int>(threads);
+    EXPECT_EQ(log.cores, (std::vector<std::pair<size_t, int>>{{0, want}, {1, want}})) << threads << " GEMM threads";
+  }
 }
 
 // =================================================================================================================

@@ -223,10 +223,10 @@ int main(int argc, char **argv) {
 
   if (root)
     printf("dpar %s: MLP %zu-256-128-%zu, %s lr %g, batch %zu over %zu process%s x %zu %s, %zu train / "
-           "%zu test samples\n",
+           "%zu test samples; CPU GEMM: %s\n",
            dpar_version_string(), features, classes, optimizer, (double)lr, batch, nproc, nproc > 1 ? "es" : "",
            devices, use_cuda ? (gpus == 1 ? "replicas on 1 GPU" : "replicas on GPUs") : "CPU devices", n_train,
-           n_test);
+           n_test, dpar_cpu_gemm_backend());
   CHECK(dpar_engine_set_gradient_compression(engine, strcmp(compression, "bf16") ? DPAR_COMPRESSION_NONE
                                                                                    : DPAR_COMPRESSION_BF16));
   if (root && nproc > 1)

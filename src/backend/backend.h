@@ -53,7 +53,7 @@ class Backend {
   // ---- Workers ------------------------------------------------------------------------------------------------
   struct WorkerOptions {
     bool pin = true;       // CPU: bind worker w to the w-th allowed core
-    int blas_threads = 1;  // CPU: BLAS threads inside each worker (process-wide in OpenBLAS)
+    int blas_threads = 1;  // CPU: GEMM threads inside each worker (set on each worker thread)
   };
   // Runs once on the calling thread before an engine starts its workers.
   virtual void prepare_workers(const WorkerOptions&) {}

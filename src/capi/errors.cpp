@@ -4,6 +4,7 @@
 #include <unordered_map>
 
 #include "capi/api.h"
+#include "kernels/cpu/gemm.h"
 
 namespace dpar::capi {
 namespace {
@@ -71,6 +72,14 @@ DPAR_API const char* dpar_version_string(void) {
 #define DPAR_STR2(x) #x
 #define DPAR_STR(x) DPAR_STR2(x)
   return DPAR_STR(DPAR_VERSION_MAJOR) "." DPAR_STR(DPAR_VERSION_MINOR) "." DPAR_STR(DPAR_VERSION_PATCH);
+}
+
+DPAR_API const char* dpar_cpu_gemm_backend(void) {
+  try {
+    return dpar::kernels::cpu::gemm_backend();
+  } catch (...) {  // building the string cannot fail short of memory; the ABI still promises a string
+    return "unknown (out of memory describing the CPU GEMM)";
+  }
 }
 
 DPAR_API const char* dpar_last_error(void) { return dpar::capi::tl_last_error; }

@@ -12,7 +12,9 @@ namespace {
 Clock::time_point far_future() { return Clock::now() + std::chrono::hours(24 * 365); }
 }  // namespace
 
-void pin_to_cpu(size_t i) {
+void pin_to_cpu(size_t i) { pin_to_cpus(i, 1); }
+
+void pin_to_cpus(size_t first, size_t count) {
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
@@ -20,10 +22,10 @@ void pin_to_cpu(size_t i) {
   for (int c = 0; c < CPU_SETSIZE; ++c)
     if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
   if (cpus.empty()) return;
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(cpus[i % cpus.size()], &one);
-  pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+  cpu_set_t some;
+  CPU_ZERO(&some);
+  for (size_t j = 0; j < count && j < cpus.size(); ++j) CPU_SET(cpus[(first + j) % cpus.size()], &some);
+  pthread_setaffinity_np(pthread_self(), sizeof some, &some);
 }
 
 WorkerPool::WorkerPool(size_t size, std::function<void(size_t)> on_start)

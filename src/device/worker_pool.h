@@ -17,6 +17,10 @@ namespace dpar {
 // Binds the calling thread to the i-th CPU (mod their number) of the process's affinity mask. Best effort: a
 // failure leaves the thread where it is.
 void pin_to_cpu(size_t i);
+// Binds the calling thread to `count` CPUs of that mask from the first-th on (mod their number; all of them when
+// count >= their number). Threads it starts later inherit the set: a worker's own GEMM threads run beside it, not
+// on its one core.
+void pin_to_cpus(size_t first, size_t count);
 
 // True on a thread that a WorkerPool runs: callbacks from the engine run there, and must not call the engine.
 bool on_worker_thread();

@@ -96,6 +96,10 @@ func release[H interface{ Swigcptr() uintptr }](owner any, h *H, free func(H)) {
 func Version() int          { return raw.Dpar_version() }
 func VersionString() string { return raw.Dpar_version_string() }
 
+// CPUGemmBackend says what runs the CPU matrix multiplies: the GEMM library, its version and the kernels it chose
+// for this CPU, such as "oneDNN 2.6.3 (OpenMP), avx512_core f32 kernels (CPU ISA avx512_core_amx)".
+func CPUGemmBackend() string { return raw.Dpar_cpu_gemm_backend() }
+
 // DeviceKind is a dpar_device_kind.
 type DeviceKind int32
 

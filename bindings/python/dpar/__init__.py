@@ -139,6 +139,11 @@ def version_string():
     return _raw.dpar_version_string()
 
 
+def cpu_gemm_backend():
+    """What runs the CPU matrix multiplies: library, version and the kernels it chose for this CPU."""
+    return _raw.dpar_cpu_gemm_backend()
+
+
 def device_count(kind=DEVICE_CPU):
     n = _scalar(np.uintp)
     _check(_raw.dpar_device_count(n.ctypes.data, kind))

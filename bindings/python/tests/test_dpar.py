@@ -28,6 +28,13 @@ def engine(model, **kw):
 
 
 class Reference(unittest.TestCase):
+    def test_cpu_gemm_backend_names_the_library_and_its_kernels(self):
+        what = dpar.cpu_gemm_backend()
+        self.assertIsInstance(what, str)
+        self.assertTrue(what.startswith("oneDNN "), what)
+        self.assertIn(" kernels", what)
+        self.assertEqual(what, dpar.cpu_gemm_backend())
+
     def test_losses_have_the_c_reference_bits(self):
         path = os.environ.get("DPAR_REFERENCE_LOSSES")
         self.assertIsNotNone(path, "DPAR_REFERENCE_LOSSES: the file build/tests/binding_reference writes")

@@ -1,4 +1,4 @@
-// The CPU backend: cpu:K are virtual devices, each a worker thread with single-threaded OpenBLAS, all in host
+// The CPU backend: cpu:K are virtual devices, each a worker thread with a single-threaded oneDNN GEMM, all in host
 // memory. Streams run every call at once on the calling thread; replicas reduce through the threads backend.
 #pragma once
 

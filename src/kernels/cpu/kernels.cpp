@@ -10,7 +10,6 @@
 //    exactly where PyTorch passes them to a float tensor op.
 #include "kernels/cpu/kernels.h"
 
-#include <cblas.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,6 +22,7 @@
 
 #include "common/error.h"
 #include "common/bf16.h"
+#include "kernels/cpu/gemm.h"
 
 namespace dpar::kernels::cpu {
 
@@ -44,15 +44,15 @@ inline void sqrt_block(float* out, const float* in, int64_t n) {
 // Arguments that every kernel on n elements shares.
 inline void check_count(int64_t n) { DPAR_CHECK_ARG(n >= 0, "element count must be >= 0, got ", n); }
 
-// OpenBLAS takes 32-bit extents (LP64 build); refuse anything that would silently truncate.
-inline blasint blas_dim(int64_t v, const char* name) {
-  DPAR_CHECK_ARG(v >= 0 && v <= static_cast<int64_t>(std::numeric_limits<blasint>::max()), "linear: ", name,
+// Extents stay within 32 bits, as cuBLAS's do for the CUDA twins: the same shapes are accepted on every device.
+inline int64_t blas_dim(int64_t v, const char* name) {
+  DPAR_CHECK_ARG(v >= 0 && v <= static_cast<int64_t>(std::numeric_limits<int32_t>::max()), "linear: ", name,
                  " = ", v, " is out of the BLAS range");
-  return static_cast<blasint>(v);
+  return v;
 }
 
 // A leading dimension must be at least 1 even when the extent is 0.
-inline blasint ld(blasint v) { return v > 0 ? v : 1; }
+inline int64_t ld(int64_t v) { return v > 0 ? v : 1; }
 
 inline void fill_zero(float* x, int64_t n) {
   if (n > 0) std::memset(x, 0, static_cast<size_t>(n) * sizeof(float));
@@ -86,7 +86,7 @@ inline float uniform24(uint64_t key, uint64_t counter) {
 // inp (B,C_in), weight (C_out,C_in), bias (C_out) or nullptr, out (B,C_out)
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
                     int64_t C_out) {
-  const blasint b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
+  const int64_t b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
   if (B == 0 || C_out == 0) return;
   DPAR_CHECK_ARG(out != nullptr, "linear_forward: out is null");
   DPAR_CHECK_ARG(C_in == 0 || (inp != nullptr && weight != nullptr), "linear_forward: inp or weight is null");
@@ -99,14 +99,14 @@ void linear_forward(float* out, const float* inp, const float* weight, const flo
     if (bias == nullptr) fill_zero(out, B * C_out);
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, b, cout, cin, 1.0f, inp, ld(cin), weight, ld(cin),
-              bias != nullptr ? 1.0f : 0.0f, out, ld(cout));
+  sgemm(false, true, b, cout, cin, 1.0f, inp, ld(cin), weight, ld(cin), bias != nullptr ? 1.0f : 0.0f, out,
+        ld(cout));
 }
 
 // dinp (B,C_in), dweight (C_out,C_in), dbias (C_out), dout (B,C_out), inp (B,C_in), weight (C_out,C_in)
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate) {
-  const blasint b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
+  const int64_t b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
   DPAR_CHECK_ARG(dweight != nullptr || C_out * C_in == 0, "linear_backward: dweight is null");
   const bool nonempty = B > 0 && C_out > 0;
   DPAR_CHECK_ARG(!nonempty || dout != nullptr, "linear_backward: dout is null");
@@ -117,8 +117,7 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
       fill_zero(dinp, B * C_in);
     } else {
       DPAR_CHECK_ARG(weight != nullptr, "linear_backward: weight is null");
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, b, cin, cout, 1.0f, dout, ld(cout), weight, ld(cin),
-                  0.0f, dinp, ld(cin));
+      sgemm(false, false, b, cin, cout, 1.0f, dout, ld(cout), weight, ld(cin), 0.0f, dinp, ld(cin));
     }
   }
 
@@ -128,8 +127,8 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
       if (!accumulate) fill_zero(dweight, C_out * C_in);
     } else {
       DPAR_CHECK_ARG(inp != nullptr, "linear_backward: inp is null");
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cout, cin, b, 1.0f, dout, ld(cout), inp, ld(cin),
-                  accumulate ? 1.0f : 0.0f, dweight, ld(cin));
+      sgemm(true, false, cout, cin, b, 1.0f, dout, ld(cout), inp, ld(cin), accumulate ? 1.0f : 0.0f, dweight,
+            ld(cin));
     }
   }
 

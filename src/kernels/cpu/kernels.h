@@ -6,7 +6,8 @@
 // Determinism: each output element is computed by the same sequence of float operations wherever it sits in the
 // buffer (loops are written so that the compiler's vector body and scalar tail do identical arithmetic, and no
 // reduction is reassociated), so the same inputs give bit-identical outputs, call after call. GEMMs go through
-// OpenBLAS, whose results depend on the OpenBLAS build and CPU but not on the call.
+// oneDNN (kernels/cpu/gemm.h), whose results depend on the oneDNN build, the CPU's ISA and the calling thread's
+// GEMM thread count, but not on the call.
 //
 // Elementwise kernels (activations, dropout, axpy, scale) allow their output to alias their input exactly
 // (in-place use); no other partial overlap is allowed anywhere.
@@ -20,7 +21,7 @@
 namespace dpar::kernels::cpu {
 
 // ---------------------------------------------------------------------------------------------------------------
-// Linear layer (GEMM through OpenBLAS cblas_sgemm; extents must fit in a 32-bit BLAS int).
+// Linear layer (GEMM through oneDNN's dnnl_sgemm; extents must fit in 32 bits, as for cuBLAS).
 
 // out = inp @ weight^T + bias.
 // inp (B,C_in), weight (C_out,C_in), bias (C_out) or nullptr, out (B,C_out)

@@ -56,6 +56,8 @@ Base.showerror(io::IO, e::DparError) = print(io, status_name(e.status), ": ", e.
 status_name(s::Integer) = unsafe_string(ccall((:dpar_status_str, libdpar), Cstring, (Int32,), s))
 version() = ccall((:dpar_version, libdpar), Int32, ())
 version_string() = unsafe_string(ccall((:dpar_version_string, libdpar), Cstring, ()))
+"What runs the CPU matrix multiplies: the GEMM library, its version and the kernels it chose for this CPU."
+cpu_gemm_backend() = unsafe_string(ccall((:dpar_cpu_gemm_backend, libdpar), Cstring, ()))
 
 # Reads, then clears, the thread's error: the ccall and this read run on the same OS thread (no task switch
 # between them: neither yields).

@@ -220,6 +220,7 @@ pub struct dpar_reducer_options {
 extern "C" {
     pub fn dpar_version() -> i32;
     pub fn dpar_version_string() -> *const c_char;
+    pub fn dpar_cpu_gemm_backend() -> *const c_char;
     pub fn dpar_last_error() -> *const c_char;
     pub fn dpar_clear_error();
     pub fn dpar_status_str(status: dpar_status) -> *const c_char;

@@ -188,6 +188,12 @@ pub fn version_string() -> &'static str {
     unsafe { CStr::from_ptr(sys::dpar_version_string()) }.to_str().unwrap_or("")
 }
 
+/// What runs the CPU matrix multiplies: the GEMM library, its version and the kernels it chose for this CPU,
+/// such as "oneDNN 2.6.3 (OpenMP), avx512_core f32 kernels (CPU ISA avx512_core_amx)".
+pub fn cpu_gemm_backend() -> &'static str {
+    unsafe { CStr::from_ptr(sys::dpar_cpu_gemm_backend()) }.to_str().unwrap_or("")
+}
+
 /// Kinds of devices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceKind {

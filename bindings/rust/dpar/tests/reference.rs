@@ -21,6 +21,13 @@ fn options() -> EngineOptions {
 }
 
 #[test]
+fn cpu_gemm_backend_names_the_library_and_its_kernels() {
+    let what = cpu_gemm_backend();
+    assert!(what.starts_with("oneDNN "), "{}", what);
+    assert!(what.contains(" kernels"), "{}", what);
+}
+
+#[test]
 fn losses_have_the_c_reference_bits() {
     let path = std::env::var("DPAR_REFERENCE_LOSSES")
         .expect("DPAR_REFERENCE_LOSSES: the file build/tests/binding_reference writes (ctest sets it)");
