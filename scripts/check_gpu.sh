@@ -27,8 +27,9 @@
 #
 # On the project's GPU machines (../shared/device/README.md), from the project's root:
 #   source .gpudeps/on-device.sh && bash scripts/check_gpu.sh "$OUT/gpu"
-# on-device.sh exports DEVICE_CMAKE_ARGS (where the carried OpenBLAS, zlib, GoogleTest and DLPack are) and
-# DPAR_FASHION_MNIST_DIR.
+# after `DEVCARRY_EXTRA_DEBS="ocl-icd-libopencl1" bash ../shared/device/prepare.sh` on the build machine (Debian's
+# oneDNN, dpar's CPU GEMM, needs libOpenCL.so.1). on-device.sh exports DEVICE_CMAKE_ARGS (where the carried
+# oneDNN, zlib, GoogleTest and DLPack are) and DPAR_FASHION_MNIST_DIR.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
@@ -106,6 +107,17 @@ stage_build() {
   # shellcheck disable=SC2086
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDPAR_WITH_CUDA=ON -DDPAR_CUDA_TEST_TIMEOUT=60 \
     ${DEVICE_CMAKE_ARGS:-} "${extra[@]}" || return 1
+  # The libraries found must load here: Debian's oneDNN needs libOpenCL.so.1 (ocl-icd-libopencl1), which a
+  # machine with only NVIDIA's driver may lack. Said now, before minutes of building end in a link error.
+  local lib missing
+  for lib in $(sed -n 's/^\(DNNL_LIBRARY\|NCCL_LIBRARY\):FILEPATH=//p' "$build/CMakeCache.txt"); do
+    missing=$(ldd "$lib" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' ')
+    if [ -n "$missing" ]; then
+      echo "-- $lib needs $missing which this machine lacks (carry it: DEVCARRY_EXTRA_DEBS=\"ocl-icd-libopencl1\"" \
+           "bash ../shared/device/prepare.sh)"
+      return 1
+    fi
+  done
   cmake --build "$build" -j "$(nproc)"
 }
 
