@@ -32,6 +32,10 @@
 
 #include "bench_util.h"
 
+/* A function pointer from dlsym, as POSIX spells it: ISO C has no conversion from an object pointer to a function
+ * pointer, so the symbol's address is stored through the pointer's own bytes. */
+#define DPAR_DLSYM(fp, handle, name) (*(void **)(&(fp)) = dlsym((handle), (name)))
+
 enum { kRowMajor = 101, kNoTrans = 111, kTrans = 112 };
 typedef void (*cblas_sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
                                float *, int);
@@ -97,10 +101,12 @@ static void run_gemm(const gemm *g, const shape *s, const float *A, const float 
 /* What the library says it runs: its version and the kernel it chose. */
 static void describe(void *h, const char *name, char *out, size_t cap) {
   snprintf(out, cap, "%s", name);
-  char *(*corename)(void) = (char *(*)(void))dlsym(h, "openblas_get_corename");
-  if (!corename) corename = (char *(*)(void))dlsym(h, "scipy_openblas_get_corename");
-  char *(*config)(void) = (char *(*)(void))dlsym(h, "openblas_get_config");
-  if (!config) config = (char *(*)(void))dlsym(h, "scipy_openblas_get_config");
+  char *(*corename)(void);
+  DPAR_DLSYM(corename, h, "openblas_get_corename");
+  if (!corename) DPAR_DLSYM(corename, h, "scipy_openblas_get_corename");
+  char *(*config)(void);
+  DPAR_DLSYM(config, h, "openblas_get_config");
+  if (!config) DPAR_DLSYM(config, h, "scipy_openblas_get_config");
   if (corename) {
     snprintf(out, cap, "%s, %s kernels", config ? config() : "OpenBLAS", corename());
     return;
@@ -110,22 +116,28 @@ static void describe(void *h, const char *name, char *out, size_t cap) {
     const char *hash;
     unsigned cpu_runtime, gpu_runtime;
   } dnnl_version_t;
-  const dnnl_version_t *(*dv)(void) = (const dnnl_version_t *(*)(void))dlsym(h, "dnnl_version");
-  int (*isa)(void) = (int (*)(void))dlsym(h, "dnnl_get_effective_cpu_isa");
+  const dnnl_version_t *(*dv)(void);
+  DPAR_DLSYM(dv, h, "dnnl_version");
+  int (*isa)(void);
+  DPAR_DLSYM(isa, h, "dnnl_get_effective_cpu_isa");
   if (dv && isa) {
     const dnnl_version_t *v = dv();
     snprintf(out, cap, "oneDNN %d.%d.%d, effective ISA mask 0x%x", v->major, v->minor, v->patch, isa());
     return;
   }
-  int (*arch_id)(void) = (int (*)(void))dlsym(h, "bli_arch_query_id");
-  const char *(*arch_str)(int) = (const char *(*)(int))dlsym(h, "bli_arch_string");
-  const char *(*blis_ver)(void) = (const char *(*)(void))dlsym(h, "bli_info_get_version_str");
+  int (*arch_id)(void);
+  DPAR_DLSYM(arch_id, h, "bli_arch_query_id");
+  const char *(*arch_str)(int);
+  DPAR_DLSYM(arch_str, h, "bli_arch_string");
+  const char *(*blis_ver)(void);
+  DPAR_DLSYM(blis_ver, h, "bli_info_get_version_str");
   if (arch_id && arch_str) {
     snprintf(out, cap, "BLIS %s, %s kernels", blis_ver ? blis_ver() : "?", arch_str(arch_id()));
     return;
   }
-  void (*mkl_ver)(char *, int) = (void (*)(char *, int))dlsym(h, "mkl_get_version_string");
-  if (!mkl_ver) mkl_ver = (void (*)(char *, int))dlsym(h, "MKL_Get_Version_String");
+  void (*mkl_ver)(char *, int);
+  DPAR_DLSYM(mkl_ver, h, "mkl_get_version_string");
+  if (!mkl_ver) DPAR_DLSYM(mkl_ver, h, "MKL_Get_Version_String");
   if (mkl_ver) {
     char buf[512] = {0};
     mkl_ver(buf, (int)sizeof buf - 1);
@@ -141,9 +153,9 @@ static int measure(const provider *p, const char *lib, int rounds) {
     return 0;
   }
   gemm g = {0};
-  g.dnnl = (dnnl_sgemm_fn)dlsym(h, "dnnl_sgemm");
-  if (!g.dnnl) g.cblas = (cblas_sgemm_fn)dlsym(h, "cblas_sgemm");
-  if (!g.dnnl && !g.cblas) g.cblas = (cblas_sgemm_fn)dlsym(h, "scipy_cblas_sgemm");
+  DPAR_DLSYM(g.dnnl, h, "dnnl_sgemm");
+  if (!g.dnnl) DPAR_DLSYM(g.cblas, h, "cblas_sgemm");
+  if (!g.dnnl && !g.cblas) DPAR_DLSYM(g.cblas, h, "scipy_cblas_sgemm");
   if (!g.dnnl && !g.cblas) {
     printf("%-18s %s has no sgemm\n", p->name, lib);
     return 1;
