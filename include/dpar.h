@@ -236,8 +236,13 @@ DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor **out, struct DLManaged
 /**
  * @brief Hands a tensor to another framework without a copy, as a DLPack tensor on the tensor's device.
  * @param[out] out  Owned by the caller, released with `(*out)->deleter(*out)` (a consumer such as
- *                  torch.from_dlpack does it). It keeps the storage alive: @p tensor may be freed first. Writes
+ *                  torch.from_dlpack does it). It keeps the memory alive: @p tensor may be freed first (and an
+ *                  engine whose custom layer's parameter it is, too); for a tensor taken from DLPack, the
+ *                  producer's deleter runs only once both the tensor and every export of it are released. Writes
  *                  through either are seen by both.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for memory that belongs to the caller, which dpar cannot keep
+ *         alive: a tensor from dpar_tensor_wrap_host(), or a view of one (a custom layer's input when the engine
+ *         was given such a tensor). Export a copy instead (dpar_tensor_create(), dpar_tensor_copy_from_host()).
  */
 DPAR_API dpar_status dpar_tensor_to_dlpack(struct DLManagedTensor **out, dpar_tensor *tensor);
 /**@}*/

@@ -159,4 +159,54 @@ TEST(Dlpack, ToDlpackOutlivesTheTensorAndRoundTrips) {
   dpar_tensor_free(back);  // calls m's deleter, which frees the storage
 }
 
+// A producer whose deleter frees the memory, as NumPy's and PyTorch's do: reading it after the deleter ran is a
+// use after free (which AddressSanitizer reports), and `deleted` says when that happened.
+struct FreeingProducer {
+  float* data;
+  int64_t shape[1] = {5};
+  DLManagedTensor managed{};
+  int deleted = 0;
+  FreeingProducer() : data(new float[5]{1, 2, 3, 4, 5}) {
+    managed.dl_tensor = DLTensor{data, DLDevice{kDLCPU, 0}, 1, DLDataType{kDLFloat, 32, 1}, shape, nullptr, 0};
+    managed.manager_ctx = this;
+    managed.deleter = [](DLManagedTensor* m) {
+      auto* self = static_cast<FreeingProducer*>(m->manager_ctx);
+      delete[] self->data;
+      self->data = nullptr;
+      self->deleted++;
+    };
+  }
+  ~FreeingProducer() { delete[] data; }
+};
+
+TEST(Dlpack, ExportOfAnImportedTensorKeepsTheProducersMemoryAlive) {
+  FreeingProducer p;
+  dpar_tensor* t = nullptr;
+  ASSERT_OK(dpar_tensor_from_dlpack(&t, &p.managed));
+  DLManagedTensor* m = nullptr;
+  ASSERT_OK(dpar_tensor_to_dlpack(&m, t));
+  dpar_tensor_free(t);
+  // The export still points into the producer's memory: its deleter must wait for the export's.
+  EXPECT_EQ(p.deleted, 0) << "the producer's memory was released while an export still points into it";
+  if (p.deleted == 0) {
+    const float* f = static_cast<const float*>(m->dl_tensor.data);
+    EXPECT_EQ(std::vector<float>(f, f + 5), (std::vector<float>{1, 2, 3, 4, 5}));
+  }
+  m->deleter(m);
+  EXPECT_EQ(p.deleted, 1);
+}
+
+TEST(Dlpack, ExportOfACallersBufferIsRefused) {
+  // dpar cannot keep a caller's buffer alive, so an export could outlive it: refused, with the reason.
+  std::vector<float> buffer(6, 1.0f);
+  const int64_t shape[2] = {2, 3};
+  dpar_tensor* t = nullptr;
+  ASSERT_OK(dpar_tensor_wrap_host(&t, DPAR_F32, shape, 2, buffer.data()));
+  DLManagedTensor* m = reinterpret_cast<DLManagedTensor*>(&m);
+  EXPECT_EQ(dpar_tensor_to_dlpack(&m, t), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(m, nullptr);
+  EXPECT_NE(std::string(dpar_last_error()).find("dpar_tensor_wrap_host"), std::string::npos) << dpar_last_error();
+  dpar_tensor_free(t);
+}
+
 }  // namespace

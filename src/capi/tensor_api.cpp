@@ -33,6 +33,7 @@ namespace {
 struct DlpackExport {
   DLManagedTensor managed{};
   Tensor tensor;
+  std::shared_ptr<void> external;  // the imported DLPack tensor the memory belongs to, if it is one
   int64_t shape[DPAR_MAX_DIMS] = {0, 0, 0, 0};
 };
 
@@ -193,9 +194,16 @@ DPAR_API dpar_status dpar_tensor_to_dlpack(DLManagedTensor** out, dpar_tensor* t
   return guard([&] {
     checked_out(out);
     *out = nullptr;
-    const Tensor& t = checked(tensor, "tensor").tensor;
+    const dpar_tensor& h = checked(tensor, "tensor");
+    const Tensor& t = h.tensor;
+    // The export must keep what it points into alive after the handle is freed. dpar's own storage and an
+    // imported DLPack tensor (held through `external`) can be; a caller's buffer (dpar_tensor_wrap_host) cannot.
+    DPAR_CHECK_ARG(t.owns_memory() || h.external, "tensor: its memory belongs to the caller (dpar_tensor_wrap_host, "
+                   "or a view of such a tensor), which dpar cannot keep alive; export a copy (dpar_tensor_create "
+                   "and dpar_tensor_copy_from_host)");
     auto ex = std::make_unique<DlpackExport>();
     ex->tensor = t;  // shares the storage: the tensor handle may be freed first
+    ex->external = h.external;
     for (size_t i = 0; i < t.shape().ndim(); ++i) ex->shape[i] = t.shape()[i];
     DLTensor& d = ex->managed.dl_tensor;
     d.data = t.raw();
