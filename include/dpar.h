@@ -227,7 +227,10 @@ struct DLManagedTensor; /* DLPack's (dlpack/dlpack.h, version 0.x ABI); dpar.h d
  * until backward: free the tensor after that. On failure the caller keeps @p managed.
  * Accepted: a compact row-major float32 (kDLFloat, 32 bits) or int32 (kDLInt, 32 bits) tensor of 1 to
  * #DPAR_MAX_DIMS dimensions, with lanes 1, on kDLCPU (cpu:0) or kDLCUDA (device K becomes cuda:K). Strides may be
- * NULL or the compact ones; byte_offset is honoured.
+ * NULL or the compact ones; byte_offset is honoured, and refused when data + byte_offset (or the tensor's end)
+ * would pass the end of the address space, the span exceeds PTRDIFF_MAX bytes, or the first element is not
+ * aligned to its 4 bytes. An unknown device type (one from a newer DLPack) is refused with
+ * ::DPAR_ERR_NOT_SUPPORTED.
  * @param[out] out  The tensor, owned by the caller (dpar_tensor_free()).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a NULL argument, a dtype, layout or shape dpar does not take;
  *         ::DPAR_ERR_NOT_SUPPORTED for a device kind dpar does not have (kDLCUDA in a build without CUDA).

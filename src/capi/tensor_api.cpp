@@ -1,5 +1,8 @@
 #include <dlpack/dlpack.h>
 
+#include <cstdint>
+#include <cstring>
+
 #include "capi/api.h"
 
 using namespace dpar;
@@ -145,16 +148,21 @@ DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor** out, DLManagedTensor*
     *out = nullptr;
     DPAR_CHECK_ARG(managed != nullptr, "managed: is NULL");
     const DLTensor& d = managed->dl_tensor;
+    // The device type as the integer it is: a producer may send a value outside DLDeviceType as dpar knows it
+    // (a newer DLPack's), and loading that through the enum type is undefined behaviour.
+    static_assert(sizeof(DLDeviceType) == sizeof(int32_t), "DLPack's device type is a 32-bit integer");
+    int32_t device_type = 0;
+    std::memcpy(&device_type, &d.device.device_type, sizeof device_type);
     Device dev;
-    switch (d.device.device_type) {
+    switch (device_type) {
       case kDLCPU:
         break;
       case kDLCUDA:
         dev = checked_device(dpar_device{DPAR_DEVICE_CUDA, d.device.device_id}, "managed->dl_tensor.device (kDLCUDA)");
         break;
       default:
-        fail(DPAR_ERR_NOT_SUPPORTED, "managed->dl_tensor.device: DLPack device type ",
-             static_cast<int>(d.device.device_type), " is not one dpar has (kDLCPU, kDLCUDA)");
+        fail(DPAR_ERR_NOT_SUPPORTED, "managed->dl_tensor.device: DLPack device type ", device_type,
+             " is not one dpar has (kDLCPU, kDLCUDA)");
     }
     DType dt = DType::kF32;
     if (d.dtype.code == kDLFloat && d.dtype.bits == 32 && d.dtype.lanes == 1) {
@@ -179,7 +187,21 @@ DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor** out, DLManagedTensor*
       }
     }
     DPAR_CHECK_ARG(d.data != nullptr, "managed->dl_tensor.data: is NULL");
-    void* data = static_cast<char*>(d.data) + d.byte_offset;
+    // The first element's address, data + byte_offset, and the last byte's must not wrap around the address
+    // space (an offset of 2^64 - 4 would read before the buffer), no object spans more than PTRDIFF_MAX bytes
+    // (an offset of 2^63 is no real one), and elements must be aligned (int32 labels at an odd address are
+    // misaligned reads). Computed on integers: the pointer sum itself would be undefined.
+    const auto base = reinterpret_cast<uintptr_t>(d.data);
+    const uint64_t bytes = static_cast<uint64_t>(s.numel()) * dtype_size(dt);  // at most 2^42 (Shape::checked)
+    constexpr auto kMaxSpan = static_cast<uint64_t>(PTRDIFF_MAX);
+    DPAR_CHECK_ARG(d.byte_offset <= kMaxSpan - bytes && d.byte_offset <= UINTPTR_MAX - base &&
+                       bytes <= UINTPTR_MAX - base - d.byte_offset,
+                   "managed->dl_tensor.byte_offset: ", d.byte_offset, " with ", bytes,
+                   " bytes of data runs past the end of the address space");
+    const uintptr_t first = base + static_cast<uintptr_t>(d.byte_offset);
+    DPAR_CHECK_ARG(first % dtype_size(dt) == 0, "managed->dl_tensor: data + byte_offset (", d.byte_offset,
+                   ") is not aligned to the ", dtype_size(dt), "-byte elements");
+    void* data = reinterpret_cast<void*>(first);
     auto* h = new_handle<dpar_tensor>();
     h->tensor = Tensor::wrap(data, dt, s, dev);
     h->external = std::shared_ptr<void>(managed, [](void* p) {
