@@ -727,7 +727,8 @@ typedef dpar_status (*dpar_forward_hook)(void *payload, size_t replica, const in
 /**
  * @brief Installs (or with a NULL @p hook removes) the forward hook. Replicas call it concurrently.
  * @param destroy  Releases @p payload (may be NULL): called once, when the hook is replaced or removed, or the
- *                 engine is freed; also when this call fails (but not for a NULL or dead @p engine).
+ *                 engine is freed; also when this call fails for any reason but a NULL or dead @p engine (a
+ *                 call from inside the engine's own callbacks, refused with ::DPAR_ERR_INVALID_STATE, included).
  */
 DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine *engine, dpar_forward_hook hook, void *payload,
                                                   dpar_destroy_fn destroy);

@@ -574,3 +574,47 @@ TEST(CustomLayer, ExportedParameterOutlivesTheEngine) {
 }
 
 }  // namespace
+
+namespace {
+
+// A forward hook that tries to install another hook on its own engine, which is refused (the engine's lock is
+// held by the call that runs the hook); the refused payload must still be released.
+struct ReentrantHook {
+  dpar_engine* engine = nullptr;
+  std::atomic<int> refused{0};
+  std::atomic<int> other_status{DPAR_OK};
+  HookState other;  // the payload offered from inside the hook
+};
+
+dpar_status reentrant_hook(void* payload, size_t replica, const int64_t*, size_t, const int64_t*, size_t) {
+  auto* r = static_cast<ReentrantHook*>(payload);
+  if (replica != 0) return DPAR_OK;
+  const dpar_status rc = dpar_engine_set_forward_hook(r->engine, counting_hook, &r->other, count_hook_destroy);
+  r->other_status = rc;
+  if (rc != DPAR_OK) r->refused++;
+  return DPAR_OK;
+}
+
+TEST(ForwardHook, RefusedFromInsideTheHookStillReleasesThePayload) {
+  dpar_model* m = nullptr;
+  ASSERT_OK(dpar_model_create(&m, nullptr));
+  ASSERT_OK(dpar_model_add_linear(m, 4, 3, 1));
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 2;
+  ReentrantHook r;
+  ASSERT_OK(dpar_engine_create(&r.engine, m, nullptr, &eo));
+  std::atomic<int> destroyed_other{0};
+  r.other.destroyed = &destroyed_other;
+  ASSERT_OK(dpar_engine_set_forward_hook(r.engine, reentrant_hook, &r, nullptr));
+  Data d(6, 4, 3, 5);
+  ASSERT_OK(dpar_engine_train_step(nullptr, r.engine, d.tx, d.ty));
+  EXPECT_EQ(r.refused.load(), 1);
+  EXPECT_EQ(r.other_status.load(), DPAR_ERR_INVALID_STATE);
+  EXPECT_EQ(destroyed_other.load(), 1) << "the refused payload's destroy was not called";
+  EXPECT_EQ(r.other.calls.load(), 0);
+  dpar_engine_free(r.engine);
+  EXPECT_EQ(destroyed_other.load(), 1);
+  dpar_model_free(m);
+}
+
+}  // namespace
