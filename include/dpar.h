@@ -736,6 +736,11 @@ DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine *engine, dpar_forw
 /**
  * @brief Saves parameters, optimizer state, step count and RNG streams as a safetensors file, atomically
  * (a temporary file, fsync, rename): a crash leaves the old file or the new one, never half of one.
+ * The temporary file, beside @p path, has a name of its own per save (hidden, at most about 100 bytes whatever
+ * the length of @p path's name): concurrent saves to one path (two engines, or a trace) each succeed, and the
+ * last renamed is the file left, complete. A @p path that exists and is not a regular file (a device such as
+ * /dev/null, a FIFO, a socket, a directory, or a symbolic link to one) is refused and left as it was; a link to
+ * a regular file is replaced by the new file, the file it named is not written.
  * With several processes every process calls it: rank 0 alone writes @p path (the others' @p path is not
  * touched), and every process returns rank 0's outcome.
  * @return ::DPAR_OK or ::DPAR_ERR_IO.
@@ -767,6 +772,7 @@ DPAR_API dpar_status dpar_engine_trace_start(dpar_engine *engine);
  * ui.perfetto.dev and chrome://tracing), atomically; one track per thread, the process's rank as its pid. NULL
  * only stops. The timeline stays until the next dpar_engine_trace_start(), so a write that failed may be tried
  * again with another path. Each process of an engine records and writes its own: give each its own path.
+ * The file is written as dpar_engine_save() writes its own (the same temporary names and refusals).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_STATE if no trace was started; ::DPAR_ERR_IO naming the path.
  */
 DPAR_API dpar_status dpar_engine_trace_stop(dpar_engine *engine, const char *path);
@@ -1057,7 +1063,13 @@ DPAR_API void dpar_dataset_free(dpar_dataset *dataset);
 /** @brief Number of samples, features per sample, and number of classes (max label + 1). Outputs may be NULL. */
 DPAR_API dpar_status dpar_dataset_info(size_t *out_samples, size_t *out_features, size_t *out_classes,
                                        const dpar_dataset *dataset);
-/** @brief Standardises every feature: x = (x - mean) / std. */
+/**
+ * @brief Standardises every feature: x = (x - mean) / std.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a mean that is not finite or a std that is not positive;
+ *         ::DPAR_ERR_INVALID_STATE while a loader of @p dataset is open (a loader on a device prepares the next
+ *         batch on a thread of its own, so the change would race with it and yield a batch from before it):
+ *         normalise before creating loaders, or free them first. The dataset is unchanged on every error.
+ */
 DPAR_API dpar_status dpar_dataset_normalize(dpar_dataset *dataset, float mean, float std);
 
 /**
