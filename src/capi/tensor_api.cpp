@@ -202,6 +202,9 @@ DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor** out, DLManagedTensor*
     DPAR_CHECK_ARG(first % dtype_size(dt) == 0, "managed->dl_tensor: data + byte_offset (", d.byte_offset,
                    ") is not aligned to the ", dtype_size(dt), "-byte elements");
     void* data = reinterpret_cast<void*>(first);
+    // The producer's writes are ordered on the device's legacy default stream (what the Python binding asks
+    // __dlpack__(stream=1) for, and what dpar.h asks of a C caller); dpar's streams do not wait for it: wait now.
+    if (!dev.is_host()) backend_for(dev).wait_for_legacy_stream(dev);
     auto* h = new_handle<dpar_tensor>();
     h->tensor = Tensor::wrap(data, dt, s, dev);
     h->external = std::shared_ptr<void>(managed, [](void* p) {
