@@ -819,12 +819,16 @@ typedef struct dpar_comm dpar_comm;             /**< One participant of a group.
 typedef struct dpar_comm_group dpar_comm_group; /**< The participants of one process (threads backend). */
 typedef struct dpar_work dpar_work;             /**< An asynchronous collective in flight. */
 
-/** @brief Reductions. */
+/**
+ * @brief Reductions, with one meaning in every backend (threads, MPI, in a fused message or not): integer sums
+ * wrap (two's complement, never undefined); max and min propagate a NaN from any participant, as PyTorch's do,
+ * and between equal values (-0 and +0) keep the one combined first.
+ */
 typedef enum dpar_reduce_op {
-  DPAR_SUM = 0,  /**< Sum. */
+  DPAR_SUM = 0,  /**< Sum (integers wrap on overflow). */
   DPAR_MEAN = 1, /**< Sum divided by the number of participants (integers: truncated toward zero). */
-  DPAR_MAX = 2,  /**< Maximum. */
-  DPAR_MIN = 3   /**< Minimum. */
+  DPAR_MAX = 2,  /**< Maximum; NaN if any participant's element is NaN. */
+  DPAR_MIN = 3   /**< Minimum; NaN if any participant's element is NaN. */
 } dpar_reduce_op;
 
 /** @brief Options of a communicator or group. */
