@@ -820,9 +820,10 @@ typedef struct dpar_comm_group dpar_comm_group; /**< The participants of one pro
 typedef struct dpar_work dpar_work;             /**< An asynchronous collective in flight. */
 
 /**
- * @brief Reductions, with one meaning in every backend (threads, MPI, in a fused message or not): integer sums
- * wrap (two's complement, never undefined); max and min propagate a NaN from any participant, as PyTorch's do,
- * and between equal values (-0 and +0) keep the one combined first.
+ * @brief Reductions, with one meaning in the host-memory backends (threads, and MPI whether the data rides in a
+ * fused message or goes through MPI_Allreduce): integer sums wrap (two's complement, never undefined); max and
+ * min propagate a NaN from any participant, as PyTorch's do, and between equal values (-0 and +0) keep the one
+ * combined first. A group on GPUs reduces with NCCL's operations (ncclMax, ncclMin), whose NaN handling is NCCL's.
  */
 typedef enum dpar_reduce_op {
   DPAR_SUM = 0,  /**< Sum (integers wrap on overflow). */

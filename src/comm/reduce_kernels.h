@@ -1,5 +1,5 @@
-// The element-wise reductions of every backend's collectives (threads, MPI; the CUDA kernels follow the same
-// rules), defined once:
+// The element-wise reductions of the host-memory backends' collectives (threads, MPI: fused or through
+// MPI_Allreduce with dpar's own MPI operations), defined once (GPU groups use NCCL's operations):
 //   - sums of integers wrap (two's complement, computed unsigned: no undefined behaviour on overflow);
 //   - sums of floats are IEEE sums in the backend's order (rank order here);
 //   - max and min propagate NaN from any operand, as torch.max and torch.min do, and keep the earlier operand on
