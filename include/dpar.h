@@ -237,7 +237,19 @@ struct DLManagedTensor; /* DLPack's (dlpack/dlpack.h, version 0.x ABI); dpar.h d
  * until backward: free the tensor after that. On failure the caller keeps @p managed.
  * Accepted: a compact row-major float32 (kDLFloat, 32 bits) or int32 (kDLInt, 32 bits) tensor of 1 to
  * #DPAR_MAX_DIMS dimensions, with lanes 1, on kDLCPU (cpu:0) or kDLCUDA (device K becomes cuda:K). Strides may be
- * NULL or the compact ones; byte_offset is honoured.
+ * NULL or the compact ones; byte_offset is honoured, and refused when data + byte_offset (or the tensor's end)
+ * would pass the end of the address space, the span exceeds PTRDIFF_MAX bytes, or the first element is not
+ * aligned to its 4 bytes. An unknown device type (one from a newer DLPack) is refused with
+ * ::DPAR_ERR_NOT_SUPPORTED.
+ *
+ * Ordering with the producer (kDLCUDA): dpar runs its work on streams of its own, which do not wait for any
+ * other stream. The caller must make the producer's writes to the tensor complete or ordered on the device's
+ * legacy default stream (stream handle 1 in the DLPack stream protocol; `cudaStreamLegacy`) before this call:
+ * dpar waits for that stream here, on the calling thread, so every later use of the memory by dpar follows the
+ * producer. The Python binding asks `__dlpack__(stream=1)` of a CUDA producer, which does exactly that (PyTorch
+ * and CuPy make the legacy stream wait for their current stream). Writes the producer queues after this call
+ * are not ordered with dpar's reads: the producer must not write the tensor while dpar may use it.
+ * kDLCPU tensors must be written when this call is made.
  * @param[out] out  The tensor, owned by the caller (dpar_tensor_free()).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a NULL argument, a dtype, layout or shape dpar does not take;
  *         ::DPAR_ERR_NOT_SUPPORTED for a device kind dpar does not have (kDLCUDA in a build without CUDA).
@@ -246,8 +258,15 @@ DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor **out, struct DLManaged
 /**
  * @brief Hands a tensor to another framework without a copy, as a DLPack tensor on the tensor's device.
  * @param[out] out  Owned by the caller, released with `(*out)->deleter(*out)` (a consumer such as
- *                  torch.from_dlpack does it). It keeps the storage alive: @p tensor may be freed first. Writes
- *                  through either are seen by both.
+ *                  torch.from_dlpack does it). It keeps the memory alive: @p tensor may be freed first (and an
+ *                  engine whose custom layer's parameter it is, too); for a tensor taken from DLPack, the
+ *                  producer's deleter runs only once both the tensor and every export of it are released. Writes
+ *                  through either are seen by both. dpar's work on the tensor has finished when the dpar call
+ *                  that queued it returns, so a consumer needs no stream to wait for (the Python binding's
+ *                  `__dlpack__` accepts any `stream` and has nothing to order).
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for memory that belongs to the caller, which dpar cannot keep
+ *         alive: a tensor from dpar_tensor_wrap_host(), or a view of one (a custom layer's input when the engine
+ *         was given such a tensor). Export a copy instead (dpar_tensor_create(), dpar_tensor_copy_from_host()).
  */
 DPAR_API dpar_status dpar_tensor_to_dlpack(struct DLManagedTensor **out, dpar_tensor *tensor);
 /**@}*/
@@ -729,7 +748,8 @@ typedef dpar_status (*dpar_forward_hook)(void *payload, size_t replica, const in
 /**
  * @brief Installs (or with a NULL @p hook removes) the forward hook. Replicas call it concurrently.
  * @param destroy  Releases @p payload (may be NULL): called once, when the hook is replaced or removed, or the
- *                 engine is freed; also when this call fails (but not for a NULL or dead @p engine).
+ *                 engine is freed; also when this call fails for any reason but a NULL or dead @p engine (a
+ *                 call from inside the engine's own callbacks, refused with ::DPAR_ERR_INVALID_STATE, included).
  */
 DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine *engine, dpar_forward_hook hook, void *payload,
                                                   dpar_destroy_fn destroy);
@@ -737,6 +757,11 @@ DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine *engine, dpar_forw
 /**
  * @brief Saves parameters, optimizer state, step count and RNG streams as a safetensors file, atomically
  * (a temporary file, fsync, rename): a crash leaves the old file or the new one, never half of one.
+ * The temporary file, beside @p path, has a name of its own per save (hidden, at most about 100 bytes whatever
+ * the length of @p path's name): concurrent saves to one path (two engines, or a trace) each succeed, and the
+ * last renamed is the file left, complete. A @p path that exists and is not a regular file (a device such as
+ * /dev/null, a FIFO, a socket, a directory, or a symbolic link to one) is refused and left as it was; a link to
+ * a regular file is replaced by the new file, the file it named is not written.
  * With several processes every process calls it: rank 0 alone writes @p path (the others' @p path is not
  * touched), and every process returns rank 0's outcome.
  * @return ::DPAR_OK or ::DPAR_ERR_IO.
@@ -768,6 +793,7 @@ DPAR_API dpar_status dpar_engine_trace_start(dpar_engine *engine);
  * ui.perfetto.dev and chrome://tracing), atomically; one track per thread, the process's rank as its pid. NULL
  * only stops. The timeline stays until the next dpar_engine_trace_start(), so a write that failed may be tried
  * again with another path. Each process of an engine records and writes its own: give each its own path.
+ * The file is written as dpar_engine_save() writes its own (the same temporary names and refusals).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_STATE if no trace was started; ::DPAR_ERR_IO naming the path.
  */
 DPAR_API dpar_status dpar_engine_trace_stop(dpar_engine *engine, const char *path);
@@ -803,12 +829,17 @@ typedef struct dpar_comm dpar_comm;             /**< One participant of a group.
 typedef struct dpar_comm_group dpar_comm_group; /**< The participants of one process (threads backend). */
 typedef struct dpar_work dpar_work;             /**< An asynchronous collective in flight. */
 
-/** @brief Reductions. */
+/**
+ * @brief Reductions, with one meaning in the host-memory backends (threads, and MPI whether the data rides in a
+ * fused message or goes through MPI_Allreduce): integer sums wrap (two's complement, never undefined); max and
+ * min propagate a NaN from any participant, as PyTorch's do, and between equal values (-0 and +0) keep the one
+ * combined first. A group on GPUs reduces with NCCL's operations (ncclMax, ncclMin), whose NaN handling is NCCL's.
+ */
 typedef enum dpar_reduce_op {
-  DPAR_SUM = 0,  /**< Sum. */
+  DPAR_SUM = 0,  /**< Sum (integers wrap on overflow). */
   DPAR_MEAN = 1, /**< Sum divided by the number of participants (integers: truncated toward zero). */
-  DPAR_MAX = 2,  /**< Maximum. */
-  DPAR_MIN = 3   /**< Minimum. */
+  DPAR_MAX = 2,  /**< Maximum; NaN if any participant's element is NaN. */
+  DPAR_MIN = 3   /**< Minimum; NaN if any participant's element is NaN. */
 } dpar_reduce_op;
 
 /** @brief Options of a communicator or group. */
@@ -1058,7 +1089,13 @@ DPAR_API void dpar_dataset_free(dpar_dataset *dataset);
 /** @brief Number of samples, features per sample, and number of classes (max label + 1). Outputs may be NULL. */
 DPAR_API dpar_status dpar_dataset_info(size_t *out_samples, size_t *out_features, size_t *out_classes,
                                        const dpar_dataset *dataset);
-/** @brief Standardises every feature: x = (x - mean) / std. */
+/**
+ * @brief Standardises every feature: x = (x - mean) / std.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a mean that is not finite or a std that is not positive;
+ *         ::DPAR_ERR_INVALID_STATE while a loader of @p dataset is open (a loader on a device prepares the next
+ *         batch on a thread of its own, so the change would race with it and yield a batch from before it):
+ *         normalise before creating loaders, or free them first. The dataset is unchanged on every error.
+ */
 DPAR_API dpar_status dpar_dataset_normalize(dpar_dataset *dataset, float mean, float std);
 
 /**

@@ -607,6 +607,26 @@ TEST_P(Collectives, FloatMaxAndMinPropagateNaN) {
   }
 }
 
+// Integer sums wrap (two's complement), the rule every backend shares (comm/reduce_kernels.h; the MPI backend's
+// test checks it across processes).
+TEST_P(Collectives, IntegerSumsWrap) {
+  Group g(GetParam());
+  const int n = g.size();
+  std::vector<std::vector<int32_t>> a(n, std::vector<int32_t>(40, std::numeric_limits<int32_t>::max()));
+  std::vector<std::vector<int64_t>> b(n, std::vector<int64_t>(40, std::numeric_limits<int64_t>::max()));
+  ASSERT_EQ(first_error(on_ranks(n, [&](int r) {
+              g[r].all_reduce(a[r].data(), a[r].data(), 40, CommDType::kI32, ReduceOp::kSum);
+              g[r].all_reduce(b[r].data(), b[r].data(), 40, CommDType::kI64, ReduceOp::kSum);
+            })),
+            "");
+  const auto want32 = static_cast<int32_t>(static_cast<uint32_t>(INT32_MAX) * static_cast<uint32_t>(n));
+  const auto want64 = static_cast<int64_t>(static_cast<uint64_t>(INT64_MAX) * static_cast<uint64_t>(n));
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(a[r], std::vector<int32_t>(40, want32));
+    EXPECT_EQ(b[r], std::vector<int64_t>(40, want64));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Asynchronous forms
 

@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include <dlpack/dlpack.h>
+
 #include "dpar.h"
 
 namespace {
@@ -518,6 +520,100 @@ TEST(ForwardHook, FailureCarriesTheHooksMessageAndPayloadsAreReleasedOnce) {
   // A dead engine: the payload stays the caller's.
   EXPECT_EQ(dpar_engine_set_forward_hook(e, counting_hook, &a, count_hook_destroy), DPAR_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(destroyed_a.load(), 1);
+  dpar_model_free(m);
+}
+
+}  // namespace
+
+namespace {
+
+// A custom layer's forward that exports its weight through DLPack (as a callback handing it to PyTorch would)
+// and keeps the export.
+struct Exporter {
+  CustomLinear linear;
+  std::atomic<DLManagedTensor*> weight{nullptr};
+};
+
+dpar_status exporting_forward(void* payload, const dpar_custom_call* call) {
+  auto* x = static_cast<Exporter*>(payload);
+  if (call->replica == 0 && !x->weight.load()) {
+    DLManagedTensor* m = nullptr;
+    const dpar_status rc = dpar_tensor_to_dlpack(&m, call->params[0]);
+    if (rc != DPAR_OK) return rc;
+    x->weight = m;
+  }
+  return linear_forward(&x->linear, call);
+}
+
+TEST(CustomLayer, ExportedParameterOutlivesTheEngine) {
+  Exporter x;
+  x.linear.in = 3;
+  x.linear.out = 2;
+  dpar_model* m = nullptr;
+  ASSERT_OK(dpar_model_create(&m, nullptr));
+  dpar_custom_layer layer = describe(&x.linear);
+  layer.payload = &x;
+  layer.forward = exporting_forward;
+  ASSERT_OK(dpar_model_add_custom(m, &layer));
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 2;
+  dpar_engine* e = nullptr;
+  ASSERT_OK(dpar_engine_create(&e, m, nullptr, &eo));
+  Data d(4, 3, 2, 1);
+  ASSERT_OK(dpar_engine_train_step(nullptr, e, d.tx, d.ty));
+  const std::vector<float> params = params_of(e, 0, 8);  // weight (2, 3) then bias (2)
+  dpar_engine_free(e);
+  dpar_model_free(m);
+  DLManagedTensor* w = x.weight.load();
+  ASSERT_NE(w, nullptr);
+  // The replica's parameter memory must still be there (a use after free under AddressSanitizer otherwise).
+  ASSERT_EQ(w->dl_tensor.ndim, 2);
+  const float* f = static_cast<const float*>(w->dl_tensor.data);
+  EXPECT_EQ(std::vector<float>(f, f + 6), std::vector<float>(params.begin(), params.begin() + 6));
+  w->deleter(w);
+}
+
+}  // namespace
+
+namespace {
+
+// A forward hook that tries to install another hook on its own engine, which is refused (the engine's lock is
+// held by the call that runs the hook); the refused payload must still be released.
+struct ReentrantHook {
+  dpar_engine* engine = nullptr;
+  std::atomic<int> refused{0};
+  std::atomic<int> other_status{DPAR_OK};
+  HookState other;  // the payload offered from inside the hook
+};
+
+dpar_status reentrant_hook(void* payload, size_t replica, const int64_t*, size_t, const int64_t*, size_t) {
+  auto* r = static_cast<ReentrantHook*>(payload);
+  if (replica != 0) return DPAR_OK;
+  const dpar_status rc = dpar_engine_set_forward_hook(r->engine, counting_hook, &r->other, count_hook_destroy);
+  r->other_status = rc;
+  if (rc != DPAR_OK) r->refused++;
+  return DPAR_OK;
+}
+
+TEST(ForwardHook, RefusedFromInsideTheHookStillReleasesThePayload) {
+  dpar_model* m = nullptr;
+  ASSERT_OK(dpar_model_create(&m, nullptr));
+  ASSERT_OK(dpar_model_add_linear(m, 4, 3, 1));
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 2;
+  ReentrantHook r;
+  ASSERT_OK(dpar_engine_create(&r.engine, m, nullptr, &eo));
+  std::atomic<int> destroyed_other{0};
+  r.other.destroyed = &destroyed_other;
+  ASSERT_OK(dpar_engine_set_forward_hook(r.engine, reentrant_hook, &r, nullptr));
+  Data d(6, 4, 3, 5);
+  ASSERT_OK(dpar_engine_train_step(nullptr, r.engine, d.tx, d.ty));
+  EXPECT_EQ(r.refused.load(), 1);
+  EXPECT_EQ(r.other_status.load(), DPAR_ERR_INVALID_STATE);
+  EXPECT_EQ(destroyed_other.load(), 1) << "the refused payload's destroy was not called";
+  EXPECT_EQ(r.other.calls.load(), 0);
+  dpar_engine_free(r.engine);
+  EXPECT_EQ(destroyed_other.load(), 1);
   dpar_model_free(m);
 }
 

@@ -3,6 +3,7 @@
 
 #include <dlpack/dlpack.h>
 
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -157,6 +158,101 @@ TEST(Dlpack, ToDlpackOutlivesTheTensorAndRoundTrips) {
   ASSERT_OK(dpar_tensor_copy_to_host(read.data(), back, read.size() * sizeof(float)));
   EXPECT_EQ(read, values);
   dpar_tensor_free(back);  // calls m's deleter, which frees the storage
+}
+
+// A producer whose deleter frees the memory, as NumPy's and PyTorch's do: reading it after the deleter ran is a
+// use after free (which AddressSanitizer reports), and `deleted` says when that happened.
+struct FreeingProducer {
+  float* data;
+  int64_t shape[1] = {5};
+  DLManagedTensor managed{};
+  int deleted = 0;
+  FreeingProducer() : data(new float[5]{1, 2, 3, 4, 5}) {
+    managed.dl_tensor = DLTensor{data, DLDevice{kDLCPU, 0}, 1, DLDataType{kDLFloat, 32, 1}, shape, nullptr, 0};
+    managed.manager_ctx = this;
+    managed.deleter = [](DLManagedTensor* m) {
+      auto* self = static_cast<FreeingProducer*>(m->manager_ctx);
+      delete[] self->data;
+      self->data = nullptr;
+      self->deleted++;
+    };
+  }
+  ~FreeingProducer() { delete[] data; }
+};
+
+TEST(Dlpack, ExportOfAnImportedTensorKeepsTheProducersMemoryAlive) {
+  FreeingProducer p;
+  dpar_tensor* t = nullptr;
+  ASSERT_OK(dpar_tensor_from_dlpack(&t, &p.managed));
+  DLManagedTensor* m = nullptr;
+  ASSERT_OK(dpar_tensor_to_dlpack(&m, t));
+  dpar_tensor_free(t);
+  // The export still points into the producer's memory: its deleter must wait for the export's.
+  EXPECT_EQ(p.deleted, 0) << "the producer's memory was released while an export still points into it";
+  if (p.deleted == 0) {
+    const float* f = static_cast<const float*>(m->dl_tensor.data);
+    EXPECT_EQ(std::vector<float>(f, f + 5), (std::vector<float>{1, 2, 3, 4, 5}));
+  }
+  m->deleter(m);
+  EXPECT_EQ(p.deleted, 1);
+}
+
+TEST(Dlpack, ExportOfACallersBufferIsRefused) {
+  // dpar cannot keep a caller's buffer alive, so an export could outlive it: refused, with the reason.
+  std::vector<float> buffer(6, 1.0f);
+  const int64_t shape[2] = {2, 3};
+  dpar_tensor* t = nullptr;
+  ASSERT_OK(dpar_tensor_wrap_host(&t, DPAR_F32, shape, 2, buffer.data()));
+  DLManagedTensor* m = reinterpret_cast<DLManagedTensor*>(&m);
+  EXPECT_EQ(dpar_tensor_to_dlpack(&m, t), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(m, nullptr);
+  EXPECT_NE(std::string(dpar_last_error()).find("dpar_tensor_wrap_host"), std::string::npos) << dpar_last_error();
+  dpar_tensor_free(t);
+}
+
+TEST(Dlpack, ByteOffsetThatWrapsOverflowsOrMisalignsIsRefused) {
+  alignas(16) int32_t labels[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  int64_t shape[1] = {2};
+  DLManagedTensor m{};
+  m.dl_tensor = DLTensor{labels + 4, DLDevice{kDLCPU, 0}, 1, DLDataType{kDLInt, 32, 1}, shape, nullptr, 0};
+  dpar_tensor* t = nullptr;
+  // 2^64 - 8 wraps to 8 bytes before data, 2^63 overflows the pointer, 2 gives int32 reads at an odd address.
+  for (uint64_t offset : {~uint64_t{0} - 7, uint64_t{1} << 63, uint64_t{2}, ~uint64_t{0}}) {
+    m.dl_tensor.byte_offset = offset;
+    EXPECT_EQ(dpar_tensor_from_dlpack(&t, &m), DPAR_ERR_INVALID_ARGUMENT) << "byte_offset " << offset;
+    EXPECT_EQ(t, nullptr);
+    EXPECT_NE(std::string(dpar_last_error()).find("byte_offset"), std::string::npos) << dpar_last_error();
+    if (t) dpar_tensor_free(t);
+    t = nullptr;
+  }
+  // A data pointer near the end of the address space whose tensor would run past it.
+  m.dl_tensor.data = reinterpret_cast<void*>(~uintptr_t{0} - 3);  // never read: refused first
+  m.dl_tensor.byte_offset = 0;
+  EXPECT_EQ(dpar_tensor_from_dlpack(&t, &m), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(t, nullptr);
+  // An aligned offset is still honoured.
+  m.dl_tensor.data = labels + 4;
+  m.dl_tensor.byte_offset = 2 * sizeof(int32_t);
+  ASSERT_OK(dpar_tensor_from_dlpack(&t, &m));
+  int32_t out[2] = {};
+  ASSERT_OK(dpar_tensor_copy_to_host(out, t, sizeof out));
+  EXPECT_EQ(out[0], 7);
+  EXPECT_EQ(out[1], 8);
+  dpar_tensor_free(t);
+}
+
+TEST(Dlpack, UnknownDeviceTypeIsRefusedBeforeItIsAnEnum) {
+  // A newer DLPack's device type (and any integer a careless producer sends): refused, without being loaded as
+  // a DLDeviceType (UndefinedBehaviorSanitizer's enum check aborts on that).
+  Producer p(2, 2);
+  for (int32_t type : {0, 5, 99, 1000, -1, INT32_MAX}) {
+    std::memcpy(&p.managed.dl_tensor.device.device_type, &type, sizeof type);
+    dpar_tensor* t = nullptr;
+    EXPECT_EQ(dpar_tensor_from_dlpack(&t, &p.managed), DPAR_ERR_NOT_SUPPORTED) << type;
+    EXPECT_EQ(t, nullptr);
+    EXPECT_NE(std::string(dpar_last_error()).find(std::to_string(type)), std::string::npos) << dpar_last_error();
+  }
+  EXPECT_EQ(p.deleted, 0);
 }
 
 }  // namespace

@@ -10,8 +10,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +22,7 @@
 #include <future>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -624,6 +627,125 @@ TEST(OptionsHardening, SizeTooSmallForItsVersionIsRefusedEverywhere) {
     EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_engine_create(&e, m.get(), &o, nullptr), "optimizer", "size");
     EnginePtr owned(e);
   }
+}
+
+
+// Saves (checkpoints and traces) of two engines to one path at once: each write has a temporary file of its own,
+// so every save succeeds, the file left is complete (it loads, its checksums pass) and no temporary file stays.
+// Also run under ThreadSanitizer (the writer's shared state is the counter of temporary names).
+TEST(WriterHardening, ConcurrentSavesToOnePathLeaveOneCompleteFile) {
+  TempDir dir;
+  const std::string ckpt = dir / "shared.safetensors";
+  const std::string trace = dir / "shared.json";
+  ModelPtr m = Mlp();
+  EnginePtr a = NewEngine(m.get(), 2), b = NewEngine(m.get(), 1);
+  std::atomic<int> failures{0};
+  std::string first_failure;
+  std::mutex failure_mutex;
+  auto saver = [&](dpar_engine* e) {
+    for (int round = 0; round < 40; ++round) {
+      dpar_status s = dpar_engine_save(e, ckpt.c_str());
+      if (s == DPAR_OK) s = dpar_engine_trace_start(e);
+      if (s == DPAR_OK) s = dpar_engine_trace_stop(e, trace.c_str());
+      if (s != DPAR_OK) {
+        std::lock_guard<std::mutex> lock(failure_mutex);
+        if (failures++ == 0) first_failure = dpar_last_error();
+      }
+    }
+  };
+  std::thread ta(saver, a.get()), tb(saver, b.get());
+  ta.join();
+  tb.join();
+  EXPECT_EQ(failures.load(), 0) << first_failure;
+  ASSERT_OK(dpar_engine_load(a.get(), ckpt.c_str()));
+  std::ifstream in(trace);
+  nlohmann::json parsed;
+  EXPECT_NO_THROW(parsed = nlohmann::json::parse(in));
+  EXPECT_TRUE(parsed.is_object() || parsed.is_array());
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(fs::path(ckpt).parent_path())) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"shared.json", "shared.safetensors"}));
+}
+
+// An IDX data set of `n` 2x2 images whose pixel values are the sample's index (mod 256), with labels i % 3.
+DatasetPtr IndexDataset(const TempDir& dir, uint32_t n) {
+  Bytes images = IdxHeader({n, 2, 2}), labels = IdxHeader({n});
+  for (uint32_t i = 0; i < n; ++i) {
+    for (int p = 0; p < 4; ++p) images.push_back(static_cast<uint8_t>(i));
+    labels.push_back(static_cast<uint8_t>(i % 3));
+  }
+  WriteFile(dir / "images", images);
+  WriteFile(dir / "labels", labels);
+  dpar_dataset* d = nullptr;
+  EXPECT_EQ(dpar_dataset_load_idx(&d, (dir / "images").c_str(), (dir / "labels").c_str()), DPAR_OK)
+      << dpar_last_error();
+  return DatasetPtr(d);
+}
+
+// Normalising a dataset that a loader on a device is reading (its thread prepares the next batch while the caller
+// holds this one) is refused while the loader is open, so no batch is ever half old, half new and nothing races
+// (ThreadSanitizer ran this too). Once the loader is freed, normalising works and new loaders see it.
+TEST(LoaderHardening, NormalizeIsRefusedWhileADeviceLoaderReadsTheDataset) {
+  TempDir dir;
+  DatasetPtr d = IndexDataset(dir, 64);
+  ASSERT_NE(d, nullptr);
+  dpar_loader* l = nullptr;
+  ASSERT_OK(dpar_loader_create(&l, d.get(), 8, 1, 7, 0));
+  ASSERT_OK(dpar_loader_to_device(l, dpar_device{DPAR_DEVICE_CPU, 0}));
+  std::atomic<bool> done{false};
+  std::atomic<int> accepted{0}, refused_other{0}, attempts{0};
+  std::thread normaliser([&] {
+    while (!done.load()) {
+      const dpar_status s = dpar_dataset_normalize(d.get(), 1.0f, 2.0f);
+      attempts++;
+      if (s == DPAR_OK) accepted++;
+      else if (s != DPAR_ERR_INVALID_STATE) refused_other++;
+      std::this_thread::yield();
+    }
+  });
+  // Every batch holds raw pixels: each row's four values equal, and a whole number (the sample index).
+  int bad_rows = 0, batches = 0;
+  uint64_t epoch = 0;
+  // At least 20 epochs, and on until the other thread has tried a few times while batches were prepared.
+  for (; epoch < 20 || attempts.load() < 5; ++epoch) {
+    ASSERT_OK(dpar_loader_start_epoch(l, epoch));
+    int32_t more = 0;
+    for (;;) {
+      ASSERT_OK(dpar_loader_next(&more, l));
+      if (!more) break;
+      ++batches;
+      const dpar_tensor* x = dpar_loader_inputs(l);
+      size_t numel = 0;
+      ASSERT_OK(dpar_tensor_info(nullptr, &numel, nullptr, x));
+      std::vector<float> v(numel);
+      ASSERT_OK(dpar_tensor_copy_to_host(v.data(), x, numel * sizeof(float)));
+      for (size_t r = 0; r < numel / 4; ++r) {
+        const float raw = v[r * 4] * 255.0f;
+        if (std::fabs(raw - std::round(raw)) > 1e-3f || v[r * 4 + 3] != v[r * 4]) ++bad_rows;
+      }
+    }
+  }
+  done = true;
+  normaliser.join();
+  EXPECT_EQ(batches, static_cast<int>(epoch) * 8);
+  EXPECT_EQ(accepted.load(), 0) << "normalised while a loader was reading the dataset";
+  EXPECT_EQ(refused_other.load(), 0);
+  EXPECT_EQ(bad_rows, 0);
+  EXPECT_REFUSED(DPAR_ERR_INVALID_STATE, dpar_dataset_normalize(d.get(), 1.0f, 2.0f), "loader");
+  dpar_loader_free(l);
+
+  // No loader open: accepted, and a new loader yields normalised values ((i/255 - 1) / 2 for sample i).
+  ASSERT_OK(dpar_dataset_normalize(d.get(), 1.0f, 2.0f));
+  ASSERT_OK(dpar_loader_create(&l, d.get(), 64, 0, 0, 0));
+  ASSERT_OK(dpar_loader_to_device(l, dpar_device{DPAR_DEVICE_CPU, 0}));
+  int32_t more = 0;
+  ASSERT_OK(dpar_loader_next(&more, l));
+  ASSERT_EQ(more, 1);
+  std::vector<float> v(64 * 4);
+  ASSERT_OK(dpar_tensor_copy_to_host(v.data(), dpar_loader_inputs(l), v.size() * sizeof(float)));
+  for (int i = 0; i < 64; ++i) EXPECT_NEAR(v[i * 4], (float(i) / 255.0f - 1.0f) / 2.0f, 1e-6f) << i;
+  dpar_loader_free(l);
 }
 
 }  // namespace

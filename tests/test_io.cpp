@@ -3,10 +3,13 @@
 // tests therefore cut or flip files at every position rather than at a few chosen ones.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 #include <zlib.h>
 
+#include <atomic>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +19,7 @@
 #include <iterator>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "common/error.h"
 #include "io/idx.h"
@@ -746,15 +750,6 @@ TEST_F(IoTest, SafetensorsAtomicWriteFailuresLeaveOldFile) {
   EXPECT_FALSE(fs::exists(path("no_such_dir")));
   EXPECT_EQ(list_dir(dir_), (std::set<std::string>{"ckpt.safetensors"}));
 
-  // The temporary name is taken by a directory (works even as root, unlike a read-only directory): the file
-  // cannot be created, and the directory in the way is not removed.
-  const std::string blocker = target + ".tmp." + std::to_string(::getpid());
-  ASSERT_TRUE(fs::create_directory(blocker));
-  EXPECT_DPAR_ERROR(write_safetensors(target, new_tensors, {}), DPAR_ERR_IO, target, "cannot create temporary file");
-  EXPECT_TRUE(fs::is_directory(blocker));
-  EXPECT_EQ(read_file(target), old_bytes);
-  fs::remove(blocker);
-
   // Writing fails midway (the file size limit, as a full disk would): the partial temporary file is removed.
   {
     struct rlimit saved {};
@@ -771,11 +766,11 @@ TEST_F(IoTest, SafetensorsAtomicWriteFailuresLeaveOldFile) {
   EXPECT_EQ(read_file(target), old_bytes);
   EXPECT_EQ(list_dir(dir_), (std::set<std::string>{"ckpt.safetensors"}));
 
-  // The rename fails (the target is a non-empty directory): the temporary file is removed.
+  // The target is a directory: refused before anything is written.
   const std::string dir_target = path("taken");
   ASSERT_TRUE(fs::create_directory(dir_target));
   write_file(dir_target + "/inside", {1});
-  EXPECT_DPAR_ERROR(write_safetensors(dir_target, new_tensors, {}), DPAR_ERR_IO, dir_target, "cannot rename");
+  EXPECT_DPAR_ERROR(write_safetensors(dir_target, new_tensors, {}), DPAR_ERR_IO, dir_target, "is a directory");
   EXPECT_TRUE(fs::exists(dir_target + "/inside"));
   EXPECT_EQ(list_dir(dir_), (std::set<std::string>{"ckpt.safetensors", "taken"}));
 
@@ -783,21 +778,150 @@ TEST_F(IoTest, SafetensorsAtomicWriteFailuresLeaveOldFile) {
   EXPECT_NO_THROW(SafetensorsFile::read(target));
 }
 
-TEST_F(IoTest, SafetensorsWriteToReadOnlyDirectoryLeavesOldFile) {
-  if (::geteuid() == 0) GTEST_SKIP() << "running as root, which may write into a read-only directory";
+// The sanitizers' runtimes need descriptors of their own to report anything (UBSan's type check opens a pipe), so
+// a process with none left cannot be tested under them.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+
+// The temporary file cannot be created, in ways that fail as root too (CI runs as root, where a read-only
+// directory is writable): a path under a regular file; no descriptor left (RLIMIT_NOFILE, as a process at its
+// limit would be; not under the sanitizers, see above); and, for a user that is not root, a read-only directory.
+// Each leaves the old file (or what is in the way) as it was and nothing beside it.
+TEST_F(IoTest, SafetensorsWriteThatCannotCreateItsTemporaryFileLeavesOldFile) {
+  const std::vector<float> w = {3, 4};
+  {
+    const std::string file = path("a_file");
+    write_file(file, {1, 2, 3});
+    const std::string under = file + "/ckpt.safetensors";
+    EXPECT_DPAR_ERROR(write_safetensors(under, {{"v", "F32", {2}, w.data(), 8}}, {}), DPAR_ERR_IO, under,
+                      std::strerror(ENOTDIR));
+    EXPECT_EQ(read_file(file), (Bytes{1, 2, 3}));
+    EXPECT_EQ(list_dir(dir_), (std::set<std::string>{"a_file"}));
+    fs::remove(file);
+  }
   const std::string sub = path("ro");
   ASSERT_TRUE(fs::create_directory(sub));
   const std::string target = sub + "/ckpt.safetensors";
   const std::vector<float> v = {1, 2};
   write_safetensors(target, {{"v", "F32", {2}, v.data(), 8}}, {});
   const Bytes old_bytes = read_file(target);
-  ASSERT_EQ(::chmod(sub.c_str(), 0555), 0);
-  const std::vector<float> w = {3, 4};
-  EXPECT_DPAR_ERROR(write_safetensors(target, {{"v", "F32", {2}, w.data(), 8}}, {}), DPAR_ERR_IO, target,
-                    std::strerror(EACCES));
-  ASSERT_EQ(::chmod(sub.c_str(), 0755), 0);
-  EXPECT_EQ(read_file(target), old_bytes);
-  EXPECT_EQ(list_dir(sub), (std::set<std::string>{"ckpt.safetensors"}));
+  if (!kSanitized) {
+    struct rlimit saved {};
+    ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+    const int lowest_free = ::dup(0);  // the descriptor open(2) would return next
+    ASSERT_GE(lowest_free, 0);
+    ::close(lowest_free);
+    struct rlimit none = saved;
+    none.rlim_cur = static_cast<rlim_t>(lowest_free);
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &none), 0);
+    bool threw = false;
+    dpar_status status = DPAR_OK;
+    std::string what;
+    try {
+      write_safetensors(target, {{"v", "F32", {2}, w.data(), 8}}, {});
+    } catch (const dpar::Error& e) {
+      threw = true;
+      status = e.status();
+      what = e.what();
+    }
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);  // before any check can return early
+    EXPECT_TRUE(threw);
+    EXPECT_EQ(status, DPAR_ERR_IO) << what;
+    EXPECT_NE(what.find("cannot create temporary file"), std::string::npos) << what;
+    EXPECT_NE(what.find(std::strerror(EMFILE)), std::string::npos) << what;
+    EXPECT_EQ(read_file(target), old_bytes);
+    EXPECT_EQ(list_dir(sub), (std::set<std::string>{"ckpt.safetensors"}));
+  }
+  if (::geteuid() != 0) {
+    ASSERT_EQ(::chmod(sub.c_str(), 0555), 0);
+    EXPECT_DPAR_ERROR(write_safetensors(target, {{"v", "F32", {2}, w.data(), 8}}, {}), DPAR_ERR_IO, target,
+                      std::strerror(EACCES));
+    ASSERT_EQ(::chmod(sub.c_str(), 0755), 0);
+    EXPECT_EQ(read_file(target), old_bytes);
+    EXPECT_EQ(list_dir(sub), (std::set<std::string>{"ckpt.safetensors"}));
+  }
+}
+
+// Two writers of one path in one process (two engines saving to one checkpoint path, say) each write a temporary
+// file of their own: every write succeeds, the file left is one complete write, and no temporary file remains.
+TEST_F(IoTest, ConcurrentWritesToOnePathEachLeaveACompleteFile) {
+  const std::string target = path("shared.safetensors");
+  constexpr int kThreads = 4, kRounds = 50;
+  std::vector<std::vector<float>> contents(kThreads);
+  for (int t = 0; t < kThreads; ++t) contents[t].assign(4096, float(t + 1));
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      for (int r = 0; r < kRounds; ++r) {
+        try {
+          write_safetensors(target, {{"v", "F32", {4096}, contents[t].data(), 4096 * 4}}, {});
+        } catch (const dpar::Error&) {
+          failures++;
+        }
+      }
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  const SafetensorsFile file = SafetensorsFile::read(target);  // complete: its own checks pass
+  const Bytes bytes = read_file(target);
+  bool matches_one = false;
+  for (int t = 0; t < kThreads; ++t) {
+    write_safetensors(path("ref"), {{"v", "F32", {4096}, contents[t].data(), 4096 * 4}}, {});
+    matches_one = matches_one || read_file(path("ref")) == bytes;
+  }
+  EXPECT_TRUE(matches_one) << "the file is none of the writes";
+  fs::remove(path("ref"));
+  EXPECT_EQ(list_dir(dir_), (std::set<std::string>{"shared.safetensors"}));
+}
+
+// A name of up to NAME_MAX (255) bytes can be written: the temporary name does not grow with it.
+TEST_F(IoTest, LongestFileNamesCanBeWritten) {
+  const std::vector<float> v = {1, 2, 3};
+  for (size_t length : {200, 246, 250, 255}) {
+    const std::string target = path(std::string(length - 12, 'n') + ".safetensors");
+    ASSERT_EQ(fs::path(target).filename().string().size(), length);
+    EXPECT_NO_THROW(write_safetensors(target, {{"v", "F32", {3}, v.data(), 12}}, {})) << length << " bytes";
+    EXPECT_NO_THROW(write_safetensors(target, {{"v", "F32", {3}, v.data(), 12}}, {})) << length << " bytes, again";
+    EXPECT_NO_THROW(SafetensorsFile::read(target)) << length;
+    fs::remove(target);
+  }
+  EXPECT_TRUE(list_dir(dir_).empty());
+}
+
+// A path that holds something other than a regular file is refused, not replaced: renaming over a FIFO, a socket
+// or a device (/dev/null, as root) would replace the node itself. A link to one is refused too.
+TEST_F(IoTest, WriterRefusesTargetsThatAreNotRegularFiles) {
+  const std::vector<float> v = {1, 2};
+  const std::string fifo = path("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  EXPECT_DPAR_ERROR(write_safetensors(fifo, {{"v", "F32", {2}, v.data(), 8}}, {}), DPAR_ERR_IO, fifo,
+                    "not a regular file");
+  EXPECT_TRUE(fs::is_fifo(fifo));
+
+  const std::string sock = path("sock");
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  ASSERT_LT(sock.size(), sizeof addr.sun_path);
+  std::memcpy(addr.sun_path, sock.c_str(), sock.size() + 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0) << std::strerror(errno);
+  EXPECT_DPAR_ERROR(write_safetensors(sock, {{"v", "F32", {2}, v.data(), 8}}, {}), DPAR_ERR_IO, sock,
+                    "not a regular file");
+  EXPECT_TRUE(fs::is_socket(sock));
+  ::close(fd);
+
+  const std::string link = path("link");
+  fs::create_symlink(fifo, link);
+  EXPECT_DPAR_ERROR(write_safetensors(link, {{"v", "F32", {2}, v.data(), 8}}, {}), DPAR_ERR_IO, link,
+                    "not a regular file");
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_TRUE(fs::is_fifo(fifo));
+  EXPECT_EQ(list_dir(dir_), (std::set<std::string>{"fifo", "sock", "link"}));
 }
 
 // Python's safetensors (the reference implementation) reads our files and writes files we read. Skipped

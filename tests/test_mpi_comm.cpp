@@ -368,6 +368,42 @@ TEST_P(Collectives, CountsBeyondOneMpiCallAreSplit) {
   detail::set_mpi_max_chunk_for_tests(0);
 }
 
+// The reduction rules every backend shares (comm/reduce_kernels.h), both in a fused all-reduce (40 elements) and
+// through MPI's own all-reduce (100003): a NaN from any rank, the last one included, propagates in max and min, as
+// in the threads backend and PyTorch; integer sums wrap (two's complement) instead of overflowing.
+TEST_P(Collectives, MaxMinPropagateNaNFromEveryRankAndIntegerSumsWrap) {
+  const int n = comm_->size(), r = comm_->rank();
+  const float fnan = std::numeric_limits<float>::quiet_NaN();
+  const double dnan = std::numeric_limits<double>::quiet_NaN();
+  for (size_t count : {size_t{40}, size_t{100003}}) {
+    for (ReduceOp op : {ReduceOp::kMax, ReduceOp::kMin}) {
+      SCOPED_TRACE(detail::concat(reduce_op_name(op), " count ", count));
+      std::vector<float> f(count, 1.0f);
+      std::vector<double> d(count, 1.0);
+      if (r == n - 1) f[3] = fnan, d[3] = dnan;  // only the last rank's
+      if (r == 0) f[5] = fnan, d[5] = dnan, f[7] = 2.0f, d[7] = 2.0;
+      comm_->all_reduce(f.data(), f.data(), count, CommDType::kF32, op);
+      comm_->all_reduce(d.data(), d.data(), count, CommDType::kF64, op);
+      EXPECT_TRUE(std::isnan(f[3]) && std::isnan(d[3])) << "a NaN of the last rank was dropped";
+      EXPECT_TRUE(std::isnan(f[5]) && std::isnan(d[5])) << "a NaN of rank 0 was dropped";
+      const double want7 = op == ReduceOp::kMax || n == 1 ? 2.0 : 1.0;
+      EXPECT_EQ(f[7], want7);
+      EXPECT_EQ(d[7], want7);
+      EXPECT_EQ(f[8], 1.0f);
+      EXPECT_EQ(d[count - 1], 1.0);
+    }
+    SCOPED_TRACE(detail::concat("sum count ", count));
+    std::vector<int32_t> a(count, std::numeric_limits<int32_t>::max());
+    std::vector<int64_t> b(count, std::numeric_limits<int64_t>::max());
+    comm_->all_reduce(a.data(), a.data(), count, CommDType::kI32, ReduceOp::kSum);
+    comm_->all_reduce(b.data(), b.data(), count, CommDType::kI64, ReduceOp::kSum);
+    const auto want32 = static_cast<int32_t>(static_cast<uint32_t>(INT32_MAX) * static_cast<uint32_t>(n));
+    const auto want64 = static_cast<int64_t>(static_cast<uint64_t>(INT64_MAX) * static_cast<uint64_t>(n));
+    EXPECT_EQ(first_difference(a.data(), count, [&](size_t) { return want32; }), -1);
+    EXPECT_EQ(first_difference(b.data(), count, [&](size_t) { return want64; }), -1);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Transfer, Collectives,
                          ::testing::Values(MpiOptions::Transfer::kBlocking, MpiOptions::Transfer::kNonBlocking),
                          [](const auto& info) {

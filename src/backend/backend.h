@@ -49,6 +49,12 @@ class Backend {
   // `device` (a host pointer handed to a GPU collective would fault on the device, and such a fault ends the
   // process's CUDA context). CPU memory cannot be told apart from any other pointer: the CPU backend accepts all.
   virtual void check_memory(const void* ptr, size_t bytes, Device device, const char* argument) = 0;
+  // Returns once the work queued on `device`'s legacy default stream has finished. A tensor taken from another
+  // framework (DLPack) is written by that framework's work; the DLPack stream protocol lets the consumer name a
+  // stream to order it on, and dpar names the legacy default stream, which its own (non-blocking) streams do not
+  // wait for: waiting here, on the caller's thread, orders every later use of the memory after the producer.
+  // CPU: work is done when a call returns; nothing to wait for.
+  virtual void wait_for_legacy_stream(Device /*device*/) {}
 
   // ---- Workers ------------------------------------------------------------------------------------------------
   struct WorkerOptions {

@@ -98,15 +98,18 @@ class CustomLayer final : public Layer {
 
  private:
   // Wraps the bound parameter and gradient views once (bind() runs after construction).
-  void bind_handles(Device device) {
+  void bind_handles(Device /*device*/) {
     if (!param_handles_.empty() || desc_->specs.empty()) return;
     const size_t n = desc_->specs.size();
     param_handles_ = std::vector<BorrowedTensor>(n);
     grad_views_ = std::vector<BorrowedTensor>(n);
+    // Views that share the replica's storage, not wraps of its raw pointers: a callback may export one through
+    // DLPack, and the export must keep the memory alive after the engine is freed.
+    DPAR_ENFORCE(bound_params_.size() == n && bound_grads_.size() == n, DPAR_ERR_INTERNAL, describe(),
+                 ": bound without parameter views");
     for (size_t i = 0; i < n; ++i) {
-      const Shape& s = desc_->specs[i].shape;
-      param_ptrs_.push_back(param_handles_[i].set(Tensor::wrap(params_[i], DType::kF32, s, device)));
-      grad_tensors_.push_back(Tensor::wrap(grads_[i], DType::kF32, s, device));
+      param_ptrs_.push_back(param_handles_[i].set(bound_params_[i]));
+      grad_tensors_.push_back(bound_grads_[i]);
       grad_ptrs_.push_back(nullptr);
     }
   }

@@ -101,11 +101,14 @@ std::shared_ptr<Communicator> processes_comm(const dpar_engine_options& o) {
 
 // A strong reference to a live engine, refused from inside the engine's own callbacks: the calling thread holds
 // the engine's lock while its workers run them, so a call back into the engine would wait forever.
-std::shared_ptr<Engine> acquire(const dpar_engine* engine) {
+// `once_live` runs as soon as the handle is known to be a live engine, before any other refusal.
+template <class F = void (*)()>
+std::shared_ptr<Engine> acquire(const dpar_engine* engine, F&& once_live = [] {}) {
   DPAR_CHECK_ARG(engine != nullptr, "engine: handle is NULL");
   LiveHandleGuard registry;
   DPAR_CHECK_ARG(registry.live(engine, HandleKind::kEngine), "engine",
                  ": not a live handle of this type (freed already, or never created by dpar)");
+  once_live();
   // Another engine (one created inside this callback, say) may be called from here: it has its own lock and workers.
   DPAR_ENFORCE(!engine->engine->on_own_worker(), DPAR_ERR_INVALID_STATE,
                "engine: called from a callback on one of its own worker threads (a custom layer or the forward "
@@ -309,13 +312,18 @@ DPAR_API dpar_status dpar_engine_get_params(float* dst, dpar_engine* engine, siz
 
 DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine* engine, dpar_forward_hook hook, void* payload,
                                                   dpar_destroy_fn destroy) {
-  // The payload is dpar's once the engine is known: released when the hook that holds it goes (replaced, removed,
-  // or the engine destroyed), or here when the call fails.
+  // The payload is dpar's once the engine is known to be live: released when the hook that holds it goes
+  // (replaced, removed, or the engine destroyed), or here when the call fails for any other reason (a call from
+  // inside the engine's own callbacks, which acquire refuses, included).
   std::shared_ptr<void> held;
-  const dpar_status rc = with_engine(engine, [&](Engine& e) {
-    held = std::shared_ptr<void>(payload, [destroy](void* p) {
-      if (destroy) destroy(p);
+  const dpar_status rc = guard([&] {
+    std::shared_ptr<Engine> engine_ref = acquire(engine, [&] {
+      held = std::shared_ptr<void>(payload, [destroy](void* p) {
+        if (destroy) destroy(p);
+      });
     });
+    std::lock_guard<std::mutex> lock(engine_ref->mutex());
+    Engine& e = *engine_ref;
     if (!hook) {
       held.reset();  // nothing will call it
       e.set_forward_hook(nullptr);

@@ -1,5 +1,8 @@
 #include <dlpack/dlpack.h>
 
+#include <cstdint>
+#include <cstring>
+
 #include "capi/api.h"
 
 using namespace dpar;
@@ -33,6 +36,7 @@ namespace {
 struct DlpackExport {
   DLManagedTensor managed{};
   Tensor tensor;
+  std::shared_ptr<void> external;  // the imported DLPack tensor the memory belongs to, if it is one
   int64_t shape[DPAR_MAX_DIMS] = {0, 0, 0, 0};
 };
 
@@ -144,16 +148,21 @@ DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor** out, DLManagedTensor*
     *out = nullptr;
     DPAR_CHECK_ARG(managed != nullptr, "managed: is NULL");
     const DLTensor& d = managed->dl_tensor;
+    // The device type as the integer it is: a producer may send a value outside DLDeviceType as dpar knows it
+    // (a newer DLPack's), and loading that through the enum type is undefined behaviour.
+    static_assert(sizeof(DLDeviceType) == sizeof(int32_t), "DLPack's device type is a 32-bit integer");
+    int32_t device_type = 0;
+    std::memcpy(&device_type, &d.device.device_type, sizeof device_type);
     Device dev;
-    switch (d.device.device_type) {
+    switch (device_type) {
       case kDLCPU:
         break;
       case kDLCUDA:
         dev = checked_device(dpar_device{DPAR_DEVICE_CUDA, d.device.device_id}, "managed->dl_tensor.device (kDLCUDA)");
         break;
       default:
-        fail(DPAR_ERR_NOT_SUPPORTED, "managed->dl_tensor.device: DLPack device type ",
-             static_cast<int>(d.device.device_type), " is not one dpar has (kDLCPU, kDLCUDA)");
+        fail(DPAR_ERR_NOT_SUPPORTED, "managed->dl_tensor.device: DLPack device type ", device_type,
+             " is not one dpar has (kDLCPU, kDLCUDA)");
     }
     DType dt = DType::kF32;
     if (d.dtype.code == kDLFloat && d.dtype.bits == 32 && d.dtype.lanes == 1) {
@@ -178,7 +187,24 @@ DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor** out, DLManagedTensor*
       }
     }
     DPAR_CHECK_ARG(d.data != nullptr, "managed->dl_tensor.data: is NULL");
-    void* data = static_cast<char*>(d.data) + d.byte_offset;
+    // The first element's address, data + byte_offset, and the last byte's must not wrap around the address
+    // space (an offset of 2^64 - 4 would read before the buffer), no object spans more than PTRDIFF_MAX bytes
+    // (an offset of 2^63 is no real one), and elements must be aligned (int32 labels at an odd address are
+    // misaligned reads). Computed on integers: the pointer sum itself would be undefined.
+    const auto base = reinterpret_cast<uintptr_t>(d.data);
+    const uint64_t bytes = static_cast<uint64_t>(s.numel()) * dtype_size(dt);  // at most 2^42 (Shape::checked)
+    constexpr auto kMaxSpan = static_cast<uint64_t>(PTRDIFF_MAX);
+    DPAR_CHECK_ARG(d.byte_offset <= kMaxSpan - bytes && d.byte_offset <= UINTPTR_MAX - base &&
+                       bytes <= UINTPTR_MAX - base - d.byte_offset,
+                   "managed->dl_tensor.byte_offset: ", d.byte_offset, " with ", bytes,
+                   " bytes of data runs past the end of the address space");
+    const uintptr_t first = base + static_cast<uintptr_t>(d.byte_offset);
+    DPAR_CHECK_ARG(first % dtype_size(dt) == 0, "managed->dl_tensor: data + byte_offset (", d.byte_offset,
+                   ") is not aligned to the ", dtype_size(dt), "-byte elements");
+    void* data = reinterpret_cast<void*>(first);
+    // The producer's writes are ordered on the device's legacy default stream (what the Python binding asks
+    // __dlpack__(stream=1) for, and what dpar.h asks of a C caller); dpar's streams do not wait for it: wait now.
+    if (!dev.is_host()) backend_for(dev).wait_for_legacy_stream(dev);
     auto* h = new_handle<dpar_tensor>();
     h->tensor = Tensor::wrap(data, dt, s, dev);
     h->external = std::shared_ptr<void>(managed, [](void* p) {
@@ -193,9 +219,16 @@ DPAR_API dpar_status dpar_tensor_to_dlpack(DLManagedTensor** out, dpar_tensor* t
   return guard([&] {
     checked_out(out);
     *out = nullptr;
-    const Tensor& t = checked(tensor, "tensor").tensor;
+    const dpar_tensor& h = checked(tensor, "tensor");
+    const Tensor& t = h.tensor;
+    // The export must keep what it points into alive after the handle is freed. dpar's own storage and an
+    // imported DLPack tensor (held through `external`) can be; a caller's buffer (dpar_tensor_wrap_host) cannot.
+    DPAR_CHECK_ARG(t.owns_memory() || h.external, "tensor: its memory belongs to the caller (dpar_tensor_wrap_host, "
+                   "or a view of such a tensor), which dpar cannot keep alive; export a copy (dpar_tensor_create "
+                   "and dpar_tensor_copy_from_host)");
     auto ex = std::make_unique<DlpackExport>();
     ex->tensor = t;  // shares the storage: the tensor handle may be freed first
+    ex->external = h.external;
     for (size_t i = 0; i < t.shape().ndim(); ++i) ex->shape[i] = t.shape()[i];
     DLTensor& d = ex->managed.dl_tensor;
     d.data = t.raw();

@@ -14,6 +14,7 @@
 #include <thread>
 #include <mutex>
 
+#include "comm/reduce_kernels.h"
 #include "common/bf16.h"
 
 namespace dpar {
@@ -42,39 +43,32 @@ constexpr size_t kEagerMessageBytes = 3968;
 size_t round_up8(size_t n) { return (n + 7) & ~size_t{7}; }
 
 // bfloat16 as the reductions add it: in float, rounded back after each addition (so a sum is commutative, and every
-// rank of an all-reduce gets the same bits). Only sums reach it (validate()); the comparison is there for the
-// template below.
+// rank of an all-reduce gets the same bits). Only sums reach it (validate()).
 struct Bf16 {
   uint16_t bits;
   Bf16& operator+=(Bf16 other) {
     bits = to_bf16(from_bf16(bits) + from_bf16(other.bits));
     return *this;
   }
-  bool operator<(Bf16 other) const { return from_bf16(bits) < from_bf16(other.bits); }
 };
 static_assert(sizeof(Bf16) == 2, "moved as MPI_UINT16_T");
 
-// out = the reduction of in[0..m) (rank order), or zeros for m == 0.
-template <class T>
-void reduce_blocks(T* out, const char* const* in, size_t m, size_t count, ReduceOp op) {
+// out = the reduction of in[0..m) (rank order), or zeros for m == 0, with the rules every backend shares
+// (comm/reduce_kernels.h: NaN propagates in max and min, integer sums wrap). bf16 (sums only) adds as Bf16 does.
+void reduce_blocks(void* out, const char* const* in, size_t m, size_t count, CommDType dtype, ReduceOp op) {
+  const size_t bytes = count * comm_dtype_size(dtype);
   if (m == 0) {
-    std::memset(out, 0, count * sizeof(T));
+    std::memset(out, 0, bytes);
     return;
   }
-  std::memcpy(out, in[0], count * sizeof(T));
+  std::memcpy(out, in[0], bytes);
   for (size_t k = 1; k < m; ++k) {
-    const T* b = reinterpret_cast<const T*>(in[k]);
-    switch (op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kMean:
-        for (size_t i = 0; i < count; ++i) out[i] += b[i];
-        break;
-      case ReduceOp::kMax:
-        for (size_t i = 0; i < count; ++i) out[i] = out[i] < b[i] ? b[i] : out[i];
-        break;
-      case ReduceOp::kMin:
-        for (size_t i = 0; i < count; ++i) out[i] = b[i] < out[i] ? b[i] : out[i];
-        break;
+    if (dtype == CommDType::kBF16) {
+      auto* o = static_cast<Bf16*>(out);
+      const auto* b = reinterpret_cast<const Bf16*>(in[k]);
+      for (size_t i = 0; i < count; ++i) o[i] += b[i];
+    } else {
+      reduce_into(dtype, op, out, in[k], count);
     }
   }
 }
@@ -149,14 +143,61 @@ MPI_Op bf16_sum_op() {
   return op;
 }
 
-// kMean is a sum, divided afterwards. bf16 has sums only (validate() refuses the rest).
-MPI_Op mpi_op(CommDType dtype, ReduceOp op) {
-  if (dtype == CommDType::kBF16) return bf16_sum_op();
+// inout[i] = in[i] op inout[i] with dpar's element-wise reduction (comm/reduce_kernels.h); `in` is the earlier
+// operand (MPI's order), so ties keep it, as the fused path and the threads backend do.
+template <CommDType D, ReduceOp O>
+void dpar_reduce(void* in, void* inout, int* len, MPI_Datatype*) {
+  const size_t n = static_cast<size_t>(*len);
+  const ReduceKernels& k = reduce_kernels(D, O);
+  // dst = a op b may not alias: combine through a block on the stack.
+  constexpr size_t kBlock = 1024;
+  alignas(64) unsigned char tmp[kBlock * 8];
+  const size_t esz = comm_dtype_size(D);
+  for (size_t at = 0; at < n; at += kBlock) {
+    const size_t m = std::min(kBlock, n - at);
+    char* io = static_cast<char*>(inout) + at * esz;
+    k.two(tmp, static_cast<const char*>(in) + at * esz, io, m);
+    std::memcpy(io, tmp, m * esz);
+  }
+}
+
+// One MPI operation per (dtype, op) of dpar's own, made once MPI runs and never freed (as bf16_sum_op()).
+template <CommDType D, ReduceOp O>
+MPI_Op dpar_op() {
+  static std::once_flag once;
+  static MPI_Op op = MPI_OP_NULL;
+  std::call_once(once, [] {
+    if (MPI_Op_create(&dpar_reduce<D, O>, 1, &op) != MPI_SUCCESS) op = MPI_OP_NULL;
+  });
+  DPAR_ENFORCE(op != MPI_OP_NULL, DPAR_ERR_COMMUNICATION, "mpi: MPI_Op_create for ", comm_dtype_name(D), " ",
+               reduce_op_name(O), " failed");
+  return op;
+}
+
+template <CommDType D>
+MPI_Op dpar_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kMean: return MPI_SUM;
-    case ReduceOp::kMax: return MPI_MAX;
-    case ReduceOp::kMin: return MPI_MIN;
+    case ReduceOp::kMean: return dpar_op<D, ReduceOp::kSum>();
+    case ReduceOp::kMax: return dpar_op<D, ReduceOp::kMax>();
+    case ReduceOp::kMin: return dpar_op<D, ReduceOp::kMin>();
+  }
+  return MPI_OP_NULL;
+}
+
+// kMean is a sum, divided afterwards. bf16 has sums only (validate() refuses the rest). Float sums are MPI_SUM's
+// (IEEE sums, no other rule to keep); max and min, and integer sums, are dpar's own operations: MPI_MAX and MPI_MIN
+// drop a NaN depending on the order of the operands, and MPI_SUM's integer overflow is the C library's
+// (undefined in C); dpar's wrap and propagate NaN, as every backend does (comm/reduce_kernels.h).
+MPI_Op mpi_op(CommDType dtype, ReduceOp op) {
+  if (dtype == CommDType::kBF16) return bf16_sum_op();
+  const bool sum = op == ReduceOp::kSum || op == ReduceOp::kMean;
+  switch (dtype) {
+    case CommDType::kF32: return sum ? MPI_SUM : dpar_op<CommDType::kF32>(op);
+    case CommDType::kF64: return sum ? MPI_SUM : dpar_op<CommDType::kF64>(op);
+    case CommDType::kI32: return dpar_op<CommDType::kI32>(op);
+    case CommDType::kI64: return dpar_op<CommDType::kI64>(op);
+    case CommDType::kBF16: break;
   }
   return MPI_OP_NULL;
 }
@@ -1082,13 +1123,7 @@ void MpiCommunicator::reduce_fused(const Call& c) {
                  collective_name(c.coll), ": rank ", r, " sent ", sent, " bytes of data instead of ", bytes);
     if (payloads_[static_cast<size_t>(r)]) in[m++] = payloads_[static_cast<size_t>(r)];
   }
-  switch (c.dtype) {
-    case CommDType::kF32: return reduce_blocks(static_cast<float*>(c.recv), in, m, c.count, c.op);
-    case CommDType::kF64: return reduce_blocks(static_cast<double*>(c.recv), in, m, c.count, c.op);
-    case CommDType::kI32: return reduce_blocks(static_cast<int32_t*>(c.recv), in, m, c.count, c.op);
-    case CommDType::kI64: return reduce_blocks(static_cast<int64_t*>(c.recv), in, m, c.count, c.op);
-    case CommDType::kBF16: return reduce_blocks(static_cast<Bf16*>(c.recv), in, m, c.count, c.op);
-  }
+  reduce_blocks(c.recv, in, m, c.count, c.dtype, c.op);
 }
 
 void MpiCommunicator::transfer(const Call& c, uint64_t seq) {

@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "comm/reduce_kernels.h"
 #include "common/error.h"
 
 namespace dpar {
@@ -13,99 +14,21 @@ namespace {
 
 constexpr size_t kMaxParticipants = 256;
 
-// ---- Element-wise kernels --------------------------------------------------------------------------------------
-// Compiled for AVX2 and for baseline x86-64, chosen at load time. Each element is combined with one operation in a
-// fixed order (rank order), so every vector width gives the same bits; no FMA is involved (no multiply-add).
+// ---- Element-wise kernels (comm/reduce_kernels.h: the reductions every backend shares) ------------------------
 
-// Not under ThreadSanitizer: it instruments the clones' load-time resolver, which then runs before its runtime is
-// relocated and crashes every program at start-up.
+// Not under ThreadSanitizer: it instruments the clones' load-time resolver (comm/reduce_kernels.cpp says more).
 #if defined(__SANITIZE_THREAD__)
 #define DPAR_CLONES
 #else
 #define DPAR_CLONES __attribute__((target_clones("avx2", "default")))
 #endif
 
-// Integer sums wrap (in unsigned arithmetic: no undefined behaviour on overflow).
-template <class T>
-inline T add(T a, T b) {
-  if constexpr (std::is_integral_v<T>)
-    return static_cast<T>(static_cast<std::make_unsigned_t<T>>(a) + static_cast<std::make_unsigned_t<T>>(b));
-  else
-    return a + b;
-}
-// max/min keep the earlier operand on ties (so -0 vs +0 follows rank order) and propagate NaN, as torch.max does.
-// The `|` (not `||`) keeps the loop branch-free, so it vectorises to compare, or, blend.
-template <class T>
-inline T max_of(T acc, T x) {
-  if constexpr (std::is_floating_point_v<T>)
-    return ((x > acc) | (x != x)) ? x : acc;
-  else
-    return x > acc ? x : acc;
-}
-template <class T>
-inline T min_of(T acc, T x) {
-  if constexpr (std::is_floating_point_v<T>)
-    return ((x < acc) | (x != x)) ? x : acc;
-  else
-    return x < acc ? x : acc;
-}
-
-template <class T, T (*F)(T, T)>
-inline __attribute__((always_inline)) void combine_into(T* __restrict dst, const T* __restrict src, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = F(dst[i], src[i]);
-}
-template <class T, T (*F)(T, T)>
-inline __attribute__((always_inline)) void combine_two(T* __restrict dst, const T* __restrict a, const T* __restrict b,
-                                                       size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = F(a[i], b[i]);
-}
-template <class T>
-inline __attribute__((always_inline)) void divide(T* x, size_t n, size_t divisor) {
-  const T d = static_cast<T>(divisor);
-  for (size_t i = 0; i < n; ++i) x[i] = x[i] / d;  // integers: truncates toward zero
-}
-
-// dst op= src; dst = a op b (dst distinct from a and b); x /= divisor.
-using IntoFn = void (*)(void*, const void*, size_t);
-using TwoFn = void (*)(void*, const void*, const void*, size_t);
-using DivFn = void (*)(void*, size_t, size_t);
-
-#define DPAR_COMBINE_KERNELS(NAME, T, F)                                                               \
-  DPAR_CLONES void NAME##_into(void* dst, const void* src, size_t n) {                                 \
-    combine_into<T, F<T>>(static_cast<T*>(dst), static_cast<const T*>(src), n);                        \
-  }                                                                                                    \
-  DPAR_CLONES void NAME##_two(void* dst, const void* a, const void* b, size_t n) {                     \
-    combine_two<T, F<T>>(static_cast<T*>(dst), static_cast<const T*>(a), static_cast<const T*>(b), n); \
-  }
-#define DPAR_TYPE_KERNELS(NAME, T)            \
-  DPAR_COMBINE_KERNELS(NAME##_sum, T, add)    \
-  DPAR_COMBINE_KERNELS(NAME##_max, T, max_of) \
-  DPAR_COMBINE_KERNELS(NAME##_min, T, min_of) \
-  DPAR_CLONES void NAME##_div(void* x, size_t n, size_t divisor) { divide(static_cast<T*>(x), n, divisor); }
-
-DPAR_TYPE_KERNELS(f32, float)
-DPAR_TYPE_KERNELS(f64, double)
-DPAR_TYPE_KERNELS(i32, int32_t)
-DPAR_TYPE_KERNELS(i64, int64_t)
-
 DPAR_CLONES void scale_f32(void* x, float scale, size_t n) {
   float* p = static_cast<float*>(x);
   for (size_t i = 0; i < n; ++i) p[i] *= scale;
 }
 
-struct Kernels {
-  IntoFn into;
-  TwoFn two;
-  DivFn div;  // for kMean (the sum kernels do the rest)
-};
-
-#define DPAR_KERNELS(NAME, OP) \
-  Kernels { NAME##_##OP##_into, NAME##_##OP##_two, NAME##_div }
-// kMean sums, then divides.
-#define DPAR_KERNEL_ROW(NAME) \
-  { DPAR_KERNELS(NAME, sum), DPAR_KERNELS(NAME, sum), DPAR_KERNELS(NAME, max), DPAR_KERNELS(NAME, min) }
-// [dtype][op], in the enums' order.
-const Kernels kKernels[4][4] = {DPAR_KERNEL_ROW(f32), DPAR_KERNEL_ROW(f64), DPAR_KERNEL_ROW(i32), DPAR_KERNEL_ROW(i64)};
+using Kernels = ReduceKernels;
 
 // ---- The reduction pass ----------------------------------------------------------------------------------------
 
@@ -385,7 +308,7 @@ class ThreadCommunicator final : public Communicator {
     if (count == 0) return;
 
     ReducePass pass;
-    pass.k = &kKernels[0][0];
+    pass.k = &reduce_kernels(CommDType::kF32, ReduceOp::kSum);
     pass.esz = sizeof(float);
     for (int r = 0; r < n; ++r) {
       const auto& s = peer(r, p);
@@ -433,7 +356,7 @@ class ThreadCommunicator final : public Communicator {
     const size_t p =
         start(kOp, kAllReduceSum, count, CommDType::kF32, ReduceOp::kSum, 0, contributes ? mine : nullptr, buffer);
     ReducePass pass;
-    pass.k = &kKernels[0][0];
+    pass.k = &reduce_kernels(CommDType::kF32, ReduceOp::kSum);
     pass.esz = sizeof(float);
     for (int r = 0; r < size(); ++r)
       if (const void* s = peer(r, p).send) pass.in[pass.ni++] = static_cast<const char*>(s);
@@ -503,7 +426,7 @@ class ThreadCommunicator final : public Communicator {
 
   ReducePass reduce_pass(CommDType dtype, ReduceOp op) const {
     ReducePass pass;
-    pass.k = &kKernels[static_cast<int>(dtype)][static_cast<int>(op)];
+    pass.k = &reduce_kernels(dtype, op);
     pass.esz = comm_dtype_size(dtype);
     if (op == ReduceOp::kMean) pass.divisor = static_cast<size_t>(size());
     return pass;

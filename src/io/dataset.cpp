@@ -40,8 +40,22 @@ Dataset Dataset::load_idx(const std::string& images_path, const std::string& lab
 void Dataset::normalize(float mean, float std) {
   DPAR_CHECK_ARG(std::isfinite(mean), "mean: must be finite");
   DPAR_CHECK_ARG(std::isfinite(std) && std > 0.0f, "std: ", std, " must be positive");
+  std::lock_guard<std::mutex> lock(users_->mutex);
+  DPAR_ENFORCE(users_->loaders == 0, DPAR_ERR_INVALID_STATE, "dataset: ", users_->loaders,
+               " loader(s) of it are open; normalise before creating a loader, or free its loaders first (a "
+               "loader prepares batches ahead of the caller, and would race with the change)");
   const float inv = 1.0f / std;
   for (float& x : inputs_) x = (x - mean) * inv;
+}
+
+void Dataset::attach_loader() const {
+  std::lock_guard<std::mutex> lock(users_->mutex);
+  users_->loaders++;
+}
+
+void Dataset::detach_loader() const {
+  std::lock_guard<std::mutex> lock(users_->mutex);
+  users_->loaders--;
 }
 
 // ---- One batch ahead ---------------------------------------------------------------------------------------------
@@ -80,9 +94,13 @@ Loader::Loader(std::shared_ptr<const Dataset> owner, size_t batch_size, bool shu
   inputs_ = Tensor::empty(DType::kF32, Shape{rows, static_cast<int64_t>(dataset.features())}, Device{});
   labels_ = Tensor::empty(DType::kI32, Shape{rows}, Device{});
   start_epoch(0);
+  dataset.attach_loader();  // last: a constructor that throws has no destructor to detach
 }
 
-Loader::~Loader() { stop_worker(); }
+Loader::~Loader() {
+  stop_worker();
+  dataset_.detach_loader();
+}
 
 void Loader::stop_worker() {
   if (!ahead_) return;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -26,9 +27,21 @@ class Dataset {
   size_t classes() const { return classes_; }
   const float* sample(size_t i) const { return inputs_.data() + i * features_; }
   int32_t label(size_t i) const { return labels_[i]; }
+  // x = (x - mean) / std for every feature. Refused (DPAR_ERR_INVALID_STATE) while a loader of this dataset is
+  // open: a loader reads the samples on a thread of its own (one batch ahead), so changing them under it would
+  // race, and give a batch prepared before the change. Checked and done under the lock loaders register with.
   void normalize(float mean, float std);
 
+  // A loader registers for its lifetime; normalize() is refused while any is registered.
+  void attach_loader() const;
+  void detach_loader() const;
+
  private:
+  struct Users {
+    std::mutex mutex;
+    size_t loaders = 0;
+  };
+  std::unique_ptr<Users> users_ = std::make_unique<Users>();  // behind a pointer: a Dataset stays movable
   std::vector<float> inputs_;  // (size, features)
   std::vector<int32_t> labels_;
   size_t features_ = 0;

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 
@@ -27,14 +28,37 @@ void write_all(int fd, const void* data, size_t bytes, const std::string& path, 
   }
 }
 
+// A save replaces a regular file (or creates one), nothing else: renaming over a character device (/dev/null,
+// as root), a FIFO, a socket or a directory would replace the node itself. The path is followed, so a symbolic
+// link to a regular file is replaced by the new file, as before, and one to a device is refused.
+void refuse_special_target(const std::string& target) {
+  struct stat st {};
+  if (::stat(target.c_str(), &st) != 0) {
+    if (errno == ENOENT) return;  // nothing there yet (or a dangling link, which the rename replaces)
+    fail(DPAR_ERR_IO, target, ": cannot examine the target: ", std::strerror(errno));
+  }
+  DPAR_ENFORCE(!S_ISDIR(st.st_mode), DPAR_ERR_IO, target, ": is a directory");
+  DPAR_ENFORCE(S_ISREG(st.st_mode), DPAR_ERR_IO, target,
+               ": exists and is not a regular file (a device, FIFO or socket): dpar replaces only regular files");
+}
+
+std::string temporary_name(const std::string& target);
+
 // The temporary file of an atomic write: removed on every failure, kept once renamed into place.
 class TempFile {
  public:
-  TempFile(const std::string& target, std::string tmp) : target_(target), path_(std::move(tmp)) {
-    // O_NOFOLLOW: a symbolic link planted at the temporary name must not redirect the write elsewhere.
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0666);
-    // Nothing was created, so the destructor (which will not run) has nothing to remove.
-    if (fd_ < 0) fail(DPAR_ERR_IO, target_, ": cannot create temporary file ", path_, ": ", std::strerror(errno));
+  // Creates a temporary file beside `target` under a name no other writer uses (see temporary_name).
+  explicit TempFile(const std::string& target) : target_(target) {
+    for (int attempt = 0;; ++attempt) {
+      path_ = temporary_name(target_);
+      // O_EXCL: the file is this writer's own, never one that another save (of this process or another) is
+      // writing, nor a leftover; O_NOFOLLOW: a symbolic link planted at the name must not redirect the write.
+      fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
+      if (fd_ >= 0) return;
+      // Nothing was created, so the destructor (which will not run) has nothing to remove.
+      if (errno != EEXIST || attempt == 99)
+        fail(DPAR_ERR_IO, target_, ": cannot create temporary file ", path_, ": ", std::strerror(errno));
+    }
   }
   TempFile(const TempFile&) = delete;
   TempFile& operator=(const TempFile&) = delete;
@@ -56,6 +80,8 @@ class TempFile {
   }
 
   void rename_over_target() {
+    // Checked again just before the rename, which is what would replace a device, FIFO or socket.
+    refuse_special_target(target_);
     if (::rename(path_.c_str(), target_.c_str()) != 0) {
       fail(DPAR_ERR_IO, target_, ": cannot rename ", path_, " to it: ", std::strerror(errno));
     }
@@ -68,6 +94,18 @@ class TempFile {
   int fd_ = -1;
   bool renamed_ = false;
 };
+
+// A temporary name beside `target`, unique to this write: "<dir>/.<up to 64 bytes of the name>.<pid>.<n>.tmp",
+// n counting the writes of this process. Distinct concurrent saves to one path therefore never share a file
+// (each renames its own, complete one), and the name fits in NAME_MAX (255 bytes) whatever the target's length.
+std::string temporary_name(const std::string& target) {
+  static std::atomic<uint64_t> counter{0};
+  const size_t slash = target.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "" : target.substr(0, slash + 1);
+  const std::string base = slash == std::string::npos ? target : target.substr(slash + 1);
+  return dir + "." + base.substr(0, 64) + "." + std::to_string(::getpid()) + "." +
+         std::to_string(counter.fetch_add(1)) + ".tmp";
+}
 
 std::string directory_of(const std::string& path) {
   const size_t slash = path.find_last_of('/');
@@ -109,7 +147,8 @@ int open_regular_file(const std::string& path) {
 }
 
 void write_file_atomically(const std::string& path, const std::vector<FilePiece>& pieces) {
-  TempFile temp(path, path + ".tmp." + std::to_string(::getpid()));
+  refuse_special_target(path);  // before writing anything
+  TempFile temp(path);
   for (const FilePiece& piece : pieces)
     if (piece.bytes > 0) temp.write(piece.data, piece.bytes);
   temp.sync_and_close();

@@ -41,9 +41,12 @@ struct FilePiece {
   size_t bytes;
 };
 
-// Writes the pieces, in order, as the whole content of `path`, atomically: into a temporary file beside it, made
+// Writes the pieces, in order, as the whole content of `path`, atomically: into a temporary file beside it (a
+// name of its own, so concurrent writes to one path never share one, short enough for any target name), made
 // durable (fsync), renamed over `path`, and the directory synced. A reader sees the old file or the new one,
-// never a part; a failure (dpar::Error DPAR_ERR_IO naming the path) leaves the old file and no temporary one.
+// never a part; of concurrent writes, the last renamed wins, each complete. A failure (dpar::Error DPAR_ERR_IO
+// naming the path) leaves the old file and no temporary one. A `path` that exists and is not a regular file (a
+// device, FIFO, socket or directory, or a link to one) is refused before anything is written.
 void write_file_atomically(const std::string& path, const std::vector<FilePiece>& pieces);
 
 }  // namespace dpar::io

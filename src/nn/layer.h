@@ -50,10 +50,15 @@ class Layer {
   virtual Shape output_shape(const Shape& in) const = 0;
   virtual std::unique_ptr<Layer> clone() const = 0;
 
-  // Points the layer at its parameters and gradients (one pointer per param_specs() entry).
-  void bind(std::vector<float*> params, std::vector<float*> grads) {
+  // Points the layer at its parameters and gradients (one pointer per param_specs() entry), and gives it the
+  // same as tensors sharing the replica's storage, for a layer that hands them out (a custom layer's callback may
+  // export one through DLPack, and the export must keep the memory alive).
+  void bind(std::vector<float*> params, std::vector<float*> grads, std::vector<Tensor> param_views = {},
+            std::vector<Tensor> grad_views = {}) {
     params_ = std::move(params);
     grads_ = std::move(grads);
+    bound_params_ = std::move(param_views);
+    bound_grads_ = std::move(grad_views);
   }
 
   // in (B, ...) -> out (B, ...), with out preallocated to output_shape(in).
@@ -66,6 +71,7 @@ class Layer {
  protected:
   std::vector<float*> params_;
   std::vector<float*> grads_;
+  std::vector<Tensor> bound_params_, bound_grads_;  // views (shape of param_specs()[i]) of params_[i], grads_[i]
 };
 
 std::unique_ptr<Layer> make_linear(int64_t in_features, int64_t out_features, bool bias);

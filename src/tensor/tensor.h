@@ -57,6 +57,8 @@ class Storage {
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
   Device device() const { return device_; }
+  // False for borrowed memory: dpar cannot keep it alive, so nothing may hand it out beyond the borrower's scope.
+  bool owned() const { return owned_; }
 
  private:
   Storage(void* data, size_t bytes, Device device, bool owned) : data_(data), bytes_(bytes), device_(device), owned_(owned) {}
@@ -74,6 +76,8 @@ class Tensor {
   static Tensor wrap(void* data, DType dtype, const Shape& shape, Device device);
 
   bool defined() const { return storage_ != nullptr; }
+  // Whether dpar owns the memory (allocated it), so that sharing the storage keeps it alive; false for wrap().
+  bool owns_memory() const { return storage_ && storage_->owned(); }
   DType dtype() const { return dtype_; }
   const Shape& shape() const { return shape_; }
   Device device() const { return storage_ ? storage_->device() : Device{}; }

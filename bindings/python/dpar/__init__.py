@@ -244,8 +244,18 @@ class Tensor(_Handle):
 
     @classmethod
     def from_dlpack(cls, obj):
-        """Takes any object with __dlpack__ (NumPy, PyTorch, CuPy, a dpar Tensor) without a copy."""
-        capsule = obj.__dlpack__() if hasattr(obj, "__dlpack__") else obj
+        """Takes any object with __dlpack__ (NumPy, PyTorch, CuPy, a dpar Tensor) without a copy.
+
+        A CUDA producer is asked for the tensor with stream=1 (the Python array API's DLPack stream protocol:
+        the legacy default stream): it orders its pending writes on that stream, and dpar_tensor_from_dlpack
+        waits for that stream before dpar's own streams can read the memory. A CPU producer gets no stream
+        (the protocol requires None there)."""
+        if not hasattr(obj, "__dlpack__"):
+            capsule = obj  # already a capsule: its producer ordered it (see dpar_tensor_from_dlpack in dpar.h)
+        elif _dlpack_device_type(obj) == _KDL_CUDA:
+            capsule = obj.__dlpack__(stream=_LEGACY_DEFAULT_STREAM)
+        else:
+            capsule = obj.__dlpack__()
         return cls(_check(list(_raw.dpar_py_tensor_from_dlpack(capsule))), keep=obj)
 
     @property
@@ -286,7 +296,9 @@ class Tensor(_Handle):
         """The DLPack export of the array API: a "dltensor_versioned" capsule (DLPack 1.0, whose flags say the
         memory is writable, so np.from_dlpack's array is) when max_version is (1, 0) or later, else DLPack 0.x's
         "dltensor". dl_device other than the tensor's own, or copy=True, exports a copy, to the host only
-        ((1, 0), kDLCPU); copy=False refuses to copy (BufferError), as the protocol says."""
+        ((1, 0), kDLCPU); copy=False refuses to copy (BufferError), as the protocol says. Any stream is fine:
+        dpar's work on the tensor has finished when the call that queued it returned, so there is nothing to order
+        on the consumer's stream."""
         source, here = self, self.__dlpack_device__()
         if dl_device is not None and tuple(dl_device) != here:
             if copy is False:
@@ -303,6 +315,16 @@ class Tensor(_Handle):
     def __dlpack_device__(self):
         _, _, (kind, index) = self.info()
         return (2, index) if kind == DEVICE_CUDA else (1, 0)  # kDLCUDA, kDLCPU
+
+
+_KDL_CUDA = 2  # DLPack's kDLCUDA
+_LEGACY_DEFAULT_STREAM = 1  # the DLPack stream protocol's handle for CUDA's legacy default stream
+
+
+def _dlpack_device_type(obj):
+    """The DLPack device type of a producer (kDLCPU when it does not say)."""
+    device = getattr(obj, "__dlpack_device__", None)
+    return int(device()[0]) if device is not None else 1
 
 
 class _Memory:

@@ -181,6 +181,45 @@ class Tensors(unittest.TestCase):
         del t
         self.assertEqual(back[0, 0], -1.0)  # the capsule keeps the storage
 
+    def test_dlpack_stream_protocol(self):
+        # The Python array API's stream protocol: a CUDA producer is asked for stream=1 (the legacy default
+        # stream, which dpar_tensor_from_dlpack waits for); a CPU producer gets no stream, as the protocol requires.
+        class Producer:
+            def __init__(self, array, device):
+                self.array, self.device, self.calls = array, device, []
+
+            def __dlpack_device__(self):
+                return self.device
+
+            def __dlpack__(self, **kwargs):
+                self.calls.append(kwargs)
+                return self.array.__dlpack__()  # host memory either way: this machine may have no GPU
+
+        a = np.arange(4, dtype=np.float32)
+        cpu = Producer(a, (1, 0))
+        self.assertEqual(dpar.Tensor.from_dlpack(cpu).shape, (4,))
+        self.assertEqual(cpu.calls, [{}])
+        cuda = Producer(a, (2, 0))
+        self.assertEqual(dpar.Tensor.from_dlpack(cuda).shape, (4,))
+        self.assertEqual(cuda.calls, [{"stream": 1}])
+        # dpar as a producer takes whatever stream a consumer names (its work is done when its calls return).
+        t = dpar.Tensor.from_numpy(a)
+        for stream in (None, -1, 1, 2, 12345):
+            self.assertEqual(np.from_dlpack(_Capsule(t.__dlpack__(stream=stream))).shape, (4,))
+
+
+class _Capsule:
+    """Hands an existing DLPack capsule to np.from_dlpack, which takes objects with __dlpack__."""
+
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __dlpack__(self, **_):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
 
 class NumpyLinear(dpar.CustomLayer):
     """y = x W^T + b in NumPy, with a per-replica call count and a switch that makes one replica raise."""

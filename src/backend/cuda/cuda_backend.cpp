@@ -386,6 +386,11 @@ class CudaBackend final : public Backend {
     DPAR_CUDA_CHECK(cudaDeviceSynchronize(), "fill on ", device.str());
   }
 
+  void wait_for_legacy_stream(Device device) override {
+    DeviceScope scope(device.index);  // the caller's current device (PyTorch's, say) is restored
+    DPAR_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy), device.str(),
+                    ": waiting for the work that produced a DLPack tensor (the legacy default stream)");
+  }
   void check_memory(const void* ptr, size_t bytes, Device device, const char* argument) override {
     // Both ends: a count past the end of a device allocation may land in host memory or another GPU's.
     check_byte(ptr, device, argument, "");
