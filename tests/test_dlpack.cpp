@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dpar.h"
@@ -89,6 +90,76 @@ TEST(Dlpack, RefusalsLeaveTheTensorWithTheCaller) {
   EXPECT_EQ(dpar_tensor_from_dlpack(&t, &p.managed), DPAR_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(p.deleted, 0);
   EXPECT_EQ(dpar_tensor_to_dlpack(nullptr, nullptr), DPAR_ERR_INVALID_ARGUMENT);
+}
+
+// dpar reads an imported tensor as compact row-major memory: every stride must be the product of the extents after
+// it, not only the innermost (a padded or broadcast outer dimension would be read as if compact, silently taking
+// the wrong elements). An extent of 1 may carry any stride. Each refusal names the stride and leaves the tensor with
+// its producer.
+TEST(Dlpack, EveryStrideMustBeCompactNotOnlyTheInnermost) {
+  std::vector<float> data(2 * 4 * 5, 1.0f);
+  int64_t shape[3] = {2, 3, 4};
+  auto import = [&](const int64_t* strides, const int64_t* dims, int32_t ndim) {
+    DLManagedTensor m{};
+    m.dl_tensor = DLTensor{data.data(), DLDevice{kDLCPU, 0}, ndim, DLDataType{kDLFloat, 32, 1},
+                           const_cast<int64_t*>(dims), const_cast<int64_t*>(strides), 0};
+    int deleted = 0;
+    m.manager_ctx = &deleted;
+    m.deleter = [](DLManagedTensor* t) { ++*static_cast<int*>(t->manager_ctx); };
+    dpar_tensor* t = nullptr;
+    const dpar_status status = dpar_tensor_from_dlpack(&t, &m);
+    const std::string message = dpar_last_error();
+    if (status == DPAR_OK) {
+      dpar_tensor_free(t);
+      EXPECT_EQ(deleted, 1);
+    } else {
+      EXPECT_EQ(t, nullptr);
+      EXPECT_EQ(deleted, 0) << "a refused tensor stays its producer's";
+    }
+    return std::make_pair(status, message);
+  };
+  const int64_t compact[3] = {12, 4, 1};
+  EXPECT_EQ(import(compact, shape, 3).first, DPAR_OK);
+  const int64_t padded_outer[3] = {20, 4, 1};  // rows of a larger (2, 5, 4) buffer: innermost and middle compact
+  const int64_t padded_middle[3] = {12, 5, 1};
+  const int64_t broadcast_outer[3] = {0, 4, 1};
+  const int64_t swapped_outer[3] = {4, 8, 1};
+  for (const int64_t* strides : {padded_outer, padded_middle, broadcast_outer, swapped_outer}) {
+    const auto [status, message] = import(strides, shape, 3);
+    EXPECT_EQ(status, DPAR_ERR_INVALID_ARGUMENT) << strides[0] << "," << strides[1] << "," << strides[2];
+    EXPECT_NE(message.find("strides["), std::string::npos) << message;
+  }
+  int64_t ones[3] = {2, 1, 4};  // an extent of 1 may carry any stride
+  const int64_t any_for_one[3] = {4, 999, 1};
+  EXPECT_EQ(import(any_for_one, ones, 3).first, DPAR_OK);
+}
+
+// The shape is checked before any memory is read: every extent at least 1, the element count bounded (a product
+// that would overflow is refused, not wrapped), and a shape given at all.
+TEST(Dlpack, ShapesAreCheckedBeforeAnythingIsRead) {
+  float one = 1.0f;
+  auto import = [&](int64_t* dims, int32_t ndim) {
+    DLManagedTensor m{};
+    m.dl_tensor = DLTensor{&one, DLDevice{kDLCPU, 0}, ndim, DLDataType{kDLFloat, 32, 1}, dims, nullptr, 0};
+    dpar_tensor* t = nullptr;
+    const dpar_status status = dpar_tensor_from_dlpack(&t, &m);
+    if (t != nullptr) dpar_tensor_free(t);
+    return std::make_pair(status, std::string(dpar_last_error()));
+  };
+  int64_t fine[1] = {1};
+  EXPECT_EQ(import(fine, 1).first, DPAR_OK);
+  int64_t negative[2] = {3, -4}, zero[2] = {0, 4};
+  int64_t overflowing[3] = {int64_t{1} << 31, int64_t{1} << 31, int64_t{1} << 31};  // 2^93 elements
+  int64_t too_many[2] = {int64_t{1} << 30, int64_t{1} << 20};                       // 2^50: beyond dpar's 2^40
+  for (int64_t* dims : {negative, zero, too_many}) {
+    const auto [status, message] = import(dims, 2);
+    EXPECT_EQ(status, DPAR_ERR_INVALID_ARGUMENT) << dims[0] << " x " << dims[1];
+    EXPECT_NE(message.find("shape"), std::string::npos) << message;
+  }
+  EXPECT_EQ(import(overflowing, 3).first, DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(import(nullptr, 2).first, DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(import(fine, 0).first, DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(import(fine, -1).first, DPAR_ERR_INVALID_ARGUMENT);
 }
 
 TEST(Dlpack, CudaTensorsMapToCudaDevicesOrAreRefused) {
