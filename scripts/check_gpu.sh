@@ -27,8 +27,9 @@
 #
 # On the project's GPU machines (../shared/device/README.md), from the project's root:
 #   source .gpudeps/on-device.sh && bash scripts/check_gpu.sh "$OUT/gpu"
-# after `DEVCARRY_EXTRA_DEBS="ocl-icd-libopencl1" bash ../shared/device/prepare.sh` on the build machine (Debian's
-# oneDNN, dpar's CPU GEMM, needs libOpenCL.so.1). on-device.sh exports DEVICE_CMAKE_ARGS (where the carried
+# after `DEVCARRY_EXTRA_DEBS="ocl-icd-libopencl1 libopenmpi-dev" bash ../shared/device/prepare.sh` on the build
+# machine (Debian's oneDNN, dpar's CPU GEMM, needs libOpenCL.so.1; OpenMPI's headers build the multi-process GPU
+# tests, which the GPU machine's OpenMPI runtime runs). on-device.sh exports DEVICE_CMAKE_ARGS (where the carried
 # oneDNN, zlib, GoogleTest and DLPack are) and DPAR_FASHION_MNIST_DIR.
 set -uo pipefail
 
@@ -104,21 +105,53 @@ stage_build() {
       [ -n "$runtime" ] && extra+=(-DZLIB_LIBRARY="$runtime") && echo "-- zlib: $link dangles; linking $runtime"
     fi
   done
-  # shellcheck disable=SC2086
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDPAR_WITH_CUDA=ON -DDPAR_CUDA_TEST_TIMEOUT=60 \
-    ${DEVICE_CMAKE_ARGS:-} "${extra[@]}" || return 1
+  # MPI: the GPU machines have OpenMPI's runtime (mpirun, libmpi.so.40) but neither its headers nor its compiler
+  # wrapper. With Debian's headers carried (libopenmpi-dev, OpenMPI 4.1, the same libmpi.so.40 ABI), CMake is
+  # pointed at them and at the machine's own libmpi, so that the multi-process GPU tests (the transport each
+  # process pair takes, and the fallback through host memory when processes share a GPU) build and run.
+  # If that configuration or its build fails, the check goes on without MPI rather than without a build.
+  local mpi=()
+  for prefix in $(echo "${DEVICE_CMAKE_ARGS:-}" | sed -n 's/.*-DCMAKE_PREFIX_PATH=\([^ ]*\).*/\1/p' | tr ';' ' '); do
+    local mpi_include="$prefix/lib/x86_64-linux-gnu/openmpi/include" libmpi
+    if [ -f "$mpi_include/mpi.h" ] && ! command -v mpicc > /dev/null; then
+      libmpi=$(ldconfig -p 2>/dev/null | awk '$1 == "libmpi.so.40" && /x86-64/ {print $NF; exit}')
+      if [ -n "$libmpi" ]; then
+        mpi=(-DMPI_SKIP_COMPILER_WRAPPER=ON -DMPI_C_HEADER_DIR="$mpi_include" -DMPI_C_LIB_NAMES=mpi
+             -DMPI_mpi_LIBRARY="$libmpi")
+        echo "-- MPI: the carried headers ($mpi_include) with this machine's $libmpi"
+      fi
+    fi
+  done
+  configure() {
+    # shellcheck disable=SC2086
+    cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDPAR_WITH_CUDA=ON -DDPAR_CUDA_TEST_TIMEOUT=60 \
+      ${DEVICE_CMAKE_ARGS:-} "${extra[@]}" "$@"
+  }
+  without_mpi() {
+    echo "-- $1 with the carried MPI headers: again without MPI (the multi-process GPU tests will be missing)"
+    rm -rf "$build"
+    mpi=()
+    configure -DDPAR_WITH_MPI=OFF
+  }
+  if ! configure "${mpi[@]}"; then
+    [ ${#mpi[@]} -gt 0 ] || return 1
+    without_mpi "configuring failed" || return 1
+  fi
   # The libraries found must load here: Debian's oneDNN needs libOpenCL.so.1 (ocl-icd-libopencl1), which a
   # machine with only NVIDIA's driver may lack. Said now, before minutes of building end in a link error.
   local lib missing
   for lib in $(sed -n 's/^\(DNNL_LIBRARY\|NCCL_LIBRARY\):FILEPATH=//p' "$build/CMakeCache.txt"); do
     missing=$(ldd "$lib" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' ')
     if [ -n "$missing" ]; then
-      echo "-- $lib needs $missing which this machine lacks (carry it: DEVCARRY_EXTRA_DEBS=\"ocl-icd-libopencl1\"" \
-           "bash ../shared/device/prepare.sh)"
+      echo "-- $lib needs $missing which this machine lacks (carry it: DEVCARRY_EXTRA_DEBS=" \
+           "\"ocl-icd-libopencl1 libopenmpi-dev\" bash ../shared/device/prepare.sh)"
       return 1
     fi
   done
-  cmake --build "$build" -j "$(nproc)"
+  if ! cmake --build "$build" -j "$(nproc)"; then
+    [ ${#mpi[@]} -gt 0 ] || return 1
+    without_mpi "the build failed" && cmake --build "$build" -j "$(nproc)"
+  fi
 }
 
 stage_test() {
