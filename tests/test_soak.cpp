@@ -194,6 +194,10 @@ int main(int argc, char** argv) {
   // The data is the same everywhere; each process injects its own faults.
   std::mt19937 rng(seed);
   std::mt19937 faults(seed + 7919u * unsigned(world.rank));
+  // A sanitizer's runtime may start a thread of its own at the process's first thread creation
+  // (ThreadSanitizer's background thread) and keep it: one thread is made and joined first, so that the count at
+  // the start includes it. (With OpenBLAS, whose load started its pool, that creation happened before main.)
+  std::thread([] {}).join();
   const int threads_at_start = thread_count();
 
   // The watchdog: a call that does not return within 60 s means a stuck thread.
