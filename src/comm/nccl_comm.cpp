@@ -1,7 +1,6 @@
 // See nccl_comm.h.
 #include "comm/nccl_comm.h"
 
-#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <thread>
@@ -49,11 +48,15 @@ ncclRedOp_t nccl_op(CommDType dtype, ReduceOp op) {
   fail(DPAR_ERR_INVALID_ARGUMENT, "nccl: unknown reduce op ", static_cast<int>(op));
 }
 
+// `limit` from now; a limit beyond 3e9 s (dpar's "no limit") never comes.
+Clock::time_point deadline_after(std::chrono::duration<double> limit) {
+  return limit.count() > 3.0e9 ? Clock::time_point::max()
+                               : Clock::now() + std::chrono::duration_cast<Clock::duration>(limit);
+}
+
 // Waits until a non-blocking communicator's last call has finished its host-side work (ncclCommGetAsyncError leaves
-// ncclInProgress), for at most `limit`; its outcome, or ncclInProgress if the time ran out.
-ncclResult_t settle(ncclComm_t comm, std::chrono::duration<double> limit) {
-  const auto deadline = limit.count() > 3.0e9 ? Clock::time_point::max()
-                                              : Clock::now() + std::chrono::duration_cast<Clock::duration>(limit);
+// ncclInProgress), at most until `deadline`; its outcome, or ncclInProgress if the time ran out.
+ncclResult_t settle(ncclComm_t comm, Clock::time_point deadline) {
   for (int spins = 0;; ++spins) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t got = ncclCommGetAsyncError(comm, &state);
@@ -218,7 +221,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   void prepare_thread() noexcept override {
-    if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();  // each call's scope sets it then
+    (void)cuda::bind_thread_to_device(device_);  // if it failed, each call's scope sets it
   }
 
   dpar_status async_error(std::string* reason) override {
@@ -343,37 +346,44 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
-  // Until done_ has completed: polls NCCL's asynchronous errors, abort() (here, or of the in-process group), the
-  // other participants' failures and the deadline. Any failure aborts every communicator of comms_.
+  // Until done_ has completed on the GPU.
   void wait(const char* operation) {
-    const auto deadline = timeout_.count() > 3.0e9
-                              ? Clock::time_point::max()
-                              : Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout_);
-    for (int spins = 0;; ++spins) {
+    poll(operation, "did not finish", [&](ncclResult_t) {
       const cudaError_t q = cuda::query_event(done_);  // "not ready" is not left for the next launch to find
-      if (q == cudaSuccess) return;
-      if (q != cudaErrorNotReady) {
-        give_up(detail::concat(name_, "'s device failed: ", cudaGetErrorString(q)));
-        cuda::fail_cuda(q, "cudaEventQuery", detail::concat(operation, ": ", name_));
-      }
-      ncclResult_t got = ncclSuccess, async = ncclSuccess;
-      if (!comms_->with(index_, [&](ncclComm_t c) { got = ncclCommGetAsyncError(c, &async); })) {
+      if (q == cudaSuccess || q == cudaErrorNotReady) return q == cudaSuccess;
+      give_up(detail::concat(name_, "'s device failed: ", cudaGetErrorString(q)));
+      cuda::fail_cuda(q, "cudaEventQuery", detail::concat(operation, ": ", name_));
+    });
+  }
+
+  // Every wait of this participant: until done(state) says what it waits for is done (state: the communicator's
+  // ncclCommGetAsyncError, ncclSuccess or ncclInProgress), polling meanwhile NCCL's asynchronous errors, abort()
+  // (here, or of the in-process group), the other participants' failures and the deadline. Any failure aborts
+  // every communicator of comms_. The communicator's lock is held for each poll only, so that an abort from
+  // another thread reaches a call in progress between polls. `not_done` says what a timeout found.
+  template <class Done>
+  void poll(const char* operation, const char* not_done, Done done) {
+    const auto deadline = deadline_after(timeout_);
+    for (int spins = 0;; ++spins) {
+      ncclResult_t got = ncclSuccess, state = ncclSuccess;
+      if (!comms_->with(index_, [&](ncclComm_t c) { got = ncclCommGetAsyncError(c, &state); })) {
         broken_ = true;
         fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", comms_->reason());
       }
-      if (got != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
-        const ncclResult_t bad = got != ncclSuccess ? got : async;
+      if (got != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
+        const ncclResult_t bad = got != ncclSuccess ? got : state;
         give_up(detail::concat(name_, ": ncclCommGetAsyncError: ", ncclGetErrorString(bad)));
         cuda::fail_nccl(bad, "ncclCommGetAsyncError", detail::concat(operation, ": ", name_));
       }
+      if (done(state)) return;
       if (aborted_.load()) {
         give_up(detail::concat(name_, " was aborted"));
         remote_failure(operation);
       }
       check_peers(operation, spins % 64 == 0);
       if (Clock::now() >= deadline) {
-        give_up(detail::concat(name_, "'s ", operation, " did not finish within ", timeout_.count(), " s"));
-        fail(DPAR_ERR_TIMEOUT, operation, ": ", name_, "'s NCCL operation did not finish within ", timeout_.count(),
+        give_up(detail::concat(name_, "'s ", operation, " ", not_done, " within ", timeout_.count(), " s"));
+        fail(DPAR_ERR_TIMEOUT, operation, ": ", name_, "'s NCCL work ", not_done, " within ", timeout_.count(),
              " s (a participant did not arrive, or the transport stalled); the communicator was aborted");
       }
       if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -412,38 +422,11 @@ class NcclCommunicator final : public Communicator {
       broken_ = true;
       fail(DPAR_ERR_REMOTE, what, ": ", name_, " stopped because ", comms_->reason());
     }
-    if (r == ncclInProgress) r = settle_call(what);
-    DPAR_NCCL_CHECK(r, what, ": ", name_);
-  }
-
-  // Polls a call that returned ncclInProgress until NCCL has finished its host-side part, holding the
-  // communicator's lock only for each poll: an abort from another thread (a peer that failed before making its own
-  // call, which this one would wait for) takes the lock between polls and ends the call. Also ends on this
-  // participant's abort(), the others' failures and the timeout; each of those aborts every communicator.
-  ncclResult_t settle_call(const char* what) {
-    const auto deadline = timeout_.count() > 3.0e9
-                              ? Clock::time_point::max()
-                              : Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout_);
-    for (int spins = 0;; ++spins) {
-      ncclResult_t got = ncclSuccess, state = ncclSuccess;
-      if (!comms_->with(index_, [&](ncclComm_t c) { got = ncclCommGetAsyncError(c, &state); })) {
-        broken_ = true;
-        fail(DPAR_ERR_REMOTE, what, ": ", name_, " stopped because ", comms_->reason());
-      }
-      if (got != ncclSuccess) return got;
-      if (state != ncclInProgress) return state;
-      if (aborted_.load()) {
-        give_up(detail::concat(name_, " was aborted"));
-        remote_failure(what);
-      }
-      check_peers(what, spins % 64 == 0);
-      if (Clock::now() >= deadline) {
-        give_up(detail::concat(name_, "'s ", what, " did not start within ", timeout_.count(), " s"));
-        fail(DPAR_ERR_TIMEOUT, what, ": ", name_, "'s NCCL call did not get its work onto the GPU within ",
-             timeout_.count(), " s (a participant did not arrive); the communicator was aborted");
-      }
-      if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+    // A call in progress: its host-side part is polled to its end (an error there throws in poll()).
+    if (r == ncclInProgress)
+      poll(what, "did not get onto the GPU", [](ncclResult_t state) { return state != ncclInProgress; });
+    else
+      DPAR_NCCL_CHECK(r, what, ": ", name_);
   }
 
   [[noreturn]] void remote_failure(const char* operation) {
@@ -528,11 +511,9 @@ std::vector<ncclComm_t> NcclGroup::init_group(const std::vector<int>& devices, s
     abort_all();
     DPAR_NCCL_CHECK(r, "nccl group of ", n, " GPUs");
   }
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::min(timeout, std::chrono::duration<double>(3.0e9)));
+  const auto deadline = deadline_after(timeout);
   for (int i = 0; i < n; ++i) {
-    const auto left = std::max(Clock::duration::zero(), deadline - Clock::now());
-    const ncclResult_t state = settle(comms[i], left);
+    const ncclResult_t state = settle(comms[i], deadline);
     if (state == ncclSuccess) continue;
     abort_all();
     if (state == ncclInProgress)
@@ -565,13 +546,11 @@ std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int
   config.blocking = 0;
   ncclComm_t comm = nullptr;
   ncclResult_t r = ncclCommInitRankConfig(&comm, nranks, id, rank, &config);
-  const auto deadline = join_within.count() > 3.0e9
-                            ? Clock::time_point::max()
-                            : Clock::now() + std::chrono::duration_cast<Clock::duration>(join_within);
+  const auto deadline = deadline_after(join_within);
   dpar_status gave_up = DPAR_OK;  // TIMEOUT, or the watch's failure
   std::string why;
   while (r == ncclInProgress && gave_up == DPAR_OK) {
-    r = settle(comm, std::chrono::milliseconds(1));
+    r = settle(comm, deadline_after(std::chrono::milliseconds(1)));
     if (r != ncclInProgress) break;
     if (watch != nullptr && watch->async_error(&why) != DPAR_OK) {
       gave_up = DPAR_ERR_REMOTE;
