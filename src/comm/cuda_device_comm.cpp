@@ -150,7 +150,7 @@ class CudaDeviceCommunicator final : public Communicator {
 
  protected:
   void prepare_thread() noexcept override {
-    if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();  // each call's scope sets it then
+    (void)cuda::bind_thread_to_device(device_);  // if it failed, each call's scope sets it
   }
 
  private:

@@ -416,7 +416,8 @@ class CudaBackend final : public Backend {
 
   void start_worker(Device device, size_t worker, const WorkerOptions& options) override {
     if (options.pin) pin_to_cpu(worker);
-    DPAR_CUDA_CHECK(cudaSetDevice(device.index), "cudaSetDevice(", device.index, ") on the worker of ", device.str());
+    DPAR_CUDA_CHECK(cuda::bind_thread_to_device(device.index), "cudaSetDevice(", device.index, ") on the worker of ",
+                    device.str());
   }
   std::unique_ptr<Stream> open_stream(Device device) override { return std::make_unique<CudaStream>(device); }
   std::unique_ptr<Stream> wrap_stream(Device device, void* native) override {

@@ -154,15 +154,30 @@ bool thread_has_context() noexcept {
   return current != nullptr;
 }
 
+namespace {
+thread_local int t_bound_device = -1;  // the device bind_thread_to_device made current on this thread
+}  // namespace
+
+cudaError_t bind_thread_to_device(int device) noexcept {
+  const cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess)
+    t_bound_device = device;
+  else
+    (void)cudaGetLastError();
+  return err;
+}
+
 void DeviceScope::remember_previous() noexcept {
   // Without a way to clear the context again, restoring the old device is the closest to "as before".
   had_context_ = thread_has_context() || driver_context_calls().set_current == nullptr;
 }
 
 DeviceScope::DeviceScope(int device) {
-  remember_previous();
   DPAR_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
   device_ = device;
+  // A thread dpar bound to this device (every kernel launch of a replica's worker comes here): nothing to undo.
+  if (previous_ == device && t_bound_device == device) return;
+  remember_previous();
   if (previous_ != device) {
     DPAR_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
     changed_ = true;
@@ -170,13 +185,14 @@ DeviceScope::DeviceScope(int device) {
 }
 
 DeviceScope::DeviceScope(int device, std::nothrow_t) noexcept {
-  remember_previous();
   int current = 0;
   if (cudaGetDevice(&current) != cudaSuccess) {
     (void)cudaGetLastError();
     return;  // nothing changed, nothing to restore
   }
   previous_ = device_ = current;
+  if (current == device && t_bound_device == device) return;
+  remember_previous();
   if (current == device) return;
   if (cudaSetDevice(device) == cudaSuccess) {
     device_ = device;

@@ -61,8 +61,8 @@ cudaError_t query_event(cudaEvent_t event) noexcept;
 // setting device 0 "back" would create a context on GPU 0 (cudaSetDevice creates the primary context since CUDA
 // 12), so that every process of a job of one GPU per process would hold one on GPU 0, and on a GPU in exclusive
 // compute mode the restore would fail. A restore that fails leaves nothing in the thread's last-error slot.
-// Threads that dpar owns (workers, communication threads) set their device once when they start, so a scope on
-// them changes nothing.
+// Threads that dpar owns (workers, communication threads) bind their device once when they start
+// (bind_thread_to_device), so a scope on them for that device does nothing beyond one cudaGetDevice.
 class DeviceScope {
  public:
   explicit DeviceScope(int device);
@@ -79,6 +79,11 @@ class DeviceScope {
   bool had_context_ = true;  // false: the thread had no current context before the scope, and gets none back
   bool changed_ = false;
 };
+
+// Makes `device` current on the calling thread, a thread dpar owns and drives that device with (a worker, a
+// communication thread), for the thread's life. Returns the runtime's status; a failure leaves nothing in the
+// thread's last-error slot.
+cudaError_t bind_thread_to_device(int device) noexcept;
 
 // Whether the calling thread has a current CUDA context (asked through the driver's cuCtxGetCurrent, reached via
 // the runtime's entry-point table: dpar never links libcuda). True when it cannot tell.
