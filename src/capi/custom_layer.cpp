@@ -64,7 +64,7 @@ class CustomLayer final : public Layer {
   }
 
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
-    bind_handles(ctx.device);
+    bind_handles();
     dpar_custom_call call = base_call(ctx);
     call.input = in_.set(in);
     call.output = out_.set(out);
@@ -74,7 +74,7 @@ class CustomLayer final : public Layer {
 
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out, const Tensor& dout, const Tensor& din,
                 bool accumulate) override {
-    bind_handles(ctx.device);
+    bind_handles();
     dpar_custom_call call = base_call(ctx);
     call.input = in_.set(in);
     call.output = out_.set(out);
@@ -87,7 +87,7 @@ class CustomLayer final : public Layer {
         for (const ParamSpec& s : desc_->specs) scratch_.push_back(ctx.alloc(DType::kF32, s.shape));
       for (size_t i = 0; i < scratch_.size(); ++i) grad_ptrs_[i] = grad_views_[i].set(scratch_[i]);
     } else {
-      for (size_t i = 0; i < grad_tensors_.size(); ++i) grad_ptrs_[i] = grad_views_[i].set(grad_tensors_[i]);
+      for (size_t i = 0; i < bound_grads_.size(); ++i) grad_ptrs_[i] = grad_views_[i].set(bound_grads_[i]);
     }
     call.grads = grad_ptrs_.data();
     ctx.stream->synchronize();
@@ -98,18 +98,15 @@ class CustomLayer final : public Layer {
 
  private:
   // Wraps the bound parameter and gradient views once (bind() runs after construction).
-  void bind_handles(Device /*device*/) {
+  void bind_handles() {
     if (!param_handles_.empty() || desc_->specs.empty()) return;
     const size_t n = desc_->specs.size();
     param_handles_ = std::vector<BorrowedTensor>(n);
     grad_views_ = std::vector<BorrowedTensor>(n);
-    // Views that share the replica's storage, not wraps of its raw pointers: a callback may export one through
-    // DLPack, and the export must keep the memory alive after the engine is freed.
-    DPAR_ENFORCE(bound_params_.size() == n && bound_grads_.size() == n, DPAR_ERR_INTERNAL, describe(),
-                 ": bound without parameter views");
+    // The views that share the replica's storage, not wraps of its raw pointers: a callback may export one
+    // through DLPack, and the export must keep the memory alive after the engine is freed.
     for (size_t i = 0; i < n; ++i) {
       param_ptrs_.push_back(param_handles_[i].set(bound_params_[i]));
-      grad_tensors_.push_back(bound_grads_[i]);
       grad_ptrs_.push_back(nullptr);
     }
   }
@@ -138,7 +135,7 @@ class CustomLayer final : public Layer {
   BorrowedTensor in_, out_, dout_, din_;
   std::vector<BorrowedTensor> param_handles_, grad_views_;
   std::vector<dpar_tensor*> param_ptrs_, grad_ptrs_;
-  std::vector<Tensor> grad_tensors_, scratch_;
+  std::vector<Tensor> scratch_;
 };
 
 }  // namespace

@@ -50,15 +50,16 @@ class Layer {
   virtual Shape output_shape(const Shape& in) const = 0;
   virtual std::unique_ptr<Layer> clone() const = 0;
 
-  // Points the layer at its parameters and gradients (one pointer per param_specs() entry), and gives it the
-  // same as tensors sharing the replica's storage, for a layer that hands them out (a custom layer's callback may
-  // export one through DLPack, and the export must keep the memory alive).
-  void bind(std::vector<float*> params, std::vector<float*> grads, std::vector<Tensor> param_views = {},
-            std::vector<Tensor> grad_views = {}) {
-    params_ = std::move(params);
-    grads_ = std::move(grads);
-    bound_params_ = std::move(param_views);
-    bound_grads_ = std::move(grad_views);
+  // Points the layer at its parameters and gradients: one view per param_specs() entry, of its shape, sharing the
+  // replica's storage (so that a layer that hands one out, as a custom layer's callback may through DLPack, keeps
+  // the memory alive), and the same as raw pointers for the kernels.
+  void bind(std::vector<Tensor> params, std::vector<Tensor> grads) {
+    bound_params_ = std::move(params);
+    bound_grads_ = std::move(grads);
+    params_.clear();
+    grads_.clear();
+    for (const Tensor& p : bound_params_) params_.push_back(p.f32());
+    for (const Tensor& g : bound_grads_) grads_.push_back(g.f32());
   }
 
   // in (B, ...) -> out (B, ...), with out preallocated to output_shape(in).
@@ -69,9 +70,8 @@ class Layer {
                         const Tensor& din, bool accumulate) = 0;
 
  protected:
-  std::vector<float*> params_;
-  std::vector<float*> grads_;
-  std::vector<Tensor> bound_params_, bound_grads_;  // views (shape of param_specs()[i]) of params_[i], grads_[i]
+  std::vector<Tensor> bound_params_, bound_grads_;  // the views given to bind()
+  std::vector<float*> params_, grads_;              // their memory
 };
 
 std::unique_ptr<Layer> make_linear(int64_t in_features, int64_t out_features, bool bias);

@@ -44,16 +44,13 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
   ctx.stream->copy_from_host(params_.f32(), model.values().data(), model.values().size() * sizeof(float));
   for (size_t i = 0; i < model.num_layers(); ++i) layers_.push_back(model.layer(i).clone());
   for (size_t i = 0; i < layers_.size(); ++i) {
-    std::vector<float*> p, g;
-    std::vector<Tensor> pv, gv;
+    std::vector<Tensor> p, g;
     for (const ParamInfo& info : model.params())
       if (info.layer == i) {
-        p.push_back(params_.f32() + info.offset);
-        g.push_back(grads_.f32() + info.offset);
-        pv.push_back(params_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
-        gv.push_back(grads_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
+        p.push_back(params_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
+        g.push_back(grads_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
       }
-    layers_[i]->bind(std::move(p), std::move(g), std::move(pv), std::move(gv));
+    layers_[i]->bind(std::move(p), std::move(g));
   }
 }
 
