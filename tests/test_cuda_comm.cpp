@@ -47,6 +47,19 @@ std::vector<int> run_threads(int n, const std::function<void(int)>& body) {
   return status;
 }
 
+// A blocking stream on `device`, which it makes current on the calling thread (blocking: ordered with
+// DeviceBuffer's uploads on the legacy default stream); destroyed with it, after whatever was declared later.
+struct ThreadStream {
+  cudaStream_t stream = nullptr;
+  explicit ThreadStream(int device) {
+    DPAR_CUDA_CHECK(cudaSetDevice(device), "thread device");
+    DPAR_CUDA_CHECK(cudaStreamCreate(&stream), "stream");
+  }
+  ~ThreadStream() { cudaStreamDestroy(stream); }
+  ThreadStream(const ThreadStream&) = delete;
+  ThreadStream& operator=(const ThreadStream&) = delete;
+};
+
 class CudaDeviceGroupTest : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override {
@@ -65,40 +78,35 @@ TEST_P(CudaDeviceGroupTest, MatchesTheThreadsBackend) {
   for (int r = 0; r < n; ++r) host[r] = random_vector(count, 10 + r);
 
   const auto status = run_threads(n, [&](int r) {
-    DPAR_CUDA_CHECK(cudaSetDevice(0), "thread device");
-    cudaStream_t stream;
-    DPAR_CUDA_CHECK(cudaStreamCreate(&stream), "stream");  // blocking: ordered with the legacy-stream uploads
-    {
-      auto comm = group.communicator(r, stream);
-      auto ref = reference.communicator(r);
-      // all_reduce_sum: replica 1 does not contribute; scaled.
-      const bool contributes = r != 1;
-      DeviceBuffer<float> d(host[r]);
-      comm->all_reduce_sum(d.get(), count, contributes, 0.5f);
-      std::vector<float> h = host[r];
-      ref->all_reduce_sum(h.data(), count, contributes, 0.5f);
-      expected[r] = h;
-      // all_reduce (sum, out of place) after it, on the same stream.
-      DeviceBuffer<float> out(count);
-      comm->all_reduce(d.get(), out.get(), count, CommDType::kF32, ReduceOp::kSum);
-      std::vector<float> h_out(count);
-      ref->all_reduce(h.data(), h_out.data(), count, CommDType::kF32, ReduceOp::kSum);
-      DPAR_CUDA_CHECK(cudaStreamSynchronize(stream), "sync");
-      got[r] = out.download();
-      expected[r] = h_out;
-      // all_gather (f32 blocks of 333) and broadcast from the last replica.
-      const size_t block = 333;
-      DeviceBuffer<float> g(block * n);
-      comm->all_gather(d.get(), g.get(), block, CommDType::kF32);
-      gathered_ref[r].resize(block * n);
-      ref->all_gather(h.data(), gathered_ref[r].data(), block, CommDType::kF32);
-      DeviceBuffer<float> b(host[r]);
-      comm->broadcast(b.get(), count, CommDType::kF32, n - 1);
-      DPAR_CUDA_CHECK(cudaStreamSynchronize(stream), "sync");
-      gathered[r] = g.download();
-      bcast[r] = b.download();
-    }
-    cudaStreamDestroy(stream);
+    ThreadStream ts(0);
+    auto comm = group.communicator(r, ts.stream);
+    auto ref = reference.communicator(r);
+    // all_reduce_sum: replica 1 does not contribute; scaled.
+    const bool contributes = r != 1;
+    DeviceBuffer<float> d(host[r]);
+    comm->all_reduce_sum(d.get(), count, contributes, 0.5f);
+    std::vector<float> h = host[r];
+    ref->all_reduce_sum(h.data(), count, contributes, 0.5f);
+    expected[r] = h;
+    // all_reduce (sum, out of place) after it, on the same stream.
+    DeviceBuffer<float> out(count);
+    comm->all_reduce(d.get(), out.get(), count, CommDType::kF32, ReduceOp::kSum);
+    std::vector<float> h_out(count);
+    ref->all_reduce(h.data(), h_out.data(), count, CommDType::kF32, ReduceOp::kSum);
+    DPAR_CUDA_CHECK(cudaStreamSynchronize(ts.stream), "sync");
+    got[r] = out.download();
+    expected[r] = h_out;
+    // all_gather (f32 blocks of 333) and broadcast from the last replica.
+    const size_t block = 333;
+    DeviceBuffer<float> g(block * n);
+    comm->all_gather(d.get(), g.get(), block, CommDType::kF32);
+    gathered_ref[r].resize(block * n);
+    ref->all_gather(h.data(), gathered_ref[r].data(), block, CommDType::kF32);
+    DeviceBuffer<float> b(host[r]);
+    comm->broadcast(b.get(), count, CommDType::kF32, n - 1);
+    DPAR_CUDA_CHECK(cudaStreamSynchronize(ts.stream), "sync");
+    gathered[r] = g.download();
+    bcast[r] = b.download();
   });
   for (int r = 0; r < n; ++r) {
     ASSERT_EQ(status[r], DPAR_OK) << "replica " << r;
@@ -113,14 +121,8 @@ TEST_P(CudaDeviceGroupTest, MismatchIsReportedByEveryParticipant) {
   const int n = GetParam();
   CudaDeviceGroup group(std::vector<int>(n, 0), names(n, "cuda:0"), std::chrono::seconds(10));
   const auto status = run_threads(n, [&](int r) {
-    DPAR_CUDA_CHECK(cudaSetDevice(0), "thread device");
-    cudaStream_t stream;
-    DPAR_CUDA_CHECK(cudaStreamCreate(&stream), "stream");  // blocking: ordered with the legacy-stream uploads
-    struct StreamGuard {
-      cudaStream_t s;
-      ~StreamGuard() { cudaStreamDestroy(s); }
-    } guard{stream};
-    auto comm = group.communicator(r, stream);
+    ThreadStream ts(0);
+    auto comm = group.communicator(r, ts.stream);
     DeviceBuffer<float> d(100);
     comm->all_reduce_sum(d.get(), r == n - 1 ? 99 : 100, true, 1.0f);  // the last one disagrees on the count
   });
@@ -156,23 +158,18 @@ TEST(NcclGroupTest, AllReduceSumAndBroadcastMatchTheThreadsBackend) {
   std::vector<std::vector<float>> got(n), expected(n), bcast(n), host(n);
   for (int r = 0; r < n; ++r) host[r] = random_vector(count, 70 + r);
   const auto status = run_threads(n, [&](int r) {
-    DPAR_CUDA_CHECK(cudaSetDevice(r), "thread device");
-    cudaStream_t stream;
-    DPAR_CUDA_CHECK(cudaStreamCreate(&stream), "stream");  // blocking: ordered with the legacy-stream uploads
-    {
-      auto comm = group.communicator(r, stream);
-      auto ref = reference.communicator(r);
-      DeviceBuffer<float> d(host[r]);
-      comm->all_reduce_sum(d.get(), count, true, 0.25f);
-      std::vector<float> h = host[r];
-      ref->all_reduce_sum(h.data(), count, true, 0.25f);
-      expected[r] = h;
-      got[r] = d.download();
-      DeviceBuffer<float> b(host[r]);
-      comm->broadcast(b.get(), count, CommDType::kF32, 0);
-      bcast[r] = b.download();
-    }
-    cudaStreamDestroy(stream);
+    ThreadStream ts(r);
+    auto comm = group.communicator(r, ts.stream);
+    auto ref = reference.communicator(r);
+    DeviceBuffer<float> d(host[r]);
+    comm->all_reduce_sum(d.get(), count, true, 0.25f);
+    std::vector<float> h = host[r];
+    ref->all_reduce_sum(h.data(), count, true, 0.25f);
+    expected[r] = h;
+    got[r] = d.download();
+    DeviceBuffer<float> b(host[r]);
+    comm->broadcast(b.get(), count, CommDType::kF32, 0);
+    bcast[r] = b.download();
   });
   for (int r = 0; r < n; ++r) {
     ASSERT_EQ(status[r], DPAR_OK) << "rank " << r;
@@ -188,23 +185,20 @@ TEST(NcclGroupTest, AllReduceSumAndBroadcastMatchTheThreadsBackend) {
 TEST(NcclGroupTest, ScaledSumsBackToBackOnOneRank) {
   DPAR_REQUIRE_GPU();
   NcclGroup group({0}, names(1, "cuda"), std::chrono::seconds(60));
-  DPAR_CUDA_CHECK(cudaSetDevice(0), "test device");
-  cudaStream_t stream;
-  DPAR_CUDA_CHECK(cudaStreamCreate(&stream), "stream");
+  ThreadStream ts(0);
   const size_t count = size_t{1} << 24;  // 64 MiB: the scale kernel is long enough for polls to find it running
   const auto host = random_vector(count, 5);
   std::vector<float> expected = host;
   for (auto& x : expected) x = x * 0.5f * 0.5f * 0.5f * 0.5f;  // powers of two: exact, whatever the order
   std::vector<float> got;
   {
-    auto comm = group.communicator(0, stream);
+    auto comm = group.communicator(0, ts.stream);
     DeviceBuffer<float> d(host);
     for (int i = 0; i < 2; ++i) comm->all_reduce_sum(d.get(), count, true, 0.5f);
     for (int i = 0; i < 2; ++i)
       comm->async_run("bucket", [&] { comm->all_reduce_sum(d.get(), count, true, 0.5f); })->wait();
     got = d.download();
   }
-  cudaStreamDestroy(stream);
   EXPECT_TRUE(bitwise_equal(got, expected));
 }
 
@@ -218,28 +212,23 @@ TEST_P(CudaDeviceGroupTest, BuffersThatChangeEveryCallAreReducedAsGiven) {
   ThreadGroup reference(names(n, "cpu"), std::chrono::seconds(30));
   std::vector<std::vector<float>> got(n), expected(n);
   const auto status = run_threads(n, [&](int r) {
-    DPAR_CUDA_CHECK(cudaSetDevice(0), "thread device");
-    cudaStream_t stream;
-    DPAR_CUDA_CHECK(cudaStreamCreate(&stream), "stream");  // blocking: ordered with the legacy-stream uploads
-    {
-      auto comm = group.communicator(r, stream);
-      auto ref = reference.communicator(r);
-      DeviceBuffer<float> a(random_vector(count, 100 + r)), b(random_vector(count, 200 + r));
-      std::vector<float> ha = random_vector(count, 100 + r), hb = random_vector(count, 200 + r);
-      for (int call = 0; call < 6; ++call) {
-        const bool use_a = call % 2 == 0;
-        const bool contributes = (call + r) % 3 != 0;
-        comm->all_reduce_sum(use_a ? a.get() : b.get(), count, contributes, call == 5 ? 0.25f : 1.0f);
-        ref->all_reduce_sum(use_a ? ha.data() : hb.data(), count, contributes, call == 5 ? 0.25f : 1.0f);
-      }
-      DPAR_CUDA_CHECK(cudaStreamSynchronize(stream), "sync");
-      got[r] = a.download();
-      const auto gb = b.download();
-      got[r].insert(got[r].end(), gb.begin(), gb.end());
-      expected[r] = ha;
-      expected[r].insert(expected[r].end(), hb.begin(), hb.end());
+    ThreadStream ts(0);
+    auto comm = group.communicator(r, ts.stream);
+    auto ref = reference.communicator(r);
+    DeviceBuffer<float> a(random_vector(count, 100 + r)), b(random_vector(count, 200 + r));
+    std::vector<float> ha = random_vector(count, 100 + r), hb = random_vector(count, 200 + r);
+    for (int call = 0; call < 6; ++call) {
+      const bool use_a = call % 2 == 0;
+      const bool contributes = (call + r) % 3 != 0;
+      comm->all_reduce_sum(use_a ? a.get() : b.get(), count, contributes, call == 5 ? 0.25f : 1.0f);
+      ref->all_reduce_sum(use_a ? ha.data() : hb.data(), count, contributes, call == 5 ? 0.25f : 1.0f);
     }
-    cudaStreamDestroy(stream);
+    DPAR_CUDA_CHECK(cudaStreamSynchronize(ts.stream), "sync");
+    got[r] = a.download();
+    const auto gb = b.download();
+    got[r].insert(got[r].end(), gb.begin(), gb.end());
+    expected[r] = ha;
+    expected[r].insert(expected[r].end(), hb.begin(), hb.end());
   });
   for (int r = 0; r < n; ++r) {
     ASSERT_EQ(status[r], DPAR_OK) << "replica " << r;

@@ -258,14 +258,23 @@ func (t *Tensor) UnsafeInt32s() ([]int32, error) {
 	return hostView[int32](t, I32, "UnsafeInt32s: the tensor is not i32")
 }
 
-// copyOut is a copy of a tensor's values as a []T, after checking that it holds dtype.
-func copyOut[T float32 | int32](t *Tensor, dtype DType, wrongType string) ([]T, error) {
+// elementsOf is the number of elements of a tensor that must hold dtype (an error saying wrongType if not).
+func elementsOf(t *Tensor, dtype DType, wrongType string) (int, error) {
 	has, n, _, _, err := t.Info()
 	if err != nil {
-		return nil, err
+		return 0, err
 	}
 	if has != dtype {
-		return nil, &Error{Status: ErrInvalidArg, Message: wrongType}
+		return 0, &Error{Status: ErrInvalidArg, Message: wrongType}
+	}
+	return n, nil
+}
+
+// copyOut is a copy of a tensor's values as a []T, after checking that it holds dtype.
+func copyOut[T float32 | int32](t *Tensor, dtype DType, wrongType string) ([]T, error) {
+	n, err := elementsOf(t, dtype, wrongType)
+	if err != nil {
+		return nil, err
 	}
 	out := make([]T, n)
 	if n == 0 {
@@ -278,12 +287,9 @@ func copyOut[T float32 | int32](t *Tensor, dtype DType, wrongType string) ([]T, 
 
 // hostView is a host tensor's memory as a []T, after checking that it holds dtype.
 func hostView[T float32 | int32](t *Tensor, dtype DType, wrongType string) ([]T, error) {
-	has, n, _, _, err := t.Info()
+	n, err := elementsOf(t, dtype, wrongType)
 	if err != nil {
 		return nil, err
-	}
-	if has != dtype {
-		return nil, &Error{Status: ErrInvalidArg, Message: wrongType}
 	}
 	var p unsafe.Pointer
 	if err = call(func() int { return raw.Dpar_tensor_data(unsafe.Pointer(&p), t.raw) }); err != nil {
