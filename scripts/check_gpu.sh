@@ -96,22 +96,19 @@ stage_build() {
   # machine's own: Debian 12's libz.so points at /lib/x86_64-linux-gnu/libz.so.1.2.13 by absolute path, which a
   # machine with another zlib lacks, and CMake would then find no zlib. Where that link dangles, the machine's own
   # libz.so.1 is linked instead (same ABI; the carried headers are zlib 1.2.13's).
-  local extra=() prefix
-  for prefix in $(echo "${DEVICE_CMAKE_ARGS:-}" | sed -n 's/.*-DCMAKE_PREFIX_PATH=\([^ ]*\).*/\1/p' | tr ';' ' '); do
-    local link="$prefix/lib/x86_64-linux-gnu/libz.so"
-    if [ -L "$link" ] && [ ! -e "$link" ]; then
-      local runtime
-      runtime=$(ldconfig -p 2>/dev/null | awk '$1 == "libz.so.1" && /x86-64/ {print $NF; exit}')
-      [ -n "$runtime" ] && extra+=(-DZLIB_LIBRARY="$runtime") && echo "-- zlib: $link dangles; linking $runtime"
-    fi
-  done
+  #
   # MPI: the GPU machines have OpenMPI's runtime (mpirun, libmpi.so.40) but neither its headers nor its compiler
   # wrapper. With Debian's headers carried (libopenmpi-dev, OpenMPI 4.1, the same libmpi.so.40 ABI), CMake is
   # pointed at them and at the machine's own libmpi, so that the multi-process GPU tests (the transport each
   # process pair takes, and the fallback through host memory when processes share a GPU) build and run.
   # If that configuration or its build fails, the check goes on without MPI rather than without a build.
-  local mpi=()
+  local extra=() mpi=() prefix
   for prefix in $(echo "${DEVICE_CMAKE_ARGS:-}" | sed -n 's/.*-DCMAKE_PREFIX_PATH=\([^ ]*\).*/\1/p' | tr ';' ' '); do
+    local zlib="$prefix/lib/x86_64-linux-gnu/libz.so" runtime
+    if [ -L "$zlib" ] && [ ! -e "$zlib" ]; then
+      runtime=$(ldconfig -p 2>/dev/null | awk '$1 == "libz.so.1" && /x86-64/ {print $NF; exit}')
+      [ -n "$runtime" ] && extra+=(-DZLIB_LIBRARY="$runtime") && echo "-- zlib: $zlib dangles; linking $runtime"
+    fi
     local mpi_include="$prefix/lib/x86_64-linux-gnu/openmpi/include" libmpi
     if [ -f "$mpi_include/mpi.h" ] && ! command -v mpicc > /dev/null; then
       libmpi=$(ldconfig -p 2>/dev/null | awk '$1 == "libmpi.so.40" && /x86-64/ {print $NF; exit}')

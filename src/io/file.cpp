@@ -42,7 +42,17 @@ void refuse_special_target(const std::string& target) {
                ": exists and is not a regular file (a device, FIFO or socket): dpar replaces only regular files");
 }
 
-std::string temporary_name(const std::string& target);
+// A temporary name beside `target`, unique to this write: "<dir>/.<up to 64 bytes of the name>.<pid>.<n>.tmp",
+// n counting the writes of this process. Distinct concurrent saves to one path therefore never share a file
+// (each renames its own, complete one), and the name fits in NAME_MAX (255 bytes) whatever the target's length.
+std::string temporary_name(const std::string& target) {
+  static std::atomic<uint64_t> counter{0};
+  const size_t slash = target.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "" : target.substr(0, slash + 1);
+  const std::string base = slash == std::string::npos ? target : target.substr(slash + 1);
+  return dir + "." + base.substr(0, 64) + "." + std::to_string(::getpid()) + "." +
+         std::to_string(counter.fetch_add(1)) + ".tmp";
+}
 
 // The temporary file of an atomic write: removed on every failure, kept once renamed into place.
 class TempFile {
@@ -95,17 +105,6 @@ class TempFile {
   bool renamed_ = false;
 };
 
-// A temporary name beside `target`, unique to this write: "<dir>/.<up to 64 bytes of the name>.<pid>.<n>.tmp",
-// n counting the writes of this process. Distinct concurrent saves to one path therefore never share a file
-// (each renames its own, complete one), and the name fits in NAME_MAX (255 bytes) whatever the target's length.
-std::string temporary_name(const std::string& target) {
-  static std::atomic<uint64_t> counter{0};
-  const size_t slash = target.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "" : target.substr(0, slash + 1);
-  const std::string base = slash == std::string::npos ? target : target.substr(slash + 1);
-  return dir + "." + base.substr(0, 64) + "." + std::to_string(::getpid()) + "." +
-         std::to_string(counter.fetch_add(1)) + ".tmp";
-}
 
 std::string directory_of(const std::string& path) {
   const size_t slash = path.find_last_of('/');
