@@ -225,6 +225,66 @@ def qualified_uses(tree):
     return uses
 
 
+# Julia's own functions and types that the tests and examples call unqualified. A script's call of any other name
+# must be of a name the script binds or one that Dpar exports, so that a misspelt call fails here, not in a user's
+# first run. Add a name here when a script starts using another of Julia's functions.
+JULIA_BASE = {
+    "Array", "Dict", "Float32", "Float64", "Int32", "Int64", "Ref", "UInt", "UInt32", "WeakRef", "argmax", "ccall",
+    "close", "copy", "count", "div", "eachindex", "enumerate", "error", "fill", "fill!", "first", "foreach", "get",
+    "hcat", "hton", "isempty", "isfile", "isnan", "isodd", "isready", "joinpath", "length", "map", "maximum",
+    "minimum", "mktempdir", "occursin", "open", "parse", "pointer", "println", "push!", "read", "reduce",
+    "reinterpret", "reshape", "rethrow", "round", "size", "sizeof", "sleep", "sort", "split", "sprint", "string",
+    "sum", "throw", "vcat", "view", "wait", "write", "zeros",
+}
+
+
+# Where each kind of node binds names: a function's signature (its name, parameters and type parameters), a do
+# block's parameters, an arrow function's, and the target of an assignment, a for loop, a let or a catch.
+BINDERS = {"function_definition": "signature", "do_clause": "argument_list", "arrow_function_expression": 0,
+           "assignment": 0, "for_binding": 0, "let_binding": 0, "catch_clause": "identifier"}
+
+
+def bound_names(tree):
+    """Every name a script binds anywhere (see BINDERS)."""
+    names, stack = set(), [tree.root_node]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        where = BINDERS.get(node.type)
+        if where is None or not node.children:
+            continue
+        targets = [node.children[0]] if where == 0 else [c for c in node.children if c.type == where][:1]
+        while targets:
+            n = targets.pop()
+            if n.type == "identifier":
+                names.add(n.text.decode())
+            elif n.type != "field_expression":  # a.b = ... binds no name
+                targets.extend(n.children)
+    return names
+
+
+def exported_names(parsed):
+    """{module: the names its export statements list}."""
+    found = {}
+    for _, tree in parsed:
+        for module in (n for n in tree.root_node.children if n.type == "module_definition"):
+            mname = next(c.text.decode() for c in module.children if c.type == "identifier")
+            for export in (n for n in module.children if n.type == "export_statement"):
+                found.setdefault(mname, set()).update(re.findall(r"[\w!]+", export.text.decode()[len("export"):]))
+    return found
+
+
+def unqualified_calls(tree):
+    """[(line, name)] of every call of a plain name in a file (macros aside)."""
+    calls, stack = [], [tree.root_node]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.type == "call_expression" and node.children[0].type == "identifier":
+            calls.append((node.start_point[0] + 1, node.children[0].text.decode()))
+    return calls
+
+
 def check_names(parsed):
     """Problems of the names the Julia files use: every `Dpar.name` (in the tests, say) and every exported name is
     defined at the top level of the package's module; without a Julia runtime nothing else would notice a name
@@ -238,6 +298,12 @@ def check_names(parsed):
         for line, module, name in qualified_uses(tree):
             if module in defined and name not in defined[module]:
                 problems.append(f"{where_file}:{line}: {module}.{name} is not defined by module {module}")
+        if not any(n.type == "module_definition" for n in tree.root_node.children):  # a test or an example
+            known = bound_names(tree) | JULIA_BASE | exported_names(parsed).get("Dpar", set())
+            for line, name in unqualified_calls(tree):
+                if name not in known:
+                    problems.append(f"{where_file}:{line}: {name} is neither bound here, nor exported by Dpar, nor "
+                                    "among the Julia functions scripts/check_julia.py knows (JULIA_BASE)")
         for module in (n for n in tree.root_node.children if n.type == "module_definition"):
             mname = next(c.text.decode() for c in module.children if c.type == "identifier")
             for export in (n for n in module.children if n.type == "export_statement"):

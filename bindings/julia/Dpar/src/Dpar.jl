@@ -7,14 +7,32 @@ that trains a `Model` on several devices; collectives (`CommGroup`, `Comm`, `all
 
 Every handle is a Julia object with `close` (a finalizer frees it too); every failed call throws a `DparError`
 carrying dpar's status and message. `do`-block helpers (`Model(seed) do m ... end`) close at the end. The library is
-found through `ENV["DPAR_LIB"]` (a path to libdpar.so), else the CMake build tree of this checkout, else the system.
+found when the package loads (not when it is precompiled) through `ENV["DPAR_LIB"]` (a path to libdpar.so), else
+the CMake build tree of this checkout, else the dynamic loader's search path (`libdpar.so.0`); `Dpar.libdpar_path[]`
+says which.
 """
 module Dpar
 
 using Libdl
 
-const libdpar = let p = get(ENV, "DPAR_LIB", joinpath(@__DIR__, "..", "..", "..", "..", "build", "libdpar.so"))
-    isfile(p) ? p : "libdpar.so.0"
+# Every ccall names the library by its soname. __init__ loads the copy chosen when the package loads (not when it
+# was precompiled), and the dynamic loader resolves the soname to the copy already loaded.
+const libdpar = "libdpar.so.0"
+
+"The path of the libdpar that this session loaded (set when the package loads)."
+const libdpar_path = Ref{String}("")
+
+function __init__()
+    chosen = get(ENV, "DPAR_LIB", "")
+    if isempty(chosen)
+        tree = joinpath(@__DIR__, "..", "..", "..", "..", "build", "libdpar.so")
+        chosen = isfile(tree) ? tree : libdpar
+    end
+    handle = Libdl.dlopen(chosen, Libdl.RTLD_NOW | Libdl.RTLD_GLOBAL; throw_error = false)
+    handle === nothing && error("Dpar: cannot load libdpar from \"$chosen\": set ENV[\"DPAR_LIB\"] to the path of " *
+                                "libdpar.so, or install dpar where the dynamic loader finds libdpar.so.0")
+    libdpar_path[] = Libdl.dlpath(handle)
+    nothing
 end
 
 export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, train_step!, step_count, num_params,
