@@ -360,6 +360,39 @@ TEST(Engine, ReplicasBitIdenticalAfterManySteps) {
   EXPECT_EQ(engine.step_count(), 100);
 }
 
+// A linear layer and the ReLU after it run fused (one pass for the bias and the ReLU, one for the mask and the bias
+// gradient). A dropout of p = 0 between them is an exact identity that prevents the fusion: the two models must
+// train to the same bits, through train_step (the loss's gradient in the model's own buffer, ReLUs fused twice in a
+// row) and through forward/backward/step (the caller's gradient in memory of its own).
+TEST(Engine, ALinearFusedWithItsReluTrainsAsTheTwoApart) {
+  auto build = [](bool apart) {
+    Model m(21);
+    m.add(make_linear(12, 32, true));
+    if (apart) m.add(make_dropout(0.0f));
+    m.add(make_activation(Activation::kRelu));
+    m.add(make_linear(32, 24, false));
+    if (apart) m.add(make_dropout(0.0f));
+    m.add(make_activation(Activation::kRelu));
+    m.add(make_linear(24, 5, true));
+    m.add(make_activation(Activation::kRelu));  // a model may end with a fused pair
+    return m;
+  };
+  Engine fused(build(false), adam(), cpu_devices(3)), apart(build(true), adam(), cpu_devices(3));
+  for (int s = 0; s < 12; ++s) {
+    const Batch b = make_batch(20 + s % 5, 12, 5, 300 + s);
+    EXPECT_EQ(fused.train_step(b.x, b.y), apart.train_step(b.x, b.y)) << "loss at step " << s;
+  }
+  const Batch b = make_batch(17, 12, 5, 400);
+  Tensor grad = Tensor::empty(DType::kF32, Shape{17, 5}, Device{});
+  for (int64_t i = 0; i < grad.numel(); ++i) grad.f32()[i] = static_cast<float>(i % 7) - 3.0f;
+  for (Engine* e : {&fused, &apart}) {
+    e->forward(b.x);
+    e->backward(grad);
+    e->step();
+  }
+  for (size_t r = 0; r < 3; ++r) EXPECT_EQ(fnv1a(fused.params(r)), fnv1a(apart.params(r))) << "replica " << r;
+}
+
 TEST(Engine, DropoutStreamsPersistAcrossStepsAndDifferPerReplica) {
   Model model(1);
   model.add(make_linear(4, 64, true));

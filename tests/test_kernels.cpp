@@ -226,6 +226,65 @@ TEST(Linear, BackwardNullDinpAndNullDbias) {
   expect_bitwise_equal(db3.data(), db.data(), db.size(), "dbias without weight");
 }
 
+// The fused linear + ReLU gives linear_forward's and relu_forward's bits, and its backward relu_backward's and
+// linear_backward's, with and without a bias, accumulating or not, and with dinp in dout's memory (as the model
+// passes it). Co = 300 spans two blocks of the bias reduction; inputs include exact zeros, negatives and a NaN.
+TEST(Linear, FusedReluEqualsTheTwoKernelsBitForBit) {
+  const int64_t B = 19, Ci = 33, Co = 300;
+  const Vec inp = uniform(B * Ci, 60), w = uniform(Co * Ci, 61), bias = uniform(Co, 62);
+  Vec dout = uniform(B * Co, 63);
+  for (const bool with_bias : {true, false}) {
+    const float* b = with_bias ? bias.data() : nullptr;
+    const std::string what = with_bias ? "with bias" : "without bias";
+    Vec pre(B * Co), relu(B * Co), fused(B * Co, std::numeric_limits<float>::quiet_NaN());
+    k::linear_forward(pre.data(), inp.data(), w.data(), b, B, Ci, Co);
+    pre[7] = std::numeric_limits<float>::quiet_NaN();  // reach the backward's mask as a NaN output would
+    k::relu_forward(relu.data(), pre.data(), B * Co);
+    k::linear_relu_forward(fused.data(), inp.data(), w.data(), b, B, Ci, Co);
+    fused[7] = relu[7];
+    expect_bitwise_equal(fused.data(), relu.data(), relu.size(), "forward " + what);
+    relu[11] = 0.0f, relu[12] = -0.0f;  // exact zeros pass no gradient
+
+    for (const bool accumulate : {false, true}) {
+      const Vec old_w = uniform(Co * Ci, 64), old_b = uniform(Co, 65);
+      Vec dpre(B * Co), dinp(B * Ci), dw = old_w, db = old_b;
+      k::relu_backward(dpre.data(), dout.data(), relu.data(), B * Co);
+      k::linear_backward(dinp.data(), dw.data(), with_bias ? db.data() : nullptr, dpre.data(), inp.data(), w.data(),
+                         B, Ci, Co, accumulate);
+
+      // dinp shares dout's memory, as the model's ping-pong buffers have it.
+      Vec shared(std::max(B * Co, B * Ci));
+      std::copy(dout.begin(), dout.end(), shared.begin());
+      Vec mid(B * Co, std::numeric_limits<float>::quiet_NaN()), fdw = old_w, fdb = old_b;
+      k::linear_relu_backward(shared.data(), fdw.data(), with_bias ? fdb.data() : nullptr, mid.data(), shared.data(),
+                              relu.data(), inp.data(), w.data(), B, Ci, Co, accumulate);
+      const std::string how = what + (accumulate ? ", accumulating" : "");
+      expect_bitwise_equal(mid.data(), dpre.data(), dpre.size(), "masked gradient " + how);
+      expect_bitwise_equal(shared.data(), dinp.data(), dinp.size(), "dinp " + how);
+      expect_bitwise_equal(fdw.data(), dw.data(), dw.size(), "dweight " + how);
+      expect_bitwise_equal(fdb.data(), db.data(), db.size(), "dbias " + how);
+    }
+  }
+}
+
+TEST(Linear, FusedReluBackwardMatchesFiniteDifferences) {
+  const int64_t B = 4, Ci = 5, Co = 6;
+  Vec inp = uniform(B * Ci, 70), w = uniform(Co * Ci, 71), bias = uniform(Co, 72);
+  const Vec r = uniform(B * Co, 73);
+  auto loss = [&] {  // L = sum(r * relu(inp W^T + b))
+    Vec out(B * Co);
+    k::linear_relu_forward(out.data(), inp.data(), w.data(), bias.data(), B, Ci, Co);
+    return dot(out, r);
+  };
+  Vec out(B * Co), dpre(B * Co), dinp(B * Ci), dw(Co * Ci), db(Co);
+  k::linear_relu_forward(out.data(), inp.data(), w.data(), bias.data(), B, Ci, Co);
+  k::linear_relu_backward(dinp.data(), dw.data(), db.data(), dpre.data(), r.data(), out.data(), inp.data(), w.data(),
+                          B, Ci, Co, false);
+  expect_matches_fd(loss, inp, dinp, "dinp");
+  expect_matches_fd(loss, w, dw, "dweight");
+  expect_matches_fd(loss, bias, db, "dbias");
+}
+
 TEST(Linear, BackwardEmptyBatch) {
   const int64_t Ci = 3, Co = 2;
   Vec dw(Co * Ci, 5.0f), db(Co, 5.0f);

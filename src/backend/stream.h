@@ -44,6 +44,21 @@ class Stream {
   // dinp (B,C_in) or nullptr, dweight (C_out,C_in), dbias (C_out) or nullptr, dout (B,C_out)
   virtual void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate) = 0;
+  // out (B,C_out) = relu(inp @ weight^T + bias): linear_forward, then a ReLU on its output. A backend may fuse the
+  // two (the CPU's adds the bias and applies the ReLU in one pass after its GEMM); the default makes both calls.
+  virtual void linear_relu_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B,
+                                   int64_t C_in, int64_t C_out) {
+    linear_forward(out, inp, weight, bias, B, C_in, C_out);
+    activation_forward(Activation::kRelu, out, out, B * C_out);
+  }
+  // The backward of linear_relu_forward from dout = dL/d(its output) and out = its output: dpre (B,C_out) = the
+  // ReLU's backward, then linear_backward from dpre. dinp may be dout's memory (dout is consumed first).
+  virtual void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre, const float* dout,
+                                    const float* out, const float* inp, const float* weight, int64_t B,
+                                    int64_t C_in, int64_t C_out, bool accumulate) {
+    activation_backward(Activation::kRelu, dpre, dout, nullptr, out, B * C_out);
+    linear_backward(dinp, dweight, dbias, dpre, inp, weight, B, C_in, C_out, accumulate);
+  }
   // out (n), inp (n)
   virtual void activation_forward(Activation kind, float* out, const float* inp, int64_t n) = 0;
   // dinp (n), dout (n), and what the kind's backward reads: inp (GELU) or out (the others), both (n)

@@ -69,6 +69,17 @@ class Layer {
   virtual void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out, const Tensor& dout,
                         const Tensor& din, bool accumulate) = 0;
 
+  // Whether this layer computes the next layer's forward and backward together with its own (a linear layer and
+  // the ReLU after it, say: one pass adds the bias and applies the ReLU). The model then calls forward_with_next
+  // and backward_with_next for the pair, and this layer's own output is never written.
+  virtual bool fuses_with(const Layer& /*next*/) const { return false; }
+  // in (B, ...) -> next_out (B, ...): next(this(in)).
+  virtual void forward_with_next(const ReplicaContext& ctx, const Tensor& in, const Tensor& next_out);
+  // Given next_dout = dL/d(next_out), writes din (when defined) and this layer's parameter gradients, as the two
+  // backward calls would; mid is scratch of this layer's output shape. din may be next_dout's memory.
+  virtual void backward_with_next(const ReplicaContext& ctx, const Tensor& in, const Tensor& next_out,
+                                  const Tensor& next_dout, const Tensor& mid, const Tensor& din, bool accumulate);
+
  protected:
   std::vector<Tensor> bound_params_, bound_grads_;  // the views given to bind()
   std::vector<float*> params_, grads_;              // their memory

@@ -12,6 +12,15 @@ Tensor ReplicaContext::alloc(DType dtype, const Shape& shape) const {
   return Tensor::empty(dtype, shape, device);
 }
 
+void Layer::forward_with_next(const ReplicaContext&, const Tensor&, const Tensor&) {
+  fail(DPAR_ERR_INTERNAL, describe(), " fuses with no layer after it");
+}
+
+void Layer::backward_with_next(const ReplicaContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                               const Tensor&, bool) {
+  fail(DPAR_ERR_INTERNAL, describe(), " fuses with no layer after it");
+}
+
 void ReplicaContext::maybe_fail(Fault fault, const char* where) const {
   if (armed_fault && *armed_fault == fault) {
     *armed_fault = Fault::kNone;
@@ -52,6 +61,20 @@ class Linear final : public Layer {
                                 dout.f32(), in.f32(), params_[0], in.rows(), in_, out_, accumulate);
   }
 
+  // A ReLU after a linear layer runs with it: the bias and the ReLU are one pass after the GEMM, and backward
+  // masks the gradient and sums the bias gradient in one pass before the GEMMs.
+  bool fuses_with(const Layer& next) const override;
+  void forward_with_next(const ReplicaContext& ctx, const Tensor& in, const Tensor& next_out) override {
+    ctx.stream->linear_relu_forward(next_out.f32(), in.f32(), params_[0], bias_ ? params_[1] : nullptr, in.rows(),
+                                    in_, out_);
+  }
+  void backward_with_next(const ReplicaContext& ctx, const Tensor& in, const Tensor& next_out,
+                          const Tensor& next_dout, const Tensor& mid, const Tensor& din, bool accumulate) override {
+    ctx.stream->linear_relu_backward(din.defined() ? din.f32() : nullptr, grads_[0], bias_ ? grads_[1] : nullptr,
+                                     mid.f32(), next_dout.f32(), next_out.f32(), in.f32(), params_[0], in.rows(),
+                                     in_, out_, accumulate);
+  }
+
  private:
   int64_t in_, out_;
   bool bias_;
@@ -66,6 +89,7 @@ class ActivationLayer final : public Layer {
   }
   Shape output_shape(const Shape& in) const override { return in; }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<ActivationLayer>(kind_); }
+  Activation kind() const { return kind_; }
 
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
     ctx.stream->activation_forward(kind_, out.f32(), in.f32(), in.numel());
@@ -113,6 +137,11 @@ class Dropout final : public Layer {
   bool active_ = false;
   Tensor mask_;  // the multipliers of the last forward, kept for backward
 };
+
+bool Linear::fuses_with(const Layer& next) const {
+  const auto* activation = dynamic_cast<const ActivationLayer*>(&next);
+  return activation != nullptr && activation->kind() == Activation::kRelu;
+}
 
 }  // namespace
 

@@ -52,6 +52,11 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
       }
     layers_[i]->bind(std::move(p), std::move(g));
   }
+  for (size_t i = 0; i + 1 < layers_.size(); ++i) {
+    // A layer fused with the one before it is not fused with the one after it: pairs do not chain.
+    fused_with_next_.push_back((i == 0 || !fused_with_next_[i - 1]) && layers_[i]->fuses_with(*layers_[i + 1]));
+  }
+  fused_with_next_.push_back(false);
 }
 
 void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
@@ -85,6 +90,13 @@ Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
   input_ = input;
   Tensor x = input;
   for (size_t i = 0; i < layers_.size(); ++i) {
+    if (fused_with_next_[i]) {  // layer i and i + 1 at once; layer i's own output is not written
+      Tensor y = outputs_[i + 1].rows(0, rows);
+      layers_[i]->forward_with_next(ctx, x, y);
+      x = y;
+      ++i;
+      continue;
+    }
     Tensor y = outputs_[i].rows(0, rows);
     layers_[i]->forward(ctx, x, y);
     x = y;
@@ -105,16 +117,30 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
   const int64_t rows = forward_rows_;
   Tensor dout = grad_output;
   for (size_t i = layers_.size(); i-- > 0;) {
-    Tensor in = i == 0 ? input_ : outputs_[i - 1].rows(0, rows);
+    const bool pair = i > 0 && fused_with_next_[i - 1];  // layers i - 1 and i run as one
+    const size_t first = pair ? i - 1 : i;
+    Tensor in = first == 0 ? input_ : outputs_[first - 1].rows(0, rows);
+    // The ping-pong buffer that dout is not in, and the other one: dout's own (dout starts its buffer, being the
+    // loss's gradient in grad_a_ or an earlier din) or, for a caller's gradient in memory of its own, a free one.
+    const bool dout_in_a = dout.raw() == grad_a_.raw();
+    Tensor& free_buf = dout_in_a ? grad_b_ : grad_a_;
+    Tensor& other_buf = dout_in_a ? grad_a_ : grad_b_;
     Tensor din;
-    if (i > 0) {
-      // Write into whichever ping-pong buffer dout is not in.
-      Tensor& buf = dout.raw() == grad_a_.raw() ? grad_b_ : grad_a_;
-      din = buf.rows(0, in.numel()).reshaped(in.shape());
+    if (pair) {
+      // The gradient between the two layers goes into the free buffer, and din into the other, which may hold
+      // dout: the pair reads dout in full before it writes din.
+      const Tensor first_out = outputs_[first].rows(0, rows);
+      const Tensor mid = free_buf.rows(0, first_out.numel()).reshaped(first_out.shape());
+      if (first > 0) din = other_buf.rows(0, in.numel()).reshaped(in.shape());
+      layers_[first]->backward_with_next(ctx, in, outputs_[i].rows(0, rows), dout, mid, din, accumulate);
+      if (layer_done) layer_done(i), layer_done(first);
+    } else {
+      if (i > 0) din = free_buf.rows(0, in.numel()).reshaped(in.shape());
+      layers_[i]->backward(ctx, in, outputs_[i].rows(0, rows), dout, din, accumulate);
+      if (layer_done) layer_done(i);
     }
-    layers_[i]->backward(ctx, in, outputs_[i].rows(0, rows), dout, din, accumulate);
-    if (layer_done) layer_done(i);
     dout = din;
+    i = first;
   }
   forward_rows_ = 0;
   input_ = Tensor();

@@ -71,6 +71,7 @@ class ReplicaModel {
   void reserve(const ReplicaContext& ctx, const Shape& input);
 
   std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<bool> fused_with_next_;  // layer i computes layer i + 1 with its own (Layer::fuses_with)
   Tensor params_, grads_;
   std::vector<Shape> row_shapes_;     // per layer output, for one row: shapes with rows = 1
   std::vector<Tensor> outputs_;       // per layer output, capacity rows

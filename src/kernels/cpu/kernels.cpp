@@ -41,6 +41,17 @@ inline void sqrt_block(float* out, const float* in, int64_t n) {
   for (; i < n; ++i) out[i] = std::sqrt(in[i]);
 }
 
+// Elementwise and reduction loops are compiled for AVX-512, for AVX2 and for baseline x86-64, the version picked
+// at load time by the CPU's feature bits. None of these targets brings FMA (and -ffp-contract=off forbids
+// contraction anyway), so every version computes the same bits; they differ in vector width alone.
+// Clang (the fuzz build) cannot multiversion a template: it compiles the baseline version only. Nor does
+// ThreadSanitizer's build: it instruments the load-time resolver, which then crashes before its runtime is ready.
+#if defined(__clang__) || defined(__SANITIZE_THREAD__)
+#define DPAR_VECTOR_CLONES
+#else
+#define DPAR_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+
 // Arguments that every kernel on n elements shares.
 inline void check_count(int64_t n) { DPAR_CHECK_ARG(n >= 0, "element count must be >= 0, got ", n); }
 
@@ -83,34 +94,82 @@ inline float uniform24(uint64_t key, uint64_t counter) {
 // -------------------------------------------------------------------------------------------------------------
 // Linear
 
-// inp (B,C_in), weight (C_out,C_in), bias (C_out) or nullptr, out (B,C_out)
-void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
-                    int64_t C_out) {
+namespace {
+
+// The epilogue of the forward GEMM, over out (B,C_out) in one pass: out = out + bias (when there is a bias), then
+// out = relu(out) when asked. The sum is the GEMM's value plus the bias, each element rounded once, so that a
+// linear layer gives the same bits with or without the ReLU fused after it.
+DPAR_VECTOR_CLONES void forward_epilogue(float* out, const float* bias, int64_t B, int64_t C_out, bool relu) {
+  for (int64_t i = 0; i < B; ++i) {
+    float* row = out + i * C_out;
+    if (bias != nullptr && relu) {
+      for (int64_t j = 0; j < C_out; ++j) {
+        const float v = row[j] + bias[j];
+        row[j] = v < 0.0f ? 0.0f : v;  // relu_forward's select: NaN passes through
+      }
+    } else if (bias != nullptr) {
+      for (int64_t j = 0; j < C_out; ++j) row[j] = row[j] + bias[j];
+    } else if (relu) {
+      for (int64_t j = 0; j < C_out; ++j) row[j] = row[j] < 0.0f ? 0.0f : row[j];
+    }
+  }
+}
+
+// out (B,C_out) = [relu](inp @ weight^T + bias): the GEMM overwrites out (beta 0, so whatever out held, even NaN,
+// is ignored), then one pass adds the bias and applies the ReLU.
+void linear_forward_impl(float* out, const float* inp, const float* weight, const float* bias, int64_t B,
+                         int64_t C_in, int64_t C_out, bool relu) {
   const int64_t b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
   if (B == 0 || C_out == 0) return;
   DPAR_CHECK_ARG(out != nullptr, "linear_forward: out is null");
   DPAR_CHECK_ARG(C_in == 0 || (inp != nullptr && weight != nullptr), "linear_forward: inp or weight is null");
-  // Seed out with the broadcast bias and let the GEMM add to it (beta 1), as PyTorch's addmm does; without a
-  // bias, beta 0 lets BLAS ignore whatever out held (even NaN).
-  if (bias != nullptr) {
-    for (int64_t i = 0; i < B; ++i) std::memcpy(out + i * C_out, bias, static_cast<size_t>(C_out) * sizeof(float));
+  if (C_in == 0) {  // an empty sum (the GEMM would reject lda = 0): zeros, then the bias
+    fill_zero(out, B * C_out);
+  } else {
+    sgemm(false, true, b, cout, cin, 1.0f, inp, ld(cin), weight, ld(cin), 0.0f, out, ld(cout));
   }
-  if (C_in == 0) {  // an empty sum: BLAS would reject lda = 0, and the answer is just the bias
-    if (bias == nullptr) fill_zero(out, B * C_out);
-    return;
-  }
-  sgemm(false, true, b, cout, cin, 1.0f, inp, ld(cin), weight, ld(cin), bias != nullptr ? 1.0f : 0.0f, out,
-        ld(cout));
+  if (bias != nullptr || relu) forward_epilogue(out, bias, B, C_out, relu);
 }
 
-// dinp (B,C_in), dweight (C_out,C_in), dbias (C_out), dout (B,C_out), inp (B,C_in), weight (C_out,C_in)
-void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate) {
-  const int64_t b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
-  DPAR_CHECK_ARG(dweight != nullptr || C_out * C_in == 0, "linear_backward: dweight is null");
-  const bool nonempty = B > 0 && C_out > 0;
-  DPAR_CHECK_ARG(!nonempty || dout != nullptr, "linear_backward: dout is null");
+// dbias (C_out) from the column sums of d (B,C_out), summed over rows in order in double (no allocation: blocks
+// of columns on the stack), rounded once and only then added when accumulating: "old + this batch's gradient", as
+// autograd's accumulation is. With relu_out, d is first masked, d = relu_out > 0 ? d : 0, and written to masked
+// in the same pass (relu_backward's arithmetic): the masked gradient and its sums are read from memory once.
+DPAR_VECTOR_CLONES void bias_grad(float* dbias, float* masked, const float* d, const float* relu_out, int64_t B,
+                                  int64_t C_out, bool accumulate) {
+  constexpr int64_t kBlock = 256;
+  double acc[kBlock];
+  for (int64_t j0 = 0; j0 < C_out; j0 += kBlock) {
+    const int64_t jn = std::min(kBlock, C_out - j0);
+    for (int64_t j = 0; j < jn; ++j) acc[j] = 0.0;
+    for (int64_t i = 0; i < B; ++i) {
+      const float* row = d + i * C_out + j0;
+      if (relu_out != nullptr) {
+        const float* y = relu_out + i * C_out + j0;
+        float* m = masked + i * C_out + j0;
+        for (int64_t j = 0; j < jn; ++j) {
+          const float g = y[j] <= 0.0f ? 0.0f : row[j];
+          m[j] = g;
+          if (dbias != nullptr) acc[j] += static_cast<double>(g);
+        }
+      } else {
+        for (int64_t j = 0; j < jn; ++j) acc[j] += static_cast<double>(row[j]);
+      }
+    }
+    if (dbias == nullptr) continue;
+    float* db = dbias + j0;
+    if (accumulate) {
+      for (int64_t j = 0; j < jn; ++j) db[j] = db[j] + static_cast<float>(acc[j]);
+    } else {
+      for (int64_t j = 0; j < jn; ++j) db[j] = static_cast<float>(acc[j]);
+    }
+  }
+}
 
+// The GEMMs of linear_backward, from dout (B,C_out) = dL/d(the linear's output).
+void linear_backward_gemms(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                           int64_t B, int64_t C_in, int64_t C_out, bool accumulate) {
+  const int64_t b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
   // dinp (B,C_in) = dout (B,C_out) @ weight (C_out,C_in)
   if (dinp != nullptr && B > 0 && C_in > 0) {
     if (C_out == 0) {
@@ -120,7 +179,6 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
       sgemm(false, false, b, cin, cout, 1.0f, dout, ld(cout), weight, ld(cin), 0.0f, dinp, ld(cin));
     }
   }
-
   // dweight (C_out,C_in) = dout^T (C_out,B) @ inp (B,C_in); beta 1 adds to the gradient already there.
   if (C_out > 0 && C_in > 0) {
     if (B == 0) {
@@ -131,36 +189,53 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
             ld(cin));
     }
   }
+}
 
-  // dbias (C_out) = column sums of dout. Blocks of columns are summed over rows in double on the stack (no
-  // allocation; rows in order, so deterministic), and only then rounded and added to dbias: accumulating is then
-  // "old + this batch's gradient", as autograd's grad accumulation is.
-  if (dbias != nullptr) {
-    constexpr int64_t kBlock = 256;
-    double acc[kBlock];
-    for (int64_t j0 = 0; j0 < C_out; j0 += kBlock) {
-      const int64_t jn = std::min(kBlock, C_out - j0);
-      for (int64_t j = 0; j < jn; ++j) acc[j] = 0.0;
-      for (int64_t i = 0; i < B; ++i) {
-        const float* row = dout + i * C_out + j0;
-        for (int64_t j = 0; j < jn; ++j) acc[j] += static_cast<double>(row[j]);
-      }
-      float* db = dbias + j0;
-      if (accumulate) {
-        for (int64_t j = 0; j < jn; ++j) db[j] = db[j] + static_cast<float>(acc[j]);
-      } else {
-        for (int64_t j = 0; j < jn; ++j) db[j] = static_cast<float>(acc[j]);
-      }
-    }
+void check_backward_args(const float* dweight, const float* dout, int64_t B, int64_t C_in, int64_t C_out) {
+  blas_dim(B, "B"), blas_dim(C_in, "C_in"), blas_dim(C_out, "C_out");
+  DPAR_CHECK_ARG(dweight != nullptr || C_out * C_in == 0, "linear_backward: dweight is null");
+  DPAR_CHECK_ARG(B == 0 || C_out == 0 || dout != nullptr, "linear_backward: dout is null");
+}
+
+}  // namespace
+
+// inp (B,C_in), weight (C_out,C_in), bias (C_out) or nullptr, out (B,C_out)
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
+                    int64_t C_out) {
+  linear_forward_impl(out, inp, weight, bias, B, C_in, C_out, false);
+}
+
+void linear_relu_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B,
+                         int64_t C_in, int64_t C_out) {
+  linear_forward_impl(out, inp, weight, bias, B, C_in, C_out, true);
+}
+
+// dinp (B,C_in), dweight (C_out,C_in), dbias (C_out), dout (B,C_out), inp (B,C_in), weight (C_out,C_in)
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate) {
+  check_backward_args(dweight, dout, B, C_in, C_out);
+  linear_backward_gemms(dinp, dweight, dout, inp, weight, B, C_in, C_out, accumulate);
+  if (dbias != nullptr && C_out > 0) bias_grad(dbias, nullptr, dout, nullptr, B, C_out, accumulate);
+}
+
+void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre, const float* dout,
+                          const float* out, const float* inp, const float* weight, int64_t B, int64_t C_in,
+                          int64_t C_out, bool accumulate) {
+  check_backward_args(dweight, dout, B, C_in, C_out);
+  if (C_out > 0) {
+    DPAR_CHECK_ARG(B == 0 || (dpre != nullptr && out != nullptr), "linear_relu_backward: dpre or out is null");
+    // The mask pass reads dout in full before the GEMMs write dinp, which may therefore be dout's memory.
+    bias_grad(dbias, dpre, dout, out, B, C_out, accumulate);
   }
+  linear_backward_gemms(dinp, dweight, dpre, inp, weight, B, C_in, C_out, accumulate);
 }
 
 // -------------------------------------------------------------------------------------------------------------
 // Activations. Formulas and operation order follow PyTorch's CPU kernels (scalar paths), in float.
 
 // inp (n), out (n)
-void relu_forward(float* out, const float* inp, int64_t n) {
-  check_count(n);
+namespace {
+DPAR_VECTOR_CLONES void relu_forward_loop(float* out, const float* inp, int64_t n) {
   // Written as a select on x < 0 rather than std::max so that NaN passes through, as torch.relu does.
   for (int64_t i = 0; i < n; ++i) {
     const float x = inp[i];
@@ -168,14 +243,24 @@ void relu_forward(float* out, const float* inp, int64_t n) {
   }
 }
 
-// dinp (n), dout (n), out (n)
-void relu_backward(float* dinp, const float* dout, const float* out, int64_t n) {
-  check_count(n);
+DPAR_VECTOR_CLONES void relu_backward_loop(float* dinp, const float* dout, const float* out, int64_t n) {
   // Both loads are unconditional so the select vectorises (a conditional load cannot be if-converted).
   for (int64_t i = 0; i < n; ++i) {
     const float g = dout[i], y = out[i];
     dinp[i] = y <= 0.0f ? 0.0f : g;
   }
+}
+}  // namespace
+
+void relu_forward(float* out, const float* inp, int64_t n) {
+  check_count(n);
+  relu_forward_loop(out, inp, n);
+}
+
+// dinp (n), dout (n), out (n)
+void relu_backward(float* dinp, const float* dout, const float* out, int64_t n) {
+  check_count(n);
+  relu_backward_loop(dinp, dout, out, n);
 }
 
 namespace {
@@ -400,17 +485,9 @@ void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, c
 namespace {
 // The Adam loop with its branches resolved at compile time. It runs in blocks that fit in L1: the moments of a
 // block first (a vectorisable loop), then the square roots (sqrt_block), then the parameters (vectorisable).
-// Compiled for AVX2 and for baseline x86-64, picked at load time. AVX2 alone brings no FMA, so no multiply-add is
-// contracted and both versions give the same bits.
-// Clang (the fuzz build) cannot multiversion a template: it compiles the baseline version only. Nor does
-// ThreadSanitizer's build: it instruments the load-time resolver, which then crashes before its runtime is ready.
-#if defined(__clang__) || defined(__SANITIZE_THREAD__)
-#define DPAR_ADAM_CLONES
-#else
-#define DPAR_ADAM_CLONES __attribute__((target_clones("avx2", "default")))
-#endif
+// Multiversioned (DPAR_VECTOR_CLONES).
 template <bool kL2, bool kSmallLerpWeight>
-DPAR_ADAM_CLONES void adam_loop(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, float wd, float w1,
+DPAR_VECTOR_CLONES void adam_loop(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, float wd, float w1,
                float one_minus_w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step) {
   constexpr int64_t kBlock = 512;
   float root[kBlock];
@@ -496,12 +573,7 @@ void scale(float* x, float a, int64_t n) {
 
 namespace {
 // Independent lanes: the loop vectorises without reordering any lane's additions.
-#if defined(__clang__) || defined(__SANITIZE_THREAD__)
-#define DPAR_SUM_SQUARES_CLONES
-#else
-#define DPAR_SUM_SQUARES_CLONES __attribute__((target_clones("avx2", "default")))
-#endif
-DPAR_SUM_SQUARES_CLONES double sum_squares_loop(const float* x, int64_t n) {
+DPAR_VECTOR_CLONES double sum_squares_loop(const float* x, int64_t n) {
   constexpr int64_t L = kSumSquaresLanes;
   double lane[L] = {};
   int64_t i = 0;

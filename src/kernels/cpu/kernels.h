@@ -23,10 +23,14 @@ namespace dpar::kernels::cpu {
 // ---------------------------------------------------------------------------------------------------------------
 // Linear layer (GEMM through oneDNN's dnnl_sgemm; extents must fit in 32 bits, as for cuBLAS).
 
-// out = inp @ weight^T + bias.
+// out = inp @ weight^T + bias: the GEMM's value, then the bias added (each element rounded once).
 // inp (B,C_in), weight (C_out,C_in), bias (C_out) or nullptr, out (B,C_out)
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
                     int64_t C_out);
+// out = relu(inp @ weight^T + bias): linear_forward then relu_forward, the same bits, with the bias and the ReLU in
+// one pass over out.
+void linear_relu_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B,
+                         int64_t C_in, int64_t C_out);
 
 // dinp = dout @ weight (skipped if dinp == nullptr; always overwritten otherwise);
 // dweight = dout^T @ inp; dbias = sum over the batch of dout (skipped if dbias == nullptr).
@@ -34,6 +38,12 @@ void linear_forward(float* out, const float* inp, const float* weight, const flo
 // dinp (B,C_in), dweight (C_out,C_in), dbias (C_out), dout (B,C_out), inp (B,C_in), weight (C_out,C_in)
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate);
+// The backward of linear_relu_forward, given dout = dL/d(its output) and out = its output: relu_backward into
+// dpre (B,C_out), then linear_backward from dpre, the same bits; the mask and dbias's sums are one pass. dinp may
+// be dout's memory: dout is read in full before dinp is written.
+void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre, const float* dout,
+                          const float* out, const float* inp, const float* weight, int64_t B, int64_t C_in,
+                          int64_t C_out, bool accumulate);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Elementwise activations on n elements. Backward takes what it needs: relu/tanh/sigmoid the forward output,
