@@ -1,8 +1,7 @@
 package dpar
 
 /*
-#cgo CFLAGS: -I${SRCDIR}/../../../include
-#cgo LDFLAGS: -L${SRCDIR}/../../../build -Wl,-rpath,${SRCDIR}/../../../build -ldpar
+#cgo pkg-config: dpar
 #include <stdint.h>
 #include <stdlib.h>
 #include "dpar.h"
