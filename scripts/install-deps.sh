@@ -41,3 +41,14 @@ import scikit_build_core; assert int(scikit_build_core.__version__.split('.')[0]
     echo "install-deps: note: could not make $pyenv (no PyPI?); the Python-based tests will skip"
   fi
 fi
+# The wheel of build-pyenv's numpy, for the fresh virtual environment of the Python wheel's test, which installs
+# offline (bindings/python/check_wheel.sh).
+if [ -x "$pyenv/bin/python" ] && ! compgen -G "$pyenv/wheelhouse/numpy-*.whl" >/dev/null; then
+  numpy_version=$("$pyenv/bin/python" -c "import numpy; print(numpy.__version__)" 2>/dev/null || true)
+  if [ -n "$numpy_version" ] && "$pyenv/bin/python" -m pip download -q --no-deps --only-binary=:all: \
+       -d "$pyenv/wheelhouse" "numpy==$numpy_version" >/dev/null 2>&1; then
+    echo "install-deps: $pyenv/wheelhouse has numpy $numpy_version's wheel"
+  else
+    echo "install-deps: note: could not download numpy's wheel (no PyPI?); the Python wheel's test will skip"
+  fi
+fi

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CTest's driver of the Python binding in a build tree: puts the package's sources and the extension that the build
 # made (bindings/python/CMakeLists.txt: dpar/_raw*.so and dpar/raw.py) together in <build dir>/python-dpar, then
-# runs the package's tests there. No pip and no second build of dpar.
+# runs the package's tests there. No pip and no second build of dpar: the wheel has its own test
+# (bindings/python/check_wheel.sh).
 #   run_tests.sh <build dir> [<the built extension's directory>]   ($DPAR_TEST_PYTHON: a Python with numpy)
 set -euo pipefail
 build=$1
