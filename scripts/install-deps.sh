@@ -28,15 +28,27 @@ else
 fi
 
 # A Python environment for the tests (build-pyenv/ at the top of the tree, which CMake hands to the tests that
-# need it): safetensors checks checkpoints, numpy, setuptools and wheel build and test the Python binding,
+# need it): safetensors checks checkpoints, numpy tests the Python binding, scikit-build-core builds its wheel,
 # tree-sitter-julia parses the Julia package. From PyPI; the tests that need them skip without it.
 pyenv="$(cd "$(dirname "$0")/.." && pwd)/build-pyenv"
-pypackages=(numpy safetensors setuptools wheel tree-sitter tree-sitter-julia)
-if ! "$pyenv/bin/python" -c "import numpy, safetensors, setuptools, wheel, tree_sitter, tree_sitter_julia" \
-     2>/dev/null; then
-  if python3 -m venv "$pyenv" >/dev/null 2>&1 && "$pyenv/bin/pip" install -q "${pypackages[@]}" >/dev/null 2>&1; then
+pypackages=(numpy safetensors setuptools wheel tree-sitter tree-sitter-julia "scikit-build-core>=1.0")
+if ! "$pyenv/bin/python" -c "import numpy, safetensors, setuptools, wheel, tree_sitter, tree_sitter_julia
+import scikit_build_core; assert int(scikit_build_core.__version__.split('.')[0]) >= 1" 2>/dev/null; then
+  if python3 -m venv "$pyenv" >/dev/null 2>&1 &&
+     "$pyenv/bin/python" -m pip install -q "${pypackages[@]}" >/dev/null 2>&1; then
     echo "install-deps: $pyenv has ${pypackages[*]}"
   else
     echo "install-deps: note: could not make $pyenv (no PyPI?); the Python-based tests will skip"
+  fi
+fi
+# The wheel of build-pyenv's numpy, for the fresh virtual environment of the Python wheel's test, which installs
+# offline (bindings/python/check_wheel.sh).
+if [ -x "$pyenv/bin/python" ] && ! compgen -G "$pyenv/wheelhouse/numpy-*.whl" >/dev/null; then
+  numpy_version=$("$pyenv/bin/python" -c "import numpy; print(numpy.__version__)" 2>/dev/null || true)
+  if [ -n "$numpy_version" ] && "$pyenv/bin/python" -m pip download -q --no-deps --only-binary=:all: \
+       -d "$pyenv/wheelhouse" "numpy==$numpy_version" >/dev/null 2>&1; then
+    echo "install-deps: $pyenv/wheelhouse has numpy $numpy_version's wheel"
+  else
+    echo "install-deps: note: could not download numpy's wheel (no PyPI?); the Python wheel's test will skip"
   fi
 fi
