@@ -98,3 +98,55 @@ func TestSlicesOutliveTheirTensor(t *testing.T) {
 	}
 	runtime.KeepAlive(keep)
 }
+
+// gradOfAnUnreachableReducer returns gradient 0 of a reducer that it lets go without Close, holding 1..n.
+func gradOfAnUnreachableReducer(t *testing.T, c *Comm, n int) []float32 {
+	red, err := NewReducer(c, []int{n}, Sum, ReducerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	grad, err := red.Grad(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range grad {
+		grad[i] = float32(i + 1)
+	}
+	return grad
+}
+
+// A gradient slice outlives a reducer that the collector finalizes: before, the finalizer freed the memory under
+// it, and reducers made after reused it.
+func TestGradSlicesOutliveAnUnreachableReducer(t *testing.T) {
+	g, c := soloGroup(t)
+	defer g.Close()
+	defer c.Close()
+	const n = 4096
+	grad := gradOfAnUnreachableReducer(t, c, n)
+	for i := 0; i < 10; i++ {
+		runtime.GC()
+		time.Sleep(2 * time.Millisecond) // finalizers run on their own goroutine
+	}
+	var others []*Reducer
+	defer func() {
+		for _, r := range others {
+			r.Close()
+		}
+	}()
+	for i := 0; i < 16; i++ { // same-sized blocks written with other values: they reuse freed memory
+		r, err := NewReducer(c, []int{n}, Sum, ReducerOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		other, _ := r.Grad(0)
+		for j := range other {
+			other[j] = -12345
+		}
+		others = append(others, r)
+	}
+	for i, v := range grad {
+		if v != float32(i+1) {
+			t.Fatalf("grad[%d] = %v after its reducer was finalized, want %v", i, v, i+1)
+		}
+	}
+}

@@ -31,6 +31,7 @@ type Reducer struct {
 	raw    raw.Struct_SS_dpar_reducer
 	memory unsafe.Pointer // NewReducer's gradients, one block: freed after the reducer
 	grads  [][]float32    // NewReducer's gradients, views of memory
+	lent   bool           // Grad has handed out a view of memory
 	ready  []bool         // marked in this step: dpar's until Wait
 }
 
@@ -116,8 +117,21 @@ func newReducer(c *Comm, grads []unsafe.Pointer, counts []int, op ReduceOp, o Re
 		return nil, err
 	}
 	r := &Reducer{raw: raw.SwigcptrStruct_SS_dpar_reducer(p), ready: make([]bool, len(grads))}
-	runtime.SetFinalizer(r, (*Reducer).Close)
+	runtime.SetFinalizer(r, (*Reducer).finalize)
 	return r, nil
+}
+
+// finalize is Close for a reducer that became unreachable without one, except that the gradients' memory stays
+// allocated once Grad has lent a view of it: the collector cannot see that view, which may still be in use, so
+// only an explicit Close may free it (as syscall.Munmap ends an mmap'd slice).
+func (r *Reducer) finalize() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	release(r, &r.raw, raw.Dpar_reducer_free)
+	if !r.lent {
+		freeC(r.memory)
+	}
+	r.memory, r.grads, r.ready = nil, nil, nil
 }
 
 // handle is the reducer's dpar handle, nil for a nil or closed Reducer: dpar then refuses the call with its own
@@ -149,7 +163,8 @@ func (r *Reducer) NumBuckets() (int, error) {
 
 // Grad is gradient index's memory, to write this step's value before GradReady(index) and to read the reduced one
 // after Wait. It is refused for a gradient marked ready, until Wait: dpar may be reading or writing it. The slice
-// is valid until the reducer is closed (keep the reducer reachable while it is used).
+// is valid until Close; a reducer that the collector finalizes without a Close leaves the memory of the slices it
+// lent allocated, so that they stay valid (call Close to free it).
 func (r *Reducer) Grad(index int) ([]float32, error) {
 	defer r.lock()()
 	switch {
@@ -163,6 +178,7 @@ func (r *Reducer) Grad(index int) ([]float32, error) {
 		return nil, &Error{Status: ErrInvalidState,
 			Message: fmt.Sprintf("Grad: gradient %d is marked ready: it is dpar's until Wait", index)}
 	}
+	r.lent = true
 	return r.grads[index], nil
 }
 
