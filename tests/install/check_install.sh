@@ -12,8 +12,15 @@ cmake -S "$src/tests/install" -B "$tmp/consumer" -DCMAKE_PREFIX_PATH="$tmp/prefi
 cmake --build "$tmp/consumer" >/dev/null
 LD_LIBRARY_PATH="$tmp/prefix/lib:$tmp/prefix/lib64:${LD_LIBRARY_PATH:-}" "$tmp/consumer/quickstart"
 pc=$(ls "$tmp"/prefix/lib*/pkgconfig/dpar.pc)
-sed -i "s|^prefix=.*|prefix=$tmp/prefix|" "$pc"
 export PKG_CONFIG_PATH=$(dirname "$pc")
 cc "$src/examples/c/quickstart.c" $(pkg-config --cflags --libs dpar) -o "$tmp/quickstart_pc"
-LD_LIBRARY_PATH="$tmp/prefix/lib:$tmp/prefix/lib64:${LD_LIBRARY_PATH:-}" "$tmp/quickstart_pc"
-echo "install: find_package(dpar) and pkg-config both work"
+# The installed dpar.pc finds its prefix from its own place (the tree was configured for another prefix) and gives
+# the program a run path to it: no LD_LIBRARY_PATH. A copy of the prefix elsewhere works alike.
+env -u LD_LIBRARY_PATH "$tmp/quickstart_pc"
+env -u LD_LIBRARY_PATH ldd "$tmp/quickstart_pc" | grep -q "$tmp/prefix/.*libdpar.so.0"
+cp -R "$tmp/prefix" "$tmp/moved"
+export PKG_CONFIG_PATH=${PKG_CONFIG_PATH/$tmp\/prefix/$tmp\/moved}
+cc "$src/examples/c/quickstart.c" $(pkg-config --cflags --libs dpar) -o "$tmp/quickstart_moved"
+env -u LD_LIBRARY_PATH ldd "$tmp/quickstart_moved" | grep -q "$tmp/moved/.*libdpar.so.0"
+env -u LD_LIBRARY_PATH "$tmp/quickstart_moved"
+echo "install: find_package(dpar) and pkg-config both work; dpar.pc gives a run path and moves with its prefix"

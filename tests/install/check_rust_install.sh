@@ -27,10 +27,8 @@ fi
 
 cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
 pc=$(ls "$tmp"/prefix/lib*/pkgconfig/dpar.pc)
-# dpar.pc names the prefix the build was configured with, not the one given to --install.
-sed -i "s|^prefix=.*|prefix=$tmp/prefix|" "$pc"
 export PKG_CONFIG_PATH=$(dirname "$pc")
-libdir=$(pkg-config --variable=libdir dpar)
+libdir=$(realpath "$(pkg-config --variable=libdir dpar)")
 
 # The crates as a user gets them: the files alone (symbolic links followed), nothing built, no dpar tree around.
 mkdir -p "$tmp/crates"
