@@ -87,8 +87,8 @@ for lib in "$package"/libdpar.so.0 "$package"/_raw.*.so; do
     if grep -qaF "$built" "$lib"; then fail "$(basename "$lib") holds the path $built"; fi
   done
 done
-readelf -d "$package"/_raw.*.so | grep -q '(NEEDED).*\[libdpar\.so\.0\]' ||
-  fail "the extension does not need libdpar.so.0"
+needed=$(readelf -d "$package"/_raw.*.so)  # whole, first: a grep -q in a pipe could SIGPIPE readelf under pipefail
+grep -q '(NEEDED).*\[libdpar\.so\.0\]' <<<"$needed" || fail "the extension does not need libdpar.so.0"
 
 step "from another directory, nothing set: the package's own libdpar, examples/quickstart.py, the tests"
 cd "$work/run"

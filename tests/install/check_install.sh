@@ -17,10 +17,13 @@ cc "$src/examples/c/quickstart.c" $(pkg-config --cflags --libs dpar) -o "$tmp/qu
 # The installed dpar.pc finds its prefix from its own place (the tree was configured for another prefix) and gives
 # the program a run path to it: no LD_LIBRARY_PATH. A copy of the prefix elsewhere works alike.
 env -u LD_LIBRARY_PATH "$tmp/quickstart_pc"
-env -u LD_LIBRARY_PATH ldd "$tmp/quickstart_pc" | grep -q "$tmp/prefix/.*libdpar.so.0"
+# (ldd's whole output first: grep -q would stop reading early, and pipefail would then fail on ldd's SIGPIPE)
+libs=$(env -u LD_LIBRARY_PATH ldd "$tmp/quickstart_pc")
+grep -q "$tmp/prefix/.*libdpar.so.0" <<<"$libs"
 cp -R "$tmp/prefix" "$tmp/moved"
 export PKG_CONFIG_PATH=${PKG_CONFIG_PATH/$tmp\/prefix/$tmp\/moved}
 cc "$src/examples/c/quickstart.c" $(pkg-config --cflags --libs dpar) -o "$tmp/quickstart_moved"
-env -u LD_LIBRARY_PATH ldd "$tmp/quickstart_moved" | grep -q "$tmp/moved/.*libdpar.so.0"
+libs=$(env -u LD_LIBRARY_PATH ldd "$tmp/quickstart_moved")
+grep -q "$tmp/moved/.*libdpar.so.0" <<<"$libs"
 env -u LD_LIBRARY_PATH "$tmp/quickstart_moved"
 echo "install: find_package(dpar) and pkg-config both work; dpar.pc gives a run path and moves with its prefix"

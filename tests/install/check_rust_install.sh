@@ -66,8 +66,11 @@ check_program() {
   "$program" | tee "$1/out.txt"
   grep -q '^reloaded at step 100: ' "$1/out.txt"
   grep -q '^step 101 ' "$1/out.txt"
-  ldd "$program" | grep -q "libdpar.so.0 => $libdir/libdpar.so.0" ||
-    { echo "FAIL: $program does not load $libdir's libdpar:" >&2; ldd "$program" >&2; exit 1; }
+  # ldd's whole output first: grep -q stops reading at its match, and pipefail would fail on ldd's SIGPIPE.
+  local libs
+  libs=$(ldd "$program")
+  grep -q "libdpar.so.0 => $libdir/libdpar.so.0" <<<"$libs" ||
+    { echo "FAIL: $program does not load $libdir's libdpar:" >&2; echo "$libs" >&2; exit 1; }
 }
 
 echo "== by path"
