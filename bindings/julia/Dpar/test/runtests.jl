@@ -240,7 +240,8 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
                 reference_model(m)
                 Dpar.Engine(m; devices=2) do e
                     x, y = reference_batch()
-                    Dpar.set_forward_hook!(e, (r, i, o) -> r == 1 ? throw(DparError(Dpar.ERR_DEVICE, "the Julia probe failed")) : nothing)
+                    Dpar.set_forward_hook!(e, (r, i, o) ->
+                        r == 1 ? throw(DparError(Dpar.ERR_DEVICE, "the Julia probe failed")) : nothing)
                     err = try Dpar.train_step!(e, x, y); nothing catch ex; ex end
                     @test err isa DparError && err.status == Dpar.ERR_DEVICE
                     @test occursin("the Julia probe failed", err.message)
