@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A CUDA build links the CUDA runtime (libcudart), never the driver library (libcuda), so that it loads and runs its
 # CPU devices on a machine without a driver. Usage: check_cuda_link.sh <binary that uses CUDA> [more binaries...]
-# The first binary must need libcudart; none may need libcuda.
+# The first binary must need libcudart; none may need libcuda, nor cuBLAS, which dpar loads on first use
+# (src/backend/cuda/cublas_library.cpp) so that a process that never touches a GPU does not load it.
 set -u -o pipefail
 command -v readelf >/dev/null || { echo "check_cuda_link: readelf is not installed" >&2; exit 2; }
 status=0
@@ -11,6 +12,10 @@ for bin in "$@"; do
   echo "$bin needs: $(echo $needed)"
   if echo "$needed" | grep -q '^libcuda\.so'; then
     echo "check_cuda_link: $bin links the driver library libcuda" >&2
+    status=1
+  fi
+  if echo "$needed" | grep -q '^libcublas'; then
+    echo "check_cuda_link: $bin links cuBLAS, which dpar loads on first use" >&2
     status=1
   fi
   if [[ $first -eq 1 ]] && ! echo "$needed" | grep -q '^libcudart\.so'; then

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend/cuda/cublas_library.h"
 #include "backend/cuda/cuda_check.h"
 #include "cuda_test_util.h"
 #include "kernels/cpu/kernels.h"
@@ -108,6 +109,21 @@ TEST(CudaRuntime, ErrorsNameTheCallAndMapStatuses) {
   }
 }
 
+// cuBLAS is not linked (libdpar loads without it) but loaded on first use, which needs no GPU: the library of the
+// major version dpar was built with, and every function dpar calls.
+TEST(CudaCublasLibrary, LoadsOnFirstUseWithEveryFunction) {
+  const cuda::CublasLibrary& lib = cuda::cublas();
+  EXPECT_NE(lib.create, nullptr);
+  EXPECT_NE(lib.destroy, nullptr);
+  EXPECT_NE(lib.set_stream, nullptr);
+  EXPECT_NE(lib.set_math_mode, nullptr);
+  EXPECT_NE(lib.sgemm, nullptr);
+  ASSERT_NE(lib.status_string, nullptr);
+  EXPECT_NE(lib.path.find("libcublas.so." + std::to_string(CUBLAS_VER_MAJOR)), std::string::npos) << lib.path;
+  EXPECT_GT(std::strlen(lib.status_string(CUBLAS_STATUS_NOT_SUPPORTED)), 0u);
+  EXPECT_EQ(&cuda::cublas(), &lib);  // loaded once
+}
+
 // The device dropout stream is the CPU's, bit for bit: its integer code, compiled for the host here.
 TEST(CudaDropoutStream, HostCompiledDeviceCodeMatchesCpuStream) {
   const uint64_t seeds[] = {0, 1, 2, 42, 0x243F6A8885A308D3ULL, ~0ULL};
@@ -130,11 +146,11 @@ class CudaKernels : public ::testing::Test {
     // A blocking stream: the tests' uploads and downloads (cudaMemcpy, on the legacy stream) are ordered with
     // the kernels on it both ways, as a non-blocking stream's would not be.
     DPAR_CUDA_CHECK(cudaStreamCreate(&stream_), "test stream");
-    DPAR_CUBLAS_CHECK(cublasCreate(&blas_), "test handle");
-    DPAR_CUBLAS_CHECK(cublasSetStream(blas_, stream_), "test handle");
+    DPAR_CUBLAS_CHECK(cuda::cublas().create(&blas_), "test handle");
+    DPAR_CUBLAS_CHECK(cuda::cublas().set_stream(blas_, stream_), "test handle");
   }
   void TearDown() override {
-    if (blas_ != nullptr) cublasDestroy(blas_);
+    if (blas_ != nullptr) cuda::cublas().destroy(blas_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
   void sync() { DPAR_CUDA_CHECK(cudaStreamSynchronize(stream_), "test sync"); }

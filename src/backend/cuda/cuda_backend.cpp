@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backend/cuda/cublas_library.h"
 #include "backend/cuda/cuda_check.h"
 #include "comm/cuda_device_comm.h"
 #include "comm/nccl_comm.h"
@@ -111,6 +112,8 @@ class CachingAllocator {
   CudaAllocatorStats stats_;
 };
 
+using cuda::cublas;
+using cuda::CublasLibrary;
 using cuda::DeviceScope;
 
 // ---- A replica's stream -----------------------------------------------------------------------------------------
@@ -142,7 +145,7 @@ class CudaStream final : public Stream {
     if (pinned_) (void)cudaFreeHost(pinned_);
     if (sum_scratch_) (void)cudaFree(sum_scratch_);
     (void)cudaEventDestroy(staged_);
-    if (blas_) (void)cublasDestroy(blas_);
+    if (blas_) (void)cublas().destroy(blas_);
     if (owns_stream_) (void)cudaStreamDestroy(stream_);
   }
 
@@ -289,14 +292,15 @@ class CudaStream final : public Stream {
   }
   cublasHandle_t blas() {
     if (blas_) return blas_;
+    const CublasLibrary& lib = cublas();  // loads cuBLAS the first time
     cublasHandle_t h = nullptr;
-    DPAR_CUBLAS_CHECK(cublasCreate(&h), "cublasCreate on ", device().str());
+    DPAR_CUBLAS_CHECK(lib.create(&h), "cublasCreate on ", device().str());
     try {
-      DPAR_CUBLAS_CHECK(cublasSetStream(h, stream_), "cublasSetStream");
+      DPAR_CUBLAS_CHECK(lib.set_stream(h, stream_), "cublasSetStream");
       // FP32 arithmetic, as the CPU reference computes (no TF32 unless asked for).
-      DPAR_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+      DPAR_CUBLAS_CHECK(lib.set_math_mode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
     } catch (...) {
-      cublasDestroy(h);
+      lib.destroy(h);
       throw;
     }
     return blas_ = h;

@@ -1,6 +1,8 @@
 // See cuda_check.h.
 #include "backend/cuda/cuda_check.h"
 
+#include "backend/cuda/cublas_library.h"
+
 #include <cuda.h>  // the driver's types only: its functions are reached through the runtime's entry points
 
 #include <mutex>
@@ -71,7 +73,7 @@ void fail_cuda(cudaError_t err, const char* call, const std::string& context) {
 }
 
 void fail_cublas(cublasStatus_t status, const char* call, const std::string& context) {
-  fail(cublas_error_status(status), describe(call, context, cublasGetStatusString(status), cublas_status_name(status)));
+  fail(cublas_error_status(status), describe(call, context, cublas().status_string(status), cublas_status_name(status)));
 }
 
 void fail_nccl(ncclResult_t result, const char* call, const std::string& context) {

@@ -12,6 +12,7 @@
 
 #include <limits>
 
+#include "backend/cuda/cublas_library.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace dpar::kernels::cuda {
@@ -20,6 +21,12 @@ using detail::blocks_for;
 using detail::kThreads;
 
 namespace {
+
+// cuBLAS's SGEMM, from the library loaded on first use (backend/cuda/cublas_library.h).
+template <class... Args>
+cublasStatus_t cublas_sgemm(Args... args) {
+  return ::dpar::cuda::cublas().sgemm(args...);
+}
 
 // cuBLAS takes 32-bit extents.
 int blas_dim(int64_t v, const char* name) {
@@ -86,7 +93,7 @@ void linear_forward(float* out, const float* inp, const float* weight, const flo
     return;
   }
   const float alpha = 1.0f, beta = bias != nullptr ? 1.0f : 0.0f;
-  DPAR_CUBLAS_CHECK(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, cout, b, cin, &alpha, weight, cin, inp, cin, &beta,
+  DPAR_CUBLAS_CHECK(cublas_sgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, cout, b, cin, &alpha, weight, cin, inp, cin, &beta,
                                 out, cout),
                     "linear_forward: out (", B, ",", C_out, ") = inp (", B, ",", C_in, ") @ weight^T");
 }
@@ -107,7 +114,7 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
       fill_zero(dinp, B * C_in, stream, "linear_backward: zeros for C_out = 0");
     } else {
       DPAR_CHECK_ARG(weight != nullptr, "linear_backward: weight is null");
-      DPAR_CUBLAS_CHECK(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, cin, b, cout, &one, weight, cin, dout, cout, &zero,
+      DPAR_CUBLAS_CHECK(cublas_sgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, cin, b, cout, &one, weight, cin, dout, cout, &zero,
                                     dinp, cin),
                         "linear_backward: dinp (", B, ",", C_in, ") = dout @ weight (", C_out, ",", C_in, ")");
     }
@@ -121,7 +128,7 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
       if (!accumulate) fill_zero(dweight, C_out * C_in, stream, "linear_backward: zeros for B = 0");
     } else {
       DPAR_CHECK_ARG(inp != nullptr, "linear_backward: inp is null");
-      DPAR_CUBLAS_CHECK(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, cin, cout, b, &one, inp, cin, dout, cout,
+      DPAR_CUBLAS_CHECK(cublas_sgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, cin, cout, b, &one, inp, cin, dout, cout,
                                     accumulate ? &one : &zero, dweight, cin),
                         "linear_backward: dweight (", C_out, ",", C_in, ") = dout^T @ inp (", B, ",", C_in, ")");
     }

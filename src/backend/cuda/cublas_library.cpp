@@ -1,0 +1,77 @@
+#include "backend/cuda/cublas_library.h"
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <mutex>
+#include <vector>
+
+#include "common/error.h"
+
+namespace dpar::cuda {
+namespace {
+
+// Resolves `name` in `handle` into `fn`; the failures are collected, not thrown one by one.
+template <class Fn>
+void resolve(void* handle, const char* name, Fn& fn, std::vector<std::string>& missing) {
+  fn = reinterpret_cast<Fn>(dlsym(handle, name));
+  if (fn == nullptr) missing.push_back(name);
+}
+
+// The directory of the loaded CUDA runtime, with a trailing slash; empty when it cannot be told.
+std::string cudart_directory() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<const void*>(&cudaRuntimeGetVersion), &info) == 0 || info.dli_fname == nullptr)
+    return {};
+  const std::string file = info.dli_fname;
+  const size_t slash = file.rfind('/');
+  return slash == std::string::npos ? std::string() : file.substr(0, slash + 1);
+}
+
+CublasLibrary load() {
+  const std::string soname = "libcublas.so." + std::to_string(CUBLAS_VER_MAJOR);
+  std::vector<std::string> candidates{soname};
+  const std::string dir = cudart_directory();
+  if (!dir.empty()) candidates.push_back(dir + soname);
+  std::string tried;
+  for (const std::string& file : candidates) {
+    void* handle = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      const char* why = dlerror();
+      tried += (tried.empty() ? "" : "; ") + file + ": " + (why ? why : "not loadable");
+      continue;
+    }
+    CublasLibrary lib;
+    std::vector<std::string> missing;
+    resolve(handle, "cublasCreate_v2", lib.create, missing);
+    resolve(handle, "cublasDestroy_v2", lib.destroy, missing);
+    resolve(handle, "cublasSetStream_v2", lib.set_stream, missing);
+    resolve(handle, "cublasSetMathMode", lib.set_math_mode, missing);
+    resolve(handle, "cublasSgemm_v2", lib.sgemm, missing);
+    resolve(handle, "cublasGetStatusString", lib.status_string, missing);
+    if (!missing.empty()) {
+      std::string names;
+      for (const std::string& m : missing) names += (names.empty() ? "" : ", ") + m;
+      dlclose(handle);
+      tried += (tried.empty() ? "" : "; ") + file + ": lacks " + names;
+      continue;
+    }
+    Dl_info info{};
+    lib.path = dladdr(reinterpret_cast<const void*>(lib.create), &info) != 0 && info.dli_fname ? info.dli_fname : file;
+    return lib;  // the handle stays open for the life of the process
+  }
+  fail(DPAR_ERR_DEVICE, "cuBLAS ", CUBLAS_VER_MAJOR, ".x, which dpar's CUDA backend needs, could not be loaded (", tried,
+       "): install the CUDA toolkit's cuBLAS, or add its directory to LD_LIBRARY_PATH");
+}
+
+}  // namespace
+
+const CublasLibrary& cublas() {
+  // call_once runs load() again on a later call when it threw; once it returned, a call is one atomic load.
+  static std::once_flag once;
+  static CublasLibrary loaded;
+  std::call_once(once, [] { loaded = load(); });
+  return loaded;
+}
+
+}  // namespace dpar::cuda
