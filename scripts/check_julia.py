@@ -193,12 +193,24 @@ def check_call(where, name, c_ret, c_params, inner, header):
     return problems
 
 
+def modules(tree):
+    """[(name, node)] of the modules a file defines at its top level."""
+    return [(next(c.text.decode() for c in n.children if c.type == "identifier"), n)
+            for n in tree.root_node.children if n.type == "module_definition"]
+
+
+def exports(module):
+    """[(line, name)] of the names a module node's export statements list."""
+    return [(export.start_point[0] + 1, name)
+            for export in module.children if export.type == "export_statement"
+            for name in re.findall(r"[\w!]+", export.text.decode()[len("export"):])]
+
+
 def module_names(tree):
     """{module: the names it defines at its top level}: functions in both forms, structs, constants, @enum types and
     values, macros. A name qualified by another module (Base.close) defines nothing here."""
     found = {}
-    for module in (n for n in tree.root_node.children if n.type == "module_definition"):
-        name = next(c.text.decode() for c in module.children if c.type == "identifier")
+    for name, module in modules(tree):
         names = found.setdefault(name, set())
         for node in module.children:
             text = node.text.decode()
@@ -263,17 +275,6 @@ def bound_names(tree):
     return names
 
 
-def exported_names(parsed):
-    """{module: the names its export statements list}."""
-    found = {}
-    for _, tree in parsed:
-        for module in (n for n in tree.root_node.children if n.type == "module_definition"):
-            mname = next(c.text.decode() for c in module.children if c.type == "identifier")
-            for export in (n for n in module.children if n.type == "export_statement"):
-                found.setdefault(mname, set()).update(re.findall(r"[\w!]+", export.text.decode()[len("export"):]))
-    return found
-
-
 def unqualified_calls(tree):
     """[(line, name)] of every call of a plain name in a file (macros aside)."""
     calls, stack = [], [tree.root_node]
@@ -289,28 +290,27 @@ def check_names(parsed):
     """Problems of the names the Julia files use: every `Dpar.name` (in the tests, say) and every exported name is
     defined at the top level of the package's module; without a Julia runtime nothing else would notice a name
     that is not."""
-    defined = {}
+    defined, exported = {}, {}
     for _, tree in parsed:
         for module, names in module_names(tree).items():
             defined.setdefault(module, set()).update(names)
+        for module, node in modules(tree):
+            exported.setdefault(module, set()).update(name for _, name in exports(node))
     problems = []
     for where_file, tree in parsed:
         for line, module, name in qualified_uses(tree):
             if module in defined and name not in defined[module]:
                 problems.append(f"{where_file}:{line}: {module}.{name} is not defined by module {module}")
-        if not any(n.type == "module_definition" for n in tree.root_node.children):  # a test or an example
-            known = bound_names(tree) | JULIA_BASE | exported_names(parsed).get("Dpar", set())
+        if not modules(tree):  # a test or an example
+            known = bound_names(tree) | JULIA_BASE | exported.get("Dpar", set())
             for line, name in unqualified_calls(tree):
                 if name not in known:
                     problems.append(f"{where_file}:{line}: {name} is neither bound here, nor exported by Dpar, nor "
                                     "among the Julia functions scripts/check_julia.py knows (JULIA_BASE)")
-        for module in (n for n in tree.root_node.children if n.type == "module_definition"):
-            mname = next(c.text.decode() for c in module.children if c.type == "identifier")
-            for export in (n for n in module.children if n.type == "export_statement"):
-                for name in re.findall(r"[\w!]+", export.text.decode()[len("export"):]):
-                    if name not in defined[mname]:
-                        problems.append(f"{where_file}:{export.start_point[0] + 1}: {mname} exports {name}, "
-                                        "which it does not define")
+        for mname, module in modules(tree):
+            for line, name in exports(module):
+                if name not in defined[mname]:
+                    problems.append(f"{where_file}:{line}: {mname} exports {name}, which it does not define")
     return problems
 
 

@@ -166,17 +166,23 @@ DPAR_VECTOR_CLONES void bias_grad(float* dbias, float* masked, const float* d, c
   }
 }
 
-// The GEMMs of linear_backward, from dout (B,C_out) = dL/d(the linear's output).
+void check_backward_args(const float* dweight, const float* dout, int64_t B, int64_t C_in, int64_t C_out) {
+  blas_dim(B, "B"), blas_dim(C_in, "C_in"), blas_dim(C_out, "C_out");
+  DPAR_CHECK_ARG(dweight != nullptr || C_out * C_in == 0, "linear_backward: dweight is null");
+  DPAR_CHECK_ARG(B == 0 || C_out == 0 || dout != nullptr, "linear_backward: dout is null");
+}
+
+// The GEMMs of linear_backward, from dout (B,C_out) = dL/d(the linear's output); check_backward_args has
+// checked the extents and dout.
 void linear_backward_gemms(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                            int64_t B, int64_t C_in, int64_t C_out, bool accumulate) {
-  const int64_t b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
   // dinp (B,C_in) = dout (B,C_out) @ weight (C_out,C_in)
   if (dinp != nullptr && B > 0 && C_in > 0) {
     if (C_out == 0) {
       fill_zero(dinp, B * C_in);
     } else {
       DPAR_CHECK_ARG(weight != nullptr, "linear_backward: weight is null");
-      sgemm(false, false, b, cin, cout, 1.0f, dout, ld(cout), weight, ld(cin), 0.0f, dinp, ld(cin));
+      sgemm(false, false, B, C_in, C_out, 1.0f, dout, ld(C_out), weight, ld(C_in), 0.0f, dinp, ld(C_in));
     }
   }
   // dweight (C_out,C_in) = dout^T (C_out,B) @ inp (B,C_in); beta 1 adds to the gradient already there.
@@ -185,16 +191,10 @@ void linear_backward_gemms(float* dinp, float* dweight, const float* dout, const
       if (!accumulate) fill_zero(dweight, C_out * C_in);
     } else {
       DPAR_CHECK_ARG(inp != nullptr, "linear_backward: inp is null");
-      sgemm(true, false, cout, cin, b, 1.0f, dout, ld(cout), inp, ld(cin), accumulate ? 1.0f : 0.0f, dweight,
-            ld(cin));
+      sgemm(true, false, C_out, C_in, B, 1.0f, dout, ld(C_out), inp, ld(C_in), accumulate ? 1.0f : 0.0f, dweight,
+            ld(C_in));
     }
   }
-}
-
-void check_backward_args(const float* dweight, const float* dout, int64_t B, int64_t C_in, int64_t C_out) {
-  blas_dim(B, "B"), blas_dim(C_in, "C_in"), blas_dim(C_out, "C_out");
-  DPAR_CHECK_ARG(dweight != nullptr || C_out * C_in == 0, "linear_backward: dweight is null");
-  DPAR_CHECK_ARG(B == 0 || C_out == 0 || dout != nullptr, "linear_backward: dout is null");
 }
 
 }  // namespace
