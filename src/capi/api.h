@@ -69,7 +69,9 @@ struct dpar_reducer {
   std::mutex mutex;                          // the reducer's calls may come from several threads
   bool in_step = false;                      // a grad_ready since the last wait
   std::unique_ptr<dpar::Stream> stream;      // the reducer's staging copies
-  std::unique_ptr<dpar::Reducer> reducer;    // last: destroyed first, while the communicator and stream live
+  std::unique_ptr<dpar::ReplicaSet> set;     // over the communicator (and the processes, when given)
+  float scale = 1.0f;                        // on every sum: 1, or 1 / replicas for DPAR_MEAN
+  std::unique_ptr<dpar::Reducer> reducer;    // last: destroyed first, while the set, communicator and stream live
 };
 struct dpar_work {
   std::shared_ptr<dpar::Work> work;

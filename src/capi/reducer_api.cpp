@@ -72,15 +72,14 @@ DPAR_API dpar_status dpar_reducer_create(dpar_reducer** out, dpar_comm* comm, fl
     h->group = c.group;
     h->comm = c.comm;
     Communicator* raw = h->comm.get();
-    const float scale = o.op == DPAR_MEAN ? 1.0f / static_cast<float>(raw->size()) : 1.0f;
     // The reducer's copies and fills are ordered with the framework's work on the communicator's device: a CPU
     // stream for host memory, the caller's own stream on a GPU.
     h->stream = backend_for(c.device).wrap_stream(c.device, c.stream);
+    h->set = std::make_unique<ReplicaSet>(*raw, *h->stream, nullptr);
+    h->scale = o.op == DPAR_MEAN ? h->set->mean_scale() : 1.0f;
     h->reducer = std::make_unique<Reducer>(
         std::move(list), bucket_options(o.first_bucket_bytes, o.bucket_cap_bytes), *h->stream,
-        [raw, scale](float* data, size_t count, bool contributes) {
-          raw->all_reduce_sum(data, count, contributes, scale);
-        },
+        make_bucket_strategy(BucketStrategyKind::kFlat, *h->set),
         [raw](std::function<void()> op) { return raw->async_run("gradient bucket", std::move(op)); });
     register_handle(h.get(), HandleKind::kReducer);
     *out = h.release();
@@ -100,7 +99,7 @@ DPAR_API dpar_status dpar_reducer_grad_ready(dpar_reducer* reducer, size_t index
     DPAR_CHECK_ARG(index < r.reducer->num_grads(), "index: ", index, " is out of range (", r.reducer->num_grads(),
                    " gradients registered)");
     if (!r.in_step) {
-      r.reducer->prepare();
+      r.reducer->prepare(r.scale);
       r.in_step = true;
     }
     r.reducer->mark_ready(index);
@@ -109,7 +108,7 @@ DPAR_API dpar_status dpar_reducer_grad_ready(dpar_reducer* reducer, size_t index
 
 DPAR_API dpar_status dpar_reducer_wait(dpar_reducer* reducer) {
   return with_reducer(reducer, [&](dpar_reducer& r) {
-    if (!r.in_step) r.reducer->prepare();
+    if (!r.in_step) r.reducer->prepare(r.scale);
     r.in_step = false;  // whatever happens, the next grad_ready starts a new step
     try {
       r.reducer->finish();

@@ -111,10 +111,18 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
     Replica& first = *replicas_[0];
     Backend::ProcessLink link = backend_.link_processes(first.ctx.device, *first.stream, processes_,
                                                         std::chrono::duration<double>(config_.timeout_seconds));
-    across_ = std::move(link.comm);
-    process_transport_ = std::move(link.transport);
+    links_ = std::make_shared<ProcessLinks>();
+    links_->host = processes_;
+    links_->device = std::move(link.comm);
+    links_->transport = std::move(link.transport);
+  }
+  for (size_t r = 0; r < n; ++r) {
+    Replica& rep = *replicas_[r];
+    rep.set = std::make_unique<ReplicaSet>(*rep.comm, *rep.stream, links_, trace_.get(), comm_track(r));
+    rep.ctx.collectives = rep.set.get();
   }
 
+  every_replica_runs_ = model_.uses_collectives();
   layer_params_.resize(model_.num_layers());
   for (size_t i = 0; i < model_.params().size(); ++i) layer_params_[model_.params()[i].layer].push_back(i);
 
@@ -129,8 +137,7 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
       grads.push_back({rep.model->grads() + p.offset, static_cast<size_t>(p.shape.numel())});
     Communicator* comm = rep.comm.get();
     rep.reducer = std::make_unique<Reducer>(
-        std::move(grads), config_.buckets, *rep.stream,
-        [this, &rep](float* data, size_t count, bool contributes) { reduce_bucket(rep, data, count, contributes); },
+        std::move(grads), config_.buckets, *rep.stream, bucket_strategy_for(rep),
         [this, comm, r = rep.ctx.replica](std::function<void()> op) {
           return comm->async_run("gradient bucket", [this, r, op = std::move(op)] {
             TraceTrack track(comm_track(r));
@@ -151,8 +158,7 @@ void Engine::check_usable(const char* operation) const {
 void Engine::abort() {
   aborted_.store(true);
   group_->abort("the engine was aborted (dpar_engine_abort)");
-  if (processes_) processes_->abort("the engine of rank " + std::to_string(processes_->rank()) + " was aborted");
-  if (across_) across_->abort("the engine of rank " + std::to_string(processes_->rank()) + " was aborted");
+  if (links_) links_->abort("the engine of rank " + std::to_string(processes_->rank()) + " was aborted");
 }
 
 void Engine::run(const char* operation, const std::function<void(Replica&, size_t)>& job) {
@@ -225,8 +231,7 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     // The group stays aborted, so that a worker still on its way to a collective stops there too.
     // Replicas may have stepped and stopped apart (an abort can land inside the optimizer's all-gather): only a
     // recreated engine is known to be whole again, as every later call says (check_usable).
-    if (processes_) processes_->abort(std::string(operation) + ": the engine was aborted on another process");
-    if (across_) across_->abort(std::string(operation) + ": the engine was aborted on another process");
+    if (links_) links_->abort(std::string(operation) + ": the engine was aborted on another process");
     fail(status, operation, ": ", message, "; the engine was aborted (dpar_engine_abort) and must be recreated");
   }
   // Null while the engine is still being created; a group that cannot recover leaves the engine unusable.
@@ -245,8 +250,7 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
   if (processes_) {
     // The other processes cannot all be told to discard the step at the same point: tell them the engine failed
     // (they stop waiting for this process) and give up on it everywhere.
-    processes_->abort(prefix + message);
-    if (across_) across_->abort(prefix + message);
+    links_->abort(prefix + message);
     broken_ = true;
     broken_reason_ = prefix + message;
     fail(status, prefix, message, "; the processes may differ now, so the engine must be recreated on every process");
@@ -348,60 +352,11 @@ std::pair<int64_t, int64_t> Engine::optimizer_shard(size_t replica) const {
   return {begin, std::min(elements, begin + shard_elements_)};
 }
 
-void Engine::reduce_bucket(Replica& rep, float* data, size_t count, bool contributes) {
-  const auto elements = static_cast<int64_t>(count);
-  if (!processes_) {
-    TraceSpan span(*trace_, "bucket all-reduce", "elements", elements);
-    rep.comm->all_reduce_sum(data, count, contributes, rep.grad_scale);
-    return;
-  }
-  // The process's sum lands in replica 0 only: the broadcast below is what the others receive.
-  {
-    TraceSpan span(*trace_, "bucket reduce (replicas)", "elements", elements);
-    rep.comm->reduce_sum(data, count, contributes, rep.grad_scale, 0);
-  }
-  if (rep.ctx.replica == 0) {
-    // [nccl][bf16]: span names are literals (engine/trace.h).
-    static constexpr const char* kNames[2][2] = {
-        {"bucket all-reduce (processes)", "bucket all-reduce (processes, bf16)"},
-        {"bucket all-reduce (processes, nccl)", "bucket all-reduce (processes, nccl, bf16)"}};
-    TraceSpan span(*trace_, kNames[across_ ? 1 : 0][compression_ == GradientCompression::kBf16 ? 1 : 0], "elements",
-                   elements);
-    try {
-      reduce_across_processes(rep, data, count);
-    } catch (const std::exception& e) {
-      // The other replicas wait for this one in the broadcast below.
-      rep.comm->abort(std::string("the reduction across processes failed: ") + e.what());
-      throw;
-    }
-  }
-  TraceSpan span(*trace_, "bucket broadcast (replicas)", "elements", elements);
-  rep.comm->broadcast(data, count, CommDType::kF32, 0);
-}
-
-void Engine::reduce_across_processes(Replica& rep, float* data, size_t count) {
-  if (compression_ == GradientCompression::kNone) return sum_across_processes(rep, data, count, CommDType::kF32);
-  const auto n = static_cast<int64_t>(count);
-  // Tensor::empty, not rep.ctx.alloc: this runs on the communication thread, and the test faults armed for the
-  // worker's allocations are the worker's.
-  if (!rep.bf16_stage.defined() || rep.bf16_stage.numel() < (n + 1) / 2)
-    rep.bf16_stage = Tensor::empty(DType::kI32, Shape{(n + 1) / 2}, rep.ctx.device);
-  auto* packed = static_cast<uint16_t*>(rep.bf16_stage.raw());
-  rep.stream->to_bf16(packed, data, n);
-  sum_across_processes(rep, packed, count, CommDType::kBF16);
-  rep.stream->from_bf16(data, packed, n);
-}
-
-void Engine::sum_across_processes(Replica& rep, void* buffer, size_t count, CommDType dtype) {
-  if (across_) return across_->all_reduce(buffer, buffer, count, dtype, ReduceOp::kSum);
-  if (rep.ctx.device.is_host()) return processes_->all_reduce(buffer, buffer, count, dtype, ReduceOp::kSum);
-  // MPI moves host memory: through the host and back.
-  const size_t bytes = count * comm_dtype_size(dtype);
-  std::vector<unsigned char>& host = rep.process_stage;
-  if (host.size() < bytes) host.resize(bytes);
-  rep.stream->copy_to_host(host.data(), buffer, bytes);
-  processes_->all_reduce(host.data(), host.data(), count, dtype, ReduceOp::kSum);
-  rep.stream->copy_from_host(buffer, host.data(), bytes);
+std::unique_ptr<BucketStrategy> Engine::bucket_strategy_for(Replica& rep) const {
+  if (!links_) return make_bucket_strategy(BucketStrategyKind::kFlat, *rep.set);
+  return make_bucket_strategy(compression_ == GradientCompression::kBf16 ? BucketStrategyKind::kHierarchicalBf16
+                                                                         : BucketStrategyKind::kHierarchical,
+                              *rep.set);
 }
 
 void Engine::clip_gradient(Replica& rep, int64_t begin, int64_t end) {
@@ -536,7 +491,7 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
     rep.loss_rows = 0;
-    if (rep.rows > 0) local_loss_backward(rep, input, target, begin, false);
+    if (rep.rows > 0 || every_replica_runs_) local_loss_backward(rep, input, target, begin, false);
     read_loss(rep);
   });
   pending_ = Pending::kLoss;
@@ -565,9 +520,8 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
     rep.loss_rows = 0;
-    rep.grad_scale = scale;
-    rep.reducer->prepare();
-    if (rep.rows > 0) local_loss_backward(rep, input, target, begin, true);
+    rep.reducer->prepare(scale);
+    if (rep.rows > 0 || every_replica_runs_) local_loss_backward(rep, input, target, begin, true);
     finish_and_step(rep);
     read_loss(rep);
   });
@@ -586,8 +540,7 @@ void Engine::step() {
   // Activations kept by a forward() before this step belong to the old parameters: a backward through them after
   // the step would mix the two, so they are dropped.
   run("step", [&](Replica& rep, size_t) {
-    rep.grad_scale = scale;
-    rep.reducer->prepare();
+    rep.reducer->prepare(scale);
     if (rep.has_grad) rep.reducer->mark_all_ready();
     finish_and_step(rep);
     rep.model->clear_forward_state();
@@ -622,7 +575,7 @@ Tensor Engine::forward(const Tensor& input) {
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
-    if (rep.rows == 0) return;
+    if (rep.rows == 0 && !every_replica_runs_) return;
     Tensor x = on_replica(rep, input, begin, rep.rows, rep.input_stage);
     Tensor y;
     {
@@ -659,7 +612,7 @@ void Engine::backward(const Tensor& grad_output) {
                  " must be shaped as forward's output ", forward_output_shape_.str());
   const auto split = forward_split_;
   run("backward", [&](Replica& rep, size_t r) {
-    if (split[r] == 0) return;
+    if (split[r] == 0 && !every_replica_runs_) return;
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
     const Tensor dout = on_replica(rep, grad_output, begin, split[r], rep.grad_stage);
@@ -678,6 +631,8 @@ void Engine::set_gradient_compression(GradientCompression compression) {
                  "compression: ", static_cast<int32_t>(compression), " is not a gradient compression (0: none, ",
                  "1: bf16)");
   compression_ = compression;
+  // Between calls the workers are idle: the reducers are the caller's to change.
+  for (auto& rep : replicas_) rep->reducer->set_strategy(bucket_strategy_for(*rep));
 }
 
 void Engine::set_lr(float lr) {

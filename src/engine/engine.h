@@ -29,8 +29,9 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "collectives/replica_set.h"
 #include "device/worker_pool.h"
-#include "engine/trace.h"
+#include "common/trace.h"
 #include "nn/loss.h"
 #include "nn/model.h"
 #include "optim/optimizer.h"
@@ -79,7 +80,9 @@ class Engine {
   size_t num_buckets() const { return replicas_[0]->reducer->num_buckets(); }
   // How buckets cross the processes: "" with one process, else "mpi", "nccl", or "mpi through host memory (why
   // not NCCL)".
-  const std::string& process_transport() const { return process_transport_; }
+  const std::string& process_transport() const { return replicas_[0]->set->process_transport(); }
+  // The bucket strategy the replicas' reducers use now ("flat", "hierarchical", "hierarchical bf16").
+  const char* bucket_strategy() const { return replicas_[0]->reducer->strategy().name(); }
   Device replica_device(size_t r) const { return replicas_[r]->ctx.device; }
   const Model& model() const { return model_; }
 
@@ -114,7 +117,7 @@ class Engine {
   void save(const std::string& path) const;
   void load(const std::string& path);
 
-  // A timeline of the engine's calls from now on (engine/trace.h): forgets one recorded before.
+  // A timeline of the engine's calls from now on (common/trace.h): forgets one recorded before.
   void trace_start();
   // Stops recording and writes the timeline to `path` (Chrome's trace event format), atomically; an empty path
   // only stops. What was recorded stays until the next trace_start(), so a failed write may be tried again.
@@ -135,9 +138,9 @@ class Engine {
     std::unique_ptr<Stream> stream;  // the replica's kernels and ordered copies (ctx.stream)
     std::unique_ptr<ReplicaModel> model;
     std::unique_ptr<Optimizer> optimizer;
-    std::unique_ptr<Communicator> comm;
-    std::unique_ptr<Reducer> reducer;  // over `comm` (and the processes, hierarchically)
-    float grad_scale = 1.0f;           // this step's factor on the summed gradient
+    std::unique_ptr<Communicator> comm;  // among this process's replicas
+    std::unique_ptr<ReplicaSet> set;     // over every replica of every process (through `comm` and the processes)
+    std::unique_ptr<Reducer> reducer;    // the gradient buckets, reduced through `set`
     uint64_t rng_offset = 0;
     Fault fault = Fault::kNone;
     bool has_grad = false;  // local gradients hold something since the last step
@@ -146,12 +149,6 @@ class Engine {
     Tensor loss_sum_device;  // where the loss kernel writes the sum (a double) on the replica's device
     // The replica's rows of a host batch (input, target, backward()'s grad_output) on a device that is not the host.
     Tensor input_stage, target_stage, grad_stage;
-    // A bucket of a replica on a GPU, on its way through the host to the other processes (MPI moves host memory),
-    // and a bucket rounded to bfloat16 on the replica's device (GradientCompression::kBf16; i32 storage, two to
-    // an element). Used by the replica's communication thread alone, one bucket at a time; both grow to the
-    // largest bucket.
-    std::vector<unsigned char> process_stage;
-    Tensor bf16_stage;
     int64_t rows = 0;       // rows of the current call
     int64_t loss_rows = 0;  // rows behind loss_sum (the last training step or accumulate)
     float grad_norm = std::numeric_limits<float>::quiet_NaN();  // the gradient's norm at this call's clipping
@@ -173,19 +170,15 @@ class Engine {
   // Forward on rows [begin, begin+rows) of input, loss and backward: the worker's half of accumulate.
   // With `reduce`, each layer's gradients go to the reducer as soon as backward has computed them.
   void local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin, bool reduce);
-  // One bucket's collectives on replica `rep`: within the process, then across the processes.
-  void reduce_bucket(Replica& rep, float* data, size_t count, bool contributes);
-  // Replica 0's part of that: the sum over the processes of the bucket in its memory, compressed or not.
-  void reduce_across_processes(Replica& rep, float* data, size_t count);
-  // The sum over the processes of `count` elements of `dtype` at `buffer`, memory of replica 0's device.
-  void sum_across_processes(Replica& rep, void* buffer, size_t count, CommDType dtype);
+  // The bucket strategy for the engine's settings (hierarchical, in bf16 across processes when compressed).
+  std::unique_ptr<BucketStrategy> bucket_strategy_for(Replica& rep) const;
   // Copies the replica's loss sum of its last rows from its device into rep.loss_sum.
   void read_loss(Replica& rep);
   // Scales the gradient's elements [begin, end) so that its global L2 norm is at most the optimizer's max_grad_norm.
   void clip_gradient(Replica& rep, int64_t begin, int64_t end);
   // After a step that succeeded: the norm its clipping saw becomes grad_norm().
   void publish_grad_norm();
-  // Finishes the reduction of the step's gradients (scaled by rep.grad_scale) and applies the optimizer.
+  // Finishes the reduction of the step's gradients (scaled as the reducer was prepared) and applies the optimizer.
   void finish_and_step(Replica& rep);
   // Runs `check` (the call's argument and state checks, returning this process's batch) and returns the global
   // batch: the sum over the processes. If any process's check throws, every process throws (the one that refused
@@ -214,12 +207,14 @@ class Engine {
   std::vector<std::unique_ptr<Replica>> replicas_;
   int64_t shard_elements_ = 0;
   std::shared_ptr<Communicator> processes_;
-  // Replica 0's link to the other processes' replica 0 for its device's memory (Backend::link_processes); null:
-  // processes_ carries the buckets, through host memory.
-  std::unique_ptr<Communicator> across_;
-  std::string process_transport_;
+  // What the replica sets cross the processes with (processes_, and replica 0's link for its device's memory from
+  // Backend::link_processes); null with one process.
+  std::shared_ptr<ProcessLinks> links_;
   GradientCompression compression_ = GradientCompression::kNone;
   std::vector<std::vector<size_t>> layer_params_;  // per layer, the indices of its parameters
+  // A layer calls the replica set's collectives: a replica given no rows of a batch runs forward and backward too
+  // (on an empty chunk), so that it takes part in them.
+  bool every_replica_runs_ = false;
   std::unique_ptr<WorkerPool> pool_;
   std::mutex mutex_;
   ForwardHook hook_;

@@ -14,6 +14,8 @@
 
 namespace dpar {
 
+class ReplicaSet;  // collectives/replica_set.h
+
 enum class Fault : int32_t { kNone = DPAR_FAULT_NONE, kAlloc = DPAR_FAULT_ALLOC, kForward = DPAR_FAULT_FORWARD, kBackward = DPAR_FAULT_BACKWARD };
 
 // What a layer may know about the replica that runs it.
@@ -25,6 +27,10 @@ struct ReplicaContext {
   uint64_t rng_seed = 0;       // this replica's stream
   uint64_t* rng_offset = nullptr;  // advanced by every draw; persists across steps
   Fault* armed_fault = nullptr;    // one-shot fault injection (tests)
+  // The collectives over every replica of every process, for a layer that needs the other replicas (SyncBatchNorm's
+  // statistics): the only way a layer reaches them. Null where the layer runs alone (a single replica outside an
+  // engine).
+  ReplicaSet* collectives = nullptr;
 
   // Allocates on this replica's device (honouring an armed allocation fault).
   Tensor alloc(DType dtype, const Shape& shape) const;
@@ -49,6 +55,10 @@ class Layer {
   // The output shape for an input shape; throws Error(INVALID_ARGUMENT) naming what does not fit.
   virtual Shape output_shape(const Shape& in) const = 0;
   virtual std::unique_ptr<Layer> clone() const = 0;
+  // Whether forward or backward call the replica set's collectives (ctx.collectives). Every replica must then run
+  // the layer on every call, one given no rows of the batch included (with an empty chunk, contributing zeros), so
+  // that no collective waits for a replica that skipped it: the engine does so for a model with such a layer.
+  virtual bool uses_collectives() const { return false; }
 
   // Points the layer at its parameters and gradients: one view per param_specs() entry, of its shape, sharing the
   // replica's storage (so that a layer that hands one out, as a custom layer's callback may through DLPack, keeps

@@ -35,6 +35,12 @@ Shape Model::output_shape(const Shape& input) const {
   return s;
 }
 
+bool Model::uses_collectives() const {
+  for (const auto& layer : layers_)
+    if (layer->uses_collectives()) return true;
+  return false;
+}
+
 ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_t param_capacity) {
   const int64_t n = std::max<int64_t>({model.num_param_elements(), param_capacity, 1});
   params_ = ctx.alloc(DType::kF32, Shape{n});
@@ -83,7 +89,7 @@ void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
 }
 
 Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
-  forward_rows_ = 0;
+  has_forward_ = false;
   reserve(ctx, input.shape());
   ctx.maybe_fail(Fault::kForward, "forward");
   const int64_t rows = input.rows();
@@ -102,6 +108,7 @@ Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
     x = y;
   }
   forward_rows_ = rows;
+  has_forward_ = true;
   return x;
 }
 
@@ -112,7 +119,7 @@ Tensor ReplicaModel::output_grad_buffer(const ReplicaContext&) {
 
 void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
                             const std::function<void(size_t layer)>& layer_done) {
-  DPAR_ENFORCE(forward_rows_ > 0, DPAR_ERR_INVALID_STATE, "backward: no forward state on ", ctx.device.str());
+  DPAR_ENFORCE(has_forward_, DPAR_ERR_INVALID_STATE, "backward: no forward state on ", ctx.device.str());
   ctx.maybe_fail(Fault::kBackward, "backward");
   const int64_t rows = forward_rows_;
   Tensor dout = grad_output;
@@ -142,7 +149,7 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
     dout = din;
     i = first;
   }
-  forward_rows_ = 0;
+  has_forward_ = false;
   input_ = Tensor();
 }
 

@@ -36,6 +36,9 @@ class Model {
   std::vector<float>& values() { return values_; }
   // Shapes through the whole model; throws naming the first layer that rejects its input.
   Shape output_shape(const Shape& input) const;
+  // Whether a layer calls the replica set's collectives (Layer::uses_collectives): then every replica runs forward
+  // and backward on every call, a replica given no rows of the batch included.
+  bool uses_collectives() const;
 
  private:
   std::vector<std::unique_ptr<Layer>> layers_;
@@ -61,8 +64,8 @@ class ReplicaModel {
   // starts communicating them while the earlier layers compute.
   void backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
                 const std::function<void(size_t layer)>& layer_done = nullptr);
-  bool has_forward_state() const { return forward_rows_ > 0; }
-  void clear_forward_state() { forward_rows_ = 0; }
+  bool has_forward_state() const { return has_forward_; }
+  void clear_forward_state() { has_forward_ = false; }
   // dL/d(output) buffer of the right size for the last forward, for a loss to write into.
   Tensor output_grad_buffer(const ReplicaContext& ctx);
 
@@ -78,7 +81,8 @@ class ReplicaModel {
   Tensor grad_a_, grad_b_;            // ping-pong buffers for dL/d(activation)
   int64_t capacity_rows_ = 0;
   Tensor input_;                      // the last forward's input (a view; the caller keeps it alive for backward)
-  int64_t forward_rows_ = 0;
+  int64_t forward_rows_ = 0;          // rows of the last forward (0 for a replica given no rows)
+  bool has_forward_ = false;          // the last forward's state is kept for a backward
 };
 
 }  // namespace dpar

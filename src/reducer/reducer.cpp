@@ -28,9 +28,10 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<size_t>& count
   return buckets;
 }
 
-Reducer::Reducer(std::vector<Grad> grads, const BucketOptions& options, Stream& stream, ReduceBucket reduce,
-                 Launch launch)
-    : grads_(std::move(grads)), stream_(stream), reduce_(std::move(reduce)), launch_(std::move(launch)) {
+Reducer::Reducer(std::vector<Grad> grads, const BucketOptions& options, Stream& stream,
+                 std::unique_ptr<BucketStrategy> strategy, Launch launch)
+    : grads_(std::move(grads)), stream_(stream), strategy_(std::move(strategy)), launch_(std::move(launch)) {
+  DPAR_ENFORCE(strategy_ != nullptr, DPAR_ERR_INTERNAL, "reducer: no bucket strategy");
   DPAR_CHECK_ARG(options.first_bucket_bytes > 0 && options.bucket_cap_bytes > 0,
                  "bucket sizes: the first bucket's limit and the cap must be positive");
   std::vector<size_t> counts;
@@ -70,9 +71,16 @@ Reducer::Reducer(std::vector<Grad> grads, const BucketOptions& options, Stream& 
 
 Reducer::~Reducer() { drain(); }
 
-void Reducer::prepare() {
+void Reducer::set_strategy(std::unique_ptr<BucketStrategy> strategy) {
+  DPAR_ENFORCE(strategy != nullptr, DPAR_ERR_INTERNAL, "reducer: no bucket strategy");
+  DPAR_ENFORCE(!in_step_, DPAR_ERR_INVALID_STATE, "reducer: the bucket strategy changes between steps only");
+  strategy_ = std::move(strategy);
+}
+
+void Reducer::prepare(float scale) {
   for (const Bucket& b : buckets_)
     DPAR_ENFORCE(!b.work, DPAR_ERR_INVALID_STATE, "reducer: the previous step's buckets are still in flight");
+  scale_ = scale;
   std::fill(ready_.begin(), ready_.end(), 0);
   for (Bucket& b : buckets_) {
     b.pending = b.grads.size();
@@ -131,7 +139,13 @@ void Reducer::reduce_bucket(Bucket& b) {
       at += grads_[g].count;
     }
   }
-  reduce_(b.data, b.count, contributes);
+  GradBucket bucket;
+  bucket.index = static_cast<size_t>(&b - buckets_.data());
+  bucket.data = b.data;
+  bucket.count = b.count;
+  bucket.contributes = contributes;
+  bucket.scale = scale_;
+  strategy_->reduce(bucket);
   if (b.staging.defined()) {
     const float* at = b.data;
     for (size_t g : b.grads) {

@@ -1,6 +1,7 @@
-// The reducer: gradients grouped into buckets and each bucket all-reduced as soon as backward has produced all of
-// its gradients, on the communication thread, while backward goes on with the earlier layers (what PyTorch's
-// DistributedDataParallel and Horovod's tensor fusion do).
+// The reducer: gradients grouped into buckets and each bucket reduced as soon as backward has produced all of its
+// gradients, on the communication thread, while backward goes on with the earlier layers (what PyTorch's
+// DistributedDataParallel and Horovod's tensor fusion do). How a bucket is reduced is its strategy's business
+// (reducer/bucket_strategy.h: flat, hierarchical, bf16 across processes, reduce-scatter).
 //
 // Buckets are formed once, from the gradients in the model's order, walking them in reverse (the order backward
 // produces them): a bucket takes gradients until it holds at least its limit, the first bucket's limit being small
@@ -31,6 +32,7 @@
 
 #include "backend/stream.h"
 #include "comm/communicator.h"
+#include "reducer/bucket_strategy.h"
 #include "tensor/tensor.h"
 
 namespace dpar {
@@ -51,14 +53,13 @@ class Reducer {
     float* data;
     size_t count;
   };
-  // Reduces one bucket in place: `count` floats at `data`, on every participant, the same call in the same order.
-  // contributes == false: this participant produced none of them and the buffer's content must be ignored.
-  using ReduceBucket = std::function<void(float* data, size_t count, bool contributes)>;
   // Runs `op` on the communication thread after what it was given before; returns the op's completion.
   using Launch = std::function<std::shared_ptr<Work>(std::function<void()> op)>;
 
-  // `grads` are device memory of `stream`'s device; the stream must outlive the reducer.
-  Reducer(std::vector<Grad> grads, const BucketOptions& options, Stream& stream, ReduceBucket reduce, Launch launch);
+  // `grads` are device memory of `stream`'s device; the stream must outlive the reducer. `strategy` reduces each
+  // bucket (on every participant, the same buckets in the same order).
+  Reducer(std::vector<Grad> grads, const BucketOptions& options, Stream& stream,
+          std::unique_ptr<BucketStrategy> strategy, Launch launch);
   // Waits for buckets still in flight (their errors are dropped).
   ~Reducer();
   Reducer(const Reducer&) = delete;
@@ -69,9 +70,17 @@ class Reducer {
   // Gradient indices of bucket b, and whether it is reduced in place (no staging copy).
   const std::vector<size_t>& bucket(size_t b) const { return buckets_[b].grads; }
   bool in_place(size_t b) const { return !buckets_[b].staging.defined(); }
+  // The range bucket b reduces: the gradients themselves when in place, else its staging buffer.
+  float* bucket_data(size_t b) const { return buckets_[b].data; }
+  size_t bucket_count(size_t b) const { return buckets_[b].count; }
 
-  // Starts a step: no gradient is ready. Throws INVALID_STATE if buckets of the previous step are in flight.
-  void prepare();
+  const BucketStrategy& strategy() const { return *strategy_; }
+  // From the next step on. Throws INVALID_STATE inside a step.
+  void set_strategy(std::unique_ptr<BucketStrategy> strategy);
+
+  // Starts a step: no gradient is ready; each bucket's sum will be multiplied by `scale`. Throws INVALID_STATE if
+  // buckets of the previous step are in flight.
+  void prepare(float scale = 1.0f);
   // Gradient `index` holds this step's value and will not be written again before finish(). Launches every
   // bucket this completes, in bucket order. Throws INVALID_ARGUMENT for an index out of range and INVALID_STATE
   // for a gradient marked twice in a step.
@@ -106,7 +115,8 @@ class Reducer {
   std::vector<Bucket> buckets_;
   size_t next_launch_ = 0;  // buckets before it are launched this step
   bool in_step_ = false;
-  ReduceBucket reduce_;
+  float scale_ = 1.0f;
+  std::unique_ptr<BucketStrategy> strategy_;
   Launch launch_;
 };
 

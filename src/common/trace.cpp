@@ -1,4 +1,4 @@
-#include "engine/trace.h"
+#include "common/trace.h"
 
 #include <nlohmann/json.hpp>
 

@@ -90,7 +90,12 @@ class TraceSpan {
   TraceSpan(Trace& trace, const char* name, const char* arg = nullptr, int64_t value = 0)
       : TraceSpan(trace, Trace::current_track(), name, arg, value) {}
   TraceSpan(Trace& trace, size_t track, const char* name, const char* arg = nullptr, int64_t value = 0)
-      : trace_(trace.recording() ? &trace : nullptr), track_(track), name_(name), arg_(arg), value_(value) {
+      : TraceSpan(&trace, track, name, arg, value) {}
+  // A trace that may be absent (null: no span), for code that records only when its owner traces.
+  TraceSpan(Trace* trace, const char* name, const char* arg = nullptr, int64_t value = 0)
+      : TraceSpan(trace, Trace::current_track(), name, arg, value) {}
+  TraceSpan(Trace* trace, size_t track, const char* name, const char* arg = nullptr, int64_t value = 0)
+      : trace_(trace && trace->recording() ? trace : nullptr), track_(track), name_(name), arg_(arg), value_(value) {
     if (trace_) {
       exceptions_ = std::uncaught_exceptions();
       begin_ = Trace::Clock::now();

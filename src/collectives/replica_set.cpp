@@ -1,0 +1,128 @@
+#include "collectives/replica_set.h"
+
+#include "common/error.h"
+#include "common/trace.h"
+
+namespace dpar {
+
+const char* wire_name(Wire wire) {
+  switch (wire) {
+    case Wire::kF32: return "f32";
+    case Wire::kBf16: return "bf16";
+  }
+  return "unknown wire";
+}
+
+void ProcessLinks::abort(const std::string& reason) {
+  if (host) host->abort(reason);
+  if (device) device->abort(reason);
+}
+
+ReplicaSet::ReplicaSet(Communicator& local, Stream& stream, std::shared_ptr<ProcessLinks> processes, Trace* trace,
+                       size_t comm_track)
+    : local_(local), stream_(stream), processes_(std::move(processes)), trace_(trace), comm_track_(comm_track) {
+  DPAR_ENFORCE(!processes_ || processes_->host, DPAR_ERR_INTERNAL, "replica set: process links without a host link");
+  // A job of one process has nothing to sum across.
+  if (processes_ && processes_->host->size() <= 1) processes_.reset();
+}
+
+const std::string& ReplicaSet::process_transport() const {
+  static const std::string kNone;
+  return processes_ ? processes_->transport : kNone;
+}
+
+template <class F>
+void ReplicaSet::across_or_abort(F&& across) {
+  try {
+    across();
+  } catch (const std::exception& e) {
+    // The process's other replicas wait for this one in the broadcast that follows.
+    local_.abort(std::string("the reduction across processes failed: ") + e.what());
+    throw;
+  }
+}
+
+void ReplicaSet::all_reduce_sum(float* data, size_t count, bool contributes, float scale, Wire wire) {
+  const auto elements = static_cast<int64_t>(count);
+  if (!processes_) {
+    TraceSpan span(trace_, "bucket all-reduce", "elements", elements);
+    local_.all_reduce_sum(data, count, contributes, scale);
+    return;
+  }
+  // The process's sum lands in replica 0 only: the broadcast below is what the others receive.
+  {
+    TraceSpan span(trace_, "bucket reduce (replicas)", "elements", elements);
+    local_.reduce_sum(data, count, contributes, scale, 0);
+  }
+  if (replica() == 0) {
+    // [nccl][bf16]: span names are literals (common/trace.h).
+    static constexpr const char* kNames[2][2] = {
+        {"bucket all-reduce (processes)", "bucket all-reduce (processes, bf16)"},
+        {"bucket all-reduce (processes, nccl)", "bucket all-reduce (processes, nccl, bf16)"}};
+    TraceSpan span(trace_, kNames[processes_->device ? 1 : 0][wire == Wire::kBf16 ? 1 : 0], "elements", elements);
+    across_or_abort([&] { sum_across_processes(data, count, wire); });
+  }
+  TraceSpan span(trace_, "bucket broadcast (replicas)", "elements", elements);
+  local_.broadcast(data, count, CommDType::kF32, 0);
+}
+
+void ReplicaSet::sum(void* data, size_t count, CommDType dtype) {
+  DPAR_CHECK_ARG(dtype == CommDType::kF32 || dtype == CommDType::kF64, "replica set sum: ", comm_dtype_name(dtype),
+                 " is not summed here (f32 or f64)");
+  DPAR_CHECK_ARG(data != nullptr || count == 0, "replica set sum: null buffer for ", count, " elements");
+  // On the communication thread, behind the buckets already queued there: every replica queues the same buckets
+  // before the same layer's call, so the collectives meet in the same order everywhere.
+  local_
+      .async_run("layer sum",
+                 [&] {
+                   TraceTrack track(comm_track_);
+                   TraceSpan span(trace_, "layer sum", "elements", static_cast<int64_t>(count));
+                   local_.all_reduce(data, data, count, dtype, ReduceOp::kSum);
+                   if (!processes_) return;
+                   if (replica() == 0) across_or_abort([&] { sum_across_processes(data, count, dtype); });
+                   local_.broadcast(data, count, dtype, 0);
+                 })
+      ->wait();
+}
+
+float ReplicaSet::mean_scale() {
+  if (mean_scale_ > 0.0f) return mean_scale_;
+  int64_t total = static_cast<int64_t>(local_size());
+  if (processes_ && replica() == 0) {
+    const int64_t mine = total;
+    processes_->host->all_reduce(&mine, &total, 1, CommDType::kI64, ReduceOp::kSum);
+  }
+  mean_scale_ = static_cast<float>(1.0 / static_cast<double>(total));
+  return mean_scale_;
+}
+
+void ReplicaSet::abort(const std::string& reason) {
+  local_.abort(reason);
+  if (processes_) processes_->abort(reason);
+}
+
+void ReplicaSet::sum_across_processes(float* data, size_t count, Wire wire) {
+  if (wire == Wire::kF32) return sum_across_processes(data, count, CommDType::kF32);
+  const auto n = static_cast<int64_t>(count);
+  // Tensor::empty, not a replica's allocator: this runs on the communication thread, and the test faults armed for
+  // a worker's allocations are the worker's.
+  if (!bf16_stage_.defined() || bf16_stage_.numel() < (n + 1) / 2)
+    bf16_stage_ = Tensor::empty(DType::kI32, Shape{(n + 1) / 2}, stream_.device());
+  auto* packed = static_cast<uint16_t*>(bf16_stage_.raw());
+  stream_.to_bf16(packed, data, n);
+  sum_across_processes(packed, count, CommDType::kBF16);
+  stream_.from_bf16(data, packed, n);
+}
+
+void ReplicaSet::sum_across_processes(void* data, size_t count, CommDType dtype) {
+  if (processes_->device) return processes_->device->all_reduce(data, data, count, dtype, ReduceOp::kSum);
+  if (stream_.device().is_host()) return processes_->host->all_reduce(data, data, count, dtype, ReduceOp::kSum);
+  // MPI moves host memory: through the host and back.
+  const size_t bytes = count * comm_dtype_size(dtype);
+  if (host_stage_.size() < bytes) host_stage_.resize(bytes);
+  stream_.copy_to_host(host_stage_.data(), data, bytes);
+  processes_->host->all_reduce(host_stage_.data(), host_stage_.data(), count, dtype, ReduceOp::kSum);
+  stream_.copy_from_host(data, host_stage_.data(), bytes);
+}
+
+}  // namespace dpar

@@ -1,0 +1,122 @@
+// A replica set: every replica of every process of a job (an engine's replicas, or the members of a C API group
+// with the processes' communicator), and the collectives over all of them. This is the one place where the
+// hierarchy lives: among a process's replicas (its worker threads; on GPUs NCCL or dpar's device reduction), then
+// across the processes by the process's replica 0 (MPI, or NCCL between the processes' GPUs; f32 or bfloat16 on
+// the wire), then back to the process's other replicas.
+//
+// Three users: the reducer's bucket strategies (reducer/bucket_strategy.h), the C API's reducer (a framework's own
+// gradients), and layers that need other replicas (SyncBatchNorm's statistics), which reach it through their
+// ReplicaContext and never a communicator.
+//
+// Each replica holds its own ReplicaSet, as each holds its own communicator: a ReplicaSet is one replica's view of
+// the set. Every replica of every process calls the same collectives in the same order, from its own thread; a
+// collective is ordered after the device work queued on the replica's stream before it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/stream.h"
+#include "comm/communicator.h"
+#include "tensor/tensor.h"
+
+namespace dpar {
+
+class Trace;
+
+// How a sum crosses the processes (within a process it is always f32).
+enum class Wire : int32_t {
+  kF32 = 0,
+  // The process's sum rounded to bfloat16 (nearest-even), summed across the processes in bfloat16 and widened
+  // back: half the bytes between processes, f32's range, about 3 significant digits (DDP's bf16_compress_hook).
+  kBf16 = 1,
+};
+const char* wire_name(Wire wire);
+
+// What connects one process's replicas to the other processes: one per process, shared by its replicas; only
+// replica 0 moves data through it.
+struct ProcessLinks {
+  // One participant per process, on host memory (MPI).
+  std::shared_ptr<Communicator> host;
+  // Replica 0's link to the other processes' replica 0 for its device's memory (NCCL between the processes' GPUs),
+  // or null: `host` carries the data, through host memory where replica 0 is not on the host.
+  std::unique_ptr<Communicator> device;
+  // "mpi", "nccl", or what carried the data and why: for messages and traces.
+  std::string transport;
+
+  // Every process waiting in a collective on these links throws REMOTE with `reason`.
+  void abort(const std::string& reason);
+};
+
+class ReplicaSet {
+ public:
+  // `local`: this replica's participant among its process's replicas (rank = the replica's index in the process);
+  // `stream`: its device's ordered work, on which staging copies and conversions are queued. `processes` is null
+  // for a single process, else shared by the process's replicas. `trace`, if not null, gets a span per step of a
+  // reduction (it must outlive the set), spans on the communication thread going on track `comm_track`. All must
+  // outlive the ReplicaSet.
+  ReplicaSet(Communicator& local, Stream& stream, std::shared_ptr<ProcessLinks> processes, Trace* trace = nullptr,
+             size_t comm_track = 0);
+  ReplicaSet(const ReplicaSet&) = delete;
+  ReplicaSet& operator=(const ReplicaSet&) = delete;
+
+  size_t replica() const { return static_cast<size_t>(local_.rank()); }  // within the process
+  size_t local_size() const { return static_cast<size_t>(local_.size()); }
+  int num_processes() const { return processes_ ? processes_->host->size() : 1; }
+  bool spans_processes() const { return num_processes() > 1; }
+  const std::string& process_transport() const;
+  Communicator& local() { return local_; }
+  Stream& stream() { return stream_; }
+
+  // ---- Gradient sums (f32, in place; called on the replica's communication thread or its worker) -------------
+  // (sum over every replica of every process of `count` floats at `data`) * scale, into every replica's buffer.
+  // contributes == false: this replica produced none of them; its buffer is read as zeros (and not read).
+  // One process: one all-reduce among the replicas. Several: summed (and scaled) into replica 0, summed across the
+  // processes by replica 0 on `wire`, then broadcast to the process's other replicas.
+  void all_reduce_sum(float* data, size_t count, bool contributes, float scale, Wire wire);
+
+  // ---- For layers (from forward and backward, on the replica's worker) -----------------------------------------
+  // Sums `count` elements of `dtype` (kF32 or kF64) at `data`, memory of the replica's device, over every replica
+  // of every process, into every replica's buffer. It runs on the replica's communication thread, after every
+  // bucket reduction queued there before the call (so it orders with gradient buckets in flight the same way on
+  // every replica), and returns when the sum is in `data`. A replica with no rows of the batch must call it too,
+  // with zeros, as every replica must call every collective.
+  void sum(void* data, size_t count, CommDType dtype);
+
+  // The factor that turns a sum over the set into a mean: 1 / (replicas of every process). With several processes
+  // only replica 0 scales a sum (it scales the process's sum before the processes add theirs), so only replica 0
+  // needs it: there it is a collective among the processes' replica 0 (made once, then kept); elsewhere it is
+  // 1 / local_size() and unused by the sums.
+  float mean_scale();
+
+  // Makes every replica and process waiting in a collective of this set throw REMOTE with `reason`.
+  void abort(const std::string& reason);
+
+ private:
+  // Replica 0's part of a hierarchical sum: `count` elements of `dtype` at `data` (device memory) summed across the
+  // processes.
+  void sum_across_processes(void* data, size_t count, CommDType dtype);
+  // The same for f32 data, on `wire`.
+  void sum_across_processes(float* data, size_t count, Wire wire);
+  // Replica 0 sums across the processes; every replica of the process waits for it in the broadcast that follows,
+  // so a failure there aborts the process's group before it is rethrown.
+  template <class F>
+  void across_or_abort(F&& across);
+
+  Communicator& local_;
+  Stream& stream_;
+  std::shared_ptr<ProcessLinks> processes_;
+  Trace* trace_;
+  size_t comm_track_;
+  float mean_scale_ = 0.0f;  // 0 until computed
+  // Replica 0's staging: a buffer on its way through host memory (MPI moves host memory), and a buffer rounded to
+  // bfloat16 on the replica's device (i32 storage, two to an element). Used by one thread at a time (the replica's
+  // communication thread, or its worker once that thread is idle); both grow to the largest use.
+  std::vector<unsigned char> host_stage_;
+  Tensor bf16_stage_;
+};
+
+}  // namespace dpar

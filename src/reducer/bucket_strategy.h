@@ -1,0 +1,50 @@
+// How a gradient bucket is reduced: communication hooks, as PyTorch DDP's (a GradBucket handed to an all-reduce
+// hook, a bf16 compression hook, or a user's own). The reducer owns one and hands it each bucket once backward has
+// produced the bucket's gradients; the engine and the C API only choose which. A strategy moves data only through
+// its replica's ReplicaSet (collectives/replica_set.h), where the hierarchy over threads and processes lives.
+//
+//  - flat: one all-reduce among the process's replicas (a job of one process);
+//  - hierarchical: among the process's replicas, then across the processes in f32, then back;
+//  - hierarchical in bf16: the same, bfloat16 on the wire between processes.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "collectives/replica_set.h"
+
+namespace dpar {
+
+// One bucket of one step, as the reducer hands it over: `count` contiguous floats at `data` (the gradients
+// themselves, or the bucket's staging buffer) in the memory of the replica's device.
+struct GradBucket {
+  size_t index = 0;  // launch order: bucket 0 holds the last gradients of the model
+  float* data = nullptr;
+  size_t count = 0;
+  // false: this replica produced none of the bucket's gradients this step, and `data` must be read as zeros.
+  bool contributes = true;
+  // The factor on the sum (the engine's 1 / global batch; a C API reducer's 1 or 1 / replicas).
+  float scale = 1.0f;
+};
+
+class BucketStrategy {
+ public:
+  virtual ~BucketStrategy() = default;
+  // "flat", "hierarchical", "hierarchical bf16": for messages and benchmarks.
+  virtual const char* name() const = 0;
+  // Reduces the bucket on this replica. Every replica of every process calls it for the same buckets in the same
+  // order, each from its own thread.
+  virtual void reduce(const GradBucket& bucket) = 0;
+  // Whether the result is this replica's block of the bucket only (ReplicaSet::reduce_scatter_sum's layout);
+  // otherwise every element of the bucket holds it.
+  virtual bool sharded() const { return false; }
+};
+
+enum class BucketStrategyKind : int32_t { kFlat = 0, kHierarchical = 1, kHierarchicalBf16 = 2 };
+const char* bucket_strategy_name(BucketStrategyKind kind);
+
+// The strategy of `kind` over `set` (which must outlive it). kFlat over a set that spans processes is refused
+// (INVALID_ARGUMENT): the processes' replicas would never meet.
+std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, ReplicaSet& set);
+
+}  // namespace dpar
