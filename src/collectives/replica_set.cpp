@@ -87,12 +87,22 @@ void ReplicaSet::sum(void* data, size_t count, CommDType dtype) {
 
 float ReplicaSet::mean_scale() {
   if (mean_scale_ > 0.0f) return mean_scale_;
-  int64_t total = static_cast<int64_t>(local_size());
-  if (processes_ && replica() == 0) {
-    const int64_t mine = total;
-    processes_->host->all_reduce(&mine, &total, 1, CommDType::kI64, ReduceOp::kSum);
+  float scale = static_cast<float>(1.0 / static_cast<double>(local_size()));
+  if (processes_) {
+    // Replica 0 counts the replicas of every process and tells its own, in the memory of the replicas' devices.
+    if (replica() == 0) {
+      const int64_t mine = static_cast<int64_t>(local_size());
+      int64_t total = 0;
+      processes_->host->all_reduce(&mine, &total, 1, CommDType::kI64, ReduceOp::kSum);
+      scale = static_cast<float>(1.0 / static_cast<double>(total));
+    }
+    Tensor shared = Tensor::empty(DType::kF32, Shape{1}, stream_.device());
+    stream_.copy_from_host(shared.raw(), &scale, sizeof(float));
+    local_.broadcast(shared.raw(), 1, CommDType::kF32, 0);
+    stream_.copy_to_host(&scale, shared.raw(), sizeof(float));
+    stream_.synchronize();
   }
-  mean_scale_ = static_cast<float>(1.0 / static_cast<double>(total));
+  mean_scale_ = scale;
   return mean_scale_;
 }
 

@@ -86,10 +86,9 @@ class ReplicaSet {
   // with zeros, as every replica must call every collective.
   void sum(void* data, size_t count, CommDType dtype);
 
-  // The factor that turns a sum over the set into a mean: 1 / (replicas of every process). With several processes
-  // only replica 0 scales a sum (it scales the process's sum before the processes add theirs), so only replica 0
-  // needs it: there it is a collective among the processes' replica 0 (made once, then kept); elsewhere it is
-  // 1 / local_size() and unused by the sums.
+  // The factor that turns a sum over the set into a mean: 1 / (replicas of every process). A collective over every
+  // replica of every process the first time (every replica must pass the same scale to a sum: each sums a part of
+  // the buffer), then kept.
   float mean_scale();
 
   // Makes every replica and process waiting in a collective of this set throw REMOTE with `reason`.
