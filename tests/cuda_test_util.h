@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cuda/cuda_check.h"
+#include "platform/cuda/cuda_check.h"
 #include "common/random.h"
 
 namespace dpar::test {

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "backend/cuda/cuda_check.h"
+#include "platform/cuda/cuda_check.h"
 #include "comm/cuda_device_comm.h"
 #include "comm/nccl_comm.h"
 #include "comm/threads_comm.h"

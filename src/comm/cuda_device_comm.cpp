@@ -3,7 +3,7 @@
 
 #include <cstring>
 
-#include "backend/cuda/cuda_check.h"
+#include "platform/cuda/cuda_check.h"
 #include "common/error.h"
 #include "kernels/cuda/kernels.h"
 

@@ -5,7 +5,7 @@
 #include <mutex>
 #include <thread>
 
-#include "backend/cuda/cuda_check.h"
+#include "platform/cuda/cuda_check.h"
 #include "common/error.h"
 #include "kernels/cuda/kernels.h"
 

@@ -15,8 +15,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "backend/cuda/cublas_library.h"
-#include "backend/cuda/cuda_check.h"
+#include "platform/cuda/cublas_library.h"
+#include "platform/cuda/cuda_check.h"
 #include "comm/cuda_device_comm.h"
 #include "comm/nccl_comm.h"
 #include "common/error.h"

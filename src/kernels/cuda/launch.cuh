@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <utility>
 
-#include "backend/cuda/cuda_check.h"
+#include "platform/cuda/cuda_check.h"
 #include "common/error.h"
 
 namespace dpar::kernels::cuda::detail {

@@ -1,7 +1,7 @@
 // See cuda_check.h.
-#include "backend/cuda/cuda_check.h"
+#include "platform/cuda/cuda_check.h"
 
-#include "backend/cuda/cublas_library.h"
+#include "platform/cuda/cublas_library.h"
 
 #include <cuda.h>  // the driver's types only: its functions are reached through the runtime's entry points
 
