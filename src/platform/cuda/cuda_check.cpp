@@ -3,9 +3,8 @@
 
 #include "platform/cuda/cublas_library.h"
 
-#include <cuda.h>  // the driver's types only: its functions are reached through the runtime's entry points
-
 #include <mutex>
+#include <type_traits>
 
 namespace dpar::cuda {
 
@@ -120,45 +119,86 @@ cudaError_t query_event(cudaEvent_t event) noexcept {
 
 namespace {
 
-// cuCtxGetCurrent and cuCtxSetCurrent, from the runtime's table of driver entry points (null where the driver has
+// The driver's functions a scope needs, from the runtime's table of driver entry points (null where the driver has
 // none to give, e.g. no driver at all).
-struct DriverContextCalls {
+struct DriverCalls {
   CUresult (*get_current)(CUcontext*) = nullptr;
   CUresult (*set_current)(CUcontext) = nullptr;
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*primary_state)(CUdevice, unsigned*, int*) = nullptr;
+  CUresult (*primary_retain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*primary_release)(CUdevice) = nullptr;
+  bool complete() const {
+    return get_current && set_current && device_get && primary_state && primary_retain && primary_release;
+  }
 };
 
-const DriverContextCalls& driver_context_calls() {
-  static const DriverContextCalls calls = [] {
-    DriverContextCalls c;
-    auto find = [](const char* symbol) -> void* {
-      void* fn = nullptr;
+const DriverCalls& driver_calls() {
+  static const DriverCalls calls = [] {
+    DriverCalls c;
+    auto find = [](const char* symbol, auto& fn) {
+      void* found_fn = nullptr;
       cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-      if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      if (cudaGetDriverEntryPointByVersion(symbol, &found_fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
           found != cudaDriverEntryPointSuccess) {
         (void)cudaGetLastError();
-        return nullptr;
+        found_fn = nullptr;
       }
-      return fn;
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(found_fn);
     };
-    c.get_current = reinterpret_cast<CUresult (*)(CUcontext*)>(find("cuCtxGetCurrent"));
-    c.set_current = reinterpret_cast<CUresult (*)(CUcontext)>(find("cuCtxSetCurrent"));
+    find("cuCtxGetCurrent", c.get_current);
+    find("cuCtxSetCurrent", c.set_current);
+    find("cuDeviceGet", c.device_get);
+    find("cuDevicePrimaryCtxGetState", c.primary_state);
+    find("cuDevicePrimaryCtxRetain", c.primary_retain);
+    find("cuDevicePrimaryCtxRelease", c.primary_release);  // version 12000: cuDevicePrimaryCtxRelease_v2
     return c;
   }();
   return calls;
 }
 
+CUcontext active_primary_context(int device) {
+  const DriverCalls& d = driver_calls();
+  CUdevice dev = 0;
+  unsigned flags = 0;
+  int active = 0;
+  if (d.device_get(&dev, device) != CUDA_SUCCESS || d.primary_state(dev, &flags, &active) != CUDA_SUCCESS ||
+      !active)
+    return nullptr;
+  // The runtime holds the active primary context; this retain and release only read its handle.
+  CUcontext ctx = nullptr;
+  if (d.primary_retain(&ctx, dev) != CUDA_SUCCESS) return nullptr;
+  (void)d.primary_release(dev);
+  return ctx;
+}
+
+thread_local int t_bound_device = -1;  // the device bind_thread_to_device made current on this thread
+
 }  // namespace
 
+const ContextCalls& runtime_context_calls() {
+  static const ContextCalls calls = [] {
+    ContextCalls c;
+    c.get_device = [](int* device) { return cudaGetDevice(device); };
+    c.set_device = [](int device) { return cudaSetDevice(device); };
+    c.init_device = [](int device) { return cudaInitDevice(device, 0, 0); };  // the device flags already set
+    const DriverCalls& d = driver_calls();
+    if (d.complete()) {
+      c.get_current = d.get_current;
+      c.set_current = d.set_current;
+      c.active_primary = active_primary_context;
+    }
+    return c;
+  }();
+  return calls;
+}
+
 bool thread_has_context() noexcept {
-  const auto& calls = driver_context_calls();
+  const auto& calls = driver_calls();
   CUcontext current = nullptr;
   if (calls.get_current == nullptr || calls.get_current(&current) != CUDA_SUCCESS) return true;
   return current != nullptr;
 }
-
-namespace {
-thread_local int t_bound_device = -1;  // the device bind_thread_to_device made current on this thread
-}  // namespace
 
 cudaError_t bind_thread_to_device(int device) noexcept {
   const cudaError_t err = cudaSetDevice(device);
@@ -169,49 +209,69 @@ cudaError_t bind_thread_to_device(int device) noexcept {
   return err;
 }
 
-void DeviceScope::remember_previous() noexcept {
-  // Without a way to clear the context again, restoring the old device is the closest to "as before".
-  had_context_ = thread_has_context() || driver_context_calls().set_current == nullptr;
-}
-
-DeviceScope::DeviceScope(int device) {
-  DPAR_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
-  device_ = device;
+cudaError_t DeviceScope::enter(int device, const char** failed_call) noexcept {
+  const ContextCalls& c = *calls_;
+  *failed_call = "cudaGetDevice";
+  if (const cudaError_t err = c.get_device(&previous_device_); err != cudaSuccess) return err;
   // A thread dpar bound to this device (every kernel launch of a replica's worker comes here): nothing to undo.
-  if (previous_ == device && t_bound_device == device) return;
-  remember_previous();
-  if (previous_ != device) {
-    DPAR_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
-    changed_ = true;
+  if (previous_device_ == device && t_bound_device == device) return cudaSuccess;
+  CUcontext current = nullptr;
+  const bool driver = c.get_current != nullptr && c.get_current(&current) == CUDA_SUCCESS;
+  if (!driver) {
+    // Without the driver's context calls the runtime's device is all there is to restore.
+    if (previous_device_ == device) return cudaSuccess;
+    *failed_call = "cudaSetDevice";
+    const cudaError_t err = c.set_device(device);
+    if (err == cudaSuccess) restore_ = Restore::kDevice;
+    return err;
   }
+  // dpar's memory, streams and handles live in the primary context: a framework's own context on the same device
+  // is switched away from too (and back after).
+  if (current != nullptr && current == c.active_primary(device)) return cudaSuccess;
+  *failed_call = "cudaInitDevice";
+  if (const cudaError_t err = c.init_device(device); err != cudaSuccess) return err;
+  const CUcontext primary = c.active_primary(device);
+  *failed_call = "cuCtxSetCurrent (the primary context, after cudaInitDevice)";
+  if (primary == nullptr || c.set_current(primary) != CUDA_SUCCESS) return cudaErrorDeviceUninitialized;
+  previous_context_ = current;
+  restore_ = Restore::kContext;
+  return cudaSuccess;
 }
 
-DeviceScope::DeviceScope(int device, std::nothrow_t) noexcept {
-  int current = 0;
-  if (cudaGetDevice(&current) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return;  // nothing changed, nothing to restore
-  }
-  previous_ = device_ = current;
-  if (current == device && t_bound_device == device) return;
-  remember_previous();
-  if (current == device) return;
-  if (cudaSetDevice(device) == cudaSuccess) {
-    device_ = device;
-    changed_ = true;
-  } else {
-    (void)cudaGetLastError();
-  }
+DeviceScope::DeviceScope(int device, const ContextCalls& calls) : calls_(&calls) {
+  const char* failed_call = "";
+  const cudaError_t err = enter(device, &failed_call);
+  if (err != cudaSuccess) fail_cuda(err, failed_call, detail::concat("making cuda:", device, " current"));
+}
+
+DeviceScope::DeviceScope(int device, std::nothrow_t, const ContextCalls& calls) noexcept : calls_(&calls) {
+  const char* failed_call = "";
+  if (enter(device, &failed_call) != cudaSuccess) (void)cudaGetLastError();
 }
 
 DeviceScope::~DeviceScope() {
-  if (!had_context_) {
-    // The thread had no context: it gets none back (not device 0's, which restoring cudaGetDevice()'s 0 would
-    // create). The scope's calls made one current, whether or not it changed the device.
-    (void)driver_context_calls().set_current(nullptr);
+  const ContextCalls& c = *calls_;
+  switch (restore_) {
+    case Restore::kNothing:
+      return;
+    case Restore::kDevice:
+      if (c.set_device(previous_device_) != cudaSuccess) (void)cudaGetLastError();
+      return;
+    case Restore::kContext:
+      break;
+  }
+  (void)c.set_current(previous_context_);
+  if (previous_context_ != nullptr) return;  // the runtime's device is that context's
+  // No context now: cudaGetDevice says the runtime's own device. A call in the scope that changed it is undone
+  // where that creates nothing (cudaSetDevice initialises the primary context); else it stays, as the lesser harm.
+  int now = previous_device_;
+  if (c.get_device(&now) != cudaSuccess) {
+    (void)cudaGetLastError();
     return;
   }
-  if (changed_ && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
+  if (now == previous_device_ || c.active_primary(previous_device_) == nullptr) return;
+  if (c.set_device(previous_device_) != cudaSuccess) (void)cudaGetLastError();
+  (void)c.set_current(nullptr);
 }
 
 }  // namespace dpar::cuda
