@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check dpar has, in one command that fits one call on a GPU machine lent for minutes (under 8 minutes
+# Every GPU check dpar has, in one command that fits one call on a GPU machine lent for minutes (under 10 minutes
 # in all), each log kept where it comes back even when a stage hangs:
 #
 #   scripts/check_gpu.sh LOGDIR [STAGE...]
@@ -7,9 +7,13 @@
 # Stages, in order (all but racecheck when none is named):
 #   build     configure build-gpu/ (Release, the CUDA backend required) and print the CUDA, cuBLAS, NCCL and
 #             DLPack it found (cuDNN: dpar does not use it yet); build
-#   test      the GPU tests only (CTest label "cuda"), each under its own 60 s limit: a hung one is killed and
-#             named ("Timeout") while the others go on. A GPU test that skips here is listed: on a GPU machine a
-#             skip is a finding (tests that need a second GPU skip on a machine with one)
+#   test      every CTest test, each under its own limit (60 s for the GPU tests): a hung one is killed and named
+#             ("Timeout") while the others go on. The GPU tests (CTest label "cuda") come first, then the rest of
+#             the suite, whose tests take GPU branches too where a GPU is present (DLPack's cuda tensors, the data
+#             loaders on cuda:0). With a GPU visible, DPAR_TEST_REQUIRE_GPU=1 makes a GPU test that finds no device
+#             fail instead of skipping; a test that still skips (one that needs a second GPU, a binding whose
+#             toolchain is missing) is listed. In parallel only where the GPU's compute mode is Default: in an
+#             exclusive mode a second process cannot open the GPU, so the tests run one at a time
 #   fmnist    the C example trains on Fashion-MNIST on cuda for 10 epochs and must reach 88% (a timeline of its
 #             first epoch goes to LOGDIR/traces)
 #   bench     the GPU training benchmark for the demo MLP at batch 128 and the wide MLP 784-4096-4096-4096-10 at
@@ -17,13 +21,15 @@
 #             PyTorch with CUDA is installed) and beside the step's GEMMs in cuBLAS alone, with the ratios
 #   memcheck  dpar's own kernel and engine tests under compute-sanitizer memcheck; API errors are not reported
 #             (dpar checks every API call's status itself, and its tests fail calls on purpose, e.g. the
-#             out-of-memory test's 4 TiB allocation)
+#             out-of-memory test's 4 TiB allocation). A program the budget left no time for is "not reached"
 #   racecheck (only when named) the kernel tests under racecheck: shared-memory hazards in dpar's kernels
 #
-# The whole check has a budget (DPAR_GPU_CHECK_BUDGET_S, default 420 s); each stage runs under its own limit,
-# never past what is left of the budget, and a stage that fails or times out does not stop the next.
-# LOGDIR/summary.txt has one line per stage (status, seconds, log); it is printed last. Exit status 0 only when
-# every stage run passed.
+# The whole check has a budget (DPAR_GPU_CHECK_BUDGET_S, default 540 s); each stage runs under its own limit,
+# never past what is left of the budget, and a stage that fails or times out does not stop the next. A stage that
+# the budget (not its own limit) cut short, or left no time for, is "NOT REACHED": not a failure, and not a pass.
+# LOGDIR/summary.txt has one line per stage (status, seconds, log) after the GPU and its compute mode; it is printed
+# last. Exit status: 0 when every stage ran and passed, 1 when one failed (or hit its own limit), 3 when none failed
+# but the budget left one not reached.
 #
 # On the project's GPU machines (../shared/device/README.md), from the project's root:
 #   source .gpudeps/on-device.sh && bash scripts/check_gpu.sh "$OUT/gpu"
@@ -34,7 +40,7 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 logs=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -44,11 +50,11 @@ stages=("$@")
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 build="$root/build-gpu"
-budget=${DPAR_GPU_CHECK_BUDGET_S:-420}
+budget=${DPAR_GPU_CHECK_BUDGET_S:-540}
 command -v compute-sanitizer > /dev/null || PATH="/usr/local/cuda/bin:$PATH"
 data=${DPAR_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
 summary="$logs/summary.txt"
-failed=0
+failed=0 unreached=0
 started=$SECONDS
 
 note() { echo "$*" >> "$summary"; echo "$*"; }
@@ -61,31 +67,41 @@ run_stage() {
   local left=$((budget - (SECONDS - started)))
   local limit=$((cap < left ? cap : left))
   if [ "$limit" -lt 5 ]; then
-    note "$(printf '%-9s %-30s %5d s  %s' "$name" "NOT RUN (budget spent)" 0 "-")"
-    failed=1
+    note "$(printf '%-9s %-30s %5d s  %s' "$name" "NOT REACHED (budget spent)" 0 "-")"
+    unreached=1
     return
   fi
   local start=$SECONDS status verdict=passed
   echo "== $name (limit $limit s): $logs/$name.log"
   timeout --kill-after=10 "$limit" "$@" > "$logs/$name.log" 2>&1
   status=$?
-  if [ $status -eq 124 ] || [ $status -eq 137 ]; then
+  if { [ $status -eq 124 ] || [ $status -eq 137 ]; } && [ "$limit" -lt "$cap" ]; then
+    # The budget ran out, not the stage's own limit: what it did not finish was not reached, not failed.
+    verdict="NOT REACHED (budget out at $limit s)"
+    unreached=1
+  elif [ $status -eq 124 ] || [ $status -eq 137 ]; then
     verdict="TIMED OUT after $limit s"
+    failed=1
   elif [ $status -ne 0 ]; then
     verdict="FAILED (exit $status)"
+    failed=1
   fi
-  [ "$verdict" = passed ] || failed=1
   note "$(printf '%-9s %-30s %5d s  %s' "$name" "$verdict" "$((SECONDS - start))" "$logs/$name.log")"
   # What a reader needs first, without opening the log.
   case $name in
     build) grep -E "^-- dpar: " "$logs/$name.log" | sed 's/^-- /          /' | tee -a "$summary" ;;
     test) { grep -E "tests passed|\*\*\*(Timeout|Failed|Exception)|SEGFAULT|Subprocess aborted|Not Run" "$logs/$name.log"
-            echo "GPU tests skipped: $(grep -c '\*\*\*Skipped' "$logs/test-ctest.log") (listed in the log)"; } |
+            echo "tests skipped: $(grep -c '\*\*\*Skipped' "$logs/test-ctest.log") (listed in the log)"; } |
             sed 's/^/          /' | tee -a "$summary" ;;
     fmnist) grep -E "^(dpar|epoch +10|.*accuracy|.*wall)" "$logs/$name.log" | tail -4 | sed 's/^/          /' |
               tee -a "$summary" ;;
-    memcheck | racecheck) grep -E "^== |ERROR SUMMARY" "$logs/$name.log" | sed 's/^/          /' |
-                            tee -a "$summary" ;;
+    memcheck | racecheck)
+      { grep -E "^== |ERROR SUMMARY" "$logs/$name.log"
+        # The programs the stage did not get to (sanitize names each as it starts and as it ends).
+        local t
+        for t in $(sanitized_tests "$name"); do
+          grep -q "^== $t: " "$logs/$name.log" || echo "== $t: not reached"
+        done; } | sed 's/^/          /' | tee -a "$summary" ;;
   esac
 }
 
@@ -152,8 +168,16 @@ stage_build() {
 }
 
 stage_test() {
-  local status=0
-  ctest --test-dir "$build" -L cuda -j 4 --output-on-failure > "$logs/test-ctest.log" 2>&1 || status=1
+  local status=0 jobs=()
+  # Exclusive_Process or Prohibited: one process at a time can use the GPU, so one test at a time.
+  [ "$compute_mode" = Default ] && jobs=(-j 4)
+  echo "compute mode: ${compute_mode:-unknown}; ctest ${jobs[*]:-(one test at a time)}"
+  # With a GPU visible, a GPU test that finds none has found a fault (tests/require_gpu.h).
+  [ -n "$compute_mode" ] && export DPAR_TEST_REQUIRE_GPU=1
+  { ctest --test-dir "$build" -L cuda "${jobs[@]}" --output-on-failure || status=1
+    echo "== the rest of the suite (its GPU branches)"
+    ctest --test-dir "$build" -LE cuda "${jobs[@]}" --output-on-failure || status=1
+  } > "$logs/test-ctest.log" 2>&1
   cat "$logs/test-ctest.log"
   # CTest counts a test that printed [  SKIPPED ] as skipped: on a GPU machine each is listed, with why.
   echo "== GPU tests that skipped here (each says why in its output above):"
@@ -194,30 +218,42 @@ stage_bench() {
   return $status
 }
 
+# The programs `sanitize TOOL` runs, in order.
+sanitized_tests() {
+  if [ "$1" = racecheck ]; then echo test_cuda_kernels; else echo test_cuda_kernels test_cuda_engine; fi
+}
+
 # sanitize TOOL: dpar's own kernel and engine tests under compute-sanitizer; a report or a failed test fails it.
+# Each program's start and end are logged ("== PROGRAM: ..."), so that one the budget cut off can be named.
 sanitize() {
-  local tool=$1 status=0 tests=(test_cuda_kernels test_cuda_engine)
-  [ "$tool" = racecheck ] && tests=(test_cuda_kernels)
-  for t in "${tests[@]}"; do
+  local tool=$1 status=0 t rc
+  for t in $(sanitized_tests "$tool"); do
     echo "== compute-sanitizer --tool $tool $t"
-    compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 "$build/tests/$t" ||
-      { echo "== $t: exit $?"; status=1; }
+    compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 "$build/tests/$t"
+    rc=$?
+    if [ "$rc" -eq 0 ]; then echo "== $t: passed"; else echo "== $t: exit $rc"; status=1; fi
   done
   return $status
 }
 
 : > "$summary"
+# The first GPU's compute mode (Default, Exclusive_Process, Prohibited); empty where nvidia-smi sees no GPU.
+compute_mode=$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '[:space:]')
 {
   echo "dpar GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null ||
     echo 'NO GPU VISIBLE (nvidia-smi): the GPU tests and benchmarks below skip, and a skip is not a pass'
+  if [ -n "$compute_mode" ]; then
+    echo "compute mode: $compute_mode ($([ "$compute_mode" = Default ] && echo "tests in parallel" ||
+      echo "one process at a time: tests run serially"))"
+  fi
 } | tee -a "$summary"
-export root build data logs
-export -f stage_build stage_test stage_fmnist stage_bench sanitize
+export root build data logs compute_mode
+export -f stage_build stage_test stage_fmnist stage_bench sanitize sanitized_tests
 for stage in "${stages[@]}"; do
   case $stage in
     build) run_stage build 180 bash -c stage_build ;;
-    test) run_stage test 150 bash -c stage_test ;;
+    test) run_stage test 300 bash -c stage_test ;;
     fmnist) run_stage fmnist 90 bash -c stage_fmnist ;;
     bench) run_stage bench 120 bash -c stage_bench ;;
     memcheck | racecheck) run_stage "$stage" 240 bash -c "sanitize $stage" ;;
@@ -228,4 +264,6 @@ note "total: $((SECONDS - started)) s of a $budget s budget"
 echo
 echo "==== summary ($summary)"
 cat "$summary"
-exit $failed
+[ $failed -eq 0 ] || exit 1
+[ $unreached -eq 0 ] || exit 3
+exit 0

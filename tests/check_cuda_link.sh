@@ -2,7 +2,7 @@
 # A CUDA build links the CUDA runtime (libcudart), never the driver library (libcuda), so that it loads and runs its
 # CPU devices on a machine without a driver. Usage: check_cuda_link.sh <binary that uses CUDA> [more binaries...]
 # The first binary must need libcudart; none may need libcuda, nor cuBLAS, which dpar loads on first use
-# (src/backend/cuda/cublas_library.cpp) so that a process that never touches a GPU does not load it.
+# (src/platform/cuda/cublas_library.cpp) so that a process that never touches a GPU does not load it.
 set -u -o pipefail
 command -v readelf >/dev/null || { echo "check_cuda_link: readelf is not installed" >&2; exit 2; }
 status=0

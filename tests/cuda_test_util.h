@@ -10,18 +10,23 @@
 #include <string>
 #include <vector>
 
-#include "backend/cuda/cuda_check.h"
 #include "common/random.h"
+#include "platform/cuda/cuda_check.h"
+#include "require_gpu.h"
 
 namespace dpar::test {
 
-// Skips the current test, with the reason, unless a CUDA device is present. (A macro: GTEST_SKIP returns from the
-// function it is written in.)
-#define DPAR_REQUIRE_GPU()                                                       \
-  do {                                                                           \
-    std::string dpar_why_;                                                       \
-    if (::dpar::cuda::cuda_device_count(&dpar_why_) == 0)                        \
-      GTEST_SKIP() << "built with CUDA, no device: skipped (" << dpar_why_ << ")"; \
+// Skips the current test, with the reason, unless a CUDA device is present; fails instead where a GPU is known to
+// be there (DPAR_TEST_REQUIRE_GPU, require_gpu.h). (A macro: GTEST_SKIP and FAIL return from the function it is
+// written in.)
+#define DPAR_REQUIRE_GPU()                                                                             \
+  do {                                                                                                 \
+    std::string dpar_why_;                                                                             \
+    if (::dpar::cuda::cuda_device_count(&dpar_why_) == 0) {                                            \
+      if (::dpar::test::gpu_required())                                                                \
+        FAIL() << "DPAR_TEST_REQUIRE_GPU is set, but dpar finds no CUDA device (" << dpar_why_ << ")"; \
+      GTEST_SKIP() << "built with CUDA, no device: skipped (" << dpar_why_ << ")";                     \
+    }                                                                                                  \
   } while (0)
 
 // A device array of n elements of T, freed on destruction.

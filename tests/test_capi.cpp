@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "dpar.h"
+#include "require_gpu.h"
 
 namespace {
 
@@ -2581,11 +2582,15 @@ std::vector<NamedCall> LoaderCalls(dpar_loader* bad, int32_t* more) {
   };
 }
 
-// The devices a loader may prepare batches on here: cpu:0, and cuda:0 where there is a GPU.
+// The devices a loader may prepare batches on here: cpu:0, and cuda:0 where there is a GPU (which must be found
+// where DPAR_TEST_REQUIRE_GPU says there is one).
 std::vector<dpar_device> AheadDevices() {
   std::vector<dpar_device> devices = {{DPAR_DEVICE_CPU, 0}};
   size_t gpus = 0;
-  if (dpar_device_count(&gpus, DPAR_DEVICE_CUDA) == DPAR_OK && gpus > 0) devices.push_back({DPAR_DEVICE_CUDA, 0});
+  if (dpar_device_count(&gpus, DPAR_DEVICE_CUDA) == DPAR_OK && gpus > 0)
+    devices.push_back({DPAR_DEVICE_CUDA, 0});
+  else if (dpar::test::gpu_required())
+    ADD_FAILURE() << "DPAR_TEST_REQUIRE_GPU is set, but dpar finds no CUDA device: cuda:0 is not tested";
   return devices;
 }
 

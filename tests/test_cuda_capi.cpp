@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dpar.h"
+#include "require_gpu.h"
 
 namespace {
 
@@ -21,8 +22,11 @@ namespace {
 #define REQUIRE_GPU()                                                                                       \
   do {                                                                                                      \
     size_t dpar_gpus_ = 0;                                                                                  \
-    if (dpar_device_count(&dpar_gpus_, DPAR_DEVICE_CUDA) != DPAR_OK || dpar_gpus_ == 0)                     \
+    if (dpar_device_count(&dpar_gpus_, DPAR_DEVICE_CUDA) != DPAR_OK || dpar_gpus_ == 0) {                   \
+      if (dpar::test::gpu_required())                                                                       \
+        FAIL() << "DPAR_TEST_REQUIRE_GPU is set, but dpar_device_count(cuda) finds no device";              \
       GTEST_SKIP() << "built with CUDA, no device: skipped (dpar_device_count(cuda) is 0)";                 \
+    }                                                                                                       \
   } while (0)
 
 // A CUDA call in a participant's thread: its failure becomes that participant's status.

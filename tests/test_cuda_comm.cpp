@@ -10,12 +10,12 @@
 #include <thread>
 #include <vector>
 
-#include "backend/cuda/cuda_check.h"
 #include "comm/cuda_device_comm.h"
 #include "comm/nccl_comm.h"
 #include "comm/threads_comm.h"
 #include "common/error.h"
 #include "kernels/cuda/kernels.h"
+#include "platform/cuda/cuda_check.h"
 #include "cuda_test_util.h"
 
 namespace dpar {

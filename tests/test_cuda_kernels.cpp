@@ -16,12 +16,12 @@
 #include <thread>
 #include <vector>
 
-#include "backend/cuda/cublas_library.h"
-#include "backend/cuda/cuda_check.h"
 #include "cuda_test_util.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cuda/dropout_rng.h"
 #include "kernels/cuda/kernels.h"
+#include "platform/cuda/cublas_library.h"
+#include "platform/cuda/cuda_check.h"
 
 namespace dpar {
 namespace {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dpar.h"
+#include "require_gpu.h"
 
 namespace {
 
@@ -187,7 +188,10 @@ TEST(Dlpack, CudaTensorsMapToCudaDevicesOrAreRefused) {
     EXPECT_EQ(t, nullptr);
     EXPECT_EQ(p.deleted, 0);
   }
-  if (gpus == 0) GTEST_SKIP() << "no CUDA device: the mapping of a kDLCUDA tensor onto cuda:K needs one";
+  if (gpus == 0) {
+    if (dpar::test::gpu_required()) FAIL() << "DPAR_TEST_REQUIRE_GPU is set, but dpar finds no CUDA device";
+    GTEST_SKIP() << "no CUDA device: the mapping of a kDLCUDA tensor onto cuda:K needs one";
+  }
   // Host memory labelled as the last GPU is never dereferenced by from_dlpack: the mapping alone is checked.
   Producer p(2, 2);
   const int32_t last = static_cast<int32_t>(gpus) - 1;

@@ -42,6 +42,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dpar.h"
+#include "require_gpu.h"
 
 namespace {
 
@@ -716,7 +717,12 @@ int main(int argc, char** argv) {
     // Every process sees the same machine's answer: all skip, or none.
     const dpar_status s = dpar_device_count(&g_gpus, DPAR_DEVICE_CUDA);
     if (s != DPAR_OK || g_gpus == 0) {
-      std::printf("SKIP: no CUDA device (%s)\n", s != DPAR_OK ? dpar_last_error() : "this machine has none");
+      const char* why = s != DPAR_OK ? dpar_last_error() : "this machine has none";
+      if (dpar::test::gpu_required()) {
+        std::printf("FAIL: DPAR_TEST_REQUIRE_GPU is set, but dpar finds no CUDA device (%s)\n", why);
+        return 1;
+      }
+      std::printf("SKIP: no CUDA device (%s)\n", why);
       return 77;
     }
   }

@@ -3,9 +3,9 @@
 
 #include <cstring>
 
-#include "backend/cuda/cuda_check.h"
 #include "common/error.h"
 #include "kernels/cuda/kernels.h"
+#include "platform/cuda/cuda_check.h"
 
 namespace dpar {
 namespace {

@@ -2,12 +2,13 @@
 #include "comm/nccl_comm.h"
 
 #include <atomic>
+#include <exception>
 #include <mutex>
 #include <thread>
 
-#include "backend/cuda/cuda_check.h"
 #include "common/error.h"
 #include "kernels/cuda/kernels.h"
+#include "platform/cuda/cuda_check.h"
 
 namespace dpar {
 namespace {
@@ -76,13 +77,23 @@ ncclResult_t settle(ncclComm_t comm, Clock::time_point deadline) {
 // a lock shared between them would then deadlock.
 class NcclComms {
  public:
-  explicit NcclComms(std::vector<ncclComm_t> comms) : comms_(std::move(comms)), locks_(comms_.size()) {}
+  // comms[i] is a communicator of GPU devices[i].
+  NcclComms(std::vector<ncclComm_t> comms, std::vector<int> devices)
+      : comms_(std::move(comms)), devices_(std::move(devices)), locks_(comms_.size()) {}
   // ncclCommAbort, not ncclCommDestroy: every participant has waited for its collectives by now (nothing is left to
   // flush), and NCCL's destroy may wait for the other ranks on the host to destroy theirs too, which would make
   // freeing an engine a collective between processes that free in their own order.
   ~NcclComms() {
-    for (ncclComm_t c : comms_)
-      if (c != nullptr) ncclCommAbort(c);
+    for (size_t i = 0; i < comms_.size(); ++i) abort_one(comms_[i], devices_[i]);
+  }
+  // ncclCommAbort under the communicator's own device. NCCL's teardown makes the communicator's device current and
+  // then sets back what cudaGetDevice said before: on a thread without a context that is 0, and cudaSetDevice(0)
+  // would create a context on GPU 0 (in a job of one GPU per process, on a GPU the process never uses). Under the
+  // scope cudaGetDevice says the communicator's device, and the scope gives the thread back what it had.
+  static void abort_one(ncclComm_t comm, int device) noexcept {
+    if (comm == nullptr) return;
+    cuda::DeviceScope scope(device, std::nothrow);
+    (void)ncclCommAbort(comm);
   }
   NcclComms(const NcclComms&) = delete;
   NcclComms& operator=(const NcclComms&) = delete;
@@ -118,11 +129,12 @@ class NcclComms {
 
  private:
   void abort_locked(size_t index) {
-    if (comms_[index] != nullptr) ncclCommAbort(comms_[index]);
+    abort_one(comms_[index], devices_[index]);
     comms_[index] = nullptr;
   }
 
   std::vector<ncclComm_t> comms_;  // comms_[i] under locks_[i]
+  std::vector<int> devices_;
   std::vector<std::mutex> locks_;
   std::atomic<bool> aborted_{false};
   std::mutex reason_mutex_;
@@ -464,7 +476,7 @@ NcclGroup::NcclGroup(std::vector<int> devices, std::vector<std::string> names, s
     for (size_t j = 0; j < i; ++j)
       DPAR_CHECK_ARG(devices_[i] != devices_[j], "nccl group: device ", devices_[i],
                      " is named twice (NCCL refuses two ranks on one GPU: use the CUDA device group)");
-  comms_ = std::make_shared<NcclComms>(init_group(devices_, timeout_));
+  comms_ = std::make_shared<NcclComms>(init_group(devices_, timeout_), devices_);
 }
 
 // ncclCommInitAll's communicators, but non-blocking (ncclCommInitRankConfig, blocking = 0, in one NCCL group), so
@@ -480,32 +492,31 @@ std::vector<ncclComm_t> NcclGroup::init_group(const std::vector<int>& devices, s
   config.blocking = 0;
   std::vector<ncclComm_t> comms(devices.size(), nullptr);
   ncclResult_t r = ncclSuccess;
-  cudaError_t device_error = cudaSuccess;
-  int failed_device = -1;
+  std::exception_ptr device_error;
   {
-    // The loop makes each device current in turn and ends on the last, which is this scope's own: the scope then
-    // gives the caller's thread back its context.
+    // Each rank is created with its device current (a scope each, never a bare cudaSetDevice, so that the caller's
+    // thread gets back exactly the context it had); the group ends under the last device's.
     cuda::DeviceScope scope(devices.back());
     DPAR_NCCL_CHECK(ncclGroupStart(), "nccl group of ", n, " GPUs");
     for (int i = 0; i < n && (r == ncclSuccess || r == ncclInProgress); ++i) {
-      device_error = cudaSetDevice(devices[i]);
-      if (device_error != cudaSuccess) {
-        failed_device = devices[i];
+      try {
+        cuda::DeviceScope rank_device(devices[i]);
+        r = ncclCommInitRankConfig(&comms[i], n, id, i, &config);
+      } catch (...) {
+        device_error = std::current_exception();
         break;
       }
-      r = ncclCommInitRankConfig(&comms[i], n, id, i, &config);
     }
     const ncclResult_t end = ncclGroupEnd();  // always, to close the group the loop opened
     if (r == ncclSuccess || r == ncclInProgress) r = end;
-    if (device_error != cudaSuccess) (void)cudaSetDevice(devices.back());
   }
+  // Aborted each under its own device (see NcclComms::abort_one).
   auto abort_all = [&] {
-    for (ncclComm_t c : comms)
-      if (c != nullptr) ncclCommAbort(c);
+    for (size_t i = 0; i < comms.size(); ++i) NcclComms::abort_one(comms[i], devices[i]);
   };
-  if (device_error != cudaSuccess) {
+  if (device_error) {
     abort_all();
-    cuda::fail_cuda(device_error, "cudaSetDevice", detail::concat("nccl group: cuda:", failed_device));
+    std::rethrow_exception(device_error);
   }
   if (r != ncclSuccess && r != ncclInProgress) {
     abort_all();
@@ -560,11 +571,11 @@ std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int
     }
   }
   if (r != ncclSuccess) {
-    if (comm != nullptr) ncclCommAbort(comm);
+    NcclComms::abort_one(comm, device);
     if (gave_up != DPAR_OK) fail(gave_up, name, ": ncclCommInitRankConfig, rank ", rank, " of ", nranks, ": ", why);
     DPAR_NCCL_CHECK(r, name, ": rank ", rank, " of ", nranks);
   }
-  auto comms = std::make_shared<NcclComms>(std::vector<ncclComm_t>{comm});  // aborts it, whatever follows
+  auto comms = std::make_shared<NcclComms>(std::vector<ncclComm_t>{comm}, std::vector<int>{device});  // aborts it
   return std::make_unique<NcclCommunicator>(std::move(comms), 0, nullptr, rank, nranks, device, compute_stream,
                                             std::move(name), timeout, std::move(watch));
 }

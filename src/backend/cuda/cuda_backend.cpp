@@ -15,13 +15,13 @@
 #include <unordered_map>
 #include <vector>
 
-#include "backend/cuda/cublas_library.h"
-#include "backend/cuda/cuda_check.h"
 #include "comm/cuda_device_comm.h"
 #include "comm/nccl_comm.h"
 #include "common/error.h"
 #include "device/worker_pool.h"
 #include "kernels/cuda/kernels.h"
+#include "platform/cuda/cublas_library.h"
+#include "platform/cuda/cuda_check.h"
 
 namespace dpar {
 namespace {
@@ -280,16 +280,17 @@ class CudaStream final : public Stream {
  private:
   void finish_setup() {
     try {
+      // No cuBLAS handle here: it is made by the stream's first GEMM (blas()). Many streams never run one (a data
+      // loader's copies batches to the device; a borrowed stream carries a framework's gradients), and the first
+      // handle of a process loads cuBLAS, about 215 MB.
       DPAR_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming), "cudaEventCreate");
-      // A replica's stream runs GEMMs from its first step: its handle is made now, outside the timed steps. A
-      // borrowed stream (a framework's gradients) rarely runs any: its handle waits for the first.
-      if (owns_stream_) (void)blas();
     } catch (...) {
       if (staged_) cudaEventDestroy(staged_);
       if (owns_stream_) cudaStreamDestroy(stream_);
       throw;
     }
   }
+  // The stream's cuBLAS handle, made (and cuBLAS loaded, once per process) by the first GEMM.
   cublasHandle_t blas() {
     if (blas_) return blas_;
     const CublasLibrary& lib = cublas();  // loads cuBLAS the first time

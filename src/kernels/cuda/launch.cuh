@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <utility>
 
-#include "backend/cuda/cuda_check.h"
 #include "common/error.h"
+#include "platform/cuda/cuda_check.h"
 
 namespace dpar::kernels::cuda::detail {
 

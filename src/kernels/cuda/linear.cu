@@ -12,7 +12,7 @@
 
 #include <limits>
 
-#include "backend/cuda/cublas_library.h"
+#include "platform/cuda/cublas_library.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace dpar::kernels::cuda {
@@ -22,7 +22,7 @@ using detail::kThreads;
 
 namespace {
 
-// cuBLAS's SGEMM, from the library loaded on first use (backend/cuda/cublas_library.h).
+// cuBLAS's SGEMM, from the library loaded on first use (platform/cuda/cublas_library.h).
 template <class... Args>
 cublasStatus_t cublas_sgemm(Args... args) {
   return ::dpar::cuda::cublas().sgemm(args...);

@@ -1,4 +1,4 @@
-#include "backend/cuda/cublas_library.h"
+#include "platform/cuda/cublas_library.h"
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cublas_v2.h>
+#include <cuda.h>  // the driver's types only (CUcontext): its functions are reached through the runtime
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -48,36 +49,63 @@ const char* cublas_status_name(cublasStatus_t status);
 int cuda_device_count(std::string* why_none = nullptr);
 
 // cudaEventQuery without its side effect: "not ready" is a state, not a failure, yet the runtime records it in the
-// thread's last-error slot, where a later reader of cudaGetLastError() (cuBLAS reads it after its own launches)
-// would take it for an error of its own. Returns cudaSuccess, cudaErrorNotReady, or the failure (left in the slot
-// for fail_cuda, which clears it).
+// thread's last-error slot, where a later reader of cudaGetLastError() on this thread (a framework calling through
+// the C API, checking its own launches that way) would take it for an error of its own. (cuBLAS is not such a
+// reader: it links its own copy of the runtime, whose slot is not this one.) Returns cudaSuccess,
+// cudaErrorNotReady, or the failure (left in the slot for fail_cuda, which clears it).
 cudaError_t query_event(cudaEvent_t event) noexcept;
 
-// Makes `device` current on the calling thread for the scope, and the thread's previous context current again
-// after it. The runtime's current device is per thread and belongs to whoever owns the thread (a framework
+// The calls a DeviceScope makes: the runtime's, and the driver's context calls, reached through the runtime's
+// table of driver entry points (dpar never links libcuda). Tests give a scope a table of their own.
+struct ContextCalls {
+  cudaError_t (*get_device)(int*) = nullptr;     // cudaGetDevice
+  cudaError_t (*set_device)(int) = nullptr;      // cudaSetDevice
+  cudaError_t (*init_device)(int) = nullptr;     // cudaInitDevice: the primary context initialised, not made current
+  CUresult (*get_current)(CUcontext*) = nullptr;  // cuCtxGetCurrent
+  CUresult (*set_current)(CUcontext) = nullptr;   // cuCtxSetCurrent
+  // The primary context of `device` if it is active, else null; never creates one (cuDevicePrimaryCtxGetState, then
+  // cuDevicePrimaryCtxRetain and Release, which leave its reference count as it was).
+  CUcontext (*active_primary)(int device) = nullptr;
+};
+
+// The runtime's and the driver's. Where the driver has no entry points to give (no driver at all), the four
+// context calls are null, and a scope falls back on the runtime's current device alone.
+const ContextCalls& runtime_context_calls();
+
+// Makes `device`'s primary context current on the calling thread for the scope, and gives the thread back exactly
+// what it had after it. The current context is per thread and belongs to whoever owns the thread (a framework
 // calling through the C API keeps its own): dpar changes it only for the span of its own calls.
 //
-// A thread that had no context (one that never used CUDA) gets none back: cudaGetDevice() says 0 there, and
-// setting device 0 "back" would create a context on GPU 0 (cudaSetDevice creates the primary context since CUDA
-// 12), so that every process of a job of one GPU per process would hold one on GPU 0, and on a GPU in exclusive
-// compute mode the restore would fail. A restore that fails leaves nothing in the thread's last-error slot.
-// Threads that dpar owns (workers, communication threads) bind their device once when they start
-// (bind_thread_to_device), so a scope on them for that device does nothing beyond one cudaGetDevice.
+// "Exactly" means the context itself, not its device: a framework's own (non-primary) context comes back as that
+// context, and a thread that had none (one that never used CUDA) gets none back, rather than device 0's primary
+// context, which restoring cudaGetDevice()'s 0 would create (cudaSetDevice creates it since CUDA 12): every process
+// of a job of one GPU per process would then hold a context on GPU 0, and on a GPU in exclusive compute mode the
+// restore would fail. The scope switches contexts with cuCtxSetCurrent, after cudaInitDevice (the runtime owns the
+// primary context, as after cudaSetDevice), so that the runtime's own per-thread device, which it falls back on
+// when no context is current, is not changed either. A call inside the scope that sets it (NCCL's teardown calls
+// cudaSetDevice) is undone where that creates nothing: where the old device's primary context is active.
+//
+// A restore that fails leaves nothing in the thread's last-error slot. Threads that dpar owns (workers,
+// communication threads) bind their device once when they start (bind_thread_to_device), so a scope on them for
+// that device does nothing beyond one cudaGetDevice.
 class DeviceScope {
  public:
-  explicit DeviceScope(int device);
+  explicit DeviceScope(int device, const ContextCalls& calls = runtime_context_calls());
   // For destructors and other noexcept paths: makes `device` current if it can, and never throws. When it cannot
-  // (a sticky error), the calls that follow fail on their own and the current device stays as it was.
-  DeviceScope(int device, std::nothrow_t) noexcept;
+  // (a sticky error), the calls that follow fail on their own and the thread's context stays as it was.
+  DeviceScope(int device, std::nothrow_t, const ContextCalls& calls = runtime_context_calls()) noexcept;
   ~DeviceScope();
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
 
  private:
-  void remember_previous() noexcept;
-  int previous_ = 0, device_ = 0;
-  bool had_context_ = true;  // false: the thread had no current context before the scope, and gets none back
-  bool changed_ = false;
+  // Makes `device` current; the status of the call that failed (its name in *failed_call), else cudaSuccess.
+  cudaError_t enter(int device, const char** failed_call) noexcept;
+
+  const ContextCalls* calls_;
+  int previous_device_ = 0;
+  CUcontext previous_context_ = nullptr;
+  enum class Restore { kNothing, kContext, kDevice } restore_ = Restore::kNothing;
 };
 
 // Makes `device` current on the calling thread, a thread dpar owns and drives that device with (a worker, a
