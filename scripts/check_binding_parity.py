@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fails when a function of include/dpar.h is missing from a binding without a written reason.
+"""Fails when a function of include/dpar.h (its per-topic headers included) is missing from a binding without a
+written reason, or when SWIG's interface does not read one of those headers.
 
 For each binding present in bindings/, every function dpar.h declares must be called by the binding's idiomatic
 layer (Rust: `sys::dpar_x` in bindings/rust/dpar/src; Python: `_raw.dpar_x` in bindings/python/dpar; Go:
@@ -173,8 +174,21 @@ def check_rust_sys(header, sys_text):
     return problems
 
 
+def check_swig_includes():
+    """SWIG does not follow #include: bindings/swig/dpar.i must %include every per-topic header dpar.h includes, in
+    dpar.h's order, or SWIG's Python and Go layers silently lack a topic's declarations."""
+    topics = re.findall(r'^#include "(dpar/\w+\.h)"', (ROOT / "include/dpar.h").read_text(), flags=re.M)
+    read = re.findall(r'^%include "(dpar/\w+\.h)"', (ROOT / "bindings/swig/dpar.i").read_text(), flags=re.M)
+    if read != topics:
+        return [f"swig: bindings/swig/dpar.i %includes {', '.join(read) or 'no per-topic header'}; dpar.h includes "
+                f"{', '.join(topics)} (the same, in that order)"]
+    return []
+
+
 def main():
-    functions = [name for _, name, _ in gen_api_table.declarations((ROOT / "include/dpar.h").read_text())]
+    header = gen_api_table.public_header_text()
+    functions = [name for _, name, _ in gen_api_table.declarations(header)]
+    structs = option_structs(header)
     exclusions = {}
     for n, line in enumerate((ROOT / "bindings/parity_exclusions.txt").read_text().splitlines(), 1):
         line = line.strip()
@@ -225,17 +239,17 @@ def main():
     for f in functions:
         if not re.search(rf"pub fn {f}\(", sys_text):
             problems.append(f"rust: dpar-sys does not declare {f}")
-    header = (ROOT / "include/dpar.h").read_text()
     problems += check_rust_sys(header, sys_text)
-    structs = option_structs(header)
     problems += check_fields(structs, exclusions, checked)
+    problems += check_swig_includes()
     for p in problems:
         print(p)
     if problems:
         return 1
     fields = sum(len(v) for v in structs.values())
     print(f"binding parity: {len(functions)} functions, {fields} fields of {len(structs)} option structs; "
-          f"bindings checked: {', '.join(checked)}; dpar-sys's declarations match dpar.h")
+          f"bindings checked: {', '.join(checked)}; dpar-sys's declarations match dpar.h; dpar.i reads every "
+          f"per-topic header")
     return 0
 
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Checks the Julia package without a Julia runtime: every .jl file of bindings/julia parses (tree-sitter-julia),
 and every `ccall((:dpar_x, libdpar), Ret, (Args...), ...)` names a function that libdpar.so exports, with the
-argument count and C types of its declaration in include/dpar.h: a pointer down to what it points at (Ptr{Csize_t}
-for `size_t *`, Ptr{Ptr{Cvoid}} for a handle's `**out`, the Julia mirror of a struct). A Julia struct named after a
-struct of dpar.h (CommOptions for dpar_comm_options) must have its fields, in order, with matching types. Every
-`Dpar.name` a file uses, and every name the module exports, must be defined at the module's top level.
+argument count and C types of its declaration in include/dpar.h (read with the per-topic headers it includes): a
+pointer down to what it points at (Ptr{Csize_t} for `size_t *`, Ptr{Ptr{Cvoid}} for a handle's `**out`, the Julia
+mirror of a struct). A Julia struct named after a struct of dpar.h (CommOptions for dpar_comm_options) must have its
+fields, in order, with matching types. Every `Dpar.name` a file uses, and every name the module exports, must be
+defined at the module's top level.
 
 Every ccall of an engine function (dpar_engine_*, but abort, which must not wait, and the options' init) must run
 in GC-safe state: inside a call of one of GC_SAFE_WRAPPERS (an argument or its do-block). An engine call may wait
@@ -330,7 +331,7 @@ def main():
     exported = set(subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True,
                                   check=True).stdout.split())
     exported = {s.split("@")[0] for s in exported}
-    header_text = (ROOT / "include/dpar.h").read_text()
+    header_text = gen_api_table.public_header_text()
     decls = {name: (ret, params) for ret, name, params in gen_api_table.declarations(header_text)}
     header = Header(header_text)
     parser = tree_sitter.Parser(tree_sitter.Language(tree_sitter_julia.language()))

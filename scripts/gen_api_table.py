@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Generates dpar's table of function pointers (dpar_get_api) from the declarations in include/dpar.h.
+"""Generates dpar's table of function pointers (dpar_get_api) from the declarations in include/dpar.h (the umbrella
+header, and the per-topic headers under include/dpar/ that it includes).
 
 The table lists every DPAR_API function, so that a host that dlopen()s libdpar.so.0 resolves one symbol and gets
 them all. Its order is the ABI: a host compiled against an older table reads the same slots. So the order is the
@@ -17,6 +18,20 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADER = ROOT / "include" / "dpar.h"
 TABLE_HEADER = ROOT / "include" / "dpar_api.h"
 TABLE_CPP = ROOT / "src" / "capi" / "api_table.cpp"
+
+
+def public_header_text():
+    """dpar.h with each per-topic header it includes (include/dpar/*.h) put in place of its #include line: the whole
+    API as one text, in the order a compiler reads it. Every header under include/dpar/ must be included there,
+    so that none is left out of the table, the bindings' checks or SWIG's interface."""
+    umbrella = HEADER.read_text()
+    included = re.findall(r'^#include "(dpar/\w+\.h)"', umbrella, flags=re.M)
+    present = sorted(f"dpar/{p.name}" for p in (HEADER.parent / "dpar").glob("*.h"))
+    left_out = sorted(set(present) - set(included))
+    if left_out:
+        sys.exit("include/dpar.h does not include " + ", ".join(left_out))
+    return re.sub(r'^#include "(dpar/\w+\.h)"[^\n]*$', lambda m: (HEADER.parent / m.group(1)).read_text(), umbrella,
+                  flags=re.M)
 
 
 def declarations(text):
@@ -120,7 +135,7 @@ def table_order(decls):
 
 def main():
     check = "--check" in sys.argv
-    decls = table_order(list(declarations(HEADER.read_text())))
+    decls = table_order(list(declarations(public_header_text())))
     new_header = table_header(decls)
     new_cpp = table_cpp(decls)
     stale = []

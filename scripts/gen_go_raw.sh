@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Regenerates the Go raw layer, bindings/go/raw/raw.go and raw_wrap.c, from bindings/go/raw/raw.i (which includes
-# bindings/swig/dpar.i and dpar.h) with the command line go build would give SWIG for a .swig file, so that the
-# committed files are what go build made before they were committed. The output depends on the inputs and SWIG's
-# version alone (not on paths, time or the machine), so a regeneration with the same SWIG is byte for byte the
-# committed files: tests/check_go_raw.sh compares them.
+# bindings/swig/dpar.i, and it dpar.h's per-topic headers) with the command line go build would give SWIG for a
+# .swig file, so that the committed files are what go build made before they were committed. The output depends on
+# the inputs and SWIG's version alone (not on paths, time or the machine), so a regeneration with the same SWIG is
+# byte for byte the committed files: tests/check_go_raw.sh compares them.
 #   scripts/gen_go_raw.sh [output dir]    (default: bindings/go/raw, the committed files)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -5,11 +5,11 @@
 # checks that run Python's safetensors and the function-table generator), DLPack's header, what the bindings
 # build with: SWIG (Python's and Go's raw layers), Python's headers, Go, and Debian's cargo when no cargo is on the
 # PATH (rustup's is used where present), and clang with its runtime libraries (libFuzzer, for the fuzzers of
-# tests/fuzz). Installs only what is missing.
+# tests/fuzz), and abigail-tools (abidiff, the ABI check of tests/abi). Installs only what is missing.
 set -euo pipefail
 packages=(build-essential cmake pkg-config libdnnl-dev zlib1g-dev nlohmann-json3-dev libgtest-dev
           libopenmpi-dev openmpi-bin libgloo-dev dataset-fashion-mnist python3 python3-venv python3-dev
-          libdlpack-dev swig golang-go clang libclang-rt-14-dev)
+          libdlpack-dev swig golang-go clang libclang-rt-14-dev abigail-tools)
 if ! command -v cargo >/dev/null && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
   packages+=(cargo)
 fi

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Checks libdpar.so's ABI surface against dpar.h:
+# Checks libdpar.so's ABI surface against the public headers (the per-topic headers that dpar.h includes, and
+# dpar_api.h):
 #  - the SONAME is libdpar.so.0;
 #  - every dynamic symbol the library defines starts with dpar_ (the version node DPAR_0 of the version script is
 #    not a symbol of the API and is the only exception);
-#  - every function declared DPAR_API in the headers (dpar.h, dpar_api.h) is exported as a function, and every
-#    exported dpar_ symbol is declared in one of them.
+#  - every function declared DPAR_API in the headers given is exported as a function, and every exported dpar_
+#    symbol is declared in one of them.
 # Usage: check_exports.sh <libdpar.so> <header>... Prints every problem and exits 1 if there is any.
 set -u -o pipefail
 
@@ -66,7 +67,7 @@ if [[ ${#exported[@]} -eq 0 ]]; then
 fi
 
 # 3. Functions declared in the header: "DPAR_API <return type> dpar_name(". A declaration's name and its '('
-# are on the DPAR_API line in dpar.h; the preprocessor definitions of DPAR_API itself are skipped.
+# are on the DPAR_API line in the headers; the preprocessor definitions of DPAR_API itself are skipped.
 mapfile -t declared < <(grep -hE '^[[:space:]]*DPAR_API[[:space:]]' "${headers[@]}" |
   grep -oE '\bdpar_[A-Za-z0-9_]+[[:space:]]*\(' | sed -E 's/[[:space:]]*\($//' | sort -u)
 if [[ ${#declared[@]} -eq 0 ]]; then

@@ -45,7 +45,8 @@ mkdir "$work/sdist" "$work/src" "$work/dist" "$work/run"
 tar -xzf "$work"/sdist/dpar-*.tar.gz -C "$work/src"
 src=$(echo "$work"/src/dpar-*)
 for f in pyproject.toml dpar/__init__.py dpar/__init__.pyi dpar/py.typed dpar-src/CMakeLists.txt \
-         dpar-src/include/dpar.h dpar-src/bindings/swig/dpar.i dpar-src/bindings/python/CMakeLists.txt; do
+         dpar-src/include/dpar.h dpar-src/include/dpar/common.h dpar-src/bindings/swig/dpar.i \
+         dpar-src/bindings/python/CMakeLists.txt; do
   [ -f "$src/$f" ] || fail "the sdist lacks $f"
 done
 

@@ -54,7 +54,6 @@ DPAR_GO_POINTER(void *, const void *, float *, const float *, int32_t *, const i
 %ignore dpar_param_spec;
 %ignore dpar_tensor_from_dlpack;        /* DLPack's structs: through cgo in the idiomatic package */
 %ignore dpar_tensor_to_dlpack;
-%include "dpar.h"
 #endif
 
 #ifdef SWIGPYTHON
@@ -104,8 +103,22 @@ DPAR_OUT_HANDLE(dpar_reducer)
 %ignore dpar_custom_call;
 %ignore dpar_param_spec;
 
-%include "dpar.h"
+#endif /* SWIGPYTHON */
 
+/* The declarations, for both languages: SWIG does not follow #include, so each per-topic header that dpar.h
+ * includes is read here, in dpar.h's order (scripts/check_binding_parity.py compares the two lists). */
+%include "dpar/common.h"
+%include "dpar/tensor.h"
+%include "dpar/dlpack.h"
+%include "dpar/model.h"
+%include "dpar/custom_layer.h"
+%include "dpar/optimizer.h"
+%include "dpar/engine.h"
+%include "dpar/comm.h"
+%include "dpar/reducer.h"
+%include "dpar/data.h"
+
+#ifdef SWIGPYTHON
 /* ---- Helpers: Python callables as dpar callbacks, DLPack capsules ---------------------------------------- */
 %nothread dpar_py_set_forward_hook;
 %nothread dpar_py_model_add_custom;

@@ -185,8 +185,6 @@ extern swig_intgo _wrap_DPAR_TANH_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_SIGMOID_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_dpar_model_add_activation_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_model_add_dropout_raw_9787157d5e82d198(uintptr_t arg1, float arg2);
-extern swig_intgo _wrap_DPAR_INIT_ZEROS_raw_9787157d5e82d198(void);
-extern swig_intgo _wrap_DPAR_INIT_UNIFORM_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_dpar_model_num_layers_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_model_num_params_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_model_num_param_elements_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
@@ -194,6 +192,8 @@ extern swig_intgo _wrap_dpar_model_param_info_raw_9787157d5e82d198(swig_voidp ar
 extern swig_type_20 _wrap_dpar_model_param_name_raw_9787157d5e82d198(uintptr_t arg1, swig_type_21 arg2);
 extern swig_intgo _wrap_dpar_model_get_param_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_22 arg3, swig_type_23 arg4);
 extern swig_intgo _wrap_dpar_model_set_param_raw_9787157d5e82d198(uintptr_t arg1, swig_type_24 arg2, swig_voidp arg3, swig_type_25 arg4);
+extern swig_intgo _wrap_DPAR_INIT_ZEROS_raw_9787157d5e82d198(void);
+extern swig_intgo _wrap_DPAR_INIT_UNIFORM_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_SGD_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_ADAM_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_ADAMW_raw_9787157d5e82d198(void);
@@ -677,7 +677,6 @@ func Dpar_device_parse(arg1 Dpar_device, arg2 string) (_swig_ret int) {
 	return swig_r
 }
 
-const DPAR_MAX_DIMS int = 4
 type Enum_SS_dpar_dtype int
 func _swig_getDPAR_F32() (_swig_ret Enum_SS_dpar_dtype) {
 	var swig_r Enum_SS_dpar_dtype
@@ -728,6 +727,7 @@ func _swig_getDPAR_I64() (_swig_ret Enum_SS_dpar_dtype) {
 }
 
 var DPAR_I64 Enum_SS_dpar_dtype = _swig_getDPAR_I64()
+const DPAR_MAX_DIMS int = 4
 func Dpar_tensor_create(arg1 unsafe.Pointer, arg2 int, arg3 unsafe.Pointer, arg4 int64, arg5 Dpar_device) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := arg1
@@ -955,22 +955,6 @@ func Dpar_model_add_dropout(arg1 Struct_SS_dpar_model, arg2 float32) (_swig_ret 
 	return swig_r
 }
 
-type Enum_SS_dpar_init int
-func _swig_getDPAR_INIT_ZEROS() (_swig_ret Enum_SS_dpar_init) {
-	var swig_r Enum_SS_dpar_init
-	swig_r = (Enum_SS_dpar_init)(C._wrap_DPAR_INIT_ZEROS_raw_9787157d5e82d198())
-	return swig_r
-}
-
-var DPAR_INIT_ZEROS Enum_SS_dpar_init = _swig_getDPAR_INIT_ZEROS()
-func _swig_getDPAR_INIT_UNIFORM() (_swig_ret Enum_SS_dpar_init) {
-	var swig_r Enum_SS_dpar_init
-	swig_r = (Enum_SS_dpar_init)(C._wrap_DPAR_INIT_UNIFORM_raw_9787157d5e82d198())
-	return swig_r
-}
-
-var DPAR_INIT_UNIFORM Enum_SS_dpar_init = _swig_getDPAR_INIT_UNIFORM()
-const DPAR_CUSTOM_LAYER_VERSION int = 1
 func Dpar_model_num_layers(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_model) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := arg1
@@ -1036,6 +1020,22 @@ func Dpar_model_set_param(arg1 Struct_SS_dpar_model, arg2 int64, arg3 unsafe.Poi
 	return swig_r
 }
 
+type Enum_SS_dpar_init int
+func _swig_getDPAR_INIT_ZEROS() (_swig_ret Enum_SS_dpar_init) {
+	var swig_r Enum_SS_dpar_init
+	swig_r = (Enum_SS_dpar_init)(C._wrap_DPAR_INIT_ZEROS_raw_9787157d5e82d198())
+	return swig_r
+}
+
+var DPAR_INIT_ZEROS Enum_SS_dpar_init = _swig_getDPAR_INIT_ZEROS()
+func _swig_getDPAR_INIT_UNIFORM() (_swig_ret Enum_SS_dpar_init) {
+	var swig_r Enum_SS_dpar_init
+	swig_r = (Enum_SS_dpar_init)(C._wrap_DPAR_INIT_UNIFORM_raw_9787157d5e82d198())
+	return swig_r
+}
+
+var DPAR_INIT_UNIFORM Enum_SS_dpar_init = _swig_getDPAR_INIT_UNIFORM()
+const DPAR_CUSTOM_LAYER_VERSION int = 1
 type Enum_SS_dpar_optimizer_kind int
 func _swig_getDPAR_SGD() (_swig_ret Enum_SS_dpar_optimizer_kind) {
 	var swig_r Enum_SS_dpar_optimizer_kind

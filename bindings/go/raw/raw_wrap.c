@@ -1088,30 +1088,6 @@ intgo _wrap_dpar_model_add_dropout_raw_9787157d5e82d198(struct dpar_model *_swig
 }
 
 
-intgo _wrap_DPAR_INIT_ZEROS_raw_9787157d5e82d198() {
-  enum dpar_init result;
-  intgo _swig_go_result;
-  
-  
-  result = DPAR_INIT_ZEROS;
-  
-  _swig_go_result = (intgo)result; 
-  return _swig_go_result;
-}
-
-
-intgo _wrap_DPAR_INIT_UNIFORM_raw_9787157d5e82d198() {
-  enum dpar_init result;
-  intgo _swig_go_result;
-  
-  
-  result = DPAR_INIT_UNIFORM;
-  
-  _swig_go_result = (intgo)result; 
-  return _swig_go_result;
-}
-
-
 intgo _wrap_dpar_model_num_layers_raw_9787157d5e82d198(size_t *_swig_go_0, struct dpar_model *_swig_go_1) {
   size_t *arg1 = (size_t *) 0 ;
   dpar_model *arg2 = (dpar_model *) 0 ;
@@ -1225,6 +1201,30 @@ intgo _wrap_dpar_model_set_param_raw_9787157d5e82d198(struct dpar_model *_swig_g
   
   result = (dpar_status)dpar_model_set_param(arg1,arg2,(float const *)arg3,arg4);
   _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_DPAR_INIT_ZEROS_raw_9787157d5e82d198() {
+  enum dpar_init result;
+  intgo _swig_go_result;
+  
+  
+  result = DPAR_INIT_ZEROS;
+  
+  _swig_go_result = (intgo)result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_DPAR_INIT_UNIFORM_raw_9787157d5e82d198() {
+  enum dpar_init result;
+  intgo _swig_go_result;
+  
+  
+  result = DPAR_INIT_UNIFORM;
+  
+  _swig_go_result = (intgo)result; 
   return _swig_go_result;
 }
 

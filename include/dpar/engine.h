@@ -1,0 +1,340 @@
+/**
+ * @file dpar/engine.h
+ * @brief The DataParallel engine: replicas, the training step, checkpoints, traces.
+ * Part of dpar.h, which includes every topic's header and is the one to include; this one also compiles alone.
+ */
+#ifndef DPAR_ENGINE_H
+#define DPAR_ENGINE_H
+
+#include "model.h"
+#include "optimizer.h"
+#include "tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/** @name The DataParallel engine
+ * One worker thread per device, each holding a persistent replica of the model. A batch is split across devices
+ * as torch.nn.DataParallel splits it (chunks of ceil(B/n) rows; the last may be smaller and trailing devices may
+ * get none). Gradients are those of the mean loss over the whole batch, summed across devices by an all-reduce,
+ * and every replica gets the same optimizer step (each worker computes it for its shard of the parameters, keeping
+ * the optimizer's state for that shard alone, and writes it into every replica), so replicas stay bit-identical.
+ *
+ * Thread-safety: an engine may be called from several threads; calls are serialised by a lock inside it.
+ * Callbacks (custom layers, the forward hook) run on the worker threads, concurrently across replicas; they must
+ * not call their own engine's functions, which return ::DPAR_ERR_INVALID_STATE there (another engine, one created
+ * in the callback for example, may be called and freed). */
+/**@{*/
+typedef struct dpar_engine dpar_engine; /**< An opaque DataParallel engine. */
+
+/** @brief Losses that the fused training step computes on every replica. */
+typedef enum dpar_loss {
+  DPAR_LOSS_CROSS_ENTROPY = 0, /**< Softmax cross-entropy over i32 class labels, mean over the batch. */
+  DPAR_LOSS_MSE = 1            /**< Mean squared error against f32 targets shaped as the output, mean over all. */
+} dpar_loss;
+
+/** @brief Which processes an engine spans (dpar_engine_options.processes). */
+typedef enum dpar_processes {
+  DPAR_PROCESSES_AUTO = 0,   /**< Every process of the MPI job when the program was started by an MPI launcher
+                                  (mpirun sets OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_RANK) and dpar has MPI; this
+                                  process alone otherwise. */
+  DPAR_PROCESSES_SINGLE = 1, /**< This process alone, even under mpirun. */
+  DPAR_PROCESSES_MPI = 2     /**< Every process of MPI_COMM_WORLD (MPI is initialised if the program has not done it;
+                                  a program started without mpirun is a job of one). ::DPAR_ERR_NOT_SUPPORTED
+                                  without MPI. */
+} dpar_processes;
+
+/** @brief Options for dpar_engine_create(). */
+typedef struct dpar_engine_options {
+  size_t size;              /**< sizeof(dpar_engine_options) as the caller compiled it. */
+  uint32_t version;         /**< #DPAR_ENGINE_OPTIONS_VERSION. */
+  int32_t device_kind;      /**< A ::dpar_device_kind. Default ::DPAR_DEVICE_CPU. */
+  size_t num_cpu_devices;   /**< How many virtual CPU devices exist (cpu:0 .. cpu:N-1). 0: dpar_device_count(). */
+  const int32_t *device_ids;/**< The devices to use, in order (replica r runs on device_ids[r]). NULL: all. Copied. */
+  size_t num_device_ids;    /**< Entries in @p device_ids. */
+  int32_t output_device;    /**< Where forward() gathers; must be one of the devices. -1 (default): the first. */
+  int32_t loss;             /**< A ::dpar_loss for the training step. Default ::DPAR_LOSS_CROSS_ENTROPY. */
+  uint64_t seed;            /**< Seeds each replica's RNG stream (dropout). Default 0. */
+  double timeout_seconds;   /**< How long a worker waits for the others at each synchronisation point of a
+                                 collective. Default 300; INFINITY for no limit. */
+  size_t blas_threads;      /**< GEMM threads inside each CPU worker (oneDNN's OpenMP team, set per worker).
+                                 Default 1 (no oversubscription). A pinned worker is pinned to this many cores. */
+  int32_t pin_workers;      /**< Boolean. Nonzero (default): worker r runs on the r-th CPU (mod their number) of the process's
+                                 affinity mask, as `mpirun --bind-to core` binds ranks. A worker that sleeps between
+                                 steps is otherwise often woken on a core that another worker is using. */
+  /* Version 2: */
+  size_t first_bucket_bytes;/**< The training step all-reduces gradients in buckets, last layers first, each while
+                                 backward computes the layers before it. The first bucket closes once it holds this
+                                 many bytes. 0: the default, 1 MiB. */
+  size_t bucket_cap_bytes;  /**< Every later bucket closes once it holds this many bytes. 0: the default, 25 MiB.
+                                 SIZE_MAX: a single bucket, all-reduced after backward (no overlap). */
+  int32_t processes;        /**< A ::dpar_processes. Default ::DPAR_PROCESSES_AUTO. With several processes every
+                                 process creates its engine (a collective call) and then calls the same functions in
+                                 the same order with its own part of each batch. */
+} dpar_engine_options;
+#define DPAR_ENGINE_OPTIONS_VERSION 2
+#define DPAR_ENGINE_OPTIONS_INIT                                                                                   \
+  {sizeof(dpar_engine_options), DPAR_ENGINE_OPTIONS_VERSION, DPAR_DEVICE_CPU, 0, NULL, 0, -1, DPAR_LOSS_CROSS_ENTROPY, \
+   0, 300.0, 1, 1, 0, 0, DPAR_PROCESSES_AUTO}
+/**
+ * @brief Fills @p opts with defaults: the layout of @p size bytes, sizeof(dpar_engine_options) as the caller compiled
+ * it, and no byte past it. ::DPAR_ERR_NOT_SUPPORTED for a layout newer than the library's. Call it as
+ * dpar_engine_options_init().
+ */
+DPAR_API dpar_status dpar_engine_options_init_sized(dpar_engine_options *opts, size_t size);
+/**
+ * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_engine_options_init_sized(), so
+ * that a newer libdpar writes the caller's layout. The function of this name, which programs built against dpar.h 0.4
+ * and older call, writes dpar.h 0.4's layout; a table of functions (dpar_api.h) or a binding without C macros calls
+ * the _sized one.
+ */
+DPAR_API dpar_status dpar_engine_options_init(dpar_engine_options *opts);
+#define dpar_engine_options_init(opts) dpar_engine_options_init_sized((opts), sizeof(dpar_engine_options))
+
+/**
+ * @brief Creates an engine: starts one worker per device and copies the model to each, once.
+ * The model is copied; it may be freed or changed afterwards without affecting the engine.
+ * @param[out] out   The engine, owned by the caller (dpar_engine_free()).
+ * @param model      The model to replicate; it must have at least one layer.
+ * @param optimizer  The optimizer; NULL for SGD with its defaults.
+ * @param opts       Options, or NULL for defaults.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an empty model or device list, a device out of range or
+ *         repeated, an output device not in the list, or bad options; ::DPAR_ERR_NOT_SUPPORTED for CUDA in a build
+ *         without it; ::DPAR_ERR_OUT_OF_MEMORY.
+ */
+DPAR_API dpar_status dpar_engine_create(dpar_engine **out, const dpar_model *model,
+                                        const dpar_optimizer_options *optimizer, const dpar_engine_options *opts);
+/**
+ * @brief Stops the workers and frees the engine (NULL is a no-op). A call in flight on another thread finishes
+ * first: the engine is destroyed when it returns, and new calls are refused at once. Called from one of this
+ * engine's own callbacks (on one of its worker threads), it does nothing; from another engine's callback it frees.
+ */
+DPAR_API void dpar_engine_free(dpar_engine *engine);
+
+/**
+ * @brief Aborts in-flight work: a call in progress on this engine (on another thread) returns ::DPAR_ERR_REMOTE as
+ * soon as its workers reach a synchronisation point (a worker inside a computation or a callback finishes that
+ * first). The engine cannot continue after an abort: later calls return ::DPAR_ERR_INVALID_STATE, and it is
+ * released with dpar_engine_free(). Unlike every other engine call, it does not wait for the engine's lock, so
+ * it may be called at any time from any thread except the engine's own callbacks. With several processes the
+ * others are told: their engines fail with ::DPAR_ERR_REMOTE at their next synchronisation point.
+ */
+DPAR_API dpar_status dpar_engine_abort(dpar_engine *engine);
+
+/** @brief The number of replicas (devices). */
+DPAR_API dpar_status dpar_engine_num_replicas(size_t *out, const dpar_engine *engine);
+/**
+ * @brief This process's rank among the processes the engine spans, and their number (0 and 1 for a single
+ * process). Either output may be NULL. Use them to give each process its part of every batch
+ * (dpar_loader_shard()), and to let rank 0 alone print.
+ */
+DPAR_API dpar_status dpar_engine_processes(size_t *out_rank, size_t *out_size, const dpar_engine *engine);
+/**
+ * @brief How gradient buckets travel between the processes: "" when the engine spans one process (a job of one
+ * process included); "mpi" (CPU devices); "nccl" (GPUs, each process's first replica on a GPU of its own: that
+ * replica carries its process's buckets); or "mpi through host memory (...)" where NCCL could not be used, saying
+ * why (two processes' first replicas on one GPU, which NCCL does not allow; NCCL failing to connect them). Every
+ * process of a job reports the same transport.
+ * @return Borrowed from the engine, valid until it is freed. NULL for a bad engine, with dpar_last_error() saying
+ *         why.
+ */
+DPAR_API const char *dpar_engine_process_transport(const dpar_engine *engine);
+/** @brief The number of gradient buckets of the training step (see dpar_engine_options.first_bucket_bytes). */
+DPAR_API dpar_status dpar_engine_num_buckets(size_t *out, const dpar_engine *engine);
+/** @brief The device of replica @p replica. */
+DPAR_API dpar_status dpar_engine_replica_device(dpar_device *out, const dpar_engine *engine, size_t replica);
+/**
+ * @brief How a batch of @p batch rows is split: @p out[r] receives replica r's rows (0 for unused replicas).
+ * @param capacity Entries in @p out; at least the number of replicas.
+ */
+DPAR_API dpar_status dpar_engine_split(size_t *out, const dpar_engine *engine, size_t batch, size_t capacity);
+
+/**
+ * @brief One fused training step: scatter, forward and loss on every replica, backward, all-reduce of gradients
+ * (those of the mean loss over the whole batch), and the optimizer step on every replica. No activation is
+ * gathered. Equivalent to dpar_engine_accumulate() followed by dpar_engine_step(), but faster: gradients are
+ * all-reduced bucket by bucket while backward is still computing (dpar_engine_options.first_bucket_bytes).
+ * With several processes, @p input is this process's part of the global batch, and the gradient is that of the
+ * mean loss over the global batch (every process's rows).
+ * @param[out] out_loss  The mean loss over the batch (the global batch, with several processes); may be NULL.
+ * @param input          (B, features...) f32 in host memory or in memory of the engine's devices' kind. A replica
+ *                       whose device holds the input takes its rows as a view, without a copy; the others copy
+ *                       theirs (from the host, or from the other GPU). A GPU input must be complete when the call
+ *                       is made: synchronise the stream that wrote it.
+ * @param target         Cross-entropy: (B) i32 labels in [0, classes). MSE: f32 shaped as the output. Where the
+ *                       input may be (labels on a GPU are copied to the host for their range check).
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULLs, B = 0, shapes that do not fit the model or each other,
+ *         labels out of range; errors from a worker (::DPAR_ERR_OUT_OF_MEMORY, a custom layer's status, ...).
+ *         After a failure before the optimizer step the engine stays usable and its parameters are unchanged;
+ *         otherwise it returns ::DPAR_ERR_INVALID_STATE from then on and must be recreated.
+ */
+DPAR_API dpar_status dpar_engine_train_step(float *out_loss, dpar_engine *engine, const dpar_tensor *input,
+                                            const dpar_tensor *target);
+/**
+ * @brief Forward, loss and backward for one micro-batch, adding its gradient to the replicas' local gradients
+ * without synchronising them (DDP's no_sync). dpar_engine_step() then all-reduces once and steps, so that several
+ * micro-batches equal one batch of all their rows.
+ * @param[out] out_loss  The micro-batch's mean loss; may be NULL.
+ */
+DPAR_API dpar_status dpar_engine_accumulate(float *out_loss, dpar_engine *engine, const dpar_tensor *input,
+                                            const dpar_tensor *target);
+/**
+ * @brief Synchronises the accumulated gradients and applies the optimizer step on every replica; then clears
+ * the gradients. After dpar_engine_accumulate(), the gradient is that of the mean loss over all accumulated rows
+ * (of every process); after dpar_engine_backward(), it is the sum of what backward produced (on every process).
+ * @return ::DPAR_ERR_INVALID_STATE if no gradient is pending.
+ */
+DPAR_API dpar_status dpar_engine_step(dpar_engine *engine);
+/** @brief Discards accumulated gradients and any forward state kept for backward. */
+DPAR_API dpar_status dpar_engine_zero_grad(dpar_engine *engine);
+
+/**
+ * @brief DataParallel's forward: scatter, forward on every replica, gather of the outputs in batch order.
+ * In training mode each replica keeps its activations for dpar_engine_backward(), and a view of its rows of
+ * @p input without a copy: the input's memory must stay valid and unchanged until backward, zero_grad or the
+ * next step (a loader's batch changes on its next dpar_loader_next()).
+ * @param[out] out  The (B, ...) output on the output device, owned by the caller.
+ */
+DPAR_API dpar_status dpar_engine_forward(dpar_tensor **out, dpar_engine *engine, const dpar_tensor *input);
+/**
+ * @brief DataParallel's backward: scatters @p grad_output (shaped as the last forward's output; in host memory or
+ * memory of the engine's devices' kind, as the input of dpar_engine_train_step()) and runs backward on every
+ * replica, adding to its local gradients. Call dpar_engine_step() to synchronise and step.
+ * @return ::DPAR_ERR_INVALID_STATE without a preceding training-mode forward.
+ */
+DPAR_API dpar_status dpar_engine_backward(dpar_engine *engine, const dpar_tensor *grad_output);
+
+/** @brief Training mode (nonzero: dropout active) or eval mode. Engines start in training mode. */
+DPAR_API dpar_status dpar_engine_set_training(dpar_engine *engine, int32_t training);
+/** @brief Changes the learning rate for the following steps (a scheduler's job). */
+DPAR_API dpar_status dpar_engine_set_lr(dpar_engine *engine, float lr);
+/**
+ * @brief Clips the gradient of the following steps: before each step the gradient (summed over the replicas and
+ * processes, as the step applies it) is scaled by min(1, max_norm / (norm + 1e-6)), norm being its L2 norm over
+ * every parameter, as torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) does between backward and the
+ * step. 0 turns clipping off; engines start without it. With several processes, every process sets the same
+ * value before the same step (as with dpar_engine_set_lr()).
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a negative or non-finite @p max_norm.
+ */
+DPAR_API dpar_status dpar_engine_set_max_grad_norm(dpar_engine *engine, float max_norm);
+/**
+ * @brief The gradient's L2 norm before clipping at the last step taken with clipping on (what clip_grad_norm_
+ * returns, to log); NaN before any such step.
+ */
+DPAR_API dpar_status dpar_engine_grad_norm(float *out, const dpar_engine *engine);
+
+/** @brief How gradient buckets cross the processes (dpar_engine_set_gradient_compression()). */
+typedef enum dpar_gradient_compression {
+  DPAR_COMPRESSION_NONE = 0, /**< f32, as summed. */
+  /**
+   * Each process's sum, rounded to bfloat16 (to nearest, ties to even), is summed across the processes in bfloat16
+   * and widened back to f32: half the bytes between processes, f32's range, about 3 significant digits (as
+   * PyTorch DDP's bf16_compress_hook and Horovod's compression).
+   */
+  DPAR_COMPRESSION_BF16 = 1
+} dpar_gradient_compression;
+/**
+ * @brief Compresses gradient buckets on their way between processes, from the next step on. Within a process
+ * they are always summed in f32 (threads share memory; there is nothing to save), so with one process this changes
+ * nothing. Every process sets the same, before the same step: a process that differs makes that step fail with
+ * ::DPAR_ERR_MISMATCH on every process (their collectives compare element types), and the engine must be recreated.
+ * Engines start with ::DPAR_COMPRESSION_NONE.
+ * @param compression A ::dpar_gradient_compression.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an unknown @p compression.
+ */
+DPAR_API dpar_status dpar_engine_set_gradient_compression(dpar_engine *engine, int32_t compression);
+/** @brief The number of optimizer steps taken. */
+DPAR_API dpar_status dpar_engine_step_count(size_t *out, const dpar_engine *engine);
+
+/**
+ * @brief Each replica's mean loss over its own chunk in the last training step or accumulate, as
+ * torch.nn.DataParallel returns one loss per device; NaN for replicas that got no rows.
+ * @param capacity Entries in @p out; at least the number of replicas.
+ */
+DPAR_API dpar_status dpar_engine_replica_losses(float *out, const dpar_engine *engine, size_t capacity);
+
+/**
+ * @brief A replica's parameters, flattened in dpar_model_param_info() order, into @p dst.
+ * @param count  Exactly the model's number of parameter elements.
+ */
+DPAR_API dpar_status dpar_engine_get_params(float *dst, dpar_engine *engine, size_t replica, size_t count);
+
+/**
+ * @brief Called by each replica, on its worker thread, after its forward: its chunk's input and output shapes.
+ * Returns ::DPAR_OK, or an error status (through dpar_set_error(), with a message) that fails the engine call.
+ */
+typedef dpar_status (*dpar_forward_hook)(void *payload, size_t replica, const int64_t *input_shape,
+                                         size_t input_ndim, const int64_t *output_shape, size_t output_ndim);
+/**
+ * @brief Installs (or with a NULL @p hook removes) the forward hook. Replicas call it concurrently.
+ * @param destroy  Releases @p payload (may be NULL): called once, when the hook is replaced or removed, or the
+ *                 engine is freed; also when this call fails for any reason but a NULL or dead @p engine (a
+ *                 call from inside the engine's own callbacks, refused with ::DPAR_ERR_INVALID_STATE, included).
+ */
+DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine *engine, dpar_forward_hook hook, void *payload,
+                                                  dpar_destroy_fn destroy);
+
+/**
+ * @brief Saves parameters, optimizer state, step count and RNG streams as a safetensors file, atomically
+ * (a temporary file, fsync, rename): a crash leaves the old file or the new one, never half of one.
+ * The temporary file, beside @p path, has a name of its own per save (hidden, at most about 100 bytes whatever
+ * the length of @p path's name): concurrent saves to one path (two engines, or a trace) each succeed, and the
+ * last renamed is the file left, complete. A @p path that exists and is not a regular file (a device such as
+ * /dev/null, a FIFO, a socket, a directory, or a symbolic link to one) is refused and left as it was; a link to
+ * a regular file is replaced by the new file, the file it named is not written.
+ * With several processes every process calls it: rank 0 alone writes @p path (the others' @p path is not
+ * touched), and every process returns rank 0's outcome.
+ * @return ::DPAR_OK or ::DPAR_ERR_IO.
+ */
+DPAR_API dpar_status dpar_engine_save(dpar_engine *engine, const char *path);
+/**
+ * @brief Loads a checkpoint written by dpar_engine_save() into every replica.
+ * With several processes every process calls it: rank 0 reads its @p path and broadcasts the file, which every
+ * process checks and loads alike (the others' @p path is not opened: no shared file system is needed).
+ * @return ::DPAR_OK; ::DPAR_ERR_IO, also for a path that is not a regular file (a FIFO is refused at once);
+ *         ::DPAR_ERR_CORRUPT for a truncated or damaged file, a header nested too deep, or metadata (step count,
+ *         replica count, RNG offsets) out of range, naming the field (all checked before anything changes);
+ *         ::DPAR_ERR_MISMATCH for a checkpoint of another model or optimizer.
+ */
+DPAR_API dpar_status dpar_engine_load(dpar_engine *engine, const char *path);
+
+/**
+ * @brief Starts recording a timeline of the engine's calls: what each replica's worker thread and communication
+ * thread did, span by span (forward, loss, backward, each gradient bucket's collectives, the optimizer, the
+ * parameters' all-gather, the wait for the device), and the calls themselves on the calling thread. Recording
+ * forgets a timeline recorded before. Off, it costs nothing measurable; on, two clock reads per span.
+ * Times are the host's: on a GPU a span is the time spent queuing its work, and the wait for the device is the
+ * span "device sync". At most 2^20 spans are kept; the file says how many more were dropped.
+ * @return ::DPAR_OK.
+ */
+DPAR_API dpar_status dpar_engine_trace_start(dpar_engine *engine);
+/**
+ * @brief Stops recording and writes the timeline to @p path in Chrome's trace event format (JSON, opened by
+ * ui.perfetto.dev and chrome://tracing), atomically; one track per thread, the process's rank as its pid. NULL
+ * only stops. The timeline stays until the next dpar_engine_trace_start(), so a write that failed may be tried
+ * again with another path. Each process of an engine records and writes its own: give each its own path.
+ * The file is written as dpar_engine_save() writes its own (the same temporary names and refusals).
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_STATE if no trace was started; ::DPAR_ERR_IO naming the path.
+ */
+DPAR_API dpar_status dpar_engine_trace_stop(dpar_engine *engine, const char *path);
+
+/** @brief Points at which dpar_engine_inject_fault() makes a worker fail, to test error paths. */
+typedef enum dpar_fault {
+  DPAR_FAULT_NONE = 0,     /**< Clears an armed fault. */
+  DPAR_FAULT_ALLOC = 1,    /**< The replica's next activation allocation fails (out of memory). */
+  DPAR_FAULT_FORWARD = 2,  /**< The replica's next forward fails (device error). */
+  DPAR_FAULT_BACKWARD = 3  /**< The replica's next backward fails (device error), after the others began theirs. */
+} dpar_fault;
+/**
+ * @brief Arms a one-shot fault on one replica, for tests of error handling (as sqlite3_test_control is).
+ */
+DPAR_API dpar_status dpar_engine_inject_fault(dpar_engine *engine, size_t replica, int32_t fault);
+/**@}*/
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DPAR_ENGINE_H */

@@ -1,0 +1,109 @@
+/**
+ * @file dpar/model.h
+ * @brief Models: the sequence of layers that an engine copies to every device.
+ * Part of dpar.h, which includes every topic's header and is the one to include; this one also compiles alone.
+ */
+#ifndef DPAR_MODEL_H
+#define DPAR_MODEL_H
+
+#include "common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/** @name Models
+ * A model is a sequence of layers on the host: the template that an engine copies once to every device.
+ * A model handle is not thread-safe. Freeing a model does not affect engines created from it. */
+/**@{*/
+typedef struct dpar_model dpar_model; /**< An opaque sequential model. */
+
+/** @brief Options for dpar_model_create(). */
+typedef struct dpar_model_options {
+  size_t size;      /**< sizeof(dpar_model_options) as the caller compiled it. */
+  uint32_t version; /**< #DPAR_MODEL_OPTIONS_VERSION. */
+  uint64_t seed;    /**< Seed of parameter initialisation. Default 0. */
+} dpar_model_options;
+#define DPAR_MODEL_OPTIONS_VERSION 1
+#define DPAR_MODEL_OPTIONS_INIT {sizeof(dpar_model_options), DPAR_MODEL_OPTIONS_VERSION, 0}
+/**
+ * @brief Fills @p opts with defaults: the layout of @p size bytes, sizeof(dpar_model_options) as the caller compiled
+ * it, and no byte past it. ::DPAR_ERR_NOT_SUPPORTED for a layout newer than the library's. Call it as
+ * dpar_model_options_init().
+ */
+DPAR_API dpar_status dpar_model_options_init_sized(dpar_model_options *opts, size_t size);
+/**
+ * @brief Fills @p opts with defaults: a macro that passes the caller's sizeof to dpar_model_options_init_sized(), so
+ * that a newer libdpar writes the caller's layout. The function of this name, which programs built against dpar.h 0.4
+ * and older call, writes dpar.h 0.4's layout; a table of functions (dpar_api.h) or a binding without C macros calls
+ * the _sized one.
+ */
+DPAR_API dpar_status dpar_model_options_init(dpar_model_options *opts);
+#define dpar_model_options_init(opts) dpar_model_options_init_sized((opts), sizeof(dpar_model_options))
+
+/**
+ * @brief Creates an empty sequential model.
+ * @param[out] out  The model, owned by the caller (dpar_model_free()).
+ * @param opts      Options, or NULL for defaults.
+ */
+DPAR_API dpar_status dpar_model_create(dpar_model **out, const dpar_model_options *opts);
+/** @brief Frees a model (NULL is a no-op). */
+DPAR_API void dpar_model_free(dpar_model *model);
+
+/**
+ * @brief Appends a fully connected layer y = x W^T + b, with W (out_features, in_features) and b (out_features),
+ * initialised as PyTorch's nn.Linear does (uniform in +-1/sqrt(in_features)) from the model's seed.
+ * @param has_bias  Nonzero for a bias.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a zero size.
+ */
+DPAR_API dpar_status dpar_model_add_linear(dpar_model *model, int64_t in_features, int64_t out_features,
+                                           int32_t has_bias);
+
+/** @brief Elementwise activations. */
+typedef enum dpar_activation {
+  DPAR_RELU = 0,    /**< max(x, 0). */
+  DPAR_GELU = 1,    /**< x * Phi(x), exact (erf) form, as PyTorch's default. */
+  DPAR_TANH = 2,    /**< tanh(x). */
+  DPAR_SIGMOID = 3  /**< 1 / (1 + exp(-x)). */
+} dpar_activation;
+/** @brief Appends an activation (a ::dpar_activation). */
+DPAR_API dpar_status dpar_model_add_activation(dpar_model *model, int32_t activation);
+/**
+ * @brief Appends dropout with drop probability @p p in [0, 1). In training mode each replica draws its mask from
+ * its own RNG stream (seeded from the engine seed and the replica index), which persists across steps (and is
+ * saved in checkpoints, restored into an engine with as many replicas); in eval mode it is
+ * the identity. Kept values are scaled by 1/(1-p), as in PyTorch.
+ */
+DPAR_API dpar_status dpar_model_add_dropout(dpar_model *model, float p);
+
+/** @brief The number of layers. */
+DPAR_API dpar_status dpar_model_num_layers(size_t *out, const dpar_model *model);
+/** @brief The number of parameter tensors (PyTorch's len(list(model.parameters()))). */
+DPAR_API dpar_status dpar_model_num_params(size_t *out, const dpar_model *model);
+/** @brief The total number of parameter elements. */
+DPAR_API dpar_status dpar_model_num_param_elements(size_t *out, const dpar_model *model);
+/**
+ * @brief The shape of parameter @p index.
+ * @param[out] out_shape Room for #DPAR_MAX_DIMS extents. May be NULL.
+ * @param[out] out_ndim  May be NULL.
+ */
+DPAR_API dpar_status dpar_model_param_info(int64_t *out_shape, size_t *out_ndim, const dpar_model *model,
+                                           size_t index);
+/**
+ * @brief The name of parameter @p index ("0.weight", as PyTorch's state_dict names it).
+ * @return Borrowed from the model; valid until the model changes or is freed. NULL for a bad model or index, with
+ *         dpar_last_error() saying why.
+ */
+DPAR_API const char *dpar_model_param_name(const dpar_model *model, size_t index);
+/** @brief Copies parameter @p index into @p dst (@p count elements, exactly its size). */
+DPAR_API dpar_status dpar_model_get_param(float *dst, const dpar_model *model, size_t index, size_t count);
+/** @brief Overwrites parameter @p index from @p src (@p count elements, exactly its size). */
+DPAR_API dpar_status dpar_model_set_param(dpar_model *model, size_t index, const float *src, size_t count);
+/**@}*/
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DPAR_MODEL_H */
