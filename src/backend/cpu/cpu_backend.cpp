@@ -96,6 +96,7 @@ class CpuBackend final : public Backend {
   DeviceKind kind() const override { return DeviceKind::kCpu; }
   const char* name() const override { return "cpu"; }
   size_t device_count() const override { return default_cpu_device_count(); }
+  std::string math_library() const override { return k::gemm_backend(); }
 
   void* allocate(Device device, size_t bytes) override {
     // Rounded up to whole cache lines so that vector loops over any buffer start aligned and peel identically.
