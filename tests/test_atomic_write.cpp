@@ -103,7 +103,7 @@ TEST_F(AtomicWriteTest, ANewFileInTheWorkingDirectorySyncsIt) {
   ASSERT_EQ(g_seen.size(), 5u);
   const AtomicWriteStep want[] = {AtomicWriteStep::kWrite, AtomicWriteStep::kSyncFile, AtomicWriteStep::kCloseFile,
                                   AtomicWriteStep::kRename, AtomicWriteStep::kSyncDirectory};
-  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(g_seen[i].step, want[i]) << i << ": " << step_name(g_seen[i].step);
+  for (size_t i = 0; i < 5; ++i) EXPECT_STREQ(step_name(g_seen[i].step), step_name(want[i])) << "step " << i;
   EXPECT_EQ(g_seen[3].target_content, "abc");
   EXPECT_EQ(g_seen[4].path, ".");
 }

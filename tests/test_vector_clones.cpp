@@ -44,8 +44,9 @@ Vec values(size_t n, uint32_t seed, bool specials = false) {
 
 template <class T>
 void append(Bytes& out, const std::vector<T>& v) {
-  const auto* p = reinterpret_cast<const unsigned char*>(v.data());
-  out.insert(out.end(), p, p + v.size() * sizeof(T));
+  const size_t at = out.size(), bytes = v.size() * sizeof(T);
+  out.resize(at + bytes);
+  if (bytes > 0) std::memcpy(out.data() + at, v.data(), bytes);
 }
 
 // Sizes with a vector body and a tail for every width (16 floats in a zmm), and blocks of the blocked loops (Adam's
