@@ -500,7 +500,7 @@ TEST_F(CudaKernels, LossGradientsMatchFiniteDifferences) {
 }
 
 TEST_F(CudaKernels, SgdMatchesCpuBitForBit) {
-  const cpu::SgdHyper variants[] = {
+  const dpar::SgdHyper variants[] = {
       {0.1f, 0.0f, 0.0f, 0.0f, false},   {0.05f, 0.9f, 0.0f, 0.0f, false}, {0.05f, 0.9f, 0.1f, 1e-2f, false},
       {0.01f, 0.9f, 0.0f, 1e-3f, true}, {0.2f, 0.0f, 0.0f, 5e-4f, false},
   };
@@ -525,7 +525,7 @@ TEST_F(CudaKernels, SgdMatchesCpuBitForBit) {
 }
 
 TEST_F(CudaKernels, AdamAndAdamWMatchCpuBitForBit) {
-  const cpu::AdamHyper variants[] = {
+  const dpar::AdamHyper variants[] = {
       {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, false},  {1e-3f, 0.9f, 0.999f, 1e-8f, 1e-2f, false},
       {1e-3f, 0.9f, 0.999f, 1e-8f, 1e-2f, true},  {3e-2f, 0.3f, 0.99f, 1e-6f, 0.0f, true},  // lerp's other branch
   };

@@ -924,12 +924,13 @@ TEST_F(IoTest, WriterRefusesTargetsThatAreNotRegularFiles) {
   EXPECT_EQ(list_dir(dir_), (std::set<std::string>{"fifo", "sock", "link"}));
 }
 
-// Python's safetensors (the reference implementation) reads our files and writes files we read. Skipped
-// without a Python that has safetensors and numpy: set DPAR_TEST_PYTHON to one (default python3). In CI, which
-// installs them, a missing one fails (DPAR_TEST_REQUIRE_DEPS).
+// Python's safetensors (the reference implementation) reads our files and writes files we read. The Python is
+// $DPAR_TEST_PYTHON, else the one the build chose for every Python-based check (the top-level CMakeLists.txt:
+// scripts/install-deps.sh's build-pyenv where it exists, else python3). Skipped without one that has safetensors
+// and numpy; in CI, which installs them, a missing one fails (DPAR_TEST_REQUIRE_DEPS).
 TEST_F(IoTest, SafetensorsInteroperatesWithPython) {
   const char* env = std::getenv("DPAR_TEST_PYTHON");
-  const std::string python = env && *env ? env : "python3";
+  const std::string python = env && *env ? env : DPAR_TEST_PYTHON_DEFAULT;
   if (python.find('/') != std::string::npos && ::access(python.c_str(), X_OK) != 0)
     SKIP_MISSING_DEPENDENCY(python << " not found (set DPAR_TEST_PYTHON)");
   if (std::system(("'" + python + "' -c 'import numpy, safetensors.numpy' >/dev/null 2>&1").c_str()) != 0) {

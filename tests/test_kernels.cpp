@@ -459,8 +459,8 @@ TEST(Determinism, ElementwiseResultsDoNotDependOnPosition) {
     expect_bitwise_equal(s2.data(), s1.data() + 1, n - 1, "scale");
   }
   {  // optimizers, over several steps
-    const k::SgdHyper sh{0.1f, 0.9f, 0.1f, 0.01f, false};
-    const k::AdamHyper ah{0.01f, 0.9f, 0.999f, 1e-8f, 0.1f, false};
+    const dpar::SgdHyper sh{0.1f, 0.9f, 0.1f, 0.01f, false};
+    const dpar::AdamHyper ah{0.01f, 0.9f, 0.999f, 1e-8f, 0.1f, false};
     Vec p1 = a, buf1(n), p2(a.begin() + 1, a.end()), buf2(n - 1);
     Vec q1 = a, m1(n, 0), v1(n, 0), q2(a.begin() + 1, a.end()), m2(n - 1, 0), v2(n - 1, 0);
     for (int step = 1; step <= 3; ++step) {
@@ -687,7 +687,7 @@ namespace {
 struct SgdRef {
   std::vector<double> p, buf;
   bool started = false;
-  void step(const Vec& g, const k::SgdHyper& h) {
+  void step(const Vec& g, const dpar::SgdHyper& h) {
     for (size_t i = 0; i < p.size(); ++i) {
       double d = g[i] + static_cast<double>(h.weight_decay) * p[i];
       if (h.momentum != 0) {
@@ -702,7 +702,7 @@ struct SgdRef {
 
 struct AdamRef {
   std::vector<double> p, m, v;
-  void step(const Vec& grad, const k::AdamHyper& h, int64_t t) {
+  void step(const Vec& grad, const dpar::AdamHyper& h, int64_t t) {
     const double lr = h.lr, b1 = h.beta1, b2 = h.beta2, eps = h.eps, wd = h.weight_decay;
     for (size_t i = 0; i < p.size(); ++i) {
       double g = grad[i];
@@ -731,7 +731,7 @@ TEST(Sgd, MatchesDoublePrecisionFormulas) {
   const int steps = 8;
   const Vec p0 = uniform(n, 90, -2, 2);
   const auto grads = grad_sequence(n, steps, 91);
-  const k::SgdHyper cases[] = {
+  const dpar::SgdHyper cases[] = {
       {0.1f, 0.0f, 0.0f, 0.0f, false},   // plain
       {0.1f, 0.9f, 0.0f, 0.0f, false},   // momentum
       {0.05f, 0.9f, 0.5f, 0.0f, false},  // dampening
@@ -760,7 +760,7 @@ TEST(Sgd, HandComputedSteps) {
   // step 2: buf = 0.9*0.5 + 0.5*0.5 = 0.7, p = 0.95 - 0.07 = 0.88
   float p = 1.0f, buf = 0.0f;
   const float g = 0.5f;
-  const k::SgdHyper h{0.1f, 0.9f, 0.5f, 0.0f, false};
+  const dpar::SgdHyper h{0.1f, 0.9f, 0.5f, 0.0f, false};
   k::sgd_step(&p, &buf, &g, 1, h, true);
   EXPECT_FLOAT_EQ(buf, 0.5f);
   EXPECT_FLOAT_EQ(p, 0.95f);
@@ -769,18 +769,18 @@ TEST(Sgd, HandComputedSteps) {
   EXPECT_FLOAT_EQ(p, 0.88f);
   // Nesterov with weight decay: p=2, g=0.5, wd 0.25 -> d = 1; buf = 1; d = 1 + 0.9 = 1.9; p = 2 - 0.19.
   float q = 2.0f, qb = 0.0f;
-  k::sgd_step(&q, &qb, &g, 1, k::SgdHyper{0.1f, 0.9f, 0.0f, 0.25f, true}, true);
+  k::sgd_step(&q, &qb, &g, 1, dpar::SgdHyper{0.1f, 0.9f, 0.0f, 0.25f, true}, true);
   EXPECT_FLOAT_EQ(qb, 1.0f);
   EXPECT_FLOAT_EQ(q, 1.81f);
 }
 
 TEST(Sgd, RejectsInconsistentOptions) {
   float p = 1, g = 1, b = 0;
-  expect_invalid_argument([&] { k::sgd_step(&p, nullptr, &g, 1, k::SgdHyper{0.1f, 0.9f, 0, 0, false}, true); },
+  expect_invalid_argument([&] { k::sgd_step(&p, nullptr, &g, 1, dpar::SgdHyper{0.1f, 0.9f, 0, 0, false}, true); },
                           "momentum without buffer");
-  expect_invalid_argument([&] { k::sgd_step(&p, &b, &g, 1, k::SgdHyper{0.1f, 0.0f, 0, 0, true}, true); },
+  expect_invalid_argument([&] { k::sgd_step(&p, &b, &g, 1, dpar::SgdHyper{0.1f, 0.0f, 0, 0, true}, true); },
                           "nesterov without momentum");
-  expect_invalid_argument([&] { k::sgd_step(&p, &b, &g, 1, k::SgdHyper{0.1f, 0.9f, 0.1f, 0, true}, true); },
+  expect_invalid_argument([&] { k::sgd_step(&p, &b, &g, 1, dpar::SgdHyper{0.1f, 0.9f, 0.1f, 0, true}, true); },
                           "nesterov with dampening");
 }
 
@@ -789,7 +789,7 @@ TEST(Adam, MatchesDoublePrecisionFormulas) {
   const int steps = 20;
   const Vec p0 = uniform(n, 95, -2, 2);
   const auto grads = grad_sequence(n, steps, 96);
-  const k::AdamHyper cases[] = {
+  const dpar::AdamHyper cases[] = {
       {0.01f, 0.9f, 0.999f, 1e-8f, 0.0f, false},
       {0.01f, 0.9f, 0.999f, 1e-3f, 0.1f, false},  // a large eps tells where eps goes
       {0.01f, 0.9f, 0.999f, 1e-8f, 0.01f, true},
@@ -817,13 +817,13 @@ TEST(Adam, FirstStepMovesEachParameterByLr) {
   // With bias correction, the first step is lr * g / (|g| + eps): lr * sign(g) for |g| >> eps.
   Vec p = {1.0f, -1.0f, 0.5f}, m(3, 0.0f), v(3, 0.0f);
   const Vec g = {0.3f, -2.0f, 1e-3f};
-  k::adam_step(p.data(), m.data(), v.data(), g.data(), 3, k::AdamHyper{0.01f, 0.9f, 0.999f, 1e-8f, 0.0f, false}, 1);
+  k::adam_step(p.data(), m.data(), v.data(), g.data(), 3, dpar::AdamHyper{0.01f, 0.9f, 0.999f, 1e-8f, 0.0f, false}, 1);
   EXPECT_NEAR(p[0], 0.99, 1e-6);
   EXPECT_NEAR(p[1], -0.99, 1e-6);
   EXPECT_NEAR(p[2], 0.49, 1e-6);
   // AdamW decays the parameter by lr*wd first: p = 1 * (1 - 0.01*0.5) - 0.01.
   Vec q = {1.0f}, qm(1, 0.0f), qv(1, 0.0f);
-  k::adam_step(q.data(), qm.data(), qv.data(), g.data(), 1, k::AdamHyper{0.01f, 0.9f, 0.999f, 1e-8f, 0.5f, true}, 1);
+  k::adam_step(q.data(), qm.data(), qv.data(), g.data(), 1, dpar::AdamHyper{0.01f, 0.9f, 0.999f, 1e-8f, 0.5f, true}, 1);
   EXPECT_NEAR(q[0], 0.995 - 0.01, 1e-6);
   expect_invalid_argument([&] { k::adam_step(q.data(), qm.data(), qv.data(), g.data(), 1, {}, 0); }, "step 0");
 }
@@ -966,7 +966,7 @@ TEST(TorchReference, Sgd) {
   ASSERT_FALSE(doc["sgd"].empty());
   for (const auto& c : doc["sgd"]) {
     const auto& hj = c["hyper"];
-    const k::SgdHyper h{hj["lr"].get<float>(), hj["momentum"].get<float>(), hj["dampening"].get<float>(),
+    const dpar::SgdHyper h{hj["lr"].get<float>(), hj["momentum"].get<float>(), hj["dampening"].get<float>(),
                         hj["weight_decay"].get<float>(), hj["nesterov"].get<bool>()};
     Vec p = p0, buf(p0.size());
     const auto& traj = c["params"];
@@ -988,7 +988,7 @@ TEST(TorchReference, AdamAndAdamW) {
   for (const auto& g : doc["optim_grads"]) grads.push_back(to_vec(g));
   int adamw_cases = 0;
   for (const auto& c : doc["adam"]) {
-    const k::AdamHyper h{c["lr"].get<float>(), c["beta1"].get<float>(), c["beta2"].get<float>(),
+    const dpar::AdamHyper h{c["lr"].get<float>(), c["beta1"].get<float>(), c["beta2"].get<float>(),
                          c["eps"].get<float>(), c["weight_decay"].get<float>(), c["decoupled"].get<bool>()};
     adamw_cases += h.decoupled;
     Vec p = p0, m(p0.size(), 0.0f), v(p0.size(), 0.0f);

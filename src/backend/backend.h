@@ -35,6 +35,10 @@ class Backend {
   // unavailable_reason() says why.
   virtual size_t device_count() const = 0;
   virtual std::string unavailable_reason() const { return {}; }
+  // What runs this kind's matrix multiplies, for bug reports and benchmarks: the library, its version and the
+  // kernels it chose for this machine (CPU: "oneDNN 2.6.3 (OpenMP), avx512_core f32 kernels (CPU ISA ...)").
+  // Empty where the backend does not say.
+  virtual std::string math_library() const { return {}; }
 
   // ---- Memory (thread-safe) ---------------------------------------------------------------------------------
   // Throws Error(OUT_OF_MEMORY) naming the device and the size. The memory is uninitialised.

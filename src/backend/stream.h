@@ -3,15 +3,16 @@
 // A Stream belongs to one replica and is used from that replica's threads (its worker, and its communication
 // thread for the reducer's staging copies). Calls are queued in call order: on CPU each runs at once on the
 // calling thread; on CUDA each is enqueued on the replica's compute stream and synchronize() waits for them.
-// Every pointer is device memory of the stream's device unless the name says host. The kernels' contracts are
-// those of kernels/cpu/kernels.h (their CUDA twins have the same ones).
+// Every pointer is device memory of the stream's device unless the name says host. Each kernel's contract is that
+// of the CPU kernel of the same name (kernels/cpu/kernels.h), the reference of every backend's; the Stream itself
+// depends on no kernel.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
+#include "common/optimizer_hyper.h"
 #include "device/device.h"
-#include "kernels/cpu/kernels.h"
 
 namespace dpar {
 
@@ -76,9 +77,9 @@ class Stream {
   virtual void mse_forward_backward(double* loss_sum, float* dpred, const float* pred, const float* target,
                                     int64_t B, int64_t D, float grad_scale) = 0;
   virtual void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n,
-                        const kernels::cpu::SgdHyper& h, bool first_step) = 0;
+                        const SgdHyper& h, bool first_step) = 0;
   virtual void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n,
-                         const kernels::cpu::AdamHyper& h, int64_t step) = 0;
+                         const AdamHyper& h, int64_t step) = 0;
   // y += a*x
   virtual void axpy(float* y, const float* x, float a, int64_t n) = 0;
   // x *= a

@@ -3,8 +3,8 @@
 #include <shared_mutex>
 #include <unordered_map>
 
+#include "backend/backend.h"
 #include "capi/api.h"
-#include "kernels/cpu/gemm.h"
 
 namespace dpar::capi {
 namespace {
@@ -75,8 +75,20 @@ DPAR_API const char* dpar_version_string(void) {
 }
 
 DPAR_API const char* dpar_cpu_gemm_backend(void) {
+  // dpar.h promises static storage: a plain buffer, which no destructor ever frees, so that a thread still running
+  // at exit, or an atexit handler registered before the first call (whose handler runs after the destructors of
+  // statics made later), still reads the text. The backend's text is about 90 bytes.
+  static char text[512];
   try {
-    return dpar::kernels::cpu::gemm_backend();
+    static const bool filled = [] {
+      const std::string what = dpar::backend_for(dpar::DeviceKind::kCpu).math_library();
+      const size_t n = std::min(what.size(), sizeof(text) - 1);
+      std::memcpy(text, what.data(), n);
+      text[n] = '\0';
+      return true;
+    }();
+    (void)filled;
+    return text;
   } catch (...) {  // building the string cannot fail short of memory; the ABI still promises a string
     return "unknown (out of memory describing the CPU GEMM)";
   }

@@ -13,6 +13,12 @@
 namespace dpar::io {
 namespace {
 
+std::atomic<AtomicWriteObserver> g_observer{nullptr};
+
+void observe(AtomicWriteStep step, const std::string& path) {
+  if (const AtomicWriteObserver observer = g_observer.load(std::memory_order_acquire)) observer(step, path);
+}
+
 void write_all(int fd, const void* data, size_t bytes, const std::string& path, const std::string& tmp) {
   const char* p = static_cast<const char*>(data);
   while (bytes > 0) {
@@ -77,16 +83,21 @@ class TempFile {
     if (!renamed_) ::unlink(path_.c_str());
   }
 
-  void write(const void* data, size_t bytes) { write_all(fd_, data, bytes, target_, path_); }
+  void write(const void* data, size_t bytes) {
+    write_all(fd_, data, bytes, target_, path_);
+    observe(AtomicWriteStep::kWrite, path_);
+  }
 
   // Makes the content durable before the rename publishes it: otherwise a crash could leave the new name
   // pointing at a file whose blocks never reached the disk.
   void sync_and_close() {
     if (::fsync(fd_) != 0) fail(DPAR_ERR_IO, target_, ": cannot fsync ", path_, ": ", std::strerror(errno));
+    observe(AtomicWriteStep::kSyncFile, path_);
     const int fd = fd_;
     fd_ = -1;
     // close(2) can report a deferred write error (NFS, quotas); the file must not be published then.
     if (::close(fd) != 0) fail(DPAR_ERR_IO, target_, ": cannot close ", path_, ": ", std::strerror(errno));
+    observe(AtomicWriteStep::kCloseFile, path_);
   }
 
   void rename_over_target() {
@@ -96,6 +107,7 @@ class TempFile {
       fail(DPAR_ERR_IO, target_, ": cannot rename ", path_, " to it: ", std::strerror(errno));
     }
     renamed_ = true;
+    observe(AtomicWriteStep::kRename, target_);
   }
 
  private:
@@ -124,6 +136,7 @@ void sync_directory(const std::string& path) {
   if (::fsync(fd.get()) != 0 && errno != EINVAL) {
     fail(DPAR_ERR_IO, path, ": written, but cannot fsync directory ", dir, ": ", std::strerror(errno));
   }
+  observe(AtomicWriteStep::kSyncDirectory, dir);
 }
 
 }  // namespace
@@ -144,6 +157,8 @@ int open_regular_file(const std::string& path) {
   }
   return fd.release();
 }
+
+void set_atomic_write_observer(AtomicWriteObserver observer) { g_observer.store(observer, std::memory_order_release); }
 
 void write_file_atomically(const std::string& path, const std::vector<FilePiece>& pieces) {
   refuse_special_target(path);  // before writing anything

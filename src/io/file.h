@@ -49,4 +49,16 @@ struct FilePiece {
 // device, FIFO, socket or directory, or a link to one) is refused before anything is written.
 void write_file_atomically(const std::string& path, const std::vector<FilePiece>& pieces);
 
+// The system calls of write_file_atomically that make it crash-safe. Their order is the guarantee (content
+// durable before it is published, the rename durable before the call returns), and a crash between two of them
+// is the only thing that would tell a wrong order apart: a test observes the order instead.
+enum class AtomicWriteStep { kWrite, kSyncFile, kCloseFile, kRename, kSyncDirectory };
+
+// Called after each step has succeeded, on the writing thread, with the file or directory it acted on (the
+// temporary file for kWrite, kSyncFile and kCloseFile; the target for kRename; the directory for kSyncDirectory).
+using AtomicWriteObserver = void (*)(AtomicWriteStep step, const std::string& path);
+
+// Installs the process's observer (nullptr: none, the default). For tests: production code never sets one.
+void set_atomic_write_observer(AtomicWriteObserver observer);
+
 }  // namespace dpar::io

@@ -58,10 +58,10 @@ void Optimizer::step(Stream& stream, float* params, const float* grads) {
   params += begin_;
   grads += begin_;
   if (config_.kind == OptimizerKind::kSgd) {
-    kernels::cpu::SgdHyper h{config_.lr, config_.momentum, config_.dampening, config_.weight_decay, config_.nesterov};
+    SgdHyper h{config_.lr, config_.momentum, config_.dampening, config_.weight_decay, config_.nesterov};
     stream.sgd_step(params, buf_a_.defined() ? buf_a_.f32() : nullptr, grads, n, h, steps_ == 1);
   } else {
-    kernels::cpu::AdamHyper h{config_.lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay,
+    AdamHyper h{config_.lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay,
                               config_.kind == OptimizerKind::kAdamW};
     stream.adam_step(params, buf_a_.f32(), buf_b_.f32(), grads, n, h, steps_);
   }

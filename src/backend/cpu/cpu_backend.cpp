@@ -76,12 +76,12 @@ class CpuStream final : public Stream {
                             int64_t D, float grad_scale) override {
     *loss_sum = k::mse_forward_backward(dpred, pred, target, B, D, grad_scale);
   }
-  void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const k::SgdHyper& h,
+  void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const SgdHyper& h,
                 bool first_step) override {
     k::sgd_step(param, momentum_buf, grad, n, h, first_step);
   }
   void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n,
-                 const k::AdamHyper& h, int64_t step) override {
+                 const AdamHyper& h, int64_t step) override {
     k::adam_step(param, exp_avg, exp_avg_sq, grad, n, h, step);
   }
   void axpy(float* y, const float* x, float a, int64_t n) override { k::axpy(y, x, a, n); }
@@ -96,6 +96,7 @@ class CpuBackend final : public Backend {
   DeviceKind kind() const override { return DeviceKind::kCpu; }
   const char* name() const override { return "cpu"; }
   size_t device_count() const override { return default_cpu_device_count(); }
+  std::string math_library() const override { return k::gemm_backend(); }
 
   void* allocate(Device device, size_t bytes) override {
     // Rounded up to whole cache lines so that vector loops over any buffer start aligned and peel identically.

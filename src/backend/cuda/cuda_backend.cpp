@@ -240,13 +240,13 @@ class CudaStream final : public Stream {
     const auto scope = enter();
     k::mse_forward_backward(loss_sum, dpred, pred, target, B, D, grad_scale, stream_);
   }
-  void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const kernels::cpu::SgdHyper& h,
+  void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const SgdHyper& h,
                 bool first_step) override {
     const auto scope = enter();
     k::sgd_step(param, momentum_buf, grad, n, h, first_step, stream_);
   }
   void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n,
-                 const kernels::cpu::AdamHyper& h, int64_t step) override {
+                 const AdamHyper& h, int64_t step) override {
     const auto scope = enter();
     k::adam_step(param, exp_avg, exp_avg_sq, grad, n, h, step, stream_);
   }

@@ -23,6 +23,7 @@
 #include "common/error.h"
 #include "common/bf16.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/vector_isa.h"
 
 namespace dpar::kernels::cpu {
 
@@ -40,17 +41,6 @@ inline void sqrt_block(float* out, const float* in, int64_t n) {
 #endif
   for (; i < n; ++i) out[i] = std::sqrt(in[i]);
 }
-
-// Elementwise and reduction loops are compiled for AVX-512, for AVX2 and for baseline x86-64, the version picked
-// at load time by the CPU's feature bits. None of these targets brings FMA (and -ffp-contract=off forbids
-// contraction anyway), so every version computes the same bits; they differ in vector width alone.
-// Clang (the fuzz build) cannot multiversion a template: it compiles the baseline version only. Nor does
-// ThreadSanitizer's build: it instruments the load-time resolver, which then crashes before its runtime is ready.
-#if defined(__clang__) || defined(__SANITIZE_THREAD__)
-#define DPAR_VECTOR_CLONES
-#else
-#define DPAR_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
 
 // Arguments that every kernel on n elements shares.
 inline void check_count(int64_t n) { DPAR_CHECK_ARG(n >= 0, "element count must be >= 0, got ", n); }
@@ -99,7 +89,7 @@ namespace {
 // The epilogue of the forward GEMM, over out (B,C_out) in one pass: out = out + bias (when there is a bias), then
 // out = relu(out) when asked. The sum is the GEMM's value plus the bias, each element rounded once, so that a
 // linear layer gives the same bits with or without the ReLU fused after it.
-DPAR_VECTOR_CLONES void forward_epilogue(float* out, const float* bias, int64_t B, int64_t C_out, bool relu) {
+DPAR_VECTOR_LOOP void forward_epilogue(float* out, const float* bias, int64_t B, int64_t C_out, bool relu) {
   for (int64_t i = 0; i < B; ++i) {
     float* row = out + i * C_out;
     if (bias != nullptr && relu) {
@@ -128,15 +118,15 @@ void linear_forward_impl(float* out, const float* inp, const float* weight, cons
   } else {
     sgemm(false, true, b, cout, cin, 1.0f, inp, ld(cin), weight, ld(cin), 0.0f, out, ld(cout));
   }
-  if (bias != nullptr || relu) forward_epilogue(out, bias, B, C_out, relu);
+  if (bias != nullptr || relu) run_vector<forward_epilogue>(out, bias, B, C_out, relu);
 }
 
 // dbias (C_out) from the column sums of d (B,C_out), summed over rows in order in double (no allocation: blocks
 // of columns on the stack), rounded once and only then added when accumulating: "old + this batch's gradient", as
 // autograd's accumulation is. With relu_out, d is first masked, d = relu_out > 0 ? d : 0, and written to masked
 // in the same pass (relu_backward's arithmetic): the masked gradient and its sums are read from memory once.
-DPAR_VECTOR_CLONES void bias_grad(float* dbias, float* masked, const float* d, const float* relu_out, int64_t B,
-                                  int64_t C_out, bool accumulate) {
+DPAR_VECTOR_LOOP void bias_grad(float* dbias, float* masked, const float* d, const float* relu_out, int64_t B,
+                                int64_t C_out, bool accumulate) {
   constexpr int64_t kBlock = 256;
   double acc[kBlock];
   for (int64_t j0 = 0; j0 < C_out; j0 += kBlock) {
@@ -215,7 +205,7 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate) {
   check_backward_args(dweight, dout, B, C_in, C_out);
   linear_backward_gemms(dinp, dweight, dout, inp, weight, B, C_in, C_out, accumulate);
-  if (dbias != nullptr && C_out > 0) bias_grad(dbias, nullptr, dout, nullptr, B, C_out, accumulate);
+  if (dbias != nullptr && C_out > 0) run_vector<bias_grad>(dbias, nullptr, dout, nullptr, B, C_out, accumulate);
 }
 
 void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre, const float* dout,
@@ -225,7 +215,7 @@ void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre
   if (C_out > 0) {
     DPAR_CHECK_ARG(B == 0 || (dpre != nullptr && out != nullptr), "linear_relu_backward: dpre or out is null");
     // The mask pass reads dout in full before the GEMMs write dinp, which may therefore be dout's memory.
-    bias_grad(dbias, dpre, dout, out, B, C_out, accumulate);
+    run_vector<bias_grad>(dbias, dpre, dout, out, B, C_out, accumulate);
   }
   linear_backward_gemms(dinp, dweight, dpre, inp, weight, B, C_in, C_out, accumulate);
 }
@@ -235,7 +225,7 @@ void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre
 
 // inp (n), out (n)
 namespace {
-DPAR_VECTOR_CLONES void relu_forward_loop(float* out, const float* inp, int64_t n) {
+DPAR_VECTOR_LOOP void relu_forward_loop(float* out, const float* inp, int64_t n) {
   // Written as a select on x < 0 rather than std::max so that NaN passes through, as torch.relu does.
   for (int64_t i = 0; i < n; ++i) {
     const float x = inp[i];
@@ -243,7 +233,7 @@ DPAR_VECTOR_CLONES void relu_forward_loop(float* out, const float* inp, int64_t 
   }
 }
 
-DPAR_VECTOR_CLONES void relu_backward_loop(float* dinp, const float* dout, const float* out, int64_t n) {
+DPAR_VECTOR_LOOP void relu_backward_loop(float* dinp, const float* dout, const float* out, int64_t n) {
   // Both loads are unconditional so the select vectorises (a conditional load cannot be if-converted).
   for (int64_t i = 0; i < n; ++i) {
     const float g = dout[i], y = out[i];
@@ -254,13 +244,13 @@ DPAR_VECTOR_CLONES void relu_backward_loop(float* dinp, const float* dout, const
 
 void relu_forward(float* out, const float* inp, int64_t n) {
   check_count(n);
-  relu_forward_loop(out, inp, n);
+  run_vector<relu_forward_loop>(out, inp, n);
 }
 
 // dinp (n), dout (n), out (n)
 void relu_backward(float* dinp, const float* dout, const float* out, int64_t n) {
   check_count(n);
-  relu_backward_loop(dinp, dout, out, n);
+  run_vector<relu_backward_loop>(dinp, dout, out, n);
 }
 
 namespace {
@@ -485,10 +475,11 @@ void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, c
 namespace {
 // The Adam loop with its branches resolved at compile time. It runs in blocks that fit in L1: the moments of a
 // block first (a vectorisable loop), then the square roots (sqrt_block), then the parameters (vectorisable).
-// Multiversioned (DPAR_VECTOR_CLONES).
+// One copy per vector ISA (kernels/cpu/vector_isa.h).
 template <bool kL2, bool kSmallLerpWeight>
-DPAR_VECTOR_CLONES void adam_loop(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, float wd, float w1,
-               float one_minus_w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step) {
+DPAR_VECTOR_LOOP void adam_loop(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, float wd,
+                                float w1, float one_minus_w1, float beta2, float one_minus_beta2, float bc2_sqrt,
+                                float eps, float neg_step) {
   constexpr int64_t kBlock = 512;
   float root[kBlock];
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
@@ -539,21 +530,18 @@ void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* gra
   const float b2 = h.beta2, omb2 = static_cast<float>(1.0 - beta2);
   const float bc2s = static_cast<float>(bias_correction2_sqrt), eps = h.eps;
   const float neg_step = static_cast<float>(-step_size);
-  if (l2) {
-    if (small_weight)
-      adam_loop<true, true>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s, eps,
-                            neg_step);
-    else
-      adam_loop<true, false>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s, eps,
-                             neg_step);
-  } else {
-    if (small_weight)
-      adam_loop<false, true>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s, eps,
-                             neg_step);
-    else
-      adam_loop<false, false>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s, eps,
-                              neg_step);
-  }
+  if (l2 && small_weight)
+    run_vector<adam_loop<true, true>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
+                                      eps, neg_step);
+  else if (l2)
+    run_vector<adam_loop<true, false>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
+                                       eps, neg_step);
+  else if (small_weight)
+    run_vector<adam_loop<false, true>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
+                                       eps, neg_step);
+  else
+    run_vector<adam_loop<false, false>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
+                                        eps, neg_step);
 }
 
 // -------------------------------------------------------------------------------------------------------------
@@ -573,7 +561,7 @@ void scale(float* x, float a, int64_t n) {
 
 namespace {
 // Independent lanes: the loop vectorises without reordering any lane's additions.
-DPAR_VECTOR_CLONES double sum_squares_loop(const float* x, int64_t n) {
+DPAR_VECTOR_LOOP double sum_squares_loop(const float* x, int64_t n) {
   constexpr int64_t L = kSumSquaresLanes;
   double lane[L] = {};
   int64_t i = 0;
@@ -595,7 +583,7 @@ DPAR_VECTOR_CLONES double sum_squares_loop(const float* x, int64_t n) {
 // x (n)
 double sum_squares(const float* x, int64_t n) {
   check_count(n);
-  return sum_squares_loop(x, n);
+  return run_vector<sum_squares_loop>(x, n);
 }
 
 // dst (n), src (n)

@@ -18,6 +18,8 @@
 
 #include <cstdint>
 
+#include "common/optimizer_hyper.h"  // SgdHyper, AdamHyper
+
 namespace dpar::kernels::cpu {
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -107,20 +109,10 @@ double mse_forward_backward(float* dpred, const float* pred, const float* target
 // Scalars that PyTorch derives in Python double precision (1 - dampening, bias corrections, ...) are derived
 // here in double from the float hyper-parameters and rounded to float where PyTorch rounds them.
 
-struct SgdHyper {
-  float lr, momentum, dampening, weight_decay;
-  bool nesterov;  // needs momentum > 0 and dampening == 0, as PyTorch requires
-};
-
 // d = g + wd*p; if momentum != 0: buf = first_step ? d : momentum*buf + (1-dampening)*d;
 // d = nesterov ? d + momentum*buf : buf; p -= lr*d.
 // param (n), momentum_buf (n) or nullptr when momentum == 0, grad (n)
 void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const SgdHyper& h, bool first_step);
-
-struct AdamHyper {
-  float lr, beta1, beta2, eps, weight_decay;
-  bool decoupled;  // true: AdamW (decoupled weight decay); false: Adam (L2 penalty added to the gradient)
-};
 
 // step is 1-based: the step being taken (1 on the first call). exp_avg/exp_avg_sq start at zero.
 // Adam: g += wd*p. AdamW: p *= 1 - lr*wd. m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g*g;

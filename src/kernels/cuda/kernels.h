@@ -18,12 +18,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/cpu/kernels.h"  // SgdHyper, AdamHyper: the hyper-parameters are the same structs
+#include "common/optimizer_hyper.h"  // SgdHyper, AdamHyper: the CPU twins' structs
 
 namespace dpar::kernels::cuda {
-
-using cpu::AdamHyper;
-using cpu::SgdHyper;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Linear layer (cuBLAS SGEMM, FP32 arithmetic: the CPU twin's precision).
