@@ -17,6 +17,7 @@
 #include <system_error>
 
 #include "comm/comm_thread.h"
+#include "comm/reduce_kernels.h"
 #include "common/error.h"
 
 namespace dpar {
@@ -128,8 +129,7 @@ void Communicator::reduce_sum(float* buffer, size_t count, bool contributes, flo
   if (!contributes && buffer) std::fill(buffer, buffer + count, 0.0f);
   const bool at_root = rank() == root;
   reduce(buffer, at_root ? buffer : nullptr, count, CommDType::kF32, ReduceOp::kSum, root);
-  if (at_root && scale != 1.0f)
-    for (size_t i = 0; i < count; ++i) buffer[i] *= scale;
+  if (at_root && scale != 1.0f) scale_f32(buffer, scale, count);
 }
 
 std::shared_ptr<Work> Communicator::async_run(const char* operation, std::function<void()> op) {

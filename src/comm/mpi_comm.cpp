@@ -15,7 +15,6 @@
 #include <mutex>
 
 #include "comm/reduce_kernels.h"
-#include "common/bf16.h"
 
 namespace dpar {
 namespace {
@@ -42,19 +41,8 @@ constexpr size_t kEagerMessageBytes = 3968;
 
 size_t round_up8(size_t n) { return (n + 7) & ~size_t{7}; }
 
-// bfloat16 as the reductions add it: in float, rounded back after each addition (so a sum is commutative, and every
-// rank of an all-reduce gets the same bits). Only sums reach it (validate()).
-struct Bf16 {
-  uint16_t bits;
-  Bf16& operator+=(Bf16 other) {
-    bits = to_bf16(from_bf16(bits) + from_bf16(other.bits));
-    return *this;
-  }
-};
-static_assert(sizeof(Bf16) == 2, "moved as MPI_UINT16_T");
-
 // out = the reduction of in[0..m) (rank order), or zeros for m == 0, with the rules every backend shares
-// (comm/reduce_kernels.h: NaN propagates in max and min, integer sums wrap). bf16 (sums only) adds as Bf16 does.
+// (comm/reduce_kernels.h: NaN propagates in max and min, integer sums wrap, bf16 sums round in float).
 void reduce_blocks(void* out, const char* const* in, size_t m, size_t count, CommDType dtype, ReduceOp op) {
   const size_t bytes = count * comm_dtype_size(dtype);
   if (m == 0) {
@@ -62,15 +50,7 @@ void reduce_blocks(void* out, const char* const* in, size_t m, size_t count, Com
     return;
   }
   std::memcpy(out, in[0], bytes);
-  for (size_t k = 1; k < m; ++k) {
-    if (dtype == CommDType::kBF16) {
-      auto* o = static_cast<Bf16*>(out);
-      const auto* b = reinterpret_cast<const Bf16*>(in[k]);
-      for (size_t i = 0; i < count; ++i) o[i] += b[i];
-    } else {
-      reduce_into(dtype, op, out, in[k], count);
-    }
-  }
+  for (size_t k = 1; k < m; ++k) reduce_into(dtype, op, out, in[k], count);
 }
 
 // Notices on the private communicator: int64 kind, sequence number, operation; then the text.
@@ -118,29 +98,9 @@ MPI_Datatype mpi_type(CommDType dtype) {
     case CommDType::kF64: return MPI_DOUBLE;
     case CommDType::kI32: return MPI_INT32_T;
     case CommDType::kI64: return MPI_INT64_T;
-    case CommDType::kBF16: return MPI_UINT16_T;  // moved as bits; summed by bf16_sum_op()
+    case CommDType::kBF16: return MPI_UINT16_T;  // moved as bits; summed by dpar's bf16 sum
   }
   return MPI_DATATYPE_NULL;
-}
-
-// inout[i] += in[i], as Bf16 adds.
-void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
-  const auto* a = static_cast<const Bf16*>(in);
-  auto* b = static_cast<Bf16*>(inout);
-  for (int i = 0; i < *len; ++i) b[i] += a[i];
-}
-
-// MPI has no bfloat16: its sum is an operation of dpar's, made once MPI runs (and never freed: it lives as long as
-// MPI does).
-MPI_Op bf16_sum_op() {
-  static std::once_flag once;
-  static MPI_Op op = MPI_OP_NULL;
-  std::call_once(once, [] {
-    const int rc = MPI_Op_create(&bf16_sum, 1, &op);
-    if (rc != MPI_SUCCESS) op = MPI_OP_NULL;
-  });
-  DPAR_ENFORCE(op != MPI_OP_NULL, DPAR_ERR_COMMUNICATION, "mpi: MPI_Op_create for the bf16 sum failed");
-  return op;
 }
 
 // inout[i] = in[i] op inout[i] with dpar's element-wise reduction (comm/reduce_kernels.h); `in` is the earlier
@@ -161,7 +121,8 @@ void dpar_reduce(void* in, void* inout, int* len, MPI_Datatype*) {
   }
 }
 
-// One MPI operation per (dtype, op) of dpar's own, made once MPI runs and never freed (as bf16_sum_op()).
+// One MPI operation per (dtype, op) of dpar's own, made once MPI runs and never freed (it lives as long as MPI
+// does). MPI has no bfloat16: its sum is one of them.
 template <CommDType D, ReduceOp O>
 MPI_Op dpar_op() {
   static std::once_flag once;
@@ -190,14 +151,13 @@ MPI_Op dpar_op(ReduceOp op) {
 // drop a NaN depending on the order of the operands, and MPI_SUM's integer overflow is the C library's
 // (undefined in C); dpar's wrap and propagate NaN, as every backend does (comm/reduce_kernels.h).
 MPI_Op mpi_op(CommDType dtype, ReduceOp op) {
-  if (dtype == CommDType::kBF16) return bf16_sum_op();
   const bool sum = op == ReduceOp::kSum || op == ReduceOp::kMean;
   switch (dtype) {
     case CommDType::kF32: return sum ? MPI_SUM : dpar_op<CommDType::kF32>(op);
     case CommDType::kF64: return sum ? MPI_SUM : dpar_op<CommDType::kF64>(op);
     case CommDType::kI32: return dpar_op<CommDType::kI32>(op);
     case CommDType::kI64: return dpar_op<CommDType::kI64>(op);
-    case CommDType::kBF16: break;
+    case CommDType::kBF16: return dpar_op<CommDType::kBF16, ReduceOp::kSum>();
   }
   return MPI_OP_NULL;
 }
@@ -232,22 +192,6 @@ std::string describe(const int64_t* fp) {
   if (has_root(coll)) os << ", root " << fp[kRoot];
   os << ")";
   return os.str();
-}
-
-template <class T>
-void divide_all(void* data, size_t count, T by) {
-  T* p = static_cast<T*>(data);
-  for (size_t i = 0; i < count; ++i) p[i] /= by;  // integers: truncates toward zero
-}
-
-void divide(void* data, size_t count, CommDType dtype, int by) {
-  switch (dtype) {
-    case CommDType::kF32: return divide_all<float>(data, count, static_cast<float>(by));
-    case CommDType::kF64: return divide_all<double>(data, count, static_cast<double>(by));
-    case CommDType::kI32: return divide_all<int32_t>(data, count, by);
-    case CommDType::kI64: return divide_all<int64_t>(data, count, by);
-    case CommDType::kBF16: return;  // validate() refuses a bf16 mean
-  }
 }
 
 bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
@@ -1225,16 +1169,13 @@ void MpiCommunicator::finish(const Call& c) {
   switch (c.coll) {
     case kAllReduce:
     case kReduceScatter:
-      if (c.op == ReduceOp::kMean) divide(c.recv, c.count, c.dtype, size_);
+      if (c.op == ReduceOp::kMean) divide_by(c.dtype, c.recv, c.count, static_cast<size_t>(size_));
       break;
     case kReduce:
-      if (c.op == ReduceOp::kMean && rank_ == c.root) divide(c.recv, c.count, c.dtype, size_);
+      if (c.op == ReduceOp::kMean && rank_ == c.root) divide_by(c.dtype, c.recv, c.count, static_cast<size_t>(size_));
       break;
     case kAllReduceSum:
-      if (c.scale != 1.0f) {
-        float* p = static_cast<float*>(c.recv);
-        for (size_t i = 0; i < c.count; ++i) p[i] *= c.scale;
-      }
+      if (c.scale != 1.0f) scale_f32(static_cast<float*>(c.recv), c.scale, c.count);
       break;
     default: break;
   }

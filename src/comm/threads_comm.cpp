@@ -14,20 +14,6 @@ namespace {
 
 constexpr size_t kMaxParticipants = 256;
 
-// ---- Element-wise kernels (comm/reduce_kernels.h: the reductions every backend shares) ------------------------
-
-// Not under ThreadSanitizer: it instruments the clones' load-time resolver (comm/reduce_kernels.cpp says more).
-#if defined(__SANITIZE_THREAD__)
-#define DPAR_CLONES
-#else
-#define DPAR_CLONES __attribute__((target_clones("avx2", "default")))
-#endif
-
-DPAR_CLONES void scale_f32(void* x, float scale, size_t n) {
-  float* p = static_cast<float*>(x);
-  for (size_t i = 0; i < n; ++i) p[i] *= scale;
-}
-
 using Kernels = ReduceKernels;
 
 // ---- The reduction pass ----------------------------------------------------------------------------------------
@@ -72,7 +58,7 @@ struct ReducePass {
         for (size_t i = 2; i < ni; ++i) k->into(acc, in[i] + off, len);
       }
       if (divisor != 1) k->div(acc, len, divisor);
-      if (scale != 1.0f) scale_f32(acc, scale, len);
+      if (scale != 1.0f) scale_f32(reinterpret_cast<float*>(acc), scale, len);
       for (size_t o = 0; o < no; ++o) {
         char* dst = out[o] + off;
         if (dst != acc) std::memcpy(dst, acc, bytes);
