@@ -84,13 +84,15 @@ void check_call(const CommCall& c, int rank, int size) {
     case kAllGather:
       DPAR_CHECK_ARG(c.send, what, ": send is null (count ", count, ")");
       DPAR_CHECK_ARG(c.recv, what, ": recv is null (count ", count, ")");
-      DPAR_CHECK_ARG(c.send == c.recv || c.send == at(c.recv, rank * bytes) || !overlap(c.send, bytes, c.recv, n * bytes),
+      DPAR_CHECK_ARG(c.send == c.recv || c.send == at(c.recv, rank * bytes) ||
+                         !overlap(c.send, bytes, c.recv, n * bytes),
                      what, ": send overlaps recv, but is neither recv nor recv + rank * count (in place)");
       break;
     case kReduceScatter:
       DPAR_CHECK_ARG(c.send, what, ": send is null (count ", count, ")");
       DPAR_CHECK_ARG(c.recv, what, ": recv is null (count ", count, ")");
-      DPAR_CHECK_ARG(c.recv == c.send || c.recv == at(c.send, rank * bytes) || !overlap(c.send, n * bytes, c.recv, bytes),
+      DPAR_CHECK_ARG(c.recv == c.send || c.recv == at(c.send, rank * bytes) ||
+                         !overlap(c.send, n * bytes, c.recv, bytes),
                      what, ": recv overlaps send, but is neither send (MPI in place) nor send + rank * count (NCCL)");
       break;
     default:  // broadcast and the gradient path: one buffer
@@ -106,7 +108,8 @@ std::string describe(const CallRecord& r, bool with_seq) {
   if (has_data(kind)) {
     const auto dtype = static_cast<CommDType>(r.dtype);
     os << " of " << r.count << " " << (known_dtype(r.dtype) ? comm_dtype_name(dtype) : "unknown dtype");
-    if (has_op(kind)) os << " (" << (known_op(r.op) ? reduce_op_name(static_cast<ReduceOp>(r.op)) : "unknown op") << ")";
+    if (has_op(kind))
+      os << " (" << (known_op(r.op) ? reduce_op_name(static_cast<ReduceOp>(r.op)) : "unknown op") << ")";
     if (kind == kBroadcast) os << " from root " << r.root;
     if (kind == kReduce || kind == kReduceSum) os << " to root " << r.root;
   }

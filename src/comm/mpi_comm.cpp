@@ -363,7 +363,8 @@ void MpiCommunicator::finish(const CommCall& c) {
       if (c.op() == ReduceOp::kMean) divide_by(c.dtype(), c.recv, c.count(), static_cast<size_t>(size_));
       break;
     case kReduce:
-      if (c.op() == ReduceOp::kMean && rank_ == c.root()) divide_by(c.dtype(), c.recv, c.count(), static_cast<size_t>(size_));
+      if (c.op() == ReduceOp::kMean && rank_ == c.root())
+        divide_by(c.dtype(), c.recv, c.count(), static_cast<size_t>(size_));
       break;
     case kAllReduceSum:
       if (c.scale != 1.0f) scale_f32(static_cast<float*>(c.recv), c.scale, c.count());

@@ -391,8 +391,10 @@ class NcclCommunicator final : public Communicator {
       DPAR_CUDA_CHECK(cudaMemcpy(all.data(), records_, sizeof(Record) * size_, cudaMemcpyDeviceToHost), operation,
                       ": fingerprint");
     }
-    for (int r = 1; r < size_; ++r)
-      if (!same_call(all[static_cast<size_t>(r)], all[0])) fail_mismatch(operation, r, all[static_cast<size_t>(r)], all[0]);
+    for (int r = 1; r < size_; ++r) {
+      const Record& theirs = all[static_cast<size_t>(r)];
+      if (!same_call(theirs, all[0])) fail_mismatch(operation, r, theirs, all[0]);
+    }
   }
 
   // Until done_ has completed on the GPU.

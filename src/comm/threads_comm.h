@@ -22,6 +22,9 @@
 // every participant's recv, reduce only to root's, and reduce_scatter's slice for participant r is block r, which
 // lands in r's recv. broadcast: participant r copies its slice of root's buffer into everyone else's. all_gather:
 // participant r copies every send (or staging buffer) into its own recv. (threads_comm.cpp says what was measured.)
+// The sharded gradient path splits by Communicator::block_range: reduce_scatter_sum is all_reduce_sum's pass over
+// participant r's block, written to r's buffer only (the same bits there); all_gather_blocks: participant r copies
+// every other participant's block of that participant's buffer into its own.
 //
 // The reduction order is rank order, whoever computes a slice, and no FMA is involved: every participant gets the
 // same bits, run after run, whatever the vector width (the float loops are compiled for AVX2 and baseline).
