@@ -107,10 +107,11 @@ class ThreadGroup final : public Group {
     const void* send = nullptr;  // all_reduce_sum, reduce_sum: null when the participant contributes nothing
     void* recv = nullptr;
   };
-  // Three cache lines per participant. The first two are what the others read in a collective, one per parity:
-  // its owner writes one of them once per call, before the first barrier. The second is written on every barrier and read by the others only to name
-  // who is missing: kept apart, the owner's barrier arrivals do not pull back a line that the others are reading,
-  // and a collective costs one transfer of the first line to the others and one back (as before fingerprints).
+  // Three cache lines per participant. The first two are what the others read in a collective, one per parity
+  // (the 24-byte record and two pointers do not fit two copies in one line): its owner writes one of them once per
+  // call, before the first barrier. The third is written on every barrier and read by the others only to name who
+  // is missing: kept apart, the owner's barrier arrivals do not pull back a line that the others are reading, and a
+  // collective costs one transfer of a published line to the others and one back.
   struct alignas(64) Slot {
     Published pub[2];                               // by the parity of the barrier round
     alignas(64) std::atomic<uint64_t> arrivals{0};  // barriers this participant has entered: names who is missing
