@@ -126,6 +126,30 @@ TEST(MpiBlocks, MismatchMessagesAreTheThreadsBackendsWordForWord) {
   }
 }
 
+// One rank's null buffer in reduce_sum (which MPI runs as a reduce) reaches the others as its refusal, not as a
+// mismatch, and the communicator goes on.
+TEST(MpiBlocks, ARefusedReduceSumReachesTheOthers) {
+  MpiCommunicator comm(MPI_COMM_WORLD, options());
+  const int n = comm.size();
+  if (n < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::vector<float> buffer(8, 1.0f);
+  Error got(DPAR_OK, "");
+  try {
+    comm.reduce_sum(comm.rank() == 1 ? nullptr : buffer.data(), 8, true, 1.0f, 0);
+  } catch (const Error& e) {
+    got = e;
+  }
+  if (comm.rank() == 1) {
+    EXPECT_EQ(got.status(), DPAR_ERR_INVALID_ARGUMENT) << got.what();
+  } else {
+    EXPECT_EQ(got.status(), DPAR_ERR_REMOTE) << got.what();
+    EXPECT_NE(std::string(got.what()).find("rank 1 refused"), std::string::npos) << got.what();
+  }
+  buffer.assign(8, 1.0f);
+  comm.reduce_sum(buffer.data(), 8, true, 0.5f, n - 1);
+  if (comm.rank() == n - 1) EXPECT_EQ(buffer[7], 0.5f * n);
+}
+
 TEST(MpiBlocks, CountsBeyondMpisIntsAreRefused) {
   MpiCommunicator comm(MPI_COMM_WORLD, options());
   std::vector<float> one(1);

@@ -385,7 +385,13 @@ void MpiCommunicator::run(const CommCall& call) {
 }
 
 void MpiCommunicator::refuse(const CommCall& call, const Error& error) {
-  execute(call, &error);  // throws: the exchange tells the others, and this rank throws its own error
+  // The others run a reduce_sum as a reduce (run()): a refused one takes part in that exchange.
+  CommCall as_run = call;
+  if (call.kind() == kReduceSum) {
+    as_run.record.kind = static_cast<uint8_t>(kReduce);
+    as_run.operation = collective_name(kReduce);
+  }
+  execute(as_run, &error);  // throws: the exchange tells the others, and this rank throws its own error
   throw error;
 }
 
