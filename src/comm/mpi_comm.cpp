@@ -24,16 +24,15 @@ using enum Collective;
 namespace {
 
 size_t g_max_chunk = INT_MAX;  // elements per MPI call (tests lower it)
-
 std::atomic<bool> g_skip_arrival_check{false};  // tests only
 
 const char* cbytes(const void* p, size_t offset) { return static_cast<const char*>(p) + offset; }
-
 char* bytes_at(void* p, size_t offset) { return static_cast<char*>(p) + offset; }
 
 // The base communicators over which a creation timed out: their MPI_Comm_idup is still pending (an MPI request
 // cannot be cancelled), so the ranks' creations over them no longer pair by order.
 std::mutex g_stale_bases_mutex;
+std::vector<MPI_Comm> g_stale_bases;
 
 // The duplicates of communicators that failed, waiting to be freed. A rank that gave up on a collective may have
 // sent notices or fingerprints that this rank never received, and OpenMPI gives a freed communicator's context id
@@ -45,7 +44,6 @@ struct Quarantined {
 };
 
 std::mutex g_quarantine_mutex;
-
 std::vector<Quarantined> g_quarantine;
 
 // Receives every point-to-point message that has reached `comm` (some looks: a message still in shared memory
@@ -80,7 +78,6 @@ void free_quarantined() {
   }
 }
 
-std::vector<MPI_Comm> g_stale_bases;
 
 }  // namespace
 

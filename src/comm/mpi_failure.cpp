@@ -36,9 +36,7 @@ SteadyClock::duration grace_period(double timeout_seconds) {
 // released even while this process waits in another (such as a test's or a program's own agreement after a
 // failure). Entries whose exchange is done are dropped lazily; a communicator removes itself as it is destroyed.
 std::mutex g_abandoned_mutex;
-
 std::vector<MpiCommunicator*> g_abandoned;
-
 std::atomic<int> g_abandoned_count{0};
 
 }  // namespace mpi_internal
