@@ -150,7 +150,10 @@ class DparRunner {
   }
   int cpu_of(int r) const { return cpus_[static_cast<size_t>(r) % cpus_.size()]; }
 
-  BlockResult run(size_t n, int warmup, int iters) {
+  // all_reduce_sum, or the sharded gradient path (ZeRO-2): reduce_scatter_sum then all_gather_blocks, which leave
+  // the same sums in every buffer.
+  enum class Path { kAllReduce, kSharded };
+  BlockResult run(size_t n, int warmup, int iters, Path path = Path::kAllReduce) {
     BlockResult res;
     std::vector<std::vector<double>> per(threads_, std::vector<double>(static_cast<size_t>(iters)));
     std::vector<int> ok(threads_, 1);
@@ -169,7 +172,12 @@ class DparRunner {
             std::fill(buf, buf + n, static_cast<float>((it & 7) + r));
             comm.barrier("pre");
             const auto t0 = std::chrono::steady_clock::now();
-            comm.all_reduce_sum(buf, n, true, 1.0f);
+            if (path == Path::kAllReduce) {
+              comm.all_reduce_sum(buf, n, true, 1.0f);
+            } else {
+              comm.reduce_scatter_sum(buf, n, true, 1.0f);
+              comm.all_gather_blocks(buf, n);
+            }
             const auto t1 = std::chrono::steady_clock::now();
             if (it >= warmup) per[r][static_cast<size_t>(it - warmup)] = std::chrono::duration<double>(t1 - t0).count();
             last = it;
@@ -797,6 +805,30 @@ int main(int argc, char** argv) {
              r.dpar_mpi_cols.c_str(), r.dpar_mpi_ratio.c_str(), dpar_mpi_aim(r), 100 * r.others,
              r.placement.c_str(), r.others >= 0.10 ? "; disturbed by other processes" : "",
              r.dpar_mpi_ok ? "" : "  WRONG SUMS");
+  }
+
+  // The sharded gradient path beside all_reduce_sum, in alternating blocks at the aim's sizes.
+  printf("\nsharded gradient path (ZeRO-2): reduce_scatter_sum + all_gather_blocks against all_reduce_sum, %d "
+         "threads\n", T);
+  printf("%8s | %12s | %12s | %12s | %s\n", "size", "all_reduce us", "rs+ag us", "rs+ag/ar", "sums");
+  for (size_t bytes : kAimSizes) {
+    const size_t n = bytes / sizeof(float);
+    const int calib = static_cast<int>(std::clamp<size_t>(64 * kMiB / bytes, 2, 2000));
+    BlockResult c = dpar_runner.run(n, 1, calib);
+    const int iters = iterations_for(per_block, c.times.empty() ? 1e-3 : bench_median(c.times.data(), c.times.size()));
+    std::vector<double> ar, sharded;
+    bool ok = c.ok;
+    for (int round = 0; round < opt.rounds; ++round) {
+      BlockResult a = dpar_runner.run(n, 1, iters);
+      BlockResult b = dpar_runner.run(n, 1, iters, DparRunner::Path::kSharded);
+      ok = ok && a.ok && b.ok;
+      ar.insert(ar.end(), a.times.begin(), a.times.end());
+      sharded.insert(sharded.end(), b.times.begin(), b.times.end());
+    }
+    const double ta = bench_median(ar.data(), ar.size()), tb = bench_median(sharded.data(), sharded.size());
+    all_ok = all_ok && ok;
+    printf("%8s | %12.2f | %12.2f | %11.2fx | %s\n", size_str(bytes).c_str(), ta * 1e6, tb * 1e6, tb / ta,
+           ok ? "correct" : "WRONG SUMS");
   }
 
 #ifdef BENCH_HAVE_MPI

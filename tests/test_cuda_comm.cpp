@@ -143,6 +143,39 @@ TEST_P(CudaDeviceGroupTest, MissingParticipantTimesOut) {
   for (int r = 1; r < n; ++r) EXPECT_TRUE(status[r] == DPAR_ERR_TIMEOUT || status[r] == DPAR_ERR_REMOTE) << r;
 }
 
+// The sharded gradient path on one GPU: block r of reduce_scatter_sum is the threads backend's block r of
+// all_reduce_sum, bit for bit, and all_gather_blocks then gives every replica the whole result.
+TEST_P(CudaDeviceGroupTest, ReduceScatterSumAndAllGatherBlocksMatchTheThreadsBackend) {
+  const int n = GetParam();
+  const size_t count = 10007;
+  CudaDeviceGroup group(std::vector<int>(n, 0), names(n, "cuda:0"), std::chrono::seconds(30));
+  ThreadGroup reference(names(n, "cpu"), std::chrono::seconds(30));
+  std::vector<std::vector<float>> host(n), expected(n), scattered(n), gathered(n);
+  for (int r = 0; r < n; ++r) host[r] = random_vector(count, 90 + r);
+  const auto status = run_threads(n, [&](int r) {
+    ThreadStream ts(0);
+    auto comm = group.communicator(r, ts.stream);
+    auto ref = reference.communicator(r);
+    expected[r] = host[r];
+    ref->all_reduce_sum(expected[r].data(), count, r != n - 1, 0.25f);
+    DeviceBuffer<float> d(host[r]);
+    comm->reduce_scatter_sum(d.get(), count, r != n - 1, 0.25f);
+    DPAR_CUDA_CHECK(cudaStreamSynchronize(ts.stream), "sync");
+    scattered[r] = d.download();
+    comm->all_gather_blocks(d.get(), count);
+    DPAR_CUDA_CHECK(cudaStreamSynchronize(ts.stream), "sync");
+    gathered[r] = d.download();
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_EQ(status[r], DPAR_OK) << "replica " << r;
+    const auto [begin, end] = Communicator::block_range(count, n, r);
+    EXPECT_TRUE(bitwise_equal(std::vector<float>(scattered[r].begin() + begin, scattered[r].begin() + end),
+                              std::vector<float>(expected[r].begin() + begin, expected[r].begin() + end)))
+        << "reduce_scatter_sum, replica " << r;
+    EXPECT_TRUE(bitwise_equal(gathered[r], expected[r])) << "all_gather_blocks, replica " << r;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Replicas, CudaDeviceGroupTest, ::testing::Values(2, 3, 4));
 
 // NCCL over every GPU of this machine (one rank each; the GPU machines have one), against the threads backend:

@@ -63,6 +63,8 @@ const char* collective_name(Collective kind) {
     case Collective::kReduce: return "reduce";
     case Collective::kAllGather: return "all_gather";
     case Collective::kReduceScatter: return "reduce_scatter";
+    case Collective::kReduceScatterSum: return "reduce_scatter_sum";
+    case Collective::kAllGatherBlocks: return "all_gather_blocks";
   }
   return "unknown collective";
 }
@@ -124,14 +126,6 @@ std::shared_ptr<Work> Communicator::async_all_reduce(const void* send, void* rec
   return submit_async("all_reduce", [=, this] { all_reduce(send, recv, count, dtype, op); });
 }
 
-void Communicator::reduce_sum(float* buffer, size_t count, bool contributes, float scale, int root) {
-  if (!contributes && buffer) std::fill(buffer, buffer + count, 0.0f);
-  const bool at_root = rank() == root;
-  reduce(buffer, at_root ? buffer : nullptr, count, CommDType::kF32, ReduceOp::kSum, root);
-  if (at_root && scale != 1.0f)
-    for (size_t i = 0; i < count; ++i) buffer[i] *= scale;
-}
-
 std::shared_ptr<Work> Communicator::async_run(const char* operation, std::function<void()> op) {
   return submit_async(operation, std::move(op));
 }
@@ -152,6 +146,16 @@ std::shared_ptr<Work> Communicator::async_all_gather(const void* send, void* rec
 std::shared_ptr<Work> Communicator::async_reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype,
                                                          ReduceOp op) {
   return submit_async("reduce_scatter", [=, this] { reduce_scatter(send, recv, count, dtype, op); });
+}
+
+std::shared_ptr<Work> Communicator::async_reduce_scatter_sum(float* buffer, size_t count, bool contributes,
+                                                             float scale) {
+  return submit_async("reduce_scatter_sum",
+                      [=, this] { reduce_scatter_sum(buffer, count, contributes, scale); });
+}
+
+std::shared_ptr<Work> Communicator::async_all_gather_blocks(float* buffer, size_t count) {
+  return submit_async("all_gather_blocks", [=, this] { all_gather_blocks(buffer, count); });
 }
 
 }  // namespace dpar

@@ -3,10 +3,14 @@
 // knows nothing of layers, models or devices: it moves typed buffers.
 //
 // Every collective is blocking here; async_* runs the same operation on the participant's communication thread and
-// returns a Work handle. Every collective has a timeout (the backend's option) and, before it moves data, the
-// participants compare a fingerprint of it (sequence number, operation, count, dtype, op, root): a participant
-// that calls another collective than the others makes all of them throw Error(MISMATCH) naming the operation and
-// that participant, instead of hanging or mixing data. A participant that does not arrive makes the others throw
+// returns a Work handle. The public collectives are this class's, not the backends': each checks its arguments
+// and builds the call's record (CallRecord) once, in comm/call_check.cpp, as NCCL's ArgsCheck does, and then runs
+// the backend's implementation (run()). A participant whose arguments are bad does not arrive: refuse() tells the
+// others (they throw Error(REMOTE)) and it throws its own error. Every collective has a timeout (the backend's
+// option) and, before it moves data, the participants compare their records (sequence number, operation, count,
+// dtype, op, root), each backend by its own transport: a participant that calls another collective than the
+// others makes all of them throw Error(MISMATCH) with the one message of mismatch_message(), whatever the backend,
+// instead of hanging or mixing data. A participant that does not arrive makes the others throw
 // Error(TIMEOUT) naming it; a participant that fails calls abort(), and the others throw Error(REMOTE).
 #pragma once
 
@@ -16,7 +20,9 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
+#include "common/error.h"
 #include "dpar.h"
 
 namespace dpar {
@@ -44,6 +50,8 @@ enum class Collective : int64_t {
   kReduce,
   kAllGather,
   kReduceScatter,
+  kReduceScatterSum,
+  kAllGatherBlocks,
 };
 
 size_t comm_dtype_size(CommDType dtype);
@@ -51,6 +59,43 @@ const char* comm_dtype_name(CommDType dtype);
 const char* reduce_op_name(ReduceOp op);
 // "all_gather", "barrier", ...; "unknown collective" for a value that is none of them.
 const char* collective_name(Collective kind);
+
+// What participants compare before any data moves: one record for every backend, 24 bytes without padding (the
+// backends compare it as three 64-bit words). Fields a collective does not have are 0 (root, op; count and dtype
+// of a barrier).
+struct CallRecord {
+  uint64_t count = 0;
+  uint32_t seq = 0;  // this participant's collectives on its communicator, from 1: set by the backend
+  int32_t root = 0;
+  uint8_t kind = 0;  // a Collective
+  uint8_t dtype = 0;
+  uint8_t op = 0;
+  uint8_t reserved[5] = {};
+  Collective collective() const { return static_cast<Collective>(kind); }
+};
+static_assert(sizeof(CallRecord) == 24, "compared as three 64-bit words");
+
+bool same_call(const CallRecord& a, const CallRecord& b);
+// The one message of a mismatch, in every backend: "all_reduce: participant 1 called all_reduce of 200 f32 (sum)
+// but participant 0 called all_reduce of 100 f32 (sum); nothing was moved". `operation` is what the caller called
+// (a barrier's own label), `other` the first participant whose record differs from participant 0's.
+std::string mismatch_message(const char* operation, int other, const CallRecord& theirs, const CallRecord& first);
+[[noreturn]] void fail_mismatch(const char* operation, int other, const CallRecord& theirs, const CallRecord& first);
+
+// A collective as the caller made it: its record and its buffers, checked (call_check.cpp) before a backend runs it.
+struct CommCall {
+  CallRecord record;
+  const char* operation = "";  // for messages: the collective's name, or a barrier's label
+  const void* send = nullptr;
+  void* recv = nullptr;         // the buffer of the one-buffer collectives (broadcast, all_reduce_sum, ...)
+  bool contributes = true;      // all_reduce_sum, reduce_sum, reduce_scatter_sum
+  float scale = 1.0f;           // the same
+  Collective kind() const { return record.collective(); }
+  size_t count() const { return record.count; }
+  CommDType dtype() const { return static_cast<CommDType>(record.dtype); }
+  ReduceOp op() const { return static_cast<ReduceOp>(record.op); }
+  int root() const { return record.root; }
+};
 
 // The completion of an asynchronous collective.
 class Work {
@@ -76,26 +121,36 @@ class Communicator {
 
   // `count` is the number of elements each participant contributes. `send` may equal `recv` (in place). For
   // kMean on integer dtypes the division truncates toward zero.
-  virtual void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) = 0;
+  void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op);
   // root's buffer is copied into every participant's.
-  virtual void broadcast(void* buffer, size_t count, CommDType dtype, int root) = 0;
+  void broadcast(void* buffer, size_t count, CommDType dtype, int root);
   // The reduction lands in root's `recv`; `recv` is ignored (may be null) elsewhere.
-  virtual void reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root) = 0;
+  void reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root);
   // recv (size() * count) holds every participant's send (count), in rank order.
-  virtual void all_gather(const void* send, void* recv, size_t count, CommDType dtype) = 0;
+  void all_gather(const void* send, void* recv, size_t count, CommDType dtype);
   // send (size() * count) is reduced element-wise; participant r receives block r (count) in recv.
-  virtual void reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) = 0;
+  void reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op);
   // Returns once every participant has entered it.
-  virtual void barrier(const char* operation) = 0;
+  void barrier(const char* operation);
 
   // The engine's gradient path: sums `count` floats in place and writes (sum * scale) into every participant's
   // buffer. A participant with contributes == false (it produced no gradient) receives the result without adding
   // its buffer, whose content is then ignored.
-  virtual void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) = 0;
+  void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale);
   // The same sum, scaled, into root's buffer only (the first step of a hierarchical reduction): other participants'
-  // buffers are unspecified afterwards. The default is reduce() followed by a scaling pass at the root; a backend
-  // may fuse them.
-  virtual void reduce_sum(float* buffer, size_t count, bool contributes, float scale, int root);
+  // buffers are unspecified afterwards.
+  void reduce_sum(float* buffer, size_t count, bool contributes, float scale, int root);
+
+  // The sharded gradient path (ZeRO-2): a buffer of `count` floats cut into size() blocks by block_range().
+  // Block r is [begin, end); blocks are ceil(count / size) rounded up to a multiple of 16 elements (64 bytes of
+  // f32), so the last ones may be shorter or empty.
+  static std::pair<size_t, size_t> block_range(size_t count, int size, int rank);
+  // In place: participant r's block r of `buffer` receives (sum over participants of that block) * scale; the rest
+  // of its buffer is unspecified afterwards. contributes == false as in all_reduce_sum. Block r holds the bits that
+  // all_reduce_sum would leave there.
+  void reduce_scatter_sum(float* buffer, size_t count, bool contributes, float scale);
+  // In place: every participant's block r (of `count` f32 elements) is copied into block r of every buffer.
+  void all_gather_blocks(float* buffer, size_t count);
 
   // Asynchronous forms: the operation runs on this participant's communication thread, in the order of the
   // calls; buffers must stay valid and untouched until the Work completes. The thread starts with the first
@@ -109,6 +164,8 @@ class Communicator {
   std::shared_ptr<Work> async_all_gather(const void* send, void* recv, size_t count, CommDType dtype);
   std::shared_ptr<Work> async_reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype,
                                              ReduceOp op);
+  std::shared_ptr<Work> async_reduce_scatter_sum(float* buffer, size_t count, bool contributes, float scale);
+  std::shared_ptr<Work> async_all_gather_blocks(float* buffer, size_t count);
 
   // Runs `op` on the communication thread, in order with the async_* operations: a composite step (several
   // collectives, on this communicator and possibly others) that must not block the caller, such as a gradient
@@ -125,6 +182,16 @@ class Communicator {
   virtual dpar_status async_error(std::string* reason) = 0;
 
  protected:
+  // The backend's implementation of a checked call (call.record.seq is 0: the backend numbers its calls). A
+  // backend that cannot run a collective throws Error(NOT_SUPPORTED), through refuse() if the others would wait.
+  virtual void run(const CommCall& call) = 0;
+  // A participant whose call is refused before it arrives (bad arguments, or a backend's own limit): it must not
+  // leave the others waiting. The default aborts the group (they throw Error(REMOTE)) and throws `error`; a backend
+  // whose transport can tell the others without breaking the group (MPI) overrides it.
+  [[noreturn]] virtual void refuse(const CommCall& call, const Error& error);
+  // reduce_sum as reduce() followed by a scaling pass at the root, for a backend that does not fuse them.
+  void reduce_sum_through_reduce(const CommCall& call);
+
   // Runs first on this participant's communication thread, when the first async_* call starts it. A backend whose
   // work is bound to a device makes that device current there, once, as a worker thread does when it starts, so
   // that no call on the thread has to change it and change it back. Must not throw.
@@ -138,6 +205,8 @@ class Communicator {
   void stop_async() noexcept;
 
  private:
+  // Checks `call` (call_check.cpp) and runs it, or refuses it.
+  void check_and_run(const CommCall& call);
   // Queues `op` on the communication thread, starting the thread first if needed.
   std::shared_ptr<Work> submit_async(const char* operation, std::function<void()> op);
   std::mutex async_mutex_;                     // guards the lazy start and stop of async_

@@ -10,15 +10,16 @@
 namespace dpar {
 namespace {
 
-// What a participant publishes for one collective (gathered as kI64 over the thread group).
+// What a participant publishes for one collective (gathered as kI64 over the thread group): the call's record, which
+// all compare, and what the others need to do their part.
 struct Record {
-  Collective kind;
-  int64_t count, dtype, op, root, contributes;
+  CallRecord call;
+  int64_t contributes;
   int64_t send, recv;      // device pointers
   int64_t ready, done;     // cudaEvent_t: inputs complete; this participant's slice written
 };
 constexpr size_t kRecordWords = sizeof(Record) / sizeof(int64_t);
-static_assert(sizeof(Record) == 10 * sizeof(int64_t));
+static_assert(sizeof(Record) == 8 * sizeof(int64_t));
 
 using enum Collective;
 
@@ -30,17 +31,6 @@ std::pair<size_t, size_t> slice_of(size_t count, size_t esz, int rank, int n) {
   const size_t begin = std::min(count, per * static_cast<size_t>(rank));
   return {begin, std::min(count, begin + per)};
 }
-
-// An argument check that fails before this participant arrives: release the others (they would wait for it until the
-// timeout), then throw, as the threads backend's local_failure.
-#define DPAR_LOCAL_CHECK(cond, ...)                                                   \
-  do {                                                                                \
-    if (!(cond)) {                                                                    \
-      const std::string dpar_msg_ = ::dpar::detail::concat(__VA_ARGS__);              \
-      host_.abort(host_.name(rank_) + " failed: " + dpar_msg_);                       \
-      ::dpar::fail(DPAR_ERR_INVALID_ARGUMENT, dpar_msg_);                             \
-    }                                                                                 \
-  } while (0)
 
 template <class T>
 T* ptr(int64_t v) {
@@ -68,36 +58,65 @@ class CudaDeviceCommunicator final : public Communicator {
   int size() const override { return host_.size(); }
   const char* backend() const override { return "cuda-device"; }
 
-  void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) override {
-    sum("all_reduce_sum", kAllReduceSum, buffer, count, contributes, scale, 0);
-  }
-  void reduce_sum(float* buffer, size_t count, bool contributes, float scale, int root) override {
-    check_root("reduce_sum", root);
-    sum("reduce_sum", kReduceSum, buffer, count, contributes, scale, root);
-  }
+  void abort(const std::string& reason) override { host_.abort(reason); }
+  dpar_status async_error(std::string* reason) override { return comm_->async_error(reason); }
 
-  void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override {
-    static constexpr const char* kOp = "all_reduce";
-    if (dtype != CommDType::kF32 || op != ReduceOp::kSum)
-      fail(DPAR_ERR_NOT_SUPPORTED, kOp, ": the CUDA device group reduces f32 sums only, not ", comm_dtype_name(dtype),
-           " ", reduce_op_name(op));
-    DPAR_LOCAL_CHECK(count == 0 || (send != nullptr && recv != nullptr), kOp, ": null buffer");
-    // Out of place: recv takes send's values first (on this stream, before the inputs-ready event).
-    if (count != 0 && send != recv) {
-      cuda::DeviceScope scope(device_);
-      DPAR_CUDA_CHECK(cudaMemcpyAsync(recv, send, count * sizeof(float), cudaMemcpyDeviceToDevice, stream_), kOp);
+ protected:
+  void run(const CommCall& c) override {
+    switch (c.kind()) {
+      case kAllReduceSum:
+      case kReduceSum:
+      // reduce_sum and reduce_scatter_sum may leave any content in the rest of a buffer: the one pass that writes
+      // every slice's sum into every buffer serves them all (block r of reduce_scatter_sum is all_reduce_sum's).
+      case kReduceScatterSum: return sum(c, static_cast<float*>(c.recv), c.contributes);
+      case kAllReduce: return all_reduce(c);
+      case kBroadcast: return broadcast(c);
+      case kAllGather: return all_gather(c);
+      case kAllGatherBlocks: return all_gather_blocks(c);
+      case kBarrier: {
+        Record mine = record(c);
+        return frame(c, mine, [](const std::vector<Record>&) {});
+      }
+      case kReduce:
+      case kReduceScatter: break;
     }
-    sum(kOp, kAllReduce, static_cast<float*>(recv), count, true, 1.0f, 0);
+    // Every participant that makes this call refuses it alike, without waiting: nobody is left behind.
+    fail(DPAR_ERR_NOT_SUPPORTED, c.operation, ": not supported by the CUDA device group (its reductions are f32 "
+         "sums: all_reduce, all_reduce_sum, reduce_sum, reduce_scatter_sum)");
   }
 
-  void broadcast(void* buffer, size_t count, CommDType dtype, int root) override {
-    static constexpr const char* kOp = "broadcast";
-    check_root(kOp, root);
-    const size_t esz = comm_dtype_size(dtype);
-    DPAR_LOCAL_CHECK(count == 0 || buffer != nullptr, kOp, ": buffer is null");
-    Record mine{kBroadcast, static_cast<int64_t>(count), static_cast<int64_t>(dtype), 0, root, 0, 0, 0, 0, 0};
-    mine.recv = reinterpret_cast<intptr_t>(buffer);
-    run(kOp, mine, [&](const std::vector<Record>& all) {
+  void prepare_thread() noexcept override {
+    (void)cuda::bind_thread_to_device(device_);  // if it failed, each call's scope sets it
+  }
+
+ private:
+  Record record(const CommCall& c) const {
+    Record mine{};
+    mine.call = c.record;
+    mine.contributes = c.contributes;
+    mine.send = reinterpret_cast<intptr_t>(c.send);
+    mine.recv = reinterpret_cast<intptr_t>(c.recv);
+    return mine;
+  }
+
+  void all_reduce(const CommCall& c) {
+    if (c.dtype() != CommDType::kF32 || c.op() != ReduceOp::kSum)
+      fail(DPAR_ERR_NOT_SUPPORTED, c.operation, ": the CUDA device group reduces f32 sums only, not ",
+           comm_dtype_name(c.dtype()), " ", reduce_op_name(c.op()));
+    // Out of place: recv takes send's values first (on this stream, before the inputs-ready event).
+    if (c.count() != 0 && c.send != c.recv) {
+      cuda::DeviceScope scope(device_);
+      DPAR_CUDA_CHECK(cudaMemcpyAsync(c.recv, c.send, c.count() * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+                      c.operation);
+    }
+    sum(c, static_cast<float*>(c.recv), true);
+  }
+
+  void broadcast(const CommCall& c) {
+    const size_t count = c.count(), esz = comm_dtype_size(c.dtype());
+    const int root = c.root();
+    Record mine = record(c);
+    frame(c, mine, [&](const std::vector<Record>& all) {
       // This participant copies its slice of root's buffer into every other participant's.
       const auto [begin, end] = slice_of(count, esz, rank_, size());
       if (begin == end) return;
@@ -106,66 +125,50 @@ class CudaDeviceCommunicator final : public Communicator {
         if (r != root)
           DPAR_CUDA_CHECK(cudaMemcpyAsync(ptr<char>(all[r].recv) + begin * esz, src, (end - begin) * esz,
                                           cudaMemcpyDeviceToDevice, stream_),
-                          kOp, " slice to participant ", r);
+                          c.operation, " slice to participant ", r);
     });
   }
 
-  void all_gather(const void* send, void* recv, size_t count, CommDType dtype) override {
-    static constexpr const char* kOp = "all_gather";
-    const size_t esz = comm_dtype_size(dtype);
-    DPAR_LOCAL_CHECK(count == 0 || (send != nullptr && recv != nullptr), kOp, ": null buffer");
-    const size_t bytes = count * esz;
-    DPAR_LOCAL_CHECK(send == static_cast<char*>(recv) + bytes * rank_ ||
-                       static_cast<const char*>(send) + bytes <= static_cast<char*>(recv) ||
-                       static_cast<char*>(recv) + bytes * size() <= static_cast<const char*>(send),
-                   kOp, ": send overlaps recv without being its block (in place)");
-    Record mine{kAllGather, static_cast<int64_t>(count), static_cast<int64_t>(dtype), 0, 0, 0, 0, 0, 0, 0};
-    mine.send = reinterpret_cast<intptr_t>(send);
-    mine.recv = reinterpret_cast<intptr_t>(recv);
-    run(kOp, mine, [&](const std::vector<Record>& all) {
+  void all_gather(const CommCall& c) {
+    const size_t bytes = c.count() * comm_dtype_size(c.dtype());
+    // The others read this participant's send while it writes its recv: the one overlap that the call check
+    // allows and this group does not is send == recv at a rank other than 0.
+    if (bytes != 0 && c.send == c.recv && rank_ != 0)
+      refuse(c, Error(DPAR_ERR_NOT_SUPPORTED, detail::concat(c.operation, ": send == recv at rank ", rank_, " is "
+                                                             "not supported by the CUDA device group (in place is "
+                                                             "send == recv + rank * count)")));
+    Record mine = record(c);
+    frame(c, mine, [&](const std::vector<Record>& all) {
       // This participant copies every send into its own recv: it writes its own buffer only.
       for (int r = 0; r < size(); ++r) {
-        char* dst = static_cast<char*>(recv) + bytes * r;
+        char* dst = static_cast<char*>(c.recv) + bytes * r;
         if (bytes != 0 && dst != ptr<char>(all[r].send))
           DPAR_CUDA_CHECK(cudaMemcpyAsync(dst, ptr<const char>(all[r].send), bytes, cudaMemcpyDeviceToDevice, stream_),
-                          kOp, " block of participant ", r);
+                          c.operation, " block of participant ", r);
       }
     });
   }
 
-  void reduce(const void*, void*, size_t, CommDType, ReduceOp, int) override {
-    fail(DPAR_ERR_NOT_SUPPORTED, "reduce: not supported by the CUDA device group (use reduce_sum)");
-  }
-  void reduce_scatter(const void*, void*, size_t, CommDType, ReduceOp) override {
-    fail(DPAR_ERR_NOT_SUPPORTED, "reduce_scatter: not supported by the CUDA device group");
-  }
-
-  void barrier(const char* operation) override {
-    Record mine{kBarrier, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-    run(operation, mine, [](const std::vector<Record>&) {});
-  }
-
-  void abort(const std::string& reason) override { host_.abort(reason); }
-  dpar_status async_error(std::string* reason) override { return comm_->async_error(reason); }
-
- protected:
-  void prepare_thread() noexcept override {
-    (void)cuda::bind_thread_to_device(device_);  // if it failed, each call's scope sets it
+  // Block r of participant r's buffer into every other buffer: this participant copies the others' blocks into its
+  // own buffer (it writes its own buffer only, and reads blocks that their owners do not write).
+  void all_gather_blocks(const CommCall& c) {
+    Record mine = record(c);
+    frame(c, mine, [&](const std::vector<Record>& all) {
+      for (int r = 0; r < size(); ++r) {
+        const auto [begin, end] = block_range(c.count(), size(), r);
+        if (r == rank_ || begin == end) continue;
+        DPAR_CUDA_CHECK(cudaMemcpyAsync(static_cast<float*>(c.recv) + begin, ptr<const float>(all[r].recv) + begin,
+                                        (end - begin) * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+                        c.operation, " block of participant ", r);
+      }
+    });
   }
 
- private:
-  void check_root(const char* operation, int root) {
-    DPAR_LOCAL_CHECK(root >= 0 && root < size(), operation, ": root ", root, " is not a participant (size ", size(),
-                   ")");
-  }
-
-  void sum(const char* operation, Collective kind, float* buffer, size_t count, bool contributes, float scale,
-           int root) {
-    DPAR_LOCAL_CHECK(count == 0 || buffer != nullptr, operation, ": buffer is null");
-    Record mine{kind, static_cast<int64_t>(count), static_cast<int64_t>(CommDType::kF32), 0, root, contributes, 0, 0,
-                0, 0};
+  void sum(const CommCall& c, float* buffer, bool contributes) {
+    Record mine = record(c);
+    mine.contributes = contributes;
     mine.recv = reinterpret_cast<intptr_t>(buffer);
-    run(operation, mine, [&](const std::vector<Record>& all) {
+    frame(c, mine, [&](const std::vector<Record>& all) {
       // Every participant's buffer travels in the launch itself (no table in device memory to upload and keep in
       // step with the buffers).
       const int n = size();
@@ -175,8 +178,8 @@ class CudaDeviceCommunicator final : public Communicator {
         buffers.buffer[r] = ptr<float>(all[r].recv);
         if (all[r].contributes != 0) buffers.contributes |= uint64_t{1} << r;
       }
-      const auto [begin, end] = slice_of(count, sizeof(float), rank_, n);
-      kernels::cuda::sum_slice_into_all(buffers, static_cast<int64_t>(begin), static_cast<int64_t>(end), scale,
+      const auto [begin, end] = slice_of(c.count(), sizeof(float), rank_, n);
+      kernels::cuda::sum_slice_into_all(buffers, static_cast<int64_t>(begin), static_cast<int64_t>(end), c.scale,
                                         stream_);
     });
   }
@@ -184,14 +187,18 @@ class CudaDeviceCommunicator final : public Communicator {
   // The collective's frame: publish the record and the ready event, agree, wait for every participant's inputs,
   // queue this participant's part, publish its done event, meet again, wait for every participant's part.
   template <class Part>
-  void run(const char* operation, Record& mine, Part part) {
+  void frame(const CommCall& c, Record& mine, Part part) {
+    const char* operation = c.operation;
     cuda::DeviceScope scope(device_);
     DPAR_CUDA_CHECK(cudaEventRecord(ready_, stream_), operation, ": inputs-ready event");
+    mine.call.seq = ++seq_;
     mine.ready = reinterpret_cast<intptr_t>(ready_);
     mine.done = reinterpret_cast<intptr_t>(done_);
     std::vector<Record> all(static_cast<size_t>(size()));
     comm_->all_gather(&mine, all.data(), kRecordWords, CommDType::kI64);
-    check_records(operation, all);
+    // Every participant sees the same records, so all throw alike on a difference.
+    for (int r = 1; r < size(); ++r)
+      if (!same_call(all[r].call, all[0].call)) fail_mismatch(operation, r, all[r].call, all[0].call);
     try {
       for (const auto& r : all)
         DPAR_CUDA_CHECK(cudaStreamWaitEvent(stream_, ptr<CUevent_st>(r.ready), 0), operation, ": wait for inputs");
@@ -206,21 +213,10 @@ class CudaDeviceCommunicator final : public Communicator {
       DPAR_CUDA_CHECK(cudaStreamWaitEvent(stream_, ptr<CUevent_st>(r.done), 0), operation, ": wait for the others");
   }
 
-  // Every participant sees the same records, so all throw alike on a difference.
-  void check_records(const char* operation, const std::vector<Record>& all) const {
-    const Record& a = all[0];
-    for (int r = 1; r < size(); ++r) {
-      const Record& b = all[r];
-      if (a.kind == b.kind && a.count == b.count && a.dtype == b.dtype && a.op == b.op && a.root == b.root) continue;
-      auto describe = [](const Record& x) {
-        return detail::concat(collective_name(x.kind), " of ", x.count, " ",
-                              comm_dtype_name(static_cast<CommDType>(x.dtype)),
-                              x.kind == kBroadcast || x.kind == kReduceSum ? " root " : "",
-                              x.kind == kBroadcast || x.kind == kReduceSum ? std::to_string(x.root) : "");
-      };
-      fail(DPAR_ERR_MISMATCH, operation, ": participant ", r, " (", host_.name(r), ") called ", describe(b),
-           " but participant 0 (", host_.name(0), ") called ", describe(a), " (seen by ", host_.name(rank_), ")");
-    }
+  // A refused call does not arrive: the others are released, naming this participant.
+  [[noreturn]] void refuse(const CommCall&, const Error& error) override {
+    host_.abort(host_.name(rank_) + " failed: " + error.what());
+    throw error;
   }
 
   ThreadGroup& host_;
@@ -229,8 +225,8 @@ class CudaDeviceCommunicator final : public Communicator {
   cudaStream_t stream_;
   std::unique_ptr<Communicator> comm_;  // the host side: records, barriers, timeouts, abort
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
+  uint32_t seq_ = 0;  // this participant's collectives, for its records
 };
-
 }  // namespace
 
 CudaDeviceGroup::CudaDeviceGroup(std::vector<int> devices, std::vector<std::string> names,

@@ -4,7 +4,7 @@
 // Participants are threads of one process, each with the CUDA stream of its replica's compute work. Host
 // synchronisation, fingerprints, timeouts and abort are a ThreadGroup's (threads_comm.h): every collective starts
 // with an all-gather over the thread group of each participant's call record (operation, count, dtype, op, root,
-// buffers, events); all participants then compare the records and throw Error(MISMATCH) alike on a difference,
+// buffers, events); all participants then compare the CallRecords and throw Error(MISMATCH) alike on a difference,
 // and a missing or failed participant gives TIMEOUT or REMOTE exactly as in the threads backend.
 //
 // The device work is the threads backend's one-pass algorithm, on the GPU: participant r waits (on its stream) for
@@ -16,9 +16,11 @@
 // participant's stream (the stream passed at construction). Sum order is participant order, whoever computes a
 // slice: every participant gets the same bits, the threads backend's bits for the same inputs.
 //
-// Supported: all_reduce_sum, reduce_sum (it writes every participant's buffer: allowed, the others' content is
-// unspecified), all_reduce (f32, sum), broadcast and all_gather (any dtype: copies), barrier. reduce, reduce_scatter
-// and the other dtypes and ops of all_reduce throw Error(NOT_SUPPORTED) on every participant, without waiting.
+// Supported: all_reduce_sum, reduce_sum and reduce_scatter_sum (both are all_reduce_sum's pass: it writes every
+// participant's buffer, which they allow, since the rest of a buffer is unspecified), all_reduce (f32, sum),
+// broadcast, all_gather and all_gather_blocks (copies), barrier. reduce, reduce_scatter and the other dtypes and ops
+// of all_reduce throw Error(NOT_SUPPORTED) on every participant, without waiting. Arguments are checked by the one
+// call check (communicator.h); a participant refused there releases the others (they throw Error(REMOTE)).
 // Buffers are device memory of the participant's GPU. In place: all_reduce takes send == recv; all_gather takes
 // send == recv + rank * count; other overlaps are not supported.
 #pragma once

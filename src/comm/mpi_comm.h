@@ -8,23 +8,24 @@
 // MPI_Finalize at exit is watched, and the process ends with status 1 if it has not returned within 30 s.
 //
 // A collective is two phases:
-//  1. Arrival and fingerprint. Every participant contributes (sequence number, operation, count, dtype, op, root,
-//     local error) to an allgather of its own over point-to-point messages (Bruck's algorithm, ceil(log2 size)
+//  1. Arrival and fingerprint (mpi_agree.cpp). Every participant contributes its call's record (communicator.h:
+//     sequence number, operation, count, dtype, op, root) and its own refusal, if any, to an allgather of its own over point-to-point messages (Bruck's algorithm, ceil(log2 size)
 //     rounds of MPI_Isend/MPI_Irecv on a private communicator), and polls it with MPI_Testall until it completes,
 //     the timeout passes, this participant is aborted, or a notice (below) arrives. Everyone then holds the same
-//     table and takes the same decision: on a difference all throw Error(MISMATCH) naming the ranks and what
-//     differs; a participant whose own arguments were bad throws its own error (INVALID_ARGUMENT, ...) and the
-//     others throw Error(REMOTE) naming it. No data moves in either case and the communicator stays usable. A
+//     table and takes the same decision: on a difference all throw Error(MISMATCH) with the one message of every
+//     backend (mismatch_message()); a participant whose own arguments were bad (the one call check, or MPI's own
+//     limits) throws its own error (INVALID_ARGUMENT, ...) and the others throw Error(REMOTE) naming it. No data moves in either case and the communicator stays usable. A
 //     completed exchange proves that every participant entered the collective: barrier() is this phase alone.
 //     Cost: one small-message latency per round (about 0.3-0.6 us between two processes of one machine), which is
 //     what dpar adds to a plain MPI_Allreduce.
 //     Small all-reduces are fused into this phase: when every message of the exchange stays under OpenMPI's eager
-//     limit (each rank's data at most 3904 bytes for 2 ranks, 1920 for 4, 928 for 8: (3968 / most blocks per
-//     message) - 64), each rank's data rides with its fingerprint and every rank reduces the gathered blocks itself,
+//     limit (each rank's data at most 3928 bytes for 2 ranks, 1944 for 4, 952 for 8: (3968 / most blocks per
+//     message) - 40), each rank's data rides with its fingerprint and every rank reduces the gathered blocks itself,
 //     in rank order (all ranks get the same bits). There is no phase 2 then, and the timeout covers the data too.
 //  2. Transfer: the MPI collective itself, on the communicator's duplicate of base (MPI_Allreduce, MPI_Bcast,
-//     MPI_Reduce, MPI_Allgather, MPI_Reduce_scatter_block; MPI_IN_PLACE for the in-place forms; a mean is a sum
-//     divided afterwards, truncating for integers). By default it is the blocking call, OpenMPI's tuned algorithms
+//     MPI_Reduce, MPI_Allgather, MPI_Reduce_scatter_block; reduce_scatter_sum and all_gather_blocks are
+//     MPI_Reduce_scatter and MPI_Allgatherv in place, with block_range's per-rank counts; MPI_IN_PLACE for the
+//     in-place forms; a mean is a sum divided afterwards, truncating for integers). By default it is the blocking call, OpenMPI's tuned algorithms
 //     at the speed of a plain MPI program: every participant is known to be inside the collective, so the timeout
 //     is not needed for arrival any more. The price: a rank that dies during the transfer itself leaves the others
 //     inside MPI (mpirun then kills the job, by default). MpiOptions::transfer = kNonBlocking uses MPI_I* polled as
@@ -32,7 +33,7 @@
 //     collectives (libnbc), about 2x slower here. After a timeout in that mode MPI may still write the call's recv
 //     buffer if the missing rank arrives later (an MPI request cannot be cancelled): keep it alive or exit.
 //
-// Notices: point-to-point messages on the private communicator, looked for (MPI_Improbe, ~0.07 us a look) as a
+// Notices (mpi_failure.cpp): point-to-point messages on the private communicator, looked for (MPI_Improbe, ~0.07 us a look) as a
 // collective starts (twice) and while it waits:
 //  - abort(reason) sends ABORT(reason) to every other rank: a rank waiting now throws Error(REMOTE) with the reason
 //    at once, and every later call on any rank throws it too (the aborting rank's included).
@@ -68,8 +69,8 @@
 // In place: all_reduce and reduce take send == recv; all_gather takes send == recv + rank * count and send == recv;
 // reduce_scatter takes recv == send (the result lands at the start of the buffer, and the rest of it is
 // clobbered) and recv == send + rank * count (block 0 is clobbered on other ranks than 0). Other overlaps are
-// refused. Counts above INT_MAX are split into several MPI calls for all_reduce, broadcast and reduce; all_gather
-// and reduce_scatter refuse them (NOT_SUPPORTED).
+// refused. Counts above INT_MAX are split into several MPI calls for all_reduce, broadcast and reduce; all_gather,
+// reduce_scatter, reduce_scatter_sum and all_gather_blocks refuse them (NOT_SUPPORTED).
 //
 // Threads: calls on one communicator are serialised by a mutex (the communication thread of async_* and the
 // caller never run MPI at once); abort() may be called from any thread at any time. Communicators may be used from
@@ -115,6 +116,14 @@ class MpiRuntime {
   int world_size_ = 1;
 };
 
+// What every rank contributes to a collective's exchange: the call's record (communicator.h), which must agree,
+// this rank's own refusal (a status, 0 if none) and the size of the data that follows in a fused all-reduce.
+struct MpiHeader {
+  CallRecord record;
+  int64_t error = 0;
+  int64_t payload_bytes = 0;
+};
+
 struct MpiOptions {
   // How long a participant waits for the others in a collective (and in the constructor); anything above 3e9
   // (such as INFINITY) waits forever. Must be positive.
@@ -142,13 +151,6 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   const char* backend() const override { return "mpi"; }
 
-  void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override;
-  void broadcast(void* buffer, size_t count, CommDType dtype, int root) override;
-  void reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root) override;
-  void all_gather(const void* send, void* recv, size_t count, CommDType dtype) override;
-  void reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override;
-  void barrier(const char* operation) override;
-  void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) override;
   void abort(const std::string& reason) override;
   dpar_status async_error(std::string* reason) override;
 
@@ -161,26 +163,30 @@ class MpiCommunicator final : public Communicator {
   bool broken() const { return state_.load(std::memory_order_acquire) != kUsable; }
 
  private:
-  struct Call;
   enum State : int { kUsable = 0, kAborted = 1, kFailed = 2 };
 
-  void run(Call& call);
-  void validate(const Call& call) const;
-  void check_usable(const Call& call);
+  // A checked call runs; a refused one (bad arguments) takes part in the exchange with its error, so that the
+  // others throw Error(REMOTE) naming this rank and the communicator stays usable.
+  void run(const CommCall& call) override;
+  [[noreturn]] void refuse(const CommCall& call, const Error& error) override;
+  void execute(const CommCall& call, const Error* refused);
+  // MPI's own limits, beyond the one call check: bf16 sums only, int counts where MPI has no chunked form.
+  void check_limits(const CommCall& call) const;
+  void check_usable(const CommCall& call);
   // Phase 1; returns true for a fused all-reduce, whose data came with the fingerprints.
-  bool agree(const Call& call, uint64_t seq);
-  void reduce_fused(const Call& call);
-  void transfer(const Call& call, uint64_t seq);
-  void finish(const Call& call);
+  bool agree(const CommCall& call, uint64_t seq, const Error* refused);
+  void reduce_fused(const CommCall& call);
+  void transfer(const CommCall& call, uint64_t seq);
+  void finish(const CommCall& call);
   // Waits for `request` to complete: until the deadline (then the TIMEOUT protocol), a local abort or a notice.
-  void wait(MPI_Request* requests, int count, MPI_Status* statuses, const Call& call, uint64_t seq,
+  void wait(MPI_Request* requests, int count, MPI_Status* statuses, const CommCall& call, uint64_t seq,
             bool transferring, std::chrono::steady_clock::time_point start);
   // Throws REMOTE if a notice says the group broke, or that the others gave up on collective `seq` already.
-  void check_late(const Call& call, uint64_t seq, int looks);
-  void gather_fingerprints(const int64_t* mine, const void* payload, const Call& call, uint64_t seq);
+  void check_late(const CommCall& call, uint64_t seq, int looks);
+  void gather_fingerprints(const MpiHeader& mine, const void* payload, const CommCall& call, uint64_t seq);
   // One round of the exchange: post its messages; parse what came and go to the next round.
-  void post_round(const Call& call, uint64_t seq);
-  void finish_round(const Call& call, uint64_t seq);
+  void post_round(const CommCall& call, uint64_t seq);
+  void finish_round(const CommCall& call, uint64_t seq);
   // Copies the gathered fingerprints into table_, in rank order.
   void collect_table();
   // Advances an abandoned exchange without waiting; once it completes, joins the transfer that follows (if any)
@@ -192,8 +198,8 @@ class MpiCommunicator final : public Communicator {
   // Advances the exchanges that other communicators of this process abandoned (those not busy now).
   void release_others();
   // Throws REMOTE if a rank that gave up on collective `seq` joined its transfer only to release this rank.
-  void check_void(const Call& call, uint64_t seq);
-  [[noreturn]] void give_up(const Call& call, uint64_t seq, bool transferring, int first_notifier);
+  void check_void(const CommCall& call, uint64_t seq);
+  [[noreturn]] void give_up(const CommCall& call, uint64_t seq, bool transferring, int first_notifier);
   // Receives the notices that have arrived (while in collective `current_seq`); returns true if any did.
   bool drain_notices(uint64_t current_seq, int looks);
   void send_notice(int64_t kind, uint64_t seq, int64_t coll, const std::string& text);
@@ -203,7 +209,7 @@ class MpiCommunicator final : public Communicator {
   [[noreturn]] void throw_unusable(const std::string& where);
   // The first failure wins: later calls report it.
   void mark(State state, const std::string& reason);
-  std::string where(const Call& call, uint64_t seq) const;
+  std::string where(const CommCall& call, uint64_t seq) const;
 
   MpiOptions options_;
   MPI_Comm comm_ = MPI_COMM_NULL;     // the collectives
@@ -214,7 +220,7 @@ class MpiCommunicator final : public Communicator {
 
   std::mutex mutex_;  // one collective at a time; guards everything below but the atomics
   std::atomic<uint64_t> seq_{0};
-  std::vector<int64_t> table_;          // the gathered fingerprints, size_ x 8, in rank order
+  std::vector<MpiHeader> table_;        // the gathered records (with refusals, payload sizes), in rank order
   std::vector<int64_t> gather_;         // the blocks as they arrive (rotated by rank_): fingerprint + data
   std::vector<size_t> offsets_;         // byte offset of block j in gather_
   std::vector<const char*> payloads_;   // rank r's data in gather_ (fused all-reduce), or null

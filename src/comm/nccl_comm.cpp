@@ -6,6 +6,7 @@
 #include <mutex>
 #include <thread>
 
+#include "comm/nccl_internal.h"
 #include "common/error.h"
 #include "kernels/cuda/kernels.h"
 #include "platform/cuda/cuda_check.h"
@@ -13,16 +14,12 @@
 namespace dpar {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using namespace nccl_internal;
 
 using enum Collective;
 
-// A call's fingerprint, as all participants compare it.
-struct Record {
-  int64_t seq;
-  Collective kind;
-  int64_t count, dtype, op, root;
-};
+// A call's record (communicator.h), as all participants compare it: gathered as int64 words.
+using Record = CallRecord;
 constexpr size_t kRecordWords = sizeof(Record) / sizeof(int64_t);
 
 ncclDataType_t nccl_type(CommDType dtype) {
@@ -49,24 +46,6 @@ ncclRedOp_t nccl_op(CommDType dtype, ReduceOp op) {
   fail(DPAR_ERR_INVALID_ARGUMENT, "nccl: unknown reduce op ", static_cast<int>(op));
 }
 
-// `limit` from now; a limit beyond 3e9 s (dpar's "no limit") never comes.
-Clock::time_point deadline_after(std::chrono::duration<double> limit) {
-  return limit.count() > 3.0e9 ? Clock::time_point::max()
-                               : Clock::now() + std::chrono::duration_cast<Clock::duration>(limit);
-}
-
-// Waits until a non-blocking communicator's last call has finished its host-side work (ncclCommGetAsyncError leaves
-// ncclInProgress), at most until `deadline`; its outcome, or ncclInProgress if the time ran out.
-ncclResult_t settle(ncclComm_t comm, Clock::time_point deadline) {
-  for (int spins = 0;; ++spins) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t got = ncclCommGetAsyncError(comm, &state);
-    if (got != ncclSuccess) return got;
-    if (state != ncclInProgress || Clock::now() >= deadline) return state;
-    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-}
-
 }  // namespace
 
 // The NCCL communicators of one process that fail together: a group's (one per GPU), or a process's single rank.
@@ -84,16 +63,7 @@ class NcclComms {
   // flush), and NCCL's destroy may wait for the other ranks on the host to destroy theirs too, which would make
   // freeing an engine a collective between processes that free in their own order.
   ~NcclComms() {
-    for (size_t i = 0; i < comms_.size(); ++i) abort_one(comms_[i], devices_[i]);
-  }
-  // ncclCommAbort under the communicator's own device. NCCL's teardown makes the communicator's device current and
-  // then sets back what cudaGetDevice said before: on a thread without a context that is 0, and cudaSetDevice(0)
-  // would create a context on GPU 0 (in a job of one GPU per process, on a GPU the process never uses). Under the
-  // scope cudaGetDevice says the communicator's device, and the scope gives the thread back what it had.
-  static void abort_one(ncclComm_t comm, int device) noexcept {
-    if (comm == nullptr) return;
-    cuda::DeviceScope scope(device, std::nothrow);
-    (void)ncclCommAbort(comm);
+    for (size_t i = 0; i < comms_.size(); ++i) abort_under_device(comms_[i], devices_[i]);
   }
   NcclComms(const NcclComms&) = delete;
   NcclComms& operator=(const NcclComms&) = delete;
@@ -129,7 +99,7 @@ class NcclComms {
 
  private:
   void abort_locked(size_t index) {
-    abort_one(comms_[index], devices_[index]);
+    abort_under_device(comms_[index], devices_[index]);
     comms_[index] = nullptr;
   }
 
@@ -176,47 +146,6 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return size_; }
   const char* backend() const override { return "nccl"; }
 
-  void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override {
-    const ncclRedOp_t nop = nccl_op(dtype, op);
-    collective("all_reduce", {0, kAllReduce, (int64_t)count, (int64_t)dtype, (int64_t)op, 0}, [&] {
-      nccl("ncclAllReduce", [&](ncclComm_t c) { return ncclAllReduce(send, recv, count, nccl_type(dtype), nop, c, comm_stream_); });
-    });
-  }
-  void broadcast(void* buffer, size_t count, CommDType dtype, int root) override {
-    check_root("broadcast", root);
-    collective("broadcast", {0, kBroadcast, (int64_t)count, (int64_t)dtype, 0, root}, [&] {
-      nccl("ncclBroadcast", [&](ncclComm_t c) { return ncclBroadcast(buffer, buffer, count, nccl_type(dtype), root, c, comm_stream_); });
-    });
-  }
-  void reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root) override {
-    check_root("reduce", root);
-    const ncclRedOp_t nop = nccl_op(dtype, op);
-    collective("reduce", {0, kReduce, (int64_t)count, (int64_t)dtype, (int64_t)op, root}, [&] {
-      nccl("ncclReduce", [&](ncclComm_t c) { return ncclReduce(send, recv, count, nccl_type(dtype), nop, root, c, comm_stream_); });
-    });
-  }
-  void all_gather(const void* send, void* recv, size_t count, CommDType dtype) override {
-    collective("all_gather", {0, kAllGather, (int64_t)count, (int64_t)dtype, 0, 0}, [&] {
-      nccl("ncclAllGather", [&](ncclComm_t c) { return ncclAllGather(send, recv, count, nccl_type(dtype), c, comm_stream_); });
-    });
-  }
-  void reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override {
-    const ncclRedOp_t nop = nccl_op(dtype, op);
-    collective("reduce_scatter", {0, kReduceScatter, (int64_t)count, (int64_t)dtype, (int64_t)op, 0}, [&] {
-      nccl("ncclReduceScatter", [&](ncclComm_t c) { return ncclReduceScatter(send, recv, count, nccl_type(dtype), nop, c, comm_stream_); });
-    });
-  }
-  void barrier(const char* operation) override {
-    collective(operation, {0, kBarrier, 0, 0, 0, 0}, [] {});
-  }
-  void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) override {
-    sum("all_reduce_sum", kAllReduceSum, buffer, count, contributes, scale, -1);
-  }
-  void reduce_sum(float* buffer, size_t count, bool contributes, float scale, int root) override {
-    check_root("reduce_sum", root);
-    sum("reduce_sum", kReduceSum, buffer, count, contributes, scale, root);
-  }
-
   void abort(const std::string& reason) override {
     {
       std::lock_guard<std::mutex> lock(abort_mutex_);
@@ -234,6 +163,47 @@ class NcclCommunicator final : public Communicator {
 
   void prepare_thread() noexcept override {
     (void)cuda::bind_thread_to_device(device_);  // if it failed, each call's scope sets it
+  }
+
+  void run(const CommCall& c) override {
+    const void* send = c.send;
+    void* recv = c.recv;
+    const size_t count = c.count();
+    const CommDType dtype = c.dtype();
+    switch (c.kind()) {
+      case kAllReduce: {
+        const ncclRedOp_t nop = nccl_op(dtype, c.op());
+        return collective(c, [&] {
+          nccl("ncclAllReduce", [&](ncclComm_t h) { return ncclAllReduce(send, recv, count, nccl_type(dtype), nop, h, comm_stream_); });
+        });
+      }
+      case kBroadcast:
+        return collective(c, [&] {
+          nccl("ncclBroadcast", [&](ncclComm_t h) { return ncclBroadcast(recv, recv, count, nccl_type(dtype), c.root(), h, comm_stream_); });
+        });
+      case kReduce: {
+        const ncclRedOp_t nop = nccl_op(dtype, c.op());
+        return collective(c, [&] {
+          nccl("ncclReduce", [&](ncclComm_t h) { return ncclReduce(send, recv, count, nccl_type(dtype), nop, c.root(), h, comm_stream_); });
+        });
+      }
+      case kAllGather:
+        return collective(c, [&] {
+          nccl("ncclAllGather", [&](ncclComm_t h) { return ncclAllGather(send, recv, count, nccl_type(dtype), h, comm_stream_); });
+        });
+      case kReduceScatter: {
+        const ncclRedOp_t nop = nccl_op(dtype, c.op());
+        return collective(c, [&] {
+          nccl("ncclReduceScatter", [&](ncclComm_t h) { return ncclReduceScatter(send, recv, count, nccl_type(dtype), nop, h, comm_stream_); });
+        });
+      }
+      case kBarrier: return collective(c, [] {});
+      case kAllReduceSum:
+      case kReduceSum: return sum(c);
+      case kReduceScatterSum: return reduce_scatter_sum(c);
+      case kAllGatherBlocks: return all_gather_blocks(c);
+    }
+    fail(DPAR_ERR_INTERNAL, c.operation, ": not a collective of the NCCL backend");
   }
 
   dpar_status async_error(std::string* reason) override {
@@ -274,18 +244,20 @@ class NcclCommunicator final : public Communicator {
   void release() noexcept {
     if (!broken_) cudaStreamSynchronize(comm_stream_);
     if (records_ != nullptr) cudaFree(records_);
+    if (pad_ != nullptr) cudaFree(pad_);
     cudaEventDestroy(ready_);
     cudaEventDestroy(done_);
     cudaStreamDestroy(comm_stream_);
   }
 
-  void check_root(const char* operation, int root) const {
-    DPAR_CHECK_ARG(root >= 0 && root < size_, operation, ": root ", root, " is not a participant (size ", size_, ")");
-  }
-
-  void sum(const char* operation, Collective kind, float* buffer, size_t count, bool contributes, float scale,
-           int root) {
-    collective(operation, {0, kind, (int64_t)count, (int64_t)CommDType::kF32, 0, root < 0 ? 0 : root}, [&] {
+  void sum(const CommCall& call) {
+    const char* operation = call.operation;
+    float* buffer = static_cast<float*>(call.recv);
+    const size_t count = call.count();
+    const bool contributes = call.contributes;
+    const float scale = call.scale;
+    const int root = call.kind() == kReduceSum ? call.root() : -1;
+    collective(call, [&] {
       if (count == 0) return;
       if (!contributes)
         DPAR_CUDA_CHECK(cudaMemsetAsync(buffer, 0, count * sizeof(float), comm_stream_), operation, ": ", name_);
@@ -302,8 +274,85 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  // ncclReduceScatter and ncclAllGather move equal blocks of count / size elements; Communicator::block_range's
+  // blocks are ceil(count / size) rounded up to 16, so unless count is size() of them, the buffer is staged through a
+  // padded copy (pad_, zeros past count) of size() full blocks. Returns the padded blocks' length, and whether to
+  // stage.
+  std::pair<size_t, bool> padded_blocks(size_t count) const {
+    const size_t block = block_range(count, size_, 0).second;
+    return {block, block * static_cast<size_t>(size_) != count};
+  }
+  float* reserve_pad(const char* operation, size_t elements) {
+    if (elements > pad_elements_) {
+      if (pad_ != nullptr) cudaFree(pad_);
+      pad_ = nullptr;
+      pad_elements_ = 0;
+      DPAR_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&pad_), elements * sizeof(float)), operation, ": ", name_,
+                      ": padded staging buffer");
+      pad_elements_ = elements;
+    }
+    return pad_;
+  }
+
+  void reduce_scatter_sum(const CommCall& call) {
+    const char* operation = call.operation;
+    float* buffer = static_cast<float*>(call.recv);
+    const size_t count = call.count();
+    const auto [block, staged] = padded_blocks(count);
+    const auto [begin, end] = block_range(count, size_, rank_);
+    collective(call, [&] {
+      if (count == 0) return;
+      float* pad = staged ? reserve_pad(operation, block * static_cast<size_t>(size_)) : nullptr;
+      float* whole = staged ? pad : buffer;
+      if (!call.contributes) {
+        DPAR_CUDA_CHECK(cudaMemsetAsync(whole, 0, block * size_ * sizeof(float), comm_stream_), operation, ": ", name_);
+      } else if (staged) {
+        DPAR_CUDA_CHECK(cudaMemcpyAsync(pad, buffer, count * sizeof(float), cudaMemcpyDeviceToDevice, comm_stream_),
+                        operation, ": ", name_);
+        DPAR_CUDA_CHECK(cudaMemsetAsync(pad + count, 0, (block * size_ - count) * sizeof(float), comm_stream_),
+                        operation, ": ", name_);
+      }
+      float* mine = whole + block * static_cast<size_t>(rank_);  // in place, as NCCL takes it
+      nccl("ncclReduceScatter", [&](ncclComm_t h) {
+        return ncclReduceScatter(whole, mine, block, ncclFloat32, ncclSum, h, comm_stream_);
+      });
+      if (end > begin && staged)
+        DPAR_CUDA_CHECK(cudaMemcpyAsync(buffer + begin, mine, (end - begin) * sizeof(float), cudaMemcpyDeviceToDevice,
+                                        comm_stream_),
+                        operation, ": ", name_);
+      if (end > begin && call.scale != 1.0f)
+        kernels::cuda::scale(buffer + begin, call.scale, static_cast<int64_t>(end - begin), comm_stream_);
+    });
+  }
+
+  void all_gather_blocks(const CommCall& call) {
+    const char* operation = call.operation;
+    float* buffer = static_cast<float*>(call.recv);
+    const size_t count = call.count();
+    const auto [block, staged] = padded_blocks(count);
+    const auto [begin, end] = block_range(count, size_, rank_);
+    collective(call, [&] {
+      if (count == 0) return;
+      float* pad = staged ? reserve_pad(operation, block * static_cast<size_t>(size_)) : nullptr;
+      float* whole = staged ? pad : buffer;
+      float* mine = whole + block * static_cast<size_t>(rank_);
+      if (staged && end > begin)
+        DPAR_CUDA_CHECK(cudaMemcpyAsync(mine, buffer + begin, (end - begin) * sizeof(float), cudaMemcpyDeviceToDevice,
+                                        comm_stream_),
+                        operation, ": ", name_);
+      nccl("ncclAllGather", [&](ncclComm_t h) {
+        return ncclAllGather(mine, whole, block, ncclFloat32, h, comm_stream_);
+      });
+      if (staged)
+        DPAR_CUDA_CHECK(cudaMemcpyAsync(buffer, pad, count * sizeof(float), cudaMemcpyDeviceToDevice, comm_stream_),
+                        operation, ": ", name_);
+    });
+  }
+
   template <class Enqueue>
-  void collective(const char* operation, Record mine, Enqueue enqueue) {
+  void collective(const CommCall& call, Enqueue enqueue) {
+    const char* operation = call.operation;
+    Record mine = call.record;
     std::lock_guard<std::mutex> lock(call_mutex_);
     DPAR_ENFORCE(!broken_, DPAR_ERR_INVALID_STATE, operation, ": ", name_,
                  "'s NCCL communicator was aborted by an earlier failure; create a new one");
@@ -346,15 +395,8 @@ class NcclCommunicator final : public Communicator {
                       ": fingerprint");
     }
     for (int r = 1; r < size_; ++r) {
-      const Record& a = all[0];
-      const Record& b = all[static_cast<size_t>(r)];
-      if (a.seq == b.seq && a.kind == b.kind && a.count == b.count && a.dtype == b.dtype && a.op == b.op &&
-          a.root == b.root)
-        continue;
-      fail(DPAR_ERR_MISMATCH, operation, ": participant ", r, " called ", collective_name(b.kind), " of ", b.count, " ",
-           comm_dtype_name(static_cast<CommDType>(b.dtype)), " as its collective #", b.seq, " but participant 0 called ",
-           collective_name(a.kind), " of ", a.count, " ", comm_dtype_name(static_cast<CommDType>(a.dtype)),
-           " as its collective #", a.seq, " (seen by ", name_, ")");
+      const Record& theirs = all[static_cast<size_t>(r)];
+      if (!same_call(theirs, all[0])) fail_mismatch(operation, r, theirs, all[0]);
     }
   }
 
@@ -458,8 +500,10 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t comm_stream_ = nullptr;
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
   Record* records_ = nullptr;  // device: the fingerprints across processes
+  float* pad_ = nullptr;       // device: reduce_scatter_sum's and all_gather_blocks' padded blocks
+  size_t pad_elements_ = 0;
   std::mutex call_mutex_;
-  int64_t seq_ = 0;
+  uint32_t seq_ = 0;
   std::atomic<bool> broken_{false};  // read by async_error from any thread
   std::atomic<bool> aborted_{false};
   std::mutex abort_mutex_;
@@ -477,62 +521,6 @@ NcclGroup::NcclGroup(std::vector<int> devices, std::vector<std::string> names, s
       DPAR_CHECK_ARG(devices_[i] != devices_[j], "nccl group: device ", devices_[i],
                      " is named twice (NCCL refuses two ranks on one GPU: use the CUDA device group)");
   comms_ = std::make_shared<NcclComms>(init_group(devices_, timeout_), devices_);
-}
-
-// ncclCommInitAll's communicators, but non-blocking (ncclCommInitRankConfig, blocking = 0, in one NCCL group), so
-// that an abort always reaches a call in progress: NCCL connects peers inside the first collectives and, on a
-// blocking communicator, waits there on the host for a peer that may never call, where no abort can reach it.
-// The creation itself is polled under `timeout`.
-std::vector<ncclComm_t> NcclGroup::init_group(const std::vector<int>& devices, std::chrono::duration<double> timeout) {
-  const int n = static_cast<int>(devices.size());
-  DPAR_CHECK_ARG(n > 0, "nccl group: no devices");
-  ncclUniqueId id;
-  DPAR_NCCL_CHECK(ncclGetUniqueId(&id), "nccl group of ", n, " GPUs");
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  std::vector<ncclComm_t> comms(devices.size(), nullptr);
-  ncclResult_t r = ncclSuccess;
-  std::exception_ptr device_error;
-  {
-    // Each rank is created with its device current (a scope each, never a bare cudaSetDevice, so that the caller's
-    // thread gets back exactly the context it had); the group ends under the last device's.
-    cuda::DeviceScope scope(devices.back());
-    DPAR_NCCL_CHECK(ncclGroupStart(), "nccl group of ", n, " GPUs");
-    for (int i = 0; i < n && (r == ncclSuccess || r == ncclInProgress); ++i) {
-      try {
-        cuda::DeviceScope rank_device(devices[i]);
-        r = ncclCommInitRankConfig(&comms[i], n, id, i, &config);
-      } catch (...) {
-        device_error = std::current_exception();
-        break;
-      }
-    }
-    const ncclResult_t end = ncclGroupEnd();  // always, to close the group the loop opened
-    if (r == ncclSuccess || r == ncclInProgress) r = end;
-  }
-  // Aborted each under its own device (see NcclComms::abort_one).
-  auto abort_all = [&] {
-    for (size_t i = 0; i < comms.size(); ++i) NcclComms::abort_one(comms[i], devices[i]);
-  };
-  if (device_error) {
-    abort_all();
-    std::rethrow_exception(device_error);
-  }
-  if (r != ncclSuccess && r != ncclInProgress) {
-    abort_all();
-    DPAR_NCCL_CHECK(r, "nccl group of ", n, " GPUs");
-  }
-  const auto deadline = deadline_after(timeout);
-  for (int i = 0; i < n; ++i) {
-    const ncclResult_t state = settle(comms[i], deadline);
-    if (state == ncclSuccess) continue;
-    abort_all();
-    if (state == ncclInProgress)
-      fail(DPAR_ERR_TIMEOUT, "nccl group of ", n, " GPUs: rank ", i, " (cuda:", devices[i],
-           ") was not created within ", timeout.count(), " s");
-    DPAR_NCCL_CHECK(state, "nccl group of ", n, " GPUs: rank ", i, " (cuda:", devices[i], ")");
-  }
-  return comms;
 }
 
 NcclGroup::~NcclGroup() = default;
@@ -571,7 +559,7 @@ std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int
     }
   }
   if (r != ncclSuccess) {
-    NcclComms::abort_one(comm, device);
+    abort_under_device(comm, device);
     if (gave_up != DPAR_OK) fail(gave_up, name, ": ncclCommInitRankConfig, rank ", rank, " of ", nranks, ": ", why);
     DPAR_NCCL_CHECK(r, name, ": rank ", rank, " of ", nranks);
   }

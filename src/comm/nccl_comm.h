@@ -20,13 +20,16 @@
 // each poll, so that an abort always reaches it. The engine runs collectives on the communication thread
 // (async_*), so this wait does not block the replica's worker.
 //
-// Fingerprints are agreed before any data moves, so that a participant calling another collective makes all of
-// them throw Error(MISMATCH): in one process over a ThreadGroup (host all-gather of each call's record, with its
+// Call records (communicator.h) are agreed before any data moves, so that a participant calling another collective
+// makes all of them throw Error(MISMATCH) with the one message of every backend: in one process over a ThreadGroup (host all-gather of each call's record, with its
 // timeout), across processes by a small ncclAllGather of the records (one extra latency per collective).
 //
 // Supported: every Communicator collective for f32, f64, i32, i64 with sum, max, min, and mean for f32 and f64
 // (ncclAvg). all_reduce_sum with contributes == false zeroes the participant's buffer first; scale multiplies
-// after the sum (on the communication stream). Buffers are device memory of the participant's GPU.
+// after the sum (on the communication stream). reduce_scatter_sum and all_gather_blocks are ncclReduceScatter and
+// ncclAllGather in place, whose blocks are equal: where count is not size() blocks of Communicator::block_range, the
+// buffer is staged through a padded device buffer of the communicator's (kept for the next call). Buffers are device
+// memory of the participant's GPU.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -2,6 +2,8 @@
 
 #include <type_traits>
 
+#include "common/bf16.h"
+
 #include "common/error.h"
 
 namespace dpar {
@@ -73,6 +75,17 @@ DPAR_TYPE_KERNELS(f64, double)
 DPAR_TYPE_KERNELS(i32, int32_t)
 DPAR_TYPE_KERNELS(i64, int64_t)
 
+// bfloat16 sums, in float with each sum rounded back (common/bf16.h), so that a + b == b + a bit for bit.
+template <class T>
+inline T add_bf16_of(T a, T b) {
+  return to_bf16(from_bf16(a) + from_bf16(b));
+}
+DPAR_COMBINE_KERNELS(bf16_sum, uint16_t, add_bf16_of)
+
+DPAR_CLONES void scale_f32_kernel(float* x, float scale, size_t n) {
+  for (size_t i = 0; i < n; ++i) x[i] *= scale;
+}
+
 #define DPAR_KERNELS(NAME, OP) \
   ReduceKernels { NAME##_##OP##_into, NAME##_##OP##_two, NAME##_div }
 // kMean sums, then divides.
@@ -80,10 +93,13 @@ DPAR_TYPE_KERNELS(i64, int64_t)
   { DPAR_KERNELS(NAME, sum), DPAR_KERNELS(NAME, sum), DPAR_KERNELS(NAME, max), DPAR_KERNELS(NAME, min) }
 // [dtype][op], in the enums' order.
 const ReduceKernels kKernels[4][4] = {DPAR_KERNEL_ROW(f32), DPAR_KERNEL_ROW(f64), DPAR_KERNEL_ROW(i32), DPAR_KERNEL_ROW(i64)};
+// bf16 has a sum only (a mean would have to divide in float and round: no backend offers it).
+const ReduceKernels kBf16Sum{bf16_sum_into, bf16_sum_two, nullptr};
 
 }  // namespace
 
 const ReduceKernels& reduce_kernels(CommDType dtype, ReduceOp op) {
+  if (dtype == CommDType::kBF16 && op == ReduceOp::kSum) return kBf16Sum;
   const auto d = static_cast<int>(dtype), o = static_cast<int>(op);
   DPAR_ENFORCE(d >= 0 && d < 4 && o >= 0 && o < 4, DPAR_ERR_INTERNAL, "reduce_kernels: dtype ", d, ", op ", o,
                " has no element-wise kernel");
@@ -93,5 +109,13 @@ const ReduceKernels& reduce_kernels(CommDType dtype, ReduceOp op) {
 void reduce_into(CommDType dtype, ReduceOp op, void* dst, const void* src, size_t n) {
   reduce_kernels(dtype, op).into(dst, src, n);
 }
+
+void divide_by(CommDType dtype, void* x, size_t n, size_t divisor) {
+  const ReduceKernels& k = reduce_kernels(dtype, ReduceOp::kMean);
+  DPAR_ENFORCE(k.div != nullptr, DPAR_ERR_INTERNAL, "divide_by: ", comm_dtype_name(dtype), " has no mean");
+  k.div(x, n, divisor);
+}
+
+void scale_f32(float* x, float scale, size_t n) { scale_f32_kernel(x, scale, n); }
 
 }  // namespace dpar

@@ -12,21 +12,7 @@
 namespace dpar {
 namespace {
 
-constexpr size_t kMaxParticipants = 256;
-
-// ---- Element-wise kernels (comm/reduce_kernels.h: the reductions every backend shares) ------------------------
-
-// Not under ThreadSanitizer: it instruments the clones' load-time resolver (comm/reduce_kernels.cpp says more).
-#if defined(__SANITIZE_THREAD__)
-#define DPAR_CLONES
-#else
-#define DPAR_CLONES __attribute__((target_clones("avx2", "default")))
-#endif
-
-DPAR_CLONES void scale_f32(void* x, float scale, size_t n) {
-  float* p = static_cast<float*>(x);
-  for (size_t i = 0; i < n; ++i) p[i] *= scale;
-}
+constexpr size_t kMaxParticipants = ThreadGroup::kMaxParticipants;
 
 using Kernels = ReduceKernels;
 
@@ -72,7 +58,7 @@ struct ReducePass {
         for (size_t i = 2; i < ni; ++i) k->into(acc, in[i] + off, len);
       }
       if (divisor != 1) k->div(acc, len, divisor);
-      if (scale != 1.0f) scale_f32(acc, scale, len);
+      if (scale != 1.0f) scale_f32(reinterpret_cast<float*>(acc), scale, len);
       for (size_t o = 0; o < no; ++o) {
         char* dst = out[o] + off;
         if (dst != acc) std::memcpy(dst, acc, bytes);
@@ -114,28 +100,49 @@ class ThreadCommunicator final : public Communicator {
   int size() const override { return group_.size(); }
   const char* backend() const override { return "threads"; }
 
-  void all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) override {
-    sum_pass("all_reduce_sum", kAllReduceSum, buffer, count, contributes, scale, 0);
+  void abort(const std::string& reason) override { group_.abort(reason); }
+
+  dpar_status async_error(std::string* reason) override {
+    if (!group_.aborted()) return DPAR_OK;
+    *reason = detail::concat(group_.name(rank_), " cannot run collectives: ", group_.abort_reason());
+    return DPAR_ERR_REMOTE;
   }
 
-  void reduce_sum(float* buffer, size_t count, bool contributes, float scale, int root) override {
-    sum_pass("reduce_sum", kReduceSum, buffer, count, contributes, scale, root);
-  }
-
-  void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override {
-    static constexpr const char* kOp = "all_reduce";
-    Busy busy(*this, kOp);
-    const size_t esz = check_types(kOp, dtype, op);
-    if (count) {
-      const size_t bytes = check_bytes(kOp, count, esz, 1);
-      check_buffers(kOp, send, recv);
-      check_in_place(kOp, send, recv, bytes);
+ protected:
+  void run(const CommCall& c) override {
+    Busy busy(*this, c.operation);
+    if (c.kind() != kBarrier && c.dtype() == CommDType::kBF16)
+      local_failure(DPAR_ERR_NOT_SUPPORTED, c.operation, ": the threads backend does not move bf16 (threads share "
+                    "memory: compressing would only cost)");
+    switch (c.kind()) {
+      case kAllReduce: return all_reduce(c);
+      case kBroadcast: return broadcast(c);
+      case kReduce: return reduce(c);
+      case kAllGather: return all_gather(c);
+      case kReduceScatter: return reduce_scatter(c);
+      case kBarrier: start(c, nullptr, nullptr); return;
+      case kAllReduceSum:
+      case kReduceSum: return sum_pass(c);
+      case kReduceScatterSum: return reduce_scatter_sum(c);
+      case kAllGatherBlocks: return all_gather_blocks(c);
     }
-    const size_t p = start(kOp, kAllReduce, count, dtype, op, 0, send, recv);
+    local_failure(DPAR_ERR_INTERNAL, c.operation, ": not a collective of the threads backend");
+  }
+
+  // A refused call does not arrive: the others are released (Error(REMOTE) naming this participant).
+  [[noreturn]] void refuse(const CommCall&, const Error& error) override {
+    local_failure(error.status(), error.what());
+  }
+
+ private:
+  void all_reduce(const CommCall& c) {
+    const char* kOp = c.operation;
+    const size_t count = c.count(), esz = comm_dtype_size(c.dtype());
+    const size_t p = start(c, c.send, c.recv);
     if (count == 0) return;
 
     const int n = size();
-    ReducePass pass = reduce_pass(dtype, op);
+    ReducePass pass = reduce_pass(c.dtype(), c.op());
     for (int r = 0; r < n; ++r) {
       pass.in[pass.ni++] = static_cast<const char*>(peer(r, p).send);
       pass.out[pass.no++] = static_cast<char*>(peer(r, p).recv);
@@ -146,24 +153,15 @@ class ThreadCommunicator final : public Communicator {
     group_.arrive_and_wait(rank_, kOp);
   }
 
-  void reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root) override {
-    static constexpr const char* kOp = "reduce";
-    Busy busy(*this, kOp);
-    const size_t esz = check_types(kOp, dtype, op);
-    check_root(kOp, root);
-    if (count) {
-      const size_t bytes = check_bytes(kOp, count, esz, 1);
-      if (!send) local_failure(DPAR_ERR_INVALID_ARGUMENT, kOp, ": send is null");
-      if (rank_ == root) {
-        if (!recv) local_failure(DPAR_ERR_INVALID_ARGUMENT, kOp, ": recv is null at the root");
-        check_in_place(kOp, send, recv, bytes);
-      }
-    }
-    const size_t p = start(kOp, kReduce, count, dtype, op, root, send, rank_ == root ? recv : nullptr);
+  void reduce(const CommCall& c) {
+    const char* kOp = c.operation;
+    const size_t count = c.count(), esz = comm_dtype_size(c.dtype());
+    const int root = c.root();
+    const size_t p = start(c, c.send, rank_ == root ? c.recv : nullptr);
     if (count == 0) return;
 
     const int n = size();
-    ReducePass pass = reduce_pass(dtype, op);
+    ReducePass pass = reduce_pass(c.dtype(), c.op());
     for (int r = 0; r < n; ++r) pass.in[pass.ni++] = static_cast<const char*>(peer(r, p).send);
     const auto& root_slot = peer(root, p);
     pass.out[pass.no++] = static_cast<char*>(root_slot.recv);
@@ -174,32 +172,22 @@ class ThreadCommunicator final : public Communicator {
     group_.arrive_and_wait(rank_, kOp);
   }
 
-  void reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) override {
-    static constexpr const char* kOp = "reduce_scatter";
-    Busy busy(*this, kOp);
-    const size_t esz = check_types(kOp, dtype, op);
+  void reduce_scatter(const CommCall& c) {
+    const char* kOp = c.operation;
+    const void* send = c.send;
+    void* recv = c.recv;
+    const size_t count = c.count();
     const int n = size();
-    size_t bytes = 0;
-    bool deferred = false;  // the result lands where participant 0 reads: write it after the second barrier
-    if (count) {
-      const size_t total = check_bytes(kOp, count, esz, static_cast<size_t>(n));
-      bytes = total / static_cast<size_t>(n);
-      check_buffers(kOp, send, recv);
-      if (overlaps(send, total, recv, bytes)) {
-        if (recv == send) {
-          deferred = rank_ != 0;
-        } else if (recv != at(send, bytes * static_cast<size_t>(rank_))) {
-          local_failure(DPAR_ERR_INVALID_ARGUMENT, kOp,
-                        ": recv overlaps send, but is neither send (MPI in place) nor send + rank * count (NCCL)");
-        }
-      }
-      if (deferred) reserve_scratch(kOp, bytes);
-    }
-    const size_t p = start(kOp, kReduceScatter, count, dtype, op, 0, send, recv);
+    const size_t bytes = count * comm_dtype_size(c.dtype());
+    // The result lands where participant 0 reads (MPI in place): write it after the second barrier. (The call check
+    // allowed recv == send and recv == send + rank * count as the only overlaps.)
+    const bool deferred = count && recv == send && rank_ != 0;
+    if (deferred) reserve_scratch(kOp, bytes);
+    const size_t p = start(c, send, recv);
     if (count == 0) return;
 
     // This participant reduces block `rank_` of every send and writes it to its own recv.
-    ReducePass pass = reduce_pass(dtype, op);
+    ReducePass pass = reduce_pass(c.dtype(), c.op());
     for (int r = 0; r < n; ++r) pass.in[pass.ni++] = at(peer(r, p).send, bytes * static_cast<size_t>(rank_));
     char* dst = deferred ? reinterpret_cast<char*>(scratch_.get()) : static_cast<char*>(recv);
     pass.out[pass.no++] = dst;
@@ -215,16 +203,11 @@ class ThreadCommunicator final : public Communicator {
   // whole buffer into its own" (each owner then reads its result): 3.8 vs 11.5 us at 64 KiB and 60 vs 90 us at
   // 1 MiB. Pulling the whole buffer leaves root idle and puts the whole copy on one participant's critical path;
   // the slices split it n ways, as the reductions do.
-  void broadcast(void* buffer, size_t count, CommDType dtype, int root) override {
-    static constexpr const char* kOp = "broadcast";
-    Busy busy(*this, kOp);
-    const size_t esz = check_types(kOp, dtype, ReduceOp::kSum);
-    check_root(kOp, root);
-    if (count) {
-      check_bytes(kOp, count, esz, 1);
-      if (!buffer) local_failure(DPAR_ERR_INVALID_ARGUMENT, kOp, ": buffer is null");
-    }
-    const size_t p = start(kOp, kBroadcast, count, dtype, ReduceOp::kSum, root, buffer, buffer);
+  void broadcast(const CommCall& c) {
+    const char* kOp = c.operation;
+    const size_t count = c.count(), esz = comm_dtype_size(c.dtype());
+    const int root = c.root();
+    const size_t p = start(c, c.recv, c.recv);
     if (count == 0) return;
 
     const int n = size();
@@ -239,17 +222,16 @@ class ThreadCommunicator final : public Communicator {
     group_.arrive_and_wait(rank_, kOp);
   }
 
-  void all_gather(const void* send, void* recv, size_t count, CommDType dtype) override {
-    static constexpr const char* kOp = "all_gather";
-    Busy busy(*this, kOp);
-    const size_t esz = check_types(kOp, dtype, ReduceOp::kSum);
+  void all_gather(const CommCall& c) {
+    const char* kOp = c.operation;
+    const void* send = c.send;
+    void* recv = c.recv;
+    const size_t count = c.count();
     const int n = size();
-    size_t bytes = 0;
+    const size_t bytes = count * comm_dtype_size(c.dtype());
+    const size_t total = bytes * static_cast<size_t>(n);
     if (count) {
-      const size_t total = check_bytes(kOp, count, esz, static_cast<size_t>(n));
-      bytes = total / static_cast<size_t>(n);
-      check_buffers(kOp, send, recv);
-      if (bytes <= group_.stage_limit()) return staged_all_gather(send, recv, count, dtype, bytes);
+      if (bytes <= group_.stage_limit()) return staged_all_gather(c, bytes);
       // In place: send is already in its block. Any other overlap (send == recv at rank > 0) would be
       // overwritten while the others read it: contribute a copy.
       if (overlaps(send, bytes, recv, total) && send != at(recv, bytes * static_cast<size_t>(rank_))) {
@@ -258,7 +240,7 @@ class ThreadCommunicator final : public Communicator {
         send = scratch_.get();
       }
     }
-    const size_t p = start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0, send, recv);
+    const size_t p = start(c, send, recv);
     if (count == 0) return;
 
     // Participant r copies every send into its own recv: reads of the others' sends, writes to its own lines
@@ -273,38 +255,21 @@ class ThreadCommunicator final : public Communicator {
     group_.arrive_and_wait(rank_, kOp);
   }
 
-  void barrier(const char* operation) override {
-    Busy busy(*this, operation);
-    start(operation, kBarrier, 0, CommDType::kF32, ReduceOp::kSum, 0, nullptr, nullptr);
-  }
-
-  void abort(const std::string& reason) override { group_.abort(reason); }
-
-  dpar_status async_error(std::string* reason) override {
-    if (!group_.aborted()) return DPAR_OK;
-    *reason = detail::concat(group_.name(rank_), " cannot run collectives: ", group_.abort_reason());
-    return DPAR_ERR_REMOTE;
-  }
-
- private:
   // The gradient path's sum, scaled, into every participant's buffer (kAllReduceSum) or root's alone (kReduceSum). Participants
   // with contributes == false are left out of the sum. Accumulates in the first contributor's buffer (input 0 and,
   // for all_reduce_sum, an output), so with a root a non-root contributor's buffer is clobbered; with no
   // contributor the outputs get zeros.
-  void sum_pass(const char* operation, Collective kind, float* buffer, size_t count, bool contributes, float scale,
-                int root) {
-    Busy busy(*this, operation);
-    const bool to_root = kind == kReduceSum;
-    if (to_root) check_root(operation, root);
+  void sum_pass(const CommCall& c) {
+    const char* operation = c.operation;
+    float* buffer = static_cast<float*>(c.recv);
+    const size_t count = c.count();
+    const bool to_root = c.kind() == kReduceSum;
+    const int root = c.root();
+    const float scale = c.scale;
     const int n = size();
-    if (count) {
-      check_bytes(operation, count, 4, 1);
-      if (!buffer) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": buffer is null");
-      if (!to_root && count <= group_.stage_limit() / sizeof(float) / static_cast<size_t>(n))
-        return staged_all_reduce_sum(buffer, count, contributes, scale);
-    }
-    const size_t p = start(operation, kind, count, CommDType::kF32, ReduceOp::kSum, to_root ? root : 0,
-                           contributes ? buffer : nullptr, buffer);
+    if (count && !to_root && count <= group_.stage_limit() / sizeof(float) / static_cast<size_t>(n))
+      return staged_all_reduce_sum(c);
+    const size_t p = start(c, c.contributes ? buffer : nullptr, buffer);
     if (count == 0) return;
 
     ReducePass pass;
@@ -322,19 +287,57 @@ class ThreadCommunicator final : public Communicator {
     group_.arrive_and_wait(rank_, operation);
   }
 
+  // The sharded gradient path: participant r sums block r (Communicator::block_range) of every contributor's
+  // buffer, in rank order, with all_reduce_sum's pass and kernels (so block r holds the bits all_reduce_sum would
+  // leave there), into its own buffer only. Its block of its own buffer is a later input unless it is the first
+  // contributor: then the block is accumulated on the stack. The second barrier keeps every buffer readable until
+  // all participants have read their blocks of it.
+  void reduce_scatter_sum(const CommCall& c) {
+    float* buffer = static_cast<float*>(c.recv);
+    const size_t p = start(c, c.contributes ? buffer : nullptr, buffer);
+    if (c.count() == 0) return;
+    ReducePass pass;
+    pass.k = &reduce_kernels(CommDType::kF32, ReduceOp::kSum);
+    pass.esz = sizeof(float);
+    for (int r = 0; r < size(); ++r)
+      if (const void* s = peer(r, p).send) pass.in[pass.ni++] = static_cast<const char*>(s);
+    pass.out[pass.no++] = reinterpret_cast<char*>(buffer);
+    pass.target = c.contributes && pass.in[0] != pass.out[0] ? nullptr : pass.out[0];
+    pass.scale = c.scale;
+    const auto [begin, end] = block_range(c.count(), size(), rank_);
+    pass.run(begin, end);
+    group_.arrive_and_wait(rank_, c.operation);
+  }
+
+  // Participant r copies every other participant's block of that participant's buffer into its own buffer: it reads
+  // blocks that their owners do not write, and writes its own buffer only (as all_gather, for the same reason).
+  void all_gather_blocks(const CommCall& c) {
+    float* buffer = static_cast<float*>(c.recv);
+    const size_t p = start(c, buffer, buffer);
+    if (c.count() == 0) return;
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank_) continue;
+      const auto [begin, end] = block_range(c.count(), size(), r);
+      const float* src = static_cast<const float*>(peer(r, p).send);
+      if (end > begin) std::memcpy(buffer + begin, src + begin, (end - begin) * sizeof(float));
+    }
+    group_.arrive_and_wait(rank_, c.operation);
+  }
+
   // all_gather with one barrier (threads_comm.h): the others read this participant's staging buffer, never its
   // send or recv, so it may return as soon as its own recv is whole. A copy of the contribution also makes every
   // overlap of send and recv harmless. count > 0, buffers checked.
-  void staged_all_gather(const void* send, void* recv, size_t count, CommDType dtype, size_t bytes) {
-    static constexpr const char* kOp = "all_gather";
+  void staged_all_gather(const CommCall& c, size_t bytes) {
+    const void* send = c.send;
+    void* recv = c.recv;
     if (size() == 1) {  // nobody reads what this participant publishes: no copy to stage
-      start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0, send, recv);
+      start(c, send, recv);
       if (send != recv) std::memmove(recv, send, bytes);
       return;
     }
-    unsigned char* stage = next_stage(kOp);
+    unsigned char* stage = next_stage(c.operation);
     std::memcpy(stage, send, bytes);
-    const size_t p = start(kOp, kAllGather, count, dtype, ReduceOp::kSum, 0, stage, recv);
+    const size_t p = start(c, stage, recv);
     for (int r = 0; r < size(); ++r) {
       char* dst = at(recv, bytes * static_cast<size_t>(r));
       if (r != rank_ || dst != send) std::memcpy(dst, peer(r, p).send, bytes);  // else in place: already there
@@ -344,17 +347,18 @@ class ThreadCommunicator final : public Communicator {
   // all_reduce_sum with one barrier (threads_comm.h), when every participant reducing the whole buffer costs less
   // than a barrier: each sums the staged contributions itself, in rank order with the same kernels as the sliced
   // pass, so every participant gets the bits that the sliced pass would give. count > 0, buffer checked.
-  void staged_all_reduce_sum(float* buffer, size_t count, bool contributes, float scale) {
-    static constexpr const char* kOp = "all_reduce_sum";
+  void staged_all_reduce_sum(const CommCall& c) {
+    float* buffer = static_cast<float*>(c.recv);
+    const size_t count = c.count();
+    const bool contributes = c.contributes;
     // Alone, nobody reads what this participant publishes: its buffer is its contribution, as in the sliced pass.
     const void* mine = buffer;
     if (size() > 1) {
-      unsigned char* stage = next_stage(kOp);
+      unsigned char* stage = next_stage(c.operation);
       if (contributes) std::memcpy(stage, buffer, count * sizeof(float));
       mine = stage;
     }
-    const size_t p =
-        start(kOp, kAllReduceSum, count, CommDType::kF32, ReduceOp::kSum, 0, contributes ? mine : nullptr, buffer);
+    const size_t p = start(c, contributes ? mine : nullptr, buffer);
     ReducePass pass;
     pass.k = &reduce_kernels(CommDType::kF32, ReduceOp::kSum);
     pass.esz = sizeof(float);
@@ -362,7 +366,7 @@ class ThreadCommunicator final : public Communicator {
       if (const void* s = peer(r, p).send) pass.in[pass.ni++] = static_cast<const char*>(s);
     pass.out[pass.no++] = reinterpret_cast<char*>(buffer);
     pass.target = pass.out[0];  // input 0 (alone) or no input (those are staging buffers)
-    pass.scale = scale;
+    pass.scale = c.scale;
     pass.run(0, count);
   }
 
@@ -401,8 +405,7 @@ class ThreadCommunicator final : public Communicator {
 
   // Publishes this call's fingerprint and buffers, waits for every participant and compares the fingerprints.
   // Returns the parity under which every participant's buffers are published (see peer()).
-  size_t start(const char* operation, Collective kind, size_t count, CommDType dtype, ReduceOp op, int root,
-               const void* send, void* recv) {
+  size_t start(const CommCall& call, const void* send, void* recv) {
     auto& self = slot();
     // Every participant enters each barrier round with the same count of arrivals (reset() evens them out).
     const uint64_t round = self.arrivals.load(std::memory_order_relaxed) + 1;
@@ -410,15 +413,10 @@ class ThreadCommunicator final : public Communicator {
     auto& pub = self.pub[p];
     pub.send = send;
     pub.recv = recv;
-    auto& fp = pub.fp;
-    fp.count = count;
-    fp.seq = ++self.seq;
-    fp.root = static_cast<uint8_t>(root);
-    fp.kind = static_cast<uint8_t>(kind);
-    fp.dtype = static_cast<uint8_t>(dtype);
-    fp.op = static_cast<uint8_t>(op);
-    group_.arrive_and_wait(rank_, operation);
-    group_.check_fingerprints(rank_, round, operation);
+    pub.record = call.record;
+    pub.record.seq = ++self.seq;
+    group_.arrive_and_wait(rank_, call.operation);
+    group_.check_records(round, call.operation);
     return p;
   }
   // What participant r published for the collective that start() returned parity `p` for.
@@ -440,33 +438,6 @@ class ThreadCommunicator final : public Communicator {
     throw Error(status, message);
   }
 
-  size_t check_types(const char* operation, CommDType dtype, ReduceOp op) {
-    const auto d = static_cast<int32_t>(dtype), o = static_cast<int32_t>(op);
-    if (dtype == CommDType::kBF16)
-      local_failure(DPAR_ERR_NOT_SUPPORTED, operation, ": the threads backend does not move bf16 (threads share "
-                    "memory: compressing would only cost)");
-    if (d < 0 || d > 3) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": unknown dtype ", d);
-    if (o < 0 || o > 3) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": unknown reduce op ", o);
-    return comm_dtype_size(dtype);
-  }
-  void check_root(const char* operation, int root) {
-    if (root < 0 || root >= size())
-      local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": root ", root, " is not a participant (size ", size(), ")");
-  }
-  // count * esz * blocks, refused if it overflows.
-  size_t check_bytes(const char* operation, size_t count, size_t esz, size_t blocks) {
-    if (count > SIZE_MAX / esz / blocks)
-      local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": count ", count, " is too large");
-    return count * esz * blocks;
-  }
-  void check_buffers(const char* operation, const void* send, const void* recv) {
-    if (!send) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": send is null");
-    if (!recv) local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": recv is null");
-  }
-  void check_in_place(const char* operation, const void* send, const void* recv, size_t bytes) {
-    if (send != recv && overlaps(send, bytes, recv, bytes))
-      local_failure(DPAR_ERR_INVALID_ARGUMENT, operation, ": send and recv overlap without being equal");
-  }
   void reserve_scratch(const char* operation, size_t bytes) {
     if (bytes <= scratch_bytes_) return;
     try {
@@ -484,147 +455,9 @@ class ThreadCommunicator final : public Communicator {
   size_t scratch_bytes_ = 0;
 };
 
-// ---- The group -------------------------------------------------------------------------------------------------
-
-ThreadGroup::ThreadGroup(std::vector<std::string> names, std::chrono::duration<double> timeout)
-    : names_(std::move(names)),
-      timeout_(timeout),
-      spin_(spin_policy(names_.size())),
-      stage_limit_(spin_ == Spin::kYes ? size_t{1} << 10 : kStageBytes),
-      slots_(names_.size()),
-      stages_(names_.size()) {
-  DPAR_ENFORCE(!names_.empty() && names_.size() <= kMaxParticipants, DPAR_ERR_INVALID_ARGUMENT,
-               "thread group: size must be 1 to ", kMaxParticipants, ", got ", names_.size());
-}
-
 std::unique_ptr<Communicator> ThreadGroup::communicator(int rank) {
   DPAR_ENFORCE(rank >= 0 && rank < size(), DPAR_ERR_INVALID_ARGUMENT, "thread group: rank ", rank, " out of range");
   return std::make_unique<ThreadCommunicator>(*this, rank);
-}
-
-void ThreadGroup::reset() {
-  arrived_.store(0, std::memory_order_relaxed);
-  uint64_t most = 0;
-  for (auto& s : slots_) most = std::max(most, s.arrivals.load());
-  for (auto& s : slots_) {
-    s.arrivals.store(most);
-    s.seq = 0;
-  }
-  {
-    std::lock_guard<std::mutex> lock(abort_mutex_);
-    abort_reason_.clear();
-  }
-  aborted_.store(false, std::memory_order_release);
-}
-
-std::string ThreadGroup::abort_reason() {
-  std::lock_guard<std::mutex> lock(abort_mutex_);
-  return abort_reason_;
-}
-
-void ThreadGroup::abort(const std::string& reason) {
-  {
-    std::lock_guard<std::mutex> lock(abort_mutex_);
-    if (abort_reason_.empty()) abort_reason_ = reason;
-  }
-  aborted_.store(true, std::memory_order_seq_cst);
-  generation_.increment_and_wake();
-}
-
-void ThreadGroup::check_fingerprints(int rank, uint64_t round, const char* operation) const {
-  // On the critical path of every collective: two 64-bit words per participant and one branch for all of them.
-  const size_t p = round & 1;
-  uint64_t first[2], diff = 0;
-  std::memcpy(first, &slots_[0].pub[p].fp, sizeof first);
-  for (int r = 1; r < size(); ++r) {
-    uint64_t f[2];
-    std::memcpy(f, &slots_[r].pub[p].fp, sizeof f);
-    diff |= (f[0] ^ first[0]) | (f[1] ^ first[1]);
-  }
-  if (diff == 0) [[likely]]
-    return;
-  for (int r = 1; r < size(); ++r)
-    if (!(slots_[r].pub[p].fp == first_fp(p))) fail_mismatch(rank, r, round, operation);
-}
-
-void ThreadGroup::fail_mismatch(int rank, int other, uint64_t round, const char* operation) const {
-  const size_t p = round & 1;
-  const Fingerprint& a = slots_[other].pub[p].fp;
-  const Fingerprint& b = first_fp(p);
-  auto describe = [&](const Fingerprint& f) {
-    std::ostringstream os;
-    const auto kind = static_cast<Collective>(f.kind);
-    os << collective_name(kind);
-    const auto dtype = comm_dtype_name(static_cast<CommDType>(f.dtype));
-    const auto op = reduce_op_name(static_cast<ReduceOp>(f.op));
-    switch (kind) {
-      case Collective::kBarrier: break;
-      case Collective::kAllReduceSum:
-      case Collective::kAllGather: os << " of " << f.count << " " << dtype; break;
-      case Collective::kAllReduce:
-      case Collective::kReduceScatter: os << " of " << f.count << " " << dtype << " (" << op << ")"; break;
-      case Collective::kReduce:
-        os << " of " << f.count << " " << dtype << " (" << op << ") to root " << int(f.root);
-        break;
-      case Collective::kReduceSum:
-        os << " of " << f.count << " " << dtype << " to root " << int(f.root);
-        break;
-      case Collective::kBroadcast:
-        os << " of " << f.count << " " << dtype << " from root " << int(f.root);
-        break;
-    }
-    if (a.seq != b.seq) os << " as its collective #" << f.seq;
-    return os.str();
-  };
-  fail(DPAR_ERR_MISMATCH, operation, ": participant ", other, " (", names_[other], ") called ", describe(a),
-       " but participant 0 (", names_[0], ") called ", describe(b), " (seen by ", names_[rank], ")");
-}
-
-unsigned char* ThreadGroup::stage(int rank, size_t parity) {
-  auto& stage = stages_[static_cast<size_t>(rank)];
-  if (!stage) stage = std::make_unique<Stage>();
-  return stage->bytes[parity];
-}
-
-void ThreadGroup::remote_failure(int rank, const char* operation) {
-  std::lock_guard<std::mutex> lock(abort_mutex_);
-  fail(DPAR_ERR_REMOTE, operation, ": ", names_[rank], " stopped waiting because ", abort_reason_);
-}
-
-void ThreadGroup::arrive_and_wait(int rank, const char* operation) {
-  if (size() == 1) {  // nobody to wait for or to release
-    if (aborted()) remote_failure(rank, operation);
-    slots_[rank].arrivals.fetch_add(1, std::memory_order_relaxed);
-    return;
-  }
-  // The generation is read before the abort flag: abort() sets the flag and then bumps the generation, so an
-  // abort that lands after this read either shows in the flag or ends the wait below.
-  const uint32_t gen = generation_.load();
-  if (aborted()) remote_failure(rank, operation);
-  const uint64_t my_arrival = slots_[rank].arrivals.fetch_add(1, std::memory_order_relaxed) + 1;
-  if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(size())) {
-    arrived_.store(0, std::memory_order_relaxed);
-    generation_.increment_and_wake();  // releases everyone; the release publishes this round's slots
-    if (aborted()) remote_failure(rank, operation);
-    return;
-  }
-  // A timeout beyond a century means none (and must not overflow the clock's nanoseconds).
-  const auto deadline = timeout_.count() > 3.0e9 ? Clock::time_point::max()
-                                                 : Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout_);
-  while (generation_.load() == gen) {
-    if (!generation_.wait_while_equal(gen, deadline, spin_)) {
-      std::ostringstream missing;
-      for (int r = 0; r < size(); ++r)
-        if (slots_[r].arrivals.load() < my_arrival) missing << (missing.tellp() ? ", " : "") << names_[r];
-      // Tell the others too: a timed-out group cannot continue.
-      std::ostringstream reason;
-      reason << operation << " timed out waiting for " << missing.str();
-      abort(reason.str());
-      fail(DPAR_ERR_TIMEOUT, operation, ": ", missing.str(), " did not arrive within ", timeout_.count(), " s (",
-           names_[rank], " waited)");
-    }
-  }
-  if (aborted()) remote_failure(rank, operation);
 }
 
 }  // namespace dpar

@@ -22,6 +22,9 @@
 // every participant's recv, reduce only to root's, and reduce_scatter's slice for participant r is block r, which
 // lands in r's recv. broadcast: participant r copies its slice of root's buffer into everyone else's. all_gather:
 // participant r copies every send (or staging buffer) into its own recv. (threads_comm.cpp says what was measured.)
+// The sharded gradient path splits by Communicator::block_range: reduce_scatter_sum is all_reduce_sum's pass over
+// participant r's block, written to r's buffer only (the same bits there); all_gather_blocks: participant r copies
+// every other participant's block of that participant's buffer into its own.
 //
 // The reduction order is rank order, whoever computes a slice, and no FMA is involved: every participant gets the
 // same bits, run after run, whatever the vector width (the float loops are compiled for AVX2 and baseline).
@@ -34,9 +37,10 @@
 // MPI_IN_PLACE) and recv == send + rank * count (NCCL). Other overlaps of a participant's send and recv are refused;
 // buffers of different participants must not overlap.
 //
-// Fingerprints: every call publishes (its sequence number on this participant, operation, count, dtype, op, root),
-// and after the first barrier each participant compares every slot with participant 0's. All see the same slots,
-// so on a difference all throw Error(MISMATCH) naming the first participant that differs, and none touches data.
+// Fingerprints: every call publishes its CallRecord (communicator.h: its sequence number on this participant,
+// operation, count, dtype, op, root), and after the first barrier each participant compares every slot with
+// participant 0's. All see the same slots, so on a difference all throw Error(MISMATCH) with the one message of
+// mismatch_message(), naming the first participant that differs, and none touches data.
 // Fingerprints, like everything a participant publishes, are double-buffered by the parity of the barrier round,
 // so a participant that leaves early (after a barrier() or a mismatch, which have no second barrier) cannot
 // overwrite what the others are still reading.
@@ -58,7 +62,8 @@ namespace dpar {
 
 class ThreadGroup final : public Group {
  public:
-  // names[r] names participant r in messages ("replica 2 (cpu:2)"). At most 256 participants. A timeout beyond
+  static constexpr size_t kMaxParticipants = 256;
+  // names[r] names participant r in messages ("replica 2 (cpu:2)"). At most kMaxParticipants. A timeout beyond
   // a century means none.
   ThreadGroup(std::vector<std::string> names, std::chrono::duration<double> timeout);
 
@@ -92,37 +97,28 @@ class ThreadGroup final : public Group {
  private:
   friend class ThreadCommunicator;
 
-  // What a participant called (16 bytes, no padding: compared as two 64-bit words).
-  struct Fingerprint {
-    uint64_t count = 0;
-    uint32_t seq = 0;  // this participant's collectives since the group was made or reset, from 1
-    uint8_t root = 0;  // at most 256 participants
-    uint8_t kind = 0;  // a Collective
-    uint8_t dtype = 0;
-    uint8_t op = 0;
-    bool operator==(const Fingerprint&) const = default;
-  };
   // What a participant publishes for one collective: written before the collective's first barrier round, read by
   // the others after it and before they arrive at their next round. Kept by the parity of that round: a
   // participant writes the copy of round R + 2 only after the barrier of round R + 1, which every reader of round R
   // has entered, so no write meets a read (a participant that leaves after one barrier, as barrier() and a
   // mismatch do, may write before the others have read).
-  struct Published {
-    Fingerprint fp;
+  struct alignas(64) Published {
+    CallRecord record;
     const void* send = nullptr;  // all_reduce_sum, reduce_sum: null when the participant contributes nothing
     void* recv = nullptr;
   };
-  // Two cache lines per participant. The first is what the others read in a collective: its owner writes it once
-  // per call, before the first barrier. The second is written on every barrier and read by the others only to name
-  // who is missing: kept apart, the owner's barrier arrivals do not pull back a line that the others are reading,
-  // and a collective costs one transfer of the first line to the others and one back (as before fingerprints).
+  // Three cache lines per participant. The first two are what the others read in a collective, one per parity
+  // (the 24-byte record and two pointers do not fit two copies in one line): its owner writes one of them once per
+  // call, before the first barrier. The third is written on every barrier and read by the others only to name who
+  // is missing: kept apart, the owner's barrier arrivals do not pull back a line that the others are reading, and a
+  // collective costs one transfer of a published line to the others and one back.
   struct alignas(64) Slot {
     Published pub[2];                               // by the parity of the barrier round
     alignas(64) std::atomic<uint64_t> arrivals{0};  // barriers this participant has entered: names who is missing
     uint32_t seq = 0;                               // written by its participant only (and reset())
     std::atomic<bool> busy{false};                  // inside a collective (catches a blocking call beside async work)
   };
-  static_assert(sizeof(Fingerprint) == 16 && sizeof(Published) == 32 && sizeof(Slot) == 128);
+  static_assert(sizeof(Published) == 64 && sizeof(Slot) == 192);
 
   void arrive_and_wait(int rank, const char* operation);
   // Throws Error(REMOTE) if the group is aborted (what arrive_and_wait() throws then).
@@ -133,10 +129,8 @@ class ThreadGroup final : public Group {
   // Participant `rank`'s staging buffer for parity `parity` (kStageBytes), allocated on first use (std::bad_alloc);
   // called by participant `rank` only.
   unsigned char* stage(int rank, size_t parity);
-  const Fingerprint& first_fp(size_t parity) const { return slots_[0].pub[parity].fp; }
-  // After round `round`'s barrier: throws Error(MISMATCH) if any fingerprint differs from participant 0's.
-  void check_fingerprints(int rank, uint64_t round, const char* operation) const;
-  [[noreturn]] void fail_mismatch(int rank, int other, uint64_t round, const char* operation) const;
+  // After round `round`'s barrier: throws Error(MISMATCH) if any record differs from participant 0's.
+  void check_records(uint64_t round, const char* operation) const;
 
   std::vector<std::string> names_;
   std::chrono::duration<double> timeout_;
