@@ -178,6 +178,42 @@ TEST(ReplicaSet, MeanScaleCountsTheReplicasOfEveryProcess) {
   for (float s : scale) EXPECT_EQ(s, 1.0f / 6);
 }
 
+// Reduce-scatter leaves each replica its block of the sum, bit for bit the all-reduce's block (one process: a
+// reduce-scatter among the replicas; several: the hierarchical sum, each keeping its block). Values whose sum
+// depends on the order, so that a different order would show.
+TEST(ReplicaSet, ReduceScatterGivesEachReplicaItsBlockOfTheAllReduce) {
+  for (const auto& [p, n] : std::vector<std::pair<int, int>>{{1, 1}, {1, 2}, {1, 3}, {1, 4}, {2, 2}, {2, 3}}) {
+    for (size_t count : {size_t{1}, size_t{5}, size_t{33}, size_t{1000}}) {
+      Job job(p, n);
+      std::vector<std::vector<float>> whole(static_cast<size_t>(p * n)), blocks(static_cast<size_t>(p * n));
+      job.run([&](int q, int r, ReplicaSet& set) {
+        std::vector<float> a(count), b(count);
+        for (size_t i = 0; i < count; ++i) a[i] = b[i] = 1.0f / static_cast<float>(3 + q * 5 + r * 7 + i % 11);
+        auto all = make_bucket_strategy(BucketStrategyKind::kHierarchical, set);
+        auto scatter = make_bucket_strategy(BucketStrategyKind::kReduceScatter, set);
+        EXPECT_TRUE(scatter->sharded());
+        EXPECT_FALSE(all->sharded());
+        GradBucket bucket;
+        bucket.count = count;
+        bucket.scale = 0.25f;
+        bucket.data = a.data();
+        all->reduce(bucket);
+        bucket.data = b.data();
+        scatter->reduce(bucket);
+        whole[static_cast<size_t>(q * n + r)] = a;
+        blocks[static_cast<size_t>(q * n + r)] = b;
+      });
+      for (int q = 0; q < p; ++q)
+        for (int r = 0; r < n; ++r) {
+          const auto [begin, end] = Communicator::block_range(count, n, r);
+          const auto& got = blocks[static_cast<size_t>(q * n + r)];
+          for (size_t i = begin; i < end; ++i)
+            ASSERT_EQ(got[i], whole[0][i]) << p << "x" << n << ", count " << count << ", replica " << r << ", " << i;
+        }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // A layer that needs the other replicas: y = x - mean over the batch of x, per feature (BatchNorm's centring).
 // Its forward sums each feature and the row count over every replica; its backward sums dout per feature, since
@@ -363,6 +399,117 @@ TEST(LayerCollectives, ALayerSumRunsAfterTheBucketsAlreadyInFlight) {
     EXPECT_LT(sums[0].second, buckets.front().first) << "replica " << r << ": the forward sum precedes every bucket";
     EXPECT_GE(sums[1].first, buckets.front().second) << "replica " << r << ": backward's sum ran beside a bucket";
   }
+}
+
+}  // namespace
+}  // namespace dpar
+
+namespace dpar {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// The sharded optimizer on reduce-scatter (ZeRO-2): each replica receives only its block of every bucket, steps it,
+// and the all-gather puts the blocks together.
+
+Model mlp(uint64_t seed) {
+  Model m(seed);
+  m.add(make_linear(12, 40, true));
+  m.add(make_activation(Activation::kRelu));
+  m.add(make_linear(40, 24, true));
+  m.add(make_activation(Activation::kTanh));
+  m.add(make_linear(24, 5, true));
+  return m;
+}
+
+EngineConfig small_buckets(size_t devices, GradientReduction reduction) {
+  EngineConfig c = cpu_devices(devices);
+  c.buckets.first_bucket_bytes = 512;  // several buckets, of sizes that do not divide evenly
+  c.buckets.bucket_cap_bytes = 1500;
+  c.reduction = reduction;
+  return c;
+}
+
+OptimizerConfig sgd() {
+  OptimizerConfig c;
+  c.kind = OptimizerKind::kSgd;
+  c.lr = 0.05f;
+  c.momentum = 0.9f;
+  return c;
+}
+
+// Without clipping nothing is computed from the gradient but the optimizer's element-wise step: the two reductions
+// give the same bits, and so the same training.
+TEST(ReduceScatterEngine, TrainsBitIdenticallyToTheAllReduce) {
+  const Model model = mlp(11);
+  std::vector<Batch> data;
+  for (int i = 0; i < 3; ++i) data.push_back(make_batch(23, 300 + static_cast<uint64_t>(i)));
+  for (size_t devices : {size_t{2}, size_t{3}, size_t{4}, size_t{8}}) {
+    for (const OptimizerConfig& opt : {adam(), sgd()}) {
+      Engine all(model, opt, small_buckets(devices, GradientReduction::kAllReduce));
+      Engine scatter(model, opt, small_buckets(devices, GradientReduction::kReduceScatter));
+      ASSERT_GE(scatter.num_buckets(), 3u);
+      EXPECT_STREQ(scatter.bucket_strategy(), "reduce-scatter");
+      for (int s = 0; s < 8; ++s) {
+        const Batch& b = data[static_cast<size_t>(s) % 3];
+        EXPECT_EQ(all.train_step(b.x, b.y), scatter.train_step(b.x, b.y)) << devices << " devices, step " << s;
+      }
+      const auto expected = all.params(0);
+      for (size_t r = 0; r < devices; ++r) EXPECT_EQ(scatter.params(r), expected) << devices << " devices, replica " << r;
+      EXPECT_EQ(scatter.replica_optimizer_state_bytes(), all.replica_optimizer_state_bytes());
+    }
+  }
+}
+
+// With clipping the norm comes from the shards: every replica computes the same bits, and training equals the
+// all-reduce's up to the order of that one sum.
+TEST(ReduceScatterEngine, ClippingNormFromTheShardsKeepsReplicasIdentical) {
+  const Model model = mlp(12);
+  std::vector<Batch> data;
+  for (int i = 0; i < 3; ++i) data.push_back(make_batch(30, 400 + static_cast<uint64_t>(i)));
+  OptimizerConfig opt = adam();
+  opt.max_grad_norm = 0.2f;  // clips most steps
+  for (size_t devices : {size_t{3}, size_t{4}}) {
+    Engine all(model, opt, small_buckets(devices, GradientReduction::kAllReduce));
+    Engine scatter(model, opt, small_buckets(devices, GradientReduction::kReduceScatter));
+    for (int s = 0; s < 10; ++s) {
+      const Batch& b = data[static_cast<size_t>(s) % 3];
+      all.train_step(b.x, b.y);
+      scatter.train_step(b.x, b.y);
+      const auto norms = scatter.replica_grad_norms();
+      for (float n : norms) EXPECT_EQ(n, norms[0]) << "step " << s;
+      EXPECT_NEAR(scatter.grad_norm(), all.grad_norm(), 1e-6 * all.grad_norm()) << "step " << s;
+    }
+    EXPECT_GT(all.grad_norm(), 0.2f);  // clipping was on
+    EXPECT_LT(max_relative_error(scatter.params(0), all.params(0)), 1e-4);
+    for (size_t r = 1; r < devices; ++r) EXPECT_EQ(scatter.params(r), scatter.params(0)) << "replica " << r;
+  }
+}
+
+// Both reductions keep the same optimizer shards: switching between steps changes nothing, and a checkpoint of one
+// loads into the other.
+TEST(ReduceScatterEngine, SwitchingBetweenStepsAndCheckpointsChangeNothing) {
+  const Model model = mlp(13);
+  std::vector<Batch> data;
+  for (int i = 0; i < 3; ++i) data.push_back(make_batch(17, 500 + static_cast<uint64_t>(i)));
+  Engine straight(model, adam(), small_buckets(3, GradientReduction::kAllReduce));
+  Engine switching(model, adam(), small_buckets(3, GradientReduction::kAllReduce));
+  const std::string path = ::testing::TempDir() + "dpar_reduce_scatter.safetensors";
+  for (int s = 0; s < 9; ++s) {
+    if (s == 3) switching.set_gradient_reduction(GradientReduction::kReduceScatter);
+    if (s == 6) {
+      switching.save(path);
+      Engine loaded(model, adam(), small_buckets(3, GradientReduction::kReduceScatter));
+      loaded.load(path);
+      EXPECT_EQ(loaded.params(0), switching.params(0));
+      switching.set_gradient_reduction(GradientReduction::kAllReduce);
+    }
+    const Batch& b = data[static_cast<size_t>(s) % 3];
+    straight.train_step(b.x, b.y);
+    switching.train_step(b.x, b.y);
+  }
+  std::remove(path.c_str());
+  EXPECT_EQ(switching.params(0), straight.params(0));
+  EXPECT_THROW(switching.set_gradient_reduction(static_cast<GradientReduction>(7)), Error);
 }
 
 }  // namespace

@@ -66,6 +66,23 @@ void ReplicaSet::all_reduce_sum(float* data, size_t count, bool contributes, flo
   local_.broadcast(data, count, CommDType::kF32, 0);
 }
 
+void ReplicaSet::reduce_scatter_sum(float* data, size_t count, bool contributes, float scale, Wire wire) {
+  if (processes_) return all_reduce_sum(data, count, contributes, scale, wire);
+  TraceSpan span(trace_, "bucket reduce-scatter", "elements", static_cast<int64_t>(count));
+  local_.reduce_scatter_sum(data, count, contributes, scale);
+}
+
+void ReplicaSet::all_gather_blocks(float* data, size_t count) {
+  TraceSpan span(trace_, "all-gather", "elements", static_cast<int64_t>(count));
+  local_.all_gather_blocks(data, count);
+}
+
+void ReplicaSet::sum_within_process(void* data, size_t count, CommDType dtype) {
+  DPAR_CHECK_ARG(dtype == CommDType::kF32 || dtype == CommDType::kF64, "replica set sum: ", comm_dtype_name(dtype),
+                 " is not summed here (f32 or f64)");
+  local_.all_reduce(data, data, count, dtype, ReduceOp::kSum);
+}
+
 void ReplicaSet::sum(void* data, size_t count, CommDType dtype) {
   DPAR_CHECK_ARG(dtype == CommDType::kF32 || dtype == CommDType::kF64, "replica set sum: ", comm_dtype_name(dtype),
                  " is not summed here (f32 or f64)");

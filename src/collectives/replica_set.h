@@ -77,6 +77,15 @@ class ReplicaSet {
   // One process: one all-reduce among the replicas. Several: summed (and scaled) into replica 0, summed across the
   // processes by replica 0 on `wire`, then broadcast to the process's other replicas.
   void all_reduce_sum(float* data, size_t count, bool contributes, float scale, Wire wire);
+  // The same sum, but replica r of every process needs only block r of the buffer (Communicator::block_range over
+  // the process's replicas); the rest of its buffer is unspecified afterwards. One process: a reduce-scatter among
+  // the replicas, whose block r is bit for bit all_reduce_sum's. Several: summed into replica 0, across the
+  // processes, then broadcast (each replica keeps its block): the same traffic as all_reduce_sum's.
+  void reduce_scatter_sum(float* data, size_t count, bool contributes, float scale, Wire wire);
+  // Every replica's block r (the same layout) into every replica of the process. Across processes nothing moves:
+  // every process holds the same blocks after reduce_scatter_sum.
+  void all_gather_blocks(float* data, size_t count);
+
 
   // ---- For layers (from forward and backward, on the replica's worker) -----------------------------------------
   // Sums `count` elements of `dtype` (kF32 or kF64) at `data`, memory of the replica's device, over every replica
@@ -85,6 +94,9 @@ class ReplicaSet {
   // every replica), and returns when the sum is in `data`. A replica with no rows of the batch must call it too,
   // with zeros, as every replica must call every collective.
   void sum(void* data, size_t count, CommDType dtype);
+  // The same sum over this process's replicas only, for values that every process holds alike (the norm of a
+  // gradient that every process has reduced in full).
+  void sum_within_process(void* data, size_t count, CommDType dtype);
 
   // The factor that turns a sum over the set into a mean: 1 / (replicas of every process). A collective over every
   // replica of every process the first time (every replica must pass the same scale to a sum: each sums a part of

@@ -108,9 +108,13 @@ void Engine::write_checkpoint(const std::string& path) const {
     gathered[s].resize(elements);
     for (const auto& owner : replicas_) {
       const Optimizer& opt = *owner->optimizer;
-      if (opt.begin() == opt.end()) continue;
-      backend_.copy_to_host(gathered[s].data() + opt.begin(), opt.state()[s].second.f32(),
-                            static_cast<size_t>(opt.end() - opt.begin()) * sizeof(float), owner->ctx.device);
+      const float* state = opt.num_elements() > 0 ? opt.state()[s].second.f32() : nullptr;
+      for (const ElementRange& r : opt.ranges()) {
+        if (r.size() == 0) continue;
+        backend_.copy_to_host(gathered[s].data() + r.begin, state, static_cast<size_t>(r.size()) * sizeof(float),
+                              owner->ctx.device);
+        state += r.size();
+      }
     }
     for (const ParamInfo& p : model_.params())
       views.push_back({"optimizer." + state_names[s] + "." + p.name, "F32",
@@ -188,15 +192,20 @@ void Engine::load(const std::string& path) {
       rep.stream->copy_from_host(rep.model->params() + p.offset, file.data(p.name), file.entry(p.name).bytes);
     // The replica's optimizer state is its shard's: the part of each parameter's state that falls in it.
     const Optimizer& opt = *rep.optimizer;
-    for (auto& [state_name, buffer] : opt.state())
-      for (const ParamInfo& p : model_.params()) {
-        const int64_t from = std::max(opt.begin(), p.offset), to = std::min(opt.end(), p.offset + p.shape.numel());
-        if (from >= to) continue;
-        const uint8_t* values = file.data("optimizer." + state_name + "." + p.name);  // f32, maybe unaligned
-        rep.stream->copy_from_host(buffer.f32() + (from - opt.begin()),
-                                   values + static_cast<size_t>(from - p.offset) * sizeof(float),
-                                   static_cast<size_t>(to - from) * sizeof(float));
+    for (auto& [state_name, buffer] : opt.state()) {
+      int64_t state = 0;  // where the range's state starts in the buffer
+      for (const ElementRange& r : opt.ranges()) {
+        for (const ParamInfo& p : model_.params()) {
+          const int64_t from = std::max(r.begin, p.offset), to = std::min(r.end, p.offset + p.shape.numel());
+          if (from >= to) continue;
+          const uint8_t* values = file.data("optimizer." + state_name + "." + p.name);  // f32, maybe unaligned
+          rep.stream->copy_from_host(buffer.f32() + state + (from - r.begin),
+                                     values + static_cast<size_t>(from - p.offset) * sizeof(float),
+                                     static_cast<size_t>(to - from) * sizeof(float));
+        }
+        state += r.size();
       }
+    }
     rep.optimizer->set_steps(steps);
     // RNG streams continue where they were only when the replica layout is the same.
     if (same_replicas) rep.rng_offset = rng[r];

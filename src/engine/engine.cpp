@@ -89,10 +89,6 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
     names.push_back("replica " + std::to_string(r) + " (" + config_.devices[r].str() + ")");
     replicas_.push_back(std::move(rep));
   }
-  // Equal optimizer shards, whole cache lines each, so that no two workers write the same line of a replica's
-  // parameters and an all-gather of equal blocks puts the shards together.
-  const int64_t elements = model_.num_param_elements(), parts = static_cast<int64_t>(n);
-  shard_elements_ = ((elements + parts - 1) / parts + 15) / 16 * 16;
 
   pool_ = std::make_unique<WorkerPool>(n, [this, workers](size_t w) {
     backend_.start_worker(config_.devices[w], w, workers);
@@ -123,15 +119,14 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   }
 
   every_replica_runs_ = model_.uses_collectives();
+  reduction_ = config_.reduction;
   layer_params_.resize(model_.num_layers());
   for (size_t i = 0; i < model_.params().size(); ++i) layer_params_[model_.params()[i].layer].push_back(i);
 
   run("create", [&](Replica& rep, size_t) {
-    rep.model = std::make_unique<ReplicaModel>(model_, rep.ctx, shard_elements_ * parts);
-    // The optimizer's state for this replica's shard alone: the shard is all it steps (finish_and_step).
-    const auto [begin, end] = optimizer_shard(rep.ctx.replica);
-    rep.optimizer = std::make_unique<Optimizer>(optimizer, begin, end, rep.ctx.device);
+    rep.model = std::make_unique<ReplicaModel>(model_, rep.ctx);
     rep.loss_sum_device = Tensor::zeros(DType::kF32, Shape{2}, rep.ctx.device);  // room for one double
+    rep.norm_partial = Tensor::zeros(DType::kF32, Shape{2}, rep.ctx.device);     // likewise
     std::vector<Reducer::Grad> grads;
     for (const ParamInfo& p : model_.params())
       grads.push_back({rep.model->grads() + p.offset, static_cast<size_t>(p.shape.numel())});
@@ -144,6 +139,8 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
             op();
           });
         });
+    // The optimizer's state for this replica's shard alone: the shard is all it steps (finish_and_step).
+    rep.optimizer = std::make_unique<Optimizer>(optimizer, optimizer_shard(rep), rep.ctx.device);
   });
 }
 
@@ -345,32 +342,59 @@ void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor
   rep.has_grad = true;
 }
 
-std::pair<int64_t, int64_t> Engine::optimizer_shard(size_t replica) const {
-  // The last replicas' shards may end past the parameters, or lie wholly past them (then empty).
-  const int64_t elements = model_.num_param_elements();
-  const int64_t begin = std::min(elements, shard_elements_ * static_cast<int64_t>(replica));
-  return {begin, std::min(elements, begin + shard_elements_)};
+std::vector<ElementRange> Engine::optimizer_shard(const Replica& rep) const {
+  // Block r of every bucket (Communicator::block_range), as Megatron-LM's distributed optimizer shards: a bucket
+  // reduce-scattered as soon as backward produced it leaves each replica the gradient of what it steps. Buckets
+  // are ranges of the flat gradient buffer, in launch order (the last parameters first).
+  std::vector<ElementRange> ranges;
+  const Reducer& reducer = *rep.reducer;
+  for (size_t b = 0; b < reducer.num_buckets(); ++b) {
+    DPAR_ENFORCE(reducer.in_place(b), DPAR_ERR_INTERNAL, "engine: gradient bucket ", b, " is not a range of the ",
+                 "flat gradient buffer");
+    const int64_t offset = reducer.bucket_data(b) - rep.model->grads();
+    const auto [begin, end] = Communicator::block_range(reducer.bucket_count(b), static_cast<int>(replicas_.size()),
+                                                        static_cast<int>(rep.ctx.replica));
+    ranges.push_back({offset + static_cast<int64_t>(begin), offset + static_cast<int64_t>(end)});
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const ElementRange& a, const ElementRange& b) { return a.begin < b.begin; });
+  return ranges;
 }
 
 std::unique_ptr<BucketStrategy> Engine::bucket_strategy_for(Replica& rep) const {
+  const Wire wire = compression_ == GradientCompression::kBf16 ? Wire::kBf16 : Wire::kF32;
+  if (reduction_ == GradientReduction::kReduceScatter)
+    return make_bucket_strategy(BucketStrategyKind::kReduceScatter, *rep.set, wire);
   if (!links_) return make_bucket_strategy(BucketStrategyKind::kFlat, *rep.set);
-  return make_bucket_strategy(compression_ == GradientCompression::kBf16 ? BucketStrategyKind::kHierarchicalBf16
-                                                                         : BucketStrategyKind::kHierarchical,
-                              *rep.set);
+  return make_bucket_strategy(
+      wire == Wire::kBf16 ? BucketStrategyKind::kHierarchicalBf16 : BucketStrategyKind::kHierarchical, *rep.set);
 }
 
-void Engine::clip_gradient(Replica& rep, int64_t begin, int64_t end) {
-  // Every replica holds the whole summed gradient, the same bits on all of them: each computes the same norm with
-  // the same kernel and scales the shard it steps.
-  const int64_t n = model_.num_param_elements();
+void Engine::clip_gradient(Replica& rep) {
+  const std::vector<ElementRange>& shard = rep.optimizer->ranges();
   float* grads = rep.model->grads();
-  const float norm = static_cast<float>(std::sqrt(rep.stream->sum_squares(grads, n)));
+  double sum = 0.0;
+  if (!rep.reducer->strategy().sharded()) {
+    // Every replica holds the whole summed gradient, the same bits on all of them: each computes the same norm
+    // with the same kernel.
+    sum = rep.stream->sum_squares(grads, model_.num_param_elements());
+  } else {
+    // Each replica holds its shard of the summed gradient: the norm is the sum of the shards' (one scalar summed
+    // over the process's replicas; every process holds the same shards), the same bits on every replica.
+    for (const ElementRange& r : shard) sum += r.size() > 0 ? rep.stream->sum_squares(grads + r.begin, r.size()) : 0.0;
+    if (replicas_.size() > 1) {
+      rep.stream->copy_from_host(rep.norm_partial.raw(), &sum, sizeof(double));
+      rep.set->sum_within_process(rep.norm_partial.raw(), 1, CommDType::kF64);
+      rep.stream->copy_to_host(&sum, rep.norm_partial.raw(), sizeof(double));
+    }
+  }
+  const float norm = static_cast<float>(std::sqrt(sum));
   // torch.nn.utils.clip_grad_norm_, in its float arithmetic: clip_coef = max_norm / (total_norm + 1e-6), clamped
   // to 1. A NaN coefficient (a NaN gradient) is applied, as torch.clamp passes NaN on.
   const float coef = rep.optimizer->config().max_grad_norm / (norm + 1e-6f);
   rep.grad_norm = norm;
-  end = std::min(end, n);
-  if (!(coef >= 1.0f) && end > begin) rep.stream->scale(grads + begin, coef, end - begin);
+  if (coef >= 1.0f) return;
+  for (const ElementRange& r : shard)
+    if (r.size() > 0) rep.stream->scale(grads + r.begin, coef, r.size());
 }
 
 void Engine::publish_grad_norm() {
@@ -404,17 +428,17 @@ void Engine::finish_and_step(Replica& rep) {
   float* params = rep.model->params();
   if (rep.optimizer->config().max_grad_norm > 0.0f) {
     TraceSpan span(*trace_, "gradient clipping");
-    clip_gradient(rep, rep.optimizer->begin(), rep.optimizer->end());
+    clip_gradient(rep);
   }
   {
-    TraceSpan span(*trace_, "optimizer", "elements", rep.optimizer->end() - rep.optimizer->begin());
+    TraceSpan span(*trace_, "optimizer", "elements", rep.optimizer->num_elements());
     rep.optimizer->step(*rep.stream, params, rep.model->grads());
   }
-  // Block r of the padded parameters is replica r's shard (its tail past the parameters is padding).
+  // Block r of each bucket's parameters is replica r's shard.
   TraceSpan span(*trace_, "parameters all-gather");
   if (replicas_.size() > 1)
-    rep.comm->all_gather(params + shard_elements_ * static_cast<int64_t>(rep.ctx.replica), params,
-                         static_cast<size_t>(shard_elements_), CommDType::kF32);
+    for (size_t b = 0; b < rep.reducer->num_buckets(); ++b)
+      rep.set->all_gather_blocks(params + (rep.reducer->bucket_data(b) - rep.model->grads()), rep.reducer->bucket_count(b));
   rep.has_grad = false;
 }
 
@@ -632,6 +656,14 @@ void Engine::set_gradient_compression(GradientCompression compression) {
                  "1: bf16)");
   compression_ = compression;
   // Between calls the workers are idle: the reducers are the caller's to change.
+  for (auto& rep : replicas_) rep->reducer->set_strategy(bucket_strategy_for(*rep));
+}
+
+void Engine::set_gradient_reduction(GradientReduction reduction) {
+  DPAR_CHECK_ARG(reduction == GradientReduction::kAllReduce || reduction == GradientReduction::kReduceScatter,
+                 "reduction: ", static_cast<int32_t>(reduction), " is not a gradient reduction (0: all-reduce, ",
+                 "1: reduce-scatter)");
+  reduction_ = reduction;
   for (auto& rep : replicas_) rep->reducer->set_strategy(bucket_strategy_for(*rep));
 }
 

@@ -52,6 +52,16 @@ enum class GradientCompression : int32_t {
   kBf16 = 1,
 };
 
+// How each bucket of summed gradients reaches the replicas, whose optimizers each step their shard of the
+// parameters (block r of every bucket) before an all-gather puts the shards together.
+enum class GradientReduction : int32_t {
+  // Every replica receives the whole sum (all-reduce); clipping's norm is computed whole on every replica.
+  kAllReduce = 0,
+  // Each replica receives only its shard of each bucket (reduce-scatter: ZeRO-2); clipping's norm is the sum of the
+  // shards' (one scalar summed over the process's replicas). Across processes a bucket is still summed whole.
+  kReduceScatter = 1,
+};
+
 struct EngineConfig {
   std::vector<Device> devices;  // replica r runs on devices[r]; all of one kind
   size_t output_replica = 0;    // forward() gathers on this replica's device
@@ -61,6 +71,7 @@ struct EngineConfig {
   int32_t blas_threads = 1;
   bool pin_workers = true;
   BucketOptions buckets;
+  GradientReduction reduction = GradientReduction::kAllReduce;
   // One participant per process (rank = this process), or null for a single process. Every process creates its
   // engine, and then calls the same operations in the same order.
   std::shared_ptr<Communicator> processes;
@@ -98,6 +109,9 @@ class Engine {
   // From the next step on. Every process must set the same: the processes' collectives compare their element
   // types, so a process that differs makes the step fail with MISMATCH on all of them. No effect on one process.
   void set_gradient_compression(GradientCompression compression);
+  // From the next step on (both keep the same optimizer shards). Every process sets the same.
+  void set_gradient_reduction(GradientReduction reduction);
+  GradientReduction gradient_reduction() const { return reduction_; }
   void set_lr(float lr);
   // Clips the gradient of the following steps to this global L2 norm (OptimizerConfig::max_grad_norm); 0: off.
   void set_max_grad_norm(float max_norm);
@@ -147,6 +161,7 @@ class Engine {
     bool stepped = false;   // this call applied the optimizer (tells whether a failure left replicas apart)
     double loss_sum = 0.0;
     Tensor loss_sum_device;  // where the loss kernel writes the sum (a double) on the replica's device
+    Tensor norm_partial;     // a double on the replica's device: its shard's part of the gradient's squared norm
     // The replica's rows of a host batch (input, target, backward()'s grad_output) on a device that is not the host.
     Tensor input_stage, target_stage, grad_stage;
     int64_t rows = 0;       // rows of the current call
@@ -174,8 +189,9 @@ class Engine {
   std::unique_ptr<BucketStrategy> bucket_strategy_for(Replica& rep) const;
   // Copies the replica's loss sum of its last rows from its device into rep.loss_sum.
   void read_loss(Replica& rep);
-  // Scales the gradient's elements [begin, end) so that its global L2 norm is at most the optimizer's max_grad_norm.
-  void clip_gradient(Replica& rep, int64_t begin, int64_t end);
+  // Scales the replica's shard of the summed gradient so that the gradient's global L2 norm is at most the
+  // optimizer's max_grad_norm.
+  void clip_gradient(Replica& rep);
   // After a step that succeeded: the norm its clipping saw becomes grad_norm().
   void publish_grad_norm();
   // Finishes the reduction of the step's gradients (scaled as the reducer was prepared) and applies the optimizer.
@@ -191,10 +207,10 @@ class Engine {
   // rank 0's failure elsewhere.
   void share_outcome(const char* operation, std::exception_ptr error) const;
   void write_checkpoint(const std::string& path) const;
-  // Elements [begin, end) of the flat parameters whose optimizer step replica `replica` computes and whose
-  // optimizer state it holds: its block of shard_elements_ (equal blocks, so that an all-gather of the padded
-  // parameters puts them together), cut at the parameters' end. The last replicas' shards may be empty.
-  std::pair<int64_t, int64_t> optimizer_shard(size_t replica) const;
+  // The elements of the flat parameters whose optimizer step the replica computes and whose optimizer state it
+  // holds: its block of every gradient bucket (made once its reducer exists). The last replicas' blocks of a small
+  // bucket may be empty.
+  std::vector<ElementRange> optimizer_shard(const Replica& rep) const;
   // The mean loss of the last step or micro-batch over the global batch.
   double finish_loss(const char* operation, int64_t global_batch);
 
@@ -205,12 +221,12 @@ class Engine {
   // destroyed in reverse order, also when the constructor throws).
   std::unique_ptr<Group> group_;
   std::vector<std::unique_ptr<Replica>> replicas_;
-  int64_t shard_elements_ = 0;
   std::shared_ptr<Communicator> processes_;
   // What the replica sets cross the processes with (processes_, and replica 0's link for its device's memory from
   // Backend::link_processes); null with one process.
   std::shared_ptr<ProcessLinks> links_;
   GradientCompression compression_ = GradientCompression::kNone;
+  GradientReduction reduction_ = GradientReduction::kAllReduce;
   std::vector<std::vector<size_t>> layer_params_;  // per layer, the indices of its parameters
   // A layer calls the replica set's collectives: a replica given no rows of a batch runs forward and backward too
   // (on an empty chunk), so that it takes part in them.

@@ -38,11 +38,17 @@ const char* OptimizerConfig::name() const {
   return "unknown";
 }
 
-Optimizer::Optimizer(const OptimizerConfig& config, int64_t begin, int64_t end, Device device)
-    : config_(config), begin_(begin), end_(end) {
-  DPAR_ENFORCE(0 <= begin && begin <= end, DPAR_ERR_INTERNAL, "optimizer: [", begin, ", ", end, ") is not a range of parameters");
-  if (end == begin) return;
-  const Shape shape{end - begin};
+Optimizer::Optimizer(const OptimizerConfig& config, std::vector<ElementRange> ranges, Device device)
+    : config_(config), ranges_(std::move(ranges)) {
+  int64_t previous_end = 0;
+  for (const ElementRange& r : ranges_) {
+    DPAR_ENFORCE(previous_end <= r.begin && r.begin <= r.end, DPAR_ERR_INTERNAL, "optimizer: [", r.begin, ", ",
+                 r.end, ") is not a range of parameters after the ones before it");
+    previous_end = r.end;
+    elements_ += r.size();
+  }
+  if (elements_ == 0) return;
+  const Shape shape{elements_};
   if (config_.kind == OptimizerKind::kSgd) {
     if (config_.momentum != 0.0f) buf_a_ = Tensor::zeros(DType::kF32, shape, device);
   } else {
@@ -52,18 +58,21 @@ Optimizer::Optimizer(const OptimizerConfig& config, int64_t begin, int64_t end, 
 }
 
 void Optimizer::step(Stream& stream, float* params, const float* grads) {
-  ++steps_;  // the step counter advances on every replica, whatever its range
-  const int64_t n = end_ - begin_;
-  if (n == 0) return;
-  params += begin_;
-  grads += begin_;
-  if (config_.kind == OptimizerKind::kSgd) {
-    SgdHyper h{config_.lr, config_.momentum, config_.dampening, config_.weight_decay, config_.nesterov};
-    stream.sgd_step(params, buf_a_.defined() ? buf_a_.f32() : nullptr, grads, n, h, steps_ == 1);
-  } else {
-    AdamHyper h{config_.lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay,
-                              config_.kind == OptimizerKind::kAdamW};
-    stream.adam_step(params, buf_a_.f32(), buf_b_.f32(), grads, n, h, steps_);
+  ++steps_;  // the step counter advances on every replica, whatever its ranges
+  int64_t state = 0;  // where the range's state starts
+  for (const ElementRange& r : ranges_) {
+    const int64_t n = r.size();
+    if (n == 0) continue;
+    if (config_.kind == OptimizerKind::kSgd) {
+      const SgdHyper h{config_.lr, config_.momentum, config_.dampening, config_.weight_decay, config_.nesterov};
+      stream.sgd_step(params + r.begin, buf_a_.defined() ? buf_a_.f32() + state : nullptr, grads + r.begin, n, h,
+                      steps_ == 1);
+    } else {
+      const AdamHyper h{config_.lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay,
+                        config_.kind == OptimizerKind::kAdamW};
+      stream.adam_step(params + r.begin, buf_a_.f32() + state, buf_b_.f32() + state, grads + r.begin, n, h, steps_);
+    }
+    state += n;
   }
 }
 

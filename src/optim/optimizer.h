@@ -31,27 +31,38 @@ struct OptimizerConfig {
   const char* name() const;  // "sgd", "adam", "adamw"
 };
 
-// Steps one range of a replica's flat parameters, [begin, end), and keeps state for that range alone: in the
-// engine each replica steps its own shard of the summed gradient, so each holds 1/n of the optimizer's state
-// (ZeRO stage 1) rather than a full copy that only its shard would keep current.
+// A range [begin, end) of a replica's flat parameters, in elements.
+struct ElementRange {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+};
+
+// Steps some ranges of a replica's flat parameters and keeps state for them alone: in the engine each replica steps
+// its own shard of the summed gradient (its block of every gradient bucket), so each holds 1/n of the optimizer's
+// state (ZeRO stage 1) rather than a full copy that only its shard would keep current.
 class Optimizer {
  public:
-  // State buffers (zeros) on `device` for elements [begin, end); begin <= end.
-  Optimizer(const OptimizerConfig& config, int64_t begin, int64_t end, Device device);
+  // State buffers (zeros) on `device` for the elements of `ranges` (ordered, not overlapping; empty ones allowed).
+  Optimizer(const OptimizerConfig& config, std::vector<ElementRange> ranges, Device device);
+  // One range.
+  Optimizer(const OptimizerConfig& config, int64_t begin, int64_t end, Device device)
+      : Optimizer(config, std::vector<ElementRange>{{begin, end}}, device) {}
 
-  // One step of elements [begin, end) of `params` (the whole flat buffer) from the same range of `grads`, queued
-  // on `stream`. The element-wise formulas make the steps of ranges equal, bit for bit, to one step over all.
+  // One step of the ranges' elements of `params` (the whole flat buffer) from the same elements of `grads`,
+  // queued on `stream`. The element-wise formulas make the steps of ranges equal, bit for bit, to one step over all.
   void step(Stream& stream, float* params, const float* grads);
   void set_lr(float lr) { config_.lr = lr; }
   void set_max_grad_norm(float max_norm) { config_.max_grad_norm = max_norm; }
   const OptimizerConfig& config() const { return config_; }
   int64_t steps() const { return steps_; }
   void set_steps(int64_t steps) { steps_ = steps; }
-  int64_t begin() const { return begin_; }
-  int64_t end() const { return end_; }
+  const std::vector<ElementRange>& ranges() const { return ranges_; }
+  // Elements in all ranges.
+  int64_t num_elements() const { return elements_; }
 
-  // Named state buffers, each end - begin long ("momentum_buffer"; "exp_avg", "exp_avg_sq"), for checkpoints.
-  // Every kind of state is listed even when the range is empty (its tensors are then undefined).
+  // Named state buffers ("momentum_buffer"; "exp_avg", "exp_avg_sq"), each num_elements() long: the ranges' states
+  // one after the other, in range order. Every kind of state is listed even when there are no elements (its
+  // tensors are then undefined).
   std::vector<std::pair<std::string, Tensor>> state() const;
   // The state's names for this configuration, without a replica.
   static std::vector<std::string> state_names(const OptimizerConfig& config);
@@ -60,9 +71,10 @@ class Optimizer {
 
  private:
   OptimizerConfig config_;
-  int64_t begin_, end_;
+  std::vector<ElementRange> ranges_;
+  int64_t elements_ = 0;
   int64_t steps_ = 0;
-  Tensor buf_a_;  // momentum buffer, or Adam's exp_avg (undefined for SGD without momentum, or an empty range)
+  Tensor buf_a_;  // momentum buffer, or Adam's exp_avg (undefined for SGD without momentum, or no elements)
   Tensor buf_b_;  // Adam's exp_avg_sq
 };
 

@@ -9,6 +9,7 @@ const char* bucket_strategy_name(BucketStrategyKind kind) {
     case BucketStrategyKind::kFlat: return "flat";
     case BucketStrategyKind::kHierarchical: return "hierarchical";
     case BucketStrategyKind::kHierarchicalBf16: return "hierarchical bf16";
+    case BucketStrategyKind::kReduceScatter: return "reduce-scatter";
   }
   return "unknown bucket strategy";
 }
@@ -39,9 +40,23 @@ class HierarchicalAllReduce final : public BucketStrategy {
   Wire wire_;
 };
 
+class ReduceScatter final : public BucketStrategy {
+ public:
+  ReduceScatter(ReplicaSet& set, Wire wire) : set_(set), wire_(wire) {}
+  const char* name() const override { return "reduce-scatter"; }
+  void reduce(const GradBucket& b) override {
+    set_.reduce_scatter_sum(b.data, b.count, b.contributes, b.scale, wire_);
+  }
+  bool sharded() const override { return true; }
+
+ private:
+  ReplicaSet& set_;
+  Wire wire_;
+};
+
 }  // namespace
 
-std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, ReplicaSet& set) {
+std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, ReplicaSet& set, Wire wire) {
   switch (kind) {
     case BucketStrategyKind::kFlat:
       DPAR_CHECK_ARG(!set.spans_processes(), "bucket strategy: flat reduces among one process's replicas, and this ",
@@ -49,9 +64,10 @@ std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, Re
       return std::make_unique<FlatAllReduce>(set);
     case BucketStrategyKind::kHierarchical: return std::make_unique<HierarchicalAllReduce>(set, Wire::kF32);
     case BucketStrategyKind::kHierarchicalBf16: return std::make_unique<HierarchicalAllReduce>(set, Wire::kBf16);
+    case BucketStrategyKind::kReduceScatter: return std::make_unique<ReduceScatter>(set, wire);
   }
   fail(DPAR_ERR_INVALID_ARGUMENT, "bucket strategy: ", static_cast<int32_t>(kind), " is not a strategy (0: flat, ",
-       "1: hierarchical, 2: hierarchical bf16)");
+       "1: hierarchical, 2: hierarchical bf16, 3: reduce-scatter)");
 }
 
 }  // namespace dpar

@@ -5,7 +5,9 @@
 //
 //  - flat: one all-reduce among the process's replicas (a job of one process);
 //  - hierarchical: among the process's replicas, then across the processes in f32, then back;
-//  - hierarchical in bf16: the same, bfloat16 on the wire between processes.
+//  - hierarchical in bf16: the same, bfloat16 on the wire between processes;
+//  - reduce-scatter: each replica receives only its block of every bucket (the block its optimizer steps: ZeRO-2),
+//    f32 or bf16 between processes.
 #pragma once
 
 #include <cstddef>
@@ -30,7 +32,7 @@ struct GradBucket {
 class BucketStrategy {
  public:
   virtual ~BucketStrategy() = default;
-  // "flat", "hierarchical", "hierarchical bf16": for messages and benchmarks.
+  // "flat", "hierarchical", "hierarchical bf16", "reduce-scatter": for messages and benchmarks.
   virtual const char* name() const = 0;
   // Reduces the bucket on this replica. Every replica of every process calls it for the same buckets in the same
   // order, each from its own thread.
@@ -40,11 +42,11 @@ class BucketStrategy {
   virtual bool sharded() const { return false; }
 };
 
-enum class BucketStrategyKind : int32_t { kFlat = 0, kHierarchical = 1, kHierarchicalBf16 = 2 };
+enum class BucketStrategyKind : int32_t { kFlat = 0, kHierarchical = 1, kHierarchicalBf16 = 2, kReduceScatter = 3 };
 const char* bucket_strategy_name(BucketStrategyKind kind);
 
 // The strategy of `kind` over `set` (which must outlive it). kFlat over a set that spans processes is refused
-// (INVALID_ARGUMENT): the processes' replicas would never meet.
-std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, ReplicaSet& set);
+// (INVALID_ARGUMENT): the processes' replicas would never meet. `wire`: how kReduceScatter crosses processes.
+std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, ReplicaSet& set, Wire wire = Wire::kF32);
 
 }  // namespace dpar
