@@ -1,0 +1,143 @@
+// The engine's step after backward: how the gradient buckets are reduced (the bucket strategy), which block of them
+// each replica's optimizer steps, gradient clipping, the optimizer, and the all-gather that puts the blocks
+// together again.
+#include <algorithm>
+#include <cmath>
+
+#include "common/error.h"
+#include "engine/engine.h"
+
+namespace dpar {
+
+std::vector<ElementRange> Engine::optimizer_shard(const Replica& rep) const {
+  // Block r of every bucket (Communicator::block_range), as Megatron-LM's distributed optimizer shards: a bucket
+  // reduce-scattered as soon as backward produced it leaves each replica the gradient of what it steps. Buckets
+  // are ranges of the flat gradient buffer, in launch order (the last parameters first).
+  std::vector<ElementRange> ranges;
+  const Reducer& reducer = *rep.reducer;
+  for (size_t b = 0; b < reducer.num_buckets(); ++b) {
+    DPAR_ENFORCE(reducer.in_place(b), DPAR_ERR_INTERNAL, "engine: gradient bucket ", b, " is not a range of the ",
+                 "flat gradient buffer");
+    const int64_t offset = reducer.bucket_data(b) - rep.model->grads();
+    const auto [begin, end] = Communicator::block_range(reducer.bucket_count(b), static_cast<int>(replicas_.size()),
+                                                        static_cast<int>(rep.ctx.replica));
+    ranges.push_back({offset + static_cast<int64_t>(begin), offset + static_cast<int64_t>(end)});
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const ElementRange& a, const ElementRange& b) { return a.begin < b.begin; });
+  return ranges;
+}
+
+std::unique_ptr<BucketStrategy> Engine::bucket_strategy_for(Replica& rep) const {
+  const Wire wire = compression_ == GradientCompression::kBf16 ? Wire::kBf16 : Wire::kF32;
+  if (reduction_ == GradientReduction::kReduceScatter)
+    return make_bucket_strategy(BucketStrategyKind::kReduceScatter, *rep.set, wire);
+  if (!links_) return make_bucket_strategy(BucketStrategyKind::kFlat, *rep.set);
+  return make_bucket_strategy(
+      wire == Wire::kBf16 ? BucketStrategyKind::kHierarchicalBf16 : BucketStrategyKind::kHierarchical, *rep.set);
+}
+
+void Engine::clip_gradient(Replica& rep) {
+  const std::vector<ElementRange>& shard = rep.optimizer->ranges();
+  float* grads = rep.model->grads();
+  double sum = 0.0;
+  if (!rep.reducer->strategy().sharded()) {
+    // Every replica holds the whole summed gradient, the same bits on all of them: each computes the same norm
+    // with the same kernel.
+    sum = rep.stream->sum_squares(grads, model_.num_param_elements());
+  } else {
+    // Each replica holds its shard of the summed gradient: the norm is the sum of the shards' (one scalar summed
+    // over the process's replicas; every process holds the same shards), the same bits on every replica.
+    for (const ElementRange& r : shard) sum += r.size() > 0 ? rep.stream->sum_squares(grads + r.begin, r.size()) : 0.0;
+    if (replicas_.size() > 1) {
+      rep.stream->copy_from_host(rep.norm_partial.raw(), &sum, sizeof(double));
+      rep.set->sum_within_process(rep.norm_partial.raw(), 1, CommDType::kF64);
+      rep.stream->copy_to_host(&sum, rep.norm_partial.raw(), sizeof(double));
+    }
+  }
+  const float norm = static_cast<float>(std::sqrt(sum));
+  // torch.nn.utils.clip_grad_norm_, in its float arithmetic: clip_coef = max_norm / (total_norm + 1e-6), clamped
+  // to 1. A NaN coefficient (a NaN gradient) is applied, as torch.clamp passes NaN on.
+  const float coef = rep.optimizer->config().max_grad_norm / (norm + 1e-6f);
+  rep.grad_norm = norm;
+  if (coef >= 1.0f) return;
+  for (const ElementRange& r : shard)
+    if (r.size() > 0) rep.stream->scale(grads + r.begin, coef, r.size());
+}
+
+void Engine::publish_grad_norm() {
+  // A step that failed threw before this: the norm told is always that of a step taken.
+  if (replicas_[0]->optimizer->config().max_grad_norm > 0.0f) grad_norm_ = replicas_[0]->grad_norm;
+}
+
+std::vector<float> Engine::replica_grad_norms() const {
+  std::vector<float> out;
+  for (const auto& rep : replicas_) out.push_back(rep->grad_norm);
+  return out;
+}
+
+std::vector<size_t> Engine::replica_optimizer_state_bytes() const {
+  std::vector<size_t> out;
+  for (const auto& rep : replicas_) out.push_back(rep->optimizer->state_bytes());
+  return out;
+}
+
+void Engine::finish_and_step(Replica& rep) {
+  {
+    // The buckets still in flight, and the last one, which backward's end leaves to this thread.
+    TraceSpan span(*trace_, "gradient buckets finish");
+    rep.reducer->finish();
+  }
+  rep.stepped = true;
+  // Every replica now holds the same summed gradient, so the optimizer's result is the same on all of them. Each
+  // worker computes it for its own shard only, and an all-gather puts the shards together in every replica: the
+  // replicas end identical, bit for bit, as if each had stepped everything, for 1/n of the optimizer's work and
+  // 1/n of its state (a shard's state lives with its owner only; save() gathers it).
+  float* params = rep.model->params();
+  if (rep.optimizer->config().max_grad_norm > 0.0f) {
+    TraceSpan span(*trace_, "gradient clipping");
+    clip_gradient(rep);
+  }
+  {
+    TraceSpan span(*trace_, "optimizer", "elements", rep.optimizer->num_elements());
+    rep.optimizer->step(*rep.stream, params, rep.model->grads());
+  }
+  // Block r of each bucket's parameters is replica r's shard.
+  TraceSpan span(*trace_, "parameters all-gather");
+  if (replicas_.size() > 1)
+    for (size_t b = 0; b < rep.reducer->num_buckets(); ++b)
+      rep.set->all_gather_blocks(params + (rep.reducer->bucket_data(b) - rep.model->grads()), rep.reducer->bucket_count(b));
+  rep.has_grad = false;
+}
+
+void Engine::set_gradient_compression(GradientCompression compression) {
+  DPAR_CHECK_ARG(compression == GradientCompression::kNone || compression == GradientCompression::kBf16,
+                 "compression: ", static_cast<int32_t>(compression), " is not a gradient compression (0: none, ",
+                 "1: bf16)");
+  compression_ = compression;
+  // Between calls the workers are idle: the reducers are the caller's to change.
+  for (auto& rep : replicas_) rep->reducer->set_strategy(bucket_strategy_for(*rep));
+}
+
+void Engine::set_gradient_reduction(GradientReduction reduction) {
+  DPAR_CHECK_ARG(reduction == GradientReduction::kAllReduce || reduction == GradientReduction::kReduceScatter,
+                 "reduction: ", static_cast<int32_t>(reduction), " is not a gradient reduction (0: all-reduce, ",
+                 "1: reduce-scatter)");
+  reduction_ = reduction;
+  for (auto& rep : replicas_) rep->reducer->set_strategy(bucket_strategy_for(*rep));
+}
+
+void Engine::set_lr(float lr) {
+  DPAR_CHECK_ARG(std::isfinite(lr) && lr >= 0.0f, "lr: ", lr, " must be finite and >= 0");
+  for (auto& rep : replicas_) rep->optimizer->set_lr(lr);
+}
+
+void Engine::set_max_grad_norm(float max_norm) {
+  OptimizerConfig config = replicas_[0]->optimizer->config();
+  config.max_grad_norm = max_norm;
+  config.check("optimizer");
+  for (auto& rep : replicas_) rep->optimizer->set_max_grad_norm(max_norm);
+}
+
+int64_t Engine::step_count() const { return replicas_[0]->optimizer->steps(); }
+
+}  // namespace dpar
