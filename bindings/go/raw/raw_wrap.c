@@ -3309,6 +3309,56 @@ intgo _wrap_dpar_reducer_options_op_get_raw_9787157d5e82d198(struct dpar_reducer
 }
 
 
+void _wrap_dpar_reducer_options_processes_set_raw_9787157d5e82d198(struct dpar_reducer_options *_swig_go_0, struct dpar_comm *_swig_go_1) {
+  struct dpar_reducer_options *arg1 = (struct dpar_reducer_options *) 0 ;
+  dpar_comm *arg2 = (dpar_comm *) 0 ;
+  
+  arg1 = *(struct dpar_reducer_options **)&_swig_go_0; 
+  arg2 = *(dpar_comm **)&_swig_go_1; 
+  
+  if (arg1) (arg1)->processes = arg2;
+  
+}
+
+
+struct dpar_comm *_wrap_dpar_reducer_options_processes_get_raw_9787157d5e82d198(struct dpar_reducer_options *_swig_go_0) {
+  struct dpar_reducer_options *arg1 = (struct dpar_reducer_options *) 0 ;
+  dpar_comm *result = 0 ;
+  struct dpar_comm *_swig_go_result;
+  
+  arg1 = *(struct dpar_reducer_options **)&_swig_go_0; 
+  
+  result = (dpar_comm *) ((arg1)->processes);
+  *(dpar_comm **)&_swig_go_result = (dpar_comm *)result; 
+  return _swig_go_result;
+}
+
+
+void _wrap_dpar_reducer_options_compression_set_raw_9787157d5e82d198(struct dpar_reducer_options *_swig_go_0, intgo _swig_go_1) {
+  struct dpar_reducer_options *arg1 = (struct dpar_reducer_options *) 0 ;
+  int32_t arg2 ;
+  
+  arg1 = *(struct dpar_reducer_options **)&_swig_go_0; 
+  arg2 = (int32_t)_swig_go_1; 
+  
+  if (arg1) (arg1)->compression = arg2;
+  
+}
+
+
+intgo _wrap_dpar_reducer_options_compression_get_raw_9787157d5e82d198(struct dpar_reducer_options *_swig_go_0) {
+  struct dpar_reducer_options *arg1 = (struct dpar_reducer_options *) 0 ;
+  int32_t result;
+  intgo _swig_go_result;
+  
+  arg1 = *(struct dpar_reducer_options **)&_swig_go_0; 
+  
+  result = (int32_t) ((arg1)->compression);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 struct dpar_reducer_options *_wrap_new_dpar_reducer_options_raw_9787157d5e82d198() {
   struct dpar_reducer_options *result = 0 ;
   struct dpar_reducer_options *_swig_go_result;
