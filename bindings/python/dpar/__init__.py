@@ -994,7 +994,7 @@ class Reducer(_Handle):
             if not isinstance(processes, Comm):
                 raise TypeError(f"processes: expected a dpar.Comm (Comm.mpi()), got {processes!r}")
             o.processes = processes._raw
-        # Held as long as the reducer, as the Go and Julia bindings do (dpar keeps the communicators themselves).
+        # The handles stay as long as the reducer (dpar keeps the communicators behind them in any case).
         self._comm, self._processes = comm, processes
         self._own(_check(_raw.dpar_reducer_create(comm._raw, self._ptrs.ctypes.data, self._counts.ctypes.data,
                                                   len(grads), o)))
