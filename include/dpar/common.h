@@ -148,6 +148,20 @@ typedef enum dpar_dtype {
 } dpar_dtype;
 /**@}*/
 
+/**
+ * @brief How gradient buckets cross the processes: an engine's (dpar_engine_set_gradient_compression()) and a
+ * reducer's (dpar_reducer_options.compression).
+ */
+typedef enum dpar_gradient_compression {
+  DPAR_COMPRESSION_NONE = 0, /**< f32, as summed. */
+  /**
+   * Each process's sum, rounded to bfloat16 (to nearest, ties to even), is summed across the processes in bfloat16
+   * and widened back to f32: half the bytes between processes, f32's range, about 3 significant digits (as
+   * PyTorch DDP's bf16_compress_hook and Horovod's compression).
+   */
+  DPAR_COMPRESSION_BF16 = 1
+} dpar_gradient_compression;
+
 #ifdef __cplusplus
 }
 #endif

@@ -225,16 +225,6 @@ DPAR_API dpar_status dpar_engine_set_max_grad_norm(dpar_engine *engine, float ma
  */
 DPAR_API dpar_status dpar_engine_grad_norm(float *out, const dpar_engine *engine);
 
-/** @brief How gradient buckets cross the processes (dpar_engine_set_gradient_compression()). */
-typedef enum dpar_gradient_compression {
-  DPAR_COMPRESSION_NONE = 0, /**< f32, as summed. */
-  /**
-   * Each process's sum, rounded to bfloat16 (to nearest, ties to even), is summed across the processes in bfloat16
-   * and widened back to f32: half the bytes between processes, f32's range, about 3 significant digits (as
-   * PyTorch DDP's bf16_compress_hook and Horovod's compression).
-   */
-  DPAR_COMPRESSION_BF16 = 1
-} dpar_gradient_compression;
 /**
  * @brief Compresses gradient buckets on their way between processes, from the next step on. Within a process
  * they are always summed in f32 (threads share memory; there is nothing to save), so with one process this changes

@@ -36,9 +36,21 @@ typedef struct dpar_reducer_options {
   size_t first_bucket_bytes; /**< The first bucket (the last gradients) closes at this many bytes. 0: 1 MiB. */
   size_t bucket_cap_bytes;   /**< Later buckets close at this many bytes. 0: 25 MiB. SIZE_MAX: one bucket. */
   int32_t op;                /**< ::DPAR_SUM or ::DPAR_MEAN (default: the average over the participants, as DDP). */
+  /**
+   * Version 2: a communicator over the processes (dpar_comm_create_mpi()), or NULL (the default: the reducer sums
+   * among its own communicator's participants). With one, the reducers of a group's members in several processes
+   * sum over every member of every process, hierarchically: among the process's members (shared memory; on GPUs
+   * NCCL or dpar's device reduction), then across the processes by member 0 (through host memory), then back to the
+   * other members. Every member of every process passes the same processes' communicator of its own process; it is
+   * shared, not owned (the reducer keeps it alive), and must not be used for other collectives during a step.
+   */
+  dpar_comm *processes;
+  /** Version 2: how buckets cross the processes: a ::dpar_gradient_compression (default ::DPAR_COMPRESSION_NONE). */
+  int32_t compression;
 } dpar_reducer_options;
-#define DPAR_REDUCER_OPTIONS_VERSION 1
-#define DPAR_REDUCER_OPTIONS_INIT {sizeof(dpar_reducer_options), DPAR_REDUCER_OPTIONS_VERSION, 0, 0, DPAR_MEAN}
+#define DPAR_REDUCER_OPTIONS_VERSION 2
+#define DPAR_REDUCER_OPTIONS_INIT                                                                                  \
+  {sizeof(dpar_reducer_options), DPAR_REDUCER_OPTIONS_VERSION, 0, 0, DPAR_MEAN, NULL, DPAR_COMPRESSION_NONE}
 /**
  * @brief Fills @p opts with defaults: the layout of @p size bytes, sizeof(dpar_reducer_options) as the caller compiled
  * it, and no byte past it. ::DPAR_ERR_NOT_SUPPORTED for a layout newer than the library's. Call it as
@@ -63,8 +75,11 @@ DPAR_API dpar_status dpar_reducer_options_init(dpar_reducer_options *opts);
  * @param grads   The buffers, in the model's (forward) order; they must not overlap, and must stay valid until the
  *                reducer is freed.
  * @param counts  Elements of each buffer, each at least 1.
- * @param opts    Options, or NULL for defaults.
- * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULLs, no buffer, an empty or overlapping buffer or bad options.
+ * @param opts    Options, or NULL for defaults. With @p opts->processes and ::DPAR_MEAN, the creation of member
+ *                0's reducer is a collective among the processes (it counts the members of every process): every
+ *                process creates its reducers at the same point.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULLs, no buffer, an empty or overlapping buffer or bad options
+ *         (a @p opts->processes that is not a valid communicator over host memory, an unknown compression).
  */
 DPAR_API dpar_status dpar_reducer_create(dpar_reducer **out, dpar_comm *comm, float *const *grads,
                                          const size_t *counts, size_t num_grads, const dpar_reducer_options *opts);
@@ -81,8 +96,8 @@ DPAR_API dpar_status dpar_reducer_num_buckets(size_t *out, const dpar_reducer *r
 DPAR_API dpar_status dpar_reducer_grad_ready(dpar_reducer *reducer, size_t index);
 /**
  * @brief Ends the step: reduces what is left and waits for every bucket. Every registered buffer then holds the
- * reduced gradient (sum or mean over the participants); on a GPU, for the work queued on the communicator's stream
- * after this call (the optimizer step). A step with no gradient marked is allowed (a participant with no data this
+ * reduced gradient (sum or mean over the participants, and over every process's with @p opts->processes); on a
+ * GPU, for the work queued on the communicator's stream after this call (the optimizer step). A step with no gradient marked is allowed (a participant with no data this
  * step): it contributes zeros.
  * @return ::DPAR_OK, or a collective's error (::DPAR_ERR_TIMEOUT, ::DPAR_ERR_MISMATCH, ::DPAR_ERR_REMOTE, ...),
  *         after which the buffers' content is unspecified; the next step starts afresh.

@@ -203,8 +203,11 @@ template <>
 struct Versioned<dpar_reducer_options> {
   static constexpr const char* name = "dpar_reducer_options";
   static dpar_reducer_options defaults() { return DPAR_REDUCER_OPTIONS_INIT; }
-  static constexpr size_t layouts[] = {sizeof(dpar_reducer_options)};
-  static constexpr uint32_t unsized_init_version = 1;
+  // Version 1 ended before processes.
+  static constexpr size_t layouts[] = {offsetof(dpar_reducer_options, processes), sizeof(dpar_reducer_options)};
+  static constexpr uint32_t unsized_init_version = 1;  // dpar.h 0.4's
+  static_assert(offsetof(dpar_reducer_options, processes) % alignof(dpar_reducer_options) == 0,
+                "version 1's sizeof is no longer the offset of version 2's first field");
 };
 
 template <class T>

@@ -1,5 +1,5 @@
 // The gradient reducer for frameworks that bring their own autograd: DDP's bucketed, overlapped all-reduce over a
-// dpar communicator.
+// dpar communicator, and over the processes (hierarchically, through the replica set) when given their communicator.
 #include <algorithm>
 #include <cstdint>
 #include <functional>
@@ -44,6 +44,18 @@ DPAR_API dpar_status dpar_reducer_create(dpar_reducer** out, dpar_comm* comm, fl
     dpar_comm& c = checked(comm, "comm");
     const auto o = read_options(opts, "opts");
     DPAR_CHECK_ARG(o.op == DPAR_SUM || o.op == DPAR_MEAN, "opts.op: ", o.op, " must be DPAR_SUM or DPAR_MEAN");
+    DPAR_CHECK_ARG(o.compression == DPAR_COMPRESSION_NONE || o.compression == DPAR_COMPRESSION_BF16,
+                   "opts.compression: ", o.compression, " is not a gradient compression (0: none, 1: bf16)");
+    std::shared_ptr<ProcessLinks> processes;
+    if (o.processes) {
+      const dpar_comm& p = checked(o.processes, "opts.processes");
+      DPAR_CHECK_ARG(o.processes != comm, "opts.processes: is the reducer's own communicator");
+      DPAR_CHECK_ARG(p.device.is_host(), "opts.processes: its buffers are memory of ", p.device.str(),
+                     "; the processes are reached through host memory (dpar_comm_create_mpi())");
+      processes = std::make_shared<ProcessLinks>();
+      processes->host = p.comm;
+      processes->transport = p.comm->backend();
+    }
     DPAR_CHECK_ARG(grads != nullptr, "grads: is NULL");
     DPAR_CHECK_ARG(counts != nullptr, "counts: is NULL");
     DPAR_CHECK_ARG(num_grads > 0, "num_grads: no gradient buffer to reduce");
@@ -75,11 +87,14 @@ DPAR_API dpar_status dpar_reducer_create(dpar_reducer** out, dpar_comm* comm, fl
     // The reducer's copies and fills are ordered with the framework's work on the communicator's device: a CPU
     // stream for host memory, the caller's own stream on a GPU.
     h->stream = backend_for(c.device).wrap_stream(c.device, c.stream);
-    h->set = std::make_unique<ReplicaSet>(*raw, *h->stream, nullptr);
+    h->set = std::make_unique<ReplicaSet>(*raw, *h->stream, std::move(processes));
     h->scale = o.op == DPAR_MEAN ? h->set->mean_scale() : 1.0f;
+    const BucketStrategyKind strategy = !h->set->spans_processes()               ? BucketStrategyKind::kFlat
+                                        : o.compression == DPAR_COMPRESSION_BF16 ? BucketStrategyKind::kHierarchicalBf16
+                                                                                 : BucketStrategyKind::kHierarchical;
     h->reducer = std::make_unique<Reducer>(
         std::move(list), bucket_options(o.first_bucket_bytes, o.bucket_cap_bytes), *h->stream,
-        make_bucket_strategy(BucketStrategyKind::kFlat, *h->set),
+        make_bucket_strategy(strategy, *h->set),
         [raw](std::function<void()> op) { return raw->async_run("gradient bucket", std::move(op)); });
     register_handle(h.get(), HandleKind::kReducer);
     *out = h.release();

@@ -9,10 +9,18 @@ import (
 	"dpar.dev/go/raw"
 )
 
-// ReducerOptions are a reducer's bucket sizes; a zero value takes dpar's default.
+// ReducerOptions are a reducer's bucket sizes and the processes it reduces over; a zero value takes dpar's default.
 type ReducerOptions struct {
 	FirstBucketBytes int // the first bucket (the last gradients) closes at this many bytes (default 1 MiB)
 	BucketCapBytes   int // later buckets close at this many bytes (default 25 MiB)
+	// Processes is a communicator over the processes (NewMPIComm), or nil. With one, the reducers of a group's
+	// members in several processes sum over every member of every process, hierarchically: among the process's
+	// members, then across the processes by member 0, then back. Every member passes its process's same Comm, which
+	// runs no other collective during a step; dpar keeps it for the reducer, so it may be closed first. With Mean,
+	// every process creates its reducers at the same point: member 0's creation counts every process's members.
+	Processes *Comm
+	// Compression is how buckets cross the processes: CompressionNone (default) or CompressionBF16.
+	Compression Compression
 }
 
 // Reducer is DDP's gradient reducer over a communicator, for a program with its own autograd: it registers the
@@ -91,6 +99,10 @@ func newReducer(c *Comm, grads []unsafe.Pointer, counts []int, op ReduceOp, o Re
 		sizeArg("BucketCapBytes", o.BucketCapBytes)); err != nil {
 		return nil, err
 	}
+	// A closed Comm's handle is nil, which dpar would take for no processes at all.
+	if o.Processes != nil && o.Processes.handle() == nil {
+		return nil, invalid("Processes: the communicator is closed")
+	}
 	// Addresses as integers, and one element more than needed, so that dpar (not a NULL array) speaks of an empty
 	// list; the addresses are outside Go memory, so the Go array that holds them is for cgo a plain buffer.
 	addresses := make([]uintptr, len(grads)+1)
@@ -109,10 +121,14 @@ func newReducer(c *Comm, grads []unsafe.Pointer, counts []int, op ReduceOp, o Re
 		opts.SetFirst_bucket_bytes(int64(o.FirstBucketBytes))
 		opts.SetBucket_cap_bytes(int64(o.BucketCapBytes))
 		opts.SetOp(int(op))
+		opts.SetProcesses(o.Processes.handle())
+		opts.SetCompression(int(o.Compression))
 		return raw.Dpar_reducer_create(unsafe.Pointer(&p), c.handle(), unsafe.Pointer(&addresses[0]),
 			unsafe.Pointer(&sizes[0]), int64(len(grads)), opts)
 	})
+	// The handles live through the call; dpar keeps the communicators behind them for the reducer.
 	runtime.KeepAlive(c)
+	runtime.KeepAlive(o.Processes)
 	if err != nil {
 		return nil, err
 	}
@@ -215,8 +231,8 @@ func (r *Reducer) Wait() error {
 }
 
 // Close frees the reducer, after its buckets in flight finish, then NewReducer's gradients (their slices are
-// invalid from here). The communicator is not closed: dpar keeps it for the reducer, so either may be closed
-// first. Close may be called again.
+// invalid from here). The communicators (its own and the processes') are not closed: dpar keeps them for the
+// reducer, so either may be closed first. Close may be called again.
 func (r *Reducer) Close() {
 	if r == nil {
 		return

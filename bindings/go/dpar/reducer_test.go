@@ -207,6 +207,9 @@ func TestBadReducerArgumentsAreErrorsWithDparsMessage(t *testing.T) {
 	}
 	closed.Close()
 	closed.Close()
+	group, closedComm := soloGroup(t)
+	defer group.Close()
+	closedComm.Close()
 	for _, check := range []struct {
 		what    string
 		err     error
@@ -227,6 +230,13 @@ func TestBadReducerArgumentsAreErrorsWithDparsMessage(t *testing.T) {
 			ErrInvalidArg, "opts.op: 2 must be DPAR_SUM or DPAR_MEAN"},
 		{"a nil Comm", noReducer(NewReducer(nil, []int{10}, Sum, ReducerOptions{})), ErrInvalidArg,
 			"comm: handle is NULL"},
+		{"a closed Comm as the processes'", noReducer(NewReducer(c, []int{10}, Sum,
+			ReducerOptions{Processes: closedComm})), ErrInvalidArg, "Processes: the communicator is closed"},
+		// Refusals that show that Processes and Compression reach dpar.
+		{"the reducer's own Comm as the processes'", noReducer(NewReducer(c, []int{10}, Sum,
+			ReducerOptions{Processes: c})), ErrInvalidArg, "opts.processes: is the reducer's own communicator"},
+		{"an unknown compression", noReducer(NewReducer(c, []int{10}, Sum, ReducerOptions{Compression: 7})),
+			ErrInvalidArg, "opts.compression: 7 is not a gradient compression"},
 		{"overlapping gradients", noReducer(NewReducerUnsafe(c, []unsafe.Pointer{memory, unsafe.Add(memory, 20)},
 			[]int{10, 10}, Sum, ReducerOptions{})), ErrInvalidArg, "grads[0] and grads[1]: the buffers overlap"},
 		{"a NULL gradient", noReducer(NewReducerUnsafe(c, []unsafe.Pointer{memory, nil}, []int{10, 10}, Sum,
@@ -320,6 +330,54 @@ func TestTheReducerOutlivesItsComm(t *testing.T) {
 	if grad[99] != 2 {
 		t.Fatalf("the mean over one member: %v", grad[99])
 	}
+}
+
+// Without mpirun, NewMPIComm is rank 0 of a job of one process, over which nothing crosses: a group's reducers
+// over it give the group's mean, which bfloat16 does not round (a 1/1024 beside numbers of 8 to 32 would not
+// survive bfloat16's 8 significant bits).
+func TestAReducerOverTheProcessesOfAJobOfOneGivesTheGroupsMean(t *testing.T) {
+	processes, err := NewMPIComm(30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer processes.Close()
+	if rank, size, err := processes.Info(); rank != 0 || size != 1 || err != nil {
+		t.Fatalf("NewMPIComm without mpirun: rank %d of %d, %v; expected rank 0 of 1", rank, size, err)
+	}
+	const n, fraction = 2, 1.0 / 1024
+	onEachMember(t, testGroup(t, n, 30), n, func(c *Comm, rank int) error {
+		o := smallBuckets
+		o.Processes, o.Compression = processes, CompressionBF16
+		red, err := NewReducer(c, gradSizes, Mean, o)
+		if err != nil {
+			return err
+		}
+		defer red.Close()
+		for k := len(gradSizes) - 1; k >= 0; k-- {
+			g, err := red.Grad(k)
+			if err != nil {
+				return err
+			}
+			for i := range g {
+				g[i] = gradValue(rank, k, i, 0) + fraction
+			}
+			if err := red.GradReady(k); err != nil {
+				return err
+			}
+		}
+		if err := red.Wait(); err != nil {
+			return err
+		}
+		for k := range gradSizes {
+			g, _ := red.Grad(k)
+			for i, v := range g {
+				if want := (gradValue(0, k, i, 0)+gradValue(1, k, i, 0))/2 + fraction; v != want {
+					return fmt.Errorf("gradient %d, element %d: %v, expected %v", k, i, v, want)
+				}
+			}
+		}
+		return nil
+	})
 }
 
 // A member that never ends its step: the others' Wait returns dpar's timeout, naming it.

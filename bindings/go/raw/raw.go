@@ -158,6 +158,8 @@ extern swig_intgo _wrap_DPAR_F16_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_U8_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_F64_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_I64_raw_9787157d5e82d198(void);
+extern swig_intgo _wrap_DPAR_COMPRESSION_NONE_raw_9787157d5e82d198(void);
+extern swig_intgo _wrap_DPAR_COMPRESSION_BF16_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_dpar_tensor_create_raw_9787157d5e82d198(swig_voidp arg1, swig_intgo arg2, swig_voidp arg3, swig_type_7 arg4, uintptr_t arg5);
 extern swig_intgo _wrap_dpar_tensor_wrap_host_raw_9787157d5e82d198(swig_voidp arg1, swig_intgo arg2, swig_voidp arg3, swig_type_8 arg4, swig_voidp arg5);
 extern void _wrap_dpar_tensor_free_raw_9787157d5e82d198(uintptr_t arg1);
@@ -281,8 +283,6 @@ extern swig_intgo _wrap_dpar_engine_set_training_raw_9787157d5e82d198(uintptr_t 
 extern swig_intgo _wrap_dpar_engine_set_lr_raw_9787157d5e82d198(uintptr_t arg1, float arg2);
 extern swig_intgo _wrap_dpar_engine_set_max_grad_norm_raw_9787157d5e82d198(uintptr_t arg1, float arg2);
 extern swig_intgo _wrap_dpar_engine_grad_norm_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_DPAR_COMPRESSION_NONE_raw_9787157d5e82d198(void);
-extern swig_intgo _wrap_DPAR_COMPRESSION_BF16_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_dpar_engine_set_gradient_compression_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_step_count_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_48 arg3);
@@ -343,6 +343,10 @@ extern void _wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198
 extern swig_type_79 _wrap_dpar_reducer_options_bucket_cap_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_reducer_options_op_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_reducer_options_op_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_reducer_options_processes_set_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2);
+extern uintptr_t _wrap_dpar_reducer_options_processes_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_reducer_options_compression_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
+extern swig_intgo _wrap_dpar_reducer_options_compression_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_new_dpar_reducer_options_raw_9787157d5e82d198(void);
 extern void _wrap_delete_dpar_reducer_options_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_80 arg2);
@@ -727,6 +731,21 @@ func _swig_getDPAR_I64() (_swig_ret Enum_SS_dpar_dtype) {
 }
 
 var DPAR_I64 Enum_SS_dpar_dtype = _swig_getDPAR_I64()
+type Enum_SS_dpar_gradient_compression int
+func _swig_getDPAR_COMPRESSION_NONE() (_swig_ret Enum_SS_dpar_gradient_compression) {
+	var swig_r Enum_SS_dpar_gradient_compression
+	swig_r = (Enum_SS_dpar_gradient_compression)(C._wrap_DPAR_COMPRESSION_NONE_raw_9787157d5e82d198())
+	return swig_r
+}
+
+var DPAR_COMPRESSION_NONE Enum_SS_dpar_gradient_compression = _swig_getDPAR_COMPRESSION_NONE()
+func _swig_getDPAR_COMPRESSION_BF16() (_swig_ret Enum_SS_dpar_gradient_compression) {
+	var swig_r Enum_SS_dpar_gradient_compression
+	swig_r = (Enum_SS_dpar_gradient_compression)(C._wrap_DPAR_COMPRESSION_BF16_raw_9787157d5e82d198())
+	return swig_r
+}
+
+var DPAR_COMPRESSION_BF16 Enum_SS_dpar_gradient_compression = _swig_getDPAR_COMPRESSION_BF16()
 const DPAR_MAX_DIMS int = 4
 func Dpar_tensor_create(arg1 unsafe.Pointer, arg2 int, arg3 unsafe.Pointer, arg4 int64, arg5 Dpar_device) (_swig_ret int) {
 	var swig_r int
@@ -1726,21 +1745,6 @@ func Dpar_engine_grad_norm(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine) (_sw
 	return swig_r
 }
 
-type Enum_SS_dpar_gradient_compression int
-func _swig_getDPAR_COMPRESSION_NONE() (_swig_ret Enum_SS_dpar_gradient_compression) {
-	var swig_r Enum_SS_dpar_gradient_compression
-	swig_r = (Enum_SS_dpar_gradient_compression)(C._wrap_DPAR_COMPRESSION_NONE_raw_9787157d5e82d198())
-	return swig_r
-}
-
-var DPAR_COMPRESSION_NONE Enum_SS_dpar_gradient_compression = _swig_getDPAR_COMPRESSION_NONE()
-func _swig_getDPAR_COMPRESSION_BF16() (_swig_ret Enum_SS_dpar_gradient_compression) {
-	var swig_r Enum_SS_dpar_gradient_compression
-	swig_r = (Enum_SS_dpar_gradient_compression)(C._wrap_DPAR_COMPRESSION_BF16_raw_9787157d5e82d198())
-	return swig_r
-}
-
-var DPAR_COMPRESSION_BF16 Enum_SS_dpar_gradient_compression = _swig_getDPAR_COMPRESSION_BF16()
 func Dpar_engine_set_gradient_compression(arg1 Struct_SS_dpar_engine, arg2 int) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
@@ -2262,6 +2266,32 @@ func (arg1 SwigcptrDpar_reducer_options) GetOp() (_swig_ret int) {
 	return swig_r
 }
 
+func (arg1 SwigcptrDpar_reducer_options) SetProcesses(arg2 Struct_SS_dpar_comm) {
+	_swig_i_0 := arg1
+	_swig_i_1 := getSwigcptr(arg2)
+	C._wrap_dpar_reducer_options_processes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.uintptr_t(_swig_i_1))
+}
+
+func (arg1 SwigcptrDpar_reducer_options) GetProcesses() (_swig_ret Struct_SS_dpar_comm) {
+	var swig_r Struct_SS_dpar_comm
+	_swig_i_0 := arg1
+	swig_r = (Struct_SS_dpar_comm)(SwigcptrStruct_SS_dpar_comm(C._wrap_dpar_reducer_options_processes_get_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0))))
+	return swig_r
+}
+
+func (arg1 SwigcptrDpar_reducer_options) SetCompression(arg2 int) {
+	_swig_i_0 := arg1
+	_swig_i_1 := arg2
+	C._wrap_dpar_reducer_options_compression_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_intgo(_swig_i_1))
+}
+
+func (arg1 SwigcptrDpar_reducer_options) GetCompression() (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := arg1
+	swig_r = (int)(C._wrap_dpar_reducer_options_compression_get_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0)))
+	return swig_r
+}
+
 func NewDpar_reducer_options() (_swig_ret Dpar_reducer_options) {
 	var swig_r Dpar_reducer_options
 	swig_r = (Dpar_reducer_options)(SwigcptrDpar_reducer_options(C._wrap_new_dpar_reducer_options_raw_9787157d5e82d198()))
@@ -2286,9 +2316,13 @@ type Dpar_reducer_options interface {
 	GetBucket_cap_bytes() (_swig_ret int64)
 	SetOp(arg2 int)
 	GetOp() (_swig_ret int)
+	SetProcesses(arg2 Struct_SS_dpar_comm)
+	GetProcesses() (_swig_ret Struct_SS_dpar_comm)
+	SetCompression(arg2 int)
+	GetCompression() (_swig_ret int)
 }
 
-const DPAR_REDUCER_OPTIONS_VERSION int = 1
+const DPAR_REDUCER_OPTIONS_VERSION int = 2
 func Dpar_reducer_options_init_sized(arg1 Dpar_reducer_options, arg2 int64) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)

@@ -696,6 +696,30 @@ intgo _wrap_DPAR_I64_raw_9787157d5e82d198() {
 }
 
 
+intgo _wrap_DPAR_COMPRESSION_NONE_raw_9787157d5e82d198() {
+  enum dpar_gradient_compression result;
+  intgo _swig_go_result;
+  
+  
+  result = DPAR_COMPRESSION_NONE;
+  
+  _swig_go_result = (intgo)result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_DPAR_COMPRESSION_BF16_raw_9787157d5e82d198() {
+  enum dpar_gradient_compression result;
+  intgo _swig_go_result;
+  
+  
+  result = DPAR_COMPRESSION_BF16;
+  
+  _swig_go_result = (intgo)result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_tensor_create_raw_9787157d5e82d198(dpar_tensor **_swig_go_0, intgo _swig_go_1, int64_t *_swig_go_2, long long _swig_go_3, struct dpar_device *_swig_go_4) {
   dpar_tensor **arg1 = (dpar_tensor **) 0 ;
   int32_t arg2 ;
@@ -2367,30 +2391,6 @@ intgo _wrap_dpar_engine_grad_norm_raw_9787157d5e82d198(float *_swig_go_0, struct
 }
 
 
-intgo _wrap_DPAR_COMPRESSION_NONE_raw_9787157d5e82d198() {
-  enum dpar_gradient_compression result;
-  intgo _swig_go_result;
-  
-  
-  result = DPAR_COMPRESSION_NONE;
-  
-  _swig_go_result = (intgo)result; 
-  return _swig_go_result;
-}
-
-
-intgo _wrap_DPAR_COMPRESSION_BF16_raw_9787157d5e82d198() {
-  enum dpar_gradient_compression result;
-  intgo _swig_go_result;
-  
-  
-  result = DPAR_COMPRESSION_BF16;
-  
-  _swig_go_result = (intgo)result; 
-  return _swig_go_result;
-}
-
-
 intgo _wrap_dpar_engine_set_gradient_compression_raw_9787157d5e82d198(struct dpar_engine *_swig_go_0, intgo _swig_go_1) {
   dpar_engine *arg1 = (dpar_engine *) 0 ;
   int32_t arg2 ;
@@ -3304,6 +3304,56 @@ intgo _wrap_dpar_reducer_options_op_get_raw_9787157d5e82d198(struct dpar_reducer
   arg1 = *(struct dpar_reducer_options **)&_swig_go_0; 
   
   result = (int32_t) ((arg1)->op);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+void _wrap_dpar_reducer_options_processes_set_raw_9787157d5e82d198(struct dpar_reducer_options *_swig_go_0, struct dpar_comm *_swig_go_1) {
+  struct dpar_reducer_options *arg1 = (struct dpar_reducer_options *) 0 ;
+  dpar_comm *arg2 = (dpar_comm *) 0 ;
+  
+  arg1 = *(struct dpar_reducer_options **)&_swig_go_0; 
+  arg2 = *(dpar_comm **)&_swig_go_1; 
+  
+  if (arg1) (arg1)->processes = arg2;
+  
+}
+
+
+struct dpar_comm *_wrap_dpar_reducer_options_processes_get_raw_9787157d5e82d198(struct dpar_reducer_options *_swig_go_0) {
+  struct dpar_reducer_options *arg1 = (struct dpar_reducer_options *) 0 ;
+  dpar_comm *result = 0 ;
+  struct dpar_comm *_swig_go_result;
+  
+  arg1 = *(struct dpar_reducer_options **)&_swig_go_0; 
+  
+  result = (dpar_comm *) ((arg1)->processes);
+  *(dpar_comm **)&_swig_go_result = (dpar_comm *)result; 
+  return _swig_go_result;
+}
+
+
+void _wrap_dpar_reducer_options_compression_set_raw_9787157d5e82d198(struct dpar_reducer_options *_swig_go_0, intgo _swig_go_1) {
+  struct dpar_reducer_options *arg1 = (struct dpar_reducer_options *) 0 ;
+  int32_t arg2 ;
+  
+  arg1 = *(struct dpar_reducer_options **)&_swig_go_0; 
+  arg2 = (int32_t)_swig_go_1; 
+  
+  if (arg1) (arg1)->compression = arg2;
+  
+}
+
+
+intgo _wrap_dpar_reducer_options_compression_get_raw_9787157d5e82d198(struct dpar_reducer_options *_swig_go_0) {
+  struct dpar_reducer_options *arg1 = (struct dpar_reducer_options *) 0 ;
+  int32_t result;
+  intgo _swig_go_result;
+  
+  arg1 = *(struct dpar_reducer_options **)&_swig_go_0; 
+  
+  result = (int32_t) ((arg1)->compression);
   _swig_go_result = result; 
   return _swig_go_result;
 }

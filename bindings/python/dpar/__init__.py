@@ -965,11 +965,19 @@ class Work(_Handle):
 
 class Reducer(_Handle):
     """DDP's gradient reducer over float32 buffers it keeps alive (NumPy arrays, or on a group made on GPUs, CUDA
-    arrays such as PyTorch's or CuPy's); mark each with grad_ready(i), then wait()."""
+    arrays such as PyTorch's or CuPy's); mark each with grad_ready(i), then wait().
+
+    processes: a communicator over the processes (Comm.mpi()), or None. With one, the reducers of a group's members
+    in several processes sum over every member of every process, hierarchically (among the process's members, then
+    across the processes by member 0, then back); every member passes its process's same Comm, which runs no other
+    collective during a step. With MEAN, every process creates its reducers at the same point (member 0's creation
+    counts every process's members). compression: how buckets cross the processes (COMPRESSION_NONE, the default,
+    or COMPRESSION_BF16)."""
 
     _free = staticmethod(_raw.dpar_reducer_free)
 
-    def __init__(self, comm, grads, first_bucket_bytes=0, bucket_cap_bytes=0, op=MEAN):
+    def __init__(self, comm, grads, first_bucket_bytes=0, bucket_cap_bytes=0, op=MEAN, *, processes=None,
+                 compression=None):
         self._grads = list(grads)
         views = [_buffer(g, f"grads[{i}]") for i, g in enumerate(self._grads)]
         if any(dt != F32 for _, _, dt in views):
@@ -978,9 +986,16 @@ class Reducer(_Handle):
         self._counts = np.array([n for _, n, _ in views], dtype=np.uintp)
         o = _raw.dpar_reducer_options()
         _check(_raw.dpar_reducer_options_init(o))
-        _set_fields(o, {"first_bucket_bytes": "size", "bucket_cap_bytes": "size", "op": "int32"},
-                    first_bucket_bytes=first_bucket_bytes, bucket_cap_bytes=bucket_cap_bytes, op=op)
-        self._comm = comm
+        _set_fields(o, {"first_bucket_bytes": "size", "bucket_cap_bytes": "size", "op": "int32",
+                        "compression": "int32"},
+                    first_bucket_bytes=first_bucket_bytes, bucket_cap_bytes=bucket_cap_bytes, op=op,
+                    compression=compression)
+        if processes is not None:
+            if not isinstance(processes, Comm):
+                raise TypeError(f"processes: expected a dpar.Comm (Comm.mpi()), got {processes!r}")
+            o.processes = processes._raw
+        # The handles stay as long as the reducer (dpar keeps the communicators behind them in any case).
+        self._comm, self._processes = comm, processes
         self._own(_check(_raw.dpar_reducer_create(comm._raw, self._ptrs.ctypes.data, self._counts.ctypes.data,
                                                   len(grads), o)))
 

@@ -413,6 +413,63 @@ class Collectives(unittest.TestCase):
                 c.broadcast([1.0, 2.0], 0)
             self.assertIn("__cuda_array_interface__", cm.exception.message)
 
+    def test_a_reducer_over_the_processes_of_a_job_of_one_gives_the_groups_mean_in_bf16(self):
+        # Without mpirun, Comm.mpi() is rank 0 of 1: nothing crosses the processes, so bf16 rounds nothing, and the
+        # mean is over the group's 2 members. Values that bfloat16 cannot hold (1/1024 beside 1 to 4) show any
+        # rounding.
+        processes = dpar.Comm.mpi(timeout_seconds=30)
+        self.assertEqual(processes.rank_size, (0, 1))
+        group = dpar.CommGroup(2, timeout_seconds=30)
+        comms = [group.member(r) for r in range(2)]
+        group.close()
+        grads = [[np.zeros(300, np.float32), np.zeros((3, 5), np.float32)] for _ in range(2)]
+        errors = []
+
+        def body(r):
+            try:
+                with dpar.Reducer(comms[r], grads[r], 32, 256, dpar.MEAN, processes=processes,
+                                  compression=dpar.COMPRESSION_BF16) as red:
+                    self.assertEqual(red.num_buckets, 2)
+                    for i in reversed(range(2)):
+                        grads[r][i][...] = r + 1 + 2 * i + 1 / 1024
+                        red.grad_ready(i)
+                    red.wait()
+            except Exception as e:  # reported by the test's thread
+                comms[r].abort(str(e))
+                errors.append(e)
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        [c.close() for c in comms]
+        processes.close()
+        self.assertEqual(errors, [])
+        for r in range(2):
+            np.testing.assert_array_equal(grads[r][0], np.full(300, 1.5 + 1 / 1024, np.float32))
+            np.testing.assert_array_equal(grads[r][1], np.full((3, 5), 3.5 + 1 / 1024, np.float32))
+
+    def test_a_reducer_refuses_its_own_comm_as_the_processes_and_an_unknown_compression(self):
+        # Refusals that show that both options reach dpar.
+        with dpar.CommGroup(1) as g, g.member(0) as c:
+            grads = [np.zeros(4, np.float32)]
+            with self.assertRaises(dpar.DparError) as cm:
+                dpar.Reducer(c, grads, processes=c)
+            self.assertEqual(cm.exception.status, dpar.ERR_INVALID_ARGUMENT)
+            self.assertIn("opts.processes: is the reducer's own communicator", cm.exception.message)
+            with self.assertRaises(dpar.DparError) as cm:
+                dpar.Reducer(c, grads, compression=7)
+            self.assertEqual(cm.exception.status, dpar.ERR_INVALID_ARGUMENT)
+            self.assertIn("opts.compression: 7", cm.exception.message)
+            with self.assertRaises(TypeError) as te:
+                dpar.Reducer(c, grads, processes=g)
+            self.assertIn("processes: expected a dpar.Comm", str(te.exception))
+            with dpar.CommGroup(1) as other:
+                closed = other.member(0)
+                closed.close()
+                with self.assertRaises(dpar.DparError) as cm:
+                    dpar.Reducer(c, grads, processes=closed)
+                self.assertIn("this Comm is closed", cm.exception.message)
+
     def test_group_on_devices(self):
         group = dpar.CommGroup.on_devices(["cpu:0", (dpar.DEVICE_CPU, 1)], timeout_seconds=30)
         comms = [group.member(r) for r in range(2)]

@@ -1144,17 +1144,20 @@ end
 
 # ---- The gradient reducer ----------------------------------------------------------------------------------
 
-struct ReducerOptions  # dpar_reducer_options, version 1
+struct ReducerOptions  # dpar_reducer_options, version 2
     size::Csize_t
     version::UInt32
     first_bucket_bytes::Csize_t
     bucket_cap_bytes::Csize_t
     op::Int32
+    processes::Ptr{Cvoid}  # a dpar_comm
+    compression::Int32
 end
-const REDUCER_OPTIONS_VERSION = UInt32(1)
+const REDUCER_OPTIONS_VERSION = UInt32(2)
 
 """
-    Reducer(comm, grads; first_bucket_bytes=nothing, bucket_cap_bytes=nothing, op=MEAN)
+    Reducer(comm, grads; first_bucket_bytes=nothing, bucket_cap_bytes=nothing, op=MEAN, processes=nothing,
+            compression=COMPRESSION_NONE)
     Reducer(comm, grads::AbstractVector{Ptr{Float32}}, counts; kwargs...)
     Reducer(f, comm, grads...; kwargs...)
 
@@ -1169,6 +1172,13 @@ of the participants' gradients, a gradient never marked in the step counting as 
 `grad_ready!` and its `wait`, a marked buffer must not be written, and the communicator must not run other
 collectives. Several tasks may call one reducer (dpar serialises the calls), as backward hooks on several threads
 do. `close` frees the reducer after its buckets in flight; the `do`-block form closes it at the end.
+
+`processes`, a [`Comm`](@ref) over the processes ([`mpi_comm`](@ref)), makes the reducers of a group's members in
+several processes sum over every member of every process, hierarchically: among the process's members, then
+across the processes by member 0, then back. Every member passes its process's same `Comm`, which runs no other
+collective during a step; dpar keeps it for the reducer, so it may be closed first. With `MEAN`, every process
+creates its reducers at the same point (member 0's creation counts every process's members). `compression` is how
+buckets cross the processes: `COMPRESSION_NONE` or `COMPRESSION_BF16`.
 """
 mutable struct Reducer
     ptr::Ptr{Cvoid}
@@ -1179,20 +1189,32 @@ end
 
 function Reducer(c::Comm, grads::AbstractVector{Ptr{Float32}}, counts::AbstractVector{<:Integer};
                  first_bucket_bytes::Union{Integer,Nothing}=nothing, bucket_cap_bytes::Union{Integer,Nothing}=nothing,
-                 op=nothing)
+                 op=nothing, processes::Union{Comm,Nothing}=nothing, compression::Union{Integer,Nothing}=nothing)
     same_length(length(counts), length(grads), "counts")
-    d = Ref(ReducerOptions(0, 0, 0, 0, 0))
+    # A closed Comm's pointer is NULL, which dpar would take for no processes at all.
+    processes !== nothing && processes.ptr == C_NULL &&
+        throw(DparError(ERR_INVALID_ARGUMENT, "processes: the communicator is closed"))
+    d = Ref(ReducerOptions(0, 0, 0, 0, 0, C_NULL, 0))
     check(ccall((:dpar_reducer_options_init_sized, libdpar), Int32, (Ptr{ReducerOptions}, Csize_t),
                 d, sizeof(ReducerOptions)))
     o = Ref(ReducerOptions(sizeof(ReducerOptions), REDUCER_OPTIONS_VERSION,
                            first_bucket_bytes === nothing ? d[].first_bucket_bytes : first_bucket_bytes,
                            bucket_cap_bytes === nothing ? d[].bucket_cap_bytes : bucket_cap_bytes,
-                           op === nothing ? d[].op : reduce_op(op)))
+                           op === nothing ? d[].op : reduce_op(op),
+                           processes === nothing ? d[].processes : processes.ptr,
+                           compression === nothing ? d[].compression : compression))
     ptrs, ns = Vector{Ptr{Cfloat}}(grads), Vector{Csize_t}(counts)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    check(ccall((:dpar_reducer_create, libdpar), Int32,
-                (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}, Csize_t, Ptr{ReducerOptions}),
-                out, c.ptr, ptrs, ns, length(ptrs), o))
+    outp, h, pp, np, n, opts = Base.unsafe_convert(Ptr{Ptr{Cvoid}}, out), c.ptr, pointer(ptrs), pointer(ns),
+                               length(ptrs), Base.unsafe_convert(Ptr{ReducerOptions}, o)
+    # With processes and MEAN, member 0's creation counts every process's members and tells the others: a
+    # collective, run GC-safe as the others are. The handles live through the call; dpar keeps the communicators
+    # behind them for the reducer.
+    check(blocking(c, processes, out, ptrs, ns, o) do
+        ccall((:dpar_reducer_create, libdpar), Int32,
+              (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}, Csize_t, Ptr{ReducerOptions}),
+              outp, h, pp, np, n, opts)
+    end)
     Reducer(out[])
 end
 

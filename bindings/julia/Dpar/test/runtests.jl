@@ -501,6 +501,37 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
         end
     end
 
+    @testset "a reducer over the processes of a job of one gives the group's mean, which bf16 does not round" begin
+        if !threads_for(2, "a group of 2 members")
+            @test_skip Threads.nthreads() >= 2
+        else
+            # Without mpirun, mpi_comm() is rank 0 of 1: nothing crosses the processes. Values that bfloat16 cannot
+            # hold (1/1024 beside 1 to 4) show any rounding.
+            processes = Dpar.mpi_comm(; timeout_seconds=30)
+            @test (Dpar.rank(processes), Dpar.nranks(processes)) == (0, 1)
+            results = Dpar.CommGroup(2; timeout_seconds=60) do group
+                on_each_member(group, 2) do c
+                    r = Dpar.rank(c)
+                    grads = [zeros(Float32, 300), zeros(Float32, 15)]
+                    Dpar.Reducer(c, grads; first_bucket_bytes=32, bucket_cap_bytes=256, op=Dpar.MEAN,
+                                 processes=processes, compression=Dpar.COMPRESSION_BF16) do red
+                        for k in (1, 0)
+                            fill!(grads[k + 1], r + 1 + 2k + 1.0f0 / 1024)
+                            Dpar.grad_ready!(red, k)
+                        end
+                        wait(red)
+                        (buckets=Dpar.num_buckets(red), grads=grads)
+                    end
+                end
+            end
+            close(processes)
+            for got in results
+                @test got.buckets == 2
+                @test got.grads == [fill(1.5f0 + 1.0f0 / 1024, 300), fill(3.5f0 + 1.0f0 / 1024, 15)]
+            end
+        end
+    end
+
     @testset "collectives and the reducer refuse bad arguments with dpar's message" begin
         @test throws_dpar(() -> Dpar.CommGroup(0), Dpar.ERR_INVALID_ARGUMENT, "size")
         @test throws_dpar(() -> Dpar.CommGroup(2; timeout_seconds=-1), Dpar.ERR_INVALID_ARGUMENT, "timeout_seconds")
@@ -528,6 +559,17 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             @test throws_dpar(() -> Dpar.broadcast_async!(c, x; root=1), Dpar.ERR_INVALID_ARGUMENT, "root")
             grad, other = zeros(Float32, 4), zeros(Float32, 4)
             @test throws_dpar(() -> Dpar.Reducer(c, [grad]; op=Dpar.MAX), Dpar.ERR_INVALID_ARGUMENT, "opts.op")
+            # Refusals that show that processes and compression reach dpar.
+            @test throws_dpar(() -> Dpar.Reducer(c, [grad]; processes=c), Dpar.ERR_INVALID_ARGUMENT,
+                              "opts.processes: is the reducer's own communicator")
+            @test throws_dpar(() -> Dpar.Reducer(c, [grad]; compression=7), Dpar.ERR_INVALID_ARGUMENT,
+                              "opts.compression: 7")
+            Dpar.CommGroup(1) do other
+                closed = Dpar.member(other, 0)
+                close(closed)
+                @test throws_dpar(() -> Dpar.Reducer(c, [grad]; processes=closed), Dpar.ERR_INVALID_ARGUMENT,
+                                  "processes: the communicator is closed")
+            end
             @test throws_dpar(() -> GC.@preserve(grad, other, Dpar.Reducer(c, [pointer(grad), pointer(other)], [4, 0])),
                               Dpar.ERR_INVALID_ARGUMENT, "counts[1]")
             @test throws_dpar(() -> Dpar.Reducer(c, [grad, grad]), Dpar.ERR_INVALID_ARGUMENT, "overlap")
@@ -645,10 +687,11 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
         @test ccall((:dpar_comm_options_init_sized, libdpar), Int32, (Ptr{Dpar.CommOptions}, Csize_t),
                     o, sizeof(Dpar.CommOptions)) == Dpar.OK
         @test (o[].size, o[].version, o[].timeout_seconds) == (sizeof(Dpar.CommOptions), Dpar.COMM_OPTIONS_VERSION, 300)
-        r = Ref(Dpar.ReducerOptions(0, 0, 0, 0, 0))
+        r = Ref(Dpar.ReducerOptions(0, 0, 0, 0, 0, Ptr{Cvoid}(UInt(0x1234)), 7))
         @test ccall((:dpar_reducer_options_init_sized, libdpar), Int32, (Ptr{Dpar.ReducerOptions}, Csize_t),
                     r, sizeof(Dpar.ReducerOptions)) == Dpar.OK
         @test (r[].size, r[].version, r[].op) == (sizeof(Dpar.ReducerOptions), Dpar.REDUCER_OPTIONS_VERSION,
                                                      Int32(Dpar.MEAN))
+        @test (r[].processes, r[].compression) == (C_NULL, Dpar.COMPRESSION_NONE)
     end
 end

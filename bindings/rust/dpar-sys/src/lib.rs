@@ -75,7 +75,7 @@ pub const DPAR_CUSTOM_LAYER_VERSION: u32 = 1;
 pub const DPAR_OPTIMIZER_OPTIONS_VERSION: u32 = 1;
 pub const DPAR_ENGINE_OPTIONS_VERSION: u32 = 2;
 pub const DPAR_COMM_OPTIONS_VERSION: u32 = 1;
-pub const DPAR_REDUCER_OPTIONS_VERSION: u32 = 1;
+pub const DPAR_REDUCER_OPTIONS_VERSION: u32 = 2;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,6 +215,8 @@ pub struct dpar_reducer_options {
     pub first_bucket_bytes: usize,
     pub bucket_cap_bytes: usize,
     pub op: i32,
+    pub processes: *mut dpar_comm,
+    pub compression: i32,
 }
 
 extern "C" {

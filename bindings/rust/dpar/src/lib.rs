@@ -1479,19 +1479,55 @@ impl<'c, B> Work<'c, B> {
     }
 }
 
+/// A reducer's options (dpar_reducer_options). `ReducerOptions::default()` is dpar's: 1 MiB and 25 MiB buckets,
+/// the mean, over the communicator's participants alone, uncompressed.
+#[derive(Clone, Copy)]
+pub struct ReducerOptions<'p> {
+    /// The first bucket (the last gradients) closes at this many bytes; 0: 1 MiB.
+    pub first_bucket_bytes: usize,
+    /// Later buckets close at this many bytes; 0: 25 MiB.
+    pub bucket_cap_bytes: usize,
+    /// `Sum`, or `Mean` over every participant (of every process, with `processes`).
+    pub op: ReduceOp,
+    /// A communicator over the processes ([`Comm::mpi`]): the reducers of a group's members in several processes
+    /// then sum over every member of every process, hierarchically (among the process's members, then across the
+    /// processes by member 0, then back). Every member passes its process's same one; the reducer borrows it, so
+    /// that no other collective runs on it meanwhile. With `Mean`, every process creates its reducers at the same
+    /// point: member 0's creation counts the members of every process.
+    pub processes: Option<&'p Comm>,
+    /// How buckets cross the processes (nothing crosses without `processes`, or with one process).
+    pub compression: Compression,
+}
+
+impl Default for ReducerOptions<'_> {
+    fn default() -> Self {
+        ReducerOptions {
+            first_bucket_bytes: 0,
+            bucket_cap_bytes: 0,
+            op: ReduceOp::Mean,
+            processes: None,
+            compression: Compression::None,
+        }
+    }
+}
+
 /// A dpar_reducer over `grads`, in the model's forward order.
 fn create_reducer(
     comm: &mut Comm,
     grads: &[RawBuffer<f32>],
-    first_bucket_bytes: usize,
-    bucket_cap_bytes: usize,
-    op: ReduceOp,
+    options: &ReducerOptions,
 ) -> Result<*mut sys::dpar_reducer> {
     let (mut o, status) = defaults(sys::dpar_reducer_options_init_sized, sys::DPAR_REDUCER_OPTIONS_VERSION);
     status?;
-    o.first_bucket_bytes = first_bucket_bytes;
-    o.bucket_cap_bytes = bucket_cap_bytes;
-    o.op = op.raw();
+    o.first_bucket_bytes = options.first_bucket_bytes;
+    o.bucket_cap_bytes = options.bucket_cap_bytes;
+    o.op = options.op.raw();
+    // dpar keeps the communicator behind the handle for the reducer; the borrow keeps other collectives off it.
+    o.processes = options.processes.map_or(ptr::null_mut(), |p| p.raw);
+    o.compression = match options.compression {
+        Compression::None => sys::DPAR_COMPRESSION_NONE,
+        Compression::Bf16 => sys::DPAR_COMPRESSION_BF16,
+    };
     let ptrs: Vec<*mut f32> = grads.iter().map(|g| g.as_ptr()).collect();
     let counts: Vec<usize> = grads.iter().map(|g| g.len()).collect();
     let mut raw = ptr::null_mut();
@@ -1525,10 +1561,16 @@ impl<'c> Reducer<'c> {
         bucket_cap_bytes: usize,
         op: ReduceOp,
     ) -> Result<Reducer<'c>> {
+        let options = ReducerOptions { first_bucket_bytes, bucket_cap_bytes, op, ..Default::default() };
+        Reducer::with_options(comm, counts, &options)
+    }
+    /// `new` with every option: over the processes too, with `options.processes`, which stays borrowed as long as
+    /// the reducer.
+    pub fn with_options(comm: &'c mut Comm, counts: &[usize], options: &ReducerOptions<'c>) -> Result<Reducer<'c>> {
         let mut grads: Vec<Vec<f32>> = counts.iter().map(|&n| vec![0f32; n]).collect();
         let buffers: Vec<RawBuffer<f32>> = grads.iter_mut().map(|g| RawBuffer::of_mut(g)).collect();
         // The vectors' heap blocks stay where they are when `grads` moves into the Reducer.
-        let raw = create_reducer(comm, &buffers, first_bucket_bytes, bucket_cap_bytes, op)?;
+        let raw = create_reducer(comm, &buffers, options)?;
         let ready = vec![false; counts.len()];
         Ok(Reducer { raw, grads, ready, _comm: PhantomData })
     }
@@ -1588,7 +1630,17 @@ impl<'c> RawReducer<'c> {
         bucket_cap_bytes: usize,
         op: ReduceOp,
     ) -> Result<RawReducer<'c>> {
-        let raw = create_reducer(comm, grads, first_bucket_bytes, bucket_cap_bytes, op)?;
+        let options = ReducerOptions { first_bucket_bytes, bucket_cap_bytes, op, ..Default::default() };
+        RawReducer::with_options(comm, grads, &options)
+    }
+    /// `new` with every option: over the processes too, with `options.processes`, which stays borrowed as long as
+    /// the reducer.
+    pub fn with_options(
+        comm: &'c mut Comm,
+        grads: &[RawBuffer<f32>],
+        options: &ReducerOptions<'c>,
+    ) -> Result<RawReducer<'c>> {
+        let raw = create_reducer(comm, grads, options)?;
         Ok(RawReducer { raw, _comm: PhantomData })
     }
     pub fn num_buckets(&self) -> Result<usize> {
@@ -1642,5 +1694,30 @@ mod tests {
         let mut group = ptr::null_mut();
         let refused = check(unsafe { sys::dpar_comm_group_create(&mut group, 2, &o.known) }).err().unwrap();
         assert!(refused.message().contains("unknown version"), "{}", refused);
+    }
+
+    #[test]
+    fn a_reducers_processes_and_compression_reach_the_library() {
+        let group = CommGroup::new(1, 30.0).unwrap();
+        let mut comm = group.member(0).unwrap();
+        // The reducer's own communicator under a second name, which safe code cannot make (the reducer borrows it
+        // mutably): dpar refuses it as the processes' one, so `processes` is what dpar reads.
+        let alias = std::mem::ManuallyDrop::new(Comm { raw: comm.raw });
+        let options = ReducerOptions { processes: Some(&alias), ..Default::default() };
+        let e = Reducer::with_options(&mut comm, &[4], &options).err().unwrap();
+        assert_eq!(e.status(), status::INVALID_ARGUMENT);
+        assert!(e.message().contains("opts.processes"), "{}", e);
+        // Compression cannot hold an unknown value; dpar-sys's field, where dpar reads it, can.
+        let (mut o, init) = defaults(sys::dpar_reducer_options_init_sized, sys::DPAR_REDUCER_OPTIONS_VERSION);
+        init.unwrap();
+        o.compression = 7;
+        let mut grad = [0f32; 4];
+        let (grads, counts) = ([grad.as_mut_ptr()], [grad.len()]);
+        let mut reducer = ptr::null_mut();
+        let created =
+            unsafe { sys::dpar_reducer_create(&mut reducer, comm.raw, grads.as_ptr(), counts.as_ptr(), 1, &o) };
+        let e = check(created).err().unwrap();
+        assert_eq!(e.status(), status::INVALID_ARGUMENT);
+        assert!(e.message().contains("opts.compression"), "{}", e);
     }
 }

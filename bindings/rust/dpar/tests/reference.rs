@@ -366,6 +366,13 @@ fn option_structs_have_the_crates_layout() {
     assert_eq!(p.size, size);
     // A size that is no layout of the struct is refused.
     assert_eq!(unsafe { sys::dpar_optimizer_options_init_sized(&mut p, size + 8) }, status::NOT_SUPPORTED);
+    // The reducer's version 2: its appended fields get their defaults where the library writes them.
+    let mut r = unsafe { std::mem::zeroed::<sys::dpar_reducer_options>() };
+    (r.processes, r.compression) = (std::ptr::NonNull::dangling().as_ptr(), 7);
+    let size = std::mem::size_of::<sys::dpar_reducer_options>();
+    assert_eq!(unsafe { sys::dpar_reducer_options_init_sized(&mut r, size) }, 0);
+    assert_eq!((r.size, r.version, r.op), (size, sys::DPAR_REDUCER_OPTIONS_VERSION, sys::DPAR_MEAN));
+    assert_eq!((r.processes, r.compression), (std::ptr::null_mut(), sys::DPAR_COMPRESSION_NONE));
     assert_eq!(version(), sys::DPAR_VERSION);
 }
 
@@ -444,6 +451,43 @@ fn a_reducer_sums_gradients_marked_in_any_order_and_guards_them_in_flight() {
         }
         assert_eq!(reducer.grad_mut(3).unwrap_err().status(), status::INVALID_ARGUMENT);
         assert_eq!(reducer.grad_ready(3).unwrap_err().status(), status::INVALID_ARGUMENT);
+    });
+}
+
+#[test]
+fn a_reducer_over_the_processes_of_a_job_of_one_gives_the_groups_mean_in_bf16() {
+    // Without mpirun, this process is rank 0 of 1: nothing crosses the processes, so bf16 rounds nothing, and the
+    // mean is over the group's 2 members. Values that bfloat16 cannot hold (1/1024 beside 1 or 2) show any rounding.
+    let processes = Comm::mpi(30.0).unwrap();
+    assert_eq!(processes.info().unwrap(), (0, 1));
+    let group = CommGroup::new(2, 30.0).unwrap();
+    let comms: Vec<Comm> = (0..2).map(|r| group.member(r).unwrap()).collect();
+    let processes = &processes;
+    std::thread::scope(|s| {
+        for mut c in comms {
+            s.spawn(move || {
+                let (rank, _) = c.info().unwrap();
+                let me = rank as f32 + 1.0 + 1.0 / 1024.0;
+                let options = ReducerOptions {
+                    first_bucket_bytes: 8,
+                    bucket_cap_bytes: 16,
+                    op: ReduceOp::Mean,
+                    processes: Some(processes),
+                    compression: Compression::Bf16,
+                };
+                let mut reducer = Reducer::with_options(&mut c, &[3, 5], &options).unwrap();
+                assert_eq!(reducer.num_buckets().unwrap(), 2);
+                for i in 0..2 {
+                    reducer.grad_mut(i).unwrap().iter_mut().for_each(|g| *g = me * (i as f32 + 1.0));
+                }
+                reducer.grad_ready(1).unwrap();
+                reducer.grad_ready(0).unwrap();
+                reducer.wait().unwrap();
+                let mean = 1.5 + 1.0 / 1024.0;
+                assert_eq!(reducer.grad(0), &[mean; 3]);
+                assert_eq!(reducer.grad(1), &[2.0 * mean; 5]);
+            });
+        }
     });
 }
 
