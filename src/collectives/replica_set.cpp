@@ -5,14 +5,6 @@
 
 namespace dpar {
 
-const char* wire_name(Wire wire) {
-  switch (wire) {
-    case Wire::kF32: return "f32";
-    case Wire::kBf16: return "bf16";
-  }
-  return "unknown wire";
-}
-
 void ProcessLinks::abort(const std::string& reason) {
   if (host) host->abort(reason);
   if (device) device->abort(reason);

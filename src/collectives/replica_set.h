@@ -34,7 +34,6 @@ enum class Wire : int32_t {
   // back: half the bytes between processes, f32's range, about 3 significant digits (DDP's bf16_compress_hook).
   kBf16 = 1,
 };
-const char* wire_name(Wire wire);
 
 // What connects one process's replicas to the other processes: one per process, shared by its replicas; only
 // replica 0 moves data through it.
