@@ -199,6 +199,7 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             end
         end
     end
+    include("reduction.jl")
     @testset "every optimizer and engine option reaches dpar" begin
         # Each keyword changes the parameters after a few steps; one dropped on the way would not.
         function params_after(; kw...)
