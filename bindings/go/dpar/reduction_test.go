@@ -3,6 +3,8 @@ package dpar
 import (
 	"errors"
 	"math"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -52,8 +54,28 @@ func equalBits(a, b []uint32) bool {
 	return true
 }
 
-// Without clipping the reduce-scatter (ZeRO-2) trains to the bits of the all-reduce, over several buckets split
-// unevenly between 2 CPU devices; switching between steps keeps them equal.
+// tracedStep is one training step, traced: its loss and the trace's text.
+func tracedStep(t *testing.T, e *Engine, x, y *Tensor) (float32, string) {
+	if err := e.TraceStart(); err != nil {
+		t.Fatal(err)
+	}
+	loss, err := e.TrainStep(x, y)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "trace.json")
+	if err := e.TraceStop(path); err != nil {
+		t.Fatal(err)
+	}
+	text, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return loss, string(text)
+}
+
+// The engine's trace shows its buckets reduce-scattered (ZeRO-2), and without clipping it trains to the bits of the
+// all-reduce, over several buckets split unevenly between 2 CPU devices; switching between steps keeps them equal.
 func TestReduceScatterTrainsToTheBitsOfTheAllReduce(t *testing.T) {
 	m, err := NewModel(11)
 	if err != nil {
@@ -104,8 +126,23 @@ func TestReduceScatterTrainsToTheBitsOfTheAllReduce(t *testing.T) {
 			t.Fatal(err)
 		}
 		x, y := reductionBatch(t, step)
-		la, errA := all.TrainStep(x, y)
-		ls, errS := scatter.TrainStep(x, y)
+		var la, ls float32
+		var errA, errS error
+		if step == 0 {
+			// The setting reached dpar: its buckets are reduce-scattered, the other engine's all-reduced.
+			var traceA, traceS string
+			la, traceA = tracedStep(t, all, x, y)
+			ls, traceS = tracedStep(t, scatter, x, y)
+			if !strings.Contains(traceS, `"bucket reduce-scatter"`) || strings.Contains(traceS, `"bucket all-reduce"`) {
+				t.Error("the reduce-scatter engine's trace has no reduce-scatter of its buckets, or an all-reduce")
+			}
+			if !strings.Contains(traceA, `"bucket all-reduce"`) || strings.Contains(traceA, `"bucket reduce-scatter"`) {
+				t.Error("the all-reduce engine's trace has no all-reduce of its buckets, or a reduce-scatter")
+			}
+		} else {
+			la, errA = all.TrainStep(x, y)
+			ls, errS = scatter.TrainStep(x, y)
+		}
 		x.Close()
 		y.Close()
 		if errA != nil || errS != nil {

@@ -1,7 +1,9 @@
-"""Engine.set_gradient_reduction: without clipping the reduce-scatter (ZeRO-2) trains to the bits of the all-reduce,
-over several buckets split unevenly between 2 CPU devices, switching between steps included; an unknown reduction
-is refused with dpar's message."""
+"""Engine.set_gradient_reduction: the engine's trace shows its buckets reduce-scattered (ZeRO-2), and without
+clipping it trains to the bits of the all-reduce, over several buckets split unevenly between 2 CPU devices, switching
+between steps included; an unknown reduction is refused with dpar's message."""
 import enum
+import os
+import tempfile
 import unittest
 
 import numpy as np
@@ -26,6 +28,17 @@ def engine(m):
                        first_bucket_bytes=128, bucket_cap_bytes=128)
 
 
+def traced_step(e, x, y):
+    """One training step, traced: its loss and the trace's text."""
+    e.trace_start()
+    loss = e.train_step(x, y)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        e.trace_stop(path)
+        with open(path) as f:
+            return loss, f.read()
+
+
 class Reduction(unittest.TestCase):
     def test_the_enum_has_dpar_hs_values(self):
         self.assertTrue(issubclass(dpar.Reduction, enum.IntEnum))
@@ -45,7 +58,16 @@ class Reduction(unittest.TestCase):
                 if step == 5:
                     scatter.set_gradient_reduction(dpar.REDUCTION_REDUCE_SCATTER)
                 x, y = batch(step)
-                la, ls = np.float32(all_reduce.train_step(x, y)), np.float32(scatter.train_step(x, y))
+                if step == 0:
+                    # The setting reached dpar: its buckets are reduce-scattered, the other engine's all-reduced.
+                    (la, trace_all), (ls, trace_scatter) = traced_step(all_reduce, x, y), traced_step(scatter, x, y)
+                    self.assertIn('"bucket reduce-scatter"', trace_scatter)
+                    self.assertNotIn('"bucket all-reduce"', trace_scatter)
+                    self.assertIn('"bucket all-reduce"', trace_all)
+                    self.assertNotIn('"bucket reduce-scatter"', trace_all)
+                else:
+                    la, ls = all_reduce.train_step(x, y), scatter.train_step(x, y)
+                la, ls = np.float32(la), np.float32(ls)
                 self.assertEqual(la.view(np.uint32), ls.view(np.uint32), f"step {step}: {la} against {ls}")
             first = all_reduce.params(0, n)
             self.assertFalse(np.array_equal(first, initial), "training moved nothing")

@@ -121,6 +121,15 @@ function reduction_batch(step)
     (Dpar.Tensor(reshape(x, 6, 11)), Dpar.Tensor(Int32[(r + step) % 3 for r in 0:10]))
 end
 
+# One training step, traced: its loss and the trace's text.
+function traced_step(e, x, y)
+    Dpar.trace_start!(e)
+    loss = Dpar.train_step!(e, x, y)
+    path = joinpath(mktempdir(), "trace.json")
+    Dpar.trace_stop!(e, path)
+    (loss, read(path, String))
+end
+
 # The C reference's loss bits: $DPAR_REFERENCE_LOSSES (ctest sets it), else the file that ctest's binding_reference
 # test writes into this checkout's build tree.
 const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
@@ -205,9 +214,9 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             end
         end
     end
-    # set_gradient_reduction!: without clipping the reduce-scatter (ZeRO-2) trains to the bits of the all-reduce,
-    # over several buckets split unevenly between 2 CPU devices, switching between steps included; an unknown
-    # reduction is refused with dpar's message.
+    # set_gradient_reduction!: the engine's trace shows its buckets reduce-scattered (ZeRO-2), and without clipping
+    # it trains to the bits of the all-reduce, over several buckets split unevenly between 2 CPU devices, switching
+    # between steps included; an unknown reduction is refused with dpar's message.
     @testset "the reduce-scatter trains to the bits of the all-reduce" begin
         @test (Dpar.REDUCTION_ALL_REDUCE, Dpar.REDUCTION_REDUCE_SCATTER) == (0, 1)
         Dpar.Model(11) do m
@@ -228,8 +237,18 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
                         step == 4 && Dpar.set_gradient_reduction!(scatter, Dpar.REDUCTION_ALL_REDUCE)
                         step == 5 && Dpar.set_gradient_reduction!(scatter, Dpar.REDUCTION_REDUCE_SCATTER)
                         x, y = reduction_batch(step)
-                        @test reinterpret(UInt32, Dpar.train_step!(all_reduce, x, y)) ==
-                              reinterpret(UInt32, Dpar.train_step!(scatter, x, y))
+                        if step == 0
+                            # The setting reached dpar: its buckets are reduce-scattered, the other's all-reduced.
+                            la, trace_all = traced_step(all_reduce, x, y)
+                            ls, trace_scatter = traced_step(scatter, x, y)
+                            @test occursin("\"bucket reduce-scatter\"", trace_scatter)
+                            @test !occursin("\"bucket all-reduce\"", trace_scatter)
+                            @test occursin("\"bucket all-reduce\"", trace_all)
+                            @test !occursin("\"bucket reduce-scatter\"", trace_all)
+                        else
+                            la, ls = Dpar.train_step!(all_reduce, x, y), Dpar.train_step!(scatter, x, y)
+                        end
+                        @test reinterpret(UInt32, la) == reinterpret(UInt32, ls)
                     end
                     trained = Dpar.params(all_reduce, 0, n)
                     @test trained != initial

@@ -1,5 +1,6 @@
-// Engine::set_gradient_reduction: without clipping the reduce-scatter (ZeRO-2) trains to the bits of the
-// all-reduce, over several buckets split unevenly between 2 CPU devices; switching between steps keeps them equal.
+// Engine::set_gradient_reduction: the engine's trace shows its buckets reduce-scattered (ZeRO-2), and without
+// clipping it trains to the bits of the all-reduce, over several buckets split unevenly between 2 CPU devices;
+// switching between steps keeps them equal.
 use dpar::*;
 
 fn model() -> Model {
@@ -14,6 +15,17 @@ fn batch(step: usize) -> (Tensor<'static>, Tensor<'static>) {
     let x: Vec<f32> = (0..66).map(|i| (((i + 7 * step) * 37) % 101) as f32 / 101.0 - 0.5).collect();
     let y: Vec<i32> = (0..11).map(|r| ((r + step) % 3) as i32).collect();
     (Tensor::from_f32(&[11, 6], &x).unwrap(), Tensor::from_i32(&[11], &y).unwrap())
+}
+
+/// One training step, traced: its loss and the trace's text.
+fn traced_step(e: &Engine, x: &Tensor<'_>, y: &Tensor<'_>, name: &str) -> (f32, String) {
+    let path = std::env::temp_dir().join(format!("dpar_rust_reduction_{}_{}.json", name, std::process::id()));
+    e.trace_start().unwrap();
+    let loss = e.train_step(x, y).unwrap();
+    e.trace_stop(Some(&path)).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    (loss, text)
 }
 
 #[test]
@@ -36,7 +48,15 @@ fn reduce_scatter_trains_to_the_bits_of_the_all_reduce() {
             scatter.set_gradient_reduction(Reduction::ReduceScatter).unwrap();
         }
         let (x, y) = batch(step);
-        let (la, ls) = (all.train_step(&x, &y).unwrap(), scatter.train_step(&x, &y).unwrap());
+        let (la, ls) = if step == 0 {
+            // The setting reached dpar: its buckets are reduce-scattered, the other engine's all-reduced.
+            let ((la, ta), (ls, ts)) = (traced_step(&all, &x, &y, "all"), traced_step(&scatter, &x, &y, "scatter"));
+            assert!(ts.contains("\"bucket reduce-scatter\"") && !ts.contains("\"bucket all-reduce\""));
+            assert!(ta.contains("\"bucket all-reduce\"") && !ta.contains("\"bucket reduce-scatter\""));
+            (la, ls)
+        } else {
+            (all.train_step(&x, &y).unwrap(), scatter.train_step(&x, &y).unwrap())
+        };
         assert_eq!(la.to_bits(), ls.to_bits(), "step {}: loss {} against {}", step, la, ls);
     }
     let first = all.params(0, n).unwrap();
