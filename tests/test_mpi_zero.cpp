@@ -11,14 +11,20 @@
 //  - with clipping (a max_grad_norm below every step's gradient norm): the reduce-scatter's losses and parameters
 //    are those of the all-reduce within 1e-5 relative (its norm is summed from the blocks, in another order);
 //  - either way every replica of every process ends with the same bits as rank 0's replica 0;
+//  - in a job of one process, the reduce-scatter engine's trace shows its buckets reduce-scattered, and the
+//    all-reduce engine's all-reduced (so the setting reached the engine);
 //  - an unknown reduction is refused with DPAR_ERR_INVALID_ARGUMENT, and the engine trains on.
 // Every rank prints its failures as "[rank r] FAIL ..." and exits nonzero if it saw one; rank 0 prints a summary.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -211,6 +217,43 @@ void check_reductions(size_t devices, const Data& d, int32_t optimizer, float ma
   dpar_engine_free(all);
 }
 
+// One training step of e on global batch 0, traced into dir: the trace's text.
+std::string traced_step(dpar_engine* e, const Data& d, const std::string& dir, const std::string& name) {
+  const std::string path = dir + "/" + name + "_rank" + std::to_string(g_rank) + ".json";
+  CHECK_OK(dpar_engine_trace_start(e));
+  train(e, d, 0);
+  CHECK_OK(dpar_engine_trace_stop(e, path.c_str()));
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  std::remove(path.c_str());
+  return text.str();
+}
+
+// Within one process the reduce-scatter engine reduce-scatters its buckets and the other all-reduces them. (With
+// several processes both sum each bucket whole, hierarchically: only the shards and clipping's norm differ.)
+void check_traces(size_t devices, const Data& d) {
+  char dir[] = "/tmp/dpar_mpi_zero_XXXXXX";
+  // Each rank makes its own directory: no shared file system needed.
+  if (!mkdtemp(dir)) {
+    expect(false, "trace: cannot make a temporary directory");
+    return;
+  }
+  dpar_engine* all = make_engine(devices, DPAR_ADAM, DPAR_REDUCTION_ALL_REDUCE);
+  dpar_engine* scatter = make_engine(devices, DPAR_ADAM, DPAR_REDUCTION_REDUCE_SCATTER);
+  const std::string trace_all = traced_step(all, d, dir, "all"), trace_scatter = traced_step(scatter, d, dir, "rs");
+  const auto has = [](const std::string& text, const char* span) {
+    return text.find(std::string("\"") + span + "\"") != std::string::npos;
+  };
+  expect(has(trace_scatter, "bucket reduce-scatter") && !has(trace_scatter, "bucket all-reduce"),
+         "trace: the reduce-scatter engine's buckets were not reduce-scattered");
+  expect(has(trace_all, "bucket all-reduce") && !has(trace_all, "bucket reduce-scatter"),
+         "trace: the all-reduce engine's buckets were not all-reduced");
+  dpar_engine_free(scatter);
+  dpar_engine_free(all);
+  rmdir(dir);
+}
+
 // An unknown reduction is refused on every process alike (each checks its own argument), and the engine keeps its
 // reduction and trains on.
 void check_unknown_reduction(size_t devices, const Data& d) {
@@ -262,6 +305,7 @@ int main(int argc, char** argv) {
   // Below every step's norm (0.15 to 0.5 for this model and data): every step is clipped, which the checks see.
   check_reductions(devices, d, DPAR_ADAM, 0.05f, false);
   check_reductions(devices, d, DPAR_SGD, 0.05f, true);
+  if (g_size == 1) check_traces(devices, d);
   check_unknown_reduction(devices, d);
   if (g_rank == 0) std::printf("%s\n", g_failures ? "FAILED" : "ALL PASSED");
   return g_failures ? 1 : 0;
