@@ -139,6 +139,7 @@ typedef struct dpar_api_v1 {
   const char *(*dpar_engine_process_transport)(const dpar_engine *engine);
   dpar_status (*dpar_engine_set_gradient_compression)(dpar_engine *engine, int32_t compression);
   const char *(*dpar_cpu_gemm_backend)(void);
+  dpar_status (*dpar_engine_set_gradient_reduction)(dpar_engine *engine, int32_t reduction);
 } dpar_api_v1;
 
 /**

@@ -235,6 +235,30 @@ DPAR_API dpar_status dpar_engine_grad_norm(float *out, const dpar_engine *engine
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an unknown @p compression.
  */
 DPAR_API dpar_status dpar_engine_set_gradient_compression(dpar_engine *engine, int32_t compression);
+
+/** @brief How each bucket of summed gradients reaches the replicas (dpar_engine_set_gradient_reduction()). */
+typedef enum dpar_gradient_reduction {
+  /**
+   * Every replica receives the whole summed bucket (an all-reduce, as DDP). Clipping's norm is computed over the
+   * whole gradient on every replica.
+   */
+  DPAR_REDUCTION_ALL_REDUCE = 0,
+  /**
+   * Each replica receives only its block of every bucket (a reduce-scatter: ZeRO stage 2, as Megatron-LM's
+   * distributed optimizer shards buckets), which is all its optimizer steps: less data moved and written within a
+   * process. Clipping's norm is summed from the blocks. Across processes a bucket is still summed whole.
+   */
+  DPAR_REDUCTION_REDUCE_SCATTER = 1
+} dpar_gradient_reduction;
+/**
+ * @brief Chooses how gradient buckets are reduced, from the next step on. Either way each replica's optimizer steps
+ * its block of every bucket and an all-gather puts the blocks together, so the replicas stay bit-identical and
+ * the optimizer state stays where it is: switching between steps is allowed, and without clipping both give the
+ * same bits. Every process sets the same. Engines start with ::DPAR_REDUCTION_ALL_REDUCE.
+ * @param reduction A ::dpar_gradient_reduction.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an unknown @p reduction.
+ */
+DPAR_API dpar_status dpar_engine_set_gradient_reduction(dpar_engine *engine, int32_t reduction);
 /** @brief The number of optimizer steps taken. */
 DPAR_API dpar_status dpar_engine_step_count(size_t *out, const dpar_engine *engine);
 

@@ -120,6 +120,7 @@ const dpar_api_v1 kApiV1 = {
     &dpar_engine_process_transport,
     &dpar_engine_set_gradient_compression,
     &dpar_cpu_gemm_backend,
+    &dpar_engine_set_gradient_reduction,
 };
 }  // namespace
 

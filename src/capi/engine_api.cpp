@@ -281,6 +281,11 @@ DPAR_API dpar_status dpar_engine_set_gradient_compression(dpar_engine* engine, i
                      [&](Engine& e) { e.set_gradient_compression(static_cast<GradientCompression>(compression)); });
 }
 
+DPAR_API dpar_status dpar_engine_set_gradient_reduction(dpar_engine* engine, int32_t reduction) {
+  return with_engine(engine,
+                     [&](Engine& e) { e.set_gradient_reduction(static_cast<GradientReduction>(reduction)); });
+}
+
 DPAR_API dpar_status dpar_engine_grad_norm(float* out, const dpar_engine* engine) {
   return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.grad_norm(); });
 }

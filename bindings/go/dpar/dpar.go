@@ -440,6 +440,14 @@ const (
 	CompressionBF16 Compression = 1 // each process's sum rounded to bfloat16, summed across the processes in bfloat16
 )
 
+// Reduction is how each bucket of summed gradients reaches the replicas (SetGradientReduction).
+type Reduction int32
+
+const (
+	ReductionAllReduce     Reduction = 0 // every replica receives the whole bucket (an all-reduce, as DDP): the default
+	ReductionReduceScatter Reduction = 1 // each replica receives only the block its optimizer steps (ZeRO stage 2)
+)
+
 // Options of an engine and its optimizer (dpar_optimizer_options and dpar_engine_options, every field); zero
 // values take dpar's defaults except where noted. A nil pointer field takes dpar's default too: its zero value is a
 // setting of its own.
@@ -617,6 +625,15 @@ func (e *Engine) SetMaxGradNorm(maxNorm float32) error {
 func (e *Engine) SetGradientCompression(compression Compression) error {
 	return e.simple(func(r raw.Struct_SS_dpar_engine) int {
 		return raw.Dpar_engine_set_gradient_compression(r, int(compression))
+	})
+}
+
+// SetGradientReduction chooses how gradient buckets are reduced from the next step on (ReductionAllReduce,
+// ReductionReduceScatter). Every process sets the same. Either way the replicas stay bit-identical and, without
+// clipping, train to the same bits, so switching between steps is allowed.
+func (e *Engine) SetGradientReduction(reduction Reduction) error {
+	return e.simple(func(r raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_set_gradient_reduction(r, int(reduction))
 	})
 }
 

@@ -284,6 +284,9 @@ extern swig_intgo _wrap_dpar_engine_set_lr_raw_9787157d5e82d198(uintptr_t arg1, 
 extern swig_intgo _wrap_dpar_engine_set_max_grad_norm_raw_9787157d5e82d198(uintptr_t arg1, float arg2);
 extern swig_intgo _wrap_dpar_engine_grad_norm_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_engine_set_gradient_compression_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
+extern swig_intgo _wrap_DPAR_REDUCTION_ALL_REDUCE_raw_9787157d5e82d198(void);
+extern swig_intgo _wrap_DPAR_REDUCTION_REDUCE_SCATTER_raw_9787157d5e82d198(void);
+extern swig_intgo _wrap_dpar_engine_set_gradient_reduction_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_step_count_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_48 arg3);
 extern swig_intgo _wrap_dpar_engine_get_params_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_49 arg3, swig_type_50 arg4);
@@ -1750,6 +1753,29 @@ func Dpar_engine_set_gradient_compression(arg1 Struct_SS_dpar_engine, arg2 int) 
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	swig_r = (int)(C._wrap_dpar_engine_set_gradient_compression_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_intgo(_swig_i_1)))
+	return swig_r
+}
+
+type Enum_SS_dpar_gradient_reduction int
+func _swig_getDPAR_REDUCTION_ALL_REDUCE() (_swig_ret Enum_SS_dpar_gradient_reduction) {
+	var swig_r Enum_SS_dpar_gradient_reduction
+	swig_r = (Enum_SS_dpar_gradient_reduction)(C._wrap_DPAR_REDUCTION_ALL_REDUCE_raw_9787157d5e82d198())
+	return swig_r
+}
+
+var DPAR_REDUCTION_ALL_REDUCE Enum_SS_dpar_gradient_reduction = _swig_getDPAR_REDUCTION_ALL_REDUCE()
+func _swig_getDPAR_REDUCTION_REDUCE_SCATTER() (_swig_ret Enum_SS_dpar_gradient_reduction) {
+	var swig_r Enum_SS_dpar_gradient_reduction
+	swig_r = (Enum_SS_dpar_gradient_reduction)(C._wrap_DPAR_REDUCTION_REDUCE_SCATTER_raw_9787157d5e82d198())
+	return swig_r
+}
+
+var DPAR_REDUCTION_REDUCE_SCATTER Enum_SS_dpar_gradient_reduction = _swig_getDPAR_REDUCTION_REDUCE_SCATTER()
+func Dpar_engine_set_gradient_reduction(arg1 Struct_SS_dpar_engine, arg2 int) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := getSwigcptr(arg1)
+	_swig_i_1 := arg2
+	swig_r = (int)(C._wrap_dpar_engine_set_gradient_reduction_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_intgo(_swig_i_1)))
 	return swig_r
 }
 

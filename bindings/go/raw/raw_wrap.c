@@ -2406,6 +2406,45 @@ intgo _wrap_dpar_engine_set_gradient_compression_raw_9787157d5e82d198(struct dpa
 }
 
 
+intgo _wrap_DPAR_REDUCTION_ALL_REDUCE_raw_9787157d5e82d198() {
+  enum dpar_gradient_reduction result;
+  intgo _swig_go_result;
+  
+  
+  result = DPAR_REDUCTION_ALL_REDUCE;
+  
+  _swig_go_result = (intgo)result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_DPAR_REDUCTION_REDUCE_SCATTER_raw_9787157d5e82d198() {
+  enum dpar_gradient_reduction result;
+  intgo _swig_go_result;
+  
+  
+  result = DPAR_REDUCTION_REDUCE_SCATTER;
+  
+  _swig_go_result = (intgo)result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_engine_set_gradient_reduction_raw_9787157d5e82d198(struct dpar_engine *_swig_go_0, intgo _swig_go_1) {
+  dpar_engine *arg1 = (dpar_engine *) 0 ;
+  int32_t arg2 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_engine **)&_swig_go_0; 
+  arg2 = (int32_t)_swig_go_1; 
+  
+  result = (dpar_status)dpar_engine_set_gradient_reduction(arg1,arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_engine_step_count_raw_9787157d5e82d198(size_t *_swig_go_0, struct dpar_engine *_swig_go_1) {
   size_t *arg1 = (size_t *) 0 ;
   dpar_engine *arg2 = (dpar_engine *) 0 ;

@@ -81,6 +81,7 @@ ReduceOp = _enum("ReduceOp", "DPAR_", ["SUM", "MEAN", "MAX", "MIN"], "dpar_reduc
 Loss = _enum("Loss", "DPAR_LOSS_", ["CROSS_ENTROPY", "MSE"], "dpar_loss.")
 Processes = _enum("Processes", "DPAR_PROCESSES_", ["AUTO", "SINGLE", "MPI"], "dpar_processes.")
 Compression = _enum("Compression", "DPAR_COMPRESSION_", ["NONE", "BF16"], "dpar_gradient_compression.")
+Reduction = _enum("Reduction", "DPAR_REDUCTION_", ["ALL_REDUCE", "REDUCE_SCATTER"], "dpar_gradient_reduction.")
 Optimizer = _enum("Optimizer", "DPAR_", ["SGD", "ADAM", "ADAMW"], "dpar_optimizer_kind.")
 Fault = _enum("Fault", "DPAR_FAULT_", ["NONE", "ALLOC", "FORWARD", "BACKWARD"], "dpar_fault.")
 Init = _enum("Init", "DPAR_INIT_", ["ZEROS", "UNIFORM"], "dpar_init: a custom layer's parameter initialisation.")
@@ -93,6 +94,7 @@ SUM, MEAN, MAX, MIN = ReduceOp
 LOSS_CROSS_ENTROPY, LOSS_MSE = Loss
 PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Processes
 COMPRESSION_NONE, COMPRESSION_BF16 = Compression
+REDUCTION_ALL_REDUCE, REDUCTION_REDUCE_SCATTER = Reduction
 SGD, ADAM, ADAMW = Optimizer
 FAULT_NONE, FAULT_ALLOC, FAULT_FORWARD, FAULT_BACKWARD = Fault
 DEVICE_CPU, DEVICE_CUDA = DeviceKind
@@ -618,6 +620,13 @@ class Engine(_Handle):
         """Compresses gradient buckets between processes from the next step on (COMPRESSION_NONE,
         COMPRESSION_BF16). Every process sets the same; with one process it changes nothing."""
         _check(_raw.dpar_engine_set_gradient_compression(self._raw, compression))
+
+    def set_gradient_reduction(self, reduction):
+        """Chooses how gradient buckets are reduced from the next step on: REDUCTION_ALL_REDUCE (the default, every
+        replica receives the whole bucket) or REDUCTION_REDUCE_SCATTER (ZeRO-2: each replica receives the block its
+        optimizer steps). Every process sets the same. Either way the replicas stay bit-identical and, without
+        clipping, train to the same bits, so switching between steps is allowed."""
+        _check(_raw.dpar_engine_set_gradient_reduction(self._raw, reduction))
 
     @property
     def grad_norm(self):

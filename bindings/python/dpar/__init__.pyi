@@ -70,6 +70,10 @@ class Compression(enum.IntEnum):
     NONE = 0
     BF16 = 1
 
+class Reduction(enum.IntEnum):
+    ALL_REDUCE = 0
+    REDUCE_SCATTER = 1
+
 class Optimizer(enum.IntEnum):
     SGD = 0
     ADAM = 1
@@ -115,6 +119,8 @@ PROCESSES_SINGLE = Processes.SINGLE
 PROCESSES_MPI = Processes.MPI
 COMPRESSION_NONE = Compression.NONE
 COMPRESSION_BF16 = Compression.BF16
+REDUCTION_ALL_REDUCE = Reduction.ALL_REDUCE
+REDUCTION_REDUCE_SCATTER = Reduction.REDUCE_SCATTER
 SGD = Optimizer.SGD
 ADAM = Optimizer.ADAM
 ADAMW = Optimizer.ADAMW
@@ -232,6 +238,7 @@ class Engine(_Handle):
     def set_lr(self, lr: float) -> None: ...
     def set_max_grad_norm(self, max_norm: float) -> None: ...
     def set_gradient_compression(self, compression: int) -> None: ...
+    def set_gradient_reduction(self, reduction: int) -> None: ...
     @property
     def grad_norm(self) -> float: ...
     @property

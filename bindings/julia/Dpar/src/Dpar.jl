@@ -37,7 +37,7 @@ end
 
 export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
-       set_gradient_compression!, forward, num_replicas, trace_start!, trace_stop!,
+       set_gradient_compression!, set_gradient_reduction!, forward, num_replicas, trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
        num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!
@@ -62,6 +62,7 @@ const SGD, ADAM, ADAMW = Int32(0), Int32(1), Int32(2)
 const LOSS_CROSS_ENTROPY, LOSS_MSE = Int32(0), Int32(1)
 const PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Int32(0), Int32(1), Int32(2)
 const COMPRESSION_NONE, COMPRESSION_BF16 = Int32(0), Int32(1)
+const REDUCTION_ALL_REDUCE, REDUCTION_REDUCE_SCATTER = Int32(0), Int32(1)
 
 """A failed dpar call: `status` (negative) and dpar's `message`. Throw one from a callback to fail the engine
 call with that status and message."""
@@ -462,6 +463,14 @@ step on (`COMPRESSION_NONE`, `COMPRESSION_BF16`). Every process sets the same; w
 function set_gradient_compression!(e::Engine, compression::Integer)
     h, v = e.ptr, Int32(compression)
     engine_call(() -> ccall((:dpar_engine_set_gradient_compression, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)
+end
+"""`set_gradient_reduction!(engine, reduction)`: how gradient buckets are reduced from the next step on:
+`REDUCTION_ALL_REDUCE` (the default, every replica receives the whole bucket) or `REDUCTION_REDUCE_SCATTER` (ZeRO-2:
+each replica receives the block its optimizer steps). Every process sets the same. Either way the replicas stay
+bit-identical and, without clipping, train to the same bits, so switching between steps is allowed."""
+function set_gradient_reduction!(e::Engine, reduction::Integer)
+    h, v = e.ptr, Int32(reduction)
+    engine_call(() -> ccall((:dpar_engine_set_gradient_reduction, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)
 end
 """`grad_norm(engine)`: the gradient's norm before clipping at the last step taken with clipping on (NaN before any)."""
 function grad_norm(e::Engine)

@@ -115,6 +115,21 @@ function reference_batch()
     (Dpar.Tensor(reshape(x, 4, 10)), Dpar.Tensor(Int32[r % 3 for r in 0:9]))
 end
 
+# Batch `step` of 11 rows of 6 features (6 and 5 per replica); a Julia matrix is (features, rows).
+function reduction_batch(step)
+    x = Float32[(((i + 7 * step) * 37) % 101) / 101 - 0.5 for i in 0:65]
+    (Dpar.Tensor(reshape(x, 6, 11)), Dpar.Tensor(Int32[(r + step) % 3 for r in 0:10]))
+end
+
+# One training step, traced: its loss and the trace's text.
+function traced_step(e, x, y)
+    Dpar.trace_start!(e)
+    loss = Dpar.train_step!(e, x, y)
+    path = joinpath(mktempdir(), "trace.json")
+    Dpar.trace_stop!(e, path)
+    (loss, read(path, String))
+end
+
 # The C reference's loss bits: $DPAR_REFERENCE_LOSSES (ctest sets it), else the file that ctest's binding_reference
 # test writes into this checkout's build tree.
 const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
@@ -195,6 +210,55 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
                     @test Dpar.train_step!(plain, x, y) != Dpar.train_step!(clipping, x, y)
                     err = try Dpar.set_max_grad_norm!(clipping, -1); nothing catch ex; ex end
                     @test err isa DparError && occursin("max_grad_norm", err.message)
+                end
+            end
+        end
+    end
+    # set_gradient_reduction!: the engine's trace shows its buckets reduce-scattered (ZeRO-2), and without clipping
+    # it trains to the bits of the all-reduce, over several buckets split unevenly between 2 CPU devices, switching
+    # between steps included; an unknown reduction is refused with dpar's message.
+    @testset "the reduce-scatter trains to the bits of the all-reduce" begin
+        @test (Dpar.REDUCTION_ALL_REDUCE, Dpar.REDUCTION_REDUCE_SCATTER) == (0, 1)
+        Dpar.Model(11) do m
+            Dpar.linear!(m, 6, 16); Dpar.activation!(m, Dpar.RELU)
+            Dpar.linear!(m, 16, 8); Dpar.activation!(m, Dpar.RELU); Dpar.linear!(m, 8, 3)
+            n = Dpar.num_param_elements(m)
+            # 128-byte buckets: 32 gradients each, several buckets, most of them not a multiple of 2.
+            options = (optimizer=Dpar.ADAM, lr=0.01, devices=2, processes=Dpar.PROCESSES_SINGLE,
+                       first_bucket_bytes=128, bucket_cap_bytes=128)
+            Dpar.Engine(m; options...) do all_reduce
+                Dpar.Engine(m; options...) do scatter
+                    Dpar.set_gradient_reduction!(scatter, Dpar.REDUCTION_REDUCE_SCATTER)
+                    Dpar.set_gradient_reduction!(all_reduce, Dpar.REDUCTION_ALL_REDUCE)  # the default, set again
+                    @test Dpar.num_buckets(scatter) > 2
+                    initial = Dpar.params(all_reduce, 0, n)
+                    for step in 0:5
+                        # switching between steps
+                        step == 4 && Dpar.set_gradient_reduction!(scatter, Dpar.REDUCTION_ALL_REDUCE)
+                        step == 5 && Dpar.set_gradient_reduction!(scatter, Dpar.REDUCTION_REDUCE_SCATTER)
+                        x, y = reduction_batch(step)
+                        if step == 0
+                            # The setting reached dpar: its buckets are reduce-scattered, the other's all-reduced.
+                            la, trace_all = traced_step(all_reduce, x, y)
+                            ls, trace_scatter = traced_step(scatter, x, y)
+                            @test occursin("\"bucket reduce-scatter\"", trace_scatter)
+                            @test !occursin("\"bucket all-reduce\"", trace_scatter)
+                            @test occursin("\"bucket all-reduce\"", trace_all)
+                            @test !occursin("\"bucket reduce-scatter\"", trace_all)
+                        else
+                            la, ls = Dpar.train_step!(all_reduce, x, y), Dpar.train_step!(scatter, x, y)
+                        end
+                        @test reinterpret(UInt32, la) == reinterpret(UInt32, ls)
+                    end
+                    trained = Dpar.params(all_reduce, 0, n)
+                    @test trained != initial
+                    for replica in 0:1, e in (all_reduce, scatter)
+                        @test reinterpret(UInt32, Dpar.params(e, replica, n)) == reinterpret(UInt32, trained)
+                    end
+                    for bad in (2, -1)
+                        @test throws_dpar(() -> Dpar.set_gradient_reduction!(scatter, bad),
+                                          Dpar.ERR_INVALID_ARGUMENT, "reduction")
+                    end
                 end
             end
         end

@@ -59,6 +59,8 @@ pub const DPAR_PROCESSES_SINGLE: i32 = 1;
 pub const DPAR_PROCESSES_MPI: i32 = 2;
 pub const DPAR_COMPRESSION_NONE: i32 = 0;
 pub const DPAR_COMPRESSION_BF16: i32 = 1;
+pub const DPAR_REDUCTION_ALL_REDUCE: i32 = 0;
+pub const DPAR_REDUCTION_REDUCE_SCATTER: i32 = 1;
 
 pub const DPAR_FAULT_NONE: i32 = 0;
 pub const DPAR_FAULT_ALLOC: i32 = 1;
@@ -287,6 +289,7 @@ extern "C" {
     pub fn dpar_engine_set_lr(engine: *mut dpar_engine, lr: f32) -> dpar_status;
     pub fn dpar_engine_set_max_grad_norm(engine: *mut dpar_engine, max_norm: f32) -> dpar_status;
     pub fn dpar_engine_set_gradient_compression(engine: *mut dpar_engine, compression: i32) -> dpar_status;
+    pub fn dpar_engine_set_gradient_reduction(engine: *mut dpar_engine, reduction: i32) -> dpar_status;
     pub fn dpar_engine_grad_norm(out: *mut f32, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_step_count(out: *mut usize, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_replica_losses(out: *mut f32, engine: *const dpar_engine, capacity: usize) -> dpar_status;

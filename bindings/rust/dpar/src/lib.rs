@@ -719,6 +719,15 @@ pub enum Compression {
     Bf16,
 }
 
+/// How each bucket of summed gradients reaches the replicas (`Engine::set_gradient_reduction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// Every replica receives the whole summed bucket (an all-reduce, as DDP): the default.
+    AllReduce,
+    /// Each replica receives only its block of every bucket, the one its optimizer steps (ZeRO stage 2).
+    ReduceScatter,
+}
+
 /// Which processes an engine spans.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Processes {
@@ -904,6 +913,15 @@ impl Engine {
             Compression::Bf16 => sys::DPAR_COMPRESSION_BF16,
         };
         check(unsafe { sys::dpar_engine_set_gradient_compression(self.raw, c) })
+    }
+    /// Chooses how gradient buckets are reduced from the next step on (every process sets the same). Either way
+    /// the replicas stay bit-identical and, without clipping, train to the same bits.
+    pub fn set_gradient_reduction(&self, reduction: Reduction) -> Result<()> {
+        let r = match reduction {
+            Reduction::AllReduce => sys::DPAR_REDUCTION_ALL_REDUCE,
+            Reduction::ReduceScatter => sys::DPAR_REDUCTION_REDUCE_SCATTER,
+        };
+        check(unsafe { sys::dpar_engine_set_gradient_reduction(self.raw, r) })
     }
     /// The gradient's norm before clipping at the last step taken with clipping on (NaN before any).
     pub fn grad_norm(&self) -> Result<f32> {
@@ -1719,5 +1737,21 @@ mod tests {
         let e = check(created).err().unwrap();
         assert_eq!(e.status(), status::INVALID_ARGUMENT);
         assert!(e.message().contains("opts.compression"), "{}", e);
+    }
+
+    #[test]
+    fn an_unknown_gradient_reduction_is_refused_by_the_library() {
+        // Reduction cannot hold an unknown value; the engine's raw handle, where dpar reads it, can.
+        let mut m = Model::new(7).unwrap();
+        m.linear(4, 3, true).unwrap();
+        let options = EngineOptions::new().cpu_devices(2).processes(Processes::Single);
+        let engine = Engine::new(&m, &Optimizer::sgd(0.1), &options).unwrap();
+        for bad in [2, -1] {
+            let e = check(unsafe { sys::dpar_engine_set_gradient_reduction(engine.raw, bad) }).err().unwrap();
+            assert_eq!(e.status(), status::INVALID_ARGUMENT);
+            assert!(e.message().contains("reduction"), "{}", e);
+        }
+        engine.set_gradient_reduction(Reduction::ReduceScatter).unwrap();
+        engine.set_gradient_reduction(Reduction::AllReduce).unwrap();
     }
 }

@@ -1,0 +1,181 @@
+package dpar
+
+import (
+	"errors"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// reductionBatch is batch step of 11 rows of 6 features (6 and 5 per replica).
+func reductionBatch(t *testing.T, step int) (*Tensor, *Tensor) {
+	x := make([]float32, 66)
+	for i := range x {
+		x[i] = float32(((i+7*step)*37)%101)/101.0 - 0.5
+	}
+	y := make([]int32, 11)
+	for r := range y {
+		y[r] = int32((r + step) % 3)
+	}
+	xt, err := FromFloat32([]int64{11, 6}, x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	yt, err := FromInt32([]int64{11}, y)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return xt, yt
+}
+
+func paramBits(t *testing.T, e *Engine, replica, count int) []uint32 {
+	params, err := e.Params(replica, count)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bits := make([]uint32, len(params))
+	for i, p := range params {
+		bits[i] = math.Float32bits(p)
+	}
+	return bits
+}
+
+func equalBits(a, b []uint32) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// tracedStep is one training step, traced: its loss and the trace's text.
+func tracedStep(t *testing.T, e *Engine, x, y *Tensor) (float32, string) {
+	if err := e.TraceStart(); err != nil {
+		t.Fatal(err)
+	}
+	loss, err := e.TrainStep(x, y)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "trace.json")
+	if err := e.TraceStop(path); err != nil {
+		t.Fatal(err)
+	}
+	text, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return loss, string(text)
+}
+
+// The engine's trace shows its buckets reduce-scattered (ZeRO-2), and without clipping it trains to the bits of the
+// all-reduce, over several buckets split unevenly between 2 CPU devices; switching between steps keeps them equal.
+func TestReduceScatterTrainsToTheBitsOfTheAllReduce(t *testing.T) {
+	m, err := NewModel(11)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	for _, e := range []error{m.Linear(6, 16, true), m.Activation(ReLU), m.Linear(16, 8, true), m.Activation(ReLU),
+		m.Linear(8, 3, true)} {
+		if e != nil {
+			t.Fatal(e)
+		}
+	}
+	n, err := m.NumParamElements()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 128-byte buckets: 32 gradients each, several buckets, most of them not a multiple of 2.
+	o := Options{Optimizer: Adam, LR: 0.01, Devices: 2, Processes: ProcessesSingle, FirstBucketBytes: 128,
+		BucketCapBytes: 128}
+	all, err := NewEngine(m, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer all.Close()
+	scatter, err := NewEngine(m, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer scatter.Close()
+	if err := scatter.SetGradientReduction(ReductionReduceScatter); err != nil {
+		t.Fatal(err)
+	}
+	if err := all.SetGradientReduction(ReductionAllReduce); err != nil { // the default, set again
+		t.Fatal(err)
+	}
+	if b, err := scatter.NumBuckets(); err != nil || b <= 2 {
+		t.Fatalf("%d buckets (%v), want more than 2", b, err)
+	}
+	initial := paramBits(t, all, 0, n)
+	for step := 0; step < 6; step++ {
+		switch step { // switching between steps
+		case 4:
+			err = scatter.SetGradientReduction(ReductionAllReduce)
+		case 5:
+			err = scatter.SetGradientReduction(ReductionReduceScatter)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		x, y := reductionBatch(t, step)
+		var la, ls float32
+		var errA, errS error
+		if step == 0 {
+			// The setting reached dpar: its buckets are reduce-scattered, the other engine's all-reduced.
+			var traceA, traceS string
+			la, traceA = tracedStep(t, all, x, y)
+			ls, traceS = tracedStep(t, scatter, x, y)
+			if !strings.Contains(traceS, `"bucket reduce-scatter"`) || strings.Contains(traceS, `"bucket all-reduce"`) {
+				t.Error("the reduce-scatter engine's trace has no reduce-scatter of its buckets, or an all-reduce")
+			}
+			if !strings.Contains(traceA, `"bucket all-reduce"`) || strings.Contains(traceA, `"bucket reduce-scatter"`) {
+				t.Error("the all-reduce engine's trace has no all-reduce of its buckets, or a reduce-scatter")
+			}
+		} else {
+			la, errA = all.TrainStep(x, y)
+			ls, errS = scatter.TrainStep(x, y)
+		}
+		x.Close()
+		y.Close()
+		if errA != nil || errS != nil {
+			t.Fatal(errA, errS)
+		}
+		if math.Float32bits(la) != math.Float32bits(ls) {
+			t.Fatalf("step %d: loss %v with the reduce-scatter, %v with the all-reduce", step, ls, la)
+		}
+	}
+	first := paramBits(t, all, 0, n)
+	if equalBits(first, initial) {
+		t.Fatal("training moved nothing")
+	}
+	for replica := 0; replica < 2; replica++ {
+		if !equalBits(paramBits(t, scatter, replica, n), first) || !equalBits(paramBits(t, all, replica, n), first) {
+			t.Fatalf("replica %d: the parameters differ from the all-reduce's replica 0", replica)
+		}
+	}
+}
+
+func TestAnUnknownGradientReductionIsRefused(t *testing.T) {
+	m := referenceModel(t)
+	defer m.Close()
+	e := referenceEngine(t, m)
+	defer e.Close()
+	var de *Error
+	for _, bad := range []Reduction{2, -1} {
+		if err := e.SetGradientReduction(bad); !errors.As(err, &de) || de.Status != ErrInvalidArg ||
+			!strings.Contains(de.Message, "reduction") {
+			t.Fatalf("reduction %d: %v, want an invalid-argument error that names the reduction", bad, err)
+		}
+	}
+	if err := e.SetGradientReduction(ReductionReduceScatter); err != nil {
+		t.Fatal(err)
+	}
+}
