@@ -40,7 +40,7 @@ const char* OptimizerConfig::name() const {
 
 Optimizer::Optimizer(const OptimizerConfig& config, int64_t begin, int64_t end, Device device)
     : config_(config), begin_(begin), end_(end) {
-  DPAR_ENFORCE(0 <= begin && begin <= end, DPAR_ERR_INTERNAL, "optimizer: [", begin, ", ", end, ") is not a range of parameters");
+  DPAR_ENFORCE(0 <= begin && begin <= end, Status::kInternal, "optimizer: [", begin, ", ", end, ") is not a range of parameters");
   if (end == begin) return;
   const Shape shape{end - begin};
   if (config_.kind == OptimizerKind::kSgd) {

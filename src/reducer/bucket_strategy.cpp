@@ -50,7 +50,7 @@ std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, Re
     case BucketStrategyKind::kHierarchical: return std::make_unique<HierarchicalAllReduce>(set, Wire::kF32);
     case BucketStrategyKind::kHierarchicalBf16: return std::make_unique<HierarchicalAllReduce>(set, Wire::kBf16);
   }
-  fail(DPAR_ERR_INVALID_ARGUMENT, "bucket strategy: ", static_cast<int32_t>(kind), " is not a strategy (0: flat, ",
+  fail(Status::kInvalidArgument, "bucket strategy: ", static_cast<int32_t>(kind), " is not a strategy (0: flat, ",
        "1: hierarchical, 2: hierarchical bf16)");
 }
 
