@@ -360,7 +360,7 @@ int main(int argc, char** argv) {
       check_ok(probe, "dpar_engine_step_count");
       // An aborted engine answers step_count, but it must be recreated (the next step says so) and its replicas may
       // have stopped apart, inside the optimizer's all-gather: only a usable engine must hold identical replicas.
-      if (!(s != DPAR_OK && message.find("aborted by its abort call and must be recreated") != std::string::npos))
+      if (!(s != DPAR_OK && message.find("aborted (dpar_engine_abort) and must be recreated") != std::string::npos))
         check_replicas_identical(engine, steps);
       if (s != DPAR_OK) {
         const dpar_status next =

@@ -181,7 +181,7 @@ DPAR_API void dpar_engine_free(dpar_engine* engine) {
 }
 
 DPAR_API dpar_status dpar_engine_abort(dpar_engine* engine) {
-  return guard([&] { acquire(engine)->abort(); });  // no lock: the call in flight holds it
+  return guard([&] { acquire(engine)->abort("dpar_engine_abort"); });  // no lock: the call in flight holds it
 }
 
 DPAR_API dpar_status dpar_engine_num_replicas(size_t* out, const dpar_engine* engine) {

@@ -150,14 +150,15 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
 Engine::~Engine() = default;
 
 void Engine::check_usable(const char* operation) const {
-  DPAR_ENFORCE(!aborted_.load(), Status::kInvalidState, operation,
-               ": the engine was aborted and must be recreated");
+  DPAR_ENFORCE(!aborted_.load(), Status::kInvalidState, operation, ": the engine was aborted (", aborted_by_.load(),
+               ") and must be recreated");
   DPAR_ENFORCE(!broken_, Status::kInvalidState, operation, ": the engine must be recreated: ", broken_reason_);
 }
 
-void Engine::abort() {
+void Engine::abort(const char* by) {
+  aborted_by_.store(by);
   aborted_.store(true);
-  group_->abort("the engine was aborted");
+  group_->abort(std::string("the engine was aborted (") + by + ")");
   if (links_) links_->abort("the engine of rank " + std::to_string(processes_->rank()) + " was aborted");
 }
 
@@ -232,7 +233,7 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     // Replicas may have stepped and stopped apart (an abort can land inside the optimizer's all-gather): only a
     // recreated engine is known to be whole again, as every later call says (check_usable).
     if (links_) links_->abort(std::string(operation) + ": the engine was aborted on another process");
-    fail(status, operation, ": ", message, "; the engine was aborted and must be recreated");
+    fail(status, operation, ": ", message, "; the engine was aborted (", aborted_by_.load(), ") and must be recreated");
   }
   // Null while the engine is still being created; a group that cannot recover leaves the engine unusable.
   const bool recovered = device_lost.empty() && (!group_ || group_->recover());
