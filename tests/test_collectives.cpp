@@ -127,7 +127,7 @@ TEST(ReplicaSet, FlatIsRefusedOverProcessesAndStrategiesAreNamed) {
       make_bucket_strategy(BucketStrategyKind::kFlat, set);
       ADD_FAILURE() << "flat over two processes was accepted";
     } catch (const Error& e) {
-      EXPECT_EQ(e.status(), DPAR_ERR_INVALID_ARGUMENT);
+      EXPECT_EQ(e.status(), Status::kInvalidArgument);
       EXPECT_NE(std::string(e.what()).find("spans 2 processes"), std::string::npos) << e.what();
     }
     EXPECT_STREQ(make_bucket_strategy(BucketStrategyKind::kHierarchical, set)->name(), "hierarchical");
@@ -140,7 +140,7 @@ TEST(ReplicaSet, FlatIsRefusedOverProcessesAndStrategiesAreNamed) {
 // the failure reaches every replica of every process as an error, not a hang.
 TEST(ReplicaSet, AWireTheProcessesCannotCarryFailsEveryReplica) {
   Job job(2, 2);
-  std::vector<dpar_status> statuses(4, DPAR_OK);
+  std::vector<Status> statuses(4, Status::kOk);
   job.run([&](int q, int r, ReplicaSet& set) {
     std::vector<float> data(64, 1.0f);
     try {
@@ -150,10 +150,10 @@ TEST(ReplicaSet, AWireTheProcessesCannotCarryFailsEveryReplica) {
     }
   });
   // The processes' replica 0 see the transport refuse; the others are released by it (REMOTE).
-  EXPECT_EQ(statuses[0], DPAR_ERR_NOT_SUPPORTED);
-  EXPECT_EQ(statuses[2], DPAR_ERR_NOT_SUPPORTED);
-  EXPECT_EQ(statuses[1], DPAR_ERR_REMOTE);
-  EXPECT_EQ(statuses[3], DPAR_ERR_REMOTE);
+  EXPECT_EQ(statuses[0], Status::kNotSupported);
+  EXPECT_EQ(statuses[2], Status::kNotSupported);
+  EXPECT_EQ(statuses[1], Status::kRemote);
+  EXPECT_EQ(statuses[3], Status::kRemote);
 }
 
 TEST(ReplicaSet, LayerSumsOverEveryProcessInF64AndF32) {

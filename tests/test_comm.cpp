@@ -55,7 +55,7 @@ struct Group {
 };
 
 struct Outcome {
-  dpar_status status = DPAR_OK;
+  Status status = Status::kOk;
   std::string message;
 };
 
@@ -71,19 +71,19 @@ std::vector<Outcome> on_ranks(int n, F&& f) {
       } catch (const Error& e) {
         out[static_cast<size_t>(r)] = {e.status(), e.what()};
       } catch (const std::exception& e) {
-        out[static_cast<size_t>(r)] = {DPAR_ERR_INTERNAL, e.what()};
+        out[static_cast<size_t>(r)] = {Status::kInternal, e.what()};
       }
     });
   for (auto& t : threads) t.join();
   return out;
 }
 
-std::string status_name(dpar_status s) {
+std::string status_label(Status s) {
   switch (s) {
-    case DPAR_ERR_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case DPAR_ERR_REMOTE: return "REMOTE";
-    case DPAR_ERR_TIMEOUT: return "TIMEOUT";
-    case DPAR_ERR_MISMATCH: return "MISMATCH";
+    case Status::kInvalidArgument: return "INVALID_ARGUMENT";
+    case Status::kRemote: return "REMOTE";
+    case Status::kTimeout: return "TIMEOUT";
+    case Status::kMismatch: return "MISMATCH";
     default: return "status " + std::to_string(static_cast<int>(s));
   }
 }
@@ -245,7 +245,7 @@ constexpr CommDType dtype_of() {
 
 std::string first_error(const std::vector<Outcome>& out) {
   for (size_t r = 0; r < out.size(); ++r)
-    if (out[r].status != DPAR_OK) return "rank " + std::to_string(r) + " threw " + out[r].message;
+    if (out[r].status != Status::kOk) return "rank " + std::to_string(r) + " threw " + out[r].message;
   return "";
 }
 
@@ -693,7 +693,7 @@ TEST_P(Collectives, AsyncOperationsInFlightEqualBlocking) {
               for (auto& w : works) (void)w->test();  // never blocks; may be true or false
               for (auto& w : works) {
                 w->wait();
-                if (!w->test()) throw Error(DPAR_ERR_INTERNAL, "test() is false after wait()");
+                if (!w->test()) throw Error(Status::kInternal, "test() is false after wait()");
               }
             })),
         "");
@@ -751,7 +751,7 @@ TEST_P(Collectives, DifferentCountsMismatchOnEveryParticipant) {
     g[r].all_reduce(buf[r].data(), buf[r].data(), r == 1 ? 200 : 100, CommDType::kF32, ReduceOp::kSum);
   });
   for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(out[r].status, DPAR_ERR_MISMATCH) << out[r].message;
+    EXPECT_EQ(out[r].status, Status::kMismatch) << out[r].message;
     EXPECT_TRUE(contains(out[r].message,
                          "all_reduce: participant 1 called all_reduce of 200 f32 (sum) but "
                          "participant 0 called all_reduce of 100 f32 (sum); nothing was moved"))
@@ -782,7 +782,7 @@ TEST_P(Collectives, DifferentOperationsMismatchOnEveryParticipant) {
   });
   const std::string differs = "participant " + std::to_string(n - 1) + " called broadcast of 64 i64 from root 0";
   for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(out[r].status, DPAR_ERR_MISMATCH) << out[r].message;
+    EXPECT_EQ(out[r].status, Status::kMismatch) << out[r].message;
     EXPECT_TRUE(contains(out[r].message, r == n - 1 ? "broadcast: " : "all_reduce: ")) << out[r].message;
     EXPECT_TRUE(contains(out[r].message, differs)) << out[r].message;
     EXPECT_TRUE(contains(out[r].message, "participant 0 called all_reduce of 64 i64 (max)")) << out[r].message;
@@ -795,7 +795,7 @@ TEST_P(Collectives, DifferentOperationsMismatchOnEveryParticipant) {
       g[r].all_gather(buf[r].data(), buf[r].data(), 0, CommDType::kI64);
   });
   for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(out[r].status, DPAR_ERR_MISMATCH) << out[r].message;
+    EXPECT_EQ(out[r].status, Status::kMismatch) << out[r].message;
     EXPECT_TRUE(contains(out[r].message,
                          "participant 1 called barrier but participant 0 called "
                          "all_gather of 0 i64"))
@@ -805,7 +805,7 @@ TEST_P(Collectives, DifferentOperationsMismatchOnEveryParticipant) {
     g[r].reduce(buf[r].data(), buf[r].data(), 64, CommDType::kI64, ReduceOp::kSum, r == 1 ? 1 : 0);
   });
   for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(out[r].status, DPAR_ERR_MISMATCH) << out[r].message;
+    EXPECT_EQ(out[r].status, Status::kMismatch) << out[r].message;
     EXPECT_TRUE(contains(out[r].message,
                          "called reduce of 64 i64 (sum) to root 1 but participant 0 "
                          "called reduce of 64 i64 (sum) to root 0"))
@@ -823,7 +823,7 @@ TEST_P(Collectives, AsyncMismatchReachesEveryParticipant) {
     w->wait();
   });
   for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(out[r].status, DPAR_ERR_MISMATCH) << out[r].message;
+    EXPECT_EQ(out[r].status, Status::kMismatch) << out[r].message;
     EXPECT_TRUE(contains(out[r].message, "participant 1 called all_reduce of 300 f32 (mean)"))
         << out[r].message;
   }
@@ -840,9 +840,9 @@ TEST_P(Collectives, MissingParticipantTimesOutAndIsNamed) {
   });
   bool timed_out = false;
   for (int r = 0; r < n - 1; ++r) {
-    EXPECT_TRUE(out[r].status == DPAR_ERR_TIMEOUT || out[r].status == DPAR_ERR_REMOTE) << out[r].message;
+    EXPECT_TRUE(out[r].status == Status::kTimeout || out[r].status == Status::kRemote) << out[r].message;
     EXPECT_TRUE(contains(out[r].message, missing)) << out[r].message;
-    timed_out = timed_out || out[r].status == DPAR_ERR_TIMEOUT;
+    timed_out = timed_out || out[r].status == Status::kTimeout;
   }
   EXPECT_TRUE(timed_out);
   // The group is aborted until reset; then it works again.
@@ -867,7 +867,7 @@ TEST_P(Collectives, AbortReleasesEveryoneAndResetRestores) {
       g[r].broadcast(buf[r].data(), 1000, CommDType::kI32, 1);
   });
   for (int r = 1; r < n; ++r) {
-    EXPECT_EQ(out[r].status, DPAR_ERR_REMOTE) << out[r].message;
+    EXPECT_EQ(out[r].status, Status::kRemote) << out[r].message;
     EXPECT_TRUE(contains(out[r].message, "rank 0 gave up")) << out[r].message;
   }
   g.group.reset();
@@ -889,9 +889,9 @@ TEST_P(Collectives, LocalFailureOnTheCommThreadReleasesTheOthers) {
     for (auto* w : {&a, &b}) try {
         (*w)->wait();
       } catch (const Error& e) {
-        errors += status_name(e.status()) + ": " + e.what() + "\n";
+        errors += status_label(e.status()) + ": " + e.what() + "\n";
       }
-    throw Error(DPAR_ERR_INTERNAL, errors);
+    throw Error(Status::kInternal, errors);
   });
   for (int r = 0; r < n; ++r) {
     const std::string& m = out[r].message;
@@ -931,7 +931,7 @@ TEST(Comm, BadArgumentsAreRefusedAndReleaseTheGroup) {
     g[0].reduce(&x, &x, 1, CommDType::kF32, ReduceOp::kSum, 3);
     ADD_FAILURE() << "root 3 accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(e.status(), Status::kInvalidArgument);
   }
   EXPECT_TRUE(g.group.aborted());
   g.group.reset();
@@ -940,21 +940,21 @@ TEST(Comm, BadArgumentsAreRefusedAndReleaseTheGroup) {
     g[0].all_reduce(v, v + 1, 2, CommDType::kF32, ReduceOp::kSum);
     ADD_FAILURE() << "a partial overlap accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(e.status(), Status::kInvalidArgument);
   }
   g.group.reset();
   try {
     g[0].all_reduce(nullptr, v, 2, static_cast<CommDType>(9), ReduceOp::kSum);
     ADD_FAILURE() << "dtype 9 accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(e.status(), Status::kInvalidArgument);
   }
   g.group.reset();
   try {  // bf16 crosses processes only (MPI, NCCL): threads share memory
     g[0].all_reduce(v, v, 2, CommDType::kBF16, ReduceOp::kSum);
     ADD_FAILURE() << "bf16 accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_NOT_SUPPORTED) << e.what();
+    EXPECT_EQ(e.status(), Status::kNotSupported) << e.what();
   }
   g.group.reset();
   g[0].all_reduce(nullptr, nullptr, 0, CommDType::kF32, ReduceOp::kSum);  // count 0 needs no buffers

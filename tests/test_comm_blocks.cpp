@@ -34,7 +34,7 @@ struct Group {
 };
 
 struct Outcome {
-  dpar_status status = DPAR_OK;
+  Status status = Status::kOk;
   std::string message;
 };
 
@@ -56,7 +56,7 @@ std::vector<Outcome> on_ranks(int n, F&& f) {
 }
 
 void expect_all_ok(const std::vector<Outcome>& out) {
-  for (size_t r = 0; r < out.size(); ++r) ASSERT_EQ(out[r].status, DPAR_OK) << "rank " << r << ": " << out[r].message;
+  for (size_t r = 0; r < out.size(); ++r) ASSERT_EQ(out[r].status, Status::kOk) << "rank " << r << ": " << out[r].message;
 }
 
 // Floats with full mantissas and varied exponents: the order of a sum changes its bits, so equal bits mean the same
@@ -159,10 +159,10 @@ TEST_P(Blocks, ARefusedCallReleasesTheOthers) {
   });
   for (int r = 0; r < n; ++r) {
     if (r == n - 1) {
-      EXPECT_EQ(out[r].status, DPAR_ERR_INVALID_ARGUMENT) << out[r].message;
+      EXPECT_EQ(out[r].status, Status::kInvalidArgument) << out[r].message;
       EXPECT_EQ(out[r].message, "reduce_scatter_sum: buffer is null (count 64)");
     } else {
-      EXPECT_EQ(out[r].status, DPAR_ERR_REMOTE) << out[r].message;
+      EXPECT_EQ(out[r].status, Status::kRemote) << out[r].message;
       EXPECT_NE(out[r].message.find("replica " + std::to_string(n - 1) + " failed: reduce_scatter_sum: buffer is null"),
                 std::string::npos)
           << out[r].message;
@@ -183,7 +183,7 @@ TEST_P(Blocks, MismatchIsTheOneMessage) {
       g[r].reduce_scatter_sum(buf[r].data(), 100, true, 1.0f);
   });
   for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(out[r].status, DPAR_ERR_MISMATCH);
+    EXPECT_EQ(out[r].status, Status::kMismatch);
     EXPECT_EQ(out[r].message, std::string(r == 1 ? "all_reduce_sum" : "reduce_scatter_sum") +
                                   ": participant 1 called all_reduce_sum of 100 f32 but participant 0 called "
                                   "reduce_scatter_sum of 100 f32; nothing was moved");

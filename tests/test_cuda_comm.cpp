@@ -31,9 +31,9 @@ std::vector<std::string> names(int n, const char* device) {
   return v;
 }
 
-// Runs body(rank) on n threads; rethrows nothing, returns each thread's error status (DPAR_OK if none).
-std::vector<int> run_threads(int n, const std::function<void(int)>& body) {
-  std::vector<int> status(n, DPAR_OK);
+// Runs body(rank) on n threads; rethrows nothing, returns each thread's error status (Status::kOk if none).
+std::vector<Status> run_threads(int n, const std::function<void(int)>& body) {
+  std::vector<Status> status(n, Status::kOk);
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
@@ -109,7 +109,7 @@ TEST_P(CudaDeviceGroupTest, MatchesTheThreadsBackend) {
     bcast[r] = b.download();
   });
   for (int r = 0; r < n; ++r) {
-    ASSERT_EQ(status[r], DPAR_OK) << "replica " << r;
+    ASSERT_EQ(status[r], Status::kOk) << "replica " << r;
     EXPECT_TRUE(bitwise_equal(got[r], expected[r])) << "all_reduce_sum + all_reduce, replica " << r;
     // Both gathered the all_reduce_sum results (d and h), so the blocks agree bit for bit too.
     EXPECT_TRUE(bitwise_equal(gathered[r], gathered_ref[r])) << "all_gather, replica " << r;
@@ -126,7 +126,7 @@ TEST_P(CudaDeviceGroupTest, MismatchIsReportedByEveryParticipant) {
     DeviceBuffer<float> d(100);
     comm->all_reduce_sum(d.get(), r == n - 1 ? 99 : 100, true, 1.0f);  // the last one disagrees on the count
   });
-  for (int r = 0; r < n; ++r) EXPECT_EQ(status[r], DPAR_ERR_MISMATCH) << "replica " << r;
+  for (int r = 0; r < n; ++r) EXPECT_EQ(status[r], Status::kMismatch) << "replica " << r;
 }
 
 TEST_P(CudaDeviceGroupTest, MissingParticipantTimesOut) {
@@ -139,8 +139,8 @@ TEST_P(CudaDeviceGroupTest, MissingParticipantTimesOut) {
     DeviceBuffer<float> d(64);
     comm->all_reduce_sum(d.get(), 64, true, 1.0f);
   });
-  EXPECT_EQ(status[0], DPAR_OK);
-  for (int r = 1; r < n; ++r) EXPECT_TRUE(status[r] == DPAR_ERR_TIMEOUT || status[r] == DPAR_ERR_REMOTE) << r;
+  EXPECT_EQ(status[0], Status::kOk);
+  for (int r = 1; r < n; ++r) EXPECT_TRUE(status[r] == Status::kTimeout || status[r] == Status::kRemote) << r;
 }
 
 // The sharded gradient path on one GPU: block r of reduce_scatter_sum is the threads backend's block r of
@@ -167,7 +167,7 @@ TEST_P(CudaDeviceGroupTest, ReduceScatterSumAndAllGatherBlocksMatchTheThreadsBac
     gathered[r] = d.download();
   });
   for (int r = 0; r < n; ++r) {
-    ASSERT_EQ(status[r], DPAR_OK) << "replica " << r;
+    ASSERT_EQ(status[r], Status::kOk) << "replica " << r;
     const auto [begin, end] = Communicator::block_range(count, n, r);
     EXPECT_TRUE(bitwise_equal(std::vector<float>(scattered[r].begin() + begin, scattered[r].begin() + end),
                               std::vector<float>(expected[r].begin() + begin, expected[r].begin() + end)))
@@ -205,7 +205,7 @@ TEST(NcclGroupTest, AllReduceSumAndBroadcastMatchTheThreadsBackend) {
     bcast[r] = b.download();
   });
   for (int r = 0; r < n; ++r) {
-    ASSERT_EQ(status[r], DPAR_OK) << "rank " << r;
+    ASSERT_EQ(status[r], Status::kOk) << "rank " << r;
     EXPECT_LT(test::normalised_error(got[r], expected[r]), 1e-6) << "all_reduce_sum, rank " << r;
     EXPECT_TRUE(bitwise_equal(bcast[r], host[0])) << "broadcast, rank " << r;
   }
@@ -264,7 +264,7 @@ TEST_P(CudaDeviceGroupTest, BuffersThatChangeEveryCallAreReducedAsGiven) {
     expected[r].insert(expected[r].end(), hb.begin(), hb.end());
   });
   for (int r = 0; r < n; ++r) {
-    ASSERT_EQ(status[r], DPAR_OK) << "replica " << r;
+    ASSERT_EQ(status[r], Status::kOk) << "replica " << r;
     EXPECT_TRUE(bitwise_equal(got[r], expected[r])) << "replica " << r;
   }
 }
@@ -275,7 +275,7 @@ TEST(CudaDeviceGroupLimits, MoreParticipantsThanOneLaunchCanNameAreRefused) {
     CudaDeviceGroup group(std::vector<int>(many.size(), 0), many, std::chrono::seconds(1));
     FAIL() << "65 participants accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_NOT_SUPPORTED) << e.what();
+    EXPECT_EQ(e.status(), Status::kNotSupported) << e.what();
   }
 }
 

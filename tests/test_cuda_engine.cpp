@@ -184,7 +184,7 @@ TEST(CudaEngine, DeviceMemoryExhaustionIsACleanErrorAndTheEngineTrainsOn) {
     Tensor::empty(DType::kF32, Shape{int64_t{1} << 20, int64_t{1} << 20}, Device{DeviceKind::kCuda, 0});  // 4 TiB
     FAIL() << "a 4 TiB allocation succeeded";
   } catch (const Error& err) {
-    EXPECT_EQ(err.status(), DPAR_ERR_OUT_OF_MEMORY) << err.what();
+    EXPECT_EQ(err.status(), Status::kOutOfMemory) << err.what();
     EXPECT_NE(std::string(err.what()).find("cuda:0"), std::string::npos) << err.what();
   }
   train(e, d, 2);
@@ -241,7 +241,7 @@ TEST(CudaEngine, ABatchOnTheGpuTrainsAsTheSameBatchOnTheHost) {
     from_gpu.train_step(on(b.x, gpu), on(bad, gpu));
     FAIL() << "a label out of range on the GPU was accepted";
   } catch (const Error& err) {
-    EXPECT_EQ(err.status(), DPAR_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(err.status(), Status::kInvalidArgument);
     EXPECT_NE(std::string(err.what()).find("target[3] = 5 is out of range"), std::string::npos) << err.what();
   }
   from_gpu.train_step(on(b.x, gpu), on(b.y, gpu));
@@ -256,7 +256,7 @@ TEST(CudaEngine, AGpuBatchForACpuEngineIsRefusedNamingWhereItMustBe) {
     e.train_step(on_gpu, b.y);
     FAIL() << "a GPU input was accepted by a CPU engine";
   } catch (const Error& err) {
-    EXPECT_EQ(err.status(), DPAR_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(err.status(), Status::kInvalidArgument);
     EXPECT_NE(std::string(err.what()).find("input is on cuda:0"), std::string::npos) << err.what();
     EXPECT_NE(std::string(err.what()).find("host memory"), std::string::npos) << err.what();
   }

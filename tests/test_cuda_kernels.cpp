@@ -76,7 +76,7 @@ TEST(CudaRuntime, ErrorsNameTheCallAndMapStatuses) {
     DPAR_CUDA_CHECK(cudaErrorMemoryAllocation, "allocating ", 42, " bytes");
     FAIL() << "no throw";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_OUT_OF_MEMORY);
+    EXPECT_EQ(e.status(), Status::kOutOfMemory);
     const std::string what = e.what();
     EXPECT_NE(what.find("cudaErrorMemoryAllocation"), std::string::npos) << what;
     EXPECT_NE(what.find("allocating 42 bytes"), std::string::npos) << what;
@@ -85,7 +85,7 @@ TEST(CudaRuntime, ErrorsNameTheCallAndMapStatuses) {
     DPAR_CUDA_CHECK(cudaErrorInvalidValue, "copy");
     FAIL() << "no throw";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_DEVICE);
+    EXPECT_EQ(e.status(), Status::kDevice);
     EXPECT_NE(std::string(e.what()).find(cudaGetErrorString(cudaErrorInvalidValue)), std::string::npos) << e.what();
   }
   EXPECT_NO_THROW(DPAR_CUDA_CHECK(cudaSuccess, "nothing"));
@@ -93,18 +93,18 @@ TEST(CudaRuntime, ErrorsNameTheCallAndMapStatuses) {
     DPAR_CUBLAS_CHECK(CUBLAS_STATUS_NOT_SUPPORTED, "gemm");
     FAIL() << "no throw";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_DEVICE);
+    EXPECT_EQ(e.status(), Status::kDevice);
     EXPECT_NE(std::string(e.what()).find("CUBLAS_STATUS_NOT_SUPPORTED"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(cuda::cublas_error_status(CUBLAS_STATUS_ALLOC_FAILED), DPAR_ERR_OUT_OF_MEMORY);
-  EXPECT_EQ(cuda::nccl_error_status(ncclRemoteError), DPAR_ERR_REMOTE);
-  EXPECT_EQ(cuda::nccl_error_status(ncclInvalidUsage), DPAR_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(cuda::nccl_error_status(ncclSystemError), DPAR_ERR_COMMUNICATION);
+  EXPECT_EQ(cuda::cublas_error_status(CUBLAS_STATUS_ALLOC_FAILED), Status::kOutOfMemory);
+  EXPECT_EQ(cuda::nccl_error_status(ncclRemoteError), Status::kRemote);
+  EXPECT_EQ(cuda::nccl_error_status(ncclInvalidUsage), Status::kInvalidArgument);
+  EXPECT_EQ(cuda::nccl_error_status(ncclSystemError), Status::kCommunication);
   try {
     DPAR_NCCL_CHECK(ncclInvalidUsage, "all_reduce");
     FAIL() << "no throw";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(e.status(), Status::kInvalidArgument);
     EXPECT_NE(std::string(e.what()).find("all_reduce"), std::string::npos) << e.what();
   }
 }

@@ -174,7 +174,7 @@ TEST(DeviceScopeModel, AScopeThatCannotEnterThrowsOrChangesNothing) {
     cuda::DeviceScope scope(1, calls);
     ADD_FAILURE() << "no throw";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_DEVICE);
+    EXPECT_EQ(e.status(), Status::kDevice);
     EXPECT_NE(std::string(e.what()).find("cuda:1"), std::string::npos) << e.what();
   }
   EXPECT_EQ(model::current, nullptr);

@@ -266,7 +266,7 @@ TEST(Engine, GradientClippingOverDevicesMatchesSingleDeviceFullBatch) {
       Engine engine(model, bad, cpu_devices(2));
       ADD_FAILURE() << "max_grad_norm " << v << " was accepted";
     } catch (const Error& e) {
-      EXPECT_EQ(e.status(), DPAR_ERR_INVALID_ARGUMENT);
+      EXPECT_EQ(e.status(), Status::kInvalidArgument);
       EXPECT_NE(std::string(e.what()).find("optimizer.max_grad_norm"), std::string::npos) << e.what();
     }
   }
@@ -728,7 +728,7 @@ TEST(Checkpoint, CorruptOrTruncatedFileIsRefusedAndChangesNothing) {
       target.load(bad);
       ADD_FAILURE() << what << ": was accepted";
     } catch (const Error& e) {
-      EXPECT_EQ(e.status(), DPAR_ERR_CORRUPT) << what << ": " << e.what();
+      EXPECT_EQ(e.status(), Status::kCorrupt) << what << ": " << e.what();
     }
     EXPECT_EQ(target.params(0), before) << what << ": parameters changed";
     std::remove(bad.c_str());
@@ -746,7 +746,7 @@ TEST(Checkpoint, CorruptOrTruncatedFileIsRefusedAndChangesNothing) {
     other.load(path);
     ADD_FAILURE() << "another model's checkpoint was accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_MISMATCH) << e.what();
+    EXPECT_EQ(e.status(), Status::kMismatch) << e.what();
   }
   // The engine still works after the refusals.
   target.load(path);
@@ -875,7 +875,7 @@ TEST(Trace, AFailedStepShowsWhereItFailedAndStopIsCheckedAndRetried) {
     engine.trace_stop(temp_path("dpar_trace_never.json"));
     ADD_FAILURE() << "a trace that never started was written";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_INVALID_STATE) << e.what();
+    EXPECT_EQ(e.status(), Status::kInvalidState) << e.what();
   }
   engine.trace_start();
   engine.inject_fault(1, Fault::kBackward);
@@ -886,7 +886,7 @@ TEST(Trace, AFailedStepShowsWhereItFailedAndStopIsCheckedAndRetried) {
     engine.trace_stop("/nonexistent-dpar-dir/trace.json");
     ADD_FAILURE() << "written into a directory that does not exist";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_IO) << e.what();
+    EXPECT_EQ(e.status(), Status::kIo) << e.what();
   }
   const std::string path = temp_path("dpar_trace_failed.json");
   engine.trace_stop(path);
@@ -909,7 +909,7 @@ TEST(Trace, AFailedStepShowsWhereItFailedAndStopIsCheckedAndRetried) {
 // its jobs fails with the start's exception, and the other workers work.
 TEST(Faults, AWorkerThatCouldNotStartFailsItsJobsWithTheReason) {
   WorkerPool pool(3, [](size_t w) {
-    if (w == 1) fail(DPAR_ERR_DEVICE, "worker 1 could not make its device current");
+    if (w == 1) fail(Status::kDevice, "worker 1 could not make its device current");
   });
   std::atomic<int> ran{0};
   for (int call = 0; call < 2; ++call) {
@@ -921,7 +921,7 @@ TEST(Faults, AWorkerThatCouldNotStartFailsItsJobsWithTheReason) {
     try {
       std::rethrow_exception(errors[1]);
     } catch (const Error& e) {
-      EXPECT_EQ(e.status(), DPAR_ERR_DEVICE);
+      EXPECT_EQ(e.status(), Status::kDevice);
       EXPECT_NE(std::string(e.what()).find("worker 1 could not make its device current"), std::string::npos);
     }
   }
@@ -943,7 +943,7 @@ TEST(Faults, FailureOnOneWorkerIsReportedAndEngineStaysUsable) {
       engine.train_step(big.x, big.y);
       ADD_FAILURE() << "the injected fault was not reported";
     } catch (const Error& e) {
-      EXPECT_EQ(e.status(), fault == Fault::kAlloc ? DPAR_ERR_OUT_OF_MEMORY : DPAR_ERR_DEVICE) << e.what();
+      EXPECT_EQ(e.status(), fault == Fault::kAlloc ? Status::kOutOfMemory : Status::kDevice) << e.what();
       EXPECT_NE(std::string(e.what()).find("replica 2 (cpu:2)"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("remains usable"), std::string::npos) << e.what();
     }
@@ -961,7 +961,7 @@ TEST(Faults, CollectiveTimeoutNamesTheMissingParticipant) {
   std::vector<std::unique_ptr<Communicator>> comms;
   for (int r = 0; r < 3; ++r) comms.push_back(group.communicator(r));
   std::vector<float> bufs[3] = {std::vector<float>(64, 1.0f), std::vector<float>(64, 2.0f), std::vector<float>(64, 3.0f)};
-  std::vector<dpar_status> status(3, DPAR_OK);
+  std::vector<Status> status(3, Status::kOk);
   std::vector<std::string> message(3);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r)  // replica 2 never arrives
@@ -975,10 +975,10 @@ TEST(Faults, CollectiveTimeoutNamesTheMissingParticipant) {
     });
   for (auto& t : threads) t.join();
   for (int r = 0; r < 2; ++r) {
-    EXPECT_TRUE(status[r] == DPAR_ERR_TIMEOUT || status[r] == DPAR_ERR_REMOTE) << message[r];
+    EXPECT_TRUE(status[r] == Status::kTimeout || status[r] == Status::kRemote) << message[r];
     EXPECT_NE(message[r].find("replica 2 (cpu:2)"), std::string::npos) << message[r];
   }
-  EXPECT_TRUE(status[0] == DPAR_ERR_TIMEOUT || status[1] == DPAR_ERR_TIMEOUT);
+  EXPECT_TRUE(status[0] == Status::kTimeout || status[1] == Status::kTimeout);
   // After a reset the group works again.
   group.reset();
   threads.clear();

@@ -40,32 +40,21 @@ namespace {
 
 namespace fs = std::filesystem;
 using Bytes = std::vector<uint8_t>;
+using dpar::Status;
 using dpar::io::IdxArray;
 using dpar::io::read_idx_u8;
 using dpar::io::SafetensorsFile;
 using dpar::io::TensorView;
 using dpar::io::write_safetensors;
 
-// The status's name, without linking the C API (another part of the library).
-std::string dpar_status_name(dpar_status status) {
-  switch (status) {
-    case DPAR_ERR_IO: return "DPAR_ERR_IO";
-    case DPAR_ERR_CORRUPT: return "DPAR_ERR_CORRUPT";
-    case DPAR_ERR_MISMATCH: return "DPAR_ERR_MISMATCH";
-    case DPAR_ERR_NOT_SUPPORTED: return "DPAR_ERR_NOT_SUPPORTED";
-    case DPAR_ERR_INVALID_ARGUMENT: return "DPAR_ERR_INVALID_ARGUMENT";
-    default: return "status " + std::to_string(static_cast<int>(status));
-  }
-}
-
 // Runs f and expects a dpar::Error of `status` whose message contains every needle.
-void expect_error(const std::function<void()>& f, dpar_status status, const std::vector<std::string>& needles,
+void expect_error(const std::function<void()>& f, Status status, const std::vector<std::string>& needles,
                   const char* file, int line) {
   ::testing::ScopedTrace trace(file, line, "expect_error");
   try {
     f();
   } catch (const dpar::Error& e) {
-    EXPECT_EQ(e.status(), status) << dpar_status_name(e.status()) << ": " << e.what();
+    EXPECT_EQ(e.status(), status) << e.what();
     for (const std::string& needle : needles) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "'" << needle << "' not in: " << e.what();
     }
@@ -199,9 +188,9 @@ TEST_F(IoTest, IdxRefusesTruncatedData) {
   write_file(path("short"), file);
   write_gz(path("short.gz"), file);
   // A plain file's size shows the truncation before any data is read.
-  EXPECT_DPAR_ERROR(read_idx_u8(path("short")), DPAR_ERR_CORRUPT, path("short"),
+  EXPECT_DPAR_ERROR(read_idx_u8(path("short")), Status::kCorrupt, path("short"),
                     "dimensions describe 24 bytes of data, more than the 26-byte file holds");
-  EXPECT_DPAR_ERROR(read_idx_u8(path("short.gz")), DPAR_ERR_CORRUPT, path("short.gz"),
+  EXPECT_DPAR_ERROR(read_idx_u8(path("short.gz")), Status::kCorrupt, path("short.gz"),
                     "truncated: expected 24 bytes of data, got 10");
 }
 
@@ -213,7 +202,7 @@ TEST_F(IoTest, IdxRefusesEveryTruncation) {
     for (size_t n = 0; n < whole->size(); ++n) {
       SCOPED_TRACE((whole == &plain ? "plain, " : "gzip, ") + std::to_string(n) + " bytes");
       write_file(path("cut"), Bytes(whole->begin(), whole->begin() + static_cast<std::ptrdiff_t>(n)));
-      EXPECT_DPAR_ERROR(read_idx_u8(path("cut")), DPAR_ERR_CORRUPT, path("cut"));
+      EXPECT_DPAR_ERROR(read_idx_u8(path("cut")), Status::kCorrupt, path("cut"));
     }
   }
 }
@@ -222,28 +211,28 @@ TEST_F(IoTest, IdxRefusesBadHeaders) {
   struct Case {
     const char* name;
     Bytes bytes;
-    dpar_status status;
+    Status status;
     std::string needle;
   };
   Bytes many_dims = {0, 0, 0x08, 255};
   for (int i = 0; i < 255; ++i) many_dims.insert(many_dims.end(), {0, 0, 0, 2});
   const std::vector<Case> cases = {
-      {"empty", {}, DPAR_ERR_CORRUPT, "truncated header: expected 4 bytes of magic number, got 0"},
-      {"bad_magic", {0x01, 0x00, 0x08, 0x01, 0, 0, 0, 1, 7}, DPAR_ERR_CORRUPT, "bad magic number 0x01 0x00 0x08 0x01"},
-      {"text", {'h', 'e', 'l', 'l', 'o', '\n'}, DPAR_ERR_CORRUPT, "bad magic number"},
-      {"f32", idx_bytes(0x0D, {1}, {0, 0, 0, 0}), DPAR_ERR_NOT_SUPPORTED, "element type 0x0d (f32) is not supported"},
-      {"i32", idx_bytes(0x0C, {1}, {0, 0, 0, 0}), DPAR_ERR_NOT_SUPPORTED, "0x0c (i32)"},
-      {"unknown_type", idx_bytes(0x42, {1}, {0}), DPAR_ERR_CORRUPT, "unknown IDX element type 0x42"},
-      {"no_dims", {0, 0, 0x08, 0}, DPAR_ERR_CORRUPT, "declares 0 dimensions"},
-      {"short_dims", {0, 0, 0x08, 3, 0, 0, 0, 2, 0, 0}, DPAR_ERR_CORRUPT,
+      {"empty", {}, Status::kCorrupt, "truncated header: expected 4 bytes of magic number, got 0"},
+      {"bad_magic", {0x01, 0x00, 0x08, 0x01, 0, 0, 0, 1, 7}, Status::kCorrupt, "bad magic number 0x01 0x00 0x08 0x01"},
+      {"text", {'h', 'e', 'l', 'l', 'o', '\n'}, Status::kCorrupt, "bad magic number"},
+      {"f32", idx_bytes(0x0D, {1}, {0, 0, 0, 0}), Status::kNotSupported, "element type 0x0d (f32) is not supported"},
+      {"i32", idx_bytes(0x0C, {1}, {0, 0, 0, 0}), Status::kNotSupported, "0x0c (i32)"},
+      {"unknown_type", idx_bytes(0x42, {1}, {0}), Status::kCorrupt, "unknown IDX element type 0x42"},
+      {"no_dims", {0, 0, 0x08, 0}, Status::kCorrupt, "declares 0 dimensions"},
+      {"short_dims", {0, 0, 0x08, 3, 0, 0, 0, 2, 0, 0}, Status::kCorrupt,
        "truncated header: expected 12 bytes of dimensions, got 6"},
-      {"zero_extent", idx_bytes(0x08, {3, 0, 2}, {}), DPAR_ERR_CORRUPT, "dimension 1 is 0"},
-      {"overflow", idx_bytes(0x08, {0xffffffffu, 0xffffffffu, 0xffffffffu}, {1, 2, 3}), DPAR_ERR_CORRUPT,
+      {"zero_extent", idx_bytes(0x08, {3, 0, 2}, {}), Status::kCorrupt, "dimension 1 is 0"},
+      {"overflow", idx_bytes(0x08, {0xffffffffu, 0xffffffffu, 0xffffffffu}, {1, 2, 3}), Status::kCorrupt,
        "dimensions [4294967295, 4294967295, 4294967295] describe more than 17179869184 bytes"},
-      {"too_big", idx_bytes(0x08, {1u << 17, 1u << 17, 2}, {1, 2, 3}), DPAR_ERR_CORRUPT, "describe more than"},
-      {"255_dims", many_dims, DPAR_ERR_CORRUPT, "describe more than"},
+      {"too_big", idx_bytes(0x08, {1u << 17, 1u << 17, 2}, {1, 2, 3}), Status::kCorrupt, "describe more than"},
+      {"255_dims", many_dims, Status::kCorrupt, "describe more than"},
       // The largest size allowed, claimed by a tiny file: refused before reading, without a 16 GiB allocation.
-      {"huge_claim", idx_bytes(0x08, {1u << 16, 1u << 16, 4}, pattern(100)), DPAR_ERR_CORRUPT,
+      {"huge_claim", idx_bytes(0x08, {1u << 16, 1u << 16, 4}, pattern(100)), Status::kCorrupt,
        "dimensions describe 17179869184 bytes of data, more than the"},
   };
   for (const Case& c : cases) {
@@ -267,18 +256,18 @@ TEST_F(IoTest, IdxRefusesDamagedGzipStreams) {
     Bytes bad = gz;
     bad[i] ^= 0xff;
     write_file(path("bad.gz"), bad);
-    EXPECT_DPAR_ERROR(read_idx_u8(path("bad.gz")), DPAR_ERR_CORRUPT, path("bad.gz"));
+    EXPECT_DPAR_ERROR(read_idx_u8(path("bad.gz")), Status::kCorrupt, path("bad.gz"));
   }
   Bytes bad_crc = gz;
   bad_crc[gz.size() - 8] ^= 0x01;
   write_file(path("bad_crc.gz"), bad_crc);
-  EXPECT_DPAR_ERROR(read_idx_u8(path("bad_crc.gz")), DPAR_ERR_CORRUPT, path("bad_crc.gz"), "damaged gzip stream");
+  EXPECT_DPAR_ERROR(read_idx_u8(path("bad_crc.gz")), Status::kCorrupt, path("bad_crc.gz"), "damaged gzip stream");
 }
 
 TEST_F(IoTest, IdxRefusesMissingFilesWithIo) {
-  EXPECT_DPAR_ERROR(read_idx_u8(path("missing.gz")), DPAR_ERR_IO, path("missing.gz"), std::strerror(ENOENT));
+  EXPECT_DPAR_ERROR(read_idx_u8(path("missing.gz")), Status::kIo, path("missing.gz"), std::strerror(ENOENT));
   fs::create_directory(path("a_directory"));
-  EXPECT_DPAR_ERROR(read_idx_u8(path("a_directory")), DPAR_ERR_IO, path("a_directory"));
+  EXPECT_DPAR_ERROR(read_idx_u8(path("a_directory")), Status::kIo, path("a_directory"));
 }
 
 TEST(IoFashionMnist, ReadsTheRealFiles) {
@@ -399,14 +388,14 @@ TEST_F(IoTest, SafetensorsRoundTrip) {
   file.copy_to("rng", rng.data(), 32);
   EXPECT_EQ(rng, sample.rng);
   EXPECT_NO_THROW(file.expect("layer0.weight", "F32", {2, 3}));
-  EXPECT_DPAR_ERROR(file.expect("layer0.weight", "F32", {3, 2}), DPAR_ERR_MISMATCH, path("ckpt.safetensors"),
+  EXPECT_DPAR_ERROR(file.expect("layer0.weight", "F32", {3, 2}), Status::kMismatch, path("ckpt.safetensors"),
                     "'layer0.weight' is F32 [2, 3], expected F32 [3, 2]");
-  EXPECT_DPAR_ERROR(file.expect("step", "U64", {}), DPAR_ERR_MISMATCH, "is I64 [], expected U64 []");
-  EXPECT_DPAR_ERROR(file.copy_to("rng", rng.data(), 24), DPAR_ERR_MISMATCH, "'rng' holds 32 bytes");
+  EXPECT_DPAR_ERROR(file.expect("step", "U64", {}), Status::kMismatch, "is I64 [], expected U64 []");
+  EXPECT_DPAR_ERROR(file.copy_to("rng", rng.data(), 24), Status::kMismatch, "'rng' holds 32 bytes");
   EXPECT_FALSE(file.has("layer1.weight"));
-  EXPECT_DPAR_ERROR(file.entry("layer1.weight"), DPAR_ERR_MISMATCH, path("ckpt.safetensors"),
+  EXPECT_DPAR_ERROR(file.entry("layer1.weight"), Status::kMismatch, path("ckpt.safetensors"),
                     "no tensor named 'layer1.weight'");
-  EXPECT_DPAR_ERROR(file.data("layer1.weight"), DPAR_ERR_MISMATCH, "layer1.weight");
+  EXPECT_DPAR_ERROR(file.data("layer1.weight"), Status::kMismatch, "layer1.weight");
 
   // Writing again replaces the file, still leaving nothing else behind.
   const std::vector<float> other = {9.0f};
@@ -598,15 +587,15 @@ TEST_F(IoTest, SafetensorsRefusesCorruptFiles) {
     SCOPED_TRACE(c.name);
     const std::string file = path(std::string(c.name) + ".safetensors");
     write_file(file, c.bytes);
-    EXPECT_DPAR_ERROR(SafetensorsFile::read(file), DPAR_ERR_CORRUPT, file, c.needle);
+    EXPECT_DPAR_ERROR(SafetensorsFile::read(file), Status::kCorrupt, file, c.needle);
   }
 }
 
 TEST_F(IoTest, SafetensorsRefusesMissingFilesWithIo) {
-  EXPECT_DPAR_ERROR(SafetensorsFile::read(path("missing.safetensors")), DPAR_ERR_IO, path("missing.safetensors"),
+  EXPECT_DPAR_ERROR(SafetensorsFile::read(path("missing.safetensors")), Status::kIo, path("missing.safetensors"),
                     std::strerror(ENOENT));
   fs::create_directory(path("dir.safetensors"));
-  EXPECT_DPAR_ERROR(SafetensorsFile::read(path("dir.safetensors")), DPAR_ERR_IO, path("dir.safetensors"),
+  EXPECT_DPAR_ERROR(SafetensorsFile::read(path("dir.safetensors")), Status::kIo, path("dir.safetensors"),
                     "is a directory");
 }
 
@@ -625,7 +614,7 @@ TEST_F(IoTest, SafetensorsRefusesEveryTruncation) {
     for (size_t n = 0; n < whole.size(); ++n) {
       SCOPED_TRACE(std::string(name) + " cut to " + std::to_string(n) + " of " + std::to_string(whole.size()));
       write_file(path("cut"), Bytes(whole.begin(), whole.begin() + static_cast<std::ptrdiff_t>(n)));
-      EXPECT_DPAR_ERROR(SafetensorsFile::read(path("cut")), DPAR_ERR_CORRUPT, path("cut"));
+      EXPECT_DPAR_ERROR(SafetensorsFile::read(path("cut")), Status::kCorrupt, path("cut"));
     }
   }
 }
@@ -641,7 +630,7 @@ TEST_F(IoTest, SafetensorsRefusesFlippedDataBytes) {
       Bytes bad = whole;
       bad[i] ^= mask;
       write_file(path("bad.safetensors"), bad);
-      EXPECT_DPAR_ERROR(SafetensorsFile::read(path("bad.safetensors")), DPAR_ERR_CORRUPT, path("bad.safetensors"),
+      EXPECT_DPAR_ERROR(SafetensorsFile::read(path("bad.safetensors")), Status::kCorrupt, path("bad.safetensors"),
                         "data checksum mismatch");
     }
   }
@@ -674,7 +663,7 @@ TEST_F(IoTest, SafetensorsRefusesFlippedHeaderBytes) {
           EXPECT_EQ(read.entry(name).shape, good.entry(name).shape);
         }
       } catch (const dpar::Error& e) {
-        EXPECT_EQ(e.status(), DPAR_ERR_CORRUPT) << e.what();
+        EXPECT_EQ(e.status(), Status::kCorrupt) << e.what();
         if (std::strstr(e.what(), "header checksum mismatch")) ++checksum_refusals;
       }
     }
@@ -701,7 +690,7 @@ TEST_F(IoTest, SafetensorsHeaderChecksumCatchesConsistentEdits) {
     ASSERT_NE(at, std::string::npos);
     edited.replace(at, from.size(), to);
     write_file(path("edited.safetensors"), Bytes(edited.begin(), edited.end()));
-    EXPECT_DPAR_ERROR(SafetensorsFile::read(path("edited.safetensors")), DPAR_ERR_CORRUPT, "header checksum mismatch");
+    EXPECT_DPAR_ERROR(SafetensorsFile::read(path("edited.safetensors")), Status::kCorrupt, "header checksum mismatch");
   }
 }
 
@@ -729,10 +718,10 @@ TEST_F(IoTest, SafetensorsWriteRefusesBadArguments) {
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    EXPECT_DPAR_ERROR(write_safetensors(file, c.tensors, c.metadata), DPAR_ERR_INVALID_ARGUMENT, c.needle);
+    EXPECT_DPAR_ERROR(write_safetensors(file, c.tensors, c.metadata), Status::kInvalidArgument, c.needle);
     EXPECT_TRUE(list_dir(dir_).empty()) << "nothing may be created";
   }
-  EXPECT_DPAR_ERROR(write_safetensors("", {}, {}), DPAR_ERR_INVALID_ARGUMENT, "empty");
+  EXPECT_DPAR_ERROR(write_safetensors("", {}, {}), Status::kInvalidArgument, "empty");
 }
 
 // Failures at each step of the atomic write leave the old file as it was and no temporary file behind.
@@ -746,7 +735,7 @@ TEST_F(IoTest, SafetensorsAtomicWriteFailuresLeaveOldFile) {
 
   // The directory does not exist: nothing is created, not even the directory.
   const std::string nowhere = path("no_such_dir/ckpt.safetensors");
-  EXPECT_DPAR_ERROR(write_safetensors(nowhere, new_tensors, {}), DPAR_ERR_IO, nowhere, std::strerror(ENOENT));
+  EXPECT_DPAR_ERROR(write_safetensors(nowhere, new_tensors, {}), Status::kIo, nowhere, std::strerror(ENOENT));
   EXPECT_FALSE(fs::exists(path("no_such_dir")));
   EXPECT_EQ(list_dir(dir_), (std::set<std::string>{"ckpt.safetensors"}));
 
@@ -758,7 +747,7 @@ TEST_F(IoTest, SafetensorsAtomicWriteFailuresLeaveOldFile) {
     small.rlim_cur = 4096;
     const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // Otherwise the kernel kills the process.
     ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
-    EXPECT_DPAR_ERROR(write_safetensors(target, new_tensors, {}), DPAR_ERR_IO, target, "cannot write",
+    EXPECT_DPAR_ERROR(write_safetensors(target, new_tensors, {}), Status::kIo, target, "cannot write",
                       std::strerror(EFBIG));
     ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
     std::signal(SIGXFSZ, old_handler);
@@ -770,7 +759,7 @@ TEST_F(IoTest, SafetensorsAtomicWriteFailuresLeaveOldFile) {
   const std::string dir_target = path("taken");
   ASSERT_TRUE(fs::create_directory(dir_target));
   write_file(dir_target + "/inside", {1});
-  EXPECT_DPAR_ERROR(write_safetensors(dir_target, new_tensors, {}), DPAR_ERR_IO, dir_target, "is a directory");
+  EXPECT_DPAR_ERROR(write_safetensors(dir_target, new_tensors, {}), Status::kIo, dir_target, "is a directory");
   EXPECT_TRUE(fs::exists(dir_target + "/inside"));
   EXPECT_EQ(list_dir(dir_), (std::set<std::string>{"ckpt.safetensors", "taken"}));
 
@@ -796,7 +785,7 @@ TEST_F(IoTest, SafetensorsWriteThatCannotCreateItsTemporaryFileLeavesOldFile) {
     const std::string file = path("a_file");
     write_file(file, {1, 2, 3});
     const std::string under = file + "/ckpt.safetensors";
-    EXPECT_DPAR_ERROR(write_safetensors(under, {{"v", "F32", {2}, w.data(), 8}}, {}), DPAR_ERR_IO, under,
+    EXPECT_DPAR_ERROR(write_safetensors(under, {{"v", "F32", {2}, w.data(), 8}}, {}), Status::kIo, under,
                       std::strerror(ENOTDIR));
     EXPECT_EQ(read_file(file), (Bytes{1, 2, 3}));
     EXPECT_EQ(list_dir(dir_), (std::set<std::string>{"a_file"}));
@@ -818,7 +807,7 @@ TEST_F(IoTest, SafetensorsWriteThatCannotCreateItsTemporaryFileLeavesOldFile) {
     none.rlim_cur = static_cast<rlim_t>(lowest_free);
     ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &none), 0);
     bool threw = false;
-    dpar_status status = DPAR_OK;
+    Status status = Status::kOk;
     std::string what;
     try {
       write_safetensors(target, {{"v", "F32", {2}, w.data(), 8}}, {});
@@ -829,7 +818,7 @@ TEST_F(IoTest, SafetensorsWriteThatCannotCreateItsTemporaryFileLeavesOldFile) {
     }
     ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);  // before any check can return early
     EXPECT_TRUE(threw);
-    EXPECT_EQ(status, DPAR_ERR_IO) << what;
+    EXPECT_EQ(status, Status::kIo) << what;
     EXPECT_NE(what.find("cannot create temporary file"), std::string::npos) << what;
     EXPECT_NE(what.find(std::strerror(EMFILE)), std::string::npos) << what;
     EXPECT_EQ(read_file(target), old_bytes);
@@ -837,7 +826,7 @@ TEST_F(IoTest, SafetensorsWriteThatCannotCreateItsTemporaryFileLeavesOldFile) {
   }
   if (::geteuid() != 0) {
     ASSERT_EQ(::chmod(sub.c_str(), 0555), 0);
-    EXPECT_DPAR_ERROR(write_safetensors(target, {{"v", "F32", {2}, w.data(), 8}}, {}), DPAR_ERR_IO, target,
+    EXPECT_DPAR_ERROR(write_safetensors(target, {{"v", "F32", {2}, w.data(), 8}}, {}), Status::kIo, target,
                       std::strerror(EACCES));
     ASSERT_EQ(::chmod(sub.c_str(), 0755), 0);
     EXPECT_EQ(read_file(target), old_bytes);
@@ -898,7 +887,7 @@ TEST_F(IoTest, WriterRefusesTargetsThatAreNotRegularFiles) {
   const std::vector<float> v = {1, 2};
   const std::string fifo = path("fifo");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
-  EXPECT_DPAR_ERROR(write_safetensors(fifo, {{"v", "F32", {2}, v.data(), 8}}, {}), DPAR_ERR_IO, fifo,
+  EXPECT_DPAR_ERROR(write_safetensors(fifo, {{"v", "F32", {2}, v.data(), 8}}, {}), Status::kIo, fifo,
                     "not a regular file");
   EXPECT_TRUE(fs::is_fifo(fifo));
 
@@ -910,14 +899,14 @@ TEST_F(IoTest, WriterRefusesTargetsThatAreNotRegularFiles) {
   ASSERT_LT(sock.size(), sizeof addr.sun_path);
   std::memcpy(addr.sun_path, sock.c_str(), sock.size() + 1);
   ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0) << std::strerror(errno);
-  EXPECT_DPAR_ERROR(write_safetensors(sock, {{"v", "F32", {2}, v.data(), 8}}, {}), DPAR_ERR_IO, sock,
+  EXPECT_DPAR_ERROR(write_safetensors(sock, {{"v", "F32", {2}, v.data(), 8}}, {}), Status::kIo, sock,
                     "not a regular file");
   EXPECT_TRUE(fs::is_socket(sock));
   ::close(fd);
 
   const std::string link = path("link");
   fs::create_symlink(fifo, link);
-  EXPECT_DPAR_ERROR(write_safetensors(link, {{"v", "F32", {2}, v.data(), 8}}, {}), DPAR_ERR_IO, link,
+  EXPECT_DPAR_ERROR(write_safetensors(link, {{"v", "F32", {2}, v.data(), 8}}, {}), Status::kIo, link,
                     "not a regular file");
   EXPECT_TRUE(fs::is_symlink(link));
   EXPECT_TRUE(fs::is_fifo(fifo));

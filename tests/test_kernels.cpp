@@ -27,6 +27,7 @@
 
 namespace k = dpar::kernels::cpu;
 using Vec = std::vector<float>;
+using dpar::Status;
 
 namespace {
 
@@ -95,7 +96,7 @@ void expect_invalid_argument(Fn&& fn, const std::string& what) {
     fn();
     ADD_FAILURE() << what << ": no exception";
   } catch (const dpar::Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_INVALID_ARGUMENT) << what << ": " << e.what();
+    EXPECT_EQ(e.status(), Status::kInvalidArgument) << what << ": " << e.what();
   }
 }
 

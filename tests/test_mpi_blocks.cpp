@@ -133,16 +133,16 @@ TEST(MpiBlocks, ARefusedReduceSumReachesTheOthers) {
   const int n = comm.size();
   if (n < 2) GTEST_SKIP() << "needs 2 ranks";
   std::vector<float> buffer(8, 1.0f);
-  Error got(DPAR_OK, "");
+  Error got(Status::kOk, "");
   try {
     comm.reduce_sum(comm.rank() == 1 ? nullptr : buffer.data(), 8, true, 1.0f, 0);
   } catch (const Error& e) {
     got = e;
   }
   if (comm.rank() == 1) {
-    EXPECT_EQ(got.status(), DPAR_ERR_INVALID_ARGUMENT) << got.what();
+    EXPECT_EQ(got.status(), Status::kInvalidArgument) << got.what();
   } else {
-    EXPECT_EQ(got.status(), DPAR_ERR_REMOTE) << got.what();
+    EXPECT_EQ(got.status(), Status::kRemote) << got.what();
     EXPECT_NE(std::string(got.what()).find("rank 1 refused"), std::string::npos) << got.what();
   }
   buffer.assign(8, 1.0f);
@@ -159,7 +159,7 @@ TEST(MpiBlocks, CountsBeyondMpisIntsAreRefused) {
     comm.reduce_scatter_sum(one.data(), size_t{1} << 31, true, 1.0f);  // refused before any data moves
     ADD_FAILURE() << "2^31 elements accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_NOT_SUPPORTED) << e.what();
+    EXPECT_EQ(e.status(), Status::kNotSupported) << e.what();
   }
   std::vector<float> buffer(100, 1.0f);  // every rank of up to 4 has a block of it
   comm.reduce_scatter_sum(buffer.data(), 100, true, 1.0f);  // still usable

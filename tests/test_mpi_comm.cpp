@@ -48,9 +48,9 @@ MpiOptions options(double timeout = 60.0,
   return o;
 }
 
-// The status and message of what f throws (DPAR_OK, "" if nothing).
+// The status and message of what f throws (Status::kOk, "" if nothing).
 struct Outcome {
-  dpar_status status = DPAR_OK;
+  Status status = Status::kOk;
   std::string message;
 };
 template <class F>
@@ -58,7 +58,8 @@ Outcome outcome(F&& f) {
   try {
     f();
   } catch (const Error& e) {
-    if (std::getenv("DPAR_TEST_PRINT_ERRORS")) std::fprintf(stderr, "error %d: %s\n", e.status(), e.what());
+    if (std::getenv("DPAR_TEST_PRINT_ERRORS"))
+      std::fprintf(stderr, "error %d: %s\n", static_cast<int>(e.status()), e.what());
     return {e.status(), e.what()};
   }
   return {};
@@ -288,7 +289,7 @@ TEST_P(Collectives, Bf16AllReduceSumsInFloatAndEveryRankGetsTheSameBits) {
   uint16_t x = 0;
   for (ReduceOp op : {ReduceOp::kMean, ReduceOp::kMax}) {
     const auto o = outcome([&] { comm_->all_reduce(&x, &x, 1, CommDType::kBF16, op); });
-    EXPECT_EQ(o.status, DPAR_ERR_NOT_SUPPORTED) << o.message;
+    EXPECT_EQ(o.status, Status::kNotSupported) << o.message;
   }
 }
 
@@ -462,17 +463,17 @@ TEST(MpiComm, InvalidArgumentsOnEveryRank) {
   MpiCommunicator comm(MPI_COMM_WORLD, options());
   float x = 0;
   auto o = outcome([&] { comm.broadcast(&x, 1, CommDType::kF32, comm.size()); });
-  EXPECT_EQ(o.status, DPAR_ERR_INVALID_ARGUMENT) << o.message;
+  EXPECT_EQ(o.status, Status::kInvalidArgument) << o.message;
   EXPECT_TRUE(contains(o.message, "root")) << o.message;
   // Beyond MPI's int counts (the buffers are never touched: the call is refused before any data moves).
   std::vector<float> one(1);
   o = outcome([&] { comm.reduce_scatter(one.data(), one.data(), size_t{1} << 31, CommDType::kF32, ReduceOp::kSum); });
-  EXPECT_EQ(o.status, DPAR_ERR_NOT_SUPPORTED) << o.message;
+  EXPECT_EQ(o.status, Status::kNotSupported) << o.message;
   std::vector<float> buffer(64);
   o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data() + 1, 32, CommDType::kF32, ReduceOp::kSum); });
-  EXPECT_EQ(o.status, DPAR_ERR_INVALID_ARGUMENT) << o.message;
+  EXPECT_EQ(o.status, Status::kInvalidArgument) << o.message;
   o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 4, static_cast<CommDType>(9), ReduceOp::kSum); });
-  EXPECT_EQ(o.status, DPAR_ERR_INVALID_ARGUMENT) << o.message;
+  EXPECT_EQ(o.status, Status::kInvalidArgument) << o.message;
   // Still usable: argument errors are agreed on before any data moves.
   buffer.assign(64, 1.0f);
   comm.all_reduce(buffer.data(), buffer.data(), 64, CommDType::kF32, ReduceOp::kSum);
@@ -488,9 +489,9 @@ TEST(MpiComm, InvalidArgumentsOnOneRankReachTheOthers) {
     comm.all_reduce(comm.rank() == 1 ? nullptr : buffer.data(), buffer.data(), 5, CommDType::kF32, ReduceOp::kSum);
   });
   if (comm.rank() == 1) {
-    EXPECT_EQ(o.status, DPAR_ERR_INVALID_ARGUMENT) << o.message;
+    EXPECT_EQ(o.status, Status::kInvalidArgument) << o.message;
   } else {
-    EXPECT_EQ(o.status, DPAR_ERR_REMOTE) << o.message;
+    EXPECT_EQ(o.status, Status::kRemote) << o.message;
     EXPECT_TRUE(contains(o.message, "rank 1 refused")) << o.message;
   }
   comm.all_reduce(buffer.data(), buffer.data(), 5, CommDType::kF32, ReduceOp::kSum);
@@ -506,7 +507,7 @@ TEST(MpiComm, MismatchesMakeEveryRankThrowAndMoveNothing) {
   auto o = outcome([&] {
     comm.all_reduce(buffer.data(), buffer.data(), r == 1 ? 18 : 17, CommDType::kF32, ReduceOp::kSum);
   });
-  EXPECT_EQ(o.status, DPAR_ERR_MISMATCH) << o.message;
+  EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "all_reduce: participant 1 called all_reduce of 18 f32 (sum) but participant 0 "
                                   "called all_reduce of 17 f32 (sum); nothing was moved"))
       << o.message;
@@ -514,7 +515,7 @@ TEST(MpiComm, MismatchesMakeEveryRankThrowAndMoveNothing) {
   // count, where one side's data would ride with the fingerprints and the other's not
   std::vector<float> big(100003, 1.0f);
   o = outcome([&] { comm.all_reduce(big.data(), big.data(), r == 1 ? 100003 : 17, CommDType::kF32, ReduceOp::kSum); });
-  EXPECT_EQ(o.status, DPAR_ERR_MISMATCH) << o.message;
+  EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "participant 1 called all_reduce of 100003 f32 (sum)")) << o.message;
   EXPECT_EQ(big[0], 1.0f) << "data moved despite the mismatch";
   // operation
@@ -524,7 +525,7 @@ TEST(MpiComm, MismatchesMakeEveryRankThrowAndMoveNothing) {
     else
       comm.all_reduce(buffer.data(), buffer.data(), 17, CommDType::kF32, ReduceOp::kSum);
   });
-  EXPECT_EQ(o.status, DPAR_ERR_MISMATCH) << o.message;
+  EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "participant 1 called broadcast of 17 f32 from root 0 but participant 0 called "
                                   "all_reduce of 17 f32 (sum)"))
       << o.message;
@@ -532,19 +533,19 @@ TEST(MpiComm, MismatchesMakeEveryRankThrowAndMoveNothing) {
   o = outcome([&] {
     comm.all_reduce(buffer.data(), buffer.data(), 8, r == 0 ? CommDType::kI32 : CommDType::kF32, ReduceOp::kSum);
   });
-  EXPECT_EQ(o.status, DPAR_ERR_MISMATCH) << o.message;
+  EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "participant 1 called all_reduce of 8 f32 (sum) but participant 0 called "
                                   "all_reduce of 8 i32 (sum)"))
       << o.message;
   o = outcome([&] {
     comm.all_reduce(buffer.data(), buffer.data(), 8, CommDType::kF32, r == 0 ? ReduceOp::kMax : ReduceOp::kSum);
   });
-  EXPECT_EQ(o.status, DPAR_ERR_MISMATCH) << o.message;
+  EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "participant 1 called all_reduce of 8 f32 (sum) but participant 0 called "
                                   "all_reduce of 8 f32 (max)"))
       << o.message;
   o = outcome([&] { comm.broadcast(buffer.data(), 8, CommDType::kF32, r == 0 ? 0 : 1); });
-  EXPECT_EQ(o.status, DPAR_ERR_MISMATCH) << o.message;
+  EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "participant 1 called broadcast of 8 f32 from root 1 but participant 0 called "
                                   "broadcast of 8 f32 from root 0"))
       << o.message;
@@ -555,7 +556,7 @@ TEST(MpiComm, MismatchesMakeEveryRankThrowAndMoveNothing) {
     else
       comm.all_reduce(buffer.data(), buffer.data(), 8, CommDType::kF32, ReduceOp::kSum);
   });
-  EXPECT_EQ(o.status, DPAR_ERR_MISMATCH) << o.message;
+  EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, std::string(r == 0 ? "checkpoint" : "all_reduce") +
                                       ": participant 1 called all_reduce of 8 f32 (sum) but participant 0 called "
                                       "barrier; nothing was moved"))
@@ -577,13 +578,13 @@ TEST(MpiComm, AbortReachesRanksAlreadyWaiting) {
     comm.abort("injected failure");
   }
   auto o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 100, CommDType::kF32, ReduceOp::kSum); });
-  EXPECT_EQ(o.status, DPAR_ERR_REMOTE) << o.message;
+  EXPECT_EQ(o.status, Status::kRemote) << o.message;
   EXPECT_TRUE(contains(o.message, "rank 1 aborted the group: injected failure")) << o.message;
   EXPECT_LT(since(t0), 10.0) << "the abort was not noticed before the timeout";
   EXPECT_TRUE(comm.broken());
   // ... and later calls too.
   o = outcome([&] { comm.barrier("after the abort"); });
-  EXPECT_EQ(o.status, DPAR_ERR_REMOTE) << o.message;
+  EXPECT_EQ(o.status, Status::kRemote) << o.message;
   EXPECT_TRUE(contains(o.message, "injected failure")) << o.message;
 }
 
@@ -602,7 +603,7 @@ TEST(MpiComm, AbortFromAnotherThreadStopsThisRanksWait) {
     sleep_s(1.0);  // rank 0 is alone in the collective when it aborts
   auto o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 100, CommDType::kF32, ReduceOp::kSum); });
   if (aborter.joinable()) aborter.join();
-  EXPECT_EQ(o.status, DPAR_ERR_REMOTE) << o.message;
+  EXPECT_EQ(o.status, Status::kRemote) << o.message;
   EXPECT_TRUE(contains(o.message, "rank 0 aborted the group: a worker thread failed")) << o.message;
   EXPECT_LT(since(t0), 10.0);
 }
@@ -611,7 +612,7 @@ TEST(MpiComm, AsyncErrorShowsAnAbortWithoutACollective) {
   MpiCommunicator comm(MPI_COMM_WORLD, options(30.0));
   if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
   std::string reason;
-  EXPECT_EQ(comm.async_error(&reason), DPAR_OK) << reason;
+  EXPECT_EQ(comm.async_error(&reason), Status::kOk) << reason;
   comm.barrier("before the abort");
   // Ranks leave a barrier at different times: a prompt abort would reach some while still inside it (which then
   // reports it, correctly, but is not what this test is about). Half a second lets every rank leave first.
@@ -621,13 +622,13 @@ TEST(MpiComm, AsyncErrorShowsAnAbortWithoutACollective) {
   }
   // Every rank learns it by asking alone (NCCL's ncclCommGetAsyncError loop), long before any timeout.
   const auto t0 = std::chrono::steady_clock::now();
-  dpar_status s = DPAR_OK;
-  while ((s = comm.async_error(&reason)) == DPAR_OK && since(t0) < 10.0) sleep_s(0.01);
-  EXPECT_EQ(s, DPAR_ERR_REMOTE) << reason;
+  Status s = Status::kOk;
+  while ((s = comm.async_error(&reason)) == Status::kOk && since(t0) < 10.0) sleep_s(0.01);
+  EXPECT_EQ(s, Status::kRemote) << reason;
   EXPECT_TRUE(contains(reason, "rank 1 aborted the group: the loader died")) << reason;
   EXPECT_LT(since(t0), 10.0);
   auto o = outcome([&] { comm.barrier("after the abort"); });
-  EXPECT_EQ(o.status, DPAR_ERR_REMOTE) << o.message;
+  EXPECT_EQ(o.status, Status::kRemote) << o.message;
 }
 
 TEST(MpiComm, TimeoutNamesTheRankThatDidNotArrive) {
@@ -643,11 +644,11 @@ TEST(MpiComm, TimeoutNamesTheRankThatDidNotArrive) {
   const double waited = since(t0);
   if (r == 1) {
     // It arrived late: the others had given up, and it finds their notices instead of hanging.
-    EXPECT_EQ(o.status, DPAR_ERR_REMOTE) << o.message;
+    EXPECT_EQ(o.status, Status::kRemote) << o.message;
     EXPECT_TRUE(contains(o.message, "gave up waiting in all_reduce #1")) << o.message;
     EXPECT_LT(waited, 1.0);
   } else {
-    EXPECT_EQ(o.status, DPAR_ERR_TIMEOUT) << o.message;
+    EXPECT_EQ(o.status, Status::kTimeout) << o.message;
     EXPECT_TRUE(contains(o.message, "rank 1 did not arrive within 1 s")) << o.message;
     EXPECT_TRUE(contains(o.message, "all_reduce #1")) << o.message;
     EXPECT_GE(waited, kTimeout * 0.9);
@@ -656,7 +657,7 @@ TEST(MpiComm, TimeoutNamesTheRankThatDidNotArrive) {
   EXPECT_EQ(buffer[0], 1.0);
   // Unusable now ...
   o = outcome([&] { comm->barrier("after the timeout"); });
-  EXPECT_EQ(o.status, DPAR_ERR_INVALID_STATE) << o.message;
+  EXPECT_EQ(o.status, Status::kInvalidState) << o.message;
   // ... but a new communicator works (its creation waits for rank 1).
   MpiCommunicator fresh(MPI_COMM_WORLD, options(30.0));
   fresh.all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF64, ReduceOp::kSum);
@@ -691,25 +692,25 @@ void late_rank_is_released(Release how) {
     // Released. With 2 ranks it always completes its exchange and is released from the transfer; with more it
     // may also see the notices while its exchange waits for a rank that has not yet advanced, and give up too.
     if (comm->size() == 2) {
-      EXPECT_EQ(o.status, DPAR_ERR_REMOTE) << o.message;
+      EXPECT_EQ(o.status, Status::kRemote) << o.message;
       EXPECT_TRUE(contains(o.message, "rank 0 had given up on all_reduce #1 and joined its transfer only to "
                                       "release this rank: the result is void")) << o.message;
     } else {
-      EXPECT_TRUE(o.status == DPAR_ERR_REMOTE || o.status == DPAR_ERR_TIMEOUT) << o.message;
+      EXPECT_TRUE(o.status == Status::kRemote || o.status == Status::kTimeout) << o.message;
     }
   } else {
-    EXPECT_EQ(o.status, DPAR_ERR_TIMEOUT) << o.message;
+    EXPECT_EQ(o.status, Status::kTimeout) << o.message;
     if (how == Release::kByALaterCall) {
       const auto t0 = std::chrono::steady_clock::now();
       std::string reason;
       while (since(t0) < 2.5) {
-        EXPECT_EQ(comm->async_error(&reason), DPAR_ERR_INVALID_STATE);
+        EXPECT_EQ(comm->async_error(&reason), Status::kInvalidState);
         sleep_s(0.01);
       }
     }
   }
   o = outcome([&] { comm->barrier("after the timeout"); });
-  EXPECT_NE(o.status, DPAR_OK) << "the communicator must stay unusable";
+  EXPECT_NE(o.status, Status::kOk) << "the communicator must stay unusable";
   comm.reset();
   // Every rank is out, and the next communicator pairs as it should.
   MpiCommunicator fresh(MPI_COMM_WORLD, options(30.0));
@@ -737,10 +738,10 @@ TEST(MpiComm, ACreationThatTimedOutMakesItsBaseRefused) {
   const int last = size - 1;
   if (r == last) sleep_s(1.5);
   auto o = outcome([&] { MpiCommunicator comm(base, options(r == last ? 1.0 : 0.5)); });
-  EXPECT_EQ(o.status, DPAR_ERR_TIMEOUT) << o.message;
+  EXPECT_EQ(o.status, Status::kTimeout) << o.message;
   EXPECT_TRUE(contains(o.message, "the creation is collective")) << o.message;
   o = outcome([&] { MpiCommunicator comm(base, options(30.0)); });
-  EXPECT_EQ(o.status, DPAR_ERR_INVALID_STATE) << o.message;
+  EXPECT_EQ(o.status, Status::kInvalidState) << o.message;
   EXPECT_TRUE(contains(o.message, "a creation over this base communicator timed out earlier")) << o.message;
   // Another base works.
   MpiCommunicator fresh(MPI_COMM_WORLD, options(30.0));
@@ -799,7 +800,7 @@ int rank_exit_main() {
   const auto t0 = std::chrono::steady_clock::now();
   const auto o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF32, ReduceOp::kSum); });
   const double waited = since(t0);
-  const bool ok = (o.status == DPAR_ERR_TIMEOUT || o.status == DPAR_ERR_COMMUNICATION) && waited < 10.0;
+  const bool ok = (o.status == Status::kTimeout || o.status == Status::kCommunication) && waited < 10.0;
   std::printf("rank %d: %s after %.2f s: status %d: %s\n", r, ok ? "SURVIVOR OK" : "SURVIVOR FAILED", waited,
               static_cast<int>(o.status), o.message.c_str());
   std::fflush(stdout);

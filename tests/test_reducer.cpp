@@ -219,14 +219,14 @@ TEST(Reducer, RefusesBadMarksWithoutLosingTheStep) {
     reducer->mark_ready(1);
     FAIL() << "a second mark of one gradient was accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_INVALID_STATE);
+    EXPECT_EQ(e.status(), Status::kInvalidState);
     EXPECT_NE(std::string(e.what()).find("gradient 1 was marked ready twice"), std::string::npos) << e.what();
   }
   try {
     reducer->mark_ready(2);
     FAIL() << "an index out of range was accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), DPAR_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(e.status(), Status::kInvalidArgument);
   }
   reducer->mark_ready(0);
   reducer->finish();
@@ -239,7 +239,7 @@ TEST(Reducer, AParticipantThatFailsReleasesTheOthers) {
   // drains; the others' finish() throws REMOTE instead of waiting out the timeout.
   const int n = 3;
   ThreadGroup group(names(n), std::chrono::seconds(60));
-  std::vector<dpar_status> status(n, DPAR_OK);
+  std::vector<Status> status(n, Status::kOk);
   const auto start = std::chrono::steady_clock::now();
   on_threads(n, [&](int r) {
     auto comm = group.communicator(r);
@@ -255,7 +255,7 @@ TEST(Reducer, AParticipantThatFailsReleasesTheOthers) {
       if (r == 1) {
         comm->abort("participant 1 failed in backward");
         reducer->drain();
-        throw Error(DPAR_ERR_INTERNAL, "participant 1 failed in backward");
+        throw Error(Status::kInternal, "participant 1 failed in backward");
       }
       reducer->mark_ready(1);
       reducer->mark_ready(0);
@@ -265,7 +265,7 @@ TEST(Reducer, AParticipantThatFailsReleasesTheOthers) {
     }
   });
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
-  EXPECT_EQ(status[1], DPAR_ERR_INTERNAL);
-  EXPECT_EQ(status[0], DPAR_ERR_REMOTE);
-  EXPECT_EQ(status[2], DPAR_ERR_REMOTE);
+  EXPECT_EQ(status[1], Status::kInternal);
+  EXPECT_EQ(status[0], Status::kRemote);
+  EXPECT_EQ(status[2], Status::kRemote);
 }

@@ -27,10 +27,10 @@ Backend& backend_for(DeviceKind kind) {
 #ifdef DPAR_HAVE_CUDA
       return cuda_backend();
 #else
-      fail(DPAR_ERR_NOT_SUPPORTED, "cuda: this dpar was built without CUDA");
+      fail(Status::kNotSupported, "cuda: this dpar was built without CUDA");
 #endif
   }
-  fail(DPAR_ERR_INTERNAL, "backend: unknown device kind ", static_cast<int>(kind));
+  fail(Status::kInternal, "backend: unknown device kind ", static_cast<int>(kind));
 }
 
 void check_device_exists(Device device, const char* argument) {
@@ -41,7 +41,7 @@ void check_device_exists(Device device, const char* argument) {
   const size_t count = b.device_count();
   if (count == 0) {
     const std::string why = b.unavailable_reason();
-    fail(DPAR_ERR_DEVICE, argument, ": ", device.str(), ": no ", b.name(), " device", why.empty() ? "" : " (",
+    fail(Status::kDevice, argument, ": ", device.str(), ": no ", b.name(), " device", why.empty() ? "" : " (",
          why, why.empty() ? "" : ")");
   }
   DPAR_CHECK_ARG(device.index >= 0 && static_cast<size_t>(device.index) < count, argument, ": ", device.str(),

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "capi/codes.h"
 #include "comm/communicator.h"
 #include "comm/threads_comm.h"
 #include "common/error.h"
@@ -138,8 +139,6 @@ void free_handle(H* handle) {
   if (handle && take_handle(handle, kind_of<H>())) delete handle;
 }
 
-// A device kind from a C caller: unknown kinds are invalid; kinds not built into this library are not supported.
-DeviceKind checked_device_kind(int32_t kind, const char* argument);
 // A device from a C caller: a built kind, a non-negative index, and (for kinds with real devices) one that exists.
 Device checked_device(dpar_device device, const char* argument);
 
@@ -277,11 +276,11 @@ void init_options(T* opts, size_t size, const char* argument) {
     std::string known;
     for (uint32_t v = 1; v <= current; ++v)
       known += (v > 1 ? ", " : "") + std::to_string(V::layouts[v - 1]) + " (version " + std::to_string(v) + ")";
-    DPAR_ENFORCE(size <= V::layouts[current - 1], DPAR_ERR_NOT_SUPPORTED, "size: ", V::name, " is ", size,
+    DPAR_ENFORCE(size <= V::layouts[current - 1], Status::kNotSupported, "size: ", V::name, " is ", size,
                  " bytes in the caller, larger than any layout this dpar (", DPAR_VERSION_MAJOR, ".",
                  DPAR_VERSION_MINOR, ".", DPAR_VERSION_PATCH, ") knows: ", known,
                  "; the program was compiled against a newer dpar.h than the library it runs with");
-    fail(DPAR_ERR_INVALID_ARGUMENT, "size: ", size, " bytes is no layout of ", V::name, ": this dpar knows ", known,
+    fail(Status::kInvalidArgument, "size: ", size, " bytes is no layout of ", V::name, ": this dpar knows ", known,
          "; pass sizeof(", V::name, ")");
   }
   T defaults = V::defaults();
@@ -297,19 +296,19 @@ template <class F>
 dpar_status guard(F&& body) noexcept {
   try {
     body();
-    return DPAR_OK;
+    return to_c(Status::kOk);
   } catch (const Error& e) {
     set_last_error(e.what());
-    return e.status();
+    return to_c(e.status());
   } catch (const std::bad_alloc&) {
     set_last_error("out of memory");
-    return DPAR_ERR_OUT_OF_MEMORY;
+    return to_c(Status::kOutOfMemory);
   } catch (const std::exception& e) {
     set_last_error(e.what());
-    return DPAR_ERR_INTERNAL;
+    return to_c(Status::kInternal);
   } catch (...) {
     set_last_error("unknown exception");
-    return DPAR_ERR_INTERNAL;
+    return to_c(Status::kInternal);
   }
 }
 

@@ -18,8 +18,8 @@ CommDType comm_dtype(int32_t dtype) {
     case DPAR_I64: return CommDType::kI64;
     case DPAR_BF16:
     case DPAR_F16:
-    case DPAR_U8: fail(DPAR_ERR_NOT_SUPPORTED, "dtype: ", dtype, " is not supported by collectives yet");
-    default: fail(DPAR_ERR_INVALID_ARGUMENT, "dtype: unknown dtype ", dtype);
+    case DPAR_U8: fail(Status::kNotSupported, "dtype: ", dtype, " is not supported by collectives yet");
+    default: fail(Status::kInvalidArgument, "dtype: unknown dtype ", dtype);
   }
 }
 
@@ -200,7 +200,7 @@ DPAR_API dpar_status dpar_comm_device(dpar_device* out, const dpar_comm* comm) {
   return guard([&] {
     checked_out(out);
     const dpar_comm& c = checked(comm, "comm");
-    *out = dpar_device{static_cast<int32_t>(c.device.kind), c.device.index};
+    *out = to_c(c.device);
   });
 }
 
@@ -217,7 +217,7 @@ DPAR_API dpar_status dpar_comm_get_async_error(dpar_status* out, dpar_comm* comm
   const dpar_status rc = guard([&] {
     checked_out(out);
     *out = DPAR_OK;
-    *out = checked(comm, "comm").comm->async_error(&reason);
+    *out = to_c(checked(comm, "comm").comm->async_error(&reason));
   });
   if (rc == DPAR_OK) set_last_error(reason.c_str());
   return rc;

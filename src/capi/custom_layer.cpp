@@ -7,9 +7,6 @@
 namespace dpar::capi {
 namespace {
 
-// A callback's status as dpar reports it: its own if it is an error dpar knows, else DPAR_ERR_INTERNAL.
-dpar_status known_error(dpar_status rc) { return rc < 0 && rc >= DPAR_ERR_INTERNAL ? rc : DPAR_ERR_INTERNAL; }
-
 struct CustomDesc {
   std::string name;
   std::vector<ParamSpec> specs;
@@ -55,7 +52,7 @@ class CustomLayer final : public Layer {
     const dpar_status rc = desc_->output_shape(desc_->payload, dims, &ndim, in.data(), in.ndim());
     if (rc != DPAR_OK) {
       const std::string detail = dpar_last_error();
-      fail(known_error(rc), describe(), " rejects input ", in.str(), " (output_shape returned ", dpar_status_str(rc),
+      fail(from_c_error(rc), describe(), " rejects input ", in.str(), " (output_shape returned ", dpar_status_str(rc),
            detail.empty() ? ")" : "): ", detail);
     }
     Shape out = Shape::checked(dims, ndim, "custom layer output_shape");
@@ -114,7 +111,7 @@ class CustomLayer final : public Layer {
   dpar_custom_call base_call(const ReplicaContext& ctx) {
     dpar_custom_call call{};
     call.replica = ctx.replica;
-    call.device = dpar_device{static_cast<int32_t>(ctx.device.kind), ctx.device.index};
+    call.device = to_c(ctx.device);
     call.training = ctx.training ? 1 : 0;
     call.params = param_ptrs_.empty() ? nullptr : param_ptrs_.data();
     call.num_params = param_ptrs_.size();
@@ -126,7 +123,7 @@ class CustomLayer final : public Layer {
     dpar_status rc = fn(desc_->payload, &call);
     if (rc != DPAR_OK) {
       std::string detail = dpar_last_error();
-      fail(known_error(rc), describe(), " ", what, " returned ",
+      fail(from_c_error(rc), describe(), " ", what, " returned ",
            dpar_status_str(rc), detail.empty() ? "" : ": ", detail);
     }
   }

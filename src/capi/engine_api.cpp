@@ -44,7 +44,7 @@ EngineConfig engine_config(const dpar_engine_options& o) {
   } else {
     Backend& backend = backend_for(kind);
     available = backend.device_count();
-    DPAR_ENFORCE(available > 0, DPAR_ERR_DEVICE, "opts.device_kind: no ", name, " device (",
+    DPAR_ENFORCE(available > 0, Status::kDevice, "opts.device_kind: no ", name, " device (",
                  backend.unavailable_reason(), ")");
   }
   std::vector<int32_t> ids;
@@ -110,7 +110,7 @@ std::shared_ptr<Engine> acquire(const dpar_engine* engine, F&& once_live = [] {}
                  ": not a live handle of this type (freed already, or never created by dpar)");
   once_live();
   // Another engine (one created inside this callback, say) may be called from here: it has its own lock and workers.
-  DPAR_ENFORCE(!engine->engine->on_own_worker(), DPAR_ERR_INVALID_STATE,
+  DPAR_ENFORCE(!engine->engine->on_own_worker(), Status::kInvalidState,
                "engine: called from a callback on one of its own worker threads (a custom layer or the forward "
                "hook); an engine's functions may only be called from outside its callbacks");
   return engine->engine;
@@ -181,7 +181,7 @@ DPAR_API void dpar_engine_free(dpar_engine* engine) {
 }
 
 DPAR_API dpar_status dpar_engine_abort(dpar_engine* engine) {
-  return guard([&] { acquire(engine)->abort(); });  // no lock: the call in flight holds it
+  return guard([&] { acquire(engine)->abort("dpar_engine_abort"); });  // no lock: the call in flight holds it
 }
 
 DPAR_API dpar_status dpar_engine_num_replicas(size_t* out, const dpar_engine* engine) {
@@ -209,7 +209,7 @@ DPAR_API dpar_status dpar_engine_replica_device(dpar_device* out, const dpar_eng
   return with_engine(engine, [&](Engine& e) {
     checked_out(out);
     Device d = e.replica_device(replica_arg(e, replica));
-    *out = dpar_device{static_cast<int32_t>(d.kind), d.index};
+    *out = to_c(d);
   });
 }
 
@@ -339,7 +339,7 @@ DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine* engine, dpar_forw
       const dpar_status s = hook(held.get(), replica, in.data(), in.ndim(), out.data(), out.ndim());
       if (s != DPAR_OK) {
         const std::string detail = dpar_last_error();
-        fail(s < 0 && s >= DPAR_ERR_INTERNAL ? s : DPAR_ERR_INTERNAL, "forward hook on replica ", replica,
+        fail(from_c_error(s), "forward hook on replica ", replica,
              " returned ", dpar_status_str(s), detail.empty() ? "" : ": ", detail);
       }
     });
@@ -375,8 +375,7 @@ DPAR_API dpar_status dpar_engine_trace_stop(dpar_engine* engine, const char* pat
 DPAR_API dpar_status dpar_engine_inject_fault(dpar_engine* engine, size_t replica, int32_t fault) {
   return with_engine(engine, [&](Engine& e) {
     replica_arg(e, replica);
-    DPAR_CHECK_ARG(fault >= DPAR_FAULT_NONE && fault <= DPAR_FAULT_BACKWARD, "fault: unknown fault ", fault);
-    e.inject_fault(replica, static_cast<Fault>(fault));
+    e.inject_fault(replica, checked_fault(fault, "fault"));
   });
 }
 

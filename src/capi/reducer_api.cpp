@@ -129,7 +129,7 @@ DPAR_API dpar_status dpar_reducer_wait(dpar_reducer* reducer) {
       r.reducer->finish();
     } catch (const Error& e) {
       // A failure of this participant's own (not one every participant sees alike) releases the others.
-      if (e.status() != DPAR_ERR_REMOTE && e.status() != DPAR_ERR_TIMEOUT && e.status() != DPAR_ERR_MISMATCH)
+      if (e.status() != Status::kRemote && e.status() != Status::kTimeout && e.status() != Status::kMismatch)
         r.comm->abort(std::string("dpar_reducer_wait: ") + e.what());
       throw;
     }

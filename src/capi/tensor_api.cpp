@@ -10,18 +10,6 @@ using namespace dpar::capi;
 
 namespace dpar::capi {
 
-DeviceKind checked_device_kind(int32_t kind, const char* argument) {
-  DeviceKind k;
-  switch (kind) {
-    case DPAR_DEVICE_CPU: k = DeviceKind::kCpu; break;
-    case DPAR_DEVICE_CUDA: k = DeviceKind::kCuda; break;
-    default: fail(DPAR_ERR_INVALID_ARGUMENT, argument, ": unknown device kind ", kind);
-  }
-  DPAR_ENFORCE(backend_built(k), DPAR_ERR_NOT_SUPPORTED, argument, ": device kind ", kind == DPAR_DEVICE_CUDA ? "cuda" : "?",
-               ": this dpar was built without CUDA");
-  return k;
-}
-
 Device checked_device(dpar_device d, const char* argument) {
   Device dev{checked_device_kind(d.kind, argument), d.index};
   check_device_exists(dev, argument);
@@ -60,7 +48,7 @@ DPAR_API dpar_status dpar_device_parse(dpar_device* out, const char* text) {
     checked_out(out);
     DPAR_CHECK_ARG(text != nullptr, "text: is NULL");
     Device d = parse_device(text);
-    *out = dpar_device{static_cast<int32_t>(d.kind), d.index};
+    *out = to_c(d);
   });
 }
 
@@ -136,9 +124,9 @@ DPAR_API dpar_status dpar_tensor_info(int32_t* out_dtype, size_t* out_numel, dpa
                                       const dpar_tensor* tensor) {
   return guard([&] {
     const auto& t = checked(tensor, "tensor").tensor;
-    if (out_dtype) *out_dtype = static_cast<int32_t>(t.dtype());
+    if (out_dtype) *out_dtype = to_c(t.dtype());
     if (out_numel) *out_numel = static_cast<size_t>(t.numel());
-    if (out_device) *out_device = dpar_device{static_cast<int32_t>(t.device().kind), t.device().index};
+    if (out_device) *out_device = to_c(t.device());
   });
 }
 
@@ -161,7 +149,7 @@ DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor** out, DLManagedTensor*
         dev = checked_device(dpar_device{DPAR_DEVICE_CUDA, d.device.device_id}, "managed->dl_tensor.device (kDLCUDA)");
         break;
       default:
-        fail(DPAR_ERR_NOT_SUPPORTED, "managed->dl_tensor.device: DLPack device type ", device_type,
+        fail(Status::kNotSupported, "managed->dl_tensor.device: DLPack device type ", device_type,
              " is not one dpar has (kDLCPU, kDLCUDA)");
     }
     DType dt = DType::kF32;
@@ -170,7 +158,7 @@ DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor** out, DLManagedTensor*
     } else if (d.dtype.code == kDLInt && d.dtype.bits == 32 && d.dtype.lanes == 1) {
       dt = DType::kI32;
     } else {
-      fail(DPAR_ERR_INVALID_ARGUMENT, "managed->dl_tensor.dtype: code ", static_cast<int>(d.dtype.code), ", ",
+      fail(Status::kInvalidArgument, "managed->dl_tensor.dtype: code ", static_cast<int>(d.dtype.code), ", ",
            static_cast<int>(d.dtype.bits), " bits, ", d.dtype.lanes, " lanes: dpar takes float32 and int32");
     }
     DPAR_CHECK_ARG(d.ndim >= 1 && d.ndim <= DPAR_MAX_DIMS, "managed->dl_tensor.ndim: ", d.ndim, " must be 1 to ",

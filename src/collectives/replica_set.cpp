@@ -13,7 +13,7 @@ void ProcessLinks::abort(const std::string& reason) {
 ReplicaSet::ReplicaSet(Communicator& local, Stream& stream, std::shared_ptr<ProcessLinks> processes, Trace* trace,
                        size_t comm_track)
     : local_(local), stream_(stream), processes_(std::move(processes)), trace_(trace), comm_track_(comm_track) {
-  DPAR_ENFORCE(!processes_ || processes_->host, DPAR_ERR_INTERNAL, "replica set: process links without a host link");
+  DPAR_ENFORCE(!processes_ || processes_->host, Status::kInternal, "replica set: process links without a host link");
   // A job of one process has nothing to sum across.
   if (processes_ && processes_->host->size() <= 1) processes_.reset();
 }

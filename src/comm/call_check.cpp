@@ -128,7 +128,7 @@ std::string mismatch_message(const char* operation, int other, const CallRecord&
 }
 
 void fail_mismatch(const char* operation, int other, const CallRecord& theirs, const CallRecord& first) {
-  throw Error(DPAR_ERR_MISMATCH, mismatch_message(operation, other, theirs, first));
+  throw Error(Status::kMismatch, mismatch_message(operation, other, theirs, first));
 }
 
 std::pair<size_t, size_t> Communicator::block_range(size_t count, int size, int rank) {

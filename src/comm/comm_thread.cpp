@@ -31,7 +31,7 @@ std::shared_ptr<Work> CommThread::submit(std::function<void()> op) {
   auto work = std::make_shared<AsyncWork>();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    DPAR_ENFORCE(!stopping_, DPAR_ERR_INTERNAL, "communication thread: an operation was queued after stop");
+    DPAR_ENFORCE(!stopping_, Status::kInternal, "communication thread: an operation was queued after stop");
     queue_.push_back(Task{std::move(op), work});
   }
   cv_.notify_one();
@@ -46,7 +46,7 @@ void CommThread::stop(const char* discard_reason) noexcept {
     if (discard_reason) discarded.swap(queue_);
   }
   cv_.notify_one();
-  for (auto& task : discarded) task.work->finish(std::make_exception_ptr(Error(DPAR_ERR_INTERNAL, discard_reason)));
+  for (auto& task : discarded) task.work->finish(std::make_exception_ptr(Error(Status::kInternal, discard_reason)));
   if (thread_.joinable()) thread_.join();
 }
 

@@ -29,7 +29,7 @@ size_t comm_dtype_size(CommDType dtype) {
     case CommDType::kI64: return 8;
     case CommDType::kBF16: return 2;
   }
-  fail(DPAR_ERR_INVALID_ARGUMENT, "dtype: unknown collective element type ", static_cast<int32_t>(dtype));
+  fail(Status::kInvalidArgument, "dtype: unknown collective element type ", static_cast<int32_t>(dtype));
 }
 
 const char* comm_dtype_name(CommDType dtype) {
@@ -99,7 +99,7 @@ std::shared_ptr<Work> Communicator::submit_async(const char* operation, std::fun
         try {
           std::rethrow_exception(error);
         } catch (const Error& e) {
-          if (e.status() == DPAR_ERR_REMOTE || e.status() == DPAR_ERR_TIMEOUT || e.status() == DPAR_ERR_MISMATCH)
+          if (e.status() == Status::kRemote || e.status() == Status::kTimeout || e.status() == Status::kMismatch)
             return;
           abort(std::string("async ") + e.what());
         } catch (const std::exception& e) {
@@ -114,7 +114,7 @@ std::shared_ptr<Work> Communicator::submit_async(const char* operation, std::fun
   } catch (const std::system_error& e) {
     // The operation is not queued: the others would wait for it.
     abort(detail::concat("async_", operation, ": cannot start the communication thread: ", e.what()));
-    fail(DPAR_ERR_COMMUNICATION, "async_", operation, ": cannot start the communication thread: ", e.what());
+    fail(Status::kCommunication, "async_", operation, ": cannot start the communication thread: ", e.what());
   } catch (const std::bad_alloc&) {
     abort(detail::concat("async_", operation, ": out of memory"));
     throw;

@@ -23,7 +23,6 @@
 #include <utility>
 
 #include "common/error.h"
-#include "dpar.h"
 
 namespace dpar {
 
@@ -177,9 +176,9 @@ class Communicator {
   virtual void abort(const std::string& reason) = 0;
 
   // Whether this participant's collectives fail from now on without one having run yet (NCCL's
-  // ncclCommGetAsyncError): DPAR_OK while usable, else the status the next collective throws, with its reason in
+  // ncclCommGetAsyncError): Status::kOk while usable, else the status the next collective throws, with its reason in
   // `reason`. Never blocks; any thread, any time.
-  virtual dpar_status async_error(std::string* reason) = 0;
+  virtual Status async_error(std::string* reason) = 0;
 
  protected:
   // The backend's implementation of a checked call (call.record.seq is 0: the backend numbers its calls). A

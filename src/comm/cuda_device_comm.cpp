@@ -59,7 +59,7 @@ class CudaDeviceCommunicator final : public Communicator {
   const char* backend() const override { return "cuda-device"; }
 
   void abort(const std::string& reason) override { host_.abort(reason); }
-  dpar_status async_error(std::string* reason) override { return comm_->async_error(reason); }
+  Status async_error(std::string* reason) override { return comm_->async_error(reason); }
 
  protected:
   void run(const CommCall& c) override {
@@ -81,7 +81,7 @@ class CudaDeviceCommunicator final : public Communicator {
       case kReduceScatter: break;
     }
     // Every participant that makes this call refuses it alike, without waiting: nobody is left behind.
-    fail(DPAR_ERR_NOT_SUPPORTED, c.operation, ": not supported by the CUDA device group (its reductions are f32 "
+    fail(Status::kNotSupported, c.operation, ": not supported by the CUDA device group (its reductions are f32 "
          "sums: all_reduce, all_reduce_sum, reduce_sum, reduce_scatter_sum)");
   }
 
@@ -101,7 +101,7 @@ class CudaDeviceCommunicator final : public Communicator {
 
   void all_reduce(const CommCall& c) {
     if (c.dtype() != CommDType::kF32 || c.op() != ReduceOp::kSum)
-      fail(DPAR_ERR_NOT_SUPPORTED, c.operation, ": the CUDA device group reduces f32 sums only, not ",
+      fail(Status::kNotSupported, c.operation, ": the CUDA device group reduces f32 sums only, not ",
            comm_dtype_name(c.dtype()), " ", reduce_op_name(c.op()));
     // Out of place: recv takes send's values first (on this stream, before the inputs-ready event).
     if (c.count() != 0 && c.send != c.recv) {
@@ -134,7 +134,7 @@ class CudaDeviceCommunicator final : public Communicator {
     // The others read this participant's send while it writes its recv: the one overlap that the call check
     // allows and this group does not is send == recv at a rank other than 0.
     if (bytes != 0 && c.send == c.recv && rank_ != 0)
-      refuse(c, Error(DPAR_ERR_NOT_SUPPORTED, detail::concat(c.operation, ": send == recv at rank ", rank_, " is "
+      refuse(c, Error(Status::kNotSupported, detail::concat(c.operation, ": send == recv at rank ", rank_, " is "
                                                              "not supported by the CUDA device group (in place is "
                                                              "send == recv + rank * count)")));
     Record mine = record(c);
@@ -236,7 +236,7 @@ CudaDeviceGroup::CudaDeviceGroup(std::vector<int> devices, std::vector<std::stri
                  " devices for ", host_.size(), " names");
   // Each sum names every participant's buffer in its kernel's arguments, which have a fixed size.
   if (host_.size() > kernels::cuda::SumBuffers::kMaxBuffers)
-    fail(DPAR_ERR_NOT_SUPPORTED, "device group: ", host_.size(), " participants; at most ",
+    fail(Status::kNotSupported, "device group: ", host_.size(), " participants; at most ",
          kernels::cuda::SumBuffers::kMaxBuffers, " replicas reduce in one GPU's memory");
 }
 

@@ -20,19 +20,6 @@ namespace dpar {
 using namespace mpi_internal;
 using enum Collective;
 
-namespace {
-
-const char* status_name(int64_t status) {
-  switch (status) {
-    case DPAR_ERR_INVALID_ARGUMENT: return "invalid argument";
-    case DPAR_ERR_NOT_SUPPORTED: return "not supported";
-    case DPAR_ERR_INVALID_STATE: return "invalid state";
-    default: return "error";
-  }
-}
-
-}  // namespace
-
 namespace mpi_internal {
 
 // "rank 1", "ranks 0, 2"; "no rank" for none.
@@ -49,12 +36,12 @@ std::string rank_list(const std::vector<int>& ranks) {
 void MpiCommunicator::check_limits(const CommCall& c) const {
   // The arguments themselves were checked by the one call check (call_check.cpp): these are MPI's own limits.
   if (c.kind() != kBarrier && c.dtype() == CommDType::kBF16)  // a collective without an op has kSum's 0
-    DPAR_ENFORCE(c.op() == ReduceOp::kSum, DPAR_ERR_NOT_SUPPORTED, c.operation, ": bf16 ", reduce_op_name(c.op()),
+    DPAR_ENFORCE(c.op() == ReduceOp::kSum, Status::kNotSupported, c.operation, ": bf16 ", reduce_op_name(c.op()),
                  ": the MPI backend reduces bf16 with sums only");
   const bool int_counts = c.kind() == kAllGather || c.kind() == kReduceScatter || c.kind() == kReduceScatterSum ||
                           c.kind() == kAllGatherBlocks;
   if (int_counts)
-    DPAR_ENFORCE(c.count() <= static_cast<size_t>(INT_MAX), DPAR_ERR_NOT_SUPPORTED, c.operation, ": count ",
+    DPAR_ENFORCE(c.count() <= static_cast<size_t>(INT_MAX), Status::kNotSupported, c.operation, ": count ",
                  c.count(), " exceeds MPI's int counts (", INT_MAX, ")");
 }
 
@@ -113,7 +100,7 @@ void MpiCommunicator::finish_round(const CommCall& c, uint64_t seq) {
           detail::concat(where(c, seq), ": malformed fingerprint message from rank ", (rank_ + d) % size_);
       exchange_.abandoned = false;
       mark(kFailed, message);
-      throw Error(DPAR_ERR_COMMUNICATION, message);
+      throw Error(Status::kCommunication, message);
     }
     at += kHeaderBytes + round_up8(static_cast<size_t>(bytes));
     offsets_[j + 1] = at;
@@ -136,7 +123,7 @@ bool MpiCommunicator::agree(const CommCall& c, uint64_t seq, const Error* refuse
   mine.record = c.record;
   mine.record.seq = static_cast<uint32_t>(seq + 1);  // from 1, as every backend counts
   // A refused call still takes part, so that the others learn it instead of waiting.
-  dpar_status own_status = DPAR_OK;
+  Status own_status = Status::kOk;
   std::string own_error;
   try {
     if (refused) throw *refused;
@@ -144,13 +131,13 @@ bool MpiCommunicator::agree(const CommCall& c, uint64_t seq, const Error* refuse
   } catch (const Error& e) {
     own_status = e.status();
     own_error = e.what();
-    mine.error = own_status;
+    mine.error = static_cast<int64_t>(own_status);
   }
 
   // Small all-reduces send their data with the fingerprint (a non-contributor of all_reduce_sum sends none).
-  const size_t bytes = own_status == DPAR_OK ? c.count() * comm_dtype_size(c.dtype()) : 0;
-  const bool fused = (c.kind() == kAllReduce || c.kind() == kAllReduceSum) && own_status == DPAR_OK && c.count() > 0 &&
-                     bytes <= fused_max_bytes_;
+  const size_t bytes = own_status == Status::kOk ? c.count() * comm_dtype_size(c.dtype()) : 0;
+  const bool fused = (c.kind() == kAllReduce || c.kind() == kAllReduceSum) && own_status == Status::kOk &&
+                     c.count() > 0 && bytes <= fused_max_bytes_;
   const bool sends_data = fused && (c.kind() == kAllReduce || c.contributes);
   mine.payload_bytes = sends_data ? static_cast<int64_t>(bytes) : 0;
   seq_.store(seq + 1);
@@ -160,7 +147,7 @@ bool MpiCommunicator::agree(const CommCall& c, uint64_t seq, const Error* refuse
   // a slower path (+40 us at 1 MiB in about half the calls, measured). Notices are looked for before (check_usable).
 
   // Every rank holds the same table and decides alike.
-  if (own_status != DPAR_OK)
+  if (own_status != Status::kOk)
     fail(own_status, own_error, " (", where(c, seq), "; the other ranks were told; nothing was moved)");
   for (int r = 1; r < size_; ++r)
     if (!same_call(table_[static_cast<size_t>(r)].record, table_[0].record))
@@ -171,8 +158,8 @@ bool MpiCommunicator::agree(const CommCall& c, uint64_t seq, const Error* refuse
     if (table_[static_cast<size_t>(r)].error != 0)
       refusing.push_back(r), refused_status = table_[static_cast<size_t>(r)].error;
   if (!refusing.empty())
-    fail(DPAR_ERR_REMOTE, where(c, seq), ": ", rank_list(refusing), " refused the call (", status_name(refused_status),
-         "; its message is on that rank). Nothing was moved");
+    fail(Status::kRemote, where(c, seq), ": ", rank_list(refusing), " refused the call (",
+         status_name(static_cast<Status>(refused_status)), "; its message is on that rank). Nothing was moved");
   return fused;  // every rank decided `fused` alike, from the same record
 }
 
@@ -182,7 +169,7 @@ void MpiCommunicator::reduce_fused(const CommCall& c) {
   const int64_t bytes = static_cast<int64_t>(c.count() * comm_dtype_size(c.dtype()));
   for (int r = 0; r < size_; ++r) {
     const int64_t sent = table_[static_cast<size_t>(r)].payload_bytes;
-    DPAR_ENFORCE(sent == bytes || (sent == 0 && c.kind() == kAllReduceSum), DPAR_ERR_INTERNAL, "mpi ",
+    DPAR_ENFORCE(sent == bytes || (sent == 0 && c.kind() == kAllReduceSum), Status::kInternal, "mpi ",
                  collective_name(c.kind()), ": rank ", r, " sent ", sent, " bytes of data instead of ", bytes);
     if (payloads_[static_cast<size_t>(r)]) in[m++] = payloads_[static_cast<size_t>(r)];
   }

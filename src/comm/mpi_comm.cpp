@@ -107,16 +107,16 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(o
     MPI_Request request;
     int rc = MPI_Comm_idup(from, out, &request);
     if (rc != MPI_SUCCESS)
-      fail(DPAR_ERR_COMMUNICATION, "mpi communicator: MPI_Comm_idup (", what, ") failed: ", mpi_error_string(rc));
+      fail(Status::kCommunication, "mpi communicator: MPI_Comm_idup (", what, ") failed: ", mpi_error_string(rc));
     for (unsigned i = 0;; ++i) {
       int done = 0;
       rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS)
-        fail(DPAR_ERR_COMMUNICATION, "mpi communicator: MPI_Comm_idup (", what, ") failed: ", mpi_error_string(rc));
+        fail(Status::kCommunication, "mpi communicator: MPI_Comm_idup (", what, ") failed: ", mpi_error_string(rc));
       if (done) break;
       if ((i & 63) == 63) {
         if (SteadyClock::now() >= deadline)
-          fail(DPAR_ERR_TIMEOUT, "mpi communicator: not every rank of the base communicator created its "
+          fail(Status::kTimeout, "mpi communicator: not every rank of the base communicator created its "
                "communicator within ", options_.timeout_seconds, " s (the creation is collective)");
         sched_yield();
       }
@@ -126,7 +126,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(o
   {
     std::lock_guard<std::mutex> lock(g_stale_bases_mutex);
     DPAR_ENFORCE(std::find(g_stale_bases.begin(), g_stale_bases.end(), base) == g_stale_bases.end(),
-                 DPAR_ERR_INVALID_STATE, "mpi communicator: a creation over this base communicator timed out "
+                 Status::kInvalidState, "mpi communicator: a creation over this base communicator timed out "
                  "earlier in this process, and its duplication is still pending on the base: a new creation would "
                  "pair with the wrong ranks' duplications. Create communicators over another base (a new "
                  "duplicate of MPI_COMM_WORLD, made by every rank) or restart the job");
@@ -136,7 +136,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(o
     dup(base, &control_, "control");
     free_quarantined();
   } catch (const Error& e) {
-    if (e.status() == DPAR_ERR_TIMEOUT) {
+    if (e.status() == Status::kTimeout) {
       std::lock_guard<std::mutex> lock(g_stale_bases_mutex);
       g_stale_bases.push_back(base);
     }
@@ -205,7 +205,7 @@ void MpiCommunicator::check_usable(const CommCall& call) {
   if (thread_level_ < MPI_THREAD_SERIALIZED) {
     int main_thread = 0;
     MPI_Is_thread_main(&main_thread);
-    DPAR_ENFORCE(main_thread, DPAR_ERR_NOT_SUPPORTED, where(call, seq_.load()), ": MPI was initialised with ",
+    DPAR_ENFORCE(main_thread, Status::kNotSupported, where(call, seq_.load()), ": MPI was initialised with ",
                  thread_level_name(thread_level_), ", so only the main thread may call MPI (async_* needs "
                  "MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE)");
   }

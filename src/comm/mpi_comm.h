@@ -152,7 +152,7 @@ class MpiCommunicator final : public Communicator {
   const char* backend() const override { return "mpi"; }
 
   void abort(const std::string& reason) override;
-  dpar_status async_error(std::string* reason) override;
+  Status async_error(std::string* reason) override;
 
   // The communicator the collectives run on (a duplicate of base), e.g. to hand to another MPI library.
   MPI_Comm comm() const { return comm_; }

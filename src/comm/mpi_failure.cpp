@@ -55,8 +55,8 @@ void MpiCommunicator::throw_unusable(const std::string& where) {
     std::lock_guard<std::mutex> lock(reason_mutex_);
     reason = broken_reason_;
   }
-  if (state_.load() == kAborted) fail(DPAR_ERR_REMOTE, where, ": stopped because ", reason);
-  fail(DPAR_ERR_INVALID_STATE, where, ": this communicator is unusable since ", reason,
+  if (state_.load() == kAborted) fail(Status::kRemote, where, ": stopped because ", reason);
+  fail(Status::kInvalidState, where, ": this communicator is unusable since ", reason,
        "; create a new one to go on");
 }
 
@@ -65,7 +65,7 @@ void MpiCommunicator::mpi_failed(const char* function, int code, const std::stri
   exchange_.abandoned = false;  // MPI itself failed: nothing more is attempted on this communicator
   const std::string message = detail::concat(where, ": ", function, " failed: ", mpi_error_string(code));
   mark(kFailed, message);
-  throw Error(DPAR_ERR_COMMUNICATION, message);
+  throw Error(Status::kCommunication, message);
 }
 
 void MpiCommunicator::abort(const std::string& reason) {
@@ -84,7 +84,7 @@ void MpiCommunicator::abort(const std::string& reason) {
   }
 }
 
-dpar_status MpiCommunicator::async_error(std::string* reason) {
+Status MpiCommunicator::async_error(std::string* reason) {
   // Progress when no collective runs: send this rank's pending abort notices and read the others' (a collective in
   // flight does both itself). Under less than MPI_THREAD_MULTIPLE another thread may be in MPI: only the state.
   if (thread_level_ == MPI_THREAD_MULTIPLE && mutex_.try_lock()) {
@@ -96,10 +96,10 @@ dpar_status MpiCommunicator::async_error(std::string* reason) {
       release_abandoned();
   }
   const int state = state_.load(std::memory_order_acquire);
-  if (state == kUsable) return DPAR_OK;
+  if (state == kUsable) return Status::kOk;
   std::lock_guard<std::mutex> lock(reason_mutex_);
   *reason = broken_reason_;
-  return state == kAborted ? DPAR_ERR_REMOTE : DPAR_ERR_INVALID_STATE;
+  return state == kAborted ? Status::kRemote : Status::kInvalidState;
 }
 
 void MpiCommunicator::send_abort_notices_locked() {
@@ -209,7 +209,7 @@ void MpiCommunicator::wait(MPI_Request* requests, int count, MPI_Status* statuse
         requests_left_pending_ = true;
         if (!transferring) abandon_exchange(true);
         std::lock_guard<std::mutex> lock(reason_mutex_);
-        fail(DPAR_ERR_REMOTE, where(call, seq), ": stopped because ", broken_reason_);
+        fail(Status::kRemote, where(call, seq), ": stopped because ", broken_reason_);
       }
       for (int r = 0; r < size_; ++r)
         if (timeout_notice_seq_[static_cast<size_t>(r)] == static_cast<int64_t>(seq))
@@ -279,21 +279,21 @@ void MpiCommunicator::give_up(const CommCall& call, uint64_t seq, bool transferr
   if (first_notifier >= 0) os << "; rank " << first_notifier << "'s timeout passed first";
   const std::string message = os.str();
   mark(kFailed, message);
-  throw Error(DPAR_ERR_TIMEOUT, message);
+  throw Error(Status::kTimeout, message);
 }
 
 void MpiCommunicator::check_late(const CommCall& c, uint64_t seq, int looks) {
   drain_notices(seq, looks);
   if (state_.load() != kUsable) {
     std::lock_guard<std::mutex> lock(reason_mutex_);
-    fail(DPAR_ERR_REMOTE, where(c, seq), ": stopped because ", broken_reason_);
+    fail(Status::kRemote, where(c, seq), ": stopped because ", broken_reason_);
   }
   for (int r = 0; r < size_; ++r) {
     if (timeout_notice_seq_[static_cast<size_t>(r)] != static_cast<int64_t>(seq)) continue;
     const std::string reason = detail::concat("rank ", r, " gave up waiting in ", collective_name(c.kind()), " #", seq,
                                               " after its timeout, before this rank arrived");
     mark(kFailed, reason);
-    fail(DPAR_ERR_REMOTE, where(c, seq), ": ", reason, "; nothing was moved");
+    fail(Status::kRemote, where(c, seq), ": ", reason, "; nothing was moved");
   }
 }
 
@@ -389,7 +389,7 @@ void MpiCommunicator::check_void(const CommCall& c, uint64_t seq) {
     const std::string reason = detail::concat("rank ", r, " had given up on ", collective_name(c.kind()), " #", seq,
                                               " and joined its transfer only to release this rank");
     mark(kFailed, reason);
-    fail(DPAR_ERR_REMOTE, where(c, seq), ": ", reason, ": the result is void");
+    fail(Status::kRemote, where(c, seq), ": ", reason, ": the result is void");
   }
 }
 

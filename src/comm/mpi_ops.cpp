@@ -51,7 +51,7 @@ MPI_Op dpar_op() {
   std::call_once(once, [] {
     if (MPI_Op_create(&dpar_reduce<D, O>, 1, &op) != MPI_SUCCESS) op = MPI_OP_NULL;
   });
-  DPAR_ENFORCE(op != MPI_OP_NULL, DPAR_ERR_COMMUNICATION, "mpi: MPI_Op_create for ", comm_dtype_name(D), " ",
+  DPAR_ENFORCE(op != MPI_OP_NULL, Status::kCommunication, "mpi: MPI_Op_create for ", comm_dtype_name(D), " ",
                reduce_op_name(O), " failed");
   return op;
 }

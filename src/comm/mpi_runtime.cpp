@@ -92,7 +92,7 @@ MpiRuntime::MpiRuntime() {
   if (!initialized) {
     int provided = MPI_THREAD_SINGLE;
     const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-    if (rc != MPI_SUCCESS) fail(DPAR_ERR_COMMUNICATION, "mpi: MPI_Init_thread failed: ", mpi_error_string(rc));
+    if (rc != MPI_SUCCESS) fail(Status::kCommunication, "mpi: MPI_Init_thread failed: ", mpi_error_string(rc));
     initialized_by_dpar_ = true;
     thread_level_ = provided;
     // After every static constructed so far is destroyed (atexit runs in reverse order of registration, mixed
@@ -108,7 +108,7 @@ MpiRuntime::MpiRuntime() {
 MpiRuntime& MpiRuntime::instance() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  DPAR_ENFORCE(!finalized, DPAR_ERR_INVALID_STATE, "mpi: MPI was finalized already; it cannot be used again");
+  DPAR_ENFORCE(!finalized, Status::kInvalidState, "mpi: MPI was finalized already; it cannot be used again");
   // Never destroyed: MPI outlives every static object (it is finalized by atexit, if by dpar).
   static MpiRuntime* runtime = new MpiRuntime();
   return *runtime;

@@ -30,7 +30,7 @@ ncclDataType_t nccl_type(CommDType dtype) {
     case CommDType::kI64: return ncclInt64;
     case CommDType::kBF16: return ncclBfloat16;
   }
-  fail(DPAR_ERR_INVALID_ARGUMENT, "nccl: unknown dtype ", static_cast<int>(dtype));
+  fail(Status::kInvalidArgument, "nccl: unknown dtype ", static_cast<int>(dtype));
 }
 
 ncclRedOp_t nccl_op(CommDType dtype, ReduceOp op) {
@@ -40,10 +40,10 @@ ncclRedOp_t nccl_op(CommDType dtype, ReduceOp op) {
     case ReduceOp::kMin: return ncclMin;
     case ReduceOp::kMean:
       if (dtype != CommDType::kF32 && dtype != CommDType::kF64 && dtype != CommDType::kBF16)
-        fail(DPAR_ERR_NOT_SUPPORTED, "nccl: mean of ", comm_dtype_name(dtype), " (ncclAvg is for floating types)");
+        fail(Status::kNotSupported, "nccl: mean of ", comm_dtype_name(dtype), " (ncclAvg is for floating types)");
       return ncclAvg;
   }
-  fail(DPAR_ERR_INVALID_ARGUMENT, "nccl: unknown reduce op ", static_cast<int>(op));
+  fail(Status::kInvalidArgument, "nccl: unknown reduce op ", static_cast<int>(op));
 }
 
 }  // namespace
@@ -203,23 +203,23 @@ class NcclCommunicator final : public Communicator {
       case kReduceScatterSum: return reduce_scatter_sum(c);
       case kAllGatherBlocks: return all_gather_blocks(c);
     }
-    fail(DPAR_ERR_INTERNAL, c.operation, ": not a collective of the NCCL backend");
+    fail(Status::kInternal, c.operation, ": not a collective of the NCCL backend");
   }
 
-  dpar_status async_error(std::string* reason) override {
+  Status async_error(std::string* reason) override {
     if (broken_.load()) {
       *reason = name_ + "'s NCCL communicator was aborted by an earlier failure; create a new one";
-      return DPAR_ERR_INVALID_STATE;
+      return Status::kInvalidState;
     }
     if (aborted_.load()) {
       std::lock_guard<std::mutex> lock(abort_mutex_);
       *reason = detail::concat(name_, " cannot run collectives: ", abort_reason_);
-      return DPAR_ERR_REMOTE;
+      return Status::kRemote;
     }
     for (Communicator* peers : {host_comm_.get(), watch_.get()}) {
       if (peers == nullptr) continue;
-      const dpar_status status = peers->async_error(reason);
-      if (status != DPAR_OK) return status;
+      const Status status = peers->async_error(reason);
+      if (status != Status::kOk) return status;
     }
     // NCCL's own errors between collectives (a collective in flight polls them itself), and another participant's
     // failure, which aborted this one's NCCL communicator too.
@@ -228,15 +228,15 @@ class NcclCommunicator final : public Communicator {
       ncclResult_t got = ncclSuccess, async = ncclSuccess;
       if (!comms_->with(index_, [&](ncclComm_t c) { got = ncclCommGetAsyncError(c, &async); })) {
         *reason = detail::concat(name_, " cannot run collectives: ", comms_->reason());
-        return DPAR_ERR_REMOTE;
+        return Status::kRemote;
       }
       const ncclResult_t bad = got != ncclSuccess ? got : async;
       if (bad != ncclSuccess && bad != ncclInProgress) {
         *reason = detail::concat(name_, ": ncclCommGetAsyncError: ", ncclGetErrorString(bad));
-        return DPAR_ERR_COMMUNICATION;
+        return Status::kCommunication;
       }
     }
-    return DPAR_OK;
+    return Status::kOk;
   }
 
  private:
@@ -354,7 +354,7 @@ class NcclCommunicator final : public Communicator {
     const char* operation = call.operation;
     Record mine = call.record;
     std::lock_guard<std::mutex> lock(call_mutex_);
-    DPAR_ENFORCE(!broken_, DPAR_ERR_INVALID_STATE, operation, ": ", name_,
+    DPAR_ENFORCE(!broken_, Status::kInvalidState, operation, ": ", name_,
                  "'s NCCL communicator was aborted by an earlier failure; create a new one");
     if (aborted_.load()) remote_failure(operation);
     check_peers(operation, true);
@@ -422,7 +422,7 @@ class NcclCommunicator final : public Communicator {
       ncclResult_t got = ncclSuccess, state = ncclSuccess;
       if (!comms_->with(index_, [&](ncclComm_t c) { got = ncclCommGetAsyncError(c, &state); })) {
         broken_ = true;
-        fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", comms_->reason());
+        fail(Status::kRemote, operation, ": ", name_, " stopped because ", comms_->reason());
       }
       if (got != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
         const ncclResult_t bad = got != ncclSuccess ? got : state;
@@ -437,7 +437,7 @@ class NcclCommunicator final : public Communicator {
       check_peers(operation, spins % 64 == 0);
       if (Clock::now() >= deadline) {
         give_up(detail::concat(name_, "'s ", operation, " ", not_done, " within ", timeout_.count(), " s"));
-        fail(DPAR_ERR_TIMEOUT, operation, ": ", name_, "'s NCCL work ", not_done, " within ", timeout_.count(),
+        fail(Status::kTimeout, operation, ": ", name_, "'s NCCL work ", not_done, " within ", timeout_.count(),
              " s (a participant did not arrive, or the transport stalled); the communicator was aborted");
       }
       if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -455,13 +455,13 @@ class NcclCommunicator final : public Communicator {
   // waiting participant asks it on some of its polls only).
   void check_peers(const char* operation, bool with_watch) {
     std::string why;
-    if (host_comm_ != nullptr && host_comm_->async_error(&why) != DPAR_OK) {
+    if (host_comm_ != nullptr && host_comm_->async_error(&why) != Status::kOk) {
       give_up(why);
-      fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", why);
+      fail(Status::kRemote, operation, ": ", name_, " stopped because ", why);
     }
-    if (with_watch && watch_ != nullptr && watch_->async_error(&why) != DPAR_OK) {
+    if (with_watch && watch_ != nullptr && watch_->async_error(&why) != Status::kOk) {
       give_up(why);
-      fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", why);
+      fail(Status::kRemote, operation, ": ", name_, " stopped because ", why);
     }
   }
 
@@ -474,7 +474,7 @@ class NcclCommunicator final : public Communicator {
     ncclResult_t r = ncclSuccess;
     if (!comms_->with(index_, [&](ncclComm_t c) { r = call(c); })) {
       broken_ = true;
-      fail(DPAR_ERR_REMOTE, what, ": ", name_, " stopped because ", comms_->reason());
+      fail(Status::kRemote, what, ": ", name_, " stopped because ", comms_->reason());
     }
     // A call in progress: its host-side part is polled to its end (an error there throws in poll()).
     if (r == ncclInProgress)
@@ -485,7 +485,7 @@ class NcclCommunicator final : public Communicator {
 
   [[noreturn]] void remote_failure(const char* operation) {
     std::lock_guard<std::mutex> lock(abort_mutex_);
-    fail(DPAR_ERR_REMOTE, operation, ": ", name_, " stopped because ", abort_reason_);
+    fail(Status::kRemote, operation, ": ", name_, " stopped because ", abort_reason_);
   }
 
   std::shared_ptr<NcclComms> comms_;
@@ -546,21 +546,21 @@ std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int
   ncclComm_t comm = nullptr;
   ncclResult_t r = ncclCommInitRankConfig(&comm, nranks, id, rank, &config);
   const auto deadline = deadline_after(join_within);
-  dpar_status gave_up = DPAR_OK;  // TIMEOUT, or the watch's failure
+  Status gave_up = Status::kOk;  // TIMEOUT, or the watch's failure
   std::string why;
-  while (r == ncclInProgress && gave_up == DPAR_OK) {
+  while (r == ncclInProgress && gave_up == Status::kOk) {
     r = settle(comm, deadline_after(std::chrono::milliseconds(1)));
     if (r != ncclInProgress) break;
-    if (watch != nullptr && watch->async_error(&why) != DPAR_OK) {
-      gave_up = DPAR_ERR_REMOTE;
+    if (watch != nullptr && watch->async_error(&why) != Status::kOk) {
+      gave_up = Status::kRemote;
     } else if (Clock::now() >= deadline) {
-      gave_up = DPAR_ERR_TIMEOUT;
+      gave_up = Status::kTimeout;
       why = detail::concat("not every rank joined within ", join_within.count(), " s");
     }
   }
   if (r != ncclSuccess) {
     abort_under_device(comm, device);
-    if (gave_up != DPAR_OK) fail(gave_up, name, ": ncclCommInitRankConfig, rank ", rank, " of ", nranks, ": ", why);
+    if (gave_up != Status::kOk) fail(gave_up, name, ": ncclCommInitRankConfig, rank ", rank, " of ", nranks, ": ", why);
     DPAR_NCCL_CHECK(r, name, ": rank ", rank, " of ", nranks);
   }
   auto comms = std::make_shared<NcclComms>(std::vector<ncclComm_t>{comm}, std::vector<int>{device});  // aborts it

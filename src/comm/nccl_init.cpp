@@ -58,7 +58,7 @@ std::vector<ncclComm_t> NcclGroup::init_group(const std::vector<int>& devices, s
     if (state == ncclSuccess) continue;
     abort_all();
     if (state == ncclInProgress)
-      fail(DPAR_ERR_TIMEOUT, "nccl group of ", n, " GPUs: rank ", i, " (cuda:", devices[i],
+      fail(Status::kTimeout, "nccl group of ", n, " GPUs: rank ", i, " (cuda:", devices[i],
            ") was not created within ", timeout.count(), " s");
     DPAR_NCCL_CHECK(state, "nccl group of ", n, " GPUs: rank ", i, " (cuda:", devices[i], ")");
   }

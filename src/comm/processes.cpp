@@ -39,10 +39,10 @@ std::shared_ptr<Communicator> connect_processes(ProcessMode mode, double timeout
   if (!mpi) return nullptr;
   return world_communicator(timeout_seconds);
 #else
-  DPAR_ENFORCE(mode != ProcessMode::kMpi, DPAR_ERR_NOT_SUPPORTED,
+  DPAR_ENFORCE(mode != ProcessMode::kMpi, Status::kNotSupported,
                "opts.processes: this dpar was built without MPI");
-  DPAR_ENFORCE(job <= 1, DPAR_ERR_NOT_SUPPORTED, "opts.processes: this process is one of ", job,
-               " started by an MPI launcher, but this dpar was built without MPI (set DPAR_PROCESSES_SINGLE to "
+  DPAR_ENFORCE(job <= 1, Status::kNotSupported, "opts.processes: this process is one of ", job,
+               " started by an MPI launcher, but this dpar was built without MPI (set opts.processes to single to "
                "train each process alone)");
   return nullptr;
 #endif
@@ -55,7 +55,7 @@ std::shared_ptr<Communicator> world_communicator(double timeout_seconds) {
   return std::make_shared<MpiCommunicator>(MPI_COMM_WORLD, mo);
 #else
   (void)timeout_seconds;
-  fail(DPAR_ERR_NOT_SUPPORTED, "dpar_comm_create_mpi: this dpar was built without MPI");
+  fail(Status::kNotSupported, "the MPI world communicator: this dpar was built without MPI");
 #endif
 }
 

@@ -101,7 +101,7 @@ const ReduceKernels kBf16Sum{bf16_sum_into, bf16_sum_two, nullptr};
 const ReduceKernels& reduce_kernels(CommDType dtype, ReduceOp op) {
   if (dtype == CommDType::kBF16 && op == ReduceOp::kSum) return kBf16Sum;
   const auto d = static_cast<int>(dtype), o = static_cast<int>(op);
-  DPAR_ENFORCE(d >= 0 && d < 4 && o >= 0 && o < 4, DPAR_ERR_INTERNAL, "reduce_kernels: dtype ", d, ", op ", o,
+  DPAR_ENFORCE(d >= 0 && d < 4 && o >= 0 && o < 4, Status::kInternal, "reduce_kernels: dtype ", d, ", op ", o,
                " has no element-wise kernel");
   return kKernels[d][o];
 }
@@ -112,7 +112,7 @@ void reduce_into(CommDType dtype, ReduceOp op, void* dst, const void* src, size_
 
 void divide_by(CommDType dtype, void* x, size_t n, size_t divisor) {
   const ReduceKernels& k = reduce_kernels(dtype, ReduceOp::kMean);
-  DPAR_ENFORCE(k.div != nullptr, DPAR_ERR_INTERNAL, "divide_by: ", comm_dtype_name(dtype), " has no mean");
+  DPAR_ENFORCE(k.div != nullptr, Status::kInternal, "divide_by: ", comm_dtype_name(dtype), " has no mean");
   k.div(x, n, divisor);
 }
 

@@ -102,17 +102,17 @@ class ThreadCommunicator final : public Communicator {
 
   void abort(const std::string& reason) override { group_.abort(reason); }
 
-  dpar_status async_error(std::string* reason) override {
-    if (!group_.aborted()) return DPAR_OK;
+  Status async_error(std::string* reason) override {
+    if (!group_.aborted()) return Status::kOk;
     *reason = detail::concat(group_.name(rank_), " cannot run collectives: ", group_.abort_reason());
-    return DPAR_ERR_REMOTE;
+    return Status::kRemote;
   }
 
  protected:
   void run(const CommCall& c) override {
     Busy busy(*this, c.operation);
     if (c.kind() != kBarrier && c.dtype() == CommDType::kBF16)
-      local_failure(DPAR_ERR_NOT_SUPPORTED, c.operation, ": the threads backend does not move bf16 (threads share "
+      local_failure(Status::kNotSupported, c.operation, ": the threads backend does not move bf16 (threads share "
                     "memory: compressing would only cost)");
     switch (c.kind()) {
       case kAllReduce: return all_reduce(c);
@@ -126,7 +126,7 @@ class ThreadCommunicator final : public Communicator {
       case kReduceScatterSum: return reduce_scatter_sum(c);
       case kAllGatherBlocks: return all_gather_blocks(c);
     }
-    local_failure(DPAR_ERR_INTERNAL, c.operation, ": not a collective of the threads backend");
+    local_failure(Status::kInternal, c.operation, ": not a collective of the threads backend");
   }
 
   // A refused call does not arrive: the others are released (Error(REMOTE) naming this participant).
@@ -379,7 +379,7 @@ class ThreadCommunicator final : public Communicator {
     try {
       return group_.stage(rank_, parity);
     } catch (const std::bad_alloc&) {
-      local_failure(DPAR_ERR_OUT_OF_MEMORY, operation, ": out of memory for ", 2 * ThreadGroup::kStageBytes,
+      local_failure(Status::kOutOfMemory, operation, ": out of memory for ", 2 * ThreadGroup::kStageBytes,
                     " bytes of staging");
     }
   }
@@ -392,7 +392,7 @@ class ThreadCommunicator final : public Communicator {
     Busy(ThreadCommunicator& c, const char* operation) : comm(c) {
       auto& busy = comm.slot().busy;
       if (busy.load(std::memory_order_relaxed))
-        comm.local_failure(DPAR_ERR_INVALID_STATE, operation, ": ", comm.group_.name(comm.rank_),
+        comm.local_failure(Status::kInvalidState, operation, ": ", comm.group_.name(comm.rank_),
                            " called a collective while another of its collectives is in progress (a blocking call "
                            "while its asynchronous work is pending?)");
       busy.store(true, std::memory_order_relaxed);
@@ -432,7 +432,7 @@ class ThreadCommunicator final : public Communicator {
 
   // A failure before this participant arrives: release the others (they would wait for it), then throw.
   template <class... Args>
-  [[noreturn]] void local_failure(dpar_status status, const Args&... args) {
+  [[noreturn]] void local_failure(Status status, const Args&... args) {
     std::string message = detail::concat(args...);
     group_.abort(group_.name(rank_) + " failed: " + message);
     throw Error(status, message);
@@ -443,7 +443,7 @@ class ThreadCommunicator final : public Communicator {
     try {
       scratch_.reset(new unsigned char[bytes]);
     } catch (const std::bad_alloc&) {
-      local_failure(DPAR_ERR_OUT_OF_MEMORY, operation, ": out of memory for ", bytes, " bytes of scratch");
+      local_failure(Status::kOutOfMemory, operation, ": out of memory for ", bytes, " bytes of scratch");
     }
     scratch_bytes_ = bytes;
   }
@@ -456,7 +456,7 @@ class ThreadCommunicator final : public Communicator {
 };
 
 std::unique_ptr<Communicator> ThreadGroup::communicator(int rank) {
-  DPAR_ENFORCE(rank >= 0 && rank < size(), DPAR_ERR_INVALID_ARGUMENT, "thread group: rank ", rank, " out of range");
+  DPAR_ENFORCE(rank >= 0 && rank < size(), Status::kInvalidArgument, "thread group: rank ", rank, " out of range");
   return std::make_unique<ThreadCommunicator>(*this, rank);
 }
 

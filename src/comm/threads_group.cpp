@@ -16,7 +16,7 @@ ThreadGroup::ThreadGroup(std::vector<std::string> names, std::chrono::duration<d
       stage_limit_(spin_ == Spin::kYes ? size_t{1} << 10 : kStageBytes),
       slots_(names_.size()),
       stages_(names_.size()) {
-  DPAR_ENFORCE(!names_.empty() && names_.size() <= ThreadGroup::kMaxParticipants, DPAR_ERR_INVALID_ARGUMENT,
+  DPAR_ENFORCE(!names_.empty() && names_.size() <= ThreadGroup::kMaxParticipants, Status::kInvalidArgument,
                "thread group: size must be 1 to ", ThreadGroup::kMaxParticipants, ", got ", names_.size());
 }
 
@@ -74,7 +74,7 @@ unsigned char* ThreadGroup::stage(int rank, size_t parity) {
 
 void ThreadGroup::remote_failure(int rank, const char* operation) {
   std::lock_guard<std::mutex> lock(abort_mutex_);
-  fail(DPAR_ERR_REMOTE, operation, ": ", names_[rank], " stopped waiting because ", abort_reason_);
+  fail(Status::kRemote, operation, ": ", names_[rank], " stopped waiting because ", abort_reason_);
 }
 
 void ThreadGroup::arrive_and_wait(int rank, const char* operation) {
@@ -106,7 +106,7 @@ void ThreadGroup::arrive_and_wait(int rank, const char* operation) {
       std::ostringstream reason;
       reason << operation << " timed out waiting for " << missing.str();
       abort(reason.str());
-      fail(DPAR_ERR_TIMEOUT, operation, ": ", missing.str(), " did not arrive within ", timeout_.count(), " s (",
+      fail(Status::kTimeout, operation, ": ", missing.str(), " did not arrive within ", timeout_.count(), " s (",
            names_[rank], " waited)");
     }
   }

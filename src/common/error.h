@@ -1,4 +1,4 @@
-// Internal errors: exceptions that carry a dpar_status and a message with context.
+// Internal errors: exceptions that carry a Status and a message with context.
 // Only src/capi/ turns them into a status for a C caller.
 #pragma once
 
@@ -6,17 +6,17 @@
 #include <stdexcept>
 #include <string>
 
-#include "dpar.h"
+#include "common/status.h"
 
 namespace dpar {
 
 class Error : public std::runtime_error {
  public:
-  Error(dpar_status status, const std::string& message) : std::runtime_error(message), status_(status) {}
-  dpar_status status() const noexcept { return status_; }
+  Error(Status status, const std::string& message) : std::runtime_error(message), status_(status) {}
+  Status status() const noexcept { return status_; }
 
  private:
-  dpar_status status_;
+  Status status_;
 };
 
 namespace detail {
@@ -30,7 +30,7 @@ std::string concat(const Args&... args) {
 
 // Throws Error(status, message built from args...).
 template <class... Args>
-[[noreturn]] void fail(dpar_status status, const Args&... args) {
+[[noreturn]] void fail(Status status, const Args&... args) {
   throw Error(status, detail::concat(args...));
 }
 
@@ -42,4 +42,4 @@ template <class... Args>
     if (!(cond)) ::dpar::fail((status), __VA_ARGS__); \
   } while (0)
 
-#define DPAR_CHECK_ARG(cond, ...) DPAR_ENFORCE(cond, DPAR_ERR_INVALID_ARGUMENT, __VA_ARGS__)
+#define DPAR_CHECK_ARG(cond, ...) DPAR_ENFORCE(cond, ::dpar::Status::kInvalidArgument, __VA_ARGS__)

@@ -43,7 +43,7 @@ class Trace {
            int64_t value, bool failed) noexcept;
 
   // Writes what was recorded to `path` atomically, as Chrome's JSON trace; `process` is the pid in the file (the
-  // process's rank) and names its process ("dpar rank 0"). Throws dpar::Error DPAR_ERR_IO naming the path.
+  // process's rank) and names its process ("dpar rank 0"). Throws dpar::Error Status::kIo naming the path.
   void write(const std::string& path, int process) const;
 
   // The track the calling thread records on, set by TraceTrack; 0 (the calling thread's track) by default.

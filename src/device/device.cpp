@@ -37,7 +37,7 @@ Device parse_device(const std::string& text) {
   } else if (kind == "cuda") {
     d.kind = DeviceKind::kCuda;
   } else {
-    fail(DPAR_ERR_INVALID_ARGUMENT, "device \"", text, "\": unknown kind (expected cpu or cuda)");
+    fail(Status::kInvalidArgument, "device \"", text, "\": unknown kind (expected cpu or cuda)");
   }
   if (colon == std::string::npos) return d;
   std::string idx = text.substr(colon + 1);

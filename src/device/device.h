@@ -4,11 +4,10 @@
 #include <cstdint>
 #include <string>
 
-#include "dpar.h"
-
 namespace dpar {
 
-enum class DeviceKind : int32_t { kCpu = DPAR_DEVICE_CPU, kCuda = DPAR_DEVICE_CUDA };
+// The numbers are the C ABI's (src/capi/codes.h checks them).
+enum class DeviceKind : int32_t { kCpu = 0, kCuda = 1 };
 
 struct Device {
   DeviceKind kind = DeviceKind::kCpu;

@@ -22,22 +22,22 @@ constexpr const char* kFormat = "dpar-checkpoint-1";
 constexpr uint64_t kMaxSteps = uint64_t{1} << 62;
 constexpr uint64_t kMaxReplicas = uint64_t{1} << 20;
 
-// A metadata value as a decimal integer in [min, max]; anything else is DPAR_ERR_CORRUPT naming the key.
+// A metadata value as a decimal integer in [min, max]; anything else is Status::kCorrupt naming the key.
 uint64_t parse_u64(const std::map<std::string, std::string>& meta, const std::string& key, const std::string& path,
                    uint64_t min = 0, uint64_t max = std::numeric_limits<uint64_t>::max()) {
   auto it = meta.find(key);
-  DPAR_ENFORCE(it != meta.end(), DPAR_ERR_CORRUPT, path, ": metadata lacks \"", key, "\"");
+  DPAR_ENFORCE(it != meta.end(), Status::kCorrupt, path, ": metadata lacks \"", key, "\"");
   const std::string& s = it->second;
-  DPAR_ENFORCE(!s.empty() && s.find_first_not_of("0123456789") == std::string::npos, DPAR_ERR_CORRUPT, path,
+  DPAR_ENFORCE(!s.empty() && s.find_first_not_of("0123456789") == std::string::npos, Status::kCorrupt, path,
                ": metadata \"", key, "\" is not an unsigned integer: \"", s.substr(0, 40), "\"");
   uint64_t value = 0;
   for (char c : s) {
     const bool overflow = __builtin_mul_overflow(value, uint64_t{10}, &value) ||
                           __builtin_add_overflow(value, static_cast<uint64_t>(c - '0'), &value);
-    DPAR_ENFORCE(!overflow, DPAR_ERR_CORRUPT, path, ": metadata \"", key, "\" is out of range: ", s.substr(0, 40),
+    DPAR_ENFORCE(!overflow, Status::kCorrupt, path, ": metadata \"", key, "\" is out of range: ", s.substr(0, 40),
                  " exceeds 2^64 - 1");
   }
-  DPAR_ENFORCE(value >= min && value <= max, DPAR_ERR_CORRUPT, path, ": metadata \"", key, "\" is out of range: ",
+  DPAR_ENFORCE(value >= min && value <= max, Status::kCorrupt, path, ": metadata \"", key, "\" is out of range: ",
                value, " is not in [", min, ", ", max, "]");
   return value;
 }
@@ -57,13 +57,13 @@ void Engine::share_outcome(const char* operation, std::exception_ptr error) cons
     try {
       std::rethrow_exception(error);
     } catch (const Error& e) {
-      words[0] = e.status();
+      words[0] = static_cast<int32_t>(e.status());
       what = e.what();
     } catch (const std::bad_alloc&) {
-      words[0] = DPAR_ERR_OUT_OF_MEMORY;
+      words[0] = static_cast<int32_t>(Status::kOutOfMemory);
       what = "out of memory";
     } catch (const std::exception& e) {
-      words[0] = DPAR_ERR_INTERNAL;
+      words[0] = static_cast<int32_t>(Status::kInternal);
       what = e.what();
     }
     std::memcpy(words.data() + 1, what.data(), std::min(what.size(), kMessageWords * sizeof(int32_t) - 1));
@@ -73,8 +73,8 @@ void Engine::share_outcome(const char* operation, std::exception_ptr error) cons
     if (error) std::rethrow_exception(error);
     return;
   }
-  if (words[0] != DPAR_OK)
-    fail(static_cast<dpar_status>(words[0]), operation, ": on rank 0: ", reinterpret_cast<const char*>(words.data() + 1));
+  if (static_cast<Status>(words[0]) != Status::kOk)
+    fail(static_cast<Status>(words[0]), operation, ": on rank 0: ", reinterpret_cast<const char*>(words.data() + 1));
 }
 
 void Engine::save(const std::string& path) const {
@@ -158,28 +158,28 @@ void Engine::load(const std::string& path) {
   const io::SafetensorsFile file = io::SafetensorsFile::parse(path, std::move(bytes));
   const auto& meta = file.metadata();
   auto fmt = meta.find("format");
-  DPAR_ENFORCE(fmt != meta.end() && fmt->second == kFormat, DPAR_ERR_MISMATCH, path,
+  DPAR_ENFORCE(fmt != meta.end() && fmt->second == kFormat, Status::kMismatch, path,
                ": not a dpar checkpoint (metadata \"format\" is not \"", kFormat, "\")");
   Optimizer& opt0 = *replicas_[0]->optimizer;
   auto opt = meta.find("dpar.optimizer");
-  DPAR_ENFORCE(opt != meta.end() && opt->second == opt0.config().name(), DPAR_ERR_MISMATCH, path,
+  DPAR_ENFORCE(opt != meta.end() && opt->second == opt0.config().name(), Status::kMismatch, path,
                ": checkpoint optimizer \"", opt == meta.end() ? "?" : opt->second, "\" differs from the engine's \"",
                opt0.config().name(), "\"");
   const int64_t steps = static_cast<int64_t>(parse_u64(meta, "dpar.step", path, 0, kMaxSteps));
   const uint64_t saved_replicas = parse_u64(meta, "dpar.replicas", path, 1, kMaxReplicas);
 
   auto check_entry = [&](const std::string& name, const ParamInfo& p) {
-    DPAR_ENFORCE(file.has(name), DPAR_ERR_MISMATCH, path, ": tensor \"", name, "\" of the model is missing");
+    DPAR_ENFORCE(file.has(name), Status::kMismatch, path, ": tensor \"", name, "\" of the model is missing");
     const auto& e = file.entry(name);
     std::vector<int64_t> want(p.shape.data(), p.shape.data() + p.shape.ndim());
-    DPAR_ENFORCE(e.dtype == "F32" && e.shape == want, DPAR_ERR_MISMATCH, path, ": tensor \"", name,
+    DPAR_ENFORCE(e.dtype == "F32" && e.shape == want, Status::kMismatch, path, ": tensor \"", name,
                  "\" has another dtype or shape than the model's ", p.shape.str());
   };
   size_t expected = 0;
   for (const ParamInfo& p : model_.params()) check_entry(p.name, p), ++expected;
   for (const std::string& state_name : Optimizer::state_names(opt0.config()))
     for (const ParamInfo& p : model_.params()) check_entry("optimizer." + state_name + "." + p.name, p), ++expected;
-  DPAR_ENFORCE(file.names().size() == expected, DPAR_ERR_MISMATCH, path, ": holds ", file.names().size(),
+  DPAR_ENFORCE(file.names().size() == expected, Status::kMismatch, path, ": holds ", file.names().size(),
                " tensors, the model and optimizer have ", expected);
   std::vector<uint64_t> rng(replicas_.size());
   const bool same_replicas = saved_replicas == replicas_.size();

@@ -64,7 +64,7 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
     const auto kind_name = [](int64_t k) { return k == static_cast<int64_t>(DeviceKind::kCpu) ? "cpu" : "cuda"; };
     for (int p = 0; p < processes_->size(); ++p) {
       const int64_t kind = all[2 * static_cast<size_t>(p) + 1];
-      DPAR_ENFORCE(kind == all[1], DPAR_ERR_NOT_SUPPORTED, "processes: process ", p, "'s replicas are on ",
+      DPAR_ENFORCE(kind == all[1], Status::kNotSupported, "processes: process ", p, "'s replicas are on ",
                    kind_name(kind), " devices and process 0's on ", kind_name(all[1]),
                    " devices: every process's engine must use one device kind");
     }
@@ -147,14 +147,15 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
 Engine::~Engine() = default;
 
 void Engine::check_usable(const char* operation) const {
-  DPAR_ENFORCE(!aborted_.load(), DPAR_ERR_INVALID_STATE, operation,
-               ": the engine was aborted (dpar_engine_abort) and must be recreated");
-  DPAR_ENFORCE(!broken_, DPAR_ERR_INVALID_STATE, operation, ": the engine must be recreated: ", broken_reason_);
+  DPAR_ENFORCE(!aborted_.load(), Status::kInvalidState, operation, ": the engine was aborted (", aborted_by_.load(),
+               ") and must be recreated");
+  DPAR_ENFORCE(!broken_, Status::kInvalidState, operation, ": the engine must be recreated: ", broken_reason_);
 }
 
-void Engine::abort() {
+void Engine::abort(const char* by) {
+  aborted_by_.store(by);
   aborted_.store(true);
-  group_->abort("the engine was aborted (dpar_engine_abort)");
+  group_->abort(std::string("the engine was aborted (") + by + ")");
   if (links_) links_->abort("the engine of rank " + std::to_string(processes_->rank()) + " was aborted");
 }
 
@@ -187,11 +188,11 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     }
   });
   size_t first = errors.size();
-  dpar_status status = DPAR_OK;
+  Status status = Status::kOk;
   std::string message;
   for (size_t r = 0; r < errors.size(); ++r) {
     if (!errors[r]) continue;
-    dpar_status s = DPAR_ERR_INTERNAL;
+    Status s = Status::kInternal;
     std::string what;
     try {
       std::rethrow_exception(errors[r]);
@@ -199,13 +200,13 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
       s = e.status();
       what = e.what();
     } catch (const std::bad_alloc&) {
-      s = DPAR_ERR_OUT_OF_MEMORY;
+      s = Status::kOutOfMemory;
       what = "out of memory";
     } catch (const std::exception& e) {
       what = e.what();
     }
     // Prefer a root cause over a replica that only saw another one fail.
-    if (first == errors.size() || (status == DPAR_ERR_REMOTE && s != DPAR_ERR_REMOTE)) {
+    if (first == errors.size() || (status == Status::kRemote && s != Status::kRemote)) {
       first = r;
       status = s;
       message = what;
@@ -229,7 +230,7 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     // Replicas may have stepped and stopped apart (an abort can land inside the optimizer's all-gather): only a
     // recreated engine is known to be whole again, as every later call says (check_usable).
     if (links_) links_->abort(std::string(operation) + ": the engine was aborted on another process");
-    fail(status, operation, ": ", message, "; the engine was aborted (dpar_engine_abort) and must be recreated");
+    fail(status, operation, ": ", message, "; the engine was aborted (", aborted_by_.load(), ") and must be recreated");
   }
   // Null while the engine is still being created; a group that cannot recover leaves the engine unusable.
   const bool recovered = device_lost.empty() && (!group_ || group_->recover());
@@ -386,7 +387,7 @@ int64_t Engine::global_batch_of(const char* operation, const std::function<int64
   if (refused) std::rethrow_exception(refused);
   int64_t total = 0;
   for (size_t p = 0; p < batches.size(); ++p) {
-    DPAR_ENFORCE(batches[p] >= 0, DPAR_ERR_REMOTE, operation, ": rank ", p,
+    DPAR_ENFORCE(batches[p] >= 0, Status::kRemote, operation, ": rank ", p,
                  " refused its part of the step (its own error says why); no process took the step");
     total += batches[p];
   }
@@ -404,7 +405,7 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
   const TraceSpan span(*trace_, kCallTrack, "accumulate", "rows", input.rows());
   const int64_t global_batch = global_batch_of("accumulate", [&] {
     check_batch(input, &target, "accumulate");
-    DPAR_ENFORCE(pending_ != Pending::kExplicit, DPAR_ERR_INVALID_STATE,
+    DPAR_ENFORCE(pending_ != Pending::kExplicit, Status::kInvalidState,
                  "accumulate: gradients from backward() are pending; call step() or zero_grad() first");
     return input.rows();
   });
@@ -429,7 +430,7 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
   const TraceSpan span(*trace_, kCallTrack, "train_step", "rows", input.rows());
   const int64_t global_batch = global_batch_of("train_step", [&] {
     check_batch(input, &target, "train_step");
-    DPAR_ENFORCE(pending_ == Pending::kNone, DPAR_ERR_INVALID_STATE,
+    DPAR_ENFORCE(pending_ == Pending::kNone, Status::kInvalidState,
                  "train_step: gradients from ", pending_ == Pending::kLoss ? "accumulate()" : "backward()",
                  " are pending; call step() or zero_grad() first");
     return input.rows();
@@ -457,7 +458,7 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
 void Engine::step() {
   check_usable("step");
   const TraceSpan span(*trace_, kCallTrack, "step");
-  DPAR_ENFORCE(pending_ != Pending::kNone, DPAR_ERR_INVALID_STATE,
+  DPAR_ENFORCE(pending_ != Pending::kNone, Status::kInvalidState,
                "step: no gradient is pending (call accumulate() or forward() and backward() first)");
   const float scale =
       pending_ == Pending::kLoss ? static_cast<float>(1.0 / static_cast<double>(pending_samples_)) : 1.0f;
@@ -525,9 +526,9 @@ Tensor Engine::forward(const Tensor& input) {
 void Engine::backward(const Tensor& grad_output) {
   check_usable("backward");
   const TraceSpan span(*trace_, kCallTrack, "backward");
-  DPAR_ENFORCE(!forward_split_.empty(), DPAR_ERR_INVALID_STATE,
+  DPAR_ENFORCE(!forward_split_.empty(), Status::kInvalidState,
                "backward: no training-mode forward() to go back through");
-  DPAR_ENFORCE(pending_ != Pending::kLoss, DPAR_ERR_INVALID_STATE,
+  DPAR_ENFORCE(pending_ != Pending::kLoss, Status::kInvalidState,
                "backward: gradients from accumulate() are pending; call step() or zero_grad() first");
   DPAR_CHECK_ARG(grad_output.dtype() == DType::kF32, "backward: grad_output must be f32, got ",
                  dtype_name(grad_output.dtype()));
@@ -570,7 +571,7 @@ void Engine::set_forward_hook(ForwardHook hook) { hook_ = std::move(hook); }
 void Engine::trace_start() { trace_->start(); }
 
 void Engine::trace_stop(const std::string& path) {
-  DPAR_ENFORCE(trace_->started(), DPAR_ERR_INVALID_STATE, "trace_stop: no trace was started (dpar_engine_trace_start)");
+  DPAR_ENFORCE(trace_->started(), Status::kInvalidState, "trace_stop: no trace was started (trace_start)");
   trace_->stop();
   if (!path.empty()) trace_->write(path, process_rank());
 }

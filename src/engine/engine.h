@@ -137,8 +137,9 @@ class Engine {
   // only stops. What was recorded stays until the next trace_start(), so a failed write may be tried again.
   void trace_stop(const std::string& path);
 
-  // Aborts the call in flight, if any, and every later call. Thread-safe without the engine's lock.
-  void abort();
+  // Aborts the call in flight, if any, and every later call. Thread-safe without the engine's lock. `by` names
+  // the call that aborted it (static storage), so that every later message tells the caller what to look for.
+  void abort(const char* by);
 
   // Held by the C ABI around every call: an engine serialises its callers.
   std::mutex& mutex() { return mutex_; }
@@ -238,6 +239,7 @@ class Engine {
   float grad_norm_ = std::numeric_limits<float>::quiet_NaN();
   bool broken_ = false;
   std::atomic<bool> aborted_{false};  // set by abort() from any thread
+  std::atomic<const char*> aborted_by_{"abort"};  // abort()'s `by`, stored before aborted_
   std::string broken_reason_;
   Pending pending_ = Pending::kNone;
   int64_t pending_samples_ = 0;

@@ -16,7 +16,7 @@ std::vector<ElementRange> Engine::optimizer_shard(const Replica& rep) const {
   std::vector<ElementRange> ranges;
   const Reducer& reducer = *rep.reducer;
   for (size_t b = 0; b < reducer.num_buckets(); ++b) {
-    DPAR_ENFORCE(reducer.in_place(b), DPAR_ERR_INTERNAL, "engine: gradient bucket ", b, " is not a range of the ",
+    DPAR_ENFORCE(reducer.in_place(b), Status::kInternal, "engine: gradient bucket ", b, " is not a range of the ",
                  "flat gradient buffer");
     const int64_t offset = reducer.bucket_data(b) - rep.model->grads();
     const auto [begin, end] = Communicator::block_range(reducer.bucket_count(b), static_cast<int>(replicas_.size()),

@@ -21,15 +21,15 @@ namespace dpar::io {
 Dataset Dataset::load_idx(const std::string& images_path, const std::string& labels_path) {
   IdxArray images = read_idx_u8(images_path);
   IdxArray labels = read_idx_u8(labels_path);
-  DPAR_ENFORCE(images.dims.size() >= 1, DPAR_ERR_CORRUPT, images_path, ": has no dimensions");
-  DPAR_ENFORCE(labels.dims.size() == 1, DPAR_ERR_CORRUPT, labels_path, ": labels must be 1-D, got ",
+  DPAR_ENFORCE(images.dims.size() >= 1, Status::kCorrupt, images_path, ": has no dimensions");
+  DPAR_ENFORCE(labels.dims.size() == 1, Status::kCorrupt, labels_path, ": labels must be 1-D, got ",
                labels.dims.size(), " dimensions");
-  DPAR_ENFORCE(images.dims[0] == labels.dims[0], DPAR_ERR_MISMATCH, images_path, " holds ", images.dims[0],
+  DPAR_ENFORCE(images.dims[0] == labels.dims[0], Status::kMismatch, images_path, " holds ", images.dims[0],
                " items but ", labels_path, " holds ", labels.dims[0]);
   Dataset d;
   const size_t n = static_cast<size_t>(images.dims[0]);
   d.features_ = n ? images.data.size() / n : 0;
-  DPAR_ENFORCE(n > 0 && d.features_ > 0, DPAR_ERR_CORRUPT, images_path, ": holds no samples");
+  DPAR_ENFORCE(n > 0 && d.features_ > 0, Status::kCorrupt, images_path, ": holds no samples");
   d.inputs_.resize(images.data.size());
   for (size_t i = 0; i < images.data.size(); ++i) d.inputs_[i] = static_cast<float>(images.data[i]) / 255.0f;
   d.labels_.assign(labels.data.begin(), labels.data.end());
@@ -41,7 +41,7 @@ void Dataset::normalize(float mean, float std) {
   DPAR_CHECK_ARG(std::isfinite(mean), "mean: must be finite");
   DPAR_CHECK_ARG(std::isfinite(std) && std > 0.0f, "std: ", std, " must be positive");
   std::lock_guard<std::mutex> lock(users_->mutex);
-  DPAR_ENFORCE(users_->loaders == 0, DPAR_ERR_INVALID_STATE, "dataset: ", users_->loaders,
+  DPAR_ENFORCE(users_->loaders == 0, Status::kInvalidState, "dataset: ", users_->loaders,
                " loader(s) of it are open; normalise before creating a loader, or free its loaders first (a "
                "loader prepares batches ahead of the caller, and would race with the change)");
   const float inv = 1.0f / std;

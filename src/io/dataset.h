@@ -27,7 +27,7 @@ class Dataset {
   size_t classes() const { return classes_; }
   const float* sample(size_t i) const { return inputs_.data() + i * features_; }
   int32_t label(size_t i) const { return labels_[i]; }
-  // x = (x - mean) / std for every feature. Refused (DPAR_ERR_INVALID_STATE) while a loader of this dataset is
+  // x = (x - mean) / std for every feature. Refused (Status::kInvalidState) while a loader of this dataset is
   // open: a loader reads the samples on a thread of its own (one batch ahead), so changing them under it would
   // race, and give a batch prepared before the change. Checked and done under the lock loaders register with.
   void normalize(float mean, float std);

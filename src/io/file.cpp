@@ -25,10 +25,10 @@ void write_all(int fd, const void* data, size_t bytes, const std::string& path, 
     const ssize_t wrote = ::write(fd, p, std::min<size_t>(bytes, size_t{1} << 30));
     if (wrote < 0) {
       if (errno == EINTR) continue;
-      fail(DPAR_ERR_IO, path, ": cannot write ", tmp, ": ", std::strerror(errno));
+      fail(Status::kIo, path, ": cannot write ", tmp, ": ", std::strerror(errno));
     }
     // write(2) returns 0 for a non-empty request only on a device that refuses more; do not spin on it.
-    DPAR_ENFORCE(wrote > 0, DPAR_ERR_IO, path, ": cannot write ", tmp, ": no progress");
+    DPAR_ENFORCE(wrote > 0, Status::kIo, path, ": cannot write ", tmp, ": no progress");
     p += wrote;
     bytes -= static_cast<size_t>(wrote);
   }
@@ -41,10 +41,10 @@ void refuse_special_target(const std::string& target) {
   struct stat st {};
   if (::stat(target.c_str(), &st) != 0) {
     if (errno == ENOENT) return;  // nothing there yet (or a dangling link, which the rename replaces)
-    fail(DPAR_ERR_IO, target, ": cannot examine the target: ", std::strerror(errno));
+    fail(Status::kIo, target, ": cannot examine the target: ", std::strerror(errno));
   }
-  DPAR_ENFORCE(!S_ISDIR(st.st_mode), DPAR_ERR_IO, target, ": is a directory");
-  DPAR_ENFORCE(S_ISREG(st.st_mode), DPAR_ERR_IO, target,
+  DPAR_ENFORCE(!S_ISDIR(st.st_mode), Status::kIo, target, ": is a directory");
+  DPAR_ENFORCE(S_ISREG(st.st_mode), Status::kIo, target,
                ": exists and is not a regular file (a device, FIFO or socket): dpar replaces only regular files");
 }
 
@@ -73,7 +73,7 @@ class TempFile {
       if (fd_ >= 0) return;
       // Nothing was created, so the destructor (which will not run) has nothing to remove.
       if (errno != EEXIST || attempt == 99)
-        fail(DPAR_ERR_IO, target_, ": cannot create temporary file ", path_, ": ", std::strerror(errno));
+        fail(Status::kIo, target_, ": cannot create temporary file ", path_, ": ", std::strerror(errno));
     }
   }
   TempFile(const TempFile&) = delete;
@@ -91,12 +91,12 @@ class TempFile {
   // Makes the content durable before the rename publishes it: otherwise a crash could leave the new name
   // pointing at a file whose blocks never reached the disk.
   void sync_and_close() {
-    if (::fsync(fd_) != 0) fail(DPAR_ERR_IO, target_, ": cannot fsync ", path_, ": ", std::strerror(errno));
+    if (::fsync(fd_) != 0) fail(Status::kIo, target_, ": cannot fsync ", path_, ": ", std::strerror(errno));
     observe(AtomicWriteStep::kSyncFile, path_);
     const int fd = fd_;
     fd_ = -1;
     // close(2) can report a deferred write error (NFS, quotas); the file must not be published then.
-    if (::close(fd) != 0) fail(DPAR_ERR_IO, target_, ": cannot close ", path_, ": ", std::strerror(errno));
+    if (::close(fd) != 0) fail(Status::kIo, target_, ": cannot close ", path_, ": ", std::strerror(errno));
     observe(AtomicWriteStep::kCloseFile, path_);
   }
 
@@ -104,7 +104,7 @@ class TempFile {
     // Checked again just before the rename, which is what would replace a device, FIFO or socket.
     refuse_special_target(target_);
     if (::rename(path_.c_str(), target_.c_str()) != 0) {
-      fail(DPAR_ERR_IO, target_, ": cannot rename ", path_, " to it: ", std::strerror(errno));
+      fail(Status::kIo, target_, ": cannot rename ", path_, " to it: ", std::strerror(errno));
     }
     renamed_ = true;
     observe(AtomicWriteStep::kRename, target_);
@@ -130,11 +130,11 @@ void sync_directory(const std::string& path) {
   const std::string dir = directory_of(path);
   Fd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) {
-    fail(DPAR_ERR_IO, path, ": written, but cannot open directory ", dir, " to sync it: ", std::strerror(errno));
+    fail(Status::kIo, path, ": written, but cannot open directory ", dir, " to sync it: ", std::strerror(errno));
   }
   // EINVAL: this file system cannot sync a directory (some network and FUSE ones); there is nothing more to do.
   if (::fsync(fd.get()) != 0 && errno != EINVAL) {
-    fail(DPAR_ERR_IO, path, ": written, but cannot fsync directory ", dir, ": ", std::strerror(errno));
+    fail(Status::kIo, path, ": written, but cannot fsync directory ", dir, ": ", std::strerror(errno));
   }
   observe(AtomicWriteStep::kSyncDirectory, dir);
 }
@@ -145,15 +145,15 @@ int open_regular_file(const std::string& path) {
   // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever if none comes (and a
   // checkpoint is opened with the engine's lock held). For a regular file the flag changes nothing.
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK));
-  if (fd.get() < 0) fail(DPAR_ERR_IO, path, ": cannot open: ", std::strerror(errno));
+  if (fd.get() < 0) fail(Status::kIo, path, ": cannot open: ", std::strerror(errno));
   struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) fail(DPAR_ERR_IO, path, ": cannot stat: ", std::strerror(errno));
-  DPAR_ENFORCE(!S_ISDIR(st.st_mode), DPAR_ERR_IO, path, ": is a directory");
+  if (::fstat(fd.get(), &st) != 0) fail(Status::kIo, path, ": cannot stat: ", std::strerror(errno));
+  DPAR_ENFORCE(!S_ISDIR(st.st_mode), Status::kIo, path, ": is a directory");
   // A FIFO, socket or device has no size to check a header against, and may never end.
-  DPAR_ENFORCE(S_ISREG(st.st_mode), DPAR_ERR_IO, path, ": not a regular file (a FIFO, socket or device)");
+  DPAR_ENFORCE(S_ISREG(st.st_mode), Status::kIo, path, ": not a regular file (a FIFO, socket or device)");
   const int flags = ::fcntl(fd.get(), F_GETFL);
   if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) {
-    fail(DPAR_ERR_IO, path, ": cannot clear O_NONBLOCK: ", std::strerror(errno));
+    fail(Status::kIo, path, ": cannot clear O_NONBLOCK: ", std::strerror(errno));
   }
   return fd.release();
 }

@@ -32,7 +32,7 @@ class Fd {
 
 // Opens `path` for reading, refusing anything but a regular file without blocking on it (a FIFO with no writer,
 // a device). Returns the descriptor, close-on-exec, in blocking mode; the caller closes it. Throws dpar::Error
-// DPAR_ERR_IO naming the path: it cannot be opened or examined, or is a directory, FIFO, socket or device.
+// Status::kIo naming the path: it cannot be opened or examined, or is a directory, FIFO, socket or device.
 int open_regular_file(const std::string& path);
 
 // A piece of a file's content: `bytes` bytes at `data` (null only when bytes is 0).
@@ -44,7 +44,7 @@ struct FilePiece {
 // Writes the pieces, in order, as the whole content of `path`, atomically: into a temporary file beside it (a
 // name of its own, so concurrent writes to one path never share one, short enough for any target name), made
 // durable (fsync), renamed over `path`, and the directory synced. A reader sees the old file or the new one,
-// never a part; of concurrent writes, the last renamed wins, each complete. A failure (dpar::Error DPAR_ERR_IO
+// never a part; of concurrent writes, the last renamed wins, each complete. A failure (dpar::Error Status::kIo
 // naming the path) leaves the old file and no temporary one. A `path` that exists and is not a regular file (a
 // device, FIFO, socket or directory, or a link to one) is refused before anything is written.
 void write_file_atomically(const std::string& path, const std::vector<FilePiece>& pieces);

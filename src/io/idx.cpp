@@ -32,8 +32,8 @@ std::string hex_byte(unsigned value) {
 [[noreturn]] void fail_gz(const std::string& path, gzFile file, int saved_errno) {
   int code = Z_OK;
   const char* message = gzerror(file, &code);
-  if (code == Z_ERRNO) fail(DPAR_ERR_IO, path, ": read failed: ", std::strerror(saved_errno));
-  fail(DPAR_ERR_CORRUPT, path, ": damaged gzip stream: ", message ? message : "unknown zlib error");
+  if (code == Z_ERRNO) fail(Status::kIo, path, ": read failed: ", std::strerror(saved_errno));
+  fail(Status::kCorrupt, path, ": damaged gzip stream: ", message ? message : "unknown zlib error");
 }
 
 // Reads up to `size` bytes; returns how many were read, fewer only at the end of the stream. Throws on errors.
@@ -84,41 +84,41 @@ IdxArray read_idx_u8(const std::string& path) {
   if (::fstat(fd, &st) != 0) {
     const int saved = errno;
     ::close(fd);
-    fail(DPAR_ERR_IO, path, ": cannot stat: ", std::strerror(saved));
+    fail(Status::kIo, path, ": cannot stat: ", std::strerror(saved));
   }
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
   GzHandle handle(gzdopen(fd, "rb"));
   if (!handle) {
     ::close(fd);  // gzdopen leaves the descriptor open when it fails: it could not allocate its state
-    fail(DPAR_ERR_OUT_OF_MEMORY, path, ": cannot open: zlib could not allocate its state");
+    fail(Status::kOutOfMemory, path, ": cannot open: zlib could not allocate its state");
   }
   gzFile file = handle.get();
   gzbuffer(file, 1u << 17);  // Fewer, larger reads than zlib's 8 KiB default.
 
   uint8_t magic[4];
   const size_t magic_got = read_some(path, file, magic, sizeof magic);
-  DPAR_ENFORCE(magic_got == sizeof magic, DPAR_ERR_CORRUPT, path, ": truncated header: expected 4 bytes of magic number, got ",
+  DPAR_ENFORCE(magic_got == sizeof magic, Status::kCorrupt, path, ": truncated header: expected 4 bytes of magic number, got ",
                magic_got, truncation_note(file));
   if (magic[0] != 0 || magic[1] != 0) {
-    fail(DPAR_ERR_CORRUPT, path, ": bad magic number ", hex_byte(magic[0]), " ", hex_byte(magic[1]), " ",
+    fail(Status::kCorrupt, path, ": bad magic number ", hex_byte(magic[0]), " ", hex_byte(magic[1]), " ",
          hex_byte(magic[2]), " ", hex_byte(magic[3]), ": an IDX file starts with 0x00 0x00 <type> <ndim>");
   }
   const unsigned type = magic[2];
   if (type != 0x08) {
     const char* name = idx_type_name(type);
     if (name != nullptr) {
-      fail(DPAR_ERR_NOT_SUPPORTED, path, ": IDX element type ", hex_byte(type), " (", name,
+      fail(Status::kNotSupported, path, ": IDX element type ", hex_byte(type), " (", name,
            ") is not supported; only 0x08 (u8) is");
     }
-    fail(DPAR_ERR_CORRUPT, path, ": unknown IDX element type ", hex_byte(type));
+    fail(Status::kCorrupt, path, ": unknown IDX element type ", hex_byte(type));
   }
   const unsigned ndim = magic[3];
-  DPAR_ENFORCE(ndim > 0, DPAR_ERR_CORRUPT, path, ": the header declares 0 dimensions");
+  DPAR_ENFORCE(ndim > 0, Status::kCorrupt, path, ": the header declares 0 dimensions");
 
   uint8_t dim_bytes[4 * 255];
   const size_t dims_size = 4 * size_t{ndim};
   const size_t dims_got = read_some(path, file, dim_bytes, dims_size);
-  DPAR_ENFORCE(dims_got == dims_size, DPAR_ERR_CORRUPT, path, ": truncated header: expected ", dims_size,
+  DPAR_ENFORCE(dims_got == dims_size, Status::kCorrupt, path, ": truncated header: expected ", dims_size,
                " bytes of dimensions, got ", dims_got, truncation_note(file));
 
   IdxArray result;
@@ -127,12 +127,12 @@ IdxArray read_idx_u8(const std::string& path) {
   for (unsigned i = 0; i < ndim; ++i) {
     const uint32_t extent = load_be32(dim_bytes + 4 * i);
     // An empty data set is never useful, and an extent of 0 is what a zeroed (damaged) header looks like.
-    DPAR_ENFORCE(extent != 0, DPAR_ERR_CORRUPT, path, ": dimension ", i, " is 0");
+    DPAR_ENFORCE(extent != 0, Status::kCorrupt, path, ": dimension ", i, " is 0");
     // total <= kIdxMaxDataBytes before this step, so the division keeps the product from overflowing.
     if (extent > kIdxMaxDataBytes / total) {
       std::string dims_text;
       for (unsigned j = 0; j < ndim; ++j) dims_text += (j ? ", " : "") + std::to_string(load_be32(dim_bytes + 4 * j));
-      fail(DPAR_ERR_CORRUPT, path, ": dimensions [", dims_text, "] describe more than ", kIdxMaxDataBytes,
+      fail(Status::kCorrupt, path, ": dimensions [", dims_text, "] describe more than ", kIdxMaxDataBytes,
            " bytes of data");
     }
     total *= extent;
@@ -147,7 +147,7 @@ IdxArray read_idx_u8(const std::string& path) {
   const uint64_t honest = plain ? (file_size > header_bytes ? file_size - header_bytes : 0)
                                 : (file_size > kIdxMaxDataBytes / kDeflateMaxRatio ? kIdxMaxDataBytes
                                                                                   : file_size * kDeflateMaxRatio);
-  DPAR_ENFORCE(total <= honest, DPAR_ERR_CORRUPT, path, ": the header's dimensions describe ", total,
+  DPAR_ENFORCE(total <= honest, Status::kCorrupt, path, ": the header's dimensions describe ", total,
                " bytes of data, more than the ", file_size, "-byte ", plain ? "file holds" : "gzip file can inflate to");
 
   // One allocation of the claimed size, filled as the data arrives: the buffer is never copied to grow, so the
@@ -162,7 +162,7 @@ IdxArray read_idx_u8(const std::string& path) {
     const size_t got = read_some(path, file, result.data.data() + filled, chunk);
     filled += got;
     if (got < chunk) {
-      fail(DPAR_ERR_CORRUPT, path, ": truncated: expected ", expected, " bytes of data, got ", filled,
+      fail(Status::kCorrupt, path, ": truncated: expected ", expected, " bytes of data, got ", filled,
            truncation_note(file));
     }
   }
@@ -177,12 +177,12 @@ IdxArray read_idx_u8(const std::string& path) {
     for (size_t got = sizeof scratch; got == sizeof scratch;) {
       got = read_some(path, file, scratch, sizeof scratch);
       trailing += got;
-      DPAR_ENFORCE(trailing <= kIdxMaxTrailingBytes, DPAR_ERR_CORRUPT, path, ": more than ", kIdxMaxTrailingBytes,
+      DPAR_ENFORCE(trailing <= kIdxMaxTrailingBytes, Status::kCorrupt, path, ": more than ", kIdxMaxTrailingBytes,
                    " bytes follow the data the header describes");
     }
     int code = Z_OK;
     gzerror(file, &code);
-    DPAR_ENFORCE(code == Z_OK, DPAR_ERR_CORRUPT, path, ": damaged gzip stream: it ends unexpectedly after the data");
+    DPAR_ENFORCE(code == Z_OK, Status::kCorrupt, path, ": damaged gzip stream: it ends unexpectedly after the data");
   }
   return result;
 }

@@ -35,11 +35,11 @@ inline constexpr uint64_t kIdxMaxTrailingBytes = uint64_t{16} << 20;
 // read into one buffer of the size the header claims, which must be no more than the file can hold (its size,
 // or kDeflateMaxRatio times it compressed), so a small gzip file cannot make the reader allocate gigabytes.
 // Throws dpar::Error, with a message that names the file:
-//   DPAR_ERR_IO             the file cannot be opened or read (with the system's reason), or is not a regular file;
-//   DPAR_ERR_CORRUPT        bad magic number, unknown element type, zero dimensions or a zero extent, extents
+//   Status::kIo             the file cannot be opened or read (with the system's reason), or is not a regular file;
+//   Status::kCorrupt        bad magic number, unknown element type, zero dimensions or a zero extent, extents
 //                           whose product exceeds kIdxMaxDataBytes or what the file can hold, a truncated header
 //                           or data, a damaged gzip stream;
-//   DPAR_ERR_NOT_SUPPORTED  a valid IDX element type other than u8 (i8, i16, i32, f32, f64).
+//   Status::kNotSupported  a valid IDX element type other than u8 (i8, i16, i32, f32, f64).
 IdxArray read_idx_u8(const std::string& path);
 
 }  // namespace dpar::io

@@ -54,9 +54,9 @@ void read_exact(int fd, void* out, size_t bytes, const std::string& path) {
     const ssize_t got = ::read(fd, p, std::min<size_t>(bytes, size_t{1} << 30));
     if (got < 0) {
       if (errno == EINTR) continue;
-      fail(DPAR_ERR_IO, path, ": read failed: ", std::strerror(errno));
+      fail(Status::kIo, path, ": read failed: ", std::strerror(errno));
     }
-    DPAR_ENFORCE(got > 0, DPAR_ERR_CORRUPT, path, ": truncated: the file ended ", bytes,
+    DPAR_ENFORCE(got > 0, Status::kCorrupt, path, ": truncated: the file ended ", bytes,
                  " bytes early (did it shrink while being read?)");
     p += got;
     bytes -= static_cast<size_t>(got);
@@ -73,49 +73,49 @@ struct ParsedEntry {
 
 ParsedEntry parse_entry(const std::string& path, const std::string& name, const json& value) {
   const std::string where = path + ": tensor '" + name + "': ";
-  DPAR_ENFORCE(value.is_object(), DPAR_ERR_CORRUPT, where, "its entry is not a JSON object");
+  DPAR_ENFORCE(value.is_object(), Status::kCorrupt, where, "its entry is not a JSON object");
   ParsedEntry entry;
   entry.name = name;
 
   const auto dtype = value.find("dtype");
-  DPAR_ENFORCE(dtype != value.end(), DPAR_ERR_CORRUPT, where, "no \"dtype\"");
-  DPAR_ENFORCE(dtype->is_string(), DPAR_ERR_CORRUPT, where, "\"dtype\" is not a string");
+  DPAR_ENFORCE(dtype != value.end(), Status::kCorrupt, where, "no \"dtype\"");
+  DPAR_ENFORCE(dtype->is_string(), Status::kCorrupt, where, "\"dtype\" is not a string");
   entry.dtype = dtype->get<std::string>();
   const size_t bits = safetensors_dtype_bits(entry.dtype);
-  DPAR_ENFORCE(bits != 0, DPAR_ERR_CORRUPT, where, "unknown dtype \"", entry.dtype, "\"");
+  DPAR_ENFORCE(bits != 0, Status::kCorrupt, where, "unknown dtype \"", entry.dtype, "\"");
 
   const auto shape = value.find("shape");
-  DPAR_ENFORCE(shape != value.end(), DPAR_ERR_CORRUPT, where, "no \"shape\"");
-  DPAR_ENFORCE(shape->is_array(), DPAR_ERR_CORRUPT, where, "\"shape\" is not an array");
+  DPAR_ENFORCE(shape != value.end(), Status::kCorrupt, where, "no \"shape\"");
+  DPAR_ENFORCE(shape->is_array(), Status::kCorrupt, where, "\"shape\" is not an array");
   std::vector<uint64_t> extents;
   for (const json& extent : *shape) {
     // nlohmann stores every non-negative integer literal that fits 64 bits as unsigned; anything else (a
     // negative, a fraction, an exponent, a huge literal) is some other kind of number or not a number.
-    DPAR_ENFORCE(!extent.is_number_integer() || extent.is_number_unsigned(), DPAR_ERR_CORRUPT, where,
+    DPAR_ENFORCE(!extent.is_number_integer() || extent.is_number_unsigned(), Status::kCorrupt, where,
                  "negative extent ", extent.dump(), " in \"shape\"");
-    DPAR_ENFORCE(extent.is_number_unsigned(), DPAR_ERR_CORRUPT, where, "extent ", extent.dump().substr(0, 40),
+    DPAR_ENFORCE(extent.is_number_unsigned(), Status::kCorrupt, where, "extent ", extent.dump().substr(0, 40),
                  " in \"shape\" is not a non-negative 64-bit integer");
     const uint64_t n = extent.get<uint64_t>();
-    DPAR_ENFORCE(n <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), DPAR_ERR_CORRUPT, where,
+    DPAR_ENFORCE(n <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), Status::kCorrupt, where,
                  "extent ", n, " in \"shape\" overflows int64");
     extents.push_back(n);
     entry.shape.push_back(static_cast<int64_t>(n));
   }
 
   const auto offsets = value.find("data_offsets");
-  DPAR_ENFORCE(offsets != value.end(), DPAR_ERR_CORRUPT, where, "no \"data_offsets\"");
+  DPAR_ENFORCE(offsets != value.end(), Status::kCorrupt, where, "no \"data_offsets\"");
   DPAR_ENFORCE(offsets->is_array() && offsets->size() == 2 && (*offsets)[0].is_number_unsigned() &&
                    (*offsets)[1].is_number_unsigned(),
-               DPAR_ERR_CORRUPT, where, "\"data_offsets\" is not an array of two non-negative integers");
+               Status::kCorrupt, where, "\"data_offsets\" is not an array of two non-negative integers");
   entry.begin = (*offsets)[0].get<uint64_t>();
   entry.end = (*offsets)[1].get<uint64_t>();
-  DPAR_ENFORCE(entry.begin <= entry.end, DPAR_ERR_CORRUPT, where, "\"data_offsets\" [", entry.begin, ", ",
+  DPAR_ENFORCE(entry.begin <= entry.end, Status::kCorrupt, where, "\"data_offsets\" [", entry.begin, ", ",
                entry.end, "] end before they begin");
 
   uint64_t bytes = 0;
-  DPAR_ENFORCE(tensor_bytes(extents, bits, &bytes), DPAR_ERR_CORRUPT, where, "shape ", shape_text(entry.shape),
+  DPAR_ENFORCE(tensor_bytes(extents, bits, &bytes), Status::kCorrupt, where, "shape ", shape_text(entry.shape),
                " of ", entry.dtype, " overflows or does not fill whole bytes");
-  DPAR_ENFORCE(bytes == entry.end - entry.begin, DPAR_ERR_CORRUPT, where, "shape ", shape_text(entry.shape),
+  DPAR_ENFORCE(bytes == entry.end - entry.begin, Status::kCorrupt, where, "shape ", shape_text(entry.shape),
                " of ", entry.dtype, " needs ", bytes, " bytes but \"data_offsets\" [", entry.begin, ", ", entry.end,
                "] span ", entry.end - entry.begin);
   return entry;
@@ -124,12 +124,12 @@ ParsedEntry parse_entry(const std::string& path, const std::string& name, const 
 // Parses the JSON header, refusing duplicate keys: JSON parsers disagree on which duplicate wins, so a file
 // with them means different things to different readers.
 json parse_header(const std::string& path, const std::string& header) {
-  DPAR_ENFORCE(!header.empty() && header[0] == '{', DPAR_ERR_CORRUPT, path,
+  DPAR_ENFORCE(!header.empty() && header[0] == '{', Status::kCorrupt, path,
                ": the header does not start with '{'");
   // nlohmann's lexer takes a NUL byte for the end of the input and would ignore whatever follows it; JSON never
   // contains one (not even inside a string, where it must be escaped), and Python's reader refuses it too.
   const size_t nul = header.find('\0');
-  DPAR_ENFORCE(nul == std::string::npos, DPAR_ERR_CORRUPT, path, ": the header has a NUL byte at offset ", nul,
+  DPAR_ENFORCE(nul == std::string::npos, Status::kCorrupt, path, ": the header has a NUL byte at offset ", nul,
                ", which JSON does not allow");
   std::vector<std::set<std::string>> open_objects;
   std::string duplicate;
@@ -140,7 +140,7 @@ json parse_header(const std::string& path, const std::string& header) {
     if (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) {
       // `depth` counts the enclosing containers: 0 for the root object.
       if (depth >= static_cast<int>(kSafetensorsMaxJsonDepth)) {
-        fail(DPAR_ERR_CORRUPT, path, ": the header nests JSON arrays and objects more than ",
+        fail(Status::kCorrupt, path, ": the header nests JSON arrays and objects more than ",
              kSafetensorsMaxJsonDepth, " deep");
       }
     }
@@ -161,10 +161,10 @@ json parse_header(const std::string& path, const std::string& header) {
     root = json::parse(header.begin(), header.end(), track_keys);
   } catch (const json::exception& e) {
     // The parser's message quotes the last token, which a damaged file can make huge.
-    fail(DPAR_ERR_CORRUPT, path, ": the header is not valid JSON: ", std::string(e.what()).substr(0, 300));
+    fail(Status::kCorrupt, path, ": the header is not valid JSON: ", std::string(e.what()).substr(0, 300));
   }
-  DPAR_ENFORCE(!has_duplicate, DPAR_ERR_CORRUPT, path, ": the header has the key '", duplicate, "' twice");
-  DPAR_ENFORCE(root.is_object(), DPAR_ERR_CORRUPT, path, ": the header is not a JSON object");
+  DPAR_ENFORCE(!has_duplicate, Status::kCorrupt, path, ": the header has the key '", duplicate, "' twice");
+  DPAR_ENFORCE(root.is_object(), Status::kCorrupt, path, ": the header is not a JSON object");
   return root;
 }
 
@@ -193,9 +193,9 @@ void check_crc(const std::string& path, const std::map<std::string, std::string>
                uint32_t actual, const char* what) {
   const std::string& text = metadata.at(key);
   uint32_t stored = 0;
-  DPAR_ENFORCE(parse_crc(text, &stored), DPAR_ERR_CORRUPT, path, ": the checksum '", text.substr(0, 40), "' under ",
+  DPAR_ENFORCE(parse_crc(text, &stored), Status::kCorrupt, path, ": the checksum '", text.substr(0, 40), "' under ",
                key, " is not a 32-bit decimal number");
-  DPAR_ENFORCE(stored == actual, DPAR_ERR_CORRUPT, path, ": ", what, " checksum mismatch: the CRC-32 is ", actual,
+  DPAR_ENFORCE(stored == actual, Status::kCorrupt, path, ": ", what, " checksum mismatch: the CRC-32 is ", actual,
                " but ", key, " records ", stored, " (the file is damaged)");
 }
 
@@ -264,7 +264,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorView>& t
     all_metadata[kSafetensorsHeaderCrcKey] = std::to_string(header_crc(json::parse(build_header())));
     header = build_header();
   } catch (const json::exception& e) {
-    fail(DPAR_ERR_INVALID_ARGUMENT, path, ": a tensor name or a metadata string is not valid UTF-8 (", e.what(), ")");
+    fail(Status::kInvalidArgument, path, ": a tensor name or a metadata string is not valid UTF-8 (", e.what(), ")");
   }
   // Pad so that the data buffer starts 8-byte aligned in the file, as the format recommends.
   header.append((8 - header.size() % 8) % 8, ' ');
@@ -282,9 +282,9 @@ void write_safetensors(const std::string& path, const std::vector<TensorView>& t
 std::vector<uint8_t> SafetensorsFile::read_bytes(const std::string& path) {
   Fd fd(open_regular_file(path));
   struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) fail(DPAR_ERR_IO, path, ": cannot stat: ", std::strerror(errno));
+  if (::fstat(fd.get(), &st) != 0) fail(Status::kIo, path, ": cannot stat: ", std::strerror(errno));
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-  DPAR_ENFORCE(file_size <= std::numeric_limits<size_t>::max(), DPAR_ERR_CORRUPT, path,
+  DPAR_ENFORCE(file_size <= std::numeric_limits<size_t>::max(), Status::kCorrupt, path,
                ": the file does not fit in memory");
   std::vector<uint8_t> bytes(static_cast<size_t>(file_size));
   read_exact(fd.get(), bytes.data(), bytes.size(), path);
@@ -295,13 +295,13 @@ SafetensorsFile SafetensorsFile::read(const std::string& path) { return parse(pa
 
 SafetensorsFile SafetensorsFile::parse(const std::string& path, std::vector<uint8_t> bytes) {
   const uint64_t file_size = bytes.size();
-  DPAR_ENFORCE(file_size >= 8, DPAR_ERR_CORRUPT, path, ": the file is ", file_size,
+  DPAR_ENFORCE(file_size >= 8, Status::kCorrupt, path, ": the file is ", file_size,
                " bytes, shorter than the 8-byte header length");
   uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | bytes[static_cast<size_t>(i)];
-  DPAR_ENFORCE(header_size <= kSafetensorsMaxHeaderBytes, DPAR_ERR_CORRUPT, path, ": the header length ",
+  DPAR_ENFORCE(header_size <= kSafetensorsMaxHeaderBytes, Status::kCorrupt, path, ": the header length ",
                header_size, " exceeds the limit of ", kSafetensorsMaxHeaderBytes, " bytes");
-  DPAR_ENFORCE(header_size <= file_size - 8, DPAR_ERR_CORRUPT, path, ": truncated: the header length is ",
+  DPAR_ENFORCE(header_size <= file_size - 8, Status::kCorrupt, path, ": truncated: the header length is ",
                header_size, " bytes but only ", file_size - 8, " follow it");
   const std::string header(reinterpret_cast<const char*>(bytes.data()) + 8, static_cast<size_t>(header_size));
   const uint64_t buffer_size = file_size - 8 - header_size;
@@ -311,9 +311,9 @@ SafetensorsFile SafetensorsFile::parse(const std::string& path, std::vector<uint
   file.path_ = path;
   const auto metadata = root.find("__metadata__");
   if (metadata != root.end()) {
-    DPAR_ENFORCE(metadata->is_object(), DPAR_ERR_CORRUPT, path, ": \"__metadata__\" is not a JSON object");
+    DPAR_ENFORCE(metadata->is_object(), Status::kCorrupt, path, ": \"__metadata__\" is not a JSON object");
     for (const auto& meta : metadata->items()) {
-      DPAR_ENFORCE(meta.value().is_string(), DPAR_ERR_CORRUPT, path, ": the metadata value of '", meta.key(),
+      DPAR_ENFORCE(meta.value().is_string(), Status::kCorrupt, path, ": the metadata value of '", meta.key(),
                    "' is not a string");
       file.metadata_[meta.key()] = meta.value().get<std::string>();
     }
@@ -321,7 +321,7 @@ SafetensorsFile SafetensorsFile::parse(const std::string& path, std::vector<uint
   // Both checksums or neither: were one optional, damage to the other's key name would disable its check.
   const bool has_data_crc = file.metadata_.count(kSafetensorsCrcKey) != 0;
   const bool has_checksums = file.metadata_.count(kSafetensorsHeaderCrcKey) != 0;
-  DPAR_ENFORCE(has_data_crc == has_checksums, DPAR_ERR_CORRUPT, path, ": the metadata has '",
+  DPAR_ENFORCE(has_data_crc == has_checksums, Status::kCorrupt, path, ": the metadata has '",
                has_data_crc ? kSafetensorsCrcKey : kSafetensorsHeaderCrcKey, "' without '",
                has_data_crc ? kSafetensorsHeaderCrcKey : kSafetensorsCrcKey, "'");
   // Checked before the entries, so that damage to the header is reported as such rather than as whatever
@@ -341,17 +341,17 @@ SafetensorsFile SafetensorsFile::parse(const std::string& path, std::vector<uint
   const ParsedEntry* previous = nullptr;
   for (const ParsedEntry& e : parsed) {
     if (e.begin < expected) {
-      fail(DPAR_ERR_CORRUPT, path, ": tensor '", e.name, "' (bytes ", e.begin, " to ", e.end, ") overlaps tensor '",
+      fail(Status::kCorrupt, path, ": tensor '", e.name, "' (bytes ", e.begin, " to ", e.end, ") overlaps tensor '",
            previous->name, "' (bytes ", previous->begin, " to ", previous->end, ")");
     }
-    DPAR_ENFORCE(e.begin == expected, DPAR_ERR_CORRUPT, path, ": a gap of ", e.begin - expected,
+    DPAR_ENFORCE(e.begin == expected, Status::kCorrupt, path, ": a gap of ", e.begin - expected,
                  " bytes before tensor '", e.name, "'");
     expected = e.end;
     previous = &e;
   }
-  DPAR_ENFORCE(buffer_size >= expected, DPAR_ERR_CORRUPT, path, ": truncated: the header describes ", expected,
+  DPAR_ENFORCE(buffer_size >= expected, Status::kCorrupt, path, ": truncated: the header describes ", expected,
                " bytes of tensor data but the file holds ", buffer_size);
-  DPAR_ENFORCE(buffer_size == expected, DPAR_ERR_CORRUPT, path, ": ", buffer_size - expected,
+  DPAR_ENFORCE(buffer_size == expected, Status::kCorrupt, path, ": ", buffer_size - expected,
                " bytes follow the last tensor's data");
 
   // The data buffer is what follows the header: moved to the front of the same allocation, not copied.
@@ -373,7 +373,7 @@ SafetensorsFile SafetensorsFile::parse(const std::string& path, std::vector<uint
 
 const SafetensorsEntry& SafetensorsFile::entry(const std::string& name) const {
   const auto it = entries_.find(name);
-  if (it == entries_.end()) fail(DPAR_ERR_MISMATCH, path_, ": no tensor named '", name, "'");
+  if (it == entries_.end()) fail(Status::kMismatch, path_, ": no tensor named '", name, "'");
   return it->second;
 }
 
@@ -385,7 +385,7 @@ const SafetensorsEntry& SafetensorsFile::expect(const std::string& name, const s
                                                 const std::vector<int64_t>& shape) const {
   const SafetensorsEntry& e = entry(name);
   if (e.dtype != dtype || e.shape != shape) {
-    fail(DPAR_ERR_MISMATCH, path_, ": tensor '", name, "' is ", e.dtype, " ", shape_text(e.shape), ", expected ",
+    fail(Status::kMismatch, path_, ": tensor '", name, "' is ", e.dtype, " ", shape_text(e.shape), ", expected ",
          dtype, " ", shape_text(shape));
   }
   return e;
@@ -393,7 +393,7 @@ const SafetensorsEntry& SafetensorsFile::expect(const std::string& name, const s
 
 void SafetensorsFile::copy_to(const std::string& name, void* dst, size_t bytes) const {
   const SafetensorsEntry& e = entry(name);
-  DPAR_ENFORCE(e.bytes == bytes, DPAR_ERR_MISMATCH, path_, ": tensor '", name, "' holds ", e.bytes,
+  DPAR_ENFORCE(e.bytes == bytes, Status::kMismatch, path_, ": tensor '", name, "' holds ", e.bytes,
                " bytes, the destination ", bytes);
   if (bytes > 0) std::memcpy(dst, buffer_.data() + e.offset, bytes);
 }

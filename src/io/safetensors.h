@@ -50,10 +50,10 @@ struct TensorView {
 // aligned in the buffer only if the tensors before it keep it so (as Python's writer does by sorting by
 // dtype size). Adds kSafetensorsCrcKey and kSafetensorsHeaderCrcKey to the metadata. Two threads of one process must not write the same path
 // at once (they would share the temporary name). Throws dpar::Error:
-//   DPAR_ERR_INVALID_ARGUMENT  a duplicate, reserved or non-UTF-8 name, an unknown dtype, a negative extent, a
+//   Status::kInvalidArgument  a duplicate, reserved or non-UTF-8 name, an unknown dtype, a negative extent, a
 //                              size that does not match the shape, a null data pointer, one of the two checksum
 //                              keys in the metadata or "__metadata__" used as a tensor name;
-//   DPAR_ERR_IO                any system call failing, naming the path and the system's reason; the temporary
+//   Status::kIo                any system call failing, naming the path and the system's reason; the temporary
 //                              file is removed and an existing file at path is left as it was.
 void write_safetensors(const std::string& path, const std::vector<TensorView>& tensors,
                        const std::map<std::string, std::string>& metadata);
@@ -70,8 +70,8 @@ struct SafetensorsEntry {
 class SafetensorsFile {
  public:
   // Reads and validates the whole file. Throws dpar::Error naming the file:
-  //   DPAR_ERR_IO       it cannot be opened or read, or is not a regular file;
-  //   DPAR_ERR_CORRUPT  shorter than 8 bytes; a header length beyond the file or kSafetensorsMaxHeaderBytes; a
+  //   Status::kIo       it cannot be opened or read, or is not a regular file;
+  //   Status::kCorrupt  shorter than 8 bytes; a header length beyond the file or kSafetensorsMaxHeaderBytes; a
   //                     header that is not a JSON object (or has duplicate keys, or nests deeper than
   //                     kSafetensorsMaxJsonDepth); an entry without dtype, shape
   //                     or data_offsets, or with values of the wrong JSON type; an unknown dtype; a negative or
@@ -80,7 +80,7 @@ class SafetensorsFile {
   //                     string; a checksum that is malformed or does not match, or only one of the two.
   static SafetensorsFile read(const std::string& path);
   // read() in two halves, for a file read in one place and parsed in others (a checkpoint that rank 0 reads and
-  // broadcasts): read_bytes throws only DPAR_ERR_IO (and CORRUPT for a file too large for memory); parse throws the
+  // broadcasts): read_bytes throws only Status::kIo (and CORRUPT for a file too large for memory); parse throws the
   // CORRUPT errors above, naming `path`.
   static std::vector<uint8_t> read_bytes(const std::string& path);
   static SafetensorsFile parse(const std::string& path, std::vector<uint8_t> bytes);
@@ -89,16 +89,16 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   size_t size() const { return order_.size(); }  // The number of tensors.
   bool has(const std::string& name) const { return entries_.count(name) != 0; }
-  // Throws DPAR_ERR_MISMATCH naming the file and a missing tensor.
+  // Throws Status::kMismatch naming the file and a missing tensor.
   const SafetensorsEntry& entry(const std::string& name) const;
   // The tensor's bytes. Only byte-aligned: the buffer starts 16-byte aligned but a tensor's offset need not be a
   // multiple of its element size, so copy (copy_to, memcpy) rather than cast to a wider type.
   const uint8_t* data(const std::string& name) const;
-  // The entry, after checking that it has this dtype and shape; throws DPAR_ERR_MISMATCH naming both otherwise.
+  // The entry, after checking that it has this dtype and shape; throws Status::kMismatch naming both otherwise.
   // What a checkpoint loader needs to refuse a file of another model.
   const SafetensorsEntry& expect(const std::string& name, const std::string& dtype,
                                  const std::vector<int64_t>& shape) const;
-  // Copies the tensor into dst, which holds `bytes`; throws DPAR_ERR_MISMATCH if the tensor's size differs.
+  // Copies the tensor into dst, which holds `bytes`; throws Status::kMismatch if the tensor's size differs.
   void copy_to(const std::string& name, void* dst, size_t bytes) const;
   // Tensor names in the order of their data in the file.
   std::vector<std::string> names() const { return order_; }

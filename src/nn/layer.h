@@ -16,7 +16,8 @@ namespace dpar {
 
 class ReplicaSet;  // collectives/replica_set.h
 
-enum class Fault : int32_t { kNone = DPAR_FAULT_NONE, kAlloc = DPAR_FAULT_ALLOC, kForward = DPAR_FAULT_FORWARD, kBackward = DPAR_FAULT_BACKWARD };
+// Faults a test arms on a replica; the numbers are the C ABI's (src/capi/codes.h checks them).
+enum class Fault : int32_t { kNone = 0, kAlloc = 1, kForward = 2, kBackward = 3 };
 
 // What a layer may know about the replica that runs it.
 struct ReplicaContext {

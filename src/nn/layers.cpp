@@ -13,18 +13,18 @@ Tensor ReplicaContext::alloc(DType dtype, const Shape& shape) const {
 }
 
 void Layer::forward_with_next(const ReplicaContext&, const Tensor&, const Tensor&) {
-  fail(DPAR_ERR_INTERNAL, describe(), " fuses with no layer after it");
+  fail(Status::kInternal, describe(), " fuses with no layer after it");
 }
 
 void Layer::backward_with_next(const ReplicaContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                const Tensor&, bool) {
-  fail(DPAR_ERR_INTERNAL, describe(), " fuses with no layer after it");
+  fail(Status::kInternal, describe(), " fuses with no layer after it");
 }
 
 void ReplicaContext::maybe_fail(Fault fault, const char* where) const {
   if (armed_fault && *armed_fault == fault) {
     *armed_fault = Fault::kNone;
-    fail(fault == Fault::kAlloc ? DPAR_ERR_OUT_OF_MEMORY : DPAR_ERR_DEVICE, device.str(), ": injected fault in ",
+    fail(fault == Fault::kAlloc ? Status::kOutOfMemory : Status::kDevice, device.str(), ": injected fault in ",
          where);
   }
 }

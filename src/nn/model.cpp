@@ -119,7 +119,7 @@ Tensor ReplicaModel::output_grad_buffer(const ReplicaContext&) {
 
 void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
                             const std::function<void(size_t layer)>& layer_done) {
-  DPAR_ENFORCE(has_forward_, DPAR_ERR_INVALID_STATE, "backward: no forward state on ", ctx.device.str());
+  DPAR_ENFORCE(has_forward_, Status::kInvalidState, "backward: no forward state on ", ctx.device.str());
   ctx.maybe_fail(Fault::kBackward, "backward");
   const int64_t rows = forward_rows_;
   Tensor dout = grad_output;

@@ -42,7 +42,7 @@ Optimizer::Optimizer(const OptimizerConfig& config, std::vector<ElementRange> ra
     : config_(config), ranges_(std::move(ranges)) {
   int64_t previous_end = 0;
   for (const ElementRange& r : ranges_) {
-    DPAR_ENFORCE(previous_end <= r.begin && r.begin <= r.end, DPAR_ERR_INTERNAL, "optimizer: [", r.begin, ", ",
+    DPAR_ENFORCE(previous_end <= r.begin && r.begin <= r.end, Status::kInternal, "optimizer: [", r.begin, ", ",
                  r.end, ") is not a range of parameters after the ones before it");
     previous_end = r.end;
     elements_ += r.size();

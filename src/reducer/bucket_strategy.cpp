@@ -66,7 +66,7 @@ std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, Re
     case BucketStrategyKind::kHierarchicalBf16: return std::make_unique<HierarchicalAllReduce>(set, Wire::kBf16);
     case BucketStrategyKind::kReduceScatter: return std::make_unique<ReduceScatter>(set, wire);
   }
-  fail(DPAR_ERR_INVALID_ARGUMENT, "bucket strategy: ", static_cast<int32_t>(kind), " is not a strategy (0: flat, ",
+  fail(Status::kInvalidArgument, "bucket strategy: ", static_cast<int32_t>(kind), " is not a strategy (0: flat, ",
        "1: hierarchical, 2: hierarchical bf16, 3: reduce-scatter)");
 }
 

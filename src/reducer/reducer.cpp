@@ -31,7 +31,7 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<size_t>& count
 Reducer::Reducer(std::vector<Grad> grads, const BucketOptions& options, Stream& stream,
                  std::unique_ptr<BucketStrategy> strategy, Launch launch)
     : grads_(std::move(grads)), stream_(stream), strategy_(std::move(strategy)), launch_(std::move(launch)) {
-  DPAR_ENFORCE(strategy_ != nullptr, DPAR_ERR_INTERNAL, "reducer: no bucket strategy");
+  DPAR_ENFORCE(strategy_ != nullptr, Status::kInternal, "reducer: no bucket strategy");
   DPAR_CHECK_ARG(options.first_bucket_bytes > 0 && options.bucket_cap_bytes > 0,
                  "bucket sizes: the first bucket's limit and the cap must be positive");
   std::vector<size_t> counts;
@@ -72,14 +72,14 @@ Reducer::Reducer(std::vector<Grad> grads, const BucketOptions& options, Stream& 
 Reducer::~Reducer() { drain(); }
 
 void Reducer::set_strategy(std::unique_ptr<BucketStrategy> strategy) {
-  DPAR_ENFORCE(strategy != nullptr, DPAR_ERR_INTERNAL, "reducer: no bucket strategy");
-  DPAR_ENFORCE(!in_step_, DPAR_ERR_INVALID_STATE, "reducer: the bucket strategy changes between steps only");
+  DPAR_ENFORCE(strategy != nullptr, Status::kInternal, "reducer: no bucket strategy");
+  DPAR_ENFORCE(!in_step_, Status::kInvalidState, "reducer: the bucket strategy changes between steps only");
   strategy_ = std::move(strategy);
 }
 
 void Reducer::prepare(float scale) {
   for (const Bucket& b : buckets_)
-    DPAR_ENFORCE(!b.work, DPAR_ERR_INVALID_STATE, "reducer: the previous step's buckets are still in flight");
+    DPAR_ENFORCE(!b.work, Status::kInvalidState, "reducer: the previous step's buckets are still in flight");
   scale_ = scale;
   std::fill(ready_.begin(), ready_.end(), 0);
   for (Bucket& b : buckets_) {
@@ -91,10 +91,10 @@ void Reducer::prepare(float scale) {
 }
 
 void Reducer::mark_ready(size_t index) {
-  DPAR_ENFORCE(in_step_, DPAR_ERR_INVALID_STATE, "reducer: gradient ", index, " marked ready outside a step");
+  DPAR_ENFORCE(in_step_, Status::kInvalidState, "reducer: gradient ", index, " marked ready outside a step");
   DPAR_CHECK_ARG(index < grads_.size(), "gradient index ", index, " is out of range (", grads_.size(),
                  " gradients registered)");
-  DPAR_ENFORCE(!ready_[index], DPAR_ERR_INVALID_STATE, "gradient ", index, " was marked ready twice in one step");
+  DPAR_ENFORCE(!ready_[index], Status::kInvalidState, "gradient ", index, " was marked ready twice in one step");
   ready_[index] = 1;
   Bucket& b = buckets_[bucket_of_[index]];
   --b.pending;
@@ -103,7 +103,7 @@ void Reducer::mark_ready(size_t index) {
 }
 
 void Reducer::mark_all_ready() {
-  DPAR_ENFORCE(in_step_, DPAR_ERR_INVALID_STATE, "reducer: gradients marked ready outside a step");
+  DPAR_ENFORCE(in_step_, Status::kInvalidState, "reducer: gradients marked ready outside a step");
   for (size_t i = 0; i < grads_.size(); ++i) {
     if (ready_[i]) continue;
     ready_[i] = 1;
@@ -156,7 +156,7 @@ void Reducer::reduce_bucket(Bucket& b) {
 }
 
 void Reducer::finish() {
-  DPAR_ENFORCE(in_step_, DPAR_ERR_INVALID_STATE, "reducer: finish() without a step in progress");
+  DPAR_ENFORCE(in_step_, Status::kInvalidState, "reducer: finish() without a step in progress");
   std::exception_ptr first;
   for (size_t i = 0; i < next_launch_; ++i) {
     Bucket& b = buckets_[i];

@@ -26,21 +26,8 @@ const char* dtype_name(DType dtype) {
   return "?";
 }
 
-DType checked_dtype(int32_t dtype, const char* argument) {
-  switch (dtype) {
-    case DPAR_F32: return DType::kF32;
-    case DPAR_I32: return DType::kI32;
-    case DPAR_BF16:
-    case DPAR_F16:
-    case DPAR_U8: fail(DPAR_ERR_NOT_SUPPORTED, argument, ": dtype ", dtype, " is reserved and not supported yet (use f32 or i32)");
-    case DPAR_F64:
-    case DPAR_I64: fail(DPAR_ERR_NOT_SUPPORTED, argument, ": dtype ", dtype, " is for collectives; tensors hold f32 or i32");
-    default: fail(DPAR_ERR_INVALID_ARGUMENT, argument, ": unknown dtype ", dtype);
-  }
-}
-
 Shape::Shape(std::initializer_list<int64_t> dims) {
-  DPAR_ENFORCE(dims.size() <= kMaxDims, DPAR_ERR_INTERNAL, "shape: too many dimensions");
+  DPAR_ENFORCE(dims.size() <= kMaxDims, Status::kInternal, "shape: too many dimensions");
   for (int64_t d : dims) dims_[ndim_++] = d;
 }
 
@@ -135,12 +122,12 @@ Tensor Tensor::wrap(void* data, DType dtype, const Shape& shape, Device device) 
 }
 
 float* Tensor::f32() const {
-  DPAR_ENFORCE(dtype_ == DType::kF32, DPAR_ERR_INVALID_ARGUMENT, "tensor: expected f32, got ", dtype_name(dtype_));
+  DPAR_ENFORCE(dtype_ == DType::kF32, Status::kInvalidArgument, "tensor: expected f32, got ", dtype_name(dtype_));
   return static_cast<float*>(raw());
 }
 
 int32_t* Tensor::i32() const {
-  DPAR_ENFORCE(dtype_ == DType::kI32, DPAR_ERR_INVALID_ARGUMENT, "tensor: expected i32, got ", dtype_name(dtype_));
+  DPAR_ENFORCE(dtype_ == DType::kI32, Status::kInvalidArgument, "tensor: expected i32, got ", dtype_name(dtype_));
   return static_cast<int32_t*>(raw());
 }
 
@@ -151,7 +138,7 @@ void Tensor::copy_from_host(const void* src) const {
 void Tensor::copy_to_host(void* dst) const { backend_for(device()).copy_to_host(dst, raw(), bytes(), device()); }
 
 Tensor Tensor::rows(int64_t begin, int64_t count) const {
-  DPAR_ENFORCE(begin >= 0 && count >= 0 && begin + count <= shape_[0], DPAR_ERR_INTERNAL, "tensor: rows [", begin,
+  DPAR_ENFORCE(begin >= 0 && count >= 0 && begin + count <= shape_[0], Status::kInternal, "tensor: rows [", begin,
                ", ", begin + count, ") out of ", shape_.str());
   Tensor t = *this;
   t.offset_ = offset_ + static_cast<size_t>(begin * shape_.row_numel()) * dtype_size(dtype_);
@@ -160,7 +147,7 @@ Tensor Tensor::rows(int64_t begin, int64_t count) const {
 }
 
 Tensor Tensor::reshaped(const Shape& shape) const {
-  DPAR_ENFORCE(shape.numel() == numel(), DPAR_ERR_INTERNAL, "tensor: cannot view ", shape_.str(), " as ", shape.str());
+  DPAR_ENFORCE(shape.numel() == numel(), Status::kInternal, "tensor: cannot view ", shape_.str(), " as ", shape.str());
   Tensor t = *this;
   t.shape_ = shape;
   return t;

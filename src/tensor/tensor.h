@@ -9,22 +9,20 @@
 #include <string>
 
 #include "device/device.h"
-#include "dpar.h"
 
 namespace dpar {
 
-enum class DType : int32_t { kF32 = DPAR_F32, kI32 = DPAR_I32 };
+// The numbers are the C ABI's (src/capi/codes.h checks them), so that a tensor's dtype crosses as a cast.
+enum class DType : int32_t { kF32 = 0, kI32 = 1 };
 size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
-// Checks a raw dtype from the C ABI: reserved dtypes are not supported yet.
-DType checked_dtype(int32_t dtype, const char* argument);
 
 class Shape {
  public:
-  static constexpr size_t kMaxDims = DPAR_MAX_DIMS;
+  static constexpr size_t kMaxDims = 4;
   Shape() = default;
   Shape(std::initializer_list<int64_t> dims);
-  // Checks extents from the C ABI (1..4 dims, each >= 1, no overflow).
+  // Checks extents from a caller (1..4 dims, each >= 1, no overflow).
   static Shape checked(const int64_t* dims, size_t ndim, const char* argument);
 
   size_t ndim() const { return ndim_; }

@@ -35,7 +35,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string& path = fuzz::scratch_path("checkpoint");
   fuzz::write_input(path, data, size);
   Engine& e = engine();
-  fuzz::expect_only_documented_errors([&] { e.load(path); }, {DPAR_ERR_CORRUPT, DPAR_ERR_MISMATCH});
+  fuzz::expect_only_documented_errors([&] { e.load(path); }, {Status::kCorrupt, Status::kMismatch});
   // Whatever the file was, the engine trains on (a refused file changed nothing; an accepted one is valid).
   static Tensor x = [] {
     Tensor t = Tensor::zeros(DType::kF32, Shape{4, 3}, Device{});

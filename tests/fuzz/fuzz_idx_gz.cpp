@@ -20,6 +20,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         for (int64_t d : a.dims) total *= static_cast<uint64_t>(d);
         if (a.dims.empty() || total != a.data.size()) std::abort();
       },
-      {DPAR_ERR_CORRUPT, DPAR_ERR_NOT_SUPPORTED});
+      {Status::kCorrupt, Status::kNotSupported});
   return 0;
 }

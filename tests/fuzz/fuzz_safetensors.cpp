@@ -1,5 +1,5 @@
 // libFuzzer harness: the safetensors reader (header JSON, entries, tiling, both checksums) on arbitrary bytes.
-// A refusal is DPAR_ERR_CORRUPT; a file that is accepted must be self-consistent.
+// A refusal is Status::kCorrupt; a file that is accepted must be self-consistent.
 #include <cstring>
 
 #include "fuzz_util.h"
@@ -21,6 +21,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
         if (total != file.buffer().size()) std::abort();
       },
-      {DPAR_ERR_CORRUPT});
+      {Status::kCorrupt});
   return 0;
 }

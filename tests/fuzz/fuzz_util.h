@@ -32,11 +32,11 @@ inline void write_input(const std::string& path, const uint8_t* data, size_t siz
 // A refusal must be a dpar::Error with a status the reader documents; anything else (another exception type, an
 // internal error) is a finding, and aborting makes libFuzzer keep the input.
 template <class F>
-void expect_only_documented_errors(F&& body, std::initializer_list<dpar_status> allowed) {
+void expect_only_documented_errors(F&& body, std::initializer_list<Status> allowed) {
   try {
     body();
   } catch (const Error& e) {
-    for (dpar_status s : allowed)
+    for (Status s : allowed)
       if (e.status() == s) return;
     std::fprintf(stderr, "undocumented status %d: %s\n", static_cast<int>(e.status()), e.what());
     std::abort();

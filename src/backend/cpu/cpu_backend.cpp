@@ -102,7 +102,7 @@ class CpuBackend final : public Backend {
     // Rounded up to whole cache lines so that vector loops over any buffer start aligned and peel identically.
     const size_t rounded = (bytes + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, rounded ? rounded : 64);
-    if (!p) fail(DPAR_ERR_OUT_OF_MEMORY, device.str(), ": out of memory allocating ", bytes, " bytes");
+    if (!p) fail(Status::kOutOfMemory, device.str(), ": out of memory allocating ", bytes, " bytes");
     return p;
   }
   void deallocate(Device, void* ptr) noexcept override { std::free(ptr); }

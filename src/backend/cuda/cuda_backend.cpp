@@ -60,7 +60,7 @@ class CachingAllocator {
     }
     if (rc == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
-      fail(DPAR_ERR_OUT_OF_MEMORY, "cuda:", device_, ": out of device memory allocating ", bytes, " bytes (",
+      fail(Status::kOutOfMemory, "cuda:", device_, ": out of device memory allocating ", bytes, " bytes (",
            stats_.bytes_reserved, " bytes held by dpar)");
     }
     DPAR_CUDA_CHECK(rc, "cudaMalloc of ", bytes, " bytes on cuda:", device_);
@@ -406,7 +406,7 @@ class CudaBackend final : public Backend {
     const cudaError_t rc = cudaPointerGetAttributes(&a, p);
     if (rc != cudaSuccess) {
       (void)cudaGetLastError();  // not sticky: clear the thread's last error
-      fail(DPAR_ERR_INVALID_ARGUMENT, argument, ": ", which, p, " is not memory CUDA knows (", cudaGetErrorString(rc),
+      fail(Status::kInvalidArgument, argument, ": ", which, p, " is not memory CUDA knows (", cudaGetErrorString(rc),
            "); it must be memory of ", device.str());
     }
     // Managed memory is reachable from every GPU; device memory only from its own (peer access aside, which a
@@ -528,7 +528,7 @@ class CudaBackend final : public Backend {
   static void enable_peer_access(int from, int to) {
     int can = 0;
     DPAR_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, from, to), "cudaDeviceCanAccessPeer(", from, ", ", to, ")");
-    DPAR_ENFORCE(can, DPAR_ERR_NOT_SUPPORTED, "cuda:", from, " cannot reach cuda:", to,
+    DPAR_ENFORCE(can, Status::kNotSupported, "cuda:", from, " cannot reach cuda:", to,
                  "'s memory (no peer access): a group that names a GPU more than once must not span GPUs without "
                  "it; name each GPU once (NCCL), or use one GPU");
     DeviceScope scope(from);

@@ -118,7 +118,7 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
 #ifdef DPAR_GEMM_OMP
   if (before != want) omp_set_num_threads(before);
 #endif
-  if (st == dnnl_out_of_memory) fail(DPAR_ERR_OUT_OF_MEMORY, "sgemm: oneDNN ran out of memory (M=", M, ", N=", N, ", K=", K, ")");
+  if (st == dnnl_out_of_memory) fail(Status::kOutOfMemory, "sgemm: oneDNN ran out of memory (M=", M, ", N=", N, ", K=", K, ")");
   DPAR_CHECK_ARG(st == dnnl_success, "sgemm: dnnl_sgemm failed with status ", static_cast<int>(st), " (M=", M,
                  ", N=", N, ", K=", K, ", lda=", lda, ", ldb=", ldb, ", ldc=", ldc, ")");
 }

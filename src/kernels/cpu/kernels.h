@@ -13,7 +13,7 @@
 // (in-place use); no other partial overlap is allowed anywhere.
 //
 // Errors: arguments are checked cheaply (O(1), plus label ranges) and reported by throwing dpar::Error with
-// DPAR_ERR_INVALID_ARGUMENT.
+// Status::kInvalidArgument.
 #pragma once
 
 #include <cstdint>

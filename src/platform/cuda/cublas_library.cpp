@@ -60,7 +60,7 @@ CublasLibrary load() {
     lib.path = dladdr(reinterpret_cast<const void*>(lib.create), &info) != 0 && info.dli_fname ? info.dli_fname : file;
     return lib;  // the handle stays open for the life of the process
   }
-  fail(DPAR_ERR_DEVICE, "cuBLAS ", CUBLAS_VER_MAJOR, ".x, which dpar's CUDA backend needs, could not be loaded (", tried,
+  fail(Status::kDevice, "cuBLAS ", CUBLAS_VER_MAJOR, ".x, which dpar's CUDA backend needs, could not be loaded (", tried,
        "): install the CUDA toolkit's cuBLAS, or add its directory to LD_LIBRARY_PATH");
 }
 

@@ -23,7 +23,7 @@ struct CublasLibrary {
 
 // cuBLAS of the major version dpar was built with (libcublas.so.<CUBLAS_VER_MAJOR>), loaded once per process and
 // never unloaded: by name (the dynamic loader's search, with libdpar's run path), else from the directory of the
-// CUDA runtime that libdpar loaded, where the toolkit keeps it. Throws Error(DPAR_ERR_DEVICE) naming every file
+// CUDA runtime that libdpar loaded, where the toolkit keeps it. Throws Error(Status::kDevice) naming every file
 // tried and why it failed; a later call tries again.
 const CublasLibrary& cublas();
 

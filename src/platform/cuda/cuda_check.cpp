@@ -26,25 +26,25 @@ std::string describe(const char* call, const std::string& context, const char* t
 
 }  // namespace
 
-dpar_status cuda_error_status(cudaError_t err) {
-  return err == cudaErrorMemoryAllocation ? DPAR_ERR_OUT_OF_MEMORY : DPAR_ERR_DEVICE;
+Status cuda_error_status(cudaError_t err) {
+  return err == cudaErrorMemoryAllocation ? Status::kOutOfMemory : Status::kDevice;
 }
 
-dpar_status cublas_error_status(cublasStatus_t status) {
-  return status == CUBLAS_STATUS_ALLOC_FAILED ? DPAR_ERR_OUT_OF_MEMORY : DPAR_ERR_DEVICE;
+Status cublas_error_status(cublasStatus_t status) {
+  return status == CUBLAS_STATUS_ALLOC_FAILED ? Status::kOutOfMemory : Status::kDevice;
 }
 
-dpar_status nccl_error_status(ncclResult_t result) {
+Status nccl_error_status(ncclResult_t result) {
   switch (result) {
     case ncclRemoteError:
-      return DPAR_ERR_REMOTE;
+      return Status::kRemote;
     case ncclInvalidArgument:
     case ncclInvalidUsage:
-      return DPAR_ERR_INVALID_ARGUMENT;
+      return Status::kInvalidArgument;
     case ncclUnhandledCudaError:
-      return DPAR_ERR_DEVICE;
+      return Status::kDevice;
     default:
-      return DPAR_ERR_COMMUNICATION;
+      return Status::kCommunication;
   }
 }
 

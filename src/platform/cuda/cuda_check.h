@@ -10,10 +10,10 @@
 // Nothing in dpar reads cudaGetLastError() to learn whether a call failed: that slot also holds what earlier calls
 // left there (a "not ready" from a query among them), so it would blame a good call for an old answer.
 //
-// Statuses: cudaErrorMemoryAllocation becomes DPAR_ERR_OUT_OF_MEMORY (and cuBLAS's ALLOC_FAILED too); every other
-// CUDA or cuBLAS failure DPAR_ERR_DEVICE; an NCCL failure DPAR_ERR_COMMUNICATION, except ncclRemoteError
-// (DPAR_ERR_REMOTE: a peer failed), ncclInvalidArgument and ncclInvalidUsage (DPAR_ERR_INVALID_ARGUMENT) and a
-// CUDA error inside NCCL (DPAR_ERR_DEVICE).
+// Statuses: cudaErrorMemoryAllocation becomes Status::kOutOfMemory (and cuBLAS's ALLOC_FAILED too); every other
+// CUDA or cuBLAS failure Status::kDevice; an NCCL failure Status::kCommunication, except ncclRemoteError
+// (Status::kRemote: a peer failed), ncclInvalidArgument and ncclInvalidUsage (Status::kInvalidArgument) and a
+// CUDA error inside NCCL (Status::kDevice).
 #pragma once
 
 #include <cublas_v2.h>
@@ -34,9 +34,9 @@ namespace dpar::cuda {
 [[noreturn]] void fail_nccl(ncclResult_t result, const char* call, const std::string& context);
 
 // The status a failure maps to (see above); exposed for tests and for callers that report without throwing.
-dpar_status cuda_error_status(cudaError_t err);
-dpar_status cublas_error_status(cublasStatus_t status);
-dpar_status nccl_error_status(ncclResult_t result);
+Status cuda_error_status(cudaError_t err);
+Status cublas_error_status(cublasStatus_t status);
+Status nccl_error_status(ncclResult_t result);
 
 // "CUBLAS_STATUS_NOT_SUPPORTED" and the like (cuBLAS's own cublasGetStatusString gives the text).
 const char* cublas_status_name(cublasStatus_t status);
