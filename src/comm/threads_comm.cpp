@@ -313,6 +313,9 @@ class ThreadCommunicator final : public Communicator {
   // blocks that their owners do not write, and writes its own buffer only (as all_gather, for the same reason).
   void all_gather_blocks(const CommCall& c) {
     float* buffer = static_cast<float*>(c.recv);
+    const auto [first_begin, first_end] = block_range(c.count(), size(), 0);  // the largest block
+    if (c.count() && (first_end - first_begin) * sizeof(float) <= group_.stage_limit())
+      return staged_all_gather_blocks(c);
     const size_t p = start(c, buffer, buffer);
     if (c.count() == 0) return;
     for (int r = 0; r < size(); ++r) {
@@ -322,6 +325,26 @@ class ThreadCommunicator final : public Communicator {
       if (end > begin) std::memcpy(buffer + begin, src + begin, (end - begin) * sizeof(float));
     }
     group_.arrive_and_wait(rank_, c.operation);
+  }
+
+  // all_gather_blocks with one barrier, as staged_all_gather: the others read this participant's block from its
+  // staging buffer, never from its buffer, so it may return as soon as its own buffer is whole (the engine's
+  // parameter all-gather of a small model, every step). count > 0, the largest block within the stage.
+  void staged_all_gather_blocks(const CommCall& c) {
+    float* buffer = static_cast<float*>(c.recv);
+    if (size() == 1) {  // its one block is its buffer already
+      start(c, buffer, buffer);
+      return;
+    }
+    const auto [mine_begin, mine_end] = block_range(c.count(), size(), rank_);
+    unsigned char* stage = next_stage(c.operation);
+    if (mine_end > mine_begin) std::memcpy(stage, buffer + mine_begin, (mine_end - mine_begin) * sizeof(float));
+    const size_t p = start(c, stage, buffer);
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank_) continue;
+      const auto [begin, end] = block_range(c.count(), size(), r);
+      if (end > begin) std::memcpy(buffer + begin, peer(r, p).send, (end - begin) * sizeof(float));
+    }
   }
 
   // all_gather with one barrier (threads_comm.h): the others read this participant's staging buffer, never its

@@ -79,8 +79,9 @@ class ThreadGroup final : public Group {
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   // Every participant waiting now or later throws Error(REMOTE) with `reason` (the first reason is kept).
   void abort(const std::string& reason) override;
-  // An all_gather of at most stage_limit() bytes per participant, or an all_reduce_sum of at most stage_limit()
-  // bytes for all participants together, has one barrier instead of two (see above); its staging buffers hold
+  // An all_gather of at most stage_limit() bytes per participant (all_gather_blocks: per block), or an
+  // all_reduce_sum of at most stage_limit() bytes for all participants together, has one barrier instead of two
+  // (see above); its staging buffers hold
   // kStageBytes. The limit is where one barrier saved stops paying for the copies, measured on 2 cores (2026-11-23,
   // medians of 2 runs of 3000 calls): while the participants fit on the cores a barrier is a spin of well under a
   // microsecond, and staging wins only up to 1 KiB (2 threads, all_gather of 4 KiB: 0.5-0.6 us in two barriers,
