@@ -4,16 +4,14 @@
 #
 #   scripts/check_gpu.sh LOGDIR [STAGE...]
 #
-# Stages, in order (all but racecheck when none is named):
+# Stages, in order (all but racecheck when none is named), what only a GPU can run first:
 #   build     configure build-gpu/ (Release, the CUDA backend required) and print the CUDA, cuBLAS, NCCL and
 #             DLPack it found (cuDNN: dpar does not use it yet); build
-#   test      every CTest test, each under its own limit (60 s for the GPU tests): a hung one is killed and named
-#             ("Timeout") while the others go on. The GPU tests (CTest label "cuda") come first, then the rest of
-#             the suite, whose tests take GPU branches too where a GPU is present (DLPack's cuda tensors, the data
-#             loaders on cuda:0). With a GPU visible, DPAR_TEST_REQUIRE_GPU=1 makes a GPU test that finds no device
-#             fail instead of skipping; a test that still skips (one that needs a second GPU, a binding whose
-#             toolchain is missing) is listed. In parallel only where the GPU's compute mode is Default: in an
-#             exclusive mode a second process cannot open the GPU, so the tests run one at a time
+#   test      the GPU tests (CTest label "cuda"), each under its own limit (60 s): a hung one is killed and named
+#             ("Timeout") while the others go on. With a GPU visible, DPAR_TEST_REQUIRE_GPU=1 makes a GPU test that
+#             finds no device fail instead of skipping; a test that still skips (one that needs a second GPU) is
+#             listed. In parallel only where the GPU's compute mode is Default: in an exclusive mode a second
+#             process cannot open the GPU, so the tests run one at a time
 #   fmnist    the C example trains on Fashion-MNIST on cuda for 10 epochs and must reach 88% (a timeline of its
 #             first epoch goes to LOGDIR/traces)
 #   bench     the GPU training benchmark for the demo MLP at batch 128 and the wide MLP 784-4096-4096-4096-10 at
@@ -22,6 +20,9 @@
 #   memcheck  dpar's own kernel and engine tests under compute-sanitizer memcheck; API errors are not reported
 #             (dpar checks every API call's status itself, and its tests fail calls on purpose, e.g. the
 #             out-of-memory test's 4 TiB allocation). A program the budget left no time for is "not reached"
+#   suite     the rest of the suite, whose tests take GPU branches too where a GPU is present (DLPack's cuda
+#             tensors, the data loaders on cuda:0), as the test stage runs them
+#   fmnist-cpu the same training on the machine's CPU cores, for the wall time beside the GPU's
 #   racecheck (only when named) the kernel tests under racecheck: shared-memory hazards in dpar's kernels
 #
 # The whole check has a budget (DPAR_GPU_CHECK_BUDGET_S, default 540 s); each stage runs under its own limit,
@@ -40,13 +41,13 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 logs=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(build test fmnist bench memcheck)
+[ ${#stages[@]} -gt 0 ] || stages=(build test fmnist bench memcheck suite fmnist-cpu)
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 build="$root/build-gpu"
@@ -174,15 +175,29 @@ stage_test() {
   echo "compute mode: ${compute_mode:-unknown}; ctest ${jobs[*]:-(one test at a time)}"
   # With a GPU visible, a GPU test that finds none has found a fault (tests/require_gpu.h).
   [ -n "$compute_mode" ] && export DPAR_TEST_REQUIRE_GPU=1
-  { ctest --test-dir "$build" -L cuda "${jobs[@]}" --output-on-failure || status=1
-    echo "== the rest of the suite (its GPU branches)"
-    ctest --test-dir "$build" -LE cuda "${jobs[@]}" --output-on-failure || status=1
-  } > "$logs/test-ctest.log" 2>&1
+  ctest --test-dir "$build" -L cuda "${jobs[@]}" --output-on-failure > "$logs/test-ctest.log" 2>&1 || status=1
   cat "$logs/test-ctest.log"
-  # CTest counts a test that printed [  SKIPPED ] as skipped: on a GPU machine each is listed, with why.
-  echo "== GPU tests that skipped here (each says why in its output above):"
-  grep -E "\*\*\*Skipped|Skipped$" "$logs/test-ctest.log" || echo "   none"
+  skipped "$logs/test-ctest.log"
   return $status
+}
+
+# The rest of the suite, whose tests take GPU branches too where a GPU is present: last, because the build
+# machine and CI run it as well, and a GPU's minutes go first to what only a GPU can run.
+stage_suite() {
+  local status=0 jobs=()
+  [ "$compute_mode" = Default ] && jobs=(-j 8)
+  echo "compute mode: ${compute_mode:-unknown}; ctest ${jobs[*]:-(one test at a time)}"
+  [ -n "$compute_mode" ] && export DPAR_TEST_REQUIRE_GPU=1
+  ctest --test-dir "$build" -LE cuda "${jobs[@]}" --output-on-failure > "$logs/suite-ctest.log" 2>&1 || status=1
+  cat "$logs/suite-ctest.log"
+  skipped "$logs/suite-ctest.log"
+  return $status
+}
+
+# CTest counts a test that printed [  SKIPPED ] as skipped: on a GPU machine each is listed, with why.
+skipped() {
+  echo "== tests that skipped here (each says why in its output above):"
+  grep -E "\*\*\*Skipped|Skipped$" "$1" || echo "   none"
 }
 
 stage_fmnist() {
@@ -191,6 +206,13 @@ stage_fmnist() {
   "$build/examples/c/train_fashion_mnist" --device cuda --data "$data" --epochs 10 --min-accuracy 88 \
     --trace "$logs/traces/fmnist-epoch1.json" || return 1
   echo "wall time, 10 epochs on cuda: $((SECONDS - start)) s"
+}
+
+# The same training on this machine's CPU cores, for the wall time beside the GPU's.
+stage_fmnist_cpu() {
+  local start=$SECONDS
+  "$build/examples/c/train_fashion_mnist" --device cpu --data "$data" --epochs 10 --min-accuracy 88 || return 1
+  echo "wall time, 10 epochs on the CPU ($(nproc) cores): $((SECONDS - start)) s"
 }
 
 stage_bench() {
@@ -249,7 +271,7 @@ compute_mode=$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/
   fi
 } | tee -a "$summary"
 export root build data logs compute_mode
-export -f stage_build stage_test stage_fmnist stage_bench sanitize sanitized_tests
+export -f stage_build stage_test stage_suite skipped stage_fmnist stage_fmnist_cpu stage_bench sanitize sanitized_tests
 for stage in "${stages[@]}"; do
   case $stage in
     build) run_stage build 180 bash -c stage_build ;;
@@ -257,7 +279,9 @@ for stage in "${stages[@]}"; do
     fmnist) run_stage fmnist 90 bash -c stage_fmnist ;;
     bench) run_stage bench 120 bash -c stage_bench ;;
     memcheck | racecheck) run_stage "$stage" 240 bash -c "sanitize $stage" ;;
-    *) note "unknown stage '$stage' (build test fmnist bench memcheck racecheck)"; failed=1 ;;
+    suite) run_stage suite 300 bash -c stage_suite ;;
+    fmnist-cpu) run_stage fmnist-cpu 120 bash -c stage_fmnist_cpu ;;
+    *) note "unknown stage '$stage' (build test fmnist bench memcheck suite fmnist-cpu racecheck)"; failed=1 ;;
   esac
 done
 note "total: $((SECONDS - started)) s of a $budget s budget"

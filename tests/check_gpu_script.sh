@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/check_gpu.sh's own logic, on any machine, with stand-ins for nvidia-smi, ctest and compute-sanitizer on
-# PATH: the test stage runs the whole suite (the GPU tests, then the rest), in parallel only in the Default
+# PATH: the test and suite stages run the whole suite (the GPU tests, then the rest), in parallel only in the Default
 # compute mode, with DPAR_TEST_REQUIRE_GPU set where a GPU is visible; a memcheck the budget cuts short is
 # "not reached" (exit 3), not failed. Usage: check_gpu_script.sh <source root>
 set -u -o pipefail
@@ -31,14 +31,14 @@ check() {  # check WHAT COMMAND...: the command must succeed
   shift
   if "$@"; then echo "ok: $what"; else echo "FAIL: $what"; status=1; fi
 }
-run() {  # run MODE BUDGET STAGE: check_gpu.sh with the stand-ins; its exit status in $rc, its logs in $work/MODE
+run() {  # run MODE BUDGET STAGE...: check_gpu.sh with the stand-ins; its exit status in $rc, its logs in $work/MODE
   rm -f "$work/calls"
   PATH="$work/bin:$PATH" FAKE_COMPUTE_MODE=$1 FAKE_CALLS="$work/calls" DPAR_GPU_CHECK_BUDGET_S=$2 \
-    bash "$root/scripts/check_gpu.sh" "$work/$1" "$3" > "$work/$1.out" 2>&1
+    bash "$root/scripts/check_gpu.sh" "$work/$1" "${@:3}" > "$work/$1.out" 2>&1
   rc=$?
 }
 
-run Exclusive_Process 60 test
+run Exclusive_Process 60 test suite
 check "exclusive mode: the summary names it" grep -q "compute mode: Exclusive_Process" "$work/Exclusive_Process/summary.txt"
 check "exclusive mode: the GPU tests, then the rest" \
   bash -c "grep -q -- '-L cuda' '$work/calls' && grep -q -- '-LE cuda' '$work/calls'"
@@ -46,8 +46,8 @@ check "exclusive mode: no -j" bash -c "! grep -q -- '-j' '$work/calls'"
 check "a visible GPU makes a skip a failure" bash -c "! grep -v 'REQUIRE_GPU=1' '$work/calls'"
 check "exclusive mode: exit 0" [ "$rc" -eq 0 ]
 
-run Default 60 test
-check "default mode: in parallel" bash -c "[ \$(grep -c -- '-j 4' '$work/calls') -eq 2 ]"
+run Default 60 test suite
+check "default mode: in parallel" bash -c "[ \$(grep -c -- '-j [48]' '$work/calls') -eq 2 ]"
 
 run Default 6 memcheck
 check "memcheck cut by the budget: not reached" grep -q "NOT REACHED" "$work/Default/summary.txt"
