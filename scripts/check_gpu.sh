@@ -17,7 +17,8 @@
 #   bench     the GPU training benchmark for the demo MLP at batch 128 and the wide MLP 784-4096-4096-4096-10 at
 #             batch 8192: dpar's step beside PyTorch's (plain, DataParallel, DDP of world size 1, CUDA graph, where
 #             PyTorch with CUDA is installed) and beside the step's GEMMs in cuBLAS alone, with the ratios
-#   memcheck  dpar's own kernel and engine tests under compute-sanitizer memcheck; API errors are not reported
+#   memcheck  dpar's own kernel and engine tests under compute-sanitizer memcheck, one process per test with a
+#             limit of its own (a test slow or hung under the tool is named, the rest go on); API errors are not reported
 #             (dpar checks every API call's status itself, and its tests fail calls on purpose, e.g. the
 #             out-of-memory test's 4 TiB allocation). A program the budget left no time for is "not reached"
 #   suite     the rest of the suite, whose tests take GPU branches too where a GPU is present (DLPack's cuda
@@ -29,7 +30,8 @@
 # never past what is left of the budget, and a stage that fails or times out does not stop the next. A stage that
 # the budget (not its own limit) cut short, or left no time for, is "NOT REACHED": not a failure, and not a pass.
 # LOGDIR/summary.txt has one line per stage (status, seconds, log) after the GPU and its compute mode; it is printed
-# last. Exit status: 0 when every stage ran and passed, 1 when one failed (or hit its own limit), 3 when none failed
+# last. Every log, JSON and trace is in LOGDIR/logs.tar.gz, refreshed after each stage (two files in all: the GPU
+# machines give back at most 8). Exit status: 0 when every stage ran and passed, 1 when one failed (or hit its own limit), 3 when none failed
 # but the budget left one not reached.
 #
 # On the project's GPU machines (../shared/device/README.md), from the project's root:
@@ -41,11 +43,14 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,42p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
-logs=$(mkdir -p "$1" && cd "$1" && pwd)
+out=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
+# The logs are written in a scratch folder and packed into LOGDIR/logs.tar.gz after every stage, beside a copy of
+# summary.txt: the GPU machines give back at most 8 files, and a stage cut short still leaves the ones before it.
+logs=$(mktemp -d "${TMPDIR:-/tmp}/dpar-gpu-check.XXXXXX")
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(build test fmnist bench memcheck suite fmnist-cpu)
 
@@ -60,6 +65,12 @@ started=$SECONDS
 
 note() { echo "$*" >> "$summary"; echo "$*"; }
 
+# LOGDIR/summary.txt and LOGDIR/logs.tar.gz (every log, JSON and trace so far), replaced whole.
+pack() {
+  cp "$summary" "$out/summary.txt"
+  tar -czf "$out/logs.tar.gz.part" -C "$logs" . && mv "$out/logs.tar.gz.part" "$out/logs.tar.gz"
+}
+
 # run_stage NAME CAP COMMAND...: the command with its output in LOGDIR/NAME.log, under min(CAP, what is left of
 # the budget) seconds.
 run_stage() {
@@ -73,7 +84,7 @@ run_stage() {
     return
   fi
   local start=$SECONDS status verdict=passed
-  echo "== $name (limit $limit s): $logs/$name.log"
+  echo "== $name (limit $limit s): $name.log in $out/logs.tar.gz"
   timeout --kill-after=10 "$limit" "$@" > "$logs/$name.log" 2>&1
   status=$?
   if { [ $status -eq 124 ] || [ $status -eq 137 ]; } && [ "$limit" -lt "$cap" ]; then
@@ -87,23 +98,26 @@ run_stage() {
     verdict="FAILED (exit $status)"
     failed=1
   fi
-  note "$(printf '%-9s %-30s %5d s  %s' "$name" "$verdict" "$((SECONDS - start))" "$logs/$name.log")"
+  note "$(printf '%-9s %-30s %5d s  %s' "$name" "$verdict" "$((SECONDS - start))" "$name.log")"
   # What a reader needs first, without opening the log.
   case $name in
     build) grep -E "^-- dpar: " "$logs/$name.log" | sed 's/^-- /          /' | tee -a "$summary" ;;
-    test) { grep -E "tests passed|\*\*\*(Timeout|Failed|Exception)|SEGFAULT|Subprocess aborted|Not Run" "$logs/$name.log"
-            echo "tests skipped: $(grep -c '\*\*\*Skipped' "$logs/test-ctest.log") (listed in the log)"; } |
-            sed 's/^/          /' | tee -a "$summary" ;;
+    test | suite)
+      { grep -E "tests passed|\*\*\*(Timeout|Failed|Exception)|SEGFAULT|Subprocess aborted|Not Run|\(Failed\)" \
+          "$logs/$name.log"
+        echo "tests skipped: $(grep -c '\*\*\*Skipped' "$logs/$name-ctest.log" 2>/dev/null) (listed in the log)"; } |
+        sed 's/^/          /' | tee -a "$summary" ;;
     fmnist) grep -E "^(dpar|epoch +10|.*accuracy|.*wall)" "$logs/$name.log" | tail -4 | sed 's/^/          /' |
               tee -a "$summary" ;;
     memcheck | racecheck)
-      { grep -E "^== |ERROR SUMMARY" "$logs/$name.log"
+      { grep -E "^== .*(: (exit|timed out|not reached)|passed$)|ERROR SUMMARY: [1-9]" "$logs/$name.log"
         # The programs the stage did not get to (sanitize names each as it starts and as it ends).
         local t
         for t in $(sanitized_tests "$name"); do
           grep -q "^== $t: " "$logs/$name.log" || echo "== $t: not reached"
         done; } | sed 's/^/          /' | tee -a "$summary" ;;
   esac
+  pack
 }
 
 stage_build() {
@@ -246,13 +260,33 @@ sanitized_tests() {
 }
 
 # sanitize TOOL: dpar's own kernel and engine tests under compute-sanitizer; a report or a failed test fails it.
-# Each program's start and end are logged ("== PROGRAM: ..."), so that one the budget cut off can be named.
+# Each test runs as a process of its own under a limit of its own (60 s), so that one slow or hung under the tool
+# is named and the others still run. Each program's start and end are logged ("== PROGRAM: ..."), so that one the
+# budget cut off can be named.
 sanitize() {
-  local tool=$1 status=0 t rc
+  local tool=$1 status=0 t rc one tests
   for t in $(sanitized_tests "$tool"); do
     echo "== compute-sanitizer --tool $tool $t"
-    compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 "$build/tests/$t"
-    rc=$?
+    tests=$("$build/tests/$t" --gtest_list_tests 2>/dev/null |
+            awk '/^[^ ]/ {suite = $1} /^  / {print suite $1}')
+    if [ -z "$tests" ]; then  # no list (the program did not start): run it whole
+      compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 "$build/tests/$t"
+      rc=$?
+    else
+      rc=0
+      for one in $tests; do
+        timeout --kill-after=5 60 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
+          "$build/tests/$t" --gtest_filter="$one" > "$logs/$tool-$t-one.log" 2>&1
+        local r=$?
+        grep -E "ERROR SUMMARY|FAILED|Invalid|=========  " "$logs/$tool-$t-one.log" | head -40
+        case $r in
+          0) echo "== $t $one: passed" ;;
+          124 | 137) echo "== $t $one: timed out (60 s)"; rc=1 ;;
+          *) echo "== $t $one: exit $r"; cat "$logs/$tool-$t-one.log" | tail -30; rc=1 ;;
+        esac
+      done
+      rm -f "$logs/$tool-$t-one.log"
+    fi
     if [ "$rc" -eq 0 ]; then echo "== $t: passed"; else echo "== $t: exit $rc"; status=1; fi
   done
   return $status
@@ -285,8 +319,9 @@ for stage in "${stages[@]}"; do
   esac
 done
 note "total: $((SECONDS - started)) s of a $budget s budget"
+pack
 echo
-echo "==== summary ($summary)"
+echo "==== summary ($out/summary.txt; every log in $out/logs.tar.gz)"
 cat "$summary"
 [ $failed -eq 0 ] || exit 1
 [ $unreached -eq 0 ] || exit 3

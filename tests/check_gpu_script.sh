@@ -47,6 +47,9 @@ check "a visible GPU makes a skip a failure" bash -c "! grep -v 'REQUIRE_GPU=1' 
 check "exclusive mode: exit 0" [ "$rc" -eq 0 ]
 
 run Default 60 test suite
+check "two files come back: the summary and every log packed" \
+  bash -c "[ \"\$(ls '$work/Default' | tr '\n' ' ')\" = 'logs.tar.gz summary.txt ' ] &&
+           tar -tzf '$work/Default/logs.tar.gz' | grep -q test-ctest.log"
 check "default mode: in parallel" bash -c "[ \$(grep -c -- '-j [48]' '$work/calls') -eq 2 ]"
 
 run Default 6 memcheck

@@ -658,6 +658,10 @@ TEST_F(CudaKernels, SumSliceIntoAllMatchesTheThreadsPass) {
 // check their own status), and dpar's own polls leave nothing there (cuda::query_event), since cuBLAS reads the
 // slot after its launches. The engine's communication thread polls events between its kernels.
 TEST_F(CudaKernels, LaunchAfterANotReadyQuerySucceeds) {
+  // Allocated and filled before the stream is held: a device allocation may synchronize the whole device (CUDA's
+  // implicit synchronization), and would then wait forever for the held stream (it hung there on an H200).
+  DeviceBuffer<float> x(std::vector<float>(1000, 2.0f));
+  sync();
   cudaStream_t held = nullptr;
   DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking), "held stream");
   std::atomic<bool> release{false};
@@ -685,7 +689,6 @@ TEST_F(CudaKernels, LaunchAfterANotReadyQuerySucceeds) {
     }
   } guard{release, held, event};
 
-  DeviceBuffer<float> x(std::vector<float>(1000, 2.0f));
   ASSERT_EQ(cudaEventQuery(event), cudaErrorNotReady);  // the raw query: its answer stays in the slot
   EXPECT_NO_THROW(gpu::scale(x.get(), 0.5f, 1000, stream_)) << "a launch failed on an earlier query's answer";
   (void)cudaGetLastError();

@@ -180,9 +180,11 @@ TEST(Dlpack, CudaTensorsMapToCudaDevicesOrAreRefused) {
   ASSERT_OK(cuda);
   {
     // A GPU this machine does not have (the one past the last): refused naming it, the producer's tensor untouched.
+    // With no GPU at all that is a device error; past the last of several GPUs, an index out of range (as for
+    // every device argument: dpar_tensor_create, the engine's device ids).
     Producer p(2, 2);
     p.managed.dl_tensor.device = DLDevice{kDLCUDA, static_cast<int32_t>(gpus)};
-    EXPECT_EQ(dpar_tensor_from_dlpack(&t, &p.managed), DPAR_ERR_DEVICE);
+    EXPECT_EQ(dpar_tensor_from_dlpack(&t, &p.managed), gpus == 0 ? DPAR_ERR_DEVICE : DPAR_ERR_INVALID_ARGUMENT);
     const std::string named = "cuda:" + std::to_string(gpus);
     EXPECT_NE(std::string(dpar_last_error()).find(named), std::string::npos) << dpar_last_error();
     EXPECT_EQ(t, nullptr);

@@ -38,7 +38,8 @@ struct DLManagedTensor; /* DLPack's (dlpack/dlpack.h, version 0.x ABI); dpar doe
  * are not ordered with dpar's reads: the producer must not write the tensor while dpar may use it.
  * kDLCPU tensors must be written when this call is made.
  * @param[out] out  The tensor, owned by the caller (dpar_tensor_free()).
- * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a NULL argument, a dtype, layout or shape dpar does not take;
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a NULL argument, a dtype, layout or shape dpar does not take,
+ *         or a kDLCUDA device id past the last GPU; ::DPAR_ERR_DEVICE for kDLCUDA where there is no GPU;
  *         ::DPAR_ERR_NOT_SUPPORTED for a device kind dpar does not have (kDLCUDA in a build without CUDA).
  */
 DPAR_API dpar_status dpar_tensor_from_dlpack(dpar_tensor **out, struct DLManagedTensor *managed);
