@@ -23,9 +23,10 @@ steps; median, p10 and p90 over all timed steps. Without torch or a GPU it says 
 0. --device cpu runs the plain, DataParallel and DDP (gloo) steps on the CPU: a check of this script, not an anchor.
 
     python3 bench/torch_anchor.py --cpu-threads 1,2 [--batches 256,1024] [--seconds S] [--adam fused|foreach|single]
+                                  [--cpu-model demo|cnn]
 
 is the CPU anchor that bench_train's part (e) runs between its own blocks: the demo MLP (the same nn.Sequential,
-CrossEntropyLoss, Adam lr 1e-3) on the CPU with torch.set_num_threads(T), uniform inputs and random labels (8
+CrossEntropyLoss, Adam lr 1e-3; with --cpu-model cnn the CNN of examples/c/train_fashion_mnist.c, for bench_cnn) on the CPU with torch.set_num_threads(T), uniform inputs and random labels (8
 batches, cycled), 10 warm-up steps, then at least 20 steps and --seconds; one line per thread count and batch with
 the median and the shortest step time.
 """
@@ -165,11 +166,43 @@ class Anchor:
         return self.time_steps(step)
 
 
-def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind):
-    """PyTorch on the CPU beside bench_train's part (e): the demo MLP, Adam, at each thread count and batch.
+def fashion_cnn(torch):
+    """The CNN of examples/c/train_fashion_mnist.c (add_cnn), module for module, with the same names."""
+    nn = torch.nn
+
+    class BasicBlock(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+            self.bn1 = nn.BatchNorm2d(c)
+            self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+            self.bn2 = nn.BatchNorm2d(c)
+
+        def forward(self, x):
+            return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))) + x)
+
+    class FashionCnn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 32, 3, padding=1, bias=False)
+            self.bn1 = nn.BatchNorm2d(32)
+            self.layer1 = nn.Sequential(BasicBlock(32))
+            self.fc = nn.Linear(32 * 7 * 7, 10)
+
+        def forward(self, x):
+            x = torch.max_pool2d(torch.relu(self.bn1(self.conv1(x.view(-1, 1, 28, 28)))), 2)
+            x = torch.max_pool2d(self.layer1(x), 2)
+            return self.fc(torch.flatten(x, 1))
+
+    return FashionCnn()
+
+
+def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind, model_kind="demo"):
+    """PyTorch on the CPU beside bench_train's part (e) (the demo MLP) or bench_cnn (the CNN), Adam, at each thread
+    count and batch.
 
     One line per configuration, "cpu_anchor threads=T batch=B median_ms=M steps=N min_ms=S", which bench_train
-    reads."""
+    and bench_cnn read."""
     sizes = MODELS["demo"][0]
     nn = torch.nn
     for threads in threads_list:
@@ -179,8 +212,11 @@ def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind):
             xs = [torch.rand(batch, sizes[0], generator=gen) for _ in range(8)]
             ys = [torch.randint(0, sizes[-1], (batch,), generator=gen) for _ in range(8)]
             torch.manual_seed(1)
-            model = nn.Sequential(nn.Linear(sizes[0], sizes[1]), nn.ReLU(), nn.Linear(sizes[1], sizes[2]), nn.ReLU(),
-                                  nn.Linear(sizes[2], sizes[3]))
+            if model_kind == "cnn":
+                model = fashion_cnn(torch)
+            else:
+                model = nn.Sequential(nn.Linear(sizes[0], sizes[1]), nn.ReLU(), nn.Linear(sizes[1], sizes[2]),
+                                      nn.ReLU(), nn.Linear(sizes[2], sizes[3]))
             opt = torch.optim.Adam(model.parameters(), lr=1e-3, **({"fused": True} if adam_kind == "fused" else
                                                                    {"foreach": adam_kind == "foreach"}))
             loss_fn = nn.CrossEntropyLoss()
@@ -228,6 +264,8 @@ def main():
     ap.add_argument("--seconds", type=float, default=1.0, help="with --cpu-threads: timed seconds per configuration")
     ap.add_argument("--adam", choices=["fused", "foreach", "single"], default="fused",
                     help="with --cpu-threads: PyTorch's Adam implementation (default fused)")
+    ap.add_argument("--cpu-model", choices=["demo", "cnn"], default="demo",
+                    help="with --cpu-threads: the demo MLP (bench_train) or the Fashion-MNIST CNN (bench_cnn)")
     args = ap.parse_args()
     if args.cpu_threads:
         try:
@@ -240,7 +278,7 @@ def main():
               f"mkldnn={torch.backends.mkldnn.is_available()}", flush=True)
         threads = [int(t) for t in args.cpu_threads.split(",") if t]
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [256, 1024]
-        cpu_anchor(torch, threads, batches, args.seconds, WARMUP, args.adam)
+        cpu_anchor(torch, threads, batches, args.seconds, WARMUP, args.adam, args.cpu_model)
         return 0
     variants = [v for v in args.variants.split(",") if v]
     if any(v not in VARIANTS for v in variants) or args.steps < 1 or args.blocks < 1:

@@ -1,8 +1,16 @@
-/* Trains an MLP 784-256-128-10 on Fashion-MNIST over every available device with dpar's DataParallel engine.
+/* Trains a model on Fashion-MNIST over every available device with dpar's DataParallel engine: an MLP
+ * 784-256-128-10 (train_fashion_mnist), or a small residual CNN (train_fashion_mnist_cnn, or --model cnn):
+ * convolutions, BatchNorm, max pooling and one ResNet basic block, named as torchvision's ResNet names its modules
+ * (fashion_cnn.h).
  *
- *   train_fashion_mnist [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B] [--lr LR]
- *                       [--optimizer adam|sgd] [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]
- *                       [--trace PATH] [--gradient-compression none|bf16]
+ *   train_fashion_mnist [--model mlp|cnn] [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B]
+ *                       [--lr LR] [--optimizer adam|sgd] [--data DIR] [--checkpoint PATH] [--seed S]
+ *                       [--min-accuracy PCT] [--trace PATH] [--gradient-compression none|bf16]
+ *                       [--sync-batchnorm] [--steps-per-epoch N]
+ *
+ * --sync-batchnorm normalises over the whole global batch (dpar_model_convert_sync_batchnorm, as
+ * torch.nn.SyncBatchNorm.convert_sync_batchnorm) instead of each replica's chunk. --steps-per-epoch N ends each
+ * epoch after N batches (of the epoch's shuffled order): a shortened run, for tests.
  *
  * --device auto (the default) trains over every GPU when dpar finds any, and over the CPU devices otherwise.
  * --devices N sets the number of replicas: CPU devices, or replicas spread over the GPUs in turn (with one GPU,
@@ -29,6 +37,7 @@
 #include <unistd.h>
 
 #include "dpar.h"
+#include "fashion_cnn.h"
 
 #define CHECK(call)                                                                         \
   do {                                                                                      \
@@ -99,25 +108,47 @@ static double evaluate(dpar_engine *engine, const dpar_dataset *test, size_t bat
   return (double)correct / (double)seen;
 }
 
+#ifndef DEFAULT_MODEL
+#define DEFAULT_MODEL "mlp"
+#endif
+
+/* 784-256-128-10 with ReLUs, as nn.Sequential(Linear, ReLU, Linear, ReLU, Linear): parameters "0.weight" ... */
+static void add_mlp(dpar_model *model, int64_t features, int64_t classes) {
+  CHECK(dpar_model_add_linear(model, features, 256, 1));
+  CHECK(dpar_model_add_activation(model, DPAR_RELU));
+  CHECK(dpar_model_add_linear(model, 256, 128, 1));
+  CHECK(dpar_model_add_activation(model, DPAR_RELU));
+  CHECK(dpar_model_add_linear(model, 128, classes, 1));
+}
+
 int main(int argc, char **argv) {
   size_t devices = 0, epochs = 10, batch = 128;
   const char *device = "auto";
   float lr = 1e-3f;
   const char *optimizer = "adam";
   const char *data = "/usr/share/datasets/fashion-mnist";
-  const char *checkpoint = "fashion_mnist.safetensors";
+  const char *checkpoint = NULL; /* fashion_mnist.safetensors, or fashion_mnist_cnn.safetensors for the CNN */
   const char *trace = NULL;
   const char *compression = "none";
   unsigned long long seed = 0;
   double min_accuracy = 0.0;
+  const char *model_kind = DEFAULT_MODEL;
+  int sync_batchnorm = 0;
+  size_t steps_per_epoch = 0;
   for (int i = 1; i < argc; ++i) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--sync-batchnorm")) {
+      sync_batchnorm = 1;
+      continue;
+    }
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-      printf("usage: %s [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B] [--lr LR]\n"
+      printf("usage: %s [--model mlp|cnn] [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B] [--lr LR]\n"
              "          [--optimizer adam|sgd] [--data DIR] [--checkpoint PATH] [--seed S] [--min-accuracy PCT]\n"
              "          [--trace PATH]   (a timeline of the first epoch's steps, for ui.perfetto.dev; rank 0's)\n"
-             "          [--gradient-compression none|bf16]   (gradients between processes as bfloat16)\n",
+             "          [--gradient-compression none|bf16]   (gradients between processes as bfloat16)\n"
+             "          [--sync-batchnorm]   (the CNN's BatchNorm over the global batch)\n"
+             "          [--steps-per-epoch N]   (end each epoch after N batches: a shortened run)\n",
              argv[0]);
       return 0;
     }
@@ -125,7 +156,9 @@ int main(int argc, char **argv) {
       fprintf(stderr, "%s: %s needs a value (see --help)\n", argv[0], a);
       return 2;
     }
-    if (!strcmp(a, "--device")) device = v;
+    if (!strcmp(a, "--model")) model_kind = v;
+    else if (!strcmp(a, "--steps-per-epoch")) steps_per_epoch = strtoul(v, NULL, 10);
+    else if (!strcmp(a, "--device")) device = v;
     else if (!strcmp(a, "--devices")) devices = strtoul(v, NULL, 10);
     else if (!strcmp(a, "--epochs")) epochs = strtoul(v, NULL, 10);
     else if (!strcmp(a, "--batch-size")) batch = strtoul(v, NULL, 10);
@@ -143,6 +176,12 @@ int main(int argc, char **argv) {
     }
     ++i;
   }
+  const int cnn = !strcmp(model_kind, "cnn");
+  if (!cnn && strcmp(model_kind, "mlp")) {
+    fprintf(stderr, "%s: --model %s: expected mlp or cnn\n", argv[0], model_kind);
+    return 2;
+  }
+  if (!checkpoint) checkpoint = cnn ? "fashion_mnist_cnn.safetensors" : "fashion_mnist.safetensors";
   if (strcmp(compression, "none") && strcmp(compression, "bf16")) {
     fprintf(stderr, "%s: --gradient-compression %s: expected none or bf16\n", argv[0], compression);
     return 2;
@@ -187,11 +226,16 @@ int main(int argc, char **argv) {
   mopts.seed = seed;
   dpar_model *model = NULL;
   CHECK(dpar_model_create(&model, &mopts));
-  CHECK(dpar_model_add_linear(model, (int64_t)features, 256, 1));
-  CHECK(dpar_model_add_activation(model, DPAR_RELU));
-  CHECK(dpar_model_add_linear(model, 256, 128, 1));
-  CHECK(dpar_model_add_activation(model, DPAR_RELU));
-  CHECK(dpar_model_add_linear(model, 128, (int64_t)classes, 1));
+  if (cnn) {
+    if (features != 28 * 28) {
+      fprintf(stderr, "%s: the CNN takes 28x28 images; %s has %zu features\n", argv[0], data, features);
+      return 1;
+    }
+    CHECK(fashion_cnn_add(model, (int64_t)classes));
+    if (sync_batchnorm) CHECK(dpar_model_convert_sync_batchnorm(model));
+  } else {
+    add_mlp(model, (int64_t)features, (int64_t)classes);
+  }
 
   dpar_optimizer_options oopts = DPAR_OPTIMIZER_OPTIONS_INIT;
   oopts.kind = strcmp(optimizer, "sgd") ? DPAR_ADAM : DPAR_SGD;
@@ -222,9 +266,12 @@ int main(int argc, char **argv) {
   const int root = rank == 0;
 
   if (root)
-    printf("dpar %s: MLP %zu-256-128-%zu, %s lr %g, batch %zu over %zu process%s x %zu %s, %zu train / "
+    printf("dpar %s: %s, %s lr %g, batch %zu over %zu process%s x %zu %s, %zu train / "
            "%zu test samples; CPU GEMM: %s\n",
-           dpar_version_string(), features, classes, optimizer, (double)lr, batch, nproc, nproc > 1 ? "es" : "",
+           dpar_version_string(),
+           cnn ? (sync_batchnorm ? "CNN with a residual block (SyncBatchNorm)" : "CNN with a residual block")
+               : "MLP 784-256-128-10",
+           optimizer, (double)lr, batch, nproc, nproc > 1 ? "es" : "",
            devices, use_cuda ? (gpus == 1 ? "replicas on 1 GPU" : "replicas on GPUs") : "CPU devices", n_train,
            n_test, dpar_cpu_gemm_backend());
   CHECK(dpar_engine_set_gradient_compression(engine, strcmp(compression, "bf16") ? DPAR_COMPRESSION_NONE
@@ -244,8 +291,9 @@ int main(int argc, char **argv) {
     CHECK(dpar_engine_replica_device(&first, engine, 0));
     CHECK(dpar_loader_to_device(loader, first));
   }
-  size_t batches = 0;
-  CHECK(dpar_loader_num_batches(&batches, loader));
+  size_t batches = 0, epoch_batches = 0;
+  CHECK(dpar_loader_num_batches(&epoch_batches, loader));
+  batches = steps_per_epoch && steps_per_epoch < epoch_batches ? steps_per_epoch : epoch_batches;
   const int tty = root && isatty(STDERR_FILENO);
   double accuracy = 0.0;
   if (trace && root) CHECK(dpar_engine_trace_start(engine));
@@ -253,7 +301,7 @@ int main(int argc, char **argv) {
     CHECK(dpar_loader_start_epoch(loader, epoch));
     double loss_sum = 0.0, t0 = now_seconds();
     size_t samples = 0, b = 0;
-    for (;;) {
+    while (b < batches) {
       int32_t more = 0;
       CHECK(dpar_loader_next(&more, loader));
       if (!more) break;
@@ -262,7 +310,7 @@ int main(int argc, char **argv) {
       CHECK(dpar_engine_set_lr(engine, (float)(0.5 * lr * (1.0 + cos(3.14159265358979 * progress_done)))));
       float loss = 0.0f; /* the mean over the global batch */
       CHECK(dpar_engine_train_step(&loss, engine, x, y));
-      const size_t rows = b + 1 == batches && n_train % batch ? n_train % batch : batch; /* global rows */
+      const size_t rows = b + 1 == epoch_batches && n_train % batch ? n_train % batch : batch; /* global rows */
       loss_sum += (double)loss * (double)rows;
       samples += rows;
       ++b;

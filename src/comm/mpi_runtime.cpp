@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -86,10 +87,26 @@ const char* thread_level_name(int level) {
 
 }  // namespace mpi_internal
 
+namespace {
+
+// Whether a launcher (mpirun, srun, a PMIx server) started this process: each of them sets one of these.
+bool started_by_a_launcher() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMIX_NAMESPACE"})
+    if (std::getenv(name) != nullptr) return true;
+  return false;
+}
+
+}  // namespace
+
 MpiRuntime::MpiRuntime() {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
+    // A process started alone is a job of one (a singleton). Open MPI then starts its run-time daemon through its
+    // default process launcher, which needs ssh or rsh on the PATH, and without either it kills the process inside
+    // MPI_Init_thread. The "isolated" launcher starts nothing beyond this process, which is all a singleton needs.
+    // A setting of the caller's own (the variable already set) is kept; other MPIs ignore OMPI_ variables.
+    if (!started_by_a_launcher()) setenv("OMPI_MCA_plm", "isolated", /*overwrite=*/0);
     int provided = MPI_THREAD_SINGLE;
     const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) fail(Status::kCommunication, "mpi: MPI_Init_thread failed: ", mpi_error_string(rc));

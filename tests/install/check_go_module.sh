@@ -44,11 +44,11 @@ if ! diff -u "$src/bindings/go/examples/checkpoint/main.go" "$tmp/src/user/main.
 fi
 
 # Nothing but PKG_CONFIG_PATH: the installed dpar.pc gives the program its run path to the prefix's lib directory.
-# And Open MPI's isolated launcher: a test run without mpirun (NewMPIComm) starts MPI as a singleton, whose default
-# launcher wants ssh or rsh on the PATH even on one machine, and MPI_Init_thread aborts the process without them.
+# The PATH has no ssh: a test run without mpirun (NewMPIComm) starts MPI as a singleton, which dpar starts with Open
+# MPI's isolated launcher (tests/mpi/check_singleton_without_ssh.sh).
 libdir=$(realpath "$(PKG_CONFIG_PATH=$(dirname "$pc") "$pkgconfig" --variable=libdir dpar)")
 user_env=(env -i PATH="$tmp/bin" HOME="$tmp/home" GOPATH="$tmp/gopath" GOCACHE="$tmp/gocache" GOPROXY=off
-          GOFLAGS= PKG_CONFIG_PATH="$(dirname "$pc")" OMPI_MCA_plm=isolated)
+          GOFLAGS= PKG_CONFIG_PATH="$(dirname "$pc")")
 out=$(cd "$tmp/src/user" && "${user_env[@]}" go run .)
 echo "$out"
 grep -q "^first step's loss: [0-9.]*$" <<<"$out"

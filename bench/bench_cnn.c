@@ -1,0 +1,178 @@
+/* bench_cnn: the Fashion-MNIST CNN's training throughput on 1 and 2 CPU devices beside PyTorch's on the same
+ * machine, in the same run.
+ *
+ *   bench_cnn [--rounds R] [--seconds S] [--batch B] [--torch PYTHON]
+ *
+ * The model is examples/c/fashion_cnn.h's (convolutions, BatchNorm, max pooling, one residual block, 32 channels),
+ * with Adam lr 1e-3 and softmax cross-entropy, on synthetic data (uniform pixels, random labels; 4 batches, cycled).
+ * Each round times dpar on 1 and then 2 CPU devices (fresh engines, 1 GEMM thread per worker, 3 warm-up steps,
+ * then at least 10 steps and S seconds), then runs `PYTHON bench/torch_anchor.py --cpu-model cnn --cpu-threads 1,2`
+ * (the same module, BatchNorm in training mode, Adam fused) in a process of its own. Figures are medians over rounds
+ * of each block's median step; the ratios are dpar's samples/s over PyTorch's at equal cores (1 device : 1 thread,
+ * 2 devices : 2 threads). The aim: dpar on 2 devices ahead of PyTorch on 2 threads. Never a test. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench_util.h"
+#include "dpar.h"
+#include "fashion_cnn.h"
+
+#ifndef BENCH_TORCH_ANCHOR
+#define BENCH_TORCH_ANCHOR "bench/torch_anchor.py"
+#endif
+
+#define CHECK(call)                                                                          \
+  do {                                                                                       \
+    dpar_status s_ = (call);                                                                 \
+    if (s_ != DPAR_OK) {                                                                     \
+      fprintf(stderr, "%s failed: %s: %s\n", #call, dpar_status_str(s_), dpar_last_error()); \
+      exit(1);                                                                               \
+    }                                                                                        \
+  } while (0)
+
+enum { kData = 4, kMaxRounds = 64 };
+
+/* The median step time in seconds of `devices` CPU devices over at least 10 steps and `seconds`. */
+static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x, dpar_tensor **y, double seconds) {
+  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
+  oo.kind = DPAR_ADAM;
+  oo.lr = 1e-3f;
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = devices;
+  eo.blas_threads = 1;
+  dpar_engine *e = NULL;
+  CHECK(dpar_engine_create(&e, model, &oo, &eo));
+  float loss = 0.0f;
+  for (int i = 0; i < 3; ++i) CHECK(dpar_engine_train_step(&loss, e, x[i % kData], y[i % kData]));
+  double times[4096];
+  size_t n = 0;
+  const double start = bench_now();
+  for (;;) {
+    const double t0 = bench_now();
+    CHECK(dpar_engine_train_step(&loss, e, x[n % kData], y[n % kData]));
+    const double t1 = bench_now();
+    times[n++] = t1 - t0;
+    if ((n >= 10 && t1 - start >= seconds) || n == sizeof times / sizeof *times) break;
+  }
+  dpar_engine_free(e);
+  return bench_median(times, n);
+}
+
+/* PyTorch's median step at 1 and 2 threads (ms[0], ms[1], in seconds; 0 where it gave none). */
+static int time_torch(const char *python, int batch, double seconds, double ms[2], char *version, size_t cap) {
+  char cmd[2048];
+  snprintf(cmd, sizeof cmd, "'%s' '%s' --cpu-model cnn --cpu-threads 1,2 --batches %d --seconds %g 2>&1", python,
+           BENCH_TORCH_ANCHOR, batch, seconds);
+  ms[0] = ms[1] = 0;
+  FILE *p = popen(cmd, "r");
+  if (!p) return 0;
+  char line[1024];
+  int got = 0;
+  while (fgets(line, sizeof line, p)) {
+    int t = 0, b = 0, steps = 0;
+    double m = 0, mn = 0;
+    if (sscanf(line, "cpu_anchor threads=%d batch=%d median_ms=%lf steps=%d min_ms=%lf", &t, &b, &m, &steps, &mn) ==
+            5 &&
+        t >= 1 && t <= 2) {
+      ms[t - 1] = m * 1e-3;
+      ++got;
+    } else if (!strncmp(line, "cpu_anchor ", 11)) {
+      line[strcspn(line, "\n")] = 0;
+      snprintf(version, cap, "%s", line + 11);
+    } else {
+      fputs("    torch_anchor: ", stdout);
+      fputs(line, stdout);
+    }
+  }
+  pclose(p);
+  return got;
+}
+
+int main(int argc, char **argv) {
+  int rounds = 5, batch = 128;
+  double seconds = 2.0;
+  const char *python = "python3";
+  for (int i = 1; i < argc; ++i) {
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(argv[i], "--rounds") && v) rounds = atoi(v), ++i;
+    else if (!strcmp(argv[i], "--seconds") && v) seconds = atof(v), ++i;
+    else if (!strcmp(argv[i], "--batch") && v) batch = atoi(v), ++i;
+    else if (!strcmp(argv[i], "--torch") && v) python = v, ++i;
+    else {
+      printf("usage: %s [--rounds R] [--seconds S] [--batch B] [--torch PYTHON]\n", argv[0]);
+      return strcmp(argv[i], "--help") ? 2 : 0;
+    }
+  }
+  if (rounds < 1 || rounds > kMaxRounds || batch < 1) {
+    fprintf(stderr, "%s: --rounds must be 1 to %d and --batch positive\n", argv[0], kMaxRounds);
+    return 2;
+  }
+  printf("bench_cnn: dpar %s through its C ABI; the Fashion-MNIST CNN (examples/c/fashion_cnn.h) beside PyTorch\n",
+         dpar_version_string());
+  bench_print_machine(stdout);
+  printf("CPU GEMM: %s\n", dpar_cpu_gemm_backend());
+  printf("model: conv 1->32 + BN + ReLU + maxpool, a basic block of 32 channels, maxpool, fc 1568->10; Adam lr 1e-3,\n"
+         "softmax cross-entropy, batch %d, synthetic data; %d rounds of dpar 1 and 2 CPU devices (1 GEMM thread\n"
+         "each), then PyTorch at 1 and 2 threads (%s %s --cpu-model cnn), ~%.1f s of timed steps each\n\n",
+         batch, rounds, python, BENCH_TORCH_ANCHOR, seconds);
+
+  dpar_model *model = NULL;
+  CHECK(dpar_model_create(&model, NULL));
+  CHECK(fashion_cnn_add(model, 10));
+  dpar_tensor *x[kData], *y[kData];
+  uint64_t rng = 42;
+  const int64_t xs[2] = {batch, 784}, ys[1] = {batch};
+  float *xv = malloc(sizeof(float) * (size_t)batch * 784);
+  int32_t *yv = malloc(sizeof(int32_t) * (size_t)batch);
+  if (!xv || !yv) return 1;
+  for (int d = 0; d < kData; ++d) {
+    for (int i = 0; i < batch * 784; ++i) xv[i] = bench_uniform(&rng);
+    for (int i = 0; i < batch; ++i) yv[i] = (int32_t)(bench_next_u64(&rng) % 10);
+    CHECK(dpar_tensor_create(&x[d], DPAR_F32, xs, 2, (dpar_device){DPAR_DEVICE_CPU, 0}));
+    CHECK(dpar_tensor_create(&y[d], DPAR_I32, ys, 1, (dpar_device){DPAR_DEVICE_CPU, 0}));
+    CHECK(dpar_tensor_copy_from_host(x[d], xv, sizeof(float) * (size_t)batch * 784));
+    CHECK(dpar_tensor_copy_from_host(y[d], yv, sizeof(int32_t) * (size_t)batch));
+  }
+  free(xv);
+  free(yv);
+
+  double m[kMaxRounds][4]; /* dpar 1, dpar 2, torch 1, torch 2: seconds per step */
+  char version[512] = "";
+  int have_torch = 1;
+  for (int r = 0; r < rounds; ++r) {
+    m[r][0] = time_dpar(model, 1, x, y, seconds);
+    m[r][1] = time_dpar(model, 2, x, y, seconds);
+    double t[2] = {0, 0};
+    if (have_torch && time_torch(python, batch, seconds, t, version, sizeof version) < 2) {
+      printf("    PyTorch did not run (%s): its columns stay empty; give a Python with torch: --torch PYTHON\n",
+             version[0] ? version : "no figures from torch_anchor.py");
+      have_torch = 0;
+    }
+    m[r][2] = t[0];
+    m[r][3] = t[1];
+    printf("    round %d: dpar %6.0f %6.0f  PyTorch %6.0f %6.0f samples/s (1 and 2 devices / threads)\n", r,
+           batch / m[r][0], batch / m[r][1], t[0] > 0 ? batch / t[0] : 0, t[1] > 0 ? batch / t[1] : 0);
+    fflush(stdout);
+  }
+  if (version[0]) printf("    PyTorch: %s\n", version);
+  double med[4];
+  for (int c = 0; c < 4; ++c) {
+    double v[kMaxRounds];
+    for (int r = 0; r < rounds; ++r) v[r] = m[r][c];
+    med[c] = bench_median(v, (size_t)rounds);
+  }
+  static const char *names[4] = {"dpar, 1 device", "dpar, 2 devices", "PyTorch, 1 thread", "PyTorch, 2 threads"};
+  printf("\n    %-20s | %10s | %10s | %s\n", "configuration", "median ms", "samples/s", "dpar / PyTorch (samples/s)");
+  for (int c = 0; c < 4; ++c) {
+    printf("    %-20s | %10.2f | %10.0f |", names[c], med[c] * 1e3, med[c] > 0 ? batch / med[c] : 0);
+    if (c < 2 && med[2 + c] > 0) printf(" %.2fx PyTorch at %d thread%s", med[2 + c] / med[c], c + 1, c ? "s" : "");
+    printf("\n");
+  }
+  if (med[2] > 0) printf("    dpar 2 devices over dpar 1: %.2fx; PyTorch 2 threads over 1: %.2fx\n", med[0] / med[1],
+                         med[2] / med[3]);
+  for (int d = 0; d < kData; ++d) dpar_tensor_free(x[d]), dpar_tensor_free(y[d]);
+  dpar_model_free(model);
+  return 0;
+}
