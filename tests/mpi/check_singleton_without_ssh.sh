@@ -7,9 +7,8 @@
 set -euo pipefail
 bin=$(mktemp -d)
 trap 'rm -rf "$bin"' EXIT
-for f in /usr/bin/* /bin/*; do
-  name=${f##*/}
-  case $name in ssh | rsh | slogin) ;; *) [ -e "$bin/$name" ] || ln -s "$f" "$bin/$name" ;; esac
-done
+for dir in /usr/bin /bin; do  # /bin is /usr/bin on a merged-/usr system: the first link of a name wins
+  for f in "$dir"/*; do printf '%s\n' "$f"; done
+done | awk -F/ '$NF !~ /^(ssh|rsh|slogin)$/ && !seen[$NF]++' | xargs -d '\n' ln -s -t "$bin"
 ! PATH=$bin command -v ssh > /dev/null || { echo "ssh is still on the PATH"; exit 1; }
 env -u OMPI_MCA_plm PATH="$bin" "$@"
