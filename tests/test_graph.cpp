@@ -378,13 +378,15 @@ ModelPtr c_residual_model() {
   return m;
 }
 
-EnginePtr c_engine(const dpar_model* m, size_t devices) {
+EnginePtr c_engine(const dpar_model* m, size_t devices, size_t bucket_bytes = 0) {
   dpar_optimizer_options opt = DPAR_OPTIMIZER_OPTIONS_INIT;
   opt.lr = 0.1f;
   opt.momentum = 0.9f;
   dpar_engine_options o = DPAR_ENGINE_OPTIONS_INIT;
   o.num_cpu_devices = devices;
   o.timeout_seconds = 60;
+  o.first_bucket_bytes = bucket_bytes;
+  o.bucket_cap_bytes = bucket_bytes;
   dpar_engine* e = nullptr;
   EXPECT_EQ(dpar_engine_create(&e, m, &opt, &o), DPAR_OK) << dpar_last_error();
   return EnginePtr(e);
@@ -422,12 +424,52 @@ TEST(GraphCapi, EngineOnOneTwoThreeDevicesTrainsAsOneDevice) {
   c_train(one.get(), 3);
   const std::vector<float> want = c_params(one.get(), 0, n);
   for (size_t devices : {2u, 3u}) {
-    EnginePtr e = c_engine(m.get(), devices);
-    c_train(e.get(), 3);
-    const std::vector<float> got = c_params(e.get(), 0, n);
-    for (size_t i = 0; i < n; ++i) EXPECT_NEAR(got[i], want[i], 1e-5) << devices << " devices, element " << i;
-    for (size_t r = 1; r < devices; ++r) EXPECT_EQ(c_params(e.get(), r, n), got) << "replica " << r;
+    // One bucket, and a bucket per few parameters (reduced while backward still runs the nodes before them).
+    for (size_t bucket_bytes : {size_t{0}, size_t{64}}) {
+      EnginePtr e = c_engine(m.get(), devices, bucket_bytes);
+      size_t buckets = 0;
+      ASSERT_DPAR_OK(dpar_engine_num_buckets(&buckets, e.get()));
+      EXPECT_EQ(buckets > 1, bucket_bytes != 0);
+      c_train(e.get(), 3);
+      const std::vector<float> got = c_params(e.get(), 0, n);
+      for (size_t i = 0; i < n; ++i)
+        EXPECT_NEAR(got[i], want[i], 1e-5) << devices << " devices, buckets of " << bucket_bytes << ", element " << i;
+      for (size_t r = 1; r < devices; ++r) EXPECT_EQ(c_params(e.get(), r, n), got) << "replica " << r;
+    }
   }
+}
+
+TEST(GraphCapi, EnginesRefuseBadGraphsNamingTheNodes) {
+  dpar_model_options o = DPAR_MODEL_OPTIONS_INIT;
+  dpar_model* raw = nullptr;
+  ASSERT_DPAR_OK(dpar_model_create(&raw, &o));
+  ModelPtr m(raw);
+  ASSERT_DPAR_OK(dpar_model_add_linear(raw, 6, 4, 1));  // 0: (B, 4)
+  const int32_t unequal[2] = {0, DPAR_MODEL_INPUT};     // (B, 4) + (B, 6)
+  ASSERT_DPAR_OK(dpar_model_add_sum(raw, unequal, 2));
+  ASSERT_DPAR_OK(dpar_model_add_linear(raw, 4, 3, 1));
+  EnginePtr e = c_engine(raw, 2);
+  std::vector<float> x(7 * 6, 0.5f);
+  std::vector<int32_t> y(7, 1);
+  const int64_t xs[2] = {7, 6}, ys[1] = {7};
+  dpar_tensor *xt = nullptr, *yt = nullptr;
+  ASSERT_DPAR_OK(dpar_tensor_wrap_host(&xt, DPAR_F32, xs, 2, x.data()));
+  TensorPtr xp(xt);
+  ASSERT_DPAR_OK(dpar_tensor_wrap_host(&yt, DPAR_I32, ys, 1, y.data()));
+  TensorPtr yp(yt);
+  EXPECT_EQ(dpar_engine_train_step(nullptr, e.get(), xt, yt), DPAR_ERR_INVALID_ARGUMENT);
+  const std::string msg = dpar_last_error();
+  for (const char* w : {"node 1", "sum", "(7, 6)", "(7, 4)"}) EXPECT_NE(msg.find(w), std::string::npos) << msg;
+  // A branch that leads nowhere is refused when the engine is made.
+  ASSERT_DPAR_OK(dpar_model_branch_from(raw, 0));
+  ASSERT_DPAR_OK(dpar_model_add_linear(raw, 4, 3, 1));  // node 3; node 2 is now read by nothing
+  dpar_optimizer_options opt = DPAR_OPTIMIZER_OPTIONS_INIT;
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 1;
+  dpar_engine* dead = nullptr;
+  EXPECT_EQ(dpar_engine_create(&dead, raw, &opt, &eo), DPAR_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dpar_last_error()).find("node 2"), std::string::npos) << dpar_last_error();
+  EXPECT_EQ(dead, nullptr);
 }
 
 TEST(GraphCapi, CheckpointRoundTripUsesTheNames) {

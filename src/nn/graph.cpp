@@ -230,6 +230,11 @@ void Model::set_node_name(int32_t node, const std::string& name) {
   n.name = name;
 }
 
+const Layer& Model::layer(size_t i) const {
+  DPAR_CHECK_ARG(i < nodes_.size() && nodes_[i].layer, "node ", i, " is not a layer node");
+  return *nodes_[i].layer;
+}
+
 Shape Model::output_shape(const Shape& input) const {
   DPAR_CHECK_ARG(!nodes_.empty(), "the model has no nodes");
   check_graph_used(nodes_);

@@ -79,6 +79,8 @@ class Model {
 
   size_t num_layers() const { return nodes_.size(); }  // the number of nodes
   const Node& node(size_t i) const { return nodes_[i]; }
+  // Node i's layer; throws for a join or view node, which has none.
+  const Layer& layer(size_t i) const;
   const std::vector<Node>& nodes() const { return nodes_; }
   const std::vector<ParamInfo>& params() const { return params_; }
   int64_t num_param_elements() const { return static_cast<int64_t>(values_.size()); }
