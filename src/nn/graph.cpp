@@ -10,14 +10,13 @@ namespace dpar {
 
 namespace {
 
+std::string node_id(int32_t id) { return id == kModelInput ? std::string("input") : std::to_string(id); }
+
 std::string node_list(const std::vector<int32_t>& ids) {
   std::ostringstream s;
   for (size_t i = 0; i < ids.size(); ++i) {
     if (i) s << ", ";
-    if (ids[i] == kModelInput)
-      s << "input";
-    else
-      s << ids[i];
+    s << node_id(ids[i]);
   }
   return s.str();
 }
@@ -74,10 +73,8 @@ Shape Node::output_shape(const std::vector<Shape>& in) const {
     case NodeKind::kLayer: return layer->output_shape(in[0]);
     case NodeKind::kSum:
       for (size_t k = 1; k < in.size(); ++k)
-        DPAR_CHECK_ARG(in[k] == in[0], "node ", inputs[k] == kModelInput ? std::string("input") : std::to_string(inputs[k]),
-                       "'s output ", in[k].str(), " differs from node ",
-                       inputs[0] == kModelInput ? std::string("input") : std::to_string(inputs[0]), "'s ", in[0].str(),
-                       ": a sum needs equal shapes");
+        DPAR_CHECK_ARG(in[k] == in[0], "node ", node_id(inputs[k]), "'s output ", in[k].str(), " differs from node ",
+                       node_id(inputs[0]), "'s ", in[0].str(), ": a sum needs equal shapes");
       return in[0];
     case NodeKind::kConcat: {
       Shape out = in[0];
@@ -85,10 +82,8 @@ Shape Node::output_shape(const std::vector<Shape>& in) const {
       for (size_t k = 1; k < in.size(); ++k) {
         bool fits = in[k].ndim() == in[0].ndim();
         for (size_t d = 0; fits && d < in[0].ndim(); ++d) fits = d == 1 || in[k][d] == in[0][d];
-        DPAR_CHECK_ARG(fits, "node ", inputs[k] == kModelInput ? std::string("input") : std::to_string(inputs[k]),
-                       "'s output ", in[k].str(), " and node ",
-                       inputs[0] == kModelInput ? std::string("input") : std::to_string(inputs[0]), "'s ",
-                       in[0].str(), " differ in a dimension other than 1: they cannot be concatenated along dim 1");
+        DPAR_CHECK_ARG(fits, "node ", node_id(inputs[k]), "'s output ", in[k].str(), " and node ", node_id(inputs[0]),
+                       "'s ", in[0].str(), " differ in a dimension other than 1: no concatenation along dim 1");
         out[1] += in[k][1];
       }
       return out;

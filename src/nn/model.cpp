@@ -59,7 +59,8 @@ Tensor ReplicaModel::grad_of(int32_t node) const {
   const int32_t s = storage(node);
   const int32_t slot = grad_slot_[static_cast<size_t>(s + 1)];
   DPAR_ENFORCE(slot >= 0, Status::kInternal, "node ", node, " has no gradient buffer in the plan");
-  const Shape shape = node == kModelInput ? input_.shape() : row_shapes_[static_cast<size_t>(node)].with_rows(forward_rows_);
+  const Shape shape =
+      node == kModelInput ? input_.shape() : row_shapes_[static_cast<size_t>(node)].with_rows(forward_rows_);
   return grad_slots_[static_cast<size_t>(slot)].rows(0, shape.numel()).reshaped(shape);
 }
 
@@ -77,7 +78,9 @@ void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
   // The gradient plan: walk backward as backward() does. A storage node's gradient buffer is taken when the first
   // contribution to it is written (its last consumer's backward, or the loss for the output) and given back once
   // its own backward ran; a buffer given back is reused, the smallest that fits first.
-  auto row_numel = [&](int32_t s) { return s == kModelInput ? input.row_numel() : shapes[static_cast<size_t>(s)].row_numel(); };
+  auto row_numel = [&](int32_t s) {
+    return s == kModelInput ? input.row_numel() : shapes[static_cast<size_t>(s)].row_numel();
+  };
   std::vector<int64_t> slot_rows;  // per slot, its widest row
   std::vector<int32_t> free_slots;
   grad_slot_.assign(n + 1, -1);
@@ -129,7 +132,8 @@ void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
     i = first;
   }
   grad_slots_.clear();
-  for (int64_t width : slot_rows) grad_slots_.push_back(ctx.alloc(DType::kF32, Shape{cap * std::max<int64_t>(width, 1)}));
+  for (int64_t width : slot_rows)
+    grad_slots_.push_back(ctx.alloc(DType::kF32, Shape{cap * std::max<int64_t>(width, 1)}));
   int64_t widest = 0;
   bool shared = false;
   for (size_t s = 0; s <= n; ++s)
@@ -164,13 +168,13 @@ Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
         break;
       case NodeKind::kConcat: {
         // Each row of the output is the inputs' rows one after another (dim 1 is the outermost after the batch).
-        const int64_t width = y.shape().row_numel();
+        const size_t pitch = static_cast<size_t>(y.shape().row_numel()) * sizeof(float);
         int64_t offset = 0;
         for (int32_t in : node.inputs) {
           const Tensor x = output(in);
           const int64_t w = x.shape().row_numel();
-          for (int64_t b = 0; b < rows; ++b)
-            ctx.stream->copy(y.f32() + b * width + offset, x.f32() + b * w, static_cast<size_t>(w) * sizeof(float));
+          const size_t bytes = static_cast<size_t>(w) * sizeof(float);
+          ctx.stream->copy_2d(y.f32() + offset, pitch, x.f32(), bytes, bytes, static_cast<size_t>(rows));
           offset += w;
         }
         break;
@@ -263,15 +267,15 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
         started = 1;
       }
     } else {  // kConcat: each input's gradient is its columns of dout
-      const int64_t rows = forward_rows_;
-      const int64_t width = dout.shape().row_numel();
+      const auto rows = static_cast<size_t>(forward_rows_);
+      const size_t pitch = static_cast<size_t>(dout.shape().row_numel()) * sizeof(float);
       int64_t offset = 0;
       for (int32_t in : node.inputs) {
         const int64_t w = output(in).shape().row_numel();
+        const size_t bytes = static_cast<size_t>(w) * sizeof(float);
         if (storage(in) != kModelInput)
           contribute(ctx, in, [&](const Tensor& dst) {
-            for (int64_t b = 0; b < rows; ++b)
-              ctx.stream->copy(dst.f32() + b * w, dout.f32() + b * width + offset, static_cast<size_t>(w) * sizeof(float));
+            ctx.stream->copy_2d(dst.f32(), bytes, dout.f32() + offset, pitch, bytes, rows);
           });
         offset += w;
       }
