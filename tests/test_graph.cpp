@@ -3,6 +3,8 @@
 // devices through the C ABI (equal to one device on the full batch; replicas bit-identical; checkpoints by name).
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -288,6 +290,52 @@ TEST(Graph, NamesFollowTheStateDict) {
   refused(9, "x", "9");
   refused(-1, "x", "-1");
   EXPECT_EQ(m.params()[0].name, "0.weight");
+}
+
+// PyTorch's module (tests/reference/make_graph_reference.py) built as a dpar graph with its module paths as node
+// names: the same state_dict keys in the same order, its values loaded by name, the same output and gradients.
+TEST(Graph, EqualsPyTorchsModuleByStateDictName) {
+  std::ifstream f(std::string(DPAR_TEST_DATA_DIR) + "/graph_reference.json");
+  ASSERT_TRUE(f) << "tests/data/graph_reference.json";
+  const nlohmann::json ref = nlohmann::json::parse(f);
+  Model m(0);
+  m.set_node_name(m.add(make_linear(4, 6, true)), "stem");                             // 0
+  m.set_node_name(m.add(make_linear(6, 8, true)), "layer1.0.fc1");                     // 1
+  m.set_node_name(m.add(make_activation(Activation::kRelu)), "layer1.0.relu");         // 2
+  m.set_node_name(m.add(make_linear(8, 6, true)), "layer1.0.fc2");                     // 3
+  const int32_t block = m.add_sum({3, 0});                                              // 4
+  m.set_node_name(m.add(make_linear(6, 8, true)), "main");                             // 5
+  m.branch_from(block);
+  m.set_node_name(m.add(make_linear(6, 8, false)), "down");                            // 6
+  m.add_sum({5, 6});                                                                    // 7
+  m.set_node_name(m.add_reshape({2, 2, 2}), "unflatten");                              // 8
+  m.set_node_name(m.add(make_activation(Activation::kTanh)), "act");                   // 9
+  m.add_concat({8, 9});                                                                 // 10
+  m.set_node_name(m.add_flatten(), "flatten");                                         // 11
+  m.set_node_name(m.add(make_linear(16, 3, true)), "head");                            // 12
+  std::vector<std::string> names;
+  for (const ParamInfo& p : m.params()) names.push_back(p.name);
+  EXPECT_EQ(names, ref["names"].get<std::vector<std::string>>());
+  for (const ParamInfo& p : m.params()) {
+    const auto value = ref["params"][p.name]["value"].get<std::vector<float>>();
+    ASSERT_EQ(value.size(), static_cast<size_t>(p.shape.numel())) << p.name;
+    std::copy(value.begin(), value.end(), m.values().begin() + p.offset);
+  }
+  std::vector<float> x = ref["x"].get<std::vector<float>>();
+  std::vector<float> r = ref["r"].get<std::vector<float>>();
+  const std::vector<float> want = ref["out"].get<std::vector<float>>();
+  Standalone s;
+  ReplicaModel rm(m, s.ctx);
+  const Tensor out = rm.forward(s.ctx, host(x, Shape{3, 4}));
+  ASSERT_EQ(out.shape(), (Shape{3, 3}));
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(out.f32()[i], want[i], 1e-5 * (1 + std::fabs(want[i]))) << i;
+  rm.backward(s.ctx, host(r, Shape{3, 3}), false);
+  for (const ParamInfo& p : m.params()) {
+    const auto grad = ref["params"][p.name]["grad"].get<std::vector<float>>();
+    for (int64_t k = 0; k < p.shape.numel(); ++k)
+      EXPECT_NEAR(rm.grads()[p.offset + k], grad[static_cast<size_t>(k)], 1e-5 * (1 + std::fabs(grad[k])))
+          << p.name << "[" << k << "]";
+  }
 }
 
 template <typename F>
