@@ -236,6 +236,19 @@ TEST(Graph, FlattenAndReshapeAliasTheirInput) {
   EXPECT_EQ(rt.output_grad_buffer(s2.ctx).shape(), (Shape{2, 2, 3}));
   check_gradients(tail, Shape{2, 4});
   check_gradients(tail, Shape{2, 4}, /*external=*/true);
+  // A model of views alone: its output is the input's memory, and backward has nothing to compute.
+  Model only(13);
+  only.add_reshape({2, 2});
+  only.add_flatten();
+  Standalone s3;
+  ReplicaModel ro(only, s3.ctx);
+  const Tensor same = ro.forward(s3.ctx, host(x, Shape{2, 4}));
+  EXPECT_EQ(same.raw(), static_cast<void*>(x.data()));
+  EXPECT_EQ(same.shape(), (Shape{2, 4}));
+  const Tensor g = ro.output_grad_buffer(s3.ctx);
+  EXPECT_EQ(g.shape(), (Shape{2, 4}));
+  ro.backward(s3.ctx, g, false);
+  EXPECT_FALSE(ro.has_forward_state());
 }
 
 TEST(Graph, GradientBuffersArePlannedByLiveness) {
