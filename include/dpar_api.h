@@ -140,6 +140,13 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_engine_set_gradient_compression)(dpar_engine *engine, int32_t compression);
   const char *(*dpar_cpu_gemm_backend)(void);
   dpar_status (*dpar_engine_set_gradient_reduction)(dpar_engine *engine, int32_t reduction);
+  dpar_status (*dpar_model_last_node)(int32_t *out, const dpar_model *model);
+  dpar_status (*dpar_model_branch_from)(dpar_model *model, int32_t node);
+  dpar_status (*dpar_model_set_node_name)(dpar_model *model, int32_t node, const char *name);
+  dpar_status (*dpar_model_add_sum)(dpar_model *model, const int32_t *inputs, size_t n);
+  dpar_status (*dpar_model_add_concat)(dpar_model *model, const int32_t *inputs, size_t n);
+  dpar_status (*dpar_model_add_flatten)(dpar_model *model);
+  dpar_status (*dpar_model_add_reshape)(dpar_model *model, const int64_t *row_shape, size_t ndim);
 } dpar_api_v1;
 
 /**

@@ -97,6 +97,36 @@ TEST(CudaEngine, TwentyAdamStepsOnTheGpuEqualTheCpu) {
   EXPECT_GT(max_relative_error(gpu.params(0), model.values()), 1e-3) << "training did not move the parameters";
 }
 
+// A graph: a residual block (its linear and ReLU fused), a projection shortcut, a concatenation of 4-D views (the
+// strided copies) and a flatten: on one GPU shared by two replicas as on one CPU device.
+TEST(CudaEngine, AGraphModelOnTheGpuEqualsTheCpu) {
+  DPAR_REQUIRE_GPU();
+  Model m(17);
+  m.add(make_linear(12, 16, true));            // 0
+  m.add(make_activation(Activation::kRelu));   // 1
+  m.add(make_linear(16, 12, true));            // 2
+  m.add_sum({2, kModelInput});                 // 3: + x
+  m.add(make_linear(12, 8, true));             // 4
+  m.add_reshape({2, 2, 2});                    // 5
+  m.branch_from(3);
+  m.add(make_linear(12, 8, false));            // 6: a projection
+  m.add_reshape({2, 2, 2});                    // 7
+  m.add_concat({5, 7, 5});                     // 8: (B, 6, 2, 2)
+  m.add_flatten();                             // 9
+  m.add(make_linear(24, 5, true));             // 10
+  const auto d = data(29);
+  Engine cpu(m, adam(), devices(DeviceKind::kCpu, {0}));
+  Engine gpu(m, adam(), devices(DeviceKind::kCuda, {0, 0}));
+  for (int s = 0; s < 10; ++s) {
+    const Batch& b = d[static_cast<size_t>(s) % d.size()];
+    const double lc = cpu.train_step(b.x, b.y), lg = gpu.train_step(b.x, b.y);
+    EXPECT_NEAR(lg, lc, 1e-4 * std::abs(lc)) << "step " << s;
+  }
+  EXPECT_LT(max_relative_error(gpu.params(0), cpu.params(0)), 1e-4);
+  EXPECT_EQ(gpu.params(1), gpu.params(0));
+  EXPECT_GT(max_relative_error(gpu.params(0), m.values()), 1e-3) << "training did not move the parameters";
+}
+
 TEST(CudaEngine, GradientClippingOnTheGpuEqualsTheCpu) {
   DPAR_REQUIRE_GPU();
   const Model model = make_mlp(4, 0.0f);

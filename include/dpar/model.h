@@ -1,6 +1,6 @@
 /**
  * @file dpar/model.h
- * @brief Models: the sequence of layers that an engine copies to every device.
+ * @brief Models: the graph of layers that an engine copies to every device.
  * Part of dpar.h, which includes every topic's header and is the one to include; this one also compiles alone.
  */
 #ifndef DPAR_MODEL_H
@@ -14,10 +14,18 @@ extern "C" {
 
 /* ------------------------------------------------------------------------------------------------------------ */
 /** @name Models
- * A model is a sequence of layers on the host: the template that an engine copies once to every device.
+ * A model is a graph of nodes built append-only on the host: the template that an engine copies once to every
+ * device. Nodes are numbered 0, 1, ... in the order they are added. Each dpar_model_add_*() call appends one node
+ * that reads the previous node's output (the model input, ::DPAR_MODEL_INPUT, for the first), or the node that
+ * dpar_model_branch_from() chose; dpar_model_add_sum() and dpar_model_add_concat() read the nodes they name. A
+ * model built with add calls only is therefore a sequential model. The model's output is the last node; every
+ * other node must be read by a later one. A node with several readers gets the sum of their gradients.
  * A model handle is not thread-safe. Freeing a model does not affect engines created from it. */
 /**@{*/
-typedef struct dpar_model dpar_model; /**< An opaque sequential model. */
+typedef struct dpar_model dpar_model; /**< An opaque model graph. */
+
+/** @brief The model's input, where a node id is expected (dpar_model_branch_from(), dpar_model_add_sum()). */
+#define DPAR_MODEL_INPUT (-1)
 
 /** @brief Options for dpar_model_create(). */
 typedef struct dpar_model_options {
@@ -43,7 +51,7 @@ DPAR_API dpar_status dpar_model_options_init(dpar_model_options *opts);
 #define dpar_model_options_init(opts) dpar_model_options_init_sized((opts), sizeof(dpar_model_options))
 
 /**
- * @brief Creates an empty sequential model.
+ * @brief Creates an empty model.
  * @param[out] out  The model, owned by the caller (dpar_model_free()).
  * @param opts      Options, or NULL for defaults.
  */
@@ -77,7 +85,57 @@ DPAR_API dpar_status dpar_model_add_activation(dpar_model *model, int32_t activa
  */
 DPAR_API dpar_status dpar_model_add_dropout(dpar_model *model, float p);
 
-/** @brief The number of layers. */
+/**
+ * @brief The id of the last node added (the model's output): nodes are numbered 0, 1, ... in the order they are
+ * added, as layer indices always were; ::DPAR_MODEL_INPUT for an empty model.
+ * @param[out] out  The node id.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a NULL argument.
+ */
+DPAR_API dpar_status dpar_model_last_node(int32_t *out, const dpar_model *model);
+/**
+ * @brief Makes the next node added without explicit inputs read @p node's output instead of the last node's
+ * (a residual block's second path, say). It holds until a node is added; that node then becomes the next input.
+ * @param node  An added node, or ::DPAR_MODEL_INPUT for the model's input.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a node not yet added.
+ */
+DPAR_API dpar_status dpar_model_branch_from(dpar_model *model, int32_t node);
+/**
+ * @brief Names a node, as a PyTorch module path ("layer1.0.conv1"): its parameters become "<name>.weight" and so
+ * on, the names dpar_model_param_name() and checkpoints use. A node's default name is its index ("0", so that a
+ * sequential model's parameters are "0.weight", "2.weight", as nn.Sequential's).
+ * @param name  Identifiers of letters, digits and '_', separated by single dots; unique in the model; a name of
+ *              digits only is reserved for the node of that index. Copied.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a bad node, an empty, malformed or taken name.
+ */
+DPAR_API dpar_status dpar_model_set_node_name(dpar_model *model, int32_t node, const char *name);
+/**
+ * @brief Appends the elementwise sum of @p n >= 2 nodes of equal output shape (a residual connection).
+ * @param inputs  Node ids (added nodes or ::DPAR_MODEL_INPUT; one may appear twice); copied.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for fewer than 2 inputs or a node not yet added. Unequal shapes are
+ *         refused when an input shape is first known (engine calls), naming the nodes.
+ */
+DPAR_API dpar_status dpar_model_add_sum(dpar_model *model, const int32_t *inputs, size_t n);
+/**
+ * @brief Appends the concatenation of @p n >= 2 nodes along dim 1 (channels, as torch.cat(dim=1)); their shapes
+ * must be equal but for dim 1.
+ * @param inputs  Node ids (added nodes or ::DPAR_MODEL_INPUT); copied.
+ * @return As dpar_model_add_sum().
+ */
+DPAR_API dpar_status dpar_model_add_concat(dpar_model *model, const int32_t *inputs, size_t n);
+/**
+ * @brief Appends a flatten, (B, ...) -> (B, prod(...)), as nn.Flatten(): a view of its input's memory, forward and
+ * backward, with no copy.
+ */
+DPAR_API dpar_status dpar_model_add_flatten(dpar_model *model);
+/**
+ * @brief Appends a reshape of every row, (B, ...) -> (B, row_shape...), as nn.Unflatten(1, row_shape): a view, no
+ * copy. The row's element count must be unchanged (checked when the input shape is known).
+ * @param row_shape  @p ndim extents, each >= 1; copied.
+ * @param ndim       1 to #DPAR_MAX_DIMS - 1 (the batch dimension comes first).
+ */
+DPAR_API dpar_status dpar_model_add_reshape(dpar_model *model, const int64_t *row_shape, size_t ndim);
+
+/** @brief The number of nodes (layers, joins and views). */
 DPAR_API dpar_status dpar_model_num_layers(size_t *out, const dpar_model *model);
 /** @brief The number of parameter tensors (PyTorch's len(list(model.parameters()))). */
 DPAR_API dpar_status dpar_model_num_params(size_t *out, const dpar_model *model);
@@ -91,7 +149,8 @@ DPAR_API dpar_status dpar_model_num_param_elements(size_t *out, const dpar_model
 DPAR_API dpar_status dpar_model_param_info(int64_t *out_shape, size_t *out_ndim, const dpar_model *model,
                                            size_t index);
 /**
- * @brief The name of parameter @p index ("0.weight", as PyTorch's state_dict names it).
+ * @brief The name of parameter @p index ("<node name>.weight": "0.weight" by default, as PyTorch's state_dict
+ * names it).
  * @return Borrowed from the model; valid until the model changes or is freed. NULL for a bad model or index, with
  *         dpar_last_error() saying why.
  */

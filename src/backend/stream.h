@@ -30,6 +30,12 @@ class Stream {
   // dst and src are memory of devices of the stream's kind; either may be on another device than the stream's
   // (a replica's rows of an input on another GPU, a gathered output).
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  // `rows` blocks of `width` bytes: row r from src + r * src_pitch to dst + r * dst_pitch (a concatenation's
+  // columns). The default is one copy per row; a backend with a strided copy makes it one call.
+  virtual void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows) {
+    for (size_t r = 0; r < rows; ++r)
+      copy(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch, width);
+  }
   // The host buffer may be reused as soon as the call returns.
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
   // Returns once the bytes are in host memory (after everything queued before).

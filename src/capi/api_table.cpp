@@ -121,6 +121,13 @@ const dpar_api_v1 kApiV1 = {
     &dpar_engine_set_gradient_compression,
     &dpar_cpu_gemm_backend,
     &dpar_engine_set_gradient_reduction,
+    &dpar_model_last_node,
+    &dpar_model_branch_from,
+    &dpar_model_set_node_name,
+    &dpar_model_add_sum,
+    &dpar_model_add_concat,
+    &dpar_model_add_flatten,
+    &dpar_model_add_reshape,
 };
 }  // namespace
 

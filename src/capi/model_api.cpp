@@ -69,6 +69,55 @@ DPAR_API dpar_status dpar_model_add_custom(dpar_model* model, const dpar_custom_
   });
 }
 
+static std::vector<int32_t> node_ids(const int32_t* inputs, size_t n) {
+  DPAR_CHECK_ARG(inputs != nullptr || n == 0, "inputs: is NULL");
+  return std::vector<int32_t>(inputs, inputs + n);
+}
+
+DPAR_API dpar_status dpar_model_last_node(int32_t* out, const dpar_model* model) {
+  return guard([&] { *checked_out(out) = checked(model, "model").model.last_node(); });
+}
+
+DPAR_API dpar_status dpar_model_branch_from(dpar_model* model, int32_t node) {
+  return guard([&] { checked(model, "model").model.branch_from(node); });
+}
+
+DPAR_API dpar_status dpar_model_set_node_name(dpar_model* model, int32_t node, const char* name) {
+  return guard([&] {
+    Model& m = checked(model, "model").model;
+    DPAR_CHECK_ARG(name != nullptr, "name: is NULL");
+    m.set_node_name(node, name);
+  });
+}
+
+DPAR_API dpar_status dpar_model_add_sum(dpar_model* model, const int32_t* inputs, size_t n) {
+  return guard([&] {
+    Model& m = checked(model, "model").model;
+    m.add_sum(node_ids(inputs, n));
+  });
+}
+
+DPAR_API dpar_status dpar_model_add_concat(dpar_model* model, const int32_t* inputs, size_t n) {
+  return guard([&] {
+    Model& m = checked(model, "model").model;
+    m.add_concat(node_ids(inputs, n));
+  });
+}
+
+DPAR_API dpar_status dpar_model_add_flatten(dpar_model* model) {
+  return guard([&] { checked(model, "model").model.add_flatten(); });
+}
+
+DPAR_API dpar_status dpar_model_add_reshape(dpar_model* model, const int64_t* row_shape, size_t ndim) {
+  return guard([&] {
+    Model& m = checked(model, "model").model;
+    DPAR_CHECK_ARG(row_shape != nullptr || ndim == 0, "row_shape: is NULL");
+    DPAR_CHECK_ARG(ndim >= 1 && ndim < DPAR_MAX_DIMS, "ndim: ", ndim, " must be 1 to ", DPAR_MAX_DIMS - 1,
+                   " (the batch dimension comes on top)");
+    m.add_reshape(std::vector<int64_t>(row_shape, row_shape + ndim));
+  });
+}
+
 DPAR_API dpar_status dpar_model_num_layers(size_t* out, const dpar_model* model) {
   return guard([&] { *checked_out(out) = checked(model, "model").model.num_layers(); });
 }

@@ -1,45 +1,11 @@
-#include "nn/model.h"
-
+// A replica's copy of the model graph: forward in append order, backward in reverse, with a liveness plan for the
+// activation gradients.
 #include <algorithm>
 
 #include "common/error.h"
+#include "nn/model.h"
 
 namespace dpar {
-
-Model::Model(const Model& other) : params_(other.params_), values_(other.values_), init_rng_(other.init_rng_) {
-  for (const auto& l : other.layers_) layers_.push_back(l->clone());
-}
-
-void Model::add(std::unique_ptr<Layer> layer) {
-  const size_t index = layers_.size();
-  for (const ParamSpec& spec : layer->param_specs()) {
-    ParamInfo info{std::to_string(index) + "." + spec.name, spec.shape, static_cast<int64_t>(values_.size()), index};
-    const int64_t n = spec.shape.numel();
-    values_.reserve(values_.size() + static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i)
-      values_.push_back(spec.init == InitKind::kUniform ? init_rng_.uniform(-spec.bound, spec.bound) : 0.0f);
-    params_.push_back(std::move(info));
-  }
-  layers_.push_back(std::move(layer));
-}
-
-Shape Model::output_shape(const Shape& input) const {
-  Shape s = input;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    try {
-      s = layers_[i]->output_shape(s);
-    } catch (const Error& e) {
-      fail(e.status(), "layer ", i, " (", layers_[i]->describe(), "): ", e.what());
-    }
-  }
-  return s;
-}
-
-bool Model::uses_collectives() const {
-  for (const auto& layer : layers_)
-    if (layer->uses_collectives()) return true;
-  return false;
-}
 
 ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_t param_capacity) {
   const int64_t n = std::max<int64_t>({model.num_param_elements(), param_capacity, 1});
@@ -48,43 +14,133 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
   ctx.stream->fill_zero(params_.raw(), params_.bytes());
   ctx.stream->fill_zero(grads_.raw(), grads_.bytes());
   ctx.stream->copy_from_host(params_.f32(), model.values().data(), model.values().size() * sizeof(float));
-  for (size_t i = 0; i < model.num_layers(); ++i) layers_.push_back(model.layer(i).clone());
-  for (size_t i = 0; i < layers_.size(); ++i) {
+  check_graph_used(model.nodes());
+  for (const Node& node : model.nodes()) nodes_.push_back(node.clone());
+  std::vector<int> consumers(nodes_.size(), 0);
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const Node& node = nodes_[i];
+    for (int32_t j : node.inputs)
+      if (j != kModelInput) ++consumers[static_cast<size_t>(j)];
+    storage_.push_back(node.kind == NodeKind::kView ? storage(node.inputs[0]) : static_cast<int32_t>(i));
+    if (!node.layer) continue;
     std::vector<Tensor> p, g;
     for (const ParamInfo& info : model.params())
       if (info.layer == i) {
         p.push_back(params_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
         g.push_back(grads_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
       }
-    layers_[i]->bind(std::move(p), std::move(g));
+    nodes_[i].layer->bind(std::move(p), std::move(g));
   }
-  for (size_t i = 0; i + 1 < layers_.size(); ++i) {
-    // A layer fused with the one before it is not fused with the one after it: pairs do not chain.
-    fused_with_next_.push_back((i == 0 || !fused_with_next_[i - 1]) && layers_[i]->fuses_with(*layers_[i + 1]));
+  for (size_t i = 0; i + 1 < nodes_.size(); ++i) {
+    // A pair fuses where the second layer reads the first and nothing else does (the first's own output is never
+    // written). A layer fused with the one before it is not fused with the one after it: pairs do not chain.
+    const Node& a = nodes_[i];
+    const Node& b = nodes_[i + 1];
+    fused_with_next_.push_back((i == 0 || !fused_with_next_[i - 1]) && a.layer && b.layer &&
+                               b.inputs[0] == static_cast<int32_t>(i) && consumers[i] == 1 &&
+                               a.layer->fuses_with(*b.layer));
   }
   fused_with_next_.push_back(false);
+}
+
+int32_t ReplicaModel::storage(int32_t node) const {
+  return node == kModelInput ? kModelInput : storage_[static_cast<size_t>(node)];
+}
+
+Tensor ReplicaModel::output(int32_t node) const {
+  if (node == kModelInput) return input_;
+  const auto i = static_cast<size_t>(node);
+  const Shape shape = row_shapes_[i].with_rows(forward_rows_);
+  if (nodes_[i].kind == NodeKind::kView) return output(nodes_[i].inputs[0]).reshaped(shape);
+  return outputs_[i].rows(0, forward_rows_);
+}
+
+Tensor ReplicaModel::grad_of(int32_t node) const {
+  const int32_t s = storage(node);
+  const int32_t slot = grad_slot_[static_cast<size_t>(s + 1)];
+  DPAR_ENFORCE(slot >= 0, Status::kInternal, "node ", node, " has no gradient buffer in the plan");
+  const Shape shape =
+      node == kModelInput ? input_.shape() : row_shapes_[static_cast<size_t>(node)].with_rows(forward_rows_);
+  return grad_slots_[static_cast<size_t>(slot)].rows(0, shape.numel()).reshaped(shape);
 }
 
 void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
   const int64_t rows = input[0];
   // Per-row shapes of every output; recomputed per call because a later input may have another row shape.
-  std::vector<Shape> shapes;
-  Shape s = input.with_rows(1);
-  for (auto& layer : layers_) {
-    s = layer->output_shape(s);
-    shapes.push_back(s);
-  }
-  if (rows <= capacity_rows_ && shapes == row_shapes_) return;
+  std::vector<Shape> shapes = graph_shapes(nodes_, input.with_rows(1));
+  if (rows <= capacity_rows_ && shapes == row_shapes_ && input.row_numel() == input_row_numel_) return;
   const int64_t cap = std::max(rows, capacity_rows_);
-  outputs_.clear();
-  int64_t widest = input.row_numel();
-  for (const Shape& row : shapes) {
-    outputs_.push_back(ctx.alloc(DType::kF32, row.with_rows(cap)));
-    widest = std::max(widest, row.row_numel());
+  const size_t n = nodes_.size();
+  outputs_.assign(n, Tensor());
+  for (size_t i = 0; i < n; ++i)
+    if (nodes_[i].kind != NodeKind::kView) outputs_[i] = ctx.alloc(DType::kF32, shapes[i].with_rows(cap));
+
+  // The gradient plan: walk backward as backward() does. A storage node's gradient buffer is taken when the first
+  // contribution to it is written (its last consumer's backward, or the loss for the output) and given back once
+  // its own backward ran; a buffer given back is reused, the smallest that fits first.
+  auto row_numel = [&](int32_t s) {
+    return s == kModelInput ? input.row_numel() : shapes[static_cast<size_t>(s)].row_numel();
+  };
+  std::vector<int64_t> slot_rows;  // per slot, its widest row
+  std::vector<int32_t> free_slots;
+  grad_slot_.assign(n + 1, -1);
+  std::vector<int> contributions(n + 1, 0);
+  auto acquire = [&](int32_t s) {
+    int32_t& slot = grad_slot_[static_cast<size_t>(s + 1)];
+    if (slot >= 0) return;
+    const int64_t need = row_numel(s);
+    auto best = free_slots.end();
+    for (auto it = free_slots.begin(); it != free_slots.end(); ++it) {
+      const int64_t have = slot_rows[static_cast<size_t>(*it)];
+      if (best == free_slots.end()) {
+        best = it;
+        continue;
+      }
+      const int64_t best_have = slot_rows[static_cast<size_t>(*best)];
+      // Prefer a slot that fits, the smallest; else the widest (grown the least).
+      if ((have >= need && (best_have < need || have < best_have)) || (best_have < need && have > best_have)) best = it;
+    }
+    if (best == free_slots.end()) {
+      slot = static_cast<int32_t>(slot_rows.size());
+      slot_rows.push_back(need);
+    } else {
+      slot = *best;
+      free_slots.erase(best);
+      slot_rows[static_cast<size_t>(slot)] = std::max(slot_rows[static_cast<size_t>(slot)], need);
+    }
+  };
+  auto release = [&](int32_t s) { free_slots.push_back(grad_slot_[static_cast<size_t>(s + 1)]); };
+  acquire(storage_[n - 1]);
+  for (size_t i = n; i-- > 0;) {
+    if (nodes_[i].kind == NodeKind::kView) continue;
+    const bool pair = i > 0 && fused_with_next_[i - 1];
+    const size_t first = pair ? i - 1 : i;
+    if (pair) {
+      // The pair's scratch between its two layers; then its din may take dout's buffer (the pair reads dout in
+      // full before it writes din), as the two ping-pong buffers of a chain always did.
+      acquire(static_cast<int32_t>(first));
+      ++contributions[first + 1];
+      release(static_cast<int32_t>(i));
+    }
+    for (int32_t in : nodes_[first].inputs) {
+      const int32_t s = storage(in);
+      if (s == kModelInput) continue;
+      acquire(s);
+      ++contributions[static_cast<size_t>(s + 1)];
+    }
+    release(static_cast<int32_t>(pair ? first : i));
+    i = first;
   }
-  grad_a_ = ctx.alloc(DType::kF32, Shape{cap * widest});
-  grad_b_ = ctx.alloc(DType::kF32, Shape{cap * widest});
+  grad_slots_.clear();
+  for (int64_t width : slot_rows)
+    grad_slots_.push_back(ctx.alloc(DType::kF32, Shape{cap * std::max<int64_t>(width, 1)}));
+  int64_t widest = 0;
+  bool shared = false;
+  for (size_t s = 0; s <= n; ++s)
+    if (contributions[s] > 1) shared = true, widest = std::max(widest, row_numel(static_cast<int32_t>(s) - 1));
+  scratch_ = shared ? ctx.alloc(DType::kF32, Shape{cap * widest}) : Tensor();
   row_shapes_ = std::move(shapes);
+  input_row_numel_ = input.row_numel();
   capacity_rows_ = cap;
 }
 
@@ -94,63 +150,141 @@ Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
   ctx.maybe_fail(Fault::kForward, "forward");
   const int64_t rows = input.rows();
   input_ = input;
-  Tensor x = input;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (fused_with_next_[i]) {  // layer i and i + 1 at once; layer i's own output is not written
-      Tensor y = outputs_[i + 1].rows(0, rows);
-      layers_[i]->forward_with_next(ctx, x, y);
-      x = y;
+  forward_rows_ = rows;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const Node& node = nodes_[i];
+    if (fused_with_next_[i]) {  // nodes i and i + 1 at once; node i's own output is not written
+      node.layer->forward_with_next(ctx, output(node.inputs[0]), output(static_cast<int32_t>(i + 1)));
       ++i;
       continue;
     }
-    Tensor y = outputs_[i].rows(0, rows);
-    layers_[i]->forward(ctx, x, y);
-    x = y;
+    const Tensor y = output(static_cast<int32_t>(i));
+    switch (node.kind) {
+      case NodeKind::kLayer: node.layer->forward(ctx, output(node.inputs[0]), y); break;
+      case NodeKind::kSum:
+        ctx.stream->copy(y.raw(), output(node.inputs[0]).raw(), y.bytes());
+        for (size_t k = 1; k < node.inputs.size(); ++k)
+          ctx.stream->axpy(y.f32(), output(node.inputs[k]).f32(), 1.0f, y.numel());
+        break;
+      case NodeKind::kConcat: {
+        // Each row of the output is the inputs' rows one after another (dim 1 is the outermost after the batch).
+        const size_t pitch = static_cast<size_t>(y.shape().row_numel()) * sizeof(float);
+        int64_t offset = 0;
+        for (int32_t in : node.inputs) {
+          const Tensor x = output(in);
+          const int64_t w = x.shape().row_numel();
+          const size_t bytes = static_cast<size_t>(w) * sizeof(float);
+          ctx.stream->copy_2d(y.f32() + offset, pitch, x.f32(), bytes, bytes, static_cast<size_t>(rows));
+          offset += w;
+        }
+        break;
+      }
+      case NodeKind::kView: break;  // its output is its input's memory
+    }
   }
-  forward_rows_ = rows;
   has_forward_ = true;
-  return x;
+  return output(static_cast<int32_t>(nodes_.size() - 1));
 }
 
 Tensor ReplicaModel::output_grad_buffer(const ReplicaContext&) {
-  const Shape out = row_shapes_.back().with_rows(forward_rows_);
-  return grad_a_.rows(0, out.numel()).reshaped(out);
+  return grad_of(static_cast<int32_t>(nodes_.size() - 1));
+}
+
+void ReplicaModel::contribute(const ReplicaContext& ctx, int32_t node,
+                              const std::function<void(const Tensor& dst)>& write) {
+  const Tensor g = grad_of(node);
+  char& started = grad_started_[static_cast<size_t>(storage(node) + 1)];
+  if (!started) {
+    write(g);
+    started = 1;
+    return;
+  }
+  // A second consumer's gradient: written aside, then added (the layer's backward overwrites its din).
+  const Tensor tmp = scratch_.rows(0, g.numel()).reshaped(g.shape());
+  write(tmp);
+  ctx.stream->axpy(g.f32(), tmp.f32(), 1.0f, g.numel());
 }
 
 void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
                             const std::function<void(size_t layer)>& layer_done) {
   DPAR_ENFORCE(has_forward_, Status::kInvalidState, "backward: no forward state on ", ctx.device.str());
   ctx.maybe_fail(Fault::kBackward, "backward");
-  const int64_t rows = forward_rows_;
-  Tensor dout = grad_output;
-  for (size_t i = layers_.size(); i-- > 0;) {
-    const bool pair = i > 0 && fused_with_next_[i - 1];  // layers i - 1 and i run as one
-    const size_t first = pair ? i - 1 : i;
-    Tensor in = first == 0 ? input_ : outputs_[first - 1].rows(0, rows);
-    // The ping-pong buffer that dout is not in, and the other one: dout's own (dout starts its buffer, being the
-    // loss's gradient in grad_a_ or an earlier din) or, for a caller's gradient in memory of its own, a free one.
-    const bool dout_in_a = dout.raw() == grad_a_.raw();
-    Tensor& free_buf = dout_in_a ? grad_b_ : grad_a_;
-    Tensor& other_buf = dout_in_a ? grad_a_ : grad_b_;
-    Tensor din;
-    if (pair) {
-      // The gradient between the two layers goes into the free buffer, and din into the other, which may hold
-      // dout: the pair reads dout in full before it writes din.
-      const Tensor first_out = outputs_[first].rows(0, rows);
-      const Tensor mid = free_buf.rows(0, first_out.numel()).reshaped(first_out.shape());
-      if (first > 0) din = other_buf.rows(0, in.numel()).reshaped(in.shape());
-      layers_[first]->backward_with_next(ctx, in, outputs_[i].rows(0, rows), dout, mid, din, accumulate);
-      if (layer_done) layer_done(i), layer_done(first);
-    } else {
-      if (i > 0) din = free_buf.rows(0, in.numel()).reshaped(in.shape());
-      layers_[i]->backward(ctx, in, outputs_[i].rows(0, rows), dout, din, accumulate);
+  const auto last = static_cast<int32_t>(nodes_.size() - 1);
+  grad_started_.assign(nodes_.size() + 1, 0);
+  // A caller's gradient in memory of its own is read in place when the output is a node's own memory; behind a
+  // view it starts that node's gradient, which other consumers add to, so it is copied into the buffer.
+  Tensor out_grad = grad_of(last);
+  external_dout_ = Tensor();
+  if (grad_output.raw() != out_grad.raw()) {
+    if (storage(last) == last)
+      external_dout_ = grad_output;
+    else
+      ctx.stream->copy(out_grad.raw(), grad_output.raw(), out_grad.bytes());
+  }
+  grad_started_[static_cast<size_t>(storage(last) + 1)] = 1;
+  for (size_t i = nodes_.size(); i-- > 0;) {
+    const Node& node = nodes_[i];
+    const auto id = static_cast<int32_t>(i);
+    if (node.kind == NodeKind::kView) {  // no math: its consumers wrote into its input's gradient
       if (layer_done) layer_done(i);
+      continue;
     }
-    dout = din;
-    i = first;
+    DPAR_ENFORCE(grad_started_[i + 1], Status::kInternal, "node ", i, "'s gradient was never written");
+    const Tensor dout = id == last && external_dout_.defined() ? external_dout_ : grad_of(id);
+    const bool pair = i > 0 && fused_with_next_[i - 1];  // nodes i - 1 and i run as one
+    const size_t first = pair ? i - 1 : i;
+    if (pair || node.kind == NodeKind::kLayer) {
+      const Node& head = nodes_[first];
+      const int32_t in_id = head.inputs[0];
+      const Tensor in = output(in_id);
+      const Tensor out = output(id);
+      auto run = [&](const Tensor& din) {
+        if (pair)
+          head.layer->backward_with_next(ctx, in, out, dout, grad_of(static_cast<int32_t>(first)), din, accumulate);
+        else
+          node.layer->backward(ctx, in, out, dout, din, accumulate);
+      };
+      if (storage(in_id) == kModelInput)
+        run(Tensor());
+      else
+        contribute(ctx, in_id, run);
+      if (layer_done) {
+        layer_done(i);
+        if (pair) layer_done(first);
+      }
+      i = first;
+      continue;
+    }
+    if (node.kind == NodeKind::kSum) {
+      for (int32_t in : node.inputs) {
+        if (storage(in) == kModelInput) continue;
+        const Tensor g = grad_of(in);
+        char& started = grad_started_[static_cast<size_t>(storage(in) + 1)];
+        if (started)
+          ctx.stream->axpy(g.f32(), dout.f32(), 1.0f, g.numel());
+        else
+          ctx.stream->copy(g.raw(), dout.raw(), g.bytes());
+        started = 1;
+      }
+    } else {  // kConcat: each input's gradient is its columns of dout
+      const auto rows = static_cast<size_t>(forward_rows_);
+      const size_t pitch = static_cast<size_t>(dout.shape().row_numel()) * sizeof(float);
+      int64_t offset = 0;
+      for (int32_t in : node.inputs) {
+        const int64_t w = output(in).shape().row_numel();
+        const size_t bytes = static_cast<size_t>(w) * sizeof(float);
+        if (storage(in) != kModelInput)
+          contribute(ctx, in, [&](const Tensor& dst) {
+            ctx.stream->copy_2d(dst.f32(), bytes, dout.f32() + offset, pitch, bytes, rows);
+          });
+        offset += w;
+      }
+    }
+    if (layer_done) layer_done(i);
   }
   has_forward_ = false;
   input_ = Tensor();
+  external_dout_ = Tensor();
 }
 
 }  // namespace dpar

@@ -1,6 +1,11 @@
-// A sequential model. Model is the host-side template a caller builds; ReplicaModel is one device's copy, with
-// all parameters in one flat buffer and all gradients in another, so that communication and the optimizer see
-// one array each.
+// A model as a graph built append-only. Model is the host-side template a caller builds; ReplicaModel is one
+// device's copy, with all parameters in one flat buffer and all gradients in another, so that communication and
+// the optimizer see one array each.
+//
+// A node names its inputs: earlier nodes, or the model's input (kModelInput). Append order is therefore a
+// topological order: forward walks the nodes in order, backward in reverse. A node added without explicit inputs
+// reads the node before it (or the one branch_from() chose), so a model built as a sequence is the sequential
+// model it always was. The model's output is the last node.
 #pragma once
 
 #include <functional>
@@ -13,35 +18,86 @@
 
 namespace dpar {
 
+// The model's input, as a node id.
+constexpr int32_t kModelInput = -1;
+
 struct ParamInfo {
-  std::string name;  // "0.weight", as PyTorch's state_dict names it
+  std::string name;  // "<node name>.<param>": "0.weight", "layer1.0.conv1.weight", as PyTorch's state_dict
   Shape shape;
   int64_t offset = 0;  // in the flat buffer, in elements
-  size_t layer = 0;
+  size_t layer = 0;    // the node that owns it
 };
+
+// What a node computes. Joins and views are executed by the graph itself with the stream's copy and axpy, so they
+// run on every backend; kLayer nodes run a single-input Layer.
+enum class NodeKind {
+  kLayer,   // layer(inputs[0])
+  kSum,     // inputs[0] + inputs[1] + ...: equal shapes (a residual)
+  kConcat,  // inputs along dim 1 (channels): equal shapes but for dim 1
+  kView,    // inputs[0] with another shape, the same memory (flatten, reshape): no copy forward or backward
+};
+
+struct Node {
+  NodeKind kind = NodeKind::kLayer;
+  std::vector<int32_t> inputs;
+  std::unique_ptr<Layer> layer;       // kLayer only
+  std::vector<int64_t> view_row;      // kView: the shape of one row; empty = flatten to (B, prod)
+  std::string name;                   // unique; the node's index by default
+
+  Node clone() const;
+  std::string describe() const;  // "linear(4 -> 8)", "sum of nodes 1, 3"
+  // The output shape for the input shapes (one per entry of inputs); throws Error(INVALID_ARGUMENT).
+  Shape output_shape(const std::vector<Shape>& in) const;
+};
+
+// Shapes of every node's output for a model input shape; throws naming the first node that rejects its inputs.
+std::vector<Shape> graph_shapes(const std::vector<Node>& nodes, const Shape& input);
+// Refuses a graph whose nodes cannot all reach the output (a node no later node reads, but the last).
+void check_graph_used(const std::vector<Node>& nodes);
 
 class Model {
  public:
   explicit Model(uint64_t seed) : init_rng_(seed) {}
   Model(const Model& other);
 
-  // Appends a layer and draws its initial parameters from the model's seeded stream.
-  void add(std::unique_ptr<Layer> layer);
+  // Appends a layer reading the next input (the last node, or the branch_from() node), draws its initial
+  // parameters from the model's seeded stream, and returns its id.
+  int32_t add(std::unique_ptr<Layer> layer);
+  // Joins: the elementwise sum of >= 2 nodes of equal shape, and their concatenation along dim 1.
+  int32_t add_sum(const std::vector<int32_t>& inputs);
+  int32_t add_concat(const std::vector<int32_t>& inputs);
+  // Views of the next input: (B, ...) -> (B, prod), and (B, ...) -> (B, row...) (nn.Unflatten(1, row)).
+  int32_t add_flatten();
+  int32_t add_reshape(const std::vector<int64_t>& row);
+  // The id of the last node added; kModelInput for an empty model.
+  int32_t last_node() const { return static_cast<int32_t>(nodes_.size()) - 1; }
+  // The next node added without explicit inputs reads `node` (an added node or kModelInput).
+  void branch_from(int32_t node);
+  // Renames a node and its parameters. Names are unique, dot-separated identifiers ([A-Za-z0-9_]+ each); a name
+  // made of digits only is reserved for the node of that index (the default).
+  void set_node_name(int32_t node, const std::string& name);
 
-  size_t num_layers() const { return layers_.size(); }
-  const Layer& layer(size_t i) const { return *layers_[i]; }
+  size_t num_layers() const { return nodes_.size(); }  // the number of nodes
+  const Node& node(size_t i) const { return nodes_[i]; }
+  // Node i's layer; throws for a join or view node, which has none.
+  const Layer& layer(size_t i) const;
+  const std::vector<Node>& nodes() const { return nodes_; }
   const std::vector<ParamInfo>& params() const { return params_; }
   int64_t num_param_elements() const { return static_cast<int64_t>(values_.size()); }
   const std::vector<float>& values() const { return values_; }
   std::vector<float>& values() { return values_; }
-  // Shapes through the whole model; throws naming the first layer that rejects its input.
+  // Shapes through the whole model; throws naming the first node that rejects its input, or a node whose output
+  // no later node reads.
   Shape output_shape(const Shape& input) const;
   // Whether a layer calls the replica set's collectives (Layer::uses_collectives): then every replica runs forward
   // and backward on every call, a replica given no rows of the batch included.
   bool uses_collectives() const;
 
  private:
-  std::vector<std::unique_ptr<Layer>> layers_;
+  int32_t append(Node node);
+  void check_input(int32_t id, const char* what) const;
+  int32_t next_input_ = kModelInput;  // what the next node without explicit inputs reads
+  std::vector<Node> nodes_;
   std::vector<ParamInfo> params_;
   std::vector<float> values_;  // flat, in params_ order
   Rng init_rng_;
@@ -57,30 +113,52 @@ class ReplicaModel {
   float* params() const { return params_.f32(); }
   float* grads() const { return grads_.f32(); }
 
-  // Runs every layer; keeps each layer's output for backward. Returns a view of the last output.
+  // Runs every node; keeps each node's output for backward. Returns a view of the last output.
   Tensor forward(const ReplicaContext& ctx, const Tensor& input);
   // Backward from dL/d(output) of the last forward. Overwrites or adds to the gradients (see Layer::backward).
-  // layer_done(i), if given, runs as soon as layer i's gradients are final (layers go last to first): the reducer
-  // starts communicating them while the earlier layers compute.
+  // layer_done(i), if given, runs as soon as node i's gradients are final (nodes go last to first): the reducer
+  // starts communicating them while the earlier nodes compute.
   void backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
                 const std::function<void(size_t layer)>& layer_done = nullptr);
   bool has_forward_state() const { return has_forward_; }
   void clear_forward_state() { has_forward_ = false; }
   // dL/d(output) buffer of the right size for the last forward, for a loss to write into.
   Tensor output_grad_buffer(const ReplicaContext& ctx);
+  // Node i's output of the last forward (a view of its input's memory for a view node; the model input for
+  // kModelInput). Valid until the next forward.
+  Tensor node_output(int32_t node) const { return output(node); }
+  // The number of activation-gradient buffers the plan for the last input shape uses (tests: the liveness plan).
+  size_t num_grad_buffers() const { return grad_slots_.size(); }
 
  private:
-  // Makes sure activation buffers hold `rows` rows; grows, never shrinks.
+  // Makes sure activation buffers hold `rows` rows and plans the gradient buffers; grows, never shrinks.
   void reserve(const ReplicaContext& ctx, const Shape& input);
+  // The node whose memory a node's output is (following views back); kModelInput for the input.
+  int32_t storage(int32_t node) const;
+  // Node i's output of the last forward (a view of its storage for a view node).
+  Tensor output(int32_t node) const;
+  // dL/d(node's output) in its storage's gradient buffer, shaped as the node's output.
+  Tensor grad_of(int32_t node) const;
+  // Adds `write(dst)`'s result to node's gradient: into its buffer directly for the first contribution, through
+  // the scratch buffer and an axpy for the next ones.
+  void contribute(const ReplicaContext& ctx, int32_t node, const std::function<void(const Tensor& dst)>& write);
 
-  std::vector<std::unique_ptr<Layer>> layers_;
-  std::vector<bool> fused_with_next_;  // layer i computes layer i + 1 with its own (Layer::fuses_with)
+  std::vector<Node> nodes_;
+  std::vector<int32_t> storage_;         // per node: storage(node)
+  std::vector<bool> fused_with_next_;    // node i computes node i + 1 with its own (Layer::fuses_with)
   Tensor params_, grads_;
-  std::vector<Shape> row_shapes_;     // per layer output, for one row: shapes with rows = 1
-  std::vector<Tensor> outputs_;       // per layer output, capacity rows
-  Tensor grad_a_, grad_b_;            // ping-pong buffers for dL/d(activation)
+  std::vector<Shape> row_shapes_;        // per node output, for one row: shapes with rows = 1
+  std::vector<Tensor> outputs_;          // per non-view node output, capacity rows
+  // The gradient plan: node i's gradient (a non-view node, or the input when it is the output's storage) lives in
+  // grad_slots_[grad_slot_[i + 1]] from its last consumer's backward to its own; freed slots are reused.
+  std::vector<Tensor> grad_slots_;
+  std::vector<int32_t> grad_slot_;       // per storage node + 1 (index 0: the model input); -1: none
+  Tensor scratch_;                       // a second contribution to one gradient; undefined when none has two
+  std::vector<char> grad_started_;        // per storage node + 1, during backward: its gradient has a contribution
   int64_t capacity_rows_ = 0;
+  int64_t input_row_numel_ = 0;         // of the input the plan was made for
   Tensor input_;                      // the last forward's input (a view; the caller keeps it alive for backward)
+  Tensor external_dout_;              // a caller's dL/d(output) used in place during backward
   int64_t forward_rows_ = 0;          // rows of the last forward (0 for a replica given no rows)
   bool has_forward_ = false;          // the last forward's state is kept for a backward
 };

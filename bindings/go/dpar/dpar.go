@@ -357,6 +357,65 @@ func (m *Model) Dropout(p float32) error {
 	return call(func() int { return raw.Dpar_model_add_dropout(m.raw, p) })
 }
 
+// ModelInput is the model's input where a node id is expected (BranchFrom, AddSum, AddConcat).
+const ModelInput int32 = -1
+
+// LastNode is the id of the last node added (nodes are numbered 0, 1, ... as added); ModelInput when empty.
+func (m *Model) LastNode() (int32, error) {
+	defer runtime.KeepAlive(m)
+	var n int32
+	err := call(func() int { return raw.Dpar_model_last_node(unsafe.Pointer(&n), m.raw) })
+	return n, err
+}
+
+// BranchFrom makes the next node added without explicit inputs read node (ModelInput for the model's input).
+func (m *Model) BranchFrom(node int32) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_branch_from(m.raw, int(node)) })
+}
+
+// SetNodeName names a node as a PyTorch module path ("layer1.0.conv1"): its parameters become
+// "layer1.0.conv1.weight".
+func (m *Model) SetNodeName(node int32, name string) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_set_node_name(m.raw, int(node), name) })
+}
+
+func int32s(v []int32) unsafe.Pointer {
+	if len(v) == 0 {
+		return nil
+	}
+	return unsafe.Pointer(&v[0])
+}
+
+// AddSum appends the elementwise sum of nodes of equal shape (a residual connection).
+func (m *Model) AddSum(inputs ...int32) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_add_sum(m.raw, int32s(inputs), int64(len(inputs))) })
+}
+
+// AddConcat appends the concatenation of nodes along dim 1.
+func (m *Model) AddConcat(inputs ...int32) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_add_concat(m.raw, int32s(inputs), int64(len(inputs))) })
+}
+
+// AddFlatten appends (B, ...) -> (B, prod(...)): a view, no copy.
+func (m *Model) AddFlatten() error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_add_flatten(m.raw) })
+}
+
+// AddReshape appends (B, ...) -> (B, rowShape...), as nn.Unflatten(1, rowShape): a view, no copy.
+func (m *Model) AddReshape(rowShape ...int64) error {
+	defer runtime.KeepAlive(m)
+	var p unsafe.Pointer
+	if len(rowShape) > 0 {
+		p = unsafe.Pointer(&rowShape[0])
+	}
+	return call(func() int { return raw.Dpar_model_add_reshape(m.raw, p, int64(len(rowShape))) })
+}
+
 func (m *Model) count(f func(unsafe.Pointer, raw.Struct_SS_dpar_model) int) (int, error) {
 	defer runtime.KeepAlive(m)
 	var n uint64

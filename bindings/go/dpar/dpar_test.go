@@ -513,3 +513,52 @@ func mustParams(t *testing.T, e *Engine) []float32 {
 	}
 	return p
 }
+
+func TestAResidualGraphIsBuiltNamedAndChecked(t *testing.T) {
+	m, err := NewModel(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if n, err := m.LastNode(); err != nil || n != ModelInput {
+		t.Fatalf("empty model's last node: %d, %v", n, err)
+	}
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(m.Linear(4, 8, true))
+	must(m.Activation(ReLU))
+	must(m.Linear(8, 4, true))
+	fc2, err := m.LastNode()
+	must(err)
+	if fc2 != 2 {
+		t.Fatalf("fc2 is node %d", fc2)
+	}
+	must(m.AddSum(fc2, ModelInput))
+	must(m.SetNodeName(0, "block.fc1"))
+	must(m.BranchFrom(3))
+	must(m.AddReshape(2, 2))
+	must(m.AddConcat(4, 4))
+	must(m.AddFlatten())
+	must(m.Linear(8, 3, true))
+	if n, _ := m.NumLayers(); n != 8 {
+		t.Fatalf("%d nodes", n)
+	}
+	if name, _, err := m.ParamInfo(0); err != nil || name != "block.fc1.weight" {
+		t.Fatalf("%q, %v", name, err)
+	}
+	if name, _, _ := m.ParamInfo(4); name != "7.weight" {
+		t.Fatalf("%q", name)
+	}
+	err = m.AddSum(0, 42)
+	if err == nil || !strings.Contains(err.Error(), "node 42") {
+		t.Fatalf("a sum of a node not yet added: %v", err)
+	}
+	err = m.SetNodeName(1, "block.fc1")
+	if err == nil || !strings.Contains(err.Error(), "already node 0") {
+		t.Fatalf("a duplicate name: %v", err)
+	}
+}

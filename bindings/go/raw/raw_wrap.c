@@ -866,6 +866,17 @@ intgo _wrap_dpar_tensor_data_raw_9787157d5e82d198(void **_swig_go_0, struct dpar
 }
 
 
+intgo _wrap_DPAR_MODEL_INPUT_raw_9787157d5e82d198() {
+  int result;
+  intgo _swig_go_result;
+  
+  
+  result = (int)((-1));
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 void _wrap_dpar_model_options_size_set_raw_9787157d5e82d198(struct dpar_model_options *_swig_go_0, long long _swig_go_1) {
   struct dpar_model_options *arg1 = (struct dpar_model_options *) 0 ;
   size_t arg2 ;
@@ -1107,6 +1118,122 @@ intgo _wrap_dpar_model_add_dropout_raw_9787157d5e82d198(struct dpar_model *_swig
   arg2 = (float)_swig_go_1; 
   
   result = (dpar_status)dpar_model_add_dropout(arg1,arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_last_node_raw_9787157d5e82d198(int32_t *_swig_go_0, struct dpar_model *_swig_go_1) {
+  int32_t *arg1 = (int32_t *) 0 ;
+  dpar_model *arg2 = (dpar_model *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = (int32_t *)_swig_go_0; 
+  arg2 = *(dpar_model **)&_swig_go_1; 
+  
+  result = (dpar_status)dpar_model_last_node(arg1,(struct dpar_model const *)arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_branch_from_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, intgo _swig_go_1) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int32_t arg2 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int32_t)_swig_go_1; 
+  
+  result = (dpar_status)dpar_model_branch_from(arg1,arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_set_node_name_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, intgo _swig_go_1, _gostring_ _swig_go_2) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int32_t arg2 ;
+  char *arg3 = (char *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int32_t)_swig_go_1; 
+  
+  arg3 = (char *)malloc(_swig_go_2.n + 1);
+  memcpy(arg3, _swig_go_2.p, _swig_go_2.n);
+  arg3[_swig_go_2.n] = '\0';
+  
+  
+  result = (dpar_status)dpar_model_set_node_name(arg1,arg2,(char const *)arg3);
+  _swig_go_result = result; 
+  free(arg3); 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_sum_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, int32_t *_swig_go_1, long long _swig_go_2) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int32_t *arg2 = (int32_t *) 0 ;
+  size_t arg3 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int32_t *)_swig_go_1; 
+  arg3 = (size_t)_swig_go_2; 
+  
+  result = (dpar_status)dpar_model_add_sum(arg1,(int const *)arg2,arg3);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_concat_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, int32_t *_swig_go_1, long long _swig_go_2) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int32_t *arg2 = (int32_t *) 0 ;
+  size_t arg3 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int32_t *)_swig_go_1; 
+  arg3 = (size_t)_swig_go_2; 
+  
+  result = (dpar_status)dpar_model_add_concat(arg1,(int const *)arg2,arg3);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_flatten_raw_9787157d5e82d198(struct dpar_model *_swig_go_0) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  
+  result = (dpar_status)dpar_model_add_flatten(arg1);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_reshape_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, int64_t *_swig_go_1, long long _swig_go_2) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t *arg2 = (int64_t *) 0 ;
+  size_t arg3 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t *)_swig_go_1; 
+  arg3 = (size_t)_swig_go_2; 
+  
+  result = (dpar_status)dpar_model_add_reshape(arg1,(long const *)arg2,arg3);
   _swig_go_result = result; 
   return _swig_go_result;
 }

@@ -90,6 +90,7 @@ Init = _enum("Init", "DPAR_INIT_", ["ZEROS", "UNIFORM"], "dpar_init: a custom la
 globals().update({m.name: m for m in Status})
 F32, I32 = DType.F32, DType.I32
 RELU, GELU, TANH, SIGMOID = Activation
+MODEL_INPUT = _raw.DPAR_MODEL_INPUT  # the model's input, where a node id is expected
 SUM, MEAN, MAX, MIN = ReduceOp
 LOSS_CROSS_ENTROPY, LOSS_MSE = Loss
 PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Processes
@@ -343,7 +344,9 @@ class _Memory:
 
 
 class Model(_Handle):
-    """A sequential model: the template an Engine copies to every device."""
+    """A model graph built append-only: the template an Engine copies to every device. Each add reads the previous
+    node (or the one branch_from chose); join nodes (add_sum, add_concat) name their inputs; the output is the last
+    node."""
 
     _free = staticmethod(_raw.dpar_model_free)
 
@@ -363,6 +366,46 @@ class Model(_Handle):
 
     def dropout(self, p):
         _check(_raw.dpar_model_add_dropout(self._raw, p))
+        return self
+
+    @property
+    def last_node(self):
+        """The id of the last node added (nodes are numbered 0, 1, ... as added); MODEL_INPUT when empty."""
+        n = np.zeros(1, dtype=np.int32)
+        _check(_raw.dpar_model_last_node(n.ctypes.data, self._raw))
+        return int(n[0])
+
+    def branch_from(self, node):
+        """The next node added without explicit inputs reads `node` (MODEL_INPUT for the model's input)."""
+        _check(_raw.dpar_model_branch_from(self._raw, node))
+        return self
+
+    def set_node_name(self, node, name):
+        """Names a node as a PyTorch module path ("layer1.0.conv1"): its parameters become "layer1.0.conv1.weight"."""
+        _check(_raw.dpar_model_set_node_name(self._raw, node, str(name)))
+        return self
+
+    def add_sum(self, inputs):
+        """Appends the elementwise sum of nodes of equal shape (a residual connection)."""
+        ids = np.ascontiguousarray(inputs, dtype=np.int32)
+        _check(_raw.dpar_model_add_sum(self._raw, ids.ctypes.data, ids.size))
+        return self
+
+    def add_concat(self, inputs):
+        """Appends the concatenation of nodes along dim 1."""
+        ids = np.ascontiguousarray(inputs, dtype=np.int32)
+        _check(_raw.dpar_model_add_concat(self._raw, ids.ctypes.data, ids.size))
+        return self
+
+    def add_flatten(self):
+        """Appends (B, ...) -> (B, prod(...)): a view, no copy."""
+        _check(_raw.dpar_model_add_flatten(self._raw))
+        return self
+
+    def add_reshape(self, row_shape):
+        """Appends (B, ...) -> (B, *row_shape), as nn.Unflatten(1, row_shape): a view, no copy."""
+        shape = np.ascontiguousarray(row_shape, dtype=np.int64)
+        _check(_raw.dpar_model_add_reshape(self._raw, shape.ctypes.data, shape.size))
         return self
 
     def custom(self, layer):

@@ -71,6 +71,28 @@ class Reference(unittest.TestCase):
             self.assertIn("compression", cm.exception.message)
         self.assertEqual(got, expected)
 
+    def test_a_residual_graph_is_built_named_and_checked(self):
+        m = dpar.Model(3)
+        self.assertEqual(m.last_node, dpar.MODEL_INPUT)
+        m.linear(4, 8).activation(dpar.RELU).linear(8, 4)
+        fc2 = m.last_node
+        self.assertEqual(fc2, 2)
+        m.add_sum([fc2, dpar.MODEL_INPUT]).set_node_name(0, "block.fc1")
+        m.branch_from(3).add_reshape([2, 2]).add_concat([4, 4]).add_flatten().linear(8, 3)
+        self.assertEqual(m.num_layers, 8)
+        self.assertEqual(m.param_info(0)[0], "block.fc1.weight")
+        self.assertEqual(m.param_info(4)[0], "7.weight")
+        with self.assertRaises(dpar.DparError) as c:
+            m.add_sum([0, 42])
+        self.assertEqual(c.exception.status, dpar.ERR_INVALID_ARGUMENT)
+        self.assertIn("node 42", str(c.exception))
+        with self.assertRaises(dpar.DparError) as c:
+            m.set_node_name(1, "block.fc1")
+        self.assertIn("already node 0", str(c.exception))
+        x, y = reference_batch()
+        with engine(m) as e:
+            self.assertTrue(np.isfinite(e.train_step(x, y)))
+
     def test_bad_call_raises_with_dpars_message(self):
         with reference_model() as m, engine(m) as e:
             with self.assertRaises(dpar.DparError) as cm:

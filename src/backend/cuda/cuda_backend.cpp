@@ -151,6 +151,12 @@ class CudaStream final : public Stream {
 
   cudaStream_t handle() const { return stream_; }
 
+  void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows) override {
+    const auto scope = enter();
+    if (width && rows)
+      DPAR_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDefault, stream_),
+                      "strided copy on ", device().str());
+  }
   void copy(void* dst, const void* src, size_t bytes) override {
     const auto scope = enter();
     if (bytes && dst != src)

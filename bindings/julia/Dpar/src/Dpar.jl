@@ -35,7 +35,8 @@ function __init__()
     nothing
 end
 
-export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, train_step!, step_count, num_params,
+export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_node, branch_from!, set_node_name!,
+       add_sum!, add_concat!, add_flatten!, add_reshape!, MODEL_INPUT, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
        set_gradient_compression!, set_gradient_reduction!, forward, num_replicas, trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
@@ -240,6 +241,59 @@ end
 """`dropout!(model, p)`: appends dropout with drop probability `p` in [0, 1), active in training mode only."""
 function dropout!(m::Model, p::Real)
     check(ccall((:dpar_model_add_dropout, libdpar), Int32, (Ptr{Cvoid}, Cfloat), m.ptr, p))
+    m
+end
+
+"""The model's input, where a node id is expected (`branch_from!`, `add_sum!`, `add_concat!`)."""
+const MODEL_INPUT = Int32(-1)
+
+"""`last_node(model)`: the id of the last node added (nodes are numbered 0, 1, ... as added); `MODEL_INPUT` when
+empty."""
+function last_node(m::Model)
+    n = Ref{Int32}(0)
+    check(ccall((:dpar_model_last_node, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), n, m.ptr))
+    Int(n[])
+end
+
+"""`branch_from!(model, node)`: the next node added without explicit inputs reads `node` (`MODEL_INPUT` for the
+model's input)."""
+function branch_from!(m::Model, node::Integer)
+    check(ccall((:dpar_model_branch_from, libdpar), Int32, (Ptr{Cvoid}, Int32), m.ptr, node))
+    m
+end
+
+"""`set_node_name!(model, node, name)`: names a node as a PyTorch module path ("layer1.0.conv1"); its parameters
+become "layer1.0.conv1.weight"."""
+function set_node_name!(m::Model, node::Integer, name::AbstractString)
+    check(ccall((:dpar_model_set_node_name, libdpar), Int32, (Ptr{Cvoid}, Int32, Cstring), m.ptr, node, name))
+    m
+end
+
+"""`add_sum!(model, inputs)`: appends the elementwise sum of nodes of equal shape (a residual connection)."""
+function add_sum!(m::Model, inputs::AbstractVector{<:Integer})
+    v = Vector{Int32}(inputs)
+    check(ccall((:dpar_model_add_sum, libdpar), Int32, (Ptr{Cvoid}, Ptr{Int32}, Csize_t), m.ptr, v, length(v)))
+    m
+end
+
+"""`add_concat!(model, inputs)`: appends the concatenation of nodes along dim 1."""
+function add_concat!(m::Model, inputs::AbstractVector{<:Integer})
+    v = Vector{Int32}(inputs)
+    check(ccall((:dpar_model_add_concat, libdpar), Int32, (Ptr{Cvoid}, Ptr{Int32}, Csize_t), m.ptr, v, length(v)))
+    m
+end
+
+"""`add_flatten!(model)`: appends (B, ...) -> (B, prod(...)), a view with no copy."""
+function add_flatten!(m::Model)
+    check(ccall((:dpar_model_add_flatten, libdpar), Int32, (Ptr{Cvoid},), m.ptr))
+    m
+end
+
+"""`add_reshape!(model, row_shape)`: appends (B, ...) -> (B, row_shape...), as nn.Unflatten(1, row_shape); a view
+with no copy."""
+function add_reshape!(m::Model, row_shape::AbstractVector{<:Integer})
+    v = Vector{Int64}(row_shape)
+    check(ccall((:dpar_model_add_reshape, libdpar), Int32, (Ptr{Cvoid}, Ptr{Int64}, Csize_t), m.ptr, v, length(v)))
     m
 end
 

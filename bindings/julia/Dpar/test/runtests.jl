@@ -172,6 +172,29 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             end
         end
     end
+    @testset "a residual graph is built, named and checked" begin
+        Dpar.Model(3) do m
+            @test Dpar.last_node(m) == Dpar.MODEL_INPUT
+            Dpar.linear!(m, 4, 8)
+            Dpar.activation!(m, Dpar.RELU)
+            Dpar.linear!(m, 8, 4)
+            fc2 = Dpar.last_node(m)
+            @test fc2 == 2
+            Dpar.add_sum!(m, [fc2, Dpar.MODEL_INPUT])
+            Dpar.set_node_name!(m, 0, "block.fc1")
+            Dpar.branch_from!(m, 3)
+            Dpar.add_reshape!(m, [2, 2])
+            Dpar.add_concat!(m, [4, 4])
+            Dpar.add_flatten!(m)
+            Dpar.linear!(m, 8, 3)
+            @test Dpar.num_layers(m) == 8
+            @test Dpar.param_info(m, 0)[1] == "block.fc1.weight"
+            @test Dpar.param_info(m, 4)[1] == "7.weight"
+            @test throws_dpar(() -> Dpar.add_sum!(m, [0, 42]), Dpar.ERR_INVALID_ARGUMENT, "node 42")
+            @test throws_dpar(() -> Dpar.set_node_name!(m, 1, "block.fc1"), Dpar.ERR_INVALID_ARGUMENT,
+                              "already node 0")
+        end
+    end
     @testset "a trace is written as Chrome's JSON" begin
         Dpar.Model(7) do m
             reference_model(m)

@@ -9,6 +9,8 @@ use std::os::raw::{c_char, c_void};
 /// is an error, including codes newer than this crate).
 pub type dpar_status = i32;
 pub const DPAR_OK: dpar_status = 0;
+/// The model's input, where a node id is expected.
+pub const DPAR_MODEL_INPUT: i32 = -1;
 pub const DPAR_ERR_INVALID_ARGUMENT: dpar_status = -1;
 pub const DPAR_ERR_OUT_OF_MEMORY: dpar_status = -2;
 pub const DPAR_ERR_DEVICE: dpar_status = -3;
@@ -255,6 +257,13 @@ extern "C" {
     /// Fills `size` bytes (`size_of::<dpar_custom_layer>()`) with the defaults of that layout.
     pub fn dpar_custom_layer_init_sized(layer: *mut dpar_custom_layer, size: usize) -> dpar_status;
     pub fn dpar_model_add_custom(model: *mut dpar_model, layer: *const dpar_custom_layer) -> dpar_status;
+    pub fn dpar_model_last_node(out: *mut i32, model: *const dpar_model) -> dpar_status;
+    pub fn dpar_model_branch_from(model: *mut dpar_model, node: i32) -> dpar_status;
+    pub fn dpar_model_set_node_name(model: *mut dpar_model, node: i32, name: *const c_char) -> dpar_status;
+    pub fn dpar_model_add_sum(model: *mut dpar_model, inputs: *const i32, n: usize) -> dpar_status;
+    pub fn dpar_model_add_concat(model: *mut dpar_model, inputs: *const i32, n: usize) -> dpar_status;
+    pub fn dpar_model_add_flatten(model: *mut dpar_model) -> dpar_status;
+    pub fn dpar_model_add_reshape(model: *mut dpar_model, row_shape: *const i64, ndim: usize) -> dpar_status;
     pub fn dpar_model_num_layers(out: *mut usize, model: *const dpar_model) -> dpar_status;
     pub fn dpar_model_num_params(out: *mut usize, model: *const dpar_model) -> dpar_status;
     pub fn dpar_model_num_param_elements(out: *mut usize, model: *const dpar_model) -> dpar_status;

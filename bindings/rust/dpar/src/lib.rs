@@ -554,8 +554,12 @@ unsafe extern "C" fn drop_payload<T>(payload: *mut c_void) {
     drop(Box::from_raw(payload as *mut T));
 }
 
+/// The model's input, where a node id is expected ([`Model::branch_from`], [`Model::add_sum`]).
+pub const MODEL_INPUT: i32 = sys::DPAR_MODEL_INPUT;
+
 handle! {
-    /// A sequential model on the host: the template an [`Engine`] copies to every device.
+    /// A model graph on the host, built append-only: the template an [`Engine`] copies to every device. Each add
+    /// reads the previous node (or the one [`Model::branch_from`] chose); the output is the last node.
     pub struct Model { raw: *mut sys::dpar_model } freed by sys::dpar_model_free;
 }
 
@@ -620,6 +624,44 @@ impl Model {
         check(unsafe { sys::dpar_model_add_custom(self.raw, &desc) })?;
         Ok(self)
     }
+    /// The id of the last node added (nodes are numbered 0, 1, ... as added); [`MODEL_INPUT`] when empty.
+    pub fn last_node(&self) -> Result<i32> {
+        let mut out = 0i32;
+        check(unsafe { sys::dpar_model_last_node(&mut out, self.raw) })?;
+        Ok(out)
+    }
+    /// The next node added without explicit inputs reads `node` ([`MODEL_INPUT`] for the model's input).
+    pub fn branch_from(&mut self, node: i32) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_branch_from(self.raw, node) })?;
+        Ok(self)
+    }
+    /// Names a node as a PyTorch module path ("layer1.0.conv1"): its parameters become "layer1.0.conv1.weight".
+    pub fn set_node_name(&mut self, node: i32, name: &str) -> Result<&mut Model> {
+        let c = cstring(name, "name")?;
+        check(unsafe { sys::dpar_model_set_node_name(self.raw, node, c.as_ptr()) })?;
+        Ok(self)
+    }
+    /// Appends the elementwise sum of nodes of equal shape (a residual connection).
+    pub fn add_sum(&mut self, inputs: &[i32]) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_sum(self.raw, inputs.as_ptr(), inputs.len()) })?;
+        Ok(self)
+    }
+    /// Appends the concatenation of nodes along dim 1.
+    pub fn add_concat(&mut self, inputs: &[i32]) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_concat(self.raw, inputs.as_ptr(), inputs.len()) })?;
+        Ok(self)
+    }
+    /// Appends (B, ...) -> (B, prod(...)), a view with no copy.
+    pub fn add_flatten(&mut self) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_flatten(self.raw) })?;
+        Ok(self)
+    }
+    /// Appends (B, ...) -> (B, row_shape...), as nn.Unflatten(1, row_shape): a view with no copy.
+    pub fn add_reshape(&mut self, row_shape: &[i64]) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_reshape(self.raw, row_shape.as_ptr(), row_shape.len()) })?;
+        Ok(self)
+    }
+    /// The number of nodes.
     pub fn num_layers(&self) -> Result<usize> {
         count(|n| unsafe { sys::dpar_model_num_layers(n, self.raw) })
     }

@@ -558,3 +558,31 @@ fn raw_buffers_go_through_every_collective_and_the_reducer() {
         assert_eq!(grads[1], [-1.5f32; 2]);
     });
 }
+
+#[test]
+fn a_residual_graph_is_built_named_and_checked() {
+    let mut m = Model::new(3).unwrap();
+    assert_eq!(m.last_node().unwrap(), MODEL_INPUT);
+    m.linear(4, 8, true).unwrap().activation(Activation::Relu).unwrap().linear(8, 4, true).unwrap();
+    let fc2 = m.last_node().unwrap();
+    assert_eq!(fc2, 2);
+    m.add_sum(&[fc2, MODEL_INPUT]).unwrap();
+    m.set_node_name(0, "block.fc1").unwrap().set_node_name(2, "block.fc2").unwrap();
+    m.branch_from(3).unwrap().add_reshape(&[2, 2]).unwrap();
+    let view = m.last_node().unwrap();
+    m.add_concat(&[view, view]).unwrap().add_flatten().unwrap().linear(8, 3, true).unwrap();
+    assert_eq!(m.num_layers().unwrap(), 8);
+    assert_eq!(m.param_info(0).unwrap().0, "block.fc1.weight");
+    assert_eq!(m.param_info(3).unwrap().0, "block.fc2.bias");
+    assert_eq!(m.param_info(4).unwrap().0, "7.weight");
+    let e = m.add_sum(&[0, 42]).err().unwrap();
+    assert_eq!(e.status(), status::INVALID_ARGUMENT);
+    assert!(e.message().contains("node 42"), "{}", e);
+    let e = m.set_node_name(1, "block.fc1").err().unwrap();
+    assert!(e.message().contains("already node 0"), "{}", e);
+    // The graph trains on 2 devices.
+    let engine = Engine::new(&m, &Optimizer::sgd(0.1), &options()).unwrap();
+    let (x, y) = reference_batch();
+    let loss = engine.train_step(&Tensor::from_f32(&[10, 4], &x).unwrap(), &Tensor::from_i32(&[10], &y).unwrap());
+    assert!(loss.unwrap().is_finite());
+}

@@ -1,0 +1,245 @@
+// The host-side model graph: nodes, their shapes, names and parameters.
+#include <algorithm>
+#include <cctype>
+#include <sstream>
+
+#include "common/error.h"
+#include "nn/model.h"
+
+namespace dpar {
+
+namespace {
+
+std::string node_id(int32_t id) { return id == kModelInput ? std::string("input") : std::to_string(id); }
+
+std::string node_list(const std::vector<int32_t>& ids) {
+  std::ostringstream s;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i) s << ", ";
+    s << node_id(ids[i]);
+  }
+  return s.str();
+}
+
+// A state_dict key's pieces: identifiers separated by dots, none empty.
+bool valid_name(const std::string& name) {
+  if (name.empty() || name.front() == '.' || name.back() == '.') return false;
+  for (size_t i = 0; i < name.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(name[i]);
+    if (c == '.') {
+      if (name[i + 1] == '.') return false;
+    } else if (!std::isalnum(c) && c != '_') {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool all_digits(const std::string& s) {
+  return std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c) != 0; });
+}
+
+}  // namespace
+
+Node Node::clone() const {
+  Node n;
+  n.kind = kind;
+  n.inputs = inputs;
+  if (layer) n.layer = layer->clone();
+  n.view_row = view_row;
+  n.name = name;
+  return n;
+}
+
+std::string Node::describe() const {
+  switch (kind) {
+    case NodeKind::kLayer: return layer->describe();
+    case NodeKind::kSum: return "sum of nodes " + node_list(inputs);
+    case NodeKind::kConcat: return "concat of nodes " + node_list(inputs);
+    case NodeKind::kView: {
+      if (view_row.empty()) return "flatten";
+      std::ostringstream s;
+      s << "reshape to (B";
+      for (int64_t d : view_row) s << ", " << d;
+      s << ")";
+      return s.str();
+    }
+  }
+  return "?";
+}
+
+Shape Node::output_shape(const std::vector<Shape>& in) const {
+  switch (kind) {
+    case NodeKind::kLayer: return layer->output_shape(in[0]);
+    case NodeKind::kSum:
+      for (size_t k = 1; k < in.size(); ++k)
+        DPAR_CHECK_ARG(in[k] == in[0], "node ", node_id(inputs[k]), "'s output ", in[k].str(), " differs from node ",
+                       node_id(inputs[0]), "'s ", in[0].str(), ": a sum needs equal shapes");
+      return in[0];
+    case NodeKind::kConcat: {
+      Shape out = in[0];
+      DPAR_CHECK_ARG(out.ndim() >= 2, "concatenation along dim 1 needs inputs of 2 or more dims, got ", out.str());
+      for (size_t k = 1; k < in.size(); ++k) {
+        bool fits = in[k].ndim() == in[0].ndim();
+        for (size_t d = 0; fits && d < in[0].ndim(); ++d) fits = d == 1 || in[k][d] == in[0][d];
+        DPAR_CHECK_ARG(fits, "node ", node_id(inputs[k]), "'s output ", in[k].str(), " and node ", node_id(inputs[0]),
+                       "'s ", in[0].str(), " differ in a dimension other than 1: no concatenation along dim 1");
+        out[1] += in[k][1];
+      }
+      return out;
+    }
+    case NodeKind::kView: {
+      const Shape& s = in[0];
+      if (view_row.empty()) return Shape{s[0], s.row_numel()};
+      int64_t prod = 1;
+      for (int64_t d : view_row) prod *= d;
+      DPAR_CHECK_ARG(prod == s.row_numel(), "a row of ", s.str(), " holds ", s.row_numel(),
+                     " elements, not the ", prod, " of the new shape");
+      std::vector<int64_t> dims{s[0]};
+      dims.insert(dims.end(), view_row.begin(), view_row.end());
+      return Shape::checked(dims.data(), dims.size(), "reshape");
+    }
+  }
+  fail(Status::kInternal, "unknown node kind");
+}
+
+std::vector<Shape> graph_shapes(const std::vector<Node>& nodes, const Shape& input) {
+  std::vector<Shape> out;
+  out.reserve(nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    std::vector<Shape> in;
+    for (int32_t j : nodes[i].inputs) in.push_back(j == kModelInput ? input : out[static_cast<size_t>(j)]);
+    try {
+      out.push_back(nodes[i].output_shape(in));
+    } catch (const Error& e) {
+      fail(e.status(), "node ", i, " \"", nodes[i].name, "\" (", nodes[i].describe(), "): ", e.what());
+    }
+  }
+  return out;
+}
+
+void check_graph_used(const std::vector<Node>& nodes) {
+  std::vector<bool> used(nodes.size(), false);
+  if (!nodes.empty()) used.back() = true;
+  for (const Node& n : nodes)
+    for (int32_t j : n.inputs)
+      if (j != kModelInput) used[static_cast<size_t>(j)] = true;
+  for (size_t i = 0; i < nodes.size(); ++i)
+    DPAR_CHECK_ARG(used[i], "node ", i, " \"", nodes[i].name, "\" (", nodes[i].describe(),
+                   ") is read by no later node and is not the output (the last node): its branch leads nowhere");
+}
+
+Model::Model(const Model& other)
+    : next_input_(other.next_input_), params_(other.params_), values_(other.values_), init_rng_(other.init_rng_) {
+  for (const Node& n : other.nodes_) nodes_.push_back(n.clone());
+}
+
+void Model::check_input(int32_t id, const char* what) const {
+  DPAR_CHECK_ARG(id == kModelInput || (id >= 0 && id <= last_node()), what, ": node ", id,
+                 id < kModelInput ? " is not a node id" : " has not been added",
+                 " (the model has ", nodes_.size(), " nodes; -1 is the model input)");
+}
+
+int32_t Model::append(Node node) {
+  const int32_t id = static_cast<int32_t>(nodes_.size());
+  node.name = std::to_string(id);
+  if (node.layer) {
+    for (const ParamSpec& spec : node.layer->param_specs()) {
+      ParamInfo info{node.name + "." + spec.name, spec.shape, static_cast<int64_t>(values_.size()),
+                     static_cast<size_t>(id)};
+      const int64_t n = spec.shape.numel();
+      values_.reserve(values_.size() + static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i)
+        values_.push_back(spec.init == InitKind::kUniform ? init_rng_.uniform(-spec.bound, spec.bound) : 0.0f);
+      params_.push_back(std::move(info));
+    }
+  }
+  nodes_.push_back(std::move(node));
+  next_input_ = id;
+  return id;
+}
+
+int32_t Model::add(std::unique_ptr<Layer> layer) {
+  DPAR_CHECK_ARG(layer != nullptr, "layer: is null");
+  Node n;
+  n.inputs = {next_input_};
+  n.layer = std::move(layer);
+  return append(std::move(n));
+}
+
+int32_t Model::add_sum(const std::vector<int32_t>& inputs) {
+  DPAR_CHECK_ARG(inputs.size() >= 2, "sum: needs 2 or more inputs, got ", inputs.size());
+  for (int32_t id : inputs) check_input(id, "sum");
+  Node n;
+  n.kind = NodeKind::kSum;
+  n.inputs = inputs;
+  return append(std::move(n));
+}
+
+int32_t Model::add_concat(const std::vector<int32_t>& inputs) {
+  DPAR_CHECK_ARG(inputs.size() >= 2, "concat: needs 2 or more inputs, got ", inputs.size());
+  for (int32_t id : inputs) check_input(id, "concat");
+  Node n;
+  n.kind = NodeKind::kConcat;
+  n.inputs = inputs;
+  return append(std::move(n));
+}
+
+int32_t Model::add_flatten() {
+  Node n;
+  n.kind = NodeKind::kView;
+  n.inputs = {next_input_};
+  return append(std::move(n));
+}
+
+int32_t Model::add_reshape(const std::vector<int64_t>& row) {
+  DPAR_CHECK_ARG(!row.empty() && row.size() < Shape::kMaxDims, "reshape: a row shape has 1 to ",
+                 Shape::kMaxDims - 1, " dims (with the batch, at most ", Shape::kMaxDims, "), got ", row.size());
+  for (size_t i = 0; i < row.size(); ++i)
+    DPAR_CHECK_ARG(row[i] >= 1, "reshape: row_shape[", i, "] = ", row[i], " must be >= 1");
+  Node n;
+  n.kind = NodeKind::kView;
+  n.inputs = {next_input_};
+  n.view_row = row;
+  return append(std::move(n));
+}
+
+void Model::branch_from(int32_t node) {
+  check_input(node, "branch_from");
+  next_input_ = node;
+}
+
+void Model::set_node_name(int32_t node, const std::string& name) {
+  DPAR_CHECK_ARG(node >= 0 && node <= last_node(), "node: ", node, " is not a node of the model (it has ",
+                 nodes_.size(), ")");
+  DPAR_CHECK_ARG(valid_name(name), "name: \"", name,
+                 "\" is not a state_dict name (identifiers of letters, digits and '_', separated by single dots)");
+  DPAR_CHECK_ARG(!all_digits(name) || name == std::to_string(node), "name: \"", name,
+                 "\" is all digits: such a name is the default of the node of that index, not of node ", node);
+  for (size_t i = 0; i < nodes_.size(); ++i)
+    DPAR_CHECK_ARG(static_cast<int32_t>(i) == node || nodes_[i].name != name, "name: \"", name,
+                   "\" is already node ", i, "'s name");
+  Node& n = nodes_[static_cast<size_t>(node)];
+  for (ParamInfo& p : params_)
+    if (p.layer == static_cast<size_t>(node)) p.name = name + p.name.substr(n.name.size());
+  n.name = name;
+}
+
+const Layer& Model::layer(size_t i) const {
+  DPAR_CHECK_ARG(i < nodes_.size() && nodes_[i].layer, "node ", i, " is not a layer node");
+  return *nodes_[i].layer;
+}
+
+Shape Model::output_shape(const Shape& input) const {
+  DPAR_CHECK_ARG(!nodes_.empty(), "the model has no nodes");
+  check_graph_used(nodes_);
+  return graph_shapes(nodes_, input).back();
+}
+
+bool Model::uses_collectives() const {
+  for (const Node& n : nodes_)
+    if (n.layer && n.layer->uses_collectives()) return true;
+  return false;
+}
+
+}  // namespace dpar
