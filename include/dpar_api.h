@@ -140,6 +140,10 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_engine_set_gradient_compression)(dpar_engine *engine, int32_t compression);
   const char *(*dpar_cpu_gemm_backend)(void);
   dpar_status (*dpar_engine_set_gradient_reduction)(dpar_engine *engine, int32_t reduction);
+  dpar_status (*dpar_model_add_conv2d)(dpar_model *model, int64_t in_channels, int64_t out_channels, const int64_t kernel_size[2], const int64_t stride[2], const int64_t padding[2], const int64_t dilation[2], int64_t groups, int32_t has_bias);
+  dpar_status (*dpar_model_add_max_pool2d)(dpar_model *model, const int64_t kernel_size[2], const int64_t stride[2], const int64_t padding[2]);
+  dpar_status (*dpar_model_add_avg_pool2d)(dpar_model *model, const int64_t kernel_size[2], const int64_t stride[2], const int64_t padding[2]);
+  dpar_status (*dpar_model_add_adaptive_avg_pool2d)(dpar_model *model, int64_t output_h, int64_t output_w);
 } dpar_api_v1;
 
 /**

@@ -121,6 +121,10 @@ const dpar_api_v1 kApiV1 = {
     &dpar_engine_set_gradient_compression,
     &dpar_cpu_gemm_backend,
     &dpar_engine_set_gradient_reduction,
+    &dpar_model_add_conv2d,
+    &dpar_model_add_max_pool2d,
+    &dpar_model_add_avg_pool2d,
+    &dpar_model_add_adaptive_avg_pool2d,
 };
 }  // namespace
 
