@@ -165,11 +165,20 @@ TEST(Conv2dOp, ForwardAndEveryBackwardMatchADoubleReferenceAndItsFiniteDifferenc
   }
 }
 
+void relu_epilogue_case(const Geometry& g);
+
 TEST(Conv2dOp, ReluEpilogueEqualsTheConvolutionThenARelu) {
+  // A dense convolution (plain layouts) and a depthwise one (oneDNN's blocked layouts inside).
+  for (const Geometry& g : {Geometry{conv_spec(3, 5, 3, 3, 1, 1, 1, 1), 2, 7, 6},
+                            Geometry{conv_spec(4, 4, 3, 3, 1, 1, 1, 1, 1, 1, 4), 2, 7, 6}})
+    relu_epilogue_case(g);
+}
+
+void relu_epilogue_case(const Geometry& g) {
+  SCOPED_TRACE(g.spec.str());
   auto stream = cpu_stream();
-  Geometry g{conv_spec(3, 5, 3, 3, 1, 1, 1, 1), 2, 7, 6};
-  const Vec x = randn(g.in_size(), 11), w = randn(g.weight_size(), 12, 0.5f), b = randn(5, 13, 0.5f),
-            dy = randn(g.out_size(), 14);
+  const Vec x = randn(g.in_size(), 11), w = randn(g.weight_size(), 12, 0.5f),
+            b = randn(static_cast<size_t>(g.spec.out_channels), 13, 0.5f), dy = randn(g.out_size(), 14);
   auto plain = stream->make_conv2d(g.spec);
   Conv2dSpec fused_spec = g.spec;
   fused_spec.epilogue = Epilogue::kRelu;
