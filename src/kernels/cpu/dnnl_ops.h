@@ -3,10 +3,10 @@
 // different threads share nothing mutable. Every call runs on the calling thread's GEMM thread count
 // (gemm.h's GemmThreadsScope), as the GEMM does.
 //
-// Tensors are plain NCHW f32 at the edges. Inside, the primitives read and write dpar's memory directly, except a
-// depthwise convolution's, which run on oneDNN's blocked layouts with reorders at the edges: measured several times
-// faster, where dense and 1x1 convolutions were not (dnnl_ops.cpp, Conv2d::Impl::asked). Errors are dpar::Error
-// naming the op and oneDNN's status.
+// Tensors are plain NCHW f32 at the edges. Inside, convolutions with kernels larger than 1x1 run on oneDNN's
+// blocked layouts with reorders at the edges (measured faster, depthwise several times; a 1x1 was slower blocked,
+// and stays on dpar's memory: dnnl_ops.cpp, Conv2d::Impl::asked); poolings read and write dpar's memory directly.
+// Errors are dpar::Error naming the op and oneDNN's status.
 #pragma once
 
 #include <cstdint>
