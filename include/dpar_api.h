@@ -147,6 +147,10 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_model_add_concat)(dpar_model *model, const int32_t *inputs, size_t n);
   dpar_status (*dpar_model_add_flatten)(dpar_model *model);
   dpar_status (*dpar_model_add_reshape)(dpar_model *model, const int64_t *row_shape, size_t ndim);
+  dpar_status (*dpar_model_add_conv2d)(dpar_model *model, int64_t in_channels, int64_t out_channels, const int64_t kernel_size[2], const int64_t stride[2], const int64_t padding[2], const int64_t dilation[2], int64_t groups, int32_t has_bias);
+  dpar_status (*dpar_model_add_max_pool2d)(dpar_model *model, const int64_t kernel_size[2], const int64_t stride[2], const int64_t padding[2]);
+  dpar_status (*dpar_model_add_avg_pool2d)(dpar_model *model, const int64_t kernel_size[2], const int64_t stride[2], const int64_t padding[2]);
+  dpar_status (*dpar_model_add_adaptive_avg_pool2d)(dpar_model *model, int64_t output_h, int64_t output_w);
 } dpar_api_v1;
 
 /**

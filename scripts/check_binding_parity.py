@@ -136,6 +136,10 @@ def c_params(params):
         return []
     out = []
     for p in params.split(","):
+        # An array parameter (`const int64_t kernel_size[2]`) is the pointer that C makes of it.
+        if (m := re.fullmatch(r"(.*?)(\w+)\s*\[[^\]]*\]\s*", p.strip())):
+            out.append((m.group(1).strip() + " *", m.group(2)))
+            continue
         m = re.fullmatch(r"(.*?)(\w+)\s*", p.strip())
         out.append((m.group(1).strip(), m.group(2)))
     return out

@@ -174,13 +174,21 @@ def balanced(text, start):
     raise ValueError("unbalanced")
 
 
+def c_param_type(param):
+    """The C type of one parameter's declaration, its name dropped; an array parameter (`const int64_t
+    kernel_size[2]`) is the pointer that C makes of it (`const int64_t *`)."""
+    param = param.strip()
+    if (m := re.fullmatch(r"(.*?)\w+\s*\[[^\]]*\]", param)):
+        return m.group(1).strip() + " *"
+    return re.sub(r"\w+$", "", param).strip() or param
+
+
 def check_call(where, name, c_ret, c_params, inner, header):
     """Problems of one ccall (`inner`: its arguments, split) against a C declaration's return and parameters."""
     problems = []
     ret, argtypes = inner[1], inner[2]
     types = split_top(argtypes[1:-1]) if argtypes.startswith("(") else []
-    c_types = [] if c_params.strip() == "void" else [re.sub(r"\w+$", "", p).strip() or p
-                                                    for p in split_top(c_params)]
+    c_types = [] if c_params.strip() == "void" else [c_param_type(p) for p in split_top(c_params)]
     if len(types) != len(c_types):
         return [f"{where}: {name} takes {len(c_types)} arguments, the ccall gives {len(types)}"]
     if not matches(c_ret, ret, header):

@@ -770,6 +770,75 @@ TEST(Model, NullOptionsAreTheDefaultsAndTheSeedMatters) {
   for (float v : ModelParams(seed1.get())) EXPECT_LE(std::fabs(v), 0.5f);
 }
 
+TEST(Model, ConvolutionAndPoolingLayersAreCheckedAndTrainOn4DInputs) {
+  dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
+  mo.seed = 3;
+  dpar_model* raw = nullptr;
+  ASSERT_OK(dpar_model_create(&raw, &mo));
+  ModelPtr m(raw);
+  const int64_t k3[2] = {3, 3}, k2[2] = {2, 2}, one[2] = {1, 1}, two[2] = {2, 2}, zero[2] = {0, 0};
+  // NULL stride, padding and dilation are PyTorch's defaults.
+  ASSERT_OK(dpar_model_add_conv2d(m.get(), 1, 4, k3, nullptr, one, nullptr, 1, 1));
+  ASSERT_OK(dpar_model_add_activation(m.get(), DPAR_RELU));
+  ASSERT_OK(dpar_model_add_max_pool2d(m.get(), k2, nullptr, nullptr));   // stride = kernel: (B,4,4,4)
+  ASSERT_OK(dpar_model_add_conv2d(m.get(), 4, 4, k3, two, one, one, 4, 0));  // depthwise, no bias: (B,4,2,2)
+  ASSERT_OK(dpar_model_add_avg_pool2d(m.get(), k2, one, one));           // (B,4,3,3)
+  ASSERT_OK(dpar_model_add_adaptive_avg_pool2d(m.get(), 1, 1));          // (B,4,1,1)
+  size_t layers = 0, params = 0;
+  ASSERT_OK(dpar_model_num_layers(&layers, m.get()));
+  ASSERT_OK(dpar_model_num_params(&params, m.get()));
+  EXPECT_EQ(layers, 6u);
+  ASSERT_EQ(params, 3u);
+  EXPECT_STREQ(dpar_model_param_name(m.get(), 0), "0.weight");
+  EXPECT_STREQ(dpar_model_param_name(m.get(), 1), "0.bias");
+  EXPECT_STREQ(dpar_model_param_name(m.get(), 2), "3.weight");
+  int64_t shape[DPAR_MAX_DIMS] = {0, 0, 0, 0};
+  size_t ndim = 0;
+  ASSERT_OK(dpar_model_param_info(shape, &ndim, m.get(), 2));
+  EXPECT_EQ(ndim, 4u);
+  EXPECT_EQ(std::vector<int64_t>(shape, shape + 4), (std::vector<int64_t>{4, 1, 3, 3}));
+  for (float v : ModelParams(m.get())) EXPECT_LE(std::fabs(v), 1.0f / 3.0f);  // +-1/sqrt(1*3*3)
+
+  // Refusals name the argument and add nothing.
+  const int64_t bad[2] = {3, 0}, negative[2] = {-1, 0};
+  EXPECT_INVALID("model", dpar_model_add_conv2d(nullptr, 1, 4, k3, nullptr, nullptr, nullptr, 1, 1));
+  EXPECT_INVALID("kernel_size", dpar_model_add_conv2d(m.get(), 1, 4, nullptr, nullptr, nullptr, nullptr, 1, 1));
+  EXPECT_INVALID("kernel_size[1]", dpar_model_add_conv2d(m.get(), 1, 4, bad, nullptr, nullptr, nullptr, 1, 1));
+  EXPECT_INVALID("stride[1]", dpar_model_add_conv2d(m.get(), 1, 4, k3, bad, nullptr, nullptr, 1, 1));
+  EXPECT_INVALID("padding[0]", dpar_model_add_conv2d(m.get(), 1, 4, k3, nullptr, negative, nullptr, 1, 1));
+  EXPECT_INVALID("dilation[1]", dpar_model_add_conv2d(m.get(), 1, 4, k3, nullptr, nullptr, bad, 1, 1));
+  EXPECT_INVALID("in_channels", dpar_model_add_conv2d(m.get(), 0, 4, k3, nullptr, nullptr, nullptr, 1, 1));
+  EXPECT_INVALID("groups", dpar_model_add_conv2d(m.get(), 4, 4, k3, nullptr, nullptr, nullptr, 0, 1));
+  EXPECT_INVALID("divisible by groups", dpar_model_add_conv2d(m.get(), 4, 6, k3, nullptr, nullptr, nullptr, 4, 1));
+  EXPECT_INVALID("model", dpar_model_add_max_pool2d(nullptr, k2, nullptr, nullptr));
+  EXPECT_INVALID("kernel_size", dpar_model_add_max_pool2d(m.get(), nullptr, nullptr, nullptr));
+  EXPECT_INVALID("at most half the kernel", dpar_model_add_avg_pool2d(m.get(), k2, nullptr, two));
+  EXPECT_INVALID("stride[1]", dpar_model_add_avg_pool2d(m.get(), k2, bad, zero));
+  EXPECT_INVALID("model", dpar_model_add_adaptive_avg_pool2d(nullptr, 1, 1));
+  EXPECT_INVALID("output_h", dpar_model_add_adaptive_avg_pool2d(m.get(), 0, 1));
+  EXPECT_DPAR_ERROR(DPAR_ERR_NOT_SUPPORTED, "only 1x1", dpar_model_add_adaptive_avg_pool2d(m.get(), 2, 2));
+  ASSERT_OK(dpar_model_num_layers(&layers, m.get()));
+  EXPECT_EQ(layers, 6u);
+
+  // An engine on 2 CPU devices takes (B,1,8,8) inputs, refuses other channel counts naming the layer, and learns.
+  EnginePtr e = NewEngine(m.get(), 2, DPAR_LOSS_MSE);
+  const int64_t rows = 5;
+  TensorPtr x = F32({rows, 1, 8, 8}, Inputs(rows, 64));
+  TensorPtr y = F32({rows, 4, 1, 1}, Inputs(rows, 4, 1));
+  TensorPtr wrong = F32({rows, 2, 8, 8}, Inputs(rows, 128));
+  EXPECT_INVALID("expects 1 input channels", dpar_engine_train_step(nullptr, e.get(), wrong.get(), y.get()));
+  float first = 0, loss = 0;
+  ASSERT_OK(dpar_engine_train_step(&first, e.get(), x.get(), y.get()));
+  for (int s = 0; s < 20; ++s) ASSERT_OK(dpar_engine_train_step(&loss, e.get(), x.get(), y.get()));
+  EXPECT_LT(loss, first);
+  dpar_tensor* out = nullptr;
+  ASSERT_OK(dpar_engine_forward(&out, e.get(), x.get()));
+  TensorPtr out_owned(out);
+  int64_t out_shape[DPAR_MAX_DIMS] = {0, 0, 0, 0};
+  ASSERT_OK(dpar_tensor_shape(out_shape, &ndim, out, DPAR_MAX_DIMS));
+  EXPECT_EQ(std::vector<int64_t>(out_shape, out_shape + ndim), (std::vector<int64_t>{rows, 4, 1, 1}));
+}
+
 TEST(Model, LayerArgumentsAreCheckedAndRefusalsAddNothing) {
   ModelPtr m = LinearModel();
   const std::vector<float> before = ModelParams(m.get());

@@ -42,7 +42,7 @@
 %typemap(in) TYPES %{ $1 = ($1_ltype)$input; %}
 %enddef
 DPAR_GO_POINTER(void *, const void *, float *, const float *, int32_t *, const int32_t *, int64_t *,
-                const int64_t *, size_t *, const size_t *, float *const *, dpar_status *, void **,
+                const int64_t *, const int64_t [ANY], size_t *, const size_t *, float *const *, dpar_status *, void **,
                 void *const *, const dpar_device *devices, dpar_tensor **, dpar_model **, dpar_engine **, dpar_dataset **, dpar_loader **,
                 dpar_comm_group **, dpar_comm **, dpar_work **, dpar_reducer **)
 %ignore dpar_engine_set_forward_hook;   /* C function pointers: the idiomatic package bridges them with cgo */
@@ -81,13 +81,13 @@ DPAR_OUT_HANDLE(dpar_reducer)
 
 /* Buffers and scalar outputs: integer addresses. */
 %typemap(in) void *, const void *, float *, const float *, int32_t *, const int32_t *, int64_t *, const int64_t *,
-             size_t *, const size_t *, float *const *, dpar_status *, void **, void *const *,
+             const int64_t [ANY], size_t *, const size_t *, float *const *, dpar_status *, void **, void *const *,
              const dpar_device *devices {
   $1 = ($1_ltype)PyLong_AsVoidPtr($input);
   if (PyErr_Occurred()) SWIG_fail;
 }
 %typemap(typecheck, precedence=SWIG_TYPECHECK_POINTER) void *, const void *, float *, const float *, int32_t *,
-    const int32_t *, int64_t *, const int64_t *, size_t *, const size_t *, float *const *, dpar_status *, void **,
+    const int32_t *, int64_t *, const int64_t *, const int64_t [ANY], size_t *, const size_t *, float *const *, dpar_status *, void **,
     void *const *, const dpar_device *devices {
   $1 = PyLong_Check($input) ? 1 : 0;
 }

@@ -135,6 +135,53 @@ DPAR_API dpar_status dpar_model_add_flatten(dpar_model *model);
  */
 DPAR_API dpar_status dpar_model_add_reshape(dpar_model *model, const int64_t *row_shape, size_t ndim);
 
+/**
+ * @brief Appends a 2-D convolution, as PyTorch's nn.Conv2d: (N, in_channels, H, W) -> (N, out_channels, OH, OW)
+ * with OH = floor((H + 2 padding[0] - dilation[0] (kernel_size[0] - 1) - 1) / stride[0]) + 1 (OW likewise), zero
+ * padding. Parameters "weight" (out_channels, in_channels / groups, kernel_size[0], kernel_size[1]) and, with
+ * @p has_bias, "bias" (out_channels), initialised as PyTorch's (uniform in +-1/sqrt(fan_in), fan_in = in_channels /
+ * groups * kernel_size[0] * kernel_size[1]) from the model's seed. Runs on CPU devices (oneDNN); on a device whose
+ * backend has no convolution (CUDA, until dpar loads cuDNN) the first forward fails with ::DPAR_ERR_NOT_SUPPORTED.
+ * @param kernel_size  (height, width), each >= 1; not NULL.
+ * @param stride       (height, width), each >= 1; NULL for (1, 1).
+ * @param padding      (height, width), each >= 0; NULL for (0, 0).
+ * @param dilation     (height, width), each >= 1; NULL for (1, 1).
+ * @param groups       >= 1, dividing both channel counts (groups == in_channels == out_channels: depthwise).
+ * @param has_bias     Nonzero for a bias.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT naming the first value out of range (an input that does not fit,
+ *         such as a wrong channel count or an image smaller than the kernel, is refused when an engine or a step
+ *         meets it).
+ */
+DPAR_API dpar_status dpar_model_add_conv2d(dpar_model *model, int64_t in_channels, int64_t out_channels,
+                                           const int64_t kernel_size[2], const int64_t stride[2],
+                                           const int64_t padding[2], const int64_t dilation[2], int64_t groups,
+                                           int32_t has_bias);
+/**
+ * @brief Appends a 2-D max pooling, as PyTorch's nn.MaxPool2d (dilation 1, ceil_mode False): (N, C, H, W) -> (N, C,
+ * OH, OW), OH = floor((H + 2 padding[0] - kernel_size[0]) / stride[0]) + 1. Padding never wins a maximum; each
+ * window's gradient goes to its first maximum in row-major order, as PyTorch's. No parameters.
+ * @param kernel_size  (height, width), each >= 1; not NULL.
+ * @param stride       (height, width), each >= 1; NULL for kernel_size.
+ * @param padding      (height, width), each at most half the kernel's; NULL for (0, 0).
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT naming the first value out of range.
+ */
+DPAR_API dpar_status dpar_model_add_max_pool2d(dpar_model *model, const int64_t kernel_size[2],
+                                               const int64_t stride[2], const int64_t padding[2]);
+/**
+ * @brief Appends a 2-D average pooling, as PyTorch's nn.AvgPool2d with its defaults (ceil_mode False,
+ * count_include_pad True: every window divides by kernel_size[0] * kernel_size[1], padding included). Arguments
+ * and output size as dpar_model_add_max_pool2d(). No parameters.
+ */
+DPAR_API dpar_status dpar_model_add_avg_pool2d(dpar_model *model, const int64_t kernel_size[2],
+                                               const int64_t stride[2], const int64_t padding[2]);
+/**
+ * @brief Appends an adaptive average pooling to (@p output_h, @p output_w), as PyTorch's nn.AdaptiveAvgPool2d:
+ * (N, C, H, W) -> (N, C, output_h, output_w). Only (1, 1), the global average, is implemented.
+ * @return ::DPAR_OK; ::DPAR_ERR_NOT_SUPPORTED for any other output size (saying so);
+ *         ::DPAR_ERR_INVALID_ARGUMENT for a size below 1.
+ */
+DPAR_API dpar_status dpar_model_add_adaptive_avg_pool2d(dpar_model *model, int64_t output_h, int64_t output_w);
+
 /** @brief The number of nodes (layers, joins and views). */
 DPAR_API dpar_status dpar_model_num_layers(size_t *out, const dpar_model *model);
 /** @brief The number of parameter tensors (PyTorch's len(list(model.parameters()))). */

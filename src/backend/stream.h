@@ -10,7 +10,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
+#include "backend/ops.h"
 #include "common/optimizer_hyper.h"
 #include "device/device.h"
 
@@ -96,6 +98,12 @@ class Stream {
   // bfloat16 copies of floats and back (kernels::cpu::to_bf16 / from_bf16: the same bits on every backend).
   virtual void to_bf16(uint16_t* dst, const float* src, int64_t n) = 0;
   virtual void from_bf16(float* dst, const uint16_t* src, int64_t n) = 0;
+
+  // ---- Stateful ops (backend/ops.h) ---------------------------------------------------------------------------
+  // An op for this stream's device, used from this stream's threads only and destroyed before the stream. The
+  // defaults throw Error(NOT_SUPPORTED) naming the device and the op: a backend that has one overrides them.
+  virtual std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec);
+  virtual std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec);
 
  private:
   Device device_;

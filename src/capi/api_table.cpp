@@ -128,6 +128,10 @@ const dpar_api_v1 kApiV1 = {
     &dpar_model_add_concat,
     &dpar_model_add_flatten,
     &dpar_model_add_reshape,
+    &dpar_model_add_conv2d,
+    &dpar_model_add_max_pool2d,
+    &dpar_model_add_avg_pool2d,
+    &dpar_model_add_adaptive_avg_pool2d,
 };
 }  // namespace
 

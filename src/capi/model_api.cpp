@@ -1,5 +1,7 @@
 #include "capi/api.h"
 
+#include <array>
+
 using namespace dpar;
 using namespace dpar::capi;
 
@@ -45,6 +47,59 @@ DPAR_API dpar_status dpar_model_add_activation(dpar_model* model, int32_t activa
 
 DPAR_API dpar_status dpar_model_add_dropout(dpar_model* model, float p) {
   return guard([&] { checked(model, "model").model.add(make_dropout(p)); });
+}
+
+// A pair (height, width) from a C caller: `fallback` for NULL (kernel_size has none: NULL is refused).
+static std::array<int64_t, 2> pair_arg(const int64_t* pair, const char* name, const std::array<int64_t, 2>* fallback) {
+  if (pair == nullptr) {
+    DPAR_CHECK_ARG(fallback != nullptr, name, ": is NULL");
+    return *fallback;
+  }
+  return {pair[0], pair[1]};
+}
+
+DPAR_API dpar_status dpar_model_add_conv2d(dpar_model* model, int64_t in_channels, int64_t out_channels,
+                                           const int64_t kernel_size[2], const int64_t stride[2],
+                                           const int64_t padding[2], const int64_t dilation[2], int64_t groups,
+                                           int32_t has_bias) {
+  return guard([&] {
+    Model& m = checked(model, "model").model;
+    static constexpr std::array<int64_t, 2> ones{1, 1}, zeros{0, 0};
+    const auto k = pair_arg(kernel_size, "kernel_size", nullptr), s = pair_arg(stride, "stride", &ones),
+               p = pair_arg(padding, "padding", &zeros), d = pair_arg(dilation, "dilation", &ones);
+    Conv2dSpec spec;
+    spec.in_channels = in_channels, spec.out_channels = out_channels, spec.groups = groups, spec.bias = has_bias != 0;
+    spec.kernel_h = k[0], spec.kernel_w = k[1], spec.stride_h = s[0], spec.stride_w = s[1];
+    spec.pad_h = p[0], spec.pad_w = p[1], spec.dilation_h = d[0], spec.dilation_w = d[1];
+    m.add(make_conv2d(spec));
+  });
+}
+
+static void add_pool2d(dpar_model* model, PoolKind kind, const int64_t* kernel_size, const int64_t* stride,
+                       const int64_t* padding) {
+  Model& m = checked(model, "model").model;
+  static constexpr std::array<int64_t, 2> zeros{0, 0};
+  const auto k = pair_arg(kernel_size, "kernel_size", nullptr), s = pair_arg(stride, "stride", &k),
+             p = pair_arg(padding, "padding", &zeros);
+  Pool2dSpec spec;
+  spec.kind = kind;
+  spec.kernel_h = k[0], spec.kernel_w = k[1], spec.stride_h = s[0], spec.stride_w = s[1];
+  spec.pad_h = p[0], spec.pad_w = p[1];
+  m.add(make_pool2d(spec));
+}
+
+DPAR_API dpar_status dpar_model_add_max_pool2d(dpar_model* model, const int64_t kernel_size[2],
+                                               const int64_t stride[2], const int64_t padding[2]) {
+  return guard([&] { add_pool2d(model, PoolKind::kMax, kernel_size, stride, padding); });
+}
+
+DPAR_API dpar_status dpar_model_add_avg_pool2d(dpar_model* model, const int64_t kernel_size[2],
+                                               const int64_t stride[2], const int64_t padding[2]) {
+  return guard([&] { add_pool2d(model, PoolKind::kAvg, kernel_size, stride, padding); });
+}
+
+DPAR_API dpar_status dpar_model_add_adaptive_avg_pool2d(dpar_model* model, int64_t output_h, int64_t output_w) {
+  return guard([&] { checked(model, "model").model.add(make_adaptive_avg_pool2d(output_h, output_w)); });
 }
 
 // What programs built against dpar.h 0.4 or older call (dpar.h now makes the name a macro that passes the

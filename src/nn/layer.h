@@ -99,5 +99,12 @@ class Layer {
 std::unique_ptr<Layer> make_linear(int64_t in_features, int64_t out_features, bool bias);
 std::unique_ptr<Layer> make_activation(Activation activation);
 std::unique_ptr<Layer> make_dropout(float p);
+// nn.Conv2d: (N, C_in, H, W) -> (N, C_out, OH, OW); parameters "weight" (C_out, C_in/groups, kh, kw) and "bias"
+// (C_out). Throws Error(INVALID_ARGUMENT) naming the first value that does not fit. (nn/conv_layers.cpp)
+std::unique_ptr<Layer> make_conv2d(const Conv2dSpec& spec);
+// nn.MaxPool2d / nn.AvgPool2d (ceil_mode=False, count_include_pad=True): spec.kind, kernel, stride, padding.
+std::unique_ptr<Layer> make_pool2d(const Pool2dSpec& spec);
+// nn.AdaptiveAvgPool2d((output_h, output_w)): (1, 1) only; any other size throws Error(NOT_SUPPORTED).
+std::unique_ptr<Layer> make_adaptive_avg_pool2d(int64_t output_h, int64_t output_w);
 
 }  // namespace dpar

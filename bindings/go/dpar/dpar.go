@@ -416,6 +416,64 @@ func (m *Model) AddReshape(rowShape ...int64) error {
 	return call(func() int { return raw.Dpar_model_add_reshape(m.raw, p, int64(len(rowShape))) })
 }
 
+// Conv2d holds nn.Conv2d's arguments; pairs are (height, width). DefaultConv2d fills in PyTorch's defaults.
+type Conv2d struct {
+	InChannels, OutChannels int64
+	KernelSize              [2]int64
+	Stride                  [2]int64 // (1, 1) by default
+	Padding                 [2]int64 // (0, 0) by default
+	Dilation                [2]int64 // (1, 1) by default
+	Groups                  int64    // 1 by default
+	Bias                    bool     // true by default
+}
+
+// DefaultConv2d is nn.Conv2d(in, out, kernel) with PyTorch's defaults, to adjust before Model.Conv2d.
+func DefaultConv2d(in, out int64, kernel [2]int64) Conv2d {
+	return Conv2d{InChannels: in, OutChannels: out, KernelSize: kernel, Stride: [2]int64{1, 1},
+		Dilation: [2]int64{1, 1}, Groups: 1, Bias: true}
+}
+
+// Conv2d appends a 2-D convolution (NCHW), with parameters "weight" (out, in/groups, kh, kw) and "bias" (out)
+// initialised as PyTorch's.
+func (m *Model) Conv2d(c Conv2d) error {
+	defer runtime.KeepAlive(m)
+	// Arrays of plain integers: cgo lets C read Go memory that holds no Go pointers, for the call's duration.
+	k, s, p, d := c.KernelSize, c.Stride, c.Padding, c.Dilation
+	return call(func() int {
+		return raw.Dpar_model_add_conv2d(m.raw, c.InChannels, c.OutChannels, unsafe.Pointer(&k[0]),
+			unsafe.Pointer(&s[0]), unsafe.Pointer(&p[0]), unsafe.Pointer(&d[0]), c.Groups, b2i(c.Bias))
+	})
+}
+
+// pool2d calls f with kernel, stride (nil: the kernel) and padding.
+func (m *Model) pool2d(f func(raw.Struct_SS_dpar_model, unsafe.Pointer, unsafe.Pointer, unsafe.Pointer) int,
+	kernel [2]int64, stride *[2]int64, padding [2]int64) error {
+	defer runtime.KeepAlive(m)
+	var sp unsafe.Pointer
+	if stride != nil {
+		s := *stride
+		sp = unsafe.Pointer(&s[0])
+	}
+	return call(func() int { return f(m.raw, unsafe.Pointer(&kernel[0]), sp, unsafe.Pointer(&padding[0])) })
+}
+
+// MaxPool2d appends nn.MaxPool2d(kernel, stride, padding); a nil stride is the kernel size.
+func (m *Model) MaxPool2d(kernel [2]int64, stride *[2]int64, padding [2]int64) error {
+	return m.pool2d(raw.Dpar_model_add_max_pool2d, kernel, stride, padding)
+}
+
+// AvgPool2d appends nn.AvgPool2d(kernel, stride, padding) (padding counts in the divisor); a nil stride is the
+// kernel size.
+func (m *Model) AvgPool2d(kernel [2]int64, stride *[2]int64, padding [2]int64) error {
+	return m.pool2d(raw.Dpar_model_add_avg_pool2d, kernel, stride, padding)
+}
+
+// AdaptiveAvgPool2d appends nn.AdaptiveAvgPool2d((h, w)); only (1, 1) is implemented (ErrNotSupported otherwise).
+func (m *Model) AdaptiveAvgPool2d(h, w int64) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_add_adaptive_avg_pool2d(m.raw, h, w) })
+}
+
 func (m *Model) count(f func(unsafe.Pointer, raw.Struct_SS_dpar_model) int) (int, error) {
 	defer runtime.KeepAlive(m)
 	var n uint64

@@ -1239,6 +1239,90 @@ intgo _wrap_dpar_model_add_reshape_raw_9787157d5e82d198(struct dpar_model *_swig
 }
 
 
+intgo _wrap_dpar_model_add_conv2d_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, long long _swig_go_1, long long _swig_go_2, int64_t *_swig_go_3, int64_t *_swig_go_4, int64_t *_swig_go_5, int64_t *_swig_go_6, long long _swig_go_7, intgo _swig_go_8) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t arg2 ;
+  int64_t arg3 ;
+  int64_t *arg4 ;
+  int64_t *arg5 ;
+  int64_t *arg6 ;
+  int64_t *arg7 ;
+  int64_t arg8 ;
+  int32_t arg9 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t)_swig_go_1; 
+  arg3 = (int64_t)_swig_go_2; 
+  arg4 = (int64_t *)_swig_go_3; 
+  arg5 = (int64_t *)_swig_go_4; 
+  arg6 = (int64_t *)_swig_go_5; 
+  arg7 = (int64_t *)_swig_go_6; 
+  arg8 = (int64_t)_swig_go_7; 
+  arg9 = (int32_t)_swig_go_8; 
+  
+  result = (dpar_status)dpar_model_add_conv2d(arg1,arg2,arg3,(long const (*))arg4,(long const (*))arg5,(long const (*))arg6,(long const (*))arg7,arg8,arg9);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_max_pool2d_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, int64_t *_swig_go_1, int64_t *_swig_go_2, int64_t *_swig_go_3) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t *arg2 ;
+  int64_t *arg3 ;
+  int64_t *arg4 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t *)_swig_go_1; 
+  arg3 = (int64_t *)_swig_go_2; 
+  arg4 = (int64_t *)_swig_go_3; 
+  
+  result = (dpar_status)dpar_model_add_max_pool2d(arg1,(long const (*))arg2,(long const (*))arg3,(long const (*))arg4);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_avg_pool2d_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, int64_t *_swig_go_1, int64_t *_swig_go_2, int64_t *_swig_go_3) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t *arg2 ;
+  int64_t *arg3 ;
+  int64_t *arg4 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t *)_swig_go_1; 
+  arg3 = (int64_t *)_swig_go_2; 
+  arg4 = (int64_t *)_swig_go_3; 
+  
+  result = (dpar_status)dpar_model_add_avg_pool2d(arg1,(long const (*))arg2,(long const (*))arg3,(long const (*))arg4);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_adaptive_avg_pool2d_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, long long _swig_go_1, long long _swig_go_2) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t arg2 ;
+  int64_t arg3 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t)_swig_go_1; 
+  arg3 = (int64_t)_swig_go_2; 
+  
+  result = (dpar_status)dpar_model_add_adaptive_avg_pool2d(arg1,arg2,arg3);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_model_num_layers_raw_9787157d5e82d198(size_t *_swig_go_0, struct dpar_model *_swig_go_1) {
   size_t *arg1 = (size_t *) 0 ;
   dpar_model *arg2 = (dpar_model *) 0 ;

@@ -343,6 +343,14 @@ class _Memory:
                                     "data": (address, False)}
 
 
+def _pair(v):
+    """An int or an (height, width) pair as the C ABI's int64_t[2], kept alive by the caller for the call."""
+    a = np.asarray((v, v) if np.ndim(v) == 0 else v, dtype=np.int64)
+    if a.shape != (2,):
+        raise DparError(ERR_INVALID_ARGUMENT, f"expected an int or a (height, width) pair, got {v!r}")
+    return np.ascontiguousarray(a)
+
+
 class Model(_Handle):
     """A model graph built append-only: the template an Engine copies to every device. Each add reads the previous
     node (or the one branch_from chose); join nodes (add_sum, add_concat) name their inputs; the output is the last
@@ -406,6 +414,36 @@ class Model(_Handle):
         """Appends (B, ...) -> (B, *row_shape), as nn.Unflatten(1, row_shape): a view, no copy."""
         shape = np.ascontiguousarray(row_shape, dtype=np.int64)
         _check(_raw.dpar_model_add_reshape(self._raw, shape.ctypes.data, shape.size))
+        return self
+
+    def conv2d(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True):
+        """Appends nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias) over
+        NCHW inputs; each size is an int or an (height, width) pair, as PyTorch takes them. Parameters "weight"
+        (out, in / groups, kh, kw) and "bias" (out), initialised as PyTorch's."""
+        k, s, p, d = _pair(kernel_size), _pair(stride), _pair(padding), _pair(dilation)
+        _check(_raw.dpar_model_add_conv2d(self._raw, in_channels, out_channels, k.ctypes.data, s.ctypes.data,
+                                          p.ctypes.data, d.ctypes.data, groups, 1 if bias else 0))
+        return self
+
+    def max_pool2d(self, kernel_size, stride=None, padding=0):
+        """Appends nn.MaxPool2d(kernel_size, stride, padding); stride None is the kernel size."""
+        return self._pool2d(_raw.dpar_model_add_max_pool2d, kernel_size, stride, padding)
+
+    def avg_pool2d(self, kernel_size, stride=None, padding=0):
+        """Appends nn.AvgPool2d(kernel_size, stride, padding) (count_include_pad=True); stride None is the kernel."""
+        return self._pool2d(_raw.dpar_model_add_avg_pool2d, kernel_size, stride, padding)
+
+    def _pool2d(self, f, kernel_size, stride, padding):
+        k, p = _pair(kernel_size), _pair(padding)
+        s = None if stride is None else _pair(stride)
+        _check(f(self._raw, k.ctypes.data, 0 if s is None else s.ctypes.data, p.ctypes.data))
+        return self
+
+    def adaptive_avg_pool2d(self, output_size):
+        """Appends nn.AdaptiveAvgPool2d(output_size) (an int or a pair); only 1 / (1, 1) is implemented
+        (DparError with ERR_NOT_SUPPORTED otherwise)."""
+        h, w = (int(v) for v in _pair(output_size))
+        _check(_raw.dpar_model_add_adaptive_avg_pool2d(self._raw, h, w))
         return self
 
     def custom(self, layer):

@@ -6,12 +6,48 @@
 #include "comm/threads_comm.h"
 #include "common/error.h"
 #include "device/worker_pool.h"
+#include "kernels/cpu/dnnl_ops.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/kernels.h"
 
 namespace dpar {
 namespace {
 namespace k = kernels::cpu;
+
+// The op seam over the CPU kernels' oneDNN primitives (kernels/cpu/dnnl_ops.h), which know no backend.
+class CpuConv2dOp final : public Conv2dOp {
+ public:
+  explicit CpuConv2dOp(const Conv2dSpec& spec) : conv_(spec) {}
+  void forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t H,
+               int64_t W) override {
+    conv_.forward(out, inp, weight, bias, N, H, W);
+  }
+  void backward_data(float* dinp, const float* dout, const float* weight, int64_t N, int64_t H, int64_t W) override {
+    conv_.backward_data(dinp, dout, weight, N, H, W);
+  }
+  void backward_weights(float* dweight, float* dbias, const float* dout, const float* inp, int64_t N, int64_t H,
+                        int64_t W, bool accumulate) override {
+    conv_.backward_weights(dweight, dbias, dout, inp, N, H, W, accumulate);
+  }
+
+ private:
+  k::Conv2d conv_;
+};
+
+class CpuPool2dOp final : public Pool2dOp {
+ public:
+  explicit CpuPool2dOp(const Pool2dSpec& spec) : pool_(spec) {}
+  void forward(float* out, const float* inp, int64_t N, int64_t C, int64_t H, int64_t W) override {
+    pool_.forward(out, inp, N, C, H, W);
+  }
+  void backward(float* dinp, const float* dout, const float*, const float*, int64_t N, int64_t C, int64_t H,
+                int64_t W) override {
+    pool_.backward(dinp, dout, N, C, H, W);
+  }
+
+ private:
+  k::Pool2d pool_;
+};
 
 class CpuStream final : public Stream {
  public:
@@ -89,6 +125,13 @@ class CpuStream final : public Stream {
   double sum_squares(const float* x, int64_t n) override { return k::sum_squares(x, n); }
   void to_bf16(uint16_t* dst, const float* src, int64_t n) override { k::to_bf16(dst, src, n); }
   void from_bf16(float* dst, const uint16_t* src, int64_t n) override { k::from_bf16(dst, src, n); }
+
+  std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec) override {
+    return std::make_unique<CpuConv2dOp>(spec);
+  }
+  std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec) override {
+    return std::make_unique<CpuPool2dOp>(spec);
+  }
 };
 
 class CpuBackend final : public Backend {

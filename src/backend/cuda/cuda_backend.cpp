@@ -272,6 +272,16 @@ class CudaStream final : public Stream {
     const auto scope = enter();
     k::from_bf16(dst, src, n, stream_);
   }
+  // cuDNN is what these need (loaded on first use, as cuBLAS is); until then they say so, rather than the default's
+  // generic line.
+  std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec) override {
+    fail(Status::kNotSupported, spec.str(), " on ", device().str(),
+         ": dpar's CUDA backend has no convolution yet (it needs cuDNN)");
+  }
+  std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec) override {
+    fail(Status::kNotSupported, spec.str(), " on ", device().str(),
+         ": dpar's CUDA backend has no pooling yet (it needs cuDNN)");
+  }
   double sum_squares(const float* x, int64_t n) override {
     const auto scope = enter();
     if (!sum_scratch_)  // once per stream: the kernels' partial sums and their total

@@ -107,20 +107,30 @@ const Report& report() {
 
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
            const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-#ifdef DPAR_GEMM_OMP
-  // Set the caller's OpenMP thread count for this call and give it back after: a worker has set it once (no
-  // change then), and a caller's own OpenMP settings survive a GEMM run on its thread.
-  const int want = t_gemm_threads, before = omp_get_max_threads();
-  if (before != want) omp_set_num_threads(want);
-#endif
-  const dnnl_status_t st = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb,
-                                      beta, C, ldc);
-#ifdef DPAR_GEMM_OMP
-  if (before != want) omp_set_num_threads(before);
-#endif
+  dnnl_status_t st;
+  {
+    GemmThreadsScope threads;
+    st = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
   if (st == dnnl_out_of_memory) fail(Status::kOutOfMemory, "sgemm: oneDNN ran out of memory (M=", M, ", N=", N, ", K=", K, ")");
   DPAR_CHECK_ARG(st == dnnl_success, "sgemm: dnnl_sgemm failed with status ", static_cast<int>(st), " (M=", M,
                  ", N=", N, ", K=", K, ", lda=", lda, ", ldb=", ldb, ", ldc=", ldc, ")");
+}
+
+// Set the caller's OpenMP thread count for the call and give it back after: a worker has set it once (no change
+// then), and a caller's own OpenMP settings survive a GEMM run on its thread.
+GemmThreadsScope::GemmThreadsScope() {
+#ifdef DPAR_GEMM_OMP
+  before_ = omp_get_max_threads();
+  changed_ = before_ != t_gemm_threads;
+  if (changed_) omp_set_num_threads(t_gemm_threads);
+#endif
+}
+
+GemmThreadsScope::~GemmThreadsScope() {
+#ifdef DPAR_GEMM_OMP
+  if (changed_) omp_set_num_threads(before_);
+#endif
 }
 
 void set_gemm_threads(int threads) {

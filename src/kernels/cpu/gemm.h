@@ -19,6 +19,21 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
 // The number of threads the calling thread's GEMMs use from now on (>= 1).
 void set_gemm_threads(int threads);
 
+// For its lifetime, oneDNN calls on the calling thread run on that thread's GEMM thread count (set_gemm_threads);
+// the caller's own OpenMP count comes back after. Every oneDNN call of the CPU kernels (the GEMM, the convolutions
+// and poolings of dnnl_ops.h) runs inside one, so that a worker's convolutions split over threads as its GEMMs do.
+class GemmThreadsScope {
+ public:
+  GemmThreadsScope();
+  ~GemmThreadsScope();
+  GemmThreadsScope(const GemmThreadsScope&) = delete;
+  GemmThreadsScope& operator=(const GemmThreadsScope&) = delete;
+
+ private:
+  int before_ = 0;
+  bool changed_ = false;
+};
+
 // What runs the GEMMs, as the library reports it: "oneDNN 2.6.3 (OpenMP), avx512_core f32 kernels (CPU ISA
 // avx512_core_amx)". Static storage; the same pointer on every call.
 const char* gemm_backend();

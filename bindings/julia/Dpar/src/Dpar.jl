@@ -36,7 +36,8 @@ function __init__()
 end
 
 export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_node, branch_from!, set_node_name!,
-       add_sum!, add_concat!, add_flatten!, add_reshape!, MODEL_INPUT, train_step!, step_count, num_params,
+       add_sum!, add_concat!, add_flatten!, add_reshape!, MODEL_INPUT, conv2d!, max_pool2d!, avg_pool2d!,
+       adaptive_avg_pool2d!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
        set_gradient_compression!, set_gradient_reduction!, forward, num_replicas, trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
@@ -294,6 +295,60 @@ with no copy."""
 function add_reshape!(m::Model, row_shape::AbstractVector{<:Integer})
     v = Vector{Int64}(row_shape)
     check(ccall((:dpar_model_add_reshape, libdpar), Int32, (Ptr{Cvoid}, Ptr{Int64}, Csize_t), m.ptr, v, length(v)))
+    m
+end
+
+# An integer or a (height, width) pair, as the C ABI's int64_t[2] (PyTorch takes either).
+_pair(v::Integer) = Int64[v, v]
+function _pair(v)
+    length(v) == 2 || throw(DparError(ERR_INVALID_ARGUMENT, "expected an integer or a (height, width) pair, got $v"))
+    Int64[v[1], v[2]]
+end
+
+"""`conv2d!(model, in_channels, out_channels, kernel_size; stride=1, padding=0, dilation=1, groups=1,
+bias=true)`: appends PyTorch's nn.Conv2d over (batch, channels, height, width) inputs (a Julia array of size (width,
+height, channels, batch)); each size an integer or a (height, width) pair. Parameters "weight" (out, in / groups, kh,
+kw) and "bias" (out), initialised as PyTorch's."""
+function conv2d!(m::Model, in_channels::Integer, out_channels::Integer, kernel_size; stride=1, padding=0,
+                 dilation=1, groups::Integer=1, bias::Bool=true)
+    k, s, p, d = _pair(kernel_size), _pair(stride), _pair(padding), _pair(dilation)
+    check(ccall((:dpar_model_add_conv2d, libdpar), Int32,
+                (Ptr{Cvoid}, Int64, Int64, Ptr{Int64}, Ptr{Int64}, Ptr{Int64}, Ptr{Int64}, Int64, Int32),
+                m.ptr, in_channels, out_channels, k, s, p, d, groups, bias))
+    m
+end
+
+"""`max_pool2d!(model, kernel_size; stride=nothing, padding=0)`: appends PyTorch's nn.MaxPool2d; `stride` nothing is
+the kernel size."""
+function max_pool2d!(m::Model, kernel_size; stride=nothing, padding=0)
+    k, p = _pair(kernel_size), _pair(padding)
+    s = stride === nothing ? Ptr{Int64}(C_NULL) : _pair(stride)
+    GC.@preserve s begin
+        sp = s isa Vector{Int64} ? pointer(s) : s
+        check(ccall((:dpar_model_add_max_pool2d, libdpar), Int32, (Ptr{Cvoid}, Ptr{Int64}, Ptr{Int64}, Ptr{Int64}),
+                    m.ptr, k, sp, p))
+    end
+    m
+end
+
+"""`avg_pool2d!(model, kernel_size; stride=nothing, padding=0)`: appends PyTorch's nn.AvgPool2d (padding counted in
+each window's divisor); `stride` nothing is the kernel size."""
+function avg_pool2d!(m::Model, kernel_size; stride=nothing, padding=0)
+    k, p = _pair(kernel_size), _pair(padding)
+    s = stride === nothing ? Ptr{Int64}(C_NULL) : _pair(stride)
+    GC.@preserve s begin
+        sp = s isa Vector{Int64} ? pointer(s) : s
+        check(ccall((:dpar_model_add_avg_pool2d, libdpar), Int32, (Ptr{Cvoid}, Ptr{Int64}, Ptr{Int64}, Ptr{Int64}),
+                    m.ptr, k, sp, p))
+    end
+    m
+end
+
+"""`adaptive_avg_pool2d!(model, output_size)`: appends PyTorch's nn.AdaptiveAvgPool2d; only 1 / (1, 1) is
+implemented (a DparError with ERR_NOT_SUPPORTED otherwise)."""
+function adaptive_avg_pool2d!(m::Model, output_size)
+    o = _pair(output_size)
+    check(ccall((:dpar_model_add_adaptive_avg_pool2d, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64), m.ptr, o[1], o[2]))
     m
 end
 

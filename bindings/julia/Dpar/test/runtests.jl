@@ -195,6 +195,43 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
                               "already node 0")
         end
     end
+    @testset "convolution and pooling layers: PyTorch's names, refusals, 2 devices train as one" begin
+        function cnn(m)
+            Dpar.conv2d!(m, 1, 4, 3; padding=1)
+            Dpar.activation!(m, Dpar.RELU)
+            Dpar.max_pool2d!(m, 2)
+            Dpar.conv2d!(m, 4, 4, (3, 3); stride=(2, 2), padding=2, dilation=2, groups=2, bias=false)
+            Dpar.avg_pool2d!(m, 2; stride=1, padding=1)
+            Dpar.adaptive_avg_pool2d!(m, 1)
+        end
+        Dpar.Model(5) do m
+            cnn(m)
+            @test Dpar.num_layers(m) == 6
+            @test Dpar.param_info(m, 0) == ("0.weight", (4, 1, 3, 3))
+            @test Dpar.param_info(m, 2) == ("3.weight", (4, 2, 3, 3))
+            @test throws_dpar(() -> Dpar.conv2d!(m, 4, 6, 3; groups=4), Dpar.ERR_INVALID_ARGUMENT, "divisible by groups")
+            @test throws_dpar(() -> Dpar.max_pool2d!(m, 2; stride=(0, 1)), Dpar.ERR_INVALID_ARGUMENT, "stride[0]")
+            @test throws_dpar(() -> Dpar.adaptive_avg_pool2d!(m, (2, 2)), Dpar.ERR_NOT_SUPPORTED, "only 1x1")
+            @test Dpar.num_layers(m) == 6
+            # A Julia array of size (width, height, channels, batch) is dpar's (batch, channels, height, width).
+            x = Dpar.Tensor(reshape(Float32[((i * 37) % 101) / 101 - 0.5 for i in 0:5*64-1], 8, 8, 1, 5))
+            y = Dpar.Tensor(reshape(Float32[((i * 13) % 7) / 7 - 0.5 for i in 0:5*4-1], 1, 1, 4, 5))
+            n = Dpar.num_param_elements(m)
+            finals = Vector{Vector{Float32}}()
+            for devices in (1, 2)
+                Dpar.Engine(m; lr=0.5, devices=devices, loss=Dpar.LOSS_MSE, processes=Dpar.PROCESSES_SINGLE) do e
+                    first = Dpar.train_step!(e, x, y)
+                    last = first
+                    for _ in 1:10
+                        last = Dpar.train_step!(e, x, y)
+                    end
+                    @test last < first
+                    push!(finals, Dpar.params(e, 0, n))
+                end
+            end
+            @test maximum(abs.(finals[1] .- finals[2]) ./ max.(abs.(finals[1]), 1f-2)) <= 1f-5
+        end
+    end
     @testset "a trace is written as Chrome's JSON" begin
         Dpar.Model(7) do m
             reference_model(m)

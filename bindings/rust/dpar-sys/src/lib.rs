@@ -252,6 +252,16 @@ extern "C" {
     pub fn dpar_model_add_linear(model: *mut dpar_model, in_features: i64, out_features: i64, has_bias: i32) -> dpar_status;
     pub fn dpar_model_add_activation(model: *mut dpar_model, activation: i32) -> dpar_status;
     pub fn dpar_model_add_dropout(model: *mut dpar_model, p: f32) -> dpar_status;
+    /// `kernel_size` (height, width) must not be null; null `stride`, `padding`, `dilation`: (1, 1), (0, 0), (1, 1).
+    pub fn dpar_model_add_conv2d(model: *mut dpar_model, in_channels: i64, out_channels: i64, kernel_size: *const i64,
+                                 stride: *const i64, padding: *const i64, dilation: *const i64, groups: i64,
+                                 has_bias: i32) -> dpar_status;
+    /// Null `stride`: the kernel size; null `padding`: (0, 0).
+    pub fn dpar_model_add_max_pool2d(model: *mut dpar_model, kernel_size: *const i64, stride: *const i64,
+                                     padding: *const i64) -> dpar_status;
+    pub fn dpar_model_add_avg_pool2d(model: *mut dpar_model, kernel_size: *const i64, stride: *const i64,
+                                     padding: *const i64) -> dpar_status;
+    pub fn dpar_model_add_adaptive_avg_pool2d(model: *mut dpar_model, output_h: i64, output_w: i64) -> dpar_status;
     /// Writes dpar.h 0.4's layout, for programs built against it: call `dpar_custom_layer_init_sized`.
     pub fn dpar_custom_layer_init(layer: *mut dpar_custom_layer) -> dpar_status;
     /// Fills `size` bytes (`size_of::<dpar_custom_layer>()`) with the defaults of that layout.

@@ -422,6 +422,51 @@ impl AsTensor for TensorRef<'_> {
 // ---------------------------------------------------------------------------------------------------------------
 // Models and custom layers
 
+/// nn.Conv2d's arguments, PyTorch's defaults unless set: stride (1, 1), padding (0, 0), dilation (1, 1), groups 1,
+/// a bias. Pairs are (height, width).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv2d {
+    pub in_channels: i64,
+    pub out_channels: i64,
+    pub kernel_size: (i64, i64),
+    pub stride: (i64, i64),
+    pub padding: (i64, i64),
+    pub dilation: (i64, i64),
+    pub groups: i64,
+    pub bias: bool,
+}
+
+impl Conv2d {
+    pub fn new(in_channels: i64, out_channels: i64, kernel_size: (i64, i64)) -> Conv2d {
+        Conv2d { in_channels, out_channels, kernel_size, stride: (1, 1), padding: (0, 0), dilation: (1, 1), groups: 1,
+                 bias: true }
+    }
+    pub fn stride(mut self, stride: (i64, i64)) -> Conv2d {
+        self.stride = stride;
+        self
+    }
+    pub fn padding(mut self, padding: (i64, i64)) -> Conv2d {
+        self.padding = padding;
+        self
+    }
+    pub fn dilation(mut self, dilation: (i64, i64)) -> Conv2d {
+        self.dilation = dilation;
+        self
+    }
+    pub fn groups(mut self, groups: i64) -> Conv2d {
+        self.groups = groups;
+        self
+    }
+    pub fn bias(mut self, bias: bool) -> Conv2d {
+        self.bias = bias;
+        self
+    }
+}
+
+fn pair(p: (i64, i64)) -> [i64; 2] {
+    [p.0, p.1]
+}
+
 /// Elementwise activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
@@ -590,6 +635,38 @@ impl Model {
     }
     pub fn dropout(&mut self, p: f32) -> Result<&mut Model> {
         check(unsafe { sys::dpar_model_add_dropout(self.raw, p) })?;
+        Ok(self)
+    }
+    /// Appends a 2-D convolution (PyTorch's nn.Conv2d, NCHW): `m.conv2d(&Conv2d::new(3, 8, (3, 3)).padding((1, 1)))`.
+    /// Parameters "weight" (out, in / groups, kh, kw) and, with a bias, "bias" (out), initialised as PyTorch's.
+    pub fn conv2d(&mut self, c: &Conv2d) -> Result<&mut Model> {
+        let (k, s, p, d) = (pair(c.kernel_size), pair(c.stride), pair(c.padding), pair(c.dilation));
+        check(unsafe {
+            sys::dpar_model_add_conv2d(self.raw, c.in_channels, c.out_channels, k.as_ptr(), s.as_ptr(), p.as_ptr(),
+                                       d.as_ptr(), c.groups, c.bias as i32)
+        })?;
+        Ok(self)
+    }
+    /// Appends PyTorch's nn.MaxPool2d(kernel_size, stride, padding); `stride` None is the kernel size.
+    pub fn max_pool2d(&mut self, kernel_size: (i64, i64), stride: Option<(i64, i64)>, padding: (i64, i64))
+                      -> Result<&mut Model> {
+        let (k, p, s) = (pair(kernel_size), pair(padding), stride.map(pair));
+        let sp = s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
+        check(unsafe { sys::dpar_model_add_max_pool2d(self.raw, k.as_ptr(), sp, p.as_ptr()) })?;
+        Ok(self)
+    }
+    /// Appends PyTorch's nn.AvgPool2d(kernel_size, stride, padding) (padding counted in every window's divisor);
+    /// `stride` None is the kernel size.
+    pub fn avg_pool2d(&mut self, kernel_size: (i64, i64), stride: Option<(i64, i64)>, padding: (i64, i64))
+                      -> Result<&mut Model> {
+        let (k, p, s) = (pair(kernel_size), pair(padding), stride.map(pair));
+        let sp = s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
+        check(unsafe { sys::dpar_model_add_avg_pool2d(self.raw, k.as_ptr(), sp, p.as_ptr()) })?;
+        Ok(self)
+    }
+    /// Appends PyTorch's nn.AdaptiveAvgPool2d(output_size); only (1, 1) is implemented (NOT_SUPPORTED otherwise).
+    pub fn adaptive_avg_pool2d(&mut self, output_size: (i64, i64)) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_adaptive_avg_pool2d(self.raw, output_size.0, output_size.1) })?;
         Ok(self)
     }
     /// Appends a layer written in Rust. dpar owns `layer` from here: it is dropped when the model and every engine

@@ -1,0 +1,50 @@
+// What a stateful op computes (backend/ops.h): plain descriptions, shared by the op seam and the kernels that
+// implement it (which know nothing of backends).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace dpar {
+
+// What an op applies to its result before writing it: fusion is an argument, not another op.
+enum class Epilogue : int32_t { kNone = 0, kRelu = 1 };
+
+// A 2-D convolution, as PyTorch's nn.Conv2d (cross-correlation, zero padding).
+struct Conv2dSpec {
+  int64_t in_channels = 1, out_channels = 1;
+  int64_t kernel_h = 1, kernel_w = 1;
+  int64_t stride_h = 1, stride_w = 1;
+  int64_t pad_h = 0, pad_w = 0;
+  int64_t dilation_h = 1, dilation_w = 1;
+  int64_t groups = 1;
+  bool bias = true;
+  Epilogue epilogue = Epilogue::kNone;
+
+  // PyTorch's output extent: floor((in + 2 pad - dilation (kernel - 1) - 1) / stride) + 1 (may be < 1: the
+  // caller checks).
+  int64_t out_h(int64_t h) const { return (h + 2 * pad_h - dilation_h * (kernel_h - 1) - 1) / stride_h + 1; }
+  int64_t out_w(int64_t w) const { return (w + 2 * pad_w - dilation_w * (kernel_w - 1) - 1) / stride_w + 1; }
+  std::string str() const;  // "conv2d(3 -> 8, kernel 3x3, stride 1x1, padding 1x1, dilation 1x1, groups 1)"
+};
+
+enum class PoolKind : int32_t {
+  kMax = 0,  // gradients to the first maximum of each window in row-major order, as PyTorch's
+  kAvg = 1,  // padding counts in the divisor (PyTorch's count_include_pad=True): kernel_h * kernel_w
+};
+
+// A 2-D pooling, as PyTorch's nn.MaxPool2d / nn.AvgPool2d with ceil_mode=False and dilation 1; `global` makes the
+// window the whole input (stride and padding unused): nn.AdaptiveAvgPool2d((1, 1)).
+struct Pool2dSpec {
+  PoolKind kind = PoolKind::kMax;
+  bool global = false;
+  int64_t kernel_h = 1, kernel_w = 1;
+  int64_t stride_h = 1, stride_w = 1;
+  int64_t pad_h = 0, pad_w = 0;
+
+  int64_t out_h(int64_t h) const { return global ? 1 : (h + 2 * pad_h - kernel_h) / stride_h + 1; }
+  int64_t out_w(int64_t w) const { return global ? 1 : (w + 2 * pad_w - kernel_w) / stride_w + 1; }
+  std::string str() const;  // "max_pool2d(kernel 2x2, stride 2x2, padding 0x0)"
+};
+
+}  // namespace dpar
