@@ -91,6 +91,25 @@ class Stream {
   virtual void to_bf16(uint16_t* dst, const float* src, int64_t n) = 0;
   virtual void from_bf16(float* dst, const uint16_t* src, int64_t n) = 0;
 
+  // ---- BatchNorm (kernels/cpu/batchnorm.h has each contract; doubles are device memory too) -------------------
+  // A backend without them refuses with NOT_SUPPORTED naming the device (not_built): CUDA has none yet.
+  virtual void batchnorm_stats(double* sums, const float* x, int64_t N, int64_t C, int64_t L);
+  virtual void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_var,
+                                 int64_t* num_batches_tracked, const double* sums, double count, int64_t C, float eps,
+                                 float momentum);
+  virtual void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight,
+                               const float* bias, int64_t N, int64_t C, int64_t L);
+  virtual void batchnorm_backward_reduce(double* sums, const float* dout, const float* x, const double* mean_invstd,
+                                         int64_t N, int64_t C, int64_t L);
+  virtual void batchnorm_backward_apply(float* dinp, float* dweight, float* dbias, const double* local,
+                                        const double* global, double count, const float* dout, const float* x,
+                                        const double* mean_invstd, const float* weight, int64_t N, int64_t C,
+                                        int64_t L, bool accumulate);
+
+ protected:
+  // Throws Error(Status::kNotSupported) saying that `what` is not built for this stream's device.
+  [[noreturn]] void not_built(const char* what) const;
+
  private:
   Device device_;
 };

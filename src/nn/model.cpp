@@ -1,12 +1,19 @@
 #include "nn/model.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "common/error.h"
 
 namespace dpar {
 
-Model::Model(const Model& other) : params_(other.params_), values_(other.values_), init_rng_(other.init_rng_) {
+Model::Model(const Model& other)
+    : params_(other.params_),
+      values_(other.values_),
+      buffers_(other.buffers_),
+      buffer_f32_(other.buffer_f32_),
+      buffer_i64_(other.buffer_i64_),
+      init_rng_(other.init_rng_) {
   for (const auto& l : other.layers_) layers_.push_back(l->clone());
 }
 
@@ -16,11 +23,37 @@ void Model::add(std::unique_ptr<Layer> layer) {
     ParamInfo info{std::to_string(index) + "." + spec.name, spec.shape, static_cast<int64_t>(values_.size()), index};
     const int64_t n = spec.shape.numel();
     values_.reserve(values_.size() + static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i)
-      values_.push_back(spec.init == InitKind::kUniform ? init_rng_.uniform(-spec.bound, spec.bound) : 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      float v = 0.0f;
+      if (spec.init == InitKind::kUniform) v = init_rng_.uniform(-spec.bound, spec.bound);
+      if (spec.init == InitKind::kOnes) v = 1.0f;
+      if (spec.init == InitKind::kNormal) {
+        // Box-Muller from two draws of the model's stream; 1 - u keeps the logarithm's argument in (0, 1].
+        const double u1 = 1.0 - init_rng_.uniform(), u2 = init_rng_.uniform();
+        v = static_cast<float>(spec.bound * std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+      }
+      values_.push_back(v);
+    }
     params_.push_back(std::move(info));
   }
+  for (const BufferSpec& spec : layer->buffer_specs()) {
+    const bool f32 = spec.dtype == BufferDType::kF32;
+    const int64_t offset = static_cast<int64_t>(f32 ? buffer_f32_.size() : buffer_i64_.size());
+    buffers_.push_back({std::to_string(index) + "." + spec.name, spec.dtype, spec.shape, offset, index});
+    const int64_t v = spec.init == InitKind::kOnes ? 1 : 0;
+    for (int64_t i = 0; i < buffer_numel(spec.shape); ++i) {
+      if (f32)
+        buffer_f32_.push_back(static_cast<float>(v));
+      else
+        buffer_i64_.push_back(v);
+    }
+  }
   layers_.push_back(std::move(layer));
+}
+
+void Model::convert_sync_batchnorm() {
+  for (auto& layer : layers_)
+    if (auto sync = to_sync_batchnorm(*layer)) layer = std::move(sync);
 }
 
 Shape Model::output_shape(const Shape& input) const {
@@ -57,6 +90,28 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
         g.push_back(grads_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
       }
     layers_[i]->bind(std::move(p), std::move(g));
+  }
+  // Buffers: this replica's own copy, from the model's values.
+  n_buf_f32_ = static_cast<int64_t>(model.buffer_f32().size());
+  n_buf_i64_ = static_cast<int64_t>(model.buffer_i64().size());
+  if (n_buf_f32_ > 0) {
+    buf_f32_ = ctx.alloc(DType::kF32, Shape{n_buf_f32_});
+    ctx.stream->copy_from_host(buf_f32_.raw(), model.buffer_f32().data(), buf_f32_.bytes());
+  }
+  if (n_buf_i64_ > 0) {
+    buf_i64_ = ctx.alloc(DType::kI32, Shape{2 * n_buf_i64_});
+    ctx.stream->copy_from_host(buf_i64_.raw(), model.buffer_i64().data(), buf_i64_.bytes());
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    std::vector<Tensor> b;
+    for (const BufferInfo& info : model.buffers())
+      if (info.layer == i) {
+        if (info.dtype == BufferDType::kF32)
+          b.push_back(buf_f32_.rows(info.offset, buffer_numel(info.shape)));
+        else
+          b.push_back(buf_i64_.rows(2 * info.offset, 2 * buffer_numel(info.shape)));
+      }
+    layers_[i]->bind_buffers(std::move(b));
   }
   for (size_t i = 0; i + 1 < layers_.size(); ++i) {
     // A layer fused with the one before it is not fused with the one after it: pairs do not chain.

@@ -6,6 +6,7 @@
 #include "comm/threads_comm.h"
 #include "common/error.h"
 #include "device/worker_pool.h"
+#include "kernels/cpu/batchnorm.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/kernels.h"
 
@@ -89,6 +90,28 @@ class CpuStream final : public Stream {
   double sum_squares(const float* x, int64_t n) override { return k::sum_squares(x, n); }
   void to_bf16(uint16_t* dst, const float* src, int64_t n) override { k::to_bf16(dst, src, n); }
   void from_bf16(float* dst, const uint16_t* src, int64_t n) override { k::from_bf16(dst, src, n); }
+
+  void batchnorm_stats(double* sums, const float* x, int64_t N, int64_t C, int64_t L) override {
+    k::batchnorm_stats(sums, x, N, C, L);
+  }
+  void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_var, int64_t* num_batches_tracked,
+                         const double* sums, double count, int64_t C, float eps, float momentum) override {
+    k::batchnorm_moments(mean_invstd, running_mean, running_var, num_batches_tracked, sums, count, C, eps, momentum);
+  }
+  void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight, const float* bias,
+                       int64_t N, int64_t C, int64_t L) override {
+    k::batchnorm_apply(out, x, mean_invstd, weight, bias, N, C, L);
+  }
+  void batchnorm_backward_reduce(double* sums, const float* dout, const float* x, const double* mean_invstd,
+                                 int64_t N, int64_t C, int64_t L) override {
+    k::batchnorm_backward_reduce(sums, dout, x, mean_invstd, N, C, L);
+  }
+  void batchnorm_backward_apply(float* dinp, float* dweight, float* dbias, const double* local, const double* global,
+                                double count, const float* dout, const float* x, const double* mean_invstd,
+                                const float* weight, int64_t N, int64_t C, int64_t L, bool accumulate) override {
+    k::batchnorm_backward_apply(dinp, dweight, dbias, local, global, count, dout, x, mean_invstd, weight, N, C, L,
+                                accumulate);
+  }
 };
 
 class CpuBackend final : public Backend {
