@@ -220,6 +220,36 @@ TEST(BatchNorm, ModelKeepsBuffersApartFromParameters) {
   EXPECT_EQ(m.buffers().size(), 6u);
 }
 
+// A layer of one parameter of each initialiser, for the model's initialisation.
+class Initialised final : public Layer {
+ public:
+  std::string describe() const override { return "initialised"; }
+  std::vector<ParamSpec> param_specs() const override {
+    return {{"zeros", Shape{3}, InitKind::kZeros},
+            {"ones", Shape{3}, InitKind::kOnes},
+            {"normal", Shape{100, 100}, InitKind::kNormal, 0.5f}};
+  }
+  Shape output_shape(const Shape& in) const override { return in; }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<Initialised>(); }
+  void forward(const ReplicaContext&, const Tensor&, const Tensor&) override {}
+  void backward(const ReplicaContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool) override {}
+};
+
+TEST(Initialisers, OnesAndNormalDrawAsTheySay) {
+  Model m(5);
+  m.add(std::make_unique<Initialised>());
+  const auto& v = m.values();
+  EXPECT_EQ(std::vector<float>(v.begin(), v.begin() + 6), (std::vector<float>{0, 0, 0, 1, 1, 1}));
+  double sum = 0, sq = 0;
+  for (size_t i = 6; i < v.size(); ++i) sum += v[i], sq += double(v[i]) * v[i];
+  const double n = static_cast<double>(v.size() - 6), mean = sum / n, sd = std::sqrt(sq / n - mean * mean);
+  EXPECT_NEAR(mean, 0.0, 0.02);  // 4 standard errors of 10^4 draws of N(0, 0.5^2)
+  EXPECT_NEAR(sd, 0.5, 0.015);
+  Model again(5);
+  again.add(std::make_unique<Initialised>());
+  EXPECT_EQ(again.values(), v);  // from the model's seed
+}
+
 // ---- Engines --------------------------------------------------------------------------------------------------
 
 struct Batch {
@@ -297,7 +327,8 @@ std::vector<int64_t> engine_buffers_i64(const Engine& e, size_t replica) {
 // summed; one Adam step. With one chunk this is one device on the full batch. Returns parameters, then f32
 // buffers, then i64 buffers (replica 0's) through the out-arguments.
 std::vector<float> data_parallel(const Model& model, const std::vector<Batch>& data, int steps, size_t devices,
-                                 std::vector<float>* buffers, std::vector<int64_t>* counters) {
+                                 std::vector<float>* buffers, std::vector<int64_t>* counters,
+                                 LossKind loss = LossKind::kCrossEntropy) {
   std::vector<uint64_t> offsets(devices, 0);
   std::vector<Fault> faults(devices, Fault::kNone);
   std::vector<ReplicaContext> ctxs(devices);
@@ -326,8 +357,12 @@ std::vector<float> data_parallel(const Model& model, const std::vector<Batch>& d
       const Tensor x = b.x.rows(begin, split[r]);
       Tensor out = rep.forward(ctxs[r], x);
       Tensor dout = rep.output_grad_buffer(ctxs[r]);
-      kernels::cpu::cross_entropy_forward_backward(dout.f32(), out.f32(), b.y.i32() + begin, split[r], 5,
-                                                   1.0f / static_cast<float>(rows));
+      if (loss == LossKind::kCrossEntropy)
+        kernels::cpu::cross_entropy_forward_backward(dout.f32(), out.f32(), b.y.i32() + begin, split[r], 5,
+                                                     1.0f / static_cast<float>(rows));
+      else
+        kernels::cpu::mse_forward_backward(dout.f32(), out.f32(), b.y.rows(begin, split[r]).f32(), split[r],
+                                           out.shape().row_numel(), 1.0f / static_cast<float>(rows));
       rep.backward(ctxs[r], dout, false);
       for (int64_t i = 0; i < n; ++i) grads[static_cast<size_t>(i)] += rep.grads()[i];
       begin += split[r];
@@ -363,6 +398,39 @@ TEST(SyncBatchNorm, NDevicesTrainAsOneDeviceOnTheFullBatch) {
       EXPECT_EQ(engine.params(r), got) << "replica " << r;
       EXPECT_EQ(engine_buffers_f32(engine, r), buffers) << "replica " << r;
       EXPECT_EQ(engine_buffers_i64(engine, r), engine_buffers_i64(engine, 0)) << "replica " << r;
+    }
+  }
+}
+
+// (B, C, H, W): BatchNorm2d layers converted to SyncBatchNorm, trained with MSE, on 3 and 8 devices.
+TEST(SyncBatchNorm, FourDimensionalInputsTrainAsOneDevice) {
+  Model model(13);
+  model.add(make_batchnorm(2, 3, 1e-5f, 0.1f, true));
+  model.add(make_activation(Activation::kTanh));
+  model.add(make_batchnorm(2, 3, 1e-3f, 0.2f, true));
+  model.convert_sync_batchnorm();
+  constexpr int kSteps = 6;
+  for (const auto& [devices, rows] : std::vector<std::pair<size_t, int64_t>>{{3, 7}, {8, 10}}) {
+    std::vector<Batch> data;
+    for (uint32_t i = 0; i < 2; ++i) {
+      const size_t n = static_cast<size_t>(rows) * 12;
+      data.push_back({host_tensor(randn(n, 100 + i, 2.0f, 0.5f), Shape{rows, 3, 2, 2}),
+                      host_tensor(randn(n, 200 + i, 0.5f, 0.3f), Shape{rows, 3, 2, 2})});
+    }
+    std::vector<float> want_buffers;
+    std::vector<int64_t> want_counters;
+    const auto want = data_parallel(model, data, kSteps, 1, &want_buffers, &want_counters, LossKind::kMse);
+    EngineConfig config = cpu_devices(devices);
+    config.loss = LossKind::kMse;
+    Engine engine(model, adam(), config);
+    for (int s = 0; s < kSteps; ++s) engine.train_step(data[s % 2].x, data[s % 2].y);
+    const auto got = engine.params(0);
+    EXPECT_LT(max_relative_error(got, want), 1e-4) << devices << " devices";
+    EXPECT_GT(max_relative_error(got, model.values()), 1e-2);
+    EXPECT_LT(max_relative_error(engine_buffers_f32(engine, 0), want_buffers), 1e-4);
+    for (size_t r = 1; r < devices; ++r) {
+      EXPECT_EQ(engine.params(r), got) << "replica " << r;
+      EXPECT_EQ(engine_buffers_f32(engine, r), engine_buffers_f32(engine, 0)) << "replica " << r;
     }
   }
 }
