@@ -151,6 +151,16 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_model_add_max_pool2d)(dpar_model *model, const int64_t kernel_size[2], const int64_t stride[2], const int64_t padding[2]);
   dpar_status (*dpar_model_add_avg_pool2d)(dpar_model *model, const int64_t kernel_size[2], const int64_t stride[2], const int64_t padding[2]);
   dpar_status (*dpar_model_add_adaptive_avg_pool2d)(dpar_model *model, int64_t output_h, int64_t output_w);
+  dpar_status (*dpar_model_add_batchnorm1d)(dpar_model *model, int64_t num_features, float eps, float momentum, int32_t affine);
+  dpar_status (*dpar_model_add_batchnorm2d)(dpar_model *model, int64_t num_features, float eps, float momentum, int32_t affine);
+  dpar_status (*dpar_model_add_sync_batchnorm)(dpar_model *model, int64_t num_features, float eps, float momentum, int32_t affine);
+  dpar_status (*dpar_model_convert_sync_batchnorm)(dpar_model *model);
+  dpar_status (*dpar_model_num_buffers)(size_t *out, const dpar_model *model);
+  const char *(*dpar_model_buffer_name)(const dpar_model *model, size_t index);
+  dpar_status (*dpar_model_buffer_info)(int32_t *out_dtype, int64_t *out_shape, size_t *out_ndim, const dpar_model *model, size_t index);
+  dpar_status (*dpar_model_get_buffer)(void *dst, const dpar_model *model, size_t index, size_t count);
+  dpar_status (*dpar_model_set_buffer)(dpar_model *model, size_t index, const void *src, size_t count);
+  dpar_status (*dpar_engine_get_buffer)(void *dst, dpar_engine *engine, size_t replica, size_t index, size_t count);
 } dpar_api_v1;
 
 /**

@@ -2893,3 +2893,77 @@ TEST(EngineState, AbortChecksItsHandleAndEndsTheEngine) {
   }
   EXPECT_INVALID("engine", dpar_engine_abort(freed));
 }
+
+// ---- BatchNorm and buffers ---------------------------------------------------------------------------------------
+
+ModelPtr BatchNormModel(bool sync) {
+  dpar_model* m = nullptr;
+  EXPECT_OK(dpar_model_create(&m, nullptr));
+  EXPECT_OK(dpar_model_add_linear(m, kIn, 6, 0));
+  EXPECT_OK(dpar_model_add_batchnorm1d(m, 6, 1e-5f, 0.1f, 1));
+  EXPECT_OK(dpar_model_add_linear(m, 6, kOut, 1));
+  if (sync) EXPECT_OK(dpar_model_convert_sync_batchnorm(m));
+  return ModelPtr(m);
+}
+
+TEST(BatchNorm, BuffersAreNamedTypedAndReadableOnModelAndEngine) {
+  ModelPtr m = BatchNormModel(false);
+  size_t n = 0, params = 0;
+  ASSERT_OK(dpar_model_num_buffers(&n, m.get()));
+  ASSERT_EQ(n, 3u);
+  ASSERT_OK(dpar_model_num_params(&params, m.get()));
+  EXPECT_EQ(params, 5u);  // 0.weight (no bias), 1.weight, 1.bias, 2.weight, 2.bias
+  EXPECT_STREQ(dpar_model_buffer_name(m.get(), 0), "1.running_mean");
+  EXPECT_STREQ(dpar_model_buffer_name(m.get(), 1), "1.running_var");
+  EXPECT_STREQ(dpar_model_buffer_name(m.get(), 2), "1.num_batches_tracked");
+  int32_t dtype = -1;
+  int64_t shape[DPAR_MAX_DIMS] = {0};
+  size_t ndim = 9;
+  ASSERT_OK(dpar_model_buffer_info(&dtype, shape, &ndim, m.get(), 1));
+  EXPECT_EQ(dtype, DPAR_F32);
+  EXPECT_EQ(ndim, 1u);
+  EXPECT_EQ(shape[0], 6);
+  ASSERT_OK(dpar_model_buffer_info(&dtype, nullptr, &ndim, m.get(), 2));
+  EXPECT_EQ(dtype, DPAR_I64);
+  EXPECT_EQ(ndim, 0u);
+  std::vector<float> var(6, 0.0f);
+  ASSERT_OK(dpar_model_get_buffer(var.data(), m.get(), 1, 6));
+  EXPECT_EQ(var, std::vector<float>(6, 1.0f));
+  const std::vector<float> mean{0.5f, -0.5f, 0, 0, 0, 0.25f};
+  ASSERT_OK(dpar_model_set_buffer(m.get(), 0, mean.data(), 6));
+  std::vector<float> back(6);
+  ASSERT_OK(dpar_model_get_buffer(back.data(), m.get(), 0, 6));
+  EXPECT_EQ(back, mean);
+
+  EXPECT_INVALID("model", dpar_model_num_buffers(&n, nullptr));
+  EXPECT_INVALID("index", dpar_model_buffer_info(&dtype, shape, &ndim, m.get(), 3));
+  EXPECT_INVALID("count", dpar_model_get_buffer(back.data(), m.get(), 0, 5));
+  EXPECT_INVALID("dst", dpar_model_get_buffer(nullptr, m.get(), 0, 6));
+  EXPECT_INVALID("src", dpar_model_set_buffer(m.get(), 0, nullptr, 6));
+  EXPECT_INVALID("num_features", dpar_model_add_batchnorm2d(m.get(), 0, 1e-5f, 0.1f, 1));
+  EXPECT_INVALID("momentum", dpar_model_add_sync_batchnorm(m.get(), 4, 1e-5f, -1.0f, 1));
+  EXPECT_INVALID("model", dpar_model_convert_sync_batchnorm(nullptr));
+  dpar_clear_error();
+  EXPECT_EQ(dpar_model_buffer_name(m.get(), 3), nullptr);
+  EXPECT_NE(std::string(dpar_last_error()).find("index"), std::string::npos) << dpar_last_error();
+
+  // An engine of 3 replicas: after a step every replica holds replica 0's buffers, moved from the model's.
+  for (bool sync : {false, true}) {
+    ModelPtr bm = BatchNormModel(sync);
+    EnginePtr e = NewEngine(bm.get(), 3);
+    Batch b = MakeBatch(9);
+    ASSERT_OK(dpar_engine_train_step(nullptr, e.get(), b.x.get(), b.y.get()));
+    std::vector<float> r0(6), r2(6);
+    int64_t tracked = 0;
+    ASSERT_OK(dpar_engine_get_buffer(r0.data(), e.get(), 0, 0, 6));
+    ASSERT_OK(dpar_engine_get_buffer(r2.data(), e.get(), 2, 0, 6));
+    ASSERT_OK(dpar_engine_get_buffer(&tracked, e.get(), 1, 2, 1));
+    EXPECT_EQ(r0, r2);
+    EXPECT_NE(r0, std::vector<float>(6, 0.0f));
+    EXPECT_EQ(tracked, 1);
+    EXPECT_INVALID("replica", dpar_engine_get_buffer(r0.data(), e.get(), 3, 0, 6));
+    EXPECT_INVALID("index", dpar_engine_get_buffer(r0.data(), e.get(), 0, 3, 6));
+    EXPECT_INVALID("count", dpar_engine_get_buffer(r0.data(), e.get(), 0, 0, 7));
+    EXPECT_INVALID("dst", dpar_engine_get_buffer(nullptr, e.get(), 0, 0, 6));
+  }
+}

@@ -17,6 +17,7 @@
 //    on from it is bit-identical to training straight; a corrupt one is refused on every process;
 //  - accumulate() over micro-batches (some with fewer rows than devices, uneven between processes) and step()
 //    equal one device's train_step on the global batches, with plain SGD, clipping off and on;
+//  - SyncBatchNorm over every replica of every process trains as one device on the global batch (CPU);
 //  - each process's trace carries its rank as the pid of every event;
 //  - processes given their rows by the launcher's world (not the engine's) and an engine of default options train
 //    as one process of all their devices: a job that fell apart into independent processes would not;
@@ -230,6 +231,55 @@ void check_equivalence(size_t devices, const Data& d, int64_t skew, int32_t opti
   dpar_engine_free(multi);
   dpar_engine_free(wide);
   dpar_engine_free(one);
+}
+
+// SyncBatchNorm over every replica of every process (uneven local batches): P processes x N devices train as one
+// device on the global batch, running statistics included, and every replica of every process holds the same
+// buffers. CPU only (BatchNorm is not built for GPUs yet).
+void check_sync_batchnorm(size_t devices, const Data& d) {
+  const std::string label = std::to_string(g_size) + " processes x " + std::to_string(devices) + " devices, SyncBatchNorm";
+  dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
+  mo.seed = 11;
+  dpar_model* m = nullptr;
+  CHECK_OK(dpar_model_create(&m, &mo));
+  CHECK_OK(dpar_model_add_linear(m, kIn, kHidden, 0));
+  CHECK_OK(dpar_model_add_batchnorm1d(m, kHidden, 1e-5f, 0.1f, 1));
+  CHECK_OK(dpar_model_add_activation(m, DPAR_TANH));
+  CHECK_OK(dpar_model_add_linear(m, kHidden, kClasses, 1));
+  CHECK_OK(dpar_model_convert_sync_batchnorm(m));
+  size_t count = 0;
+  CHECK_OK(dpar_model_num_param_elements(&count, m));
+  dpar_engine* multi = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_ADAM, 0.0f, m);
+  dpar_engine* one = make_engine(1, DPAR_PROCESSES_SINGLE, 60.0, DPAR_ADAM, 0.0f, m);
+  const auto [begin, rows] = my_rows(3);
+  for (int s = 0; s < 8; ++s) {
+    CHECK_OK(step_rows(multi, d, s % kBatches, begin, rows));
+    CHECK_OK(step_rows(one, d, s % kBatches, 0, kGlobalBatch));
+  }
+  const auto got = params(multi, 0, count), want = params(one, 0, count);
+  const double e = max_relative_error(got, want);
+  expect(e < 1e-4, label + ": parameters differ from 1 device by " + std::to_string(e));
+  std::vector<float> mean(kHidden), var(kHidden), want_mean(kHidden), want_var(kHidden);
+  int64_t tracked = 0;
+  CHECK_OK(dpar_engine_get_buffer(mean.data(), multi, 0, 0, mean.size()));
+  CHECK_OK(dpar_engine_get_buffer(var.data(), multi, 0, 1, var.size()));
+  CHECK_OK(dpar_engine_get_buffer(&tracked, multi, devices - 1, 2, 1));
+  CHECK_OK(dpar_engine_get_buffer(want_mean.data(), one, 0, 0, mean.size()));
+  CHECK_OK(dpar_engine_get_buffer(want_var.data(), one, 0, 1, var.size()));
+  const double eb = std::max(max_relative_error(mean, want_mean), max_relative_error(var, want_var));
+  expect(eb < 1e-4, label + ": running statistics differ from 1 device by " + std::to_string(eb));
+  expect(tracked == 8, label + ": num_batches_tracked is " + std::to_string(tracked) + ", not 8");
+  for (size_t r = 1; r < devices; ++r) {
+    expect(params(multi, r, count) == got, label + ": replica " + std::to_string(r) + " differs");
+    std::vector<float> other(kHidden);
+    CHECK_OK(dpar_engine_get_buffer(other.data(), multi, r, 0, other.size()));
+    expect(other == mean, label + ": replica " + std::to_string(r) + "'s running_mean differs");
+  }
+  expect(same_as_rank0(got) && same_as_rank0(mean), label + ": this process differs from rank 0");
+  if (g_rank == 0) std::printf("%s: max relative difference %.2e to 1 device\n", label.c_str(), e);
+  dpar_engine_free(multi);
+  dpar_engine_free(one);
+  dpar_model_free(m);
 }
 
 // accumulate() on this process's rows of each micro-batch, then step(): the gradient of the mean loss over every
@@ -755,6 +805,7 @@ int main(int argc, char** argv) {
   if (!mkdtemp(dir)) return 2;
   check_checkpoints(devices, d, dir);
   check_accumulation(devices, d);
+  if (g_gpus == 0) check_sync_batchnorm(devices, d);
   check_trace(devices, d, dir);
   rmdir(dir);
   check_job_is_one_training(devices, d);

@@ -274,6 +274,13 @@ DPAR_API dpar_status dpar_engine_replica_losses(float *out, const dpar_engine *e
  * @param count  Exactly the model's number of parameter elements.
  */
 DPAR_API dpar_status dpar_engine_get_params(float *dst, dpar_engine *engine, size_t replica, size_t count);
+/**
+ * @brief A replica's buffer @p index (dpar_model_buffer_info() order and dtype) into @p dst. After every
+ * training-mode call every replica holds replica 0's (of rank 0).
+ * @param count  Exactly the buffer's number of elements (of its dtype: float or int64_t).
+ */
+DPAR_API dpar_status dpar_engine_get_buffer(void *dst, dpar_engine *engine, size_t replica, size_t index,
+                                            size_t count);
 
 /**
  * @brief Called by each replica, on its worker thread, after its forward: its chunk's input and output shapes.

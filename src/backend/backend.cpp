@@ -50,3 +50,29 @@ void check_device_exists(Device device, const char* argument) {
 }
 
 }  // namespace dpar
+
+// ---- Stream kernels a backend may lack: NOT_SUPPORTED naming what and where -------------------------------------
+namespace dpar {
+
+void Stream::not_built(const char* what) const {
+  fail(Status::kNotSupported, what, " on ", device().str(), " is not built yet (only CPU devices have it)");
+}
+
+void Stream::batchnorm_stats(double*, const float*, int64_t, int64_t, int64_t) { not_built("batch norm"); }
+void Stream::batchnorm_moments(double*, float*, float*, int64_t*, const double*, double, int64_t, float, float) {
+  not_built("batch norm");
+}
+void Stream::batchnorm_apply(float*, const float*, const double*, const float*, const float*, int64_t, int64_t,
+                             int64_t) {
+  not_built("batch norm");
+}
+void Stream::batchnorm_backward_reduce(double*, const float*, const float*, const double*, int64_t, int64_t,
+                                       int64_t) {
+  not_built("batch norm");
+}
+void Stream::batchnorm_backward_apply(float*, float*, float*, const double*, const double*, double, const float*,
+                                      const float*, const double*, const float*, int64_t, int64_t, int64_t, bool) {
+  not_built("batch norm");
+}
+
+}  // namespace dpar

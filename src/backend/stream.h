@@ -104,6 +104,24 @@ class Stream {
   // defaults throw Error(NOT_SUPPORTED) naming the device and the op: a backend that has one overrides them.
   virtual std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec);
   virtual std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec);
+  // ---- BatchNorm (kernels/cpu/batchnorm.h has each contract; doubles are device memory too) -------------------
+  // A backend without them refuses with NOT_SUPPORTED naming the device (not_built): CUDA has none yet.
+  virtual void batchnorm_stats(double* sums, const float* x, int64_t N, int64_t C, int64_t L);
+  virtual void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_var,
+                                 int64_t* num_batches_tracked, const double* sums, double count, int64_t C, float eps,
+                                 float momentum);
+  virtual void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight,
+                               const float* bias, int64_t N, int64_t C, int64_t L);
+  virtual void batchnorm_backward_reduce(double* sums, const float* dout, const float* x, const double* mean_invstd,
+                                         int64_t N, int64_t C, int64_t L);
+  virtual void batchnorm_backward_apply(float* dinp, float* dweight, float* dbias, const double* local,
+                                        const double* global, double count, const float* dout, const float* x,
+                                        const double* mean_invstd, const float* weight, int64_t N, int64_t C,
+                                        int64_t L, bool accumulate);
+
+ protected:
+  // Throws Error(Status::kNotSupported) saying that `what` is not built for this stream's device.
+  [[noreturn]] void not_built(const char* what) const;
 
  private:
   Device device_;

@@ -132,6 +132,16 @@ const dpar_api_v1 kApiV1 = {
     &dpar_model_add_max_pool2d,
     &dpar_model_add_avg_pool2d,
     &dpar_model_add_adaptive_avg_pool2d,
+    &dpar_model_add_batchnorm1d,
+    &dpar_model_add_batchnorm2d,
+    &dpar_model_add_sync_batchnorm,
+    &dpar_model_convert_sync_batchnorm,
+    &dpar_model_num_buffers,
+    &dpar_model_buffer_name,
+    &dpar_model_buffer_info,
+    &dpar_model_get_buffer,
+    &dpar_model_set_buffer,
+    &dpar_engine_get_buffer,
 };
 }  // namespace
 

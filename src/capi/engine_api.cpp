@@ -315,6 +315,21 @@ DPAR_API dpar_status dpar_engine_get_params(float* dst, dpar_engine* engine, siz
   });
 }
 
+DPAR_API dpar_status dpar_engine_get_buffer(void* dst, dpar_engine* engine, size_t replica, size_t index,
+                                            size_t count) {
+  return with_engine(engine, [&](Engine& e) {
+    DPAR_CHECK_ARG(dst != nullptr, "dst: is NULL");
+    replica_arg(e, replica);
+    const auto& buffers = e.model().buffers();
+    DPAR_CHECK_ARG(index < buffers.size(), "index: ", index, " is out of range (the model has ", buffers.size(),
+                   " buffers)");
+    DPAR_CHECK_ARG(count == static_cast<size_t>(buffer_numel(buffers[index].shape)), "count: ", count,
+                   " differs from buffer \"", buffers[index].name, "\"'s ", buffer_numel(buffers[index].shape),
+                   " elements");
+    e.read_buffer(dst, replica, index);
+  });
+}
+
 DPAR_API dpar_status dpar_engine_set_forward_hook(dpar_engine* engine, dpar_forward_hook hook, void* payload,
                                                   dpar_destroy_fn destroy) {
   // The payload is dpar's once the engine is known to be live: released when the hook that holds it goes

@@ -1,4 +1,5 @@
-// Engine checkpoints in the safetensors layout: parameters under their state_dict names ("0.weight"), optimizer
+// Engine checkpoints in the safetensors layout: parameters and buffers under their state_dict names ("0.weight",
+// "1.running_mean", "1.num_batches_tracked" as I64), optimizer
 // state as "optimizer.<state>.<name>", and the rest (step count, optimizer, RNG streams) as metadata. Every
 // replica holds the same parameters, so replica 0's are saved and loaded into all; the optimizer's state is held in
 // shards, one per replica, gathered for saving and cut along the loading engine's shards. With several
@@ -101,6 +102,21 @@ void Engine::write_checkpoint(const std::string& path) const {
   for (const ParamInfo& p : model_.params())
     views.push_back({p.name, "F32", std::vector<int64_t>(p.shape.data(), p.shape.data() + p.shape.ndim()),
                      params.data() + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
+  // Buffers under their state_dict names and dtypes (num_batches_tracked: an I64 scalar), replica 0's (every
+  // replica holds the same after a training step).
+  std::vector<std::vector<uint8_t>> buffers;
+  for (size_t i = 0; i < model_.buffers().size(); ++i) {
+    const BufferInfo& b = model_.buffers()[i];
+    const bool f32 = b.dtype == BufferDType::kF32;
+    buffers.emplace_back(static_cast<size_t>(buffer_numel(b.shape)) * (f32 ? sizeof(float) : sizeof(int64_t)));
+    read_buffer(buffers.back().data(), 0, i);
+  }
+  for (size_t i = 0; i < model_.buffers().size(); ++i) {
+    const BufferInfo& b = model_.buffers()[i];
+    views.push_back({b.name, b.dtype == BufferDType::kF32 ? "F32" : "I64",
+                     std::vector<int64_t>(b.shape.data(), b.shape.data() + b.shape.ndim()), buffers[i].data(),
+                     buffers[i].size()});
+  }
   // Each replica holds the optimizer's state for its own shard (finish_and_step): gather the shards.
   const std::vector<std::string> state_names = Optimizer::state_names(rep.optimizer->config());
   std::vector<std::vector<float>> gathered(state_names.size());
@@ -179,6 +195,15 @@ void Engine::load(const std::string& path) {
   for (const ParamInfo& p : model_.params()) check_entry(p.name, p), ++expected;
   for (const std::string& state_name : Optimizer::state_names(opt0.config()))
     for (const ParamInfo& p : model_.params()) check_entry("optimizer." + state_name + "." + p.name, p), ++expected;
+  for (const BufferInfo& b : model_.buffers()) {
+    DPAR_ENFORCE(file.has(b.name), Status::kMismatch, path, ": buffer \"", b.name, "\" of the model is missing");
+    const auto& e = file.entry(b.name);
+    const char* dtype = b.dtype == BufferDType::kF32 ? "F32" : "I64";
+    DPAR_ENFORCE(e.dtype == dtype && e.shape == std::vector<int64_t>(b.shape.data(), b.shape.data() + b.shape.ndim()),
+                 Status::kMismatch, path, ": buffer \"", b.name, "\" has another dtype or shape than the model's ",
+                 dtype, " ", b.shape.str());
+    ++expected;
+  }
   DPAR_ENFORCE(file.names().size() == expected, Status::kMismatch, path, ": holds ", file.names().size(),
                " tensors, the model and optimizer have ", expected);
   std::vector<uint64_t> rng(replicas_.size());
@@ -205,6 +230,12 @@ void Engine::load(const std::string& path) {
         }
         state += r.size();
       }
+    }
+    for (const BufferInfo& b : model_.buffers()) {
+      if (b.dtype == BufferDType::kF32)
+        rep.stream->copy_from_host(rep.model->buffer_f32() + b.offset, file.data(b.name), file.entry(b.name).bytes);
+      else
+        rep.stream->copy_from_host(rep.model->buffer_i64() + b.offset, file.data(b.name), file.entry(b.name).bytes);
     }
     rep.optimizer->set_steps(steps);
     // RNG streams continue where they were only when the replica layout is the same.

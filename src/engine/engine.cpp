@@ -70,6 +70,11 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
     }
     // Every process starts from rank 0's parameters, whatever each one's model was initialised with (as DDP).
     processes_->broadcast(model_.values().data(), model_.values().size(), CommDType::kF32, 0);
+    // And from rank 0's buffers (DDP's broadcast_buffers).
+    if (!model_.buffer_f32().empty())
+      processes_->broadcast(model_.buffer_f32().data(), model_.buffer_f32().size(), CommDType::kF32, 0);
+    if (!model_.buffer_i64().empty())
+      processes_->broadcast(model_.buffer_i64().data(), model_.buffer_i64().size(), CommDType::kI64, 0);
   }
   std::vector<std::string> names;
   std::vector<std::string> tracks{"calls (the calling thread)"};
@@ -417,6 +422,7 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
     rep.rows = split[r];
     rep.loss_rows = 0;
     if (rep.rows > 0 || every_replica_runs_) local_loss_backward(rep, input, target, begin, false);
+    if (training_) sync_buffers(rep);
     read_loss(rep);
   });
   pending_ = Pending::kLoss;
@@ -448,6 +454,7 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
     rep.reducer->prepare(scale);
     if (rep.rows > 0 || every_replica_runs_) local_loss_backward(rep, input, target, begin, true);
     finish_and_step(rep);
+    if (training_) sync_buffers(rep);
     read_loss(rep);
   });
   publish_grad_norm();
@@ -500,7 +507,10 @@ Tensor Engine::forward(const Tensor& input) {
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
-    if (rep.rows == 0 && !every_replica_runs_) return;
+    if (rep.rows == 0 && !every_replica_runs_) {
+      if (training_) sync_buffers(rep);  // every replica takes part in the buffers' broadcast
+      return;
+    }
     Tensor x = on_replica(rep, input, begin, rep.rows, rep.input_stage);
     Tensor y;
     {
@@ -515,6 +525,7 @@ Tensor Engine::forward(const Tensor& input) {
     // where the replica is on another one than the output).
     rep.stream->copy(dst, y.f32(), bytes);
     if (!training_) rep.model->clear_forward_state();
+    if (training_) sync_buffers(rep);
   });
   if (training_) {
     forward_split_ = split;

@@ -125,6 +125,9 @@ class Engine {
   int64_t step_count() const;
   std::vector<float> replica_losses() const;
   std::vector<float> params(size_t replica) const;
+  // Buffer `index` of model().buffers() on a replica, into dst (buffer_numel elements of its dtype: float or
+  // int64_t). Every replica holds replica 0's after every training-mode call (sync_buffers).
+  void read_buffer(void* dst, size_t replica, size_t index) const;
   void set_forward_hook(ForwardHook hook);
   void inject_fault(size_t replica, Fault fault);
 
@@ -165,6 +168,7 @@ class Engine {
     Tensor norm_partial;     // a double on the replica's device: its shard's part of the gradient's squared norm
     // The replica's rows of a host batch (input, target, backward()'s grad_output) on a device that is not the host.
     Tensor input_stage, target_stage, grad_stage;
+    Tensor buffer_stage;  // the i64 buffers as doubles on the replica's device, for sync_buffers
     int64_t rows = 0;       // rows of the current call
     int64_t loss_rows = 0;  // rows behind loss_sum (the last training step or accumulate)
     float grad_norm = std::numeric_limits<float>::quiet_NaN();  // the gradient's norm at this call's clipping
@@ -212,6 +216,11 @@ class Engine {
   // holds: its block of every gradient bucket (made once its reducer exists). The last replicas' blocks of a small
   // bucket may be empty.
   std::vector<ElementRange> optimizer_shard(const Replica& rep) const;
+  // Makes every replica's buffers (BatchNorm's running statistics) replica 0's of process 0, as DataParallel keeps
+  // replica 0's and DistributedDataParallel broadcasts rank 0's: a sum over the replica set to which only that
+  // replica contributes. Every replica calls it at the end of every training-mode call that ran forward; nothing
+  // for a model without buffers.
+  void sync_buffers(Replica& rep);
   // The mean loss of the last step or micro-batch over the global batch.
   double finish_loss(const char* operation, int64_t global_batch);
 

@@ -1,6 +1,7 @@
 // The host-side model graph: nodes, their shapes, names and parameters.
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <sstream>
 
 #include "common/error.h"
@@ -130,7 +131,13 @@ void check_graph_used(const std::vector<Node>& nodes) {
 }
 
 Model::Model(const Model& other)
-    : next_input_(other.next_input_), params_(other.params_), values_(other.values_), init_rng_(other.init_rng_) {
+    : next_input_(other.next_input_),
+      params_(other.params_),
+      values_(other.values_),
+      buffers_(other.buffers_),
+      buffer_f32_(other.buffer_f32_),
+      buffer_i64_(other.buffer_i64_),
+      init_rng_(other.init_rng_) {
   for (const Node& n : other.nodes_) nodes_.push_back(n.clone());
 }
 
@@ -149,9 +156,30 @@ int32_t Model::append(Node node) {
                      static_cast<size_t>(id)};
       const int64_t n = spec.shape.numel();
       values_.reserve(values_.size() + static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i)
-        values_.push_back(spec.init == InitKind::kUniform ? init_rng_.uniform(-spec.bound, spec.bound) : 0.0f);
+      for (int64_t i = 0; i < n; ++i) {
+        float v = 0.0f;
+        if (spec.init == InitKind::kUniform) v = init_rng_.uniform(-spec.bound, spec.bound);
+        if (spec.init == InitKind::kOnes) v = 1.0f;
+        if (spec.init == InitKind::kNormal) {
+          // Box-Muller from two draws of the model's stream; 1 - u keeps the logarithm's argument in (0, 1].
+          const double u1 = 1.0 - init_rng_.uniform(), u2 = init_rng_.uniform();
+          v = static_cast<float>(spec.bound * std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+        }
+        values_.push_back(v);
+      }
       params_.push_back(std::move(info));
+    }
+    for (const BufferSpec& spec : node.layer->buffer_specs()) {
+      const bool f32 = spec.dtype == BufferDType::kF32;
+      const int64_t offset = static_cast<int64_t>(f32 ? buffer_f32_.size() : buffer_i64_.size());
+      buffers_.push_back({node.name + "." + spec.name, spec.dtype, spec.shape, offset, static_cast<size_t>(id)});
+      const int64_t v = spec.init == InitKind::kOnes ? 1 : 0;
+      for (int64_t i = 0; i < buffer_numel(spec.shape); ++i) {
+        if (f32)
+          buffer_f32_.push_back(static_cast<float>(v));
+        else
+          buffer_i64_.push_back(v);
+      }
     }
   }
   nodes_.push_back(std::move(node));
@@ -222,7 +250,15 @@ void Model::set_node_name(int32_t node, const std::string& name) {
   Node& n = nodes_[static_cast<size_t>(node)];
   for (ParamInfo& p : params_)
     if (p.layer == static_cast<size_t>(node)) p.name = name + p.name.substr(n.name.size());
+  for (BufferInfo& b : buffers_)
+    if (b.layer == static_cast<size_t>(node)) b.name = name + b.name.substr(n.name.size());
   n.name = name;
+}
+
+void Model::convert_sync_batchnorm() {
+  for (Node& n : nodes_)
+    if (n.layer)
+      if (auto sync = to_sync_batchnorm(*n.layer)) n.layer = std::move(sync);
 }
 
 const Layer& Model::layer(size_t i) const {

@@ -39,20 +39,33 @@ struct ReplicaContext {
   void maybe_fail(Fault fault, const char* where) const;
 };
 
-enum class InitKind { kZeros, kUniform };
+enum class InitKind { kZeros, kUniform, kOnes, kNormal };
 
 struct ParamSpec {
   std::string name;  // "weight"
   Shape shape;
   InitKind init = InitKind::kZeros;
-  float bound = 0.0f;  // for kUniform: U(-bound, bound)
+  float bound = 0.0f;  // for kUniform: U(-bound, bound); for kNormal: the standard deviation of N(0, bound^2)
 };
+
+// A layer's state that is not a parameter (BatchNorm's running statistics): never stepped, reduced or gathered;
+// each replica holds its own copy, which the engine makes equal to replica 0's after every training step.
+enum class BufferDType : int32_t { kF32 = 0, kI64 = 1 };
+struct BufferSpec {
+  std::string name;  // "running_mean"
+  BufferDType dtype = BufferDType::kF32;
+  Shape shape;
+  InitKind init = InitKind::kZeros;  // kZeros or kOnes
+};
+// A buffer's element count: a shape of no dimensions is a scalar (PyTorch's num_batches_tracked).
+inline int64_t buffer_numel(const Shape& shape) { return shape.ndim() == 0 ? 1 : shape.numel(); }
 
 class Layer {
  public:
   virtual ~Layer() = default;
   virtual std::string describe() const = 0;  // "linear(784 -> 256)"
   virtual std::vector<ParamSpec> param_specs() const { return {}; }
+  virtual std::vector<BufferSpec> buffer_specs() const { return {}; }
   // The output shape for an input shape; throws Error(INVALID_ARGUMENT) naming what does not fit.
   virtual Shape output_shape(const Shape& in) const = 0;
   virtual std::unique_ptr<Layer> clone() const = 0;
@@ -72,6 +85,10 @@ class Layer {
     for (const Tensor& p : bound_params_) params_.push_back(p.f32());
     for (const Tensor& g : bound_grads_) grads_.push_back(g.f32());
   }
+
+  // Points the layer at its buffers: one view per buffer_specs() entry, in the replica's memory (an i64 buffer is
+  // an i32 tensor of twice the elements, read as int64_t).
+  void bind_buffers(std::vector<Tensor> buffers) { buffers_ = std::move(buffers); }
 
   // in (B, ...) -> out (B, ...), with out preallocated to output_shape(in).
   virtual void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) = 0;
@@ -94,6 +111,7 @@ class Layer {
  protected:
   std::vector<Tensor> bound_params_, bound_grads_;  // the views given to bind()
   std::vector<float*> params_, grads_;              // their memory
+  std::vector<Tensor> buffers_;                     // the views given to bind_buffers()
 };
 
 std::unique_ptr<Layer> make_linear(int64_t in_features, int64_t out_features, bool bias);
@@ -106,5 +124,10 @@ std::unique_ptr<Layer> make_conv2d(const Conv2dSpec& spec);
 std::unique_ptr<Layer> make_pool2d(const Pool2dSpec& spec);
 // nn.AdaptiveAvgPool2d((output_h, output_w)): (1, 1) only; any other size throws Error(NOT_SUPPORTED).
 std::unique_ptr<Layer> make_adaptive_avg_pool2d(int64_t output_h, int64_t output_w);
+// BatchNorm over dim 1 (channels) of (B,C), (B,C,L) (`dims` 1: BatchNorm1d), (B,C,H,W) (`dims` 2: BatchNorm2d),
+// or any of them (`dims` 0: SyncBatchNorm, whose statistics are summed over every replica of every process).
+std::unique_ptr<Layer> make_batchnorm(int dims, int64_t num_features, float eps, float momentum, bool affine);
+// The SyncBatchNorm twin of a BatchNorm layer (same parameters and buffers), or null for any other layer.
+std::unique_ptr<Layer> to_sync_batchnorm(const Layer& layer);
 
 }  // namespace dpar

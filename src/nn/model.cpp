@@ -1,6 +1,7 @@
 // A replica's copy of the model graph: forward in append order, backward in reverse, with a liveness plan for the
 // activation gradients.
 #include <algorithm>
+#include <cmath>
 
 #include "common/error.h"
 #include "nn/model.h"
@@ -30,6 +31,29 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
         g.push_back(grads_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
       }
     nodes_[i].layer->bind(std::move(p), std::move(g));
+  }
+  // Buffers: this replica's own copy, from the model's values.
+  n_buf_f32_ = static_cast<int64_t>(model.buffer_f32().size());
+  n_buf_i64_ = static_cast<int64_t>(model.buffer_i64().size());
+  if (n_buf_f32_ > 0) {
+    buf_f32_ = ctx.alloc(DType::kF32, Shape{n_buf_f32_});
+    ctx.stream->copy_from_host(buf_f32_.raw(), model.buffer_f32().data(), buf_f32_.bytes());
+  }
+  if (n_buf_i64_ > 0) {
+    buf_i64_ = ctx.alloc(DType::kI32, Shape{2 * n_buf_i64_});
+    ctx.stream->copy_from_host(buf_i64_.raw(), model.buffer_i64().data(), buf_i64_.bytes());
+  }
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    if (!nodes_[i].layer) continue;
+    std::vector<Tensor> b;
+    for (const BufferInfo& info : model.buffers())
+      if (info.layer == i) {
+        if (info.dtype == BufferDType::kF32)
+          b.push_back(buf_f32_.rows(info.offset, buffer_numel(info.shape)));
+        else
+          b.push_back(buf_i64_.rows(2 * info.offset, 2 * buffer_numel(info.shape)));
+      }
+    nodes_[i].layer->bind_buffers(std::move(b));
   }
   for (size_t i = 0; i + 1 < nodes_.size(); ++i) {
     // A pair fuses where the second layer reads the first and nothing else does (the first's own output is never

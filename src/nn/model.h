@@ -55,6 +55,14 @@ std::vector<Shape> graph_shapes(const std::vector<Node>& nodes, const Shape& inp
 // Refuses a graph whose nodes cannot all reach the output (a node no later node reads, but the last).
 void check_graph_used(const std::vector<Node>& nodes);
 
+struct BufferInfo {
+  std::string name;  // "1.running_mean", as PyTorch's state_dict names it
+  BufferDType dtype = BufferDType::kF32;
+  Shape shape;
+  int64_t offset = 0;  // in the model's flat buffer of its dtype, in elements
+  size_t layer = 0;
+};
+
 class Model {
  public:
   explicit Model(uint64_t seed) : init_rng_(seed) {}
@@ -86,6 +94,14 @@ class Model {
   int64_t num_param_elements() const { return static_cast<int64_t>(values_.size()); }
   const std::vector<float>& values() const { return values_; }
   std::vector<float>& values() { return values_; }
+  // Buffers (Layer::buffer_specs), kept apart from the parameters: f32 ones in one flat array, i64 ones in another.
+  const std::vector<BufferInfo>& buffers() const { return buffers_; }
+  const std::vector<float>& buffer_f32() const { return buffer_f32_; }
+  std::vector<float>& buffer_f32() { return buffer_f32_; }
+  const std::vector<int64_t>& buffer_i64() const { return buffer_i64_; }
+  std::vector<int64_t>& buffer_i64() { return buffer_i64_; }
+  // Replaces every BatchNorm layer with its SyncBatchNorm twin (to_sync_batchnorm), parameters and buffers kept.
+  void convert_sync_batchnorm();
   // Shapes through the whole model; throws naming the first node that rejects its input, or a node whose output
   // no later node reads.
   Shape output_shape(const Shape& input) const;
@@ -100,6 +116,9 @@ class Model {
   std::vector<Node> nodes_;
   std::vector<ParamInfo> params_;
   std::vector<float> values_;  // flat, in params_ order
+  std::vector<BufferInfo> buffers_;
+  std::vector<float> buffer_f32_;      // flat, the f32 buffers in buffers_ order
+  std::vector<int64_t> buffer_i64_;    // flat, the i64 buffers in buffers_ order
   Rng init_rng_;
 };
 
@@ -112,6 +131,12 @@ class ReplicaModel {
   int64_t num_params() const { return params_.numel(); }
   float* params() const { return params_.f32(); }
   float* grads() const { return grads_.f32(); }
+  // The buffers' memory on the device: every f32 buffer in one array, every i64 buffer in another (stored as i32
+  // pairs); BufferInfo::offset places each. Null where the model has none of that dtype.
+  float* buffer_f32() const { return buf_f32_.defined() ? buf_f32_.f32() : nullptr; }
+  int64_t* buffer_i64() const { return buf_i64_.defined() ? reinterpret_cast<int64_t*>(buf_i64_.i32()) : nullptr; }
+  int64_t num_buffer_f32() const { return n_buf_f32_; }
+  int64_t num_buffer_i64() const { return n_buf_i64_; }
 
   // Runs every node; keeps each node's output for backward. Returns a view of the last output.
   Tensor forward(const ReplicaContext& ctx, const Tensor& input);
@@ -147,6 +172,8 @@ class ReplicaModel {
   std::vector<int32_t> storage_;         // per node: storage(node)
   std::vector<bool> fused_with_next_;    // node i computes node i + 1 with its own (Layer::fuses_with)
   Tensor params_, grads_;
+  Tensor buf_f32_, buf_i64_;           // the buffers (see buffer_f32(), buffer_i64())
+  int64_t n_buf_f32_ = 0, n_buf_i64_ = 0;
   std::vector<Shape> row_shapes_;        // per node output, for one row: shapes with rows = 1
   std::vector<Tensor> outputs_;          // per non-view node output, capacity rows
   // The gradient plan: node i's gradient (a non-view node, or the input when it is the output's storage) lives in

@@ -562,3 +562,65 @@ func TestAResidualGraphIsBuiltNamedAndChecked(t *testing.T) {
 		t.Fatalf("a duplicate name: %v", err)
 	}
 }
+
+func TestBatchNormBuffersAreNamedTypedAndEqualOnEveryReplica(t *testing.T) {
+	m, err := NewModel(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Linear(4, 6, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.BatchNorm1d(6, 1e-5, 0.1, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Linear(6, 3, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.ConvertSyncBatchNorm(); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := m.NumBuffers(); err != nil || n != 3 {
+		t.Fatalf("NumBuffers: %d, %v", n, err)
+	}
+	name, dtype, shape, err := m.BufferInfo(2)
+	if err != nil || name != "1.num_batches_tracked" || dtype != I64 || len(shape) != 0 {
+		t.Fatalf("BufferInfo(2): %q %v %v %v", name, dtype, shape, err)
+	}
+	if err := m.SetBuffer(2, Buffer{I64: []int64{4}}); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := m.GetBuffer(2); err != nil || len(b.I64) != 1 || b.I64[0] != 4 {
+		t.Fatalf("GetBuffer(2): %v %v", b, err)
+	}
+	if err := m.SetBuffer(2, Buffer{F32: []float32{4}}); err == nil {
+		t.Fatal("a float value for an int64 buffer was accepted")
+	}
+	if _, _, _, err := m.BufferInfo(3); err == nil {
+		t.Fatal("BufferInfo(3) of 3 buffers succeeded")
+	}
+	e, err := NewEngine(m, Options{LR: 0.1, Devices: 3, Processes: ProcessesSingle})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	x, y := referenceBatch(t)
+	if _, err := e.TrainStep(x, y); err != nil {
+		t.Fatal(err)
+	}
+	b0, err := e.Buffer(m, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b2, err := e.Buffer(m, 2, 0)
+	if err != nil || fmt.Sprint(b0.F32) != fmt.Sprint(b2.F32) || b0.F32[0] == 0 {
+		t.Fatalf("replica 2's running_mean %v differs from replica 0's %v (%v)", b2.F32, b0.F32, err)
+	}
+	if c, err := e.Buffer(m, 1, 2); err != nil || c.I64[0] != 5 {
+		t.Fatalf("num_batches_tracked: %v %v", c, err)
+	}
+	if _, err := e.Buffer(m, 3, 0); err == nil {
+		t.Fatal("replica 3 of 3 was accepted")
+	}
+}

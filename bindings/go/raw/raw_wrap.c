@@ -1108,6 +1108,82 @@ intgo _wrap_dpar_model_add_activation_raw_9787157d5e82d198(struct dpar_model *_s
 }
 
 
+intgo _wrap_dpar_model_add_batchnorm1d_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, long long _swig_go_1, float _swig_go_2, float _swig_go_3, intgo _swig_go_4) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t arg2 ;
+  float arg3 ;
+  float arg4 ;
+  int32_t arg5 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t)_swig_go_1; 
+  arg3 = (float)_swig_go_2; 
+  arg4 = (float)_swig_go_3; 
+  arg5 = (int32_t)_swig_go_4; 
+  
+  result = (dpar_status)dpar_model_add_batchnorm1d(arg1,arg2,arg3,arg4,arg5);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_batchnorm2d_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, long long _swig_go_1, float _swig_go_2, float _swig_go_3, intgo _swig_go_4) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t arg2 ;
+  float arg3 ;
+  float arg4 ;
+  int32_t arg5 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t)_swig_go_1; 
+  arg3 = (float)_swig_go_2; 
+  arg4 = (float)_swig_go_3; 
+  arg5 = (int32_t)_swig_go_4; 
+  
+  result = (dpar_status)dpar_model_add_batchnorm2d(arg1,arg2,arg3,arg4,arg5);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_sync_batchnorm_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, long long _swig_go_1, float _swig_go_2, float _swig_go_3, intgo _swig_go_4) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t arg2 ;
+  float arg3 ;
+  float arg4 ;
+  int32_t arg5 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t)_swig_go_1; 
+  arg3 = (float)_swig_go_2; 
+  arg4 = (float)_swig_go_3; 
+  arg5 = (int32_t)_swig_go_4; 
+  
+  result = (dpar_status)dpar_model_add_sync_batchnorm(arg1,arg2,arg3,arg4,arg5);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_convert_sync_batchnorm_raw_9787157d5e82d198(struct dpar_model *_swig_go_0) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  
+  result = (dpar_status)dpar_model_convert_sync_batchnorm(arg1);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_model_add_dropout_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, float _swig_go_1) {
   dpar_model *arg1 = (dpar_model *) 0 ;
   float arg2 ;
@@ -1435,6 +1511,95 @@ intgo _wrap_dpar_model_set_param_raw_9787157d5e82d198(struct dpar_model *_swig_g
   arg4 = (size_t)_swig_go_3; 
   
   result = (dpar_status)dpar_model_set_param(arg1,arg2,(float const *)arg3,arg4);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_num_buffers_raw_9787157d5e82d198(size_t *_swig_go_0, struct dpar_model *_swig_go_1) {
+  size_t *arg1 = (size_t *) 0 ;
+  dpar_model *arg2 = (dpar_model *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = (size_t *)_swig_go_0; 
+  arg2 = *(dpar_model **)&_swig_go_1; 
+  
+  result = (dpar_status)dpar_model_num_buffers(arg1,(struct dpar_model const *)arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+_gostring_ _wrap_dpar_model_buffer_name_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, long long _swig_go_1) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  size_t arg2 ;
+  char *result = 0 ;
+  _gostring_ _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (size_t)_swig_go_1; 
+  
+  result = (char *)dpar_model_buffer_name((struct dpar_model const *)arg1,arg2);
+  _swig_go_result = Swig_AllocateString((char*)result, result ? strlen((char*)result) : 0); 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_buffer_info_raw_9787157d5e82d198(int32_t *_swig_go_0, int64_t *_swig_go_1, size_t *_swig_go_2, struct dpar_model *_swig_go_3, long long _swig_go_4) {
+  int32_t *arg1 = (int32_t *) 0 ;
+  int64_t *arg2 = (int64_t *) 0 ;
+  size_t *arg3 = (size_t *) 0 ;
+  dpar_model *arg4 = (dpar_model *) 0 ;
+  size_t arg5 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = (int32_t *)_swig_go_0; 
+  arg2 = (int64_t *)_swig_go_1; 
+  arg3 = (size_t *)_swig_go_2; 
+  arg4 = *(dpar_model **)&_swig_go_3; 
+  arg5 = (size_t)_swig_go_4; 
+  
+  result = (dpar_status)dpar_model_buffer_info(arg1,arg2,arg3,(struct dpar_model const *)arg4,arg5);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_get_buffer_raw_9787157d5e82d198(void *_swig_go_0, struct dpar_model *_swig_go_1, long long _swig_go_2, long long _swig_go_3) {
+  void *arg1 = (void *) 0 ;
+  dpar_model *arg2 = (dpar_model *) 0 ;
+  size_t arg3 ;
+  size_t arg4 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = (void *)_swig_go_0; 
+  arg2 = *(dpar_model **)&_swig_go_1; 
+  arg3 = (size_t)_swig_go_2; 
+  arg4 = (size_t)_swig_go_3; 
+  
+  result = (dpar_status)dpar_model_get_buffer(arg1,(struct dpar_model const *)arg2,arg3,arg4);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_set_buffer_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, long long _swig_go_1, void *_swig_go_2, long long _swig_go_3) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  size_t arg2 ;
+  void *arg3 = (void *) 0 ;
+  size_t arg4 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (size_t)_swig_go_1; 
+  arg3 = (void *)_swig_go_2; 
+  arg4 = (size_t)_swig_go_3; 
+  
+  result = (dpar_status)dpar_model_set_buffer(arg1,arg2,(void const *)arg3,arg4);
   _swig_go_result = result; 
   return _swig_go_result;
 }
@@ -2702,6 +2867,27 @@ intgo _wrap_dpar_engine_get_params_raw_9787157d5e82d198(float *_swig_go_0, struc
   arg4 = (size_t)_swig_go_3; 
   
   result = (dpar_status)dpar_engine_get_params(arg1,arg2,arg3,arg4);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_engine_get_buffer_raw_9787157d5e82d198(void *_swig_go_0, struct dpar_engine *_swig_go_1, long long _swig_go_2, long long _swig_go_3, long long _swig_go_4) {
+  void *arg1 = (void *) 0 ;
+  dpar_engine *arg2 = (dpar_engine *) 0 ;
+  size_t arg3 ;
+  size_t arg4 ;
+  size_t arg5 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = (void *)_swig_go_0; 
+  arg2 = *(dpar_engine **)&_swig_go_1; 
+  arg3 = (size_t)_swig_go_2; 
+  arg4 = (size_t)_swig_go_3; 
+  arg5 = (size_t)_swig_go_4; 
+  
+  result = (dpar_status)dpar_engine_get_buffer(arg1,arg2,arg3,arg4,arg5);
   _swig_go_result = result; 
   return _swig_go_result;
 }

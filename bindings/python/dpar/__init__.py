@@ -492,6 +492,51 @@ class Model(_Handle):
         a = np.ascontiguousarray(values, dtype=np.float32)
         _check(_raw.dpar_model_set_param(self._raw, index, a.ctypes.data, a.size))
 
+    def batchnorm1d(self, num_features, eps=1e-5, momentum=0.1, affine=True):
+        """BatchNorm1d over the channels of (B, C) or (B, C, L) inputs."""
+        _check(_raw.dpar_model_add_batchnorm1d(self._raw, num_features, eps, momentum, 1 if affine else 0))
+        return self
+
+    def batchnorm2d(self, num_features, eps=1e-5, momentum=0.1, affine=True):
+        """BatchNorm2d over the channels of (B, C, H, W) inputs."""
+        _check(_raw.dpar_model_add_batchnorm2d(self._raw, num_features, eps, momentum, 1 if affine else 0))
+        return self
+
+    def sync_batchnorm(self, num_features, eps=1e-5, momentum=0.1, affine=True):
+        """SyncBatchNorm: the statistics of every replica of every process."""
+        _check(_raw.dpar_model_add_sync_batchnorm(self._raw, num_features, eps, momentum, 1 if affine else 0))
+        return self
+
+    def convert_sync_batchnorm(self):
+        """Turns every BatchNorm layer into SyncBatchNorm."""
+        _check(_raw.dpar_model_convert_sync_batchnorm(self._raw))
+        return self
+
+    @property
+    def num_buffers(self):
+        return self._count(_raw.dpar_model_num_buffers)
+
+    def buffer_info(self, index):
+        """(name, numpy dtype, shape) of buffer `index` (state that is not a parameter: "1.running_mean")."""
+        shape, n, dtype = np.zeros(4, dtype=np.int64), _scalar(np.uintp), _scalar(np.int32)
+        _check(_raw.dpar_model_buffer_info(dtype.ctypes.data, shape.ctypes.data, n.ctypes.data, self._raw, index))
+        name = _raw.dpar_model_buffer_name(self._raw, index)
+        if name is None:
+            _check(ERR_INVALID_ARGUMENT)
+        kind = np.dtype(np.int64) if int(dtype[0]) == DType.I64 else np.dtype(np.float32)
+        return name, kind, tuple(int(v) for v in shape[: int(n[0])])
+
+    def get_buffer(self, index):
+        _, kind, shape = self.buffer_info(index)
+        out = np.empty(shape, dtype=kind)
+        _check(_raw.dpar_model_get_buffer(out.ctypes.data, self._raw, index, out.size))
+        return out
+
+    def set_buffer(self, index, values):
+        _, kind, _ = self.buffer_info(index)
+        a = np.ascontiguousarray(values, dtype=kind)
+        _check(_raw.dpar_model_set_buffer(self._raw, index, a.ctypes.data, a.size))
+
 
 INIT_ZEROS, INIT_UNIFORM = Init
 
@@ -766,6 +811,13 @@ class Engine(_Handle):
     def params(self, replica, count):
         out = np.zeros(count, dtype=np.float32)
         _check(_raw.dpar_engine_get_params(out.ctypes.data, self._raw, replica, count))
+        return out
+
+    def buffer(self, model, replica, index):
+        """A replica's buffer `index` of `model`, the model the engine was built from (for its dtype and shape)."""
+        _, kind, shape = model.buffer_info(index)
+        out = np.empty(shape, dtype=kind)
+        _check(_raw.dpar_engine_get_buffer(out.ctypes.data, self._raw, replica, index, out.size))
         return out
 
     def set_forward_hook(self, hook):

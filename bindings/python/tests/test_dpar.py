@@ -196,6 +196,29 @@ class Reference(unittest.TestCase):
                 np.testing.assert_allclose(clipped, plain * (max_norm / norm), rtol=0, atol=1e-4 * max_norm)
 
 
+class BatchNormBuffers(unittest.TestCase):
+    def test_buffers_are_named_typed_and_equal_on_every_replica(self):
+        with dpar.Model(seed=3).linear(4, 6, bias=False).batchnorm1d(6).linear(6, 3) as m:
+            m.convert_sync_batchnorm()
+            self.assertEqual(m.num_buffers, 3)
+            self.assertEqual(m.buffer_info(0), ("1.running_mean", np.dtype(np.float32), (6,)))
+            self.assertEqual(m.buffer_info(2), ("1.num_batches_tracked", np.dtype(np.int64), ()))
+            np.testing.assert_array_equal(m.get_buffer(1), np.ones(6, np.float32))
+            m.set_buffer(2, 4)
+            self.assertEqual(int(m.get_buffer(2)), 4)
+            with self.assertRaises(dpar.DparError):
+                m.buffer_info(3)
+            x, y = reference_batch()
+            with dpar.Engine(m, lr=0.1, devices=3, processes=dpar.PROCESSES_SINGLE) as e:
+                e.train_step(x, y)
+                mean = e.buffer(m, 0, 0)
+                self.assertFalse(np.all(mean == 0))
+                np.testing.assert_array_equal(e.buffer(m, 2, 0), mean)
+                self.assertEqual(int(e.buffer(m, 1, 2)), 5)
+                with self.assertRaises(dpar.DparError):
+                    e.buffer(m, 3, 0)
+
+
 class Tensors(unittest.TestCase):
     def test_numpy_in_and_out_without_a_copy(self):
         a = np.arange(6, dtype=np.float32).reshape(2, 3)

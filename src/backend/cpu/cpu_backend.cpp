@@ -6,6 +6,7 @@
 #include "comm/threads_comm.h"
 #include "common/error.h"
 #include "device/worker_pool.h"
+#include "kernels/cpu/batchnorm.h"
 #include "kernels/cpu/dnnl_ops.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/kernels.h"
@@ -131,6 +132,27 @@ class CpuStream final : public Stream {
   }
   std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec) override {
     return std::make_unique<CpuPool2dOp>(spec);
+  }
+  void batchnorm_stats(double* sums, const float* x, int64_t N, int64_t C, int64_t L) override {
+    k::batchnorm_stats(sums, x, N, C, L);
+  }
+  void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_var, int64_t* num_batches_tracked,
+                         const double* sums, double count, int64_t C, float eps, float momentum) override {
+    k::batchnorm_moments(mean_invstd, running_mean, running_var, num_batches_tracked, sums, count, C, eps, momentum);
+  }
+  void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight, const float* bias,
+                       int64_t N, int64_t C, int64_t L) override {
+    k::batchnorm_apply(out, x, mean_invstd, weight, bias, N, C, L);
+  }
+  void batchnorm_backward_reduce(double* sums, const float* dout, const float* x, const double* mean_invstd,
+                                 int64_t N, int64_t C, int64_t L) override {
+    k::batchnorm_backward_reduce(sums, dout, x, mean_invstd, N, C, L);
+  }
+  void batchnorm_backward_apply(float* dinp, float* dweight, float* dbias, const double* local, const double* global,
+                                double count, const float* dout, const float* x, const double* mean_invstd,
+                                const float* weight, int64_t N, int64_t C, int64_t L, bool accumulate) override {
+    k::batchnorm_backward_apply(dinp, dweight, dbias, local, global, count, dout, x, mean_invstd, weight, N, C, L,
+                                accumulate);
   }
 };
 

@@ -42,7 +42,8 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_no
        set_gradient_compression!, set_gradient_reduction!, forward, num_replicas, trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
-       num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!
+       num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!, batchnorm1d!, batchnorm2d!,
+       sync_batchnorm!, convert_sync_batchnorm!, num_buffers, buffer_info, get_buffer, set_buffer!, buffer
 
 const OK = Int32(0)
 const ERR_INVALID_ARGUMENT = Int32(-1)
@@ -396,6 +397,76 @@ function set_param!(m::Model, index::Integer, v::Vector{Float32})
                 m.ptr, index, v, length(v)))
 end
 
+# ---- BatchNorm and buffers ---------------------------------------------------------------------------------
+
+"""`batchnorm1d!(model, num_features; eps=1e-5, momentum=0.1, affine=true)`: appends BatchNorm1d over the
+channels of (B, C) or (B, C, L) inputs."""
+function batchnorm1d!(m::Model, num_features::Integer; eps::Real = 1e-5, momentum::Real = 0.1, affine::Bool = true)
+    check(ccall((:dpar_model_add_batchnorm1d, libdpar), Int32, (Ptr{Cvoid}, Int64, Cfloat, Cfloat, Int32),
+                m.ptr, num_features, eps, momentum, affine ? 1 : 0))
+    m
+end
+
+"""`batchnorm2d!(model, num_features; eps=1e-5, momentum=0.1, affine=true)`: appends BatchNorm2d over the
+channels of (B, C, H, W) inputs."""
+function batchnorm2d!(m::Model, num_features::Integer; eps::Real = 1e-5, momentum::Real = 0.1, affine::Bool = true)
+    check(ccall((:dpar_model_add_batchnorm2d, libdpar), Int32, (Ptr{Cvoid}, Int64, Cfloat, Cfloat, Int32),
+                m.ptr, num_features, eps, momentum, affine ? 1 : 0))
+    m
+end
+
+"""`sync_batchnorm!(model, num_features; eps=1e-5, momentum=0.1, affine=true)`: appends SyncBatchNorm, whose
+statistics are those of every replica of every process."""
+function sync_batchnorm!(m::Model, num_features::Integer; eps::Real = 1e-5, momentum::Real = 0.1,
+                         affine::Bool = true)
+    check(ccall((:dpar_model_add_sync_batchnorm, libdpar), Int32, (Ptr{Cvoid}, Int64, Cfloat, Cfloat, Int32),
+                m.ptr, num_features, eps, momentum, affine ? 1 : 0))
+    m
+end
+
+"""`convert_sync_batchnorm!(model)`: turns every BatchNorm layer into SyncBatchNorm."""
+function convert_sync_batchnorm!(m::Model)
+    check(ccall((:dpar_model_convert_sync_batchnorm, libdpar), Int32, (Ptr{Cvoid},), m.ptr))
+    m
+end
+
+"""`num_buffers(model)`: the number of buffers (BatchNorm's running statistics: state that is not a parameter)."""
+function num_buffers(m::Model)
+    n = Ref{Csize_t}(0)
+    check(ccall((:dpar_model_num_buffers, libdpar), Int32, (Ptr{Csize_t}, Ptr{Cvoid}), n, m.ptr))
+    Int(n[])
+end
+
+"""`buffer_info(model, index)`: (name, element type (Float32 or Int64), shape; () for a scalar) of buffer `index`
+(from 0)."""
+function buffer_info(m::Model, index::Integer)
+    s = zeros(Int64, 4)
+    n = Ref{Csize_t}(0)
+    dtype = Ref{Int32}(0)
+    check(ccall((:dpar_model_buffer_info, libdpar), Int32, (Ptr{Int32}, Ptr{Int64}, Ptr{Csize_t}, Ptr{Cvoid}, Csize_t),
+                dtype, s, n, m.ptr, index))
+    name = ccall((:dpar_model_buffer_name, libdpar), Cstring, (Ptr{Cvoid}, Csize_t), m.ptr, index)
+    (unsafe_string(name), dtype[] == 6 ? Int64 : Float32, Tuple(s[1:n[]]))
+end
+
+"""`get_buffer(model, index)`: buffer `index` (from 0), flattened, as a copy (Vector{Float32} or Vector{Int64})."""
+function get_buffer(m::Model, index::Integer)
+    _, T, shape = buffer_info(m, index)
+    v = zeros(T, prod(shape))
+    check(ccall((:dpar_model_get_buffer, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Csize_t),
+                v, m.ptr, index, length(v)))
+    v
+end
+
+"""`set_buffer!(model, index, values)`: overwrites buffer `index` (from 0) with `values`, of its element type and
+exactly its size."""
+function set_buffer!(m::Model, index::Integer, v::Vector)
+    _, T, _ = buffer_info(m, index)
+    eltype(v) === T || throw(ArgumentError("values: buffer $index holds $T, got $(eltype(v))"))
+    check(ccall((:dpar_model_set_buffer, libdpar), Int32, (Ptr{Cvoid}, Csize_t, Ptr{Cvoid}, Csize_t),
+                m.ptr, index, v, length(v)))
+end
+
 # ---- The engine --------------------------------------------------------------------------------------------
 
 mutable struct OptimizerOptions
@@ -634,6 +705,19 @@ function params(e::Engine, replica::Integer, count::Integer)
     vp, h, r, n = pointer(v), e.ptr, Csize_t(replica), Csize_t(count)
     engine_call(e, v) do
         ccall((:dpar_engine_get_params, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}, Csize_t, Csize_t), vp, h, r, n)
+    end
+    v
+end
+
+"""`buffer(engine, model, replica, index)`: a replica's buffer `index` (from 0) of `model`, the model the engine was
+built from (for its element type and shape), flattened."""
+function buffer(e::Engine, m::Model, replica::Integer, index::Integer)
+    _, T, shape = buffer_info(m, index)
+    v = zeros(T, prod(shape))
+    vp, h, r, i, n = Ptr{Cvoid}(pointer(v)), e.ptr, Csize_t(replica), Csize_t(index), Csize_t(length(v))
+    engine_call(e, v) do
+        ccall((:dpar_engine_get_buffer, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Csize_t, Csize_t),
+              vp, h, r, i, n)
     end
     v
 end

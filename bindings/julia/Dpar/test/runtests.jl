@@ -136,6 +136,30 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
                              joinpath(@__DIR__, "..", "..", "..", "..", "build", "tests", "reference_losses.txt"))
 
 @testset "Dpar" begin
+    @testset "BatchNorm buffers" begin
+        Dpar.Model(3) do m
+            Dpar.linear!(m, 4, 6; bias=false)
+            Dpar.batchnorm1d!(m, 6)
+            Dpar.linear!(m, 6, 3)
+            Dpar.convert_sync_batchnorm!(m)
+            @test Dpar.num_buffers(m) == 3
+            @test Dpar.buffer_info(m, 0) == ("1.running_mean", Float32, (6,))
+            @test Dpar.buffer_info(m, 2) == ("1.num_batches_tracked", Int64, ())
+            @test Dpar.get_buffer(m, 1) == fill(1.0f0, 6)
+            Dpar.set_buffer!(m, 2, Int64[4])
+            @test Dpar.get_buffer(m, 2) == Int64[4]
+            @test throws_dpar(() -> Dpar.buffer_info(m, 3), Dpar.ERR_INVALID_ARGUMENT, "index")
+            Dpar.Engine(m; lr=0.1, devices=3, processes=Dpar.PROCESSES_SINGLE) do e
+                x, y = reference_batch()
+                Dpar.train_step!(e, x, y)
+                mean = Dpar.buffer(e, m, 0, 0)
+                @test mean != zeros(Float32, 6)
+                @test Dpar.buffer(e, m, 2, 0) == mean
+                @test Dpar.buffer(e, m, 1, 2) == Int64[5]
+                @test throws_dpar(() -> Dpar.buffer(e, m, 3, 0), Dpar.ERR_INVALID_ARGUMENT, "replica")
+            end
+        end
+    end
     if !isfile(REFERENCE_LOSSES)
         @warn "skipped the loss bits of the C reference: no $REFERENCE_LOSSES (run ctest -R binding_reference, or " *
               "set DPAR_REFERENCE_LOSSES to the file build/tests/binding_reference writes)"

@@ -281,6 +281,15 @@ extern "C" {
     pub fn dpar_model_param_name(model: *const dpar_model, index: usize) -> *const c_char;
     pub fn dpar_model_get_param(dst: *mut f32, model: *const dpar_model, index: usize, count: usize) -> dpar_status;
     pub fn dpar_model_set_param(model: *mut dpar_model, index: usize, src: *const f32, count: usize) -> dpar_status;
+    pub fn dpar_model_add_batchnorm1d(model: *mut dpar_model, num_features: i64, eps: f32, momentum: f32, affine: i32) -> dpar_status;
+    pub fn dpar_model_add_batchnorm2d(model: *mut dpar_model, num_features: i64, eps: f32, momentum: f32, affine: i32) -> dpar_status;
+    pub fn dpar_model_add_sync_batchnorm(model: *mut dpar_model, num_features: i64, eps: f32, momentum: f32, affine: i32) -> dpar_status;
+    pub fn dpar_model_convert_sync_batchnorm(model: *mut dpar_model) -> dpar_status;
+    pub fn dpar_model_num_buffers(out: *mut usize, model: *const dpar_model) -> dpar_status;
+    pub fn dpar_model_buffer_name(model: *const dpar_model, index: usize) -> *const c_char;
+    pub fn dpar_model_buffer_info(out_dtype: *mut i32, out_shape: *mut i64, out_ndim: *mut usize, model: *const dpar_model, index: usize) -> dpar_status;
+    pub fn dpar_model_get_buffer(dst: *mut c_void, model: *const dpar_model, index: usize, count: usize) -> dpar_status;
+    pub fn dpar_model_set_buffer(model: *mut dpar_model, index: usize, src: *const c_void, count: usize) -> dpar_status;
     /// Writes dpar.h 0.4's layout, for programs built against it: call `dpar_optimizer_options_init_sized`.
     pub fn dpar_optimizer_options_init(opts: *mut dpar_optimizer_options) -> dpar_status;
     /// Fills `size` bytes (`size_of::<dpar_optimizer_options>()`) with the defaults of that layout.
@@ -313,6 +322,7 @@ extern "C" {
     pub fn dpar_engine_step_count(out: *mut usize, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_replica_losses(out: *mut f32, engine: *const dpar_engine, capacity: usize) -> dpar_status;
     pub fn dpar_engine_get_params(dst: *mut f32, engine: *mut dpar_engine, replica: usize, count: usize) -> dpar_status;
+    pub fn dpar_engine_get_buffer(dst: *mut c_void, engine: *mut dpar_engine, replica: usize, index: usize, count: usize) -> dpar_status;
     pub fn dpar_engine_set_forward_hook(engine: *mut dpar_engine, hook: Option<dpar_forward_hook>, payload: *mut c_void, destroy: Option<dpar_destroy_fn>) -> dpar_status;
     pub fn dpar_engine_save(engine: *mut dpar_engine, path: *const c_char) -> dpar_status;
     pub fn dpar_engine_load(engine: *mut dpar_engine, path: *const c_char) -> dpar_status;

@@ -769,6 +769,74 @@ impl Model {
     pub fn set_param(&mut self, index: usize, values: &[f32]) -> Result<()> {
         check(unsafe { sys::dpar_model_set_param(self.raw, index, values.as_ptr(), values.len()) })
     }
+    /// Appends BatchNorm1d over `num_features` channels of (B, C) or (B, C, L) (PyTorch's eps 1e-5, momentum 0.1).
+    pub fn batchnorm1d(&mut self, num_features: i64, eps: f32, momentum: f32, affine: bool) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_batchnorm1d(self.raw, num_features, eps, momentum, affine as i32) })?;
+        Ok(self)
+    }
+    /// Appends BatchNorm2d over the channels of (B, C, H, W).
+    pub fn batchnorm2d(&mut self, num_features: i64, eps: f32, momentum: f32, affine: bool) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_batchnorm2d(self.raw, num_features, eps, momentum, affine as i32) })?;
+        Ok(self)
+    }
+    /// Appends SyncBatchNorm: statistics over every replica of every process.
+    pub fn sync_batchnorm(&mut self, num_features: i64, eps: f32, momentum: f32, affine: bool) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_sync_batchnorm(self.raw, num_features, eps, momentum, affine as i32) })?;
+        Ok(self)
+    }
+    /// Turns every BatchNorm layer into SyncBatchNorm.
+    pub fn convert_sync_batchnorm(&mut self) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_convert_sync_batchnorm(self.raw) })?;
+        Ok(self)
+    }
+    /// The number of buffers (BatchNorm's running statistics: state that is not a parameter).
+    pub fn num_buffers(&self) -> Result<usize> {
+        count(|n| unsafe { sys::dpar_model_num_buffers(n, self.raw) })
+    }
+    /// Buffer `index`'s name ("1.running_mean"), dtype (`sys::DPAR_F32` or `sys::DPAR_I64`) and shape (empty for a
+    /// scalar).
+    pub fn buffer_info(&self, index: usize) -> Result<(String, i32, Vec<i64>)> {
+        let mut s = [0i64; sys::DPAR_MAX_DIMS];
+        let (mut n, mut dtype) = (0usize, 0i32);
+        check(unsafe { sys::dpar_model_buffer_info(&mut dtype, s.as_mut_ptr(), &mut n, self.raw, index) })?;
+        let name = unsafe { sys::dpar_model_buffer_name(self.raw, index) };
+        if name.is_null() {
+            return Err(take_error(status::INVALID_ARGUMENT));
+        }
+        Ok((unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned(), dtype, s[..n].to_vec()))
+    }
+    pub fn get_buffer(&self, index: usize) -> Result<Buffer> {
+        let (_, dtype, shape) = self.buffer_info(index)?;
+        let n = shape.iter().product::<i64>() as usize;
+        Ok(if dtype == sys::DPAR_I64 {
+            let mut v = vec![0i64; n];
+            check(unsafe { sys::dpar_model_get_buffer(v.as_mut_ptr() as *mut c_void, self.raw, index, n) })?;
+            Buffer::I64(v)
+        } else {
+            let mut v = vec![0f32; n];
+            check(unsafe { sys::dpar_model_get_buffer(v.as_mut_ptr() as *mut c_void, self.raw, index, n) })?;
+            Buffer::F32(v)
+        })
+    }
+    /// Overwrites buffer `index`; the values' type must be the buffer's.
+    pub fn set_buffer(&mut self, index: usize, values: &Buffer) -> Result<()> {
+        let (_, dtype, _) = self.buffer_info(index)?;
+        let (ptr, n, want) = match values {
+            Buffer::F32(v) => (v.as_ptr() as *const c_void, v.len(), sys::DPAR_F32),
+            Buffer::I64(v) => (v.as_ptr() as *const c_void, v.len(), sys::DPAR_I64),
+        };
+        if want != dtype {
+            return Err(Error::new(status::INVALID_ARGUMENT, format!("buffer {index}: values of another dtype")));
+        }
+        check(unsafe { sys::dpar_model_set_buffer(self.raw, index, ptr, n) })
+    }
+}
+
+/// A buffer's values, in its dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Buffer {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1094,6 +1162,20 @@ impl Engine {
         let mut v = vec![0f32; model_elements];
         check(unsafe { sys::dpar_engine_get_params(v.as_mut_ptr(), self.raw, replica, v.len()) })?;
         Ok(v)
+    }
+    /// A replica's buffer `index` of `model` (the model the engine was built from, for its dtype and shape).
+    pub fn buffer(&self, model: &Model, replica: usize, index: usize) -> Result<Buffer> {
+        let (_, dtype, shape) = model.buffer_info(index)?;
+        let n = shape.iter().product::<i64>() as usize;
+        Ok(if dtype == sys::DPAR_I64 {
+            let mut v = vec![0i64; n];
+            check(unsafe { sys::dpar_engine_get_buffer(v.as_mut_ptr() as *mut c_void, self.raw, replica, index, n) })?;
+            Buffer::I64(v)
+        } else {
+            let mut v = vec![0f32; n];
+            check(unsafe { sys::dpar_engine_get_buffer(v.as_mut_ptr() as *mut c_void, self.raw, replica, index, n) })?;
+            Buffer::F32(v)
+        })
     }
     /// Installs a hook called by each replica after its forward with its chunk's input and output shapes, on the
     /// worker threads (concurrently); `None` removes it. An `Err` fails the engine call with its message.

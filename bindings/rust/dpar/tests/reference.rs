@@ -586,3 +586,28 @@ fn a_residual_graph_is_built_named_and_checked() {
     let loss = engine.train_step(&Tensor::from_f32(&[10, 4], &x).unwrap(), &Tensor::from_i32(&[10], &y).unwrap());
     assert!(loss.unwrap().is_finite());
 }
+
+#[test]
+fn batchnorm_buffers_are_named_typed_and_equal_on_every_replica() {
+    let mut m = Model::new(3).unwrap();
+    m.linear(4, 6, false).unwrap().batchnorm1d(6, 1e-5, 0.1, true).unwrap().linear(6, 3, true).unwrap();
+    m.convert_sync_batchnorm().unwrap();
+    assert_eq!(m.num_buffers().unwrap(), 3);
+    assert_eq!(m.buffer_info(0).unwrap(), ("1.running_mean".to_string(), sys::DPAR_F32, vec![6]));
+    assert_eq!(m.buffer_info(2).unwrap(), ("1.num_batches_tracked".to_string(), sys::DPAR_I64, vec![]));
+    assert_eq!(m.get_buffer(1).unwrap(), Buffer::F32(vec![1.0; 6]));
+    m.set_buffer(2, &Buffer::I64(vec![5])).unwrap();
+    assert_eq!(m.get_buffer(2).unwrap(), Buffer::I64(vec![5]));
+    assert!(m.set_buffer(2, &Buffer::F32(vec![5.0])).is_err());
+    assert!(m.buffer_info(3).is_err());
+    let engine = Engine::new(&m, &Optimizer::sgd(0.1), &EngineOptions::new().cpu_devices(3).processes(Processes::Single)).unwrap();
+    let (mut x, mut y) = reference_batch();
+    let input = Tensor::wrap_f32(&[10, 4], &mut x).unwrap();
+    let labels = Tensor::wrap_i32(&[10], &mut y).unwrap();
+    engine.train_step(&input, &labels).unwrap();
+    let mean = engine.buffer(&m, 0, 0).unwrap();
+    assert_ne!(mean, Buffer::F32(vec![0.0; 6]));
+    assert_eq!(engine.buffer(&m, 2, 0).unwrap(), mean);
+    assert_eq!(engine.buffer(&m, 1, 2).unwrap(), Buffer::I64(vec![6]));
+    assert!(engine.buffer(&m, 3, 0).is_err());
+}
