@@ -11,6 +11,7 @@
 #include <fstream>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -248,6 +249,59 @@ TEST(Initialisers, OnesAndNormalDrawAsTheySay) {
   Model again(5);
   again.add(std::make_unique<Initialised>());
   EXPECT_EQ(again.values(), v);  // from the model's seed
+}
+
+// A backend's stream that has no batch norm kernels (as CUDA's today): every other call is refused too, since only
+// the batch norm defaults are under test.
+class StreamWithoutBatchNorm final : public Stream {
+ public:
+  StreamWithoutBatchNorm() : Stream(Device{DeviceKind::kCuda, 0}) {}
+  void copy(void*, const void*, size_t) override { no(); }
+  void copy_from_host(void*, const void*, size_t) override { no(); }
+  void copy_to_host(void*, const void*, size_t) override { no(); }
+  void fill_zero(void*, size_t) override { no(); }
+  void synchronize() override {}
+  void linear_forward(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t) override { no(); }
+  void linear_backward(float*, float*, float*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
+                       bool) override {
+    no();
+  }
+  void activation_forward(Activation, float*, const float*, int64_t) override { no(); }
+  void activation_backward(Activation, float*, const float*, const float*, const float*, int64_t) override { no(); }
+  void dropout_forward(float*, float*, const float*, int64_t, float, uint64_t, uint64_t) override { no(); }
+  void dropout_backward(float*, const float*, const float*, int64_t) override { no(); }
+  void cross_entropy_forward_backward(double*, float*, const float*, const int32_t*, int64_t, int64_t,
+                                      float) override {
+    no();
+  }
+  void mse_forward_backward(double*, float*, const float*, const float*, int64_t, int64_t, float) override { no(); }
+  void sgd_step(float*, float*, const float*, int64_t, const SgdHyper&, bool) override { no(); }
+  void adam_step(float*, float*, float*, const float*, int64_t, const AdamHyper&, int64_t) override { no(); }
+  void axpy(float*, const float*, float, int64_t) override { no(); }
+  void scale(float*, float, int64_t) override { no(); }
+  double sum_squares(const float*, int64_t) override { no(); }
+  void to_bf16(uint16_t*, const float*, int64_t) override { no(); }
+  void from_bf16(float*, const uint16_t*, int64_t) override { no(); }
+
+ private:
+  [[noreturn]] static void no() { throw std::logic_error("not under test"); }
+};
+
+TEST(BatchNorm, AStreamWithoutItsKernelsRefusesWithNotSupported) {
+  StreamWithoutBatchNorm stream;
+  try {
+    stream.batchnorm_stats(nullptr, nullptr, 1, 1, 1);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kNotSupported);
+    EXPECT_NE(std::string(e.what()).find("batch norm on cuda:0 is not built yet"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(stream.batchnorm_moments(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 1, 1e-5f, 0.1f), Error);
+  EXPECT_THROW(stream.batchnorm_apply(nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, 1), Error);
+  EXPECT_THROW(stream.batchnorm_backward_reduce(nullptr, nullptr, nullptr, nullptr, 1, 1, 1), Error);
+  EXPECT_THROW(stream.batchnorm_backward_apply(nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr, nullptr,
+                                               nullptr, nullptr, 1, 1, 1, false),
+               Error);
 }
 
 // ---- Engines --------------------------------------------------------------------------------------------------
