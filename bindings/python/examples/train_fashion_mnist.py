@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Trains an MLP (784-256-128-10) on Fashion-MNIST over every GPU when dpar finds any, and over every CPU device
-otherwise, as examples/c/train_fashion_mnist.c does, with the same options, schedule and seed: it prints the same
-per-epoch losses and accuracies, bit for bit.
+"""Trains an MLP (784-256-128-10), or with --model cnn the small residual CNN of examples/c/fashion_cnn.h
+(convolutions, BatchNorm, max pooling, a basic block, torchvision's names), on Fashion-MNIST over every GPU when dpar
+finds any, and over every CPU device otherwise, as examples/c/train_fashion_mnist.c does, with the same options,
+schedule and seed: it prints the same per-epoch losses and accuracies, bit for bit.
 
-  python train_fashion_mnist.py [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B] [--lr LR]
-                                [--optimizer adam|sgd] [--data DIR] [--seed S] [--min-accuracy PCT]
+  python train_fashion_mnist.py [--model mlp|cnn] [--device auto|cuda|cpu] [--devices N] [--epochs E]
+                                [--batch-size B] [--lr LR] [--optimizer adam|sgd] [--data DIR] [--seed S]
+                                [--min-accuracy PCT] [--sync-batchnorm] [--steps-per-epoch N]
 
 Needs the dpar package (pip install bindings/python) and NumPy.
 """
@@ -20,6 +22,9 @@ import dpar
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    p.add_argument("--sync-batchnorm", action="store_true", help="the CNN's BatchNorm over the global batch")
+    p.add_argument("--steps-per-epoch", type=int, default=0, help="end each epoch after N batches")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--devices", type=int, default=0, help="replicas (0: one per GPU, or every CPU device)")
     p.add_argument("--epochs", type=int, default=10)
@@ -30,6 +35,26 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-accuracy", type=float, default=0.0)
     return p.parse_args()
+
+
+def conv_bn(model, conv, bn, cin, cout):
+    """A 3x3 convolution without bias, then its BatchNorm, each named as torchvision names them."""
+    model.conv2d(cin, cout, 3, padding=1, bias=False).set_node_name(model.last_node, conv)
+    model.batchnorm2d(cout).set_node_name(model.last_node, bn)
+
+
+def add_cnn(model, classes):
+    """examples/c/fashion_cnn.h's CNN: conv1, bn1, relu, max pool; a basic block (layer1.0) with its shortcut; max
+    pool, flatten, fc."""
+    model.add_reshape([1, 28, 28])
+    conv_bn(model, "conv1", "bn1", 1, 32)
+    model.activation(dpar.RELU).max_pool2d(2)
+    shortcut = model.last_node
+    conv_bn(model, "layer1.0.conv1", "layer1.0.bn1", 32, 32)
+    model.activation(dpar.RELU)
+    conv_bn(model, "layer1.0.conv2", "layer1.0.bn2", 32, 32)
+    model.add_sum([model.last_node, shortcut]).activation(dpar.RELU).max_pool2d(2)
+    model.add_flatten().linear(32 * 7 * 7, classes).set_node_name(model.last_node, "fc")
 
 
 def evaluate(engine, test, batch):
@@ -69,8 +94,14 @@ def main():
     test.normalize(0.2860, 0.3530)
     n_train, features, classes = train.info()
 
-    model = dpar.Model(seed=a.seed).linear(features, 256).activation(dpar.RELU).linear(256, 128)
-    model.activation(dpar.RELU).linear(128, classes)
+    model = dpar.Model(seed=a.seed)
+    if a.model == "cnn":
+        add_cnn(model, classes)
+        if a.sync_batchnorm:
+            model.convert_sync_batchnorm()
+    else:
+        model.linear(features, 256).activation(dpar.RELU).linear(256, 128)
+        model.activation(dpar.RELU).linear(128, classes)
     lr = float(a.lr)
     if a.optimizer == "sgd":
         optimizer = dict(optimizer=dpar.SGD, lr=lr, momentum=0.9)
@@ -83,7 +114,8 @@ def main():
     rank, nproc = engine.processes
     if rank == 0:
         where = "replicas on GPUs" if use_cuda else "CPU devices"
-        print(f"dpar {dpar.version_string()} (Python): MLP {features}-256-128-{classes}, {a.optimizer} lr {a.lr:g}, "
+        what = "CNN with a residual block" if a.model == "cnn" else f"MLP {features}-256-128-{classes}"
+        print(f"dpar {dpar.version_string()} (Python): {what}, {a.optimizer} lr {a.lr:g}, "
               f"batch {a.batch_size} over {nproc} process(es) x {devices} {where}", flush=True)
 
     loader = dpar.Loader(train, a.batch_size, shuffle=True, seed=a.seed)
@@ -91,17 +123,20 @@ def main():
         loader.shard(rank, nproc)
     if use_cuda:  # batches on the first replica's GPU, each copied while the step before it runs
         loader.to_device(engine.replica_device(0))
-    batches = loader.num_batches
+    epoch_batches = loader.num_batches
+    batches = min(a.steps_per_epoch, epoch_batches) if a.steps_per_epoch > 0 else epoch_batches
     accuracy = 0.0
     for epoch in range(a.epochs):
         loader.start_epoch(epoch)
         loss_sum, samples, t0 = 0.0, 0, time.perf_counter()
         for b, (x, y) in enumerate(loader):
+            if b == batches:
+                break
             # The same cosine schedule as the C example, computed the same way (in doubles, then a C float).
             progress = (epoch * batches + b) / (a.epochs * batches)
             engine.set_lr(0.5 * lr * (1.0 + math.cos(3.14159265358979 * progress)))
             loss = engine.train_step(x, y)  # the mean over the global batch
-            rows = n_train % a.batch_size if b + 1 == batches and n_train % a.batch_size else a.batch_size
+            rows = n_train % a.batch_size if b + 1 == epoch_batches and n_train % a.batch_size else a.batch_size
             loss_sum += loss * rows
             samples += rows
         seconds = time.perf_counter() - t0

@@ -1,9 +1,12 @@
-// Command train_fashion_mnist trains an MLP (784-256-128-10) on Fashion-MNIST over every GPU when dpar finds any,
-// and over every CPU device otherwise, as examples/c/train_fashion_mnist.c does, with the same options, schedule
-// and seed: it prints the same per-epoch losses and accuracies, bit for bit.
+// Command train_fashion_mnist trains an MLP (784-256-128-10), or with --model cnn the small residual CNN of
+// examples/c/fashion_cnn.h (convolutions, BatchNorm, max pooling, a basic block, torchvision's names), on
+// Fashion-MNIST over every GPU when dpar finds any, and over every CPU device otherwise, as
+// examples/c/train_fashion_mnist.c does, with the same options, schedule and seed: it prints the same per-epoch
+// losses and accuracies, bit for bit.
 //
-//	go run ./examples/train_fashion_mnist [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B]
-//	    [--lr LR] [--optimizer adam|sgd] [--data DIR] [--seed S] [--min-accuracy PCT]
+//	go run ./examples/train_fashion_mnist [--model mlp|cnn] [--device auto|cuda|cpu] [--devices N] [--epochs E]
+//	    [--batch-size B] [--lr LR] [--optimizer adam|sgd] [--data DIR] [--seed S] [--min-accuracy PCT]
+//	    [--sync-batchnorm] [--steps-per-epoch N]
 //
 // (from bindings/go; libdpar is found as the package dpar.dev/go/dpar says.)
 package main
@@ -26,6 +29,9 @@ import (
 )
 
 type args struct {
+	model       string
+	syncBN      bool
+	steps       int
 	device      string
 	devices     int
 	epochs      int
@@ -40,6 +46,9 @@ type args struct {
 func parseArgs() args {
 	var a args
 	var lr float64
+	flag.StringVar(&a.model, "model", "mlp", "mlp or cnn")
+	flag.BoolVar(&a.syncBN, "sync-batchnorm", false, "the CNN's BatchNorm over the global batch")
+	flag.IntVar(&a.steps, "steps-per-epoch", 0, "end each epoch after N batches (0: all)")
 	flag.StringVar(&a.device, "device", "auto", "auto, cuda or cpu")
 	flag.IntVar(&a.devices, "devices", 0, "replicas (0: one per GPU, or every CPU device)")
 	flag.IntVar(&a.epochs, "epochs", 10, "epochs")
@@ -51,11 +60,78 @@ func parseArgs() args {
 	flag.Float64Var(&a.minAccuracy, "min-accuracy", 0, "exit 1 when the final test accuracy (%) is lower")
 	flag.Parse()
 	a.lr = float32(lr) // a C float, as strtof gives it
+	if a.model != "mlp" && a.model != "cnn" {
+		fmt.Fprintf(os.Stderr, "train_fashion_mnist: --model must be mlp or cnn, not %s\n", a.model)
+		os.Exit(2)
+	}
 	if a.device != "auto" && a.device != "cuda" && a.device != "cpu" {
 		fmt.Fprintf(os.Stderr, "train_fashion_mnist: --device must be auto, cuda or cpu, not %s\n", a.device)
 		os.Exit(2)
 	}
 	return a
+}
+
+// cnnBuilder appends examples/c/fashion_cnn.h's CNN, keeping the first error.
+type cnnBuilder struct {
+	m   *dpar.Model
+	err error
+}
+
+func (b *cnnBuilder) do(f func() error) {
+	if b.err == nil {
+		b.err = f()
+	}
+}
+
+// name names the node just added, as torchvision names its modules.
+func (b *cnnBuilder) name(name string) {
+	b.do(func() error {
+		node, err := b.m.LastNode()
+		if err != nil {
+			return err
+		}
+		return b.m.SetNodeName(node, name)
+	})
+}
+
+// last is the id of the node just added.
+func (b *cnnBuilder) last() int32 {
+	var node int32
+	b.do(func() (err error) { node, err = b.m.LastNode(); return })
+	return node
+}
+
+// convBN appends a 3x3 convolution without bias, then its BatchNorm.
+func (b *cnnBuilder) convBN(conv, bn string, in, out int64) {
+	c := dpar.DefaultConv2d(in, out, [2]int64{3, 3})
+	c.Padding, c.Bias = [2]int64{1, 1}, false
+	b.do(func() error { return b.m.Conv2d(c) })
+	b.name(conv)
+	b.do(func() error { return b.m.BatchNorm2d(out, 1e-5, 0.1, true) })
+	b.name(bn)
+}
+
+// addCNN: conv1, bn1, relu, max pool; a basic block (layer1.0) with its shortcut; max pool, flatten, fc.
+func addCNN(m *dpar.Model, classes int64) error {
+	b := &cnnBuilder{m: m}
+	pool := func() error { return m.MaxPool2d([2]int64{2, 2}, nil, [2]int64{0, 0}) }
+	relu := func() error { return m.Activation(dpar.ReLU) }
+	b.do(func() error { return m.AddReshape(1, 28, 28) })
+	b.convBN("conv1", "bn1", 1, 32)
+	b.do(relu)
+	b.do(pool)
+	shortcut := b.last()
+	b.convBN("layer1.0.conv1", "layer1.0.bn1", 32, 32)
+	b.do(relu)
+	b.convBN("layer1.0.conv2", "layer1.0.bn2", 32, 32)
+	block := b.last()
+	b.do(func() error { return m.AddSum(block, shortcut) })
+	b.do(relu)
+	b.do(pool)
+	b.do(m.AddFlatten)
+	b.do(func() error { return m.Linear(32*7*7, classes, true) })
+	b.name("fc")
+	return b.err
 }
 
 // evaluate is the fraction of test whose arg-max output is its label, in eval mode.
@@ -169,13 +245,23 @@ func run(a args) (float64, error) {
 	if err != nil {
 		return 0, err
 	}
-	for _, err := range []error{
-		model.Linear(int64(features), 256, true), model.Activation(dpar.ReLU),
-		model.Linear(256, 128, true), model.Activation(dpar.ReLU),
-		model.Linear(128, int64(classes), true),
-	} {
+	if a.model == "cnn" {
+		err = addCNN(model, int64(classes))
+		if err == nil && a.syncBN {
+			err = model.ConvertSyncBatchNorm()
+		}
 		if err != nil {
 			return 0, err
+		}
+	} else {
+		for _, err := range []error{
+			model.Linear(int64(features), 256, true), model.Activation(dpar.ReLU),
+			model.Linear(256, 128, true), model.Activation(dpar.ReLU),
+			model.Linear(128, int64(classes), true),
+		} {
+			if err != nil {
+				return 0, err
+			}
 		}
 	}
 	opts := dpar.Options{Optimizer: dpar.Adam, LR: a.lr, Seed: a.seed}
@@ -205,8 +291,12 @@ func run(a args) (float64, error) {
 		if useCUDA {
 			where = "replicas on GPUs"
 		}
-		fmt.Printf("dpar %s (Go): MLP %d-256-128-%d, %s lr %g, batch %d over %d process(es) x %d %s\n",
-			dpar.VersionString(), features, classes, a.optimizer, a.lr, a.batch, nproc, devices, where)
+		what := fmt.Sprintf("MLP %d-256-128-%d", features, classes)
+		if a.model == "cnn" {
+			what = "CNN with a residual block"
+		}
+		fmt.Printf("dpar %s (Go): %s, %s lr %g, batch %d over %d process(es) x %d %s\n",
+			dpar.VersionString(), what, a.optimizer, a.lr, a.batch, nproc, devices, where)
 	}
 
 	loader, err := dpar.NewLoader(train, a.batch, true, a.seed, false)
@@ -229,9 +319,13 @@ func run(a args) (float64, error) {
 			return 0, err
 		}
 	}
-	batches, err := loader.NumBatches()
+	epochBatches, err := loader.NumBatches()
 	if err != nil {
 		return 0, err
+	}
+	batches := epochBatches
+	if a.steps > 0 && a.steps < epochBatches {
+		batches = a.steps
 	}
 	accuracy := 0.0
 	for epoch := 0; epoch < a.epochs; epoch++ {
@@ -239,7 +333,7 @@ func run(a args) (float64, error) {
 			return 0, err
 		}
 		lossSum, samples, t0 := 0.0, 0, time.Now()
-		for b := 0; ; b++ {
+		for b := 0; b < batches; b++ {
 			x, y, ok, err := loader.Next()
 			if err != nil {
 				return 0, err
@@ -258,7 +352,7 @@ func run(a args) (float64, error) {
 				return 0, err
 			}
 			rows := a.batch
-			if b+1 == batches && nTrain%a.batch != 0 {
+			if b+1 == epochBatches && nTrain%a.batch != 0 {
 				rows = nTrain % a.batch
 			}
 			lossSum += float64(loss) * float64(rows)
