@@ -1,13 +1,44 @@
-# Trains an MLP on Fashion-MNIST over every CPU device, evaluates it, saves a checkpoint and reloads it into a
-# fresh engine, which must evaluate the same. Run: julia --project=bindings/julia/Dpar \
-#     bindings/julia/Dpar/examples/train_fashion_mnist.jl [data directory] [epochs]
+# Trains an MLP (or, with "cnn" as the third argument, the small residual CNN of examples/c/fashion_cnn.h:
+# convolutions, BatchNorm, max pooling, a basic block, torchvision's names) on Fashion-MNIST over every CPU device,
+# evaluates it, saves a checkpoint and reloads it into a fresh engine, which must evaluate the same. Run:
+#     julia --project=bindings/julia/Dpar bindings/julia/Dpar/examples/train_fashion_mnist.jl [data directory] \
+#         [epochs] [mlp|cnn]
 using Dpar
 
 const DATA = get(ARGS, 1, "/usr/share/datasets/fashion-mnist")
 const EPOCHS = parse(Int, get(ARGS, 2, "2"))
+const MODEL = get(ARGS, 3, "mlp")
 
-build(m) = (linear!(m, 784, 256); activation!(m, Dpar.RELU); linear!(m, 256, 128); activation!(m, Dpar.RELU);
-            linear!(m, 128, 10))
+mlp(m) = (linear!(m, 784, 256); activation!(m, Dpar.RELU); linear!(m, 256, 128); activation!(m, Dpar.RELU);
+          linear!(m, 128, 10))
+
+# A 3x3 convolution without bias, then its BatchNorm, each named as torchvision names them.
+function conv_bn!(m, conv, bn, cin, cout)
+    conv2d!(m, cin, cout, 3; padding=1, bias=false)
+    set_node_name!(m, last_node(m), conv)
+    batchnorm2d!(m, cout)
+    set_node_name!(m, last_node(m), bn)
+end
+
+# conv1, bn1, relu, max pool; a basic block (layer1.0) with its shortcut; max pool, flatten, fc.
+function cnn(m)
+    add_reshape!(m, [1, 28, 28])
+    conv_bn!(m, "conv1", "bn1", 1, 32)
+    activation!(m, Dpar.RELU)
+    max_pool2d!(m, 2)
+    shortcut = last_node(m)
+    conv_bn!(m, "layer1.0.conv1", "layer1.0.bn1", 32, 32)
+    activation!(m, Dpar.RELU)
+    conv_bn!(m, "layer1.0.conv2", "layer1.0.bn2", 32, 32)
+    add_sum!(m, [last_node(m), shortcut])
+    activation!(m, Dpar.RELU)
+    max_pool2d!(m, 2)
+    add_flatten!(m)
+    linear!(m, 32 * 7 * 7, 10)
+    set_node_name!(m, last_node(m), "fc")
+end
+
+build(m) = MODEL == "cnn" ? cnn(m) : mlp(m)
 
 # The share of `data`'s samples whose largest output is their label, in eval mode, batch by batch.
 function accuracy(engine, data)
