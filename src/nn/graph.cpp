@@ -278,4 +278,30 @@ bool Model::uses_collectives() const {
   return false;
 }
 
+DType Model::input_dtype() const {
+  // The nodes that read the input directly must agree: an i32 input can only be read by a layer of indices (a sum,
+  // a concatenation or a view of it would treat the indices as floats).
+  bool any_i32 = false;
+  std::string f32_reader;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const Node& n = nodes_[i];
+    for (int32_t in : n.inputs) {
+      if (in != kModelInput) continue;
+      if (n.layer && n.layer->input_dtype() == DType::kI32)
+        any_i32 = true;
+      else if (f32_reader.empty())
+        f32_reader = "node " + std::to_string(i) + " (" + n.describe() + ")";
+    }
+  }
+  DPAR_CHECK_ARG(!any_i32 || f32_reader.empty(), "the model's input is read both as i32 indices and as f32 by ",
+                 f32_reader);
+  return any_i32 ? DType::kI32 : DType::kF32;
+}
+
+void Model::check_input_values(const Tensor& host_input) const {
+  for (const Node& n : nodes_)
+    for (int32_t in : n.inputs)
+      if (in == kModelInput && n.layer) n.layer->check_input_values(host_input);
+}
+
 }  // namespace dpar
