@@ -210,6 +210,16 @@ TEST(LayerNormEmbedding, ChecksArgumentsAndShapes) {
   both.branch_from(kModelInput);
   both.add(make_layernorm(2, 1e-5f, true));
   EXPECT_THROW(both.input_dtype(), Error);
+  // Every node's output is f32: an Embedding after another node is refused when it is added.
+  Model late(1);
+  late.add(make_layernorm(2, 1e-5f, true));
+  try {
+    late.add(make_embedding(3, 2));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("must read the model's input, not node 0"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(late.num_layers(), 1u);
 }
 
 void expect_close(const float* got, const nlohmann::json& want, double tol, const std::string& what) {
@@ -297,7 +307,9 @@ TEST(LayerNormEmbedding, AStreamWithoutTheirKernelsRefusesWithNotSupported) {
   StreamWithoutThem stream;
   for (const auto& [call, what] : std::vector<std::pair<std::function<void()>, std::string>>{
            {[&] { stream.layernorm_forward(nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, 1e-5f); }, "layer norm"},
-           {[&] { stream.layernorm_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, false); },
+           {[&] {
+              stream.layernorm_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, false);
+            },
             "layer norm"},
            {[&] { stream.embedding_forward(nullptr, nullptr, nullptr, 1, 1, 1); }, "embedding"},
            {[&] { stream.embedding_backward(nullptr, nullptr, nullptr, 1, 1, 1, false); }, "embedding"}}) {

@@ -189,6 +189,10 @@ int32_t Model::append(Node node) {
 
 int32_t Model::add(std::unique_ptr<Layer> layer) {
   DPAR_CHECK_ARG(layer != nullptr, "layer: is null");
+  // Every node's output is f32: only the model's input can be indices.
+  DPAR_CHECK_ARG(layer->input_dtype() == DType::kF32 || next_input_ == kModelInput, layer->describe(),
+                 " reads int32 indices, so it must read the model's input, not node ", next_input_,
+                 "'s float output");
   Node n;
   n.inputs = {next_input_};
   n.layer = std::move(layer);

@@ -1,5 +1,6 @@
 // LayerNorm and Embedding, as PyTorch's. The math is the replica's backend's (Stream::layernorm_*,
 // Stream::embedding_*); here are shapes, parameters and saved state.
+#include <algorithm>
 #include <cmath>
 
 #include "common/error.h"
@@ -30,7 +31,8 @@ class LayerNorm final : public Layer {
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
     const int64_t n = in.numel() / d_;
     // Each row's mean and rstd in doubles, kept for backward (room for 2 doubles per row).
-    if (!saved_.defined() || saved_.numel() < 4 * n) saved_ = ctx.alloc(DType::kF32, Shape{4 * std::max<int64_t>(n, 1)});
+    if (!saved_.defined() || saved_.numel() < 4 * n)
+      saved_ = ctx.alloc(DType::kF32, Shape{4 * std::max<int64_t>(n, 1)});
     ctx.stream->layernorm_forward(out.f32(), mean_rstd(), in.f32(), weight(), affine_ ? params_[1] : nullptr, n, d_,
                                   eps_);
   }
