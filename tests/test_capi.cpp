@@ -2943,6 +2943,12 @@ TEST(BatchNorm, BuffersAreNamedTypedAndReadableOnModelAndEngine) {
   EXPECT_INVALID("num_features", dpar_model_add_batchnorm2d(m.get(), 0, 1e-5f, 0.1f, 1));
   EXPECT_INVALID("momentum", dpar_model_add_sync_batchnorm(m.get(), 4, 1e-5f, -1.0f, 1));
   EXPECT_INVALID("model", dpar_model_convert_sync_batchnorm(nullptr));
+  EXPECT_INVALID("model", dpar_model_add_layernorm(nullptr, 4, 1e-5f, 1));
+  EXPECT_INVALID("normalized_size", dpar_model_add_layernorm(m.get(), 0, 1e-5f, 1));
+  EXPECT_INVALID("eps", dpar_model_add_layernorm(m.get(), 4, -1.0f, 1));
+  EXPECT_INVALID("model", dpar_model_add_embedding(nullptr, 4, 2));
+  EXPECT_INVALID("num_embeddings", dpar_model_add_embedding(m.get(), 0, 2));
+  EXPECT_INVALID("embedding_dim", dpar_model_add_embedding(m.get(), 4, -2));
   dpar_clear_error();
   EXPECT_EQ(dpar_model_buffer_name(m.get(), 3), nullptr);
   EXPECT_NE(std::string(dpar_last_error()).find("index"), std::string::npos) << dpar_last_error();

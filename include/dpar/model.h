@@ -109,6 +109,29 @@ DPAR_API dpar_status dpar_model_add_sync_batchnorm(dpar_model *model, int64_t nu
 /** @brief Turns every BatchNorm1d/2d layer of the model into SyncBatchNorm, keeping its parameters and buffers (as
  * torch.nn.SyncBatchNorm.convert_sync_batchnorm). */
 DPAR_API dpar_status dpar_model_convert_sync_batchnorm(dpar_model *model);
+/**
+ * @brief Appends LayerNorm over the last dim of a (B, ..., D) input, D = @p normalized_size, as
+ * torch.nn.LayerNorm((D,), eps, elementwise_affine): each row of D values is normalised with its own mean and biased
+ * variance (in double), then, with @p elementwise_affine, scaled by "weight" (D, ones) and shifted by "bias" (D,
+ * zeros). Rows are independent, so N devices train as one. Only CPU devices run it: on a GPU the step fails with
+ * ::DPAR_ERR_NOT_SUPPORTED.
+ * @param eps                 Added to the variance; positive (PyTorch's default 1e-5).
+ * @param elementwise_affine  Nonzero for the weight and bias.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a null model, a size outside 1 to 2^24 or a bad eps.
+ */
+DPAR_API dpar_status dpar_model_add_layernorm(dpar_model *model, int64_t normalized_size, float eps,
+                                              int32_t elementwise_affine);
+/**
+ * @brief Appends an Embedding, as torch.nn.Embedding(num_embeddings, embedding_dim): int32 indices (B) or (B, T)
+ * in [0, num_embeddings) give rows of "weight" (num_embeddings, embedding_dim), initialised from N(0, 1): output
+ * (B, E) or (B, T, E). A model whose input this layer reads takes an int32 input tensor (every node reading the
+ * input must then be an Embedding); the engine checks every index on the host before a step and refuses one out of
+ * range with ::DPAR_ERR_INVALID_ARGUMENT naming the index and its position, changing nothing. The weight's gradient
+ * is dense (zero in the rows no index named) and is all-reduced as any parameter. No padding_idx, max_norm or
+ * sparse gradient. Only CPU devices run it: on a GPU the step fails with ::DPAR_ERR_NOT_SUPPORTED.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a null model or a size outside 1 to 2^24.
+ */
+DPAR_API dpar_status dpar_model_add_embedding(dpar_model *model, int64_t num_embeddings, int64_t embedding_dim);
 
 /**
  * @brief Appends dropout with drop probability @p p in [0, 1). In training mode each replica draws its mask from

@@ -75,4 +75,18 @@ void Stream::batchnorm_backward_apply(float*, float*, float*, const double*, con
   not_built("batch norm");
 }
 
+void Stream::layernorm_forward(float*, double*, const float*, const float*, const float*, int64_t, int64_t, float) {
+  not_built("layer norm");
+}
+void Stream::layernorm_backward(float*, float*, float*, const float*, const float*, const double*, const float*,
+                                int64_t, int64_t, bool) {
+  not_built("layer norm");
+}
+void Stream::embedding_forward(float*, const int32_t*, const float*, int64_t, int64_t, int64_t) {
+  not_built("embedding");
+}
+void Stream::embedding_backward(float*, const float*, const int32_t*, int64_t, int64_t, int64_t, bool) {
+  not_built("embedding");
+}
+
 }  // namespace dpar

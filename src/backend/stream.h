@@ -118,6 +118,17 @@ class Stream {
                                         const double* global, double count, const float* dout, const float* x,
                                         const double* mean_invstd, const float* weight, int64_t N, int64_t C,
                                         int64_t L, bool accumulate);
+  // ---- LayerNorm and Embedding (kernels/cpu/norm_embedding.h has each contract) -------------------------------
+  // A backend without them refuses with NOT_SUPPORTED naming the device (not_built): CUDA has none yet.
+  virtual void layernorm_forward(float* out, double* mean_rstd, const float* x, const float* weight,
+                                 const float* bias, int64_t N, int64_t D, float eps);
+  virtual void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* x,
+                                  const double* mean_rstd, const float* weight, int64_t N, int64_t D,
+                                  bool accumulate);
+  virtual void embedding_forward(float* out, const int32_t* idx, const float* weight, int64_t N, int64_t V,
+                                 int64_t E);
+  virtual void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V,
+                                  int64_t E, bool accumulate);
 
  protected:
   // Throws Error(Status::kNotSupported) saying that `what` is not built for this stream's device.

@@ -189,6 +189,10 @@ int32_t Model::append(Node node) {
 
 int32_t Model::add(std::unique_ptr<Layer> layer) {
   DPAR_CHECK_ARG(layer != nullptr, "layer: is null");
+  // Every node's output is f32: only the model's input can be indices.
+  DPAR_CHECK_ARG(layer->input_dtype() == DType::kF32 || next_input_ == kModelInput, layer->describe(),
+                 " reads int32 indices, so it must read the model's input, not node ", next_input_,
+                 "'s float output");
   Node n;
   n.inputs = {next_input_};
   n.layer = std::move(layer);
@@ -276,6 +280,32 @@ bool Model::uses_collectives() const {
   for (const Node& n : nodes_)
     if (n.layer && n.layer->uses_collectives()) return true;
   return false;
+}
+
+DType Model::input_dtype() const {
+  // The nodes that read the input directly must agree: an i32 input can only be read by a layer of indices (a sum,
+  // a concatenation or a view of it would treat the indices as floats).
+  bool any_i32 = false;
+  std::string f32_reader;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const Node& n = nodes_[i];
+    for (int32_t in : n.inputs) {
+      if (in != kModelInput) continue;
+      if (n.layer && n.layer->input_dtype() == DType::kI32)
+        any_i32 = true;
+      else if (f32_reader.empty())
+        f32_reader = "node " + std::to_string(i) + " (" + n.describe() + ")";
+    }
+  }
+  DPAR_CHECK_ARG(!any_i32 || f32_reader.empty(), "the model's input is read both as i32 indices and as f32 by ",
+                 f32_reader);
+  return any_i32 ? DType::kI32 : DType::kF32;
+}
+
+void Model::check_input_values(const Tensor& host_input) const {
+  for (const Node& n : nodes_)
+    for (int32_t in : n.inputs)
+      if (in == kModelInput && n.layer) n.layer->check_input_values(host_input);
 }
 
 }  // namespace dpar

@@ -69,6 +69,12 @@ class Layer {
   // The output shape for an input shape; throws Error(INVALID_ARGUMENT) naming what does not fit.
   virtual Shape output_shape(const Shape& in) const = 0;
   virtual std::unique_ptr<Layer> clone() const = 0;
+  // The dtype of the input it reads: f32, or i32 for a layer of indices (Embedding). A model whose input an i32
+  // layer reads takes i32 input (Model::input_dtype).
+  virtual DType input_dtype() const { return DType::kF32; }
+  // Throws Error(INVALID_ARGUMENT) naming the first value of a host copy of an input that the layer cannot read
+  // (an Embedding's index out of range, with its position); the engine calls it before a step changes anything.
+  virtual void check_input_values(const Tensor& /*host_input*/) const {}
   // Whether forward or backward call the replica set's collectives (ctx.collectives). Every replica must then run
   // the layer on every call, one given no rows of the batch included (with an empty chunk, contributing zeros), so
   // that no collective waits for a replica that skipped it: the engine does so for a model with such a layer.
@@ -127,6 +133,10 @@ std::unique_ptr<Layer> make_adaptive_avg_pool2d(int64_t output_h, int64_t output
 // BatchNorm over dim 1 (channels) of (B,C), (B,C,L) (`dims` 1: BatchNorm1d), (B,C,H,W) (`dims` 2: BatchNorm2d),
 // or any of them (`dims` 0: SyncBatchNorm, whose statistics are summed over every replica of every process).
 std::unique_ptr<Layer> make_batchnorm(int dims, int64_t num_features, float eps, float momentum, bool affine);
+// nn.LayerNorm((normalized_size,), eps, elementwise_affine): over the last dim of (B, ..., D). (nn/norm_embedding.cpp)
+std::unique_ptr<Layer> make_layernorm(int64_t normalized_size, float eps, bool elementwise_affine);
+// nn.Embedding(num_embeddings, embedding_dim): i32 indices (B) or (B, T) -> (B, E) or (B, T, E).
+std::unique_ptr<Layer> make_embedding(int64_t num_embeddings, int64_t embedding_dim);
 // The SyncBatchNorm twin of a BatchNorm layer (same parameters and buffers), or null for any other layer.
 std::unique_ptr<Layer> to_sync_batchnorm(const Layer& layer);
 

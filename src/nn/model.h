@@ -108,6 +108,12 @@ class Model {
   // Whether a layer calls the replica set's collectives (Layer::uses_collectives): then every replica runs forward
   // and backward on every call, a replica given no rows of the batch included.
   bool uses_collectives() const;
+  // The dtype of the input the model takes: i32 where its input is read by a layer of indices (Embedding), f32
+  // otherwise; throws Error(INVALID_ARGUMENT) where nodes read the input as both.
+  DType input_dtype() const;
+  // Throws Error(INVALID_ARGUMENT) naming the first input value a node reading the input refuses (an index out of
+  // range); host_input is a host copy of the whole batch.
+  void check_input_values(const Tensor& host_input) const;
 
  private:
   int32_t append(Node node);

@@ -28,6 +28,20 @@ func (m *Model) SyncBatchNorm(numFeatures int64, eps, momentum float32, affine b
 	})
 }
 
+// LayerNorm appends LayerNorm over the last dim (normalizedSize) of (B, ..., D) inputs, as torch.nn.LayerNorm
+// (PyTorch's defaults: eps 1e-5, elementwise affine).
+func (m *Model) LayerNorm(normalizedSize int64, eps float32, elementwiseAffine bool) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_add_layernorm(m.raw, normalizedSize, eps, b2i(elementwiseAffine)) })
+}
+
+// Embedding appends an Embedding: int32 indices (B) or (B, T) give rows of its (numEmbeddings, embeddingDim)
+// weight. A model whose input it reads takes int32 input tensors.
+func (m *Model) Embedding(numEmbeddings, embeddingDim int64) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_add_embedding(m.raw, numEmbeddings, embeddingDim) })
+}
+
 // ConvertSyncBatchNorm turns every BatchNorm layer into SyncBatchNorm.
 func (m *Model) ConvertSyncBatchNorm() error {
 	defer runtime.KeepAlive(m)

@@ -624,3 +624,63 @@ func TestBatchNormBuffersAreNamedTypedAndEqualOnEveryReplica(t *testing.T) {
 		t.Fatal("replica 3 of 3 was accepted")
 	}
 }
+
+func TestLayerNormEmbeddingTrainOnInt32TokensAndRefuseABadIndex(t *testing.T) {
+	m, err := NewModel(5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Embedding(9, 4); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.LayerNorm(4, 1e-5, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.AddFlatten(); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Linear(12, 3, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Embedding(0, 4); err == nil {
+		t.Fatal("an embedding of no rows was accepted")
+	}
+	if err := m.LayerNorm(4, 0, true); err == nil {
+		t.Fatal("eps 0 was accepted")
+	}
+	e, err := NewEngine(m, Options{LR: 0.1, Devices: 2, Processes: ProcessesSingle})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	tokens := make([]int32, 15)
+	for i := range tokens {
+		tokens[i] = int32(i * 5 % 9)
+	}
+	x, err := FromInt32([]int64{5, 3}, tokens)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close()
+	y, err := FromInt32([]int64{5}, []int32{0, 1, 2, 1, 0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer y.Close()
+	if _, err := e.TrainStep(x, y); err != nil {
+		t.Fatal(err)
+	}
+	tokens[4] = 9
+	bad, err := FromInt32([]int64{5, 3}, tokens)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bad.Close()
+	if _, err := e.TrainStep(bad, y); err == nil || !strings.Contains(err.Error(), "index 9 at position (1, 1)") {
+		t.Fatalf("a bad index: %v", err)
+	}
+	if _, err := e.TrainStep(x, y); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -507,6 +507,16 @@ class Model(_Handle):
         _check(_raw.dpar_model_add_sync_batchnorm(self._raw, num_features, eps, momentum, 1 if affine else 0))
         return self
 
+    def layernorm(self, normalized_size, eps=1e-5, elementwise_affine=True):
+        """LayerNorm over the last dim of (B, ..., D) inputs, as torch.nn.LayerNorm((D,))."""
+        _check(_raw.dpar_model_add_layernorm(self._raw, normalized_size, eps, 1 if elementwise_affine else 0))
+        return self
+
+    def embedding(self, num_embeddings, embedding_dim):
+        """An Embedding: int32 indices (B) or (B, T) give rows of its weight; the model then takes int32 input."""
+        _check(_raw.dpar_model_add_embedding(self._raw, num_embeddings, embedding_dim))
+        return self
+
     def convert_sync_batchnorm(self):
         """Turns every BatchNorm layer into SyncBatchNorm."""
         _check(_raw.dpar_model_convert_sync_batchnorm(self._raw))

@@ -219,6 +219,26 @@ class BatchNormBuffers(unittest.TestCase):
                     e.buffer(m, 3, 0)
 
 
+class LayerNormEmbedding(unittest.TestCase):
+    def test_trains_on_int32_tokens_and_refuses_a_bad_index(self):
+        with dpar.Model(seed=5).embedding(9, 4).layernorm(4).add_flatten().linear(12, 3) as m:
+            with self.assertRaises(dpar.DparError):
+                dpar.Model(seed=1).embedding(0, 4)
+            with self.assertRaises(dpar.DparError):
+                dpar.Model(seed=1).layernorm(4, eps=0.0)
+            tokens = (np.arange(15, dtype=np.int32) * 5 % 9).reshape(5, 3)
+            labels = np.array([0, 1, 2, 1, 0], np.int32)
+            with dpar.Engine(m, lr=0.1, devices=2, processes=dpar.PROCESSES_SINGLE) as e:
+                self.assertTrue(np.isfinite(e.train_step(tokens, labels)))
+                bad = tokens.copy()
+                bad[1, 1] = 9
+                with self.assertRaisesRegex(dpar.DparError, r"index 9 at position \(1, 1\)"):
+                    e.train_step(bad, labels)
+                with self.assertRaises(dpar.DparError):
+                    e.train_step(tokens.astype(np.float32), labels)
+                self.assertTrue(np.isfinite(e.train_step(tokens, labels)))
+
+
 class Tensors(unittest.TestCase):
     def test_numpy_in_and_out_without_a_copy(self):
         a = np.arange(6, dtype=np.float32).reshape(2, 3)

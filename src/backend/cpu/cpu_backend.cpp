@@ -10,6 +10,7 @@
 #include "kernels/cpu/dnnl_ops.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/norm_embedding.h"
 
 namespace dpar {
 namespace {
@@ -153,6 +154,23 @@ class CpuStream final : public Stream {
                                 const float* weight, int64_t N, int64_t C, int64_t L, bool accumulate) override {
     k::batchnorm_backward_apply(dinp, dweight, dbias, local, global, count, dout, x, mean_invstd, weight, N, C, L,
                                 accumulate);
+  }
+  void layernorm_forward(float* out, double* mean_rstd, const float* x, const float* weight, const float* bias,
+                         int64_t N, int64_t D, float eps) override {
+    k::layernorm_forward(out, mean_rstd, x, weight, bias, N, D, eps);
+  }
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* x,
+                          const double* mean_rstd, const float* weight, int64_t N, int64_t D,
+                          bool accumulate) override {
+    k::layernorm_backward(dinp, dweight, dbias, dout, x, mean_rstd, weight, N, D, accumulate);
+  }
+  void embedding_forward(float* out, const int32_t* idx, const float* weight, int64_t N, int64_t V,
+                         int64_t E) override {
+    k::embedding_forward(out, idx, weight, N, V, E);
+  }
+  void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V, int64_t E,
+                          bool accumulate) override {
+    k::embedding_backward(dweight, dout, idx, N, V, E, accumulate);
   }
 };
 

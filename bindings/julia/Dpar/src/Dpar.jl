@@ -42,7 +42,7 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_no
        set_gradient_compression!, set_gradient_reduction!, forward, num_replicas, trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
-       num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!, batchnorm1d!, batchnorm2d!,
+       num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!, batchnorm1d!, batchnorm2d!, layernorm!, embedding!,
        sync_batchnorm!, convert_sync_batchnorm!, num_buffers, buffer_info, get_buffer, set_buffer!, buffer
 
 const OK = Int32(0)
@@ -398,6 +398,22 @@ function set_param!(m::Model, index::Integer, v::Vector{Float32})
 end
 
 # ---- BatchNorm and buffers ---------------------------------------------------------------------------------
+
+"""`layernorm!(model, normalized_size; eps=1e-5, elementwise_affine=true)`: appends LayerNorm over the last dim
+of (B, ..., D) inputs, as torch.nn.LayerNorm((D,))."""
+function layernorm!(m::Model, normalized_size::Integer; eps::Real = 1e-5, elementwise_affine::Bool = true)
+    check(ccall((:dpar_model_add_layernorm, libdpar), Int32, (Ptr{Cvoid}, Int64, Cfloat, Int32),
+                m.ptr, normalized_size, eps, elementwise_affine ? 1 : 0))
+    m
+end
+
+"""`embedding!(model, num_embeddings, embedding_dim)`: appends an Embedding; Int32 indices (B) or (B, T) (0-based)
+give rows of its weight, and the model then takes Int32 input tensors."""
+function embedding!(m::Model, num_embeddings::Integer, embedding_dim::Integer)
+    check(ccall((:dpar_model_add_embedding, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64),
+                m.ptr, num_embeddings, embedding_dim))
+    m
+end
 
 """`batchnorm1d!(model, num_features; eps=1e-5, momentum=0.1, affine=true)`: appends BatchNorm1d over the
 channels of (B, C) or (B, C, L) inputs."""

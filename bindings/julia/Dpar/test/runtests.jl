@@ -136,6 +136,28 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
                              joinpath(@__DIR__, "..", "..", "..", "..", "build", "tests", "reference_losses.txt"))
 
 @testset "Dpar" begin
+    @testset "LayerNorm and Embedding" begin
+        Dpar.Model(5) do m
+            Dpar.embedding!(m, 9, 4)
+            Dpar.layernorm!(m, 4)
+            Dpar.add_flatten!(m)
+            Dpar.linear!(m, 12, 3)
+            @test throws_dpar(() -> Dpar.embedding!(m, 0, 4), Dpar.ERR_INVALID_ARGUMENT, "num_embeddings")
+            @test throws_dpar(() -> Dpar.layernorm!(m, 4; eps=0.0), Dpar.ERR_INVALID_ARGUMENT, "eps")
+            Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do e
+                # dpar (5, 3) is a Julia 3 x 5 matrix (dimensions reversed).
+                tokens = Int32[(i * 5) % 9 for i in 0:14]
+                x = Dpar.Tensor(reshape(tokens, 3, 5))
+                y = Dpar.Tensor(Int32[0, 1, 2, 1, 0])
+                @test !isnan(Dpar.train_step!(e, x, y))
+                tokens[5] = 9
+                bad = Dpar.Tensor(reshape(tokens, 3, 5))
+                @test throws_dpar(() -> Dpar.train_step!(e, bad, y), Dpar.ERR_INVALID_ARGUMENT,
+                                  "index 9 at position (1, 1)")
+                @test !isnan(Dpar.train_step!(e, x, y))
+            end
+        end
+    end
     @testset "BatchNorm buffers" begin
         Dpar.Model(3) do m
             Dpar.linear!(m, 4, 6; bias=false)

@@ -784,6 +784,17 @@ impl Model {
         check(unsafe { sys::dpar_model_add_sync_batchnorm(self.raw, num_features, eps, momentum, affine as i32) })?;
         Ok(self)
     }
+    /// Appends LayerNorm over the last dim (`normalized_size`) of (B, ..., D), as torch.nn.LayerNorm (eps 1e-5).
+    pub fn layernorm(&mut self, normalized_size: i64, eps: f32, elementwise_affine: bool) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_layernorm(self.raw, normalized_size, eps, elementwise_affine as i32) })?;
+        Ok(self)
+    }
+    /// Appends an Embedding: i32 indices (B) or (B, T) give rows of a (num_embeddings, embedding_dim) weight. A
+    /// model whose input it reads takes i32 input tensors.
+    pub fn embedding(&mut self, num_embeddings: i64, embedding_dim: i64) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_embedding(self.raw, num_embeddings, embedding_dim) })?;
+        Ok(self)
+    }
     /// Turns every BatchNorm layer into SyncBatchNorm.
     pub fn convert_sync_batchnorm(&mut self) -> Result<&mut Model> {
         check(unsafe { sys::dpar_model_convert_sync_batchnorm(self.raw) })?;

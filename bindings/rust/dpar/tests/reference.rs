@@ -611,3 +611,23 @@ fn batchnorm_buffers_are_named_typed_and_equal_on_every_replica() {
     assert_eq!(engine.buffer(&m, 1, 2).unwrap(), Buffer::I64(vec![6]));
     assert!(engine.buffer(&m, 3, 0).is_err());
 }
+
+#[test]
+fn layernorm_and_embedding_train_on_i32_tokens_and_refuse_a_bad_index() {
+    let mut m = Model::new(5).unwrap();
+    m.embedding(9, 4).unwrap().layernorm(4, 1e-5, true).unwrap().add_flatten().unwrap().linear(12, 3, true).unwrap();
+    assert!(Model::new(1).unwrap().embedding(0, 4).is_err());
+    assert!(Model::new(1).unwrap().layernorm(4, 0.0, true).is_err());
+    let engine = Engine::new(&m, &Optimizer::sgd(0.1), &EngineOptions::new().cpu_devices(2).processes(Processes::Single)).unwrap();
+    let tokens: Vec<i32> = (0..15).map(|i| (i * 5 % 9) as i32).collect();
+    let labels = Tensor::from_i32(&[5], &[0, 1, 2, 1, 0]).unwrap();
+    let loss = engine.train_step(&Tensor::from_i32(&[5, 3], &tokens).unwrap(), &labels).unwrap();
+    assert!(loss.is_finite());
+    let mut bad = tokens.clone();
+    bad[4] = 9;
+    let e = engine.train_step(&Tensor::from_i32(&[5, 3], &bad).unwrap(), &labels).err().unwrap();
+    assert!(e.message().contains("index 9 at position (1, 1)"), "{}", e);
+    let f = vec![0f32; 15];
+    assert!(engine.train_step(&Tensor::from_f32(&[5, 3], &f).unwrap(), &labels).is_err());
+    assert!(engine.train_step(&Tensor::from_i32(&[5, 3], &tokens).unwrap(), &labels).unwrap().is_finite());
+}
