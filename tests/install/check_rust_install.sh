@@ -87,7 +87,9 @@ new_project "$tmp/by_git" "git = \"file://$tmp/repo\"" "git = \"file://$tmp/repo
 check_program "$tmp/by_git"
 
 echo "== cargo package"
-"$cargo" package --workspace --offline --allow-dirty -q --manifest-path "$crates/Cargo.toml" \
+# A CARGO_HOME of its own: cargo verifies the dependent crate against the other's package unpacked under
+# CARGO_HOME/registry/src, where an earlier run's package of the same version (from another tree) would be reused.
+CARGO_HOME=$tmp/cargo_home_package "$cargo" package --workspace --offline --allow-dirty -q --manifest-path "$crates/Cargo.toml" \
          --target-dir "$build/cargo-package"
 for crate in dpar-sys dpar; do
   version=$(sed -n 's/^version = "\(.*\)"$/\1/p' "$crates/$crate/Cargo.toml")
