@@ -159,6 +159,30 @@ TEST(Embedding, WeightGradientMatchesFiniteDifferencesAndRepeatsAccumulate) {
   }
 }
 
+// padding_idx, as PyTorch's: the row starts at zero, is read as any row, and never gets a gradient.
+TEST(Embedding, PaddingRowStartsAtZeroAndGetsNoGradient) {
+  Model m(2);
+  m.add(make_embedding(5, 3, 2));
+  for (int64_t i = 0; i < 15; ++i)
+    if (i / 3 == 2)
+      EXPECT_EQ(m.values()[static_cast<size_t>(i)], 0.0f);
+    else
+      EXPECT_NE(m.values()[static_cast<size_t>(i)], 0.0f);
+  EXPECT_THROW(make_embedding(5, 3, 5), Error);
+  EXPECT_THROW(make_embedding(5, 3, -2), Error);
+  Rig rig(make_embedding(5, 3, 2));
+  const Tensor x = host_indices({2, 0, 2, 1, 0}, Shape{5});
+  const Tensor y = rig.forward(x);
+  EXPECT_EQ(y.f32()[0], rig.params[0].f32()[6]);  // read as any row
+  const auto r = randn(15, 8);
+  rig.backward(x, y, host_tensor(r, y.shape()));
+  for (int64_t e = 0; e < 3; ++e) {
+    EXPECT_EQ(rig.grads[0].f32()[2 * 3 + e], 0.0f);
+    EXPECT_NEAR(rig.grads[0].f32()[e], r[static_cast<size_t>(3 + e)] + r[static_cast<size_t>(12 + e)], 1e-6);
+    EXPECT_NEAR(rig.grads[0].f32()[3 + e], r[static_cast<size_t>(9 + e)], 1e-6);
+  }
+}
+
 TEST(Embedding, KernelRefusesAnIndexOutOfRangeBeforeReadingIt) {
   Rig rig(make_embedding(5, 2));
   for (int32_t bad : {5, -1}) {
@@ -254,10 +278,11 @@ TEST(LayerNormEmbedding, MatchPyTorch) {
       expect_close(rig.grads[1].f32(), cs["dbias"], 1e-5, name + " dbias");
     }
   }
-  ASSERT_EQ(ref["embedding"].size(), 2u);
+  ASSERT_EQ(ref["embedding"].size(), 3u);
   for (const auto& cs : ref["embedding"]) {
     const std::string name = cs["name"];
-    Rig rig(make_embedding(cs["num_embeddings"].get<int64_t>(), cs["embedding_dim"].get<int64_t>()));
+    Rig rig(make_embedding(cs["num_embeddings"].get<int64_t>(), cs["embedding_dim"].get<int64_t>(),
+                           cs["padding_idx"].get<int64_t>()));
     const auto wv = cs["weight"].get<std::vector<float>>();
     std::copy(wv.begin(), wv.end(), rig.params[0].f32());
     const Tensor x = host_indices(cs["indices"].get<std::vector<int32_t>>(),
@@ -312,7 +337,7 @@ TEST(LayerNormEmbedding, AStreamWithoutTheirKernelsRefusesWithNotSupported) {
             },
             "layer norm"},
            {[&] { stream.embedding_forward(nullptr, nullptr, nullptr, 1, 1, 1); }, "embedding"},
-           {[&] { stream.embedding_backward(nullptr, nullptr, nullptr, 1, 1, 1, false); }, "embedding"}}) {
+           {[&] { stream.embedding_backward(nullptr, nullptr, nullptr, 1, 1, 1, -1, false); }, "embedding"}}) {
     try {
       call();
       FAIL() << "no error";

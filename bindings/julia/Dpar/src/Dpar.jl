@@ -407,11 +407,17 @@ function layernorm!(m::Model, normalized_size::Integer; eps::Real = 1e-5, elemen
     m
 end
 
-"""`embedding!(model, num_embeddings, embedding_dim)`: appends an Embedding; Int32 indices (B) or (B, T) (0-based)
-give rows of its weight, and the model then takes Int32 input tensors."""
-function embedding!(m::Model, num_embeddings::Integer, embedding_dim::Integer)
-    check(ccall((:dpar_model_add_embedding, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64),
-                m.ptr, num_embeddings, embedding_dim))
+"""`embedding!(model, num_embeddings, embedding_dim; padding_idx=nothing)`: appends an Embedding; Int32 indices
+(B) or (B, T) (0-based) give rows of its weight, and the model then takes Int32 input tensors. Row `padding_idx`
+(0-based; negative: from the end), if given, starts at zero and gets no gradient."""
+function embedding!(m::Model, num_embeddings::Integer, embedding_dim::Integer; padding_idx = nothing)
+    if padding_idx === nothing
+        check(ccall((:dpar_model_add_embedding, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64),
+                    m.ptr, num_embeddings, embedding_dim))
+    else
+        check(ccall((:dpar_model_add_embedding_padded, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64, Int64),
+                    m.ptr, num_embeddings, embedding_dim, padding_idx))
+    end
     m
 end
 
