@@ -425,6 +425,32 @@ TEST(LayerNormEmbedding, NDevicesTrainAsOneDeviceOnTheFullBatchWithInt32Inputs) 
   }
 }
 
+// (B) indices: Embedding -> LayerNorm -> Linear, with Adam, on 3 devices and on one.
+TEST(LayerNormEmbedding, OneDimensionalIndicesTrainOnThreeDevicesAsOne) {
+  Model model(6);
+  model.add(make_embedding(kVocab, kDim, 0));
+  model.add(make_layernorm(kDim, 1e-5f, true));
+  model.add(make_linear(kDim, kClasses, true));
+  Tensor x = Tensor::empty(DType::kI32, Shape{8}, Device{}), y = Tensor::empty(DType::kI32, Shape{8}, Device{});
+  for (int32_t i = 0; i < 8; ++i) x.i32()[i] = (i * 7) % static_cast<int32_t>(kVocab), y.i32()[i] = i % 5;
+  OptimizerConfig adam;
+  adam.kind = OptimizerKind::kAdam;
+  adam.lr = 1e-2f;
+  std::vector<float> want;
+  for (size_t devices : {1, 3}) {
+    Engine engine(model, adam, cpu_devices(devices));
+    for (int s = 0; s < 5; ++s) engine.train_step(x, y);
+    const auto got = engine.params(0);
+    // The padding row (0, named by x[0]) starts at zero and stays there.
+    for (int64_t e = 0; e < kDim; ++e) EXPECT_EQ(got[static_cast<size_t>(e)], 0.0f);
+    for (size_t r = 1; r < devices; ++r) EXPECT_EQ(engine.params(r), got);
+    if (devices == 1)
+      want = got;
+    else
+      EXPECT_LT(max_relative_error(got, want), 1e-5);
+  }
+}
+
 TEST(LayerNormEmbedding, EngineRefusesAnIndexOutOfRangeAndChangesNothing) {
   const Model model = token_model(4);
   Engine engine(model, sgd(), cpu_devices(2));
