@@ -50,7 +50,8 @@ def embedding_case(name, num, dim, idx_shape, gen, padding_idx=None):
     y = module(idx)
     dout = torch.randn(*y.shape, generator=gen)
     (y * dout).sum().backward()
-    return {"name": name, "padding_idx": -1 if padding_idx is None else padding_idx % num, "num_embeddings": num, "embedding_dim": dim, "index_shape": list(idx_shape),
+    return {"name": name, "padding_idx": -1 if padding_idx is None else padding_idx % num, "num_embeddings": num,
+            "embedding_dim": dim, "index_shape": list(idx_shape),
             "weight": as_list(module.weight), "indices": [int(v) for v in idx.reshape(-1).tolist()],
             "dout": as_list(dout), "output": as_list(y), "dweight": as_list(module.weight.grad)}
 
