@@ -403,16 +403,24 @@ TEST(LayerNormEmbedding, NDevicesTrainAsOneDeviceOnTheFullBatchWithInt32Inputs) 
   constexpr int kSteps = 6;
   std::vector<Batch> data;
   for (uint32_t i = 0; i < 3; ++i) data.push_back(token_batch(7, 50 + i));
-  std::vector<float> want;
+  std::vector<float> want, want_out;
   std::vector<double> want_losses;
   for (size_t devices : {1, 2, 3}) {
     Engine engine(model, sgd(), cpu_devices(devices));
     std::vector<double> losses;
     for (int s = 0; s < kSteps; ++s) losses.push_back(engine.train_step(data[s % 3].x, data[s % 3].y));
+    // accumulate() and step() split the i32 batch as train_step() does
+    engine.accumulate(data[0].x.rows(0, 3), data[0].y.rows(0, 3));
+    engine.accumulate(data[0].x.rows(3, 4), data[0].y.rows(3, 4));
+    engine.step();
     const auto got = engine.params(0);
+    engine.set_training(false);
+    const Tensor out = engine.forward(data[1].x);
+    const std::vector<float> got_out(out.f32(), out.f32() + out.numel());
     for (size_t r = 1; r < devices; ++r) EXPECT_EQ(engine.params(r), got) << "replica " << r;
     if (devices == 1) {
       want = got;
+      want_out = got_out;
       want_losses = losses;
       EXPECT_GT(max_relative_error(got, model.values()), 1e-2);  // training moved them
       // The embedding rows no token named kept their initial values: their gradient is zero.
@@ -421,6 +429,7 @@ TEST(LayerNormEmbedding, NDevicesTrainAsOneDeviceOnTheFullBatchWithInt32Inputs) 
       continue;
     }
     EXPECT_LT(max_relative_error(got, want), 1e-5) << devices << " devices";
+    EXPECT_LT(max_relative_error(got_out, want_out), 1e-5) << devices << " devices: forward";
     for (int s = 0; s < kSteps; ++s) EXPECT_NEAR(losses[s], want_losses[s], 1e-5) << devices << " devices";
   }
 }
