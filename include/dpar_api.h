@@ -163,6 +163,7 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_engine_get_buffer)(void *dst, dpar_engine *engine, size_t replica, size_t index, size_t count);
   dpar_status (*dpar_model_add_layernorm)(dpar_model *model, int64_t normalized_size, float eps, int32_t elementwise_affine);
   dpar_status (*dpar_model_add_embedding)(dpar_model *model, int64_t num_embeddings, int64_t embedding_dim);
+  dpar_status (*dpar_model_add_embedding_padded)(dpar_model *model, int64_t num_embeddings, int64_t embedding_dim, int64_t padding_idx);
 } dpar_api_v1;
 
 /**

@@ -2949,6 +2949,9 @@ TEST(BatchNorm, BuffersAreNamedTypedAndReadableOnModelAndEngine) {
   EXPECT_INVALID("model", dpar_model_add_embedding(nullptr, 4, 2));
   EXPECT_INVALID("num_embeddings", dpar_model_add_embedding(m.get(), 0, 2));
   EXPECT_INVALID("embedding_dim", dpar_model_add_embedding(m.get(), 4, -2));
+  EXPECT_INVALID("model", dpar_model_add_embedding_padded(nullptr, 4, 2, 0));
+  EXPECT_INVALID("padding_idx", dpar_model_add_embedding_padded(m.get(), 4, 2, 4));
+  EXPECT_INVALID("padding_idx", dpar_model_add_embedding_padded(m.get(), 4, 2, -5));
   dpar_clear_error();
   EXPECT_EQ(dpar_model_buffer_name(m.get(), 3), nullptr);
   EXPECT_NE(std::string(dpar_last_error()).find("index"), std::string::npos) << dpar_last_error();

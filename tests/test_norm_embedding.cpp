@@ -159,6 +159,30 @@ TEST(Embedding, WeightGradientMatchesFiniteDifferencesAndRepeatsAccumulate) {
   }
 }
 
+// padding_idx, as PyTorch's: the row starts at zero, is read as any row, and never gets a gradient.
+TEST(Embedding, PaddingRowStartsAtZeroAndGetsNoGradient) {
+  Model m(2);
+  m.add(make_embedding(5, 3, 2));
+  for (int64_t i = 0; i < 15; ++i)
+    if (i / 3 == 2)
+      EXPECT_EQ(m.values()[static_cast<size_t>(i)], 0.0f);
+    else
+      EXPECT_NE(m.values()[static_cast<size_t>(i)], 0.0f);
+  EXPECT_THROW(make_embedding(5, 3, 5), Error);
+  EXPECT_THROW(make_embedding(5, 3, -2), Error);
+  Rig rig(make_embedding(5, 3, 2));
+  const Tensor x = host_indices({2, 0, 2, 1, 0}, Shape{5});
+  const Tensor y = rig.forward(x);
+  EXPECT_EQ(y.f32()[0], rig.params[0].f32()[6]);  // read as any row
+  const auto r = randn(15, 8);
+  rig.backward(x, y, host_tensor(r, y.shape()));
+  for (int64_t e = 0; e < 3; ++e) {
+    EXPECT_EQ(rig.grads[0].f32()[2 * 3 + e], 0.0f);
+    EXPECT_NEAR(rig.grads[0].f32()[e], r[static_cast<size_t>(3 + e)] + r[static_cast<size_t>(12 + e)], 1e-6);
+    EXPECT_NEAR(rig.grads[0].f32()[3 + e], r[static_cast<size_t>(9 + e)], 1e-6);
+  }
+}
+
 TEST(Embedding, KernelRefusesAnIndexOutOfRangeBeforeReadingIt) {
   Rig rig(make_embedding(5, 2));
   for (int32_t bad : {5, -1}) {
@@ -254,10 +278,11 @@ TEST(LayerNormEmbedding, MatchPyTorch) {
       expect_close(rig.grads[1].f32(), cs["dbias"], 1e-5, name + " dbias");
     }
   }
-  ASSERT_EQ(ref["embedding"].size(), 2u);
+  ASSERT_EQ(ref["embedding"].size(), 3u);
   for (const auto& cs : ref["embedding"]) {
     const std::string name = cs["name"];
-    Rig rig(make_embedding(cs["num_embeddings"].get<int64_t>(), cs["embedding_dim"].get<int64_t>()));
+    Rig rig(make_embedding(cs["num_embeddings"].get<int64_t>(), cs["embedding_dim"].get<int64_t>(),
+                           cs["padding_idx"].get<int64_t>()));
     const auto wv = cs["weight"].get<std::vector<float>>();
     std::copy(wv.begin(), wv.end(), rig.params[0].f32());
     const Tensor x = host_indices(cs["indices"].get<std::vector<int32_t>>(),
@@ -312,7 +337,7 @@ TEST(LayerNormEmbedding, AStreamWithoutTheirKernelsRefusesWithNotSupported) {
             },
             "layer norm"},
            {[&] { stream.embedding_forward(nullptr, nullptr, nullptr, 1, 1, 1); }, "embedding"},
-           {[&] { stream.embedding_backward(nullptr, nullptr, nullptr, 1, 1, 1, false); }, "embedding"}}) {
+           {[&] { stream.embedding_backward(nullptr, nullptr, nullptr, 1, 1, 1, -1, false); }, "embedding"}}) {
     try {
       call();
       FAIL() << "no error";
@@ -378,16 +403,24 @@ TEST(LayerNormEmbedding, NDevicesTrainAsOneDeviceOnTheFullBatchWithInt32Inputs) 
   constexpr int kSteps = 6;
   std::vector<Batch> data;
   for (uint32_t i = 0; i < 3; ++i) data.push_back(token_batch(7, 50 + i));
-  std::vector<float> want;
+  std::vector<float> want, want_out;
   std::vector<double> want_losses;
   for (size_t devices : {1, 2, 3}) {
     Engine engine(model, sgd(), cpu_devices(devices));
     std::vector<double> losses;
     for (int s = 0; s < kSteps; ++s) losses.push_back(engine.train_step(data[s % 3].x, data[s % 3].y));
+    // accumulate() and step() split the i32 batch as train_step() does
+    engine.accumulate(data[0].x.rows(0, 3), data[0].y.rows(0, 3));
+    engine.accumulate(data[0].x.rows(3, 4), data[0].y.rows(3, 4));
+    engine.step();
     const auto got = engine.params(0);
+    engine.set_training(false);
+    const Tensor out = engine.forward(data[1].x);
+    const std::vector<float> got_out(out.f32(), out.f32() + out.numel());
     for (size_t r = 1; r < devices; ++r) EXPECT_EQ(engine.params(r), got) << "replica " << r;
     if (devices == 1) {
       want = got;
+      want_out = got_out;
       want_losses = losses;
       EXPECT_GT(max_relative_error(got, model.values()), 1e-2);  // training moved them
       // The embedding rows no token named kept their initial values: their gradient is zero.
@@ -396,7 +429,34 @@ TEST(LayerNormEmbedding, NDevicesTrainAsOneDeviceOnTheFullBatchWithInt32Inputs) 
       continue;
     }
     EXPECT_LT(max_relative_error(got, want), 1e-5) << devices << " devices";
+    EXPECT_LT(max_relative_error(got_out, want_out), 1e-5) << devices << " devices: forward";
     for (int s = 0; s < kSteps; ++s) EXPECT_NEAR(losses[s], want_losses[s], 1e-5) << devices << " devices";
+  }
+}
+
+// (B) indices: Embedding -> LayerNorm -> Linear, with Adam, on 3 devices and on one.
+TEST(LayerNormEmbedding, OneDimensionalIndicesTrainOnThreeDevicesAsOne) {
+  Model model(6);
+  model.add(make_embedding(kVocab, kDim, 0));
+  model.add(make_layernorm(kDim, 1e-5f, true));
+  model.add(make_linear(kDim, kClasses, true));
+  Tensor x = Tensor::empty(DType::kI32, Shape{8}, Device{}), y = Tensor::empty(DType::kI32, Shape{8}, Device{});
+  for (int32_t i = 0; i < 8; ++i) x.i32()[i] = (i * 7) % static_cast<int32_t>(kVocab), y.i32()[i] = i % 5;
+  OptimizerConfig adam;
+  adam.kind = OptimizerKind::kAdam;
+  adam.lr = 1e-2f;
+  std::vector<float> want;
+  for (size_t devices : {1, 3}) {
+    Engine engine(model, adam, cpu_devices(devices));
+    for (int s = 0; s < 5; ++s) engine.train_step(x, y);
+    const auto got = engine.params(0);
+    // The padding row (0, named by x[0]) starts at zero and stays there.
+    for (int64_t e = 0; e < kDim; ++e) EXPECT_EQ(got[static_cast<size_t>(e)], 0.0f);
+    for (size_t r = 1; r < devices; ++r) EXPECT_EQ(engine.params(r), got);
+    if (devices == 1)
+      want = got;
+    else
+      EXPECT_LT(max_relative_error(got, want), 1e-5);
   }
 }
 

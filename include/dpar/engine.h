@@ -159,14 +159,16 @@ DPAR_API dpar_status dpar_engine_split(size_t *out, const dpar_engine *engine, s
  * With several processes, @p input is this process's part of the global batch, and the gradient is that of the
  * mean loss over the global batch (every process's rows).
  * @param[out] out_loss  The mean loss over the batch (the global batch, with several processes); may be NULL.
- * @param input          (B, features...) f32 in host memory or in memory of the engine's devices' kind. A replica
- *                       whose device holds the input takes its rows as a view, without a copy; the others copy
- *                       theirs (from the host, or from the other GPU). A GPU input must be complete when the call
- *                       is made: synchronise the stream that wrote it.
+ * @param input          (B, features...) f32 (i32 indices (B) or (B, T) for a model whose input an Embedding reads:
+ *                       each is checked on the host before the step) in host memory or in memory of the engine's
+ *                       devices' kind. A replica whose device holds the input takes its rows as a view, without a
+ *                       copy; the others copy theirs (from the host, or from the other GPU). A GPU input must be
+ *                       complete when the call is made: synchronise the stream that wrote it.
  * @param target         Cross-entropy: (B) i32 labels in [0, classes). MSE: f32 shaped as the output. Where the
  *                       input may be (labels on a GPU are copied to the host for their range check).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULLs, B = 0, shapes that do not fit the model or each other,
- *         labels out of range; errors from a worker (::DPAR_ERR_OUT_OF_MEMORY, a custom layer's status, ...).
+ *         labels or embedding indices out of range (naming the index and its position); errors from a worker
+ *         (::DPAR_ERR_OUT_OF_MEMORY, a custom layer's status, ...).
  *         After a failure before the optimizer step the engine stays usable and its parameters are unchanged;
  *         otherwise it returns ::DPAR_ERR_INVALID_STATE from then on and must be recreated.
  */

@@ -127,11 +127,24 @@ DPAR_API dpar_status dpar_model_add_layernorm(dpar_model *model, int64_t normali
  * (B, E) or (B, T, E). A model whose input this layer reads takes an int32 input tensor (every node reading the
  * input must then be an Embedding); the engine checks every index on the host before a step and refuses one out of
  * range with ::DPAR_ERR_INVALID_ARGUMENT naming the index and its position, changing nothing. The weight's gradient
- * is dense (zero in the rows no index named) and is all-reduced as any parameter. No padding_idx, max_norm or
- * sparse gradient. Only CPU devices run it: on a GPU the step fails with ::DPAR_ERR_NOT_SUPPORTED.
- * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a null model or a size outside 1 to 2^24.
+ * is dense (zero in the rows no index named) and is all-reduced as any parameter. No max_norm or sparse gradient
+ * (padding_idx: dpar_model_add_embedding_padded()). Only CPU devices run it: on a GPU the step fails with
+ * ::DPAR_ERR_NOT_SUPPORTED.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a null model, a size outside 1 to 2^24, or where the layer
+ * would read a node's (float) output instead of the model's input (after dpar_model_branch_from(model,
+ * ::DPAR_MODEL_INPUT) it reads the input).
  */
 DPAR_API dpar_status dpar_model_add_embedding(dpar_model *model, int64_t num_embeddings, int64_t embedding_dim);
+/**
+ * @brief Appends an Embedding with a padding row, as torch.nn.Embedding(num_embeddings, embedding_dim,
+ * padding_idx): as dpar_model_add_embedding(), but row @p padding_idx of the weight starts at zero and never gets a
+ * gradient (an index equal to it still reads the row).
+ * @param padding_idx  In [-num_embeddings, num_embeddings); a negative one counts from the end, as PyTorch's.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a null model, a size outside 1 to 2^24 or a padding_idx out of
+ * range.
+ */
+DPAR_API dpar_status dpar_model_add_embedding_padded(dpar_model *model, int64_t num_embeddings,
+                                                     int64_t embedding_dim, int64_t padding_idx);
 
 /**
  * @brief Appends dropout with drop probability @p p in [0, 1). In training mode each replica draws its mask from

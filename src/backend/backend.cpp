@@ -85,7 +85,7 @@ void Stream::layernorm_backward(float*, float*, float*, const float*, const floa
 void Stream::embedding_forward(float*, const int32_t*, const float*, int64_t, int64_t, int64_t) {
   not_built("embedding");
 }
-void Stream::embedding_backward(float*, const float*, const int32_t*, int64_t, int64_t, int64_t, bool) {
+void Stream::embedding_backward(float*, const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t, bool) {
   not_built("embedding");
 }
 

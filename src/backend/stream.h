@@ -128,7 +128,7 @@ class Stream {
   virtual void embedding_forward(float* out, const int32_t* idx, const float* weight, int64_t N, int64_t V,
                                  int64_t E);
   virtual void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V,
-                                  int64_t E, bool accumulate);
+                                  int64_t E, int64_t padding_idx, bool accumulate);
 
  protected:
   // Throws Error(Status::kNotSupported) saying that `what` is not built for this stream's device.

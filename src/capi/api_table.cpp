@@ -144,6 +144,7 @@ const dpar_api_v1 kApiV1 = {
     &dpar_engine_get_buffer,
     &dpar_model_add_layernorm,
     &dpar_model_add_embedding,
+    &dpar_model_add_embedding_padded,
 };
 }  // namespace
 

@@ -286,15 +286,7 @@ void Engine::check_reachable(const Tensor& t, const char* what, const char* oper
 }
 
 Shape Engine::check_batch(const Tensor& input, const Tensor* target, const char* operation) const {
-  DType want = DType::kF32;
-  try {
-    want = model_.input_dtype();
-  } catch (const Error& e) {
-    fail(e.status(), operation, ": ", e.what());
-  }
-  DPAR_CHECK_ARG(input.dtype() == want, operation, ": input must be ", dtype_name(want),
-                 want == DType::kI32 ? " (the model's input is read by a layer of indices)" : "", ", got ",
-                 dtype_name(input.dtype()));
+  check_input_dtype(input, operation);
   check_reachable(input, "input", operation);
   if (target) check_reachable(*target, "target", operation);
   DPAR_CHECK_ARG(input.shape().ndim() >= 1 && input.rows() >= 1, operation, ": input batch is empty");
@@ -304,20 +296,7 @@ Shape Engine::check_batch(const Tensor& input, const Tensor* target, const char*
   } catch (const Error& e) {
     fail(e.status(), operation, ": input ", input.shape().str(), " does not fit the model: ", e.what());
   }
-  if (want == DType::kI32) {
-    // Indices are checked on the host before any replica runs, so that a bad one changes nothing (an index on a
-    // device is copied here first).
-    Tensor host = input;
-    if (!input.device().is_host()) {
-      host = Tensor::empty(DType::kI32, input.shape(), Device{});
-      backend_.copy_to_host(host.raw(), input.raw(), input.bytes(), input.device());
-    }
-    try {
-      model_.check_input_values(host);
-    } catch (const Error& e) {
-      fail(e.status(), operation, ": ", e.what());
-    }
-  }
+  check_input_values(input, operation);
   if (target) check_loss_target(config_.loss, out, *target, operation);
   return out;
 }

@@ -181,6 +181,10 @@ class Engine {
   Tensor on_replica(Replica& rep, const Tensor& whole, int64_t begin, int64_t rows, Tensor& stage);
   // A batch tensor (`what`: input, target, grad_output) must be host memory or memory of the replicas' kind.
   void check_reachable(const Tensor& t, const char* what, const char* operation) const;
+  // The input's dtype must be the model's (Model::input_dtype: i32 for a model read by an Embedding).
+  void check_input_dtype(const Tensor& input, const char* operation) const;
+  // An i32 input's values, checked on the host by the nodes that read it (an index out of range) before a step.
+  void check_input_values(const Tensor& input, const char* operation) const;
   // Checks input (and target) against the model; returns the output shape for the whole batch.
   Shape check_batch(const Tensor& input, const Tensor* target, const char* operation) const;
   // Runs job on every replica's worker; on failure restores a usable state (or marks the engine broken) and

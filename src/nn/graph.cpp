@@ -167,6 +167,10 @@ int32_t Model::append(Node node) {
         }
         values_.push_back(v);
       }
+      if (spec.zero_row >= 0) {
+        const int64_t row = n / spec.shape[0];
+        std::fill_n(values_.end() - n + spec.zero_row * row, row, 0.0f);
+      }
       params_.push_back(std::move(info));
     }
     for (const BufferSpec& spec : node.layer->buffer_specs()) {

@@ -46,6 +46,7 @@ struct ParamSpec {
   Shape shape;
   InitKind init = InitKind::kZeros;
   float bound = 0.0f;  // for kUniform: U(-bound, bound); for kNormal: the standard deviation of N(0, bound^2)
+  int64_t zero_row = -1;  // >= 0: this row (index along dim 0) is zeroed after the draw (Embedding's padding_idx)
 };
 
 // A layer's state that is not a parameter (BatchNorm's running statistics): never stepped, reduced or gathered;
@@ -135,8 +136,9 @@ std::unique_ptr<Layer> make_adaptive_avg_pool2d(int64_t output_h, int64_t output
 std::unique_ptr<Layer> make_batchnorm(int dims, int64_t num_features, float eps, float momentum, bool affine);
 // nn.LayerNorm((normalized_size,), eps, elementwise_affine): over the last dim of (B, ..., D). (nn/norm_embedding.cpp)
 std::unique_ptr<Layer> make_layernorm(int64_t normalized_size, float eps, bool elementwise_affine);
-// nn.Embedding(num_embeddings, embedding_dim): i32 indices (B) or (B, T) -> (B, E) or (B, T, E).
-std::unique_ptr<Layer> make_embedding(int64_t num_embeddings, int64_t embedding_dim);
+// nn.Embedding(num_embeddings, embedding_dim, padding_idx): i32 indices (B) or (B, T) -> (B, E) or (B, T, E).
+// padding_idx: -1 for none, else a row in [0, num_embeddings) that starts at zero and never gets a gradient.
+std::unique_ptr<Layer> make_embedding(int64_t num_embeddings, int64_t embedding_dim, int64_t padding_idx = -1);
 // The SyncBatchNorm twin of a BatchNorm layer (same parameters and buffers), or null for any other layer.
 std::unique_ptr<Layer> to_sync_batchnorm(const Layer& layer);
 

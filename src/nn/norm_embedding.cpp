@@ -55,13 +55,14 @@ class LayerNorm final : public Layer {
 
 class Embedding final : public Layer {
  public:
-  Embedding(int64_t v, int64_t e) : v_(v), e_(e) {}
+  Embedding(int64_t v, int64_t e, int64_t padding_idx) : v_(v), e_(e), padding_idx_(padding_idx) {}
   std::string describe() const override {
-    return "embedding(" + std::to_string(v_) + ", " + std::to_string(e_) + ")";
+    return "embedding(" + std::to_string(v_) + ", " + std::to_string(e_) +
+           (padding_idx_ >= 0 ? ", padding_idx=" + std::to_string(padding_idx_) : std::string()) + ")";
   }
   std::vector<ParamSpec> param_specs() const override {
-    // PyTorch's Embedding.reset_parameters: normal_(0, 1).
-    return {{"weight", Shape{v_, e_}, InitKind::kNormal, 1.0f}};
+    // PyTorch's Embedding.reset_parameters: normal_(0, 1), then the padding row zeroed.
+    return {{"weight", Shape{v_, e_}, InitKind::kNormal, 1.0f, padding_idx_}};
   }
   DType input_dtype() const override { return DType::kI32; }
   Shape output_shape(const Shape& in) const override {
@@ -79,7 +80,7 @@ class Embedding final : public Layer {
            host.shape().ndim() == 2 ? ", " + std::to_string(col) : std::string(), ") is out of range [0, ", v_, ")");
     }
   }
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<Embedding>(v_, e_); }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<Embedding>(v_, e_, padding_idx_); }
 
   // in (N) i32 indices, weight (V,E), out (N,E)
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
@@ -89,11 +90,12 @@ class Embedding final : public Layer {
   // as any parameter).
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor&,
                 bool accumulate) override {
-    ctx.stream->embedding_backward(grads_[0], dout.f32(), in.i32(), in.numel(), v_, e_, accumulate);
+    ctx.stream->embedding_backward(grads_[0], dout.f32(), in.i32(), in.numel(), v_, e_, padding_idx_, accumulate);
   }
 
  private:
   int64_t v_, e_;
+  int64_t padding_idx_;  // -1: none
 };
 
 }  // namespace
@@ -105,14 +107,16 @@ std::unique_ptr<Layer> make_layernorm(int64_t normalized_size, float eps, bool e
   return std::make_unique<LayerNorm>(normalized_size, eps, elementwise_affine);
 }
 
-std::unique_ptr<Layer> make_embedding(int64_t num_embeddings, int64_t embedding_dim) {
+std::unique_ptr<Layer> make_embedding(int64_t num_embeddings, int64_t embedding_dim, int64_t padding_idx) {
   DPAR_CHECK_ARG(num_embeddings >= 1 && num_embeddings <= (1 << 24), "num_embeddings: ", num_embeddings,
                  " must be 1 to 2^24");
   DPAR_CHECK_ARG(embedding_dim >= 1 && embedding_dim <= (1 << 24), "embedding_dim: ", embedding_dim,
                  " must be 1 to 2^24");
   DPAR_CHECK_ARG(num_embeddings * embedding_dim <= (int64_t{1} << 31), "embedding: ", num_embeddings, " x ",
                  embedding_dim, " weights are more than 2^31");
-  return std::make_unique<Embedding>(num_embeddings, embedding_dim);
+  DPAR_CHECK_ARG(padding_idx >= -1 && padding_idx < num_embeddings, "padding_idx: ", padding_idx,
+                 " must be -1 (none) or in [0, ", num_embeddings, ")");
+  return std::make_unique<Embedding>(num_embeddings, embedding_dim, padding_idx);
 }
 
 }  // namespace dpar

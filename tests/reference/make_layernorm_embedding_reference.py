@@ -7,7 +7,8 @@ Usage (needs torch and numpy; not needed to build or run the tests):
 
 Each LayerNorm case is one layer given weight and bias (affine), input x and the loss sum(out * dout): its output
 and the gradients of x, weight and bias. Each Embedding case is one layer given its weight, indices (with repeats)
-and the loss sum(out * dout): its output and the weight's gradient. Every value is a float32 written as the exact
+and the loss sum(out * dout): its output and the weight's gradient (one case with a padding_idx, given as PyTorch
+resolves it). Every value is a float32 written as the exact
 double.
 """
 import json
@@ -38,16 +39,19 @@ def layernorm_case(name, shape, affine, eps, gen):
     return out
 
 
-def embedding_case(name, num, dim, idx_shape, gen):
-    module = torch.nn.Embedding(num, dim)
+def embedding_case(name, num, dim, idx_shape, gen, padding_idx=None):
+    module = torch.nn.Embedding(num, dim, padding_idx=padding_idx)
     with torch.no_grad():
         module.weight.copy_(torch.randn(num, dim, generator=gen))
     idx = torch.randint(0, num, idx_shape, generator=gen)
     idx.view(-1)[1] = idx.view(-1)[0]  # a repeated index: its rows' gradients add up
+    if padding_idx is not None:
+        idx.view(-1)[2] = padding_idx % num  # read, but its row gets no gradient
     y = module(idx)
     dout = torch.randn(*y.shape, generator=gen)
     (y * dout).sum().backward()
-    return {"name": name, "num_embeddings": num, "embedding_dim": dim, "index_shape": list(idx_shape),
+    return {"name": name, "padding_idx": -1 if padding_idx is None else padding_idx % num, "num_embeddings": num,
+            "embedding_dim": dim, "index_shape": list(idx_shape),
             "weight": as_list(module.weight), "indices": [int(v) for v in idx.reshape(-1).tolist()],
             "dout": as_list(dout), "output": as_list(y), "dweight": as_list(module.weight.grad)}
 
@@ -60,7 +64,8 @@ def main():
         "layernorm": [layernorm_case("2d_affine", (5, 8), True, 1e-5, gen),
                       layernorm_case("3d_affine", (3, 4, 6), True, 1e-5, gen),
                       layernorm_case("3d_plain", (2, 3, 5), False, 1e-3, gen)],
-        "embedding": [embedding_case("bt", 10, 4, (3, 5), gen), embedding_case("b", 6, 3, (7,), gen)],
+        "embedding": [embedding_case("bt", 10, 4, (3, 5), gen), embedding_case("b", 6, 3, (7,), gen),
+                      embedding_case("bt_padded", 8, 3, (4, 3), gen, padding_idx=-3)],
     }))
 
 

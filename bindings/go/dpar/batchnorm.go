@@ -42,6 +42,15 @@ func (m *Model) Embedding(numEmbeddings, embeddingDim int64) error {
 	return call(func() int { return raw.Dpar_model_add_embedding(m.raw, numEmbeddings, embeddingDim) })
 }
 
+// EmbeddingPadded appends an Embedding whose row paddingIdx (negative: from the end) starts at zero and gets no
+// gradient, as torch.nn.Embedding's padding_idx.
+func (m *Model) EmbeddingPadded(numEmbeddings, embeddingDim, paddingIdx int64) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int {
+		return raw.Dpar_model_add_embedding_padded(m.raw, numEmbeddings, embeddingDim, paddingIdx)
+	})
+}
+
 // ConvertSyncBatchNorm turns every BatchNorm layer into SyncBatchNorm.
 func (m *Model) ConvertSyncBatchNorm() error {
 	defer runtime.KeepAlive(m)

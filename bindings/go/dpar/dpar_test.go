@@ -649,6 +649,9 @@ func TestLayerNormEmbeddingTrainOnInt32TokensAndRefuseABadIndex(t *testing.T) {
 	if err := m.LayerNorm(4, 0, true); err == nil {
 		t.Fatal("eps 0 was accepted")
 	}
+	if err := m.EmbeddingPadded(4, 2, 4); err == nil || !strings.Contains(err.Error(), "padding_idx") {
+		t.Fatalf("padding_idx 4 of 4 rows: %v", err)
+	}
 	e, err := NewEngine(m, Options{LR: 0.1, Devices: 2, Processes: ProcessesSingle})
 	if err != nil {
 		t.Fatal(err)

@@ -1220,6 +1220,25 @@ intgo _wrap_dpar_model_add_embedding_raw_9787157d5e82d198(struct dpar_model *_sw
 }
 
 
+intgo _wrap_dpar_model_add_embedding_padded_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, long long _swig_go_1, long long _swig_go_2, long long _swig_go_3) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t arg2 ;
+  int64_t arg3 ;
+  int64_t arg4 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t)_swig_go_1; 
+  arg3 = (int64_t)_swig_go_2; 
+  arg4 = (int64_t)_swig_go_3; 
+  
+  result = (dpar_status)dpar_model_add_embedding_padded(arg1,arg2,arg3,arg4);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_model_add_dropout_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, float _swig_go_1) {
   dpar_model *arg1 = (dpar_model *) 0 ;
   float arg2 ;

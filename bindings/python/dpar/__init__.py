@@ -512,9 +512,13 @@ class Model(_Handle):
         _check(_raw.dpar_model_add_layernorm(self._raw, normalized_size, eps, 1 if elementwise_affine else 0))
         return self
 
-    def embedding(self, num_embeddings, embedding_dim):
-        """An Embedding: int32 indices (B) or (B, T) give rows of its weight; the model then takes int32 input."""
-        _check(_raw.dpar_model_add_embedding(self._raw, num_embeddings, embedding_dim))
+    def embedding(self, num_embeddings, embedding_dim, padding_idx=None):
+        """An Embedding: int32 indices (B) or (B, T) give rows of its weight; the model then takes int32 input.
+        Row padding_idx (negative: from the end), if given, starts at zero and gets no gradient."""
+        if padding_idx is None:
+            _check(_raw.dpar_model_add_embedding(self._raw, num_embeddings, embedding_dim))
+        else:
+            _check(_raw.dpar_model_add_embedding_padded(self._raw, num_embeddings, embedding_dim, padding_idx))
         return self
 
     def convert_sync_batchnorm(self):

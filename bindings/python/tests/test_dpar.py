@@ -226,6 +226,10 @@ class LayerNormEmbedding(unittest.TestCase):
                 dpar.Model(seed=1).embedding(0, 4)
             with self.assertRaises(dpar.DparError):
                 dpar.Model(seed=1).layernorm(4, eps=0.0)
+            with dpar.Model(seed=1).embedding(4, 2, padding_idx=-1) as padded:
+                np.testing.assert_array_equal(padded.get_param(0)[3], np.zeros(2, np.float32))
+            with self.assertRaises(dpar.DparError):
+                dpar.Model(seed=1).embedding(4, 2, padding_idx=4)
             tokens = (np.arange(15, dtype=np.int32) * 5 % 9).reshape(5, 3)
             labels = np.array([0, 1, 2, 1, 0], np.int32)
             with dpar.Engine(m, lr=0.1, devices=2, processes=dpar.PROCESSES_SINGLE) as e:

@@ -169,8 +169,8 @@ class CpuStream final : public Stream {
     k::embedding_forward(out, idx, weight, N, V, E);
   }
   void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V, int64_t E,
-                          bool accumulate) override {
-    k::embedding_backward(dweight, dout, idx, N, V, E, accumulate);
+                          int64_t padding_idx, bool accumulate) override {
+    k::embedding_backward(dweight, dout, idx, N, V, E, padding_idx, accumulate);
   }
 };
 

@@ -76,10 +76,11 @@ void embedding_forward(float* out, const int32_t* idx, const float* weight, int6
 }
 
 void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V, int64_t E,
-                        bool accumulate) {
+                        int64_t padding_idx, bool accumulate) {
   check_indices(idx, N, V);
   if (!accumulate) std::memset(dweight, 0, static_cast<size_t>(V * E) * sizeof(float));
   for (int64_t n = 0; n < N; ++n) {
+    if (idx[n] == padding_idx) continue;
     float* row = dweight + static_cast<int64_t>(idx[n]) * E;
     const float* g = dout + n * E;
     for (int64_t e = 0; e < E; ++e) row[e] += g[e];

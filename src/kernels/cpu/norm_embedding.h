@@ -22,8 +22,9 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
 void embedding_forward(float* out, const int32_t* idx, const float* weight, int64_t N, int64_t V, int64_t E);
 
 // dweight (V,E) += dout[n] at row idx[n] for each n (after zeroing it, unless accumulate): rows no index names get
-// zero; a repeated index sums its rows. Throws as embedding_forward for an index outside [0, V).
+// zero; a repeated index sums its rows; row padding_idx (or none for -1) gets nothing, as PyTorch's. Throws as
+// embedding_forward for an index outside [0, V).
 void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V, int64_t E,
-                        bool accumulate);
+                        int64_t padding_idx, bool accumulate);
 
 }  // namespace dpar::kernels::cpu

@@ -42,7 +42,8 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_no
        set_gradient_compression!, set_gradient_reduction!, forward, num_replicas, trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
-       num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!, batchnorm1d!, batchnorm2d!, layernorm!, embedding!,
+       num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!, batchnorm1d!, batchnorm2d!,
+       layernorm!, embedding!,
        sync_batchnorm!, convert_sync_batchnorm!, num_buffers, buffer_info, get_buffer, set_buffer!, buffer
 
 const OK = Int32(0)
@@ -407,11 +408,17 @@ function layernorm!(m::Model, normalized_size::Integer; eps::Real = 1e-5, elemen
     m
 end
 
-"""`embedding!(model, num_embeddings, embedding_dim)`: appends an Embedding; Int32 indices (B) or (B, T) (0-based)
-give rows of its weight, and the model then takes Int32 input tensors."""
-function embedding!(m::Model, num_embeddings::Integer, embedding_dim::Integer)
-    check(ccall((:dpar_model_add_embedding, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64),
-                m.ptr, num_embeddings, embedding_dim))
+"""`embedding!(model, num_embeddings, embedding_dim; padding_idx=nothing)`: appends an Embedding; Int32 indices
+(B) or (B, T) (0-based) give rows of its weight, and the model then takes Int32 input tensors. Row `padding_idx`
+(0-based; negative: from the end), if given, starts at zero and gets no gradient."""
+function embedding!(m::Model, num_embeddings::Integer, embedding_dim::Integer; padding_idx = nothing)
+    if padding_idx === nothing
+        check(ccall((:dpar_model_add_embedding, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64),
+                    m.ptr, num_embeddings, embedding_dim))
+    else
+        check(ccall((:dpar_model_add_embedding_padded, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64, Int64),
+                    m.ptr, num_embeddings, embedding_dim, padding_idx))
+    end
     m
 end
 

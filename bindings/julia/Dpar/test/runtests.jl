@@ -144,6 +144,7 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             Dpar.linear!(m, 12, 3)
             @test throws_dpar(() -> Dpar.embedding!(m, 0, 4), Dpar.ERR_INVALID_ARGUMENT, "num_embeddings")
             @test throws_dpar(() -> Dpar.layernorm!(m, 4; eps=0.0), Dpar.ERR_INVALID_ARGUMENT, "eps")
+            @test throws_dpar(() -> Dpar.embedding!(m, 4, 2; padding_idx=4), Dpar.ERR_INVALID_ARGUMENT, "padding_idx")
             Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do e
                 # dpar (5, 3) is a Julia 3 x 5 matrix (dimensions reversed).
                 tokens = Int32[(i * 5) % 9 for i in 0:14]

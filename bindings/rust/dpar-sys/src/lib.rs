@@ -287,6 +287,7 @@ extern "C" {
     pub fn dpar_model_convert_sync_batchnorm(model: *mut dpar_model) -> dpar_status;
     pub fn dpar_model_add_layernorm(model: *mut dpar_model, normalized_size: i64, eps: f32, elementwise_affine: i32) -> dpar_status;
     pub fn dpar_model_add_embedding(model: *mut dpar_model, num_embeddings: i64, embedding_dim: i64) -> dpar_status;
+    pub fn dpar_model_add_embedding_padded(model: *mut dpar_model, num_embeddings: i64, embedding_dim: i64, padding_idx: i64) -> dpar_status;
     pub fn dpar_model_num_buffers(out: *mut usize, model: *const dpar_model) -> dpar_status;
     pub fn dpar_model_buffer_name(model: *const dpar_model, index: usize) -> *const c_char;
     pub fn dpar_model_buffer_info(out_dtype: *mut i32, out_shape: *mut i64, out_ndim: *mut usize, model: *const dpar_model, index: usize) -> dpar_status;

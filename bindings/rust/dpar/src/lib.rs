@@ -795,6 +795,11 @@ impl Model {
         check(unsafe { sys::dpar_model_add_embedding(self.raw, num_embeddings, embedding_dim) })?;
         Ok(self)
     }
+    /// Appends an Embedding whose row `padding_idx` (negative: from the end) starts at zero and gets no gradient.
+    pub fn embedding_padded(&mut self, num_embeddings: i64, embedding_dim: i64, padding_idx: i64) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_embedding_padded(self.raw, num_embeddings, embedding_dim, padding_idx) })?;
+        Ok(self)
+    }
     /// Turns every BatchNorm layer into SyncBatchNorm.
     pub fn convert_sync_batchnorm(&mut self) -> Result<&mut Model> {
         check(unsafe { sys::dpar_model_convert_sync_batchnorm(self.raw) })?;

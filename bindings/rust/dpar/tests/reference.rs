@@ -618,6 +618,10 @@ fn layernorm_and_embedding_train_on_i32_tokens_and_refuse_a_bad_index() {
     m.embedding(9, 4).unwrap().layernorm(4, 1e-5, true).unwrap().add_flatten().unwrap().linear(12, 3, true).unwrap();
     assert!(Model::new(1).unwrap().embedding(0, 4).is_err());
     assert!(Model::new(1).unwrap().layernorm(4, 0.0, true).is_err());
+    let mut padded = Model::new(1).unwrap();
+    padded.embedding_padded(4, 2, -1).unwrap();
+    assert_eq!(&padded.get_param(0).unwrap()[6..8], &[0.0, 0.0]);
+    assert!(Model::new(1).unwrap().embedding_padded(4, 2, 4).is_err());
     let engine = Engine::new(&m, &Optimizer::sgd(0.1), &EngineOptions::new().cpu_devices(2).processes(Processes::Single)).unwrap();
     let tokens: Vec<i32> = (0..15).map(|i| (i * 5 % 9) as i32).collect();
     let labels = Tensor::from_i32(&[5], &[0, 1, 2, 1, 0]).unwrap();
