@@ -139,7 +139,7 @@ int main(int argc, char **argv) {
   free(yv);
 
   double m[kMaxRounds][4]; /* dpar 1, dpar 2, torch 1, torch 2: seconds per step */
-  char version[512] = "";
+  char version[1024] = "";
   int have_torch = 1;
   for (int r = 0; r < rounds; ++r) {
     m[r][0] = time_dpar(model, 1, x, y, seconds);
