@@ -161,6 +161,8 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_model_get_buffer)(void *dst, const dpar_model *model, size_t index, size_t count);
   dpar_status (*dpar_model_set_buffer)(dpar_model *model, size_t index, const void *src, size_t count);
   dpar_status (*dpar_engine_get_buffer)(void *dst, dpar_engine *engine, size_t replica, size_t index, size_t count);
+  dpar_status (*dpar_model_param_decays)(int32_t *out, const dpar_model *model, size_t index);
+  dpar_status (*dpar_engine_set_weight_decay_exclusion)(dpar_engine *engine, int32_t exclude_biases_and_norms);
 } dpar_api_v1;
 
 /**

@@ -142,6 +142,8 @@ const dpar_api_v1 kApiV1 = {
     &dpar_model_get_buffer,
     &dpar_model_set_buffer,
     &dpar_engine_get_buffer,
+    &dpar_model_param_decays,
+    &dpar_engine_set_weight_decay_exclusion,
 };
 }  // namespace
 

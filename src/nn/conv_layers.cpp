@@ -37,7 +37,7 @@ class Conv2dLayer final : public Layer {
                                   Shape{spec_.out_channels, spec_.in_channels / spec_.groups, spec_.kernel_h,
                                         spec_.kernel_w},
                                   InitKind::kUniform, bound}};
-    if (spec_.bias) specs.push_back({"bias", Shape{spec_.out_channels}, InitKind::kUniform, bound});
+    if (spec_.bias) specs.push_back({"bias", Shape{spec_.out_channels}, InitKind::kUniform, bound, true});
     return specs;
   }
   Shape output_shape(const Shape& in) const override {

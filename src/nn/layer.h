@@ -46,6 +46,9 @@ struct ParamSpec {
   Shape shape;
   InitKind init = InitKind::kZeros;
   float bound = 0.0f;  // for kUniform: U(-bound, bound); for kNormal: the standard deviation of N(0, bound^2)
+  // A bias or a norm's scale and shift: exempt from weight decay when the engine is asked to exclude them (the
+  // parameter group PyTorch users give weight_decay 0), as decay pulling them to 0 only hurts.
+  bool no_decay = false;
 };
 
 // A layer's state that is not a parameter (BatchNorm's running statistics): never stepped, reduced or gathered;
