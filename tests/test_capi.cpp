@@ -1019,6 +1019,7 @@ std::vector<NamedCall> ModelCalls(dpar_model* bad, dpar_engine** engine_out) {
       {"num_params", [=] { size_t n; return dpar_model_num_params(&n, bad); }},
       {"num_param_elements", [=] { size_t n; return dpar_model_num_param_elements(&n, bad); }},
       {"param_info", [=] { return dpar_model_param_info(nullptr, nullptr, bad, 0); }},
+      {"param_decays", [=] { int32_t d; return dpar_model_param_decays(&d, bad, 0); }},
       {"get_param", [=] { return dpar_model_get_param(buf.data(), bad, 0, 12); }},
       {"set_param", [=] { return dpar_model_set_param(bad, 0, buf.data(), 12); }},
       {"engine_create", [=] { return dpar_engine_create(engine_out, bad, nullptr, nullptr); }},
@@ -1198,6 +1199,61 @@ TEST(GradientClipping, TheSetterClipsTheNextStepsAndTheNormIsReported) {
   ASSERT_OK(dpar_engine_set_max_grad_norm(b, norm / 10));
   for (dpar_engine* e : {a, b}) ASSERT_OK(dpar_engine_train_step(nullptr, e, batch.x.get(), batch.y.get()));
   EXPECT_FALSE(SameBits(Params(a), Params(b))) << "the test can tell clipping from none";
+}
+
+// Biases and norms' parameters report 0 (no decay when excluded); the exclusion steps them with weight_decay 0 and
+// leaves every other parameter's step as it was, bit for bit.
+TEST(WeightDecayExclusion, BiasesAndNormsStepWithoutDecayWhenAsked) {
+  dpar_model* raw = nullptr;
+  ASSERT_OK(dpar_model_create(&raw, nullptr));
+  ModelPtr bn(raw);
+  ASSERT_OK(dpar_model_add_linear(raw, 4, 6, 0));
+  ASSERT_OK(dpar_model_add_batchnorm1d(raw, 6, 1e-5f, 0.1f, 1));
+  ASSERT_OK(dpar_model_add_linear(raw, 6, 3, 1));
+  std::vector<int32_t> decays;
+  for (size_t i = 0; i < 5; ++i) {
+    int32_t d = -1;
+    ASSERT_OK(dpar_model_param_decays(&d, raw, i));
+    decays.push_back(d);
+  }
+  EXPECT_EQ(decays, (std::vector<int32_t>{1, 0, 0, 1, 0}));
+  int32_t d = 7;
+  EXPECT_INVALID("index", dpar_model_param_decays(&d, raw, 5));
+  EXPECT_INVALID("out", dpar_model_param_decays(nullptr, raw, 0));
+  EXPECT_EQ(d, 7);
+
+  ModelPtr m = LinearModel();  // weight (12 elements, decays), then bias (3, does not)
+  dpar_optimizer_options adamw = DPAR_OPTIMIZER_OPTIONS_INIT;
+  adamw.kind = DPAR_ADAMW;
+  adamw.lr = 0.1f;
+  adamw.weight_decay = 0.5f;
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 2;
+  dpar_engine *a = nullptr, *b = nullptr;
+  ASSERT_OK(dpar_engine_create(&a, m.get(), &adamw, &eo));
+  EnginePtr plain(a);
+  ASSERT_OK(dpar_engine_create(&b, m.get(), &adamw, &eo));
+  EnginePtr excluding(b);
+  for (int32_t bad : {-1, 2}) EXPECT_INVALID("exclude_biases_and_norms", dpar_engine_set_weight_decay_exclusion(b, bad));
+  EXPECT_INVALID("engine", dpar_engine_set_weight_decay_exclusion(nullptr, 1));
+  ASSERT_OK(dpar_engine_set_weight_decay_exclusion(b, 1));
+  Batch batch = MakeBatch();
+  for (dpar_engine* e : {a, b}) ASSERT_OK(dpar_engine_train_step(nullptr, e, batch.x.get(), batch.y.get()));
+  const std::vector<float> pa = Params(a), pb = Params(b);
+  const size_t weights = kIn * kOut;
+  EXPECT_TRUE(SameBits(std::vector<float>(pa.begin(), pa.begin() + weights),
+                       std::vector<float>(pb.begin(), pb.begin() + weights)));
+  for (size_t i = weights; i < kParams; ++i) EXPECT_NE(pa[i], pb[i]) << "bias element " << i - weights;
+  // Off again: the one-group step, the same bits as an engine never told.
+  ASSERT_OK(dpar_engine_set_weight_decay_exclusion(b, 0));
+  dpar_engine* c = nullptr;
+  ASSERT_OK(dpar_engine_create(&c, m.get(), &adamw, &eo));
+  EnginePtr fresh(c);
+  ASSERT_OK(dpar_engine_set_weight_decay_exclusion(c, 1));
+  ASSERT_OK(dpar_engine_set_weight_decay_exclusion(c, 0));
+  for (int s = 0; s < 3; ++s) ASSERT_OK(dpar_engine_train_step(nullptr, c, batch.x.get(), batch.y.get()));
+  for (int s = 0; s < 2; ++s) ASSERT_OK(dpar_engine_train_step(nullptr, a, batch.x.get(), batch.y.get()));
+  EXPECT_TRUE(SameBits(Params(a), Params(c)));  // three steps each
 }
 
 // What clipping does to the step, measured on it: with plain SGD of lr 1 the step moves the parameters by exactly
@@ -1566,6 +1622,7 @@ class EngineHandleCalls {
         {"set_training", [=] { return dpar_engine_set_training(bad, 0); }},
         {"set_lr", [=] { return dpar_engine_set_lr(bad, 0.5f); }},
         {"set_gradient_compression", [=] { return dpar_engine_set_gradient_compression(bad, DPAR_COMPRESSION_BF16); }},
+        {"set_weight_decay_exclusion", [=] { return dpar_engine_set_weight_decay_exclusion(bad, 1); }},
         {"step_count", [=] { size_t n; return dpar_engine_step_count(&n, bad); }},
         {"replica_losses", [=] { float l[8]; return dpar_engine_replica_losses(l, bad, 8); }},
         {"get_params", [=] { float p[kParams]; return dpar_engine_get_params(p, bad, 0, kParams); }},

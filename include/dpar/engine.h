@@ -261,6 +261,17 @@ typedef enum dpar_gradient_reduction {
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an unknown @p reduction.
  */
 DPAR_API dpar_status dpar_engine_set_gradient_reduction(dpar_engine *engine, int32_t reduction);
+/**
+ * @brief Excludes biases and normalisation layers' weights and biases from weight decay, from the next step on:
+ * the parameters for which dpar_model_param_decays() gives 0 are stepped with weight_decay 0 and all others with
+ * the optimizer's, as two PyTorch parameter groups would (SGD's and Adam's L2 term, AdamW's decoupled decay alike).
+ * Engines start with it off: every parameter decays, as one parameter group. The optimizer's state is unchanged,
+ * and so are checkpoints: they do not record the setting, and loading one keeps the engine's. Every process sets
+ * the same.
+ * @param exclude_biases_and_norms 1: exclude them; 0: decay every parameter.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a value other than 0 or 1 or a bad @p engine.
+ */
+DPAR_API dpar_status dpar_engine_set_weight_decay_exclusion(dpar_engine *engine, int32_t exclude_biases_and_norms);
 /** @brief The number of optimizer steps taken. */
 DPAR_API dpar_status dpar_engine_step_count(size_t *out, const dpar_engine *engine);
 

@@ -271,6 +271,13 @@ DPAR_API dpar_status dpar_model_param_info(int64_t *out_shape, size_t *out_ndim,
  *         dpar_last_error() saying why.
  */
 DPAR_API const char *dpar_model_param_name(const dpar_model *model, size_t index);
+/**
+ * @brief Whether parameter @p index decays when dpar_engine_set_weight_decay_exclusion() is on: 0 for biases (of
+ * Linear and Conv2d) and normalisation layers' weights and biases (BatchNorm, SyncBatchNorm), 1 for all others
+ * (custom layers' parameters included).
+ * @param[out] out 1 or 0.
+ */
+DPAR_API dpar_status dpar_model_param_decays(int32_t *out, const dpar_model *model, size_t index);
 /** @brief Copies parameter @p index into @p dst (@p count elements, exactly its size). */
 DPAR_API dpar_status dpar_model_get_param(float *dst, const dpar_model *model, size_t index, size_t count);
 /** @brief Overwrites parameter @p index from @p src (@p count elements, exactly its size). */

@@ -145,6 +145,8 @@ const dpar_api_v1 kApiV1 = {
     &dpar_model_add_layernorm,
     &dpar_model_add_embedding,
     &dpar_model_add_embedding_padded,
+    &dpar_model_param_decays,
+    &dpar_engine_set_weight_decay_exclusion,
 };
 }  // namespace
 

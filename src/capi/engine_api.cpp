@@ -286,6 +286,14 @@ DPAR_API dpar_status dpar_engine_set_gradient_reduction(dpar_engine* engine, int
                      [&](Engine& e) { e.set_gradient_reduction(static_cast<GradientReduction>(reduction)); });
 }
 
+DPAR_API dpar_status dpar_engine_set_weight_decay_exclusion(dpar_engine* engine, int32_t exclude_biases_and_norms) {
+  return with_engine(engine, [&](Engine& e) {
+    DPAR_CHECK_ARG(exclude_biases_and_norms == 0 || exclude_biases_and_norms == 1, "exclude_biases_and_norms: ",
+                   exclude_biases_and_norms, " is neither 0 (every parameter decays) nor 1 (biases and norms do not)");
+    e.set_weight_decay_exclusion(exclude_biases_and_norms == 1);
+  });
+}
+
 DPAR_API dpar_status dpar_engine_grad_norm(float* out, const dpar_engine* engine) {
   return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.grad_norm(); });
 }

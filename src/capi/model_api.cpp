@@ -207,6 +207,13 @@ DPAR_API const char* dpar_model_param_name(const dpar_model* model, size_t index
   return name;
 }
 
+DPAR_API dpar_status dpar_model_param_decays(int32_t* out, const dpar_model* model, size_t index) {
+  return guard([&] {
+    int32_t* dst = checked_out(out);
+    *dst = param_at(checked(model, "model").model, index).decays ? 1 : 0;
+  });
+}
+
 DPAR_API dpar_status dpar_model_get_param(float* dst, const dpar_model* model, size_t index, size_t count) {
   return guard([&] {
     const Model& m = checked(model, "model").model;

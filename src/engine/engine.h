@@ -115,6 +115,10 @@ class Engine {
   void set_lr(float lr);
   // Clips the gradient of the following steps to this global L2 norm (OptimizerConfig::max_grad_norm); 0: off.
   void set_max_grad_norm(float max_norm);
+  // From the next step on: true steps the parameters that do not decay (ParamInfo::decays: biases, norms' scales
+  // and shifts) with weight_decay 0, as two PyTorch parameter groups; false (the default): all decay alike.
+  void set_weight_decay_exclusion(bool exclude_biases_and_norms);
+  bool weight_decay_exclusion() const { return exclude_no_decay_; }
   // The gradient's norm before clipping at the last step taken with clipping on; NaN before any.
   float grad_norm() const { return grad_norm_; }
   // Each replica's own computation of that norm (the same bits on every replica, or the shards would be scaled
@@ -220,6 +224,7 @@ class Engine {
   // holds: its block of every gradient bucket (made once its reducer exists). The last replicas' blocks of a small
   // bucket may be empty.
   std::vector<ElementRange> optimizer_shard(const Replica& rep) const;
+  bool exclude_no_decay_ = false;
   // Makes every replica's buffers (BatchNorm's running statistics) replica 0's of process 0, as DataParallel keeps
   // replica 0's and DistributedDataParallel broadcasts rank 0's: a sum over the replica set to which only that
   // replica contributes. Every replica calls it at the end of every training-mode call that ran forward; nothing

@@ -138,6 +138,16 @@ void Engine::set_max_grad_norm(float max_norm) {
   for (auto& rep : replicas_) rep->optimizer->set_max_grad_norm(max_norm);
 }
 
+void Engine::set_weight_decay_exclusion(bool exclude_biases_and_norms) {
+  // The parameters are contiguous in the flat buffer, in model order: their element ranges are ordered already.
+  std::vector<ElementRange> no_decay;
+  if (exclude_biases_and_norms)
+    for (const ParamInfo& p : model_.params())
+      if (!p.decays) no_decay.push_back({p.offset, p.offset + p.shape.numel()});
+  for (auto& rep : replicas_) rep->optimizer->set_no_decay(no_decay);
+  exclude_no_decay_ = exclude_biases_and_norms;
+}
+
 int64_t Engine::step_count() const { return replicas_[0]->optimizer->steps(); }
 
 }  // namespace dpar

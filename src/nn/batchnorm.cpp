@@ -23,7 +23,9 @@ class BatchNorm final : public Layer {
   std::vector<ParamSpec> param_specs() const override {
     if (!affine_) return {};
     // PyTorch's _NormBase.reset_parameters: weight ones, bias zeros.
-    return {{"weight", Shape{c_}, InitKind::kOnes}, {"bias", Shape{c_}, InitKind::kZeros}};
+    ParamSpec weight{"weight", Shape{c_}, InitKind::kOnes}, bias{"bias", Shape{c_}, InitKind::kZeros};
+    weight.no_decay = bias.no_decay = true;  // a norm's scale and shift: the no-decay group
+    return {weight, bias};
   }
   std::vector<BufferSpec> buffer_specs() const override {
     return {{"running_mean", BufferDType::kF32, Shape{c_}, InitKind::kZeros},

@@ -37,7 +37,11 @@ class Conv2dLayer final : public Layer {
                                   Shape{spec_.out_channels, spec_.in_channels / spec_.groups, spec_.kernel_h,
                                         spec_.kernel_w},
                                   InitKind::kUniform, bound}};
-    if (spec_.bias) specs.push_back({"bias", Shape{spec_.out_channels}, InitKind::kUniform, bound});
+    if (spec_.bias) {
+      ParamSpec bias{"bias", Shape{spec_.out_channels}, InitKind::kUniform, bound};
+      bias.no_decay = true;  // by name, not position: ParamSpec's later fields are not all flags
+      specs.push_back(std::move(bias));
+    }
     return specs;
   }
   Shape output_shape(const Shape& in) const override {

@@ -153,7 +153,7 @@ int32_t Model::append(Node node) {
   if (node.layer) {
     for (const ParamSpec& spec : node.layer->param_specs()) {
       ParamInfo info{node.name + "." + spec.name, spec.shape, static_cast<int64_t>(values_.size()),
-                     static_cast<size_t>(id)};
+                     static_cast<size_t>(id), !spec.no_decay};
       const int64_t n = spec.shape.numel();
       values_.reserve(values_.size() + static_cast<size_t>(n));
       for (int64_t i = 0; i < n; ++i) {

@@ -47,6 +47,9 @@ struct ParamSpec {
   InitKind init = InitKind::kZeros;
   float bound = 0.0f;  // for kUniform: U(-bound, bound); for kNormal: the standard deviation of N(0, bound^2)
   int64_t zero_row = -1;  // >= 0: this row (index along dim 0) is zeroed after the draw (Embedding's padding_idx)
+  // A bias or a norm's scale and shift: exempt from weight decay when the engine is asked to exclude them (the
+  // parameter group PyTorch users give weight_decay 0), as decay pulling them to 0 only hurts.
+  bool no_decay = false;
 };
 
 // A layer's state that is not a parameter (BatchNorm's running statistics): never stepped, reduced or gathered;

@@ -42,7 +42,11 @@ class Linear final : public Layer {
     // weight, and the bias uses the same bound.
     const float bound = 1.0f / std::sqrt(static_cast<float>(in_));
     std::vector<ParamSpec> specs{{"weight", Shape{out_, in_}, InitKind::kUniform, bound}};
-    if (bias_) specs.push_back({"bias", Shape{out_}, InitKind::kUniform, bound});
+    if (bias_) {
+      ParamSpec bias{"bias", Shape{out_}, InitKind::kUniform, bound};
+      bias.no_decay = true;  // by name, not position: ParamSpec's later fields are not all flags
+      specs.push_back(std::move(bias));
+    }
     return specs;
   }
   Shape output_shape(const Shape& in) const override {

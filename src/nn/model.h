@@ -26,6 +26,7 @@ struct ParamInfo {
   Shape shape;
   int64_t offset = 0;  // in the flat buffer, in elements
   size_t layer = 0;    // the node that owns it
+  bool decays = true;  // !ParamSpec::no_decay: in the decayed group when biases and norms are excluded
 };
 
 // What a node computes. Joins and views are executed by the graph itself with the stream's copy and axpy, so they

@@ -17,8 +17,10 @@ class LayerNorm final : public Layer {
   }
   std::vector<ParamSpec> param_specs() const override {
     if (!affine_) return {};
-    // PyTorch's LayerNorm.reset_parameters: weight ones, bias zeros.
-    return {{"weight", Shape{d_}, InitKind::kOnes}, {"bias", Shape{d_}, InitKind::kZeros}};
+    // PyTorch's LayerNorm.reset_parameters: weight ones, bias zeros; a norm's scale and shift: the no-decay group.
+    ParamSpec weight{"weight", Shape{d_}, InitKind::kOnes}, bias{"bias", Shape{d_}, InitKind::kZeros};
+    weight.no_decay = bias.no_decay = true;
+    return {weight, bias};
   }
   Shape output_shape(const Shape& in) const override {
     DPAR_CHECK_ARG(in.ndim() >= 2 && in[in.ndim() - 1] == d_, describe(), " expects (batch, ..., ", d_, "), got ",

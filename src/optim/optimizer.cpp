@@ -57,22 +57,46 @@ Optimizer::Optimizer(const OptimizerConfig& config, std::vector<ElementRange> ra
   }
 }
 
+void Optimizer::set_no_decay(std::vector<ElementRange> no_decay) {
+  int64_t previous_end = 0;
+  for (const ElementRange& r : no_decay) {
+    DPAR_ENFORCE(previous_end <= r.begin && r.begin <= r.end, Status::kInternal, "optimizer: [", r.begin, ", ",
+                 r.end, ") is not a range of undecayed parameters after the ones before it");
+    previous_end = r.end;
+  }
+  no_decay_ = std::move(no_decay);
+}
+
 void Optimizer::step(Stream& stream, float* params, const float* grads) {
   ++steps_;  // the step counter advances on every replica, whatever its ranges
-  int64_t state = 0;  // where the range's state starts
-  for (const ElementRange& r : ranges_) {
-    const int64_t n = r.size();
-    if (n == 0) continue;
+  int64_t state = 0;  // where the piece's state starts
+  // One kernel call per piece of a range that lies wholly in one group: the formulas are element-wise, so the
+  // pieces' steps equal, bit for bit, one step of the range with each element's weight decay.
+  auto step_piece = [&](int64_t begin, int64_t end, float weight_decay) {
+    const int64_t n = end - begin;
+    if (n <= 0) return;
     if (config_.kind == OptimizerKind::kSgd) {
-      const SgdHyper h{config_.lr, config_.momentum, config_.dampening, config_.weight_decay, config_.nesterov};
-      stream.sgd_step(params + r.begin, buf_a_.defined() ? buf_a_.f32() + state : nullptr, grads + r.begin, n, h,
+      const SgdHyper h{config_.lr, config_.momentum, config_.dampening, weight_decay, config_.nesterov};
+      stream.sgd_step(params + begin, buf_a_.defined() ? buf_a_.f32() + state : nullptr, grads + begin, n, h,
                       steps_ == 1);
     } else {
-      const AdamHyper h{config_.lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay,
+      const AdamHyper h{config_.lr, config_.beta1, config_.beta2, config_.eps, weight_decay,
                         config_.kind == OptimizerKind::kAdamW};
-      stream.adam_step(params + r.begin, buf_a_.f32() + state, buf_b_.f32() + state, grads + r.begin, n, h, steps_);
+      stream.adam_step(params + begin, buf_a_.f32() + state, buf_b_.f32() + state, grads + begin, n, h, steps_);
     }
     state += n;
+  };
+  size_t k = 0;  // the first undecayed range that may meet the current range (both lists are ordered)
+  for (const ElementRange& r : ranges_) {
+    int64_t at = r.begin;
+    while (k < no_decay_.size() && no_decay_[k].end <= at) ++k;
+    for (size_t j = k; j < no_decay_.size() && no_decay_[j].begin < r.end; ++j) {
+      const int64_t nd_begin = std::max(no_decay_[j].begin, at), nd_end = std::min(no_decay_[j].end, r.end);
+      step_piece(at, nd_begin, config_.weight_decay);
+      step_piece(nd_begin, nd_end, 0.0f);
+      at = nd_end;
+    }
+    step_piece(at, r.end, config_.weight_decay);
   }
 }
 

@@ -53,6 +53,12 @@ class Optimizer {
   void step(Stream& stream, float* params, const float* grads);
   void set_lr(float lr) { config_.lr = lr; }
   void set_max_grad_norm(float max_norm) { config_.max_grad_norm = max_norm; }
+  // The elements stepped without weight decay from the next step on (ordered, not overlapping; in the same
+  // elements as the ranges): a second parameter group with weight_decay 0, as PyTorch users give biases and norms.
+  // Empty (the default): every element decays. The state is unchanged: its layout is the ranges', whatever the
+  // groups.
+  void set_no_decay(std::vector<ElementRange> no_decay);
+  const std::vector<ElementRange>& no_decay() const { return no_decay_; }
   const OptimizerConfig& config() const { return config_; }
   int64_t steps() const { return steps_; }
   void set_steps(int64_t steps) { steps_ = steps; }
@@ -72,6 +78,7 @@ class Optimizer {
  private:
   OptimizerConfig config_;
   std::vector<ElementRange> ranges_;
+  std::vector<ElementRange> no_decay_;
   int64_t elements_ = 0;
   int64_t steps_ = 0;
   Tensor buf_a_;  // momentum buffer, or Adam's exp_avg (undefined for SGD without momentum, or no elements)

@@ -501,6 +501,15 @@ func (m *Model) ParamInfo(index int) (string, []int64, error) {
 	return name, append([]int64(nil), s[:n]...), err
 }
 
+// ParamDecays tells whether parameter index decays when the engine excludes biases and norms from weight decay
+// (Engine.SetWeightDecayExclusion): false for biases and BatchNorm's weight and bias.
+func (m *Model) ParamDecays(index int) (bool, error) {
+	defer runtime.KeepAlive(m)
+	var d int32
+	err := call(func() int { return raw.Dpar_model_param_decays(unsafe.Pointer(&d), m.raw, int64(index)) })
+	return d != 0, err
+}
+
 func (m *Model) GetParam(index int) ([]float32, error) {
 	_, shape, err := m.ParamInfo(index)
 	if err != nil {
@@ -742,6 +751,18 @@ func (e *Engine) SetMaxGradNorm(maxNorm float32) error {
 func (e *Engine) SetGradientCompression(compression Compression) error {
 	return e.simple(func(r raw.Struct_SS_dpar_engine) int {
 		return raw.Dpar_engine_set_gradient_compression(r, int(compression))
+	})
+}
+
+// SetWeightDecayExclusion, from the next step on, steps biases and norms' parameters (Model.ParamDecays false)
+// with weight decay 0, as two PyTorch parameter groups; false (the default) decays every parameter.
+func (e *Engine) SetWeightDecayExclusion(excludeBiasesAndNorms bool) error {
+	v := 0
+	if excludeBiasesAndNorms {
+		v = 1
+	}
+	return e.simple(func(r raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_set_weight_decay_exclusion(r, v)
 	})
 }
 

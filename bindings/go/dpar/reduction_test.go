@@ -179,3 +179,65 @@ func TestAnUnknownGradientReductionIsRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// SetWeightDecayExclusion steps the bias without weight decay and leaves the weights' step as it was.
+func TestWeightDecayExclusionChangesTheBiasStepAlone(t *testing.T) {
+	bn, err := NewModel(7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bn.Close()
+	if err := bn.Linear(6, 3, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := bn.BatchNorm1d(3, 1e-5, 0.1, true); err != nil {
+		t.Fatal(err)
+	}
+	for i, want := range []bool{true, false, false, false} {
+		if got, err := bn.ParamDecays(i); err != nil || got != want {
+			t.Fatalf("parameter %d decays: %v, %v; want %v", i, got, err, want)
+		}
+	}
+	if _, err := bn.ParamDecays(4); err == nil || !strings.Contains(err.Error(), "index") {
+		t.Fatalf("index 4: %v", err)
+	}
+	m, err := NewModel(7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Linear(6, 3, true); err != nil {
+		t.Fatal(err)
+	}
+	o := Options{Optimizer: AdamW, LR: 0.1, WeightDecay: 0.5, Devices: 2, Processes: ProcessesSingle}
+	plain, err := NewEngine(m, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	excluding, err := NewEngine(m, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer excluding.Close()
+	if err := excluding.SetWeightDecayExclusion(true); err != nil {
+		t.Fatal(err)
+	}
+	x, y := reductionBatch(t, 0)
+	for _, e := range []*Engine{plain, excluding} {
+		if _, err := e.TrainStep(x, y); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a, b := paramBits(t, plain, 0, 21), paramBits(t, excluding, 0, 21)
+	for i := 0; i < 18; i++ {
+		if a[i] != b[i] {
+			t.Fatalf("weight element %d: %x against %x", i, a[i], b[i])
+		}
+	}
+	for i := 18; i < 21; i++ {
+		if a[i] == b[i] {
+			t.Fatalf("bias element %d stepped as with decay", i-18)
+		}
+	}
+}

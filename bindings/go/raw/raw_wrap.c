@@ -1533,6 +1533,23 @@ _gostring_ _wrap_dpar_model_param_name_raw_9787157d5e82d198(struct dpar_model *_
 }
 
 
+intgo _wrap_dpar_model_param_decays_raw_9787157d5e82d198(int32_t *_swig_go_0, struct dpar_model *_swig_go_1, long long _swig_go_2) {
+  int32_t *arg1 = (int32_t *) 0 ;
+  dpar_model *arg2 = (dpar_model *) 0 ;
+  size_t arg3 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = (int32_t *)_swig_go_0; 
+  arg2 = *(dpar_model **)&_swig_go_1; 
+  arg3 = (size_t)_swig_go_2; 
+  
+  result = (dpar_status)dpar_model_param_decays(arg1,(struct dpar_model const *)arg2,arg3);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_model_get_param_raw_9787157d5e82d198(float *_swig_go_0, struct dpar_model *_swig_go_1, long long _swig_go_2, long long _swig_go_3) {
   float *arg1 = (float *) 0 ;
   dpar_model *arg2 = (dpar_model *) 0 ;
@@ -2871,6 +2888,21 @@ intgo _wrap_dpar_engine_set_gradient_reduction_raw_9787157d5e82d198(struct dpar_
   arg2 = (int32_t)_swig_go_1; 
   
   result = (dpar_status)dpar_engine_set_gradient_reduction(arg1,arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_engine_set_weight_decay_exclusion_raw_9787157d5e82d198(struct dpar_engine *_swig_go_0, intgo _swig_go_1) {
+  dpar_engine *arg1 = (dpar_engine *) 0 ;
+  int32_t arg2 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_engine **)&_swig_go_0; 
+  arg2 = (int32_t)_swig_go_1; 
+  
+  result = (dpar_status)dpar_engine_set_weight_decay_exclusion(arg1,arg2);
   _swig_go_result = result; 
   return _swig_go_result;
 }

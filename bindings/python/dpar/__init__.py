@@ -482,6 +482,13 @@ class Model(_Handle):
             _check(ERR_INVALID_ARGUMENT)
         return name, tuple(int(v) for v in shape[: int(n[0])])
 
+    def param_decays(self, index):
+        """Whether parameter `index` decays when the engine excludes biases and norms from weight decay
+        (Engine.set_weight_decay_exclusion): False for biases and BatchNorm's weight and bias."""
+        d = _scalar(np.int32)
+        _check(_raw.dpar_model_param_decays(d.ctypes.data, self._raw, index))
+        return bool(d[0])
+
     def get_param(self, index):
         _, shape = self.param_info(index)
         out = np.empty(shape, dtype=np.float32)
@@ -760,6 +767,11 @@ class Engine(_Handle):
         """Compresses gradient buckets between processes from the next step on (COMPRESSION_NONE,
         COMPRESSION_BF16). Every process sets the same; with one process it changes nothing."""
         _check(_raw.dpar_engine_set_gradient_compression(self._raw, compression))
+
+    def set_weight_decay_exclusion(self, exclude_biases_and_norms):
+        """From the next step on, steps biases and norms' parameters (Model.param_decays False) with weight decay 0,
+        as two PyTorch parameter groups; False (the default) decays every parameter."""
+        _check(_raw.dpar_engine_set_weight_decay_exclusion(self._raw, operator.index(exclude_biases_and_norms)))
 
     def set_gradient_reduction(self, reduction):
         """Chooses how gradient buckets are reduced from the next step on: REDUCTION_ALL_REDUCE (the default, every

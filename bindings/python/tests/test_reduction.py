@@ -86,5 +86,26 @@ class Reduction(unittest.TestCase):
             e.set_gradient_reduction(dpar.REDUCTION_REDUCE_SCATTER)
 
 
+class WeightDecayExclusion(unittest.TestCase):
+    def test_biases_and_norms_step_without_decay_and_weights_as_before(self):
+        with dpar.Model(seed=7).linear(6, 3).batchnorm1d(3) as bn:
+            self.assertEqual([bn.param_decays(i) for i in range(4)], [True, False, False, False])
+            with self.assertRaises(dpar.DparError) as cm:
+                bn.param_decays(4)
+            self.assertIn("index", cm.exception.message)
+        kw = dict(optimizer=dpar.ADAMW, lr=0.1, weight_decay=0.5, devices=2, processes=dpar.PROCESSES_SINGLE)
+        with dpar.Model(seed=7).linear(6, 3) as m, dpar.Engine(m, **kw) as plain, dpar.Engine(m, **kw) as excluding:
+            excluding.set_weight_decay_exclusion(True)
+            with self.assertRaises(dpar.DparError) as cm:
+                excluding.set_weight_decay_exclusion(2)
+            self.assertIn("exclude_biases_and_norms", cm.exception.message)
+            x, y = batch(0)
+            plain.train_step(x, y)
+            excluding.train_step(x, y)
+            a, b = plain.params(0, 21), excluding.params(0, 21)
+            np.testing.assert_array_equal(a[:18].view(np.uint32), b[:18].view(np.uint32))
+            self.assertTrue(np.all(a[18:] != b[18:]), "the bias stepped as with decay")
+
+
 if __name__ == "__main__":
     unittest.main()

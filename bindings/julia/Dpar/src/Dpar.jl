@@ -39,7 +39,7 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_no
        add_sum!, add_concat!, add_flatten!, add_reshape!, MODEL_INPUT, conv2d!, max_pool2d!, avg_pool2d!,
        adaptive_avg_pool2d!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
-       set_gradient_compression!, set_gradient_reduction!, forward, num_replicas, trace_start!, trace_stop!,
+       set_gradient_compression!, set_gradient_reduction!, set_weight_decay_exclusion!, param_decays, forward, num_replicas, trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
        num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!, batchnorm1d!, batchnorm2d!,
@@ -383,6 +383,14 @@ function param_info(m::Model, index::Integer)
     (unsafe_string(name), Tuple(s[1:n[]]))
 end
 
+"""`param_decays(model, index)`: whether parameter `index` (from 0) decays when the engine excludes biases and norms
+from weight decay (`set_weight_decay_exclusion!`): false for biases and BatchNorm's weight and bias."""
+function param_decays(m::Model, index::Integer)
+    d = Ref{Int32}(0)
+    check(ccall((:dpar_model_param_decays, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}, Csize_t), d, m.ptr, index))
+    d[] != 0
+end
+
 """`get_param(model, index)`: parameter `index` (from 0), flattened, as a copy."""
 function get_param(m::Model, index::Integer)
     _, shape = param_info(m, index)
@@ -674,6 +682,13 @@ bit-identical and, without clipping, train to the same bits, so switching betwee
 function set_gradient_reduction!(e::Engine, reduction::Integer)
     h, v = e.ptr, Int32(reduction)
     engine_call(() -> ccall((:dpar_engine_set_gradient_reduction, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)
+end
+"""`set_weight_decay_exclusion!(engine, exclude_biases_and_norms)`: from the next step on, steps biases and norms'
+parameters (`param_decays` false) with weight decay 0, as two PyTorch parameter groups; false (the default) decays
+every parameter."""
+function set_weight_decay_exclusion!(e::Engine, exclude_biases_and_norms::Union{Bool,Integer})
+    h, v = e.ptr, Int32(exclude_biases_and_norms)
+    engine_call(() -> ccall((:dpar_engine_set_weight_decay_exclusion, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)
 end
 """`grad_norm(engine)`: the gradient's norm before clipping at the last step taken with clipping on (NaN before any)."""
 function grad_norm(e::Engine)

@@ -370,6 +370,32 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             end
         end
     end
+    # set_weight_decay_exclusion!: the bias steps without decay, the weights as before, bit for bit.
+    @testset "biases and norms can be excluded from weight decay" begin
+        Dpar.Model(7) do m
+            Dpar.linear!(m, 6, 3); Dpar.batchnorm1d!(m, 3)
+            @test [Dpar.param_decays(m, i) for i in 0:3] == [true, false, false, false]
+            @test throws_dpar(() -> Dpar.param_decays(m, 4), Dpar.ERR_INVALID_ARGUMENT, "index")
+        end
+        Dpar.Model(7) do m
+            Dpar.linear!(m, 6, 3)
+            options = (optimizer=Dpar.ADAMW, lr=0.1, weight_decay=0.5, devices=2, processes=Dpar.PROCESSES_SINGLE)
+            Dpar.Engine(m; options...) do plain
+                Dpar.Engine(m; options...) do excluding
+                    Dpar.set_weight_decay_exclusion!(excluding, true)
+                    @test throws_dpar(() -> Dpar.set_weight_decay_exclusion!(excluding, 2), Dpar.ERR_INVALID_ARGUMENT,
+                                      "exclude_biases_and_norms")
+                    x, y = reduction_batch(0)
+                    Dpar.train_step!(plain, x, y); Dpar.train_step!(excluding, x, y)
+                    a, b = Dpar.params(plain, 0, 21), Dpar.params(excluding, 0, 21)
+                    @test reinterpret(UInt32, a[1:18]) == reinterpret(UInt32, b[1:18])
+                    for i in 19:21
+                        @test a[i] != b[i]  # the bias stepped without decay
+                    end
+                end
+            end
+        end
+    end
     @testset "every optimizer and engine option reaches dpar" begin
         # Each keyword changes the parameters after a few steps; one dropped on the way would not.
         function params_after(; kw...)

@@ -279,6 +279,7 @@ extern "C" {
     pub fn dpar_model_num_param_elements(out: *mut usize, model: *const dpar_model) -> dpar_status;
     pub fn dpar_model_param_info(out_shape: *mut i64, out_ndim: *mut usize, model: *const dpar_model, index: usize) -> dpar_status;
     pub fn dpar_model_param_name(model: *const dpar_model, index: usize) -> *const c_char;
+    pub fn dpar_model_param_decays(out: *mut i32, model: *const dpar_model, index: usize) -> dpar_status;
     pub fn dpar_model_get_param(dst: *mut f32, model: *const dpar_model, index: usize, count: usize) -> dpar_status;
     pub fn dpar_model_set_param(model: *mut dpar_model, index: usize, src: *const f32, count: usize) -> dpar_status;
     pub fn dpar_model_add_batchnorm1d(model: *mut dpar_model, num_features: i64, eps: f32, momentum: f32, affine: i32) -> dpar_status;
@@ -321,6 +322,7 @@ extern "C" {
     pub fn dpar_engine_set_max_grad_norm(engine: *mut dpar_engine, max_norm: f32) -> dpar_status;
     pub fn dpar_engine_set_gradient_compression(engine: *mut dpar_engine, compression: i32) -> dpar_status;
     pub fn dpar_engine_set_gradient_reduction(engine: *mut dpar_engine, reduction: i32) -> dpar_status;
+    pub fn dpar_engine_set_weight_decay_exclusion(engine: *mut dpar_engine, exclude_biases_and_norms: i32) -> dpar_status;
     pub fn dpar_engine_grad_norm(out: *mut f32, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_step_count(out: *mut usize, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_replica_losses(out: *mut f32, engine: *const dpar_engine, capacity: usize) -> dpar_status;

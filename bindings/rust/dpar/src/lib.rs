@@ -760,6 +760,13 @@ impl Model {
         }
         Ok((unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned(), s[..n].to_vec()))
     }
+    /// Whether parameter `index` decays when the engine excludes biases and norms from weight decay
+    /// (`Engine::set_weight_decay_exclusion`): false for biases and BatchNorm's weight and bias.
+    pub fn param_decays(&self, index: usize) -> Result<bool> {
+        let mut d = 0i32;
+        check(unsafe { sys::dpar_model_param_decays(&mut d, self.raw, index) })?;
+        Ok(d != 0)
+    }
     pub fn get_param(&self, index: usize) -> Result<Vec<f32>> {
         let (_, shape) = self.param_info(index)?;
         let mut v = vec![0f32; shape.iter().product::<i64>() as usize];
@@ -1125,6 +1132,11 @@ impl Engine {
             Reduction::ReduceScatter => sys::DPAR_REDUCTION_REDUCE_SCATTER,
         };
         check(unsafe { sys::dpar_engine_set_gradient_reduction(self.raw, r) })
+    }
+    /// From the next step on, steps biases and norms' parameters (`Model::param_decays` false) with weight decay
+    /// 0, as two PyTorch parameter groups; false (the default) decays every parameter.
+    pub fn set_weight_decay_exclusion(&self, exclude_biases_and_norms: bool) -> Result<()> {
+        check(unsafe { sys::dpar_engine_set_weight_decay_exclusion(self.raw, exclude_biases_and_norms as i32) })
     }
     /// The gradient's norm before clipping at the last step taken with clipping on (NaN before any).
     pub fn grad_norm(&self) -> Result<f32> {
@@ -1970,5 +1982,32 @@ mod tests {
         }
         engine.set_gradient_reduction(Reduction::ReduceScatter).unwrap();
         engine.set_gradient_reduction(Reduction::AllReduce).unwrap();
+    }
+
+    #[test]
+    fn excluding_biases_from_weight_decay_changes_their_step_alone() {
+        let mut m = Model::new(7).unwrap();
+        m.linear(4, 3, true).unwrap().batchnorm1d(3, 1e-5, 0.1, true).unwrap();
+        let decays: Vec<bool> = (0..4).map(|i| m.param_decays(i).unwrap()).collect();
+        assert_eq!(decays, vec![true, false, false, false]);
+        assert_eq!(m.param_decays(4).err().unwrap().status(), status::INVALID_ARGUMENT);
+        let mut lin = Model::new(7).unwrap();
+        lin.linear(4, 3, true).unwrap();
+        let options = EngineOptions::new().cpu_devices(2).processes(Processes::Single);
+        let opt = Optimizer::adamw(0.1).weight_decay(0.5);
+        let (plain, excluding) = (Engine::new(&lin, &opt, &options).unwrap(), Engine::new(&lin, &opt, &options).unwrap());
+        excluding.set_weight_decay_exclusion(true).unwrap();
+        let e = check(unsafe { sys::dpar_engine_set_weight_decay_exclusion(excluding.raw, 2) }).err().unwrap();
+        assert!(e.message().contains("exclude_biases_and_norms"), "{}", e);
+        let x: Vec<f32> = (0..24).map(|i| ((i * 37) % 101) as f32 / 101.0 - 0.5).collect();
+        let y: Vec<i32> = (0..6).map(|r| (r % 3) as i32).collect();
+        let (x, y) = (Tensor::from_f32(&[6, 4], &x).unwrap(), Tensor::from_i32(&[6], &y).unwrap());
+        plain.train_step(&x, &y).unwrap();
+        excluding.train_step(&x, &y).unwrap();
+        let (a, b) = (plain.params(0, 15).unwrap(), excluding.params(0, 15).unwrap());
+        assert_eq!(a[..12], b[..12], "the weights decay alike");
+        for i in 12..15 {
+            assert_ne!(a[i], b[i], "bias element {}", i - 12);
+        }
     }
 }
