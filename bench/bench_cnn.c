@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_check.h"
 #include "bench_util.h"
 #include "dpar.h"
 #include "fashion_cnn.h"
@@ -22,15 +23,6 @@
 #ifndef BENCH_TORCH_ANCHOR
 #define BENCH_TORCH_ANCHOR "bench/torch_anchor.py"
 #endif
-
-#define CHECK(call)                                                                          \
-  do {                                                                                       \
-    dpar_status s_ = (call);                                                                 \
-    if (s_ != DPAR_OK) {                                                                     \
-      fprintf(stderr, "%s failed: %s: %s\n", #call, dpar_status_str(s_), dpar_last_error()); \
-      exit(1);                                                                               \
-    }                                                                                        \
-  } while (0)
 
 enum { kData = 4, kMaxRounds = 64 };
 
