@@ -328,8 +328,9 @@ LayerRun run_layer(std::unique_ptr<Layer> layer, const std::vector<Vec>& params,
   ReplicaContext ctx;
   ctx.stream = stream.get();
   std::vector<Tensor> p, g;
+  const std::vector<ParamSpec> specs = layer->param_specs();  // a copy: param_specs() returns a temporary
   for (size_t i = 0; i < params.size(); ++i) {
-    const ParamSpec& spec = layer->param_specs()[i];
+    const ParamSpec& spec = specs[i];
     p.push_back(Tensor::empty(DType::kF32, spec.shape, Device{}));
     EXPECT_EQ(static_cast<size_t>(spec.shape.numel()), params[i].size()) << spec.name;
     p.back().copy_from_host(params[i].data());
