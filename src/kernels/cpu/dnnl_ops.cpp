@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <unordered_map>
 #include <vector>
@@ -26,6 +27,15 @@ constexpr size_t kMaxShapes = 8;
 // it): exactly what the last window reaches beyond the input and the left padding, never negative.
 memory::dim pad_right(int64_t in, int64_t out, int64_t pad, int64_t stride, int64_t extent) {
   return std::max<int64_t>(0, (out - 1) * stride + extent - in - pad);
+}
+
+// Held while an op creates its primitives for a new shape (once per shape: they are cached). oneDNN may create
+// primitives from several threads, but its global primitive cache is set up lazily inside the library, where
+// ThreadSanitizer cannot see its synchronisation and reports the replicas' first creations as racing; one lock
+// around creation orders them visibly, at no cost once every shape is prepared.
+std::mutex& creation_mutex() {
+  static std::mutex m;
+  return m;
 }
 
 // Runs `body`, turning oneDNN's exceptions into dpar's, naming `what`.
@@ -131,6 +141,7 @@ struct Conv2d::Impl {
   Prepared& prepared(int64_t N, int64_t H, int64_t W) {
     for (auto& p : cache)
       if (p->N == N && p->H == H && p->W == W) return *p;
+    std::lock_guard<std::mutex> creating(creation_mutex());
     const Conv2dSpec& s = spec;
     const int64_t OH = s.out_h(H), OW = s.out_w(W);
     DPAR_CHECK_ARG(OH >= 1 && OW >= 1, name, ": input ", H, "x", W, " is smaller than the kernel's reach");
@@ -320,6 +331,7 @@ struct Pool2d::Impl {
 
   Prepared& prepared(int64_t N, int64_t C, int64_t H, int64_t W) {
     if (Prepared* p = find(N, C, H, W)) return *p;
+    std::lock_guard<std::mutex> creating(creation_mutex());
     const int64_t OH = spec.out_h(H), OW = spec.out_w(W);
     DPAR_CHECK_ARG(OH >= 1 && OW >= 1, name, ": input ", H, "x", W, " is smaller than the window");
     auto p = std::make_unique<Prepared>();
