@@ -1,7 +1,7 @@
-/* bench_cnn: the Fashion-MNIST CNN's training throughput on 1 and 2 CPU devices beside PyTorch's on the same
- * machine, in the same run.
+/* bench_cnn: the Fashion-MNIST CNN's training throughput on 1 and 2 CPU devices (or on one GPU) beside PyTorch's
+ * on the same machine, in the same run.
  *
- *   bench_cnn [--rounds R] [--seconds S] [--batch B] [--torch PYTHON]
+ *   bench_cnn [--device cpu|cuda] [--rounds R] [--seconds S] [--batch B] [--torch PYTHON]
  *
  * The model is examples/c/fashion_cnn.h's (convolutions, BatchNorm, max pooling, one residual block, 32 channels),
  * with Adam lr 1e-3 and softmax cross-entropy, on synthetic data (uniform pixels, random labels; 4 batches, cycled).
@@ -9,7 +9,11 @@
  * then at least 10 steps and S seconds), then runs `PYTHON bench/torch_anchor.py --cpu-model cnn --cpu-threads 1,2`
  * (the same module, BatchNorm in training mode, Adam fused) in a process of its own. Figures are medians over rounds
  * of each block's median step; the ratios are dpar's samples/s over PyTorch's at equal cores (1 device : 1 thread,
- * 2 devices : 2 threads). The aim: dpar on 2 devices ahead of PyTorch on 2 threads. Never a test. */
+ * 2 devices : 2 threads). The aim: dpar on 2 devices ahead of PyTorch on 2 threads. Never a test.
+ *
+ * --device cuda times dpar with one replica on cuda:0 (cuDNN's convolutions and pooling, dpar's BatchNorm kernels)
+ * beside PyTorch's eager step on the same GPU (`--anchor-device cuda`: cuDNN in FP32 with its autotuner on, a
+ * synchronisation after each step, as dpar's step returns once the GPU is done). */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,14 +30,23 @@
 
 enum { kData = 4, kMaxRounds = 64 };
 
-/* The median step time in seconds of `devices` CPU devices over at least 10 steps and `seconds`. */
-static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x, dpar_tensor **y, double seconds) {
+/* The median step time in seconds of `devices` CPU devices (or, with cuda, one replica on cuda:0) over at least 10
+ * steps and `seconds`. */
+static double time_dpar(const dpar_model *model, int cuda, size_t devices, dpar_tensor **x, dpar_tensor **y,
+                        double seconds) {
   dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
   oo.kind = DPAR_ADAM;
   oo.lr = 1e-3f;
   dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
-  eo.num_cpu_devices = devices;
-  eo.blas_threads = 1;
+  static const int32_t gpu0[1] = {0};
+  if (cuda) {
+    eo.device_kind = DPAR_DEVICE_CUDA;
+    eo.device_ids = gpu0;
+    eo.num_device_ids = 1;
+  } else {
+    eo.num_cpu_devices = devices;
+    eo.blas_threads = 1;
+  }
   dpar_engine *e = NULL;
   CHECK(dpar_engine_create(&e, model, &oo, &eo));
   float loss = 0.0f;
@@ -52,11 +65,13 @@ static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x
   return bench_median(times, n);
 }
 
-/* PyTorch's median step at 1 and 2 threads (ms[0], ms[1], in seconds; 0 where it gave none). */
-static int time_torch(const char *python, int batch, double seconds, double ms[2], char *version, size_t cap) {
+/* PyTorch's median step at 1 and 2 threads (ms[0], ms[1], in seconds; 0 where it gave none); with cuda, on cuda:0
+ * (ms[0] only). */
+static int time_torch(const char *python, int cuda, int batch, double seconds, double ms[2], char *version,
+                      size_t cap) {
   char cmd[2048];
-  snprintf(cmd, sizeof cmd, "'%s' '%s' --cpu-model cnn --cpu-threads 1,2 --batches %d --seconds %g 2>&1", python,
-           BENCH_TORCH_ANCHOR, batch, seconds);
+  snprintf(cmd, sizeof cmd, "'%s' '%s' --cpu-model cnn --cpu-threads %s --anchor-device %s --batches %d --seconds %g 2>&1",
+           python, BENCH_TORCH_ANCHOR, cuda ? "1" : "1,2", cuda ? "cuda" : "cpu", batch, seconds);
   ms[0] = ms[1] = 0;
   FILE *p = popen(cmd, "r");
   if (!p) return 0;
@@ -83,7 +98,7 @@ static int time_torch(const char *python, int batch, double seconds, double ms[2
 }
 
 int main(int argc, char **argv) {
-  int rounds = 5, batch = 128;
+  int rounds = 5, batch = 128, cuda = 0;
   double seconds = 2.0;
   const char *python = "python3";
   for (int i = 1; i < argc; ++i) {
@@ -92,8 +107,10 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--seconds") && v) seconds = atof(v), ++i;
     else if (!strcmp(argv[i], "--batch") && v) batch = atoi(v), ++i;
     else if (!strcmp(argv[i], "--torch") && v) python = v, ++i;
+    else if (!strcmp(argv[i], "--device") && v && (!strcmp(v, "cpu") || !strcmp(v, "cuda")))
+      cuda = !strcmp(v, "cuda"), ++i;
     else {
-      printf("usage: %s [--rounds R] [--seconds S] [--batch B] [--torch PYTHON]\n", argv[0]);
+      printf("usage: %s [--device cpu|cuda] [--rounds R] [--seconds S] [--batch B] [--torch PYTHON]\n", argv[0]);
       return strcmp(argv[i], "--help") ? 2 : 0;
     }
   }
@@ -106,9 +123,11 @@ int main(int argc, char **argv) {
   bench_print_machine(stdout);
   printf("CPU GEMM: %s\n", dpar_cpu_gemm_backend());
   printf("model: conv 1->32 + BN + ReLU + maxpool, a basic block of 32 channels, maxpool, fc 1568->10; Adam lr 1e-3,\n"
-         "softmax cross-entropy, batch %d, synthetic data; %d rounds of dpar 1 and 2 CPU devices (1 GEMM thread\n"
-         "each), then PyTorch at 1 and 2 threads (%s %s --cpu-model cnn), ~%.1f s of timed steps each\n\n",
-         batch, rounds, python, BENCH_TORCH_ANCHOR, seconds);
+         "softmax cross-entropy, batch %d, synthetic data; %d rounds of %s, then PyTorch %s (%s %s --cpu-model cnn),\n"
+         "~%.1f s of timed steps each\n\n",
+         batch, rounds, cuda ? "dpar on cuda:0 (one replica)" : "dpar 1 and 2 CPU devices (1 GEMM thread each)",
+         cuda ? "on cuda:0" : "at 1 and 2 threads", python, BENCH_TORCH_ANCHOR, seconds);
+  const dpar_device where = {cuda ? DPAR_DEVICE_CUDA : DPAR_DEVICE_CPU, 0};
 
   dpar_model *model = NULL;
   CHECK(dpar_model_create(&model, NULL));
@@ -122,8 +141,8 @@ int main(int argc, char **argv) {
   for (int d = 0; d < kData; ++d) {
     for (int i = 0; i < batch * 784; ++i) xv[i] = bench_uniform(&rng);
     for (int i = 0; i < batch; ++i) yv[i] = (int32_t)(bench_next_u64(&rng) % 10);
-    CHECK(dpar_tensor_create(&x[d], DPAR_F32, xs, 2, (dpar_device){DPAR_DEVICE_CPU, 0}));
-    CHECK(dpar_tensor_create(&y[d], DPAR_I32, ys, 1, (dpar_device){DPAR_DEVICE_CPU, 0}));
+    CHECK(dpar_tensor_create(&x[d], DPAR_F32, xs, 2, where));
+    CHECK(dpar_tensor_create(&y[d], DPAR_I32, ys, 1, where));
     CHECK(dpar_tensor_copy_from_host(x[d], xv, sizeof(float) * (size_t)batch * 784));
     CHECK(dpar_tensor_copy_from_host(y[d], yv, sizeof(int32_t) * (size_t)batch));
   }
@@ -134,18 +153,22 @@ int main(int argc, char **argv) {
   char version[1024] = "";
   int have_torch = 1;
   for (int r = 0; r < rounds; ++r) {
-    m[r][0] = time_dpar(model, 1, x, y, seconds);
-    m[r][1] = time_dpar(model, 2, x, y, seconds);
+    m[r][0] = time_dpar(model, cuda, 1, x, y, seconds);
+    m[r][1] = cuda ? 0 : time_dpar(model, 0, 2, x, y, seconds);
     double t[2] = {0, 0};
-    if (have_torch && time_torch(python, batch, seconds, t, version, sizeof version) < 2) {
+    if (have_torch && time_torch(python, cuda, batch, seconds, t, version, sizeof version) < (cuda ? 1 : 2)) {
       printf("    PyTorch did not run (%s): its columns stay empty; give a Python with torch: --torch PYTHON\n",
              version[0] ? version : "no figures from torch_anchor.py");
       have_torch = 0;
     }
     m[r][2] = t[0];
     m[r][3] = t[1];
-    printf("    round %d: dpar %6.0f %6.0f  PyTorch %6.0f %6.0f samples/s (1 and 2 devices / threads)\n", r,
-           batch / m[r][0], batch / m[r][1], t[0] > 0 ? batch / t[0] : 0, t[1] > 0 ? batch / t[1] : 0);
+    if (cuda)
+      printf("    round %d: dpar %6.0f  PyTorch %6.0f samples/s (cuda:0)\n", r, batch / m[r][0],
+             t[0] > 0 ? batch / t[0] : 0);
+    else
+      printf("    round %d: dpar %6.0f %6.0f  PyTorch %6.0f %6.0f samples/s (1 and 2 devices / threads)\n", r,
+             batch / m[r][0], batch / m[r][1], t[0] > 0 ? batch / t[0] : 0, t[1] > 0 ? batch / t[1] : 0);
     fflush(stdout);
   }
   if (version[0]) printf("    PyTorch: %s\n", version);
@@ -154,6 +177,15 @@ int main(int argc, char **argv) {
     double v[kMaxRounds];
     for (int r = 0; r < rounds; ++r) v[r] = m[r][c];
     med[c] = bench_median(v, (size_t)rounds);
+  }
+  if (cuda) {
+    printf("\n    %-20s | %10s | %10s | %s\n", "configuration", "median ms", "samples/s", "dpar / PyTorch (samples/s)");
+    printf("    %-20s | %10.3f | %10.0f | %.2fx PyTorch\n", "dpar, cuda:0", med[0] * 1e3, batch / med[0],
+           med[2] > 0 ? med[2] / med[0] : 0);
+    printf("    %-20s | %10.3f | %10.0f |\n", "PyTorch, cuda:0", med[2] * 1e3, med[2] > 0 ? batch / med[2] : 0);
+    for (int d = 0; d < kData; ++d) dpar_tensor_free(x[d]), dpar_tensor_free(y[d]);
+    dpar_model_free(model);
+    return 0;
   }
   static const char *names[4] = {"dpar, 1 device", "dpar, 2 devices", "PyTorch, 1 thread", "PyTorch, 2 threads"};
   printf("\n    %-20s | %10s | %10s | %s\n", "configuration", "median ms", "samples/s", "dpar / PyTorch (samples/s)");

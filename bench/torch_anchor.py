@@ -197,12 +197,15 @@ def fashion_cnn(torch):
     return FashionCnn()
 
 
-def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind, model_kind="demo"):
+def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind, model_kind="demo", device="cpu"):
     """PyTorch on the CPU beside bench_train's part (e) (the demo MLP) or bench_cnn (the CNN), Adam, at each thread
     count and batch.
 
     One line per configuration, "cpu_anchor threads=T batch=B median_ms=M steps=N min_ms=S", which bench_train
-    and bench_cnn read."""
+    and bench_cnn read. device="cuda" (bench_cnn --device cuda): model and batches on cuda:0, each step followed by
+    torch.cuda.synchronize() inside its timing (as dpar's step returns once the GPU's work is done), cuDNN in FP32
+    (TF32 off, as dpar's cuDNN calls) with its autotuner on (torch.backends.cudnn.benchmark, PyTorch's fastest
+    FP32 setting); the threads figure is then the CPU threads PyTorch's host side had."""
     sizes = MODELS["demo"][0]
     nn = torch.nn
     for threads in threads_list:
@@ -217,6 +220,14 @@ def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind, model_k
             else:
                 model = nn.Sequential(nn.Linear(sizes[0], sizes[1]), nn.ReLU(), nn.Linear(sizes[1], sizes[2]),
                                       nn.ReLU(), nn.Linear(sizes[2], sizes[3]))
+            if device == "cuda":
+                torch.backends.cudnn.allow_tf32 = False
+                torch.backends.cuda.matmul.allow_tf32 = False
+                torch.backends.cudnn.benchmark = True
+                model = model.cuda()
+                xs = [x.cuda() for x in xs]
+                ys = [y.cuda() for y in ys]
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
             opt = torch.optim.Adam(model.parameters(), lr=1e-3, **({"fused": True} if adam_kind == "fused" else
                                                                    {"foreach": adam_kind == "foreach"}))
             loss_fn = nn.CrossEntropyLoss()
@@ -225,6 +236,7 @@ def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind, model_k
                 opt.zero_grad(set_to_none=True)
                 loss_fn(model(xs[i % 8]), ys[i % 8]).backward()
                 opt.step()
+                sync()
 
             for i in range(warmup):
                 step(i)
@@ -266,6 +278,8 @@ def main():
                     help="with --cpu-threads: PyTorch's Adam implementation (default fused)")
     ap.add_argument("--cpu-model", choices=["demo", "cnn"], default="demo",
                     help="with --cpu-threads: the demo MLP (bench_train) or the Fashion-MNIST CNN (bench_cnn)")
+    ap.add_argument("--anchor-device", choices=["cpu", "cuda"], default="cpu",
+                    help="with --cpu-threads: run that anchor on the CPU (default) or on cuda:0 (bench_cnn --device cuda)")
     args = ap.parse_args()
     if args.cpu_threads:
         try:
@@ -273,12 +287,15 @@ def main():
         except ImportError as e:
             print(f"cpu_anchor skipped: no PyTorch ({e})")
             return 0
-        print(f"cpu_anchor torch={torch.__version__} adam={args.adam} "
+        if args.anchor_device == "cuda" and not torch.cuda.is_available():
+            print(f"cpu_anchor skipped: no CUDA device for PyTorch {torch.__version__}")
+            return 0
+        print(f"cpu_anchor torch={torch.__version__} device={args.anchor_device} adam={args.adam} "
               f"blas={torch.backends.mkl.is_available() and 'MKL' or 'other'} "
               f"mkldnn={torch.backends.mkldnn.is_available()}", flush=True)
         threads = [int(t) for t in args.cpu_threads.split(",") if t]
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [256, 1024]
-        cpu_anchor(torch, threads, batches, args.seconds, WARMUP, args.adam, args.cpu_model)
+        cpu_anchor(torch, threads, batches, args.seconds, WARMUP, args.adam, args.cpu_model, args.anchor_device)
         return 0
     variants = [v for v in args.variants.split(",") if v]
     if any(v not in VARIANTS for v in variants) or args.steps < 1 or args.blocks < 1:

@@ -6,7 +6,8 @@
 #
 # Stages, in order (all but racecheck when none is named), what only a GPU can run first:
 #   build     configure build-gpu/ (Release, the CUDA backend required) and print the CUDA, cuBLAS, NCCL and
-#             DLPack it found (cuDNN: dpar does not use it yet); build
+#             DLPack it found, and the cuDNN headers (cuDNN itself is loaded when a
+#             convolution first runs); build
 #   test      the GPU tests (CTest label "cuda"), each under its own limit (60 s): a hung one is killed and named
 #             ("Timeout") while the others go on. With a GPU visible, DPAR_TEST_REQUIRE_GPU=1 makes a GPU test that
 #             finds no device fail instead of skipping; a test that still skips (one that needs a second GPU) is
@@ -14,6 +15,11 @@
 #             process cannot open the GPU, so the tests run one at a time
 #   fmnist    the C example trains on Fashion-MNIST on cuda for 10 epochs and must reach 88% (a timeline of its
 #             first epoch goes to LOGDIR/traces)
+#   cnn       the Fashion-MNIST CNN (convolutions through cuDNN, BatchNorm, pooling, a residual block) trains on
+#             cuda for 10 epochs and must reach 92%; then 2 replicas on the one GPU with SyncBatchNorm, 2 epochs,
+#             84% (the shortened CPU test's bar)
+#   bench-cnn the CNN's training step on cuda:0 beside PyTorch's on the same GPU (bench_cnn --device cuda), at
+#             batch 128 and 512
 #   bench     the GPU training benchmark for the demo MLP at batch 128 and the wide MLP 784-4096-4096-4096-10 at
 #             batch 8192: dpar's step beside PyTorch's (plain, DataParallel, DDP of world size 1, CUDA graph, where
 #             PyTorch with CUDA is installed) and beside the step's GEMMs in cuBLAS alone, with the ratios
@@ -43,7 +49,7 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,42p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,47p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 out=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -52,7 +58,7 @@ shift
 # summary.txt: the GPU machines give back at most 8 files, and a stage cut short still leaves the ones before it.
 logs=$(mktemp -d "${TMPDIR:-/tmp}/dpar-gpu-check.XXXXXX")
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(build test fmnist bench memcheck suite fmnist-cpu)
+[ ${#stages[@]} -gt 0 ] || stages=(build test fmnist cnn bench bench-cnn memcheck suite fmnist-cpu)
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 build="$root/build-gpu"
@@ -107,8 +113,9 @@ run_stage() {
           "$logs/$name.log"
         echo "tests skipped: $(grep -c '\*\*\*Skipped' "$logs/$name-ctest.log" 2>/dev/null) (listed in the log)"; } |
         sed 's/^/          /' | tee -a "$summary" ;;
-    fmnist) grep -E "^(dpar|epoch +10|.*accuracy|.*wall)" "$logs/$name.log" | tail -4 | sed 's/^/          /' |
+    fmnist | cnn) grep -E "^(dpar|epoch +10|.*accuracy|.*wall)" "$logs/$name.log" | tail -6 | sed 's/^/          /' |
               tee -a "$summary" ;;
+    bench-cnn) grep -E "^    (dpar|PyTorch), cuda" "$logs/$name.log" | sed 's/^/      /' | tee -a "$summary" ;;
     memcheck | racecheck)
       { grep -E "^== .*(: (exit|timed out|not reached)|passed$)|ERROR SUMMARY: [1-9]" "$logs/$name.log"
         # The programs the stage did not get to (sanitize names each as it starts and as it ends).
@@ -222,6 +229,26 @@ stage_fmnist() {
   echo "wall time, 10 epochs on cuda: $((SECONDS - start)) s"
 }
 
+stage_cnn() {
+  local start=$SECONDS status=0
+  "$build/examples/c/train_fashion_mnist_cnn" --device cuda --data "$data" --epochs 10 --min-accuracy 92 || status=1
+  echo "wall time, 10 epochs of the CNN on cuda: $((SECONDS - start)) s"
+  start=$SECONDS
+  "$build/examples/c/train_fashion_mnist_cnn" --device cuda --devices 2 --sync-batchnorm --data "$data" --epochs 2 \
+    --steps-per-epoch 100 --min-accuracy 84 || status=1
+  echo "wall time, 2 short epochs, 2 replicas on cuda:0 with SyncBatchNorm: $((SECONDS - start)) s"
+  return $status
+}
+
+stage_bench_cnn() {
+  local status=0 batch
+  for batch in 128 512; do
+    echo "==== the Fashion-MNIST CNN, batch $batch"
+    "$build/bench/bench_cnn" --device cuda --batch "$batch" --rounds 3 --seconds 1 || status=1
+  done
+  return $status
+}
+
 # The same training on this machine's CPU cores, for the wall time beside the GPU's.
 stage_fmnist_cpu() {
   local start=$SECONDS
@@ -256,7 +283,12 @@ stage_bench() {
 
 # The programs `sanitize TOOL` runs, in order.
 sanitized_tests() {
-  if [ "$1" = racecheck ]; then echo test_cuda_kernels; else echo test_cuda_kernels test_cuda_engine; fi
+  # The newest kernels first: the budget may cut the list short.
+  if [ "$1" = racecheck ]; then
+    echo test_cuda_norm test_cuda_cudnn test_cuda_kernels
+  else
+    echo test_cuda_norm test_cuda_cudnn test_cuda_kernels test_cuda_engine
+  fi
 }
 
 # sanitize TOOL: dpar's own kernel and engine tests under compute-sanitizer; a report or a failed test fails it.
@@ -305,17 +337,21 @@ compute_mode=$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/
   fi
 } | tee -a "$summary"
 export root build data logs compute_mode
-export -f stage_build stage_test stage_suite skipped stage_fmnist stage_fmnist_cpu stage_bench sanitize sanitized_tests
+export -f stage_build stage_test stage_suite skipped stage_fmnist stage_fmnist_cpu stage_bench stage_cnn \
+  stage_bench_cnn sanitize sanitized_tests
 for stage in "${stages[@]}"; do
   case $stage in
     build) run_stage build 180 bash -c stage_build ;;
     test) run_stage test 300 bash -c stage_test ;;
     fmnist) run_stage fmnist 90 bash -c stage_fmnist ;;
     bench) run_stage bench 120 bash -c stage_bench ;;
+    cnn) run_stage cnn 120 bash -c stage_cnn ;;
+    bench-cnn) run_stage bench-cnn 90 bash -c stage_bench_cnn ;;
     memcheck | racecheck) run_stage "$stage" 240 bash -c "sanitize $stage" ;;
     suite) run_stage suite 300 bash -c stage_suite ;;
     fmnist-cpu) run_stage fmnist-cpu 120 bash -c stage_fmnist_cpu ;;
-    *) note "unknown stage '$stage' (build test fmnist bench memcheck suite fmnist-cpu racecheck)"; failed=1 ;;
+    *) note "unknown stage '$stage' (build test fmnist cnn bench bench-cnn memcheck suite fmnist-cpu racecheck)"
+       failed=1 ;;
   esac
 done
 note "total: $((SECONDS - started)) s of a $budget s budget"

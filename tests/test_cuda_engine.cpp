@@ -127,6 +127,110 @@ TEST(CudaEngine, AGraphModelOnTheGpuEqualsTheCpu) {
   EXPECT_GT(max_relative_error(gpu.params(0), m.values()), 1e-3) << "training did not move the parameters";
 }
 
+std::vector<float> values(const Tensor& t);
+
+// A small residual CNN as the Fashion-MNIST example's, at 2x6x6: convolution (cuDNN on the GPU, oneDNN on the CPU),
+// BatchNorm, ReLU, max pooling, a basic block with its skip connection, global average pooling and a classifier.
+Model make_cnn(uint64_t seed) {
+  auto conv = [](int64_t cin, int64_t cout) {
+    Conv2dSpec s;
+    s.in_channels = cin;
+    s.out_channels = cout;
+    s.kernel_h = s.kernel_w = 3;
+    s.pad_h = s.pad_w = 1;
+    s.bias = false;
+    return make_conv2d(s);
+  };
+  Model m(seed);
+  m.add_reshape({2, 6, 6});
+  m.add(conv(2, 4));
+  m.add(make_batchnorm(2, 4, 1e-5f, 0.1f, true));
+  m.add(make_activation(Activation::kRelu));
+  Pool2dSpec pool;
+  pool.kind = PoolKind::kMax;
+  pool.kernel_h = pool.kernel_w = pool.stride_h = pool.stride_w = 2;
+  const int32_t block_in = m.add(make_pool2d(pool));  // (4, 3, 3)
+  m.add(conv(4, 4));
+  m.add(make_batchnorm(2, 4, 1e-5f, 0.1f, true));
+  m.add(make_activation(Activation::kRelu));
+  m.add(conv(4, 4));
+  const int32_t bn2 = m.add(make_batchnorm(2, 4, 1e-5f, 0.1f, true));
+  m.add_sum({bn2, block_in});
+  m.add(make_activation(Activation::kRelu));
+  m.add(make_adaptive_avg_pool2d(1, 1));
+  m.add_flatten();
+  m.add(make_linear(4, 5, true));
+  return m;
+}
+
+std::vector<Batch> cnn_data(int64_t rows) {
+  std::vector<Batch> d;
+  for (uint32_t i = 0; i < 4; ++i) {
+    std::mt19937 gen(200 + i);
+    std::normal_distribution<float> normal;
+    Batch b{Tensor::empty(DType::kF32, Shape{rows, 72}, Device{}), Tensor::empty(DType::kI32, Shape{rows}, Device{})};
+    for (int64_t k = 0; k < rows * 72; ++k) b.x.f32()[k] = normal(gen);
+    for (int64_t k = 0; k < rows; ++k) b.y.i32()[k] = static_cast<int32_t>(gen() % 5);
+    d.push_back(std::move(b));
+  }
+  return d;
+}
+
+// SGD with momentum: a gradient's rounding difference moves a parameter by as much, where Adam's normalised step
+// would turn the rounding of a gradient near zero into a move of up to lr.
+OptimizerConfig sgd_momentum() {
+  OptimizerConfig c;
+  c.lr = 0.05f;
+  c.momentum = 0.9f;
+  return c;
+}
+
+// Every buffer of every BatchNorm (running mean and variance; num_batches_tracked as a float's worth of int64).
+std::vector<float> float_buffers(const Engine& e, size_t replica) {
+  std::vector<float> all;
+  const auto& specs = e.model().buffers();
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].dtype != BufferDType::kF32) continue;
+    std::vector<float> v(static_cast<size_t>(specs[i].shape.numel()));
+    e.read_buffer(v.data(), replica, i);
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+
+// The CNN on one GPU (cuDNN, dpar's BatchNorm kernels) trains as on one CPU device (oneDNN, the CPU's), running
+// statistics included, and evaluates the same afterwards; two replicas sharing the GPU with SyncBatchNorm train as
+// one replica on the full batch (BatchNorm's statistics summed over both, 15 and 14 rows).
+TEST(CudaEngine, ACnnWithBatchNormOnTheGpuEqualsTheCpu) {
+  DPAR_REQUIRE_GPU();
+  const Model model = make_cnn(23);
+  Model synced = make_cnn(23);
+  synced.convert_sync_batchnorm();
+  const auto d = cnn_data(29);
+  Engine cpu(model, sgd_momentum(), devices(DeviceKind::kCpu, {0}));
+  Engine gpu(model, sgd_momentum(), devices(DeviceKind::kCuda, {0}));
+  Engine two(synced, sgd_momentum(), devices(DeviceKind::kCuda, {0, 0}));
+  for (int s = 0; s < 10; ++s) {
+    const Batch& b = d[static_cast<size_t>(s) % d.size()];
+    const double lc = cpu.train_step(b.x, b.y), lg = gpu.train_step(b.x, b.y), l2 = two.train_step(b.x, b.y);
+    EXPECT_NEAR(lg, lc, 1e-4 * std::abs(lc)) << "step " << s;
+    EXPECT_NEAR(l2, lc, 1e-4 * std::abs(lc)) << "step " << s << ", two replicas with SyncBatchNorm";
+  }
+  // Convolutions sum in another order on each side (cuDNN's algorithm, oneDNN's blocked kernels): parameters agree
+  // within rounding carried through ten steps, not bit for bit.
+  EXPECT_LT(max_relative_error(gpu.params(0), cpu.params(0)), 1e-3);
+  EXPECT_LT(max_relative_error(two.params(0), cpu.params(0)), 1e-3);
+  EXPECT_EQ(two.params(1), two.params(0));
+  EXPECT_LT(max_relative_error(float_buffers(gpu, 0), float_buffers(cpu, 0)), 1e-3);
+  EXPECT_LT(max_relative_error(float_buffers(two, 0), float_buffers(cpu, 0)), 1e-3);
+  EXPECT_EQ(float_buffers(two, 1), float_buffers(two, 0));
+  EXPECT_GT(max_relative_error(gpu.params(0), model.values()), 1e-3) << "training did not move the parameters";
+  // Evaluation: BatchNorm normalises with the running statistics.
+  cpu.set_training(false);
+  gpu.set_training(false);
+  EXPECT_LT(max_relative_error(values(gpu.forward(d[0].x)), values(cpu.forward(d[0].x))), 1e-3);
+}
+
 TEST(CudaEngine, GradientClippingOnTheGpuEqualsTheCpu) {
   DPAR_REQUIRE_GPU();
   const Model model = make_mlp(4, 0.0f);
