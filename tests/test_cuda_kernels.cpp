@@ -215,6 +215,45 @@ TEST_F(CudaKernels, LinearBackwardMatchesCpu) {
   }
 }
 
+// The fused linear + ReLU against the CPU's: the CPU twin's order (GEMM, then bias, then ReLU), so only the GEMM's
+// summation order differs; the backward's dbias is summed in double in the ReLU's pass, as linear_backward sums it.
+TEST_F(CudaKernels, LinearReluForwardAndBackwardMatchCpu) {
+  uint64_t seed = 300;
+  for (const auto& s : kLinearShapes) {
+    for (bool with_bias : {true, false}) {
+      for (bool accumulate : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "B " << s.B << " C_in " << s.C_in << " C_out " << s.C_out << " bias "
+                                          << with_bias << " accumulate " << accumulate);
+        const auto inp = random_vector(s.B * s.C_in, seed++), w = random_vector(s.C_out * s.C_in, seed++),
+                   bias = random_vector(s.C_out, seed++), dout = random_vector(s.B * s.C_out, seed++);
+        const auto dw0 = random_vector(s.C_out * s.C_in, seed++), db0 = random_vector(s.C_out, seed++);
+        std::vector<float> out(s.B * s.C_out), dpre(s.B * s.C_out), dinp(s.B * s.C_in), dw = dw0, db = db0;
+        const float* b = with_bias ? bias.data() : nullptr;
+        cpu::linear_relu_forward(out.data(), inp.data(), w.data(), b, s.B, s.C_in, s.C_out);
+        cpu::linear_relu_backward(dinp.data(), dw.data(), with_bias ? db.data() : nullptr, dpre.data(), dout.data(),
+                                  out.data(), inp.data(), w.data(), s.B, s.C_in, s.C_out, accumulate);
+        DeviceBuffer<float> d_inp(inp), d_w(w), d_bias(bias), d_dout(dout), d_dw(dw0), d_db(db0),
+            d_out(std::vector<float>(s.B * s.C_out, NAN)), d_dpre(s.B * s.C_out),
+            d_dinp(std::vector<float>(s.B * s.C_in, NAN));
+        gpu::linear_relu_forward(d_out.get(), d_inp.get(), d_w.get(), with_bias ? d_bias.get() : nullptr, s.B,
+                                 s.C_in, s.C_out, blas_, stream_);
+        const auto got = d_out.download();
+        EXPECT_LT(normalised_error(got, out), 1e-5) << "out";
+        // The backward reads the CPU's out, so that both mask the same elements (an output within rounding of 0
+        // could be masked on one side only).
+        d_out.upload(out);
+        gpu::linear_relu_backward(d_dinp.get(), d_dw.get(), with_bias ? d_db.get() : nullptr, d_dpre.get(),
+                                  d_dout.get(), d_out.get(), d_inp.get(), d_w.get(), s.B, s.C_in, s.C_out,
+                                  accumulate, blas_, stream_);
+        EXPECT_TRUE(bitwise_equal(d_dpre.download(), dpre)) << "dpre: the mask is exact";
+        EXPECT_LT(normalised_error(d_dinp.download(), dinp), 1e-5) << "dinp";
+        EXPECT_LT(normalised_error(d_dw.download(), dw), 1e-5) << "dweight";
+        EXPECT_LT(normalised_error(d_db.download(), db), 1e-6) << "dbias (untouched without a bias)";
+      }
+    }
+  }
+}
+
 TEST_F(CudaKernels, LinearBackwardSkipsNullOutputsAndIsDeterministic) {
   const int64_t B = 333, C_in = 47, C_out = 29;
   const auto inp = random_vector(B * C_in, 7), w = random_vector(C_out * C_in, 8), dout = random_vector(B * C_out, 9);

@@ -109,6 +109,18 @@ class CudaStream final : public Stream {
     const auto scope = enter();
     k::linear_backward(dinp, dweight, dbias, dout, inp, weight, B, C_in, C_out, accumulate, blas(), stream_);
   }
+  void linear_relu_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B,
+                           int64_t C_in, int64_t C_out) override {
+    const auto scope = enter();
+    k::linear_relu_forward(out, inp, weight, bias, B, C_in, C_out, blas(), stream_);
+  }
+  void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre, const float* dout,
+                            const float* out, const float* inp, const float* weight, int64_t B, int64_t C_in,
+                            int64_t C_out, bool accumulate) override {
+    const auto scope = enter();
+    k::linear_relu_backward(dinp, dweight, dbias, dpre, dout, out, inp, weight, B, C_in, C_out, accumulate, blas(),
+                            stream_);
+  }
   void activation_forward(Activation kind, float* out, const float* inp, int64_t n) override {
     const auto scope = enter();
     switch (kind) {

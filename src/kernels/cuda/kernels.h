@@ -37,6 +37,18 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate,
                      cublasHandle_t blas, cudaStream_t stream);
 
+// out = relu(inp @ weight^T + bias), as the CPU twin: the GEMM's value, then the bias added, then the ReLU (one pass
+// over out after the GEMM).
+void linear_relu_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B,
+                         int64_t C_in, int64_t C_out, cublasHandle_t blas, cudaStream_t stream);
+
+// The backward of linear_relu_forward from dout = dL/d(its output) and out = its output: dpre (B,C_out) = the
+// ReLU's backward, with dbias summed from it in the same pass (as linear_backward sums it: the same bits), then
+// linear_backward's GEMMs from dpre. dinp may be dout's memory.
+void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre, const float* dout,
+                          const float* out, const float* inp, const float* weight, int64_t B, int64_t C_in,
+                          int64_t C_out, bool accumulate, cublasHandle_t blas, cudaStream_t stream);
+
 // ---------------------------------------------------------------------------------------------------------------
 // Elementwise activations on n elements (all buffers (n)); out may alias inp exactly.
 

@@ -65,6 +65,47 @@ __global__ void __launch_bounds__(kTile * kRows) bias_backward_kernel(float* dbi
   }
 }
 
+// out[b, j] = relu(out[b, j] + bias[j]) (bias null: relu alone), in place after a GEMM with beta 0: the CPU twin's
+// order (the GEMM's value, then the bias added, then the ReLU), one pass over out where a bias broadcast before the
+// GEMM, the GEMM's read of it (beta 1) and a ReLU after it were three. out (B,C_out), bias (C_out) or null
+__global__ void __launch_bounds__(kThreads) bias_relu_kernel(float* out, const float* bias, int64_t B, int64_t C_out) {
+  DPAR_GRID_STRIDE_LOOP(i, B * C_out) {
+    const float x = bias != nullptr ? out[i] + bias[i % C_out] : out[i];
+    out[i] = x < 0.0f ? 0.0f : x;  // NaN passes through, as torch.relu
+  }
+}
+
+// The ReLU's backward and the bias gradient in one pass: dpre[b, j] = out[b, j] <= 0 ? 0 : dout[b, j], and
+// dbias[j] (=|+=) the column sums of dpre, laid out and summed as bias_backward_kernel sums (the same bits).
+// dbias may be null (no bias). dpre (B,C_out), dout (B,C_out), out (B,C_out), dbias (C_out)
+__global__ void __launch_bounds__(kTile * kRows) relu_backward_bias_kernel(float* dpre, float* dbias, const float* dout,
+                                                                           const float* out, int64_t B, int64_t C_out,
+                                                                           bool accumulate) {
+  __shared__ double partial[kRows][kTile + 1];
+  const int x = threadIdx.x, y = threadIdx.y;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kTile + x;
+  double acc = 0.0;
+  if (j < C_out) {
+    for (int64_t b = y; b < B; b += kRows) {
+      const int64_t i = b * C_out + j;
+      const float g = out[i] <= 0.0f ? 0.0f : dout[i];
+      dpre[i] = g;
+      acc += static_cast<double>(g);
+    }
+  }
+  if (dbias == nullptr) return;  // uniform across the block: no thread waits at the barrier below alone
+  partial[y][x] = acc;
+  __syncthreads();
+  for (int stride = kRows / 2; stride > 0; stride /= 2) {
+    if (y < stride) partial[y][x] += partial[y + stride][x];
+    __syncthreads();
+  }
+  if (y == 0 && j < C_out) {
+    const float sum = static_cast<float>(partial[0][x]);
+    dbias[j] = accumulate ? dbias[j] + sum : sum;
+  }
+}
+
 void bias_broadcast(float* out, const float* bias, int64_t B, int64_t C_out, cudaStream_t stream) {
   detail::launch("linear_forward (bias)", bias_broadcast_kernel, blocks_for(B * C_out), kThreads, stream, out, bias, B,
                  C_out);
@@ -140,6 +181,35 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
     detail::launch("linear_backward (bias)", bias_backward_kernel, tiles, dim3(kTile, kRows), stream, dbias, dout, B,
                    C_out, accumulate);
   }
+}
+
+// out = relu(inp @ weight^T + bias): the GEMM with beta 0 (as linear_forward without a bias), then the bias and the
+// ReLU in one pass over out.
+void linear_relu_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B,
+                         int64_t C_in, int64_t C_out, cublasHandle_t blas, cudaStream_t stream) {
+  linear_forward(out, inp, weight, nullptr, B, C_in, C_out, blas, stream);
+  if (B == 0 || C_out == 0) return;
+  detail::launch("linear_relu_forward (bias and ReLU)", bias_relu_kernel, blocks_for(B * C_out), kThreads, stream,
+                 out, bias, B, C_out);
+}
+
+// The ReLU's backward into dpre with the bias gradient summed in the same pass, then linear_backward's GEMMs from
+// dpre (its bias pass skipped: done). dinp may be dout's memory: dout is read in full (into dpre) first.
+void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre, const float* dout,
+                          const float* out, const float* inp, const float* weight, int64_t B, int64_t C_in,
+                          int64_t C_out, bool accumulate, cublasHandle_t blas, cudaStream_t stream) {
+  blas_dim(B, "B");
+  blas_dim(C_out, "C_out");
+  if (C_out > 0) {
+    DPAR_CHECK_ARG(B == 0 || (dpre != nullptr && dout != nullptr && out != nullptr),
+                   "linear_relu_backward: dpre, dout or out is null");
+    if (B > 0 || dbias != nullptr) {
+      const unsigned tiles = static_cast<unsigned>((C_out + kTile - 1) / kTile);
+      detail::launch("linear_relu_backward (ReLU and bias)", relu_backward_bias_kernel, tiles, dim3(kTile, kRows),
+                     stream, dpre, dbias, dout, out, B, C_out, accumulate);
+    }
+  }
+  linear_backward(dinp, dweight, nullptr, dpre, inp, weight, B, C_in, C_out, accumulate, blas, stream);
 }
 
 }  // namespace dpar::kernels::cuda
