@@ -283,7 +283,12 @@ stage_bench() {
 
 # The programs `sanitize TOOL` runs, in order.
 sanitized_tests() {
-  # The newest kernels first: the budget may cut the list short.
+  # DPAR_GPU_SANITIZE_PROGRAMS (a list of test programs) replaces the list below, e.g. to go on where a cut-short
+  # run stopped. The newest kernels first: the budget may cut the list short.
+  if [ -n "${DPAR_GPU_SANITIZE_PROGRAMS:-}" ]; then
+    echo "$DPAR_GPU_SANITIZE_PROGRAMS"
+    return
+  fi
   if [ "$1" = racecheck ]; then
     echo test_cuda_norm test_cuda_cudnn test_cuda_kernels
   else
@@ -298,6 +303,11 @@ sanitized_tests() {
 sanitize() {
   local tool=$1 status=0 t rc one tests
   for t in $(sanitized_tests "$tool"); do
+    if [ ! -x "$build/tests/$t" ]; then  # the build stage failed, or the program is not in this tree
+      echo "== $t: exit (not built)"
+      status=1
+      continue
+    fi
     echo "== compute-sanitizer --tool $tool $t"
     tests=$("$build/tests/$t" --gtest_list_tests 2>/dev/null |
             awk '/^[^ ]/ {suite = $1} /^  / {print suite $1}')
