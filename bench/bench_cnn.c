@@ -73,27 +73,11 @@ static int time_torch(const char *python, int cuda, int batch, double seconds, d
   snprintf(cmd, sizeof cmd, "'%s' '%s' --cpu-model cnn --cpu-threads %s --anchor-device %s --batches %d --seconds %g 2>&1",
            python, BENCH_TORCH_ANCHOR, cuda ? "1" : "1,2", cuda ? "cuda" : "cpu", batch, seconds);
   ms[0] = ms[1] = 0;
-  FILE *p = popen(cmd, "r");
-  if (!p) return 0;
-  char line[1024];
+  bench_torch_figure figs[4];
+  const int n = bench_run_torch_anchor(cmd, figs, 4, version, cap);
   int got = 0;
-  while (fgets(line, sizeof line, p)) {
-    int t = 0, b = 0, steps = 0;
-    double m = 0, mn = 0;
-    if (sscanf(line, "cpu_anchor threads=%d batch=%d median_ms=%lf steps=%d min_ms=%lf", &t, &b, &m, &steps, &mn) ==
-            5 &&
-        t >= 1 && t <= 2) {
-      ms[t - 1] = m * 1e-3;
-      ++got;
-    } else if (!strncmp(line, "cpu_anchor ", 11)) {
-      line[strcspn(line, "\n")] = 0;
-      snprintf(version, cap, "%s", line + 11);
-    } else {
-      fputs("    torch_anchor: ", stdout);
-      fputs(line, stdout);
-    }
-  }
-  pclose(p);
+  for (int f = 0; f < n; ++f)
+    if (figs[f].threads >= 1 && figs[f].threads <= 2) ms[figs[f].threads - 1] = figs[f].median_s, ++got;
   return got;
 }
 

@@ -307,26 +307,16 @@ static int run_torch(const char *python, double seconds, double ms[kTorchThreads
            BENCH_TORCH_ANCHOR, kBatchesE[0], kBatchesE[1], seconds);
   memset(ms, 0, sizeof(double) * kTorchThreads * kTorchBatches);
   memset(best, 0, sizeof(double) * kTorchThreads * kTorchBatches);
-  FILE *p = popen(cmd, "r");
-  if (!p) return 0;
-  char line[1024];
+  bench_torch_figure figs[16];
+  const int n = bench_run_torch_anchor(cmd, figs, 16, version, cap);
   int got = 0;
-  while (fgets(line, sizeof line, p)) {
-    int t = 0, b = 0, steps = 0;
-    double m = 0, mn = 0;
-    if (sscanf(line, "cpu_anchor threads=%d batch=%d median_ms=%lf steps=%d min_ms=%lf", &t, &b, &m, &steps, &mn) ==
-        5) {
-      for (int i = 0; i < kTorchBatches; ++i)
-        if (b == kBatchesE[i] && t >= 1 && t <= kTorchThreads) ms[t - 1][i] = m * 1e-3, best[t - 1][i] = mn * 1e-3, ++got;
-    } else if (!strncmp(line, "cpu_anchor ", 11)) {
-      line[strcspn(line, "\n")] = 0;
-      snprintf(version, cap, "%s", line + 11);
-    } else {
-      fputs("    torch_anchor: ", stdout);
-      fputs(line, stdout);
-    }
-  }
-  pclose(p);
+  for (int f = 0; f < n; ++f)
+    for (int i = 0; i < kTorchBatches; ++i)
+      if (figs[f].batch == kBatchesE[i] && figs[f].threads >= 1 && figs[f].threads <= kTorchThreads) {
+        ms[figs[f].threads - 1][i] = figs[f].median_s;
+        best[figs[f].threads - 1][i] = figs[f].min_s;
+        ++got;
+      }
   return got;
 }
 

@@ -314,3 +314,28 @@ uint64_t bench_next_u64(uint64_t *state) {
 }
 
 float bench_uniform(uint64_t *state) { return (float)((double)(bench_next_u64(state) >> 11) * (1.0 / 9007199254740992.0)); }
+
+int bench_run_torch_anchor(const char *command, bench_torch_figure *figs, int cap, char *version, size_t version_cap) {
+  FILE *p = popen(command, "r");
+  if (!p) return 0;
+  char line[1024];
+  int got = 0;
+  while (fgets(line, sizeof line, p)) {
+    bench_torch_figure f;
+    int steps = 0;
+    if (sscanf(line, "cpu_anchor threads=%d batch=%d median_ms=%lf steps=%d min_ms=%lf", &f.threads, &f.batch,
+               &f.median_s, &steps, &f.min_s) == 5) {
+      f.median_s *= 1e-3;
+      f.min_s *= 1e-3;
+      if (got < cap) figs[got++] = f;
+    } else if (!strncmp(line, "cpu_anchor ", 11)) {
+      line[strcspn(line, "\n")] = 0;
+      snprintf(version, version_cap, "%s", line + 11);
+    } else {
+      fputs("    torch_anchor: ", stdout);
+      fputs(line, stdout);
+    }
+  }
+  pclose(p);
+  return got;
+}

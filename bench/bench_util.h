@@ -54,6 +54,18 @@ double bench_others_share(const bench_cpu_usage *begin, const bench_cpu_usage *e
 /** Prints what other processes used between two snapshots (as a share of the allowed CPUs) and the steal. */
 void bench_print_cpu_usage(FILE *f, const bench_cpu_usage *begin, const bench_cpu_usage *end, int ncpu);
 
+/** One figure of torch_anchor.py's step anchor, a line "cpu_anchor threads=T batch=B median_ms=M steps=N
+ *  min_ms=S" (bench_train's part (e), bench_cnn). */
+typedef struct bench_torch_figure {
+  int threads, batch;
+  double median_s, min_s; /* seconds per step */
+} bench_torch_figure;
+/** Runs `command` (torch_anchor.py with its arguments, through the shell, in a process of its own so that
+ *  PyTorch's threads are gone when it returns) and reads its figures into figs (at most cap; the count is
+ *  returned, 0 when it could not start); its "cpu_anchor ..." version line goes to version, and every other line
+ *  it prints to stdout after "    torch_anchor: ". */
+int bench_run_torch_anchor(const char *command, bench_torch_figure *figs, int cap, char *version, size_t version_cap);
+
 #ifdef __cplusplus
 }
 #endif
