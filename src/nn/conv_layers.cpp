@@ -111,17 +111,23 @@ class Pool2dLayer final : public Layer {
   std::unique_ptr<Pool2dOp> op_;
 };
 
+// A sliding window's kernel (>= 1), stride (>= 1) and padding (>= 0), each named as the C ABI's arrays name it.
+void check_window(int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
+                  int64_t pad_w) {
+  check_extent(kernel_h, 1, "kernel_size[0]");
+  check_extent(kernel_w, 1, "kernel_size[1]");
+  check_extent(stride_h, 1, "stride[0]");
+  check_extent(stride_w, 1, "stride[1]");
+  check_extent(pad_h, 0, "padding[0]");
+  check_extent(pad_w, 0, "padding[1]");
+}
+
 }  // namespace
 
 std::unique_ptr<Layer> make_conv2d(const Conv2dSpec& spec) {
   check_extent(spec.in_channels, 1, "in_channels");
   check_extent(spec.out_channels, 1, "out_channels");
-  check_extent(spec.kernel_h, 1, "kernel_size[0]");
-  check_extent(spec.kernel_w, 1, "kernel_size[1]");
-  check_extent(spec.stride_h, 1, "stride[0]");
-  check_extent(spec.stride_w, 1, "stride[1]");
-  check_extent(spec.pad_h, 0, "padding[0]");
-  check_extent(spec.pad_w, 0, "padding[1]");
+  check_window(spec.kernel_h, spec.kernel_w, spec.stride_h, spec.stride_w, spec.pad_h, spec.pad_w);
   check_extent(spec.dilation_h, 1, "dilation[0]");
   check_extent(spec.dilation_w, 1, "dilation[1]");
   check_extent(spec.groups, 1, "groups");
@@ -140,12 +146,7 @@ std::unique_ptr<Layer> make_pool2d(const Pool2dSpec& spec) {
   DPAR_CHECK_ARG(spec.kind == PoolKind::kMax || spec.kind == PoolKind::kAvg, "pool: unknown kind ",
                  static_cast<int>(spec.kind));
   DPAR_CHECK_ARG(!spec.global, "pool: a global pool is make_adaptive_avg_pool2d's");
-  check_extent(spec.kernel_h, 1, "kernel_size[0]");
-  check_extent(spec.kernel_w, 1, "kernel_size[1]");
-  check_extent(spec.stride_h, 1, "stride[0]");
-  check_extent(spec.stride_w, 1, "stride[1]");
-  check_extent(spec.pad_h, 0, "padding[0]");
-  check_extent(spec.pad_w, 0, "padding[1]");
+  check_window(spec.kernel_h, spec.kernel_w, spec.stride_h, spec.stride_w, spec.pad_h, spec.pad_w);
   // PyTorch's rule: a window must hold at least one input element beside its padding.
   DPAR_CHECK_ARG(2 * spec.pad_h <= spec.kernel_h && 2 * spec.pad_w <= spec.kernel_w, "padding: ", spec.pad_h, "x",
                  spec.pad_w, " must be at most half the kernel size ", spec.kernel_h, "x", spec.kernel_w);
