@@ -20,6 +20,7 @@
 #include "engine/engine.h"
 #include "io/safetensors.h"
 #include "kernels/cpu/kernels.h"
+#include "stream_without_optional_kernels.h"
 
 using namespace dpar;
 
@@ -253,42 +254,8 @@ TEST(Initialisers, OnesAndNormalDrawAsTheySay) {
 
 // A backend's stream that has no batch norm kernels (as CUDA's today): every other call is refused too, since only
 // the batch norm defaults are under test.
-class StreamWithoutBatchNorm final : public Stream {
- public:
-  StreamWithoutBatchNorm() : Stream(Device{DeviceKind::kCuda, 0}) {}
-  void copy(void*, const void*, size_t) override { no(); }
-  void copy_from_host(void*, const void*, size_t) override { no(); }
-  void copy_to_host(void*, const void*, size_t) override { no(); }
-  void fill_zero(void*, size_t) override { no(); }
-  void synchronize() override {}
-  void linear_forward(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t) override { no(); }
-  void linear_backward(float*, float*, float*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                       bool) override {
-    no();
-  }
-  void activation_forward(Activation, float*, const float*, int64_t) override { no(); }
-  void activation_backward(Activation, float*, const float*, const float*, const float*, int64_t) override { no(); }
-  void dropout_forward(float*, float*, const float*, int64_t, float, uint64_t, uint64_t) override { no(); }
-  void dropout_backward(float*, const float*, const float*, int64_t) override { no(); }
-  void cross_entropy_forward_backward(double*, float*, const float*, const int32_t*, int64_t, int64_t,
-                                      float) override {
-    no();
-  }
-  void mse_forward_backward(double*, float*, const float*, const float*, int64_t, int64_t, float) override { no(); }
-  void sgd_step(float*, float*, const float*, int64_t, const SgdHyper&, bool) override { no(); }
-  void adam_step(float*, float*, float*, const float*, int64_t, const AdamHyper&, int64_t) override { no(); }
-  void axpy(float*, const float*, float, int64_t) override { no(); }
-  void scale(float*, float, int64_t) override { no(); }
-  double sum_squares(const float*, int64_t) override { no(); }
-  void to_bf16(uint16_t*, const float*, int64_t) override { no(); }
-  void from_bf16(float*, const uint16_t*, int64_t) override { no(); }
-
- private:
-  [[noreturn]] static void no() { throw std::logic_error("not under test"); }
-};
-
 TEST(BatchNorm, AStreamWithoutItsKernelsRefusesWithNotSupported) {
-  StreamWithoutBatchNorm stream;
+  test::StreamWithoutOptionalKernels stream;
   try {
     stream.batchnorm_stats(nullptr, nullptr, 1, 1, 1);
     FAIL() << "no error";

@@ -18,6 +18,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "common/error.h"
 #include "engine/engine.h"
+#include "stream_without_optional_kernels.h"
 
 using namespace dpar;
 
@@ -294,42 +295,8 @@ TEST(LayerNormEmbedding, MatchPyTorch) {
   }
 }
 
-class StreamWithoutThem final : public Stream {
- public:
-  StreamWithoutThem() : Stream(Device{DeviceKind::kCuda, 0}) {}
-  void copy(void*, const void*, size_t) override { no(); }
-  void copy_from_host(void*, const void*, size_t) override { no(); }
-  void copy_to_host(void*, const void*, size_t) override { no(); }
-  void fill_zero(void*, size_t) override { no(); }
-  void synchronize() override {}
-  void linear_forward(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t) override { no(); }
-  void linear_backward(float*, float*, float*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                       bool) override {
-    no();
-  }
-  void activation_forward(Activation, float*, const float*, int64_t) override { no(); }
-  void activation_backward(Activation, float*, const float*, const float*, const float*, int64_t) override { no(); }
-  void dropout_forward(float*, float*, const float*, int64_t, float, uint64_t, uint64_t) override { no(); }
-  void dropout_backward(float*, const float*, const float*, int64_t) override { no(); }
-  void cross_entropy_forward_backward(double*, float*, const float*, const int32_t*, int64_t, int64_t,
-                                      float) override {
-    no();
-  }
-  void mse_forward_backward(double*, float*, const float*, const float*, int64_t, int64_t, float) override { no(); }
-  void sgd_step(float*, float*, const float*, int64_t, const SgdHyper&, bool) override { no(); }
-  void adam_step(float*, float*, float*, const float*, int64_t, const AdamHyper&, int64_t) override { no(); }
-  void axpy(float*, const float*, float, int64_t) override { no(); }
-  void scale(float*, float, int64_t) override { no(); }
-  double sum_squares(const float*, int64_t) override { no(); }
-  void to_bf16(uint16_t*, const float*, int64_t) override { no(); }
-  void from_bf16(float*, const uint16_t*, int64_t) override { no(); }
-
- private:
-  [[noreturn]] static void no() { throw std::logic_error("not under test"); }
-};
-
 TEST(LayerNormEmbedding, AStreamWithoutTheirKernelsRefusesWithNotSupported) {
-  StreamWithoutThem stream;
+  test::StreamWithoutOptionalKernels stream;
   for (const auto& [call, what] : std::vector<std::pair<std::function<void()>, std::string>>{
            {[&] { stream.layernorm_forward(nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, 1e-5f); }, "layer norm"},
            {[&] {
