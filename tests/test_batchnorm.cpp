@@ -21,10 +21,14 @@
 #include "io/safetensors.h"
 #include "kernels/cpu/kernels.h"
 #include "stream_without_optional_kernels.h"
+#include "engine_test_util.h"
 
 using namespace dpar;
 
 namespace {
+
+using test::cpu_devices;
+using test::max_relative_error;
 
 Stream& host_stream() {
   static const std::unique_ptr<Stream> stream = cpu_backend().open_stream(Device{});
@@ -304,20 +308,6 @@ OptimizerConfig adam() {
   c.kind = OptimizerKind::kAdam;
   c.lr = 1e-2f;
   return c;
-}
-
-EngineConfig cpu_devices(size_t n) {
-  EngineConfig c;
-  for (size_t i = 0; i < n; ++i) c.devices.push_back(Device{DeviceKind::kCpu, static_cast<int32_t>(i)});
-  c.timeout_seconds = 30;
-  return c;
-}
-
-double max_relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])) / std::max(std::abs(double(b[i])), 1e-2));
-  return worst;
 }
 
 std::vector<float> engine_buffers_f32(const Engine& e, size_t replica) {

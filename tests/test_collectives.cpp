@@ -27,9 +27,13 @@
 #include "engine/engine.h"
 #include "kernels/cpu/kernels.h"
 #include "reducer/bucket_strategy.h"
+#include "engine_test_util.h"
 
 namespace dpar {
 namespace {
+
+using test::cpu_devices;
+using test::max_relative_error;
 
 std::vector<std::string> names(int n, const std::string& what = "replica") {
   std::vector<std::string> out;
@@ -315,20 +319,6 @@ std::vector<float> single_device(const Model& model, const std::vector<Batch>& d
     optimizer.step(host_stream(), replica.params(), replica.grads());
   }
   return std::vector<float>(replica.params(), replica.params() + model.num_param_elements());
-}
-
-double max_relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])) / std::max(std::abs(double(b[i])), 1e-2));
-  return worst;
-}
-
-EngineConfig cpu_devices(size_t n) {
-  EngineConfig c;
-  for (size_t i = 0; i < n; ++i) c.devices.push_back(Device{DeviceKind::kCpu, static_cast<int32_t>(i)});
-  c.timeout_seconds = 30;
-  return c;
 }
 
 // 10 rows over 8 devices are 2,2,2,2,2,0,0,0: three replicas have no rows and still take part in the layer's sums.

@@ -14,9 +14,12 @@
 #include "cuda_test_util.h"
 #include "engine/engine.h"
 #include "io/safetensors.h"
+#include "engine_test_util.h"
 
 namespace dpar {
 namespace {
+
+using test::max_relative_error;
 
 Model make_mlp(uint64_t seed, float dropout) {
   Model m(seed);
@@ -54,22 +57,6 @@ EngineConfig devices(DeviceKind kind, std::vector<int32_t> ids) {
   for (int32_t i : ids) c.devices.push_back(Device{kind, i});
   c.timeout_seconds = 60;
   return c;
-}
-
-// The largest |a - b| / max(|b|, floor). A NaN or an infinity on either side that the other does not match makes
-// it infinite: std::max would drop a NaN's comparison, so that parameters gone NaN on the GPU would look exact.
-double max_relative_error(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-2) {
-  EXPECT_EQ(a.size(), b.size());
-  if (a.size() != b.size()) return INFINITY;
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) {
-      if ((std::isnan(a[i]) && std::isnan(b[i])) || a[i] == b[i]) continue;
-      return INFINITY;
-    }
-    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])) / std::max(std::abs(double(b[i])), floor));
-  }
-  return worst;
 }
 
 std::vector<Batch> data(int64_t rows) {

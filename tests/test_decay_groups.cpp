@@ -15,10 +15,13 @@
 #include "backend/cpu/cpu_backend.h"
 #include "common/error.h"
 #include "engine/engine.h"
+#include "engine_test_util.h"
 
 using namespace dpar;
 
 namespace {
+
+using test::cpu_devices;
 
 const nlohmann::json& reference() {
   static const nlohmann::json ref = [] {
@@ -63,13 +66,6 @@ OptimizerConfig config_of(const nlohmann::json& c) {
     o.eps = h["eps"].get<float>();
   }
   return o;
-}
-
-EngineConfig cpu_devices(size_t n) {
-  EngineConfig c;
-  for (size_t i = 0; i < n; ++i) c.devices.push_back(Device{DeviceKind::kCpu, static_cast<int32_t>(i)});
-  c.timeout_seconds = 30;
-  return c;
 }
 
 struct Batch {

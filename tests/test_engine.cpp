@@ -21,9 +21,14 @@
 #include "engine/engine.h"
 #include "io/safetensors.h"
 #include "kernels/cpu/kernels.h"
+#include "engine_test_util.h"
 
 namespace dpar {
 namespace {
+
+using test::cpu_devices;
+using test::max_relative_error;
+using test::Standalone;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Helpers
@@ -68,26 +73,6 @@ OptimizerConfig adam() {
   return c;
 }
 
-EngineConfig cpu_devices(size_t n) {
-  EngineConfig c;
-  for (size_t i = 0; i < n; ++i) c.devices.push_back(Device{DeviceKind::kCpu, static_cast<int32_t>(i)});
-  c.timeout_seconds = 30;
-  return c;
-}
-
-// The context of a replica that runs on the test's own thread, outside any engine.
-struct Standalone {
-  uint64_t rng_offset = 0;
-  Fault fault = Fault::kNone;
-  std::unique_ptr<Stream> stream = cpu_backend().open_stream(Device{});
-  ReplicaContext ctx;
-  Standalone() {
-    ctx.rng_offset = &rng_offset;
-    ctx.armed_fault = &fault;
-    ctx.stream = stream.get();
-  }
-};
-
 // torch.nn.utils.clip_grad_norm_(params, max_norm), restated: total_norm = the L2 norm of every gradient
 // element (summed here in long double, in index order: not the kernel's order), clip_coef = max_norm /
 // (total_norm + 1e-6) in float, clamped to 1, gradients multiplied by it. Returns whether it scaled them.
@@ -124,15 +109,6 @@ std::vector<float> reference_training(const Model& model, const OptimizerConfig&
     optimizer.step(*single.stream, replica.params(), replica.grads());
   }
   return std::vector<float>(replica.params(), replica.params() + model.num_param_elements());
-}
-
-// Largest |a - b| / max(|b|, floor): a relative error that does not blow up at parameters near zero.
-double max_relative_error(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-2) {
-  EXPECT_EQ(a.size(), b.size());
-  double worst = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
-    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])) / std::max(std::abs(double(b[i])), floor));
-  return worst;
 }
 
 uint64_t fnv1a(const std::vector<float>& v) {

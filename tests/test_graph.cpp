@@ -19,22 +19,12 @@
 #include "common/error.h"
 #include "dpar.h"
 #include "nn/model.h"
+#include "engine_test_util.h"
 
 namespace dpar {
 namespace {
 
-// A replica on the test's own thread, outside any engine.
-struct Standalone {
-  uint64_t rng_offset = 0;
-  Fault fault = Fault::kNone;
-  std::unique_ptr<Stream> stream = cpu_backend().open_stream(Device{});
-  ReplicaContext ctx;
-  Standalone() {
-    ctx.rng_offset = &rng_offset;
-    ctx.armed_fault = &fault;
-    ctx.stream = stream.get();
-  }
-};
+using test::Standalone;
 
 std::vector<float> random_vector(size_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 gen(seed);

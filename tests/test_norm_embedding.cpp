@@ -19,10 +19,14 @@
 #include "common/error.h"
 #include "engine/engine.h"
 #include "stream_without_optional_kernels.h"
+#include "engine_test_util.h"
 
 using namespace dpar;
 
 namespace {
+
+using test::cpu_devices;
+using test::max_relative_error;
 
 Stream& host_stream() {
   static const std::unique_ptr<Stream> stream = cpu_backend().open_stream(Device{});
@@ -317,25 +321,10 @@ TEST(LayerNormEmbedding, AStreamWithoutTheirKernelsRefusesWithNotSupported) {
 
 // ---- Engines --------------------------------------------------------------------------------------------------
 
-EngineConfig cpu_devices(size_t n, LossKind loss = LossKind::kCrossEntropy) {
-  EngineConfig c;
-  for (size_t i = 0; i < n; ++i) c.devices.push_back(Device{DeviceKind::kCpu, static_cast<int32_t>(i)});
-  c.timeout_seconds = 30;
-  c.loss = loss;
-  return c;
-}
-
 OptimizerConfig sgd() {
   OptimizerConfig c;
   c.lr = 0.1f;
   return c;
-}
-
-double max_relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])) / std::max(std::abs(double(b[i])), 1e-2));
-  return worst;
 }
 
 constexpr int64_t kVocab = 11, kDim = 6, kSeq = 4, kClasses = 5;
