@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "backend/ops.h"
 #include "common/optimizer_hyper.h"
@@ -101,7 +102,8 @@ class Stream {
 
   // ---- Stateful ops (backend/ops.h) ---------------------------------------------------------------------------
   // An op for this stream's device, used from this stream's threads only and destroyed before the stream. The
-  // defaults throw Error(NOT_SUPPORTED) naming the device and the op: a backend that has one overrides them.
+  // defaults throw Error(NOT_SUPPORTED) naming the device and the op (not_built): a backend that has one overrides
+  // them.
   virtual std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec);
   virtual std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec);
   // ---- BatchNorm (kernels/cpu/batchnorm.h has each contract; doubles are device memory too) -------------------
@@ -131,8 +133,9 @@ class Stream {
                                   int64_t E, int64_t padding_idx, bool accumulate);
 
  protected:
-  // Throws Error(Status::kNotSupported) saying that `what` is not built for this stream's device.
-  [[noreturn]] void not_built(const char* what) const;
+  // Throws Error(Status::kNotSupported): "<call> on <device>: this backend has no <what>". Every default above that
+  // a backend may leave out answers through it.
+  [[noreturn]] void not_built(const std::string& call, const char* what) const;
 
  private:
   Device device_;

@@ -1,6 +1,5 @@
-#include "backend/ops.h"
+#include "common/op_specs.h"
 
-#include "backend/stream.h"
 #include "common/error.h"
 
 namespace dpar {
@@ -17,14 +16,6 @@ std::string Pool2dSpec::str() const {
   if (global) return kind == PoolKind::kMax ? "adaptive_max_pool2d(1x1)" : "adaptive_avg_pool2d(1x1)";
   return detail::concat(name, "(kernel ", kernel_h, "x", kernel_w, ", stride ", stride_h, "x", stride_w,
                         ", padding ", pad_h, "x", pad_w, ")");
-}
-
-std::unique_ptr<Conv2dOp> Stream::make_conv2d(const Conv2dSpec& spec) {
-  fail(Status::kNotSupported, spec.str(), " on ", device().str(), ": this backend has no convolution");
-}
-
-std::unique_ptr<Pool2dOp> Stream::make_pool2d(const Pool2dSpec& spec) {
-  fail(Status::kNotSupported, spec.str(), " on ", device().str(), ": this backend has no pooling");
 }
 
 }  // namespace dpar
