@@ -293,11 +293,13 @@ TEST(CudaEngine, AGpuBatchForACpuEngineIsRefusedNamingWhereItMustBe) {
   e.train_step(b.x, b.y);  // and the engine goes on
 }
 
-// BatchNorm1d (affine and not) on two replicas sharing the GPU against two CPU devices: the same chunks, so the
-// same per-chunk statistics; parameters and running statistics within rounding, the counters exact.
+// BatchNorm1d (affine and not), plain and converted to SyncBatchNorm (its f64 sums through the device group of the
+// replicas sharing the GPU), on two replicas sharing the GPU against two CPU devices: the same chunks, so the same
+// per-chunk (or, synced, whole-batch) statistics; parameters and running statistics within rounding, the counters
+// exact.
 TEST(CudaEngine, BatchNormOnTwoGpuReplicasEqualsTwoCpuDevices) {
   DPAR_REQUIRE_GPU();
-  for (bool sync : {false}) {
+  for (bool sync : {false, true}) {
     SCOPED_TRACE(sync ? "SyncBatchNorm" : "BatchNorm1d");
     Model m(21);
     m.add(make_linear(12, 16, false));

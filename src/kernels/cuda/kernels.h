@@ -137,12 +137,14 @@ void sum_squares(double* total, double* partials, const float* x, int64_t n, cud
 // that no table lives in device memory. A table there would have to be uploaded when the buffers change (from the
 // host, ordered with the kernels that read the previous one) and could go stale after a failed upload; an argument
 // is part of the launch itself. kMaxBuffers bounds its size (kernel arguments are limited to 4 KiB).
-struct SumBuffers {
+template <class T>
+struct SumBuffersOf {
   static constexpr int kMaxBuffers = 64;
-  float* buffer[kMaxBuffers];
+  T* buffer[kMaxBuffers];
   uint64_t contributes;  // bit b: whether buffer[b] contributes
   int count;             // buffers in use, <= kMaxBuffers
 };
+using SumBuffers = SumBuffersOf<float>;
 
 // The reduction of replicas that share a device (or reach each other's memory by peer access): elements
 // [begin, end) of every buffer get (sum over b, in index order, of buffer[b][i] where contributes has bit b) *
@@ -150,5 +152,9 @@ struct SumBuffers {
 // threads backend, in device memory). Order of the sum is buffer order, so every slice gets the same bits
 // whichever participant computes it.
 void sum_slice_into_all(const SumBuffers& buffers, int64_t begin, int64_t end, float scale, cudaStream_t stream);
+// The same in double (SyncBatchNorm's per-channel sums over replicas that share a GPU): the sum in buffer order,
+// in double, then * scale.
+void sum_slice_into_all(const SumBuffersOf<double>& buffers, int64_t begin, int64_t end, float scale,
+                        cudaStream_t stream);
 
 }  // namespace dpar::kernels::cuda
