@@ -7,8 +7,8 @@
 //    are built with --fmad=false and use IEEE double division and sqrt, so any difference is a bug;
 //  - a sum the GPU adds in a tree (BatchNorm's per-channel sums, LayerNorm's per-row mean and variance) differs from
 //    the CPU's sequential sum by double rounding alone: within 1e-12 of the sum of the terms' magnitudes (about
-//    4500 ulps of double: the worst case of both orders for the largest n here is far below it, and a missing or
-//    doubled element moves a sum by a whole term, 1e-6 of it or more);
+//    4500 ulps of double; random rounding errors grow as sqrt(n) ulps, about 100 for the largest n = 9900 here,
+//    and a missing or doubled element moves a sum by a whole term, 1e-4 of it or more);
 //  - a float computed from such a double (LayerNorm's output and input gradient, a whole BatchNorm step) is the
 //    CPU's float or its neighbour: a normalised error of at most 2^-22 (two float ulps of the tensor's scale).
 #include <cuda_runtime_api.h>
