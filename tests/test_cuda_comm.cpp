@@ -117,6 +117,42 @@ TEST_P(CudaDeviceGroupTest, MatchesTheThreadsBackend) {
   }
 }
 
+// f64 sums (SyncBatchNorm's statistics over replicas that share a GPU), in place and out of place: the threads
+// backend's bits (both add in participant order, in double).
+TEST_P(CudaDeviceGroupTest, DoubleSumsMatchTheThreadsBackend) {
+  const int n = GetParam();
+  const size_t count = 1001;
+  CudaDeviceGroup group(std::vector<int>(n, 0), names(n, "cuda:0"), std::chrono::seconds(30));
+  ThreadGroup reference(names(n, "cpu"), std::chrono::seconds(30));
+  std::vector<std::vector<double>> host(n), expected(n), got(n), expected_out(n), got_out(n);
+  for (int r = 0; r < n; ++r) {
+    const auto f = random_vector(count, 40 + r);
+    for (float v : f) host[r].push_back(static_cast<double>(v) / 3.0);  // digits past a float's
+  }
+  const auto status = run_threads(n, [&](int r) {
+    ThreadStream ts(0);
+    auto comm = group.communicator(r, ts.stream);
+    auto ref = reference.communicator(r);
+    DeviceBuffer<double> d(host[r]), out(count);
+    comm->all_reduce(d.get(), d.get(), count, CommDType::kF64, ReduceOp::kSum);
+    comm->all_reduce(d.get(), out.get(), count, CommDType::kF64, ReduceOp::kSum);
+    std::vector<double> h = host[r], h_out(count);
+    ref->all_reduce(h.data(), h.data(), count, CommDType::kF64, ReduceOp::kSum);
+    ref->all_reduce(h.data(), h_out.data(), count, CommDType::kF64, ReduceOp::kSum);
+    DPAR_CUDA_CHECK(cudaStreamSynchronize(ts.stream), "sync");
+    got[r] = d.download();
+    got_out[r] = out.download();
+    expected[r] = h;
+    expected_out[r] = h_out;
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_EQ(status[r], Status::kOk) << "replica " << r;
+    EXPECT_EQ(std::memcmp(got[r].data(), expected[r].data(), count * sizeof(double)), 0) << "in place, replica " << r;
+    EXPECT_EQ(std::memcmp(got_out[r].data(), expected_out[r].data(), count * sizeof(double)), 0)
+        << "out of place, replica " << r;
+  }
+}
+
 TEST_P(CudaDeviceGroupTest, MismatchIsReportedByEveryParticipant) {
   const int n = GetParam();
   CudaDeviceGroup group(std::vector<int>(n, 0), names(n, "cuda:0"), std::chrono::seconds(10));

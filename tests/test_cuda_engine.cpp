@@ -384,5 +384,96 @@ TEST(CudaEngine, AGpuBatchForACpuEngineIsRefusedNamingWhereItMustBe) {
   e.train_step(b.x, b.y);  // and the engine goes on
 }
 
+// BatchNorm1d (affine and not), plain and converted to SyncBatchNorm (its f64 sums through the device group of the
+// replicas sharing the GPU), on two replicas sharing the GPU against two CPU devices: the same chunks, so the same
+// per-chunk (or, synced, whole-batch) statistics; parameters and running statistics within rounding, the counters
+// exact.
+TEST(CudaEngine, BatchNormOnTwoGpuReplicasEqualsTwoCpuDevices) {
+  DPAR_REQUIRE_GPU();
+  for (bool sync : {false, true}) {
+    SCOPED_TRACE(sync ? "SyncBatchNorm" : "BatchNorm1d");
+    Model m(21);
+    m.add(make_linear(12, 16, false));
+    m.add(make_batchnorm(1, 16, 1e-5f, 0.1f, true));
+    m.add(make_activation(Activation::kTanh));
+    m.add(make_linear(16, 8, false));
+    m.add(make_batchnorm(1, 8, 1e-5f, 0.3f, false));
+    m.add(make_linear(8, 5, true));
+    if (sync) m.convert_sync_batchnorm();
+    OptimizerConfig sgd;
+    sgd.lr = 0.05f;
+    sgd.momentum = 0.9f;
+    const auto d = data(29);  // 15 and 14 rows a replica
+    Engine cpu(m, sgd, devices(DeviceKind::kCpu, {0, 1}));
+    Engine gpu(m, sgd, devices(DeviceKind::kCuda, {0, 0}));
+    constexpr int kSteps = 8;
+    train(cpu, d, kSteps);
+    train(gpu, d, kSteps);
+    EXPECT_LT(max_relative_error(gpu.params(0), cpu.params(0)), 1e-4);
+    EXPECT_GT(max_relative_error(gpu.params(0), m.values()), 1e-3) << "training did not move the parameters";
+    for (size_t i = 0; i < m.buffers().size(); ++i) {
+      const BufferInfo& b = m.buffers()[i];
+      SCOPED_TRACE(b.name);
+      if (b.dtype == BufferDType::kI64) {
+        int64_t got = 0, want = 0;
+        gpu.read_buffer(&got, 0, i);
+        cpu.read_buffer(&want, 0, i);
+        EXPECT_EQ(got, kSteps);
+        EXPECT_EQ(want, kSteps);
+        continue;
+      }
+      std::vector<float> got(static_cast<size_t>(buffer_numel(b.shape))), want(got.size()), other(got.size());
+      gpu.read_buffer(got.data(), 0, i);
+      gpu.read_buffer(other.data(), 1, i);
+      cpu.read_buffer(want.data(), 0, i);
+      EXPECT_LT(max_relative_error(got, want), 1e-4);
+      EXPECT_EQ(other, got) << "replica 1 holds replica 0's running statistics";
+    }
+    EXPECT_EQ(gpu.params(1), gpu.params(0));
+  }
+}
+
+// Embedding (with a padding row) -> LayerNorm -> Flatten -> Linear over (B, T) int32 tokens, on two replicas sharing
+// the GPU against two CPU devices; an index out of range is refused before the step, as on the CPU.
+TEST(CudaEngine, EmbeddingAndLayerNormOnTwoGpuReplicasEqualTwoCpuDevices) {
+  DPAR_REQUIRE_GPU();
+  constexpr int64_t kVocab = 11, kDim = 6, kSeq = 4;
+  Model m(23);
+  m.add(make_embedding(kVocab, kDim, 1));
+  m.add(make_layernorm(kDim, 1e-5f, true));
+  m.add_flatten();
+  m.add(make_linear(kSeq * kDim, 5, true));
+  std::vector<Batch> d;
+  for (uint32_t k = 0; k < 3; ++k) {
+    std::mt19937 gen(70 + k);
+    const int64_t rows = 13;
+    Batch b{Tensor::empty(DType::kI32, Shape{rows, kSeq}, Device{}), Tensor::empty(DType::kI32, Shape{rows}, Device{})};
+    for (int64_t i = 0; i < rows * kSeq; ++i) b.x.i32()[i] = static_cast<int32_t>(gen() % kVocab);  // repeats
+    for (int64_t i = 0; i < rows; ++i) b.y.i32()[i] = static_cast<int32_t>(gen() % 5);
+    d.push_back(std::move(b));
+  }
+  OptimizerConfig sgd;
+  sgd.lr = 0.1f;
+  Engine cpu(m, sgd, devices(DeviceKind::kCpu, {0, 1}));
+  Engine gpu(m, sgd, devices(DeviceKind::kCuda, {0, 0}));
+  train(cpu, d, 6);
+  train(gpu, d, 6);
+  EXPECT_LT(max_relative_error(gpu.params(0), cpu.params(0)), 1e-4);
+  EXPECT_GT(max_relative_error(gpu.params(0), m.values()), 1e-3) << "training did not move the parameters";
+  EXPECT_EQ(gpu.params(1), gpu.params(0));
+  const auto before = gpu.params(0);
+  Batch bad{on(d[0].x, Device{}), d[0].y};
+  bad.x.i32()[6] = static_cast<int32_t>(kVocab);
+  try {
+    gpu.train_step(bad.x, bad.y);
+    FAIL() << "an index out of range was accepted";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), Status::kInvalidArgument);
+    EXPECT_NE(std::string(err.what()).find("index 11 at position (1, 2) is out of range [0, 11)"), std::string::npos)
+        << err.what();
+  }
+  EXPECT_EQ(gpu.params(0), before) << "a refused step changed nothing";
+}
+
 }  // namespace
 }  // namespace dpar

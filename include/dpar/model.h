@@ -84,8 +84,7 @@ DPAR_API dpar_status dpar_model_add_activation(dpar_model *model, int32_t activa
  * num_batches_tracked); eval mode (dpar_engine_set_training()) normalises with running_mean and running_var.
  * With @p affine, a weight (ones) and a bias (zeros) per channel follow. On several devices each replica normalises
  * over its own chunk of the batch (as DataParallel and DistributedDataParallel); after every training-mode call every
- * replica's buffers are those of replica 0 of rank 0. Only CPU devices run it: on a GPU the step fails with
- * ::DPAR_ERR_NOT_SUPPORTED.
+ * replica's buffers are those of replica 0 of rank 0. CPU and CUDA devices run it (statistics in double on both).
  * @param eps       Added to the variance; positive (PyTorch's default 1e-5).
  * @param momentum  In [0, 1] (PyTorch's default 0.1; its momentum=None is not supported).
  * @param affine    Nonzero for the weight and bias.
@@ -113,8 +112,7 @@ DPAR_API dpar_status dpar_model_convert_sync_batchnorm(dpar_model *model);
  * @brief Appends LayerNorm over the last dim of a (B, ..., D) input, D = @p normalized_size, as
  * torch.nn.LayerNorm((D,), eps, elementwise_affine): each row of D values is normalised with its own mean and biased
  * variance (in double), then, with @p elementwise_affine, scaled by "weight" (D, ones) and shifted by "bias" (D,
- * zeros). Rows are independent, so N devices train as one. Only CPU devices run it: on a GPU the step fails with
- * ::DPAR_ERR_NOT_SUPPORTED.
+ * zeros). Rows are independent, so N devices train as one. CPU and CUDA devices run it.
  * @param eps                 Added to the variance; positive (PyTorch's default 1e-5).
  * @param elementwise_affine  Nonzero for the weight and bias.
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a null model, a size outside 1 to 2^24 or a bad eps.
@@ -128,8 +126,7 @@ DPAR_API dpar_status dpar_model_add_layernorm(dpar_model *model, int64_t normali
  * input must then be an Embedding); the engine checks every index on the host before a step and refuses one out of
  * range with ::DPAR_ERR_INVALID_ARGUMENT naming the index and its position, changing nothing. The weight's gradient
  * is dense (zero in the rows no index named) and is all-reduced as any parameter. No max_norm or sparse gradient
- * (padding_idx: dpar_model_add_embedding_padded()). Only CPU devices run it: on a GPU the step fails with
- * ::DPAR_ERR_NOT_SUPPORTED.
+ * (padding_idx: dpar_model_add_embedding_padded()). CPU and CUDA devices run it.
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a null model, a size outside 1 to 2^24, or where the layer
  * would read a node's (float) output instead of the model's input (after dpar_model_branch_from(model,
  * ::DPAR_MODEL_INPUT) it reads the input).

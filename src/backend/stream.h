@@ -107,7 +107,7 @@ class Stream {
   virtual std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec);
   virtual std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec);
   // ---- BatchNorm (kernels/cpu/batchnorm.h has each contract; doubles are device memory too) -------------------
-  // A backend without them refuses with NOT_SUPPORTED naming the device (not_built): CUDA has none yet.
+  // A backend without them refuses with NOT_SUPPORTED naming the device (not_built); CPU and CUDA have them.
   virtual void batchnorm_stats(double* sums, const float* x, int64_t N, int64_t C, int64_t L);
   virtual void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_var,
                                  int64_t* num_batches_tracked, const double* sums, double count, int64_t C, float eps,
@@ -121,7 +121,10 @@ class Stream {
                                         const double* mean_invstd, const float* weight, int64_t N, int64_t C,
                                         int64_t L, bool accumulate);
   // ---- LayerNorm and Embedding (kernels/cpu/norm_embedding.h has each contract) -------------------------------
-  // A backend without them refuses with NOT_SUPPORTED naming the device (not_built): CUDA has none yet.
+  // A backend without them refuses with NOT_SUPPORTED naming the device (not_built); CPU and CUDA have them. The
+  // CPU's embedding kernels throw for an index outside [0, V); a device's cannot (its indices are device memory,
+  // read by the kernel), so callers check indices on the host first (the engine does, before every step) and a
+  // device kernel only guarantees not to read or write out of bounds for one (kernels/cuda/kernels.h).
   virtual void layernorm_forward(float* out, double* mean_rstd, const float* x, const float* weight,
                                  const float* bias, int64_t N, int64_t D, float eps);
   virtual void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* x,

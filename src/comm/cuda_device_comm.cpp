@@ -100,15 +100,19 @@ class CudaDeviceCommunicator final : public Communicator {
   }
 
   void all_reduce(const CommCall& c) {
-    if (c.dtype() != CommDType::kF32 || c.op() != ReduceOp::kSum)
-      fail(Status::kNotSupported, c.operation, ": the CUDA device group reduces f32 sums only, not ",
+    // f64: SyncBatchNorm's per-channel sums over replicas that share a GPU.
+    const bool f64 = c.dtype() == CommDType::kF64;
+    if ((c.dtype() != CommDType::kF32 && !f64) || c.op() != ReduceOp::kSum)
+      fail(Status::kNotSupported, c.operation, ": the CUDA device group reduces f32 and f64 sums only, not ",
            comm_dtype_name(c.dtype()), " ", reduce_op_name(c.op()));
     // Out of place: recv takes send's values first (on this stream, before the inputs-ready event).
     if (c.count() != 0 && c.send != c.recv) {
       cuda::DeviceScope scope(device_);
-      DPAR_CUDA_CHECK(cudaMemcpyAsync(c.recv, c.send, c.count() * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+      DPAR_CUDA_CHECK(cudaMemcpyAsync(c.recv, c.send, c.count() * comm_dtype_size(c.dtype()),
+                                      cudaMemcpyDeviceToDevice, stream_),
                       c.operation);
     }
+    if (f64) return sum(c, static_cast<double*>(c.recv), true);
     sum(c, static_cast<float*>(c.recv), true);
   }
 
@@ -164,7 +168,8 @@ class CudaDeviceCommunicator final : public Communicator {
     });
   }
 
-  void sum(const CommCall& c, float* buffer, bool contributes) {
+  template <class T>
+  void sum(const CommCall& c, T* buffer, bool contributes) {
     Record mine = record(c);
     mine.contributes = contributes;
     mine.recv = reinterpret_cast<intptr_t>(buffer);
@@ -172,13 +177,13 @@ class CudaDeviceCommunicator final : public Communicator {
       // Every participant's buffer travels in the launch itself (no table in device memory to upload and keep in
       // step with the buffers).
       const int n = size();
-      kernels::cuda::SumBuffers buffers{};
+      kernels::cuda::SumBuffersOf<T> buffers{};
       buffers.count = n;
       for (int r = 0; r < n; ++r) {
-        buffers.buffer[r] = ptr<float>(all[r].recv);
+        buffers.buffer[r] = ptr<T>(all[r].recv);
         if (all[r].contributes != 0) buffers.contributes |= uint64_t{1} << r;
       }
-      const auto [begin, end] = slice_of(c.count(), sizeof(float), rank_, n);
+      const auto [begin, end] = slice_of(c.count(), sizeof(T), rank_, n);
       kernels::cuda::sum_slice_into_all(buffers, static_cast<int64_t>(begin), static_cast<int64_t>(end), c.scale,
                                         stream_);
     });

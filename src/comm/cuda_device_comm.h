@@ -17,7 +17,7 @@
 // slice: every participant gets the same bits, the threads backend's bits for the same inputs.
 //
 // Supported: all_reduce_sum, reduce_sum and reduce_scatter_sum (both are all_reduce_sum's pass: it writes every
-// participant's buffer, which they allow, since the rest of a buffer is unspecified), all_reduce (f32, sum),
+// participant's buffer, which they allow, since the rest of a buffer is unspecified), all_reduce (f32 and f64, sum),
 // broadcast, all_gather and all_gather_blocks (copies), barrier. reduce, reduce_scatter and the other dtypes and ops
 // of all_reduce throw Error(NOT_SUPPORTED) on every participant, without waiting. Arguments are checked by the one
 // call check (communicator.h); a participant refused there releases the others (they throw Error(REMOTE)).

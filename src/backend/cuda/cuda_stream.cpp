@@ -185,6 +185,56 @@ class CudaStream final : public Stream {
     const auto scope = enter();
     k::from_bf16(dst, src, n, stream_);
   }
+  void batchnorm_stats(double* sums, const float* x, int64_t N, int64_t C, int64_t L) override {
+    const auto scope = enter();
+    k::batchnorm_stats(sums, x, N, C, L, stream_);
+  }
+  void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_var, int64_t* num_batches_tracked,
+                         const double* sums, double count, int64_t C, float eps, float momentum) override {
+    const auto scope = enter();
+    k::batchnorm_moments(mean_invstd, running_mean, running_var, num_batches_tracked, sums, count, C, eps, momentum,
+                         stream_);
+  }
+  void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight, const float* bias,
+                       int64_t N, int64_t C, int64_t L) override {
+    const auto scope = enter();
+    k::batchnorm_apply(out, x, mean_invstd, weight, bias, N, C, L, stream_);
+  }
+  void batchnorm_backward_reduce(double* sums, const float* dout, const float* x, const double* mean_invstd,
+                                 int64_t N, int64_t C, int64_t L) override {
+    const auto scope = enter();
+    k::batchnorm_backward_reduce(sums, dout, x, mean_invstd, N, C, L, stream_);
+  }
+  void batchnorm_backward_apply(float* dinp, float* dweight, float* dbias, const double* local, const double* global,
+                                double count, const float* dout, const float* x, const double* mean_invstd,
+                                const float* weight, int64_t N, int64_t C, int64_t L, bool accumulate) override {
+    const auto scope = enter();
+    k::batchnorm_backward_apply(dinp, dweight, dbias, local, global, count, dout, x, mean_invstd, weight, N, C, L,
+                                accumulate, stream_);
+  }
+  void layernorm_forward(float* out, double* mean_rstd, const float* x, const float* weight, const float* bias,
+                         int64_t N, int64_t D, float eps) override {
+    const auto scope = enter();
+    k::layernorm_forward(out, mean_rstd, x, weight, bias, N, D, eps, stream_);
+  }
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* x,
+                          const double* mean_rstd, const float* weight, int64_t N, int64_t D,
+                          bool accumulate) override {
+    const auto scope = enter();
+    k::layernorm_backward(dinp, dweight, dbias, dout, x, mean_rstd, weight, N, D, accumulate, stream_);
+  }
+  // The indices are device memory here: they were checked on the host before the step (the engine's
+  // check_input_values); the kernels never read outside the weight for one that was not (kernels.h).
+  void embedding_forward(float* out, const int32_t* idx, const float* weight, int64_t N, int64_t V,
+                         int64_t E) override {
+    const auto scope = enter();
+    k::embedding_forward(out, idx, weight, N, V, E, stream_);
+  }
+  void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V, int64_t E,
+                          int64_t padding_idx, bool accumulate) override {
+    const auto scope = enter();
+    k::embedding_backward(dweight, dout, idx, N, V, E, padding_idx, accumulate, stream_);
+  }
   // cuDNN is what these need (loaded on first use, as cuBLAS is); until then they say so, rather than the default's
   // generic line.
   std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec) override {

@@ -94,6 +94,40 @@ void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* gra
                int64_t step, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
+// BatchNorm (kernels/cpu/batchnorm.h has each contract; every double is device memory too, and so is
+// num_batches_tracked). x, dout, out, dinp (N,C,L); sums, local, global, mean_invstd (2,C); weight, bias (C) or
+// nullptr. A channel's sums are one block's fixed tree in double (batchnorm.cu); the elementwise passes and
+// batchnorm_moments give the CPU twins' bits.
+
+void batchnorm_stats(double* sums, const float* x, int64_t N, int64_t C, int64_t L, cudaStream_t stream);
+void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_var, int64_t* num_batches_tracked,
+                       const double* sums, double count, int64_t C, float eps, float momentum, cudaStream_t stream);
+void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight, const float* bias,
+                     int64_t N, int64_t C, int64_t L, cudaStream_t stream);
+void batchnorm_backward_reduce(double* sums, const float* dout, const float* x, const double* mean_invstd, int64_t N,
+                               int64_t C, int64_t L, cudaStream_t stream);
+void batchnorm_backward_apply(float* dinp, float* dweight, float* dbias, const double* local, const double* global,
+                              double count, const float* dout, const float* x, const double* mean_invstd,
+                              const float* weight, int64_t N, int64_t C, int64_t L, bool accumulate,
+                              cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// LayerNorm and Embedding (kernels/cpu/norm_embedding.h has each contract). x, out, dout, dinp (N,D); mean_rstd
+// (2,N) doubles; weight, bias (D) both or neither. Embedding: idx (N), weight and dweight (V,E), out and dout (N,E).
+// The indices must lie in [0, V): the caller checks them on the host (a kernel cannot throw). One outside that
+// reaches a kernel anyway is never read through: forward writes a row of zeros for it, backward skips it.
+
+void layernorm_forward(float* out, double* mean_rstd, const float* x, const float* weight, const float* bias,
+                       int64_t N, int64_t D, float eps, cudaStream_t stream);
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* x,
+                        const double* mean_rstd, const float* weight, int64_t N, int64_t D, bool accumulate,
+                        cudaStream_t stream);
+void embedding_forward(float* out, const int32_t* idx, const float* weight, int64_t N, int64_t V, int64_t E,
+                       cudaStream_t stream);
+void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V, int64_t E,
+                        int64_t padding_idx, bool accumulate, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
 // Small helpers.
 
 // y += a*x.  y (n), x (n)
@@ -115,12 +149,14 @@ void sum_squares(double* total, double* partials, const float* x, int64_t n, cud
 // that no table lives in device memory. A table there would have to be uploaded when the buffers change (from the
 // host, ordered with the kernels that read the previous one) and could go stale after a failed upload; an argument
 // is part of the launch itself. kMaxBuffers bounds its size (kernel arguments are limited to 4 KiB).
-struct SumBuffers {
+template <class T>
+struct SumBuffersOf {
   static constexpr int kMaxBuffers = 64;
-  float* buffer[kMaxBuffers];
+  T* buffer[kMaxBuffers];
   uint64_t contributes;  // bit b: whether buffer[b] contributes
   int count;             // buffers in use, <= kMaxBuffers
 };
+using SumBuffers = SumBuffersOf<float>;
 
 // The reduction of replicas that share a device (or reach each other's memory by peer access): elements
 // [begin, end) of every buffer get (sum over b, in index order, of buffer[b][i] where contributes has bit b) *
@@ -128,5 +164,9 @@ struct SumBuffers {
 // threads backend, in device memory). Order of the sum is buffer order, so every slice gets the same bits
 // whichever participant computes it.
 void sum_slice_into_all(const SumBuffers& buffers, int64_t begin, int64_t end, float scale, cudaStream_t stream);
+// The same in double (SyncBatchNorm's per-channel sums over replicas that share a GPU): the sum in buffer order,
+// in double, then * scale.
+void sum_slice_into_all(const SumBuffersOf<double>& buffers, int64_t begin, int64_t end, float scale,
+                        cudaStream_t stream);
 
 }  // namespace dpar::kernels::cuda

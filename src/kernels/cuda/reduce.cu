@@ -15,20 +15,22 @@ namespace {
 // (not from 0, so -0 stays -0, as the threads backend's pass), then s * scale; s is written to every buffer.
 // With no contributor every buffer gets 0. Buffers may be any device memory this GPU can address.
 // buffers.buffer[b] (>= end floats each), for b < buffers.count
-__global__ void __launch_bounds__(kThreads) sum_slice_into_all_kernel(const SumBuffers buffers, int64_t begin,
+// T: float, or double (scale is then applied in double).
+template <class T>
+__global__ void __launch_bounds__(kThreads) sum_slice_into_all_kernel(const SumBuffersOf<T> buffers, int64_t begin,
                                                                       int64_t end, float scale) {
   const int64_t n = end - begin;
   DPAR_GRID_STRIDE_LOOP(k, n) {
     const int64_t i = begin + k;
-    float s = 0.0f;
+    T s = 0;
     bool any = false;
     for (int b = 0; b < buffers.count; ++b) {
       if (!((buffers.contributes >> b) & 1u)) continue;
-      const float x = buffers.buffer[b][i];
+      const T x = buffers.buffer[b][i];
       s = any ? s + x : x;
       any = true;
     }
-    if (scale != 1.0f) s = s * scale;
+    if (scale != 1.0f) s = s * static_cast<T>(scale);
     for (int b = 0; b < buffers.count; ++b) buffers.buffer[b][i] = s;
   }
 }
@@ -65,15 +67,27 @@ void sum_squares(double* total, double* partials, const float* x, int64_t n, cud
   detail::launch("sum_squares (total)", sum_partials_kernel, 1, kSumThreads, stream, total, partials);
 }
 
-void sum_slice_into_all(const SumBuffers& buffers, int64_t begin, int64_t end, float scale, cudaStream_t stream) {
+namespace {
+template <class T>
+void sum_slice_into_all_of(const SumBuffersOf<T>& buffers, int64_t begin, int64_t end, float scale,
+                           cudaStream_t stream) {
   DPAR_CHECK_ARG(buffers.count >= 0 && buffers.count <= SumBuffers::kMaxBuffers, "sum_slice_into_all: ",
                  buffers.count, " buffers (0 to ", SumBuffers::kMaxBuffers, ")");
   DPAR_CHECK_ARG(begin >= 0 && begin <= end, "sum_slice_into_all: bad slice [", begin, ", ", end, ")");
   if (begin == end || buffers.count == 0) return;
   for (int b = 0; b < buffers.count; ++b)
     DPAR_CHECK_ARG(buffers.buffer[b] != nullptr, "sum_slice_into_all: buffer ", b, " is null");
-  detail::launch("sum_slice_into_all", sum_slice_into_all_kernel, blocks_for(end - begin), kThreads, stream, buffers,
-                 begin, end, scale);
+  detail::launch("sum_slice_into_all", sum_slice_into_all_kernel<T>, blocks_for(end - begin), kThreads, stream,
+                 buffers, begin, end, scale);
+}
+}  // namespace
+
+void sum_slice_into_all(const SumBuffers& buffers, int64_t begin, int64_t end, float scale, cudaStream_t stream) {
+  sum_slice_into_all_of(buffers, begin, end, scale, stream);
+}
+void sum_slice_into_all(const SumBuffersOf<double>& buffers, int64_t begin, int64_t end, float scale,
+                        cudaStream_t stream) {
+  sum_slice_into_all_of(buffers, begin, end, scale, stream);
 }
 
 }  // namespace dpar::kernels::cuda
