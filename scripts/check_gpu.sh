@@ -237,6 +237,14 @@ stage_cnn() {
   "$build/examples/c/train_fashion_mnist_cnn" --device cuda --devices 2 --sync-batchnorm --data "$data" --epochs 2 \
     --steps-per-epoch 100 --min-accuracy 84 || status=1
   echo "wall time, 2 short epochs, 2 replicas on cuda:0 with SyncBatchNorm: $((SECONDS - start)) s"
+  # Two processes sharing the GPU (their SyncBatchNorm sums through MPI), when MPI was built.
+  if command -v mpirun > /dev/null && grep -q "^DPAR_HAVE_MPI:INTERNAL=ON\|^DPAR_WITH_MPI:BOOL=ON" "$build/CMakeCache.txt"; then
+    start=$SECONDS
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe --mca btl self,vader -np 2 \
+      "$build/examples/c/train_fashion_mnist_cnn" --device cuda --sync-batchnorm --data "$data" --epochs 2 \
+      --steps-per-epoch 100 --min-accuracy 84 || status=1
+    echo "wall time, 2 short epochs over 2 processes on cuda:0 with SyncBatchNorm: $((SECONDS - start)) s"
+  fi
   return $status
 }
 
@@ -321,6 +329,11 @@ sanitize() {
           "$build/tests/$t" --gtest_filter="$one" > "$logs/$tool-$t-one.log" 2>&1
         local r=$?
         grep -E "ERROR SUMMARY|FAILED|Invalid|=========  " "$logs/$tool-$t-one.log" | head -40
+        # A host-only test (no CUDA call) ends before the tool instruments anything, which it reports as exit 255.
+        if [ $r -eq 255 ] && grep -q "terminated before first instrumented API call" "$logs/$tool-$t-one.log" &&
+           grep -q "^\[  PASSED  \] 1 test" "$logs/$tool-$t-one.log"; then
+          r=0
+        fi
         case $r in
           0) echo "== $t $one: passed" ;;
           124 | 137) echo "== $t $one: timed out (60 s)"; rc=1 ;;

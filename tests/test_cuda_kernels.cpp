@@ -247,7 +247,9 @@ TEST_F(CudaKernels, LinearReluForwardAndBackwardMatchCpu) {
                                   accumulate, blas_, stream_);
         EXPECT_TRUE(bitwise_equal(d_dpre.download(), dpre)) << "dpre: the mask is exact";
         EXPECT_LT(normalised_error(d_dinp.download(), dinp), 1e-5) << "dinp";
-        EXPECT_LT(normalised_error(d_dw.download(), dw), 1e-5) << "dweight";
+        // dweight sums B products whose signs the ReLU's mask leaves mixed: at B = 300 and C_in = 2 the two sums
+        // are much smaller than their terms, and two FP32 orders differed by 1.4e-5 of them on an H200.
+        EXPECT_LT(normalised_error(d_dw.download(), dw), 1e-4) << "dweight";
         EXPECT_LT(normalised_error(d_db.download(), db), 1e-6) << "dbias (untouched without a bias)";
       }
     }
@@ -700,6 +702,10 @@ TEST_F(CudaKernels, LaunchAfterANotReadyQuerySucceeds) {
   // Allocated and filled before the stream is held: a device allocation may synchronize the whole device (CUDA's
   // implicit synchronization), and would then wait forever for the held stream (it hung there on an H200).
   DeviceBuffer<float> x(std::vector<float>(1000, 2.0f));
+  // The kernel launched below is launched once first, for the same reason: CUDA loads a module's kernels at their
+  // first launch (lazy loading, the default since CUDA 12), and loading may wait for the whole device too (it hung
+  // there on an H200 after the allocation was moved).
+  gpu::scale(x.get(), 1.0f, 1000, stream_);
   sync();
   cudaStream_t held = nullptr;
   DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking), "held stream");
