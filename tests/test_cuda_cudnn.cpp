@@ -335,6 +335,7 @@ struct PoolCase {
   Pool2dSpec spec;
   int64_t N, C, H, W;
   float shift;  // added to the inputs: -2 makes every input negative, so a padded zero would win a max
+  bool ties = false;  // inputs rounded to halves: most windows hold several maxima
   size_t in() const { return static_cast<size_t>(N * C * H * W); }
   size_t out() const { return static_cast<size_t>(N * C * spec.out_h(H) * spec.out_w(W)); }
 };
@@ -343,7 +344,7 @@ void expect_pool_matches_cpu(Streams& s, Pool2dOp& gpu_op, const PoolCase& c, ui
   SCOPED_TRACE(std::string(c.name) + ": " + c.spec.str() + " on (" + std::to_string(c.N) + ", " +
                std::to_string(c.C) + ", " + std::to_string(c.H) + ", " + std::to_string(c.W) + ")");
   Vec x = random_vector(c.in(), seed);
-  for (float& v : x) v += c.shift;
+  for (float& v : x) v = (c.ties ? std::round(v * 2.0f) / 2.0f : v) + c.shift;
   const Vec dy = random_vector(c.out(), seed + 1);
   auto cpu_op = s.cpu->make_pool2d(c.spec);
   Vec y(c.out()), dx(c.in(), NAN);
@@ -357,7 +358,8 @@ void expect_pool_matches_cpu(Streams& s, Pool2dOp& gpu_op, const PoolCase& c, ui
     // A maximum is one of the inputs, and each input's gradient a sum of the dy of the windows it won (several only
     // where windows overlap; in an order that may differ: a few ulp).
     EXPECT_TRUE(bitwise_equal(gy, y)) << "forward";
-    EXPECT_LT(normalised_error(gdx, dx), 1e-6) << "backward";
+    const double err = normalised_error(gdx, dx);
+    EXPECT_LT(err, 1e-6) << "backward; first difference: " << (err < 1e-6 ? "" : bitwise_equal(gdx, dx).message());
   } else {
     EXPECT_LT(normalised_error(gy, y), 1e-6) << "forward";
     EXPECT_LT(normalised_error(gdx, dx), 1e-6) << "backward";
@@ -374,6 +376,9 @@ std::vector<PoolCase> pool_cases() {
       {"avg 2x2 stride 1", pool(PoolKind::kAvg, 2, 2, 1, 1, 0, 0), 2, 3, 5, 6, 0.0f},
       {"global avg", pool(PoolKind::kAvg, 1, 1, 1, 1, 0, 0, true), 3, 5, 7, 5, 0.0f},
       {"global max", pool(PoolKind::kMax, 1, 1, 1, 1, 0, 0, true), 3, 5, 7, 5, -2.0f},
+      // PyTorch's rule, the CPU op's: a window's gradient goes to its first maximum in row-major order.
+      {"max 3x3 stride 2 padding 1, ties", pool(PoolKind::kMax, 3, 3, 2, 2, 1, 1), 2, 3, 9, 8, 0.0f, true},
+      {"max 2x2 stride 2, ties", pool(PoolKind::kMax, 2, 2, 2, 2, 0, 0), 2, 3, 8, 8, 0.0f, true},
   };
 }
 
