@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -350,6 +351,22 @@ void expect_pool_matches_cpu(Streams& s, Pool2dOp& gpu_op, const PoolCase& c, ui
   Vec y(c.out()), dx(c.in(), NAN);
   cpu_op->forward(y.data(), x.data(), c.N, c.C, c.H, c.W);
   cpu_op->backward(dx.data(), dy.data(), x.data(), y.data(), c.N, c.C, c.H, c.W);
+  if (c.ties) {  // the case must hold ties to test their rule: windows whose maximum occurs more than once in them
+    const int64_t OH = c.spec.out_h(c.H), OW = c.spec.out_w(c.W);
+    size_t tied = 0;
+    for (int64_t nc = 0; nc < c.N * c.C; ++nc)
+      for (int64_t oh = 0; oh < OH; ++oh)
+        for (int64_t ow = 0; ow < OW; ++ow) {
+          const int64_t i0 = oh * c.spec.stride_h - c.spec.pad_h, j0 = ow * c.spec.stride_w - c.spec.pad_w;
+          const float m = y[static_cast<size_t>((nc * OH + oh) * OW + ow)];
+          int maxima = 0;
+          for (int64_t i = std::max<int64_t>(i0, 0); i < std::min(i0 + c.spec.kernel_h, c.H); ++i)
+            for (int64_t j = std::max<int64_t>(j0, 0); j < std::min(j0 + c.spec.kernel_w, c.W); ++j)
+              maxima += x[static_cast<size_t>((nc * c.H + i) * c.W + j)] == m;
+          tied += maxima > 1;
+        }
+    EXPECT_GT(tied, y.size() / 8) << "the case should hold windows with several maxima";  // ~37% for 2x2
+  }
   auto x_ = on_gpu(x), dy_ = on_gpu(dy), y_ = on_gpu(Vec(c.out(), NAN)), dx_ = on_gpu(Vec(c.in(), NAN));
   gpu_op.forward(y_->get(), x_->get(), c.N, c.C, c.H, c.W);
   gpu_op.backward(dx_->get(), dy_->get(), x_->get(), y_->get(), c.N, c.C, c.H, c.W);
@@ -395,7 +412,9 @@ TEST(CudnnPool2d, ForwardAndBackwardMatchTheCpuOp) {
 TEST(CudnnPool2d, OneOpServesSeveralShapesFromItsCache) {
   DPAR_REQUIRE_GPU();
   Streams s;
-  for (const Pool2dSpec& spec : {pool(PoolKind::kMax, 3, 3, 2, 2, 1, 1), pool(PoolKind::kAvg, 1, 1, 1, 1, 0, 0, true)}) {
+  const Pool2dSpec max3x3 = pool(PoolKind::kMax, 3, 3, 2, 2, 1, 1);
+  const Pool2dSpec global_avg = pool(PoolKind::kAvg, 1, 1, 1, 1, 0, 0, true);
+  for (const Pool2dSpec& spec : {max3x3, global_avg}) {
     auto op = s.gpu->make_pool2d(spec);
     expect_pool_matches_cpu(s, *op, {"first shape", spec, 2, 3, 8, 8, 0.0f}, 1);
     expect_pool_matches_cpu(s, *op, {"second shape", spec, 3, 3, 5, 7, 0.0f}, 2);

@@ -155,7 +155,8 @@ class CudnnConv2d final : public Conv2dOp {
     DPAR_CUDNN_CHECK(lib_.set_filter_4d(filter_.get(), CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW,
                                         to_int(s.out_channels, what + ": out_channels"),
                                         to_int(s.in_channels / s.groups, what + ": in_channels / groups"),
-                                        to_int(s.kernel_h, what + ": kernel_h"), to_int(s.kernel_w, what + ": kernel_w")),
+                                        to_int(s.kernel_h, what + ": kernel_h"),
+                                        to_int(s.kernel_w, what + ": kernel_w")),
                      "cudnnSetFilter4dDescriptor for ", what);
     // Cross-correlation (what PyTorch and oneDNN call convolution), zero padding on both sides, FP32 throughout.
     DPAR_CUDNN_CHECK(lib_.set_conv_2d(conv_.get(), to_int(s.pad_h, what), to_int(s.pad_w, what),

@@ -113,7 +113,8 @@ CudnnLibrary load_cudnn(const std::vector<std::string>& candidates) {
     lib.path = dladdr(reinterpret_cast<const void*>(lib.create), &info) != 0 && info.dli_fname ? info.dli_fname : file;
     return lib;  // the handle stays open for the life of the process
   }
-  fail(Status::kNotSupported, "cuDNN ", CUDNN_MAJOR, ".x, which convolution and pooling on cuda need, could not be loaded (",
+  fail(Status::kNotSupported, "cuDNN ", CUDNN_MAJOR,
+       ".x, which convolution and pooling on cuda need, could not be loaded (",
        tried.empty() ? std::string("no file to try") : tried,
        "): install cuDNN ", CUDNN_MAJOR, " (NVIDIA's libcudnn", CUDNN_MAJOR,
        " package, or pip's nvidia-cudnn-cu* with CUDNN_ROOT set to its folder), or add its directory to "
