@@ -5,6 +5,9 @@
 #include <cstring>
 
 #include "common/error.h"
+#ifdef DPAR_HAVE_CUDNN_HEADERS
+#include "backend/cuda/cudnn_ops.h"
+#endif
 #include "kernels/cuda/kernels.h"
 #include "platform/cuda/cublas_library.h"
 #include "platform/cuda/cuda_check.h"
@@ -45,6 +48,9 @@ class CudaStream final : public Stream {
       (void)cudaStreamSynchronize(stream_);
     if (pinned_) (void)cudaFreeHost(pinned_);
     if (sum_scratch_) (void)cudaFree(sum_scratch_);
+#ifdef DPAR_HAVE_CUDNN_HEADERS
+    if (cudnn_) cudnn_->close();  // its handle and workspace, before the stream they are bound to
+#endif
     (void)cudaEventDestroy(staged_);
     if (blas_) (void)cublas().destroy(blas_);
     if (owns_stream_) (void)cudaStreamDestroy(stream_);
@@ -235,15 +241,20 @@ class CudaStream final : public Stream {
     const auto scope = enter();
     k::embedding_backward(dweight, dout, idx, N, V, E, padding_idx, accumulate, stream_);
   }
-  // cuDNN is what these need (loaded on first use, as cuBLAS is); until then they say so, rather than the default's
-  // generic line.
+  // Through cuDNN, loaded on first use (backend/cuda/cudnn_ops.h); NOT_SUPPORTED naming what is missing without it.
   std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec) override {
-    fail(Status::kNotSupported, spec.str(), " on ", device().str(),
-         ": dpar's CUDA backend has no convolution yet (it needs cuDNN)");
+#ifdef DPAR_HAVE_CUDNN_HEADERS
+    return make_cudnn_conv2d(spec, cudnn_context());
+#else
+    fail(Status::kNotSupported, spec.str(), " on ", device().str(), ": ", kNoCudnnHeaders);
+#endif
   }
   std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec) override {
-    fail(Status::kNotSupported, spec.str(), " on ", device().str(),
-         ": dpar's CUDA backend has no pooling yet (it needs cuDNN)");
+#ifdef DPAR_HAVE_CUDNN_HEADERS
+    return make_cudnn_pool2d(spec, cudnn_context());
+#else
+    fail(Status::kNotSupported, spec.str(), " on ", device().str(), ": ", kNoCudnnHeaders);
+#endif
   }
   double sum_squares(const float* x, int64_t n) override {
     const auto scope = enter();
@@ -288,6 +299,18 @@ class CudaStream final : public Stream {
   // Every operation runs with the stream's device current: a replica's worker has made it current already (the
   // scope then costs one cudaGetDevice), but its communication thread and a borrowed stream's callers have not.
   DeviceScope enter() const { return DeviceScope(device().index); }
+#ifdef DPAR_HAVE_CUDNN_HEADERS
+  // Shared with the stream's cuDNN ops, which may outlive it (closed by the destructor).
+  std::shared_ptr<CudnnContext> cudnn_context() {
+    if (!cudnn_) cudnn_ = std::make_shared<CudnnContext>(device(), stream_);
+    return cudnn_;
+  }
+  std::shared_ptr<CudnnContext> cudnn_;
+#else
+  static constexpr const char* kNoCudnnHeaders =
+      "dpar was built without cuDNN's headers (cudnn.h was not found at configure time: reconfigure with "
+      "-DCUDNN_ROOT=<cuDNN's folder>), so its CUDA backend has no convolution or pooling";
+#endif
 
   cudaStream_t stream_ = nullptr;
   bool owns_stream_ = false, borrowed_ = false;

@@ -2,6 +2,9 @@
 #include "platform/cuda/cuda_check.h"
 
 #include "platform/cuda/cublas_library.h"
+#ifdef DPAR_HAVE_CUDNN_HEADERS
+#include "platform/cuda/cudnn_library.h"
+#endif
 
 #include <mutex>
 #include <type_traits>
@@ -74,6 +77,27 @@ void fail_cuda(cudaError_t err, const char* call, const std::string& context) {
 void fail_cublas(cublasStatus_t status, const char* call, const std::string& context) {
   fail(cublas_error_status(status), describe(call, context, cublas().status_string(status), cublas_status_name(status)));
 }
+
+#ifdef DPAR_HAVE_CUDNN_HEADERS
+Status cudnn_error_status(cudnnStatus_t status) {
+  switch (status) {
+    case CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED:
+    case CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED:
+      return Status::kOutOfMemory;
+    case CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED:
+    case CUDNN_STATUS_NOT_SUPPORTED_SUBLIBRARY_UNAVAILABLE:
+      return Status::kNotSupported;
+    default:
+      return Status::kDevice;
+  }
+}
+
+void fail_cudnn(cudnnStatus_t status, const char* call, const std::string& context) {
+  // A cuDNN status can only come from a loaded cuDNN, so its own text is at hand.
+  fail(cudnn_error_status(status), describe(call, context, cudnn().error_string(status), nullptr) + " (cuDNN status " +
+                                       std::to_string(static_cast<int>(status)) + ")");
+}
+#endif
 
 void fail_nccl(ncclResult_t result, const char* call, const std::string& context) {
   // ncclGetLastError gives the detail NCCL logged for this thread's last failure (may be empty).

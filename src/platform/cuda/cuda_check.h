@@ -20,6 +20,9 @@
 #include <cuda.h>  // the driver's types only (CUcontext): its functions are reached through the runtime
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+#ifdef DPAR_HAVE_CUDNN_HEADERS
+#include <cudnn.h>
+#endif
 
 #include <new>
 #include <string>
@@ -37,6 +40,14 @@ namespace dpar::cuda {
 Status cuda_error_status(cudaError_t err);
 Status cublas_error_status(cublasStatus_t status);
 Status nccl_error_status(ncclResult_t result);
+
+#ifdef DPAR_HAVE_CUDNN_HEADERS
+// cuDNN: an allocation that failed (on the host or the device) is Status::kOutOfMemory; a sub-library that cuDNN
+// could not load (libcudnn_cnn, libcudnn_ops beside libcudnn.so) Status::kNotSupported, as a missing libcudnn is;
+// any other failure Status::kDevice. The text is cudnnGetErrorString's, through the loaded library.
+[[noreturn]] void fail_cudnn(cudnnStatus_t status, const char* call, const std::string& context);
+Status cudnn_error_status(cudnnStatus_t status);
+#endif
 
 // "CUBLAS_STATUS_NOT_SUPPORTED" and the like (cuBLAS's own cublasGetStatusString gives the text).
 const char* cublas_status_name(cublasStatus_t status);
@@ -140,3 +151,12 @@ bool thread_has_context() noexcept;
     if (dpar_nccl_res_ != ncclSuccess)                                                               \
       ::dpar::cuda::fail_nccl(dpar_nccl_res_, #expr, ::dpar::detail::concat(__VA_ARGS__));           \
   } while (0)
+
+#ifdef DPAR_HAVE_CUDNN_HEADERS
+#define DPAR_CUDNN_CHECK(expr, ...)                                                                  \
+  do {                                                                                               \
+    const cudnnStatus_t dpar_cudnn_st_ = (expr);                                                     \
+    if (dpar_cudnn_st_ != CUDNN_STATUS_SUCCESS)                                                      \
+      ::dpar::cuda::fail_cudnn(dpar_cudnn_st_, #expr, ::dpar::detail::concat(__VA_ARGS__));          \
+  } while (0)
+#endif

@@ -1,0 +1,416 @@
+#include "backend/cuda/cudnn_ops.h"
+
+#include <climits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/error.h"
+#include "kernels/cuda/kernels.h"
+#include "platform/cuda/cuda_check.h"
+#include "platform/cuda/cudnn_library.h"
+
+namespace dpar {
+
+using cuda::cudnn;
+using cuda::CudnnLibrary;
+using cuda::DeviceScope;
+
+// ---- The stream's context -----------------------------------------------------------------------------------------
+
+void CudnnContext::check_open() const {
+  DPAR_ENFORCE(!closed_, Status::kInvalidState, "a cuDNN op on ", device_.str(),
+               " was used after its stream was destroyed");
+}
+
+cudnnHandle_t CudnnContext::handle() {
+  check_open();
+  if (handle_) return handle_;
+  const CudnnLibrary& lib = cudnn();  // loads cuDNN the first time
+  cudnnHandle_t h = nullptr;
+  DPAR_CUDNN_CHECK(lib.create(&h), "cudnnCreate on ", device_.str(), " (", lib.path, ")");
+  try {
+    DPAR_CUDNN_CHECK(lib.set_stream(h, stream_), "cudnnSetStream on ", device_.str());
+  } catch (...) {
+    lib.destroy(h);
+    throw;
+  }
+  return handle_ = h;
+}
+
+void* CudnnContext::workspace(size_t bytes) {
+  check_open();
+  if (bytes == 0) return nullptr;
+  if (bytes <= workspace_bytes_) return workspace_;
+  if (workspace_) {
+    DPAR_CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting for ", device_.str(),
+                    "'s work before the cuDNN workspace grows");
+    DPAR_CUDA_CHECK(cudaFree(workspace_), "cudaFree of the cuDNN workspace");
+    workspace_ = nullptr;
+    workspace_bytes_ = 0;
+  }
+  DPAR_CUDA_CHECK(cudaMalloc(&workspace_, bytes), "cudaMalloc of ", bytes, " bytes of cuDNN workspace on ",
+                  device_.str());
+  workspace_bytes_ = bytes;
+  return workspace_;
+}
+
+void CudnnContext::close() noexcept {
+  if (closed_) return;
+  closed_ = true;
+  if (!handle_ && !workspace_) return;
+  (void)cudaStreamSynchronize(stream_);
+  if (workspace_) (void)cudaFree(workspace_);
+  if (handle_) (void)cudnn().destroy(handle_);  // a handle exists only where cuDNN was loaded
+  workspace_ = nullptr;
+  handle_ = nullptr;
+}
+
+namespace {
+
+// ---- Descriptors --------------------------------------------------------------------------------------------------
+
+// A cuDNN descriptor, destroyed with its owner.
+template <class T>
+class Desc {
+ public:
+  using Destroy = cudnnStatus_t (*)(T);
+  Desc(cudnnStatus_t (*create)(T*), Destroy destroy, const char* what) : destroy_(destroy) {
+    DPAR_CUDNN_CHECK(create(&d_), what);
+  }
+  ~Desc() {
+    if (d_) (void)destroy_(d_);
+  }
+  Desc(const Desc&) = delete;
+  Desc& operator=(const Desc&) = delete;
+  T get() const { return d_; }
+
+ private:
+  Destroy destroy_;
+  T d_ = nullptr;
+};
+
+struct TensorDesc : Desc<cudnnTensorDescriptor_t> {
+  TensorDesc() : Desc(cudnn().create_tensor, cudnn().destroy_tensor, "cudnnCreateTensorDescriptor") {}
+};
+
+// cuDNN's legacy API takes int extents and strides: every extent, and the element count (N's stride times N),
+// must fit. Refused rather than wrapped.
+int to_int(int64_t v, const std::string& what) {
+  DPAR_ENFORCE(v >= 0 && v <= INT_MAX, Status::kNotSupported, what, " is ", v,
+               ": cuDNN's convolution and pooling take 32-bit extents; split the batch");
+  return static_cast<int>(v);
+}
+
+// A fully packed NCHW f32 tensor (dpar's layout at an op's edges).
+void set_nchw(const TensorDesc& d, int64_t N, int64_t C, int64_t H, int64_t W, const std::string& what) {
+  to_int(N * C * H * W, what + "'s element count");
+  DPAR_CUDNN_CHECK(cudnn().set_tensor_4d(d.get(), CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, to_int(N, what + "'s N"),
+                                         to_int(C, what + "'s C"), to_int(H, what + "'s H"), to_int(W, what + "'s W")),
+                   "cudnnSetTensor4dDescriptor for ", what, " (", N, ", ", C, ", ", H, ", ", W, ")");
+}
+
+const float kOne = 1.0f, kZero = 0.0f;
+
+// The first algorithm of cuDNN's list (its heuristics', fastest first) that ran its check (status SUCCESS), is
+// deterministic (two runs give the same bits: replicas must agree, and a rerun must too), does not convert FP32 to
+// a lower precision (TF32 tensor ops: the CPU reference and dpar's cuBLAS GEMM compute in FP32; the descriptor's
+// CUDNN_FMA_MATH already asks for that, this only refuses a result that says otherwise) and whose workspace fits
+// the cap. The list's algorithm values, for the error.
+template <class Perf>
+const Perf* choose(const std::vector<Perf>& perfs, int returned) {
+  for (int i = 0; i < returned; ++i) {
+    const Perf& p = perfs[static_cast<size_t>(i)];
+    if (p.status != CUDNN_STATUS_SUCCESS || p.determinism != CUDNN_DETERMINISTIC) continue;
+    if (p.mathType == CUDNN_TENSOR_OP_MATH || p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+    if (p.memory > cudnn_detail::kWorkspaceCap) continue;
+    return &p;
+  }
+  return nullptr;
+}
+
+template <class Perf>
+std::string list_algorithms(const std::vector<Perf>& perfs, int returned) {
+  std::string s;
+  for (int i = 0; i < returned; ++i) {
+    const Perf& p = perfs[static_cast<size_t>(i)];
+    s += (s.empty() ? "" : ", ") + std::to_string(static_cast<int>(p.algo)) + " (status " +
+         std::to_string(static_cast<int>(p.status)) + (p.determinism == CUDNN_DETERMINISTIC ? ", deterministic" : "") +
+         ", math " + std::to_string(static_cast<int>(p.mathType)) + ", " + std::to_string(p.memory) + " bytes)";
+  }
+  return s.empty() ? "none" : s;
+}
+
+// ---- Convolution --------------------------------------------------------------------------------------------------
+
+class CudnnConv2d final : public Conv2dOp {
+ public:
+  CudnnConv2d(const Conv2dSpec& spec, std::shared_ptr<CudnnContext> ctx)
+      : spec_(spec), name_(spec.str()), ctx_(std::move(ctx)), lib_(cudnn()),
+        filter_(lib_.create_filter, lib_.destroy_filter, "cudnnCreateFilterDescriptor"),
+        conv_(lib_.create_conv, lib_.destroy_conv, "cudnnCreateConvolutionDescriptor") {
+    const Conv2dSpec& s = spec_;
+    const std::string what = name_ + " on " + ctx_->device().str();
+    // PyTorch's weight (C_out, C_in/groups, kh, kw) is cuDNN's KCRS filter of a grouped convolution, as is.
+    DPAR_CUDNN_CHECK(lib_.set_filter_4d(filter_.get(), CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW,
+                                        to_int(s.out_channels, what + ": out_channels"),
+                                        to_int(s.in_channels / s.groups, what + ": in_channels / groups"),
+                                        to_int(s.kernel_h, what + ": kernel_h"),
+                                        to_int(s.kernel_w, what + ": kernel_w")),
+                     "cudnnSetFilter4dDescriptor for ", what);
+    // Cross-correlation (what PyTorch and oneDNN call convolution), zero padding on both sides, FP32 throughout.
+    DPAR_CUDNN_CHECK(lib_.set_conv_2d(conv_.get(), to_int(s.pad_h, what), to_int(s.pad_w, what),
+                                      to_int(s.stride_h, what), to_int(s.stride_w, what), to_int(s.dilation_h, what),
+                                      to_int(s.dilation_w, what), CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT),
+                     "cudnnSetConvolution2dDescriptor for ", what);
+    DPAR_CUDNN_CHECK(lib_.set_conv_groups(conv_.get(), to_int(s.groups, what)), "cudnnSetConvolutionGroupCount for ",
+                     what);
+    // CUDNN_FMA_MATH: FP32 FMA kernels only. CUDNN_DEFAULT_MATH would let cuDNN 8+ run FP32 convolutions on TF32
+    // tensor cores on Ampere and later (H100, H200), with a 10-bit mantissa; the CPU reference is FP32.
+    DPAR_CUDNN_CHECK(lib_.set_conv_math(conv_.get(), CUDNN_FMA_MATH), "cudnnSetConvolutionMathType for ", what);
+    if (s.bias) {
+      bias_ = std::make_unique<TensorDesc>();
+      set_nchw(*bias_, 1, s.out_channels, 1, 1, what + "'s bias");
+    }
+  }
+
+  void forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t H,
+               int64_t W) override {
+    if (N == 0) return;
+    DeviceScope scope(ctx_->device().index);
+    Shape& p = shape(N, H, W);
+    cudnnHandle_t h = ctx_->handle();
+    void* ws = ctx_->workspace(p.fwd_bytes);
+    DPAR_CUDNN_CHECK(lib_.conv_forward(h, &kOne, p.x.get(), inp, filter_.get(), weight, conv_.get(), p.fwd, ws,
+                                       p.fwd_bytes, &kZero, p.y.get(), out),
+                     "cudnnConvolutionForward for ", name_);
+    if (spec_.bias)  // out += bias, broadcast over N, OH, OW
+      DPAR_CUDNN_CHECK(lib_.add_tensor(h, &kOne, bias_->get(), bias, &kOne, p.y.get(), out), "cudnnAddTensor for ",
+                       name_, "'s bias");
+    if (spec_.epilogue == Epilogue::kRelu)
+      kernels::cuda::relu_forward(out, out, N * spec_.out_channels * p.OH * p.OW, ctx_->stream());
+  }
+
+  void backward_data(float* dinp, const float* dout, const float* weight, int64_t N, int64_t H,
+                     int64_t W) override {
+    if (N == 0) return;
+    DeviceScope scope(ctx_->device().index);
+    Shape& p = shape(N, H, W);
+    cudnnHandle_t h = ctx_->handle();
+    if (!p.has_bwd_data) choose_bwd_data(h, p);
+    void* ws = ctx_->workspace(p.bwd_data_bytes);
+    DPAR_CUDNN_CHECK(lib_.conv_backward_data(h, &kOne, filter_.get(), weight, p.y.get(), dout, conv_.get(),
+                                             p.bwd_data, ws, p.bwd_data_bytes, &kZero, p.x.get(), dinp),
+                     "cudnnConvolutionBackwardData for ", name_);
+  }
+
+  void backward_weights(float* dweight, float* dbias, const float* dout, const float* inp, int64_t N, int64_t H,
+                        int64_t W, bool accumulate) override {
+    const Conv2dSpec& s = spec_;
+    if (!s.bias) dbias = nullptr;
+    if (!dweight && !dbias) return;
+    DeviceScope scope(ctx_->device().index);
+    if (N == 0) {  // no rows: a zero gradient
+      if (accumulate) return;
+      const size_t wn = static_cast<size_t>(s.out_channels * (s.in_channels / s.groups) * s.kernel_h * s.kernel_w);
+      if (dweight)
+        DPAR_CUDA_CHECK(cudaMemsetAsync(dweight, 0, wn * sizeof(float), ctx_->stream()), name_, ": zero dweight");
+      if (dbias)
+        DPAR_CUDA_CHECK(cudaMemsetAsync(dbias, 0, static_cast<size_t>(s.out_channels) * sizeof(float),
+                                        ctx_->stream()),
+                        name_, ": zero dbias");
+      return;
+    }
+    Shape& p = shape(N, H, W);
+    cudnnHandle_t h = ctx_->handle();
+    // beta = 1 adds to what is there (accumulate), beta = 0 overwrites (and reads nothing, NaN included).
+    const float* beta = accumulate ? &kOne : &kZero;
+    if (dweight) {
+      if (!p.has_bwd_filter) choose_bwd_filter(h, p);
+      void* ws = ctx_->workspace(p.bwd_filter_bytes);
+      DPAR_CUDNN_CHECK(lib_.conv_backward_filter(h, &kOne, p.x.get(), inp, p.y.get(), dout, conv_.get(),
+                                                 p.bwd_filter, ws, p.bwd_filter_bytes, beta, filter_.get(), dweight),
+                       "cudnnConvolutionBackwardFilter for ", name_);
+    }
+    if (dbias)
+      DPAR_CUDNN_CHECK(lib_.conv_backward_bias(h, &kOne, p.y.get(), dout, beta, bias_->get(), dbias),
+                       "cudnnConvolutionBackwardBias for ", name_);
+  }
+
+ private:
+  // What one input shape needs: its tensors and the algorithm chosen for each direction, with its workspace.
+  struct Shape {
+    int64_t N = 0, H = 0, W = 0, OH = 0, OW = 0;
+    TensorDesc x, y;
+    cudnnConvolutionFwdAlgo_t fwd{};
+    size_t fwd_bytes = 0;
+    bool has_bwd_data = false, has_bwd_filter = false;  // chosen by the first backward: not every op has one
+    cudnnConvolutionBwdDataAlgo_t bwd_data{};
+    size_t bwd_data_bytes = 0;
+    cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
+    size_t bwd_filter_bytes = 0;
+  };
+  // Enough for a training batch, its last (smaller) batch and an evaluation batch or two, as the CPU op keeps.
+  static constexpr size_t kMaxShapes = 8;
+
+  Shape& shape(int64_t N, int64_t H, int64_t W) {
+    for (auto& p : cache_)
+      if (p->N == N && p->H == H && p->W == W) return *p;
+    const Conv2dSpec& s = spec_;
+    const int64_t OH = s.out_h(H), OW = s.out_w(W);
+    DPAR_CHECK_ARG(OH >= 1 && OW >= 1, name_, ": input ", H, "x", W, " is smaller than the kernel's reach");
+    auto p = std::make_unique<Shape>();
+    p->N = N, p->H = H, p->W = W, p->OH = OH, p->OW = OW;
+    set_nchw(p->x, N, s.in_channels, H, W, name_ + "'s input");
+    set_nchw(p->y, N, s.out_channels, OH, OW, name_ + "'s output");
+    int n = 0, c = 0, oh = 0, ow = 0;
+    DPAR_CUDNN_CHECK(lib_.conv_output_dim(conv_.get(), p->x.get(), filter_.get(), &n, &c, &oh, &ow),
+                     "cudnnGetConvolution2dForwardOutputDim for ", name_);
+    DPAR_ENFORCE(n == N && c == s.out_channels && oh == OH && ow == OW, Status::kInternal, name_,
+                 ": cuDNN's output extent ", oh, "x", ow, " is not PyTorch's ", OH, "x", OW);
+    cudnnHandle_t h = ctx_->handle();
+    std::vector<cudnnConvolutionFwdAlgoPerf_t> perfs(CUDNN_CONVOLUTION_FWD_ALGO_COUNT);
+    int returned = 0;
+    DPAR_CUDNN_CHECK(lib_.fwd_algorithms(h, p->x.get(), filter_.get(), conv_.get(), p->y.get(),
+                                         static_cast<int>(perfs.size()), &returned, perfs.data()),
+                     "cudnnGetConvolutionForwardAlgorithm_v7 for ", name_);
+    const auto* best = choose(perfs, returned);
+    DPAR_ENFORCE(best != nullptr, Status::kNotSupported, name_, " on ", ctx_->device().str(), " for input (", N,
+                 ", ", s.in_channels, ", ", H, ", ", W, "): cuDNN offers no deterministic FP32 forward algorithm "
+                 "within ", cudnn_detail::kWorkspaceCap, " bytes of workspace; it offered ",
+                 list_algorithms(perfs, returned));
+    p->fwd = best->algo;
+    // The workspace of the algorithm as configured, asked again: the heuristics' figure is an estimate.
+    DPAR_CUDNN_CHECK(lib_.fwd_workspace(h, p->x.get(), filter_.get(), conv_.get(), p->y.get(), p->fwd, &p->fwd_bytes),
+                     "cudnnGetConvolutionForwardWorkspaceSize for ", name_);
+    if (cache_.size() == kMaxShapes) cache_.erase(cache_.begin());
+    cache_.push_back(std::move(p));
+    return *cache_.back();
+  }
+
+  void choose_bwd_data(cudnnHandle_t h, Shape& p) {
+    std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perfs(CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT);
+    int returned = 0;
+    DPAR_CUDNN_CHECK(lib_.bwd_data_algorithms(h, filter_.get(), p.y.get(), conv_.get(), p.x.get(),
+                                              static_cast<int>(perfs.size()), &returned, perfs.data()),
+                     "cudnnGetConvolutionBackwardDataAlgorithm_v7 for ", name_);
+    const auto* best = choose(perfs, returned);
+    DPAR_ENFORCE(best != nullptr, Status::kNotSupported, name_, " on ", ctx_->device().str(), " for input (", p.N,
+                 ", ", spec_.in_channels, ", ", p.H, ", ", p.W, "): cuDNN offers no deterministic FP32 backward-data "
+                 "algorithm within ", cudnn_detail::kWorkspaceCap, " bytes of workspace; it offered ",
+                 list_algorithms(perfs, returned));
+    p.bwd_data = best->algo;
+    DPAR_CUDNN_CHECK(lib_.bwd_data_workspace(h, filter_.get(), p.y.get(), conv_.get(), p.x.get(), p.bwd_data,
+                                             &p.bwd_data_bytes),
+                     "cudnnGetConvolutionBackwardDataWorkspaceSize for ", name_);
+    p.has_bwd_data = true;
+  }
+
+  void choose_bwd_filter(cudnnHandle_t h, Shape& p) {
+    std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perfs(CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT);
+    int returned = 0;
+    DPAR_CUDNN_CHECK(lib_.bwd_filter_algorithms(h, p.x.get(), p.y.get(), conv_.get(), filter_.get(),
+                                                static_cast<int>(perfs.size()), &returned, perfs.data()),
+                     "cudnnGetConvolutionBackwardFilterAlgorithm_v7 for ", name_);
+    const auto* best = choose(perfs, returned);
+    DPAR_ENFORCE(best != nullptr, Status::kNotSupported, name_, " on ", ctx_->device().str(), " for input (", p.N,
+                 ", ", spec_.in_channels, ", ", p.H, ", ", p.W, "): cuDNN offers no deterministic FP32 "
+                 "backward-filter algorithm within ", cudnn_detail::kWorkspaceCap, " bytes of workspace; it offered ",
+                 list_algorithms(perfs, returned));
+    p.bwd_filter = best->algo;
+    DPAR_CUDNN_CHECK(lib_.bwd_filter_workspace(h, p.x.get(), p.y.get(), conv_.get(), filter_.get(), p.bwd_filter,
+                                               &p.bwd_filter_bytes),
+                     "cudnnGetConvolutionBackwardFilterWorkspaceSize for ", name_);
+    p.has_bwd_filter = true;
+  }
+
+  Conv2dSpec spec_;
+  std::string name_;
+  std::shared_ptr<CudnnContext> ctx_;
+  const CudnnLibrary& lib_;
+  Desc<cudnnFilterDescriptor_t> filter_;
+  Desc<cudnnConvolutionDescriptor_t> conv_;
+  std::unique_ptr<TensorDesc> bias_;  // (1, C_out, 1, 1), broadcast over the output
+  std::vector<std::unique_ptr<Shape>> cache_;  // most recently prepared last
+};
+
+// ---- Pooling ------------------------------------------------------------------------------------------------------
+
+class CudnnPool2d final : public Pool2dOp {
+ public:
+  CudnnPool2d(const Pool2dSpec& spec, std::shared_ptr<CudnnContext> ctx)
+      : spec_(spec), name_(spec.str()), ctx_(std::move(ctx)), lib_(cudnn()) {}
+
+  void forward(float* out, const float* inp, int64_t N, int64_t C, int64_t H, int64_t W) override {
+    if (N == 0) return;
+    DeviceScope scope(ctx_->device().index);
+    Shape& p = shape(N, C, H, W);
+    DPAR_CUDNN_CHECK(lib_.pooling_forward(ctx_->handle(), p.pool.get(), &kOne, p.x.get(), inp, &kZero, p.y.get(), out),
+                     "cudnnPoolingForward for ", name_);
+  }
+
+  void backward(float* dinp, const float* dout, const float* inp, const float* out, int64_t N, int64_t C, int64_t H,
+                int64_t W) override {
+    if (N == 0) return;
+    DeviceScope scope(ctx_->device().index);
+    Shape& p = shape(N, C, H, W);
+    // A max pool finds each window's maximum again from inp and out (no state from the forward is kept).
+    DPAR_CUDNN_CHECK(lib_.pooling_backward(ctx_->handle(), p.pool.get(), &kOne, p.y.get(), out, p.y.get(), dout,
+                                           p.x.get(), inp, &kZero, p.x.get(), dinp),
+                     "cudnnPoolingBackward for ", name_);
+  }
+
+ private:
+  struct Shape {
+    int64_t N = 0, C = 0, H = 0, W = 0;
+    TensorDesc x, y;
+    Desc<cudnnPoolingDescriptor_t> pool{cudnn().create_pooling, cudnn().destroy_pooling,
+                                        "cudnnCreatePoolingDescriptor"};
+  };
+  static constexpr size_t kMaxShapes = 8;
+
+  Shape& shape(int64_t N, int64_t C, int64_t H, int64_t W) {
+    for (auto& p : cache_)
+      if (p->N == N && p->C == C && p->H == H && p->W == W) return *p;
+    const Pool2dSpec& s = spec_;
+    const int64_t OH = s.out_h(H), OW = s.out_w(W);
+    DPAR_CHECK_ARG(OH >= 1 && OW >= 1, name_, ": input ", H, "x", W, " is smaller than the window");
+    auto p = std::make_unique<Shape>();
+    p->N = N, p->C = C, p->H = H, p->W = W;
+    set_nchw(p->x, N, C, H, W, name_ + "'s input");
+    set_nchw(p->y, N, C, OH, OW, name_ + "'s output");
+    // Max: padded cells never win (cuDNN's max pooling takes only the window's cells inside the input, as
+    // PyTorch's pads with -inf); the deterministic mode, so that backward gives the same bits every time. Avg:
+    // PyTorch's count_include_pad=True, the divisor kernel_h * kernel_w. Global: one window of the whole input.
+    // NaN propagates, as in PyTorch's max pooling.
+    const cudnnPoolingMode_t mode =
+        s.kind == PoolKind::kMax ? CUDNN_POOLING_MAX_DETERMINISTIC : CUDNN_POOLING_AVERAGE_COUNT_INCLUDE_PADDING;
+    const int64_t kh = s.global ? H : s.kernel_h, kw = s.global ? W : s.kernel_w;
+    const int64_t ph = s.global ? 0 : s.pad_h, pw = s.global ? 0 : s.pad_w;
+    const int64_t sh = s.global ? 1 : s.stride_h, sw = s.global ? 1 : s.stride_w;
+    DPAR_CUDNN_CHECK(lib_.set_pooling_2d(p->pool.get(), mode, CUDNN_PROPAGATE_NAN, to_int(kh, name_), to_int(kw, name_),
+                                         to_int(ph, name_), to_int(pw, name_), to_int(sh, name_), to_int(sw, name_)),
+                     "cudnnSetPooling2dDescriptor for ", name_);
+    if (cache_.size() == kMaxShapes) cache_.erase(cache_.begin());
+    cache_.push_back(std::move(p));
+    return *cache_.back();
+  }
+
+  Pool2dSpec spec_;
+  std::string name_;
+  std::shared_ptr<CudnnContext> ctx_;
+  const CudnnLibrary& lib_;
+  std::vector<std::unique_ptr<Shape>> cache_;
+};
+
+}  // namespace
+
+std::unique_ptr<Conv2dOp> make_cudnn_conv2d(const Conv2dSpec& spec, std::shared_ptr<CudnnContext> context) {
+  return std::make_unique<CudnnConv2d>(spec, std::move(context));
+}
+
+std::unique_ptr<Pool2dOp> make_cudnn_pool2d(const Pool2dSpec& spec, std::shared_ptr<CudnnContext> context) {
+  return std::make_unique<CudnnPool2d>(spec, std::move(context));
+}
+
+}  // namespace dpar
