@@ -252,7 +252,7 @@ stage_bench_cnn() {
   local status=0 batch
   for batch in 128 512; do
     echo "==== the Fashion-MNIST CNN, batch $batch"
-    "$build/bench/bench_cnn" --device cuda --batch "$batch" --rounds 3 --seconds 1 || status=1
+    "$build/bench/bench_cnn" --device cuda --batch "$batch" --rounds 2 --seconds 1 || status=1
   done
   return $status
 }
