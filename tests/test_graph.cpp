@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -589,6 +590,79 @@ TEST(GraphCapi, CallsCheckTheirArguments) {
   int32_t last = 0;
   ASSERT_DPAR_OK(dpar_model_last_node(&last, m.get()));
   EXPECT_EQ(last, 7);
+}
+
+// ---- The fusion pass: an activation as the epilogue of the layer before it ------------------------------------
+
+// A linear layer (so that the head's input gradient is checked, through the linear layer's weight gradient), a
+// head layer followed by a ReLU, and a classifier; with `apart`, a view between the head and the ReLU keeps the ReLU
+// a node of its own (the pass fuses only a ReLU that reads the layer directly and alone).
+Model head_then_relu(int head, bool apart) {
+  Model m(11);
+  m.add(make_linear(8, 8, true));
+  Conv2dSpec conv;
+  conv.in_channels = 2;
+  conv.out_channels = 3;
+  conv.kernel_h = conv.kernel_w = 3;
+  conv.pad_h = conv.pad_w = 1;
+  std::vector<int64_t> row;
+  switch (head) {
+    case 0:
+      m.add(make_linear(8, 6, true));
+      row = {6};
+      break;
+    case 1:
+      m.add_reshape({2, 2, 2});
+      m.add(make_conv2d(conv));
+      row = {3, 2, 2};
+      break;
+    case 2:  // BatchNorm2d after a convolution
+      m.add_reshape({2, 2, 2});
+      conv.bias = false;
+      m.add(make_conv2d(conv));
+      m.add(make_batchnorm(2, 3, 1e-5f, 0.1f, true));
+      row = {3, 2, 2};
+      break;
+    default:
+      m.add(make_batchnorm(1, 8, 1e-5f, 0.1f, true));
+      row = {8};
+      break;
+  }
+  if (apart) m.add_reshape(row);
+  m.add(make_activation(Activation::kRelu));
+  m.add_flatten();
+  int64_t width = 1;
+  for (int64_t d : row) width *= d;
+  m.add(make_linear(width, 4, true));
+  return m;
+}
+
+// Run as the epilogue, the ReLU gives the same bits as run as a node of its own: the output, every parameter's
+// gradient (the first linear layer's carries the head's input gradient) and BatchNorm's running statistics.
+TEST(Fusion, AReluRunsAsTheEpilogueOfTheLayerBeforeItWithTheSameBits) {
+  const char* heads[] = {"linear", "conv2d", "conv2d + batchnorm2d", "batchnorm1d"};
+  for (int head = 0; head < 4; ++head) {
+    SCOPED_TRACE(heads[head]);
+    std::vector<float> outs[2], grads[2], buffers[2];
+    for (bool apart : {false, true}) {
+      const Model m = head_then_relu(head, apart);
+      Standalone s;
+      ReplicaModel rm(m, s.ctx);
+      std::vector<float> x = random_vector(5 * 8, 3);
+      const Tensor y = rm.forward(s.ctx, host(x, Shape{5, 8}));
+      // The first linear layer and its ReLU-less successor never fuse; the head and its ReLU do, unless apart.
+      EXPECT_EQ(rm.num_fused(), apart ? 0u : 1u);
+      outs[apart].assign(y.f32(), y.f32() + y.numel());
+      std::vector<float> r = random_vector(static_cast<size_t>(y.numel()), 4);
+      rm.backward(s.ctx, host(r, y.shape()), false);
+      grads[apart].assign(rm.grads(), rm.grads() + m.num_param_elements());
+      if (rm.num_buffer_f32() > 0) buffers[apart].assign(rm.buffer_f32(), rm.buffer_f32() + rm.num_buffer_f32());
+    }
+    EXPECT_EQ(outs[0], outs[1]);
+    EXPECT_EQ(grads[0], grads[1]);
+    EXPECT_EQ(buffers[0], buffers[1]);
+    EXPECT_GT(*std::max_element(grads[0].begin(), grads[0].end()), 0.0f) << "no gradient reached the parameters";
+  }
 }
 
 }  // namespace

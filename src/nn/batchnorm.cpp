@@ -60,7 +60,7 @@ class BatchNorm final : public Layer {
     auto* tracked = reinterpret_cast<int64_t*>(buffers_[2].i32());
     if (!training_) {
       ctx.stream->batchnorm_moments(mean_invstd(), running_mean, running_var, nullptr, nullptr, 0.0, c_, eps_, 0.0f);
-      ctx.stream->batchnorm_apply(out.f32(), in.f32(), mean_invstd(), weight(), bias(), n, c_, l);
+      apply(ctx, in, out, n, l);
       return;
     }
     // This replica's sums, then (SyncBatchNorm) the whole batch's: Σx, Σx² per channel and the element count.
@@ -78,7 +78,21 @@ class BatchNorm final : public Layer {
                    in.shape().str());
     ctx.stream->batchnorm_moments(mean_invstd(), running_mean, running_var, tracked, stats(), count_, c_, eps_,
                                   momentum_);
-    ctx.stream->batchnorm_apply(out.f32(), in.f32(), mean_invstd(), weight(), bias(), n, c_, l);
+    apply(ctx, in, out, n, l);
+  }
+
+  // A ReLU after BatchNorm runs as its epilogue: in place on its output after the normalisation (no tensor of its
+  // own for the normalised values), and backward masks the gradient with that output first. Each is still a pass of
+  // its own over the activations: a kernel that normalises and clamps in one pass is a backend's to add.
+  bool takes_epilogue(Epilogue epilogue) const override { return epilogue == Epilogue::kRelu; }
+  void forward_with_epilogue(const ReplicaContext& ctx, Epilogue, const Tensor& in, const Tensor& out) override {
+    relu_ = true;
+    forward(ctx, in, out);
+  }
+  void backward_with_epilogue(const ReplicaContext& ctx, Epilogue, const Tensor& in, const Tensor& out,
+                              const Tensor& dout, const Tensor& mid, const Tensor& din, bool accumulate) override {
+    ctx.stream->activation_backward(Activation::kRelu, mid.f32(), dout.f32(), nullptr, out.f32(), out.numel());
+    backward(ctx, in, out, mid, din, accumulate);
   }
 
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
@@ -109,6 +123,11 @@ class BatchNorm final : public Layer {
   }
 
  private:
+  // out = the normalised in, then the ReLU when it runs as this layer's epilogue.
+  void apply(const ReplicaContext& ctx, const Tensor& in, const Tensor& out, int64_t n, int64_t l) {
+    ctx.stream->batchnorm_apply(out.f32(), in.f32(), mean_invstd(), weight(), bias(), n, c_, l);
+    if (relu_) ctx.stream->activation_forward(Activation::kRelu, out.f32(), out.f32(), out.numel());
+  }
   const float* weight() const { return affine_ ? params_[0] : nullptr; }
   const float* bias() const { return affine_ ? params_[1] : nullptr; }
   // Scratch of doubles in device memory: stats (2C + 1), mean_invstd (2C), local (2C), global (2C).
@@ -127,6 +146,7 @@ class BatchNorm final : public Layer {
   bool affine_;
   Tensor scratch_;
   bool training_ = true;  // the mode of the last forward
+  bool relu_ = false;     // a ReLU runs as its epilogue (the fusion pass fixes it for the model's life)
   double count_ = 0.0;    // elements per channel of the last training forward's batch (all replicas' for sync)
 };
 

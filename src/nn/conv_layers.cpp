@@ -68,13 +68,40 @@ class Conv2dLayer final : public Layer {
                        accumulate);
   }
 
+  // A ReLU after the convolution is the op's epilogue (oneDNN's post-op, or cuDNN's convolution and then the ReLU
+  // on its output); backward masks the gradient with the output, then runs the convolution's backward from it.
+  bool takes_epilogue(Epilogue epilogue) const override { return epilogue == Epilogue::kRelu; }
+  void forward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in,
+                             const Tensor& out) override {
+    const Shape& s = in.shape();
+    op(ctx, epilogue).forward(out.f32(), in.f32(), params_[0], spec_.bias ? params_[1] : nullptr, s[0], s[2], s[3]);
+  }
+  void backward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in, const Tensor& out,
+                              const Tensor& dout, const Tensor& mid, const Tensor& din, bool accumulate) override {
+    ctx.stream->activation_backward(Activation::kRelu, mid.f32(), dout.f32(), nullptr, out.f32(), out.numel());
+    const Shape& s = in.shape();
+    Conv2dOp& o = op(ctx, epilogue);
+    if (din.defined()) o.backward_data(din.f32(), mid.f32(), params_[0], s[0], s[2], s[3]);
+    o.backward_weights(grads_[0], spec_.bias ? grads_[1] : nullptr, mid.f32(), in.f32(), s[0], s[2], s[3],
+                       accumulate);
+  }
+
  private:
-  Conv2dOp& op(const ReplicaContext& ctx) {
-    if (!op_) op_ = ctx.stream->make_conv2d(spec_);  // the replica's backend's, kept: not copied by clone()
+  // The op, made by the replica's backend on first use for the epilogue the model runs this layer with (the fusion
+  // pass fixes it for the model's life), and kept: not copied by clone().
+  Conv2dOp& op(const ReplicaContext& ctx, Epilogue epilogue = Epilogue::kNone) {
+    if (!op_) {
+      Conv2dSpec spec = spec_;
+      spec.epilogue = epilogue;
+      op_ = ctx.stream->make_conv2d(spec);
+      op_epilogue_ = epilogue;
+    }
+    DPAR_ENFORCE(op_epilogue_ == epilogue, Status::kInternal, describe(), ": its op was made for another epilogue");
     return *op_;
   }
   Conv2dSpec spec_;
   std::unique_ptr<Conv2dOp> op_;
+  Epilogue op_epilogue_ = Epilogue::kNone;
 };
 
 class Pool2dLayer final : public Layer {

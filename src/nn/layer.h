@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/stream.h"
+#include "common/op_specs.h"
 #include "device/device.h"
 #include "tensor/tensor.h"
 
@@ -107,16 +108,26 @@ class Layer {
   virtual void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out, const Tensor& dout,
                         const Tensor& din, bool accumulate) = 0;
 
-  // Whether this layer computes the next layer's forward and backward together with its own (a linear layer and
-  // the ReLU after it, say: one pass adds the bias and applies the ReLU). The model then calls forward_with_next
-  // and backward_with_next for the pair, and this layer's own output is never written.
-  virtual bool fuses_with(const Layer& /*next*/) const { return false; }
-  // in (B, ...) -> next_out (B, ...): next(this(in)).
-  virtual void forward_with_next(const ReplicaContext& ctx, const Tensor& in, const Tensor& next_out);
-  // Given next_dout = dL/d(next_out), writes din (when defined) and this layer's parameter gradients, as the two
-  // backward calls would; mid is scratch of this layer's output shape. din may be next_dout's memory.
-  virtual void backward_with_next(const ReplicaContext& ctx, const Tensor& in, const Tensor& next_out,
-                                  const Tensor& next_dout, const Tensor& mid, const Tensor& din, bool accumulate);
+  // ---- Fusion: an activation as the epilogue of the layer before it --------------------------------------------
+  // The model's one fusion pass (ReplicaModel) runs an activation node inside the layer before it when that
+  // layer's output feeds nothing else and the layer takes the activation as an epilogue: the layer then writes the
+  // activation's output itself (its own output is never written) and its backward starts from the activation's
+  // gradient. GEMM + bias + ReLU (one pass after the GEMM), a convolution and its ReLU (the op's epilogue) and
+  // BatchNorm + ReLU all go through it.
+  //
+  // The epilogue this layer is when it follows another (a ReLU: Epilogue::kRelu), or Epilogue::kNone.
+  virtual Epilogue as_epilogue() const { return Epilogue::kNone; }
+  // Whether this layer can apply `epilogue` to its own output (forward_with_epilogue).
+  virtual bool takes_epilogue(Epilogue /*epilogue*/) const { return false; }
+  // in (B, ...) -> out (B, ...) = epilogue(this(in)).
+  virtual void forward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in,
+                                     const Tensor& out);
+  // Given dout = dL/d(out) and out of forward_with_epilogue, writes din (when defined) and this layer's parameter
+  // gradients as the epilogue's backward and then this layer's would; mid is scratch of this layer's output shape
+  // (for the gradient before the epilogue). din may be dout's memory (dout is consumed first).
+  virtual void backward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in,
+                                      const Tensor& out, const Tensor& dout, const Tensor& mid, const Tensor& din,
+                                      bool accumulate);
 
  protected:
   std::vector<Tensor> bound_params_, bound_grads_;  // the views given to bind()

@@ -12,13 +12,13 @@ Tensor ReplicaContext::alloc(DType dtype, const Shape& shape) const {
   return Tensor::empty(dtype, shape, device);
 }
 
-void Layer::forward_with_next(const ReplicaContext&, const Tensor&, const Tensor&) {
-  fail(Status::kInternal, describe(), " fuses with no layer after it");
+void Layer::forward_with_epilogue(const ReplicaContext&, Epilogue, const Tensor&, const Tensor&) {
+  fail(Status::kInternal, describe(), " takes no epilogue");
 }
 
-void Layer::backward_with_next(const ReplicaContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                               const Tensor&, bool) {
-  fail(Status::kInternal, describe(), " fuses with no layer after it");
+void Layer::backward_with_epilogue(const ReplicaContext&, Epilogue, const Tensor&, const Tensor&, const Tensor&,
+                                   const Tensor&, const Tensor&, bool) {
+  fail(Status::kInternal, describe(), " takes no epilogue");
 }
 
 void ReplicaContext::maybe_fail(Fault fault, const char* where) const {
@@ -65,18 +65,18 @@ class Linear final : public Layer {
                                 dout.f32(), in.f32(), params_[0], in.rows(), in_, out_, accumulate);
   }
 
-  // A ReLU after a linear layer runs with it: the bias and the ReLU are one pass after the GEMM, and backward
-  // masks the gradient and sums the bias gradient in one pass before the GEMMs.
-  bool fuses_with(const Layer& next) const override;
-  void forward_with_next(const ReplicaContext& ctx, const Tensor& in, const Tensor& next_out) override {
-    ctx.stream->linear_relu_forward(next_out.f32(), in.f32(), params_[0], bias_ ? params_[1] : nullptr, in.rows(),
-                                    in_, out_);
+  // A ReLU after a linear layer runs as its epilogue: the bias and the ReLU are one pass after the GEMM, and
+  // backward masks the gradient and sums the bias gradient in one pass before the GEMMs.
+  bool takes_epilogue(Epilogue epilogue) const override { return epilogue == Epilogue::kRelu; }
+  void forward_with_epilogue(const ReplicaContext& ctx, Epilogue, const Tensor& in, const Tensor& out) override {
+    ctx.stream->linear_relu_forward(out.f32(), in.f32(), params_[0], bias_ ? params_[1] : nullptr, in.rows(), in_,
+                                    out_);
   }
-  void backward_with_next(const ReplicaContext& ctx, const Tensor& in, const Tensor& next_out,
-                          const Tensor& next_dout, const Tensor& mid, const Tensor& din, bool accumulate) override {
+  void backward_with_epilogue(const ReplicaContext& ctx, Epilogue, const Tensor& in, const Tensor& out,
+                              const Tensor& dout, const Tensor& mid, const Tensor& din, bool accumulate) override {
     ctx.stream->linear_relu_backward(din.defined() ? din.f32() : nullptr, grads_[0], bias_ ? grads_[1] : nullptr,
-                                     mid.f32(), next_dout.f32(), next_out.f32(), in.f32(), params_[0], in.rows(),
-                                     in_, out_, accumulate);
+                                     mid.f32(), dout.f32(), out.f32(), in.f32(), params_[0], in.rows(), in_, out_,
+                                     accumulate);
   }
 
  private:
@@ -94,6 +94,7 @@ class ActivationLayer final : public Layer {
   Shape output_shape(const Shape& in) const override { return in; }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<ActivationLayer>(kind_); }
   Activation kind() const { return kind_; }
+  Epilogue as_epilogue() const override { return kind_ == Activation::kRelu ? Epilogue::kRelu : Epilogue::kNone; }
 
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
     ctx.stream->activation_forward(kind_, out.f32(), in.f32(), in.numel());
@@ -141,11 +142,6 @@ class Dropout final : public Layer {
   bool active_ = false;
   Tensor mask_;  // the multipliers of the last forward, kept for backward
 };
-
-bool Linear::fuses_with(const Layer& next) const {
-  const auto* activation = dynamic_cast<const ActivationLayer*>(&next);
-  return activation != nullptr && activation->kind() == Activation::kRelu;
-}
 
 }  // namespace
 

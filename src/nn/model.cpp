@@ -55,16 +55,23 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
       }
     nodes_[i].layer->bind_buffers(std::move(b));
   }
+  // The fusion pass: an activation node runs as the epilogue of the layer before it where it reads that layer and
+  // nothing else does (the layer's own output is then never written) and the layer takes it (Layer::as_epilogue,
+  // takes_epilogue). A layer that is another's epilogue is not fused with the one after it: pairs do not chain.
   for (size_t i = 0; i + 1 < nodes_.size(); ++i) {
-    // A pair fuses where the second layer reads the first and nothing else does (the first's own output is never
-    // written). A layer fused with the one before it is not fused with the one after it: pairs do not chain.
     const Node& a = nodes_[i];
     const Node& b = nodes_[i + 1];
-    fused_with_next_.push_back((i == 0 || !fused_with_next_[i - 1]) && a.layer && b.layer &&
-                               b.inputs[0] == static_cast<int32_t>(i) && consumers[i] == 1 &&
-                               a.layer->fuses_with(*b.layer));
+    const Epilogue e = b.layer ? b.layer->as_epilogue() : Epilogue::kNone;
+    const bool fuse = (i == 0 || epilogue_[i - 1] == Epilogue::kNone) && a.layer && e != Epilogue::kNone &&
+                      b.inputs[0] == static_cast<int32_t>(i) && consumers[i] == 1 && a.layer->takes_epilogue(e);
+    epilogue_.push_back(fuse ? e : Epilogue::kNone);
   }
-  fused_with_next_.push_back(false);
+  epilogue_.push_back(Epilogue::kNone);
+}
+
+size_t ReplicaModel::num_fused() const {
+  return static_cast<size_t>(std::count_if(epilogue_.begin(), epilogue_.end(),
+                                           [](Epilogue e) { return e != Epilogue::kNone; }));
 }
 
 int32_t ReplicaModel::storage(int32_t node) const {
@@ -137,7 +144,7 @@ void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
   acquire(storage_[n - 1]);
   for (size_t i = n; i-- > 0;) {
     if (nodes_[i].kind == NodeKind::kView) continue;
-    const bool pair = i > 0 && fused_with_next_[i - 1];
+    const bool pair = i > 0 && epilogue_[i - 1] != Epilogue::kNone;
     const size_t first = pair ? i - 1 : i;
     if (pair) {
       // The pair's scratch between its two layers; then its din may take dout's buffer (the pair reads dout in
@@ -177,8 +184,8 @@ Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
   forward_rows_ = rows;
   for (size_t i = 0; i < nodes_.size(); ++i) {
     const Node& node = nodes_[i];
-    if (fused_with_next_[i]) {  // nodes i and i + 1 at once; node i's own output is not written
-      node.layer->forward_with_next(ctx, output(node.inputs[0]), output(static_cast<int32_t>(i + 1)));
+    if (epilogue_[i] != Epilogue::kNone) {  // nodes i and i + 1 at once; node i's own output is not written
+      node.layer->forward_with_epilogue(ctx, epilogue_[i], output(node.inputs[0]), output(static_cast<int32_t>(i + 1)));
       ++i;
       continue;
     }
@@ -255,7 +262,7 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
     }
     DPAR_ENFORCE(grad_started_[i + 1], Status::kInternal, "node ", i, "'s gradient was never written");
     const Tensor dout = id == last && external_dout_.defined() ? external_dout_ : grad_of(id);
-    const bool pair = i > 0 && fused_with_next_[i - 1];  // nodes i - 1 and i run as one
+    const bool pair = i > 0 && epilogue_[i - 1] != Epilogue::kNone;  // nodes i - 1 and i run as one
     const size_t first = pair ? i - 1 : i;
     if (pair || node.kind == NodeKind::kLayer) {
       const Node& head = nodes_[first];
@@ -264,7 +271,8 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
       const Tensor out = output(id);
       auto run = [&](const Tensor& din) {
         if (pair)
-          head.layer->backward_with_next(ctx, in, out, dout, grad_of(static_cast<int32_t>(first)), din, accumulate);
+          head.layer->backward_with_epilogue(ctx, epilogue_[first], in, out, dout, grad_of(static_cast<int32_t>(first)),
+                                             din, accumulate);
         else
           node.layer->backward(ctx, in, out, dout, din, accumulate);
       };

@@ -161,6 +161,8 @@ class ReplicaModel {
   Tensor node_output(int32_t node) const { return output(node); }
   // The number of activation-gradient buffers the plan for the last input shape uses (tests: the liveness plan).
   size_t num_grad_buffers() const { return grad_slots_.size(); }
+  // The activation nodes the fusion pass runs as the epilogue of the layer before them (tests).
+  size_t num_fused() const;
 
  private:
   // Makes sure activation buffers hold `rows` rows and plans the gradient buffers; grows, never shrinks.
@@ -177,7 +179,7 @@ class ReplicaModel {
 
   std::vector<Node> nodes_;
   std::vector<int32_t> storage_;         // per node: storage(node)
-  std::vector<bool> fused_with_next_;    // node i computes node i + 1 with its own (Layer::fuses_with)
+  std::vector<Epilogue> epilogue_;       // node i computes node i + 1 as its epilogue (kNone: it does not)
   Tensor params_, grads_;
   Tensor buf_f32_, buf_i64_;           // the buffers (see buffer_f32(), buffer_i64())
   int64_t n_buf_f32_ = 0, n_buf_i64_ = 0;
