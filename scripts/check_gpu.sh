@@ -61,7 +61,7 @@ stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(build test fmnist cnn bench bench-cnn memcheck suite fmnist-cpu)
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-build="$root/build-gpu"
+build=${DPAR_GPU_BUILD_DIR:-$root/build-gpu}  # a test of this script points it elsewhere
 budget=${DPAR_GPU_CHECK_BUDGET_S:-540}
 command -v compute-sanitizer > /dev/null || PATH="/usr/local/cuda/bin:$PATH"
 data=${DPAR_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}

@@ -24,7 +24,12 @@ cat > "$work/bin/compute-sanitizer" <<'FAKE'
 #!/usr/bin/env bash
 sleep 60
 FAKE
-chmod +x "$work/bin/"*
+# The GPU test programs of a build (memcheck runs them): stand-ins that list no tests.
+mkdir -p "$work/build/tests"
+for t in test_cuda_norm test_cuda_cudnn test_cuda_kernels test_cuda_engine; do
+  printf '#!/usr/bin/env bash\nexit 0\n' > "$work/build/tests/$t"
+done
+chmod +x "$work/bin/"* "$work/build/tests/"*
 status=0
 check() {  # check WHAT COMMAND...: the command must succeed
   local what=$1
@@ -34,6 +39,7 @@ check() {  # check WHAT COMMAND...: the command must succeed
 run() {  # run MODE BUDGET STAGE...: check_gpu.sh with the stand-ins; its exit status in $rc, its logs in $work/MODE
   rm -f "$work/calls"
   PATH="$work/bin:$PATH" FAKE_COMPUTE_MODE=$1 FAKE_CALLS="$work/calls" DPAR_GPU_CHECK_BUDGET_S=$2 \
+    DPAR_GPU_BUILD_DIR="$work/build" \
     bash "$root/scripts/check_gpu.sh" "$work/$1" "${@:3}" > "$work/$1.out" 2>&1
   rc=$?
 }
@@ -58,5 +64,11 @@ check "memcheck cut by the budget: not failed" bash -c "! grep -qE 'FAILED|TIMED
 check "memcheck cut by the budget: the program not begun is named" \
   grep -q "test_cuda_engine: not reached" "$work/Default/summary.txt"
 check "memcheck cut by the budget: exit 3" [ "$rc" -eq 3 ]
+
+rm "$work/build/tests/"test_cuda_*
+run Default 6 memcheck
+check "a test program that was not built fails memcheck" grep -q "test_cuda_norm: exit (not built)" \
+  "$work/Default/summary.txt"
+check "a test program that was not built: exit 1" [ "$rc" -eq 1 ]
 [ $status -eq 0 ] || { echo "--- summaries"; cat "$work"/*/summary.txt; }
 exit $status
