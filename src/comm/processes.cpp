@@ -24,7 +24,7 @@ long launched_job_size() {
 
 }  // namespace
 
-std::shared_ptr<Communicator> connect_processes(ProcessMode mode, double timeout_seconds) {
+std::shared_ptr<Communicator> connect_processes(ProcessMode mode, [[maybe_unused]] double timeout_seconds) {
   if (mode == ProcessMode::kSingle) return nullptr;
   const long job = launched_job_size();
 #ifdef DPAR_HAVE_MPI
