@@ -31,6 +31,9 @@
 #             tensors, the data loaders on cuda:0), as the test stage runs them
 #   fmnist-cpu the same training on the machine's CPU cores, for the wall time beside the GPU's
 #   racecheck (only when named) the kernel tests under racecheck: shared-memory hazards in dpar's kernels
+#   profile   (only when named) each kernel's GPU time under Nsight Compute (ncu, one metric: the kernel's duration)
+#             for the wide MLP at batch 8192 and the CNN at batch 512, summed per kernel by scripts/kernel_times.py:
+#             where a step's GPU time goes beyond its GEMMs
 #
 # The whole check has a budget (DPAR_GPU_CHECK_BUDGET_S, default 540 s); each stage runs under its own limit,
 # never past what is left of the budget, and a stage that fails or times out does not stop the next. A stage that
@@ -49,7 +52,7 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,47p' "$0" | sed 's/^# \{0,1\}//'
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
   exit 2
 fi
 out=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -116,6 +119,7 @@ run_stage() {
     fmnist | cnn) grep -E "^(dpar|epoch +10|.*accuracy|.*wall)" "$logs/$name.log" | tail -6 | sed 's/^/          /' |
               tee -a "$summary" ;;
     bench-cnn) grep -E "^    (dpar|PyTorch), cuda" "$logs/$name.log" | sed 's/^/      /' | tee -a "$summary" ;;
+    profile) grep -E "^(====|[0-9]+ kernel launches)" "$logs/$name.log" | sed 's/^/          /' | tee -a "$summary" ;;
     memcheck | racecheck)
       { grep -E "^== .*(: (exit|timed out|not reached)|passed$)|ERROR SUMMARY: [1-9]" "$logs/$name.log"
         # The programs the stage did not get to (sanitize names each as it starts and as it ends).
@@ -289,6 +293,25 @@ stage_bench() {
   return $status
 }
 
+# Each kernel's GPU time (ncu, one pass per kernel), summed per kernel name: a few steps of each program, the first
+# launches included (the same kernels every step).
+stage_profile() {
+  local status=0 ncu
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  [ -x "$ncu" ] || { echo "no ncu (Nsight Compute) on this machine"; return 1; }
+  echo "==== wide MLP, batch 8192: 2 steps after 10 warm-up steps"
+  "$ncu" --metrics gpu__time_duration.sum --csv --print-units base --launch-skip 200 --launch-count 300 \
+    "$build/bench/bench_cuda_train" --only wide --batches 8192 --steps 2 --blocks 1 > "$logs/profile-wide.csv" 2>&1 ||
+    status=1
+  python3 "$root/scripts/kernel_times.py" "$logs/profile-wide.csv" || status=1
+  echo "==== the Fashion-MNIST CNN, batch 512"
+  "$ncu" --metrics gpu__time_duration.sum --csv --print-units base --launch-skip 300 --launch-count 400 \
+    "$build/bench/bench_cnn" --device cuda --batch 512 --rounds 1 --seconds 0.1 --torch /nonexistent \
+    > "$logs/profile-cnn.csv" 2>&1 || status=1
+  python3 "$root/scripts/kernel_times.py" "$logs/profile-cnn.csv" || status=1
+  return $status
+}
+
 # The programs `sanitize TOOL` runs, in order.
 sanitized_tests() {
   # DPAR_GPU_SANITIZE_PROGRAMS (a list of test programs) replaces the list below, e.g. to go on where a cut-short
@@ -361,7 +384,7 @@ compute_mode=$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/
 } | tee -a "$summary"
 export root build data logs compute_mode
 export -f stage_build stage_test stage_suite skipped stage_fmnist stage_fmnist_cpu stage_bench stage_cnn \
-  stage_bench_cnn sanitize sanitized_tests
+  stage_bench_cnn stage_profile sanitize sanitized_tests
 for stage in "${stages[@]}"; do
   case $stage in
     build) run_stage build 180 bash -c stage_build ;;
@@ -370,10 +393,11 @@ for stage in "${stages[@]}"; do
     bench) run_stage bench 120 bash -c stage_bench ;;
     cnn) run_stage cnn 120 bash -c stage_cnn ;;
     bench-cnn) run_stage bench-cnn 90 bash -c stage_bench_cnn ;;
+    profile) run_stage profile 240 bash -c stage_profile ;;
     memcheck | racecheck) run_stage "$stage" 240 bash -c "sanitize $stage" ;;
     suite) run_stage suite 300 bash -c stage_suite ;;
     fmnist-cpu) run_stage fmnist-cpu 120 bash -c stage_fmnist_cpu ;;
-    *) note "unknown stage '$stage' (build test fmnist cnn bench bench-cnn memcheck suite fmnist-cpu racecheck)"
+    *) note "unknown stage '$stage' (build test fmnist cnn bench bench-cnn memcheck suite fmnist-cpu racecheck profile)"
        failed=1 ;;
   esac
 done
