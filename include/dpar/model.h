@@ -206,8 +206,9 @@ DPAR_API dpar_status dpar_model_add_reshape(dpar_model *model, const int64_t *ro
  * with OH = floor((H + 2 padding[0] - dilation[0] (kernel_size[0] - 1) - 1) / stride[0]) + 1 (OW likewise), zero
  * padding. Parameters "weight" (out_channels, in_channels / groups, kernel_size[0], kernel_size[1]) and, with
  * @p has_bias, "bias" (out_channels), initialised as PyTorch's (uniform in +-1/sqrt(fan_in), fan_in = in_channels /
- * groups * kernel_size[0] * kernel_size[1]) from the model's seed. Runs on CPU devices (oneDNN); on a device whose
- * backend has no convolution (CUDA, until dpar loads cuDNN) the first forward fails with ::DPAR_ERR_NOT_SUPPORTED.
+ * groups * kernel_size[0] * kernel_size[1]) from the model's seed. Runs on CPU devices (oneDNN) and CUDA devices
+ * (cuDNN 9, loaded on first use, FP32, deterministic algorithms); where cuDNN cannot be loaded, or on a device whose
+ * backend has no convolution, the first forward fails with ::DPAR_ERR_NOT_SUPPORTED naming what is missing.
  * @param kernel_size  (height, width), each >= 1; not NULL.
  * @param stride       (height, width), each >= 1; NULL for (1, 1).
  * @param padding      (height, width), each >= 0; NULL for (0, 0).
