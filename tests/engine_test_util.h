@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
@@ -41,6 +42,28 @@ inline double max_relative_error(const std::vector<float>& a, const std::vector<
     worst = std::max(worst, std::abs(double(a[i]) - double(b[i])) / std::max(std::abs(double(b[i])), floor));
   }
   return worst;
+}
+
+// A CPU stream for kernels called outside any engine.
+inline Stream& host_stream() {
+  static const std::unique_ptr<Stream> stream = cpu_backend().open_stream(Device{});
+  return *stream;
+}
+
+// n normal values * scale + shift, from `seed`.
+inline std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f, float shift = 0.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(gen) * scale + shift;
+  return v;
+}
+
+// A host f32 tensor holding v.
+inline Tensor host_tensor(const std::vector<float>& v, const Shape& shape) {
+  Tensor t = Tensor::empty(DType::kF32, shape, Device{});
+  std::copy(v.begin(), v.end(), t.f32());
+  return t;
 }
 
 // The context of a CPU replica that runs on the test's own thread, outside any engine.

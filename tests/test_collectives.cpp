@@ -33,6 +33,7 @@ namespace dpar {
 namespace {
 
 using test::cpu_devices;
+using test::host_stream;
 using test::max_relative_error;
 
 std::vector<std::string> names(int n, const std::string& what = "replica") {
@@ -46,11 +47,6 @@ void on_threads(int n, F body) {
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { body(r); });
   for (auto& t : threads) t.join();
-}
-
-Stream& host_stream() {
-  static const std::unique_ptr<Stream> stream = cpu_backend().open_stream(Device{});
-  return *stream;
 }
 
 // Whole numbers: every order of summation gives the same bits, so a hierarchical sum can be compared exactly.

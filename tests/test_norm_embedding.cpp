@@ -26,26 +26,10 @@ using namespace dpar;
 namespace {
 
 using test::cpu_devices;
+using test::host_stream;
+using test::host_tensor;
 using test::max_relative_error;
-
-Stream& host_stream() {
-  static const std::unique_ptr<Stream> stream = cpu_backend().open_stream(Device{});
-  return *stream;
-}
-
-std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f, float shift = 0.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> normal;
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(gen) * scale + shift;
-  return v;
-}
-
-Tensor host_tensor(const std::vector<float>& v, const Shape& shape) {
-  Tensor t = Tensor::empty(DType::kF32, shape, Device{});
-  std::copy(v.begin(), v.end(), t.f32());
-  return t;
-}
+using test::randn;
 
 Tensor host_indices(const std::vector<int32_t>& v, const Shape& shape) {
   Tensor t = Tensor::empty(DType::kI32, shape, Device{});

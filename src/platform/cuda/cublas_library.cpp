@@ -7,26 +7,10 @@
 #include <vector>
 
 #include "common/error.h"
+#include "platform/cuda/library_loading.h"
 
 namespace dpar::cuda {
 namespace {
-
-// Resolves `name` in `handle` into `fn`; the failures are collected, not thrown one by one.
-template <class Fn>
-void resolve(void* handle, const char* name, Fn& fn, std::vector<std::string>& missing) {
-  fn = reinterpret_cast<Fn>(dlsym(handle, name));
-  if (fn == nullptr) missing.push_back(name);
-}
-
-// The directory of the loaded CUDA runtime, with a trailing slash; empty when it cannot be told.
-std::string cudart_directory() {
-  Dl_info info{};
-  if (dladdr(reinterpret_cast<const void*>(&cudaRuntimeGetVersion), &info) == 0 || info.dli_fname == nullptr)
-    return {};
-  const std::string file = info.dli_fname;
-  const size_t slash = file.rfind('/');
-  return slash == std::string::npos ? std::string() : file.substr(0, slash + 1);
-}
 
 CublasLibrary load() {
   const std::string soname = "libcublas.so." + std::to_string(CUBLAS_VER_MAJOR);
