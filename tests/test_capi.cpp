@@ -1385,11 +1385,14 @@ TEST(EngineOptions, InitFillsTheCallersLayoutAndNotAByteMore) {
   EXPECT_EQ(o->version, static_cast<unsigned>(DPAR_ENGINE_OPTIONS_VERSION));
   EXPECT_EQ(o->processes, DPAR_PROCESSES_AUTO);
   for (size_t i = sizeof(dpar_engine_options); i < sizeof buffer; ++i) ASSERT_EQ(buffer[i], 0xab);
-  // So does the function of that name, which programs built against dpar.h 0.4 call: this library's layout.
+  // The function of that name, which programs built against dpar.h 0.4 call, writes dpar.h 0.4's layout
+  // (version 2, which ended before create_timeout_seconds) and not a byte more.
   std::memset(buffer, 0xab, sizeof buffer);
   ASSERT_OK((dpar_engine_options_init)(o));
-  EXPECT_EQ(o->size, sizeof(dpar_engine_options));
-  EXPECT_EQ(o->version, static_cast<unsigned>(DPAR_ENGINE_OPTIONS_VERSION));
+  const size_t v2 = offsetof(dpar_engine_options, create_timeout_seconds);
+  EXPECT_EQ(o->size, v2);
+  EXPECT_EQ(o->version, 2u);
+  for (size_t i = v2; i < sizeof buffer; ++i) ASSERT_EQ(buffer[i], 0xab) << "byte " << i << " written";
 
   // A layout newer than the library's: the program was built against a newer dpar.h. Nothing is written.
   std::memset(buffer, 0xab, sizeof buffer);

@@ -4,6 +4,7 @@
 //
 // Each test here is the regression test of a bug that was found: it fails on the code before its fix.
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <limits>
 #include <memory>
@@ -746,6 +748,379 @@ TEST(LoaderHardening, NormalizeIsRefusedWhileADeviceLoaderReadsTheDataset) {
   ASSERT_OK(dpar_tensor_copy_to_host(v.data(), dpar_loader_inputs(l), v.size() * sizeof(float)));
   for (int i = 0; i < 64; ++i) EXPECT_NEAR(v[i * 4], (float(i) / 255.0f - 1.0f) / 2.0f, 1e-6f) << i;
   dpar_loader_free(l);
+}
+
+// ---- The layers' entry points: shapes, refused steps, allocation failures, names ---------------------------------
+
+ModelPtr NewModel(uint64_t seed = 3) {
+  dpar_model_options o = DPAR_MODEL_OPTIONS_INIT;
+  o.seed = seed;
+  dpar_model* m = nullptr;
+  EXPECT_EQ(dpar_model_create(&m, &o), DPAR_OK);
+  return ModelPtr(m);
+}
+
+// A host tensor of `shape` filled from a fixed stream (f32), or with i % classes (i32).
+TensorPtr HostTensor(std::vector<int64_t> shape, int32_t dtype = DPAR_F32, uint32_t seed = 1, int32_t classes = 3) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  dpar_tensor* t = nullptr;
+  EXPECT_EQ(dpar_tensor_create(&t, dtype, shape.data(), shape.size(), dpar_device{DPAR_DEVICE_CPU, 0}), DPAR_OK)
+      << dpar_last_error();
+  if (dtype == DPAR_F32) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = u(rng);
+    EXPECT_EQ(dpar_tensor_copy_from_host(t, v.data(), v.size() * sizeof(float)), DPAR_OK);
+  } else {
+    std::vector<int32_t> v(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = static_cast<int32_t>(i % classes);
+    EXPECT_EQ(dpar_tensor_copy_from_host(t, v.data(), v.size() * sizeof(int32_t)), DPAR_OK);
+  }
+  return TensorPtr(t);
+}
+
+std::vector<float> AllParams(dpar_engine* e, const dpar_model* m, size_t replica = 0) {
+  size_t n = 0;
+  EXPECT_EQ(dpar_model_num_param_elements(&n, m), DPAR_OK);
+  std::vector<float> p(n);
+  EXPECT_EQ(dpar_engine_get_params(p.data(), e, replica, n), DPAR_OK) << dpar_last_error();
+  return p;
+}
+
+// Every buffer of a replica, as raw bytes (f32 and i64 alike), in the model's order.
+Bytes AllBuffers(dpar_engine* e, const dpar_model* m, size_t replica) {
+  size_t n = 0;
+  EXPECT_EQ(dpar_model_num_buffers(&n, m), DPAR_OK);
+  Bytes out;
+  for (size_t i = 0; i < n; ++i) {
+    int64_t shape[4] = {0, 0, 0, 0};
+    size_t ndim = 0;
+    int32_t dtype = 0;
+    EXPECT_EQ(dpar_model_buffer_info(&dtype, shape, &ndim, m, i), DPAR_OK) << dpar_last_error();
+    size_t count = 1;  // a scalar (ndim 0) holds one
+    for (size_t d = 0; d < ndim; ++d) count *= static_cast<size_t>(shape[d]);
+    Bytes b(count * 8);
+    EXPECT_EQ(dpar_engine_get_buffer(b.data(), e, replica, i, count), DPAR_OK) << dpar_last_error();
+    b.resize(count * (dtype == DPAR_I64 ? 8 : 4));
+    out.insert(out.end(), b.begin(), b.end());
+  }
+  return out;
+}
+
+TEST(EntryPoints, ShapesWhoseElementCountOverflowsAreRefusedWhereMade) {
+  // A weight of 2^24 x 2^24 x 256 x 256 elements: 2^64, refused when the layer is added, naming the shape.
+  ModelPtr m = NewModel();
+  const int64_t k256[2] = {256, 256};
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT,
+                 dpar_model_add_conv2d(m.get(), 1 << 24, 1 << 24, k256, nullptr, nullptr, nullptr, 1, 1),
+                 "(16777216, 16777216, 256, 256)", "2^60");
+  size_t layers = 9;
+  ASSERT_OK(dpar_model_num_layers(&layers, m.get()));
+  EXPECT_EQ(layers, 0u);  // nothing of the refused layer stays
+
+  // A reshape to (2^32, 2^32, 1) per row: refused when added, naming the row shape (not "holds 64 elements, not 0").
+  const int64_t huge_row[3] = {int64_t{1} << 32, int64_t{1} << 32, 1};
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_model_add_reshape(m.get(), huge_row, 3),
+                 "(4294967296, 4294967296, 1)", "2^60");
+
+  // An output whose extents multiply past int64 only once the batch flows in: a 1x1 image padded by 2^24 on every
+  // side into 2^14 channels is (1, 16384, 33554433, 33554433), about 2^64 elements. The step is refused before
+  // anything is allocated (the first forward used to allocate the wrapped size and crash).
+  ModelPtr c = NewModel();
+  const int64_t row[3] = {1, 1, 1}, k1[2] = {1, 1}, pad[2] = {1 << 24, 1 << 24};
+  ASSERT_OK(dpar_model_add_reshape(c.get(), row, 3));
+  ASSERT_OK(dpar_model_add_conv2d(c.get(), 1, 1 << 14, k1, nullptr, pad, nullptr, 1, 1));
+  ASSERT_OK(dpar_model_add_flatten(c.get()));
+  EnginePtr e = NewEngine(c.get(), 1);
+  ASSERT_TRUE(e);
+  TensorPtr x = HostTensor({1, 1});
+  dpar_tensor* out = nullptr;
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_engine_forward(&out, e.get(), x.get()),
+                 "(1, 16384, 33554433, 33554433)", "2^60");
+  EXPECT_EQ(out, nullptr);
+}
+
+TEST(EntryPoints, WindowsWiderThanThePaddedInputAreRefusedAsPyTorchRefusesThem) {
+  // PyTorch's output extent is floor((8 - 9) / s) + 1 = 0: refused, where integer division toward zero gave 1.
+  const int64_t row[3] = {1, 8, 8}, k9[2] = {9, 9}, s2[2] = {2, 2}, k8[2] = {8, 8};
+  struct Case {
+    const char* what;
+    std::function<dpar_status(dpar_model*)> add;
+    bool fits;
+  };
+  const std::vector<Case> cases = {
+      {"avg_pool2d 9x9", [&](dpar_model* m) { return dpar_model_add_avg_pool2d(m, k9, nullptr, nullptr); }, false},
+      {"max_pool2d 9x9 stride 2", [&](dpar_model* m) { return dpar_model_add_max_pool2d(m, k9, s2, nullptr); }, false},
+      {"conv2d 9x9 stride 2",
+       [&](dpar_model* m) { return dpar_model_add_conv2d(m, 1, 2, k9, s2, nullptr, nullptr, 1, 1); }, false},
+      {"avg_pool2d 8x8", [&](dpar_model* m) { return dpar_model_add_avg_pool2d(m, k8, nullptr, nullptr); }, true},
+      {"conv2d 8x8 stride 2",
+       [&](dpar_model* m) { return dpar_model_add_conv2d(m, 1, 2, k8, s2, nullptr, nullptr, 1, 1); }, true},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    ModelPtr m = NewModel();
+    ASSERT_OK(dpar_model_add_reshape(m.get(), row, 3));
+    ASSERT_OK(k.add(m.get()));
+    ASSERT_OK(dpar_model_add_flatten(m.get()));
+    EnginePtr e = NewEngine(m.get(), 1);
+    ASSERT_TRUE(e);
+    TensorPtr x = HostTensor({2, 64});
+    dpar_tensor* out = nullptr;
+    if (!k.fits) {
+      EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_engine_forward(&out, e.get(), x.get()), "8, 8)", "0x0");
+      continue;
+    }
+    ASSERT_OK(dpar_engine_forward(&out, e.get(), x.get()));
+    int64_t shape[4];
+    size_t ndim = 0;
+    ASSERT_OK(dpar_tensor_shape(shape, &ndim, out, 4));
+    EXPECT_EQ(ndim, 2u);
+    EXPECT_EQ(shape[1], k.what[0] == 'a' ? 1 : 2);  // 1x1 for the pool, 2 channels of 1x1 for the convolution
+    dpar_tensor_free(out);
+  }
+}
+
+// Linear(4, 4) -> BatchNorm1d(4) -> Linear(4, 3) over `devices` CPU devices.
+struct BatchNormRig {
+  ModelPtr model;
+  EnginePtr engine;
+  explicit BatchNormRig(size_t devices, float dropout = 0.0f) {
+    model = NewModel(7);
+    EXPECT_EQ(dpar_model_add_linear(model.get(), 4, 4, 1), DPAR_OK);
+    EXPECT_EQ(dpar_model_add_batchnorm1d(model.get(), 4, 1e-5f, 0.1f, 1), DPAR_OK);
+    if (dropout > 0.0f) EXPECT_EQ(dpar_model_add_dropout(model.get(), dropout), DPAR_OK);
+    EXPECT_EQ(dpar_model_add_linear(model.get(), 4, 3, 1), DPAR_OK);
+    engine = NewEngine(model.get(), devices);
+  }
+  float step(int64_t rows, uint32_t seed = 1) {
+    TensorPtr x = HostTensor({rows, 4}, DPAR_F32, seed), y = HostTensor({rows}, DPAR_I32);
+    float loss = NAN;
+    EXPECT_EQ(dpar_engine_train_step(&loss, engine.get(), x.get(), y.get()), DPAR_OK) << dpar_last_error();
+    return loss;
+  }
+  int64_t batches_tracked(size_t replica) {
+    int64_t n = -1;
+    EXPECT_EQ(dpar_engine_get_buffer(&n, engine.get(), replica, 2, 1), DPAR_OK) << dpar_last_error();
+    return n;
+  }
+};
+
+TEST(EntryPoints, AStepOneReplicaRefusesChangesNoReplica) {
+  // 3 rows over 2 devices: replica 1 gets 1 row, and BatchNorm1d takes no statistics from 1 value per channel.
+  BatchNormRig rig(2);
+  const Bytes before = AllBuffers(rig.engine.get(), rig.model.get(), 0);
+  const std::vector<float> params = AllParams(rig.engine.get(), rig.model.get());
+  TensorPtr x = HostTensor({3, 4}), y = HostTensor({3}, DPAR_I32);
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_engine_train_step(nullptr, rig.engine.get(), x.get(), y.get()),
+                 "more than 1 value per channel", "replica 1", "(1, 4)");
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_engine_accumulate(nullptr, rig.engine.get(), x.get(), y.get()),
+                 "more than 1 value per channel", "replica 1");
+  dpar_tensor* out = nullptr;
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_engine_forward(&out, rig.engine.get(), x.get()),
+                 "more than 1 value per channel", "replica 1");
+  for (size_t r = 0; r < 2; ++r) EXPECT_EQ(AllBuffers(rig.engine.get(), rig.model.get(), r), before) << r;
+  EXPECT_EQ(AllParams(rig.engine.get(), rig.model.get()), params);
+  // The next good step counts once on every replica, as one good step does on a fresh engine.
+  BatchNormRig fresh(2);
+  rig.step(4);
+  fresh.step(4);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(rig.batches_tracked(r), 1) << r;
+    EXPECT_EQ(AllBuffers(rig.engine.get(), rig.model.get(), r), AllBuffers(fresh.engine.get(), fresh.model.get(), r));
+  }
+  EXPECT_EQ(AllParams(rig.engine.get(), rig.model.get()), AllParams(fresh.engine.get(), fresh.model.get()));
+  // In eval mode BatchNorm takes no statistics: the same 3 rows are a valid forward.
+  ASSERT_OK(dpar_engine_set_training(rig.engine.get(), 0));
+  ASSERT_OK(dpar_engine_forward(&out, rig.engine.get(), x.get()));
+  dpar_tensor_free(out);
+}
+
+TEST(EntryPoints, AStepThatFailsOnOneReplicaPutsEveryReplicasStateBack) {
+  // Replica 1 fails in backward after replica 0 moved its running statistics and every replica drew its dropout
+  // mask: the failed step must leave buffers and RNG streams as they were, so that the engine then trains exactly
+  // as one that never saw the failure.
+  for (int32_t fault : {DPAR_FAULT_FORWARD, DPAR_FAULT_BACKWARD, DPAR_FAULT_ALLOC}) {
+    SCOPED_TRACE(fault);
+    BatchNormRig rig(2, 0.25f), fresh(2, 0.25f);
+    rig.step(6, 1);
+    fresh.step(6, 1);
+    ASSERT_OK(dpar_engine_inject_fault(rig.engine.get(), 1, fault));
+    TensorPtr x = HostTensor({8, 4}, DPAR_F32, 2), y = HostTensor({8}, DPAR_I32);
+    dpar_clear_error();
+    const dpar_status s = dpar_engine_train_step(nullptr, rig.engine.get(), x.get(), y.get());
+    EXPECT_NE(s, DPAR_OK);
+    EXPECT_NE(std::string(dpar_last_error()).find("remains usable"), std::string::npos) << dpar_last_error();
+    for (size_t r = 0; r < 2; ++r)
+      EXPECT_EQ(AllBuffers(rig.engine.get(), rig.model.get(), r), AllBuffers(fresh.engine.get(), fresh.model.get(), r));
+    for (uint32_t seed : {3u, 4u}) {
+      EXPECT_EQ(rig.step(6, seed), fresh.step(6, seed));
+      EXPECT_EQ(AllParams(rig.engine.get(), rig.model.get(), 1), AllParams(fresh.engine.get(), fresh.model.get(), 1));
+      EXPECT_EQ(AllBuffers(rig.engine.get(), rig.model.get(), 1), AllBuffers(fresh.engine.get(), fresh.model.get(), 1));
+    }
+  }
+}
+
+// Linear(4, 2048) -> ReLU -> Linear(2048, 3) over one CPU device: a batch of B rows needs about 3 x B x 8 KiB of
+// activations and gradients.
+struct WideRig {
+  ModelPtr model;
+  EnginePtr engine;
+  WideRig() {
+    model = NewModel(11);
+    EXPECT_EQ(dpar_model_add_linear(model.get(), 4, 2048, 1), DPAR_OK);
+    EXPECT_EQ(dpar_model_add_activation(model.get(), DPAR_RELU), DPAR_OK);
+    EXPECT_EQ(dpar_model_add_linear(model.get(), 2048, 3, 1), DPAR_OK);
+    engine = NewEngine(model.get(), 1);
+  }
+  dpar_status step(int64_t rows, uint32_t seed) {
+    TensorPtr x = HostTensor({rows, 4}, DPAR_F32, seed), y = HostTensor({rows}, DPAR_I32);
+    dpar_clear_error();
+    return dpar_engine_train_step(nullptr, engine.get(), x.get(), y.get());
+  }
+};
+
+TEST(EntryPoints, AnInjectedAllocationFailureLeavesTheEngineUsableForSmallerBatches) {
+  WideRig rig, fresh;
+  ASSERT_OK(rig.step(4, 1));
+  ASSERT_OK(fresh.step(4, 1));
+  // A larger batch plans new buffers; the first allocation fails.
+  ASSERT_OK(dpar_engine_inject_fault(rig.engine.get(), 0, DPAR_FAULT_ALLOC));
+  EXPECT_REFUSED(DPAR_ERR_OUT_OF_MEMORY, rig.step(64, 2), "remains usable");
+  for (int64_t rows : {2, 4, 3}) {
+    ASSERT_OK(rig.step(rows, 5));
+    ASSERT_OK(fresh.step(rows, 5));
+    EXPECT_EQ(AllParams(rig.engine.get(), rig.model.get()), AllParams(fresh.engine.get(), fresh.model.get()));
+  }
+}
+
+// The process's virtual memory in bytes (/proc/self/status VmSize).
+size_t VirtualBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmSize:", 0) == 0) return std::stoull(line.substr(7)) * 1024;
+  return 0;
+}
+
+TEST(EntryPoints, ARealOutOfMemoryLeavesTheEngineUsable) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "a sanitizer's shadow memory takes the address space that RLIMIT_AS limits";
+#else
+  // A real limit on the address space (RLIMIT_AS), not the injected fault: each budget lets a batch of 32768 rows
+  // (256 MiB per activation of 2048 columns, about 3 of them) allocate some of its buffers and fail on a later one,
+  // the activations' or the gradients'. After each failure smaller batches train exactly as on an engine that never
+  // failed (the plan used to stay half-made: INTERNAL "rows out of ()", or a read of freed gradient memory).
+  constexpr int64_t kRows = 32768;
+  constexpr size_t kActivation = size_t{kRows} * 2048 * sizeof(float);
+  WideRig rig, fresh;
+  ASSERT_OK(rig.step(4, 1));
+  ASSERT_OK(fresh.step(4, 1));
+  TensorPtr x = HostTensor({kRows, 4}, DPAR_F32, 2), y = HostTensor({kRows}, DPAR_I32);
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &old), 0);
+  for (double budget : {2.5, 1.5, 0.5}) {
+    SCOPED_TRACE(budget);
+    rlimit limit = old;
+    limit.rlim_cur = static_cast<rlim_t>(VirtualBytes() + static_cast<size_t>(budget * kActivation));
+    ASSERT_EQ(setrlimit(RLIMIT_AS, &limit), 0);
+    dpar_clear_error();
+    const dpar_status s = dpar_engine_train_step(nullptr, rig.engine.get(), x.get(), y.get());
+    const std::string message = dpar_last_error();
+    ASSERT_EQ(setrlimit(RLIMIT_AS, &old), 0);
+    EXPECT_EQ(s, DPAR_ERR_OUT_OF_MEMORY) << message;
+    EXPECT_NE(message.find("remains usable"), std::string::npos) << message;
+    for (int64_t rows : {2, 4, 3}) {
+      ASSERT_OK(rig.step(rows, 5));
+      ASSERT_OK(fresh.step(rows, 5));
+      EXPECT_EQ(AllParams(rig.engine.get(), rig.model.get()), AllParams(fresh.engine.get(), fresh.model.get()));
+    }
+  }
+#endif
+}
+
+TEST(EntryPoints, NodeNamesThatWouldCollideWithCheckpointKeysAreRefusedWhenGiven) {
+  ModelPtr m = NewModel();
+  ASSERT_OK(dpar_model_add_linear(m.get(), 4, 3, 1));
+  ASSERT_OK(dpar_model_add_linear(m.get(), 3, 3, 1));
+  // "optimizer.exp_avg.0" + ".weight" is the key of Adam's first moment of "0.weight".
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_model_set_node_name(m.get(), 1, "optimizer.exp_avg.0"),
+                 "optimizer", "reserve");
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_model_set_node_name(m.get(), 1, "optimizer"), "optimizer");
+  ASSERT_OK(dpar_model_set_node_name(m.get(), 1, "optimizers.head"));
+  // The names given are a checkpoint that can be written and read back.
+  dpar_optimizer_options opt = DPAR_OPTIMIZER_OPTIONS_INIT;
+  opt.kind = DPAR_ADAM;
+  dpar_engine_options o = DPAR_ENGINE_OPTIONS_INIT;
+  o.num_cpu_devices = 2;
+  dpar_engine* raw = nullptr;
+  ASSERT_OK(dpar_engine_create(&raw, m.get(), &opt, &o));
+  EnginePtr e(raw);
+  Batch b = MakeBatch(6);
+  ASSERT_OK(dpar_engine_train_step(nullptr, e.get(), b.x.get(), b.y.get()));
+  TempDir dir;
+  ASSERT_OK(dpar_engine_save(e.get(), (dir / "named.safetensors").c_str()));
+  ASSERT_OK(dpar_engine_load(e.get(), (dir / "named.safetensors").c_str()));
+}
+
+TEST(EntryPoints, JoinCountsAndEmbeddingExtentsAreArgumentErrors) {
+  ModelPtr m = NewModel();
+  ASSERT_OK(dpar_model_add_linear(m.get(), 4, 3, 1));
+  const int32_t nodes[2] = {0, 0};
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_model_add_sum(m.get(), nodes, SIZE_MAX), "n:", "65536");
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_model_add_concat(m.get(), nodes, SIZE_MAX / 4), "n:", "65536");
+  ASSERT_OK(dpar_model_add_sum(m.get(), nodes, 2));  // a node read twice by one sum is fine
+  ModelPtr e = NewModel();
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_model_add_embedding_padded(e.get(), INT64_MIN, 4, 0),
+                 "num_embeddings: -9223372036854775808");
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT, dpar_model_add_embedding_padded(e.get(), 10, 4, INT64_MIN),
+                 "padding_idx", "[-10, 10)");
+  ASSERT_OK(dpar_model_add_embedding_padded(e.get(), 10, 4, -1));  // row 9, as PyTorch's padding_idx=-1
+}
+
+TEST(EntryPoints, BatchCountersAddInInt64AsPyTorchDoes) {
+  // num_batches_tracked past 2^53 (where a double loses the last digit) and at INT64_MAX (where PyTorch's int64
+  // add wraps): one step adds exactly 1 on every replica.
+  for (int64_t start : {(int64_t{1} << 53) + 1, int64_t{INT64_MAX}}) {
+    BatchNormRig rig(2);
+    ModelPtr m = NewModel(7);
+    ASSERT_OK(dpar_model_add_linear(m.get(), 4, 4, 1));
+    ASSERT_OK(dpar_model_add_batchnorm1d(m.get(), 4, 1e-5f, 0.1f, 1));
+    ASSERT_OK(dpar_model_add_linear(m.get(), 4, 3, 1));
+    ASSERT_OK(dpar_model_set_buffer(m.get(), 2, &start, 1));
+    rig.engine = NewEngine(m.get(), 2);
+    rig.model = std::move(m);
+    rig.step(6);
+    const int64_t want = static_cast<int64_t>(static_cast<uint64_t>(start) + 1);
+    for (size_t r = 0; r < 2; ++r) EXPECT_EQ(rig.batches_tracked(r), want) << r;
+  }
+}
+
+TEST(EntryPoints, Bf16AcrossALinkThatCannotMoveItIsRefusedAtCreation) {
+  // A threads communicator as the processes' link: it moves no bf16, so a reducer compressing to bf16 across it is
+  // refused when created, not by every dpar_reducer_wait() after.
+  dpar_comm_group *local = nullptr, *procs = nullptr;
+  ASSERT_OK(dpar_comm_group_create(&local, 1, nullptr));
+  ASSERT_OK(dpar_comm_group_create(&procs, 2, nullptr));
+  dpar_comm *comm = nullptr, *link = nullptr;
+  ASSERT_OK(dpar_comm_group_member(&comm, local, 0));
+  ASSERT_OK(dpar_comm_group_member(&link, procs, 0));
+  std::vector<float> grad(8, 1.0f);
+  float* grads[1] = {grad.data()};
+  const size_t counts[1] = {grad.size()};
+  dpar_reducer_options o = DPAR_REDUCER_OPTIONS_INIT;
+  o.op = DPAR_SUM;
+  o.processes = link;
+  o.compression = DPAR_COMPRESSION_BF16;
+  dpar_reducer* r = nullptr;
+  EXPECT_REFUSED(DPAR_ERR_NOT_SUPPORTED, dpar_reducer_create(&r, comm, grads, counts, 1, &o), "bf16", "threads");
+  EXPECT_EQ(r, nullptr);
+  dpar_comm_free(comm);
+  dpar_comm_free(link);
+  dpar_comm_group_free(local);
+  dpar_comm_group_free(procs);
 }
 
 }  // namespace

@@ -38,6 +38,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -666,6 +667,45 @@ void check_abort(size_t devices, const Data& d) {
   if (g_rank == 0) std::printf("abort: rank 0's abort reached every process\n");
 }
 
+// Creation waits create_timeout_seconds for a process that comes late (as a loaded machine schedules one), and then
+// the step's short timeout holds: the same lateness in a step is a timeout.
+void check_create_timeout(size_t devices, const Data& d) {
+  if (g_size < 2) return;
+  constexpr double kStep = 0.3, kLate = 1.5;
+  dpar_model* model = make_model();
+  dpar_optimizer_options opt = DPAR_OPTIMIZER_OPTIONS_INIT;
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = devices;
+  eo.processes = DPAR_PROCESSES_MPI;
+  eo.timeout_seconds = kStep;
+  eo.create_timeout_seconds = 60;
+  {
+    // Every process starts from here together, then rank 1 comes kLate s late to the creation.
+    dpar_comm* world = nullptr;
+    CHECK_OK(dpar_comm_create_mpi(&world, nullptr));
+    CHECK_OK(dpar_comm_barrier(world));
+    dpar_comm_free(world);
+  }
+  if (g_rank == 1) std::this_thread::sleep_for(std::chrono::duration<double>(kLate));
+  dpar_engine* e = nullptr;
+  const dpar_status created = dpar_engine_create(&e, model, &opt, &eo);
+  expect(created == DPAR_OK, std::string("creation with a late process failed: ") + dpar_last_error());
+  dpar_model_free(model);
+  if (created != DPAR_OK) return;
+  const auto [begin, rows] = my_rows(0);
+  CHECK_OK(step_rows(e, d, 0, begin, rows));
+  if (g_rank == 1) std::this_thread::sleep_for(std::chrono::duration<double>(kLate));
+  const dpar_status s = step_rows(e, d, 1, begin, rows);
+  const std::string msg = dpar_last_error();
+  if (g_rank == 0)
+    expect(s == DPAR_ERR_TIMEOUT, std::string("a step with a process ") + std::to_string(kLate) +
+                                      " s late returned " + dpar_status_str(s) + " (" + msg + "), not TIMEOUT");
+  else
+    expect(s != DPAR_OK, "a step that another process gave up on returned OK");
+  dpar_engine_free(e);
+  if (g_rank == 0) std::printf("create timeout: a late process joined the creation; the step's timeout held after\n");
+}
+
 void check_loader_shards() {
   // 10 samples of 3 features, global batch 4: shards of a batch are contiguous slices of it.
   char dir[] = "/tmp/dpar_shard_XXXXXX";
@@ -814,6 +854,7 @@ int main(int argc, char** argv) {
   check_compression(devices, d);
   if (g_size > 1) check_compression_against_definition(devices);
   check_abort(devices, d);
+  check_create_timeout(devices, d);
   if (g_rank == 0) std::printf("%s\n", g_failures ? "FAILED" : "ALL PASSED");
   return g_failures ? 1 : 0;
 }

@@ -110,6 +110,8 @@ dpar_engine* make_engine(const dpar_model* m, Delay* delay) {
   dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
   eo.num_cpu_devices = g_devices;
   eo.timeout_seconds = g_timeout_seconds;
+  // The short timeout is for the faults; creation waits for processes that a loaded machine schedules late.
+  eo.create_timeout_seconds = 60;
   eo.pin_workers = 0;
   eo.processes = g_processes > 0 ? DPAR_PROCESSES_MPI : DPAR_PROCESSES_SINGLE;
   dpar_engine* e = nullptr;

@@ -73,11 +73,16 @@ typedef struct dpar_engine_options {
   int32_t processes;        /**< A ::dpar_processes. Default ::DPAR_PROCESSES_AUTO. With several processes every
                                  process creates its engine (a collective call) and then calls the same functions in
                                  the same order with its own part of each batch. */
+  /* Version 3: */
+  double create_timeout_seconds; /**< How long creation waits for every process to create its engine (processes
+                                 start at different times; a machine under load is slow to get there): the
+                                 connection between the processes and their first exchanges. Then timeout_seconds
+                                 holds. 0 (default): timeout_seconds. INFINITY for no limit. */
 } dpar_engine_options;
-#define DPAR_ENGINE_OPTIONS_VERSION 2
+#define DPAR_ENGINE_OPTIONS_VERSION 3
 #define DPAR_ENGINE_OPTIONS_INIT                                                                                   \
   {sizeof(dpar_engine_options), DPAR_ENGINE_OPTIONS_VERSION, DPAR_DEVICE_CPU, 0, NULL, 0, -1, DPAR_LOSS_CROSS_ENTROPY, \
-   0, 300.0, 1, 1, 0, 0, DPAR_PROCESSES_AUTO}
+   0, 300.0, 1, 1, 0, 0, DPAR_PROCESSES_AUTO, 0.0}
 /**
  * @brief Fills @p opts with defaults: the layout of @p size bytes, sizeof(dpar_engine_options) as the caller compiled
  * it, and no byte past it. ::DPAR_ERR_NOT_SUPPORTED for a layout newer than the library's. Call it as
@@ -177,7 +182,9 @@ DPAR_API dpar_status dpar_engine_train_step(float *out_loss, dpar_engine *engine
 /**
  * @brief Forward, loss and backward for one micro-batch, adding its gradient to the replicas' local gradients
  * without synchronising them (DDP's no_sync). dpar_engine_step() then all-reduces once and steps, so that several
- * micro-batches equal one batch of all their rows.
+ * micro-batches equal one batch of all their rows for a model whose rows are independent. A model with BatchNorm is
+ * the exception, as in PyTorch: each micro-batch is normalised with its own statistics (and moves the running
+ * statistics once), so its gradient is not that of one batch of all their rows.
  * @param[out] out_loss  The micro-batch's mean loss; may be NULL.
  */
 DPAR_API dpar_status dpar_engine_accumulate(float *out_loss, dpar_engine *engine, const dpar_tensor *input,

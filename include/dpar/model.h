@@ -170,8 +170,11 @@ DPAR_API dpar_status dpar_model_branch_from(dpar_model *model, int32_t node);
  * on, the names dpar_model_param_name() and checkpoints use. A node's default name is its index ("0", so that a
  * sequential model's parameters are "0.weight", "2.weight", as nn.Sequential's).
  * @param name  Identifiers of letters, digits and '_', separated by single dots; unique in the model; a name of
- *              digits only is reserved for the node of that index. Copied.
- * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a bad node, an empty, malformed or taken name.
+ *              digits only is reserved for the node of that index; a name whose first identifier is "optimizer" is
+ *              reserved for the optimizer's state in checkpoints ("optimizer.exp_avg.0.weight"). Copied.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a bad node, an empty, malformed, reserved or taken name, or one
+ *         that would give a parameter or buffer the name another one has (every checkpoint key is unique, checked
+ *         here, not when the checkpoint is written).
  */
 DPAR_API dpar_status dpar_model_set_node_name(dpar_model *model, int32_t node, const char *name);
 /**
@@ -271,8 +274,8 @@ DPAR_API dpar_status dpar_model_param_info(int64_t *out_shape, size_t *out_ndim,
 DPAR_API const char *dpar_model_param_name(const dpar_model *model, size_t index);
 /**
  * @brief Whether parameter @p index decays when dpar_engine_set_weight_decay_exclusion() is on: 0 for biases (of
- * Linear and Conv2d) and normalisation layers' weights and biases (BatchNorm, SyncBatchNorm), 1 for all others
- * (custom layers' parameters included).
+ * Linear and Conv2d) and normalisation layers' weights and biases (BatchNorm, SyncBatchNorm, LayerNorm), 1 for all
+ * others (Embedding's weight and custom layers' parameters included).
  * @param[out] out 1 or 0.
  */
 DPAR_API dpar_status dpar_model_param_decays(int32_t *out, const dpar_model *model, size_t index);

@@ -185,11 +185,15 @@ template <>
 struct Versioned<dpar_engine_options> {
   static constexpr const char* name = "dpar_engine_options";
   static dpar_engine_options defaults() { return DPAR_ENGINE_OPTIONS_INIT; }
-  // Version 1 ended before first_bucket_bytes.
-  static constexpr size_t layouts[] = {offsetof(dpar_engine_options, first_bucket_bytes), sizeof(dpar_engine_options)};
+  // Version 1 ended before first_bucket_bytes, version 2 before create_timeout_seconds.
+  static constexpr size_t layouts[] = {offsetof(dpar_engine_options, first_bucket_bytes),
+                                       offsetof(dpar_engine_options, create_timeout_seconds),
+                                       sizeof(dpar_engine_options)};
   static constexpr uint32_t unsized_init_version = 2;  // dpar.h 0.4's
   static_assert(offsetof(dpar_engine_options, first_bucket_bytes) % alignof(dpar_engine_options) == 0,
                 "version 1's sizeof is no longer the offset of version 2's first field");
+  static_assert(offsetof(dpar_engine_options, create_timeout_seconds) % alignof(dpar_engine_options) == 0,
+                "version 2's sizeof is no longer the offset of version 3's first field");
 };
 template <>
 struct Versioned<dpar_comm_options> {

@@ -55,10 +55,7 @@ DPAR_API dpar_status dpar_model_add_embedding(dpar_model* model, int64_t num_emb
 DPAR_API dpar_status dpar_model_add_embedding_padded(dpar_model* model, int64_t num_embeddings, int64_t embedding_dim,
                                                      int64_t padding_idx) {
   return guard([&] {
-    Model& m = checked(model, "model").model;
-    DPAR_CHECK_ARG(padding_idx >= -num_embeddings && padding_idx < num_embeddings, "padding_idx: ", padding_idx,
-                   " must be in [-num_embeddings, num_embeddings) = [", -num_embeddings, ", ", num_embeddings, ")");
-    m.add(make_embedding(num_embeddings, embedding_dim, padding_idx < 0 ? padding_idx + num_embeddings : padding_idx));
+    checked(model, "model").model.add(make_embedding_padded(num_embeddings, embedding_dim, padding_idx));
   });
 }
 

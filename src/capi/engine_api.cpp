@@ -81,7 +81,10 @@ EngineConfig engine_config(const dpar_engine_options& o) {
                  " must be 1 to 1024");
   c.loss = o.loss == DPAR_LOSS_MSE ? LossKind::kMse : LossKind::kCrossEntropy;
   c.seed = o.seed;
+  DPAR_CHECK_ARG(o.create_timeout_seconds >= 0, "opts.create_timeout_seconds: ", o.create_timeout_seconds,
+                 " must be >= 0 (0: timeout_seconds; INFINITY for none)");
   c.timeout_seconds = o.timeout_seconds;
+  c.create_timeout_seconds = o.create_timeout_seconds;
   c.blas_threads = static_cast<int32_t>(o.blas_threads);
   c.pin_workers = o.pin_workers != 0;
   c.buckets = bucket_options(o.first_bucket_bytes, o.bucket_cap_bytes);
@@ -96,7 +99,7 @@ std::shared_ptr<Communicator> processes_comm(const dpar_engine_options& o) {
   static_assert(static_cast<int>(ProcessMode::kAuto) == DPAR_PROCESSES_AUTO &&
                 static_cast<int>(ProcessMode::kSingle) == DPAR_PROCESSES_SINGLE &&
                 static_cast<int>(ProcessMode::kMpi) == DPAR_PROCESSES_MPI);
-  return connect_processes(static_cast<ProcessMode>(o.processes), o.timeout_seconds);
+  return connect_processes(static_cast<ProcessMode>(o.processes), o.timeout_seconds, o.create_timeout_seconds);
 }
 
 // A strong reference to a live engine, refused from inside the engine's own callbacks: the calling thread holds

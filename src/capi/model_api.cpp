@@ -126,6 +126,8 @@ DPAR_API dpar_status dpar_model_add_custom(dpar_model* model, const dpar_custom_
 
 static std::vector<int32_t> node_ids(const int32_t* inputs, size_t n) {
   DPAR_CHECK_ARG(inputs != nullptr || n == 0, "inputs: is NULL");
+  // Bounded before the list is copied: a count no array holds must not become an allocation.
+  DPAR_CHECK_ARG(n <= kMaxJoinInputs, "n: ", n, " inputs; a join reads 2 or more (at most ", kMaxJoinInputs, ")");
   return std::vector<int32_t>(inputs, inputs + n);
 }
 

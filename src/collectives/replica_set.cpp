@@ -18,6 +18,13 @@ ReplicaSet::ReplicaSet(Communicator& local, Stream& stream, std::shared_ptr<Proc
   if (processes_ && processes_->host->size() <= 1) processes_.reset();
 }
 
+bool ReplicaSet::processes_move(CommDType dtype) const {
+  if (!processes_) return true;
+  // What sum_across_processes moves them with.
+  const Communicator& across = processes_->device ? *processes_->device : *processes_->host;
+  return across.moves(dtype);
+}
+
 const std::string& ReplicaSet::process_transport() const {
   static const std::string kNone;
   return processes_ ? processes_->transport : kNone;
@@ -94,6 +101,20 @@ void ReplicaSet::sum(void* data, size_t count, CommDType dtype) {
       ->wait();
 }
 
+void ReplicaSet::broadcast_from_first(void* data, size_t count, CommDType dtype) {
+  DPAR_CHECK_ARG(data != nullptr || count == 0, "replica set broadcast: null buffer for ", count, " elements");
+  local_
+      .async_run("layer broadcast",
+                 [&] {
+                   TraceTrack track(comm_track_);
+                   TraceSpan span(trace_, "layer broadcast", "elements", static_cast<int64_t>(count));
+                   if (processes_ && replica() == 0)
+                     across_or_abort([&] { broadcast_across_processes(data, count, dtype); });
+                   local_.broadcast(data, count, dtype, 0);
+                 })
+      ->wait();
+}
+
 float ReplicaSet::mean_scale() {
   if (mean_scale_ > 0.0f) return mean_scale_;
   float scale = static_cast<float>(1.0 / static_cast<double>(local_size()));
@@ -131,6 +152,17 @@ void ReplicaSet::sum_across_processes(float* data, size_t count, Wire wire) {
   stream_.to_bf16(packed, data, n);
   sum_across_processes(packed, count, CommDType::kBF16);
   stream_.from_bf16(data, packed, n);
+}
+
+void ReplicaSet::broadcast_across_processes(void* data, size_t count, CommDType dtype) {
+  if (processes_->device) return processes_->device->broadcast(data, count, dtype, 0);
+  if (stream_.device().is_host()) return processes_->host->broadcast(data, count, dtype, 0);
+  // MPI moves host memory: through the host and back.
+  const size_t bytes = count * comm_dtype_size(dtype);
+  if (host_stage_.size() < bytes) host_stage_.resize(bytes);
+  stream_.copy_to_host(host_stage_.data(), data, bytes);
+  processes_->host->broadcast(host_stage_.data(), count, dtype, 0);
+  stream_.copy_from_host(data, host_stage_.data(), bytes);
 }
 
 void ReplicaSet::sum_across_processes(void* data, size_t count, CommDType dtype) {

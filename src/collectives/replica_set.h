@@ -67,6 +67,8 @@ class ReplicaSet {
   int num_processes() const { return processes_ ? processes_->host->size() : 1; }
   bool spans_processes() const { return num_processes() > 1; }
   const std::string& process_transport() const;
+  // Whether sums across the processes can travel as `dtype` (bf16 on Wire::kBf16); true with one process.
+  bool processes_move(CommDType dtype) const;
   Communicator& local() { return local_; }
   Stream& stream() { return stream_; }
 
@@ -93,6 +95,10 @@ class ReplicaSet {
   // every replica), and returns when the sum is in `data`. A replica with no rows of the batch must call it too,
   // with zeros, as every replica must call every collective.
   void sum(void* data, size_t count, CommDType dtype);
+  // Makes `count` elements of `dtype` at `data` (memory of the replica's device) on every replica of every process
+  // those of replica 0 of process 0, bit for bit, whatever the dtype (the engine's buffers: BatchNorm's running
+  // statistics and its int64 counters). Ordered as sum() is.
+  void broadcast_from_first(void* data, size_t count, CommDType dtype);
   // The same sum over this process's replicas only, for values that every process holds alike (the norm of a
   // gradient that every process has reduced in full).
   void sum_within_process(void* data, size_t count, CommDType dtype);
@@ -109,6 +115,8 @@ class ReplicaSet {
   // Replica 0's part of a hierarchical sum: `count` elements of `dtype` at `data` (device memory) summed across the
   // processes.
   void sum_across_processes(void* data, size_t count, CommDType dtype);
+  // Replica 0's part of broadcast_from_first: process 0's elements to every process.
+  void broadcast_across_processes(void* data, size_t count, CommDType dtype);
   // The same for f32 data, on `wire`.
   void sum_across_processes(float* data, size_t count, Wire wire);
   // Replica 0 sums across the processes; every replica of the process waits for it in the broadcast that follows,

@@ -71,6 +71,10 @@ const char* collective_name(Collective kind) {
 
 Communicator::Communicator() = default;
 
+void Communicator::set_timeout(std::chrono::duration<double>) {
+  fail(Status::kNotSupported, "the ", backend(), " backend's timeout is fixed when it is created");
+}
+
 Communicator::~Communicator() {
   // Normally null: the derived destructor's stop_async() has joined the thread.
   if (async_)

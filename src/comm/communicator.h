@@ -14,6 +14,7 @@
 // Error(TIMEOUT) naming it; a participant that fails calls abort(), and the others throw Error(REMOTE).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -117,6 +118,13 @@ class Communicator {
   virtual int size() const = 0;
   // The backend's name for messages: "threads", "mpi".
   virtual const char* backend() const = 0;
+  // Whether its collectives move `dtype` at all, for a caller to refuse a setting when it is made rather than at
+  // every later call (the threads backend moves no bf16).
+  virtual bool moves(CommDType /*dtype*/) const { return true; }
+  // Changes how long a collective waits for the other participants, from the next collective on (between
+  // collectives: none in flight). A caller that created the communicator with a longer timeout for its own setup
+  // (the engine's creation across processes) shortens it here. Error(NOT_SUPPORTED) where a backend cannot.
+  virtual void set_timeout(std::chrono::duration<double> timeout);
 
   // `count` is the number of elements each participant contributes. `send` may equal `recv` (in place). For
   // kMean on integer dtypes the division truncates toward zero.

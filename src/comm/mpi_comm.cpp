@@ -88,9 +88,14 @@ void set_mpi_max_chunk_for_tests(size_t elements) { g_max_chunk = elements ? ele
 void set_mpi_skip_arrival_check_for_tests(bool skip) { g_skip_arrival_check.store(skip); }
 }  // namespace detail
 
-MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(options) {
+MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options)
+    : options_(options), timeout_seconds_(options.timeout_seconds) {
   DPAR_CHECK_ARG(options_.timeout_seconds > 0, "mpi communicator: timeout_seconds must be positive, got ",
                  options_.timeout_seconds);
+  DPAR_CHECK_ARG(options_.create_timeout_seconds >= 0, "mpi communicator: create_timeout_seconds must be >= 0, got ",
+                 options_.create_timeout_seconds);
+  const double create_timeout =
+      options_.create_timeout_seconds > 0 ? options_.create_timeout_seconds : options_.timeout_seconds;
   DPAR_CHECK_ARG(options_.transfer == MpiOptions::Transfer::kBlocking ||
                      options_.transfer == MpiOptions::Transfer::kNonBlocking,
                  "mpi communicator: unknown transfer mode");
@@ -99,10 +104,10 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(o
 
   // Two duplicates of base, each created by a non-blocking collective polled under the timeout: a rank that never
   // constructs its communicator makes the others fail instead of hanging.
-  const bool forever = options_.timeout_seconds > 3.0e9;
+  const bool forever = create_timeout > 3.0e9;
   const auto deadline = forever ? SteadyClock::time_point::max()
                                 : SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(
-                                                           std::chrono::duration<double>(options_.timeout_seconds));
+                                                           std::chrono::duration<double>(create_timeout));
   auto dup = [&](MPI_Comm from, MPI_Comm* out, const char* what) {
     MPI_Request request;
     int rc = MPI_Comm_idup(from, out, &request);
@@ -117,7 +122,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(o
       if ((i & 63) == 63) {
         if (SteadyClock::now() >= deadline)
           fail(Status::kTimeout, "mpi communicator: not every rank of the base communicator created its "
-               "communicator within ", options_.timeout_seconds, " s (the creation is collective)");
+               "communicator within ", create_timeout, " s (the creation is collective)");
         sched_yield();
       }
     }
@@ -156,6 +161,11 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, MpiOptions options) : options_(o
   void_notice_seq_.assign(static_cast<size_t>(size_), -1);
 }
 
+void MpiCommunicator::set_timeout(std::chrono::duration<double> timeout) {
+  DPAR_CHECK_ARG(timeout.count() > 0, "mpi communicator: the timeout must be positive, got ", timeout.count(), " s");
+  timeout_seconds_.store(timeout.count(), std::memory_order_relaxed);
+}
+
 MpiCommunicator::~MpiCommunicator() {
   stop_async();
   int finalized = 1;
@@ -164,7 +174,7 @@ MpiCommunicator::~MpiCommunicator() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (abort_requested_.load()) send_abort_notices_locked();
   // A rank that arrived late may be inside the transfer of a collective this rank left: give it a grace period.
-  const auto end = SteadyClock::now() + grace_period(options_.timeout_seconds);
+  const auto end = SteadyClock::now() + grace_period(timeout_seconds());
   while (!release_abandoned() && SteadyClock::now() < end) std::this_thread::sleep_for(std::chrono::microseconds(100));
   {
     std::lock_guard<std::mutex> registry(g_abandoned_mutex);

@@ -128,6 +128,9 @@ struct MpiOptions {
   // How long a participant waits for the others in a collective (and in the constructor); anything above 3e9
   // (such as INFINITY) waits forever. Must be positive.
   double timeout_seconds = 300.0;
+  // How long the constructor waits for every rank of the base communicator to construct theirs (ranks start at
+  // different times); 0: timeout_seconds.
+  double create_timeout_seconds = 0.0;
   // How the data of a collective moves once the fingerprints agree (see above).
   enum class Transfer { kBlocking, kNonBlocking };
   Transfer transfer = Transfer::kBlocking;
@@ -153,6 +156,9 @@ class MpiCommunicator final : public Communicator {
 
   void abort(const std::string& reason) override;
   Status async_error(std::string* reason) override;
+  void set_timeout(std::chrono::duration<double> timeout) override;
+  // The collectives' timeout now (MpiOptions::timeout_seconds until set_timeout()).
+  double timeout_seconds() const { return timeout_seconds_.load(std::memory_order_relaxed); }
 
   // The communicator the collectives run on (a duplicate of base), e.g. to hand to another MPI library.
   MPI_Comm comm() const { return comm_; }
@@ -212,6 +218,7 @@ class MpiCommunicator final : public Communicator {
   std::string where(const CommCall& call, uint64_t seq) const;
 
   MpiOptions options_;
+  std::atomic<double> timeout_seconds_;  // see timeout_seconds()
   MPI_Comm comm_ = MPI_COMM_NULL;     // the collectives
   MPI_Comm control_ = MPI_COMM_NULL;  // point-to-point: fingerprints and notices
   int rank_ = 0;

@@ -186,10 +186,11 @@ bool MpiCommunicator::drain_notices(uint64_t current_seq, int looks) {
 
 void MpiCommunicator::wait(MPI_Request* requests, int count, MPI_Status* statuses, const CommCall& call, uint64_t seq,
                            bool transferring, SteadyClock::time_point start) {
-  const bool forever = options_.timeout_seconds > 3.0e9;
+  const double timeout = timeout_seconds();
+  const bool forever = timeout > 3.0e9;
   const auto deadline = forever ? SteadyClock::time_point::max()
                                 : start + std::chrono::duration_cast<SteadyClock::duration>(
-                                              std::chrono::duration<double>(options_.timeout_seconds));
+                                              std::chrono::duration<double>(timeout));
   bool sleeping = false;  // past the spinning phase: every round sleeps, and checks everything
   for (unsigned i = 0;; ++i) {
     int done = 0;
@@ -237,7 +238,7 @@ void MpiCommunicator::give_up(const CommCall& call, uint64_t seq, bool transferr
   // Listen: every rank waiting in this collective answers with its own notice. Meanwhile the exchange this rank
   // leaves goes on, for a late rank that completes its own without seeing the notice (see the header).
   if (!transferring) abandon_exchange(false);
-  const auto end = SteadyClock::now() + grace_period(options_.timeout_seconds);
+  const auto end = SteadyClock::now() + grace_period(timeout_seconds());
   std::vector<int> waiting{rank_}, silent;
   bool released = false;  // the exchange completed after all: the late ranks arrived in the grace period
   while (true) {
@@ -259,9 +260,9 @@ void MpiCommunicator::give_up(const CommCall& call, uint64_t seq, bool transferr
   std::sort(waiting.begin(), waiting.end());
   std::ostringstream os;
   os << where(call, seq) << ": ";
-  const std::string limit = options_.timeout_seconds > 3.0e9 && first_notifier >= 0
+  const std::string limit = timeout_seconds() > 3.0e9 && first_notifier >= 0
                                 ? detail::concat("rank ", first_notifier, "'s timeout")
-                                : detail::concat(options_.timeout_seconds, " s");
+                                : detail::concat(timeout_seconds(), " s");
   if (!transferring) {
     if (!silent.empty())
       os << rank_list(silent) << " did not arrive within " << limit << " ("
@@ -307,7 +308,7 @@ void MpiCommunicator::abandon_exchange(bool linger) {
   }
   if (!linger) return;
   // A late rank is most likely to slip through just now: give it a grace period before leaving.
-  const auto end = SteadyClock::now() + grace_period(options_.timeout_seconds);
+  const auto end = SteadyClock::now() + grace_period(timeout_seconds());
   while (!release_abandoned() && SteadyClock::now() < end) {
     test_pending_sends();
     std::this_thread::sleep_for(std::chrono::microseconds(50));

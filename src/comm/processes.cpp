@@ -24,7 +24,8 @@ long launched_job_size() {
 
 }  // namespace
 
-std::shared_ptr<Communicator> connect_processes(ProcessMode mode, [[maybe_unused]] double timeout_seconds) {
+std::shared_ptr<Communicator> connect_processes(ProcessMode mode, [[maybe_unused]] double timeout_seconds,
+                                                [[maybe_unused]] double create_timeout_seconds) {
   if (mode == ProcessMode::kSingle) return nullptr;
   const long job = launched_job_size();
 #ifdef DPAR_HAVE_MPI
@@ -37,7 +38,7 @@ std::shared_ptr<Communicator> connect_processes(ProcessMode mode, [[maybe_unused
     if (initialized && !finalized) mpi = MpiRuntime::instance().world_size() > 1;
   }
   if (!mpi) return nullptr;
-  return world_communicator(timeout_seconds);
+  return world_communicator(timeout_seconds, create_timeout_seconds);
 #else
   DPAR_ENFORCE(mode != ProcessMode::kMpi, Status::kNotSupported,
                "opts.processes: this dpar was built without MPI");
@@ -48,13 +49,15 @@ std::shared_ptr<Communicator> connect_processes(ProcessMode mode, [[maybe_unused
 #endif
 }
 
-std::shared_ptr<Communicator> world_communicator(double timeout_seconds) {
+std::shared_ptr<Communicator> world_communicator(double timeout_seconds, double create_timeout_seconds) {
 #ifdef DPAR_HAVE_MPI
   MpiOptions mo;
   mo.timeout_seconds = timeout_seconds;
+  mo.create_timeout_seconds = create_timeout_seconds;
   return std::make_shared<MpiCommunicator>(MPI_COMM_WORLD, mo);
 #else
   (void)timeout_seconds;
+  (void)create_timeout_seconds;
   fail(Status::kNotSupported, "the MPI world communicator: this dpar was built without MPI");
 #endif
 }

@@ -15,10 +15,12 @@ enum class ProcessMode : int32_t {
   kMpi = 2,     // every process of MPI_COMM_WORLD (initialising MPI if needed); NOT_SUPPORTED without MPI
 };
 
-// One participant per process (rank = this process), or null for a single process. Collectives time out after
-// `timeout_seconds`.
-std::shared_ptr<Communicator> connect_processes(ProcessMode mode, double timeout_seconds);
-// A participant of MPI_COMM_WORLD (initialising MPI if needed). Throws NOT_SUPPORTED without MPI.
-std::shared_ptr<Communicator> world_communicator(double timeout_seconds);
+// One participant per process (rank = this process), or null for a single process. Its creation waits
+// `create_timeout_seconds` (0: timeout_seconds) for every process, and its collectives `timeout_seconds`.
+std::shared_ptr<Communicator> connect_processes(ProcessMode mode, double timeout_seconds,
+                                                double create_timeout_seconds = 0.0);
+// A participant of MPI_COMM_WORLD (initialising MPI if needed), its timeouts as above. Throws NOT_SUPPORTED
+// without MPI.
+std::shared_ptr<Communicator> world_communicator(double timeout_seconds, double create_timeout_seconds = 0.0);
 
 }  // namespace dpar

@@ -99,6 +99,7 @@ class ThreadCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return group_.size(); }
   const char* backend() const override { return "threads"; }
+  bool moves(CommDType dtype) const override { return dtype != CommDType::kBF16; }
 
   void abort(const std::string& reason) override { group_.abort(reason); }
 
@@ -111,7 +112,7 @@ class ThreadCommunicator final : public Communicator {
  protected:
   void run(const CommCall& c) override {
     Busy busy(*this, c.operation);
-    if (c.kind() != kBarrier && c.dtype() == CommDType::kBF16)
+    if (c.kind() != kBarrier && !moves(c.dtype()))
       local_failure(Status::kNotSupported, c.operation, ": the threads backend does not move bf16 (threads share "
                     "memory: compressing would only cost)");
     switch (c.kind()) {

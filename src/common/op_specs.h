@@ -10,6 +10,13 @@ namespace dpar {
 // What an op applies to its result before writing it: fusion is an argument, not another op.
 enum class Epilogue : int32_t { kNone = 0, kRelu = 1 };
 
+// A sliding window's output extent, as PyTorch computes it: floor(reach / stride) + 1, where `reach` (the input
+// with its padding, less the window's span) may be negative, so the quotient rounds down, not toward zero: a window
+// wider than the padded input gives 0 (or less), which the layer refuses.
+constexpr int64_t window_out_extent(int64_t reach, int64_t stride) {
+  return (reach >= 0 ? reach / stride : -((-reach + stride - 1) / stride)) + 1;
+}
+
 // A 2-D convolution, as PyTorch's nn.Conv2d (cross-correlation, zero padding).
 struct Conv2dSpec {
   int64_t in_channels = 1, out_channels = 1;
@@ -22,9 +29,13 @@ struct Conv2dSpec {
   Epilogue epilogue = Epilogue::kNone;
 
   // PyTorch's output extent: floor((in + 2 pad - dilation (kernel - 1) - 1) / stride) + 1 (may be < 1: the
-  // caller checks).
-  int64_t out_h(int64_t h) const { return (h + 2 * pad_h - dilation_h * (kernel_h - 1) - 1) / stride_h + 1; }
-  int64_t out_w(int64_t w) const { return (w + 2 * pad_w - dilation_w * (kernel_w - 1) - 1) / stride_w + 1; }
+  // layer refuses it).
+  int64_t out_h(int64_t h) const {
+    return window_out_extent(h + 2 * pad_h - dilation_h * (kernel_h - 1) - 1, stride_h);
+  }
+  int64_t out_w(int64_t w) const {
+    return window_out_extent(w + 2 * pad_w - dilation_w * (kernel_w - 1) - 1, stride_w);
+  }
   std::string str() const;  // "conv2d(3 -> 8, kernel 3x3, stride 1x1, padding 1x1, dilation 1x1, groups 1)"
 };
 
@@ -42,8 +53,8 @@ struct Pool2dSpec {
   int64_t stride_h = 1, stride_w = 1;
   int64_t pad_h = 0, pad_w = 0;
 
-  int64_t out_h(int64_t h) const { return global ? 1 : (h + 2 * pad_h - kernel_h) / stride_h + 1; }
-  int64_t out_w(int64_t w) const { return global ? 1 : (w + 2 * pad_w - kernel_w) / stride_w + 1; }
+  int64_t out_h(int64_t h) const { return global ? 1 : window_out_extent(h + 2 * pad_h - kernel_h, stride_h); }
+  int64_t out_w(int64_t w) const { return global ? 1 : window_out_extent(w + 2 * pad_w - kernel_w, stride_w); }
   std::string str() const;  // "max_pool2d(kernel 2x2, stride 2x2, padding 0x0)"
 };
 

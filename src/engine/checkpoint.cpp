@@ -18,6 +18,11 @@ namespace dpar {
 namespace {
 constexpr const char* kFormat = "dpar-checkpoint-1";
 
+// The key of a parameter's optimizer state: under kOptimizerKeys, which no node's name may begin with.
+std::string optimizer_key(const std::string& state, const std::string& param) {
+  return std::string(kOptimizerKeys) + "." + state + "." + param;
+}
+
 // Step counts and replica counts beyond these are not from a real run: refused as damage rather than loaded (a
 // step count near 2^63 would overflow the optimizer's signed counter a few steps later).
 constexpr uint64_t kMaxSteps = uint64_t{1} << 62;
@@ -133,7 +138,7 @@ void Engine::write_checkpoint(const std::string& path) const {
       }
     }
     for (const ParamInfo& p : model_.params())
-      views.push_back({"optimizer." + state_names[s] + "." + p.name, "F32",
+      views.push_back({optimizer_key(state_names[s], p.name), "F32",
                        std::vector<int64_t>(p.shape.data(), p.shape.data() + p.shape.ndim()),
                        gathered[s].data() + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
   }
@@ -194,7 +199,7 @@ void Engine::load(const std::string& path) {
   size_t expected = 0;
   for (const ParamInfo& p : model_.params()) check_entry(p.name, p), ++expected;
   for (const std::string& state_name : Optimizer::state_names(opt0.config()))
-    for (const ParamInfo& p : model_.params()) check_entry("optimizer." + state_name + "." + p.name, p), ++expected;
+    for (const ParamInfo& p : model_.params()) check_entry(optimizer_key(state_name, p.name), p), ++expected;
   for (const BufferInfo& b : model_.buffers()) {
     DPAR_ENFORCE(file.has(b.name), Status::kMismatch, path, ": buffer \"", b.name, "\" of the model is missing");
     const auto& e = file.entry(b.name);
@@ -223,7 +228,7 @@ void Engine::load(const std::string& path) {
         for (const ParamInfo& p : model_.params()) {
           const int64_t from = std::max(r.begin, p.offset), to = std::min(r.end, p.offset + p.shape.numel());
           if (from >= to) continue;
-          const uint8_t* values = file.data("optimizer." + state_name + "." + p.name);  // f32, maybe unaligned
+          const uint8_t* values = file.data(optimizer_key(state_name, p.name));  // f32, maybe unaligned
           rep.stream->copy_from_host(buffer.f32() + state + (from - r.begin),
                                      values + static_cast<size_t>(from - p.offset) * sizeof(float),
                                      static_cast<size_t>(to - from) * sizeof(float));

@@ -41,6 +41,7 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   DPAR_CHECK_ARG(model_.num_layers() > 0, "model: has no layers");
   optimizer.check("optimizer");
   DPAR_CHECK_ARG(config_.timeout_seconds > 0, "timeout_seconds: must be positive");
+  DPAR_CHECK_ARG(config_.create_timeout_seconds >= 0, "create_timeout_seconds: must be >= 0");
   DPAR_CHECK_ARG(config_.blas_threads >= 1 && config_.blas_threads <= 1024, "blas_threads: ", config_.blas_threads,
                  " must be 1 to 1024");
   const Backend::WorkerOptions workers{config_.pin_workers, config_.blas_threads};
@@ -75,6 +76,9 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
       processes_->broadcast(model_.buffer_f32().data(), model_.buffer_f32().size(), CommDType::kF32, 0);
     if (!model_.buffer_i64().empty())
       processes_->broadcast(model_.buffer_i64().data(), model_.buffer_i64().size(), CommDType::kI64, 0);
+    // Every process has arrived: from here on its collectives wait as long as a step's.
+    if (config_.create_timeout_seconds > 0)
+      processes_->set_timeout(std::chrono::duration<double>(config_.timeout_seconds));
   }
   std::vector<std::string> names;
   std::vector<std::string> tracks{"calls (the calling thread)"};
@@ -131,6 +135,8 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   run("create", [&](Replica& rep, size_t) {
     rep.model = std::make_unique<ReplicaModel>(model_, rep.ctx);
     rep.loss_sum_device = Tensor::zeros(DType::kF32, Shape{2}, rep.ctx.device);  // room for one double
+    if (const int64_t words = rep.model->num_buffer_f32() + 2 * rep.model->num_buffer_i64(); words > 0)
+      rep.saved_buffers = Tensor::empty(DType::kF32, Shape{words}, rep.ctx.device);
     rep.norm_partial = Tensor::zeros(DType::kF32, Shape{2}, rep.ctx.device);     // likewise
     std::vector<Reducer::Grad> grads;
     for (const ParamInfo& p : model_.params())
@@ -164,8 +170,37 @@ void Engine::abort(const char* by) {
   if (links_) links_->abort("the engine of rank " + std::to_string(processes_->rank()) + " was aborted");
 }
 
+void Engine::save_state(Replica& rep) {
+  rep.saved_rng_offset = rep.rng_offset;
+  if (rep.saved_buffers.defined()) {
+    const ReplicaModel& m = *rep.model;
+    const auto f32 = static_cast<size_t>(m.num_buffer_f32()), i64 = static_cast<size_t>(m.num_buffer_i64());
+    float* saved = rep.saved_buffers.f32();
+    if (f32 > 0) rep.stream->copy(saved, m.buffer_f32(), f32 * sizeof(float));
+    if (i64 > 0) rep.stream->copy(saved + f32, m.buffer_i64(), i64 * sizeof(int64_t));
+  }
+  rep.state_saved = true;
+}
+
+bool Engine::restore_state() {
+  const auto errors = pool_->run_all([&](size_t r) {
+    Replica& rep = *replicas_[r];
+    if (!rep.state_saved) return;
+    rep.rng_offset = rep.saved_rng_offset;
+    if (rep.saved_buffers.defined()) {
+      const ReplicaModel& m = *rep.model;
+      const auto f32 = static_cast<size_t>(m.num_buffer_f32()), i64 = static_cast<size_t>(m.num_buffer_i64());
+      const float* saved = rep.saved_buffers.f32();
+      if (f32 > 0) rep.stream->copy(m.buffer_f32(), saved, f32 * sizeof(float));
+      if (i64 > 0) rep.stream->copy(m.buffer_i64(), saved + f32, i64 * sizeof(int64_t));
+      rep.stream->synchronize();
+    }
+  });
+  return std::all_of(errors.begin(), errors.end(), [](const std::exception_ptr& e) { return !e; });
+}
+
 void Engine::run(const char* operation, const std::function<void(Replica&, size_t)>& job) {
-  for (auto& rep : replicas_) rep->stepped = false;
+  for (auto& rep : replicas_) rep->stepped = false, rep->state_saved = false;
   auto errors = pool_->run_all([&](size_t r) {
     Replica& rep = *replicas_[r];
     TraceTrack track(worker_track(r));
@@ -275,6 +310,13 @@ void Engine::run(const char* operation, const std::function<void(Replica&, size_
     broken_reason_ = prefix + message;
     fail(status, prefix, message, "; replicas may differ now, so the engine must be recreated");
   }
+  // A replica may have moved its buffers or its RNG stream before another failed: each goes back to where the call
+  // found it.
+  if (!restore_state()) {
+    broken_ = true;
+    broken_reason_ = prefix + message;
+    fail(status, prefix, message, "; the replicas' state could not be put back, so the engine must be recreated");
+  }
   fail(status, prefix, message, "; the step's gradients were discarded and the engine remains usable");
 }
 
@@ -299,6 +341,16 @@ Shape Engine::check_batch(const Tensor& input, const Tensor* target, const char*
   check_input_values(input, operation);
   if (target) check_loss_target(config_.loss, out, *target, operation);
   return out;
+}
+
+void Engine::check_statistics(const Tensor& input) const {
+  if (!training_) return;
+  model_.check_training_batch(input.shape(), split_batch(input.rows(), replicas_.size()),
+                              processes_ ? 0 : input.rows());
+}
+
+void Engine::check_global_statistics(const Tensor& input, int64_t global_batch) const {
+  if (training_ && processes_) model_.check_training_batch(input.shape(), {}, global_batch);
 }
 
 Tensor Engine::on_replica(Replica& rep, const Tensor& whole, int64_t begin, int64_t rows, Tensor& stage) {
@@ -413,8 +465,10 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
     check_batch(input, &target, "accumulate");
     DPAR_ENFORCE(pending_ != Pending::kExplicit, Status::kInvalidState,
                  "accumulate: gradients from backward() are pending; call step() or zero_grad() first");
+    check_statistics(input);
     return input.rows();
   });
+  check_global_statistics(input, global_batch);
   const int64_t batch = input.rows();
   const auto split = split_batch(batch, replicas_.size());
   run("accumulate", [&](Replica& rep, size_t r) {
@@ -422,6 +476,7 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
     rep.loss_rows = 0;
+    if (training_) save_state(rep);
     if (rep.rows > 0 || every_replica_runs_) local_loss_backward(rep, input, target, begin, false);
     if (training_) sync_buffers(rep);
     read_loss(rep);
@@ -440,8 +495,10 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
     DPAR_ENFORCE(pending_ == Pending::kNone, Status::kInvalidState,
                  "train_step: gradients from ", pending_ == Pending::kLoss ? "accumulate()" : "backward()",
                  " are pending; call step() or zero_grad() first");
+    check_statistics(input);
     return input.rows();
   });
+  check_global_statistics(input, global_batch);
   const int64_t batch = input.rows();
   const auto split = split_batch(batch, replicas_.size());
   const float scale = static_cast<float>(1.0 / static_cast<double>(global_batch));
@@ -453,6 +510,7 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
     rep.rows = split[r];
     rep.loss_rows = 0;
     rep.reducer->prepare(scale);
+    if (training_) save_state(rep);
     if (rep.rows > 0 || every_replica_runs_) local_loss_backward(rep, input, target, begin, true);
     finish_and_step(rep);
     if (training_) sync_buffers(rep);
@@ -499,7 +557,17 @@ void Engine::zero_grad() {
 Tensor Engine::forward(const Tensor& input) {
   check_usable("forward");
   const TraceSpan span(*trace_, kCallTrack, "forward", "rows", input.rows());
-  const Shape out_shape = check_batch(input, nullptr, "forward");
+  Shape out_shape;
+  const auto check = [&] {
+    out_shape = check_batch(input, nullptr, "forward");
+    check_statistics(input);
+    return input.rows();
+  };
+  // A training-mode forward moves buffers over every process (sync_buffers): all of them refuse it together.
+  if (training_ && processes_)
+    check_global_statistics(input, global_batch_of("forward", check));
+  else
+    check();
   const auto split = split_batch(input.rows(), replicas_.size());
   const Device out_device = config_.devices[config_.output_replica];
   Tensor out = Tensor::empty(DType::kF32, out_shape, out_device);
@@ -508,6 +576,7 @@ Tensor Engine::forward(const Tensor& input) {
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
+    if (training_) save_state(rep);
     if (rep.rows == 0 && !every_replica_runs_) {
       if (training_) sync_buffers(rep);  // every replica takes part in the buffers' broadcast
       return;

@@ -68,6 +68,10 @@ struct EngineConfig {
   LossKind loss = LossKind::kCrossEntropy;
   uint64_t seed = 0;
   double timeout_seconds = 300.0;
+  // How long creation waits for the other processes (their engines' creation collectives: replica counts,
+  // parameters, buffers), which start at different times; 0: timeout_seconds. With it, `processes` was created with
+  // this timeout, and the engine sets it to timeout_seconds once it is created.
+  double create_timeout_seconds = 0.0;
   int32_t blas_threads = 1;
   bool pin_workers = true;
   BucketOptions buckets;
@@ -172,10 +176,14 @@ class Engine {
     Tensor norm_partial;     // a double on the replica's device: its shard's part of the gradient's squared norm
     // The replica's rows of a host batch (input, target, backward()'s grad_output) on a device that is not the host.
     Tensor input_stage, target_stage, grad_stage;
-    Tensor buffer_stage;  // the i64 buffers as doubles on the replica's device, for sync_buffers
     int64_t rows = 0;       // rows of the current call
     int64_t loss_rows = 0;  // rows behind loss_sum (the last training step or accumulate)
     float grad_norm = std::numeric_limits<float>::quiet_NaN();  // the gradient's norm at this call's clipping
+    // What a training-mode call changes besides gradients (the RNG stream's position, the buffers), saved at its
+    // start (save_state) and put back when it fails and the engine stays usable: a failed call changes nothing.
+    uint64_t saved_rng_offset = 0;
+    Tensor saved_buffers;     // the f32 buffers, then the i64 ones (as pairs of f32 words); made with the replica
+    bool state_saved = false;  // this call saved its state
   };
   enum class Pending { kNone, kLoss, kExplicit };
 
@@ -195,11 +203,23 @@ class Engine {
   // throws the first failure that is not merely "another replica failed".
   void run(const char* operation, const std::function<void(Replica&, size_t)>& job);
   void check_usable(const char* operation) const;
+  // Saves what the call may change besides gradients (Replica::saved_*), on the replica's worker.
+  void save_state(Replica& rep);
+  // Puts back every replica's saved state after a failed call; false if a replica could not.
+  bool restore_state();
+  // The checks of a training-mode call with a batch of `input` (its rows split over the replicas) that every
+  // replica must pass before any changes state: each layer's statistics (Model::check_training_batch). With
+  // several processes the layers whose statistics span every process are checked once the global batch is known
+  // (check_global_statistics), alike on every process.
+  void check_statistics(const Tensor& input) const;
+  void check_global_statistics(const Tensor& input, int64_t global_batch) const;
   // Forward on rows [begin, begin+rows) of input, loss and backward: the worker's half of accumulate.
   // With `reduce`, each layer's gradients go to the reducer as soon as backward has computed them.
   void local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin, bool reduce);
   // The bucket strategy for the engine's settings (hierarchical, in bf16 across processes when compressed).
   std::unique_ptr<BucketStrategy> bucket_strategy_for(Replica& rep) const;
+  // Makes these the settings and gives every reducer its strategy for them; all or nothing.
+  void set_strategies(GradientCompression compression, GradientReduction reduction);
   // Copies the replica's loss sum of its last rows from its device into rep.loss_sum.
   void read_loss(Replica& rep);
   // Scales the replica's shard of the summed gradient so that the gradient's global L2 norm is at most the
@@ -226,8 +246,8 @@ class Engine {
   std::vector<ElementRange> optimizer_shard(const Replica& rep) const;
   bool exclude_no_decay_ = false;
   // Makes every replica's buffers (BatchNorm's running statistics) replica 0's of process 0, as DataParallel keeps
-  // replica 0's and DistributedDataParallel broadcasts rank 0's: a sum over the replica set to which only that
-  // replica contributes. Every replica calls it at the end of every training-mode call that ran forward; nothing
+  // replica 0's and DistributedDataParallel broadcasts rank 0's: a broadcast over the replica set, each dtype as
+  // itself. Every replica calls it at the end of every training-mode call that ran forward; nothing
   // for a model without buffers.
   void sync_buffers(Replica& rep);
   // The mean loss of the last step or micro-batch over the global batch.

@@ -113,17 +113,32 @@ void Engine::set_gradient_compression(GradientCompression compression) {
   DPAR_CHECK_ARG(compression == GradientCompression::kNone || compression == GradientCompression::kBf16,
                  "compression: ", static_cast<int32_t>(compression), " is not a gradient compression (0: none, ",
                  "1: bf16)");
+  set_strategies(compression, reduction_);
+}
+
+void Engine::set_strategies(GradientCompression compression, GradientReduction reduction) {
+  // Every replica's strategy is made before anything changes, so that a refused setting changes nothing. Between
+  // calls the workers are idle: the reducers are the caller's to change.
+  const GradientCompression old_compression = compression_;
+  const GradientReduction old_reduction = reduction_;
   compression_ = compression;
-  // Between calls the workers are idle: the reducers are the caller's to change.
-  for (auto& rep : replicas_) rep->reducer->set_strategy(bucket_strategy_for(*rep));
+  reduction_ = reduction;
+  std::vector<std::unique_ptr<BucketStrategy>> strategies;
+  try {
+    for (auto& rep : replicas_) strategies.push_back(bucket_strategy_for(*rep));
+  } catch (...) {
+    compression_ = old_compression;
+    reduction_ = old_reduction;
+    throw;
+  }
+  for (size_t r = 0; r < replicas_.size(); ++r) replicas_[r]->reducer->set_strategy(std::move(strategies[r]));
 }
 
 void Engine::set_gradient_reduction(GradientReduction reduction) {
   DPAR_CHECK_ARG(reduction == GradientReduction::kAllReduce || reduction == GradientReduction::kReduceScatter,
                  "reduction: ", static_cast<int32_t>(reduction), " is not a gradient reduction (0: all-reduce, ",
                  "1: reduce-scatter)");
-  reduction_ = reduction;
-  for (auto& rep : replicas_) rep->reducer->set_strategy(bucket_strategy_for(*rep));
+  set_strategies(compression_, reduction);
 }
 
 void Engine::set_lr(float lr) {

@@ -85,20 +85,20 @@ Shape Node::output_shape(const std::vector<Shape>& in) const {
         for (size_t d = 0; fits && d < in[0].ndim(); ++d) fits = d == 1 || in[k][d] == in[0][d];
         DPAR_CHECK_ARG(fits, "node ", node_id(inputs[k]), "'s output ", in[k].str(), " and node ", node_id(inputs[0]),
                        "'s ", in[0].str(), " differ in a dimension other than 1: no concatenation along dim 1");
-        out[1] += in[k][1];
+        // Each extent is at most 2^60 and so is the sum so far: the sum cannot overflow before with_dim checks it.
+        out = out.with_dim(1, out[1] + in[k][1]);
       }
       return out;
     }
     case NodeKind::kView: {
       const Shape& s = in[0];
       if (view_row.empty()) return Shape{s[0], s.row_numel()};
-      int64_t prod = 1;
-      for (int64_t d : view_row) prod *= d;
+      const int64_t prod = Shape::checked_product(view_row.data(), view_row.size());
       DPAR_CHECK_ARG(prod == s.row_numel(), "a row of ", s.str(), " holds ", s.row_numel(),
                      " elements, not the ", prod, " of the new shape");
       std::vector<int64_t> dims{s[0]};
       dims.insert(dims.end(), view_row.begin(), view_row.end());
-      return Shape::checked(dims.data(), dims.size(), "reshape");
+      return Shape::of(dims.data(), dims.size());
     }
   }
   fail(Status::kInternal, "unknown node kind");
@@ -150,12 +150,50 @@ void Model::check_input(int32_t id, const char* what) const {
 int32_t Model::append(Node node) {
   const int32_t id = static_cast<int32_t>(nodes_.size());
   node.name = std::to_string(id);
+  std::vector<ParamSpec> specs;
+  std::vector<BufferSpec> buffer_specs;
+  int64_t n_values = 0, n_f32 = 0, n_i64 = 0;  // what the node adds to each flat array
   if (node.layer) {
-    for (const ParamSpec& spec : node.layer->param_specs()) {
+    // Every shape a layer declares is checked where it is made (Shape's constructor); the totals are checked here,
+    // so that the model's flat arrays can be sized without overflow. A refusal names the layer.
+    try {
+      specs = node.layer->param_specs();
+      buffer_specs = node.layer->buffer_specs();
+      // Each term is at most 2^60 (a shape's bound), so a sum of two cannot overflow before it is checked.
+      auto add = [&](int64_t& total, int64_t n) {
+        total += n;
+        DPAR_CHECK_ARG(total <= Shape::kMaxElements, "the model would hold more than 2^60 elements in one array");
+      };
+      for (const ParamSpec& spec : specs) add(n_values, spec.shape.numel());
+      for (const BufferSpec& spec : buffer_specs)
+        add(spec.dtype == BufferDType::kF32 ? n_f32 : n_i64, buffer_numel(spec.shape));
+      add(n_values, num_param_elements());
+      add(n_f32, static_cast<int64_t>(buffer_f32_.size()));
+      add(n_i64, static_cast<int64_t>(buffer_i64_.size()));
+    } catch (const Error& e) {
+      fail(e.status(), node.layer->describe(), ": ", e.what());
+    }
+  }
+  {
+    std::vector<std::string> keys;
+    for (const ParamSpec& spec : specs) keys.push_back(node.name + "." + spec.name);
+    for (const BufferSpec& spec : buffer_specs) keys.push_back(node.name + "." + spec.name);
+    check_keys_free(keys, static_cast<size_t>(id), "layer");
+  }
+  // All or nothing: what a refused node added (a host allocation that failed) is taken back, the initialisation
+  // stream included, so that the model is as it was.
+  const std::string described = node.describe();
+  const Rng rng = init_rng_;
+  const size_t old_params = params_.size(), old_values = values_.size(), old_buffers = buffers_.size();
+  const size_t old_f32 = buffer_f32_.size(), old_i64 = buffer_i64_.size();
+  try {
+    values_.reserve(static_cast<size_t>(n_values));
+    buffer_f32_.reserve(static_cast<size_t>(n_f32));
+    buffer_i64_.reserve(static_cast<size_t>(n_i64));
+    for (const ParamSpec& spec : specs) {
       ParamInfo info{node.name + "." + spec.name, spec.shape, static_cast<int64_t>(values_.size()),
                      static_cast<size_t>(id), !spec.no_decay};
       const int64_t n = spec.shape.numel();
-      values_.reserve(values_.size() + static_cast<size_t>(n));
       for (int64_t i = 0; i < n; ++i) {
         float v = 0.0f;
         if (spec.init == InitKind::kUniform) v = init_rng_.uniform(-spec.bound, spec.bound);
@@ -173,7 +211,7 @@ int32_t Model::append(Node node) {
       }
       params_.push_back(std::move(info));
     }
-    for (const BufferSpec& spec : node.layer->buffer_specs()) {
+    for (const BufferSpec& spec : buffer_specs) {
       const bool f32 = spec.dtype == BufferDType::kF32;
       const int64_t offset = static_cast<int64_t>(f32 ? buffer_f32_.size() : buffer_i64_.size());
       buffers_.push_back({node.name + "." + spec.name, spec.dtype, spec.shape, offset, static_cast<size_t>(id)});
@@ -185,8 +223,17 @@ int32_t Model::append(Node node) {
           buffer_i64_.push_back(v);
       }
     }
+    nodes_.push_back(std::move(node));
+  } catch (const std::bad_alloc&) {
+    init_rng_ = rng;
+    params_.resize(old_params);
+    values_.resize(old_values);
+    buffers_.resize(old_buffers);
+    buffer_f32_.resize(old_f32);
+    buffer_i64_.resize(old_i64);
+    fail(Status::kOutOfMemory, described, ": the model's ", n_values, " parameter elements (", n_values * 4,
+         " bytes) do not fit in host memory");
   }
-  nodes_.push_back(std::move(node));
   next_input_ = id;
   return id;
 }
@@ -204,7 +251,8 @@ int32_t Model::add(std::unique_ptr<Layer> layer) {
 }
 
 int32_t Model::add_sum(const std::vector<int32_t>& inputs) {
-  DPAR_CHECK_ARG(inputs.size() >= 2, "sum: needs 2 or more inputs, got ", inputs.size());
+  DPAR_CHECK_ARG(inputs.size() >= 2 && inputs.size() <= kMaxJoinInputs, "sum: needs 2 or more inputs (at most ",
+                 kMaxJoinInputs, "), got ", inputs.size());
   for (int32_t id : inputs) check_input(id, "sum");
   Node n;
   n.kind = NodeKind::kSum;
@@ -213,7 +261,8 @@ int32_t Model::add_sum(const std::vector<int32_t>& inputs) {
 }
 
 int32_t Model::add_concat(const std::vector<int32_t>& inputs) {
-  DPAR_CHECK_ARG(inputs.size() >= 2, "concat: needs 2 or more inputs, got ", inputs.size());
+  DPAR_CHECK_ARG(inputs.size() >= 2 && inputs.size() <= kMaxJoinInputs, "concat: needs 2 or more inputs (at most ",
+                 kMaxJoinInputs, "), got ", inputs.size());
   for (int32_t id : inputs) check_input(id, "concat");
   Node n;
   n.kind = NodeKind::kConcat;
@@ -233,6 +282,11 @@ int32_t Model::add_reshape(const std::vector<int64_t>& row) {
                  Shape::kMaxDims - 1, " dims (with the batch, at most ", Shape::kMaxDims, "), got ", row.size());
   for (size_t i = 0; i < row.size(); ++i)
     DPAR_CHECK_ARG(row[i] >= 1, "reshape: row_shape[", i, "] = ", row[i], " must be >= 1");
+  try {
+    Shape::checked_product(row.data(), row.size());
+  } catch (const Error& e) {
+    fail(e.status(), "reshape: row_shape: ", e.what());
+  }
   Node n;
   n.kind = NodeKind::kView;
   n.inputs = {next_input_};
@@ -252,15 +306,38 @@ void Model::set_node_name(int32_t node, const std::string& name) {
                  "\" is not a state_dict name (identifiers of letters, digits and '_', separated by single dots)");
   DPAR_CHECK_ARG(!all_digits(name) || name == std::to_string(node), "name: \"", name,
                  "\" is all digits: such a name is the default of the node of that index, not of node ", node);
+  DPAR_CHECK_ARG(name.substr(0, name.find('.')) != kOptimizerKeys, "name: \"", name, "\" begins with \"",
+                 kOptimizerKeys, "\", which checkpoints reserve for the optimizer's state");
   for (size_t i = 0; i < nodes_.size(); ++i)
     DPAR_CHECK_ARG(static_cast<int32_t>(i) == node || nodes_[i].name != name, "name: \"", name,
                    "\" is already node ", i, "'s name");
   Node& n = nodes_[static_cast<size_t>(node)];
+  const auto renamed = [&](const std::string& key) { return name + key.substr(n.name.size()); };
+  std::vector<std::string> keys;
+  for (const ParamInfo& p : params_)
+    if (p.layer == static_cast<size_t>(node)) keys.push_back(renamed(p.name));
+  for (const BufferInfo& b : buffers_)
+    if (b.layer == static_cast<size_t>(node)) keys.push_back(renamed(b.name));
+  check_keys_free(keys, static_cast<size_t>(node), "name");
   for (ParamInfo& p : params_)
-    if (p.layer == static_cast<size_t>(node)) p.name = name + p.name.substr(n.name.size());
+    if (p.layer == static_cast<size_t>(node)) p.name = renamed(p.name);
   for (BufferInfo& b : buffers_)
-    if (b.layer == static_cast<size_t>(node)) b.name = name + b.name.substr(n.name.size());
+    if (b.layer == static_cast<size_t>(node)) b.name = renamed(b.name);
   n.name = name;
+}
+
+void Model::check_keys_free(const std::vector<std::string>& keys, size_t node, const char* argument) const {
+  // A name that dots join can be reached two ways ("a" + "b.c" and "a.b" + "c"): the keys themselves are compared.
+  for (const ParamInfo& p : params_)
+    if (p.layer != node)
+      for (const std::string& key : keys)
+        DPAR_CHECK_ARG(key != p.name, argument, ": node ", node, "'s \"", key, "\" would be node ", p.layer,
+                       "'s parameter of that name too: every parameter and buffer needs a name of its own");
+  for (const BufferInfo& b : buffers_)
+    if (b.layer != node)
+      for (const std::string& key : keys)
+        DPAR_CHECK_ARG(key != b.name, argument, ": node ", node, "'s \"", key, "\" would be node ", b.layer,
+                       "'s buffer of that name too: every parameter and buffer needs a name of its own");
 }
 
 void Model::convert_sync_batchnorm() {
@@ -304,6 +381,37 @@ DType Model::input_dtype() const {
   DPAR_CHECK_ARG(!any_i32 || f32_reader.empty(), "the model's input is read both as i32 indices and as f32 by ",
                  f32_reader);
   return any_i32 ? DType::kI32 : DType::kF32;
+}
+
+void Model::check_training_batch(const Shape& input, const std::vector<int64_t>& chunks, int64_t global_rows) const {
+  // The layers that see `rows` rows: those whose statistics are their replica's own (collective false), or those
+  // whose statistics span every replica (true).
+  auto check = [&](int64_t rows, bool collective, const std::string& whose) {
+    const Shape batch = input.with_rows(rows);
+    const std::vector<Shape> shapes = graph_shapes(nodes_, batch);
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      const Node& n = nodes_[i];
+      if (!n.layer || n.layer->uses_collectives() != collective) continue;
+      const int32_t in = n.inputs[0];
+      try {
+        n.layer->check_statistics_input(in == kModelInput ? batch : shapes[static_cast<size_t>(in)]);
+      } catch (const Error& e) {
+        fail(e.status(), "node ", i, " \"", n.name, "\": ", e.what(), " (", whose, ")");
+      }
+    }
+  };
+  int64_t batch = 0;
+  for (int64_t rows : chunks) batch += rows;
+  for (size_t r = 0; r < chunks.size(); ++r) {
+    // Equal chunks see equal shapes: each size is checked once.
+    if (chunks[r] == 0 || std::find(chunks.begin(), chunks.begin() + static_cast<std::ptrdiff_t>(r), chunks[r]) !=
+                              chunks.begin() + static_cast<std::ptrdiff_t>(r))
+      continue;
+    check(chunks[r], false,
+          detail::concat("replica ", r, "'s ", chunks[r], " rows of the batch of ", batch, " over ", chunks.size(),
+                         " replicas"));
+  }
+  if (global_rows > 0) check(global_rows, true, detail::concat("the ", global_rows, " rows of every replica"));
 }
 
 void Model::check_input_values(const Tensor& host_input) const {

@@ -80,6 +80,11 @@ class Layer {
   // Throws Error(INVALID_ARGUMENT) naming the first value of a host copy of an input that the layer cannot read
   // (an Embedding's index out of range, with its position); the engine calls it before a step changes anything.
   virtual void check_input_values(const Tensor& /*host_input*/) const {}
+  // Throws Error(INVALID_ARGUMENT) where a training-mode forward could not take its statistics over `in`, the
+  // shape of the rows they cover: a replica's chunk, or the whole batch of every replica and process for a layer
+  // that uses_collectives() (BatchNorm's more than one value per channel). The engine asks every layer before a
+  // training-mode call changes anything, so that one replica's refusal cannot leave another's state moved.
+  virtual void check_statistics_input(const Shape& /*in*/) const {}
   // Whether forward or backward call the replica set's collectives (ctx.collectives). Every replica must then run
   // the layer on every call, one given no rows of the batch included (with an empty chunk, contributing zeros), so
   // that no collective waits for a replica that skipped it: the engine does so for a model with such a layer.
@@ -153,6 +158,9 @@ std::unique_ptr<Layer> make_layernorm(int64_t normalized_size, float eps, bool e
 // nn.Embedding(num_embeddings, embedding_dim, padding_idx): i32 indices (B) or (B, T) -> (B, E) or (B, T, E).
 // padding_idx: -1 for none, else a row in [0, num_embeddings) that starts at zero and never gets a gradient.
 std::unique_ptr<Layer> make_embedding(int64_t num_embeddings, int64_t embedding_dim, int64_t padding_idx = -1);
+// The same with padding_idx as nn.Embedding takes it: in [-num_embeddings, num_embeddings), a negative index
+// counting from the end.
+std::unique_ptr<Layer> make_embedding_padded(int64_t num_embeddings, int64_t embedding_dim, int64_t padding_idx);
 // The SyncBatchNorm twin of a BatchNorm layer (same parameters and buffers), or null for any other layer.
 std::unique_ptr<Layer> to_sync_batchnorm(const Layer& layer);
 

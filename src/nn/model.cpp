@@ -102,9 +102,19 @@ void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
   if (rows <= capacity_rows_ && shapes == row_shapes_ && input.row_numel() == input_row_numel_) return;
   const int64_t cap = std::max(rows, capacity_rows_);
   const size_t n = nodes_.size();
-  outputs_.assign(n, Tensor());
+  // The old buffers go first, so that the new ones need not fit beside them. Until the new plan is complete the
+  // model holds none (capacity 0), so an allocation that fails leaves nothing half-planned: the next call plans
+  // again from scratch, for its own batch.
+  outputs_.clear();
+  grad_slots_.clear();
+  grad_slot_.clear();
+  scratch_ = Tensor();
+  row_shapes_.clear();
+  capacity_rows_ = 0;
+  input_row_numel_ = 0;
+  std::vector<Tensor> outputs(n);
   for (size_t i = 0; i < n; ++i)
-    if (nodes_[i].kind != NodeKind::kView) outputs_[i] = ctx.alloc(DType::kF32, shapes[i].with_rows(cap));
+    if (nodes_[i].kind != NodeKind::kView) outputs[i] = ctx.alloc(DType::kF32, shapes[i].with_rows(cap));
 
   // The gradient plan: walk backward as backward() does. A storage node's gradient buffer is taken when the first
   // contribution to it is written (its last consumer's backward, or the loss for the output) and given back once
@@ -114,10 +124,10 @@ void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
   };
   std::vector<int64_t> slot_rows;  // per slot, its widest row
   std::vector<int32_t> free_slots;
-  grad_slot_.assign(n + 1, -1);
+  std::vector<int32_t> grad_slot(n + 1, -1);
   std::vector<int> contributions(n + 1, 0);
   auto acquire = [&](int32_t s) {
-    int32_t& slot = grad_slot_[static_cast<size_t>(s + 1)];
+    int32_t& slot = grad_slot[static_cast<size_t>(s + 1)];
     if (slot >= 0) return;
     const int64_t need = row_numel(s);
     auto best = free_slots.end();
@@ -140,7 +150,7 @@ void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
       slot_rows[static_cast<size_t>(slot)] = std::max(slot_rows[static_cast<size_t>(slot)], need);
     }
   };
-  auto release = [&](int32_t s) { free_slots.push_back(grad_slot_[static_cast<size_t>(s + 1)]); };
+  auto release = [&](int32_t s) { free_slots.push_back(grad_slot[static_cast<size_t>(s + 1)]); };
   acquire(storage_[n - 1]);
   for (size_t i = n; i-- > 0;) {
     if (nodes_[i].kind == NodeKind::kView) continue;
@@ -162,14 +172,19 @@ void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
     release(static_cast<int32_t>(pair ? first : i));
     i = first;
   }
-  grad_slots_.clear();
+  std::vector<Tensor> grad_slots;
   for (int64_t width : slot_rows)
-    grad_slots_.push_back(ctx.alloc(DType::kF32, Shape{cap * std::max<int64_t>(width, 1)}));
+    grad_slots.push_back(ctx.alloc(DType::kF32, Shape{checked_mul(cap, std::max<int64_t>(width, 1))}));
   int64_t widest = 0;
   bool shared = false;
   for (size_t s = 0; s <= n; ++s)
     if (contributions[s] > 1) shared = true, widest = std::max(widest, row_numel(static_cast<int32_t>(s) - 1));
-  scratch_ = shared ? ctx.alloc(DType::kF32, Shape{cap * widest}) : Tensor();
+  Tensor scratch = shared ? ctx.alloc(DType::kF32, Shape{checked_mul(cap, widest)}) : Tensor();
+  // Every allocation succeeded: the plan is committed as a whole.
+  outputs_ = std::move(outputs);
+  grad_slot_ = std::move(grad_slot);
+  grad_slots_ = std::move(grad_slots);
+  scratch_ = std::move(scratch);
   row_shapes_ = std::move(shapes);
   input_row_numel_ = input.row_numel();
   capacity_rows_ = cap;

@@ -20,6 +20,12 @@ namespace dpar {
 
 // The model's input, as a node id.
 constexpr int32_t kModelInput = -1;
+// The most inputs a join (sum, concatenation) reads: far past any real model, and a count a caller's array can
+// hold without the list itself being a hazard.
+constexpr size_t kMaxJoinInputs = 65536;
+// The first identifier of the checkpoint keys of the optimizer's state ("optimizer.exp_avg.0.weight"): no node may
+// take it as its name's first.
+constexpr const char* kOptimizerKeys = "optimizer";
 
 struct ParamInfo {
   std::string name;  // "<node name>.<param>": "0.weight", "layer1.0.conv1.weight", as PyTorch's state_dict
@@ -112,12 +118,19 @@ class Model {
   // The dtype of the input the model takes: i32 where its input is read by a layer of indices (Embedding), f32
   // otherwise; throws Error(INVALID_ARGUMENT) where nodes read the input as both.
   DType input_dtype() const;
+  // Throws Error(INVALID_ARGUMENT) naming the first layer that could not take its training statistics
+  // (Layer::check_statistics_input) from a training-mode call on `input` split into `chunks` (the rows of each of
+  // this process's replicas). `global_rows`, the rows of every process, is the batch that the layers whose
+  // statistics span every replica see; 0 leaves them out (the caller checks them once it knows it).
+  void check_training_batch(const Shape& input, const std::vector<int64_t>& chunks, int64_t global_rows) const;
   // Throws Error(INVALID_ARGUMENT) naming the first input value a node reading the input refuses (an index out of
   // range); host_input is a host copy of the whole batch.
   void check_input_values(const Tensor& host_input) const;
 
  private:
   int32_t append(Node node);
+  // Refuses `keys` (the parameter and buffer names node `node` would have) where another node has one of them.
+  void check_keys_free(const std::vector<std::string>& keys, size_t node, const char* argument) const;
   void check_input(int32_t id, const char* what) const;
   int32_t next_input_ = kModelInput;  // what the next node without explicit inputs reads
   std::vector<Node> nodes_;

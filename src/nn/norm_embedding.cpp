@@ -109,16 +109,30 @@ std::unique_ptr<Layer> make_layernorm(int64_t normalized_size, float eps, bool e
   return std::make_unique<LayerNorm>(normalized_size, eps, elementwise_affine);
 }
 
-std::unique_ptr<Layer> make_embedding(int64_t num_embeddings, int64_t embedding_dim, int64_t padding_idx) {
+namespace {
+// The table's extents, checked before anything computed from them (a padding index's range) is.
+void check_embedding_extents(int64_t num_embeddings, int64_t embedding_dim) {
   DPAR_CHECK_ARG(num_embeddings >= 1 && num_embeddings <= (1 << 24), "num_embeddings: ", num_embeddings,
                  " must be 1 to 2^24");
   DPAR_CHECK_ARG(embedding_dim >= 1 && embedding_dim <= (1 << 24), "embedding_dim: ", embedding_dim,
                  " must be 1 to 2^24");
   DPAR_CHECK_ARG(num_embeddings * embedding_dim <= (int64_t{1} << 31), "embedding: ", num_embeddings, " x ",
                  embedding_dim, " weights are more than 2^31");
+}
+}  // namespace
+
+std::unique_ptr<Layer> make_embedding(int64_t num_embeddings, int64_t embedding_dim, int64_t padding_idx) {
+  check_embedding_extents(num_embeddings, embedding_dim);
   DPAR_CHECK_ARG(padding_idx >= -1 && padding_idx < num_embeddings, "padding_idx: ", padding_idx,
                  " must be -1 (none) or in [0, ", num_embeddings, ")");
   return std::make_unique<Embedding>(num_embeddings, embedding_dim, padding_idx);
+}
+
+std::unique_ptr<Layer> make_embedding_padded(int64_t num_embeddings, int64_t embedding_dim, int64_t padding_idx) {
+  check_embedding_extents(num_embeddings, embedding_dim);
+  DPAR_CHECK_ARG(padding_idx >= -num_embeddings && padding_idx < num_embeddings, "padding_idx: ", padding_idx,
+                 " must be in [-num_embeddings, num_embeddings) = [", -num_embeddings, ", ", num_embeddings, ")");
+  return make_embedding(num_embeddings, embedding_dim, padding_idx < 0 ? padding_idx + num_embeddings : padding_idx);
 }
 
 }  // namespace dpar

@@ -57,6 +57,13 @@ class ReduceScatter final : public BucketStrategy {
 }  // namespace
 
 std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, ReplicaSet& set, Wire wire) {
+  // bf16 crosses the processes only: refused here, when the setting is made, where the processes' link cannot
+  // carry it (a threads communicator), rather than by every later reduction.
+  const bool bf16 = kind == BucketStrategyKind::kHierarchicalBf16 ||
+                    (kind == BucketStrategyKind::kReduceScatter && wire == Wire::kBf16);
+  DPAR_ENFORCE(!bf16 || set.processes_move(CommDType::kBF16), Status::kNotSupported,
+               "bucket strategy: bf16 compression across the processes, but their link (", set.process_transport(),
+               ") does not move bf16");
   switch (kind) {
     case BucketStrategyKind::kFlat:
       DPAR_CHECK_ARG(!set.spans_processes(), "bucket strategy: flat reduces among one process's replicas, and this ",

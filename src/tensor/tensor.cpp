@@ -26,9 +26,48 @@ const char* dtype_name(DType dtype) {
   return "?";
 }
 
+namespace {
+std::string extents_str(const int64_t* dims, size_t n) {
+  std::ostringstream os;
+  os << '(';
+  for (size_t i = 0; i < n; ++i) os << (i ? ", " : "") << dims[i];
+  os << ')';
+  return os.str();
+}
+}  // namespace
+
+int64_t Shape::checked_product(const int64_t* dims, size_t n) {
+  // The bound holds for the extents other than 0 too, so that a row of an empty shape (a replica given no rows)
+  // is as checked as the shape itself.
+  int64_t total = 1;
+  bool empty = false;
+  for (size_t i = 0; i < n; ++i) {
+    DPAR_CHECK_ARG(dims[i] >= 0, "shape ", extents_str(dims, n), ": extent ", i, " is negative");
+    if (dims[i] == 0) {
+      empty = true;
+      continue;
+    }
+    // total <= kMaxElements here, so neither the division nor the product can overflow.
+    DPAR_CHECK_ARG(dims[i] <= kMaxElements / total, "shape ", extents_str(dims, n),
+                   " holds more than 2^60 elements (a product of its extents overflows)");
+    total *= dims[i];
+  }
+  return empty ? 0 : total;
+}
+
 Shape::Shape(std::initializer_list<int64_t> dims) {
   DPAR_ENFORCE(dims.size() <= kMaxDims, Status::kInternal, "shape: too many dimensions");
   for (int64_t d : dims) dims_[ndim_++] = d;
+  checked_product(dims_.data(), ndim_);
+}
+
+Shape Shape::of(const int64_t* dims, size_t ndim) {
+  DPAR_ENFORCE(ndim <= kMaxDims, Status::kInternal, "shape: ", ndim, " dimensions, at most ", kMaxDims);
+  Shape s;
+  for (size_t i = 0; i < ndim; ++i) s.dims_[i] = dims[i];
+  s.ndim_ = ndim;
+  checked_product(s.dims_.data(), ndim);
+  return s;
 }
 
 Shape Shape::checked(const int64_t* dims, size_t ndim, const char* argument) {
@@ -38,7 +77,8 @@ Shape Shape::checked(const int64_t* dims, size_t ndim, const char* argument) {
   int64_t total = 1;
   for (size_t i = 0; i < ndim; ++i) {
     DPAR_CHECK_ARG(dims[i] >= 1, argument, ": extent ", i, " is ", dims[i], ", must be at least 1");
-    DPAR_CHECK_ARG(dims[i] <= (int64_t{1} << 40) / total, argument, ": shape is too large");
+    DPAR_CHECK_ARG(dims[i] <= (int64_t{1} << 40) / total, argument, ": shape ", extents_str(dims, ndim),
+                   " is too large (more than 2^40 elements)");
     total *= dims[i];
     s.dims_[i] = dims[i];
   }
@@ -46,32 +86,21 @@ Shape Shape::checked(const int64_t* dims, size_t ndim, const char* argument) {
   return s;
 }
 
-int64_t Shape::numel() const {
-  if (ndim_ == 0) return 0;
-  int64_t n = 1;
-  for (size_t i = 0; i < ndim_; ++i) n *= dims_[i];
-  return n;
-}
+int64_t Shape::numel() const { return ndim_ == 0 ? 0 : checked_product(dims_.data(), ndim_); }
 
-int64_t Shape::row_numel() const {
-  int64_t n = 1;
-  for (size_t i = 1; i < ndim_; ++i) n *= dims_[i];
-  return n;
-}
+int64_t Shape::row_numel() const { return ndim_ == 0 ? 1 : checked_product(dims_.data() + 1, ndim_ - 1); }
 
-Shape Shape::with_rows(int64_t rows) const {
+Shape Shape::with_rows(int64_t rows) const { return with_dim(0, rows); }
+
+Shape Shape::with_dim(size_t i, int64_t extent) const {
+  DPAR_ENFORCE(i < ndim_, Status::kInternal, "shape ", str(), " has no dim ", i);
   Shape s = *this;
-  s.dims_[0] = rows;
+  s.dims_[i] = extent;
+  checked_product(s.dims_.data(), s.ndim_);
   return s;
 }
 
-std::string Shape::str() const {
-  std::ostringstream os;
-  os << '(';
-  for (size_t i = 0; i < ndim_; ++i) os << (i ? ", " : "") << dims_[i];
-  os << ')';
-  return os.str();
-}
+std::string Shape::str() const { return extents_str(dims_.data(), ndim_); }
 
 bool Shape::operator==(const Shape& o) const {
   if (ndim_ != o.ndim_) return false;

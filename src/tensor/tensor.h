@@ -17,22 +17,35 @@ enum class DType : int32_t { kF32 = 0, kI32 = 1 };
 size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
 
+// A tensor's extents. Every shape dpar makes holds at most kMaxElements elements: the constructors refuse a larger
+// one with Error(INVALID_ARGUMENT) naming its extents, so a product of extents (an element count, a byte count, a
+// row's elements) never overflows, wherever a shape comes from (a layer's parameters or output, a reshape, a batch).
 class Shape {
  public:
   static constexpr size_t kMaxDims = 4;
+  // 2^60: the byte count in the widest dtype (8 bytes) still fits int64. Far past any memory, so a larger shape is
+  // a mistake in an argument, never a real tensor.
+  static constexpr int64_t kMaxElements = int64_t{1} << 60;
+
   Shape() = default;
   Shape(std::initializer_list<int64_t> dims);
-  // Checks extents from a caller (1..4 dims, each >= 1, no overflow).
+  // Internal extents (1..4 dims, each >= 0), checked as the constructor checks them.
+  static Shape of(const int64_t* dims, size_t ndim);
+  // Checks extents from a caller (1..4 dims, each >= 1, at most 2^40 elements in all).
   static Shape checked(const int64_t* dims, size_t ndim, const char* argument);
+  // The product of n extents, the one place one is computed: throws Error(INVALID_ARGUMENT) naming the extents
+  // when one is negative or the product passes kMaxElements.
+  static int64_t checked_product(const int64_t* dims, size_t n);
 
   size_t ndim() const { return ndim_; }
   int64_t operator[](size_t i) const { return dims_[i]; }
-  int64_t& operator[](size_t i) { return dims_[i]; }
   const int64_t* data() const { return dims_.data(); }
   int64_t numel() const;
   // Elements per row of the first dimension.
   int64_t row_numel() const;
+  // The same shape with another extent of dim 0, or of dim i; checked as a new shape is.
   Shape with_rows(int64_t rows) const;
+  Shape with_dim(size_t i, int64_t extent) const;
   std::string str() const;  // "(30, 5)"
   bool operator==(const Shape& o) const;
   bool operator!=(const Shape& o) const { return !(*this == o); }
@@ -41,6 +54,12 @@ class Shape {
   std::array<int64_t, kMaxDims> dims_{};
   size_t ndim_ = 0;
 };
+
+// a * b for extents or element counts (each >= 0), checked as a shape's product is.
+inline int64_t checked_mul(int64_t a, int64_t b) {
+  const int64_t dims[2] = {a, b};
+  return Shape::checked_product(dims, 2);
+}
 
 // A block of memory on a device, allocated and freed by the device's backend (host memory is 64-byte aligned);
 // borrowed memory belongs to the caller.

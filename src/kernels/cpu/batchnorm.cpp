@@ -122,7 +122,9 @@ void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_
     mean_invstd[c] = mean;
     mean_invstd[C + c] = 1.0 / std::sqrt(var + static_cast<double>(eps));
   }
-  if (sums && num_batches_tracked) ++*num_batches_tracked;
+  // In int64 as PyTorch adds, wrapping at 2^63 as its two's complement does (through uint64_t: no overflow).
+  if (sums && num_batches_tracked)
+    *num_batches_tracked = static_cast<int64_t>(static_cast<uint64_t>(*num_batches_tracked) + 1);
 }
 
 void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight, const float* bias,

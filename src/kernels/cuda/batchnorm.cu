@@ -83,7 +83,9 @@ __global__ void __launch_bounds__(kThreads) batchnorm_moments_kernel(double* mea
     mean_invstd[c] = mean;
     mean_invstd[C + c] = 1.0 / sqrt(var + static_cast<double>(eps));
   }
-  if (sums && num_batches_tracked && blockIdx.x == 0 && threadIdx.x == 0) ++*num_batches_tracked;
+  // In int64 as PyTorch adds, wrapping at 2^63 as its two's complement does (through uint64_t: no overflow).
+  if (sums && num_batches_tracked && blockIdx.x == 0 && threadIdx.x == 0)
+    *num_batches_tracked = static_cast<int64_t>(static_cast<uint64_t>(*num_batches_tracked) + 1);
 }
 
 // out (N,C,L) = x * a + b per channel; the grid covers N*C*L.
