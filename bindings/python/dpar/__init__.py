@@ -744,13 +744,20 @@ class Engine(_Handle):
 
     def forward(self, inputs):
         """DataParallel's forward; returns a Tensor (its numpy() is a view). The input stays referenced until the
-        next call, as the engine keeps a view of it for backward."""
+        next forward has succeeded, as the engine keeps a view of it for backward (a refused forward keeps the one
+        before it)."""
         x = self._tensor(inputs)
+        # Until dpar returns, both inputs: a refused forward leaves the engine's views of the last one in place.
+        self._inputs = (self._inputs, x)
+        out = _check(_raw.dpar_engine_forward(self._raw, x._raw))
         self._inputs = x
-        return Tensor(_check(_raw.dpar_engine_forward(self._raw, x._raw)))
+        return Tensor(out)
 
     def backward(self, grad_output):
-        _check(_raw.dpar_engine_backward(self._raw, self._tensor(grad_output)._raw))
+        """DataParallel's backward from dL/d(output) of the last training-mode forward (a Tensor or an array shaped
+        as its output); step() then synchronises the gradients and steps."""
+        g = self._tensor(grad_output)  # held until dpar returns: a temporary's handle is freed as soon as read
+        _check(_raw.dpar_engine_backward(self._raw, g._raw))
 
     def set_training(self, training):
         _check(_raw.dpar_engine_set_training(self._raw, 1 if training else 0))
