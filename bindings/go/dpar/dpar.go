@@ -138,6 +138,9 @@ const (
 type Tensor struct {
 	raw      raw.Struct_SS_dpar_tensor
 	borrowed bool // a loader's batch: its parent frees it
+	// The loader a borrowed batch belongs to, reachable while the batch is: the loader's finalizer frees the
+	// batch, and must not run while a call still uses it.
+	parent *Loader
 }
 
 func newTensor(p uintptr) *Tensor {
@@ -149,7 +152,7 @@ func newTensor(p uintptr) *Tensor {
 // Close frees the tensor (idempotent; nothing for a tensor borrowed from a loader).
 func (t *Tensor) Close() {
 	if t.borrowed {
-		t.raw = nil // its parent frees it
+		t.raw, t.parent = nil, nil // its parent frees it
 		return
 	}
 	release(t, &t.raw, raw.Dpar_tensor_free)
