@@ -220,3 +220,40 @@ func TestBackwardFloat32RefusesAGradientOfTheWrongShape(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// ForwardInt32 gives an Embedding's rows of the indices: the model's own weight, row by row.
+func TestForwardInt32GivesTheEmbeddingsRowsOfTheIndices(t *testing.T) {
+	m, err := NewModel(4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	must(t, m.Embedding(6, 2))
+	weight, err := m.GetParam(0) // 6 x 2
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := NewEngine(m, Options{LR: 0.1, Devices: 2, Processes: ProcessesSingle})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	indices := []int32{5, 0, 3, 3, 1}
+	out, err := e.ForwardInt32([]int64{int64(len(indices))}, indices)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := out.Float32s()
+	out.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for r, i := range indices {
+		if got[2*r] != weight[2*i] || got[2*r+1] != weight[2*i+1] {
+			t.Fatalf("row %d: %v, want the weight's row %d %v", r, got[2*r:2*r+2], i, weight[2*i:2*i+2])
+		}
+	}
+	if _, err := e.ForwardFloat32([]int64{2}, []float32{1, 2}); !isDparError(err, ErrInvalidArg, "i32") {
+		t.Fatalf("f32 indices gave %v", err)
+	}
+}
