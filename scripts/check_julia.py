@@ -250,12 +250,12 @@ def qualified_uses(tree):
 # must be of a name the script binds or one that Dpar exports, so that a misspelt call fails here, not in a user's
 # first run. Add a name here when a script starts using another of Julia's functions.
 JULIA_BASE = {
-    "Array", "Dict", "Float32", "Float64", "Int32", "Int64", "Ref", "UInt", "UInt32", "WeakRef", "argmax", "ccall",
-    "close", "copy", "count", "div", "eachindex", "enumerate", "error", "fill", "fill!", "first", "foreach", "get",
-    "hcat", "hton", "isempty", "isfile", "isnan", "isodd", "isready", "joinpath", "length", "map", "maximum",
-    "minimum", "mktempdir", "occursin", "open", "parse", "pointer", "println", "push!", "read", "reduce",
-    "reinterpret", "reshape", "rethrow", "round", "size", "sizeof", "sleep", "sort", "split", "sprint", "string",
-    "sum", "throw", "vcat", "view", "wait", "write", "zeros",
+    "Array", "Dict", "Float32", "Float64", "Int32", "Int64", "Ref", "UInt", "UInt32", "WeakRef", "all", "argmax",
+    "ccall", "close", "copy", "count", "div", "eachindex", "enumerate", "error", "fill", "fill!", "first", "foreach",
+    "get", "hcat", "hton", "isapprox", "isempty", "isfile", "isnan", "isodd", "isready", "joinpath", "length", "map",
+    "maximum", "minimum", "mktempdir", "occursin", "open", "parse", "pointer", "println", "push!", "read", "reduce",
+    "reinterpret", "reshape", "rethrow", "round", "size", "sizeof", "sleep", "sort", "split", "sprint", "string", "sum",
+    "throw", "vcat", "view", "wait", "write", "zeros",
 }
 
 

@@ -107,7 +107,9 @@ func (l *Loader) Next() (inputs, labels *Tensor, ok bool, err error) {
 	if err = call(func() int { return raw.Dpar_loader_next(unsafe.Pointer(&more), l.raw) }); err != nil || more == 0 {
 		return nil, nil, false, err
 	}
-	inputs = &Tensor{raw: raw.Dpar_loader_inputs(l.raw), borrowed: true}
-	labels = &Tensor{raw: raw.Dpar_loader_labels(l.raw), borrowed: true}
+	// Each batch holds l: a caller that keeps only the batch must not see l finalized, and its batch freed, under
+	// a call that reads it.
+	inputs = &Tensor{raw: raw.Dpar_loader_inputs(l.raw), borrowed: true, parent: l}
+	labels = &Tensor{raw: raw.Dpar_loader_labels(l.raw), borrowed: true, parent: l}
 	return inputs, labels, true, nil
 }

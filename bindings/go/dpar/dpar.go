@@ -138,6 +138,9 @@ const (
 type Tensor struct {
 	raw      raw.Struct_SS_dpar_tensor
 	borrowed bool // a loader's batch: its parent frees it
+	// The loader a borrowed batch belongs to, reachable while the batch is: the loader's finalizer frees the
+	// batch, and must not run while a call still uses it.
+	parent *Loader
 }
 
 func newTensor(p uintptr) *Tensor {
@@ -149,7 +152,7 @@ func newTensor(p uintptr) *Tensor {
 // Close frees the tensor (idempotent; nothing for a tensor borrowed from a loader).
 func (t *Tensor) Close() {
 	if t.borrowed {
-		t.raw = nil // its parent frees it
+		t.raw, t.parent = nil, nil // its parent frees it
 		return
 	}
 	release(t, &t.raw, raw.Dpar_tensor_free)
@@ -715,7 +718,8 @@ func (e *Engine) ZeroGrad() error { return e.simple(raw.Dpar_engine_zero_grad) }
 // Abort ends a call in flight on another goroutine; the engine cannot continue afterwards.
 func (e *Engine) Abort() error { return e.simple(raw.Dpar_engine_abort) }
 
-// Forward is DataParallel's forward, gathered on the output device. Keep input open until Backward.
+// Forward is DataParallel's forward, gathered on the output device. In training mode the engine keeps the input's
+// memory for Backward (closing input does not free it; a loader's batch changes at the loader's next Next).
 func (e *Engine) Forward(input *Tensor) (*Tensor, error) {
 	var p uintptr
 	err := call(func() int { return raw.Dpar_engine_forward(unsafe.Pointer(&p), e.raw, input.raw) })
@@ -727,9 +731,43 @@ func (e *Engine) Forward(input *Tensor) (*Tensor, error) {
 	return newTensor(p), nil
 }
 
+// ForwardFloat32 is Forward on a Go slice: input holds the f32 batch of the given shape (batch first), in row-major
+// order, as FromFloat32 takes it. The values are copied into dpar's memory, which the engine keeps for Backward, so
+// the slice is the caller's again as soon as ForwardFloat32 returns. Output.Float32s gives the output as a slice.
+func (e *Engine) ForwardFloat32(shape []int64, input []float32) (output *Tensor, err error) {
+	return e.forwardCopy(FromFloat32(shape, input))
+}
+
+// ForwardInt32 is ForwardFloat32 for a model whose input is i32 indices (an Embedding's).
+func (e *Engine) ForwardInt32(shape []int64, input []int32) (output *Tensor, err error) {
+	return e.forwardCopy(FromInt32(shape, input))
+}
+
+// forwardCopy runs Forward on a tensor made for the call, then closes it (the engine holds its memory).
+func (e *Engine) forwardCopy(input *Tensor, err error) (*Tensor, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer input.Close()
+	return e.Forward(input)
+}
+
+// Backward is DataParallel's backward from dL/d(output) of the last training-mode Forward, an f32 tensor shaped as
+// its output; Step then synchronises the gradients and steps.
 func (e *Engine) Backward(gradOutput *Tensor) error {
 	defer runtime.KeepAlive(gradOutput)
 	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_backward(r, gradOutput.raw) })
+}
+
+// BackwardFloat32 is Backward on a Go slice: gradOutput holds dL/d(output) in row-major order, shape being the last
+// forward's output shape (Output.Shape()). The values are copied; the slice is the caller's again on return.
+func (e *Engine) BackwardFloat32(shape []int64, gradOutput []float32) error {
+	g, err := FromFloat32(shape, gradOutput)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	return e.Backward(g)
 }
 
 func (e *Engine) SetTraining(training bool) error {

@@ -1,6 +1,9 @@
 package dpar
 
 import (
+	"math"
+	"os"
+	"path/filepath"
 	"runtime"
 	"testing"
 	"time"
@@ -149,4 +152,56 @@ func TestGradSlicesOutliveAnUnreachableReducer(t *testing.T) {
 			t.Fatalf("grad[%d] = %v after its reducer was finalized, want %v", i, v, i+1)
 		}
 	}
+}
+
+// loaderBatch returns the first batch of a loader that it lets go without Close.
+func loaderBatch(t *testing.T, images, labels string) (*Tensor, *Tensor) {
+	d, err := LoadIDX(images, labels)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := NewLoader(d, 4, false, 0, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	x, y, ok, err := l.Next()
+	if err != nil || !ok {
+		t.Fatalf("Next: %v, %v", ok, err)
+	}
+	return x, y
+}
+
+// A loader's batch holds its loader: before, a caller that kept only the batch saw the loader finalized and the
+// batch freed under it ("not a live handle", or freed memory read).
+func TestALoadersBatchOutlivesTheLoadersLastReference(t *testing.T) {
+	dir := t.TempDir()
+	images, labels := filepath.Join(dir, "images.idx"), filepath.Join(dir, "labels.idx")
+	const samples = 6
+	img := []byte{0, 0, 8, 3, 0, 0, 0, samples, 0, 0, 0, 2, 0, 0, 0, 3} // u8 images of 2 x 3
+	for i := 0; i < samples*6; i++ {
+		img = append(img, byte(16*(i/6)+i%6))
+	}
+	lab := []byte{0, 0, 8, 1, 0, 0, 0, samples}
+	for i := 0; i < samples; i++ {
+		lab = append(lab, byte(i%4))
+	}
+	if os.WriteFile(images, img, 0o644) != nil || os.WriteFile(labels, lab, 0o644) != nil {
+		t.Fatal("cannot write the IDX files")
+	}
+	x, y := loaderBatch(t, images, labels)
+	keep := collectAndReuse(t, 4*6, 4)
+	got, err := x.Float32s()
+	if err != nil {
+		t.Fatalf("the batch after the collector ran: %v", err)
+	}
+	for i, v := range got {
+		if want := float32(16*(i/6)+i%6) / 255; math.Abs(float64(v-want)) > 1e-6 {
+			t.Fatalf("inputs[%d] = %v after the collector ran, want %v", i, v, want)
+		}
+	}
+	labelsGot, err := y.Int32s()
+	if err != nil || len(labelsGot) != 4 || labelsGot[3] != 3 {
+		t.Fatalf("labels %v (%v) after the collector ran, want [0 1 2 3]", labelsGot, err)
+	}
+	runtime.KeepAlive(keep)
 }

@@ -721,10 +721,18 @@ class Engine(_Handle):
 
     @staticmethod
     def _tensor(x):
-        return x if isinstance(x, Tensor) else Tensor.wrap(np.ascontiguousarray(x))
+        """A Tensor as it is; anything else as np.asarray makes it an array: wrapped without a copy where it is a
+        C-contiguous float32 or int32 array, else converted as Tensor.from_numpy converts (integers to int32, the
+        rest to float32, in C order). The caller holds the result in a variable until dpar has returned."""
+        if isinstance(x, Tensor):
+            return x
+        a = np.asarray(x)
+        return Tensor.wrap(np.ascontiguousarray(a, dtype=np.int32 if a.dtype.kind in "iu" else np.float32))
 
     def train_step(self, inputs, targets):
-        """One fused step on NumPy arrays or Tensors; returns the mean loss."""
+        """One fused step; returns the mean loss. inputs and targets are Tensors or arrays: NumPy arrays, or anything
+        np.asarray takes (a list); a C-contiguous float32 or int32 array is wrapped without a copy, any other is
+        converted as Tensor.from_numpy converts. So are forward's and backward's."""
         x, y = self._tensor(inputs), self._tensor(targets)
         loss = _scalar(np.float32)
         _check(_raw.dpar_engine_train_step(loss.ctypes.data, self._raw, x._raw, y._raw))
@@ -744,13 +752,20 @@ class Engine(_Handle):
 
     def forward(self, inputs):
         """DataParallel's forward; returns a Tensor (its numpy() is a view). The input stays referenced until the
-        next call, as the engine keeps a view of it for backward."""
+        next forward has succeeded, as the engine keeps a view of it for backward (a refused forward keeps the one
+        before it)."""
         x = self._tensor(inputs)
+        # Until dpar returns, both inputs: a refused forward leaves the engine's views of the last one in place.
+        self._inputs = (self._inputs, x)
+        out = _check(_raw.dpar_engine_forward(self._raw, x._raw))
         self._inputs = x
-        return Tensor(_check(_raw.dpar_engine_forward(self._raw, x._raw)))
+        return Tensor(out)
 
     def backward(self, grad_output):
-        _check(_raw.dpar_engine_backward(self._raw, self._tensor(grad_output)._raw))
+        """DataParallel's backward from dL/d(output) of the last training-mode forward (a Tensor or an array, as
+        train_step takes them, shaped as its output); step() then synchronises the gradients and steps."""
+        g = self._tensor(grad_output)  # held until dpar returns: a temporary's handle is freed as soon as read
+        _check(_raw.dpar_engine_backward(self._raw, g._raw))
 
     def set_training(self, training):
         _check(_raw.dpar_engine_set_training(self._raw, 1 if training else 0))

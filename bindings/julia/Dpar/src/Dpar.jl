@@ -550,7 +550,8 @@ lock inside it. The `do`-block form closes it at the end.
 """
 mutable struct Engine
     ptr::Ptr{Cvoid}
-    hook::Any  # the forward hook's Julia closure, rooted while dpar may call it
+    hook::Any   # the forward hook's Julia closure, rooted while dpar may call it
+    input::Any  # the last forward's input: dpar keeps views of its memory (a wrapped Array's) for backward
 end
 
 function Engine(model::Model; optimizer::Integer=SGD, lr::Real=0.01, momentum::Real=0.0, dampening::Real=0.0,
@@ -590,7 +591,7 @@ function Engine(model::Model; optimizer::Integer=SGD, lr::Real=0.01, momentum::R
         ccall((:dpar_engine_create, libdpar), Int32,
               (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{OptimizerOptions}, Ptr{EngineOptions}), outp, h, oop, eop)
     end)
-    finalizer(close, Engine(out[], nothing))
+    finalizer(close, Engine(out[], nothing, nothing))
 end
 
 function Engine(f::Function, model::Model; kwargs...)
@@ -615,6 +616,7 @@ function Base.close(e::Engine)
         ccall((:dpar_engine_free, libdpar), Cvoid, (Ptr{Cvoid},), h)
     end
     e.ptr = C_NULL
+    e.input = nothing  # dpar no longer reads it
 end
 
 """One fused training step; returns the mean loss."""
@@ -628,15 +630,31 @@ function train_step!(e::Engine, input::Tensor, target::Tensor)
     l[]
 end
 
-"""`forward(engine, input)`: the output of the model for `input`, gathered in batch order, as a new `Tensor`."""
+"""
+    forward(engine, input)
+
+The output of the model for `input`, gathered in batch order, as a new `Tensor` (`Array(output)` copies it out). In
+training mode `backward!` with dL/d(output), then `step!`, follow. `input` is a `Tensor` or an array of the model's
+input: a Julia `features x batch` matrix is dpar's `(batch, features)`, as `Tensor(array)` takes it; an array is
+copied (integers as Int32 indices, other reals as Float32). The engine keeps the input alive until the next forward
+has succeeded, as dpar reads it in backward (a `wrap`ped array's memory must stay unchanged until then).
+"""
 function forward(e::Engine, input::Tensor)
     out = Ref{Ptr{Cvoid}}(C_NULL)
     outp, h, x = Base.unsafe_convert(Ptr{Ptr{Cvoid}}, out), e.ptr, input.ptr
+    # Both inputs until dpar returns: a refused forward leaves dpar's views of the last one for backward.
+    e.input = (e.input, input)
     engine_call(e, out, input) do
         ccall((:dpar_engine_forward, libdpar), Int32, (Ptr{Ptr{Cvoid}}, Ptr{Cvoid}, Ptr{Cvoid}), outp, h, x)
     end
+    e.input = input
     Tensor(out[])
 end
+forward(e::Engine, input::AbstractArray{<:Real}) = forward(e, host_tensor(input))
+
+# An array as a new tensor holding a copy of it: integers as Int32 (indices), other reals as Float32.
+host_tensor(a::AbstractArray{<:Integer}) = Tensor(convert(Array{Int32}, a))
+host_tensor(a::AbstractArray{<:Real}) = Tensor(convert(Array{Float32}, a))
 
 """`step_count(engine)`: the number of optimizer steps taken."""
 function step_count(e::Engine)
@@ -777,10 +795,18 @@ function zero_grad!(e::Engine)
     h = e.ptr
     engine_call(() -> ccall((:dpar_engine_zero_grad, libdpar), Int32, (Ptr{Cvoid},), h), e)
 end
+"""
+    backward!(engine, grad_output)
+
+DataParallel's backward from dL/d(output) of the last training-mode `forward`: a `Tensor` or an array shaped as
+the output (`out x batch` for dpar's `(batch, out)`), an array being copied as Float32. `step!` then synchronises
+the gradients and steps.
+"""
 function backward!(e::Engine, grad_output::Tensor)
     h, g = e.ptr, grad_output.ptr
     engine_call(() -> ccall((:dpar_engine_backward, libdpar), Int32, (Ptr{Cvoid}, Ptr{Cvoid}), h, g), e, grad_output)
 end
+backward!(e::Engine, grad_output::AbstractArray{<:Real}) = backward!(e, Tensor(convert(Array{Float32}, grad_output)))
 function inject_fault!(e::Engine, replica::Integer, fault::Integer)
     h, r, f = e.ptr, Csize_t(replica), Int32(fault)
     engine_call(() -> ccall((:dpar_engine_inject_fault, libdpar), Int32, (Ptr{Cvoid}, Csize_t, Int32), h, r, f), e)

@@ -115,6 +115,18 @@ function reference_batch()
     (Dpar.Tensor(reshape(x, 4, 10)), Dpar.Tensor(Int32[r % 3 for r in 0:9]))
 end
 
+# DataParallel's own path (forward, backward!, step!) against train_step! with the MSE loss: the model, the engines'
+# options, 9 rows (5 and 4 per replica) of 4 inputs and 3 targets as Julia matrices (features x rows), and the
+# gradient of the mean of (out - y)^2 over every element, as PyTorch's mse_loss backward: 2 (out - y) / numel.
+mse_model(m) = (Dpar.linear!(m, 4, 8); Dpar.activation!(m, Dpar.TANH); Dpar.linear!(m, 8, 3))
+const MSE_OPTIONS = (lr=0.1, momentum=0.9, devices=2, loss=Dpar.LOSS_MSE, seed=3, processes=Dpar.PROCESSES_SINGLE)
+mse_batch() = (reshape(Float32[((i * 37) % 101) / 101 - 0.5 for i in 0:35], 4, 9),
+               reshape(Float32[((i * 53) % 89) / 89 - 0.5 for i in 0:26], 3, 9))
+mse_grad(out, y) = (out .- y) .* Float32(2 / length(out))
+
+# 32 arrays of `dims` filled with 1f6: memory the collector freed is handed out again, holding other values.
+churn(dims) = [fill(1f6, dims) for _ in 1:32]
+
 # Batch `step` of 11 rows of 6 features (6 and 5 per replica); a Julia matrix is (features, rows).
 function reduction_batch(step)
     x = Float32[(((i + 7 * step) * 37) % 101) / 101 - 0.5 for i in 0:65]
@@ -216,6 +228,75 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
                 @test err isa DparError
                 @test err.status == Dpar.ERR_INVALID_ARGUMENT
                 @test occursin("4", err.message)
+            end
+        end
+    end
+    # forward and backward! take Arrays (Float32, or Float64 converted) as well as Tensors; a wrapped input that
+    # only the engine refers to survives a collection between forward and backward! (before, nothing held it and
+    # backward! read memory handed out again), and so does the input before a refused forward.
+    @testset "forward, backward! and step! with Arrays train as train_step! with the MSE loss" begin
+        x, y = mse_batch()
+        ways = [("Float32 arrays", identity, identity),
+                ("Float64 arrays", a -> Float64.(a), g -> Float64.(g)),
+                ("Tensors", Dpar.Tensor, Dpar.Tensor),
+                ("wrapped arrays that only the engine holds", a -> Dpar.wrap(copy(a)), Dpar.wrap)]
+        for (name, as_input, as_grad) in ways
+            @testset "$name" begin
+                Dpar.Model(5) do m
+                    mse_model(m)
+                    n = Dpar.num_param_elements(m)
+                    Dpar.Engine(m; MSE_OPTIONS...) do e
+                        Dpar.Engine(m; MSE_OPTIONS...) do reference
+                            initial = Dpar.params(e, 0, n)
+                            tx, ty = Dpar.Tensor(x), Dpar.Tensor(y)
+                            for step in 1:3
+                                expected = Dpar.train_step!(reference, tx, ty)
+                                out = Array(Dpar.forward(e, as_input(x)))
+                                @test size(out) == size(y)
+                                @test isapprox(sum(abs2, Float64.(out) .- y) / length(y), expected; rtol=1e-5)
+                                GC.gc()
+                                reused = churn(size(x))
+                                grad = mse_grad(out, y)
+                                given = copy(grad)
+                                Dpar.backward!(e, as_grad(given))
+                                @test given == grad  # read, never written
+                                Dpar.step!(e)
+                                @test all(r -> r[1] == 1f6, reused)
+                            end
+                            @test Dpar.step_count(e) == 3
+                            p = Dpar.params(e, 0, n)
+                            # Julia's 2/numel and dpar's may differ in the last bit: equal within float rounding.
+                            @test all(isapprox.(p, Dpar.params(reference, 0, n); rtol=1e-5, atol=1e-6))
+                            @test maximum(abs.(p .- initial)) > 1e-2  # it trained
+                            @test Dpar.params(e, 1, n) == p  # the replicas stay identical
+                        end
+                    end
+                end
+            end
+        end
+        @testset "a refused forward keeps the input before it for backward!" begin
+            Dpar.Model(5) do m
+                mse_model(m)
+                n = Dpar.num_param_elements(m)
+                grad = fill(0.25f0, size(y))
+                Dpar.Engine(m; MSE_OPTIONS...) do e
+                    Dpar.Engine(m; MSE_OPTIONS...) do reference
+                        Dpar.forward(reference, x)
+                        Dpar.backward!(reference, grad)
+                        Dpar.step!(reference)
+                        Dpar.forward(e, Dpar.wrap(copy(x)))
+                        @test throws_dpar(() -> Dpar.forward(e, zeros(Float32, 5, 9)), Dpar.ERR_INVALID_ARGUMENT,
+                                          "does not fit the model")
+                        @test throws_dpar(() -> Dpar.backward!(e, zeros(Float32, 2, 9)), Dpar.ERR_INVALID_ARGUMENT,
+                                          "must be shaped as forward's output")
+                        GC.gc()
+                        reused = churn(size(x))
+                        Dpar.backward!(e, grad)
+                        Dpar.step!(e)
+                        @test Dpar.params(e, 0, n) == Dpar.params(reference, 0, n)
+                        @test all(r -> r[1] == 1f6, reused)
+                    end
+                end
             end
         end
     end

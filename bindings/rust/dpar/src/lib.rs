@@ -1096,13 +1096,30 @@ impl Engine {
     pub fn forward_batch(&self, input: TensorRef<'_>) -> Result<Tensor<'static>> {
         self.forward_raw(input.raw)
     }
+    /// [`Engine::forward`] on a slice: `input` holds the f32 batch of `shape` (batch first) in row-major order, as
+    /// [`Tensor::from_f32`] takes it. The values are copied into dpar's memory, which the engine keeps for
+    /// backward, so the slice is free again on return. `.to_vec_f32()` of the output gives its values.
+    pub fn forward_f32(&self, shape: &[i64], input: &[f32]) -> Result<Tensor<'static>> {
+        self.forward(&Tensor::from_f32(shape, input)?)
+    }
+    /// [`Engine::forward_f32`] for a model whose input is i32 indices (an Embedding's).
+    pub fn forward_i32(&self, shape: &[i64], input: &[i32]) -> Result<Tensor<'static>> {
+        self.forward(&Tensor::from_i32(shape, input)?)
+    }
     fn forward_raw(&self, input: *const sys::dpar_tensor) -> Result<Tensor<'static>> {
         let mut out = ptr::null_mut();
         check(unsafe { sys::dpar_engine_forward(&mut out, self.raw, input) })?;
         Ok(Tensor { raw: out, _memory: PhantomData })
     }
+    /// DataParallel's backward from dL/d(output) of the last training-mode forward, an f32 tensor shaped as its
+    /// output; [`Engine::step`] then synchronises the gradients and steps.
     pub fn backward(&self, grad_output: &impl AsTensor) -> Result<()> {
         check(unsafe { sys::dpar_engine_backward(self.raw, grad_output.as_raw()) })
+    }
+    /// [`Engine::backward`] on a slice: `grad_output` holds dL/d(output) in row-major order, `shape` being the
+    /// last forward's output shape (its `.shape()`). The values are copied; dpar only reads them.
+    pub fn backward_f32(&self, shape: &[i64], grad_output: &[f32]) -> Result<()> {
+        self.backward(&Tensor::from_f32(shape, grad_output)?)
     }
     pub fn set_training(&self, training: bool) -> Result<()> {
         check(unsafe { sys::dpar_engine_set_training(self.raw, training as i32) })
