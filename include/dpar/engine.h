@@ -174,7 +174,9 @@ DPAR_API dpar_status dpar_engine_split(size_t *out, const dpar_engine *engine, s
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULLs, B = 0, shapes that do not fit the model or each other,
  *         labels or embedding indices out of range (naming the index and its position); errors from a worker
  *         (::DPAR_ERR_OUT_OF_MEMORY, a custom layer's status, ...).
- *         After a failure before the optimizer step the engine stays usable and its parameters are unchanged;
+ *         A batch that a replica's layers would refuse (a chunk of one row for a BatchNorm taking statistics) is
+ *         refused before any replica changes. After a failure before the optimizer step the engine stays usable
+ *         and nothing changed: its parameters, buffers (running statistics) and RNG streams are as before the call;
  *         otherwise it returns ::DPAR_ERR_INVALID_STATE from then on and must be recreated.
  */
 DPAR_API dpar_status dpar_engine_train_step(float *out_loss, dpar_engine *engine, const dpar_tensor *input,
