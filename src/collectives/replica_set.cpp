@@ -86,31 +86,34 @@ void ReplicaSet::sum(void* data, size_t count, CommDType dtype) {
   DPAR_CHECK_ARG(dtype == CommDType::kF32 || dtype == CommDType::kF64, "replica set sum: ", comm_dtype_name(dtype),
                  " is not summed here (f32 or f64)");
   DPAR_CHECK_ARG(data != nullptr || count == 0, "replica set sum: null buffer for ", count, " elements");
-  // On the communication thread, behind the buckets already queued there: every replica queues the same buckets
-  // before the same layer's call, so the collectives meet in the same order everywhere.
-  local_
-      .async_run("layer sum",
-                 [&] {
-                   TraceTrack track(comm_track_);
-                   TraceSpan span(trace_, "layer sum", "elements", static_cast<int64_t>(count));
-                   local_.all_reduce(data, data, count, dtype, ReduceOp::kSum);
-                   if (!processes_) return;
-                   if (replica() == 0) across_or_abort([&] { sum_across_processes(data, count, dtype); });
-                   local_.broadcast(data, count, dtype, 0);
-                 })
-      ->wait();
+  on_comm_thread("layer sum", count, [&] {
+    local_.all_reduce(data, data, count, dtype, ReduceOp::kSum);
+    if (!processes_) return;
+    if (replica() == 0) across_or_abort([&] { sum_across_processes(data, count, dtype); });
+    local_.broadcast(data, count, dtype, 0);
+  });
 }
 
 void ReplicaSet::broadcast_from_first(void* data, size_t count, CommDType dtype) {
   DPAR_CHECK_ARG(data != nullptr || count == 0, "replica set broadcast: null buffer for ", count, " elements");
+  on_comm_thread("layer broadcast", count, [&] {
+    if (processes_ && replica() == 0) across_or_abort([&] {
+      across_processes(data, count, dtype, [&](Communicator& c, void* p) { c.broadcast(p, count, dtype, 0); });
+    });
+    local_.broadcast(data, count, dtype, 0);
+  });
+}
+
+template <class F>
+void ReplicaSet::on_comm_thread(const char* what, size_t count, F&& body) {
+  // Behind the buckets already queued there: every replica queues the same buckets before the same layer's call,
+  // so the collectives meet in the same order everywhere.
   local_
-      .async_run("layer broadcast",
+      .async_run(what,
                  [&] {
                    TraceTrack track(comm_track_);
-                   TraceSpan span(trace_, "layer broadcast", "elements", static_cast<int64_t>(count));
-                   if (processes_ && replica() == 0)
-                     across_or_abort([&] { broadcast_across_processes(data, count, dtype); });
-                   local_.broadcast(data, count, dtype, 0);
+                   TraceSpan span(trace_, what, "elements", static_cast<int64_t>(count));
+                   body();
                  })
       ->wait();
 }
@@ -154,25 +157,20 @@ void ReplicaSet::sum_across_processes(float* data, size_t count, Wire wire) {
   stream_.from_bf16(data, packed, n);
 }
 
-void ReplicaSet::broadcast_across_processes(void* data, size_t count, CommDType dtype) {
-  if (processes_->device) return processes_->device->broadcast(data, count, dtype, 0);
-  if (stream_.device().is_host()) return processes_->host->broadcast(data, count, dtype, 0);
-  // MPI moves host memory: through the host and back.
-  const size_t bytes = count * comm_dtype_size(dtype);
-  if (host_stage_.size() < bytes) host_stage_.resize(bytes);
-  stream_.copy_to_host(host_stage_.data(), data, bytes);
-  processes_->host->broadcast(host_stage_.data(), count, dtype, 0);
-  stream_.copy_from_host(data, host_stage_.data(), bytes);
+void ReplicaSet::sum_across_processes(void* data, size_t count, CommDType dtype) {
+  across_processes(data, count, dtype,
+                   [&](Communicator& c, void* p) { c.all_reduce(p, p, count, dtype, ReduceOp::kSum); });
 }
 
-void ReplicaSet::sum_across_processes(void* data, size_t count, CommDType dtype) {
-  if (processes_->device) return processes_->device->all_reduce(data, data, count, dtype, ReduceOp::kSum);
-  if (stream_.device().is_host()) return processes_->host->all_reduce(data, data, count, dtype, ReduceOp::kSum);
+template <class F>
+void ReplicaSet::across_processes(void* data, size_t count, CommDType dtype, F&& collective) {
+  if (processes_->device) return collective(*processes_->device, data);
+  if (stream_.device().is_host()) return collective(*processes_->host, data);
   // MPI moves host memory: through the host and back.
   const size_t bytes = count * comm_dtype_size(dtype);
   if (host_stage_.size() < bytes) host_stage_.resize(bytes);
   stream_.copy_to_host(host_stage_.data(), data, bytes);
-  processes_->host->all_reduce(host_stage_.data(), host_stage_.data(), count, dtype, ReduceOp::kSum);
+  collective(*processes_->host, host_stage_.data());
   stream_.copy_from_host(data, host_stage_.data(), bytes);
 }
 

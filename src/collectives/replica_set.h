@@ -115,8 +115,14 @@ class ReplicaSet {
   // Replica 0's part of a hierarchical sum: `count` elements of `dtype` at `data` (device memory) summed across the
   // processes.
   void sum_across_processes(void* data, size_t count, CommDType dtype);
-  // Replica 0's part of broadcast_from_first: process 0's elements to every process.
-  void broadcast_across_processes(void* data, size_t count, CommDType dtype);
+  // Replica 0's link across the processes for `count` elements of `dtype` at `data` (its device's memory):
+  // collective(communicator, buffer) on the device link, on the host link for host memory, or on the host link
+  // through a host copy (MPI moves host memory).
+  template <class F>
+  void across_processes(void* data, size_t count, CommDType dtype, F&& collective);
+  // Runs body on the replica's communication thread (a span `what` of `count` elements) and waits for it.
+  template <class F>
+  void on_comm_thread(const char* what, size_t count, F&& body);
   // The same for f32 data, on `wire`.
   void sum_across_processes(float* data, size_t count, Wire wire);
   // Replica 0 sums across the processes; every replica of the process waits for it in the broadcast that follows,
