@@ -28,7 +28,8 @@
 #             (dpar checks every API call's status itself, and its tests fail calls on purpose, e.g. the
 #             out-of-memory test's 4 TiB allocation). A program the budget left no time for is "not reached"
 #   suite     the rest of the suite, whose tests take GPU branches too where a GPU is present (DLPack's cuda
-#             tensors, the data loaders on cuda:0), as the test stage runs them
+#             tensors, the data loaders on cuda:0), as the test stage runs them; where python3 has PyTorch with
+#             CUDA, dpar beside it in both import orders (DPAR_TEST_TORCH_PYTHON: tests/torch/check_torch_guest.sh)
 #   fmnist-cpu the same training on the machine's CPU cores, for the wall time beside the GPU's
 #   racecheck (only when named) the kernel tests under racecheck: shared-memory hazards in dpar's kernels
 #   profile   (only when named) each kernel's GPU time under Nsight Compute (ncu, one metric: the kernel's duration)
@@ -213,6 +214,11 @@ stage_suite() {
   [ "$compute_mode" = Default ] && jobs=(-j 8)
   echo "compute mode: ${compute_mode:-unknown}; ctest ${jobs[*]:-(one test at a time)}"
   [ -n "$compute_mode" ] && export DPAR_TEST_REQUIRE_GPU=1
+  # dpar beside the machine's PyTorch (CUDA tensors by DLPack, NCCL found both ways), unless one was named already.
+  if [ -z "${DPAR_TEST_TORCH_PYTHON:-}" ] &&
+     python3 -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
+    export DPAR_TEST_TORCH_PYTHON=$(command -v python3)
+  fi
   ctest --test-dir "$build" -LE cuda "${jobs[@]}" --output-on-failure > "$logs/suite-ctest.log" 2>&1 || status=1
   cat "$logs/suite-ctest.log"
   skipped "$logs/suite-ctest.log"

@@ -80,7 +80,7 @@ TEST(CudnnLoader, AFailureNamesEveryFileTriedWhyAndWhatToInstall) {
   }
 }
 
-TEST(CudnnLoader, TriesItsSonameThenCudnnRootThenTheRuntimesDirectory) {
+TEST(CudnnLoader, TriesItsSonameThenCudnnRootThenTheToolkitsDirectory) {
   const std::string soname = "libcudnn.so." + std::to_string(CUDNN_MAJOR);
   const char* old = std::getenv("CUDNN_ROOT");
   const std::string saved = old ? old : "";

@@ -1,11 +1,14 @@
 // The CUDA platform layer (src/platform/cuda): the device scope over a model of the runtime's and the driver's
-// per-thread state (no GPU needed), then on a GPU: what a scope, an NCCL teardown and a stream that runs no GEMM
-// leave behind on the calling thread and in the process. The GPU tests skip with the reason where there is none.
+// per-thread state and the NCCL loader (no GPU needed), then on a GPU: what a scope, an NCCL teardown and a stream
+// that runs no GEMM leave behind on the calling thread and in the process. The GPU tests skip with the reason where there is none.
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstring>
+#include <iostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -14,9 +17,121 @@
 #include "comm/nccl_comm.h"
 #include "cuda_test_util.h"
 #include "platform/cuda/cuda_check.h"
+#include "platform/cuda/nccl_library.h"
 
 namespace dpar {
 namespace {
+
+// ---- The NCCL loader: no GPU needed (loading NCCL and asking its version touch no device) ----------------------
+
+TEST(NcclLoader, LoadsOnFirstUseWithEveryFunctionAndItsVersion) {
+  const cuda::NcclLibrary& lib = cuda::nccl();
+  EXPECT_NE(lib.path.find("libnccl.so.2"), std::string::npos) << lib.path;
+  EXPECT_GE(lib.version, cuda::kMinimumNcclVersion) << cuda::nccl_version_string(lib.version);
+  int version = 0;
+  ASSERT_EQ(lib.get_version(&version), ncclSuccess);
+  EXPECT_EQ(version, lib.version);
+  // Every member is a function pointer of the same size, between `get_version` and `path`: none may be null.
+  const auto* first = reinterpret_cast<const char*>(&lib.get_version);
+  const auto* end = reinterpret_cast<const char*>(&lib.path);
+  size_t functions = 0;
+  for (const char* p = first; p < end; p += sizeof(void*), ++functions) {
+    void* fn = nullptr;
+    std::memcpy(&fn, p, sizeof fn);
+    EXPECT_NE(fn, nullptr) << "function " << functions << " of NcclLibrary is not resolved";
+  }
+  EXPECT_EQ(functions, 14u) << "NcclLibrary's functions changed: update this count";
+  EXPECT_STRNE(lib.error_string(ncclInvalidUsage), "");
+  EXPECT_EQ(&cuda::nccl(), &lib);  // resolved once
+  std::cout << "NCCL " << cuda::nccl_version_string(lib.version) << " from " << lib.path
+            << (lib.already_loaded ? " (already in the process)" : " (loaded by dpar)") << "\n";
+}
+
+TEST(NcclLoader, VersionCodesReadAsNcclWritesThem) {
+  EXPECT_EQ(cuda::nccl_version_string(NCCL_VERSION(2, 28, 9)), "2.28.9");
+  EXPECT_EQ(cuda::nccl_version_string(NCCL_VERSION(2, 8, 4)), "2.8.4");  // the old encoding, major * 1000
+  EXPECT_EQ(cuda::nccl_version_string(cuda::kMinimumNcclVersion), "2.14.0");
+}
+
+TEST(NcclLoader, LooksInTheProcessFirstThenBySonameThenWhereItWasBuilt) {
+  const std::vector<cuda::loader::NcclCandidate> c = cuda::loader::nccl_candidates();
+  ASSERT_GE(c.size(), 2u);
+  EXPECT_EQ(c[0].file, "libnccl.so.2");
+  EXPECT_TRUE(c[0].in_process_only);
+  EXPECT_EQ(c[1].file, "libnccl.so.2");
+  EXPECT_FALSE(c[1].in_process_only);
+  for (size_t i = 2; i < c.size(); ++i) {
+    EXPECT_EQ(c[i].file.substr(c[i].file.size() - std::strlen("/libnccl.so.2")), "/libnccl.so.2") << c[i].file;
+    EXPECT_FALSE(c[i].in_process_only);
+  }
+}
+
+TEST(NcclLoader, AFailureIsNotSupportedAndNamesEveryPlaceTriedAndWhy) {
+  try {
+    cuda::loader::load_nccl({{"libdpar-no-such-nccl.so.2", true},
+                             {"/nonexistent/dir/libnccl.so.2", false},
+                             {"libm.so.6", false}});
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kNotSupported);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("libdpar-no-such-nccl.so.2 (in the process): none loaded"), std::string::npos) << what;
+    EXPECT_NE(what.find("/nonexistent/dir/libnccl.so.2: "), std::string::npos) << what;
+    // A library that loads but is not NCCL: the functions it lacks are named.
+    EXPECT_NE(what.find("libm.so.6: lacks ncclGetVersion, ncclGetErrorString"), std::string::npos) << what;
+    EXPECT_NE(what.find("NCCL 2.14.0 or later"), std::string::npos) << what;
+    EXPECT_NE(what.find("install NCCL"), std::string::npos) << what;
+  }
+}
+
+TEST(NcclLoader, AnNcclOlderThanDparNeedsIsRefusedNamingItsVersion) {
+  const cuda::NcclLibrary& found = cuda::nccl();
+  const int newer = NCCL_VERSION(99, 0, 0);
+  try {
+    cuda::loader::load_nccl({{found.path, false}}, newer);
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kNotSupported);
+    const std::string what = e.what();
+    EXPECT_NE(what.find(found.path + ": is NCCL " + cuda::nccl_version_string(found.version) +
+                        ", older than 99.0.0, which dpar needs"),
+              std::string::npos)
+        << what;
+  }
+}
+
+// A framework that loaded NCCL first (PyTorch's libtorch_cuda needs its own libnccl.so.2, from its own directory):
+// dpar uses that one, and never loads a second NCCL beside it, not even where that one is too old.
+TEST(NcclLoader, TheNcclAlreadyInTheProcessIsTheOneUsed) {
+  void* earlier = dlopen("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD);
+  if (earlier != nullptr) {
+    dlclose(earlier);
+    GTEST_SKIP() << "an earlier test of this process loaded NCCL: run alone (as CTest runs it)";
+  }
+  // The framework's NCCL, by a path (as a framework's run path names its own): the build's, where it is a file.
+  std::string file;
+  for (const cuda::loader::NcclCandidate& c : cuda::loader::nccl_candidates())
+    if (file.empty() && c.file.find('/') != std::string::npos && access(c.file.c_str(), R_OK) == 0) file = c.file;
+  if (file.empty()) GTEST_SKIP() << "no libnccl.so.2 at a known path (the toolkit's or the build's directory)";
+  void* framework = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(framework, nullptr) << dlerror();
+  const cuda::NcclLibrary lib = cuda::loader::load_nccl(cuda::loader::nccl_candidates());
+  EXPECT_TRUE(lib.already_loaded);
+  EXPECT_EQ(lib.path, file);
+  EXPECT_EQ(reinterpret_cast<void*>(lib.get_version), dlsym(framework, "ncclGetVersion"));
+  try {
+    cuda::loader::load_nccl({{"libnccl.so.2", true}, {"/nonexistent/other/libnccl.so.2", false}},
+                            NCCL_VERSION(99, 0, 0));
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kNotSupported);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("the libnccl.so.2 already in the process (" + file + ") is NCCL "), std::string::npos) << what;
+    EXPECT_NE(what.find("does not load a second one"), std::string::npos) << what;
+    EXPECT_EQ(what.find("/nonexistent/other"), std::string::npos) << "the search went on: " << what;
+  }
+  dlclose(framework);
+}
 
 // ---- The device scope over a model of one thread's CUDA state -------------------------------------------------
 // What the runtime documents: cudaSetDevice initialises the device's primary context, makes it current and sets
@@ -211,8 +326,7 @@ TEST(CudaDeviceScope, AThreadWithoutAContextKeepsItsRuntimeDevice) {
 TEST(CudaDeviceScope, NcclTeardownLeavesTheThreadAsItWas) {
   DPAR_REQUIRE_GPU();
   const int last = cuda::cuda_device_count() - 1;
-  ncclUniqueId id;
-  DPAR_NCCL_CHECK(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  const ncclUniqueId id = nccl_unique_id();
   cudaStream_t stream = nullptr;
   {
     cuda::DeviceScope scope(last);
@@ -220,6 +334,7 @@ TEST(CudaDeviceScope, NcclTeardownLeavesTheThreadAsItWas) {
   }
   std::unique_ptr<Communicator> comm =
       nccl_rank_communicator(id, 1, 0, last, stream, "rank 0", std::chrono::seconds(60), std::chrono::seconds(60));
+  std::cout << "NCCL " << cuda::nccl_version_string(cuda::nccl().version) << " from " << cuda::nccl().path << "\n";
   std::thread([&] {
     ASSERT_FALSE(cuda::thread_has_context());
     comm.reset();

@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "kernels/cuda/kernels.h"
 #include "platform/cuda/cuda_check.h"
+#include "platform/cuda/nccl_library.h"
 
 namespace dpar {
 namespace {
@@ -121,8 +122,8 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(std::shared_ptr<NcclComms> comms, size_t index, ThreadGroup* host, int rank, int size, int device,
                    cudaStream_t compute, std::string name, std::chrono::duration<double> timeout,
                    std::shared_ptr<Communicator> watch = nullptr)
-      : comms_(std::move(comms)), index_(index), host_(host), watch_(std::move(watch)), rank_(rank), size_(size),
-        device_(device), compute_(compute), name_(std::move(name)), timeout_(timeout) {
+      : lib_(cuda::nccl()), comms_(std::move(comms)), index_(index), host_(host), watch_(std::move(watch)),
+        rank_(rank), size_(size), device_(device), compute_(compute), name_(std::move(name)), timeout_(timeout) {
     if (host_ != nullptr) host_comm_ = host_->communicator(rank);
     cuda::DeviceScope scope(device_);
     DPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking), name_, ": communication stream");
@@ -174,27 +175,27 @@ class NcclCommunicator final : public Communicator {
       case kAllReduce: {
         const ncclRedOp_t nop = nccl_op(dtype, c.op());
         return collective(c, [&] {
-          nccl("ncclAllReduce", [&](ncclComm_t h) { return ncclAllReduce(send, recv, count, nccl_type(dtype), nop, h, comm_stream_); });
+          nccl("ncclAllReduce", [&](ncclComm_t h) { return lib_.all_reduce(send, recv, count, nccl_type(dtype), nop, h, comm_stream_); });
         });
       }
       case kBroadcast:
         return collective(c, [&] {
-          nccl("ncclBroadcast", [&](ncclComm_t h) { return ncclBroadcast(recv, recv, count, nccl_type(dtype), c.root(), h, comm_stream_); });
+          nccl("ncclBroadcast", [&](ncclComm_t h) { return lib_.broadcast(recv, recv, count, nccl_type(dtype), c.root(), h, comm_stream_); });
         });
       case kReduce: {
         const ncclRedOp_t nop = nccl_op(dtype, c.op());
         return collective(c, [&] {
-          nccl("ncclReduce", [&](ncclComm_t h) { return ncclReduce(send, recv, count, nccl_type(dtype), nop, c.root(), h, comm_stream_); });
+          nccl("ncclReduce", [&](ncclComm_t h) { return lib_.reduce(send, recv, count, nccl_type(dtype), nop, c.root(), h, comm_stream_); });
         });
       }
       case kAllGather:
         return collective(c, [&] {
-          nccl("ncclAllGather", [&](ncclComm_t h) { return ncclAllGather(send, recv, count, nccl_type(dtype), h, comm_stream_); });
+          nccl("ncclAllGather", [&](ncclComm_t h) { return lib_.all_gather(send, recv, count, nccl_type(dtype), h, comm_stream_); });
         });
       case kReduceScatter: {
         const ncclRedOp_t nop = nccl_op(dtype, c.op());
         return collective(c, [&] {
-          nccl("ncclReduceScatter", [&](ncclComm_t h) { return ncclReduceScatter(send, recv, count, nccl_type(dtype), nop, h, comm_stream_); });
+          nccl("ncclReduceScatter", [&](ncclComm_t h) { return lib_.reduce_scatter(send, recv, count, nccl_type(dtype), nop, h, comm_stream_); });
         });
       }
       case kBarrier: return collective(c, [] {});
@@ -226,13 +227,13 @@ class NcclCommunicator final : public Communicator {
     std::unique_lock<std::mutex> idle(call_mutex_, std::try_to_lock);
     if (idle.owns_lock()) {
       ncclResult_t got = ncclSuccess, async = ncclSuccess;
-      if (!comms_->with(index_, [&](ncclComm_t c) { got = ncclCommGetAsyncError(c, &async); })) {
+      if (!comms_->with(index_, [&](ncclComm_t c) { got = lib_.comm_get_async_error(c, &async); })) {
         *reason = detail::concat(name_, " cannot run collectives: ", comms_->reason());
         return Status::kRemote;
       }
       const ncclResult_t bad = got != ncclSuccess ? got : async;
       if (bad != ncclSuccess && bad != ncclInProgress) {
-        *reason = detail::concat(name_, ": ncclCommGetAsyncError: ", ncclGetErrorString(bad));
+        *reason = detail::concat(name_, ": ncclCommGetAsyncError: ", lib_.error_string(bad));
         return Status::kCommunication;
       }
     }
@@ -263,11 +264,11 @@ class NcclCommunicator final : public Communicator {
         DPAR_CUDA_CHECK(cudaMemsetAsync(buffer, 0, count * sizeof(float), comm_stream_), operation, ": ", name_);
       if (root < 0)
         nccl("ncclAllReduce", [&](ncclComm_t c) {
-          return ncclAllReduce(buffer, buffer, count, ncclFloat32, ncclSum, c, comm_stream_);
+          return lib_.all_reduce(buffer, buffer, count, ncclFloat32, ncclSum, c, comm_stream_);
         });
       else
         nccl("ncclReduce", [&](ncclComm_t c) {
-          return ncclReduce(buffer, buffer, count, ncclFloat32, ncclSum, root, c, comm_stream_);
+          return lib_.reduce(buffer, buffer, count, ncclFloat32, ncclSum, root, c, comm_stream_);
         });
       if (scale != 1.0f && (root < 0 || root == rank_))
         kernels::cuda::scale(buffer, scale, static_cast<int64_t>(count), comm_stream_);
@@ -314,7 +315,7 @@ class NcclCommunicator final : public Communicator {
       }
       float* mine = whole + block * static_cast<size_t>(rank_);  // in place, as NCCL takes it
       nccl("ncclReduceScatter", [&](ncclComm_t h) {
-        return ncclReduceScatter(whole, mine, block, ncclFloat32, ncclSum, h, comm_stream_);
+        return lib_.reduce_scatter(whole, mine, block, ncclFloat32, ncclSum, h, comm_stream_);
       });
       if (end > begin && staged)
         DPAR_CUDA_CHECK(cudaMemcpyAsync(buffer + begin, mine, (end - begin) * sizeof(float), cudaMemcpyDeviceToDevice,
@@ -341,7 +342,7 @@ class NcclCommunicator final : public Communicator {
                                         comm_stream_),
                         operation, ": ", name_);
       nccl("ncclAllGather", [&](ncclComm_t h) {
-        return ncclAllGather(mine, whole, block, ncclFloat32, h, comm_stream_);
+        return lib_.all_gather(mine, whole, block, ncclFloat32, h, comm_stream_);
       });
       if (staged)
         DPAR_CUDA_CHECK(cudaMemcpyAsync(buffer, pad, count * sizeof(float), cudaMemcpyDeviceToDevice, comm_stream_),
@@ -387,7 +388,7 @@ class NcclCommunicator final : public Communicator {
       DPAR_CUDA_CHECK(cudaMemcpyAsync(records_ + rank_, &mine, sizeof(Record), cudaMemcpyHostToDevice, comm_stream_),
                       operation, ": fingerprint");
       nccl("ncclAllGather (fingerprints)", [&](ncclComm_t c) {
-        return ncclAllGather(records_ + rank_, records_, kRecordWords, ncclInt64, c, comm_stream_);
+        return lib_.all_gather(records_ + rank_, records_, kRecordWords, ncclInt64, c, comm_stream_);
       });
       DPAR_CUDA_CHECK(cudaEventRecord(done_, comm_stream_), operation, ": ", name_);
       wait(operation);
@@ -420,13 +421,13 @@ class NcclCommunicator final : public Communicator {
     const auto deadline = deadline_after(timeout_);
     for (int spins = 0;; ++spins) {
       ncclResult_t got = ncclSuccess, state = ncclSuccess;
-      if (!comms_->with(index_, [&](ncclComm_t c) { got = ncclCommGetAsyncError(c, &state); })) {
+      if (!comms_->with(index_, [&](ncclComm_t c) { got = lib_.comm_get_async_error(c, &state); })) {
         broken_ = true;
         fail(Status::kRemote, operation, ": ", name_, " stopped because ", comms_->reason());
       }
       if (got != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
         const ncclResult_t bad = got != ncclSuccess ? got : state;
-        give_up(detail::concat(name_, ": ncclCommGetAsyncError: ", ncclGetErrorString(bad)));
+        give_up(detail::concat(name_, ": ncclCommGetAsyncError: ", lib_.error_string(bad)));
         cuda::fail_nccl(bad, "ncclCommGetAsyncError", detail::concat(operation, ": ", name_));
       }
       if (done(state)) return;
@@ -488,6 +489,7 @@ class NcclCommunicator final : public Communicator {
     fail(Status::kRemote, operation, ": ", name_, " stopped because ", abort_reason_);
   }
 
+  const cuda::NcclLibrary& lib_;  // loaded before any communicator was made
   std::shared_ptr<NcclComms> comms_;
   size_t index_;
   ThreadGroup* host_;
@@ -531,6 +533,12 @@ std::unique_ptr<Communicator> NcclGroup::communicator(int rank, cudaStream_t com
                                             compute_stream, host_.name(rank), timeout_);
 }
 
+ncclUniqueId nccl_unique_id() {
+  ncclUniqueId id{};
+  DPAR_NCCL_CHECK(cuda::nccl().get_unique_id(&id), "an id for an NCCL communicator across processes");
+  return id;
+}
+
 std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int nranks, int rank, int device,
                                                      cudaStream_t compute_stream, std::string name,
                                                      std::chrono::duration<double> timeout,
@@ -544,7 +552,7 @@ std::unique_ptr<Communicator> nccl_rank_communicator(const ncclUniqueId& id, int
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclComm_t comm = nullptr;
-  ncclResult_t r = ncclCommInitRankConfig(&comm, nranks, id, rank, &config);
+  ncclResult_t r = cuda::nccl().comm_init_rank_config(&comm, nranks, id, rank, &config);
   const auto deadline = deadline_after(join_within);
   Status gave_up = Status::kOk;  // TIMEOUT, or the watch's failure
   std::string why;

@@ -7,6 +7,10 @@
 // the result; the compute stream itself never waits for the communication stream, so that the kernels queued on
 // it meanwhile (the rest of backward) run beside the collective.
 //
+// NCCL itself is loaded on first use (platform/cuda/nccl_library.h): the one already in the process (a framework's)
+// if there is one, else the system's. Without it, creating a group or a communicator throws Error(NOT_SUPPORTED)
+// naming every file tried.
+//
 // Blocking and errors, not hangs. A collective returns when its NCCL work has finished on the GPU: it waits for the
 // completion event by polling, and meanwhile polls ncclCommGetAsyncError (a failed peer or network shows there),
 // abort() of the participant or of its group, and the others' failures. A collective that has not finished within
@@ -69,6 +73,10 @@ class NcclGroup {
   std::vector<int> devices_;
   std::shared_ptr<NcclComms> comms_;
 };
+
+// A new id for nccl_rank_communicator (ncclGetUniqueId), made on one rank and sent to the others. The first use of
+// NCCL loads it: throws Error(NOT_SUPPORTED) naming every file tried where there is none, as NcclGroup does.
+ncclUniqueId nccl_unique_id();
 
 // This process's participant of an NCCL communicator over `nranks` processes: every rank passes the same id (made
 // by ncclGetUniqueId on one rank and broadcast by the caller). Owns the NCCL communicator, which is non-blocking

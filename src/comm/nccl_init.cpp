@@ -4,6 +4,7 @@
 #include "comm/nccl_internal.h"
 #include "common/error.h"
 #include "platform/cuda/cuda_check.h"
+#include "platform/cuda/nccl_library.h"
 
 namespace dpar {
 
@@ -16,8 +17,9 @@ using namespace nccl_internal;
 std::vector<ncclComm_t> NcclGroup::init_group(const std::vector<int>& devices, std::chrono::duration<double> timeout) {
   const int n = static_cast<int>(devices.size());
   DPAR_CHECK_ARG(n > 0, "nccl group: no devices");
+  const cuda::NcclLibrary& nccl = cuda::nccl();  // the first use loads NCCL (NOT_SUPPORTED, naming why, without it)
   ncclUniqueId id;
-  DPAR_NCCL_CHECK(ncclGetUniqueId(&id), "nccl group of ", n, " GPUs");
+  DPAR_NCCL_CHECK(nccl.get_unique_id(&id), "nccl group of ", n, " GPUs");
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   std::vector<ncclComm_t> comms(devices.size(), nullptr);
@@ -27,17 +29,17 @@ std::vector<ncclComm_t> NcclGroup::init_group(const std::vector<int>& devices, s
     // Each rank is created with its device current (a scope each, never a bare cudaSetDevice, so that the caller's
     // thread gets back exactly the context it had); the group ends under the last device's.
     cuda::DeviceScope scope(devices.back());
-    DPAR_NCCL_CHECK(ncclGroupStart(), "nccl group of ", n, " GPUs");
+    DPAR_NCCL_CHECK(nccl.group_start(), "nccl group of ", n, " GPUs");
     for (int i = 0; i < n && (r == ncclSuccess || r == ncclInProgress); ++i) {
       try {
         cuda::DeviceScope rank_device(devices[i]);
-        r = ncclCommInitRankConfig(&comms[i], n, id, i, &config);
+        r = nccl.comm_init_rank_config(&comms[i], n, id, i, &config);
       } catch (...) {
         device_error = std::current_exception();
         break;
       }
     }
-    const ncclResult_t end = ncclGroupEnd();  // always, to close the group the loop opened
+    const ncclResult_t end = nccl.group_end();  // always, to close the group the loop opened
     if (r == ncclSuccess || r == ncclInProgress) r = end;
   }
   // Aborted each under its own device (abort_under_device).

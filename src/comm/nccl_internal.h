@@ -1,5 +1,6 @@
 // What the NCCL backend's files share (nccl_comm.h says how it works): deadlines, the wait for a non-blocking
-// communicator's host-side work, and its abort. Not for other code.
+// communicator's host-side work, and its abort. Not for other code. NCCL's functions are reached through
+// cuda::nccl(), which loads NCCL on first use (platform/cuda/nccl_library.h); a communicator exists only once it has.
 #pragma once
 
 #include <nccl.h>
@@ -9,6 +10,7 @@
 #include <thread>
 
 #include "platform/cuda/cuda_check.h"
+#include "platform/cuda/nccl_library.h"
 
 namespace dpar::nccl_internal {
 
@@ -25,7 +27,7 @@ inline Clock::time_point deadline_after(std::chrono::duration<double> limit) {
 inline ncclResult_t settle(ncclComm_t comm, Clock::time_point deadline) {
   for (int spins = 0;; ++spins) {
     ncclResult_t state = ncclSuccess;
-    const ncclResult_t got = ncclCommGetAsyncError(comm, &state);
+    const ncclResult_t got = cuda::nccl().comm_get_async_error(comm, &state);
     if (got != ncclSuccess) return got;
     if (state != ncclInProgress || Clock::now() >= deadline) return state;
     if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -40,7 +42,7 @@ inline ncclResult_t settle(ncclComm_t comm, Clock::time_point deadline) {
 inline void abort_under_device(ncclComm_t comm, int device) noexcept {
   if (comm == nullptr) return;
   cuda::DeviceScope scope(device, std::nothrow);
-  (void)ncclCommAbort(comm);
+  (void)cuda::nccl().comm_abort(comm);
 }
 
 }  // namespace dpar::nccl_internal

@@ -265,18 +265,23 @@ class CudaBackend final : public Backend {
           return {nullptr, detail::concat(staged, " (processes ", p, " and ", q, " drive the same GPU, and NCCL ",
                                           "takes one process per GPU)")};
 
-    // Rank 0's id, after a word that says whether it could make one.
+    // Rank 0's id, after a word that says whether it could make one (it cannot where NCCL is not installed).
     constexpr size_t kIdWords = (sizeof(ncclUniqueId) + sizeof(int64_t) - 1) / sizeof(int64_t);
     std::array<int64_t, 1 + kIdWords> id_words{};
+    std::string no_id;
     if (rank == 0) {
-      ncclUniqueId id{};
-      if (ncclGetUniqueId(&id) == ncclSuccess) {
+      try {
+        const ncclUniqueId id = nccl_unique_id();
         id_words[0] = 1;
         std::memcpy(&id_words[1], &id, sizeof id);
+      } catch (const std::exception& e) {
+        no_id = e.what();
       }
     }
     processes->broadcast(id_words.data(), id_words.size(), CommDType::kI64, 0);
-    if (id_words[0] == 0) return {nullptr, staged + " (rank 0 could not make an NCCL id: ncclGetUniqueId failed)"};
+    if (id_words[0] == 0)
+      return {nullptr, detail::concat(staged, " (rank 0 could not make an NCCL id",
+                                      no_id.empty() ? std::string() : ": " + no_id, ")")};
     ncclUniqueId id{};
     std::memcpy(&id, &id_words[1], sizeof id);
 

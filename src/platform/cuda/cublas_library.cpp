@@ -1,6 +1,5 @@
 #include "platform/cuda/cublas_library.h"
 
-#include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
 #include <mutex>
@@ -15,7 +14,7 @@ namespace {
 CublasLibrary load() {
   const std::string soname = "libcublas.so." + std::to_string(CUBLAS_VER_MAJOR);
   std::vector<std::string> candidates{soname};
-  const std::string dir = cudart_directory();
+  const std::string dir = toolkit_library_directory();
   if (!dir.empty()) candidates.push_back(dir + soname);
   std::string tried;
   for (const std::string& file : candidates) {
@@ -34,14 +33,11 @@ CublasLibrary load() {
     resolve(handle, "cublasSgemm_v2", lib.sgemm, missing);
     resolve(handle, "cublasGetStatusString", lib.status_string, missing);
     if (!missing.empty()) {
-      std::string names;
-      for (const std::string& m : missing) names += (names.empty() ? "" : ", ") + m;
       dlclose(handle);
-      tried += (tried.empty() ? "" : "; ") + file + ": lacks " + names;
+      tried += (tried.empty() ? "" : "; ") + file + ": lacks " + join_names(missing);
       continue;
     }
-    Dl_info info{};
-    lib.path = dladdr(reinterpret_cast<const void*>(lib.create), &info) != 0 && info.dli_fname ? info.dli_fname : file;
+    lib.path = file_of(reinterpret_cast<const void*>(lib.create), file);
     return lib;  // the handle stays open for the life of the process
   }
   fail(Status::kDevice, "cuBLAS ", CUBLAS_VER_MAJOR, ".x, which dpar's CUDA backend needs, could not be loaded (", tried,

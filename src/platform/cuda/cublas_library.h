@@ -1,7 +1,7 @@
 // cuBLAS, loaded on first use rather than linked. Linking it made every process that loads libdpar, CPU-only ones
 // included, map and relocate cuBLAS and cuBLASLt when it started: ~100 ms and ~215 MB resident (measured on a
-// program that links nothing else). Now libdpar needs only the CUDA runtime and NCCL to load, and cuBLAS is
-// loaded the first time a GPU stream needs a handle.
+// program that links nothing else). Now cuBLAS is loaded the first time a GPU stream needs a handle (and libdpar
+// names no CUDA library at all as a load-time dependency: the runtime is linked statically, NCCL loaded on first use).
 #pragma once
 
 #include <cublas_v2.h>
@@ -22,9 +22,9 @@ struct CublasLibrary {
 };
 
 // cuBLAS of the major version dpar was built with (libcublas.so.<CUBLAS_VER_MAJOR>), loaded once per process and
-// never unloaded: by name (the dynamic loader's search, with libdpar's run path), else from the directory of the
-// CUDA runtime that libdpar loaded, where the toolkit keeps it. Throws Error(Status::kDevice) naming every file
-// tried and why it failed; a later call tries again.
+// never unloaded: by name (the dynamic loader's search, with libdpar's run path; a framework's cuBLAS already in the
+// process is found so), else from the library directory of the CUDA toolkit dpar was built against. Throws
+// Error(Status::kDevice) naming every file tried and why it failed; a later call tries again.
 const CublasLibrary& cublas();
 
 }  // namespace dpar::cuda

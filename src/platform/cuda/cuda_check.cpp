@@ -2,6 +2,7 @@
 #include "platform/cuda/cuda_check.h"
 
 #include "platform/cuda/cublas_library.h"
+#include "platform/cuda/nccl_library.h"
 #ifdef DPAR_HAVE_CUDNN_HEADERS
 #include "platform/cuda/cudnn_library.h"
 #endif
@@ -100,10 +101,16 @@ void fail_cudnn(cudnnStatus_t status, const char* call, const std::string& conte
 #endif
 
 void fail_nccl(ncclResult_t result, const char* call, const std::string& context) {
-  // ncclGetLastError gives the detail NCCL logged for this thread's last failure (may be empty).
-  std::string text = ncclGetErrorString(result);
-  const char* detail = ncclGetLastError(nullptr);
-  if (detail != nullptr && detail[0] != '\0') text += std::string(": ") + detail;
+  // NCCL's own text, from the loaded NCCL (a result comes from one; if none loads, its number says it), and
+  // ncclGetLastError's detail that NCCL logged for this thread's last failure (may be empty).
+  std::string text = "NCCL result " + std::to_string(static_cast<int>(result));
+  try {
+    const NcclLibrary& nccl = cuda::nccl();
+    text = nccl.error_string(result);
+    const char* detail = nccl.last_error(nullptr);
+    if (detail != nullptr && detail[0] != '\0') text += std::string(": ") + detail;
+  } catch (const Error&) {
+  }
   fail(nccl_error_status(result), describe(call, context, text.c_str(), nullptr));
 }
 

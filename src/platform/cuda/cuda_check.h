@@ -60,9 +60,10 @@ const char* cublas_status_name(cublasStatus_t status);
 int cuda_device_count(std::string* why_none = nullptr);
 
 // cudaEventQuery without its side effect: "not ready" is a state, not a failure, yet the runtime records it in the
-// thread's last-error slot, where a later reader of cudaGetLastError() on this thread (a framework calling through
-// the C API, checking its own launches that way) would take it for an error of its own. (cuBLAS is not such a
-// reader: it links its own copy of the runtime, whose slot is not this one.) Returns cudaSuccess,
+// thread's last-error slot, where a later reader of cudaGetLastError() on this thread that shares dpar's runtime (a
+// program linking dpar's core, checking its own launches that way) would take it for an error of its own. (A
+// framework calling through the C API is not such a reader since libdpar carries its runtime statically: its own
+// runtime, PyTorch's libcudart for one, has its own slot, as cuBLAS's copy has.) Returns cudaSuccess,
 // cudaErrorNotReady, or the failure (left in the slot for fail_cuda, which clears it).
 cudaError_t query_event(cudaEvent_t event) noexcept;
 

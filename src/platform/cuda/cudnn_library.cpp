@@ -1,6 +1,5 @@
 #include "platform/cuda/cudnn_library.h"
 
-#include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
 #include <cstdlib>
@@ -60,7 +59,7 @@ std::vector<std::string> cudnn_candidates() {
   std::vector<std::string> candidates{soname};
   if (const char* root = std::getenv("CUDNN_ROOT"); root != nullptr && root[0] != '\0')
     candidates.push_back(std::string(root) + "/lib/" + soname);
-  const std::string dir = cudart_directory();
+  const std::string dir = toolkit_library_directory();
   if (!dir.empty()) candidates.push_back(dir + soname);
   return candidates;
 }
@@ -80,10 +79,8 @@ CudnnLibrary load_cudnn(const std::vector<std::string>& candidates) {
     CudnnLibrary lib;
     const std::vector<std::string> missing = resolve_all(handle, lib);
     if (!missing.empty()) {
-      std::string names;
-      for (const std::string& m : missing) names += (names.empty() ? "" : ", ") + m;
       dlclose(handle);
-      note(file, "lacks " + names);
+      note(file, "lacks " + join_names(missing));
       continue;
     }
     // The structures and enumerations dpar was compiled against are those of the headers' major version.
@@ -93,8 +90,7 @@ CudnnLibrary load_cudnn(const std::vector<std::string>& candidates) {
       note(file, "is cuDNN " + std::to_string(lib.version) + ", not of major version " + std::to_string(CUDNN_MAJOR));
       continue;
     }
-    Dl_info info{};
-    lib.path = dladdr(reinterpret_cast<const void*>(lib.create), &info) != 0 && info.dli_fname ? info.dli_fname : file;
+    lib.path = file_of(reinterpret_cast<const void*>(lib.create), file);
     return lib;  // the handle stays open for the life of the process
   }
   fail(Status::kNotSupported, "cuDNN ", CUDNN_MAJOR,

@@ -53,8 +53,8 @@ struct CudnnLibrary {
 
 // cuDNN of the major version dpar was built with (libcudnn.so.<CUDNN_MAJOR>), loaded once per process and never
 // unloaded: by name (the dynamic loader's search, LD_LIBRARY_PATH and libdpar's run path), else from
-// $CUDNN_ROOT/lib (where a Python environment's nvidia-cudnn keeps it), else from the directory of the CUDA
-// runtime that libdpar loaded. Throws Error(Status::kNotSupported) naming every file tried and why it failed (not
+// $CUDNN_ROOT/lib (where a Python environment's nvidia-cudnn keeps it), else from the library directory of the CUDA
+// toolkit dpar was built against. Throws Error(Status::kNotSupported) naming every file tried and why it failed (not
 // found, a function missing, another major version); a later call tries again.
 const CudnnLibrary& cudnn();
 

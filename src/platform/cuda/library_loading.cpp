@@ -1,6 +1,5 @@
 #include "platform/cuda/library_loading.h"
 
-#include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
 namespace dpar::cuda {
@@ -11,13 +10,24 @@ void* resolve_symbol(void* handle, const char* name, std::vector<std::string>& m
   return fn;
 }
 
-std::string cudart_directory() {
+std::string join_names(const std::vector<std::string>& names) {
+  std::string joined;
+  for (const std::string& name : names) joined += (joined.empty() ? "" : ", ") + name;
+  return joined;
+}
+
+std::string file_of(const void* fn, const std::string& fallback) {
   Dl_info info{};
-  if (dladdr(reinterpret_cast<const void*>(&cudaRuntimeGetVersion), &info) == 0 || info.dli_fname == nullptr)
-    return {};
-  const std::string file = info.dli_fname;
-  const size_t slash = file.rfind('/');
-  return slash == std::string::npos ? std::string() : file.substr(0, slash + 1);
+  return dladdr(fn, &info) != 0 && info.dli_fname != nullptr && info.dli_fname[0] != '\0' ? info.dli_fname : fallback;
+}
+
+std::string toolkit_library_directory() {
+#ifdef DPAR_CUDA_LIBRARY_DIR
+  const std::string dir = DPAR_CUDA_LIBRARY_DIR;  // CMake's CUDAToolkit_LIBRARY_DIR
+  return dir.empty() || dir.back() == '/' ? dir : dir + "/";
+#else
+  return {};
+#endif
 }
 
 }  // namespace dpar::cuda

@@ -1,5 +1,6 @@
-// What dpar's loaders of NVIDIA libraries share (cuBLAS, cuDNN: loaded on first use, never linked): resolving a
-// library's functions by name, and where the loaded CUDA runtime lives (where the toolkit keeps its libraries).
+// What dpar's loaders of NVIDIA libraries share (cuBLAS, cuDNN, NCCL: loaded on first use, never linked): resolving a
+// library's functions by name, the file a resolved function comes from, and where the CUDA toolkit that dpar was
+// built against keeps its libraries.
 #pragma once
 
 #include <string>
@@ -15,7 +16,15 @@ void resolve(void* handle, const char* name, Fn& fn, std::vector<std::string>& m
   fn = reinterpret_cast<Fn>(resolve_symbol(handle, name, missing));
 }
 
-// The directory of the CUDA runtime that libdpar loaded, with a trailing slash; empty when it cannot be told.
-std::string cudart_directory();
+// "a, b, c": the names resolve() found missing, for a message.
+std::string join_names(const std::vector<std::string>& names);
+
+// The file that the loaded function `fn` lives in (dladdr), or `fallback` when it cannot be told.
+std::string file_of(const void* fn, const std::string& fallback);
+
+// The directory of the CUDA toolkit's libraries that dpar was built against, with a trailing slash; empty where the
+// build did not record one. (The CUDA runtime is linked into libdpar statically, so the directory a loaded runtime
+// came from no longer says where the toolkit is.)
+std::string toolkit_library_directory();
 
 }  // namespace dpar::cuda
