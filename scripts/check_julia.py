@@ -4,8 +4,9 @@ and every `ccall((:dpar_x, libdpar), Ret, (Args...), ...)` names a function that
 argument count and C types of its declaration in include/dpar.h (read with the per-topic headers it includes): a
 pointer down to what it points at (Ptr{Csize_t} for `size_t *`, Ptr{Ptr{Cvoid}} for a handle's `**out`, the Julia
 mirror of a struct). A Julia struct named after a struct of dpar.h (CommOptions for dpar_comm_options) must have its
-fields, in order, with matching types. Every `Dpar.name` a file uses, and every name the module exports, must be
-defined at the module's top level.
+fields, in order, with matching types, and a version constant named after one of dpar.h's
+(`const COMM_OPTIONS_VERSION = UInt32(1)` for DPAR_COMM_OPTIONS_VERSION) its value. Every `Dpar.name` a file uses,
+and every name the module exports, must be defined at the module's top level.
 
 Every ccall of an engine function (dpar_engine_*, but abort, which must not wait, and the options' init) must run
 in GC-safe state: inside a call of one of GC_SAFE_WRAPPERS (an argument or its do-block). An engine call may wait
@@ -146,6 +147,22 @@ def check_mirrors(where_file, src, header):
     return problems
 
 
+def check_versions(where_file, src, header_text):
+    """Problems of the Julia constants that mirror a struct version of dpar.h (COMM_OPTIONS_VERSION for
+    DPAR_COMM_OPTIONS_VERSION): a different value, or a name dpar.h does not define. A mirror that passes an older
+    version with its newer layout would have its appended fields ignored."""
+    problems = []
+    defined = dict(re.findall(r"^#define\s+DPAR_(\w+_VERSION)\s+(\d+)\s*$", header_text, flags=re.M))
+    for m in re.finditer(r"^const\s+(\w+_VERSION)\s*=\s*UInt32\((\d+)\)", src, flags=re.M):
+        where = f"{where_file}:{src.count(chr(10), 0, m.start()) + 1}"
+        name, value = m.group(1), m.group(2)
+        if name not in defined:
+            problems.append(f"{where}: {name} mirrors no version of dpar.h (no DPAR_{name})")
+        elif int(value) != int(defined[name]):
+            problems.append(f"{where}: {name} is {value}, dpar.h's DPAR_{name} is {defined[name]}")
+    return problems
+
+
 def split_top(text):
     parts, depth, cur = [], 0, ""
     for ch in text:
@@ -252,10 +269,10 @@ def qualified_uses(tree):
 JULIA_BASE = {
     "Array", "Dict", "Float32", "Float64", "Int32", "Int64", "Ref", "UInt", "UInt32", "WeakRef", "all", "argmax",
     "ccall", "close", "copy", "count", "div", "eachindex", "enumerate", "error", "fill", "fill!", "first", "foreach",
-    "get", "hcat", "hton", "isapprox", "isempty", "isfile", "isnan", "isodd", "isready", "joinpath", "length", "map",
-    "maximum", "minimum", "mktempdir", "occursin", "open", "parse", "pointer", "println", "push!", "read", "reduce",
-    "reinterpret", "reshape", "rethrow", "round", "size", "sizeof", "sleep", "sort", "split", "sprint", "string", "sum",
-    "throw", "vcat", "view", "wait", "write", "zeros",
+    "get", "hcat", "hton", "isapprox", "isempty", "isfile", "isfinite", "isnan", "isodd", "isready", "joinpath",
+    "length", "map", "maximum", "minimum", "mktempdir", "occursin", "open", "parse", "pointer", "println", "push!",
+    "read", "reduce", "reinterpret", "reshape", "rethrow", "round", "size", "sizeof", "sleep", "sort", "split",
+    "sprint", "string", "sum", "throw", "vcat", "view", "wait", "write", "zeros",
 }
 
 
@@ -352,6 +369,7 @@ def main():
         if tree.root_node.has_error:
             problems.append(f"{path}: does not parse")
         problems += check_mirrors(path.relative_to(ROOT), src, header)
+        problems += check_versions(path.relative_to(ROOT), src, header_text)
         for m in re.finditer(r"ccall\(", src):
             inner = split_top(balanced(src, m.end() - 1))
             line = src.count("\n", 0, m.start()) + 1

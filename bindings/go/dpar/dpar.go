@@ -605,6 +605,10 @@ type Options struct {
 	FirstBucketBytes uint64      // the first gradient bucket closes at this many bytes (0: 1 MiB)
 	BucketCapBytes   uint64      // later buckets close at this many bytes (0: 25 MiB; math.MaxUint64: one bucket)
 	Processes        ProcessMode // ProcessesAuto (default), ProcessesSingle, ProcessesMPI
+	// How long NewEngine waits for every process to create its engine (processes start at different times): the
+	// connection between the processes and their first exchanges; TimeoutSeconds holds after. 0: TimeoutSeconds;
+	// math.Inf(1): no limit.
+	CreateTimeoutSeconds float64
 }
 
 // Engine is a DataParallel engine. dpar serialises calls on it, so it may be shared between goroutines.
@@ -668,6 +672,7 @@ func NewEngine(model *Model, o Options) (*Engine, error) {
 		eo.SetFirst_bucket_bytes(int64(o.FirstBucketBytes))
 		eo.SetBucket_cap_bytes(int64(o.BucketCapBytes))
 		eo.SetProcesses(int(o.Processes))
+		eo.SetCreate_timeout_seconds(o.CreateTimeoutSeconds)
 		if ids != nil {
 			eo.SetDevice_ids(ids)
 			eo.SetNum_device_ids(int64(len(o.DeviceIDs)))

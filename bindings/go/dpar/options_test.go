@@ -1,6 +1,9 @@
 package dpar
 
 import (
+	"errors"
+	"math"
+	"strings"
 	"testing"
 )
 
@@ -81,5 +84,30 @@ func TestEngineOptionsReachDpar(t *testing.T) {
 	five := int32(5)
 	if _, err := NewEngine(m, Options{Devices: 2, OutputDevice: &five, Processes: ProcessesSingle}); err == nil {
 		t.Fatal("an output device that is not one of the devices was accepted")
+	}
+}
+
+// CreateTimeoutSeconds reaches dpar: a negative or NaN one is refused by name, and a finite or infinite one
+// creates an engine that trains.
+func TestCreateTimeoutSecondsReachesDpar(t *testing.T) {
+	m := referenceModel(t)
+	defer m.Close()
+	for _, bad := range []float64{-1, math.NaN()} {
+		_, err := NewEngine(m, Options{Devices: 2, Processes: ProcessesSingle, CreateTimeoutSeconds: bad})
+		var de *Error
+		if !errors.As(err, &de) || de.Status != ErrInvalidArg || !strings.Contains(de.Message, "create_timeout_seconds") {
+			t.Fatalf("CreateTimeoutSeconds %v gave %v, want ErrInvalidArg naming create_timeout_seconds", bad, err)
+		}
+	}
+	x, y := referenceBatch(t)
+	for _, good := range []float64{30, math.Inf(1)} {
+		e, err := NewEngine(m, Options{Devices: 2, Processes: ProcessesSingle, CreateTimeoutSeconds: good})
+		if err != nil {
+			t.Fatalf("CreateTimeoutSeconds %v: %v", good, err)
+		}
+		if loss, err := e.TrainStep(x, y); err != nil || !(loss > 0) {
+			t.Fatalf("CreateTimeoutSeconds %v: TrainStep gave %v, %v", good, loss, err)
+		}
+		e.Close()
 	}
 }

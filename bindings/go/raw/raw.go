@@ -314,6 +314,8 @@ extern void _wrap_dpar_engine_options_bucket_cap_bytes_set_raw_9787157d5e82d198(
 extern swig_type_68 _wrap_dpar_engine_options_bucket_cap_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_engine_options_processes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_options_processes_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_engine_options_create_timeout_seconds_set_raw_9787157d5e82d198(uintptr_t arg1, double arg2);
+extern double _wrap_dpar_engine_options_create_timeout_seconds_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_new_dpar_engine_options_raw_9787157d5e82d198(void);
 extern void _wrap_delete_dpar_engine_options_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_engine_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_69 arg2);
@@ -1824,6 +1826,19 @@ func (arg1 SwigcptrDpar_engine_options) GetProcesses() (_swig_ret int) {
 	return swig_r
 }
 
+func (arg1 SwigcptrDpar_engine_options) SetCreate_timeout_seconds(arg2 float64) {
+	_swig_i_0 := arg1
+	_swig_i_1 := arg2
+	C._wrap_dpar_engine_options_create_timeout_seconds_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.double(_swig_i_1))
+}
+
+func (arg1 SwigcptrDpar_engine_options) GetCreate_timeout_seconds() (_swig_ret float64) {
+	var swig_r float64
+	_swig_i_0 := arg1
+	swig_r = (float64)(C._wrap_dpar_engine_options_create_timeout_seconds_get_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0)))
+	return swig_r
+}
+
 func NewDpar_engine_options() (_swig_ret Dpar_engine_options) {
 	var swig_r Dpar_engine_options
 	swig_r = (Dpar_engine_options)(SwigcptrDpar_engine_options(C._wrap_new_dpar_engine_options_raw_9787157d5e82d198()))
@@ -1868,9 +1883,11 @@ type Dpar_engine_options interface {
 	GetBucket_cap_bytes() (_swig_ret int64)
 	SetProcesses(arg2 int)
 	GetProcesses() (_swig_ret int)
+	SetCreate_timeout_seconds(arg2 float64)
+	GetCreate_timeout_seconds() (_swig_ret float64)
 }
 
-const DPAR_ENGINE_OPTIONS_VERSION int = 2
+const DPAR_ENGINE_OPTIONS_VERSION int = 3
 func Dpar_engine_options_init_sized(arg1 Dpar_engine_options, arg2 int64) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)

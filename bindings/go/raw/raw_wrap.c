@@ -2496,6 +2496,31 @@ intgo _wrap_dpar_engine_options_processes_get_raw_9787157d5e82d198(struct dpar_e
 }
 
 
+void _wrap_dpar_engine_options_create_timeout_seconds_set_raw_9787157d5e82d198(struct dpar_engine_options *_swig_go_0, double _swig_go_1) {
+  struct dpar_engine_options *arg1 = (struct dpar_engine_options *) 0 ;
+  double arg2 ;
+  
+  arg1 = *(struct dpar_engine_options **)&_swig_go_0; 
+  arg2 = (double)_swig_go_1; 
+  
+  if (arg1) (arg1)->create_timeout_seconds = arg2;
+  
+}
+
+
+double _wrap_dpar_engine_options_create_timeout_seconds_get_raw_9787157d5e82d198(struct dpar_engine_options *_swig_go_0) {
+  struct dpar_engine_options *arg1 = (struct dpar_engine_options *) 0 ;
+  double result;
+  double _swig_go_result;
+  
+  arg1 = *(struct dpar_engine_options **)&_swig_go_0; 
+  
+  result = (double) ((arg1)->create_timeout_seconds);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 struct dpar_engine_options *_wrap_new_dpar_engine_options_raw_9787157d5e82d198() {
   struct dpar_engine_options *result = 0 ;
   struct dpar_engine_options *_swig_go_result;

@@ -650,7 +650,7 @@ _OPTIMIZER_FIELDS = {"kind": "int32",  # the keyword `optimizer`
 _ENGINE_FIELDS = {"device_kind": "int32", "num_cpu_devices": "size",  # the keyword `devices`
                   "output_device": "int32", "loss": "int32", "seed": "uint64", "timeout_seconds": "double",
                   "blas_threads": "size", "pin_workers": "bool", "first_bucket_bytes": "size",
-                  "bucket_cap_bytes": "size", "processes": "int32"}
+                  "bucket_cap_bytes": "size", "processes": "int32", "create_timeout_seconds": "double"}
 _KEYWORD = {"kind": "optimizer", "num_cpu_devices": "devices"}
 _RANGES = {"int32": (-2**31, 2**31 - 1), "uint64": (0, 2**64 - 1), "size": (0, 2**64 - 1)}
 
@@ -695,10 +695,15 @@ class Engine(_Handle):
     def __init__(self, model, optimizer=None, lr=None, momentum=None, weight_decay=None, nesterov=None,
                  devices=None, device_ids=None, loss=None, seed=None, timeout_seconds=None, processes=None, *,
                  dampening=None, beta1=None, beta2=None, eps=None, device_kind=None, output_device=None,
-                 blas_threads=None, pin_workers=None, first_bucket_bytes=None, bucket_cap_bytes=None):
+                 blas_threads=None, pin_workers=None, first_bucket_bytes=None, bucket_cap_bytes=None,
+                 create_timeout_seconds=None):
         """Every field of dpar_optimizer_options and dpar_engine_options is a keyword (None: dpar's default).
         optimizer is the optimizer's kind (SGD, ADAM, ADAMW); devices is num_cpu_devices; device_ids sets
-        device_ids and num_device_ids. An unknown keyword is a TypeError naming it, as for any Python function."""
+        device_ids and num_device_ids. An unknown keyword is a TypeError naming it, as for any Python function.
+        timeout_seconds is how long a worker waits for the others at each synchronisation point (300;
+        math.inf: no limit); create_timeout_seconds is how long creation waits for every process to create its
+        engine, across processes that start at different times (0, the default: timeout_seconds; math.inf: no
+        limit)."""
         oo = _raw.dpar_optimizer_options()
         _check(_raw.dpar_optimizer_options_init(oo))
         _set_fields(oo, _OPTIMIZER_FIELDS, kind=optimizer, lr=lr, momentum=momentum, dampening=dampening,
@@ -708,7 +713,8 @@ class Engine(_Handle):
         _set_fields(eo, _ENGINE_FIELDS, device_kind=device_kind, num_cpu_devices=devices, output_device=output_device,
                     loss=loss, seed=seed, timeout_seconds=timeout_seconds, blas_threads=blas_threads,
                     pin_workers=pin_workers, first_bucket_bytes=first_bucket_bytes,
-                    bucket_cap_bytes=bucket_cap_bytes, processes=processes)
+                    bucket_cap_bytes=bucket_cap_bytes, processes=processes,
+                    create_timeout_seconds=create_timeout_seconds)
         self._ids = None
         if device_ids is not None:
             try:

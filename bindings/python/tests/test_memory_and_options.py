@@ -4,6 +4,7 @@ loader iterates again; DLPack export speaks the 1.0 protocol; enums are IntEnums
 The view tests read a view after its tensor (or loader) was closed and the freed memory was handed out again with
 other values: before views held their memory, they read those values (or crashed)."""
 import gc
+import math
 import os
 import struct
 import tempfile
@@ -142,6 +143,26 @@ class EngineKeywords(unittest.TestCase):
             with self.assertRaises(dpar.DparError) as cm:  # an output device that is not one of the devices
                 dpar.Engine(m, devices=2, output_device=5, processes=dpar.PROCESSES_SINGLE)
             self.assertEqual(cm.exception.status, dpar.ERR_INVALID_ARGUMENT)
+
+    def test_create_timeout_seconds_reaches_dpar(self):
+        # dpar refuses a negative or NaN one by its name; a finite or infinite one gives an engine that trains.
+        x, y = reference_batch()
+        with reference_model() as m:
+            for bad in (-1, float("nan")):
+                with self.subTest(create_timeout_seconds=bad):
+                    with self.assertRaises(dpar.DparError) as cm:
+                        dpar.Engine(m, devices=2, processes=dpar.PROCESSES_SINGLE, create_timeout_seconds=bad)
+                    self.assertEqual(cm.exception.status, dpar.ERR_INVALID_ARGUMENT)
+                    self.assertIn("create_timeout_seconds", cm.exception.message)
+            for good in (30, math.inf):
+                with self.subTest(create_timeout_seconds=good):
+                    with dpar.Engine(m, devices=2, processes=dpar.PROCESSES_SINGLE, timeout_seconds=60,
+                                     create_timeout_seconds=good) as e:
+                        loss = e.train_step(x, y)
+                        self.assertTrue(math.isfinite(loss) and loss > 0, loss)
+            with self.assertRaises(TypeError) as cm:  # checked before SWIG sees it, naming the keyword
+                dpar.Engine(m, create_timeout_seconds="soon")
+            self.assertTrue(str(cm.exception).startswith("create_timeout_seconds:"), str(cm.exception))
 
 
 if __name__ == "__main__":

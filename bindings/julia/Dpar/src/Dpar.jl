@@ -531,22 +531,28 @@ mutable struct EngineOptions
     first_bucket_bytes::Csize_t
     bucket_cap_bytes::Csize_t
     processes::Int32
+    create_timeout_seconds::Cdouble
     EngineOptions() = new()
 end
+const ENGINE_OPTIONS_VERSION = UInt32(3)
 
 """
     Engine(model; optimizer=SGD, lr=0.01, momentum=0.0, dampening=0.0, nesterov=false, weight_decay=0.0,
            beta1=0.9, beta2=0.999, eps=1e-8, devices=0, device_kind=DEVICE_CPU, device_ids=nothing,
            output_device=nothing, loss=LOSS_CROSS_ENTROPY, seed=0, timeout_seconds=nothing, blas_threads=nothing,
-           pin_workers=nothing, first_bucket_bytes=nothing, bucket_cap_bytes=nothing, processes=PROCESSES_AUTO)
+           pin_workers=nothing, first_bucket_bytes=nothing, bucket_cap_bytes=nothing, processes=PROCESSES_AUTO,
+           create_timeout_seconds=nothing)
     Engine(f, model; kwargs...)
 
 dpar's DataParallel engine: a replica of `model` on each of `devices` CPU devices (0: as many as dpar counts), or
 with `device_kind=DEVICE_CUDA` on every GPU, or on the devices `device_ids` of that kind (replica r on
 `device_ids[r]`, a device may repeat). Each batch is split across them, gradients all-reduced and one optimizer step
 applied to every replica. Every keyword is a field of dpar_optimizer_options or dpar_engine_options (`optimizer`
-is the kind, `devices` is num_cpu_devices); `nothing` is dpar's default. Calls on an engine are serialised by a
-lock inside it. The `do`-block form closes it at the end.
+is the kind, `devices` is num_cpu_devices); `nothing` is dpar's default. `timeout_seconds` is how long a worker
+waits for the others at each synchronisation point (300; `Inf`: no limit); `create_timeout_seconds` is how long
+creation waits for every process to create its engine, across processes that start at different times (0, the
+default: `timeout_seconds`; `Inf`: no limit). Calls on an engine are serialised by a lock inside it. The `do`-block
+form closes it at the end.
 """
 mutable struct Engine
     ptr::Ptr{Cvoid}
@@ -561,7 +567,8 @@ function Engine(model::Model; optimizer::Integer=SGD, lr::Real=0.01, momentum::R
                 output_device::Union{Integer,Nothing}=nothing, loss::Integer=LOSS_CROSS_ENTROPY, seed::Integer=0,
                 timeout_seconds::Union{Real,Nothing}=nothing, blas_threads::Union{Integer,Nothing}=nothing,
                 pin_workers::Union{Bool,Nothing}=nothing, first_bucket_bytes::Union{Integer,Nothing}=nothing,
-                bucket_cap_bytes::Union{Integer,Nothing}=nothing, processes::Integer=PROCESSES_AUTO)
+                bucket_cap_bytes::Union{Integer,Nothing}=nothing, processes::Integer=PROCESSES_AUTO,
+                create_timeout_seconds::Union{Real,Nothing}=nothing)
     oo, eo = OptimizerOptions(), EngineOptions()
     check(ccall((:dpar_optimizer_options_init_sized, libdpar), Int32, (Ref{OptimizerOptions}, Csize_t),
                 oo, sizeof(OptimizerOptions)))
@@ -579,6 +586,7 @@ function Engine(model::Model; optimizer::Integer=SGD, lr::Real=0.01, momentum::R
     pin_workers === nothing || (eo.pin_workers = pin_workers)
     first_bucket_bytes === nothing || (eo.first_bucket_bytes = first_bucket_bytes)
     bucket_cap_bytes === nothing || (eo.bucket_cap_bytes = bucket_cap_bytes)
+    create_timeout_seconds === nothing || (eo.create_timeout_seconds = create_timeout_seconds)
     ids = device_ids === nothing ? Int32[] : Vector{Int32}(device_ids)  # dpar copies them
     if device_ids !== nothing
         eo.device_ids, eo.num_device_ids = pointer(ids), length(ids)

@@ -510,6 +510,20 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
                 @test Dpar.replica_device(e, 0).index == 1
                 @test Dpar.num_buckets(e) > 1
             end
+            # create_timeout_seconds: refused by its name when negative or NaN; a finite or infinite one gives an
+            # engine that trains.
+            for bad in (-1, NaN)
+                @test throws_dpar(() -> Dpar.Engine(m; devices=2, processes=Dpar.PROCESSES_SINGLE,
+                                                    create_timeout_seconds=bad),
+                                  Dpar.ERR_INVALID_ARGUMENT, "create_timeout_seconds")
+            end
+            for good in (30, Inf)
+                Dpar.Engine(m; devices=2, processes=Dpar.PROCESSES_SINGLE, timeout_seconds=60,
+                            create_timeout_seconds=good) do e
+                    loss = Dpar.train_step!(e, reference_batch()...)
+                    @test isfinite(loss) && loss > 0
+                end
+            end
         end
     end
     if VERSION >= v"1.9"
@@ -971,5 +985,11 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
         @test (r[].size, r[].version, r[].op) == (sizeof(Dpar.ReducerOptions), Dpar.REDUCER_OPTIONS_VERSION,
                                                      Int32(Dpar.MEAN))
         @test (r[].processes, r[].compression) == (C_NULL, Dpar.COMPRESSION_NONE)
+        e = Dpar.EngineOptions()
+        e.create_timeout_seconds = 7
+        @test ccall((:dpar_engine_options_init_sized, libdpar), Int32, (Ref{Dpar.EngineOptions}, Csize_t),
+                    e, sizeof(Dpar.EngineOptions)) == Dpar.OK
+        @test (e.size, e.version) == (sizeof(Dpar.EngineOptions), Dpar.ENGINE_OPTIONS_VERSION)
+        @test (e.timeout_seconds, e.create_timeout_seconds) == (300, 0)  # the appended field gets its default
     end
 end

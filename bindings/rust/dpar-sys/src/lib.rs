@@ -77,7 +77,7 @@ pub const DPAR_MIN: i32 = 3;
 pub const DPAR_MODEL_OPTIONS_VERSION: u32 = 1;
 pub const DPAR_CUSTOM_LAYER_VERSION: u32 = 1;
 pub const DPAR_OPTIMIZER_OPTIONS_VERSION: u32 = 1;
-pub const DPAR_ENGINE_OPTIONS_VERSION: u32 = 2;
+pub const DPAR_ENGINE_OPTIONS_VERSION: u32 = 3;
 pub const DPAR_COMM_OPTIONS_VERSION: u32 = 1;
 pub const DPAR_REDUCER_OPTIONS_VERSION: u32 = 2;
 
@@ -192,6 +192,7 @@ pub struct dpar_engine_options {
     pub first_bucket_bytes: usize,
     pub bucket_cap_bytes: usize,
     pub processes: i32,
+    pub create_timeout_seconds: f64,
 }
 
 pub type dpar_forward_hook = unsafe extern "C" fn(

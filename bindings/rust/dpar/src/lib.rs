@@ -997,6 +997,13 @@ impl EngineOptions {
         self.raw.timeout_seconds = s;
         self
     }
+    /// How long creating the engine waits for every process to create its own (processes start at different
+    /// times; a machine under load is slow to get there): the connection between the processes and their first
+    /// exchanges. `timeout_seconds` holds after. 0 (the default): `timeout_seconds`; `f64::INFINITY`: no limit.
+    pub fn create_timeout_seconds(mut self, s: f64) -> EngineOptions {
+        self.raw.create_timeout_seconds = s;
+        self
+    }
     pub fn blas_threads(mut self, n: usize) -> EngineOptions {
         self.raw.blas_threads = n;
         self

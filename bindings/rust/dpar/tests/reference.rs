@@ -347,15 +347,21 @@ fn a_group_on_cpu_devices_says_where_its_buffers_are() {
 
 #[test]
 fn option_structs_have_the_crates_layout() {
-    // _init_sized writes the layout of the size it is given, this crate's: equal to the library's here.
+    // _init_sized writes the layout of the size it is given, this crate's: equal to the library's here, version 3
+    // with create_timeout_seconds at its default.
     let mut o = unsafe { std::mem::zeroed::<sys::dpar_engine_options>() };
+    o.create_timeout_seconds = 7.0;
     let size = std::mem::size_of::<sys::dpar_engine_options>();
     assert_eq!(unsafe { sys::dpar_engine_options_init_sized(&mut o, size) }, 0);
     assert_eq!((o.size, o.version), (size, sys::DPAR_ENGINE_OPTIONS_VERSION));
-    // The function without the size writes the library's own layout, the same one while the two agree.
+    assert_eq!((o.timeout_seconds, o.create_timeout_seconds), (300.0, 0.0));
+    // The function without the size writes dpar.h 0.4's layout, version 2, which ends before
+    // create_timeout_seconds: no byte past it.
     let mut plain = unsafe { std::mem::zeroed::<sys::dpar_engine_options>() };
+    plain.create_timeout_seconds = 7.0;
     assert_eq!(unsafe { sys::dpar_engine_options_init(&mut plain) }, 0);
-    assert_eq!(plain.size, size);
+    let v2 = std::mem::offset_of!(sys::dpar_engine_options, create_timeout_seconds);
+    assert_eq!((plain.size, plain.version, plain.create_timeout_seconds), (v2, 2, 7.0));
     let mut l = unsafe { std::mem::zeroed::<sys::dpar_custom_layer>() };
     let size = std::mem::size_of::<sys::dpar_custom_layer>();
     assert_eq!(unsafe { sys::dpar_custom_layer_init_sized(&mut l, size) }, 0);
@@ -374,6 +380,25 @@ fn option_structs_have_the_crates_layout() {
     assert_eq!((r.size, r.version, r.op), (size, sys::DPAR_REDUCER_OPTIONS_VERSION, sys::DPAR_MEAN));
     assert_eq!((r.processes, r.compression), (std::ptr::null_mut(), sys::DPAR_COMPRESSION_NONE));
     assert_eq!(version(), sys::DPAR_VERSION);
+}
+
+#[test]
+fn the_creation_timeout_reaches_the_library() {
+    // A negative or NaN one is refused by its name; a finite or infinite one gives an engine that trains.
+    for bad in [-1.0, f64::NAN] {
+        let options = options().create_timeout_seconds(bad);
+        let e = Engine::new(&reference_model(), &Optimizer::sgd(0.1), &options).err().unwrap();
+        assert_eq!(e.status(), status::INVALID_ARGUMENT);
+        assert!(e.message().contains("create_timeout_seconds"), "{}", e);
+    }
+    let (x, y) = reference_batch();
+    let (x, y) = (Tensor::from_f32(&[10, 4], &x).unwrap(), Tensor::from_i32(&[10], &y).unwrap());
+    for good in [30.0, f64::INFINITY] {
+        let options = options().timeout_seconds(60.0).create_timeout_seconds(good);
+        let engine = Engine::new(&reference_model(), &Optimizer::sgd(0.1), &options).unwrap();
+        let loss = engine.train_step(&x, &y).unwrap();
+        assert!(loss > 0.0 && loss.is_finite(), "create_timeout_seconds {good}: loss {loss}");
+    }
 }
 
 #[test]
