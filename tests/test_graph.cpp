@@ -1,6 +1,8 @@
 // The model as a graph: residual and concatenation models against hand computations and finite differences,
 // views that alias memory, the gradient buffer plan, node names, refused graphs, and the engine on 1, 2 and 3 CPU
-// devices through the C ABI (equal to one device on the full batch; replicas bit-identical; checkpoints by name).
+// devices through the C ABI (equal to one device on the full batch; replicas bit-identical; checkpoints by name);
+// the fusion pass (a ReLU as the epilogue of the layer before it, never where another node reads that layer) and
+// sums that add to a gradient another reader wrote first, against the unfused graph and finite differences.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -37,10 +39,9 @@ std::vector<float> random_vector(size_t n, uint32_t seed, float scale = 1.0f) {
 
 Tensor host(std::vector<float>& v, const Shape& shape) { return Tensor::wrap(v.data(), DType::kF32, shape, Device{}); }
 
-// sum(model(x) * r) in double, for the model's current values.
-double weighted_output(const Model& model, std::vector<float> x, const Shape& in_shape, const std::vector<float>& r) {
-  Standalone s;
-  ReplicaModel rm(model, s.ctx);
+// sum(rm(x) * r) in double, for the replica's current parameters.
+double weighted_output(ReplicaModel& rm, const Standalone& s, std::vector<float>& x, const Shape& in_shape,
+                      const std::vector<float>& r) {
   const Tensor out = rm.forward(s.ctx, host(x, in_shape));
   double sum = 0;
   for (int64_t i = 0; i < out.numel(); ++i) sum += static_cast<double>(out.f32()[i]) * r[static_cast<size_t>(i)];
@@ -50,7 +51,10 @@ double weighted_output(const Model& model, std::vector<float> x, const Shape& in
 // Every parameter's gradient of sum(model(x) * r) against central differences. The first node of each model here
 // is a linear layer fed by the model input, so its weight gradient checks the gradient that reaches the input of
 // the graph behind it (the "input gradient" of the block). Set external to pass dL/dout in the test's own memory.
-void check_gradients(Model model, const Shape& in_shape, bool external = false) {
+// `kinks`: the model has ReLUs, and a difference whose step straddles a kink is wrong: an element's gradient must then
+// match its difference with step 1e-3 or with step 2.5e-4 (a kink within 1e-3 of a weight is rare, one within both
+// rarer still; a wrong gradient matches neither).
+void check_gradients(Model model, const Shape& in_shape, bool external = false, bool kinks = false) {
   std::vector<float> x = random_vector(static_cast<size_t>(in_shape.numel()), 1);
   const Shape out_shape = model.output_shape(in_shape);
   std::vector<float> r = random_vector(static_cast<size_t>(out_shape.numel()), 2);
@@ -69,15 +73,27 @@ void check_gradients(Model model, const Shape& in_shape, bool external = false) 
   // Nonzero garbage in the gradients: accumulate = false must overwrite them.
   for (int64_t i = 0; i < model.num_param_elements(); ++i) rm.grads()[i] = 1e3f;
   rm.backward(s.ctx, dout, false);
-  const double eps = 1e-2;
+  // The differences come from a second replica whose parameters are moved in place, one at a time (forward only:
+  // a training-mode BatchNorm's running statistics move, but its output does not depend on them).
+  Standalone probe_ctx;
+  ReplicaModel probe(model, probe_ctx.ctx);
+  auto difference = [&](size_t at, double eps) {
+    float& v = probe.params()[at];
+    const float value = v;
+    v = value + static_cast<float>(eps);
+    const double plus = weighted_output(probe, probe_ctx, x, in_shape, r);
+    v = value - static_cast<float>(eps);
+    const double minus = weighted_output(probe, probe_ctx, x, in_shape, r);
+    v = value;
+    return (plus - minus) / (2 * eps);
+  };
   for (const ParamInfo& p : model.params()) {
     for (int64_t k = 0; k < p.shape.numel(); ++k) {
       const size_t at = static_cast<size_t>(p.offset + k);
-      Model plus = model, minus = model;
-      plus.values()[at] += static_cast<float>(eps);
-      minus.values()[at] -= static_cast<float>(eps);
-      const double fd = (weighted_output(plus, x, in_shape, r) - weighted_output(minus, x, in_shape, r)) / (2 * eps);
-      EXPECT_NEAR(rm.grads()[at], fd, 2e-3 * (1 + std::fabs(fd))) << p.name << "[" << k << "]";
+      const double grad = rm.grads()[at];
+      double fd = difference(at, kinks ? 1e-3 : 1e-2);
+      if (kinks && std::fabs(grad - fd) > 2e-3 * (1 + std::fabs(fd))) fd = difference(at, 2.5e-4);
+      EXPECT_NEAR(grad, fd, 2e-3 * (1 + std::fabs(fd))) << p.name << "[" << k << "]";
     }
   }
 }
@@ -594,74 +610,174 @@ TEST(GraphCapi, CallsCheckTheirArguments) {
 
 // ---- The fusion pass: an activation as the epilogue of the layer before it ------------------------------------
 
-// A linear layer (so that the head's input gradient is checked, through the linear layer's weight gradient), a
-// head layer followed by a ReLU, and a classifier; with `apart`, a view between the head and the ReLU keeps the ReLU
-// a node of its own (the pass fuses only a ReLU that reads the layer directly and alone).
-Model head_then_relu(int head, bool apart) {
-  Model m(11);
+// The layers the fusion pass runs a ReLU after as their epilogue ("heads"), each behind a linear layer (8 -> 8)
+// from the model input, so that the head's input gradient is checked through that layer's weight gradient.
+// Appends the linear layer and the head to m; returns the shape of one row of the head's output.
+constexpr int kNumHeads = 4;
+const char* const kHeads[kNumHeads] = {"linear", "conv2d", "conv2d + batchnorm2d", "batchnorm1d"};
+
+std::vector<int64_t> add_head(Model& m, int head) {
   m.add(make_linear(8, 8, true));
   Conv2dSpec conv;
   conv.in_channels = 2;
   conv.out_channels = 3;
   conv.kernel_h = conv.kernel_w = 3;
   conv.pad_h = conv.pad_w = 1;
-  std::vector<int64_t> row;
   switch (head) {
     case 0:
       m.add(make_linear(8, 6, true));
-      row = {6};
-      break;
+      return {6};
     case 1:
       m.add_reshape({2, 2, 2});
       m.add(make_conv2d(conv));
-      row = {3, 2, 2};
-      break;
+      return {3, 2, 2};
     case 2:  // BatchNorm2d after a convolution
       m.add_reshape({2, 2, 2});
       conv.bias = false;
       m.add(make_conv2d(conv));
       m.add(make_batchnorm(2, 3, 1e-5f, 0.1f, true));
-      row = {3, 2, 2};
-      break;
+      return {3, 2, 2};
     default:
       m.add(make_batchnorm(1, 8, 1e-5f, 0.1f, true));
-      row = {8};
-      break;
+      return {8};
   }
+}
+
+int64_t row_width(const std::vector<int64_t>& row) {
+  int64_t width = 1;
+  for (int64_t d : row) width *= d;
+  return width;
+}
+
+// A head followed by a ReLU, and a classifier; with `apart`, a view between the head and the ReLU keeps the ReLU a
+// node of its own (the pass fuses only a ReLU that reads the layer directly and alone).
+Model head_then_relu(int head, bool apart) {
+  Model m(11);
+  const std::vector<int64_t> row = add_head(m, head);
   if (apart) m.add_reshape(row);
   m.add(make_activation(Activation::kRelu));
   m.add_flatten();
-  int64_t width = 1;
-  for (int64_t d : row) width *= d;
-  m.add(make_linear(width, 4, true));
+  m.add(make_linear(row_width(row), 4, true));
   return m;
+}
+
+// One forward and backward of a model on a replica outside any engine, with the input and dL/d(output) drawn from
+// fixed seeds: what the fused and the unfused graph must agree on.
+struct Step {
+  size_t fused = 0;  // ReplicaModel::num_fused()
+  std::vector<float> out, grads, buffers;
+};
+
+Step run_step(const Model& m, const Shape& in_shape) {
+  Step step;
+  Standalone s;
+  ReplicaModel rm(m, s.ctx);
+  std::vector<float> x = random_vector(static_cast<size_t>(in_shape.numel()), 3);
+  const Tensor y = rm.forward(s.ctx, host(x, in_shape));
+  step.fused = rm.num_fused();
+  step.out.assign(y.f32(), y.f32() + y.numel());
+  std::vector<float> r = random_vector(static_cast<size_t>(y.numel()), 4);
+  rm.backward(s.ctx, host(r, y.shape()), false);
+  step.grads.assign(rm.grads(), rm.grads() + m.num_param_elements());
+  if (rm.num_buffer_f32() > 0) step.buffers.assign(rm.buffer_f32(), rm.buffer_f32() + rm.num_buffer_f32());
+  return step;
 }
 
 // Run as the epilogue, the ReLU gives the same bits as run as a node of its own: the output, every parameter's
 // gradient (the first linear layer's carries the head's input gradient) and BatchNorm's running statistics.
 TEST(Fusion, AReluRunsAsTheEpilogueOfTheLayerBeforeItWithTheSameBits) {
-  const char* heads[] = {"linear", "conv2d", "conv2d + batchnorm2d", "batchnorm1d"};
-  for (int head = 0; head < 4; ++head) {
-    SCOPED_TRACE(heads[head]);
-    std::vector<float> outs[2], grads[2], buffers[2];
-    for (bool apart : {false, true}) {
-      const Model m = head_then_relu(head, apart);
-      Standalone s;
-      ReplicaModel rm(m, s.ctx);
-      std::vector<float> x = random_vector(5 * 8, 3);
-      const Tensor y = rm.forward(s.ctx, host(x, Shape{5, 8}));
-      // The first linear layer and its ReLU-less successor never fuse; the head and its ReLU do, unless apart.
-      EXPECT_EQ(rm.num_fused(), apart ? 0u : 1u);
-      outs[apart].assign(y.f32(), y.f32() + y.numel());
-      std::vector<float> r = random_vector(static_cast<size_t>(y.numel()), 4);
-      rm.backward(s.ctx, host(r, y.shape()), false);
-      grads[apart].assign(rm.grads(), rm.grads() + m.num_param_elements());
-      if (rm.num_buffer_f32() > 0) buffers[apart].assign(rm.buffer_f32(), rm.buffer_f32() + rm.num_buffer_f32());
+  for (int head = 0; head < kNumHeads; ++head) {
+    SCOPED_TRACE(kHeads[head]);
+    const Step fused = run_step(head_then_relu(head, false), Shape{5, 8});
+    const Step apart = run_step(head_then_relu(head, true), Shape{5, 8});
+    // The first linear layer and its ReLU-less successor never fuse; the head and its ReLU do, unless apart.
+    EXPECT_EQ(fused.fused, 1u);
+    EXPECT_EQ(apart.fused, 0u);
+    EXPECT_EQ(fused.out, apart.out);
+    EXPECT_EQ(fused.grads, apart.grads);
+    EXPECT_EQ(fused.buffers, apart.buffers);
+    EXPECT_GT(*std::max_element(fused.grads.begin(), fused.grads.end()), 0.0f) << "no gradient reached the parameters";
+  }
+}
+
+// ---- Readers of a head's output besides its ReLU, and sums that are not the first to write a gradient ---------
+
+// What reads the head's output h and its ReLU r = relu(h), after them. In the first four, h has a reader besides
+// r, so the pair must not fuse (fused, h's output is never written, and that reader would read stale memory). In
+// the last two the pair fuses, and a sum must add r's gradient to what another reader wrote before it.
+enum class Readers {
+  kSum,           // sum(r, h)
+  kConcat,        // concat(r, h)
+  kLayer,         // sum(r, tanh(h)): a later layer reads h
+  kView,          // sum(r, view of h): a view's memory is h's
+  kSumTwice,      // sum(r, r): one sum reads r twice
+  kSumThenLayer,  // sum(sum(r, tanh(r)), sigmoid(r)): backward reaches sigmoid(r), r's later reader, before the sum
+};
+const char* const kReaders[] = {"sum(r, h)", "concat(r, h)", "sum(r, tanh(h))", "sum(r, view of h)", "sum(r, r)",
+                                "sum(sum(r, tanh(r)), sigmoid(r))"};
+constexpr Readers kAllReaders[] = {Readers::kSum,  Readers::kConcat,   Readers::kLayer,
+                                   Readers::kView, Readers::kSumTwice, Readers::kSumThenLayer};
+
+// The head, its ReLU and their readers, then a flatten and a classifier; with `apart`, the ReLU reads a view of the
+// head (so that no pass fuses them): the same function, computed without fusion.
+Model head_with_readers(int head, Readers readers, bool apart) {
+  Model m(23);
+  const std::vector<int64_t> row = add_head(m, head);
+  const int32_t h = m.last_node();
+  if (apart) m.add_reshape(row);
+  const int32_t r = m.add(make_activation(Activation::kRelu));
+  int64_t width = row_width(row);
+  switch (readers) {
+    case Readers::kSum: m.add_sum({r, h}); break;
+    case Readers::kConcat:
+      m.add_concat({r, h});
+      width *= 2;
+      break;
+    case Readers::kLayer: {
+      m.branch_from(h);
+      const int32_t t = m.add(make_activation(Activation::kTanh));
+      m.add_sum({r, t});
+      break;
     }
-    EXPECT_EQ(outs[0], outs[1]);
-    EXPECT_EQ(grads[0], grads[1]);
-    EXPECT_EQ(buffers[0], buffers[1]);
-    EXPECT_GT(*std::max_element(grads[0].begin(), grads[0].end()), 0.0f) << "no gradient reached the parameters";
+    case Readers::kView: {
+      m.branch_from(h);
+      const int32_t v = m.add_reshape(row);
+      m.add_sum({r, v});
+      break;
+    }
+    case Readers::kSumTwice: m.add_sum({r, r}); break;
+    case Readers::kSumThenLayer: {
+      const int32_t t = m.add(make_activation(Activation::kTanh));
+      const int32_t s = m.add_sum({r, t});
+      m.branch_from(r);
+      const int32_t g = m.add(make_activation(Activation::kSigmoid));
+      m.add_sum({s, g});
+      break;
+    }
+  }
+  m.add_flatten();
+  m.add(make_linear(width, 3, true));
+  return m;
+}
+
+// Each graph against the same graph computed without fusion (bit for bit, as fusion changes no arithmetic) and
+// against central differences of the loss sum(output * r): a pass that fuses a layer whose output another node
+// reads, or a sum that overwrites a gradient another reader wrote first, fails one or both.
+TEST(Fusion, ReadersOfTheHeadBesidesItsReluAndSumsMatchTheUnfusedGraphAndFiniteDifferences) {
+  for (int head = 0; head < kNumHeads; ++head) {
+    for (Readers readers : kAllReaders) {
+      SCOPED_TRACE(std::string(kHeads[head]) + ", then " + kReaders[static_cast<int>(readers)]);
+      const Model m = head_with_readers(head, readers, false);
+      const Step got = run_step(m, Shape{5, 8});
+      const Step want = run_step(head_with_readers(head, readers, true), Shape{5, 8});
+      const bool h_read_twice = readers != Readers::kSumTwice && readers != Readers::kSumThenLayer;
+      EXPECT_EQ(got.fused, h_read_twice ? 0u : 1u);
+      EXPECT_EQ(want.fused, 0u);
+      EXPECT_EQ(got.out, want.out);
+      EXPECT_EQ(got.grads, want.grads);
+      EXPECT_EQ(got.buffers, want.buffers);
+      check_gradients(m, Shape{5, 8}, /*external=*/false, /*kinks=*/true);
+    }
   }
 }
 

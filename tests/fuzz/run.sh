@@ -10,7 +10,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 findings=$build/fuzz-findings
 mkdir -p "$findings"
 status=0
-for name in safetensors checkpoint idx idx_gz dlpack; do
+for name in safetensors checkpoint idx idx_gz dlpack graph; do
   work=$(mktemp -d)
   cp "$here/corpus/$name/"* "$work/"
   log=$build/fuzz_$name.log
