@@ -816,6 +816,12 @@ TEST(EntryPoints, ShapesWhoseElementCountOverflowsAreRefusedWhereMade) {
   EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT,
                  dpar_model_add_conv2d(m.get(), 1 << 24, 1 << 24, k256, nullptr, nullptr, nullptr, 1, 1),
                  "(16777216, 16777216, 256, 256)", "2^60");
+  // A weight whose fan-in alone (in_channels x kernel) is 2^72: refused by the same check, before any product of
+  // its extents is taken (the fan-in for the initialisation bound used to overflow first).
+  const int64_t k24[2] = {1 << 24, 1 << 24};
+  EXPECT_REFUSED(DPAR_ERR_INVALID_ARGUMENT,
+                 dpar_model_add_conv2d(m.get(), 1 << 24, 1, k24, nullptr, nullptr, nullptr, 1, 0),
+                 "(1, 16777216, 16777216, 16777216)");
   size_t layers = 9;
   ASSERT_OK(dpar_model_num_layers(&layers, m.get()));
   EXPECT_EQ(layers, 0u);  // nothing of the refused layer stays

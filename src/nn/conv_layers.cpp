@@ -31,12 +31,12 @@ class Conv2dLayer final : public Layer {
   std::vector<ParamSpec> param_specs() const override {
     // PyTorch's nn.Conv2d.reset_parameters: kaiming_uniform_(a=sqrt(5)) gives bound 1/sqrt(fan_in) for the weight
     // and the bias alike, fan_in = in_channels / groups * kh * kw.
-    const int64_t fan_in = spec_.in_channels / spec_.groups * spec_.kernel_h * spec_.kernel_w;
+    // The weight's shape is checked first (Shape refuses one past 2^60 elements); fan_in is a product of its
+    // extents, so it cannot overflow then.
+    const Shape weight{spec_.out_channels, spec_.in_channels / spec_.groups, spec_.kernel_h, spec_.kernel_w};
+    const int64_t fan_in = weight.row_numel();
     const float bound = 1.0f / std::sqrt(static_cast<float>(fan_in));
-    std::vector<ParamSpec> specs{{"weight",
-                                  Shape{spec_.out_channels, spec_.in_channels / spec_.groups, spec_.kernel_h,
-                                        spec_.kernel_w},
-                                  InitKind::kUniform, bound}};
+    std::vector<ParamSpec> specs{{"weight", weight, InitKind::kUniform, bound}};
     if (spec_.bias) {
       ParamSpec bias{"bias", Shape{spec_.out_channels}, InitKind::kUniform, bound};
       bias.no_decay = true;  // by name, not position: ParamSpec's later fields are not all flags
