@@ -205,6 +205,10 @@ std::string node_shape(const Node& n, const std::vector<const Shape*>& in, Shape
       y = {x[0], n.kind == Kind::kConv ? i128{n.out_ch} : x[1], o[0], o[1]};
       if (n.kind == Kind::kConv)
         work = sat_mul(sat_mul(sat_mul(x[0], n.in_ch / n.groups), sat_mul(n.k[0], n.k[1])), sat_mul(o[0], o[1]));
+      // A pooling window's cost is its area, padding included (oneDNN's max pooling visits every position of it):
+      // a valid 65536x65536 window over a 1x2 input takes seconds, so it counts as work, not only its output.
+      if (n.kind == Kind::kPool)
+        work = sat_mul(sat_mul(sat_mul(x[0], x[1]), sat_mul(n.k[0], n.k[1])), sat_mul(o[0], o[1]));
       break;
     }
     case Kind::kBatchNorm: {
