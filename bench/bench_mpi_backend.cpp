@@ -120,8 +120,8 @@ int main(int argc, char** argv) {
     float* buf = buffer.data();
     std::vector<Variant> variants = {
         {"plain", [&] { MPI_Allreduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, plain); }},
-        {"dpar", [&] { dpar_comm.all_reduce(buf, buf, count, dpar::CommDType::kF32, dpar::ReduceOp::kSum); }},
-        {"dpar-nb", [&] { dpar_nb.all_reduce(buf, buf, count, dpar::CommDType::kF32, dpar::ReduceOp::kSum); }},
+        {"dpar", [&] { dpar_comm.all_reduce(buf, buf, count, dpar::DType::kF32, dpar::ReduceOp::kSum); }},
+        {"dpar-nb", [&] { dpar_nb.all_reduce(buf, buf, count, dpar::DType::kF32, dpar::ReduceOp::kSum); }},
         {"plain-nb",
          [&] {
            MPI_Request r;
@@ -182,12 +182,12 @@ int main(int argc, char** argv) {
       const int iters = count <= (size_t{1} << 18) ? 100 : count <= (size_t{1} << 20) ? 30 : 8;
       const auto n = static_cast<int64_t>(count);
       std::vector<Variant> variants = {
-          {"f32", [&] { dpar_comm.all_reduce(grads.data(), grads.data(), count, dpar::CommDType::kF32,
+          {"f32", [&] { dpar_comm.all_reduce(grads.data(), grads.data(), count, dpar::DType::kF32,
                                              dpar::ReduceOp::kSum); }},
           {"bf16",
            [&] {
              to_bf16(packed.data(), grads.data(), n);
-             dpar_comm.all_reduce(packed.data(), packed.data(), count, dpar::CommDType::kBF16, dpar::ReduceOp::kSum);
+             dpar_comm.all_reduce(packed.data(), packed.data(), count, dpar::DType::kBF16, dpar::ReduceOp::kSum);
              from_bf16(grads.data(), packed.data(), n);
            }},
           {"convert",

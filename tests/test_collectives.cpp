@@ -168,12 +168,12 @@ TEST(ReplicaSet, LayerSumsOverEveryProcessInF64AndF32) {
   std::vector<std::vector<double>> got(6);
   job.run([&](int q, int r, ReplicaSet& set) {
     std::vector<double> stats = {double(q), double(r), 1.0};
-    set.sum(stats.data(), stats.size(), CommDType::kF64);
+    set.sum(stats.data(), stats.size(), DType::kF64);
     got[static_cast<size_t>(q * 3 + r)] = stats;
     std::vector<float> f = {1.5f};
-    set.sum(f.data(), 1, CommDType::kF32);
+    set.sum(f.data(), 1, DType::kF32);
     EXPECT_EQ(f[0], 9.0f);
-    EXPECT_THROW(set.sum(f.data(), 1, CommDType::kI32), Error);  // refused before anything moves: no hang
+    EXPECT_THROW(set.sum(f.data(), 1, DType::kI32), Error);  // refused before anything moves: no hang
   });
   for (const auto& g : got) EXPECT_EQ(g, (std::vector<double>{3.0, 6.0, 6.0}));
 }
@@ -241,7 +241,7 @@ class CentreOverBatch final : public Layer {
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t j = 0; j < f; ++j) sums[static_cast<size_t>(j)] += in.f32()[i * f + j];
     sums.back() = static_cast<double>(rows);
-    if (ctx.collectives) ctx.collectives->sum(sums.data(), sums.size(), CommDType::kF64);
+    if (ctx.collectives) ctx.collectives->sum(sums.data(), sums.size(), DType::kF64);
     mean_.assign(static_cast<size_t>(f), 0.0f);
     for (int64_t j = 0; j < f; ++j) mean_[static_cast<size_t>(j)] = static_cast<float>(sums[static_cast<size_t>(j)] / sums.back());
     total_rows_ = sums.back();
@@ -254,7 +254,7 @@ class CentreOverBatch final : public Layer {
     std::vector<double> sums(static_cast<size_t>(f), 0.0);
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t j = 0; j < f; ++j) sums[static_cast<size_t>(j)] += dout.f32()[i * f + j];
-    if (ctx.collectives) ctx.collectives->sum(sums.data(), sums.size(), CommDType::kF64);
+    if (ctx.collectives) ctx.collectives->sum(sums.data(), sums.size(), DType::kF64);
     if (!din.defined()) return;
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t j = 0; j < f; ++j)

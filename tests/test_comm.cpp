@@ -36,7 +36,7 @@ const bool kKeepHeap = [] {
 }();
 
 const size_t kCounts[] = {0, 1, 15, 17, 4099, 100003};
-const CommDType kDTypes[] = {CommDType::kF32, CommDType::kF64, CommDType::kI32, CommDType::kI64};
+const DType kDTypes[] = {DType::kF32, DType::kF64, DType::kI32, DType::kI64};
 const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kMax, ReduceOp::kMin};
 
 struct Group {
@@ -92,12 +92,12 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 
 // Calls f(T{}) with the C++ type of `dtype`.
 template <class F>
-void with_type(CommDType dtype, F&& f) {
+void with_type(DType dtype, F&& f) {
   switch (dtype) {
-    case CommDType::kF32: return f(float{});
-    case CommDType::kF64: return f(double{});
-    case CommDType::kI32: return f(int32_t{});
-    case CommDType::kI64: return f(int64_t{});
+    case DType::kF32: return f(float{});
+    case DType::kF64: return f(double{});
+    case DType::kI32: return f(int32_t{});
+    case DType::kI64: return f(int64_t{});
   }
 }
 
@@ -222,9 +222,9 @@ const char* place_name(Place p) {
   return p == Place::kOut ? "out of place" : p == Place::kIn ? "in place" : "in place (alt)";
 }
 
-std::string describe(const char* coll, CommDType d, ReduceOp op, Place p, size_t count, int n, int root = -1) {
+std::string describe(const char* coll, DType d, ReduceOp op, Place p, size_t count, int n, int root = -1) {
   std::ostringstream os;
-  os << coll << " " << comm_dtype_name(d) << " " << reduce_op_name(op) << " " << place_name(p) << ", count " << count
+  os << coll << " " << dtype_name(d) << " " << reduce_op_name(op) << " " << place_name(p) << ", count " << count
      << ", " << n << " ranks";
   if (root >= 0) os << ", root " << root;
   return os.str();
@@ -232,11 +232,11 @@ std::string describe(const char* coll, CommDType d, ReduceOp op, Place p, size_t
 
 // The dtype of T.
 template <class T>
-constexpr CommDType dtype_of() {
-  if constexpr (std::is_same_v<T, float>) return CommDType::kF32;
-  if constexpr (std::is_same_v<T, double>) return CommDType::kF64;
-  if constexpr (std::is_same_v<T, int32_t>) return CommDType::kI32;
-  return CommDType::kI64;
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::kF32;
+  if constexpr (std::is_same_v<T, double>) return DType::kF64;
+  if constexpr (std::is_same_v<T, int32_t>) return DType::kI32;
+  return DType::kI64;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -423,7 +423,7 @@ INSTANTIATE_TEST_SUITE_P(GroupSizes, Collectives, ::testing::Values(1, 2, 3, 4, 
 
 TEST_P(Collectives, AllReduceEveryDTypeOpAndLayout) {
   Group g(GetParam());
-  for (CommDType d : kDTypes)
+  for (DType d : kDTypes)
     for (ReduceOp op : kOps)
       for (Place place : {Place::kOut, Place::kIn})
         for (size_t count : kCounts)
@@ -440,7 +440,7 @@ TEST_P(Collectives, AllReduceEveryDTypeOpAndLayout) {
 TEST_P(Collectives, ReduceEveryDTypeOpLayoutAndRoot) {
   Group g(GetParam());
   for (int root : roots(g.size()))
-    for (CommDType d : kDTypes)
+    for (DType d : kDTypes)
       for (ReduceOp op : kOps)
         for (Place place : {Place::kOut, Place::kIn})
           for (size_t count : kCounts)
@@ -456,7 +456,7 @@ TEST_P(Collectives, ReduceEveryDTypeOpLayoutAndRoot) {
 
 TEST_P(Collectives, ReduceScatterEveryDTypeOpAndLayout) {
   Group g(GetParam());
-  for (CommDType d : kDTypes)
+  for (DType d : kDTypes)
     for (ReduceOp op : kOps)
       for (Place place : {Place::kOut, Place::kIn, Place::kAlt})
         for (size_t count : kCounts)
@@ -473,7 +473,7 @@ TEST_P(Collectives, ReduceScatterEveryDTypeOpAndLayout) {
 TEST_P(Collectives, BroadcastEveryDTypeAndRoot) {
   Group g(GetParam());
   for (int root : roots(g.size()))
-    for (CommDType d : kDTypes)
+    for (DType d : kDTypes)
       for (size_t count : kCounts)
         with_type(d, [&](auto tag) {
           using T = decltype(tag);
@@ -484,7 +484,7 @@ TEST_P(Collectives, BroadcastEveryDTypeAndRoot) {
 
 TEST_P(Collectives, AllGatherEveryDTypeAndLayout) {
   Group g(GetParam());
-  for (CommDType d : kDTypes)
+  for (DType d : kDTypes)
     for (Place place : {Place::kOut, Place::kIn, Place::kAlt})
       for (size_t count : kCounts)
         with_type(d, [&](auto tag) {
@@ -518,7 +518,7 @@ TEST_P(Collectives, BackToBackAllGathersSeeTheirOwnRound) {
         s = recv.data() + count * static_cast<size_t>(r);
         std::copy(send.begin(), send.end(), s);
       }
-      g[r].all_gather(s, recv.data(), count, CommDType::kI32);
+      g[r].all_gather(s, recv.data(), count, DType::kI32);
       for (int q = 0; q < n; ++q)
         for (size_t j = 0; j < count; ++j)
           if (recv[q * count + j] != q * 100000 + i) {
@@ -596,7 +596,7 @@ TEST_P(Collectives, FloatMaxAndMinPropagateNaN) {
     buf[0][5] = std::numeric_limits<float>::quiet_NaN();
     buf[0][7] = 2.0f;
     ASSERT_EQ(first_error(
-                  on_ranks(n, [&](int r) { g[r].all_reduce(buf[r].data(), buf[r].data(), 40, CommDType::kF32, op); })),
+                  on_ranks(n, [&](int r) { g[r].all_reduce(buf[r].data(), buf[r].data(), 40, DType::kF32, op); })),
               "");
     for (int r = 0; r < n; ++r) {
       EXPECT_TRUE(std::isnan(buf[r][3])) << reduce_op_name(op);
@@ -615,8 +615,8 @@ TEST_P(Collectives, IntegerSumsWrap) {
   std::vector<std::vector<int32_t>> a(n, std::vector<int32_t>(40, std::numeric_limits<int32_t>::max()));
   std::vector<std::vector<int64_t>> b(n, std::vector<int64_t>(40, std::numeric_limits<int64_t>::max()));
   ASSERT_EQ(first_error(on_ranks(n, [&](int r) {
-              g[r].all_reduce(a[r].data(), a[r].data(), 40, CommDType::kI32, ReduceOp::kSum);
-              g[r].all_reduce(b[r].data(), b[r].data(), 40, CommDType::kI64, ReduceOp::kSum);
+              g[r].all_reduce(a[r].data(), a[r].data(), 40, DType::kI32, ReduceOp::kSum);
+              g[r].all_reduce(b[r].data(), b[r].data(), 40, DType::kI64, ReduceOp::kSum);
             })),
             "");
   const auto want32 = static_cast<int32_t>(static_cast<uint32_t>(INT32_MAX) * static_cast<uint32_t>(n));
@@ -666,12 +666,12 @@ TEST_P(Collectives, AsyncOperationsInFlightEqualBlocking) {
                   [&](int r) {
                     Bufs& b = blocking[r];
                     Communicator& c = g[r];
-                    c.all_reduce(b.ar.data(), b.ar.data(), count, CommDType::kF32, ReduceOp::kSum);
-                    c.all_reduce(b.ar_send.data(), b.ar_recv.data(), count, CommDType::kI64, ReduceOp::kMax);
-                    c.broadcast(b.bc.data(), count, CommDType::kF64, root);
-                    c.all_gather(b.ag_send.data(), b.ag_recv.data(), count, CommDType::kF64);
-                    c.reduce_scatter(b.rs_send.data(), b.rs_recv.data(), count, CommDType::kI32, ReduceOp::kMin);
-                    c.reduce(b.rd_send.data(), b.rd_recv.data(), count, CommDType::kF32, ReduceOp::kMean, root);
+                    c.all_reduce(b.ar.data(), b.ar.data(), count, DType::kF32, ReduceOp::kSum);
+                    c.all_reduce(b.ar_send.data(), b.ar_recv.data(), count, DType::kI64, ReduceOp::kMax);
+                    c.broadcast(b.bc.data(), count, DType::kF64, root);
+                    c.all_gather(b.ag_send.data(), b.ag_recv.data(), count, DType::kF64);
+                    c.reduce_scatter(b.rs_send.data(), b.rs_recv.data(), count, DType::kI32, ReduceOp::kMin);
+                    c.reduce(b.rd_send.data(), b.rd_recv.data(), count, DType::kF32, ReduceOp::kMean, root);
                   })),
               "");
     ASSERT_EQ(
@@ -681,15 +681,15 @@ TEST_P(Collectives, AsyncOperationsInFlightEqualBlocking) {
               Bufs& b = async[r];
               Communicator& c = g[r];
               std::vector<std::shared_ptr<Work>> works;
-              works.push_back(c.async_all_reduce(b.ar.data(), b.ar.data(), count, CommDType::kF32, ReduceOp::kSum));
+              works.push_back(c.async_all_reduce(b.ar.data(), b.ar.data(), count, DType::kF32, ReduceOp::kSum));
               works.push_back(
-                  c.async_all_reduce(b.ar_send.data(), b.ar_recv.data(), count, CommDType::kI64, ReduceOp::kMax));
-              works.push_back(c.async_broadcast(b.bc.data(), count, CommDType::kF64, root));
-              works.push_back(c.async_all_gather(b.ag_send.data(), b.ag_recv.data(), count, CommDType::kF64));
+                  c.async_all_reduce(b.ar_send.data(), b.ar_recv.data(), count, DType::kI64, ReduceOp::kMax));
+              works.push_back(c.async_broadcast(b.bc.data(), count, DType::kF64, root));
+              works.push_back(c.async_all_gather(b.ag_send.data(), b.ag_recv.data(), count, DType::kF64));
               works.push_back(
-                  c.async_reduce_scatter(b.rs_send.data(), b.rs_recv.data(), count, CommDType::kI32, ReduceOp::kMin));
+                  c.async_reduce_scatter(b.rs_send.data(), b.rs_recv.data(), count, DType::kI32, ReduceOp::kMin));
               works.push_back(
-                  c.async_reduce(b.rd_send.data(), b.rd_recv.data(), count, CommDType::kF32, ReduceOp::kMean, root));
+                  c.async_reduce(b.rd_send.data(), b.rd_recv.data(), count, DType::kF32, ReduceOp::kMean, root));
               for (auto& w : works) (void)w->test();  // never blocks; may be true or false
               for (auto& w : works) {
                 w->wait();
@@ -725,8 +725,8 @@ TEST_P(Collectives, DestroyingACommunicatorRunsItsQueuedWork) {
   ASSERT_EQ(first_error(on_ranks(
                 n,
                 [&](int r) {
-                  first[r] = g[r].async_all_reduce(buf[r].data(), buf[r].data(), 1000, CommDType::kF32, ReduceOp::kMax);
-                  second[r] = g[r].async_broadcast(buf[r].data(), 1000, CommDType::kF32, 0);
+                  first[r] = g[r].async_all_reduce(buf[r].data(), buf[r].data(), 1000, DType::kF32, ReduceOp::kMax);
+                  second[r] = g[r].async_broadcast(buf[r].data(), 1000, DType::kF32, 0);
                   g.comms[r].reset();  // without waiting: the destructor lets the queued work run, then joins
                 })),
             "");
@@ -748,7 +748,7 @@ TEST_P(Collectives, DifferentCountsMismatchOnEveryParticipant) {
   Group g(n, std::chrono::seconds(60));
   std::vector<std::vector<float>> buf(n, std::vector<float>(200, 1.0f));
   auto out = on_ranks(n, [&](int r) {
-    g[r].all_reduce(buf[r].data(), buf[r].data(), r == 1 ? 200 : 100, CommDType::kF32, ReduceOp::kSum);
+    g[r].all_reduce(buf[r].data(), buf[r].data(), r == 1 ? 200 : 100, DType::kF32, ReduceOp::kSum);
   });
   for (int r = 0; r < n; ++r) {
     EXPECT_EQ(out[r].status, Status::kMismatch) << out[r].message;
@@ -762,7 +762,7 @@ TEST_P(Collectives, DifferentCountsMismatchOnEveryParticipant) {
   for (int pass = 0; pass < 2; ++pass) {
     ASSERT_EQ(
         first_error(on_ranks(
-            n, [&](int r) { g[r].all_reduce(buf[r].data(), buf[r].data(), 200, CommDType::kF32, ReduceOp::kSum); })),
+            n, [&](int r) { g[r].all_reduce(buf[r].data(), buf[r].data(), 200, DType::kF32, ReduceOp::kSum); })),
         "");
     for (int r = 0; r < n; ++r) EXPECT_EQ(buf[r][199], pass == 0 ? float(n) : float(n * n));
     g.group.reset();
@@ -776,9 +776,9 @@ TEST_P(Collectives, DifferentOperationsMismatchOnEveryParticipant) {
   std::vector<std::vector<int64_t>> buf(n, std::vector<int64_t>(64, 3));
   auto out = on_ranks(n, [&](int r) {
     if (r == n - 1)
-      g[r].broadcast(buf[r].data(), 64, CommDType::kI64, 0);
+      g[r].broadcast(buf[r].data(), 64, DType::kI64, 0);
     else
-      g[r].all_reduce(buf[r].data(), buf[r].data(), 64, CommDType::kI64, ReduceOp::kMax);
+      g[r].all_reduce(buf[r].data(), buf[r].data(), 64, DType::kI64, ReduceOp::kMax);
   });
   const std::string differs = "participant " + std::to_string(n - 1) + " called broadcast of 64 i64 from root 0";
   for (int r = 0; r < n; ++r) {
@@ -792,7 +792,7 @@ TEST_P(Collectives, DifferentOperationsMismatchOnEveryParticipant) {
     if (r == 1)
       g[r].barrier("sync");
     else
-      g[r].all_gather(buf[r].data(), buf[r].data(), 0, CommDType::kI64);
+      g[r].all_gather(buf[r].data(), buf[r].data(), 0, DType::kI64);
   });
   for (int r = 0; r < n; ++r) {
     EXPECT_EQ(out[r].status, Status::kMismatch) << out[r].message;
@@ -802,7 +802,7 @@ TEST_P(Collectives, DifferentOperationsMismatchOnEveryParticipant) {
         << out[r].message;
   }
   out = on_ranks(n, [&](int r) {
-    g[r].reduce(buf[r].data(), buf[r].data(), 64, CommDType::kI64, ReduceOp::kSum, r == 1 ? 1 : 0);
+    g[r].reduce(buf[r].data(), buf[r].data(), 64, DType::kI64, ReduceOp::kSum, r == 1 ? 1 : 0);
   });
   for (int r = 0; r < n; ++r) {
     EXPECT_EQ(out[r].status, Status::kMismatch) << out[r].message;
@@ -819,7 +819,7 @@ TEST_P(Collectives, AsyncMismatchReachesEveryParticipant) {
   Group g(n);
   std::vector<std::vector<float>> buf(n, std::vector<float>(300, 1.0f));
   auto out = on_ranks(n, [&](int r) {
-    auto w = g[r].async_all_reduce(buf[r].data(), buf[r].data(), r == 1 ? 300 : 100, CommDType::kF32, ReduceOp::kMean);
+    auto w = g[r].async_all_reduce(buf[r].data(), buf[r].data(), r == 1 ? 300 : 100, DType::kF32, ReduceOp::kMean);
     w->wait();
   });
   for (int r = 0; r < n; ++r) {
@@ -836,7 +836,7 @@ TEST_P(Collectives, MissingParticipantTimesOutAndIsNamed) {
   const std::string missing = "rank " + std::to_string(n - 1);
   std::vector<std::vector<double>> buf(n, std::vector<double>(100, 1.0));
   auto out = on_ranks(n, [&](int r) {
-    if (r != n - 1) g[r].all_reduce(buf[r].data(), buf[r].data(), 100, CommDType::kF64, ReduceOp::kSum);
+    if (r != n - 1) g[r].all_reduce(buf[r].data(), buf[r].data(), 100, DType::kF64, ReduceOp::kSum);
   });
   bool timed_out = false;
   for (int r = 0; r < n - 1; ++r) {
@@ -850,7 +850,7 @@ TEST_P(Collectives, MissingParticipantTimesOutAndIsNamed) {
   g.group.reset();
   ASSERT_EQ(
       first_error(on_ranks(
-          n, [&](int r) { g[r].all_reduce(buf[r].data(), buf[r].data(), 100, CommDType::kF64, ReduceOp::kSum); })),
+          n, [&](int r) { g[r].all_reduce(buf[r].data(), buf[r].data(), 100, DType::kF64, ReduceOp::kSum); })),
       "");
   for (int r = 0; r < n; ++r) EXPECT_EQ(buf[r][99], double(n));
 }
@@ -864,7 +864,7 @@ TEST_P(Collectives, AbortReleasesEveryoneAndResetRestores) {
     if (r == 0)
       g[r].abort("rank 0 gave up");
     else
-      g[r].broadcast(buf[r].data(), 1000, CommDType::kI32, 1);
+      g[r].broadcast(buf[r].data(), 1000, DType::kI32, 1);
   });
   for (int r = 1; r < n; ++r) {
     EXPECT_EQ(out[r].status, Status::kRemote) << out[r].message;
@@ -872,7 +872,7 @@ TEST_P(Collectives, AbortReleasesEveryoneAndResetRestores) {
   }
   g.group.reset();
   buf[1].assign(1000, 7);
-  ASSERT_EQ(first_error(on_ranks(n, [&](int r) { g[r].broadcast(buf[r].data(), 1000, CommDType::kI32, 1); })), "");
+  ASSERT_EQ(first_error(on_ranks(n, [&](int r) { g[r].broadcast(buf[r].data(), 1000, DType::kI32, 1); })), "");
   for (int r = 0; r < n; ++r) EXPECT_EQ(buf[r], std::vector<int32_t>(1000, 7));
 }
 
@@ -883,8 +883,8 @@ TEST_P(Collectives, LocalFailureOnTheCommThreadReleasesTheOthers) {
   std::vector<std::vector<float>> buf(n, std::vector<float>(50, 1.0f));
   auto out = on_ranks(n, [&](int r) {
     // Rank 1 names a root that does not exist: its broadcast fails before it arrives.
-    auto a = g[r].async_broadcast(buf[r].data(), 50, CommDType::kF32, r == 1 ? n : 0);
-    auto b = g[r].async_all_reduce(buf[r].data(), buf[r].data(), 50, CommDType::kF32, ReduceOp::kSum);
+    auto a = g[r].async_broadcast(buf[r].data(), 50, DType::kF32, r == 1 ? n : 0);
+    auto b = g[r].async_all_reduce(buf[r].data(), buf[r].data(), 50, DType::kF32, ReduceOp::kSum);
     std::string errors;
     for (auto* w : {&a, &b}) try {
         (*w)->wait();
@@ -905,18 +905,18 @@ TEST_P(Collectives, LocalFailureOnTheCommThreadReleasesTheOthers) {
   ASSERT_EQ(first_error(on_ranks(
                 n,
                 [&](int r) {
-                  g[r].async_all_reduce(buf[r].data(), buf[r].data(), 50, CommDType::kF32, ReduceOp::kSum)->wait();
+                  g[r].async_all_reduce(buf[r].data(), buf[r].data(), 50, DType::kF32, ReduceOp::kSum)->wait();
                 })),
             "");
   EXPECT_EQ(buf[n - 1][0], float(n));
 }
 
 TEST(Comm, NamesAndSizes) {
-  EXPECT_EQ(comm_dtype_size(CommDType::kF32), 4u);
-  EXPECT_EQ(comm_dtype_size(CommDType::kF64), 8u);
-  EXPECT_EQ(comm_dtype_size(CommDType::kI32), 4u);
-  EXPECT_EQ(comm_dtype_size(CommDType::kI64), 8u);
-  EXPECT_STREQ(comm_dtype_name(CommDType::kI64), "i64");
+  EXPECT_EQ(dtype_size(DType::kF32), 4u);
+  EXPECT_EQ(dtype_size(DType::kF64), 8u);
+  EXPECT_EQ(dtype_size(DType::kI32), 4u);
+  EXPECT_EQ(dtype_size(DType::kI64), 8u);
+  EXPECT_STREQ(dtype_name(DType::kI64), "i64");
   EXPECT_STREQ(reduce_op_name(ReduceOp::kMean), "mean");
   Group g(1);
   EXPECT_STREQ(g[0].backend(), "threads");
@@ -928,7 +928,7 @@ TEST(Comm, BadArgumentsAreRefusedAndReleaseTheGroup) {
   Group g(1);
   float x = 1;
   try {
-    g[0].reduce(&x, &x, 1, CommDType::kF32, ReduceOp::kSum, 3);
+    g[0].reduce(&x, &x, 1, DType::kF32, ReduceOp::kSum, 3);
     ADD_FAILURE() << "root 3 accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::kInvalidArgument);
@@ -937,27 +937,27 @@ TEST(Comm, BadArgumentsAreRefusedAndReleaseTheGroup) {
   g.group.reset();
   float v[4] = {1, 2, 3, 4};
   try {
-    g[0].all_reduce(v, v + 1, 2, CommDType::kF32, ReduceOp::kSum);
+    g[0].all_reduce(v, v + 1, 2, DType::kF32, ReduceOp::kSum);
     ADD_FAILURE() << "a partial overlap accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::kInvalidArgument);
   }
   g.group.reset();
   try {
-    g[0].all_reduce(nullptr, v, 2, static_cast<CommDType>(9), ReduceOp::kSum);
+    g[0].all_reduce(nullptr, v, 2, static_cast<DType>(9), ReduceOp::kSum);
     ADD_FAILURE() << "dtype 9 accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::kInvalidArgument);
   }
   g.group.reset();
   try {  // bf16 crosses processes only (MPI, NCCL): threads share memory
-    g[0].all_reduce(v, v, 2, CommDType::kBF16, ReduceOp::kSum);
+    g[0].all_reduce(v, v, 2, DType::kBF16, ReduceOp::kSum);
     ADD_FAILURE() << "bf16 accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::kNotSupported) << e.what();
   }
   g.group.reset();
-  g[0].all_reduce(nullptr, nullptr, 0, CommDType::kF32, ReduceOp::kSum);  // count 0 needs no buffers
+  g[0].all_reduce(nullptr, nullptr, 0, DType::kF32, ReduceOp::kSum);  // count 0 needs no buffers
 }
 
 }  // namespace

@@ -202,17 +202,17 @@ TEST(ReduceKernels, Bf16SumsRoundInFloatAndMeansAndScalesAreTheModules) {
   std::vector<uint16_t> x(a.size()), y(a.size());
   for (size_t i = 0; i < a.size(); ++i) x[i] = to_bf16(a[i]), y[i] = to_bf16(b[i]);
   std::vector<uint16_t> sum = x;
-  reduce_into(CommDType::kBF16, ReduceOp::kSum, sum.data(), y.data(), sum.size());
+  reduce_into(DType::kBF16, ReduceOp::kSum, sum.data(), y.data(), sum.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(sum[i], to_bf16(from_bf16(x[i]) + from_bf16(y[i]))) << i;
   EXPECT_EQ(from_bf16(sum[0]), 1.0f);  // 1 + 2^-8 rounds back to 1 in bfloat16 (ties to even)
 
   std::vector<int32_t> ints = {7, -7, 8, -9};
-  divide_by(CommDType::kI32, ints.data(), ints.size(), 2);
+  divide_by(DType::kI32, ints.data(), ints.size(), 2);
   EXPECT_EQ(ints, (std::vector<int32_t>{3, -3, 4, -4}));  // truncates toward zero
   std::vector<float> f = {1.0f, -3.0f, 0.1f};
   scale_f32(f.data(), 0.5f, f.size());
   EXPECT_EQ(f, (std::vector<float>{0.5f, -1.5f, 0.05f}));
-  EXPECT_THROW(reduce_kernels(CommDType::kBF16, ReduceOp::kMax), Error);
+  EXPECT_THROW(reduce_kernels(DType::kBF16, ReduceOp::kMax), Error);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "common/error.h"
 #include "engine/engine.h"
 #include "kernels/cpu/kernels.h"
+#include "op_calls.h"
 
 namespace dpar {
 namespace {
@@ -142,9 +143,9 @@ TEST(Conv2dOp, ForwardAndEveryBackwardMatchADoubleReferenceAndItsFiniteDifferenc
               b = randn(static_cast<size_t>(g.spec.out_channels), seed++, 0.5f), dy = randn(g.out_size(), seed++);
     auto op = stream->make_conv2d(g.spec);
     Vec y(g.out_size()), dx(g.in_size(), 7.0f), dw(g.weight_size(), 7.0f), db(b.size(), 7.0f);
-    op->forward(y.data(), x.data(), w.data(), b.data(), g.N, g.H, g.W);
-    op->backward_data(dx.data(), dy.data(), w.data(), g.N, g.H, g.W);
-    op->backward_weights(dw.data(), db.data(), dy.data(), x.data(), g.N, g.H, g.W, false);
+    test::conv_forward(*op, g.spec, y.data(), x.data(), w.data(), b.data(), g.N, g.H, g.W);
+    test::conv_backward_data(*op, g.spec, dx.data(), dy.data(), w.data(), g.N, g.H, g.W);
+    test::conv_backward_weights(*op, g.spec, dw.data(), db.data(), dy.data(), x.data(), g.N, g.H, g.W, false);
 
     const auto xd = widen(x), wd = widen(w), bd = widen(b);
     EXPECT_LT(max_error(y, conv_ref(g, xd, wd, bd)), 1e-5);
@@ -158,7 +159,7 @@ TEST(Conv2dOp, ForwardAndEveryBackwardMatchADoubleReferenceAndItsFiniteDifferenc
 
     // accumulate adds to what is there.
     Vec dw2 = dw, db2 = db;
-    op->backward_weights(dw2.data(), db2.data(), dy.data(), x.data(), g.N, g.H, g.W, true);
+    test::conv_backward_weights(*op, g.spec, dw2.data(), db2.data(), dy.data(), x.data(), g.N, g.H, g.W, true);
     for (size_t i = 0; i < dw.size(); ++i) ASSERT_NEAR(dw2[i], 2 * dw[i], 1e-5 * std::max(1.0f, std::abs(dw[i])));
     if (g.spec.bias)
       for (size_t i = 0; i < db.size(); ++i) ASSERT_NEAR(db2[i], 2 * db[i], 1e-5 * std::max(1.0f, std::abs(db[i])));
@@ -184,9 +185,9 @@ void relu_epilogue_case(const Geometry& g) {
   fused_spec.epilogue = Epilogue::kRelu;
   auto fused = stream->make_conv2d(fused_spec);
   Vec y(g.out_size()), relu_y(g.out_size()), fused_y(g.out_size());
-  plain->forward(y.data(), x.data(), w.data(), b.data(), g.N, g.H, g.W);
-  stream->activation_forward(Activation::kRelu, relu_y.data(), y.data(), static_cast<int64_t>(y.size()));
-  fused->forward(fused_y.data(), x.data(), w.data(), b.data(), g.N, g.H, g.W);
+  test::conv_forward(*plain, g.spec, y.data(), x.data(), w.data(), b.data(), g.N, g.H, g.W);
+  test::activation_forward(*stream, Activation::kRelu, relu_y.data(), y.data(), static_cast<int64_t>(y.size()));
+  test::conv_forward(*fused, fused_spec, fused_y.data(), x.data(), w.data(), b.data(), g.N, g.H, g.W);
   size_t zeros = 0;
   for (size_t i = 0; i < y.size(); ++i) {
     ASSERT_NEAR(fused_y[i], relu_y[i], 1e-6f) << i;
@@ -196,12 +197,12 @@ void relu_epilogue_case(const Geometry& g) {
 
   // Backward: the caller masks dout with the fused output, then the op's backward equals conv-then-relu's.
   Vec dpre(dy.size()), dx_fused(g.in_size()), dx_plain(g.in_size()), dpre_plain(dy.size());
-  stream->activation_backward(Activation::kRelu, dpre.data(), dy.data(), nullptr, fused_y.data(),
-                              static_cast<int64_t>(dy.size()));
-  stream->activation_backward(Activation::kRelu, dpre_plain.data(), dy.data(), nullptr, relu_y.data(),
-                              static_cast<int64_t>(dy.size()));
-  fused->backward_data(dx_fused.data(), dpre.data(), w.data(), g.N, g.H, g.W);
-  plain->backward_data(dx_plain.data(), dpre_plain.data(), w.data(), g.N, g.H, g.W);
+  test::activation_backward(*stream, Activation::kRelu, dpre.data(), dy.data(), nullptr, fused_y.data(),
+                            static_cast<int64_t>(dy.size()));
+  test::activation_backward(*stream, Activation::kRelu, dpre_plain.data(), dy.data(), nullptr, relu_y.data(),
+                            static_cast<int64_t>(dy.size()));
+  test::conv_backward_data(*fused, fused_spec, dx_fused.data(), dpre.data(), w.data(), g.N, g.H, g.W);
+  test::conv_backward_data(*plain, g.spec, dx_plain.data(), dpre_plain.data(), w.data(), g.N, g.H, g.W);
   for (size_t i = 0; i < dx_fused.size(); ++i) ASSERT_NEAR(dx_fused[i], dx_plain[i], 1e-6f) << i;
 }
 
@@ -217,7 +218,7 @@ TEST(Conv2dOp, ShapesAlternateThroughItsCacheWithTheSameResults) {
     for (const Geometry* g : {&big, &small, &wide}) {
       const Vec x = randn(g->in_size(), 23 + static_cast<uint32_t>(g->N + g->W));
       Vec y(g->out_size());
-      op->forward(y.data(), x.data(), w.data(), b.data(), g->N, g->H, g->W);
+      test::conv_forward(*op, g->spec, y.data(), x.data(), w.data(), b.data(), g->N, g->H, g->W);
       EXPECT_LT(max_error(y, conv_ref(*g, widen(x), widen(w), widen(b))), 1e-5) << "round " << round;
     }
 }
@@ -279,8 +280,8 @@ TEST(Pool2dOp, ForwardAndBackwardMatchADoubleReferenceAndItsFiniteDifferences) {
     const Vec dy = randn(static_cast<size_t>(c.N * c.C * OH * OW), seed++);
     auto op = stream->make_pool2d(c.spec);
     Vec y(dy.size()), dx(x.size(), 7.0f);
-    op->forward(y.data(), x.data(), c.N, c.C, c.H, c.W);
-    op->backward(dx.data(), dy.data(), x.data(), y.data(), c.N, c.C, c.H, c.W);
+    test::pool_forward(*op, c.spec, y.data(), x.data(), c.N, c.C, c.H, c.W);
+    test::pool_backward(*op, c.spec, dx.data(), dy.data(), x.data(), y.data(), c.N, c.C, c.H, c.W);
     const auto xd = widen(x);
     EXPECT_LT(max_error(y, pool_ref(c.spec, c.N, c.C, c.H, c.W, xd)), 1e-6);
     EXPECT_LT(max_error(dx, finite_diff(xd, dy, [&](const auto& v) { return pool_ref(c.spec, c.N, c.C, c.H, c.W, v); })),
@@ -293,7 +294,8 @@ TEST(Pool2dOp, MaxBackwardWithoutItsForwardIsRefused) {
   auto op = stream->make_pool2d(pool_spec(PoolKind::kMax, 2, 2, 2, 2, 0, 0));
   Vec dy(4), dx(16);
   try {
-    op->backward(dx.data(), dy.data(), nullptr, nullptr, 1, 1, 4, 4);
+    test::pool_backward(*op, pool_spec(PoolKind::kMax, 2, 2, 2, 2, 0, 0), dx.data(), dy.data(), nullptr, nullptr, 1, 1, 4,
+                        4);
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::kInvalidState);
@@ -463,23 +465,11 @@ class BareStream final : public Stream {
   void copy_to_host(void*, const void*, size_t) override {}
   void fill_zero(void*, size_t) override {}
   void synchronize() override {}
-  void linear_forward(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t) override {}
-  void linear_backward(float*, float*, float*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                       bool) override {}
-  void activation_forward(Activation, float*, const float*, int64_t) override {}
-  void activation_backward(Activation, float*, const float*, const float*, const float*, int64_t) override {}
-  void dropout_forward(float*, float*, const float*, int64_t, float, uint64_t, uint64_t) override {}
-  void dropout_backward(float*, const float*, const float*, int64_t) override {}
-  void cross_entropy_forward_backward(double*, float*, const float*, const int32_t*, int64_t, int64_t,
-                                      float) override {}
-  void mse_forward_backward(double*, float*, const float*, const float*, int64_t, int64_t, float) override {}
-  void sgd_step(float*, float*, const float*, int64_t, const SgdHyper&, bool) override {}
-  void adam_step(float*, float*, float*, const float*, int64_t, const AdamHyper&, int64_t) override {}
-  void axpy(float*, const float*, float, int64_t) override {}
-  void scale(float*, float, int64_t) override {}
-  double sum_squares(const float*, int64_t) override { return 0.0; }
-  void to_bf16(uint16_t*, const float*, int64_t) override {}
-  void from_bf16(float*, const uint16_t*, int64_t) override {}
+  bool supports(const KernelKey&) const override { return true; }
+  double sum_squares(const TensorRef&) override { return 0.0; }
+
+ protected:
+  void execute(const KernelCall&) override {}
 };
 
 TEST(OpSeam, ABackendWithoutTheOpsAnswersNotSupportedNamingTheDeviceAndTheOp) {

@@ -90,20 +90,20 @@ TEST_P(CudaDeviceGroupTest, MatchesTheThreadsBackend) {
     expected[r] = h;
     // all_reduce (sum, out of place) after it, on the same stream.
     DeviceBuffer<float> out(count);
-    comm->all_reduce(d.get(), out.get(), count, CommDType::kF32, ReduceOp::kSum);
+    comm->all_reduce(d.get(), out.get(), count, DType::kF32, ReduceOp::kSum);
     std::vector<float> h_out(count);
-    ref->all_reduce(h.data(), h_out.data(), count, CommDType::kF32, ReduceOp::kSum);
+    ref->all_reduce(h.data(), h_out.data(), count, DType::kF32, ReduceOp::kSum);
     DPAR_CUDA_CHECK(cudaStreamSynchronize(ts.stream), "sync");
     got[r] = out.download();
     expected[r] = h_out;
     // all_gather (f32 blocks of 333) and broadcast from the last replica.
     const size_t block = 333;
     DeviceBuffer<float> g(block * n);
-    comm->all_gather(d.get(), g.get(), block, CommDType::kF32);
+    comm->all_gather(d.get(), g.get(), block, DType::kF32);
     gathered_ref[r].resize(block * n);
-    ref->all_gather(h.data(), gathered_ref[r].data(), block, CommDType::kF32);
+    ref->all_gather(h.data(), gathered_ref[r].data(), block, DType::kF32);
     DeviceBuffer<float> b(host[r]);
-    comm->broadcast(b.get(), count, CommDType::kF32, n - 1);
+    comm->broadcast(b.get(), count, DType::kF32, n - 1);
     DPAR_CUDA_CHECK(cudaStreamSynchronize(ts.stream), "sync");
     gathered[r] = g.download();
     bcast[r] = b.download();
@@ -134,11 +134,11 @@ TEST_P(CudaDeviceGroupTest, DoubleSumsMatchTheThreadsBackend) {
     auto comm = group.communicator(r, ts.stream);
     auto ref = reference.communicator(r);
     DeviceBuffer<double> d(host[r]), out(count);
-    comm->all_reduce(d.get(), d.get(), count, CommDType::kF64, ReduceOp::kSum);
-    comm->all_reduce(d.get(), out.get(), count, CommDType::kF64, ReduceOp::kSum);
+    comm->all_reduce(d.get(), d.get(), count, DType::kF64, ReduceOp::kSum);
+    comm->all_reduce(d.get(), out.get(), count, DType::kF64, ReduceOp::kSum);
     std::vector<double> h = host[r], h_out(count);
-    ref->all_reduce(h.data(), h.data(), count, CommDType::kF64, ReduceOp::kSum);
-    ref->all_reduce(h.data(), h_out.data(), count, CommDType::kF64, ReduceOp::kSum);
+    ref->all_reduce(h.data(), h.data(), count, DType::kF64, ReduceOp::kSum);
+    ref->all_reduce(h.data(), h_out.data(), count, DType::kF64, ReduceOp::kSum);
     DPAR_CUDA_CHECK(cudaStreamSynchronize(ts.stream), "sync");
     got[r] = d.download();
     got_out[r] = out.download();
@@ -237,7 +237,7 @@ TEST(NcclGroupTest, AllReduceSumAndBroadcastMatchTheThreadsBackend) {
     expected[r] = h;
     got[r] = d.download();
     DeviceBuffer<float> b(host[r]);
-    comm->broadcast(b.get(), count, CommDType::kF32, 0);
+    comm->broadcast(b.get(), count, DType::kF32, 0);
     bcast[r] = b.download();
   });
   for (int r = 0; r < n; ++r) {

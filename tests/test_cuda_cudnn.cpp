@@ -25,6 +25,7 @@
 #include "backend/stream.h"
 #include "common/error.h"
 #include "cuda_test_util.h"
+#include "op_calls.h"
 #include "platform/cuda/cuda_check.h"
 
 #ifdef DPAR_HAVE_CUDNN_HEADERS
@@ -168,18 +169,18 @@ ConvResults run_conv(Conv2dOp& op, bool gpu, const ConvCase& c, const Vec& x, co
   const Vec nan_w(c.weight(), NAN), nan_b(b.size(), NAN);
   if (!gpu) {
     r.y.assign(c.out(), 0.0f), r.dx.assign(c.in(), NAN), r.dw = nan_w, r.db = nan_b, r.dw_acc = gw0, r.db_acc = gb0;
-    op.forward(r.y.data(), x.data(), w.data(), b.data(), c.N, c.H, c.W);
-    op.backward_data(r.dx.data(), dy.data(), w.data(), c.N, c.H, c.W);
-    op.backward_weights(r.dw.data(), r.db.data(), dy.data(), x.data(), c.N, c.H, c.W, false);
-    op.backward_weights(r.dw_acc.data(), r.db_acc.data(), dy.data(), x.data(), c.N, c.H, c.W, true);
+    test::conv_forward(op, c.spec, r.y.data(), x.data(), w.data(), b.data(), c.N, c.H, c.W);
+    test::conv_backward_data(op, c.spec, r.dx.data(), dy.data(), w.data(), c.N, c.H, c.W);
+    test::conv_backward_weights(op, c.spec, r.dw.data(), r.db.data(), dy.data(), x.data(), c.N, c.H, c.W, false);
+    test::conv_backward_weights(op, c.spec, r.dw_acc.data(), r.db_acc.data(), dy.data(), x.data(), c.N, c.H, c.W, true);
     return r;
   }
   auto dx_ = on_gpu(Vec(c.in(), NAN)), y_ = on_gpu(Vec(c.out(), NAN)), x_ = on_gpu(x), w_ = on_gpu(w), b_ = on_gpu(b),
        dy_ = on_gpu(dy), dw_ = on_gpu(nan_w), db_ = on_gpu(nan_b), dwa_ = on_gpu(gw0), dba_ = on_gpu(gb0);
-  op.forward(y_->get(), x_->get(), w_->get(), b_->get(), c.N, c.H, c.W);
-  op.backward_data(dx_->get(), dy_->get(), w_->get(), c.N, c.H, c.W);
-  op.backward_weights(dw_->get(), db_->get(), dy_->get(), x_->get(), c.N, c.H, c.W, false);
-  op.backward_weights(dwa_->get(), dba_->get(), dy_->get(), x_->get(), c.N, c.H, c.W, true);
+  test::conv_forward(op, c.spec, y_->get(), x_->get(), w_->get(), b_->get(), c.N, c.H, c.W);
+  test::conv_backward_data(op, c.spec, dx_->get(), dy_->get(), w_->get(), c.N, c.H, c.W);
+  test::conv_backward_weights(op, c.spec, dw_->get(), db_->get(), dy_->get(), x_->get(), c.N, c.H, c.W, false);
+  test::conv_backward_weights(op, c.spec, dwa_->get(), dba_->get(), dy_->get(), x_->get(), c.N, c.H, c.W, true);
   r.y = y_->download(), r.dx = dx_->download(), r.dw = dw_->download(), r.db = db_->download();
   r.dw_acc = dwa_->download(), r.db_acc = dba_->download();
   return r;
@@ -278,18 +279,18 @@ TEST(CudnnConv2d, NoRowsAndUnwantedGradients) {
   const ConvCase c{"", conv(2, 3, 3, 3, 1, 1, 1, 1), 2, 4, 4};
   auto op = s.gpu->make_conv2d(c.spec);
   auto dw = on_gpu(Vec(c.weight(), 5.0f)), db = on_gpu(Vec(3, 5.0f));
-  op->backward_weights(dw->get(), db->get(), nullptr, nullptr, 0, 4, 4, true);  // accumulating nothing
+  test::conv_backward_weights(*op, c.spec, dw->get(), db->get(), nullptr, nullptr, 0, 4, 4, true);  // accumulating nothing
   EXPECT_TRUE(bitwise_equal(dw->download(), Vec(c.weight(), 5.0f)));
-  op->backward_weights(dw->get(), db->get(), nullptr, nullptr, 0, 4, 4, false);  // no rows: a zero gradient
+  test::conv_backward_weights(*op, c.spec, dw->get(), db->get(), nullptr, nullptr, 0, 4, 4, false);  // no rows: a zero gradient
   EXPECT_TRUE(bitwise_equal(dw->download(), Vec(c.weight(), 0.0f)));
   EXPECT_TRUE(bitwise_equal(db->download(), Vec(3, 0.0f)));
   // Only the bias's gradient wanted: the weights' stays as it is.
   const Vec x = random_vector(c.in(), 1), dy = random_vector(c.out(), 2);
   auto x_ = on_gpu(x), dy_ = on_gpu(dy), dw2 = on_gpu(Vec(c.weight(), 5.0f));
-  op->backward_weights(nullptr, db->get(), dy_->get(), x_->get(), c.N, c.H, c.W, false);
+  test::conv_backward_weights(*op, c.spec, nullptr, db->get(), dy_->get(), x_->get(), c.N, c.H, c.W, false);
   auto cpu_op = s.cpu->make_conv2d(c.spec);
   Vec dw_ref(c.weight()), db_ref(3);
-  cpu_op->backward_weights(dw_ref.data(), db_ref.data(), dy.data(), x.data(), c.N, c.H, c.W, false);
+  test::conv_backward_weights(*cpu_op, c.spec, dw_ref.data(), db_ref.data(), dy.data(), x.data(), c.N, c.H, c.W, false);
   EXPECT_LT(normalised_error(db->download(), db_ref), kConvTolerance);
 }
 
@@ -299,7 +300,7 @@ TEST(CudnnConv2d, ShapesBeyond32BitsAreRefusedWithAReason) {
   auto op = s.gpu->make_conv2d(conv(3, 4, 3, 3, 1, 1, 1, 1));
   try {
     // 2^20 * 3 * 1024 * 1024 elements: refused while the shape is prepared, before any memory is read.
-    op->forward(nullptr, nullptr, nullptr, nullptr, int64_t{1} << 20, 1024, 1024);
+    test::conv_forward(*op, conv(3, 4, 3, 3, 1, 1, 1, 1), nullptr, nullptr, nullptr, nullptr, int64_t{1} << 20, 1024, 1024);
     FAIL() << "no throw";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::kNotSupported);
@@ -313,7 +314,7 @@ TEST(CudnnConv2d, AnOpThatOutlivesItsStreamSaysSo) {
   auto op = stream->make_conv2d(conv(1, 1, 1, 1));
   stream.reset();
   try {
-    op->forward(nullptr, nullptr, nullptr, nullptr, 1, 1, 1);
+    test::conv_forward(*op, conv(1, 1, 1, 1), nullptr, nullptr, nullptr, nullptr, 1, 1, 1);
     FAIL() << "no throw";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::kInvalidState);
@@ -349,8 +350,8 @@ void expect_pool_matches_cpu(Streams& s, Pool2dOp& gpu_op, const PoolCase& c, ui
   const Vec dy = random_vector(c.out(), seed + 1);
   auto cpu_op = s.cpu->make_pool2d(c.spec);
   Vec y(c.out()), dx(c.in(), NAN);
-  cpu_op->forward(y.data(), x.data(), c.N, c.C, c.H, c.W);
-  cpu_op->backward(dx.data(), dy.data(), x.data(), y.data(), c.N, c.C, c.H, c.W);
+  test::pool_forward(*cpu_op, c.spec, y.data(), x.data(), c.N, c.C, c.H, c.W);
+  test::pool_backward(*cpu_op, c.spec, dx.data(), dy.data(), x.data(), y.data(), c.N, c.C, c.H, c.W);
   if (c.ties) {  // the case must hold ties to test their rule: windows whose maximum occurs more than once in them
     const int64_t OH = c.spec.out_h(c.H), OW = c.spec.out_w(c.W);
     size_t tied = 0;
@@ -368,8 +369,8 @@ void expect_pool_matches_cpu(Streams& s, Pool2dOp& gpu_op, const PoolCase& c, ui
     EXPECT_GT(tied, y.size() / 8) << "the case should hold windows with several maxima";  // ~37% for 2x2
   }
   auto x_ = on_gpu(x), dy_ = on_gpu(dy), y_ = on_gpu(Vec(c.out(), NAN)), dx_ = on_gpu(Vec(c.in(), NAN));
-  gpu_op.forward(y_->get(), x_->get(), c.N, c.C, c.H, c.W);
-  gpu_op.backward(dx_->get(), dy_->get(), x_->get(), y_->get(), c.N, c.C, c.H, c.W);
+  test::pool_forward(gpu_op, c.spec, y_->get(), x_->get(), c.N, c.C, c.H, c.W);
+  test::pool_backward(gpu_op, c.spec, dx_->get(), dy_->get(), x_->get(), y_->get(), c.N, c.C, c.H, c.W);
   const Vec gy = y_->download(), gdx = dx_->download();
   if (c.spec.kind == PoolKind::kMax) {
     // A maximum is one of the inputs, and each input's gradient a sum of the dy of the windows it won (several only
@@ -431,8 +432,8 @@ TEST(CudnnPool2d, TwoRunsGiveTheSameBits) {
   auto x_ = on_gpu(x), dy_ = on_gpu(dy), y_ = on_gpu(Vec(c.out())), dx_ = on_gpu(Vec(c.in()));
   Vec first;
   for (int run = 0; run < 2; ++run) {
-    op->forward(y_->get(), x_->get(), c.N, c.C, c.H, c.W);
-    op->backward(dx_->get(), dy_->get(), x_->get(), y_->get(), c.N, c.C, c.H, c.W);
+    test::pool_forward(*op, c.spec, y_->get(), x_->get(), c.N, c.C, c.H, c.W);
+    test::pool_backward(*op, c.spec, dx_->get(), dy_->get(), x_->get(), y_->get(), c.N, c.C, c.H, c.W);
     if (run == 0)
       first = dx_->download();
     else

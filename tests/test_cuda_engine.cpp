@@ -177,7 +177,7 @@ std::vector<float> float_buffers(const Engine& e, size_t replica) {
   std::vector<float> all;
   const auto& specs = e.model().buffers();
   for (size_t i = 0; i < specs.size(); ++i) {
-    if (specs[i].dtype != BufferDType::kF32) continue;
+    if (specs[i].dtype != DType::kF32) continue;
     std::vector<float> v(static_cast<size_t>(specs[i].shape.numel()));
     e.read_buffer(v.data(), replica, i);
     all.insert(all.end(), v.begin(), v.end());
@@ -414,7 +414,7 @@ TEST(CudaEngine, BatchNormOnTwoGpuReplicasEqualsTwoCpuDevices) {
     for (size_t i = 0; i < m.buffers().size(); ++i) {
       const BufferInfo& b = m.buffers()[i];
       SCOPED_TRACE(b.name);
-      if (b.dtype == BufferDType::kI64) {
+      if (b.dtype == DType::kI64) {
         int64_t got = 0, want = 0;
         gpu.read_buffer(&got, 0, i);
         cpu.read_buffer(&want, 0, i);

@@ -335,6 +335,18 @@ struct Activation {
   if (err <= a.normalised) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << "normalised error " << err << " > " << a.normalised;
 }
+// SiLU, defined once for both (kernels/pointwise.h), through the generic pointwise kernels.
+void cpu_silu_fwd(float* out, const float* inp, int64_t n) { cpu::pointwise_forward<kernels::Silu>(out, inp, n); }
+void cpu_silu_bwd(float* dinp, const float* dout, const float* inp, int64_t n) {
+  cpu::pointwise_backward<kernels::Silu>(dinp, dout, inp, nullptr, n);
+}
+void gpu_silu_fwd(float* out, const float* inp, int64_t n, cudaStream_t s) {
+  gpu::pointwise_forward<kernels::Silu>(out, inp, n, s);
+}
+void gpu_silu_bwd(float* dinp, const float* dout, const float* inp, int64_t n, cudaStream_t s) {
+  gpu::pointwise_backward<kernels::Silu>(dinp, dout, inp, nullptr, n, s);
+}
+
 const Activation kActivations[] = {
     {"relu", cpu::relu_forward, cpu::relu_backward, gpu::relu_forward, gpu::relu_backward, false, 0, 0.0},
     // erff, expf and tanhf are within 2 ulp of the true value in CUDA and in glibc, so within 4 of each other.
@@ -344,6 +356,8 @@ const Activation kActivations[] = {
     {"tanh", cpu::tanh_forward, cpu::tanh_backward, gpu::tanh_forward, gpu::tanh_backward, false, 4, 0.0},
     {"sigmoid", cpu::sigmoid_forward, cpu::sigmoid_backward, gpu::sigmoid_forward, gpu::sigmoid_backward, false, 4,
      0.0},
+    // expf within 2 ulp on each side; the quotient and products add a few more: compared as GELU is.
+    {"silu", cpu_silu_fwd, cpu_silu_bwd, gpu_silu_fwd, gpu_silu_bwd, true, -1, 1e-6},
 };
 
 TEST_F(CudaKernels, ActivationsMatchCpu) {

@@ -27,6 +27,7 @@
 #include "kernels/cpu/batchnorm.h"
 #include "kernels/cpu/norm_embedding.h"
 #include "kernels/cuda/kernels.h"
+#include "op_calls.h"
 
 namespace dpar {
 namespace {
@@ -203,7 +204,7 @@ TEST_F(CudaNorm, BatchNormApplyAndBackwardApplyAreTheCpusBitForBit) {
       cpu::batchnorm_apply(want.data(), x.data(), mean_invstd.data(), affine ? w.data() : nullptr,
                            affine ? b.data() : nullptr, s.N, s.C, s.L);
       gpu::batchnorm_apply(out.get(), dx.get(), dmi.get(), affine ? dw.get() : nullptr, affine ? db.get() : nullptr,
-                           s.N, s.C, s.L, stream_);
+                           s.N, s.C, s.L, false, stream_);
       EXPECT_TRUE(bitwise_equal(out.download(), want));
       for (bool training : {true, false}) {
         for (bool accumulate : {false, true}) {
@@ -261,7 +262,7 @@ TEST_F(CudaNorm, BatchNormTrainingStepMatchesCpu) {
     DeviceBuffer<double> gsums(2 * c), gmi(2 * c), glocal(2 * c);
     gpu::batchnorm_stats(gsums.get(), gx.get(), s.N, s.C, s.L, stream_);
     gpu::batchnorm_moments(gmi.get(), grm.get(), grv.get(), nullptr, gsums.get(), count, s.C, 1e-5f, 0.1f, stream_);
-    gpu::batchnorm_apply(gout.get(), gx.get(), gmi.get(), gw.get(), gb.get(), s.N, s.C, s.L, stream_);
+    gpu::batchnorm_apply(gout.get(), gx.get(), gmi.get(), gw.get(), gb.get(), s.N, s.C, s.L, false, stream_);
     gpu::batchnorm_backward_reduce(glocal.get(), gdy.get(), gx.get(), gmi.get(), s.N, s.C, s.L, stream_);
     gpu::batchnorm_backward_apply(gdinp.get(), gdw.get(), gdb.get(), glocal.get(), glocal.get(), count, gdy.get(),
                                   gx.get(), gmi.get(), gw.get(), s.N, s.C, s.L, false, stream_);
@@ -458,11 +459,11 @@ TEST(CudaNormStream, EveryKernelRunsThroughTheCudaStream) {
   std::vector<float> rm(c, 0.0f), rv(c, 1.0f), out(n), dinp(n), dw(c), db(c);
   std::vector<int64_t> nbt = {0};
   const double count = N * L;
-  cs->batchnorm_stats(sums.data(), x.data(), N, C, L);
-  cs->batchnorm_moments(mi.data(), rm.data(), rv.data(), nbt.data(), sums.data(), count, C, 1e-5f, 0.1f);
-  cs->batchnorm_apply(out.data(), x.data(), mi.data(), w.data(), b.data(), N, C, L);
-  cs->batchnorm_backward_reduce(local.data(), dy.data(), x.data(), mi.data(), N, C, L);
-  cs->batchnorm_backward_apply(dinp.data(), dw.data(), db.data(), local.data(), local.data(), count, dy.data(),
+  test::batchnorm_stats(*cs, sums.data(), x.data(), N, C, L);
+  test::batchnorm_moments(*cs, mi.data(), rm.data(), rv.data(), nbt.data(), sums.data(), count, C, 1e-5f, 0.1f);
+  test::batchnorm_apply(*cs, out.data(), x.data(), mi.data(), w.data(), b.data(), N, C, L);
+  test::batchnorm_backward_reduce(*cs, local.data(), dy.data(), x.data(), mi.data(), N, C, L);
+  test::batchnorm_backward_apply(*cs, dinp.data(), dw.data(), db.data(), local.data(), local.data(), count, dy.data(),
                                x.data(), mi.data(), w.data(), N, C, L, false);
   float *gx = up(x), *gdy = up(dy), *gw = up(w), *gb = up(b), *grm = up(std::vector<float>(c, 0.0f)),
         *grv = up(std::vector<float>(c, 1.0f)), *gout = up(std::vector<float>(n)), *gdinp = up(std::vector<float>(n)),
@@ -470,11 +471,11 @@ TEST(CudaNormStream, EveryKernelRunsThroughTheCudaStream) {
   double *gsums = up(std::vector<double>(2 * c + 1)), *gmi = up(std::vector<double>(2 * c)),
          *glocal = up(std::vector<double>(2 * c));
   int64_t* gnbt = up(std::vector<int64_t>{0});
-  gs->batchnorm_stats(gsums, gx, N, C, L);
-  gs->batchnorm_moments(gmi, grm, grv, gnbt, gsums, count, C, 1e-5f, 0.1f);
-  gs->batchnorm_apply(gout, gx, gmi, gw, gb, N, C, L);
-  gs->batchnorm_backward_reduce(glocal, gdy, gx, gmi, N, C, L);
-  gs->batchnorm_backward_apply(gdinp, gdw, gdb, glocal, glocal, count, gdy, gx, gmi, gw, N, C, L, false);
+  test::batchnorm_stats(*gs, gsums, gx, N, C, L);
+  test::batchnorm_moments(*gs, gmi, grm, grv, gnbt, gsums, count, C, 1e-5f, 0.1f);
+  test::batchnorm_apply(*gs, gout, gx, gmi, gw, gb, N, C, L);
+  test::batchnorm_backward_reduce(*gs, glocal, gdy, gx, gmi, N, C, L);
+  test::batchnorm_backward_apply(*gs, gdinp, gdw, gdb, glocal, glocal, count, gdy, gx, gmi, gw, N, C, L, false);
   EXPECT_LE(normalised_error(down(gout, n), out), kTwoUlps);
   EXPECT_LE(normalised_error(down(grm, c), rm), kTwoUlps);
   EXPECT_LE(normalised_error(down(grv, c), rv), kTwoUlps);
@@ -483,10 +484,10 @@ TEST(CudaNormStream, EveryKernelRunsThroughTheCudaStream) {
   EXPECT_LE(normalised_error(down(gdb, c), db), kTwoUlps);
   EXPECT_EQ(down(gnbt, 1)[0], 1);
   // Eval: the running statistics as constants.
-  cs->batchnorm_moments(mi.data(), rm.data(), rv.data(), nullptr, nullptr, 0.0, C, 1e-5f, 0.0f);
-  cs->batchnorm_apply(out.data(), x.data(), mi.data(), w.data(), b.data(), N, C, L);
-  gs->batchnorm_moments(gmi, grm, grv, nullptr, nullptr, 0.0, C, 1e-5f, 0.0f);
-  gs->batchnorm_apply(gout, gx, gmi, gw, gb, N, C, L);
+  test::batchnorm_moments(*cs, mi.data(), rm.data(), rv.data(), nullptr, nullptr, 0.0, C, 1e-5f, 0.0f);
+  test::batchnorm_apply(*cs, out.data(), x.data(), mi.data(), w.data(), b.data(), N, C, L);
+  test::batchnorm_moments(*gs, gmi, grm, grv, nullptr, nullptr, 0.0, C, 1e-5f, 0.0f);
+  test::batchnorm_apply(*gs, gout, gx, gmi, gw, gb, N, C, L);
   EXPECT_LE(normalised_error(down(gout, n), out), kTwoUlps);
 
   // LayerNorm (N,D) = (5,40).
@@ -496,14 +497,14 @@ TEST(CudaNormStream, EveryKernelRunsThroughTheCudaStream) {
              lb = random_vector(D, 8);
   std::vector<float> ly(nd), ldinp(nd), ldw(D), ldb(D);
   std::vector<double> lmr(10);
-  cs->layernorm_forward(ly.data(), lmr.data(), lx.data(), lw.data(), lb.data(), 5, D, 1e-5f);
-  cs->layernorm_backward(ldinp.data(), ldw.data(), ldb.data(), ldy.data(), lx.data(), lmr.data(), lw.data(), 5, D,
+  test::layernorm_forward(*cs, ly.data(), lmr.data(), lx.data(), lw.data(), lb.data(), 5, D, 1e-5f);
+  test::layernorm_backward(*cs, ldinp.data(), ldw.data(), ldb.data(), ldy.data(), lx.data(), lmr.data(), lw.data(), 5, D,
                          false);
   float *glx = up(lx), *gldy = up(ldy), *glw = up(lw), *glb = up(lb), *gly = up(std::vector<float>(nd)),
         *gldinp = up(std::vector<float>(nd)), *gldw = up(std::vector<float>(D)), *gldb = up(std::vector<float>(D));
   double* glmr = up(std::vector<double>(10));
-  gs->layernorm_forward(gly, glmr, glx, glw, glb, 5, D, 1e-5f);
-  gs->layernorm_backward(gldinp, gldw, gldb, gldy, glx, glmr, glw, 5, D, false);
+  test::layernorm_forward(*gs, gly, glmr, glx, glw, glb, 5, D, 1e-5f);
+  test::layernorm_backward(*gs, gldinp, gldw, gldb, gldy, glx, glmr, glw, 5, D, false);
   EXPECT_LE(normalised_error(down(gly, nd), ly), kTwoUlps);
   EXPECT_LE(normalised_error(down(gldinp, nd), ldinp), kTwoUlps);
   EXPECT_LE(normalised_error(down(gldw, D), ldw), kTwoUlps);
@@ -514,12 +515,12 @@ TEST(CudaNormStream, EveryKernelRunsThroughTheCudaStream) {
   const auto idx = random_indices(NI, V, 9);
   const auto ew = random_vector(V * E, 10), edy = random_vector(NI * E, 11);
   std::vector<float> eo(NI * E), edw(V * E);
-  cs->embedding_forward(eo.data(), idx.data(), ew.data(), NI, V, E);
-  cs->embedding_backward(edw.data(), edy.data(), idx.data(), NI, V, E, 3, false);
+  test::embedding_forward(*cs, eo.data(), idx.data(), ew.data(), NI, V, E);
+  test::embedding_backward(*cs, edw.data(), edy.data(), idx.data(), NI, V, E, 3, false);
   int32_t* gidx = up(idx);
   float *gew = up(ew), *gedy = up(edy), *geo = up(std::vector<float>(NI * E)), *gedw = up(std::vector<float>(V * E));
-  gs->embedding_forward(geo, gidx, gew, NI, V, E);
-  gs->embedding_backward(gedw, gedy, gidx, NI, V, E, 3, false);
+  test::embedding_forward(*gs, geo, gidx, gew, NI, V, E);
+  test::embedding_backward(*gs, gedw, gedy, gidx, NI, V, E, 3, false);
   EXPECT_TRUE(bitwise_equal(down(geo, NI * E), eo));
   EXPECT_TRUE(bitwise_equal(down(gedw, V * E), edw));
 

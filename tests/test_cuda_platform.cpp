@@ -18,6 +18,7 @@
 #include "cuda_test_util.h"
 #include "platform/cuda/cuda_check.h"
 #include "platform/cuda/nccl_library.h"
+#include "op_calls.h"
 
 namespace dpar {
 namespace {
@@ -370,7 +371,7 @@ TEST(CudaStreams, OnlyTheFirstGemmOfAStreamLoadsCublas) {
   stream->synchronize();
   EXPECT_FALSE(cublas_loaded()) << "a stream that ran no GEMM loaded cuBLAS";
   // y (1,2) = x (1,2) @ w (2,2)^T, with w = x's four values
-  stream->linear_forward(y, x, x, nullptr, 1, 2, 2);
+  test::linear_forward(*stream, y, x, x, nullptr, 1, 2, 2);
   std::vector<float> out(2);
   stream->copy_to_host(out.data(), y, sizeof(float) * 2);
   EXPECT_TRUE(cublas_loaded());

@@ -651,11 +651,11 @@ int64_t row_width(const std::vector<int64_t>& row) {
 
 // A head followed by a ReLU, and a classifier; with `apart`, a view between the head and the ReLU keeps the ReLU a
 // node of its own (the pass fuses only a ReLU that reads the layer directly and alone).
-Model head_then_relu(int head, bool apart) {
+Model head_then_relu(int head, bool apart, Activation activation = Activation::kRelu) {
   Model m(11);
   const std::vector<int64_t> row = add_head(m, head);
   if (apart) m.add_reshape(row);
-  m.add(make_activation(Activation::kRelu));
+  m.add(make_activation(activation));
   m.add_flatten();
   m.add(make_linear(row_width(row), 4, true));
   return m;
@@ -698,6 +698,23 @@ TEST(Fusion, AReluRunsAsTheEpilogueOfTheLayerBeforeItWithTheSameBits) {
     EXPECT_EQ(fused.buffers, apart.buffers);
     EXPECT_GT(*std::max_element(fused.grads.begin(), fused.grads.end()), 0.0f) << "no gradient reached the parameters";
   }
+}
+
+// A GELU after a linear layer is its epilogue too: where a backend does not fuse it, Stream::run composes it from
+// the GEMM (into the pre-activation the layer keeps) and the activation, the same bits as the two nodes apart.
+// Tanh and sigmoid are no epilogue: they stay nodes.
+TEST(Fusion, AGeluRunsAsTheEpilogueOfALinearLayerWithTheSameBits) {
+  const Step fused = run_step(head_then_relu(0, false, Activation::kGelu), Shape{5, 8});
+  const Step apart = run_step(head_then_relu(0, true, Activation::kGelu), Shape{5, 8});
+  EXPECT_EQ(fused.fused, 1u);
+  EXPECT_EQ(apart.fused, 0u);
+  EXPECT_EQ(fused.out, apart.out);
+  EXPECT_EQ(fused.grads, apart.grads);
+  EXPECT_GT(*std::max_element(fused.grads.begin(), fused.grads.end()), 0.0f) << "no gradient reached the parameters";
+  EXPECT_EQ(run_step(head_then_relu(0, false, Activation::kTanh), Shape{5, 8}).fused, 0u);
+  // A convolution and a BatchNorm take a ReLU only: a GELU after them stays a node.
+  EXPECT_EQ(run_step(head_then_relu(1, false, Activation::kGelu), Shape{5, 8}).fused, 0u);
+  EXPECT_EQ(run_step(head_then_relu(3, false, Activation::kGelu), Shape{5, 8}).fused, 0u);
 }
 
 // ---- Readers of a head's output besides its ReLU, and sums that are not the first to write a gradient ---------

@@ -379,6 +379,30 @@ TEST(Activations, GeluBackward) {
   check_activation_backward(k::gelu_forward, k::gelu_backward, false, x, "gelu");
 }
 
+// SiLU is defined once (kernels/pointwise.h) for the CPU and CUDA kernels alike.
+void silu_forward(float* out, const float* inp, int64_t n) { k::pointwise_forward<dpar::kernels::Silu>(out, inp, n); }
+void silu_backward(float* dinp, const float* dout, const float* inp, int64_t n) {
+  k::pointwise_backward<dpar::kernels::Silu>(dinp, dout, inp, nullptr, n);
+}
+
+TEST(Activations, SiluForwardMatchesItsFormulaAndBackwardItsFiniteDifferences) {
+  const Vec x = activation_inputs();
+  Vec y(x.size()), d(x.size());
+  silu_forward(y.data(), x.data(), static_cast<int64_t>(x.size()));
+  const Vec dout = uniform(x.size(), 5);
+  silu_backward(d.data(), dout.data(), x.data(), static_cast<int64_t>(x.size()));
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double xd = x[i], s = 1.0 / (1.0 + std::exp(-xd));
+    EXPECT_NEAR(y[i], xd * s, 1e-6 + 1e-6 * std::fabs(xd * s)) << "x=" << x[i];
+    EXPECT_NEAR(d[i], dout[i] * s * (1.0 + xd * (1.0 - s)), 1e-6) << "x=" << x[i];
+  }
+  check_activation_backward(silu_forward, silu_backward, false, x, "silu");
+  // In place.
+  Vec z = x;
+  silu_forward(z.data(), z.data(), static_cast<int64_t>(z.size()));
+  EXPECT_EQ(z, y);
+}
+
 TEST(Activations, TanhForwardAndBackward) {
   const Vec x = activation_inputs();
   Vec y(x.size());

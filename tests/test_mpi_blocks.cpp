@@ -82,22 +82,22 @@ TEST(MpiBlocks, MismatchMessagesAreTheThreadsBackendsWordForWord) {
   using Call = std::function<void(Communicator&, int, std::vector<float>&)>;
   const std::vector<Call> mismatches = {
       [](Communicator& c, int r, std::vector<float>& b) {
-        c.all_reduce(b.data(), b.data(), r == 1 ? 18 : 17, CommDType::kF32, ReduceOp::kSum);
+        c.all_reduce(b.data(), b.data(), r == 1 ? 18 : 17, DType::kF32, ReduceOp::kSum);
       },
       [](Communicator& c, int r, std::vector<float>& b) {
         if (r == 1)
-          c.broadcast(b.data(), 17, CommDType::kF32, 0);
+          c.broadcast(b.data(), 17, DType::kF32, 0);
         else
-          c.all_reduce(b.data(), b.data(), 17, CommDType::kF32, ReduceOp::kMax);
+          c.all_reduce(b.data(), b.data(), 17, DType::kF32, ReduceOp::kMax);
       },
       [](Communicator& c, int r, std::vector<float>& b) {
-        c.reduce(b.data(), b.data(), 8, r == 0 ? CommDType::kI32 : CommDType::kF32, ReduceOp::kSum, r == 0 ? 0 : 1);
+        c.reduce(b.data(), b.data(), 8, r == 0 ? DType::kI32 : DType::kF32, ReduceOp::kSum, r == 0 ? 0 : 1);
       },
       [](Communicator& c, int r, std::vector<float>& b) {
         if (r == 0)
           c.barrier("checkpoint");
         else
-          c.all_gather(b.data(), b.data(), 0, CommDType::kF32);
+          c.all_gather(b.data(), b.data(), 0, DType::kF32);
       },
       [](Communicator& c, int r, std::vector<float>& b) {
         if (r == 1)

@@ -66,11 +66,11 @@ Outcome outcome(F&& f) {
 }
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-template <class T> constexpr CommDType dtype_of();
-template <> constexpr CommDType dtype_of<float>() { return CommDType::kF32; }
-template <> constexpr CommDType dtype_of<double>() { return CommDType::kF64; }
-template <> constexpr CommDType dtype_of<int32_t>() { return CommDType::kI32; }
-template <> constexpr CommDType dtype_of<int64_t>() { return CommDType::kI64; }
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::kF32; }
+template <> constexpr DType dtype_of<double>() { return DType::kF64; }
+template <> constexpr DType dtype_of<int32_t>() { return DType::kI32; }
+template <> constexpr DType dtype_of<int64_t>() { return DType::kI64; }
 
 // Element i of rank r's contribution (`salt` varies it between blocks). Mixed signs, so that integer means
 // truncate negative sums too; i64 values use the high bits.
@@ -120,8 +120,8 @@ long first_difference(const T* got, size_t count, W&& want) {
 const size_t kCounts[] = {0, 1, 17, 1000, 5000, 100003};
 const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kMax, ReduceOp::kMin};
 
-std::string label(const char* what, CommDType dtype, ReduceOp op, size_t count, bool in_place, int root = -1) {
-  return detail::concat(what, " ", comm_dtype_name(dtype), " ", reduce_op_name(op), " count ", count,
+std::string label(const char* what, DType dtype, ReduceOp op, size_t count, bool in_place, int root = -1) {
+  return detail::concat(what, " ", dtype_name(dtype), " ", reduce_op_name(op), " count ", count,
                         in_place ? " in place" : " out of place", root >= 0 ? " root " : "",
                         root >= 0 ? std::to_string(root) : "");
 }
@@ -192,7 +192,7 @@ class Collectives : public ::testing::TestWithParam<MpiOptions::Transfer> {
     const int n = comm_->size(), r = comm_->rank();
     for (size_t count : kCounts)
       for (int mode = 0; mode < 3; ++mode) {
-        SCOPED_TRACE(detail::concat("all_gather ", comm_dtype_name(dtype_of<T>()), " count ", count, " mode ", mode));
+        SCOPED_TRACE(detail::concat("all_gather ", dtype_name(dtype_of<T>()), " count ", count, " mode ", mode));
         std::vector<T> send(count), recv(count * n, sentinel<T>());
         T* contribution = mode == 0 ? send.data() : mode == 1 ? recv.data() + r * count : recv.data();
         for (size_t i = 0; i < count; ++i) contribution[i] = value<T>(r, i);
@@ -210,7 +210,7 @@ class Collectives : public ::testing::TestWithParam<MpiOptions::Transfer> {
     for (size_t count : kCounts)
       for (ReduceOp op : kOps)
         for (int mode = 0; mode < 3; ++mode) {
-          SCOPED_TRACE(detail::concat("reduce_scatter ", comm_dtype_name(dtype_of<T>()), " ", reduce_op_name(op),
+          SCOPED_TRACE(detail::concat("reduce_scatter ", dtype_name(dtype_of<T>()), " ", reduce_op_name(op),
                                       " count ", count, " mode ", mode));
           // Block b of every rank's send holds value(rank, i, salt = b).
           std::vector<T> send(count * n), recv(count, sentinel<T>());
@@ -269,7 +269,7 @@ TEST_P(Collectives, Bf16AllReduceSumsInFloatAndEveryRankGetsTheSameBits) {
     auto exact = [](int rank, size_t i) { return static_cast<float>(static_cast<int>((rank + 3 * i) % 9) - 4) * 0.25f; };
     std::vector<uint16_t> mine(count);
     for (size_t i = 0; i < count; ++i) mine[i] = to_bf16(exact(r, i));
-    comm_->all_reduce(mine.data(), mine.data(), count, CommDType::kBF16, ReduceOp::kSum);
+    comm_->all_reduce(mine.data(), mine.data(), count, DType::kBF16, ReduceOp::kSum);
     long wrong = -1;
     for (size_t i = 0; i < count && wrong < 0; ++i) {
       float want = 0;
@@ -281,14 +281,14 @@ TEST_P(Collectives, Bf16AllReduceSumsInFloatAndEveryRankGetsTheSameBits) {
     std::mt19937 gen(static_cast<uint32_t>(7 * r + 1));
     std::uniform_real_distribution<float> uniform(-3.0f, 3.0f);
     for (auto& h : mine) h = to_bf16(uniform(gen));
-    comm_->all_reduce(mine.data(), mine.data(), count, CommDType::kBF16, ReduceOp::kSum);
+    comm_->all_reduce(mine.data(), mine.data(), count, DType::kBF16, ReduceOp::kSum);
     std::vector<uint16_t> root = mine;
-    comm_->broadcast(root.data(), count, CommDType::kBF16, 0);
+    comm_->broadcast(root.data(), count, DType::kBF16, 0);
     EXPECT_EQ(root, mine) << "rank " << r << "'s sum differs from rank 0's";
   }
   uint16_t x = 0;
   for (ReduceOp op : {ReduceOp::kMean, ReduceOp::kMax}) {
-    const auto o = outcome([&] { comm_->all_reduce(&x, &x, 1, CommDType::kBF16, op); });
+    const auto o = outcome([&] { comm_->all_reduce(&x, &x, 1, DType::kBF16, op); });
     EXPECT_EQ(o.status, Status::kNotSupported) << o.message;
   }
 }
@@ -355,16 +355,16 @@ TEST_P(Collectives, CountsBeyondOneMpiCallAreSplit) {
   const size_t count = 100003;
   std::vector<double> send(count), recv(count);
   for (size_t i = 0; i < count; ++i) send[i] = value<double>(r, i);
-  comm_->all_reduce(send.data(), recv.data(), count, CommDType::kF64, ReduceOp::kMean);
+  comm_->all_reduce(send.data(), recv.data(), count, DType::kF64, ReduceOp::kMean);
   EXPECT_EQ(first_difference(recv.data(), count, [&](size_t i) { return reference<double>(ReduceOp::kMean, n, i); }),
             -1);
-  comm_->reduce(send.data(), recv.data(), count, CommDType::kF64, ReduceOp::kMax, n - 1);
+  comm_->reduce(send.data(), recv.data(), count, DType::kF64, ReduceOp::kMax, n - 1);
   if (r == n - 1) {
     EXPECT_EQ(first_difference(recv.data(), count, [&](size_t i) { return reference<double>(ReduceOp::kMax, n, i); }),
               -1);
   }
   if (r == 0) recv = send;
-  comm_->broadcast(recv.data(), count, CommDType::kF64, 0);
+  comm_->broadcast(recv.data(), count, DType::kF64, 0);
   EXPECT_EQ(first_difference(recv.data(), count, [&](size_t i) { return value<double>(0, i); }), -1);
   detail::set_mpi_max_chunk_for_tests(0);
 }
@@ -383,8 +383,8 @@ TEST_P(Collectives, MaxMinPropagateNaNFromEveryRankAndIntegerSumsWrap) {
       std::vector<double> d(count, 1.0);
       if (r == n - 1) f[3] = fnan, d[3] = dnan;  // only the last rank's
       if (r == 0) f[5] = fnan, d[5] = dnan, f[7] = 2.0f, d[7] = 2.0;
-      comm_->all_reduce(f.data(), f.data(), count, CommDType::kF32, op);
-      comm_->all_reduce(d.data(), d.data(), count, CommDType::kF64, op);
+      comm_->all_reduce(f.data(), f.data(), count, DType::kF32, op);
+      comm_->all_reduce(d.data(), d.data(), count, DType::kF64, op);
       EXPECT_TRUE(std::isnan(f[3]) && std::isnan(d[3])) << "a NaN of the last rank was dropped";
       EXPECT_TRUE(std::isnan(f[5]) && std::isnan(d[5])) << "a NaN of rank 0 was dropped";
       const double want7 = op == ReduceOp::kMax || n == 1 ? 2.0 : 1.0;
@@ -396,8 +396,8 @@ TEST_P(Collectives, MaxMinPropagateNaNFromEveryRankAndIntegerSumsWrap) {
     SCOPED_TRACE(detail::concat("sum count ", count));
     std::vector<int32_t> a(count, std::numeric_limits<int32_t>::max());
     std::vector<int64_t> b(count, std::numeric_limits<int64_t>::max());
-    comm_->all_reduce(a.data(), a.data(), count, CommDType::kI32, ReduceOp::kSum);
-    comm_->all_reduce(b.data(), b.data(), count, CommDType::kI64, ReduceOp::kSum);
+    comm_->all_reduce(a.data(), a.data(), count, DType::kI32, ReduceOp::kSum);
+    comm_->all_reduce(b.data(), b.data(), count, DType::kI64, ReduceOp::kSum);
     const auto want32 = static_cast<int32_t>(static_cast<uint32_t>(INT32_MAX) * static_cast<uint32_t>(n));
     const auto want64 = static_cast<int64_t>(static_cast<uint64_t>(INT64_MAX) * static_cast<uint64_t>(n));
     EXPECT_EQ(first_difference(a.data(), count, [&](size_t) { return want32; }), -1);
@@ -431,7 +431,7 @@ TEST(MpiComm, SubCommunicator) {
   {
     MpiCommunicator comm(half, options());
     int32_t x = world_rank, sum = 0;
-    comm.all_reduce(&x, &sum, 1, CommDType::kI32, ReduceOp::kSum);
+    comm.all_reduce(&x, &sum, 1, DType::kI32, ReduceOp::kSum);
     int32_t want = 0;
     int world_size = 0;
     MPI_Comm_size(MPI_COMM_WORLD, &world_size);
@@ -448,8 +448,8 @@ TEST(MpiComm, AsyncCollectivesRunOnTheCommunicationThread) {
   std::vector<float> a(count), b(count);
   std::vector<int64_t> gathered(count * n), mine(count);
   for (size_t i = 0; i < count; ++i) a[i] = value<float>(r, i), mine[i] = value<int64_t>(r, i);
-  auto w1 = comm.async_all_reduce(a.data(), b.data(), count, CommDType::kF32, ReduceOp::kSum);
-  auto w2 = comm.async_all_gather(mine.data(), gathered.data(), count, CommDType::kI64);
+  auto w1 = comm.async_all_reduce(a.data(), b.data(), count, DType::kF32, ReduceOp::kSum);
+  auto w2 = comm.async_all_gather(mine.data(), gathered.data(), count, DType::kI64);
   w1->wait();
   w2->wait();
   EXPECT_TRUE(w1->test());
@@ -462,21 +462,21 @@ TEST(MpiComm, AsyncCollectivesRunOnTheCommunicationThread) {
 TEST(MpiComm, InvalidArgumentsOnEveryRank) {
   MpiCommunicator comm(MPI_COMM_WORLD, options());
   float x = 0;
-  auto o = outcome([&] { comm.broadcast(&x, 1, CommDType::kF32, comm.size()); });
+  auto o = outcome([&] { comm.broadcast(&x, 1, DType::kF32, comm.size()); });
   EXPECT_EQ(o.status, Status::kInvalidArgument) << o.message;
   EXPECT_TRUE(contains(o.message, "root")) << o.message;
   // Beyond MPI's int counts (the buffers are never touched: the call is refused before any data moves).
   std::vector<float> one(1);
-  o = outcome([&] { comm.reduce_scatter(one.data(), one.data(), size_t{1} << 31, CommDType::kF32, ReduceOp::kSum); });
+  o = outcome([&] { comm.reduce_scatter(one.data(), one.data(), size_t{1} << 31, DType::kF32, ReduceOp::kSum); });
   EXPECT_EQ(o.status, Status::kNotSupported) << o.message;
   std::vector<float> buffer(64);
-  o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data() + 1, 32, CommDType::kF32, ReduceOp::kSum); });
+  o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data() + 1, 32, DType::kF32, ReduceOp::kSum); });
   EXPECT_EQ(o.status, Status::kInvalidArgument) << o.message;
-  o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 4, static_cast<CommDType>(9), ReduceOp::kSum); });
+  o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 4, static_cast<DType>(9), ReduceOp::kSum); });
   EXPECT_EQ(o.status, Status::kInvalidArgument) << o.message;
   // Still usable: argument errors are agreed on before any data moves.
   buffer.assign(64, 1.0f);
-  comm.all_reduce(buffer.data(), buffer.data(), 64, CommDType::kF32, ReduceOp::kSum);
+  comm.all_reduce(buffer.data(), buffer.data(), 64, DType::kF32, ReduceOp::kSum);
   EXPECT_EQ(buffer[63], static_cast<float>(comm.size()));
   EXPECT_FALSE(comm.broken());
 }
@@ -486,7 +486,7 @@ TEST(MpiComm, InvalidArgumentsOnOneRankReachTheOthers) {
   if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
   std::vector<float> buffer(5, 1.0f);
   const auto o = outcome([&] {
-    comm.all_reduce(comm.rank() == 1 ? nullptr : buffer.data(), buffer.data(), 5, CommDType::kF32, ReduceOp::kSum);
+    comm.all_reduce(comm.rank() == 1 ? nullptr : buffer.data(), buffer.data(), 5, DType::kF32, ReduceOp::kSum);
   });
   if (comm.rank() == 1) {
     EXPECT_EQ(o.status, Status::kInvalidArgument) << o.message;
@@ -494,7 +494,7 @@ TEST(MpiComm, InvalidArgumentsOnOneRankReachTheOthers) {
     EXPECT_EQ(o.status, Status::kRemote) << o.message;
     EXPECT_TRUE(contains(o.message, "rank 1 refused")) << o.message;
   }
-  comm.all_reduce(buffer.data(), buffer.data(), 5, CommDType::kF32, ReduceOp::kSum);
+  comm.all_reduce(buffer.data(), buffer.data(), 5, DType::kF32, ReduceOp::kSum);
   EXPECT_EQ(buffer[4], static_cast<float>(comm.size()));
 }
 
@@ -505,7 +505,7 @@ TEST(MpiComm, MismatchesMakeEveryRankThrowAndMoveNothing) {
   std::vector<float> buffer(32, 1.0f);
   // count
   auto o = outcome([&] {
-    comm.all_reduce(buffer.data(), buffer.data(), r == 1 ? 18 : 17, CommDType::kF32, ReduceOp::kSum);
+    comm.all_reduce(buffer.data(), buffer.data(), r == 1 ? 18 : 17, DType::kF32, ReduceOp::kSum);
   });
   EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "all_reduce: participant 1 called all_reduce of 18 f32 (sum) but participant 0 "
@@ -514,16 +514,16 @@ TEST(MpiComm, MismatchesMakeEveryRankThrowAndMoveNothing) {
   EXPECT_EQ(buffer[0], 1.0f) << "data moved despite the mismatch";
   // count, where one side's data would ride with the fingerprints and the other's not
   std::vector<float> big(100003, 1.0f);
-  o = outcome([&] { comm.all_reduce(big.data(), big.data(), r == 1 ? 100003 : 17, CommDType::kF32, ReduceOp::kSum); });
+  o = outcome([&] { comm.all_reduce(big.data(), big.data(), r == 1 ? 100003 : 17, DType::kF32, ReduceOp::kSum); });
   EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "participant 1 called all_reduce of 100003 f32 (sum)")) << o.message;
   EXPECT_EQ(big[0], 1.0f) << "data moved despite the mismatch";
   // operation
   o = outcome([&] {
     if (r == 1)
-      comm.broadcast(buffer.data(), 17, CommDType::kF32, 0);
+      comm.broadcast(buffer.data(), 17, DType::kF32, 0);
     else
-      comm.all_reduce(buffer.data(), buffer.data(), 17, CommDType::kF32, ReduceOp::kSum);
+      comm.all_reduce(buffer.data(), buffer.data(), 17, DType::kF32, ReduceOp::kSum);
   });
   EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "participant 1 called broadcast of 17 f32 from root 0 but participant 0 called "
@@ -531,20 +531,20 @@ TEST(MpiComm, MismatchesMakeEveryRankThrowAndMoveNothing) {
       << o.message;
   // dtype, op, root
   o = outcome([&] {
-    comm.all_reduce(buffer.data(), buffer.data(), 8, r == 0 ? CommDType::kI32 : CommDType::kF32, ReduceOp::kSum);
+    comm.all_reduce(buffer.data(), buffer.data(), 8, r == 0 ? DType::kI32 : DType::kF32, ReduceOp::kSum);
   });
   EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "participant 1 called all_reduce of 8 f32 (sum) but participant 0 called "
                                   "all_reduce of 8 i32 (sum)"))
       << o.message;
   o = outcome([&] {
-    comm.all_reduce(buffer.data(), buffer.data(), 8, CommDType::kF32, r == 0 ? ReduceOp::kMax : ReduceOp::kSum);
+    comm.all_reduce(buffer.data(), buffer.data(), 8, DType::kF32, r == 0 ? ReduceOp::kMax : ReduceOp::kSum);
   });
   EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "participant 1 called all_reduce of 8 f32 (sum) but participant 0 called "
                                   "all_reduce of 8 f32 (max)"))
       << o.message;
-  o = outcome([&] { comm.broadcast(buffer.data(), 8, CommDType::kF32, r == 0 ? 0 : 1); });
+  o = outcome([&] { comm.broadcast(buffer.data(), 8, DType::kF32, r == 0 ? 0 : 1); });
   EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, "participant 1 called broadcast of 8 f32 from root 1 but participant 0 called "
                                   "broadcast of 8 f32 from root 0"))
@@ -554,7 +554,7 @@ TEST(MpiComm, MismatchesMakeEveryRankThrowAndMoveNothing) {
     if (r == 0)
       comm.barrier("checkpoint");
     else
-      comm.all_reduce(buffer.data(), buffer.data(), 8, CommDType::kF32, ReduceOp::kSum);
+      comm.all_reduce(buffer.data(), buffer.data(), 8, DType::kF32, ReduceOp::kSum);
   });
   EXPECT_EQ(o.status, Status::kMismatch) << o.message;
   EXPECT_TRUE(contains(o.message, std::string(r == 0 ? "checkpoint" : "all_reduce") +
@@ -562,7 +562,7 @@ TEST(MpiComm, MismatchesMakeEveryRankThrowAndMoveNothing) {
                                       "barrier; nothing was moved"))
       << o.message;
   // The communicator stays usable.
-  comm.all_reduce(buffer.data(), buffer.data(), 32, CommDType::kF32, ReduceOp::kSum);
+  comm.all_reduce(buffer.data(), buffer.data(), 32, DType::kF32, ReduceOp::kSum);
   EXPECT_EQ(buffer[31], static_cast<float>(comm.size()));
   EXPECT_FALSE(comm.broken());
 }
@@ -577,7 +577,7 @@ TEST(MpiComm, AbortReachesRanksAlreadyWaiting) {
     sleep_s(0.3);  // the others are waiting by now
     comm.abort("injected failure");
   }
-  auto o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 100, CommDType::kF32, ReduceOp::kSum); });
+  auto o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 100, DType::kF32, ReduceOp::kSum); });
   EXPECT_EQ(o.status, Status::kRemote) << o.message;
   EXPECT_TRUE(contains(o.message, "rank 1 aborted the group: injected failure")) << o.message;
   EXPECT_LT(since(t0), 10.0) << "the abort was not noticed before the timeout";
@@ -601,7 +601,7 @@ TEST(MpiComm, AbortFromAnotherThreadStopsThisRanksWait) {
     });
   else
     sleep_s(1.0);  // rank 0 is alone in the collective when it aborts
-  auto o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 100, CommDType::kF32, ReduceOp::kSum); });
+  auto o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 100, DType::kF32, ReduceOp::kSum); });
   if (aborter.joinable()) aborter.join();
   EXPECT_EQ(o.status, Status::kRemote) << o.message;
   EXPECT_TRUE(contains(o.message, "rank 0 aborted the group: a worker thread failed")) << o.message;
@@ -640,7 +640,7 @@ TEST(MpiComm, TimeoutNamesTheRankThatDidNotArrive) {
   comm->barrier("start");
   if (r == 1) sleep_s(kLate);
   const auto t0 = std::chrono::steady_clock::now();
-  auto o = outcome([&] { comm->all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF64, ReduceOp::kSum); });
+  auto o = outcome([&] { comm->all_reduce(buffer.data(), buffer.data(), 1000, DType::kF64, ReduceOp::kSum); });
   const double waited = since(t0);
   if (r == 1) {
     // It arrived late: the others had given up, and it finds their notices instead of hanging.
@@ -660,7 +660,7 @@ TEST(MpiComm, TimeoutNamesTheRankThatDidNotArrive) {
   EXPECT_EQ(o.status, Status::kInvalidState) << o.message;
   // ... but a new communicator works (its creation waits for rank 1).
   MpiCommunicator fresh(MPI_COMM_WORLD, options(30.0));
-  fresh.all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF64, ReduceOp::kSum);
+  fresh.all_reduce(buffer.data(), buffer.data(), 1000, DType::kF64, ReduceOp::kSum);
   EXPECT_EQ(buffer[999], static_cast<double>(fresh.size()));
   comm.reset();  // leaves its pending request to MPI_Finalize
 }
@@ -686,7 +686,7 @@ void late_rank_is_released(Release how) {
     sleep_s(late);
     detail::set_mpi_skip_arrival_check_for_tests(true);
   }
-  auto o = outcome([&] { comm->all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF64, ReduceOp::kSum); });
+  auto o = outcome([&] { comm->all_reduce(buffer.data(), buffer.data(), 1000, DType::kF64, ReduceOp::kSum); });
   detail::set_mpi_skip_arrival_check_for_tests(false);
   if (r == last) {
     // Released. With 2 ranks it always completes its exchange and is released from the transfer; with more it
@@ -715,7 +715,7 @@ void late_rank_is_released(Release how) {
   // Every rank is out, and the next communicator pairs as it should.
   MpiCommunicator fresh(MPI_COMM_WORLD, options(30.0));
   std::fill(buffer.begin(), buffer.end(), 1.0);
-  fresh.all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF64, ReduceOp::kSum);
+  fresh.all_reduce(buffer.data(), buffer.data(), 1000, DType::kF64, ReduceOp::kSum);
   EXPECT_EQ(buffer[999], static_cast<double>(fresh.size()));
 }
 
@@ -746,7 +746,7 @@ TEST(MpiComm, ACreationThatTimedOutMakesItsBaseRefused) {
   // Another base works.
   MpiCommunicator fresh(MPI_COMM_WORLD, options(30.0));
   std::vector<double> buffer(1000, 1.0);
-  fresh.all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF64, ReduceOp::kSum);
+  fresh.all_reduce(buffer.data(), buffer.data(), 1000, DType::kF64, ReduceOp::kSum);
   EXPECT_EQ(buffer[0], static_cast<double>(size));
 }
 
@@ -758,7 +758,7 @@ TEST(MpiComm, SingletonWorksAlone) {
   EXPECT_EQ(comm.rank(), 0);
   EXPECT_EQ(comm.size(), 1);
   int64_t x[3] = {1, -7, 3}, y[3] = {};
-  comm.all_reduce(x, y, 3, CommDType::kI64, ReduceOp::kMean);
+  comm.all_reduce(x, y, 3, DType::kI64, ReduceOp::kMean);
   EXPECT_EQ(y[1], -7);
   comm.barrier("alone");
 }
@@ -793,12 +793,12 @@ int rank_exit_main() {
   MpiCommunicator comm(MPI_COMM_WORLD, options(1.0));
   const int r = comm.rank();
   std::vector<float> buffer(1000, 1.0f);
-  comm.all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF32, ReduceOp::kSum);
+  comm.all_reduce(buffer.data(), buffer.data(), 1000, DType::kF32, ReduceOp::kSum);
   std::printf("rank %d: first all_reduce ok\n", r);
   std::fflush(stdout);
   if (r == 1) _exit(0);
   const auto t0 = std::chrono::steady_clock::now();
-  const auto o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 1000, CommDType::kF32, ReduceOp::kSum); });
+  const auto o = outcome([&] { comm.all_reduce(buffer.data(), buffer.data(), 1000, DType::kF32, ReduceOp::kSum); });
   const double waited = since(t0);
   const bool ok = (o.status == Status::kTimeout || o.status == Status::kCommunication) && waited < 10.0;
   std::printf("rank %d: %s after %.2f s: status %d: %s\n", r, ok ? "SURVIVOR OK" : "SURVIVOR FAILED", waited,

@@ -61,36 +61,4 @@ void Stream::not_built(const std::string& call, const char* what) const {
 std::unique_ptr<Conv2dOp> Stream::make_conv2d(const Conv2dSpec& spec) { not_built(spec.str(), "convolution"); }
 std::unique_ptr<Pool2dOp> Stream::make_pool2d(const Pool2dSpec& spec) { not_built(spec.str(), "pooling"); }
 
-
-void Stream::batchnorm_stats(double*, const float*, int64_t, int64_t, int64_t) { not_built("batch norm", "batch norm kernels"); }
-void Stream::batchnorm_moments(double*, float*, float*, int64_t*, const double*, double, int64_t, float, float) {
-  not_built("batch norm", "batch norm kernels");
-}
-void Stream::batchnorm_apply(float*, const float*, const double*, const float*, const float*, int64_t, int64_t,
-                             int64_t) {
-  not_built("batch norm", "batch norm kernels");
-}
-void Stream::batchnorm_backward_reduce(double*, const float*, const float*, const double*, int64_t, int64_t,
-                                       int64_t) {
-  not_built("batch norm", "batch norm kernels");
-}
-void Stream::batchnorm_backward_apply(float*, float*, float*, const double*, const double*, double, const float*,
-                                      const float*, const double*, const float*, int64_t, int64_t, int64_t, bool) {
-  not_built("batch norm", "batch norm kernels");
-}
-
-void Stream::layernorm_forward(float*, double*, const float*, const float*, const float*, int64_t, int64_t, float) {
-  not_built("layer norm", "layer norm kernels");
-}
-void Stream::layernorm_backward(float*, float*, float*, const float*, const float*, const double*, const float*,
-                                int64_t, int64_t, bool) {
-  not_built("layer norm", "layer norm kernels");
-}
-void Stream::embedding_forward(float*, const int32_t*, const float*, int64_t, int64_t, int64_t) {
-  not_built("embedding", "embedding kernels");
-}
-void Stream::embedding_backward(float*, const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t, bool) {
-  not_built("embedding", "embedding kernels");
-}
-
 }  // namespace dpar

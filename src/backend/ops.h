@@ -3,7 +3,7 @@
 // forward, keeps it, and calls it from that replica's threads only; the op caches what it prepares, keyed by the
 // input shape, as PyTorch's oneDNN and cuDNN paths do.
 //
-// Tensors at an op's edges are plain, contiguous NCHW f32 memory of the stream's device; a library's blocked
+// Tensors at an op's edges are references to plain, contiguous NCHW f32 memory of the stream's device; a library's blocked
 // layouts stay inside an op. A backend without an op answers NOT_SUPPORTED (Error with Status::kNotSupported),
 // naming the device and what it lacks.
 #pragma once
@@ -11,26 +11,25 @@
 #include <cstdint>
 
 #include "common/op_specs.h"
+#include "common/tensor_ref.h"
 
 namespace dpar {
 
 // Shapes, for every method below: inp (N,C_in,H,W), weight (C_out,C_in/groups,kernel_h,kernel_w), bias (C_out),
-// out (N,C_out,OH,OW) with OH = spec.out_h(H), OW = spec.out_w(W).
+// out (N,C_out,OH,OW) with OH = spec.out_h(H), OW = spec.out_w(W); the extents are the references'.
 class Conv2dOp {
  public:
   virtual ~Conv2dOp() = default;
-  // out = epilogue(conv(inp, weight) + bias); bias is ignored (may be nullptr) when the spec has none.
-  virtual void forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t H,
-                       int64_t W) = 0;
+  // out = epilogue(conv(inp, weight) + bias); bias is ignored (may be absent) when the spec has none.
+  virtual void forward(const TensorRef& out, const TensorRef& inp, const TensorRef& weight, const TensorRef& bias) = 0;
   // dinp = dL/d(inp) from dout, overwritten. dout is the gradient of the convolution's result before the
-  // epilogue: with a ReLU epilogue the caller masks the gradient of out first (Stream::activation_backward with
-  // out), as linear_relu_backward does.
-  virtual void backward_data(float* dinp, const float* dout, const float* weight, int64_t N, int64_t H,
-                             int64_t W) = 0;
-  // dweight and dbias (nullptr: not wanted; ignored without a bias) from dout (as backward_data's) and inp:
+  // epilogue: with a ReLU epilogue the caller masks the gradient of out first (call::ActivationBackward with out),
+  // as a linear layer's composed backward does.
+  virtual void backward_data(const TensorRef& dinp, const TensorRef& dout, const TensorRef& weight) = 0;
+  // dweight and dbias (absent: not wanted; ignored without a bias) from dout (as backward_data's) and inp:
   // overwritten when accumulate is false, added to when true.
-  virtual void backward_weights(float* dweight, float* dbias, const float* dout, const float* inp, int64_t N,
-                                int64_t H, int64_t W, bool accumulate) = 0;
+  virtual void backward_weights(const TensorRef& dweight, const TensorRef& dbias, const TensorRef& dout,
+                                const TensorRef& inp, bool accumulate) = 0;
 };
 
 // inp (N,C,H,W), out (N,C,OH,OW) with OH = spec.out_h(H), OW = spec.out_w(W).
@@ -38,11 +37,10 @@ class Pool2dOp {
  public:
   virtual ~Pool2dOp() = default;
   // A max pool remembers where each maximum was (for the next backward on this shape).
-  virtual void forward(float* out, const float* inp, int64_t N, int64_t C, int64_t H, int64_t W) = 0;
+  virtual void forward(const TensorRef& out, const TensorRef& inp) = 0;
   // dinp (overwritten) from dout, for the last forward of this shape; inp and out are that forward's (a backend
   // may need them: cuDNN's max pooling reads both, oneDNN's reads neither).
-  virtual void backward(float* dinp, const float* dout, const float* inp, const float* out, int64_t N, int64_t C,
-                        int64_t H, int64_t W) = 0;
+  virtual void backward(const TensorRef& dinp, const TensorRef& dout, const TensorRef& inp, const TensorRef& out) = 0;
 };
 
 }  // namespace dpar

@@ -77,7 +77,7 @@ DPAR_API dpar_status dpar_model_buffer_info(int32_t* out_dtype, int64_t* out_sha
                                             const dpar_model* model, size_t index) {
   return guard([&] {
     const BufferInfo& b = buffer_at(checked(model, "model").model, index);
-    if (out_dtype) *out_dtype = b.dtype == BufferDType::kF32 ? DPAR_F32 : DPAR_I64;
+    if (out_dtype) *out_dtype = b.dtype == DType::kF32 ? DPAR_F32 : DPAR_I64;
     if (out_shape)
       for (size_t i = 0; i < b.shape.ndim(); ++i) out_shape[i] = b.shape[i];
     if (out_ndim) *out_ndim = b.shape.ndim();
@@ -90,7 +90,7 @@ DPAR_API dpar_status dpar_model_get_buffer(void* dst, const dpar_model* model, s
     const BufferInfo& b = buffer_at(m, index);
     DPAR_CHECK_ARG(dst != nullptr, "dst: is NULL");
     check_count(b, count);
-    if (b.dtype == BufferDType::kF32)
+    if (b.dtype == DType::kF32)
       std::memcpy(dst, m.buffer_f32().data() + b.offset, count * sizeof(float));
     else
       std::memcpy(dst, m.buffer_i64().data() + b.offset, count * sizeof(int64_t));
@@ -103,7 +103,7 @@ DPAR_API dpar_status dpar_model_set_buffer(dpar_model* model, size_t index, cons
     const BufferInfo& b = buffer_at(m, index);
     DPAR_CHECK_ARG(src != nullptr, "src: is NULL");
     check_count(b, count);
-    if (b.dtype == BufferDType::kF32)
+    if (b.dtype == DType::kF32)
       std::memcpy(m.buffer_f32().data() + b.offset, src, count * sizeof(float));
     else
       std::memcpy(m.buffer_i64().data() + b.offset, src, count * sizeof(int64_t));

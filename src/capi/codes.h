@@ -30,6 +30,10 @@ static_assert(DPAR_ERR_INTERNAL == -12, "a status was added to dpar.h: give the 
 
 static_assert(static_cast<int32_t>(DType::kF32) == DPAR_F32);
 static_assert(static_cast<int32_t>(DType::kI32) == DPAR_I32);
+static_assert(static_cast<int32_t>(DType::kBF16) == DPAR_BF16);
+static_assert(static_cast<int32_t>(DType::kF16) == DPAR_F16);
+static_assert(static_cast<int32_t>(DType::kF64) == DPAR_F64);
+static_assert(static_cast<int32_t>(DType::kI64) == DPAR_I64);
 
 static_assert(static_cast<int32_t>(DeviceKind::kCpu) == DPAR_DEVICE_CPU);
 static_assert(static_cast<int32_t>(DeviceKind::kCuda) == DPAR_DEVICE_CUDA);

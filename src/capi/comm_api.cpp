@@ -10,12 +10,12 @@ using namespace dpar::capi;
 
 namespace {
 
-CommDType comm_dtype(int32_t dtype) {
+DType comm_dtype(int32_t dtype) {
   switch (dtype) {
-    case DPAR_F32: return CommDType::kF32;
-    case DPAR_F64: return CommDType::kF64;
-    case DPAR_I32: return CommDType::kI32;
-    case DPAR_I64: return CommDType::kI64;
+    case DPAR_F32:
+    case DPAR_F64:
+    case DPAR_I32:
+    case DPAR_I64: return static_cast<DType>(dtype);
     case DPAR_BF16:
     case DPAR_F16:
     case DPAR_U8: fail(Status::kNotSupported, "dtype: ", dtype, " is not supported by collectives yet");
@@ -40,7 +40,7 @@ std::chrono::duration<double> comm_timeout(const dpar_comm_options* opts) {
 void check_buffer(const dpar_comm& c, const void* p, size_t elements, int32_t dtype, const char* argument) {
   DPAR_CHECK_ARG(p != nullptr || elements == 0, argument, ": is NULL");
   if (elements == 0 || c.device.is_host()) return;
-  const size_t esz = comm_dtype_size(comm_dtype(dtype));
+  const size_t esz = dtype_size(comm_dtype(dtype));
   DPAR_CHECK_ARG(elements <= SIZE_MAX / esz, argument, ": ", elements, " elements overflow the address space");
   backend_for(c.device).check_memory(p, elements * esz, c.device, argument);
 }

@@ -90,7 +90,7 @@ class CustomLayer final : public Layer {
     ctx.stream->synchronize();
     invoke(desc_->backward, call, "backward");
     if (accumulate)
-      for (size_t i = 0; i < scratch_.size(); ++i) ctx.stream->axpy(grads_[i], scratch_[i].f32(), 1.0f, scratch_[i].numel());
+      for (size_t i = 0; i < scratch_.size(); ++i) ctx.stream->run(call::Axpy{grads_[i], scratch_[i].ref()});
   }
 
  private:

@@ -18,7 +18,7 @@ ReplicaSet::ReplicaSet(Communicator& local, Stream& stream, std::shared_ptr<Proc
   if (processes_ && processes_->host->size() <= 1) processes_.reset();
 }
 
-bool ReplicaSet::processes_move(CommDType dtype) const {
+bool ReplicaSet::processes_move(DType dtype) const {
   if (!processes_) return true;
   // What sum_across_processes moves them with.
   const Communicator& across = processes_->device ? *processes_->device : *processes_->host;
@@ -62,7 +62,7 @@ void ReplicaSet::all_reduce_sum(float* data, size_t count, bool contributes, flo
     across_or_abort([&] { sum_across_processes(data, count, wire); });
   }
   TraceSpan span(trace_, "bucket broadcast (replicas)", "elements", elements);
-  local_.broadcast(data, count, CommDType::kF32, 0);
+  local_.broadcast(data, count, DType::kF32, 0);
 }
 
 void ReplicaSet::reduce_scatter_sum(float* data, size_t count, bool contributes, float scale, Wire wire) {
@@ -76,14 +76,14 @@ void ReplicaSet::all_gather_blocks(float* data, size_t count) {
   local_.all_gather_blocks(data, count);
 }
 
-void ReplicaSet::sum_within_process(void* data, size_t count, CommDType dtype) {
-  DPAR_CHECK_ARG(dtype == CommDType::kF32 || dtype == CommDType::kF64, "replica set sum: ", comm_dtype_name(dtype),
+void ReplicaSet::sum_within_process(void* data, size_t count, DType dtype) {
+  DPAR_CHECK_ARG(dtype == DType::kF32 || dtype == DType::kF64, "replica set sum: ", dtype_name(dtype),
                  " is not summed here (f32 or f64)");
   local_.all_reduce(data, data, count, dtype, ReduceOp::kSum);
 }
 
-void ReplicaSet::sum(void* data, size_t count, CommDType dtype) {
-  DPAR_CHECK_ARG(dtype == CommDType::kF32 || dtype == CommDType::kF64, "replica set sum: ", comm_dtype_name(dtype),
+void ReplicaSet::sum(void* data, size_t count, DType dtype) {
+  DPAR_CHECK_ARG(dtype == DType::kF32 || dtype == DType::kF64, "replica set sum: ", dtype_name(dtype),
                  " is not summed here (f32 or f64)");
   DPAR_CHECK_ARG(data != nullptr || count == 0, "replica set sum: null buffer for ", count, " elements");
   on_comm_thread("layer sum", count, [&] {
@@ -94,7 +94,7 @@ void ReplicaSet::sum(void* data, size_t count, CommDType dtype) {
   });
 }
 
-void ReplicaSet::broadcast_from_first(void* data, size_t count, CommDType dtype) {
+void ReplicaSet::broadcast_from_first(void* data, size_t count, DType dtype) {
   DPAR_CHECK_ARG(data != nullptr || count == 0, "replica set broadcast: null buffer for ", count, " elements");
   on_comm_thread("layer broadcast", count, [&] {
     if (processes_ && replica() == 0) across_or_abort([&] {
@@ -126,12 +126,12 @@ float ReplicaSet::mean_scale() {
     if (replica() == 0) {
       const int64_t mine = static_cast<int64_t>(local_size());
       int64_t total = 0;
-      processes_->host->all_reduce(&mine, &total, 1, CommDType::kI64, ReduceOp::kSum);
+      processes_->host->all_reduce(&mine, &total, 1, DType::kI64, ReduceOp::kSum);
       scale = static_cast<float>(1.0 / static_cast<double>(total));
     }
     Tensor shared = Tensor::empty(DType::kF32, Shape{1}, stream_.device());
     stream_.copy_from_host(shared.raw(), &scale, sizeof(float));
-    local_.broadcast(shared.raw(), 1, CommDType::kF32, 0);
+    local_.broadcast(shared.raw(), 1, DType::kF32, 0);
     stream_.copy_to_host(&scale, shared.raw(), sizeof(float));
     stream_.synchronize();
   }
@@ -145,29 +145,29 @@ void ReplicaSet::abort(const std::string& reason) {
 }
 
 void ReplicaSet::sum_across_processes(float* data, size_t count, Wire wire) {
-  if (wire == Wire::kF32) return sum_across_processes(data, count, CommDType::kF32);
+  if (wire == Wire::kF32) return sum_across_processes(data, count, DType::kF32);
   const auto n = static_cast<int64_t>(count);
   // Tensor::empty, not a replica's allocator: this runs on the communication thread, and the test faults armed for
   // a worker's allocations are the worker's.
-  if (!bf16_stage_.defined() || bf16_stage_.numel() < (n + 1) / 2)
-    bf16_stage_ = Tensor::empty(DType::kI32, Shape{(n + 1) / 2}, stream_.device());
-  auto* packed = static_cast<uint16_t*>(bf16_stage_.raw());
-  stream_.to_bf16(packed, data, n);
-  sum_across_processes(packed, count, CommDType::kBF16);
-  stream_.from_bf16(data, packed, n);
+  if (!bf16_stage_.defined() || bf16_stage_.numel() < n)
+    bf16_stage_ = Tensor::empty(DType::kBF16, Shape{std::max<int64_t>(n, 1)}, stream_.device());
+  const TensorRef packed = bf16_stage_.rows(0, n).ref(), floats = TensorRef::of(data, {n});
+  stream_.run(call::Convert{packed, floats});
+  sum_across_processes(packed.data, count, DType::kBF16);
+  stream_.run(call::Convert{floats, packed});
 }
 
-void ReplicaSet::sum_across_processes(void* data, size_t count, CommDType dtype) {
+void ReplicaSet::sum_across_processes(void* data, size_t count, DType dtype) {
   across_processes(data, count, dtype,
                    [&](Communicator& c, void* p) { c.all_reduce(p, p, count, dtype, ReduceOp::kSum); });
 }
 
 template <class F>
-void ReplicaSet::across_processes(void* data, size_t count, CommDType dtype, F&& collective) {
+void ReplicaSet::across_processes(void* data, size_t count, DType dtype, F&& collective) {
   if (processes_->device) return collective(*processes_->device, data);
   if (stream_.device().is_host()) return collective(*processes_->host, data);
   // MPI moves host memory: through the host and back.
-  const size_t bytes = count * comm_dtype_size(dtype);
+  const size_t bytes = count * dtype_size(dtype);
   if (host_stage_.size() < bytes) host_stage_.resize(bytes);
   stream_.copy_to_host(host_stage_.data(), data, bytes);
   collective(*processes_->host, host_stage_.data());

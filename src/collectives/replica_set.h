@@ -68,7 +68,7 @@ class ReplicaSet {
   bool spans_processes() const { return num_processes() > 1; }
   const std::string& process_transport() const;
   // Whether sums across the processes can travel as `dtype` (bf16 on Wire::kBf16); true with one process.
-  bool processes_move(CommDType dtype) const;
+  bool processes_move(DType dtype) const;
   Communicator& local() { return local_; }
   Stream& stream() { return stream_; }
 
@@ -94,14 +94,14 @@ class ReplicaSet {
   // bucket reduction queued there before the call (so it orders with gradient buckets in flight the same way on
   // every replica), and returns when the sum is in `data`. A replica with no rows of the batch must call it too,
   // with zeros, as every replica must call every collective.
-  void sum(void* data, size_t count, CommDType dtype);
+  void sum(void* data, size_t count, DType dtype);
   // Makes `count` elements of `dtype` at `data` (memory of the replica's device) on every replica of every process
   // those of replica 0 of process 0, bit for bit, whatever the dtype (the engine's buffers: BatchNorm's running
   // statistics and its int64 counters). Ordered as sum() is.
-  void broadcast_from_first(void* data, size_t count, CommDType dtype);
+  void broadcast_from_first(void* data, size_t count, DType dtype);
   // The same sum over this process's replicas only, for values that every process holds alike (the norm of a
   // gradient that every process has reduced in full).
-  void sum_within_process(void* data, size_t count, CommDType dtype);
+  void sum_within_process(void* data, size_t count, DType dtype);
 
   // The factor that turns a sum over the set into a mean: 1 / (replicas of every process). A collective over every
   // replica of every process the first time (every replica must pass the same scale to a sum: each sums a part of
@@ -114,12 +114,12 @@ class ReplicaSet {
  private:
   // Replica 0's part of a hierarchical sum: `count` elements of `dtype` at `data` (device memory) summed across the
   // processes.
-  void sum_across_processes(void* data, size_t count, CommDType dtype);
+  void sum_across_processes(void* data, size_t count, DType dtype);
   // Replica 0's link across the processes for `count` elements of `dtype` at `data` (its device's memory):
   // collective(communicator, buffer) on the device link, on the host link for host memory, or on the host link
   // through a host copy (MPI moves host memory).
   template <class F>
-  void across_processes(void* data, size_t count, CommDType dtype, F&& collective);
+  void across_processes(void* data, size_t count, DType dtype, F&& collective);
   // Runs body on the replica's communication thread (a span `what` of `count` elements) and waits for it.
   template <class F>
   void on_comm_thread(const char* what, size_t count, F&& body);

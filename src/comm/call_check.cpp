@@ -20,10 +20,20 @@ bool has_data(Collective kind) { return kind != kBarrier; }
 // A value that is no code of its enum stays one in the record's byte (out of range: 255).
 uint8_t code(int32_t value) { return value >= 0 && value < 255 ? static_cast<uint8_t>(value) : uint8_t{255}; }
 
-bool known_dtype(uint8_t dtype) { return dtype <= static_cast<uint8_t>(CommDType::kBF16); }
+// The dtypes collectives move (communicator.h): f16 is none of them.
+bool known_dtype(uint8_t dtype) {
+  switch (static_cast<DType>(dtype)) {
+    case DType::kF32:
+    case DType::kF64:
+    case DType::kI32:
+    case DType::kI64:
+    case DType::kBF16: return true;
+    default: return false;
+  }
+}
 bool known_op(uint8_t op) { return op <= static_cast<uint8_t>(ReduceOp::kMin); }
 
-CommCall make_call(Collective kind, size_t count, CommDType dtype, ReduceOp op, int root) {
+CommCall make_call(Collective kind, size_t count, DType dtype, ReduceOp op, int root) {
   CommCall call;
   call.operation = collective_name(kind);
   call.record.kind = static_cast<uint8_t>(kind);
@@ -37,7 +47,7 @@ CommCall make_call(Collective kind, size_t count, CommDType dtype, ReduceOp op, 
 }
 
 CommCall make_sum(Collective kind, float* buffer, size_t count, bool contributes, float scale, int root = 0) {
-  CommCall call = make_call(kind, count, CommDType::kF32, ReduceOp::kSum, root);
+  CommCall call = make_call(kind, count, DType::kF32, ReduceOp::kSum, root);
   call.send = call.recv = buffer;
   call.contributes = contributes;
   call.scale = scale;
@@ -60,7 +70,7 @@ void check_call(const CommCall& c, int rank, int size) {
   if (has_root(kind))
     DPAR_CHECK_ARG(c.root() >= 0 && c.root() < size, what, ": root ", c.root(), " is not a participant (size ", size,
                    ")");
-  const size_t count = c.count(), esz = comm_dtype_size(c.dtype());
+  const size_t count = c.count(), esz = dtype_size(c.dtype());
   const size_t n = static_cast<size_t>(size);
   const bool whole = kind == kAllGather || kind == kReduceScatter;  // one buffer of size() blocks of count
   DPAR_CHECK_ARG(count <= SIZE_MAX / esz / (whole ? n : 1), what, ": count ", count, " is too large");
@@ -106,8 +116,8 @@ std::string describe(const CallRecord& r, bool with_seq) {
   const Collective kind = r.collective();
   os << collective_name(kind);
   if (has_data(kind)) {
-    const auto dtype = static_cast<CommDType>(r.dtype);
-    os << " of " << r.count << " " << (known_dtype(r.dtype) ? comm_dtype_name(dtype) : "unknown dtype");
+    const auto dtype = static_cast<DType>(r.dtype);
+    os << " of " << r.count << " " << (known_dtype(r.dtype) ? dtype_name(dtype) : "unknown dtype");
     if (has_op(kind))
       os << " (" << (known_op(r.op) ? reduce_op_name(static_cast<ReduceOp>(r.op)) : "unknown op") << ")";
     if (kind == kBroadcast) os << " from root " << r.root;
@@ -154,38 +164,38 @@ void Communicator::refuse(const CommCall&, const Error& error) {
   throw error;
 }
 
-void Communicator::all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) {
+void Communicator::all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) {
   CommCall c = make_call(kAllReduce, count, dtype, op, 0);
   c.send = send, c.recv = recv;
   check_and_run(c);
 }
 
-void Communicator::broadcast(void* buffer, size_t count, CommDType dtype, int root) {
+void Communicator::broadcast(void* buffer, size_t count, DType dtype, int root) {
   CommCall c = make_call(kBroadcast, count, dtype, ReduceOp::kSum, root);
   c.send = c.recv = buffer;
   check_and_run(c);
 }
 
-void Communicator::reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root) {
+void Communicator::reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root) {
   CommCall c = make_call(kReduce, count, dtype, op, root);
   c.send = send, c.recv = recv;
   check_and_run(c);
 }
 
-void Communicator::all_gather(const void* send, void* recv, size_t count, CommDType dtype) {
+void Communicator::all_gather(const void* send, void* recv, size_t count, DType dtype) {
   CommCall c = make_call(kAllGather, count, dtype, ReduceOp::kSum, 0);
   c.send = send, c.recv = recv;
   check_and_run(c);
 }
 
-void Communicator::reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op) {
+void Communicator::reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) {
   CommCall c = make_call(kReduceScatter, count, dtype, op, 0);
   c.send = send, c.recv = recv;
   check_and_run(c);
 }
 
 void Communicator::barrier(const char* operation) {
-  CommCall c = make_call(kBarrier, 0, CommDType::kF32, ReduceOp::kSum, 0);
+  CommCall c = make_call(kBarrier, 0, DType::kF32, ReduceOp::kSum, 0);
   if (operation && *operation) c.operation = operation;
   check_and_run(c);
 }
@@ -211,7 +221,7 @@ void Communicator::reduce_sum_through_reduce(const CommCall& c) {
   const size_t count = c.count();
   if (!c.contributes && buffer) std::fill(buffer, buffer + count, 0.0f);
   const bool at_root = rank() == c.root();
-  reduce(buffer, at_root ? buffer : nullptr, count, CommDType::kF32, ReduceOp::kSum, c.root());
+  reduce(buffer, at_root ? buffer : nullptr, count, DType::kF32, ReduceOp::kSum, c.root());
   if (at_root && c.scale != 1.0f) scale_f32(buffer, c.scale, count);
 }
 

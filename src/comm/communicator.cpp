@@ -21,28 +21,6 @@
 
 namespace dpar {
 
-size_t comm_dtype_size(CommDType dtype) {
-  switch (dtype) {
-    case CommDType::kF32: return 4;
-    case CommDType::kF64: return 8;
-    case CommDType::kI32: return 4;
-    case CommDType::kI64: return 8;
-    case CommDType::kBF16: return 2;
-  }
-  fail(Status::kInvalidArgument, "dtype: unknown collective element type ", static_cast<int32_t>(dtype));
-}
-
-const char* comm_dtype_name(CommDType dtype) {
-  switch (dtype) {
-    case CommDType::kF32: return "f32";
-    case CommDType::kF64: return "f64";
-    case CommDType::kI32: return "i32";
-    case CommDType::kI64: return "i64";
-    case CommDType::kBF16: return "bf16";
-  }
-  return "unknown dtype";
-}
-
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum: return "sum";
@@ -125,7 +103,7 @@ std::shared_ptr<Work> Communicator::submit_async(const char* operation, std::fun
   }
 }
 
-std::shared_ptr<Work> Communicator::async_all_reduce(const void* send, void* recv, size_t count, CommDType dtype,
+std::shared_ptr<Work> Communicator::async_all_reduce(const void* send, void* recv, size_t count, DType dtype,
                                                      ReduceOp op) {
   return submit_async("all_reduce", [=, this] { all_reduce(send, recv, count, dtype, op); });
 }
@@ -134,20 +112,20 @@ std::shared_ptr<Work> Communicator::async_run(const char* operation, std::functi
   return submit_async(operation, std::move(op));
 }
 
-std::shared_ptr<Work> Communicator::async_broadcast(void* buffer, size_t count, CommDType dtype, int root) {
+std::shared_ptr<Work> Communicator::async_broadcast(void* buffer, size_t count, DType dtype, int root) {
   return submit_async("broadcast", [=, this] { broadcast(buffer, count, dtype, root); });
 }
 
-std::shared_ptr<Work> Communicator::async_reduce(const void* send, void* recv, size_t count, CommDType dtype,
+std::shared_ptr<Work> Communicator::async_reduce(const void* send, void* recv, size_t count, DType dtype,
                                                  ReduceOp op, int root) {
   return submit_async("reduce", [=, this] { reduce(send, recv, count, dtype, op, root); });
 }
 
-std::shared_ptr<Work> Communicator::async_all_gather(const void* send, void* recv, size_t count, CommDType dtype) {
+std::shared_ptr<Work> Communicator::async_all_gather(const void* send, void* recv, size_t count, DType dtype) {
   return submit_async("all_gather", [=, this] { all_gather(send, recv, count, dtype); });
 }
 
-std::shared_ptr<Work> Communicator::async_reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype,
+std::shared_ptr<Work> Communicator::async_reduce_scatter(const void* send, void* recv, size_t count, DType dtype,
                                                          ReduceOp op) {
   return submit_async("reduce_scatter", [=, this] { reduce_scatter(send, recv, count, dtype, op); });
 }

@@ -23,6 +23,7 @@
 #include <string>
 #include <utility>
 
+#include "common/dtype.h"
 #include "common/error.h"
 
 namespace dpar {
@@ -32,11 +33,10 @@ class CommThread;  // communicator.cpp / comm_thread.h: a participant's communic
 }  // namespace detail
 
 enum class ReduceOp : int32_t { kSum = 0, kMean = 1, kMax = 2, kMin = 3 };
-// Element types of collectives. kBF16 (common/bf16.h) is what the engine's compressed gradient buckets cross the
-// processes in: the MPI backend reduces it with sums only (in float, each sum rounded back to bfloat16), NCCL
-// natively; the threads backend refuses it (NOT_SUPPORTED), dpar's CUDA device group reduces f32 alone, and the C
-// ABI does not offer it.
-enum class CommDType : int32_t { kF32 = 0, kF64 = 1, kI32 = 2, kI64 = 3, kBF16 = 4 };
+// Collectives move f32, f64, i32, i64 and bf16 (common/dtype.h). kBF16 (common/bf16.h) is what the engine's
+// compressed gradient buckets cross the processes in: the MPI backend reduces it with sums only (in float, each sum
+// rounded back to bfloat16), NCCL natively; the threads backend refuses it (NOT_SUPPORTED), dpar's CUDA device
+// group reduces f32 alone, and the C ABI does not offer it. f16 is refused everywhere.
 
 // What a collective is, in the fingerprints that participants compare and in the messages that name a call: one
 // list for every backend, each using the kinds it has. 64-bit because the backends put it in fingerprints of
@@ -54,8 +54,6 @@ enum class Collective : int64_t {
   kAllGatherBlocks,
 };
 
-size_t comm_dtype_size(CommDType dtype);
-const char* comm_dtype_name(CommDType dtype);
 const char* reduce_op_name(ReduceOp op);
 // "all_gather", "barrier", ...; "unknown collective" for a value that is none of them.
 const char* collective_name(Collective kind);
@@ -92,7 +90,7 @@ struct CommCall {
   float scale = 1.0f;           // the same
   Collective kind() const { return record.collective(); }
   size_t count() const { return record.count; }
-  CommDType dtype() const { return static_cast<CommDType>(record.dtype); }
+  DType dtype() const { return static_cast<DType>(record.dtype); }
   ReduceOp op() const { return static_cast<ReduceOp>(record.op); }
   int root() const { return record.root; }
 };
@@ -120,7 +118,7 @@ class Communicator {
   virtual const char* backend() const = 0;
   // Whether its collectives move `dtype` at all, for a caller to refuse a setting when it is made rather than at
   // every later call (the threads backend moves no bf16).
-  virtual bool moves(CommDType /*dtype*/) const { return true; }
+  virtual bool moves(DType /*dtype*/) const { return true; }
   // Changes how long a collective waits for the other participants, from the next collective on (between
   // collectives: none in flight). A caller that created the communicator with a longer timeout for its own setup
   // (the engine's creation across processes) shortens it here. Error(NOT_SUPPORTED) where a backend cannot.
@@ -128,15 +126,15 @@ class Communicator {
 
   // `count` is the number of elements each participant contributes. `send` may equal `recv` (in place). For
   // kMean on integer dtypes the division truncates toward zero.
-  void all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op);
+  void all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op);
   // root's buffer is copied into every participant's.
-  void broadcast(void* buffer, size_t count, CommDType dtype, int root);
+  void broadcast(void* buffer, size_t count, DType dtype, int root);
   // The reduction lands in root's `recv`; `recv` is ignored (may be null) elsewhere.
-  void reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op, int root);
+  void reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root);
   // recv (size() * count) holds every participant's send (count), in rank order.
-  void all_gather(const void* send, void* recv, size_t count, CommDType dtype);
+  void all_gather(const void* send, void* recv, size_t count, DType dtype);
   // send (size() * count) is reduced element-wise; participant r receives block r (count) in recv.
-  void reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op);
+  void reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op);
   // Returns once every participant has entered it.
   void barrier(const char* operation);
 
@@ -164,12 +162,12 @@ class Communicator {
   // async_* call. A blocking collective must not be called on this participant while its async work is pending.
   // An operation that fails on the thread for a local reason (not REMOTE, TIMEOUT or MISMATCH, which every
   // participant sees alike) calls abort(), so that the others do not wait for this participant.
-  std::shared_ptr<Work> async_all_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op);
-  std::shared_ptr<Work> async_broadcast(void* buffer, size_t count, CommDType dtype, int root);
-  std::shared_ptr<Work> async_reduce(const void* send, void* recv, size_t count, CommDType dtype, ReduceOp op,
+  std::shared_ptr<Work> async_all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op);
+  std::shared_ptr<Work> async_broadcast(void* buffer, size_t count, DType dtype, int root);
+  std::shared_ptr<Work> async_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                                      int root);
-  std::shared_ptr<Work> async_all_gather(const void* send, void* recv, size_t count, CommDType dtype);
-  std::shared_ptr<Work> async_reduce_scatter(const void* send, void* recv, size_t count, CommDType dtype,
+  std::shared_ptr<Work> async_all_gather(const void* send, void* recv, size_t count, DType dtype);
+  std::shared_ptr<Work> async_reduce_scatter(const void* send, void* recv, size_t count, DType dtype,
                                              ReduceOp op);
   std::shared_ptr<Work> async_reduce_scatter_sum(float* buffer, size_t count, bool contributes, float scale);
   std::shared_ptr<Work> async_all_gather_blocks(float* buffer, size_t count);

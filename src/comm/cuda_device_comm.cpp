@@ -101,14 +101,14 @@ class CudaDeviceCommunicator final : public Communicator {
 
   void all_reduce(const CommCall& c) {
     // f64: SyncBatchNorm's per-channel sums over replicas that share a GPU.
-    const bool f64 = c.dtype() == CommDType::kF64;
-    if ((c.dtype() != CommDType::kF32 && !f64) || c.op() != ReduceOp::kSum)
+    const bool f64 = c.dtype() == DType::kF64;
+    if ((c.dtype() != DType::kF32 && !f64) || c.op() != ReduceOp::kSum)
       fail(Status::kNotSupported, c.operation, ": the CUDA device group reduces f32 and f64 sums only, not ",
-           comm_dtype_name(c.dtype()), " ", reduce_op_name(c.op()));
+           dtype_name(c.dtype()), " ", reduce_op_name(c.op()));
     // Out of place: recv takes send's values first (on this stream, before the inputs-ready event).
     if (c.count() != 0 && c.send != c.recv) {
       cuda::DeviceScope scope(device_);
-      DPAR_CUDA_CHECK(cudaMemcpyAsync(c.recv, c.send, c.count() * comm_dtype_size(c.dtype()),
+      DPAR_CUDA_CHECK(cudaMemcpyAsync(c.recv, c.send, c.count() * dtype_size(c.dtype()),
                                       cudaMemcpyDeviceToDevice, stream_),
                       c.operation);
     }
@@ -117,7 +117,7 @@ class CudaDeviceCommunicator final : public Communicator {
   }
 
   void broadcast(const CommCall& c) {
-    const size_t count = c.count(), esz = comm_dtype_size(c.dtype());
+    const size_t count = c.count(), esz = dtype_size(c.dtype());
     const int root = c.root();
     Record mine = record(c);
     frame(c, mine, [&](const std::vector<Record>& all) {
@@ -134,7 +134,7 @@ class CudaDeviceCommunicator final : public Communicator {
   }
 
   void all_gather(const CommCall& c) {
-    const size_t bytes = c.count() * comm_dtype_size(c.dtype());
+    const size_t bytes = c.count() * dtype_size(c.dtype());
     // The others read this participant's send while it writes its recv: the one overlap that the call check
     // allows and this group does not is send == recv at a rank other than 0.
     if (bytes != 0 && c.send == c.recv && rank_ != 0)
@@ -200,7 +200,7 @@ class CudaDeviceCommunicator final : public Communicator {
     mine.ready = reinterpret_cast<intptr_t>(ready_);
     mine.done = reinterpret_cast<intptr_t>(done_);
     std::vector<Record> all(static_cast<size_t>(size()));
-    comm_->all_gather(&mine, all.data(), kRecordWords, CommDType::kI64);
+    comm_->all_gather(&mine, all.data(), kRecordWords, DType::kI64);
     // Every participant sees the same records, so all throw alike on a difference.
     for (int r = 1; r < size(); ++r)
       if (!same_call(all[r].call, all[0].call)) fail_mismatch(operation, r, all[r].call, all[0].call);

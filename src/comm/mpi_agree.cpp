@@ -35,7 +35,7 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 void MpiCommunicator::check_limits(const CommCall& c) const {
   // The arguments themselves were checked by the one call check (call_check.cpp): these are MPI's own limits.
-  if (c.kind() != kBarrier && c.dtype() == CommDType::kBF16)  // a collective without an op has kSum's 0
+  if (c.kind() != kBarrier && c.dtype() == DType::kBF16)  // a collective without an op has kSum's 0
     DPAR_ENFORCE(c.op() == ReduceOp::kSum, Status::kNotSupported, c.operation, ": bf16 ", reduce_op_name(c.op()),
                  ": the MPI backend reduces bf16 with sums only");
   const bool int_counts = c.kind() == kAllGather || c.kind() == kReduceScatter || c.kind() == kReduceScatterSum ||
@@ -135,7 +135,7 @@ bool MpiCommunicator::agree(const CommCall& c, uint64_t seq, const Error* refuse
   }
 
   // Small all-reduces send their data with the fingerprint (a non-contributor of all_reduce_sum sends none).
-  const size_t bytes = own_status == Status::kOk ? c.count() * comm_dtype_size(c.dtype()) : 0;
+  const size_t bytes = own_status == Status::kOk ? c.count() * dtype_size(c.dtype()) : 0;
   const bool fused = (c.kind() == kAllReduce || c.kind() == kAllReduceSum) && own_status == Status::kOk &&
                      c.count() > 0 && bytes <= fused_max_bytes_;
   const bool sends_data = fused && (c.kind() == kAllReduce || c.contributes);
@@ -166,7 +166,7 @@ bool MpiCommunicator::agree(const CommCall& c, uint64_t seq, const Error* refuse
 void MpiCommunicator::reduce_fused(const CommCall& c) {
   const char* in[kEagerMessageBytes / kHeaderBytes * 2];  // fused only while size_ <= 2 * most_blocks <= this
   size_t m = 0;
-  const int64_t bytes = static_cast<int64_t>(c.count() * comm_dtype_size(c.dtype()));
+  const int64_t bytes = static_cast<int64_t>(c.count() * dtype_size(c.dtype()));
   for (int r = 0; r < size_; ++r) {
     const int64_t sent = table_[static_cast<size_t>(r)].payload_bytes;
     DPAR_ENFORCE(sent == bytes || (sent == 0 && c.kind() == kAllReduceSum), Status::kInternal, "mpi ",

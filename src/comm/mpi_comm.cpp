@@ -237,7 +237,7 @@ void MpiCommunicator::transfer(const CommCall& c, uint64_t seq) {
   if (c.count() == 0 || c.kind() == kBarrier) return;
   const bool nonblocking = options_.transfer == MpiOptions::Transfer::kNonBlocking;
   const MPI_Datatype type = mpi_type(c.dtype());
-  const size_t esz = comm_dtype_size(c.dtype());
+  const size_t esz = dtype_size(c.dtype());
   const size_t bytes = c.count() * esz;
   // One MPI call, blocking or non-blocking and polled.
   auto invoke = [&](const char* function, auto&& blocking, auto&& start) {

@@ -359,7 +359,7 @@ bool MpiCommunicator::release_abandoned() {
       if (!same_call(table_[static_cast<size_t>(r)].record, table_[0].record) || table_[static_cast<size_t>(r)].error)
         return true;
     c.record = table_[0].record;
-    const size_t bytes = c.count() * comm_dtype_size(c.dtype());
+    const size_t bytes = c.count() * dtype_size(c.dtype());
     const bool fused = (c.kind() == kAllReduce || c.kind() == kAllReduceSum) && c.count() > 0 && bytes <= fused_max_bytes_;
     if (fused || c.count() == 0 || c.kind() == kBarrier) return true;
     // Zeros, in place: every form of transfer() accepts send == recv.

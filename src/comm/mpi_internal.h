@@ -37,9 +37,9 @@ constexpr size_t kNoticeHeader = 3 * sizeof(int64_t);
 
 // mpi_ops.cpp: out = the reduction of in[0..m) (rank order), or zeros for m == 0; the MPI datatype and operation of
 // a dtype and op (dpar's own operations where MPI's differ from dpar's rules).
-void reduce_blocks(void* out, const char* const* in, size_t m, size_t count, CommDType dtype, ReduceOp op);
-MPI_Datatype mpi_type(CommDType dtype);
-MPI_Op mpi_op(CommDType dtype, ReduceOp op);
+void reduce_blocks(void* out, const char* const* in, size_t m, size_t count, DType dtype, ReduceOp op);
+MPI_Datatype mpi_type(DType dtype);
+MPI_Op mpi_op(DType dtype, ReduceOp op);
 
 // mpi_runtime.cpp
 std::string mpi_error_string(int code);

@@ -24,7 +24,7 @@ namespace {
 
 // inout[i] = in[i] op inout[i] with dpar's element-wise reduction (comm/reduce_kernels.h); `in` is the earlier
 // operand (MPI's order), so ties keep it, as the fused path and the threads backend do.
-template <CommDType D, ReduceOp O>
+template <DType D, ReduceOp O>
 
 void dpar_reduce(void* in, void* inout, int* len, MPI_Datatype*) {
   const size_t n = static_cast<size_t>(*len);
@@ -32,7 +32,7 @@ void dpar_reduce(void* in, void* inout, int* len, MPI_Datatype*) {
   // dst = a op b may not alias: combine through a block on the stack.
   constexpr size_t kBlock = 1024;
   alignas(64) unsigned char tmp[kBlock * 8];
-  const size_t esz = comm_dtype_size(D);
+  const size_t esz = dtype_size(D);
   for (size_t at = 0; at < n; at += kBlock) {
     const size_t m = std::min(kBlock, n - at);
     char* io = static_cast<char*>(inout) + at * esz;
@@ -43,7 +43,7 @@ void dpar_reduce(void* in, void* inout, int* len, MPI_Datatype*) {
 
 // One MPI operation per (dtype, op) of dpar's own, made once MPI runs and never freed (it lives as long as MPI
 // does). MPI has no bfloat16: its sum is one of them.
-template <CommDType D, ReduceOp O>
+template <DType D, ReduceOp O>
 
 MPI_Op dpar_op() {
   static std::once_flag once;
@@ -51,12 +51,12 @@ MPI_Op dpar_op() {
   std::call_once(once, [] {
     if (MPI_Op_create(&dpar_reduce<D, O>, 1, &op) != MPI_SUCCESS) op = MPI_OP_NULL;
   });
-  DPAR_ENFORCE(op != MPI_OP_NULL, Status::kCommunication, "mpi: MPI_Op_create for ", comm_dtype_name(D), " ",
+  DPAR_ENFORCE(op != MPI_OP_NULL, Status::kCommunication, "mpi: MPI_Op_create for ", dtype_name(D), " ",
                reduce_op_name(O), " failed");
   return op;
 }
 
-template <CommDType D>
+template <DType D>
 
 MPI_Op dpar_op(ReduceOp op) {
   switch (op) {
@@ -74,8 +74,8 @@ namespace mpi_internal {
 
 // out = the reduction of in[0..m) (rank order), or zeros for m == 0, with the rules every backend shares
 // (comm/reduce_kernels.h: NaN propagates in max and min, integer sums wrap, bf16 sums round in float).
-void reduce_blocks(void* out, const char* const* in, size_t m, size_t count, CommDType dtype, ReduceOp op) {
-  const size_t bytes = count * comm_dtype_size(dtype);
+void reduce_blocks(void* out, const char* const* in, size_t m, size_t count, DType dtype, ReduceOp op) {
+  const size_t bytes = count * dtype_size(dtype);
   if (m == 0) {
     std::memset(out, 0, bytes);
     return;
@@ -84,13 +84,14 @@ void reduce_blocks(void* out, const char* const* in, size_t m, size_t count, Com
   for (size_t k = 1; k < m; ++k) reduce_into(dtype, op, out, in[k], count);
 }
 
-MPI_Datatype mpi_type(CommDType dtype) {
+MPI_Datatype mpi_type(DType dtype) {
   switch (dtype) {
-    case CommDType::kF32: return MPI_FLOAT;
-    case CommDType::kF64: return MPI_DOUBLE;
-    case CommDType::kI32: return MPI_INT32_T;
-    case CommDType::kI64: return MPI_INT64_T;
-    case CommDType::kBF16: return MPI_UINT16_T;  // moved as bits; summed by dpar's bf16 sum
+    case DType::kF32: return MPI_FLOAT;
+    case DType::kF64: return MPI_DOUBLE;
+    case DType::kI32: return MPI_INT32_T;
+    case DType::kI64: return MPI_INT64_T;
+    case DType::kBF16: return MPI_UINT16_T;  // moved as bits; summed by dpar's bf16 sum
+    case DType::kF16: break;  // refused by the call check
   }
   return MPI_DATATYPE_NULL;
 }
@@ -99,14 +100,15 @@ MPI_Datatype mpi_type(CommDType dtype) {
 // (IEEE sums, no other rule to keep); max and min, and integer sums, are dpar's own operations: MPI_MAX and MPI_MIN
 // drop a NaN depending on the order of the operands, and MPI_SUM's integer overflow is the C library's
 // (undefined in C); dpar's wrap and propagate NaN, as every backend does (comm/reduce_kernels.h).
-MPI_Op mpi_op(CommDType dtype, ReduceOp op) {
+MPI_Op mpi_op(DType dtype, ReduceOp op) {
   const bool sum = op == ReduceOp::kSum || op == ReduceOp::kMean;
   switch (dtype) {
-    case CommDType::kF32: return sum ? MPI_SUM : dpar_op<CommDType::kF32>(op);
-    case CommDType::kF64: return sum ? MPI_SUM : dpar_op<CommDType::kF64>(op);
-    case CommDType::kI32: return dpar_op<CommDType::kI32>(op);
-    case CommDType::kI64: return dpar_op<CommDType::kI64>(op);
-    case CommDType::kBF16: return dpar_op<CommDType::kBF16, ReduceOp::kSum>();
+    case DType::kF32: return sum ? MPI_SUM : dpar_op<DType::kF32>(op);
+    case DType::kF64: return sum ? MPI_SUM : dpar_op<DType::kF64>(op);
+    case DType::kI32: return dpar_op<DType::kI32>(op);
+    case DType::kI64: return dpar_op<DType::kI64>(op);
+    case DType::kBF16: return dpar_op<DType::kBF16, ReduceOp::kSum>();
+    case DType::kF16: break;
   }
   return MPI_OP_NULL;
 }

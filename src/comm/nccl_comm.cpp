@@ -23,25 +23,26 @@ using enum Collective;
 using Record = CallRecord;
 constexpr size_t kRecordWords = sizeof(Record) / sizeof(int64_t);
 
-ncclDataType_t nccl_type(CommDType dtype) {
+ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
-    case CommDType::kF32: return ncclFloat32;
-    case CommDType::kF64: return ncclFloat64;
-    case CommDType::kI32: return ncclInt32;
-    case CommDType::kI64: return ncclInt64;
-    case CommDType::kBF16: return ncclBfloat16;
+    case DType::kF32: return ncclFloat32;
+    case DType::kF64: return ncclFloat64;
+    case DType::kI32: return ncclInt32;
+    case DType::kI64: return ncclInt64;
+    case DType::kBF16: return ncclBfloat16;
+    case DType::kF16: break;
   }
   fail(Status::kInvalidArgument, "nccl: unknown dtype ", static_cast<int>(dtype));
 }
 
-ncclRedOp_t nccl_op(CommDType dtype, ReduceOp op) {
+ncclRedOp_t nccl_op(DType dtype, ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum: return ncclSum;
     case ReduceOp::kMax: return ncclMax;
     case ReduceOp::kMin: return ncclMin;
     case ReduceOp::kMean:
-      if (dtype != CommDType::kF32 && dtype != CommDType::kF64 && dtype != CommDType::kBF16)
-        fail(Status::kNotSupported, "nccl: mean of ", comm_dtype_name(dtype), " (ncclAvg is for floating types)");
+      if (dtype != DType::kF32 && dtype != DType::kF64 && dtype != DType::kBF16)
+        fail(Status::kNotSupported, "nccl: mean of ", dtype_name(dtype), " (ncclAvg is for floating types)");
       return ncclAvg;
   }
   fail(Status::kInvalidArgument, "nccl: unknown reduce op ", static_cast<int>(op));
@@ -170,7 +171,7 @@ class NcclCommunicator final : public Communicator {
     const void* send = c.send;
     void* recv = c.recv;
     const size_t count = c.count();
-    const CommDType dtype = c.dtype();
+    const DType dtype = c.dtype();
     switch (c.kind()) {
       case kAllReduce: {
         const ncclRedOp_t nop = nccl_op(dtype, c.op());
@@ -383,7 +384,7 @@ class NcclCommunicator final : public Communicator {
   void agree(const char* operation, const Record& mine) {
     std::vector<Record> all(static_cast<size_t>(size_));
     if (host_comm_ != nullptr) {
-      host_comm_->all_gather(&mine, all.data(), kRecordWords, CommDType::kI64);
+      host_comm_->all_gather(&mine, all.data(), kRecordWords, DType::kI64);
     } else {
       DPAR_CUDA_CHECK(cudaMemcpyAsync(records_ + rank_, &mine, sizeof(Record), cudaMemcpyHostToDevice, comm_stream_),
                       operation, ": fingerprint");

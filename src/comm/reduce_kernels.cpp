@@ -91,28 +91,38 @@ DPAR_CLONES void scale_f32_kernel(float* x, float scale, size_t n) {
 // kMean sums, then divides.
 #define DPAR_KERNEL_ROW(NAME) \
   { DPAR_KERNELS(NAME, sum), DPAR_KERNELS(NAME, sum), DPAR_KERNELS(NAME, max), DPAR_KERNELS(NAME, min) }
-// [dtype][op], in the enums' order.
+// [row][op], rows as kernel_row() numbers them, ops in their enum's order.
 const ReduceKernels kKernels[4][4] = {DPAR_KERNEL_ROW(f32), DPAR_KERNEL_ROW(f64), DPAR_KERNEL_ROW(i32), DPAR_KERNEL_ROW(i64)};
+// The row of kKernels for a dtype; -1 for one with no element-wise kernels.
+int kernel_row(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return 0;
+    case DType::kF64: return 1;
+    case DType::kI32: return 2;
+    case DType::kI64: return 3;
+    default: return -1;
+  }
+}
 // bf16 has a sum only (a mean would have to divide in float and round: no backend offers it).
 const ReduceKernels kBf16Sum{bf16_sum_into, bf16_sum_two, nullptr};
 
 }  // namespace
 
-const ReduceKernels& reduce_kernels(CommDType dtype, ReduceOp op) {
-  if (dtype == CommDType::kBF16 && op == ReduceOp::kSum) return kBf16Sum;
-  const auto d = static_cast<int>(dtype), o = static_cast<int>(op);
-  DPAR_ENFORCE(d >= 0 && d < 4 && o >= 0 && o < 4, Status::kInternal, "reduce_kernels: dtype ", d, ", op ", o,
+const ReduceKernels& reduce_kernels(DType dtype, ReduceOp op) {
+  if (dtype == DType::kBF16 && op == ReduceOp::kSum) return kBf16Sum;
+  const int d = kernel_row(dtype), o = static_cast<int>(op);
+  DPAR_ENFORCE(d >= 0 && o >= 0 && o < 4, Status::kInternal, "reduce_kernels: dtype ", static_cast<int>(dtype), ", op ", o,
                " has no element-wise kernel");
   return kKernels[d][o];
 }
 
-void reduce_into(CommDType dtype, ReduceOp op, void* dst, const void* src, size_t n) {
+void reduce_into(DType dtype, ReduceOp op, void* dst, const void* src, size_t n) {
   reduce_kernels(dtype, op).into(dst, src, n);
 }
 
-void divide_by(CommDType dtype, void* x, size_t n, size_t divisor) {
+void divide_by(DType dtype, void* x, size_t n, size_t divisor) {
   const ReduceKernels& k = reduce_kernels(dtype, ReduceOp::kMean);
-  DPAR_ENFORCE(k.div != nullptr, Status::kInternal, "divide_by: ", comm_dtype_name(dtype), " has no mean");
+  DPAR_ENFORCE(k.div != nullptr, Status::kInternal, "divide_by: ", dtype_name(dtype), " has no mean");
   k.div(x, n, divisor);
 }
 

@@ -31,13 +31,13 @@ struct ReduceKernels {
 
 // The kernels of (dtype, op) for f32, f64, i32 and i64 (kMean: the sum's), and of bf16's sum. Throws INTERNAL for
 // the other bf16 reductions, which no backend offers.
-const ReduceKernels& reduce_kernels(CommDType dtype, ReduceOp op);
+const ReduceKernels& reduce_kernels(DType dtype, ReduceOp op);
 
 // dst[i] = dst[i] op src[i] for i < n, with the rules above (kMean: the sum; the caller divides).
-void reduce_into(CommDType dtype, ReduceOp op, void* dst, const void* src, size_t n);
+void reduce_into(DType dtype, ReduceOp op, void* dst, const void* src, size_t n);
 
 // x[i] /= divisor for i < n: a kMean's division of the sum (integers truncate toward zero).
-void divide_by(CommDType dtype, void* x, size_t n, size_t divisor);
+void divide_by(DType dtype, void* x, size_t n, size_t divisor);
 
 // x[i] *= scale for i < n: the scale of all_reduce_sum and its kin.
 void scale_f32(float* x, float scale, size_t n);

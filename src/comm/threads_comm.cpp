@@ -99,7 +99,7 @@ class ThreadCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return group_.size(); }
   const char* backend() const override { return "threads"; }
-  bool moves(CommDType dtype) const override { return dtype != CommDType::kBF16; }
+  bool moves(DType dtype) const override { return dtype != DType::kBF16; }
 
   void abort(const std::string& reason) override { group_.abort(reason); }
 
@@ -138,7 +138,7 @@ class ThreadCommunicator final : public Communicator {
  private:
   void all_reduce(const CommCall& c) {
     const char* kOp = c.operation;
-    const size_t count = c.count(), esz = comm_dtype_size(c.dtype());
+    const size_t count = c.count(), esz = dtype_size(c.dtype());
     const size_t p = start(c, c.send, c.recv);
     if (count == 0) return;
 
@@ -156,7 +156,7 @@ class ThreadCommunicator final : public Communicator {
 
   void reduce(const CommCall& c) {
     const char* kOp = c.operation;
-    const size_t count = c.count(), esz = comm_dtype_size(c.dtype());
+    const size_t count = c.count(), esz = dtype_size(c.dtype());
     const int root = c.root();
     const size_t p = start(c, c.send, rank_ == root ? c.recv : nullptr);
     if (count == 0) return;
@@ -179,7 +179,7 @@ class ThreadCommunicator final : public Communicator {
     void* recv = c.recv;
     const size_t count = c.count();
     const int n = size();
-    const size_t bytes = count * comm_dtype_size(c.dtype());
+    const size_t bytes = count * dtype_size(c.dtype());
     // The result lands where participant 0 reads (MPI in place): write it after the second barrier. (The call check
     // allowed recv == send and recv == send + rank * count as the only overlaps.)
     const bool deferred = count && recv == send && rank_ != 0;
@@ -206,7 +206,7 @@ class ThreadCommunicator final : public Communicator {
   // the slices split it n ways, as the reductions do.
   void broadcast(const CommCall& c) {
     const char* kOp = c.operation;
-    const size_t count = c.count(), esz = comm_dtype_size(c.dtype());
+    const size_t count = c.count(), esz = dtype_size(c.dtype());
     const int root = c.root();
     const size_t p = start(c, c.recv, c.recv);
     if (count == 0) return;
@@ -229,7 +229,7 @@ class ThreadCommunicator final : public Communicator {
     void* recv = c.recv;
     const size_t count = c.count();
     const int n = size();
-    const size_t bytes = count * comm_dtype_size(c.dtype());
+    const size_t bytes = count * dtype_size(c.dtype());
     const size_t total = bytes * static_cast<size_t>(n);
     if (count) {
       if (bytes <= group_.stage_limit()) return staged_all_gather(c, bytes);
@@ -274,7 +274,7 @@ class ThreadCommunicator final : public Communicator {
     if (count == 0) return;
 
     ReducePass pass;
-    pass.k = &reduce_kernels(CommDType::kF32, ReduceOp::kSum);
+    pass.k = &reduce_kernels(DType::kF32, ReduceOp::kSum);
     pass.esz = sizeof(float);
     for (int r = 0; r < n; ++r) {
       const auto& s = peer(r, p);
@@ -298,7 +298,7 @@ class ThreadCommunicator final : public Communicator {
     const size_t p = start(c, c.contributes ? buffer : nullptr, buffer);
     if (c.count() == 0) return;
     ReducePass pass;
-    pass.k = &reduce_kernels(CommDType::kF32, ReduceOp::kSum);
+    pass.k = &reduce_kernels(DType::kF32, ReduceOp::kSum);
     pass.esz = sizeof(float);
     for (int r = 0; r < size(); ++r)
       if (const void* s = peer(r, p).send) pass.in[pass.ni++] = static_cast<const char*>(s);
@@ -384,7 +384,7 @@ class ThreadCommunicator final : public Communicator {
     }
     const size_t p = start(c, contributes ? mine : nullptr, buffer);
     ReducePass pass;
-    pass.k = &reduce_kernels(CommDType::kF32, ReduceOp::kSum);
+    pass.k = &reduce_kernels(DType::kF32, ReduceOp::kSum);
     pass.esz = sizeof(float);
     for (int r = 0; r < size(); ++r)
       if (const void* s = peer(r, p).send) pass.in[pass.ni++] = static_cast<const char*>(s);
@@ -446,10 +446,10 @@ class ThreadCommunicator final : public Communicator {
   // What participant r published for the collective that start() returned parity `p` for.
   const ThreadGroup::Published& peer(int r, size_t p) const { return group_.slots_[r].pub[p]; }
 
-  ReducePass reduce_pass(CommDType dtype, ReduceOp op) const {
+  ReducePass reduce_pass(DType dtype, ReduceOp op) const {
     ReducePass pass;
     pass.k = &reduce_kernels(dtype, op);
-    pass.esz = comm_dtype_size(dtype);
+    pass.esz = dtype_size(dtype);
     if (op == ReduceOp::kMean) pass.divisor = static_cast<size_t>(size());
     return pass;
   }

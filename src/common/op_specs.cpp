@@ -8,7 +8,17 @@ std::string Conv2dSpec::str() const {
   return detail::concat("conv2d(", in_channels, " -> ", out_channels, ", kernel ", kernel_h, "x", kernel_w,
                         ", stride ", stride_h, "x", stride_w, ", padding ", pad_h, "x", pad_w, ", dilation ",
                         dilation_h, "x", dilation_w, ", groups ", groups, bias ? "" : ", no bias",
-                        epilogue == Epilogue::kRelu ? ", relu" : "", ")");
+                        epilogue == Epilogue::kNone ? "" : ", ", epilogue == Epilogue::kNone ? "" : epilogue_name(epilogue),
+                        ")");
+}
+
+const char* epilogue_name(Epilogue epilogue) {
+  switch (epilogue) {
+    case Epilogue::kNone: return "none";
+    case Epilogue::kRelu: return "relu";
+    case Epilogue::kGelu: return "gelu";
+  }
+  return "unknown epilogue";
 }
 
 std::string Pool2dSpec::str() const {

@@ -7,8 +7,10 @@
 
 namespace dpar {
 
-// What an op applies to its result before writing it: fusion is an argument, not another op.
-enum class Epilogue : int32_t { kNone = 0, kRelu = 1 };
+// What an op applies to its result before writing it: fusion is an argument, not another op. The bias is the
+// op's own argument (present or not), so the epilogue is the activation after it.
+enum class Epilogue : int32_t { kNone = 0, kRelu = 1, kGelu = 2 };
+const char* epilogue_name(Epilogue epilogue);  // "none", "relu", "gelu"
 
 // A sliding window's output extent, as PyTorch computes it: floor(reach / stride) + 1, where `reach` (the input
 // with its padding, less the window's span) may be negative, so the quotient rounds down, not toward zero: a window

@@ -11,9 +11,9 @@ void Engine::sync_buffers(Replica& rep) {
   ReplicaModel& m = *rep.model;
   // Replica 0 of process 0's buffers, bit for bit; the int64 counters as int64 (no count loses a digit).
   if (const int64_t n = m.num_buffer_f32(); n > 0)
-    rep.set->broadcast_from_first(m.buffer_f32(), static_cast<size_t>(n), CommDType::kF32);
+    rep.set->broadcast_from_first(m.buffer_f32(), static_cast<size_t>(n), DType::kF32);
   if (const int64_t n = m.num_buffer_i64(); n > 0)
-    rep.set->broadcast_from_first(m.buffer_i64(), static_cast<size_t>(n), CommDType::kI64);
+    rep.set->broadcast_from_first(m.buffer_i64(), static_cast<size_t>(n), DType::kI64);
 }
 
 void Engine::read_buffer(void* dst, size_t replica, size_t index) const {
@@ -24,7 +24,7 @@ void Engine::read_buffer(void* dst, size_t replica, size_t index) const {
   const BufferInfo& b = model_.buffers()[index];
   const Replica& rep = *replicas_[replica];
   const size_t n = static_cast<size_t>(buffer_numel(b.shape));
-  if (b.dtype == BufferDType::kF32)
+  if (b.dtype == DType::kF32)
     backend_.copy_to_host(dst, rep.model->buffer_f32() + b.offset, n * sizeof(float), rep.ctx.device);
   else
     backend_.copy_to_host(dst, rep.model->buffer_i64() + b.offset, n * sizeof(int64_t), rep.ctx.device);

@@ -74,7 +74,7 @@ void Engine::share_outcome(const char* operation, std::exception_ptr error) cons
     }
     std::memcpy(words.data() + 1, what.data(), std::min(what.size(), kMessageWords * sizeof(int32_t) - 1));
   }
-  processes_->broadcast(words.data(), words.size(), CommDType::kI32, 0);
+  processes_->broadcast(words.data(), words.size(), DType::kI32, 0);
   if (root) {
     if (error) std::rethrow_exception(error);
     return;
@@ -112,13 +112,13 @@ void Engine::write_checkpoint(const std::string& path) const {
   std::vector<std::vector<uint8_t>> buffers;
   for (size_t i = 0; i < model_.buffers().size(); ++i) {
     const BufferInfo& b = model_.buffers()[i];
-    const bool f32 = b.dtype == BufferDType::kF32;
+    const bool f32 = b.dtype == DType::kF32;
     buffers.emplace_back(static_cast<size_t>(buffer_numel(b.shape)) * (f32 ? sizeof(float) : sizeof(int64_t)));
     read_buffer(buffers.back().data(), 0, i);
   }
   for (size_t i = 0; i < model_.buffers().size(); ++i) {
     const BufferInfo& b = model_.buffers()[i];
-    views.push_back({b.name, b.dtype == BufferDType::kF32 ? "F32" : "I64",
+    views.push_back({b.name, b.dtype == DType::kF32 ? "F32" : "I64",
                      std::vector<int64_t>(b.shape.data(), b.shape.data() + b.shape.ndim()), buffers[i].data(),
                      buffers[i].size()});
   }
@@ -170,10 +170,10 @@ void Engine::load(const std::string& path) {
   share_outcome("load", error);
   if (processes_) {
     int64_t size = static_cast<int64_t>(bytes.size());
-    processes_->broadcast(&size, 1, CommDType::kI64, 0);
+    processes_->broadcast(&size, 1, DType::kI64, 0);
     // Moved as 8-byte words: the buffer is padded to a whole word and trimmed after.
     bytes.resize((static_cast<size_t>(size) + 7) / 8 * 8);
-    processes_->broadcast(bytes.data(), bytes.size() / 8, CommDType::kI64, 0);
+    processes_->broadcast(bytes.data(), bytes.size() / 8, DType::kI64, 0);
     bytes.resize(static_cast<size_t>(size));
   }
   const io::SafetensorsFile file = io::SafetensorsFile::parse(path, std::move(bytes));
@@ -203,7 +203,7 @@ void Engine::load(const std::string& path) {
   for (const BufferInfo& b : model_.buffers()) {
     DPAR_ENFORCE(file.has(b.name), Status::kMismatch, path, ": buffer \"", b.name, "\" of the model is missing");
     const auto& e = file.entry(b.name);
-    const char* dtype = b.dtype == BufferDType::kF32 ? "F32" : "I64";
+    const char* dtype = b.dtype == DType::kF32 ? "F32" : "I64";
     DPAR_ENFORCE(e.dtype == dtype && e.shape == std::vector<int64_t>(b.shape.data(), b.shape.data() + b.shape.ndim()),
                  Status::kMismatch, path, ": buffer \"", b.name, "\" has another dtype or shape than the model's ",
                  dtype, " ", b.shape.str());
@@ -237,7 +237,7 @@ void Engine::load(const std::string& path) {
       }
     }
     for (const BufferInfo& b : model_.buffers()) {
-      if (b.dtype == BufferDType::kF32)
+      if (b.dtype == DType::kF32)
         rep.stream->copy_from_host(rep.model->buffer_f32() + b.offset, file.data(b.name), file.entry(b.name).bytes);
       else
         rep.stream->copy_from_host(rep.model->buffer_i64() + b.offset, file.data(b.name), file.entry(b.name).bytes);

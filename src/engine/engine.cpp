@@ -57,7 +57,7 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
     // Each process's replica count and device kind.
     std::vector<int64_t> all(2 * static_cast<size_t>(processes_->size()));
     const int64_t local[2] = {static_cast<int64_t>(n), static_cast<int64_t>(backend_.kind())};
-    processes_->all_gather(local, all.data(), 2, CommDType::kI64);
+    processes_->all_gather(local, all.data(), 2, DType::kI64);
     for (int p = 0; p < processes_->rank(); ++p) first_replica += all[2 * static_cast<size_t>(p)];
     // Every process must take the same steps from the same summed gradient. What each computes locally on it (the
     // clipping norm) is the same bits only from the same kernels: one device kind for all. Every process sees the
@@ -70,12 +70,12 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
                    " devices: every process's engine must use one device kind");
     }
     // Every process starts from rank 0's parameters, whatever each one's model was initialised with (as DDP).
-    processes_->broadcast(model_.values().data(), model_.values().size(), CommDType::kF32, 0);
+    processes_->broadcast(model_.values().data(), model_.values().size(), DType::kF32, 0);
     // And from rank 0's buffers (DDP's broadcast_buffers).
     if (!model_.buffer_f32().empty())
-      processes_->broadcast(model_.buffer_f32().data(), model_.buffer_f32().size(), CommDType::kF32, 0);
+      processes_->broadcast(model_.buffer_f32().data(), model_.buffer_f32().size(), DType::kF32, 0);
     if (!model_.buffer_i64().empty())
-      processes_->broadcast(model_.buffer_i64().data(), model_.buffer_i64().size(), CommDType::kI64, 0);
+      processes_->broadcast(model_.buffer_i64().data(), model_.buffer_i64().size(), DType::kI64, 0);
     // Every process has arrived: from here on its collectives wait as long as a step's.
     if (config_.create_timeout_seconds > 0)
       processes_->set_timeout(std::chrono::duration<double>(config_.timeout_seconds));
@@ -412,7 +412,7 @@ T Engine::sum_over_processes(T value, const char* operation) {
   if (!processes_) return value;
   T sum = 0;
   try {
-    processes_->all_reduce(&value, &sum, 1, std::is_same_v<T, double> ? CommDType::kF64 : CommDType::kI64,
+    processes_->all_reduce(&value, &sum, 1, std::is_same_v<T, double> ? DType::kF64 : DType::kI64,
                            ReduceOp::kSum);
   } catch (const Error& e) {
     // Some processes may have gone on: the engine cannot tell where the others are.
@@ -436,7 +436,7 @@ int64_t Engine::global_batch_of(const char* operation, const std::function<int64
   }
   std::vector<int64_t> batches(static_cast<size_t>(processes_->size()));
   try {
-    processes_->all_gather(&mine, batches.data(), 1, CommDType::kI64);
+    processes_->all_gather(&mine, batches.data(), 1, DType::kI64);
   } catch (const Error& e) {
     broken_ = true;
     broken_reason_ = std::string(operation) + ": " + e.what();

@@ -43,14 +43,15 @@ void Engine::clip_gradient(Replica& rep) {
   if (!rep.reducer->strategy().sharded()) {
     // Every replica holds the whole summed gradient, the same bits on all of them: each computes the same norm
     // with the same kernel.
-    sum = rep.stream->sum_squares(grads, model_.num_param_elements());
+    sum = rep.stream->sum_squares(TensorRef::of(grads, {model_.num_param_elements()}));
   } else {
     // Each replica holds its shard of the summed gradient: the norm is the sum of the shards' (one scalar summed
     // over the process's replicas; every process holds the same shards), the same bits on every replica.
-    for (const ElementRange& r : shard) sum += r.size() > 0 ? rep.stream->sum_squares(grads + r.begin, r.size()) : 0.0;
+    for (const ElementRange& r : shard)
+      sum += r.size() > 0 ? rep.stream->sum_squares(TensorRef::of(grads + r.begin, {r.size()})) : 0.0;
     if (replicas_.size() > 1) {
       rep.stream->copy_from_host(rep.norm_partial.raw(), &sum, sizeof(double));
-      rep.set->sum_within_process(rep.norm_partial.raw(), 1, CommDType::kF64);
+      rep.set->sum_within_process(rep.norm_partial.raw(), 1, DType::kF64);
       rep.stream->copy_to_host(&sum, rep.norm_partial.raw(), sizeof(double));
     }
   }
@@ -61,7 +62,7 @@ void Engine::clip_gradient(Replica& rep) {
   rep.grad_norm = norm;
   if (coef >= 1.0f) return;
   for (const ElementRange& r : shard)
-    if (r.size() > 0) rep.stream->scale(grads + r.begin, coef, r.size());
+    if (r.size() > 0) rep.stream->run(call::Scale{TensorRef::of(grads + r.begin, {r.size()}), coef});
 }
 
 void Engine::publish_grad_norm() {

@@ -28,9 +28,9 @@ class BatchNorm final : public Layer {
     return {weight, bias};
   }
   std::vector<BufferSpec> buffer_specs() const override {
-    return {{"running_mean", BufferDType::kF32, Shape{c_}, InitKind::kZeros},
-            {"running_var", BufferDType::kF32, Shape{c_}, InitKind::kOnes},
-            {"num_batches_tracked", BufferDType::kI64, Shape{}, InitKind::kZeros}};
+    return {{"running_mean", DType::kF32, Shape{c_}, InitKind::kZeros},
+            {"running_var", DType::kF32, Shape{c_}, InitKind::kOnes},
+            {"num_batches_tracked", DType::kI64, Shape{}, InitKind::kZeros}};
   }
   Shape output_shape(const Shape& in) const override {
     const size_t lo = dims_ == 2 ? 4 : 2, hi = dims_ == 1 ? 3 : 4;
@@ -61,43 +61,50 @@ class BatchNorm final : public Layer {
     reserve(ctx);
     training_ = ctx.training;
     const bool sync = dims_ == 0 && ctx.collectives != nullptr;
-    float* running_mean = buffers_[0].f32();
-    float* running_var = buffers_[1].f32();
-    auto* tracked = reinterpret_cast<int64_t*>(buffers_[2].i32());
+    const TensorRef running_mean = buffers_[0].ref(), running_var = buffers_[1].ref();
     if (!training_) {
-      ctx.stream->batchnorm_moments(mean_invstd(), running_mean, running_var, nullptr, nullptr, 0.0, c_, eps_, 0.0f);
+      ctx.stream->run(call::BatchNormMoments{mean_invstd(), running_mean, running_var, {}, {}, 0.0, eps_, 0.0f});
       apply(ctx, in, out, n, l);
       return;
     }
     // This replica's sums, then (SyncBatchNorm) the whole batch's: Σx, Σx² per channel and the element count.
-    ctx.stream->batchnorm_stats(stats(), in.f32(), n, c_, l);
+    ctx.stream->run(call::BatchNormStats{stats(), planes(in, n, l)});
     count_ = static_cast<double>(n * (n > 0 ? l : 0));
     if (sync) {
-      ctx.stream->copy_from_host(stats() + 2 * c_, &count_, sizeof(double));
-      ctx.collectives->sum(stats(), static_cast<size_t>(2 * c_ + 1), CommDType::kF64);
-      ctx.stream->copy_to_host(&count_, stats() + 2 * c_, sizeof(double));
+      double* sums = scratch_.data<double>();
+      ctx.stream->copy_from_host(sums + 2 * c_, &count_, sizeof(double));
+      ctx.collectives->sum(sums, static_cast<size_t>(2 * c_ + 1), DType::kF64);
+      ctx.stream->copy_to_host(&count_, sums + 2 * c_, sizeof(double));
     }
     // A replica given no rows of a plain BatchNorm has no statistics: it leaves its running statistics alone (the
     // engine makes them replica 0's after the step).
     if (!sync && n == 0) return;
     DPAR_CHECK_ARG(count_ > 1.0, describe(), ": expected more than 1 value per channel when training, got input ",
                    in.shape().str());
-    ctx.stream->batchnorm_moments(mean_invstd(), running_mean, running_var, tracked, stats(), count_, c_, eps_,
-                                  momentum_);
+    ctx.stream->run(call::BatchNormMoments{mean_invstd(), running_mean, running_var, buffers_[2].ref(), stats(),
+                                           count_, eps_, momentum_});
     apply(ctx, in, out, n, l);
   }
 
-  // A ReLU after BatchNorm runs as its epilogue: in place on its output after the normalisation (no tensor of its
-  // own for the normalised values), and backward masks the gradient with that output first. Each is still a pass of
-  // its own over the activations: a kernel that normalises and clamps in one pass is a backend's to add.
+  // A ReLU after BatchNorm runs as its epilogue: in the normalisation's pass (no tensor of its own for the normalised
+  // values), and backward masks the gradient with that output first.
   bool takes_epilogue(Epilogue epilogue) const override { return epilogue == Epilogue::kRelu; }
+  std::vector<KernelKey> kernels(Epilogue epilogue) const override {
+    std::vector<KernelKey> keys{{Op::kBatchNormStats},
+                                {Op::kBatchNormMoments},
+                                {Op::kBatchNormApply, DType::kF32, epilogue},
+                                {Op::kBatchNormBackwardReduce},
+                                {Op::kBatchNormBackwardApply}};
+    if (epilogue != Epilogue::kNone) keys.push_back({Op::kActivationBackward});
+    return keys;
+  }
   void forward_with_epilogue(const ReplicaContext& ctx, Epilogue, const Tensor& in, const Tensor& out) override {
     relu_ = true;
     forward(ctx, in, out);
   }
   void backward_with_epilogue(const ReplicaContext& ctx, Epilogue, const Tensor& in, const Tensor& out,
                               const Tensor& dout, const Tensor& mid, const Tensor& din, bool accumulate) override {
-    ctx.stream->activation_backward(Activation::kRelu, mid.f32(), dout.f32(), nullptr, out.f32(), out.numel());
+    ctx.stream->run(call::ActivationBackward{Activation::kRelu, mid.ref(), dout.ref(), {}, out.ref()});
     backward(ctx, in, out, mid, din, accumulate);
   }
 
@@ -108,43 +115,44 @@ class BatchNorm final : public Layer {
     if (n == 0 && !sync) {
       // No rows and no sums to take part in: this replica's parameter gradients are zero.
       if (affine_ && !accumulate)
-        for (float* g : grads_) ctx.stream->fill_zero(g, static_cast<size_t>(c_) * sizeof(float));
+        for (const Tensor& g : bound_grads_) ctx.stream->fill_zero(g.raw(), g.bytes());
       return;
     }
     // Σdy and Σdy·x̂ of this replica's rows give the parameter gradients (the reducer sums them over replicas); those
     // of the whole batch give the input's.
-    ctx.stream->batchnorm_backward_reduce(local(), dout.f32(), in.f32(), mean_invstd(), n, c_, l);
-    const double* global = nullptr;
+    ctx.stream->run(call::BatchNormBackwardReduce{local(), planes(dout, n, l), planes(in, n, l), mean_invstd()});
+    TensorRef global;
     if (training_) {
       global = local();
       if (sync) {
-        ctx.stream->copy(global_sums(), local(), 2 * static_cast<size_t>(c_) * sizeof(double));
-        ctx.collectives->sum(global_sums(), static_cast<size_t>(2 * c_), CommDType::kF64);
+        ctx.stream->copy(global_sums().data, local().data, 2 * static_cast<size_t>(c_) * sizeof(double));
+        ctx.collectives->sum(global_sums().data, static_cast<size_t>(2 * c_), DType::kF64);
         global = global_sums();
       }
     }
-    ctx.stream->batchnorm_backward_apply(din.defined() ? din.f32() : nullptr, affine_ ? grads_[0] : nullptr,
-                                         affine_ ? grads_[1] : nullptr, local(), global, count_, dout.f32(),
-                                         in.f32(), mean_invstd(), weight(), n, c_, l, accumulate);
+    ctx.stream->run(call::BatchNormBackwardApply{din.defined() ? planes(din, n, l) : TensorRef{}, grad(0, affine_),
+                                                 grad(1, affine_), local(), global, planes(dout, n, l),
+                                                 planes(in, n, l), mean_invstd(), param(0, affine_), count_,
+                                                 accumulate});
   }
 
  private:
   // out = the normalised in, then the ReLU when it runs as this layer's epilogue.
   void apply(const ReplicaContext& ctx, const Tensor& in, const Tensor& out, int64_t n, int64_t l) {
-    ctx.stream->batchnorm_apply(out.f32(), in.f32(), mean_invstd(), weight(), bias(), n, c_, l);
-    if (relu_) ctx.stream->activation_forward(Activation::kRelu, out.f32(), out.f32(), out.numel());
+    ctx.stream->run(call::BatchNormApply{planes(out, n, l), planes(in, n, l), mean_invstd(), param(0, affine_),
+                                         param(1, affine_), relu_ ? Epilogue::kRelu : Epilogue::kNone});
   }
-  const float* weight() const { return affine_ ? params_[0] : nullptr; }
-  const float* bias() const { return affine_ ? params_[1] : nullptr; }
+  // t (B,C,L...) as the kernels read it: (N,C,L).
+  TensorRef planes(const Tensor& t, int64_t n, int64_t l) const { return t.ref().view({n, c_, l}); }
   // Scratch of doubles in device memory: stats (2C + 1), mean_invstd (2C), local (2C), global (2C).
   void reserve(const ReplicaContext& ctx) {
-    if (!scratch_.defined()) scratch_ = ctx.alloc(DType::kF32, Shape{2 * (8 * c_ + 1)});
+    if (!scratch_.defined()) scratch_ = ctx.alloc(DType::kF64, Shape{8 * c_ + 1});
   }
-  double* base() const { return reinterpret_cast<double*>(scratch_.f32()); }
-  double* stats() const { return base(); }
-  double* mean_invstd() const { return base() + 2 * c_ + 1; }
-  double* local() const { return base() + 4 * c_ + 1; }
-  double* global_sums() const { return base() + 6 * c_ + 1; }
+  TensorRef scratch(int64_t begin, int64_t count) const { return scratch_.rows(begin, count).ref(); }
+  TensorRef stats() const { return scratch(0, 2 * c_ + 1); }
+  TensorRef mean_invstd() const { return scratch(2 * c_ + 1, 2 * c_); }
+  TensorRef local() const { return scratch(4 * c_ + 1, 2 * c_); }
+  TensorRef global_sums() const { return scratch(6 * c_ + 1, 2 * c_); }
 
   int dims_;
   int64_t c_;

@@ -56,34 +56,32 @@ class Conv2dLayer final : public Layer {
 
   // in (N,C_in,H,W), weight (C_out,C_in/groups,kh,kw), bias (C_out), out (N,C_out,OH,OW)
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
-    const Shape& s = in.shape();
-    op(ctx).forward(out.f32(), in.f32(), params_[0], spec_.bias ? params_[1] : nullptr, s[0], s[2], s[3]);
+    op(ctx).forward(out.ref(), in.ref(), param(0), param(1, spec_.bias));
   }
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
                 bool accumulate) override {
-    const Shape& s = in.shape();
     Conv2dOp& o = op(ctx);
-    if (din.defined()) o.backward_data(din.f32(), dout.f32(), params_[0], s[0], s[2], s[3]);
-    o.backward_weights(grads_[0], spec_.bias ? grads_[1] : nullptr, dout.f32(), in.f32(), s[0], s[2], s[3],
-                       accumulate);
+    if (din.defined()) o.backward_data(din.ref(), dout.ref(), param(0));
+    o.backward_weights(grad(0), grad(1, spec_.bias), dout.ref(), in.ref(), accumulate);
   }
 
   // A ReLU after the convolution is the op's epilogue (oneDNN's post-op, or cuDNN's convolution and then the ReLU
   // on its output); backward masks the gradient with the output, then runs the convolution's backward from it.
   bool takes_epilogue(Epilogue epilogue) const override { return epilogue == Epilogue::kRelu; }
+  std::vector<KernelKey> kernels(Epilogue epilogue) const override {
+    if (epilogue == Epilogue::kNone) return {};
+    return {{Op::kActivationBackward}};  // the epilogue's backward masks the gradient first
+  }
   void forward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in,
                              const Tensor& out) override {
-    const Shape& s = in.shape();
-    op(ctx, epilogue).forward(out.f32(), in.f32(), params_[0], spec_.bias ? params_[1] : nullptr, s[0], s[2], s[3]);
+    op(ctx, epilogue).forward(out.ref(), in.ref(), param(0), param(1, spec_.bias));
   }
   void backward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in, const Tensor& out,
                               const Tensor& dout, const Tensor& mid, const Tensor& din, bool accumulate) override {
-    ctx.stream->activation_backward(Activation::kRelu, mid.f32(), dout.f32(), nullptr, out.f32(), out.numel());
-    const Shape& s = in.shape();
+    ctx.stream->run(call::ActivationBackward{Activation::kRelu, mid.ref(), dout.ref(), {}, out.ref()});
     Conv2dOp& o = op(ctx, epilogue);
-    if (din.defined()) o.backward_data(din.f32(), mid.f32(), params_[0], s[0], s[2], s[3]);
-    o.backward_weights(grads_[0], spec_.bias ? grads_[1] : nullptr, mid.f32(), in.f32(), s[0], s[2], s[3],
-                       accumulate);
+    if (din.defined()) o.backward_data(din.ref(), mid.ref(), param(0));
+    o.backward_weights(grad(0), grad(1, spec_.bias), mid.ref(), in.ref(), accumulate);
   }
 
  private:
@@ -119,14 +117,12 @@ class Pool2dLayer final : public Layer {
 
   // in (N,C,H,W), out (N,C,OH,OW)
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
-    const Shape& s = in.shape();
-    op(ctx).forward(out.f32(), in.f32(), s[0], s[1], s[2], s[3]);
+    op(ctx).forward(out.ref(), in.ref());
   }
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out, const Tensor& dout,
                 const Tensor& din, bool) override {
     if (!din.defined()) return;
-    const Shape& s = in.shape();
-    op(ctx).backward(din.f32(), dout.f32(), in.f32(), out.f32(), s[0], s[1], s[2], s[3]);
+    op(ctx).backward(din.ref(), dout.ref(), in.ref(), out.ref());
   }
 
  private:

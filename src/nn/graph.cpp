@@ -166,7 +166,7 @@ int32_t Model::append(Node node) {
       };
       for (const ParamSpec& spec : specs) add(n_values, spec.shape.numel());
       for (const BufferSpec& spec : buffer_specs)
-        add(spec.dtype == BufferDType::kF32 ? n_f32 : n_i64, buffer_numel(spec.shape));
+        add(spec.dtype == DType::kF32 ? n_f32 : n_i64, buffer_numel(spec.shape));
       add(n_values, num_param_elements());
       add(n_f32, static_cast<int64_t>(buffer_f32_.size()));
       add(n_i64, static_cast<int64_t>(buffer_i64_.size()));
@@ -212,7 +212,7 @@ int32_t Model::append(Node node) {
       params_.push_back(std::move(info));
     }
     for (const BufferSpec& spec : buffer_specs) {
-      const bool f32 = spec.dtype == BufferDType::kF32;
+      const bool f32 = spec.dtype == DType::kF32;
       const int64_t offset = static_cast<int64_t>(f32 ? buffer_f32_.size() : buffer_i64_.size());
       buffers_.push_back({node.name + "." + spec.name, spec.dtype, spec.shape, offset, static_cast<size_t>(id)});
       const int64_t v = spec.init == InitKind::kOnes ? 1 : 0;

@@ -55,10 +55,9 @@ struct ParamSpec {
 
 // A layer's state that is not a parameter (BatchNorm's running statistics): never stepped, reduced or gathered;
 // each replica holds its own copy, which the engine makes equal to replica 0's after every training step.
-enum class BufferDType : int32_t { kF32 = 0, kI64 = 1 };
 struct BufferSpec {
   std::string name;  // "running_mean"
-  BufferDType dtype = BufferDType::kF32;
+  DType dtype = DType::kF32;  // kF32 or kI64
   Shape shape;
   InitKind init = InitKind::kZeros;  // kZeros or kOnes
 };
@@ -85,6 +84,10 @@ class Layer {
   // that uses_collectives() (BatchNorm's more than one value per channel). The engine asks every layer before a
   // training-mode call changes anything, so that one replica's refusal cannot leave another's state moved.
   virtual void check_statistics_input(const Shape& /*in*/) const {}
+  // The kernels its forward and backward run through the replica's Stream when it takes `epilogue` (f32 today): the
+  // model asks the stream for each (Stream::can_run) when a replica is made, so a device that lacks one is named
+  // before any step. Stateful ops (convolution, pooling) are asked for by the layer's first forward.
+  virtual std::vector<KernelKey> kernels(Epilogue /*epilogue*/) const { return {}; }
   // Whether forward or backward call the replica set's collectives (ctx.collectives). Every replica must then run
   // the layer on every call, one given no rows of the batch included (with an empty chunk, contributing zeros), so
   // that no collective waits for a replica that skipped it: the engine does so for a model with such a layer.
@@ -92,18 +95,17 @@ class Layer {
 
   // Points the layer at its parameters and gradients: one view per param_specs() entry, of its shape, sharing the
   // replica's storage (so that a layer that hands one out, as a custom layer's callback may through DLPack, keeps
-  // the memory alive), and the same as raw pointers for the kernels.
+  // the memory alive), and the same as references for the kernel calls.
   void bind(std::vector<Tensor> params, std::vector<Tensor> grads) {
     bound_params_ = std::move(params);
     bound_grads_ = std::move(grads);
     params_.clear();
     grads_.clear();
-    for (const Tensor& p : bound_params_) params_.push_back(p.f32());
-    for (const Tensor& g : bound_grads_) grads_.push_back(g.f32());
+    for (const Tensor& p : bound_params_) params_.push_back(p.ref());
+    for (const Tensor& g : bound_grads_) grads_.push_back(g.ref());
   }
 
-  // Points the layer at its buffers: one view per buffer_specs() entry, in the replica's memory (an i64 buffer is
-  // an i32 tensor of twice the elements, read as int64_t).
+  // Points the layer at its buffers: one view per buffer_specs() entry, in the replica's memory, of its dtype.
   void bind_buffers(std::vector<Tensor> buffers) { buffers_ = std::move(buffers); }
 
   // in (B, ...) -> out (B, ...), with out preallocated to output_shape(in).
@@ -136,7 +138,10 @@ class Layer {
 
  protected:
   std::vector<Tensor> bound_params_, bound_grads_;  // the views given to bind()
-  std::vector<float*> params_, grads_;              // their memory
+  std::vector<TensorRef> params_, grads_;           // their memory
+  // Parameter i's reference, or an absent one when `present` is false (an optional bias).
+  TensorRef param(size_t i, bool present = true) const { return present ? params_[i] : TensorRef{}; }
+  TensorRef grad(size_t i, bool present = true) const { return present ? grads_[i] : TensorRef{}; }
   std::vector<Tensor> buffers_;                     // the views given to bind_buffers()
 };
 

@@ -1,5 +1,6 @@
 // The built-in layers. Their math is the replica's backend's (through its Stream); here are shapes, parameters
 // and saved state.
+#include <algorithm>
 #include <cmath>
 
 #include "common/error.h"
@@ -57,29 +58,45 @@ class Linear final : public Layer {
 
   // in (B,C_in), weight (C_out,C_in), bias (C_out), out (B,C_out)
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
-    ctx.stream->linear_forward(out.f32(), in.f32(), params_[0], bias_ ? params_[1] : nullptr, in.rows(), in_, out_);
+    ctx.stream->run(call::LinearForward{out.ref(), in.ref(), param(0), param(1, bias_)});
   }
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
                 bool accumulate) override {
-    ctx.stream->linear_backward(din.defined() ? din.f32() : nullptr, grads_[0], bias_ ? grads_[1] : nullptr,
-                                dout.f32(), in.f32(), params_[0], in.rows(), in_, out_, accumulate);
+    call::LinearBackward c{din.ref(), grad(0), grad(1, bias_)};
+    c.dout = dout.ref();
+    c.inp = in.ref();
+    c.weight = param(0);
+    c.accumulate = accumulate;
+    ctx.stream->run(c);
   }
 
-  // A ReLU after a linear layer runs as its epilogue: the bias and the ReLU are one pass after the GEMM, and
-  // backward masks the gradient and sums the bias gradient in one pass before the GEMMs.
-  bool takes_epilogue(Epilogue epilogue) const override { return epilogue == Epilogue::kRelu; }
-  void forward_with_epilogue(const ReplicaContext& ctx, Epilogue, const Tensor& in, const Tensor& out) override {
-    ctx.stream->linear_relu_forward(out.f32(), in.f32(), params_[0], bias_ ? params_[1] : nullptr, in.rows(), in_,
-                                    out_);
+  // An activation after a linear layer runs as its epilogue: the bias and a ReLU are one pass after the GEMM, and
+  // backward masks the gradient and sums the bias gradient in one pass before the GEMMs; a GELU is its own pass
+  // where the backend does not fuse it (Stream::run), over the pre-activation the layer keeps for its backward.
+  bool takes_epilogue(Epilogue epilogue) const override { return epilogue != Epilogue::kNone; }
+  std::vector<KernelKey> kernels(Epilogue epilogue) const override {
+    return {{Op::kLinearForward, DType::kF32, epilogue}, {Op::kLinearBackward, DType::kF32, epilogue}};
   }
-  void backward_with_epilogue(const ReplicaContext& ctx, Epilogue, const Tensor& in, const Tensor& out,
+  void forward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in,
+                             const Tensor& out) override {
+    if (epilogue == Epilogue::kGelu && (!pre_.defined() || pre_.numel() < out.numel()))
+      pre_ = ctx.alloc(DType::kF32, Shape{std::max<int64_t>(out.numel(), 1)});
+    ctx.stream->run(call::LinearForward{out.ref(), in.ref(), param(0), param(1, bias_), pre(epilogue, out),
+                                        epilogue});
+  }
+  void backward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in, const Tensor& out,
                               const Tensor& dout, const Tensor& mid, const Tensor& din, bool accumulate) override {
-    ctx.stream->linear_relu_backward(din.defined() ? din.f32() : nullptr, grads_[0], bias_ ? grads_[1] : nullptr,
-                                     mid.f32(), dout.f32(), out.f32(), in.f32(), params_[0], in.rows(), in_, out_,
-                                     accumulate);
+    ctx.stream->run(call::LinearBackward{din.ref(), grad(0), grad(1, bias_), mid.ref(), dout.ref(), in.ref(),
+                                         param(0), out.ref(), pre(epilogue, out), epilogue, accumulate});
   }
 
  private:
+  // The pre-activation of the last forward with a GELU epilogue, of out's shape; absent for the other epilogues.
+  TensorRef pre(Epilogue epilogue, const Tensor& out) const {
+    return epilogue == Epilogue::kGelu ? pre_.rows(0, out.numel()).reshaped(out.shape()).ref() : TensorRef{};
+  }
+  Tensor pre_;
+
   int64_t in_, out_;
   bool bias_;
 };
@@ -87,21 +104,27 @@ class Linear final : public Layer {
 class ActivationLayer final : public Layer {
  public:
   explicit ActivationLayer(Activation kind) : kind_(kind) {}
-  std::string describe() const override {
-    static const char* names[] = {"relu", "gelu", "tanh", "sigmoid"};
-    return names[static_cast<int>(kind_)];
-  }
+  std::string describe() const override { return activation_name(kind_); }
   Shape output_shape(const Shape& in) const override { return in; }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<ActivationLayer>(kind_); }
   Activation kind() const { return kind_; }
-  Epilogue as_epilogue() const override { return kind_ == Activation::kRelu ? Epilogue::kRelu : Epilogue::kNone; }
+  Epilogue as_epilogue() const override {
+    switch (kind_) {
+      case Activation::kRelu: return Epilogue::kRelu;
+      case Activation::kGelu: return Epilogue::kGelu;
+      default: return Epilogue::kNone;
+    }
+  }
 
+  std::vector<KernelKey> kernels(Epilogue) const override {
+    return {{Op::kActivationForward}, {Op::kActivationBackward}};
+  }
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
-    ctx.stream->activation_forward(kind_, out.f32(), in.f32(), in.numel());
+    ctx.stream->run(call::ActivationForward{kind_, out.ref(), in.ref()});
   }
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out, const Tensor& dout,
                 const Tensor& din, bool) override {
-    if (din.defined()) ctx.stream->activation_backward(kind_, din.f32(), dout.f32(), in.f32(), out.f32(), in.numel());
+    if (din.defined()) ctx.stream->run(call::ActivationBackward{kind_, din.ref(), dout.ref(), in.ref(), out.ref()});
   }
 
  private:
@@ -114,6 +137,7 @@ class Dropout final : public Layer {
   std::string describe() const override { return "dropout(p=" + std::to_string(p_) + ")"; }
   Shape output_shape(const Shape& in) const override { return in; }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Dropout>(p_); }
+  std::vector<KernelKey> kernels(Epilogue) const override { return {{Op::kDropoutForward}, {Op::kDropoutBackward}}; }
 
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
     const int64_t n = in.numel();
@@ -124,7 +148,8 @@ class Dropout final : public Layer {
     }
     if (!mask_.defined() || mask_.numel() < n) mask_ = ctx.alloc(DType::kF32, Shape{n});
     // Each replica draws from its own stream, and the stream's position persists across steps.
-    ctx.stream->dropout_forward(out.f32(), mask_.f32(), in.f32(), n, p_, ctx.rng_seed, *ctx.rng_offset);
+    ctx.stream->run(call::DropoutForward{out.ref(), mask_.rows(0, n).ref(), in.ref(), p_, ctx.rng_seed,
+                                         *ctx.rng_offset});
     *ctx.rng_offset += static_cast<uint64_t>(n);
   }
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
@@ -132,7 +157,7 @@ class Dropout final : public Layer {
     if (!din.defined()) return;
     const int64_t n = in.numel();
     if (active_)
-      ctx.stream->dropout_backward(din.f32(), dout.f32(), mask_.f32(), n);
+      ctx.stream->run(call::DropoutBackward{din.ref(), dout.ref(), mask_.rows(0, n).ref()});
     else
       ctx.stream->copy(din.f32(), dout.f32(), static_cast<size_t>(n) * sizeof(float));
   }

@@ -38,11 +38,12 @@ void check_loss_target(LossKind kind, const Shape& out, const Tensor& target, co
 void loss_forward_backward(LossKind kind, const ReplicaContext& ctx, double* loss_sum, const Tensor& dout,
                            const Tensor& out, const Tensor& target, float grad_scale) {
   if (kind == LossKind::kCrossEntropy) {
-    ctx.stream->cross_entropy_forward_backward(loss_sum, dout.f32(), out.f32(), target.i32(), out.rows(),
-                                               out.shape()[1], grad_scale);
+    ctx.stream->run(call::CrossEntropy{TensorRef::of(loss_sum, {1}), dout.ref(), out.ref(), target.ref(), grad_scale});
   } else {
-    ctx.stream->mse_forward_backward(loss_sum, dout.f32(), out.f32(), target.f32(), out.rows(),
-                                     out.shape().row_numel(), grad_scale);
+    // Every element of a row is one of the row's D errors.
+    const int64_t B = out.rows(), D = out.shape().row_numel();
+    ctx.stream->run(call::MeanSquaredError{TensorRef::of(loss_sum, {1}), dout.ref().view({B, D}),
+                                           out.ref().view({B, D}), target.ref().view({B, D}), grad_scale});
   }
 }
 

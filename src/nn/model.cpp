@@ -40,7 +40,7 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
     ctx.stream->copy_from_host(buf_f32_.raw(), model.buffer_f32().data(), buf_f32_.bytes());
   }
   if (n_buf_i64_ > 0) {
-    buf_i64_ = ctx.alloc(DType::kI32, Shape{2 * n_buf_i64_});
+    buf_i64_ = ctx.alloc(DType::kI64, Shape{n_buf_i64_});
     ctx.stream->copy_from_host(buf_i64_.raw(), model.buffer_i64().data(), buf_i64_.bytes());
   }
   for (size_t i = 0; i < nodes_.size(); ++i) {
@@ -48,10 +48,10 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
     std::vector<Tensor> b;
     for (const BufferInfo& info : model.buffers())
       if (info.layer == i) {
-        if (info.dtype == BufferDType::kF32)
+        if (info.dtype == DType::kF32)
           b.push_back(buf_f32_.rows(info.offset, buffer_numel(info.shape)));
         else
-          b.push_back(buf_i64_.rows(2 * info.offset, 2 * buffer_numel(info.shape)));
+          b.push_back(buf_i64_.rows(info.offset, buffer_numel(info.shape)));
       }
     nodes_[i].layer->bind_buffers(std::move(b));
   }
@@ -67,6 +67,19 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
     epilogue_.push_back(fuse ? e : Epilogue::kNone);
   }
   epilogue_.push_back(Epilogue::kNone);
+  check_kernels(*ctx.stream);
+}
+
+void ReplicaModel::check_kernels(const Stream& stream) const {
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const Node& node = nodes_[i];
+    std::vector<KernelKey> keys;
+    if (node.layer) keys = node.layer->kernels(epilogue_[i]);
+    if (node.kind == NodeKind::kSum) keys.push_back({Op::kAxpy});
+    for (const KernelKey& key : keys)
+      DPAR_ENFORCE(stream.can_run(key), Status::kNotSupported, "node '", node.name, "' (", node.describe(),
+                   ") needs the kernel ", key.str(), ", which ", stream.device().str(), "'s backend does not have");
+  }
 }
 
 size_t ReplicaModel::num_fused() const {
@@ -210,7 +223,7 @@ Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
       case NodeKind::kSum:
         ctx.stream->copy(y.raw(), output(node.inputs[0]).raw(), y.bytes());
         for (size_t k = 1; k < node.inputs.size(); ++k)
-          ctx.stream->axpy(y.f32(), output(node.inputs[k]).f32(), 1.0f, y.numel());
+          ctx.stream->run(call::Axpy{y.ref(), output(node.inputs[k]).ref()});
         break;
       case NodeKind::kConcat: {
         // Each row of the output is the inputs' rows one after another (dim 1 is the outermost after the batch).
@@ -248,7 +261,7 @@ void ReplicaModel::contribute(const ReplicaContext& ctx, int32_t node,
   // A second consumer's gradient: written aside, then added (the layer's backward overwrites its din).
   const Tensor tmp = scratch_.rows(0, g.numel()).reshaped(g.shape());
   write(tmp);
-  ctx.stream->axpy(g.f32(), tmp.f32(), 1.0f, g.numel());
+  ctx.stream->run(call::Axpy{g.ref(), tmp.ref()});
 }
 
 void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
@@ -308,7 +321,7 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
         const Tensor g = grad_of(in);
         char& started = grad_started_[static_cast<size_t>(storage(in) + 1)];
         if (started)
-          ctx.stream->axpy(g.f32(), dout.f32(), 1.0f, g.numel());
+          ctx.stream->run(call::Axpy{g.ref(), dout.ref()});
         else
           ctx.stream->copy(g.raw(), dout.raw(), g.bytes());
         started = 1;

@@ -64,7 +64,7 @@ void check_graph_used(const std::vector<Node>& nodes);
 
 struct BufferInfo {
   std::string name;  // "1.running_mean", as PyTorch's state_dict names it
-  BufferDType dtype = BufferDType::kF32;
+  DType dtype = DType::kF32;
   Shape shape;
   int64_t offset = 0;  // in the model's flat buffer of its dtype, in elements
   size_t layer = 0;
@@ -154,7 +154,7 @@ class ReplicaModel {
   // The buffers' memory on the device: every f32 buffer in one array, every i64 buffer in another (stored as i32
   // pairs); BufferInfo::offset places each. Null where the model has none of that dtype.
   float* buffer_f32() const { return buf_f32_.defined() ? buf_f32_.f32() : nullptr; }
-  int64_t* buffer_i64() const { return buf_i64_.defined() ? reinterpret_cast<int64_t*>(buf_i64_.i32()) : nullptr; }
+  int64_t* buffer_i64() const { return buf_i64_.defined() ? buf_i64_.data<int64_t>() : nullptr; }
   int64_t num_buffer_f32() const { return n_buf_f32_; }
   int64_t num_buffer_i64() const { return n_buf_i64_; }
 
@@ -180,6 +180,8 @@ class ReplicaModel {
  private:
   // Makes sure activation buffers hold `rows` rows and plans the gradient buffers; grows, never shrinks.
   void reserve(const ReplicaContext& ctx, const Shape& input);
+  // Throws Error(NOT_SUPPORTED) naming the first node that needs a kernel `stream` cannot run.
+  void check_kernels(const Stream& stream) const;
   // The node whose memory a node's output is (following views back); kModelInput for the input.
   int32_t storage(int32_t node) const;
   // Node i's output of the last forward (a view of its storage for a view node).

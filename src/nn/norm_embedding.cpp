@@ -28,31 +28,32 @@ class LayerNorm final : public Layer {
     return in;
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<LayerNorm>(d_, eps_, affine_); }
+  std::vector<KernelKey> kernels(Epilogue) const override {
+    return {{Op::kLayerNormForward}, {Op::kLayerNormBackward}};
+  }
 
   // in (B,...,D) read as (N,D), out likewise
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
     const int64_t n = in.numel() / d_;
     // Each row's mean and rstd in doubles, kept for backward (room for 2 doubles per row).
-    if (!saved_.defined() || saved_.numel() < 4 * n)
-      saved_ = ctx.alloc(DType::kF32, Shape{4 * std::max<int64_t>(n, 1)});
-    ctx.stream->layernorm_forward(out.f32(), mean_rstd(), in.f32(), weight(), affine_ ? params_[1] : nullptr, n, d_,
-                                  eps_);
+    if (!saved_.defined() || saved_.numel() < 2 * n) saved_ = ctx.alloc(DType::kF64, Shape{2 * std::max<int64_t>(n, 1)});
+    ctx.stream->run(call::LayerNormForward{out.ref(), mean_rstd(n), in.ref(), param(0, affine_), param(1, affine_),
+                                           eps_});
   }
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
                 bool accumulate) override {
     const int64_t n = in.numel() / d_;
-    ctx.stream->layernorm_backward(din.defined() ? din.f32() : nullptr, affine_ ? grads_[0] : nullptr,
-                                   affine_ ? grads_[1] : nullptr, dout.f32(), in.f32(), mean_rstd(), weight(), n, d_,
-                                   accumulate);
+    ctx.stream->run(call::LayerNormBackward{din.ref(), grad(0, affine_), grad(1, affine_), dout.ref(), in.ref(),
+                                            mean_rstd(n), param(0, affine_), accumulate});
   }
 
  private:
-  const float* weight() const { return affine_ ? params_[0] : nullptr; }
-  double* mean_rstd() const { return reinterpret_cast<double*>(saved_.f32()); }
+  // Each of the n rows' mean and rstd of the last forward.
+  TensorRef mean_rstd(int64_t n) const { return saved_.rows(0, 2 * n).ref(); }
   int64_t d_;
   float eps_;
   bool affine_;
-  Tensor saved_;  // (2,N) doubles of the last forward
+  Tensor saved_;  // (2,N) f64 of the last forward
 };
 
 class Embedding final : public Layer {
@@ -83,16 +84,19 @@ class Embedding final : public Layer {
     }
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Embedding>(v_, e_, padding_idx_); }
+  std::vector<KernelKey> kernels(Epilogue) const override {
+    return {{Op::kEmbeddingForward}, {Op::kEmbeddingBackward}};
+  }
 
   // in (N) i32 indices, weight (V,E), out (N,E)
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
-    ctx.stream->embedding_forward(out.f32(), in.i32(), params_[0], in.numel(), v_, e_);
+    ctx.stream->run(call::EmbeddingForward{out.ref(), in.ref(), param(0)});
   }
   // The weight's gradient is dense: (V,E), zero in the rows no index named (see the README on why it is reduced
   // as any parameter).
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor&,
                 bool accumulate) override {
-    ctx.stream->embedding_backward(grads_[0], dout.f32(), in.i32(), in.numel(), v_, e_, padding_idx_, accumulate);
+    ctx.stream->run(call::EmbeddingBackward{grad(0), dout.ref(), in.ref(), padding_idx_, accumulate});
   }
 
  private:

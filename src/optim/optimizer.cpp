@@ -77,12 +77,14 @@ void Optimizer::step(Stream& stream, float* params, const float* grads) {
     if (n <= 0) return;
     if (config_.kind == OptimizerKind::kSgd) {
       const SgdHyper h{config_.lr, config_.momentum, config_.dampening, weight_decay, config_.nesterov};
-      stream.sgd_step(params + begin, buf_a_.defined() ? buf_a_.f32() + state : nullptr, grads + begin, n, h,
-                      steps_ == 1);
+      stream.run(call::SgdStep{TensorRef::of(params + begin, {n}),
+                               buf_a_.defined() ? buf_a_.rows(state, n).ref() : TensorRef{},
+                               TensorRef::of(grads + begin, {n}), h, steps_ == 1});
     } else {
       const AdamHyper h{config_.lr, config_.beta1, config_.beta2, config_.eps, weight_decay,
                         config_.kind == OptimizerKind::kAdamW};
-      stream.adam_step(params + begin, buf_a_.f32() + state, buf_b_.f32() + state, grads + begin, n, h, steps_);
+      stream.run(call::AdamStep{TensorRef::of(params + begin, {n}), buf_a_.rows(state, n).ref(),
+                                buf_b_.rows(state, n).ref(), TensorRef::of(grads + begin, {n}), h, steps_});
     }
     state += n;
   };

@@ -61,7 +61,7 @@ std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, Re
   // carry it (a threads communicator), rather than by every later reduction.
   const bool bf16 = kind == BucketStrategyKind::kHierarchicalBf16 ||
                     (kind == BucketStrategyKind::kReduceScatter && wire == Wire::kBf16);
-  DPAR_ENFORCE(!bf16 || set.processes_move(CommDType::kBF16), Status::kNotSupported,
+  DPAR_ENFORCE(!bf16 || set.processes_move(DType::kBF16), Status::kNotSupported,
                "bucket strategy: bf16 compression across the processes, but their link (", set.process_transport(),
                ") does not move bf16");
   switch (kind) {

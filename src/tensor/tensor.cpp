@@ -10,22 +10,6 @@
 
 namespace dpar {
 
-size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return 4;
-    case DType::kI32: return 4;
-  }
-  return 0;
-}
-
-const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kI32: return "i32";
-  }
-  return "?";
-}
-
 namespace {
 std::string extents_str(const int64_t* dims, size_t n) {
   std::ostringstream os;
@@ -148,6 +132,11 @@ Tensor Tensor::wrap(void* data, DType dtype, const Shape& shape, Device device) 
   t.shape_ = shape;
   t.dtype_ = dtype;
   return t;
+}
+
+void Tensor::check_dtype(DType expected) const {
+  DPAR_ENFORCE(dtype_ == expected, Status::kInvalidArgument, "tensor: expected ", dtype_name(expected), ", got ",
+               dtype_name(dtype_));
 }
 
 float* Tensor::f32() const {

@@ -8,14 +8,12 @@
 #include <memory>
 #include <string>
 
+#include "common/dtype.h"
+#include "common/tensor_ref.h"
 #include "device/device.h"
 
 namespace dpar {
 
-// The numbers are the C ABI's (src/capi/codes.h checks them), so that a tensor's dtype crosses as a cast.
-enum class DType : int32_t { kF32 = 0, kI32 = 1 };
-size_t dtype_size(DType dtype);
-const char* dtype_name(DType dtype);
 
 // A tensor's extents. Every shape dpar makes holds at most kMaxElements elements: the constructors refuse a larger
 // one with Error(INVALID_ARGUMENT) naming its extents, so a product of extents (an element count, a byte count, a
@@ -105,6 +103,17 @@ class Tensor {
   void* raw() const { return static_cast<char*>(storage_->data()) + offset_; }
   float* f32() const;
   int32_t* i32() const;
+  // The memory as T* after checking that the dtype is T's (common/dtype.h's dtype_of).
+  template <class T>
+  T* data() const {
+    check_dtype(dtype_of<T>::value);
+    return static_cast<T*>(raw());
+  }
+  // A reference for a kernel call (common/tensor_ref.h): contiguous, this shape; absent for an undefined tensor.
+  TensorRef ref() const {
+    return defined() ? TensorRef::contiguous(raw(), dtype_, shape_.data(), static_cast<int>(shape_.ndim()))
+                     : TensorRef{};
+  }
 
   // Synchronous copies of all bytes() bytes between the tensor and host memory, through its device's backend
   // (the caller has synchronised the streams that write the tensor).
@@ -117,6 +126,7 @@ class Tensor {
   Tensor reshaped(const Shape& shape) const;
 
  private:
+  void check_dtype(DType expected) const;
   std::shared_ptr<Storage> storage_;
   size_t offset_ = 0;
   Shape shape_;

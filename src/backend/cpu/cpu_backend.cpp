@@ -16,20 +16,23 @@ namespace dpar {
 namespace {
 namespace k = kernels::cpu;
 
+// An op's NCHW memory as oneDNN's f32 primitives read it.
+float* f32(const TensorRef& r) { return r.contiguous_as<float>("a convolution or pooling op"); }
+
 // The op seam over the CPU kernels' oneDNN primitives (kernels/cpu/dnnl_ops.h), which know no backend.
 class CpuConv2dOp final : public Conv2dOp {
  public:
   explicit CpuConv2dOp(const Conv2dSpec& spec) : conv_(spec) {}
-  void forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t H,
-               int64_t W) override {
-    conv_.forward(out, inp, weight, bias, N, H, W);
+  void forward(const TensorRef& out, const TensorRef& inp, const TensorRef& weight, const TensorRef& bias) override {
+    conv_.forward(f32(out), f32(inp), f32(weight), f32(bias), inp.size(0), inp.size(2), inp.size(3));
   }
-  void backward_data(float* dinp, const float* dout, const float* weight, int64_t N, int64_t H, int64_t W) override {
-    conv_.backward_data(dinp, dout, weight, N, H, W);
+  void backward_data(const TensorRef& dinp, const TensorRef& dout, const TensorRef& weight) override {
+    conv_.backward_data(f32(dinp), f32(dout), f32(weight), dinp.size(0), dinp.size(2), dinp.size(3));
   }
-  void backward_weights(float* dweight, float* dbias, const float* dout, const float* inp, int64_t N, int64_t H,
-                        int64_t W, bool accumulate) override {
-    conv_.backward_weights(dweight, dbias, dout, inp, N, H, W, accumulate);
+  void backward_weights(const TensorRef& dweight, const TensorRef& dbias, const TensorRef& dout, const TensorRef& inp,
+                        bool accumulate) override {
+    conv_.backward_weights(f32(dweight), f32(dbias), f32(dout), f32(inp), inp.size(0), inp.size(2), inp.size(3),
+                           accumulate);
   }
 
  private:
@@ -39,12 +42,11 @@ class CpuConv2dOp final : public Conv2dOp {
 class CpuPool2dOp final : public Pool2dOp {
  public:
   explicit CpuPool2dOp(const Pool2dSpec& spec) : pool_(spec) {}
-  void forward(float* out, const float* inp, int64_t N, int64_t C, int64_t H, int64_t W) override {
-    pool_.forward(out, inp, N, C, H, W);
+  void forward(const TensorRef& out, const TensorRef& inp) override {
+    pool_.forward(f32(out), f32(inp), inp.size(0), inp.size(1), inp.size(2), inp.size(3));
   }
-  void backward(float* dinp, const float* dout, const float*, const float*, int64_t N, int64_t C, int64_t H,
-                int64_t W) override {
-    pool_.backward(dinp, dout, N, C, H, W);
+  void backward(const TensorRef& dinp, const TensorRef& dout, const TensorRef&, const TensorRef&) override {
+    pool_.backward(f32(dinp), f32(dout), dinp.size(0), dinp.size(1), dinp.size(2), dinp.size(3));
   }
 
  private:
@@ -65,68 +67,18 @@ class CpuStream final : public Stream {
   }
   void synchronize() override {}
 
-  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
-                      int64_t C_out) override {
-    k::linear_forward(out, inp, weight, bias, B, C_in, C_out);
-  }
-  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                       const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate) override {
-    k::linear_backward(dinp, dweight, dbias, dout, inp, weight, B, C_in, C_out, accumulate);
-  }
-  void linear_relu_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B,
-                           int64_t C_in, int64_t C_out) override {
-    k::linear_relu_forward(out, inp, weight, bias, B, C_in, C_out);
-  }
-  void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre, const float* dout,
-                            const float* out, const float* inp, const float* weight, int64_t B, int64_t C_in,
-                            int64_t C_out, bool accumulate) override {
-    k::linear_relu_backward(dinp, dweight, dbias, dpre, dout, out, inp, weight, B, C_in, C_out, accumulate);
-  }
-  void activation_forward(Activation kind, float* out, const float* inp, int64_t n) override {
-    switch (kind) {
-      case Activation::kRelu: return k::relu_forward(out, inp, n);
-      case Activation::kGelu: return k::gelu_forward(out, inp, n);
-      case Activation::kTanh: return k::tanh_forward(out, inp, n);
-      case Activation::kSigmoid: return k::sigmoid_forward(out, inp, n);
+  // The kernels this backend has: f32 for all, and bf16 for conversions; ReLU fused into a linear layer's and a
+  // BatchNorm's pass (the GELU epilogue composes: Stream::run).
+  bool supports(const KernelKey& key) const override {
+    if (key.dtype != DType::kF32) return key.op == Op::kConvert && key.dtype == DType::kBF16;
+    switch (key.op) {
+      case Op::kLinearForward:
+      case Op::kLinearBackward:
+      case Op::kBatchNormApply: return key.epilogue == Epilogue::kNone || key.epilogue == Epilogue::kRelu;
+      default: return key.epilogue == Epilogue::kNone;
     }
   }
-  void activation_backward(Activation kind, float* dinp, const float* dout, const float* inp, const float* out,
-                           int64_t n) override {
-    switch (kind) {
-      case Activation::kRelu: return k::relu_backward(dinp, dout, out, n);
-      case Activation::kGelu: return k::gelu_backward(dinp, dout, inp, n);
-      case Activation::kTanh: return k::tanh_backward(dinp, dout, out, n);
-      case Activation::kSigmoid: return k::sigmoid_backward(dinp, dout, out, n);
-    }
-  }
-  void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float p, uint64_t seed,
-                       uint64_t offset) override {
-    k::dropout_forward(out, mask, inp, n, p, seed, offset);
-  }
-  void dropout_backward(float* dinp, const float* dout, const float* mask, int64_t n) override {
-    k::dropout_backward(dinp, dout, mask, n);
-  }
-  void cross_entropy_forward_backward(double* loss_sum, float* dlogits, const float* logits, const int32_t* labels,
-                                      int64_t B, int64_t C, float grad_scale) override {
-    *loss_sum = k::cross_entropy_forward_backward(dlogits, logits, labels, B, C, grad_scale);
-  }
-  void mse_forward_backward(double* loss_sum, float* dpred, const float* pred, const float* target, int64_t B,
-                            int64_t D, float grad_scale) override {
-    *loss_sum = k::mse_forward_backward(dpred, pred, target, B, D, grad_scale);
-  }
-  void sgd_step(float* param, float* momentum_buf, const float* grad, int64_t n, const SgdHyper& h,
-                bool first_step) override {
-    k::sgd_step(param, momentum_buf, grad, n, h, first_step);
-  }
-  void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n,
-                 const AdamHyper& h, int64_t step) override {
-    k::adam_step(param, exp_avg, exp_avg_sq, grad, n, h, step);
-  }
-  void axpy(float* y, const float* x, float a, int64_t n) override { k::axpy(y, x, a, n); }
-  void scale(float* x, float a, int64_t n) override { k::scale(x, a, n); }
-  double sum_squares(const float* x, int64_t n) override { return k::sum_squares(x, n); }
-  void to_bf16(uint16_t* dst, const float* src, int64_t n) override { k::to_bf16(dst, src, n); }
-  void from_bf16(float* dst, const uint16_t* src, int64_t n) override { k::from_bf16(dst, src, n); }
+  double sum_squares(const TensorRef& x) override { return k::sum_squares(f32(x), x.numel()); }
 
   std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec) override {
     return std::make_unique<CpuConv2dOp>(spec);
@@ -134,44 +86,126 @@ class CpuStream final : public Stream {
   std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec) override {
     return std::make_unique<CpuPool2dOp>(spec);
   }
-  void batchnorm_stats(double* sums, const float* x, int64_t N, int64_t C, int64_t L) override {
-    k::batchnorm_stats(sums, x, N, C, L);
+
+ protected:
+  void execute(const KernelCall& call) override {
+    op_ = op_name(static_cast<Op>(call.index()));
+    std::visit([this](const auto& c) { run_call(c); }, call);
   }
-  void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_var, int64_t* num_batches_tracked,
-                         const double* sums, double count, int64_t C, float eps, float momentum) override {
-    k::batchnorm_moments(mean_invstd, running_mean, running_var, num_batches_tracked, sums, count, C, eps, momentum);
+
+ private:
+  // Each call's memory as the f32 kernels read it (contiguous, of the kernel's dtype), named in an error.
+  float* f32(const TensorRef& r) const { return r.contiguous_as<float>(op_); }
+  double* f64(const TensorRef& r) const { return r.contiguous_as<double>(op_); }
+  int32_t* i32(const TensorRef& r) const { return r.contiguous_as<int32_t>(op_); }
+  int64_t* i64(const TensorRef& r) const { return r.contiguous_as<int64_t>(op_); }
+
+  void run_call(const call::LinearForward& c) {
+    (c.epilogue == Epilogue::kRelu ? k::linear_relu_forward : k::linear_forward)(
+        f32(c.out), f32(c.inp), f32(c.weight), f32(c.bias), c.inp.leading(), c.inp.size(-1), c.out.size(-1));
   }
-  void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight, const float* bias,
-                       int64_t N, int64_t C, int64_t L) override {
-    k::batchnorm_apply(out, x, mean_invstd, weight, bias, N, C, L);
+  void run_call(const call::LinearBackward& c) {
+    const int64_t B = c.inp.leading(), C_in = c.inp.size(-1), C_out = c.dout.size(-1);
+    if (c.epilogue == Epilogue::kRelu)
+      k::linear_relu_backward(f32(c.dinp), f32(c.dweight), f32(c.dbias), f32(c.dpre), f32(c.dout), f32(c.out),
+                              f32(c.inp), f32(c.weight), B, C_in, C_out, c.accumulate);
+    else
+      k::linear_backward(f32(c.dinp), f32(c.dweight), f32(c.dbias), f32(c.dout), f32(c.inp), f32(c.weight), B, C_in,
+                         C_out, c.accumulate);
   }
-  void batchnorm_backward_reduce(double* sums, const float* dout, const float* x, const double* mean_invstd,
-                                 int64_t N, int64_t C, int64_t L) override {
-    k::batchnorm_backward_reduce(sums, dout, x, mean_invstd, N, C, L);
+  void run_call(const call::ActivationForward& c) {
+    float *out = f32(c.out), *inp = f32(c.inp);
+    const int64_t n = c.inp.numel();
+    switch (c.kind) {
+      case Activation::kRelu: return k::relu_forward(out, inp, n);
+      case Activation::kGelu: return k::gelu_forward(out, inp, n);
+      case Activation::kTanh: return k::tanh_forward(out, inp, n);
+      case Activation::kSigmoid: return k::sigmoid_forward(out, inp, n);
+#define DPAR_POINTWISE_FORWARD(Enum, Struct, name) \
+  case Activation::Enum: return k::pointwise_forward<kernels::Struct>(out, inp, n);
+        DPAR_POINTWISE_ACTIVATIONS(DPAR_POINTWISE_FORWARD)
+#undef DPAR_POINTWISE_FORWARD
+    }
   }
-  void batchnorm_backward_apply(float* dinp, float* dweight, float* dbias, const double* local, const double* global,
-                                double count, const float* dout, const float* x, const double* mean_invstd,
-                                const float* weight, int64_t N, int64_t C, int64_t L, bool accumulate) override {
-    k::batchnorm_backward_apply(dinp, dweight, dbias, local, global, count, dout, x, mean_invstd, weight, N, C, L,
-                                accumulate);
+  void run_call(const call::ActivationBackward& c) {
+    float *dinp = f32(c.dinp), *dout = f32(c.dout);
+    const int64_t n = c.dout.numel();
+    switch (c.kind) {
+      case Activation::kRelu: return k::relu_backward(dinp, dout, f32(c.out), n);
+      case Activation::kGelu: return k::gelu_backward(dinp, dout, f32(c.inp), n);
+      case Activation::kTanh: return k::tanh_backward(dinp, dout, f32(c.out), n);
+      case Activation::kSigmoid: return k::sigmoid_backward(dinp, dout, f32(c.out), n);
+#define DPAR_POINTWISE_BACKWARD(Enum, Struct, name) \
+  case Activation::Enum: return k::pointwise_backward<kernels::Struct>(dinp, dout, f32(c.inp), f32(c.out), n);
+        DPAR_POINTWISE_ACTIVATIONS(DPAR_POINTWISE_BACKWARD)
+#undef DPAR_POINTWISE_BACKWARD
+    }
   }
-  void layernorm_forward(float* out, double* mean_rstd, const float* x, const float* weight, const float* bias,
-                         int64_t N, int64_t D, float eps) override {
-    k::layernorm_forward(out, mean_rstd, x, weight, bias, N, D, eps);
+  void run_call(const call::DropoutForward& c) {
+    k::dropout_forward(f32(c.out), f32(c.mask), f32(c.inp), c.inp.numel(), c.p, c.seed, c.offset);
   }
-  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* x,
-                          const double* mean_rstd, const float* weight, int64_t N, int64_t D,
-                          bool accumulate) override {
-    k::layernorm_backward(dinp, dweight, dbias, dout, x, mean_rstd, weight, N, D, accumulate);
+  void run_call(const call::DropoutBackward& c) {
+    k::dropout_backward(f32(c.dinp), f32(c.dout), f32(c.mask), c.dout.numel());
   }
-  void embedding_forward(float* out, const int32_t* idx, const float* weight, int64_t N, int64_t V,
-                         int64_t E) override {
-    k::embedding_forward(out, idx, weight, N, V, E);
+  void run_call(const call::CrossEntropy& c) {
+    *f64(c.loss_sum) = k::cross_entropy_forward_backward(f32(c.dlogits), f32(c.logits), i32(c.labels),
+                                                         c.logits.leading(), c.logits.size(-1), c.grad_scale);
   }
-  void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V, int64_t E,
-                          int64_t padding_idx, bool accumulate) override {
-    k::embedding_backward(dweight, dout, idx, N, V, E, padding_idx, accumulate);
+  void run_call(const call::MeanSquaredError& c) {
+    *f64(c.loss_sum) = k::mse_forward_backward(f32(c.dpred), f32(c.pred), f32(c.target), c.pred.leading(),
+                                               c.pred.size(-1), c.grad_scale);
   }
+  void run_call(const call::SgdStep& c) {
+    k::sgd_step(f32(c.param), f32(c.momentum), f32(c.grad), c.param.numel(), c.hyper, c.first_step);
+  }
+  void run_call(const call::AdamStep& c) {
+    k::adam_step(f32(c.param), f32(c.exp_avg), f32(c.exp_avg_sq), f32(c.grad), c.param.numel(), c.hyper, c.step);
+  }
+  void run_call(const call::Axpy& c) { k::axpy(f32(c.y), f32(c.x), c.a, c.y.numel()); }
+  void run_call(const call::Scale& c) { k::scale(f32(c.x), c.a, c.x.numel()); }
+  void run_call(const call::Convert& c) {
+    if (c.dst.dtype == DType::kBF16)
+      k::to_bf16(c.dst.contiguous_as<uint16_t>(op_), f32(c.src), c.src.numel());
+    else
+      k::from_bf16(f32(c.dst), c.src.contiguous_as<uint16_t>(op_), c.src.numel());
+  }
+  void run_call(const call::BatchNormStats& c) {
+    k::batchnorm_stats(f64(c.sums), f32(c.x), c.x.size(0), c.x.size(1), c.x.size(2));
+  }
+  void run_call(const call::BatchNormMoments& c) {
+    k::batchnorm_moments(f64(c.mean_invstd), f32(c.running_mean), f32(c.running_var), i64(c.num_batches_tracked),
+                         f64(c.sums), c.count, c.mean_invstd.numel() / 2, c.eps, c.momentum);
+  }
+  void run_call(const call::BatchNormApply& c) {
+    k::batchnorm_apply(f32(c.out), f32(c.x), f64(c.mean_invstd), f32(c.weight), f32(c.bias), c.x.size(0),
+                       c.x.size(1), c.x.size(2), c.epilogue == Epilogue::kRelu);
+  }
+  void run_call(const call::BatchNormBackwardReduce& c) {
+    k::batchnorm_backward_reduce(f64(c.sums), f32(c.dout), f32(c.x), f64(c.mean_invstd), c.x.size(0), c.x.size(1),
+                                 c.x.size(2));
+  }
+  void run_call(const call::BatchNormBackwardApply& c) {
+    k::batchnorm_backward_apply(f32(c.dinp), f32(c.dweight), f32(c.dbias), f64(c.local), f64(c.global), c.count,
+                                f32(c.dout), f32(c.x), f64(c.mean_invstd), f32(c.weight), c.x.size(0), c.x.size(1),
+                                c.x.size(2), c.accumulate);
+  }
+  void run_call(const call::LayerNormForward& c) {
+    k::layernorm_forward(f32(c.out), f64(c.mean_rstd), f32(c.x), f32(c.weight), f32(c.bias), c.x.leading(),
+                         c.x.size(-1), c.eps);
+  }
+  void run_call(const call::LayerNormBackward& c) {
+    k::layernorm_backward(f32(c.dinp), f32(c.dweight), f32(c.dbias), f32(c.dout), f32(c.x), f64(c.mean_rstd),
+                          f32(c.weight), c.x.leading(), c.x.size(-1), c.accumulate);
+  }
+  void run_call(const call::EmbeddingForward& c) {
+    k::embedding_forward(f32(c.out), i32(c.idx), f32(c.weight), c.idx.numel(), c.weight.size(0), c.weight.size(1));
+  }
+  void run_call(const call::EmbeddingBackward& c) {
+    k::embedding_backward(f32(c.dweight), f32(c.dout), i32(c.idx), c.idx.numel(), c.dweight.size(0),
+                          c.dweight.size(1), c.padding_idx, c.accumulate);
+  }
+
+  const char* op_ = "";  // the call being run, for messages
 };
 
 class CpuBackend final : public Backend {

@@ -258,7 +258,7 @@ class CudaBackend final : public Backend {
     const std::string staged = "mpi through host memory";
     const std::array<int64_t, 2> mine = gpu_identity(device);
     std::vector<int64_t> all(2 * static_cast<size_t>(size));
-    processes->all_gather(mine.data(), all.data(), 2, CommDType::kI64);
+    processes->all_gather(mine.data(), all.data(), 2, DType::kI64);
     for (int p = 0; p < size; ++p)
       for (int q = p + 1; q < size; ++q)
         if (all[2 * p] == all[2 * q] && all[2 * p + 1] == all[2 * q + 1])
@@ -278,7 +278,7 @@ class CudaBackend final : public Backend {
         no_id = e.what();
       }
     }
-    processes->broadcast(id_words.data(), id_words.size(), CommDType::kI64, 0);
+    processes->broadcast(id_words.data(), id_words.size(), DType::kI64, 0);
     if (id_words[0] == 0)
       return {nullptr, detail::concat(staged, " (rank 0 could not make an NCCL id",
                                       no_id.empty() ? std::string() : ": " + no_id, ")")};
@@ -299,7 +299,7 @@ class CudaBackend final : public Backend {
     }
     const int64_t joined = comm ? 1 : 0;
     int64_t all_joined = 0;
-    processes->all_reduce(&joined, &all_joined, 1, CommDType::kI64, ReduceOp::kMin);
+    processes->all_reduce(&joined, &all_joined, 1, DType::kI64, ReduceOp::kMin);
     if (all_joined == 0)
       return {nullptr, detail::concat(staged, " (NCCL could not connect the processes", why.empty() ? "" : ": ", why,
                                       ")")};

@@ -68,6 +68,9 @@ void CudnnContext::close() noexcept {
 
 namespace {
 
+// An op's NCHW memory as cuDNN's f32 descriptors read it.
+float* f32(const TensorRef& r) { return r.contiguous_as<float>("a cuDNN convolution or pooling op"); }
+
 // ---- Descriptors --------------------------------------------------------------------------------------------------
 
 // A cuDNN descriptor, destroyed with its owner.
@@ -174,8 +177,21 @@ class CudnnConv2d final : public Conv2dOp {
     }
   }
 
+  void forward(const TensorRef& out, const TensorRef& inp, const TensorRef& weight, const TensorRef& bias) override {
+    forward(f32(out), f32(inp), f32(weight), f32(bias), inp.size(0), inp.size(2), inp.size(3));
+  }
+  void backward_data(const TensorRef& dinp, const TensorRef& dout, const TensorRef& weight) override {
+    backward_data(f32(dinp), f32(dout), f32(weight), dinp.size(0), dinp.size(2), dinp.size(3));
+  }
+  void backward_weights(const TensorRef& dweight, const TensorRef& dbias, const TensorRef& dout, const TensorRef& inp,
+                        bool accumulate) override {
+    backward_weights(f32(dweight), f32(dbias), f32(dout), f32(inp), inp.size(0), inp.size(2), inp.size(3),
+                     accumulate);
+  }
+
+ private:
   void forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t H,
-               int64_t W) override {
+               int64_t W) {
     if (N == 0) return;
     DeviceScope scope(ctx_->device().index);
     Shape& p = shape(N, H, W);
@@ -191,8 +207,7 @@ class CudnnConv2d final : public Conv2dOp {
       kernels::cuda::relu_forward(out, out, N * spec_.out_channels * p.OH * p.OW, ctx_->stream());
   }
 
-  void backward_data(float* dinp, const float* dout, const float* weight, int64_t N, int64_t H,
-                     int64_t W) override {
+  void backward_data(float* dinp, const float* dout, const float* weight, int64_t N, int64_t H, int64_t W) {
     if (N == 0) return;
     DeviceScope scope(ctx_->device().index);
     Shape& p = shape(N, H, W);
@@ -205,7 +220,7 @@ class CudnnConv2d final : public Conv2dOp {
   }
 
   void backward_weights(float* dweight, float* dbias, const float* dout, const float* inp, int64_t N, int64_t H,
-                        int64_t W, bool accumulate) override {
+                        int64_t W, bool accumulate) {
     const Conv2dSpec& s = spec_;
     if (!s.bias) dbias = nullptr;
     if (!dweight && !dbias) return;
@@ -237,7 +252,6 @@ class CudnnConv2d final : public Conv2dOp {
                        "cudnnConvolutionBackwardBias for ", name_);
   }
 
- private:
   // What one input shape needs: its tensors and the algorithm chosen for each direction, with its workspace.
   struct Shape {
     int64_t N = 0, H = 0, W = 0, OH = 0, OW = 0;
@@ -341,7 +355,15 @@ class CudnnPool2d final : public Pool2dOp {
   CudnnPool2d(const Pool2dSpec& spec, std::shared_ptr<CudnnContext> ctx)
       : spec_(spec), name_(spec.str()), ctx_(std::move(ctx)), lib_(cudnn()) {}
 
-  void forward(float* out, const float* inp, int64_t N, int64_t C, int64_t H, int64_t W) override {
+  void forward(const TensorRef& out, const TensorRef& inp) override {
+    forward(f32(out), f32(inp), inp.size(0), inp.size(1), inp.size(2), inp.size(3));
+  }
+  void backward(const TensorRef& dinp, const TensorRef& dout, const TensorRef& inp, const TensorRef& out) override {
+    backward(f32(dinp), f32(dout), f32(inp), f32(out), dinp.size(0), dinp.size(1), dinp.size(2), dinp.size(3));
+  }
+
+ private:
+  void forward(float* out, const float* inp, int64_t N, int64_t C, int64_t H, int64_t W) {
     if (N == 0) return;
     DeviceScope scope(ctx_->device().index);
     Shape& p = shape(N, C, H, W);
@@ -350,7 +372,7 @@ class CudnnPool2d final : public Pool2dOp {
   }
 
   void backward(float* dinp, const float* dout, const float* inp, const float* out, int64_t N, int64_t C, int64_t H,
-                int64_t W) override {
+                int64_t W) {
     if (N == 0) return;
     DeviceScope scope(ctx_->device().index);
     Shape& p = shape(N, C, H, W);
@@ -360,7 +382,6 @@ class CudnnPool2d final : public Pool2dOp {
                      "cudnnPoolingBackward for ", name_);
   }
 
- private:
   struct Shape {
     int64_t N = 0, C = 0, H = 0, W = 0;
     TensorDesc x, y;

@@ -44,7 +44,7 @@ DPAR_VECTOR_LOOP void stats_loop(double* sums, const float* x, int64_t N, int64_
 }
 
 DPAR_VECTOR_LOOP void apply_loop(float* out, const float* x, const double* mean_invstd, const float* weight,
-                                 const float* bias, int64_t N, int64_t C, int64_t L) {
+                                 const float* bias, int64_t N, int64_t C, int64_t L, bool relu) {
   for (int64_t c = 0; c < C; ++c) {
     // out = x * a + b per channel
     const double w = weight ? weight[c] : 1.0, bb = bias ? bias[c] : 0.0;
@@ -52,7 +52,14 @@ DPAR_VECTOR_LOOP void apply_loop(float* out, const float* x, const double* mean_
     for (int64_t n = 0; n < N; ++n) {
       const float* p = x + (n * C + c) * L;
       float* q = out + (n * C + c) * L;
-      for (int64_t l = 0; l < L; ++l) q[l] = static_cast<float>(p[l] * a + b);
+      if (relu) {
+        for (int64_t l = 0; l < L; ++l) {
+          const float v = static_cast<float>(p[l] * a + b);
+          q[l] = v < 0.0f ? 0.0f : v;  // relu_forward's select: NaN passes through
+        }
+      } else {
+        for (int64_t l = 0; l < L; ++l) q[l] = static_cast<float>(p[l] * a + b);
+      }
     }
   }
 }
@@ -128,8 +135,8 @@ void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_
 }
 
 void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight, const float* bias,
-                     int64_t N, int64_t C, int64_t L) {
-  run_vector<apply_loop>(out, x, mean_invstd, weight, bias, N, C, L);
+                     int64_t N, int64_t C, int64_t L, bool relu) {
+  run_vector<apply_loop>(out, x, mean_invstd, weight, bias, N, C, L, relu);
 }
 
 void batchnorm_backward_reduce(double* sums, const float* dout, const float* x, const double* mean_invstd, int64_t N,

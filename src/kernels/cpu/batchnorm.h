@@ -18,9 +18,10 @@ void batchnorm_stats(double* sums, const float* x, int64_t N, int64_t C, int64_t
 void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_var, int64_t* num_batches_tracked,
                        const double* sums, double count, int64_t C, float eps, float momentum);
 
-// out (N,C,L) = (x - mean) * invstd * weight + bias; weight, bias (C) or null (no affine).
+// out (N,C,L) = (x - mean) * invstd * weight + bias, then max(., 0) with relu (NaN passes through, as relu_forward);
+// weight, bias (C) or null (no affine).
 void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight, const float* bias,
-                     int64_t N, int64_t C, int64_t L);
+                     int64_t N, int64_t C, int64_t L, bool relu = false);
 
 // sums (2,C) = per channel Σdy, then Σdy·x̂ with x̂ = (x - mean) * invstd (overwritten).
 // dout (N,C,L), x (N,C,L)

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "common/optimizer_hyper.h"  // SgdHyper, AdamHyper
+#include "kernels/pointwise.h"
 
 namespace dpar::kernels::cpu {
 
@@ -70,6 +71,17 @@ void tanh_backward(float* dinp, const float* dout, const float* out, int64_t n);
 void sigmoid_forward(float* out, const float* inp, int64_t n);
 // dinp = dout * (1 - out) * out.
 void sigmoid_backward(float* dinp, const float* dout, const float* out, int64_t n);
+
+// A pointwise activation of kernels/pointwise.h, element by element: out = F::forward(inp), and
+// dinp = F::backward(dout, inp, out). All buffers (n); out == inp and dinp == dout are allowed.
+template <class F>
+void pointwise_forward(float* out, const float* inp, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = F::forward(inp[i]);
+}
+template <class F>
+void pointwise_backward(float* dinp, const float* dout, const float* inp, const float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dinp[i] = F::backward(dout[i], inp ? inp[i] : 0.0f, out ? out[i] : 0.0f);
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Dropout with a counter-based RNG: element i's draw is a pure function of (seed, offset + i), so a stream is

@@ -92,12 +92,13 @@ __global__ void __launch_bounds__(kThreads) batchnorm_moments_kernel(double* mea
 __global__ void __launch_bounds__(kThreads) batchnorm_apply_kernel(float* out, const float* x,
                                                                    const double* mean_invstd, const float* weight,
                                                                    const float* bias, int64_t C, int64_t L,
-                                                                   int64_t total) {
+                                                                   int64_t total, bool relu) {
   DPAR_GRID_STRIDE_LOOP(i, total) {
     const int64_t c = (i / L) % C;
     const double w = weight ? weight[c] : 1.0, bb = bias ? bias[c] : 0.0;
     const double a = mean_invstd[C + c] * w, b = bb - mean_invstd[c] * a;
-    out[i] = static_cast<float>(x[i] * a + b);
+    const float v = static_cast<float>(x[i] * a + b);
+    out[i] = relu && v < 0.0f ? 0.0f : v;  // relu_forward's select: NaN passes through
   }
 }
 
@@ -174,12 +175,12 @@ void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_
 }
 
 void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight, const float* bias,
-                     int64_t N, int64_t C, int64_t L, cudaStream_t stream) {
+                     int64_t N, int64_t C, int64_t L, bool relu, cudaStream_t stream) {
   check_shape("batchnorm_apply", N, C, L);
   const int64_t total = N * C * L;
   if (total == 0) return;
   detail::launch("batchnorm_apply", batchnorm_apply_kernel, blocks_for(total), kThreads, stream, out, x, mean_invstd,
-                 weight, bias, C, L, total);
+                 weight, bias, C, L, total, relu);
 }
 
 void batchnorm_backward_reduce(double* sums, const float* dout, const float* x, const double* mean_invstd, int64_t N,

@@ -117,6 +117,16 @@ __global__ void __launch_bounds__(kThreads) to_bf16_kernel(uint16_t* dst, const 
 }
 
 // dst = src, exactly: a bfloat16 is a float's upper half.  dst (n), src (n)
+template <class F>
+__global__ void __launch_bounds__(kThreads) pointwise_forward_kernel(float* out, const float* inp, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) { out[i] = F::forward(inp[i]); }
+}
+template <class F>
+__global__ void __launch_bounds__(kThreads) pointwise_backward_kernel(float* dinp, const float* dout,
+                                                                      const float* inp, const float* out, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) { dinp[i] = F::backward(dout[i], inp ? inp[i] : 0.0f, out ? out[i] : 0.0f); }
+}
+
 __global__ void __launch_bounds__(kThreads) from_bf16_kernel(float* dst, const uint16_t* src, int64_t n) {
   DPAR_GRID_STRIDE_LOOP(i, n) { dst[i] = __uint_as_float(static_cast<uint32_t>(src[i]) << 16); }
 }
@@ -154,6 +164,27 @@ void sigmoid_forward(float* out, const float* inp, int64_t n, cudaStream_t strea
 void sigmoid_backward(float* dinp, const float* dout, const float* out, int64_t n, cudaStream_t stream) {
   DPAR_LAUNCH_ELEMENTWISE(sigmoid_backward, n, stream, dinp, dout, out, n);
 }
+
+template <class F>
+void pointwise_forward(float* out, const float* inp, int64_t n, cudaStream_t stream) {
+  check_count("pointwise_forward", n);
+  if (n == 0) return;
+  detail::launch("pointwise_forward", pointwise_forward_kernel<F>, blocks_for(n), kThreads, stream, out, inp, n);
+}
+template <class F>
+void pointwise_backward(float* dinp, const float* dout, const float* inp, const float* out, int64_t n,
+                        cudaStream_t stream) {
+  check_count("pointwise_backward", n);
+  if (n == 0) return;
+  detail::launch("pointwise_backward", pointwise_backward_kernel<F>, blocks_for(n), kThreads, stream, dinp, dout, inp,
+                 out, n);
+}
+#define DPAR_INSTANTIATE_POINTWISE(Enum, Struct, name)                                                              \
+  template void pointwise_forward<kernels::Struct>(float*, const float*, int64_t, cudaStream_t);                  \
+  template void pointwise_backward<kernels::Struct>(float*, const float*, const float*, const float*, int64_t, \
+                                                    cudaStream_t);
+DPAR_POINTWISE_ACTIVATIONS(DPAR_INSTANTIATE_POINTWISE)
+#undef DPAR_INSTANTIATE_POINTWISE
 
 void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float p, uint64_t seed, uint64_t offset,
                      cudaStream_t stream) {

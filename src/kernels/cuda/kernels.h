@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "common/optimizer_hyper.h"  // SgdHyper, AdamHyper: the CPU twins' structs
+#include "kernels/pointwise.h"
 
 namespace dpar::kernels::cuda {
 
@@ -60,6 +61,12 @@ void tanh_forward(float* out, const float* inp, int64_t n, cudaStream_t stream);
 void tanh_backward(float* dinp, const float* dout, const float* out, int64_t n, cudaStream_t stream);
 void sigmoid_forward(float* out, const float* inp, int64_t n, cudaStream_t stream);
 void sigmoid_backward(float* dinp, const float* dout, const float* out, int64_t n, cudaStream_t stream);
+// A pointwise activation of kernels/pointwise.h (instantiated in elementwise.cu for each of its list).
+template <class F>
+void pointwise_forward(float* out, const float* inp, int64_t n, cudaStream_t stream);
+template <class F>
+void pointwise_backward(float* dinp, const float* dout, const float* inp, const float* out, int64_t n,
+                        cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Dropout with dpar's counter-based stream: element i is kept iff cpu::dropout_uniform(seed, offset + i) >= p,
@@ -103,7 +110,7 @@ void batchnorm_stats(double* sums, const float* x, int64_t N, int64_t C, int64_t
 void batchnorm_moments(double* mean_invstd, float* running_mean, float* running_var, int64_t* num_batches_tracked,
                        const double* sums, double count, int64_t C, float eps, float momentum, cudaStream_t stream);
 void batchnorm_apply(float* out, const float* x, const double* mean_invstd, const float* weight, const float* bias,
-                     int64_t N, int64_t C, int64_t L, cudaStream_t stream);
+                     int64_t N, int64_t C, int64_t L, bool relu, cudaStream_t stream);
 void batchnorm_backward_reduce(double* sums, const float* dout, const float* x, const double* mean_invstd, int64_t N,
                                int64_t C, int64_t L, cudaStream_t stream);
 void batchnorm_backward_apply(float* dinp, float* dweight, float* dbias, const double* local, const double* global,

@@ -1,0 +1,231 @@
+// The kernels a Stream runs, each one struct of its arguments: the one place a kernel's signature lives. A layer
+// fills a struct of tensor references (common/tensor_ref.h) and hands it to Stream::run; the backend chooses the
+// implementation by the call's kind and dtype (its `dtype()`), or refuses with NOT_SUPPORTED naming both.
+//
+// Each struct's contract (what it computes, in which order, with which rounding) is the CPU kernel of the same name
+// in kernels/cpu/, the reference of every backend's. Shapes are in each struct's comment; extents are read from the
+// references, never passed beside them. Absent optional arguments are default (null) references.
+//
+// Adding a kernel: a struct here and its line in KernelCall, its implementation in each backend that has it (the
+// backend's run table and supports() list), and the layer that calls it. Adding a dtype to a kernel: the backend's
+// implementation and its supports() entry; no struct or method changes.
+#pragma once
+
+#include <cstdint>
+#include <variant>
+
+#include "common/op_specs.h"
+#include "common/optimizer_hyper.h"
+#include "common/tensor_ref.h"
+#include "kernels/pointwise.h"
+
+namespace dpar {
+
+// The activations: four written out per backend, then the pointwise ones defined once (kernels/pointwise.h).
+enum class Activation : int32_t {
+  kRelu = 0,
+  kGelu = 1,
+  kTanh = 2,
+  kSigmoid = 3,
+#define DPAR_ACTIVATION_ENUM(Enum, Struct, name) Enum,
+  DPAR_POINTWISE_ACTIVATIONS(DPAR_ACTIVATION_ENUM)
+#undef DPAR_ACTIVATION_ENUM
+};
+const char* activation_name(Activation kind);  // "relu", "silu"
+// The activation an epilogue applies (kNone has none: not to be asked).
+Activation epilogue_activation(Epilogue epilogue);
+
+namespace call {
+
+// out (*,C_out) = epilogue(inp (*,C_in) @ weight^T + bias); weight (C_out,C_in), bias (C_out) or absent. With a GELU
+// epilogue, pre (*,C_out) receives the result before it (GELU's backward reads it); otherwise pre is absent.
+struct LinearForward {
+  TensorRef out, inp, weight, bias, pre;
+  Epilogue epilogue = Epilogue::kNone;
+  DType dtype() const { return inp.dtype; }
+};
+// From dout = dL/d(out of LinearForward): dinp (*,C_in) or absent, dweight (C_out,C_in), dbias (C_out) or absent;
+// overwritten, or added to when accumulate. With an epilogue, dpre (*,C_out) is scratch for the gradient before it,
+// and the epilogue's backward reads out (ReLU) or pre (GELU); dinp may be dout's memory (dout is consumed first).
+struct LinearBackward {
+  TensorRef dinp, dweight, dbias, dpre, dout, inp, weight, out, pre;
+  Epilogue epilogue = Epilogue::kNone;
+  bool accumulate = false;
+  DType dtype() const { return inp.dtype; }
+};
+// out = kind(inp), both (n) of any shape.
+struct ActivationForward {
+  Activation kind = Activation::kRelu;
+  TensorRef out, inp;
+  DType dtype() const { return inp.dtype; }
+};
+// dinp = dL/d(inp) from dout; reads inp (GELU) or out (the others). All (n).
+struct ActivationBackward {
+  Activation kind = Activation::kRelu;
+  TensorRef dinp, dout, inp, out;
+  DType dtype() const { return dout.dtype; }
+};
+// out = inp * mask, mask (n) = 0 or 1/(1-p), drawn from the stream (seed, offset + i) for element i.
+struct DropoutForward {
+  TensorRef out, mask, inp;
+  float p = 0.0f;
+  uint64_t seed = 0, offset = 0;
+  DType dtype() const { return inp.dtype; }
+};
+struct DropoutBackward {
+  TensorRef dinp, dout, mask;
+  DType dtype() const { return dout.dtype; }
+};
+// loss_sum (f64, one element of device memory) = the sum of the per-sample losses; dlogits (B,C) = grad_scale x
+// dL/dlogits; logits (B,C), labels (B) i32 in [0, C) (checked by the caller).
+struct CrossEntropy {
+  TensorRef loss_sum, dlogits, logits, labels;
+  float grad_scale = 1.0f;
+  DType dtype() const { return logits.dtype; }
+};
+// pred, target, dpred (B,D): loss_sum = the sum of the squared errors.
+struct MeanSquaredError {
+  TensorRef loss_sum, dpred, pred, target;
+  float grad_scale = 1.0f;
+  DType dtype() const { return pred.dtype; }
+};
+// torch.optim.SGD's step over (n) elements; momentum (n) or absent without momentum.
+struct SgdStep {
+  TensorRef param, momentum, grad;
+  SgdHyper hyper{};
+  bool first_step = false;
+  DType dtype() const { return param.dtype; }
+};
+// torch.optim.Adam/AdamW's step over (n) elements, `step` counting from 1.
+struct AdamStep {
+  TensorRef param, exp_avg, exp_avg_sq, grad;
+  AdamHyper hyper{};
+  int64_t step = 1;
+  DType dtype() const { return param.dtype; }
+};
+// y += a*x, both (n).
+struct Axpy {
+  TensorRef y, x;
+  float a = 1.0f;
+  DType dtype() const { return y.dtype; }
+};
+// x *= a, (n).
+struct Scale {
+  TensorRef x;
+  float a = 1.0f;
+  DType dtype() const { return x.dtype; }
+};
+// dst = src in dst's dtype, both (n): f32 -> bf16 rounds to nearest even (common/bf16.h), bf16 -> f32 is exact.
+// Its dtype is the narrow side's.
+struct Convert {
+  TensorRef dst, src;
+  DType dtype() const { return dst.dtype == DType::kF32 ? src.dtype : dst.dtype; }
+};
+// BatchNorm over x (N,C,L) (kernels/cpu/batchnorm.h): sums (f64, 2C+1) = per-channel Σx, Σx² and the count.
+struct BatchNormStats {
+  TensorRef sums, x;
+  DType dtype() const { return x.dtype; }
+};
+// mean_invstd (f64, 2C) from sums over `count` rows; updates running_mean, running_var (C) and num_batches_tracked
+// (i64, 1) with `momentum`.
+struct BatchNormMoments {
+  TensorRef mean_invstd, running_mean, running_var, num_batches_tracked, sums;
+  double count = 0.0;
+  float eps = 1e-5f, momentum = 0.1f;
+  DType dtype() const { return running_mean.dtype; }
+};
+// out (N,C,L) = epilogue((x - mean) * invstd * weight + bias); weight, bias (C) or absent. ReLU is the epilogue
+// a BatchNorm takes, in the same pass.
+struct BatchNormApply {
+  TensorRef out, x, mean_invstd, weight, bias;
+  Epilogue epilogue = Epilogue::kNone;
+  DType dtype() const { return x.dtype; }
+};
+// sums (f64, 2C) = per-channel Σdout, Σdout·x̂ over dout, x (N,C,L).
+struct BatchNormBackwardReduce {
+  TensorRef sums, dout, x, mean_invstd;
+  DType dtype() const { return x.dtype; }
+};
+// dinp (N,C,L) from the local and the global sums (f64, 2C) over `count` rows; dweight, dbias (C) or absent.
+struct BatchNormBackwardApply {
+  TensorRef dinp, dweight, dbias, local, global, dout, x, mean_invstd, weight;
+  double count = 0.0;
+  bool accumulate = false;
+  DType dtype() const { return x.dtype; }
+};
+// LayerNorm over the last dimension of x (*,D): out (*,D), mean_rstd (f64, 2 x rows), weight, bias (D) or absent.
+struct LayerNormForward {
+  TensorRef out, mean_rstd, x, weight, bias;
+  float eps = 1e-5f;
+  DType dtype() const { return x.dtype; }
+};
+struct LayerNormBackward {
+  TensorRef dinp, dweight, dbias, dout, x, mean_rstd, weight;
+  bool accumulate = false;
+  DType dtype() const { return x.dtype; }
+};
+// out (*,E) = weight (V,E)[idx (*)], idx i32.
+struct EmbeddingForward {
+  TensorRef out, idx, weight;
+  DType dtype() const { return weight.dtype; }
+};
+// dweight (V,E) from dout (*,E) at idx (*); the row padding_idx (>= 0) gets no gradient.
+struct EmbeddingBackward {
+  TensorRef dweight, dout, idx;
+  int64_t padding_idx = -1;
+  bool accumulate = false;
+  DType dtype() const { return dout.dtype; }
+};
+
+}  // namespace call
+
+// One kernel call. The index of an alternative is its Op.
+using KernelCall = std::variant<call::LinearForward, call::LinearBackward, call::ActivationForward,
+                                call::ActivationBackward, call::DropoutForward, call::DropoutBackward,
+                                call::CrossEntropy, call::MeanSquaredError, call::SgdStep, call::AdamStep, call::Axpy,
+                                call::Scale, call::Convert, call::BatchNormStats, call::BatchNormMoments,
+                                call::BatchNormApply, call::BatchNormBackwardReduce, call::BatchNormBackwardApply,
+                                call::LayerNormForward, call::LayerNormBackward, call::EmbeddingForward,
+                                call::EmbeddingBackward>;
+
+// A kind of kernel: KernelCall's alternatives, in order.
+enum class Op : int32_t {
+  kLinearForward,
+  kLinearBackward,
+  kActivationForward,
+  kActivationBackward,
+  kDropoutForward,
+  kDropoutBackward,
+  kCrossEntropy,
+  kMeanSquaredError,
+  kSgdStep,
+  kAdamStep,
+  kAxpy,
+  kScale,
+  kConvert,
+  kBatchNormStats,
+  kBatchNormMoments,
+  kBatchNormApply,
+  kBatchNormBackwardReduce,
+  kBatchNormBackwardApply,
+  kLayerNormForward,
+  kLayerNormBackward,
+  kEmbeddingForward,
+  kEmbeddingBackward,
+};
+static_assert(static_cast<size_t>(Op::kEmbeddingBackward) + 1 == std::variant_size_v<KernelCall>,
+              "one Op per KernelCall alternative, in order");
+
+const char* op_name(Op op);  // "linear_forward", ...
+
+// What a backend is asked whether it has: a kernel, the dtype it computes in, and the epilogue it fuses (kNone for
+// kernels that take none).
+struct KernelKey {
+  Op op;
+  DType dtype = DType::kF32;
+  Epilogue epilogue = Epilogue::kNone;
+  std::string str() const;  // "linear_forward (f32, gelu epilogue)"
+};
+KernelKey key_of(const KernelCall& call);
+
+}  // namespace dpar

@@ -1,0 +1,292 @@
+// The seam between layers and backends: tensor references, kernel calls chosen by kind and dtype, what a backend
+// says it has, and the compositions a Stream runs for a fused kernel its backend lacks.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/cpu_backend.h"
+#include "backend/stream.h"
+#include "common/error.h"
+#include "kernels/cpu/batchnorm.h"
+#include "kernels/cpu/kernels.h"
+#include "nn/layer.h"
+#include "nn/model.h"
+#include "partial_stream.h"
+
+namespace dpar {
+namespace {
+
+namespace k = kernels::cpu;
+
+std::vector<float> randn(size_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(gen);
+  return v;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+template <class F>
+std::string error_of(F&& f, Status expected) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), expected) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return {};
+}
+
+// ---- Tensor references ----------------------------------------------------------------------------------------
+
+TEST(TensorRef, ContiguousViewsAndTransposedViews) {
+  float x[6] = {0, 1, 2, 3, 4, 5};
+  const TensorRef r = TensorRef::of(x, {2, 3});
+  EXPECT_EQ(r.dtype, DType::kF32);
+  EXPECT_EQ(r.strides[0], 3);
+  EXPECT_EQ(r.strides[1], 1);
+  EXPECT_EQ(r.numel(), 6);
+  EXPECT_EQ(r.leading(), 2);
+  EXPECT_EQ(r.size(-1), 3);
+  EXPECT_TRUE(r.is_contiguous());
+  EXPECT_EQ(r.view({3, 2}).str(), "f32 (3, 2)");
+  const TensorRef t = r.transposed(0, 1);
+  EXPECT_FALSE(t.is_contiguous());
+  EXPECT_EQ(t.str(), "f32 (3, 2) strides (1, 3)");
+  // Element (i, j) of the transposed view is x[j * 3 + i].
+  EXPECT_EQ(static_cast<float*>(t.data)[2 * t.strides[0] + 1 * t.strides[1]], 5.0f);
+  EXPECT_EQ(r.contiguous_as<float>("test"), x);
+  EXPECT_EQ(TensorRef{}.contiguous_as<float>("test"), nullptr) << "an absent argument reads as null";
+  const std::string strided = error_of([&] { t.contiguous_as<float>("linear_forward"); }, Status::kInvalidArgument);
+  EXPECT_NE(strided.find("linear_forward: this kernel reads contiguous memory, got the strided view f32 (3, 2) "
+                         "strides (1, 3)"),
+            std::string::npos)
+      << strided;
+  const std::string dtype = error_of([&] { r.contiguous_as<double>("batchnorm_stats"); }, Status::kInvalidArgument);
+  EXPECT_NE(dtype.find("batchnorm_stats: expected f64, got f32"), std::string::npos) << dtype;
+}
+
+TEST(DType, OneListForTensorsBuffersAndCollectives) {
+  EXPECT_EQ(dtype_size(DType::kF32), 4u);
+  EXPECT_EQ(dtype_size(DType::kBF16), 2u);
+  EXPECT_EQ(dtype_size(DType::kF16), 2u);
+  EXPECT_EQ(dtype_size(DType::kF64), 8u);
+  EXPECT_EQ(dtype_size(DType::kI64), 8u);
+  EXPECT_STREQ(dtype_name(DType::kBF16), "bf16");
+  error_of([] { dtype_size(static_cast<DType>(4)); }, Status::kInvalidArgument);
+}
+
+// ---- What the CPU backend has, and kernels chosen by dtype ------------------------------------------------------
+
+TEST(KernelCalls, TheCpuBackendSaysWhatItHasAndRefusesTheRestNamingKernelAndDtype) {
+  auto stream = cpu_backend().open_stream(Device{});
+  EXPECT_TRUE(stream->supports({Op::kLinearForward, DType::kF32, Epilogue::kRelu}));
+  EXPECT_FALSE(stream->supports({Op::kLinearForward, DType::kF32, Epilogue::kGelu}));
+  EXPECT_TRUE(stream->can_run({Op::kLinearForward, DType::kF32, Epilogue::kGelu})) << "composed";
+  EXPECT_TRUE(stream->supports({Op::kConvert, DType::kBF16}));
+  EXPECT_FALSE(stream->supports({Op::kLinearForward, DType::kBF16}));
+  EXPECT_FALSE(stream->can_run({Op::kLinearForward, DType::kBF16}));
+  uint16_t a[4] = {}, w[4] = {}, y[4] = {};
+  const std::string e = error_of(
+      [&] {
+        stream->run(call::LinearForward{TensorRef::contiguous(y, DType::kBF16, {2, 2}),
+                                        TensorRef::contiguous(a, DType::kBF16, {2, 2}),
+                                        TensorRef::contiguous(w, DType::kBF16, {2, 2})});
+      },
+      Status::kNotSupported);
+  EXPECT_NE(e.find("linear_forward (bf16) on cpu:0: this backend has no such kernel and no composition of others "
+                   "stands in for it"),
+            std::string::npos)
+      << e;
+}
+
+// Convert is one kernel for both directions: the dtypes of its references choose the conversion.
+TEST(KernelCalls, ConvertChoosesItsDirectionByDtype) {
+  auto stream = cpu_backend().open_stream(Device{});
+  const std::vector<float> x = {1.0f, -2.5f, 3.14159f, 1e-3f};
+  std::vector<uint16_t> bits(4);
+  std::vector<float> back(4);
+  stream->run(call::Convert{TensorRef::of(bits.data(), {4}), TensorRef::of(x.data(), {4})});
+  stream->run(call::Convert{TensorRef::of(back.data(), {4}), TensorRef::of(bits.data(), {4})});
+  std::vector<uint16_t> want(4);
+  std::vector<float> want_back(4);
+  k::to_bf16(want.data(), x.data(), 4);
+  k::from_bf16(want_back.data(), want.data(), 4);
+  EXPECT_EQ(bits, want);
+  EXPECT_TRUE(same_bits(back, want_back));
+  EXPECT_EQ(back[0], 1.0f);
+}
+
+// SiLU is defined once (kernels/pointwise.h): its Activation number, name and both backends' kernels follow from
+// its line in the list. A layer of it runs through the Stream as the four written-out activations do.
+TEST(KernelCalls, APointwiseActivationDefinedOnceRunsAsALayer) {
+  auto layer = make_activation(Activation::kSilu);
+  EXPECT_EQ(layer->describe(), "silu");
+  EXPECT_EQ(static_cast<int>(Activation::kSilu), 4);
+  auto stream = cpu_backend().open_stream(Device{});
+  ReplicaContext ctx;
+  ctx.stream = stream.get();
+  Tensor x = Tensor::empty(DType::kF32, Shape{3, 4}, Device{}), y = Tensor::empty(DType::kF32, Shape{3, 4}, Device{});
+  Tensor dy = Tensor::empty(DType::kF32, Shape{3, 4}, Device{}), dx = Tensor::empty(DType::kF32, Shape{3, 4}, Device{});
+  const std::vector<float> xs = randn(12, 5), dys = randn(12, 6);
+  x.copy_from_host(xs.data());
+  dy.copy_from_host(dys.data());
+  layer->forward(ctx, x, y);
+  layer->backward(ctx, x, y, dy, dx, false);
+  std::vector<float> want_y(12), want_dx(12);
+  k::pointwise_forward<kernels::Silu>(want_y.data(), xs.data(), 12);
+  k::pointwise_backward<kernels::Silu>(want_dx.data(), dys.data(), xs.data(), nullptr, 12);
+  EXPECT_TRUE(same_bits(std::vector<float>(y.f32(), y.f32() + 12), want_y));
+  EXPECT_TRUE(same_bits(std::vector<float>(dx.f32(), dx.f32() + 12), want_dx));
+  EXPECT_NE(want_y[0], xs[0]);
+}
+
+// ---- Epilogues: fused where the backend fuses, composed where it does not, the same bits either way ---------------
+
+struct LinearCase {
+  int64_t B = 5, C_in = 7, C_out = 6;
+  std::vector<float> x = randn(35, 1), w = randn(42, 2), b = randn(6, 3), dy = randn(30, 4);
+};
+
+// The kernels one by one: the GEMM, then the activation; backward the activation's, then the GEMMs'.
+void linear_then(Activation act, const LinearCase& c, std::vector<float>& out, std::vector<float>& dx,
+                 std::vector<float>& dw, std::vector<float>& db) {
+  std::vector<float> pre(30), dpre(30);
+  out.assign(30, 0.0f), dx.assign(35, 0.0f), dw.assign(42, 0.0f), db.assign(6, 0.0f);
+  k::linear_forward(pre.data(), c.x.data(), c.w.data(), c.b.data(), c.B, c.C_in, c.C_out);
+  if (act == Activation::kRelu) {
+    k::relu_forward(out.data(), pre.data(), 30);
+    k::relu_backward(dpre.data(), c.dy.data(), out.data(), 30);
+  } else {
+    k::gelu_forward(out.data(), pre.data(), 30);
+    k::gelu_backward(dpre.data(), c.dy.data(), pre.data(), 30);
+  }
+  k::linear_backward(dx.data(), dw.data(), db.data(), dpre.data(), c.x.data(), c.w.data(), c.B, c.C_in, c.C_out,
+                     false);
+}
+
+TEST(KernelCalls, ALinearEpilogueGivesTheBitsOfTheGemmAndTheActivationApart) {
+  const LinearCase c;
+  auto stream = cpu_backend().open_stream(Device{});
+  for (Epilogue e : {Epilogue::kRelu, Epilogue::kGelu}) {
+    SCOPED_TRACE(epilogue_name(e));
+    std::vector<float> want_out, want_dx, want_dw, want_db;
+    linear_then(epilogue_activation(e), c, want_out, want_dx, want_dw, want_db);
+    std::vector<float> out(30), pre(30), dpre(30), dx(35), dw(42), db(6);
+    const TensorRef pre_ref = e == Epilogue::kGelu ? TensorRef::of(pre.data(), {5, 6}) : TensorRef{};
+    stream->run(call::LinearForward{TensorRef::of(out.data(), {5, 6}), TensorRef::of(c.x.data(), {5, 7}),
+                                    TensorRef::of(c.w.data(), {6, 7}), TensorRef::of(c.b.data(), {6}), pre_ref, e});
+    stream->run(call::LinearBackward{TensorRef::of(dx.data(), {5, 7}), TensorRef::of(dw.data(), {6, 7}),
+                                     TensorRef::of(db.data(), {6}), TensorRef::of(dpre.data(), {5, 6}),
+                                     TensorRef::of(c.dy.data(), {5, 6}), TensorRef::of(c.x.data(), {5, 7}),
+                                     TensorRef::of(c.w.data(), {6, 7}), TensorRef::of(out.data(), {5, 6}), pre_ref, e});
+    EXPECT_TRUE(same_bits(out, want_out));
+    EXPECT_TRUE(same_bits(dx, want_dx));
+    EXPECT_TRUE(same_bits(dw, want_dw));
+    EXPECT_TRUE(same_bits(db, want_db));
+  }
+}
+
+TEST(KernelCalls, BatchNormTakesItsReluInItsOwnPassWithTheSameBits) {
+  const int64_t N = 3, C = 4, L = 5;
+  const std::vector<float> x = randn(60, 7), w = randn(4, 8), b = randn(4, 9);
+  std::vector<double> sums(9), mi(8);
+  std::vector<float> rm(4, 0.0f), rv(4, 1.0f);
+  k::batchnorm_stats(sums.data(), x.data(), N, C, L);
+  k::batchnorm_moments(mi.data(), rm.data(), rv.data(), nullptr, sums.data(), 15.0, C, 1e-5f, 0.1f);
+  std::vector<float> plain(60), want(60), fused(60);
+  k::batchnorm_apply(plain.data(), x.data(), mi.data(), w.data(), b.data(), N, C, L);
+  k::relu_forward(want.data(), plain.data(), 60);
+  auto stream = cpu_backend().open_stream(Device{});
+  stream->run(call::BatchNormApply{TensorRef::of(fused.data(), {N, C, L}), TensorRef::of(x.data(), {N, C, L}),
+                                   TensorRef::of(mi.data(), {8}), TensorRef::of(w.data(), {4}),
+                                   TensorRef::of(b.data(), {4}), Epilogue::kRelu});
+  EXPECT_TRUE(same_bits(fused, want));
+  EXPECT_GT(std::count(fused.begin(), fused.end(), 0.0f), 10) << "the ReLU should cut a good part";
+}
+
+// A backend that fuses no epilogue: Stream::run runs the kernel without it, then the activation, in that order,
+// on the memory the call names; backward the activation's backward into dpre, then the GEMMs from it.
+TEST(KernelCalls, AnEpilogueTheBackendDoesNotFuseIsComposedFromKernelsItHas) {
+  test::PartialStream stream([](const KernelKey& key) { return key.epilogue == Epilogue::kNone; });
+  float out[6], pre[6], inp[6], w[4], dpre[6], dout[6], dinp[6], dw[4];
+  const auto r = [](float* p, std::initializer_list<int64_t> d) { return TensorRef::of(p, d); };
+  stream.run(call::LinearForward{r(out, {3, 2}), r(inp, {3, 2}), r(w, {2, 2}), {}, r(pre, {3, 2}), Epilogue::kGelu});
+  stream.run(call::LinearBackward{r(dinp, {3, 2}), r(dw, {2, 2}), {}, r(dpre, {3, 2}), r(dout, {3, 2}), r(inp, {3, 2}),
+                                  r(w, {2, 2}), r(out, {3, 2}), r(pre, {3, 2}), Epilogue::kGelu});
+  stream.run(call::BatchNormApply{r(out, {1, 2, 3}), r(inp, {1, 2, 3}), r(w, {4}), {}, {}, Epilogue::kRelu});
+  ASSERT_EQ(stream.ran.size(), 6u);
+  const auto& f = std::get<call::LinearForward>(stream.ran[0]);
+  EXPECT_EQ(f.out.data, pre) << "the GEMM writes the pre-activation GELU's backward reads";
+  EXPECT_EQ(f.epilogue, Epilogue::kNone);
+  const auto& a = std::get<call::ActivationForward>(stream.ran[1]);
+  EXPECT_EQ(a.kind, Activation::kGelu);
+  EXPECT_EQ(a.out.data, out);
+  EXPECT_EQ(a.inp.data, pre);
+  const auto& ab = std::get<call::ActivationBackward>(stream.ran[2]);
+  EXPECT_EQ(ab.dinp.data, dpre);
+  EXPECT_EQ(ab.dout.data, dout);
+  EXPECT_EQ(ab.inp.data, pre);
+  const auto& b = std::get<call::LinearBackward>(stream.ran[3]);
+  EXPECT_EQ(b.dout.data, dpre);
+  EXPECT_EQ(b.epilogue, Epilogue::kNone);
+  EXPECT_EQ(std::get<call::BatchNormApply>(stream.ran[4]).epilogue, Epilogue::kNone);
+  const auto& relu = std::get<call::ActivationForward>(stream.ran[5]);
+  EXPECT_EQ(relu.kind, Activation::kRelu);
+  EXPECT_EQ(relu.out.data, out);
+  EXPECT_EQ(relu.inp.data, out) << "in place";
+}
+
+TEST(KernelCalls, WithoutTheKernelsOfACompositionTheErrorNamesWhatIsMissing) {
+  test::PartialStream stream([](const KernelKey& key) { return key.op == Op::kLinearForward && key.epilogue == Epilogue::kNone; });
+  float out[4], inp[4], w[4];
+  const std::string e = error_of(
+      [&] {
+        stream.run(call::LinearForward{TensorRef::of(out, {2, 2}), TensorRef::of(inp, {2, 2}),
+                                       TensorRef::of(w, {2, 2}), {}, {}, Epilogue::kRelu});
+      },
+      Status::kNotSupported);
+  EXPECT_NE(e.find("linear_forward (f32, relu epilogue) on cuda:0: this backend has no such kernel and cannot "
+                   "compose it (it lacks activation_forward (f32))"),
+            std::string::npos)
+      << e;
+  EXPECT_TRUE(stream.ran.empty()) << "nothing runs when the composition cannot";
+  EXPECT_FALSE(stream.can_run({Op::kLinearForward, DType::kF32, Epilogue::kRelu}));
+}
+
+// A model asks its replica's stream for every kernel its nodes will run when the replica is made: a device that
+// lacks one is named, with the node, before any step.
+TEST(KernelCalls, AModelOnADeviceThatLacksAKernelIsRefusedWhenItsReplicaIsMade) {
+  Model m(1);
+  m.add(make_linear(4, 4, true));
+  m.add(make_activation(Activation::kGelu));
+  m.add(make_layernorm(4, 1e-5f, true));
+  test::PartialStream lacks_layernorm([](const KernelKey& key) {
+    return key.op != Op::kLayerNormBackward && key.epilogue == Epilogue::kNone;
+  });
+  ReplicaContext ctx;
+  ctx.stream = &lacks_layernorm;
+  const std::string e = error_of([&] { ReplicaModel replica(m, ctx); }, Status::kNotSupported);
+  EXPECT_NE(e.find("(layernorm(4))"), std::string::npos) << e;
+  EXPECT_NE(e.find("needs the kernel layernorm_backward (f32), which cuda:0's backend does not have"),
+            std::string::npos)
+      << e;
+  // With every kernel but the fused GELU, the model is made: the epilogue is composed.
+  test::PartialStream unfused([](const KernelKey& key) { return key.epilogue == Epilogue::kNone; });
+  ctx.stream = &unfused;
+  ReplicaModel replica(m, ctx);
+  EXPECT_EQ(replica.num_fused(), 1u);
+}
+
+}  // namespace
+}  // namespace dpar
