@@ -1,7 +1,9 @@
 // The kernel calls' names and keys, and the compositions a Stream runs for a kernel its backend lacks.
 #include "backend/kernel_calls.h"
 
+#include <array>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "backend/stream.h"
@@ -32,32 +34,17 @@ const char* activation_name(Activation kind) {
   return "unknown activation";
 }
 
+namespace {
+template <size_t... I>
+constexpr std::array<const char*, sizeof...(I)> call_names(std::index_sequence<I...>) {
+  return {std::variant_alternative_t<I, KernelCall>::kName...};
+}
+constexpr auto kOpNames = call_names(std::make_index_sequence<std::variant_size_v<KernelCall>>());
+}  // namespace
+
 const char* op_name(Op op) {
-  switch (op) {
-    case Op::kLinearForward: return "linear_forward";
-    case Op::kLinearBackward: return "linear_backward";
-    case Op::kActivationForward: return "activation_forward";
-    case Op::kActivationBackward: return "activation_backward";
-    case Op::kDropoutForward: return "dropout_forward";
-    case Op::kDropoutBackward: return "dropout_backward";
-    case Op::kCrossEntropy: return "cross_entropy";
-    case Op::kMeanSquaredError: return "mse";
-    case Op::kSgdStep: return "sgd_step";
-    case Op::kAdamStep: return "adam_step";
-    case Op::kAxpy: return "axpy";
-    case Op::kScale: return "scale";
-    case Op::kConvert: return "convert";
-    case Op::kBatchNormStats: return "batchnorm_stats";
-    case Op::kBatchNormMoments: return "batchnorm_moments";
-    case Op::kBatchNormApply: return "batchnorm_apply";
-    case Op::kBatchNormBackwardReduce: return "batchnorm_backward_reduce";
-    case Op::kBatchNormBackwardApply: return "batchnorm_backward_apply";
-    case Op::kLayerNormForward: return "layernorm_forward";
-    case Op::kLayerNormBackward: return "layernorm_backward";
-    case Op::kEmbeddingForward: return "embedding_forward";
-    case Op::kEmbeddingBackward: return "embedding_backward";
-  }
-  return "unknown kernel";
+  const auto i = static_cast<size_t>(op);
+  return i < kOpNames.size() ? kOpNames[i] : "unknown kernel";
 }
 
 std::string KernelKey::str() const {

@@ -6,7 +6,7 @@
 // in kernels/cpu/, the reference of every backend's. Shapes are in each struct's comment; extents are read from the
 // references, never passed beside them. Absent optional arguments are default (null) references.
 //
-// Adding a kernel: a struct here and its line in KernelCall, its implementation in each backend that has it (the
+// Adding a kernel: a struct here (with its name) and its line in KernelCall and Op, its implementation in each backend that has it (the
 // backend's run table and supports() list), and the layer that calls it. Adding a dtype to a kernel: the backend's
 // implementation and its supports() entry; no struct or method changes.
 #pragma once
@@ -40,6 +40,7 @@ namespace call {
 // out (*,C_out) = epilogue(inp (*,C_in) @ weight^T + bias); weight (C_out,C_in), bias (C_out) or absent. With a GELU
 // epilogue, pre (*,C_out) receives the result before it (GELU's backward reads it); otherwise pre is absent.
 struct LinearForward {
+  static constexpr const char* kName = "linear_forward";
   TensorRef out, inp, weight, bias, pre;
   Epilogue epilogue = Epilogue::kNone;
   DType dtype() const { return inp.dtype; }
@@ -48,6 +49,7 @@ struct LinearForward {
 // overwritten, or added to when accumulate. With an epilogue, dpre (*,C_out) is scratch for the gradient before it,
 // and the epilogue's backward reads out (ReLU) or pre (GELU); dinp may be dout's memory (dout is consumed first).
 struct LinearBackward {
+  static constexpr const char* kName = "linear_backward";
   TensorRef dinp, dweight, dbias, dpre, dout, inp, weight, out, pre;
   Epilogue epilogue = Epilogue::kNone;
   bool accumulate = false;
@@ -55,42 +57,49 @@ struct LinearBackward {
 };
 // out = kind(inp), both (n) of any shape.
 struct ActivationForward {
+  static constexpr const char* kName = "activation_forward";
   Activation kind = Activation::kRelu;
   TensorRef out, inp;
   DType dtype() const { return inp.dtype; }
 };
 // dinp = dL/d(inp) from dout; reads inp (GELU) or out (the others). All (n).
 struct ActivationBackward {
+  static constexpr const char* kName = "activation_backward";
   Activation kind = Activation::kRelu;
   TensorRef dinp, dout, inp, out;
   DType dtype() const { return dout.dtype; }
 };
 // out = inp * mask, mask (n) = 0 or 1/(1-p), drawn from the stream (seed, offset + i) for element i.
 struct DropoutForward {
+  static constexpr const char* kName = "dropout_forward";
   TensorRef out, mask, inp;
   float p = 0.0f;
   uint64_t seed = 0, offset = 0;
   DType dtype() const { return inp.dtype; }
 };
 struct DropoutBackward {
+  static constexpr const char* kName = "dropout_backward";
   TensorRef dinp, dout, mask;
   DType dtype() const { return dout.dtype; }
 };
 // loss_sum (f64, one element of device memory) = the sum of the per-sample losses; dlogits (B,C) = grad_scale x
 // dL/dlogits; logits (B,C), labels (B) i32 in [0, C) (checked by the caller).
 struct CrossEntropy {
+  static constexpr const char* kName = "cross_entropy";
   TensorRef loss_sum, dlogits, logits, labels;
   float grad_scale = 1.0f;
   DType dtype() const { return logits.dtype; }
 };
 // pred, target, dpred (B,D): loss_sum = the sum of the squared errors.
 struct MeanSquaredError {
+  static constexpr const char* kName = "mse";
   TensorRef loss_sum, dpred, pred, target;
   float grad_scale = 1.0f;
   DType dtype() const { return pred.dtype; }
 };
 // torch.optim.SGD's step over (n) elements; momentum (n) or absent without momentum.
 struct SgdStep {
+  static constexpr const char* kName = "sgd_step";
   TensorRef param, momentum, grad;
   SgdHyper hyper{};
   bool first_step = false;
@@ -98,6 +107,7 @@ struct SgdStep {
 };
 // torch.optim.Adam/AdamW's step over (n) elements, `step` counting from 1.
 struct AdamStep {
+  static constexpr const char* kName = "adam_step";
   TensorRef param, exp_avg, exp_avg_sq, grad;
   AdamHyper hyper{};
   int64_t step = 1;
@@ -105,12 +115,14 @@ struct AdamStep {
 };
 // y += a*x, both (n).
 struct Axpy {
+  static constexpr const char* kName = "axpy";
   TensorRef y, x;
   float a = 1.0f;
   DType dtype() const { return y.dtype; }
 };
 // x *= a, (n).
 struct Scale {
+  static constexpr const char* kName = "scale";
   TensorRef x;
   float a = 1.0f;
   DType dtype() const { return x.dtype; }
@@ -118,17 +130,20 @@ struct Scale {
 // dst = src in dst's dtype, both (n): f32 -> bf16 rounds to nearest even (common/bf16.h), bf16 -> f32 is exact.
 // Its dtype is the narrow side's.
 struct Convert {
+  static constexpr const char* kName = "convert";
   TensorRef dst, src;
   DType dtype() const { return dst.dtype == DType::kF32 ? src.dtype : dst.dtype; }
 };
 // BatchNorm over x (N,C,L) (kernels/cpu/batchnorm.h): sums (f64, 2C+1) = per-channel Σx, Σx² and the count.
 struct BatchNormStats {
+  static constexpr const char* kName = "batchnorm_stats";
   TensorRef sums, x;
   DType dtype() const { return x.dtype; }
 };
 // mean_invstd (f64, 2C) from sums over `count` rows; updates running_mean, running_var (C) and num_batches_tracked
 // (i64, 1) with `momentum`.
 struct BatchNormMoments {
+  static constexpr const char* kName = "batchnorm_moments";
   TensorRef mean_invstd, running_mean, running_var, num_batches_tracked, sums;
   double count = 0.0;
   float eps = 1e-5f, momentum = 0.1f;
@@ -137,17 +152,20 @@ struct BatchNormMoments {
 // out (N,C,L) = epilogue((x - mean) * invstd * weight + bias); weight, bias (C) or absent. ReLU is the epilogue
 // a BatchNorm takes, in the same pass.
 struct BatchNormApply {
+  static constexpr const char* kName = "batchnorm_apply";
   TensorRef out, x, mean_invstd, weight, bias;
   Epilogue epilogue = Epilogue::kNone;
   DType dtype() const { return x.dtype; }
 };
 // sums (f64, 2C) = per-channel Σdout, Σdout·x̂ over dout, x (N,C,L).
 struct BatchNormBackwardReduce {
+  static constexpr const char* kName = "batchnorm_backward_reduce";
   TensorRef sums, dout, x, mean_invstd;
   DType dtype() const { return x.dtype; }
 };
 // dinp (N,C,L) from the local and the global sums (f64, 2C) over `count` rows; dweight, dbias (C) or absent.
 struct BatchNormBackwardApply {
+  static constexpr const char* kName = "batchnorm_backward_apply";
   TensorRef dinp, dweight, dbias, local, global, dout, x, mean_invstd, weight;
   double count = 0.0;
   bool accumulate = false;
@@ -155,22 +173,26 @@ struct BatchNormBackwardApply {
 };
 // LayerNorm over the last dimension of x (*,D): out (*,D), mean_rstd (f64, 2 x rows), weight, bias (D) or absent.
 struct LayerNormForward {
+  static constexpr const char* kName = "layernorm_forward";
   TensorRef out, mean_rstd, x, weight, bias;
   float eps = 1e-5f;
   DType dtype() const { return x.dtype; }
 };
 struct LayerNormBackward {
+  static constexpr const char* kName = "layernorm_backward";
   TensorRef dinp, dweight, dbias, dout, x, mean_rstd, weight;
   bool accumulate = false;
   DType dtype() const { return x.dtype; }
 };
 // out (*,E) = weight (V,E)[idx (*)], idx i32.
 struct EmbeddingForward {
+  static constexpr const char* kName = "embedding_forward";
   TensorRef out, idx, weight;
   DType dtype() const { return weight.dtype; }
 };
 // dweight (V,E) from dout (*,E) at idx (*); the row padding_idx (>= 0) gets no gradient.
 struct EmbeddingBackward {
+  static constexpr const char* kName = "embedding_backward";
   TensorRef dweight, dout, idx;
   int64_t padding_idx = -1;
   bool accumulate = false;
@@ -216,7 +238,8 @@ enum class Op : int32_t {
 static_assert(static_cast<size_t>(Op::kEmbeddingBackward) + 1 == std::variant_size_v<KernelCall>,
               "one Op per KernelCall alternative, in order");
 
-const char* op_name(Op op);  // "linear_forward", ...
+// "linear_forward", ...: the kName of the call's struct.
+const char* op_name(Op op);
 
 // What a backend is asked whether it has: a kernel, the dtype it computes in, and the epilogue it fuses (kNone for
 // kernels that take none).

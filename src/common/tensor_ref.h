@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "common/dtype.h"
 #include "common/error.h"
