@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/random.h"
+#include "io/file.h"
 
 namespace dpar {
 
@@ -654,7 +655,9 @@ void Engine::trace_start() { trace_->start(); }
 void Engine::trace_stop(const std::string& path) {
   DPAR_ENFORCE(trace_->started(), Status::kInvalidState, "trace_stop: no trace was started (trace_start)");
   trace_->stop();
-  if (!path.empty()) trace_->write(path, process_rank());
+  if (path.empty()) return;
+  const std::string text = trace_->chrome_json(process_rank());
+  io::write_file_atomically(path, {{text.data(), text.size()}});  // throws Status::kIo naming the path
 }
 
 void Engine::inject_fault(size_t replica, Fault fault) { replicas_[replica]->fault = fault; }
