@@ -504,6 +504,13 @@ DPAR_VECTOR_LOOP void adam_loop(float* param, float* m_buf, float* v_buf, const 
     }
   }
 }
+
+template <bool kL2, bool kSmallLerpWeight>
+void run_adam(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, const AdamScalars& s) {
+  run_vector<adam_loop<kL2, kSmallLerpWeight>>(param, m_buf, v_buf, grad, n, s.weight_decay, s.w1, s.one_minus_w1,
+                                               s.beta2, s.one_minus_beta2, s.bias_correction2_sqrt, s.eps,
+                                               s.neg_step_size);
+}
 }  // namespace
 
 // param (n), exp_avg (n), exp_avg_sq (n), grad (n)
@@ -511,37 +518,11 @@ void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* gra
                int64_t step) {
   check_count(n);
   DPAR_CHECK_ARG(step >= 1, "adam: step is 1-based, got ", step);
-  const double lr = h.lr, beta1 = h.beta1, beta2 = h.beta2, wd = h.weight_decay;
-  // PyTorch keeps `step` in a float32 tensor and reads it back as a Python float.
-  const double step_d = static_cast<double>(static_cast<float>(step));
-  const double bias_correction1 = 1.0 - std::pow(beta1, step_d);
-  const double bias_correction2 = 1.0 - std::pow(beta2, step_d);
-  const double step_size = lr / bias_correction1;
-  const double bias_correction2_sqrt = std::sqrt(bias_correction2);  // Python's bc2 ** 0.5, correctly rounded
-
-  if (h.decoupled && wd != 0.0) scale(param, static_cast<float>(1.0 - lr * wd), n);  // param.mul_(1 - lr*wd)
-
-  const float w1 = static_cast<float>(1.0 - beta1);
-  // ATen's lerp picks its formula by the weight as the kernel sees it (float), with 1 - w computed in float.
-  const bool small_weight = std::fabs(w1) < 0.5f;
-  const float one_minus_w1 = 1.0f - w1;
-  const bool l2 = !h.decoupled && wd != 0.0;
-  const float args_wd = h.weight_decay;
-  const float b2 = h.beta2, omb2 = static_cast<float>(1.0 - beta2);
-  const float bc2s = static_cast<float>(bias_correction2_sqrt), eps = h.eps;
-  const float neg_step = static_cast<float>(-step_size);
-  if (l2 && small_weight)
-    run_vector<adam_loop<true, true>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
-                                      eps, neg_step);
-  else if (l2)
-    run_vector<adam_loop<true, false>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
-                                       eps, neg_step);
-  else if (small_weight)
-    run_vector<adam_loop<false, true>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
-                                       eps, neg_step);
-  else
-    run_vector<adam_loop<false, false>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
-                                        eps, neg_step);
+  const AdamScalars s = adam_scalars(h, step);
+  if (s.decay) scale(param, s.param_scale, n);  // param.mul_(1 - lr*wd)
+  const auto run = s.l2 ? (s.small_weight ? run_adam<true, true> : run_adam<true, false>)
+                        : (s.small_weight ? run_adam<false, true> : run_adam<false, false>);
+  run(param, exp_avg, exp_avg_sq, grad, n, s);
 }
 
 // -------------------------------------------------------------------------------------------------------------
