@@ -115,7 +115,6 @@ class Engine {
   void set_gradient_compression(GradientCompression compression);
   // From the next step on (both keep the same optimizer shards). Every process sets the same.
   void set_gradient_reduction(GradientReduction reduction);
-  GradientReduction gradient_reduction() const { return reduction_; }
   void set_lr(float lr);
   // Clips the gradient of the following steps to this global L2 norm (OptimizerConfig::max_grad_norm); 0: off.
   void set_max_grad_norm(float max_norm);
