@@ -18,8 +18,8 @@
 
 #include "cuda_test_util.h"
 #include "kernels/cpu/kernels.h"
-#include "kernels/cuda/dropout_rng.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/dropout_rng.h"
 #include "platform/cuda/cublas_library.h"
 #include "platform/cuda/cuda_check.h"
 
@@ -124,15 +124,17 @@ TEST(CudaCublasLibrary, LoadsOnFirstUseWithEveryFunction) {
   EXPECT_EQ(&cuda::cublas(), &lib);  // loaded once
 }
 
-// The device dropout stream is the CPU's, bit for bit: its integer code, compiled for the host here.
+// The device dropout stream is the CPU's, bit for bit: what the CUDA kernels call (kernels/dropout_rng.h),
+// compiled for the host here, draws what the CPU kernels draw.
 TEST(CudaDropoutStream, HostCompiledDeviceCodeMatchesCpuStream) {
   const uint64_t seeds[] = {0, 1, 2, 42, 0x243F6A8885A308D3ULL, ~0ULL};
   const uint64_t starts[] = {0, 1000, (1ULL << 32) - 5, ~0ULL - 100};
   for (uint64_t seed : seeds) {
-    const uint64_t key = gpu::rng::stream_key(seed);
+    const uint64_t key = kernels::rng::stream_key(seed);
     for (uint64_t start : starts)
       for (uint64_t c = start; c < start + 100; ++c)
-        ASSERT_EQ(gpu::rng::uniform24(key, c), cpu::dropout_uniform(seed, c)) << "seed " << seed << " counter " << c;
+        ASSERT_EQ(kernels::rng::uniform24(key, c), cpu::dropout_uniform(seed, c))
+            << "seed " << seed << " counter " << c;
   }
 }
 

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -739,8 +740,9 @@ struct TraceSpans {
   std::map<int, std::string> track_names;
   int64_t dropped = -1;
 
-  explicit TraceSpans(const std::string& path) {
-    std::ifstream in(path);
+  explicit TraceSpans(const std::string& path) : TraceSpans(std::ifstream(path)) {}
+  // The spans of a trace's text (Trace::chrome_json).
+  explicit TraceSpans(std::istream&& in) {
     const nlohmann::json file = nlohmann::json::parse(in);
     dropped = file.at("otherData").at("dropped_events").get<int64_t>();
     for (const auto& e : file.at("traceEvents")) {
@@ -828,9 +830,7 @@ TEST(Trace, SpansPastTheCapAreCountedAsDropped) {
   const auto now = Trace::Clock::now();
   trace.add(7, "nowhere", now, now, nullptr, 0, false);
   trace.stop();
-  const std::string path = temp_path("dpar_trace_cap.json");
-  trace.write(path, 3);
-  const TraceSpans spans(path);
+  const TraceSpans spans(std::istringstream(trace.chrome_json(3)));
   EXPECT_EQ(spans.dropped, 6);
   EXPECT_EQ(spans.count(0, "work") + spans.count(1, "work"), 10u);
   EXPECT_EQ(spans.count(0, "work"), 5u);  // the first ten, alternating
@@ -838,10 +838,9 @@ TEST(Trace, SpansPastTheCapAreCountedAsDropped) {
   // A new start forgets all of it.
   trace.start();
   trace.stop();
-  trace.write(path, 0);
-  EXPECT_EQ(TraceSpans(path).dropped, 0);
-  EXPECT_TRUE(TraceSpans(path).by_track.empty());
-  std::remove(path.c_str());
+  const TraceSpans restarted(std::istringstream(trace.chrome_json(0)));
+  EXPECT_EQ(restarted.dropped, 0);
+  EXPECT_TRUE(restarted.by_track.empty());
 }
 
 TEST(Trace, AFailedStepShowsWhereItFailedAndStopIsCheckedAndRetried) {

@@ -379,7 +379,7 @@ TEST(Graph, BadGraphsAreRefusedNamingTheNodes) {
   expect_refused([&] { m.add_sum({0}); }, {"2 or more"});
   expect_refused([&] { m.branch_from(7); }, {"node 7"});
   expect_refused([&] { m.add_reshape({}); }, {"reshape"});
-  EXPECT_EQ(m.num_layers(), 2u);  // nothing refused was added
+  EXPECT_EQ(m.num_nodes(), 2u);  // nothing refused was added
   Model sum = m;
   sum.add_sum({0, 1});
   expect_refused([&] { sum.output_shape(Shape{2, 4}); }, {"node 2", "sum", "(2, 3)", "(2, 4)", "node 1", "node 0"});

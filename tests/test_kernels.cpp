@@ -551,6 +551,27 @@ TEST(Dropout, DecisionsLookIndependent) {
   EXPECT_NEAR(mean / n, 0.5, 0.005);
 }
 
+// The stream is a fixed function of (seed, counter), on every device and in every build (kernels/dropout_rng.h):
+// draws pinned as the generator first drew them, so that a change to it, which would change the masks a resumed
+// run replays, is seen.
+TEST(Dropout, StreamDrawsArePinned) {
+  struct Draw {
+    uint64_t seed, counter;
+    float u;
+  };
+  const Draw draws[] = {
+      {0, 0, 0x1.d34a38p-2f},
+      {0, 1000, 0x1.fbb51ap-1f},
+      {1, 1, 0x1.ca536p-3f},
+      {42, 0, 0x1.58aea6p-1f},
+      {42, 4294967291u, 0x1.25ce94p-2f},
+      {~0ULL, ~0ULL, 0x1.94191p-4f},
+      {0x243F6A8885A308D3ULL, ~0ULL, 0.0f},  // key 0 and state 0, which the mixer maps to 0
+  };
+  for (const Draw& d : draws)
+    EXPECT_EQ(k::dropout_uniform(d.seed, d.counter), d.u) << "seed " << d.seed << " counter " << d.counter;
+}
+
 TEST(Dropout, StreamIsAFunctionOfSeedAndCounter) {
   const int64_t n = 4096;
   const Vec x = uniform(n, 71);

@@ -232,7 +232,7 @@ TEST(LayerNormEmbedding, ChecksArgumentsAndShapes) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("must read the model's input, not node 0"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(late.num_layers(), 1u);
+  EXPECT_EQ(late.num_nodes(), 1u);
 }
 
 void expect_close(const float* got, const nlohmann::json& want, double tol, const std::string& what) {

@@ -1,4 +1,5 @@
-// BatchNorm, LayerNorm and Embedding layers and the model's buffers (state that is not a parameter) at the C boundary.
+// BatchNorm layers and the model's buffers (state that is not a parameter, such as BatchNorm's running statistics)
+// at the C boundary.
 #include "capi/api.h"
 
 using namespace dpar;
@@ -39,24 +40,6 @@ DPAR_API dpar_status dpar_model_add_batchnorm2d(dpar_model* model, int64_t num_f
 DPAR_API dpar_status dpar_model_add_sync_batchnorm(dpar_model* model, int64_t num_features, float eps,
                                                    float momentum, int32_t affine) {
   return add_batchnorm(model, 0, num_features, eps, momentum, affine);
-}
-
-DPAR_API dpar_status dpar_model_add_layernorm(dpar_model* model, int64_t normalized_size, float eps,
-                                              int32_t elementwise_affine) {
-  return guard([&] {
-    checked(model, "model").model.add(make_layernorm(normalized_size, eps, elementwise_affine != 0));
-  });
-}
-
-DPAR_API dpar_status dpar_model_add_embedding(dpar_model* model, int64_t num_embeddings, int64_t embedding_dim) {
-  return guard([&] { checked(model, "model").model.add(make_embedding(num_embeddings, embedding_dim)); });
-}
-
-DPAR_API dpar_status dpar_model_add_embedding_padded(dpar_model* model, int64_t num_embeddings, int64_t embedding_dim,
-                                                     int64_t padding_idx) {
-  return guard([&] {
-    checked(model, "model").model.add(make_embedding_padded(num_embeddings, embedding_dim, padding_idx));
-  });
 }
 
 DPAR_API dpar_status dpar_model_convert_sync_batchnorm(dpar_model* model) {

@@ -176,7 +176,7 @@ DPAR_API dpar_status dpar_model_add_reshape(dpar_model* model, const int64_t* ro
 }
 
 DPAR_API dpar_status dpar_model_num_layers(size_t* out, const dpar_model* model) {
-  return guard([&] { *checked_out(out) = checked(model, "model").model.num_layers(); });
+  return guard([&] { *checked_out(out) = checked(model, "model").model.num_nodes(); });
 }
 
 DPAR_API dpar_status dpar_model_num_params(size_t* out, const dpar_model* model) {

@@ -27,6 +27,10 @@ namespace dpar {
 
 class Trace;
 
+// The completion of work queued on a replica's communication thread (Communicator::async_run): what the reducer
+// holds for each bucket in flight, so that it needs no communicator of its own.
+using AsyncWork = Work;
+
 // How a sum crosses the processes (within a process it is always f32).
 enum class Wire : int32_t {
   kF32 = 0,

@@ -1,40 +1,58 @@
-// The MPI backend: participants are the processes (ranks) of an MPI communicator, through OpenMPI.
+// The MPI backend of the comm layer: participants are the processes (ranks) of an MPI communicator. This header
+// declares MPI's lifetime in the process (MpiRuntime), the communicator's options (MpiOptions), the record each rank
+// contributes to a collective's exchange (MpiHeader) and the communicator (MpiCommunicator); this comment says how
+// they work. The code is split by concern, and what its files share is in mpi_internal.h (not for other code):
+//   mpi_runtime.cpp  MPI's initialisation, and the watched MPI_Finalize at exit;
+//   mpi_comm.cpp     creation over a base communicator, teardown, and a collective's frame: the arrival checks,
+//                    phase 1, the transfer (phase 2) and the pass that finishes the result;
+//   mpi_agree.cpp    phase 1: the exchange of call records, the agreement, the fused small all-reduces;
+//   mpi_failure.cpp  notices (abort, timeout, void), the wait that polls for them, the abandoned exchanges;
+//   mpi_ops.cpp      MPI's datatypes and operations for dpar's element-wise reductions (comm/reduce_kernels.h).
+// The calls are MPI 3's; the tuning and the figures below are Open MPI's.
 //
 // MPI's lifetime. MpiRuntime::instance() initialises MPI with MPI_Init_thread(MPI_THREAD_MULTIPLE) on first use if
 // nobody did, and then finalises it at exit (atexit); if the program or a framework initialised MPI itself, dpar
-// uses it as it is and never finalises it. A process started without mpirun is a singleton: rank 0 of 1. OpenMPI's
-// MPI_Finalize waits for every rank of the job, forever for a dead one when the launcher lets the others live
-// (mpirun --enable-recovery): so after a collective of the process failed (timeout, abort, MPI error), dpar's
-// MPI_Finalize at exit is watched, and the process ends with status 1 if it has not returned within 30 s.
+// uses it as it is and never finalises it. A process started without a launcher (none of mpirun's, srun's or
+// PMIx's variables) is a singleton, rank 0 of 1, which dpar starts with Open MPI's isolated launcher
+// (OMPI_MCA_plm=isolated, unless the caller set it): the default one needs ssh or rsh, and kills the process inside
+// MPI_Init_thread without them. Open MPI's MPI_Finalize waits for every rank of the job, forever for a dead one when
+// the launcher lets the others live (mpirun --enable-recovery): so after a collective of the process failed
+// (timeout, abort, MPI error), dpar's MPI_Finalize at exit runs on a helper thread and is waited for at most 30 s;
+// past that dpar says so on stderr, and the process ends without it, with the status the program chose.
 //
 // A collective is two phases:
 //  1. Arrival and fingerprint (mpi_agree.cpp). Every participant contributes its call's record (communicator.h:
-//     sequence number, operation, count, dtype, op, root) and its own refusal, if any, to an allgather of its own over point-to-point messages (Bruck's algorithm, ceil(log2 size)
-//     rounds of MPI_Isend/MPI_Irecv on a private communicator), and polls it with MPI_Testall until it completes,
-//     the timeout passes, this participant is aborted, or a notice (below) arrives. Everyone then holds the same
-//     table and takes the same decision: on a difference all throw Error(MISMATCH) with the one message of every
-//     backend (mismatch_message()); a participant whose own arguments were bad (the one call check, or MPI's own
-//     limits) throws its own error (INVALID_ARGUMENT, ...) and the others throw Error(REMOTE) naming it. No data moves in either case and the communicator stays usable. A
-//     completed exchange proves that every participant entered the collective: barrier() is this phase alone.
-//     Cost: one small-message latency per round (about 0.3-0.6 us between two processes of one machine), which is
-//     what dpar adds to a plain MPI_Allreduce.
-//     Small all-reduces are fused into this phase: when every message of the exchange stays under OpenMPI's eager
+//     sequence number, operation, count, dtype, op, root) and its own refusal, if any, to an allgather of its own
+//     over point-to-point messages (Bruck's algorithm, ceil(log2 size) rounds of MPI_Isend/MPI_Irecv on a private
+//     communicator), and polls it with MPI_Testall until it completes, the timeout passes, this participant is
+//     aborted, or a notice (below) arrives. Everyone then holds the same table and takes the same decision: on a
+//     difference all throw Error(MISMATCH) with the one message of every backend (mismatch_message()); a
+//     participant whose own arguments were bad (the one call check, or MPI's own limits: bf16 reduced other than
+//     by a sum, a count above INT_MAX where MPI has no chunked form) throws its own error (INVALID_ARGUMENT,
+//     NOT_SUPPORTED, ...) and the others throw Error(REMOTE) naming it. No data moves in either case and the
+//     communicator stays usable. A completed exchange proves that every participant entered the collective:
+//     barrier() is this phase alone. Cost: one small-message latency per round (about 0.3-0.6 us between two
+//     processes of one machine), which is what dpar adds to a plain MPI_Allreduce.
+//     Small all-reduces are fused into this phase: when every message of the exchange stays under Open MPI's eager
 //     limit (each rank's data at most 3928 bytes for 2 ranks, 1944 for 4, 952 for 8: (3968 / most blocks per
 //     message) - 40), each rank's data rides with its fingerprint and every rank reduces the gathered blocks itself,
 //     in rank order (all ranks get the same bits). There is no phase 2 then, and the timeout covers the data too.
 //  2. Transfer: the MPI collective itself, on the communicator's duplicate of base (MPI_Allreduce, MPI_Bcast,
 //     MPI_Reduce, MPI_Allgather, MPI_Reduce_scatter_block; reduce_scatter_sum and all_gather_blocks are
-//     MPI_Reduce_scatter and MPI_Allgatherv in place, with block_range's per-rank counts; MPI_IN_PLACE for the
-//     in-place forms; a mean is a sum divided afterwards, truncating for integers). By default it is the blocking call, OpenMPI's tuned algorithms
-//     at the speed of a plain MPI program: every participant is known to be inside the collective, so the timeout
-//     is not needed for arrival any more. The price: a rank that dies during the transfer itself leaves the others
-//     inside MPI (mpirun then kills the job, by default). MpiOptions::transfer = kNonBlocking uses MPI_I* polled as
-//     in phase 1 instead, so that the deadline covers the transfer too, at the cost of OpenMPI's non-blocking
-//     collectives (libnbc), about 2x slower here. After a timeout in that mode MPI may still write the call's recv
-//     buffer if the missing rank arrives later (an MPI request cannot be cancelled): keep it alive or exit.
+//     MPI_Reduce_scatter and MPI_Allgatherv in place, with block_range's per-rank counts; reduce_sum is MPI_Reduce,
+//     then the root scales; MPI_IN_PLACE for the in-place forms; a mean is a sum divided afterwards, truncating for
+//     integers). Float sums are MPI_SUM; max and min, integer sums and bf16 sums (bf16 moves as 16-bit words) are
+//     dpar's own MPI operations (mpi_ops.cpp), so that NaN, overflow and rounding follow the rules every backend
+//     shares. By default the transfer is the blocking call, Open MPI's tuned algorithms at the speed of a plain MPI
+//     program: every participant is known to be inside the collective, so the timeout is not needed for arrival
+//     any more. The price: a rank that dies during the transfer itself leaves the others inside MPI (mpirun then
+//     kills the job, by default). MpiOptions::transfer = kNonBlocking uses MPI_I* polled as in phase 1 instead, so
+//     that the deadline covers the transfer too, at the cost of Open MPI's non-blocking collectives (libnbc), about
+//     2x slower here. After a timeout in that mode MPI may still write the call's recv buffer if the missing rank
+//     arrives later (an MPI request cannot be cancelled): keep it alive or exit.
 //
-// Notices (mpi_failure.cpp): point-to-point messages on the private communicator, looked for (MPI_Improbe, ~0.07 us a look) as a
-// collective starts (twice) and while it waits:
+// Notices (mpi_failure.cpp): point-to-point messages on the private communicator, looked for (MPI_Improbe, ~0.07 us
+// a look) as a collective starts (twice) and while it waits:
 //  - abort(reason) sends ABORT(reason) to every other rank: a rank waiting now throws Error(REMOTE) with the reason
 //    at once, and every later call on any rank throws it too (the aborting rank's included).
 //  - A participant whose deadline passes sends TIMEOUT(sequence) to every other rank and then listens for a grace
@@ -42,9 +60,8 @@
 //    answer with their own notice), so the ranks that never answered are those that did not arrive, and every
 //    waiting participant throws Error(TIMEOUT) naming them. A late participant finds the notices as it arrives and
 //    throws Error(REMOTE) without moving data (its exchange would complete with the messages the others sent
-//    before they gave up). A timed-out communicator is unusable: Error(INVALID_STATE) from
-//    then on. Its requests stay pending until MPI_Finalize, which OpenMPI completes regardless. Create a new
-//    communicator to go on.
+//    before they gave up). A timed-out communicator is unusable: Error(INVALID_STATE) from then on. Its requests
+//    stay pending until MPI_Finalize, which Open MPI completes regardless. Create a new communicator to go on.
 //  - Abandoned exchanges. A late rank can miss the notices (they are still in flight when it looks, or it is
 //    descheduled between its look and its first send), complete its exchange with the messages the others sent
 //    before they gave up, and enter a blocking transfer. Nothing can interrupt a blocking MPI call, so the ranks
@@ -69,13 +86,15 @@
 // In place: all_reduce and reduce take send == recv; all_gather takes send == recv + rank * count and send == recv;
 // reduce_scatter takes recv == send (the result lands at the start of the buffer, and the rest of it is
 // clobbered) and recv == send + rank * count (block 0 is clobbered on other ranks than 0). Other overlaps are
-// refused. Counts above INT_MAX are split into several MPI calls for all_reduce, broadcast and reduce; all_gather,
-// reduce_scatter, reduce_scatter_sum and all_gather_blocks refuse them (NOT_SUPPORTED).
+// refused, by the one call check of every backend (call_check.cpp). Counts above INT_MAX are split into several MPI
+// calls for all_reduce, broadcast and reduce; all_gather, reduce_scatter, reduce_scatter_sum and all_gather_blocks
+// refuse them (NOT_SUPPORTED).
 //
 // Threads: calls on one communicator are serialised by a mutex (the communication thread of async_* and the
 // caller never run MPI at once); abort() may be called from any thread at any time. Communicators may be used from
 // different threads concurrently only if MPI provides MPI_THREAD_MULTIPLE (dpar asks for it; a framework may have
-// chosen less: MpiRuntime::thread_level()).
+// chosen less: MpiRuntime::thread_level()). Below MPI_THREAD_SERIALIZED only the main thread may call at all
+// (NOT_SUPPORTED otherwise), so async_* needs MPI_THREAD_SERIALIZED or more.
 #pragma once
 
 #include <mpi.h>
@@ -138,14 +157,17 @@ struct MpiOptions {
 
 class MpiCommunicator final : public Communicator {
  public:
-  // Collective over `base`: every rank of it must construct one (MPI_Comm_idup, twice, polled under the timeout).
+  // Collective over `base`: every rank of it must construct one (MPI_Comm_idup, twice, polled under the creation
+  // timeout, MpiOptions::create_timeout_seconds).
   // The participants are base's ranks, in base's order; base itself is used for nothing else. After a timeout
   // here the duplication stays pending on base (an MPI request cannot be cancelled, and OpenMPI allocates the
   // ids of communicators in creation order), so the ranks' creations over base no longer pair: later creations
   // over the same base handle in this process are refused with Error(INVALID_STATE).
   explicit MpiCommunicator(MPI_Comm base = MPI_COMM_WORLD, MpiOptions options = {});
-  // Runs the async work already queued, then frees the private communicators (not after MPI_Finalize, and not
-  // those with requests left pending by a timeout or an abort).
+  // Runs the async work already queued, gives a late rank a grace period to be released from a collective this
+  // rank left, then frees the private communicators: at once if this one is usable; if it failed or was aborted,
+  // once the next communicator of this process is created (the others may have sent it messages it never
+  // received); never after MPI_Finalize, nor with requests left pending by a timeout or an abort.
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;

@@ -4,14 +4,22 @@
 
 #include <cstdint>
 
+#include "common/host_device.h"
+
 namespace dpar {
 
-inline uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
+// splitmix64's output function (Steele, Lea, Flood 2014): a bijective 64-bit mixer. For host and device: the
+// dropout stream (kernels/dropout_rng.h) draws with it inside CUDA kernels too.
+DPAR_HOST_DEVICE inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
 }
+
+// splitmix64's increment (odd, so counter -> state is 1:1).
+constexpr uint64_t kSplitmixGolden = 0x9E3779B97F4A7C15ull;
+
+inline uint64_t splitmix64(uint64_t x) { return mix64(x + kSplitmixGolden); }
 
 // Mixes a seed with a stream number (replica, epoch) into an independent seed.
 inline uint64_t derive_seed(uint64_t seed, uint64_t stream) { return splitmix64(seed ^ splitmix64(stream + 1)); }
@@ -19,7 +27,7 @@ inline uint64_t derive_seed(uint64_t seed, uint64_t stream) { return splitmix64(
 class Rng {
  public:
   explicit Rng(uint64_t seed) : seed_(seed) {}
-  uint64_t next() { return splitmix64(seed_ + counter_++ * 0x9E3779B97F4A7C15ull); }
+  uint64_t next() { return splitmix64(seed_ + counter_++ * kSplitmixGolden); }
   // Uniform in [0, 1) with 24 random bits (every float it returns is exact).
   float uniform() { return static_cast<float>(next() >> 40) * (1.0f / 16777216.0f); }
   float uniform(float lo, float hi) { return lo + (hi - lo) * uniform(); }

@@ -42,9 +42,10 @@ class Trace {
   void add(size_t track, const char* name, Clock::time_point begin, Clock::time_point end, const char* arg,
            int64_t value, bool failed) noexcept;
 
-  // Writes what was recorded to `path` atomically, as Chrome's JSON trace; `process` is the pid in the file (the
-  // process's rank) and names its process ("dpar rank 0"). Throws dpar::Error Status::kIo naming the path.
-  void write(const std::string& path, int process) const;
+  // What was recorded, as Chrome's JSON trace: the text of a trace file. `process` is the pid in the file (the
+  // process's rank) and names its process ("dpar rank 0"). Writing the file is the caller's (the engine writes it
+  // atomically, io/file.h), so that this layer needs no file system of its own.
+  std::string chrome_json(int process) const;
 
   // The track the calling thread records on, set by TraceTrack; 0 (the calling thread's track) by default.
   static size_t current_track();

@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/random.h"
+#include "io/file.h"
 
 namespace dpar {
 
@@ -38,7 +39,7 @@ Backend& backend_of(const std::vector<Device>& devices) {
 
 Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfig config)
     : model_(model), config_(std::move(config)), backend_(backend_of(config_.devices)) {
-  DPAR_CHECK_ARG(model_.num_layers() > 0, "model: has no layers");
+  DPAR_CHECK_ARG(model_.num_nodes() > 0, "model: has no layers");
   optimizer.check("optimizer");
   DPAR_CHECK_ARG(config_.timeout_seconds > 0, "timeout_seconds: must be positive");
   DPAR_CHECK_ARG(config_.create_timeout_seconds >= 0, "create_timeout_seconds: must be >= 0");
@@ -129,8 +130,8 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
 
   every_replica_runs_ = model_.uses_collectives();
   reduction_ = config_.reduction;
-  layer_params_.resize(model_.num_layers());
-  for (size_t i = 0; i < model_.params().size(); ++i) layer_params_[model_.params()[i].layer].push_back(i);
+  node_params_.resize(model_.num_nodes());
+  for (size_t i = 0; i < model_.params().size(); ++i) node_params_[model_.params()[i].node].push_back(i);
 
   run("create", [&](Replica& rep, size_t) {
     rep.model = std::make_unique<ReplicaModel>(model_, rep.ctx);
@@ -392,8 +393,8 @@ void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor
   rep.loss_rows = rep.rows;
   TraceSpan span(*trace_, "backward");
   if (reduce) {
-    rep.model->backward(ctx, dout, rep.has_grad, [&](size_t layer) {
-      for (size_t p : layer_params_[layer]) rep.reducer->mark_ready(p);
+    rep.model->backward(ctx, dout, rep.has_grad, [&](size_t node) {
+      for (size_t p : node_params_[node]) rep.reducer->mark_ready(p);
     });
   } else {
     rep.model->backward(ctx, dout, rep.has_grad);
@@ -654,7 +655,9 @@ void Engine::trace_start() { trace_->start(); }
 void Engine::trace_stop(const std::string& path) {
   DPAR_ENFORCE(trace_->started(), Status::kInvalidState, "trace_stop: no trace was started (trace_start)");
   trace_->stop();
-  if (!path.empty()) trace_->write(path, process_rank());
+  if (path.empty()) return;
+  const std::string text = trace_->chrome_json(process_rank());
+  io::write_file_atomically(path, {{text.data(), text.size()}});  // throws Status::kIo naming the path
 }
 
 void Engine::inject_fault(size_t replica, Fault fault) { replicas_[replica]->fault = fault; }

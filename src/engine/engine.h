@@ -115,7 +115,6 @@ class Engine {
   void set_gradient_compression(GradientCompression compression);
   // From the next step on (both keep the same optimizer shards). Every process sets the same.
   void set_gradient_reduction(GradientReduction reduction);
-  GradientReduction gradient_reduction() const { return reduction_; }
   void set_lr(float lr);
   // Clips the gradient of the following steps to this global L2 norm (OptimizerConfig::max_grad_norm); 0: off.
   void set_max_grad_norm(float max_norm);
@@ -266,7 +265,7 @@ class Engine {
   std::shared_ptr<ProcessLinks> links_;
   GradientCompression compression_ = GradientCompression::kNone;
   GradientReduction reduction_ = GradientReduction::kAllReduce;
-  std::vector<std::vector<size_t>> layer_params_;  // per layer, the indices of its parameters
+  std::vector<std::vector<size_t>> node_params_;  // per node, the indices of its parameters
   // A layer calls the replica set's collectives: a replica given no rows of a batch runs forward and backward too
   // (on an empty chunk), so that it takes part in them.
   bool every_replica_runs_ = false;

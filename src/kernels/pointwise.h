@@ -10,20 +10,16 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define DPAR_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define DPAR_HOST_DEVICE inline
-#endif
+#include "common/host_device.h"
 
 namespace dpar::kernels {
 
 // SiLU (swish): out = x * sigmoid(x), as PyTorch's nn.SiLU computes it: x / (1 + exp(-x)).
 // Backward, as PyTorch's silu_backward: dinp = dout * s * (1 + x * (1 - s)) with s = 1 / (1 + exp(-x)).
 struct Silu {
-  DPAR_HOST_DEVICE static float forward(float x) { return x / (1.0f + expf(-x)); }
+  DPAR_HOST_DEVICE static inline float forward(float x) { return x / (1.0f + expf(-x)); }
   // Reads the forward input x (its output y is not used).
-  DPAR_HOST_DEVICE static float backward(float dy, float x, float /*y*/) {
+  DPAR_HOST_DEVICE static inline float backward(float dy, float x, float /*y*/) {
     const float s = 1.0f / (1.0f + expf(-x));
     return dy * (s * (1.0f + x * (1.0f - s)));
   }

@@ -315,28 +315,28 @@ void Model::set_node_name(int32_t node, const std::string& name) {
   const auto renamed = [&](const std::string& key) { return name + key.substr(n.name.size()); };
   std::vector<std::string> keys;
   for (const ParamInfo& p : params_)
-    if (p.layer == static_cast<size_t>(node)) keys.push_back(renamed(p.name));
+    if (p.node == static_cast<size_t>(node)) keys.push_back(renamed(p.name));
   for (const BufferInfo& b : buffers_)
-    if (b.layer == static_cast<size_t>(node)) keys.push_back(renamed(b.name));
+    if (b.node == static_cast<size_t>(node)) keys.push_back(renamed(b.name));
   check_keys_free(keys, static_cast<size_t>(node), "name");
   for (ParamInfo& p : params_)
-    if (p.layer == static_cast<size_t>(node)) p.name = renamed(p.name);
+    if (p.node == static_cast<size_t>(node)) p.name = renamed(p.name);
   for (BufferInfo& b : buffers_)
-    if (b.layer == static_cast<size_t>(node)) b.name = renamed(b.name);
+    if (b.node == static_cast<size_t>(node)) b.name = renamed(b.name);
   n.name = name;
 }
 
 void Model::check_keys_free(const std::vector<std::string>& keys, size_t node, const char* argument) const {
   // A name that dots join can be reached two ways ("a" + "b.c" and "a.b" + "c"): the keys themselves are compared.
   for (const ParamInfo& p : params_)
-    if (p.layer != node)
+    if (p.node != node)
       for (const std::string& key : keys)
-        DPAR_CHECK_ARG(key != p.name, argument, ": node ", node, "'s \"", key, "\" would be node ", p.layer,
+        DPAR_CHECK_ARG(key != p.name, argument, ": node ", node, "'s \"", key, "\" would be node ", p.node,
                        "'s parameter of that name too: every parameter and buffer needs a name of its own");
   for (const BufferInfo& b : buffers_)
-    if (b.layer != node)
+    if (b.node != node)
       for (const std::string& key : keys)
-        DPAR_CHECK_ARG(key != b.name, argument, ": node ", node, "'s \"", key, "\" would be node ", b.layer,
+        DPAR_CHECK_ARG(key != b.name, argument, ": node ", node, "'s \"", key, "\" would be node ", b.node,
                        "'s buffer of that name too: every parameter and buffer needs a name of its own");
 }
 

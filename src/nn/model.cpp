@@ -26,7 +26,7 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
     if (!node.layer) continue;
     std::vector<Tensor> p, g;
     for (const ParamInfo& info : model.params())
-      if (info.layer == i) {
+      if (info.node == i) {
         p.push_back(params_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
         g.push_back(grads_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
       }
@@ -47,7 +47,7 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
     if (!nodes_[i].layer) continue;
     std::vector<Tensor> b;
     for (const BufferInfo& info : model.buffers())
-      if (info.layer == i) {
+      if (info.node == i) {
         if (info.dtype == DType::kF32)
           b.push_back(buf_f32_.rows(info.offset, buffer_numel(info.shape)));
         else
@@ -265,7 +265,7 @@ void ReplicaModel::contribute(const ReplicaContext& ctx, int32_t node,
 }
 
 void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
-                            const std::function<void(size_t layer)>& layer_done) {
+                            const std::function<void(size_t node)>& node_done) {
   DPAR_ENFORCE(has_forward_, Status::kInvalidState, "backward: no forward state on ", ctx.device.str());
   ctx.maybe_fail(Fault::kBackward, "backward");
   const auto last = static_cast<int32_t>(nodes_.size() - 1);
@@ -285,7 +285,7 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
     const Node& node = nodes_[i];
     const auto id = static_cast<int32_t>(i);
     if (node.kind == NodeKind::kView) {  // no math: its consumers wrote into its input's gradient
-      if (layer_done) layer_done(i);
+      if (node_done) node_done(i);
       continue;
     }
     DPAR_ENFORCE(grad_started_[i + 1], Status::kInternal, "node ", i, "'s gradient was never written");
@@ -308,9 +308,9 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
         run(Tensor());
       else
         contribute(ctx, in_id, run);
-      if (layer_done) {
-        layer_done(i);
-        if (pair) layer_done(first);
+      if (node_done) {
+        node_done(i);
+        if (pair) node_done(first);
       }
       i = first;
       continue;
@@ -340,7 +340,7 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
         offset += w;
       }
     }
-    if (layer_done) layer_done(i);
+    if (node_done) node_done(i);
   }
   has_forward_ = false;
   input_ = Tensor();

@@ -31,7 +31,7 @@ struct ParamInfo {
   std::string name;  // "<node name>.<param>": "0.weight", "layer1.0.conv1.weight", as PyTorch's state_dict
   Shape shape;
   int64_t offset = 0;  // in the flat buffer, in elements
-  size_t layer = 0;    // the node that owns it
+  size_t node = 0;     // the node that owns it
   bool decays = true;  // !ParamSpec::no_decay: in the decayed group when biases and norms are excluded
 };
 
@@ -67,7 +67,7 @@ struct BufferInfo {
   DType dtype = DType::kF32;
   Shape shape;
   int64_t offset = 0;  // in the model's flat buffer of its dtype, in elements
-  size_t layer = 0;
+  size_t node = 0;     // the node that owns it
 };
 
 class Model {
@@ -92,7 +92,7 @@ class Model {
   // made of digits only is reserved for the node of that index (the default).
   void set_node_name(int32_t node, const std::string& name);
 
-  size_t num_layers() const { return nodes_.size(); }  // the number of nodes
+  size_t num_nodes() const { return nodes_.size(); }  // layers, joins and views
   const Node& node(size_t i) const { return nodes_[i]; }
   // Node i's layer; throws for a join or view node, which has none.
   const Layer& layer(size_t i) const;
@@ -161,10 +161,10 @@ class ReplicaModel {
   // Runs every node; keeps each node's output for backward. Returns a view of the last output.
   Tensor forward(const ReplicaContext& ctx, const Tensor& input);
   // Backward from dL/d(output) of the last forward. Overwrites or adds to the gradients (see Layer::backward).
-  // layer_done(i), if given, runs as soon as node i's gradients are final (nodes go last to first): the reducer
+  // node_done(i), if given, runs as soon as node i's gradients are final (nodes go last to first): the reducer
   // starts communicating them while the earlier nodes compute.
   void backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
-                const std::function<void(size_t layer)>& layer_done = nullptr);
+                const std::function<void(size_t node)>& node_done = nullptr);
   bool has_forward_state() const { return has_forward_; }
   void clear_forward_state() { has_forward_ = false; }
   // dL/d(output) buffer of the right size for the last forward, for a loss to write into.

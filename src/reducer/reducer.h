@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "backend/stream.h"
-#include "comm/communicator.h"
+#include "collectives/replica_set.h"
 #include "reducer/bucket_strategy.h"
 #include "tensor/tensor.h"
 
@@ -54,7 +54,7 @@ class Reducer {
     size_t count;
   };
   // Runs `op` on the communication thread after what it was given before; returns the op's completion.
-  using Launch = std::function<std::shared_ptr<Work>(std::function<void()> op)>;
+  using Launch = std::function<std::shared_ptr<AsyncWork>(std::function<void()> op)>;
 
   // `grads` are device memory of `stream`'s device; the stream must outlive the reducer. `strategy` reduces each
   // bucket (on every participant, the same buckets in the same order).
@@ -97,12 +97,12 @@ class Reducer {
  private:
   struct Bucket {
     std::vector<size_t> grads;
-    float* data = nullptr;       // the range reduced: the gradients themselves, or the staging buffer
+    float* data = nullptr;            // the range reduced: the gradients themselves, or the staging buffer
     size_t count = 0;
-    Tensor staging;              // undefined when the gradients are contiguous
-    size_t pending = 0;          // gradients not yet ready this step
-    size_t produced = 0;         // gradients marked ready this step
-    std::shared_ptr<Work> work;  // the launched reduction, until finish()
+    Tensor staging;                   // undefined when the gradients are contiguous
+    size_t pending = 0;               // gradients not yet ready this step
+    size_t produced = 0;              // gradients marked ready this step
+    std::shared_ptr<AsyncWork> work;  // the launched reduction, until finish()
   };
   void launch_ready();
   // The reduction of bucket b, as it runs on whichever thread: zero-fill, stage in, reduce, stage out.

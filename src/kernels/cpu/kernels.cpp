@@ -23,6 +23,7 @@
 #include "common/error.h"
 #include "common/bf16.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/dropout_rng.h"
 #include "kernels/cpu/vector_isa.h"
 
 namespace dpar::kernels::cpu {
@@ -57,26 +58,6 @@ inline int64_t ld(int64_t v) { return v > 0 ? v : 1; }
 
 inline void fill_zero(float* x, int64_t n) {
   if (n > 0) std::memset(x, 0, static_cast<size_t>(n) * sizeof(float));
-}
-
-// splitmix64's output function (Steele, Lea, Flood 2014): a bijective 64-bit mixer.
-inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;  // splitmix64's increment (odd, so counter -> state is 1:1)
-
-// The key of a stream. Mixing the seed first keeps nearby seeds (seed, seed+1, ...) from being shifted copies of
-// one splitmix64 sequence; the constant keeps seed 0 from mapping to state 0.
-inline uint64_t stream_key(uint64_t seed) { return mix64(seed ^ 0x243F6A8885A308D3ULL); }
-
-// Draw `counter` of the stream with key `key`: splitmix64's output for state key + (counter+1)*golden, i.e. a
-// counter-based generator. The top 24 bits give a float in [0,1) exactly (multiple of 2^-24).
-inline float uniform24(uint64_t key, uint64_t counter) {
-  const uint64_t h = mix64(key + (counter + 1) * kGolden);
-  return static_cast<float>(static_cast<int32_t>(h >> 40)) * 0x1p-24f;
 }
 
 }  // namespace
@@ -314,7 +295,7 @@ void sigmoid_backward(float* dinp, const float* dout, const float* out, int64_t 
 // -------------------------------------------------------------------------------------------------------------
 // Dropout
 
-float dropout_uniform(uint64_t seed, uint64_t counter) { return uniform24(stream_key(seed), counter); }
+float dropout_uniform(uint64_t seed, uint64_t counter) { return rng::uniform24(rng::stream_key(seed), counter); }
 
 // out (n), mask (n), inp (n)
 void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float p, uint64_t seed, uint64_t offset) {
@@ -322,9 +303,9 @@ void dropout_forward(float* out, float* mask, const float* inp, int64_t n, float
   DPAR_CHECK_ARG(p >= 0.0f && p < 1.0f, "dropout: p must lie in [0, 1), got ", p);
   // PyTorch computes the scale in double and multiplies by it (input * mask * scale), rather than dividing.
   const float keep_scale = static_cast<float>(1.0 / (1.0 - static_cast<double>(p)));
-  const uint64_t key = stream_key(seed);
+  const uint64_t key = rng::stream_key(seed);
   for (int64_t i = 0; i < n; ++i) {
-    const float u = uniform24(key, offset + static_cast<uint64_t>(i));
+    const float u = rng::uniform24(key, offset + static_cast<uint64_t>(i));
     const float m = u >= p ? keep_scale : 0.0f;
     mask[i] = m;
     out[i] = inp[i] * m;
@@ -504,6 +485,13 @@ DPAR_VECTOR_LOOP void adam_loop(float* param, float* m_buf, float* v_buf, const 
     }
   }
 }
+
+template <bool kL2, bool kSmallLerpWeight>
+void run_adam(float* param, float* m_buf, float* v_buf, const float* grad, int64_t n, const AdamScalars& s) {
+  run_vector<adam_loop<kL2, kSmallLerpWeight>>(param, m_buf, v_buf, grad, n, s.weight_decay, s.w1, s.one_minus_w1,
+                                               s.beta2, s.one_minus_beta2, s.bias_correction2_sqrt, s.eps,
+                                               s.neg_step_size);
+}
 }  // namespace
 
 // param (n), exp_avg (n), exp_avg_sq (n), grad (n)
@@ -511,37 +499,11 @@ void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* gra
                int64_t step) {
   check_count(n);
   DPAR_CHECK_ARG(step >= 1, "adam: step is 1-based, got ", step);
-  const double lr = h.lr, beta1 = h.beta1, beta2 = h.beta2, wd = h.weight_decay;
-  // PyTorch keeps `step` in a float32 tensor and reads it back as a Python float.
-  const double step_d = static_cast<double>(static_cast<float>(step));
-  const double bias_correction1 = 1.0 - std::pow(beta1, step_d);
-  const double bias_correction2 = 1.0 - std::pow(beta2, step_d);
-  const double step_size = lr / bias_correction1;
-  const double bias_correction2_sqrt = std::sqrt(bias_correction2);  // Python's bc2 ** 0.5, correctly rounded
-
-  if (h.decoupled && wd != 0.0) scale(param, static_cast<float>(1.0 - lr * wd), n);  // param.mul_(1 - lr*wd)
-
-  const float w1 = static_cast<float>(1.0 - beta1);
-  // ATen's lerp picks its formula by the weight as the kernel sees it (float), with 1 - w computed in float.
-  const bool small_weight = std::fabs(w1) < 0.5f;
-  const float one_minus_w1 = 1.0f - w1;
-  const bool l2 = !h.decoupled && wd != 0.0;
-  const float args_wd = h.weight_decay;
-  const float b2 = h.beta2, omb2 = static_cast<float>(1.0 - beta2);
-  const float bc2s = static_cast<float>(bias_correction2_sqrt), eps = h.eps;
-  const float neg_step = static_cast<float>(-step_size);
-  if (l2 && small_weight)
-    run_vector<adam_loop<true, true>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
-                                      eps, neg_step);
-  else if (l2)
-    run_vector<adam_loop<true, false>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
-                                       eps, neg_step);
-  else if (small_weight)
-    run_vector<adam_loop<false, true>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
-                                       eps, neg_step);
-  else
-    run_vector<adam_loop<false, false>>(param, exp_avg, exp_avg_sq, grad, n, args_wd, w1, one_minus_w1, b2, omb2, bc2s,
-                                        eps, neg_step);
+  const AdamScalars s = adam_scalars(h, step);
+  if (s.decay) scale(param, s.param_scale, n);  // param.mul_(1 - lr*wd)
+  const auto run = s.l2 ? (s.small_weight ? run_adam<true, true> : run_adam<true, false>)
+                        : (s.small_weight ? run_adam<false, true> : run_adam<false, false>);
+  run(param, exp_avg, exp_avg_sq, grad, n, s);
 }
 
 // -------------------------------------------------------------------------------------------------------------

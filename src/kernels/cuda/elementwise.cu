@@ -2,7 +2,7 @@
 // twins' (kernels/cpu/kernels.cpp), element by element; see kernels.h for the contracts.
 #include "kernels/cuda/kernels.h"
 
-#include "kernels/cuda/dropout_rng.h"
+#include "kernels/dropout_rng.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace dpar::kernels::cuda {

@@ -99,28 +99,14 @@ void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* gra
   check_count("adam_step", n);
   DPAR_CHECK_ARG(step >= 1, "adam: step is 1-based, got ", step);
   if (n == 0) return;
-  // The scalars, derived exactly as the CPU twin derives them (in double, rounded to float where PyTorch rounds).
-  const double lr = h.lr, beta1 = h.beta1, beta2 = h.beta2, wd = h.weight_decay;
-  const double step_d = static_cast<double>(static_cast<float>(step));  // PyTorch's step is a float32 tensor
-  const double bias_correction1 = 1.0 - std::pow(beta1, step_d);
-  const double bias_correction2 = 1.0 - std::pow(beta2, step_d);
-  const double step_size = lr / bias_correction1;
-  const double bias_correction2_sqrt = std::sqrt(bias_correction2);
-  // The CPU twin scales by this in a separate pass (scale()): the same single multiply per element.
-  const float decay = (h.decoupled && wd != 0.0) ? static_cast<float>(1.0 - lr * wd) : 1.0f;
-
-  const float w1 = static_cast<float>(1.0 - beta1);
-  const bool small_weight = std::fabs(w1) < 0.5f;
-  const float one_minus_w1 = 1.0f - w1;
-  const bool l2 = !h.decoupled && wd != 0.0;
-  const float args_wd = h.weight_decay;
-  const float b2 = h.beta2, omb2 = static_cast<float>(1.0 - beta2);
-  const float bc2s = static_cast<float>(bias_correction2_sqrt), eps = h.eps;
-  const float neg_step = static_cast<float>(-step_size);
-  auto kernel = l2 ? (small_weight ? adam_kernel<true, true> : adam_kernel<true, false>)
-                  : (small_weight ? adam_kernel<false, true> : adam_kernel<false, false>);
-  detail::launch("adam_step", kernel, blocks_for(n), kThreads, stream, param, exp_avg, exp_avg_sq, grad, n, decay,
-                 args_wd, w1, one_minus_w1, b2, omb2, bc2s, eps, neg_step);
+  // The scalars the CPU twin uses (common/optimizer_hyper.h). It scales by param_scale in a separate pass
+  // (scale()): the same single multiply per element as the kernel's, which param_scale == 1 skips.
+  const AdamScalars s = adam_scalars(h, step);
+  auto kernel = s.l2 ? (s.small_weight ? adam_kernel<true, true> : adam_kernel<true, false>)
+                     : (s.small_weight ? adam_kernel<false, true> : adam_kernel<false, false>);
+  detail::launch("adam_step", kernel, blocks_for(n), kThreads, stream, param, exp_avg, exp_avg_sq, grad, n,
+                 s.param_scale, s.weight_decay, s.w1, s.one_minus_w1, s.beta2, s.one_minus_beta2,
+                 s.bias_correction2_sqrt, s.eps, s.neg_step_size);
 }
 
 }  // namespace dpar::kernels::cuda
