@@ -15,7 +15,8 @@ namespace dpar::test {
 
 class PartialStream final : public Stream {
  public:
-  explicit PartialStream(std::function<bool(const KernelKey&)> has) : Stream(Device{DeviceKind::kCuda, 0}), has_(std::move(has)) {}
+  explicit PartialStream(std::function<bool(const KernelKey&)> has)
+      : Stream(Device{DeviceKind::kCuda, 0}), has_(std::move(has)) {}
   void copy(void* dst, const void* src, size_t bytes) override {
     if (bytes) std::memmove(dst, src, bytes);
   }

@@ -284,8 +284,9 @@ TEST(Pool2dOp, ForwardAndBackwardMatchADoubleReferenceAndItsFiniteDifferences) {
     test::pool_backward(*op, c.spec, dx.data(), dy.data(), x.data(), y.data(), c.N, c.C, c.H, c.W);
     const auto xd = widen(x);
     EXPECT_LT(max_error(y, pool_ref(c.spec, c.N, c.C, c.H, c.W, xd)), 1e-6);
-    EXPECT_LT(max_error(dx, finite_diff(xd, dy, [&](const auto& v) { return pool_ref(c.spec, c.N, c.C, c.H, c.W, v); })),
-              1e-5);
+    EXPECT_LT(
+        max_error(dx, finite_diff(xd, dy, [&](const auto& v) { return pool_ref(c.spec, c.N, c.C, c.H, c.W, v); })),
+        1e-5);
   }
 }
 
@@ -294,8 +295,8 @@ TEST(Pool2dOp, MaxBackwardWithoutItsForwardIsRefused) {
   auto op = stream->make_pool2d(pool_spec(PoolKind::kMax, 2, 2, 2, 2, 0, 0));
   Vec dy(4), dx(16);
   try {
-    test::pool_backward(*op, pool_spec(PoolKind::kMax, 2, 2, 2, 2, 0, 0), dx.data(), dy.data(), nullptr, nullptr, 1, 1, 4,
-                        4);
+    test::pool_backward(*op, pool_spec(PoolKind::kMax, 2, 2, 2, 2, 0, 0), dx.data(), dy.data(), nullptr, nullptr, 1, 1,
+                        4, 4);
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::kInvalidState);
@@ -567,7 +568,8 @@ TEST(Engine, ACnnOnTwoCpuDevicesTrainsAsOneDeviceOnTheFullBatch) {
     for (size_t s = 0; s < losses[0].size(); ++s) EXPECT_NEAR(losses[r][s], losses[0][s], 1e-5 * losses[0][s]) << s;
     double worst = 0;
     for (size_t i = 0; i < params[0].size(); ++i)
-      worst = std::max(worst, std::abs(double(params[r][i]) - params[0][i]) / std::max(1e-2, std::abs(double(params[0][i]))));
+      worst = std::max(worst,
+                       std::abs(double(params[r][i]) - params[0][i]) / std::max(1e-2, std::abs(double(params[0][i]))));
     EXPECT_LT(worst, 1e-4);
   }
 }

@@ -279,9 +279,11 @@ TEST(CudnnConv2d, NoRowsAndUnwantedGradients) {
   const ConvCase c{"", conv(2, 3, 3, 3, 1, 1, 1, 1), 2, 4, 4};
   auto op = s.gpu->make_conv2d(c.spec);
   auto dw = on_gpu(Vec(c.weight(), 5.0f)), db = on_gpu(Vec(3, 5.0f));
-  test::conv_backward_weights(*op, c.spec, dw->get(), db->get(), nullptr, nullptr, 0, 4, 4, true);  // accumulating nothing
+  test::conv_backward_weights(*op, c.spec, dw->get(), db->get(), nullptr, nullptr, 0, 4, 4,
+                              true);  // accumulating nothing
   EXPECT_TRUE(bitwise_equal(dw->download(), Vec(c.weight(), 5.0f)));
-  test::conv_backward_weights(*op, c.spec, dw->get(), db->get(), nullptr, nullptr, 0, 4, 4, false);  // no rows: a zero gradient
+  test::conv_backward_weights(*op, c.spec, dw->get(), db->get(), nullptr, nullptr, 0, 4, 4,
+                              false);  // no rows: a zero gradient
   EXPECT_TRUE(bitwise_equal(dw->download(), Vec(c.weight(), 0.0f)));
   EXPECT_TRUE(bitwise_equal(db->download(), Vec(3, 0.0f)));
   // Only the bias's gradient wanted: the weights' stays as it is.
@@ -300,7 +302,8 @@ TEST(CudnnConv2d, ShapesBeyond32BitsAreRefusedWithAReason) {
   auto op = s.gpu->make_conv2d(conv(3, 4, 3, 3, 1, 1, 1, 1));
   try {
     // 2^20 * 3 * 1024 * 1024 elements: refused while the shape is prepared, before any memory is read.
-    test::conv_forward(*op, conv(3, 4, 3, 3, 1, 1, 1, 1), nullptr, nullptr, nullptr, nullptr, int64_t{1} << 20, 1024, 1024);
+    test::conv_forward(*op, conv(3, 4, 3, 3, 1, 1, 1, 1), nullptr, nullptr, nullptr, nullptr, int64_t{1} << 20, 1024,
+                       1024);
     FAIL() << "no throw";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::kNotSupported);

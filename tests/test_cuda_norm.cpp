@@ -454,7 +454,8 @@ TEST(CudaNormStream, EveryKernelRunsThroughTheCudaStream) {
   // BatchNorm (N,C,L) = (6,4,3): a training step, then eval.
   const int64_t N = 6, C = 4, L = 3;
   const size_t n = N * C * L, c = C;
-  const auto x = random_vector(n, 1, -1.0f, 2.0f), dy = random_vector(n, 2), w = random_vector(c, 3), b = random_vector(c, 4);
+  const auto x = random_vector(n, 1, -1.0f, 2.0f), dy = random_vector(n, 2), w = random_vector(c, 3),
+             b = random_vector(c, 4);
   std::vector<double> sums(2 * c + 1), mi(2 * c), local(2 * c);
   std::vector<float> rm(c, 0.0f), rv(c, 1.0f), out(n), dinp(n), dw(c), db(c);
   std::vector<int64_t> nbt = {0};
@@ -498,8 +499,8 @@ TEST(CudaNormStream, EveryKernelRunsThroughTheCudaStream) {
   std::vector<float> ly(nd), ldinp(nd), ldw(D), ldb(D);
   std::vector<double> lmr(10);
   test::layernorm_forward(*cs, ly.data(), lmr.data(), lx.data(), lw.data(), lb.data(), 5, D, 1e-5f);
-  test::layernorm_backward(*cs, ldinp.data(), ldw.data(), ldb.data(), ldy.data(), lx.data(), lmr.data(), lw.data(), 5, D,
-                         false);
+  test::layernorm_backward(*cs, ldinp.data(), ldw.data(), ldb.data(), ldy.data(), lx.data(), lmr.data(), lw.data(), 5,
+                           D, false);
   float *glx = up(lx), *gldy = up(ldy), *glw = up(lw), *glb = up(lb), *gly = up(std::vector<float>(nd)),
         *gldinp = up(std::vector<float>(nd)), *gldw = up(std::vector<float>(D)), *gldb = up(std::vector<float>(D));
   double* glmr = up(std::vector<double>(10));

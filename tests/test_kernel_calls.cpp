@@ -248,7 +248,8 @@ TEST(KernelCalls, AnEpilogueTheBackendDoesNotFuseIsComposedFromKernelsItHas) {
 }
 
 TEST(KernelCalls, WithoutTheKernelsOfACompositionTheErrorNamesWhatIsMissing) {
-  test::PartialStream stream([](const KernelKey& key) { return key.op == Op::kLinearForward && key.epilogue == Epilogue::kNone; });
+  test::PartialStream stream(
+      [](const KernelKey& key) { return key.op == Op::kLinearForward && key.epilogue == Epilogue::kNone; });
   float out[4], inp[4], w[4];
   const std::string e = error_of(
       [&] {

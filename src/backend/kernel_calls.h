@@ -6,9 +6,9 @@
 // in kernels/cpu/, the reference of every backend's. Shapes are in each struct's comment; extents are read from the
 // references, never passed beside them. Absent optional arguments are default (null) references.
 //
-// Adding a kernel: a struct here (with its name) and its line in KernelCall and Op, its implementation in each backend that has it (the
-// backend's run table and supports() list), and the layer that calls it. Adding a dtype to a kernel: the backend's
-// implementation and its supports() entry; no struct or method changes.
+// Adding a kernel: a struct here (with its name) and its line in KernelCall and Op, its implementation in each backend
+// that has it (the backend's run table and supports() list), and the layer that calls it. Adding a dtype to a kernel:
+// the backend's implementation and its supports() entry; no struct or method changes.
 #pragma once
 
 #include <cstdint>

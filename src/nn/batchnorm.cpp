@@ -48,8 +48,8 @@ class BatchNorm final : public Layer {
   void check_statistics_input(const Shape& in) const override {
     // A replica given no rows of a plain BatchNorm takes no statistics (forward leaves its buffers alone).
     if (in[0] == 0) return;
-    DPAR_CHECK_ARG(in.numel() / c_ > 1, describe(), ": expected more than 1 value per channel when training, got input ",
-                   in.str());
+    DPAR_CHECK_ARG(in.numel() / c_ > 1, describe(),
+                   ": expected more than 1 value per channel when training, got input ", in.str());
   }
   std::unique_ptr<Layer> as_sync() const {
     return dims_ == 0 ? nullptr : std::make_unique<BatchNorm>(0, c_, eps_, momentum_, affine_);

@@ -36,7 +36,8 @@ class LayerNorm final : public Layer {
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
     const int64_t n = in.numel() / d_;
     // Each row's mean and rstd in doubles, kept for backward (room for 2 doubles per row).
-    if (!saved_.defined() || saved_.numel() < 2 * n) saved_ = ctx.alloc(DType::kF64, Shape{2 * std::max<int64_t>(n, 1)});
+    if (!saved_.defined() || saved_.numel() < 2 * n)
+      saved_ = ctx.alloc(DType::kF64, Shape{2 * std::max<int64_t>(n, 1)});
     ctx.stream->run(call::LayerNormForward{out.ref(), mean_rstd(n), in.ref(), param(0, affine_), param(1, affine_),
                                            eps_});
   }

@@ -17,22 +17,22 @@ namespace {
 namespace k = kernels::cpu;
 
 // An op's NCHW memory as oneDNN's f32 primitives read it.
-float* f32(const TensorRef& r) { return r.contiguous_as<float>("a convolution or pooling op"); }
+float* op_f32(const TensorRef& r) { return r.contiguous_as<float>("a convolution or pooling op"); }
 
 // The op seam over the CPU kernels' oneDNN primitives (kernels/cpu/dnnl_ops.h), which know no backend.
 class CpuConv2dOp final : public Conv2dOp {
  public:
   explicit CpuConv2dOp(const Conv2dSpec& spec) : conv_(spec) {}
   void forward(const TensorRef& out, const TensorRef& inp, const TensorRef& weight, const TensorRef& bias) override {
-    conv_.forward(f32(out), f32(inp), f32(weight), f32(bias), inp.size(0), inp.size(2), inp.size(3));
+    conv_.forward(op_f32(out), op_f32(inp), op_f32(weight), op_f32(bias), inp.size(0), inp.size(2), inp.size(3));
   }
   void backward_data(const TensorRef& dinp, const TensorRef& dout, const TensorRef& weight) override {
-    conv_.backward_data(f32(dinp), f32(dout), f32(weight), dinp.size(0), dinp.size(2), dinp.size(3));
+    conv_.backward_data(op_f32(dinp), op_f32(dout), op_f32(weight), dinp.size(0), dinp.size(2), dinp.size(3));
   }
   void backward_weights(const TensorRef& dweight, const TensorRef& dbias, const TensorRef& dout, const TensorRef& inp,
                         bool accumulate) override {
-    conv_.backward_weights(f32(dweight), f32(dbias), f32(dout), f32(inp), inp.size(0), inp.size(2), inp.size(3),
-                           accumulate);
+    conv_.backward_weights(op_f32(dweight), op_f32(dbias), op_f32(dout), op_f32(inp), inp.size(0), inp.size(2),
+                           inp.size(3), accumulate);
   }
 
  private:
@@ -43,10 +43,10 @@ class CpuPool2dOp final : public Pool2dOp {
  public:
   explicit CpuPool2dOp(const Pool2dSpec& spec) : pool_(spec) {}
   void forward(const TensorRef& out, const TensorRef& inp) override {
-    pool_.forward(f32(out), f32(inp), inp.size(0), inp.size(1), inp.size(2), inp.size(3));
+    pool_.forward(op_f32(out), op_f32(inp), inp.size(0), inp.size(1), inp.size(2), inp.size(3));
   }
   void backward(const TensorRef& dinp, const TensorRef& dout, const TensorRef&, const TensorRef&) override {
-    pool_.backward(f32(dinp), f32(dout), dinp.size(0), dinp.size(1), dinp.size(2), dinp.size(3));
+    pool_.backward(op_f32(dinp), op_f32(dout), dinp.size(0), dinp.size(1), dinp.size(2), dinp.size(3));
   }
 
  private:
@@ -78,7 +78,9 @@ class CpuStream final : public Stream {
       default: return key.epilogue == Epilogue::kNone;
     }
   }
-  double sum_squares(const TensorRef& x) override { return k::sum_squares(f32(x), x.numel()); }
+  double sum_squares(const TensorRef& x) override {
+    return k::sum_squares(x.contiguous_as<float>("sum_squares"), x.numel());
+  }
 
   std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec) override {
     return std::make_unique<CpuConv2dOp>(spec);
@@ -89,32 +91,37 @@ class CpuStream final : public Stream {
 
  protected:
   void execute(const KernelCall& call) override {
-    op_ = op_name(static_cast<Op>(call.index()));
     std::visit([this](const auto& c) { run_call(c); }, call);
   }
 
  private:
-  // Each call's memory as the f32 kernels read it (contiguous, of the kernel's dtype), named in an error.
-  float* f32(const TensorRef& r) const { return r.contiguous_as<float>(op_); }
-  double* f64(const TensorRef& r) const { return r.contiguous_as<double>(op_); }
-  int32_t* i32(const TensorRef& r) const { return r.contiguous_as<int32_t>(op_); }
-  int64_t* i64(const TensorRef& r) const { return r.contiguous_as<int64_t>(op_); }
+  // A call's argument as the typed kernels read it (contiguous elements of the kernel's dtype); an error names the
+  // call. Nothing is kept between calls: a stream runs calls from its worker and its communication thread.
+  template <class C>
+  static float* f32(const C&, const TensorRef& r) { return r.contiguous_as<float>(C::kName); }
+  template <class C>
+  static double* f64(const C&, const TensorRef& r) { return r.contiguous_as<double>(C::kName); }
+  template <class C>
+  static int32_t* i32(const C&, const TensorRef& r) { return r.contiguous_as<int32_t>(C::kName); }
+  template <class C>
+  static int64_t* i64(const C&, const TensorRef& r) { return r.contiguous_as<int64_t>(C::kName); }
 
   void run_call(const call::LinearForward& c) {
     (c.epilogue == Epilogue::kRelu ? k::linear_relu_forward : k::linear_forward)(
-        f32(c.out), f32(c.inp), f32(c.weight), f32(c.bias), c.inp.leading(), c.inp.size(-1), c.out.size(-1));
+        f32(c, c.out), f32(c, c.inp), f32(c, c.weight), f32(c, c.bias), c.inp.leading(), c.inp.size(-1),
+        c.out.size(-1));
   }
   void run_call(const call::LinearBackward& c) {
     const int64_t B = c.inp.leading(), C_in = c.inp.size(-1), C_out = c.dout.size(-1);
     if (c.epilogue == Epilogue::kRelu)
-      k::linear_relu_backward(f32(c.dinp), f32(c.dweight), f32(c.dbias), f32(c.dpre), f32(c.dout), f32(c.out),
-                              f32(c.inp), f32(c.weight), B, C_in, C_out, c.accumulate);
+      k::linear_relu_backward(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dpre), f32(c, c.dout),
+                              f32(c, c.out), f32(c, c.inp), f32(c, c.weight), B, C_in, C_out, c.accumulate);
     else
-      k::linear_backward(f32(c.dinp), f32(c.dweight), f32(c.dbias), f32(c.dout), f32(c.inp), f32(c.weight), B, C_in,
-                         C_out, c.accumulate);
+      k::linear_backward(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dout), f32(c, c.inp),
+                         f32(c, c.weight), B, C_in, C_out, c.accumulate);
   }
   void run_call(const call::ActivationForward& c) {
-    float *out = f32(c.out), *inp = f32(c.inp);
+    float *out = f32(c, c.out), *inp = f32(c, c.inp);
     const int64_t n = c.inp.numel();
     switch (c.kind) {
       case Activation::kRelu: return k::relu_forward(out, inp, n);
@@ -128,84 +135,85 @@ class CpuStream final : public Stream {
     }
   }
   void run_call(const call::ActivationBackward& c) {
-    float *dinp = f32(c.dinp), *dout = f32(c.dout);
+    float *dinp = f32(c, c.dinp), *dout = f32(c, c.dout);
     const int64_t n = c.dout.numel();
     switch (c.kind) {
-      case Activation::kRelu: return k::relu_backward(dinp, dout, f32(c.out), n);
-      case Activation::kGelu: return k::gelu_backward(dinp, dout, f32(c.inp), n);
-      case Activation::kTanh: return k::tanh_backward(dinp, dout, f32(c.out), n);
-      case Activation::kSigmoid: return k::sigmoid_backward(dinp, dout, f32(c.out), n);
+      case Activation::kRelu: return k::relu_backward(dinp, dout, f32(c, c.out), n);
+      case Activation::kGelu: return k::gelu_backward(dinp, dout, f32(c, c.inp), n);
+      case Activation::kTanh: return k::tanh_backward(dinp, dout, f32(c, c.out), n);
+      case Activation::kSigmoid: return k::sigmoid_backward(dinp, dout, f32(c, c.out), n);
 #define DPAR_POINTWISE_BACKWARD(Enum, Struct, name) \
-  case Activation::Enum: return k::pointwise_backward<kernels::Struct>(dinp, dout, f32(c.inp), f32(c.out), n);
+  case Activation::Enum: return k::pointwise_backward<kernels::Struct>(dinp, dout, f32(c, c.inp), f32(c, c.out), n);
         DPAR_POINTWISE_ACTIVATIONS(DPAR_POINTWISE_BACKWARD)
 #undef DPAR_POINTWISE_BACKWARD
     }
   }
   void run_call(const call::DropoutForward& c) {
-    k::dropout_forward(f32(c.out), f32(c.mask), f32(c.inp), c.inp.numel(), c.p, c.seed, c.offset);
+    k::dropout_forward(f32(c, c.out), f32(c, c.mask), f32(c, c.inp), c.inp.numel(), c.p, c.seed, c.offset);
   }
   void run_call(const call::DropoutBackward& c) {
-    k::dropout_backward(f32(c.dinp), f32(c.dout), f32(c.mask), c.dout.numel());
+    k::dropout_backward(f32(c, c.dinp), f32(c, c.dout), f32(c, c.mask), c.dout.numel());
   }
   void run_call(const call::CrossEntropy& c) {
-    *f64(c.loss_sum) = k::cross_entropy_forward_backward(f32(c.dlogits), f32(c.logits), i32(c.labels),
+    *f64(c, c.loss_sum) = k::cross_entropy_forward_backward(f32(c, c.dlogits), f32(c, c.logits), i32(c, c.labels),
                                                          c.logits.leading(), c.logits.size(-1), c.grad_scale);
   }
   void run_call(const call::MeanSquaredError& c) {
-    *f64(c.loss_sum) = k::mse_forward_backward(f32(c.dpred), f32(c.pred), f32(c.target), c.pred.leading(),
+    *f64(c, c.loss_sum) = k::mse_forward_backward(f32(c, c.dpred), f32(c, c.pred), f32(c, c.target), c.pred.leading(),
                                                c.pred.size(-1), c.grad_scale);
   }
   void run_call(const call::SgdStep& c) {
-    k::sgd_step(f32(c.param), f32(c.momentum), f32(c.grad), c.param.numel(), c.hyper, c.first_step);
+    k::sgd_step(f32(c, c.param), f32(c, c.momentum), f32(c, c.grad), c.param.numel(), c.hyper, c.first_step);
   }
   void run_call(const call::AdamStep& c) {
-    k::adam_step(f32(c.param), f32(c.exp_avg), f32(c.exp_avg_sq), f32(c.grad), c.param.numel(), c.hyper, c.step);
+    k::adam_step(f32(c, c.param), f32(c, c.exp_avg), f32(c, c.exp_avg_sq), f32(c, c.grad), c.param.numel(), c.hyper,
+                 c.step);
   }
-  void run_call(const call::Axpy& c) { k::axpy(f32(c.y), f32(c.x), c.a, c.y.numel()); }
-  void run_call(const call::Scale& c) { k::scale(f32(c.x), c.a, c.x.numel()); }
+  void run_call(const call::Axpy& c) { k::axpy(f32(c, c.y), f32(c, c.x), c.a, c.y.numel()); }
+  void run_call(const call::Scale& c) { k::scale(f32(c, c.x), c.a, c.x.numel()); }
   void run_call(const call::Convert& c) {
     if (c.dst.dtype == DType::kBF16)
-      k::to_bf16(c.dst.contiguous_as<uint16_t>(op_), f32(c.src), c.src.numel());
+      k::to_bf16(c.dst.template contiguous_as<uint16_t>(c.kName), f32(c, c.src), c.src.numel());
     else
-      k::from_bf16(f32(c.dst), c.src.contiguous_as<uint16_t>(op_), c.src.numel());
+      k::from_bf16(f32(c, c.dst), c.src.template contiguous_as<uint16_t>(c.kName), c.src.numel());
   }
   void run_call(const call::BatchNormStats& c) {
-    k::batchnorm_stats(f64(c.sums), f32(c.x), c.x.size(0), c.x.size(1), c.x.size(2));
+    k::batchnorm_stats(f64(c, c.sums), f32(c, c.x), c.x.size(0), c.x.size(1), c.x.size(2));
   }
   void run_call(const call::BatchNormMoments& c) {
-    k::batchnorm_moments(f64(c.mean_invstd), f32(c.running_mean), f32(c.running_var), i64(c.num_batches_tracked),
-                         f64(c.sums), c.count, c.mean_invstd.numel() / 2, c.eps, c.momentum);
+    k::batchnorm_moments(f64(c, c.mean_invstd), f32(c, c.running_mean), f32(c, c.running_var),
+                         i64(c, c.num_batches_tracked), f64(c, c.sums), c.count, c.mean_invstd.numel() / 2, c.eps,
+                         c.momentum);
   }
   void run_call(const call::BatchNormApply& c) {
-    k::batchnorm_apply(f32(c.out), f32(c.x), f64(c.mean_invstd), f32(c.weight), f32(c.bias), c.x.size(0),
+    k::batchnorm_apply(f32(c, c.out), f32(c, c.x), f64(c, c.mean_invstd), f32(c, c.weight), f32(c, c.bias), c.x.size(0),
                        c.x.size(1), c.x.size(2), c.epilogue == Epilogue::kRelu);
   }
   void run_call(const call::BatchNormBackwardReduce& c) {
-    k::batchnorm_backward_reduce(f64(c.sums), f32(c.dout), f32(c.x), f64(c.mean_invstd), c.x.size(0), c.x.size(1),
-                                 c.x.size(2));
+    k::batchnorm_backward_reduce(f64(c, c.sums), f32(c, c.dout), f32(c, c.x), f64(c, c.mean_invstd), c.x.size(0),
+                                 c.x.size(1), c.x.size(2));
   }
   void run_call(const call::BatchNormBackwardApply& c) {
-    k::batchnorm_backward_apply(f32(c.dinp), f32(c.dweight), f32(c.dbias), f64(c.local), f64(c.global), c.count,
-                                f32(c.dout), f32(c.x), f64(c.mean_invstd), f32(c.weight), c.x.size(0), c.x.size(1),
-                                c.x.size(2), c.accumulate);
+    k::batchnorm_backward_apply(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f64(c, c.local), f64(c, c.global),
+                                c.count, f32(c, c.dout), f32(c, c.x), f64(c, c.mean_invstd), f32(c, c.weight),
+                                c.x.size(0), c.x.size(1), c.x.size(2), c.accumulate);
   }
   void run_call(const call::LayerNormForward& c) {
-    k::layernorm_forward(f32(c.out), f64(c.mean_rstd), f32(c.x), f32(c.weight), f32(c.bias), c.x.leading(),
-                         c.x.size(-1), c.eps);
+    k::layernorm_forward(f32(c, c.out), f64(c, c.mean_rstd), f32(c, c.x), f32(c, c.weight), f32(c, c.bias),
+                         c.x.leading(), c.x.size(-1), c.eps);
   }
   void run_call(const call::LayerNormBackward& c) {
-    k::layernorm_backward(f32(c.dinp), f32(c.dweight), f32(c.dbias), f32(c.dout), f32(c.x), f64(c.mean_rstd),
-                          f32(c.weight), c.x.leading(), c.x.size(-1), c.accumulate);
+    k::layernorm_backward(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dout), f32(c, c.x),
+                          f64(c, c.mean_rstd), f32(c, c.weight), c.x.leading(), c.x.size(-1), c.accumulate);
   }
   void run_call(const call::EmbeddingForward& c) {
-    k::embedding_forward(f32(c.out), i32(c.idx), f32(c.weight), c.idx.numel(), c.weight.size(0), c.weight.size(1));
+    k::embedding_forward(f32(c, c.out), i32(c, c.idx), f32(c, c.weight), c.idx.numel(), c.weight.size(0),
+                         c.weight.size(1));
   }
   void run_call(const call::EmbeddingBackward& c) {
-    k::embedding_backward(f32(c.dweight), f32(c.dout), i32(c.idx), c.idx.numel(), c.dweight.size(0),
+    k::embedding_backward(f32(c, c.dweight), f32(c, c.dout), i32(c, c.idx), c.idx.numel(), c.dweight.size(0),
                           c.dweight.size(1), c.padding_idx, c.accumulate);
   }
-
-  const char* op_ = "";  // the call being run, for messages
 };
 
 class CpuBackend final : public Backend {

@@ -132,7 +132,7 @@ class CudaStream final : public Stream {
 #endif
   }
   double sum_squares(const TensorRef& ref) override {
-    const float* x = f32(ref);
+    const float* x = ref.contiguous_as<float>("sum_squares");
     const int64_t n = ref.numel();
     const auto scope = enter();
     if (!sum_scratch_)  // once per stream: the kernels' partial sums and their total
@@ -148,33 +148,38 @@ class CudaStream final : public Stream {
  protected:
   void execute(const KernelCall& call) override {
     const auto scope = enter();
-    op_ = op_name(static_cast<Op>(call.index()));
     std::visit([this](const auto& c) { run_call(c); }, call);
   }
 
  private:
-  // Each call's memory as the f32 kernels read it (contiguous, of the kernel's dtype), named in an error.
-  float* f32(const TensorRef& r) const { return r.contiguous_as<float>(op_); }
-  double* f64(const TensorRef& r) const { return r.contiguous_as<double>(op_); }
-  int32_t* i32(const TensorRef& r) const { return r.contiguous_as<int32_t>(op_); }
-  int64_t* i64(const TensorRef& r) const { return r.contiguous_as<int64_t>(op_); }
+  // A call's argument as the typed kernels read it (contiguous elements of the kernel's dtype); an error names the
+  // call. Nothing is kept between calls: a stream runs calls from its worker and its communication thread.
+  template <class C>
+  static float* f32(const C&, const TensorRef& r) { return r.contiguous_as<float>(C::kName); }
+  template <class C>
+  static double* f64(const C&, const TensorRef& r) { return r.contiguous_as<double>(C::kName); }
+  template <class C>
+  static int32_t* i32(const C&, const TensorRef& r) { return r.contiguous_as<int32_t>(C::kName); }
+  template <class C>
+  static int64_t* i64(const C&, const TensorRef& r) { return r.contiguous_as<int64_t>(C::kName); }
 
   void run_call(const call::LinearForward& c) {
     (c.epilogue == Epilogue::kRelu ? k::linear_relu_forward : k::linear_forward)(
-        f32(c.out), f32(c.inp), f32(c.weight), f32(c.bias), c.inp.leading(), c.inp.size(-1), c.out.size(-1), blas(),
-        stream_);
+        f32(c, c.out), f32(c, c.inp), f32(c, c.weight), f32(c, c.bias), c.inp.leading(), c.inp.size(-1), c.out.size(-1),
+        blas(), stream_);
   }
   void run_call(const call::LinearBackward& c) {
     const int64_t B = c.inp.leading(), C_in = c.inp.size(-1), C_out = c.dout.size(-1);
     if (c.epilogue == Epilogue::kRelu)
-      k::linear_relu_backward(f32(c.dinp), f32(c.dweight), f32(c.dbias), f32(c.dpre), f32(c.dout), f32(c.out),
-                              f32(c.inp), f32(c.weight), B, C_in, C_out, c.accumulate, blas(), stream_);
+      k::linear_relu_backward(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dpre), f32(c, c.dout),
+                              f32(c, c.out), f32(c, c.inp), f32(c, c.weight), B, C_in, C_out, c.accumulate, blas(),
+                              stream_);
     else
-      k::linear_backward(f32(c.dinp), f32(c.dweight), f32(c.dbias), f32(c.dout), f32(c.inp), f32(c.weight), B, C_in,
-                         C_out, c.accumulate, blas(), stream_);
+      k::linear_backward(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dout), f32(c, c.inp),
+                         f32(c, c.weight), B, C_in, C_out, c.accumulate, blas(), stream_);
   }
   void run_call(const call::ActivationForward& c) {
-    float *out = f32(c.out), *inp = f32(c.inp);
+    float *out = f32(c, c.out), *inp = f32(c, c.inp);
     const int64_t n = c.inp.numel();
     switch (c.kind) {
       case Activation::kRelu: return k::relu_forward(out, inp, n, stream_);
@@ -188,88 +193,88 @@ class CudaStream final : public Stream {
     }
   }
   void run_call(const call::ActivationBackward& c) {
-    float *dinp = f32(c.dinp), *dout = f32(c.dout);
+    float *dinp = f32(c, c.dinp), *dout = f32(c, c.dout);
     const int64_t n = c.dout.numel();
     switch (c.kind) {
-      case Activation::kRelu: return k::relu_backward(dinp, dout, f32(c.out), n, stream_);
-      case Activation::kGelu: return k::gelu_backward(dinp, dout, f32(c.inp), n, stream_);
-      case Activation::kTanh: return k::tanh_backward(dinp, dout, f32(c.out), n, stream_);
-      case Activation::kSigmoid: return k::sigmoid_backward(dinp, dout, f32(c.out), n, stream_);
+      case Activation::kRelu: return k::relu_backward(dinp, dout, f32(c, c.out), n, stream_);
+      case Activation::kGelu: return k::gelu_backward(dinp, dout, f32(c, c.inp), n, stream_);
+      case Activation::kTanh: return k::tanh_backward(dinp, dout, f32(c, c.out), n, stream_);
+      case Activation::kSigmoid: return k::sigmoid_backward(dinp, dout, f32(c, c.out), n, stream_);
 #define DPAR_POINTWISE_BACKWARD(Enum, Struct, name) \
-  case Activation::Enum: return k::pointwise_backward<kernels::Struct>(dinp, dout, f32(c.inp), f32(c.out), n, stream_);
+  case Activation::Enum:                            \
+    return k::pointwise_backward<kernels::Struct>(dinp, dout, f32(c, c.inp), f32(c, c.out), n, stream_);
         DPAR_POINTWISE_ACTIVATIONS(DPAR_POINTWISE_BACKWARD)
 #undef DPAR_POINTWISE_BACKWARD
     }
   }
   void run_call(const call::DropoutForward& c) {
-    k::dropout_forward(f32(c.out), f32(c.mask), f32(c.inp), c.inp.numel(), c.p, c.seed, c.offset, stream_);
+    k::dropout_forward(f32(c, c.out), f32(c, c.mask), f32(c, c.inp), c.inp.numel(), c.p, c.seed, c.offset, stream_);
   }
   void run_call(const call::DropoutBackward& c) {
-    k::dropout_backward(f32(c.dinp), f32(c.dout), f32(c.mask), c.dout.numel(), stream_);
+    k::dropout_backward(f32(c, c.dinp), f32(c, c.dout), f32(c, c.mask), c.dout.numel(), stream_);
   }
   void run_call(const call::CrossEntropy& c) {
-    k::cross_entropy_forward_backward(f64(c.loss_sum), f32(c.dlogits), f32(c.logits), i32(c.labels),
+    k::cross_entropy_forward_backward(f64(c, c.loss_sum), f32(c, c.dlogits), f32(c, c.logits), i32(c, c.labels),
                                       c.logits.leading(), c.logits.size(-1), c.grad_scale, stream_);
   }
   void run_call(const call::MeanSquaredError& c) {
-    k::mse_forward_backward(f64(c.loss_sum), f32(c.dpred), f32(c.pred), f32(c.target), c.pred.leading(),
+    k::mse_forward_backward(f64(c, c.loss_sum), f32(c, c.dpred), f32(c, c.pred), f32(c, c.target), c.pred.leading(),
                             c.pred.size(-1), c.grad_scale, stream_);
   }
   void run_call(const call::SgdStep& c) {
-    k::sgd_step(f32(c.param), f32(c.momentum), f32(c.grad), c.param.numel(), c.hyper, c.first_step, stream_);
+    k::sgd_step(f32(c, c.param), f32(c, c.momentum), f32(c, c.grad), c.param.numel(), c.hyper, c.first_step, stream_);
   }
   void run_call(const call::AdamStep& c) {
-    k::adam_step(f32(c.param), f32(c.exp_avg), f32(c.exp_avg_sq), f32(c.grad), c.param.numel(), c.hyper, c.step,
-                 stream_);
+    k::adam_step(f32(c, c.param), f32(c, c.exp_avg), f32(c, c.exp_avg_sq), f32(c, c.grad), c.param.numel(), c.hyper,
+                 c.step, stream_);
   }
-  void run_call(const call::Axpy& c) { k::axpy(f32(c.y), f32(c.x), c.a, c.y.numel(), stream_); }
-  void run_call(const call::Scale& c) { k::scale(f32(c.x), c.a, c.x.numel(), stream_); }
+  void run_call(const call::Axpy& c) { k::axpy(f32(c, c.y), f32(c, c.x), c.a, c.y.numel(), stream_); }
+  void run_call(const call::Scale& c) { k::scale(f32(c, c.x), c.a, c.x.numel(), stream_); }
   void run_call(const call::Convert& c) {
     if (c.dst.dtype == DType::kBF16)
-      k::to_bf16(c.dst.contiguous_as<uint16_t>(op_), f32(c.src), c.src.numel(), stream_);
+      k::to_bf16(c.dst.template contiguous_as<uint16_t>(c.kName), f32(c, c.src), c.src.numel(), stream_);
     else
-      k::from_bf16(f32(c.dst), c.src.contiguous_as<uint16_t>(op_), c.src.numel(), stream_);
+      k::from_bf16(f32(c, c.dst), c.src.template contiguous_as<uint16_t>(c.kName), c.src.numel(), stream_);
   }
   void run_call(const call::BatchNormStats& c) {
-    k::batchnorm_stats(f64(c.sums), f32(c.x), c.x.size(0), c.x.size(1), c.x.size(2), stream_);
+    k::batchnorm_stats(f64(c, c.sums), f32(c, c.x), c.x.size(0), c.x.size(1), c.x.size(2), stream_);
   }
   void run_call(const call::BatchNormMoments& c) {
-    k::batchnorm_moments(f64(c.mean_invstd), f32(c.running_mean), f32(c.running_var), i64(c.num_batches_tracked),
-                         f64(c.sums), c.count, c.mean_invstd.numel() / 2, c.eps, c.momentum, stream_);
+    k::batchnorm_moments(f64(c, c.mean_invstd), f32(c, c.running_mean), f32(c, c.running_var),
+                         i64(c, c.num_batches_tracked), f64(c, c.sums), c.count, c.mean_invstd.numel() / 2, c.eps,
+                         c.momentum, stream_);
   }
   void run_call(const call::BatchNormApply& c) {
-    k::batchnorm_apply(f32(c.out), f32(c.x), f64(c.mean_invstd), f32(c.weight), f32(c.bias), c.x.size(0),
+    k::batchnorm_apply(f32(c, c.out), f32(c, c.x), f64(c, c.mean_invstd), f32(c, c.weight), f32(c, c.bias), c.x.size(0),
                        c.x.size(1), c.x.size(2), c.epilogue == Epilogue::kRelu, stream_);
   }
   void run_call(const call::BatchNormBackwardReduce& c) {
-    k::batchnorm_backward_reduce(f64(c.sums), f32(c.dout), f32(c.x), f64(c.mean_invstd), c.x.size(0), c.x.size(1),
-                                 c.x.size(2), stream_);
+    k::batchnorm_backward_reduce(f64(c, c.sums), f32(c, c.dout), f32(c, c.x), f64(c, c.mean_invstd), c.x.size(0),
+                                 c.x.size(1), c.x.size(2), stream_);
   }
   void run_call(const call::BatchNormBackwardApply& c) {
-    k::batchnorm_backward_apply(f32(c.dinp), f32(c.dweight), f32(c.dbias), f64(c.local), f64(c.global), c.count,
-                                f32(c.dout), f32(c.x), f64(c.mean_invstd), f32(c.weight), c.x.size(0), c.x.size(1),
-                                c.x.size(2), c.accumulate, stream_);
+    k::batchnorm_backward_apply(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f64(c, c.local), f64(c, c.global),
+                                c.count, f32(c, c.dout), f32(c, c.x), f64(c, c.mean_invstd), f32(c, c.weight),
+                                c.x.size(0), c.x.size(1), c.x.size(2), c.accumulate, stream_);
   }
   void run_call(const call::LayerNormForward& c) {
-    k::layernorm_forward(f32(c.out), f64(c.mean_rstd), f32(c.x), f32(c.weight), f32(c.bias), c.x.leading(),
-                         c.x.size(-1), c.eps, stream_);
+    k::layernorm_forward(f32(c, c.out), f64(c, c.mean_rstd), f32(c, c.x), f32(c, c.weight), f32(c, c.bias),
+                         c.x.leading(), c.x.size(-1), c.eps, stream_);
   }
   void run_call(const call::LayerNormBackward& c) {
-    k::layernorm_backward(f32(c.dinp), f32(c.dweight), f32(c.dbias), f32(c.dout), f32(c.x), f64(c.mean_rstd),
-                          f32(c.weight), c.x.leading(), c.x.size(-1), c.accumulate, stream_);
+    k::layernorm_backward(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dout), f32(c, c.x),
+                          f64(c, c.mean_rstd), f32(c, c.weight), c.x.leading(), c.x.size(-1), c.accumulate, stream_);
   }
   // The indices are device memory here: they were checked on the host before the step (the engine's
   // check_input_values); the kernels never read outside the weight for one that was not (kernels.h).
   void run_call(const call::EmbeddingForward& c) {
-    k::embedding_forward(f32(c.out), i32(c.idx), f32(c.weight), c.idx.numel(), c.weight.size(0), c.weight.size(1),
-                         stream_);
+    k::embedding_forward(f32(c, c.out), i32(c, c.idx), f32(c, c.weight), c.idx.numel(), c.weight.size(0),
+                         c.weight.size(1), stream_);
   }
   void run_call(const call::EmbeddingBackward& c) {
-    k::embedding_backward(f32(c.dweight), f32(c.dout), i32(c.idx), c.idx.numel(), c.dweight.size(0),
+    k::embedding_backward(f32(c, c.dweight), f32(c, c.dout), i32(c, c.idx), c.idx.numel(), c.dweight.size(0),
                           c.dweight.size(1), c.padding_idx, c.accumulate, stream_);
   }
-
-  const char* op_ = "";  // the call being run, for messages
 
   void finish_setup() {
     try {
