@@ -850,7 +850,7 @@ TEST(Model, LayerArgumentsAreCheckedAndRefusalsAddNothing) {
   EXPECT_INVALID("out_features", dpar_model_add_linear(m.get(), 3, (int64_t{1} << 24) + 1, 0));
 
   EXPECT_INVALID("model", dpar_model_add_activation(nullptr, DPAR_RELU));
-  EXPECT_INVALID("activation", dpar_model_add_activation(m.get(), DPAR_SIGMOID + 1));
+  EXPECT_INVALID("activation", dpar_model_add_activation(m.get(), DPAR_SILU + 1));
   EXPECT_INVALID("activation", dpar_model_add_activation(m.get(), -1));
 
   EXPECT_INVALID("model", dpar_model_add_dropout(nullptr, 0.5f));
@@ -877,7 +877,7 @@ TEST(Model, LayerArgumentsAreCheckedAndRefusalsAddNothing) {
 
   // Boundary values that are allowed.
   EXPECT_OK(dpar_model_add_dropout(m.get(), 0.0f));
-  EXPECT_OK(dpar_model_add_activation(m.get(), DPAR_SIGMOID));
+  EXPECT_OK(dpar_model_add_activation(m.get(), DPAR_SILU));
   EXPECT_OK(dpar_model_add_linear(m.get(), kOut, 1, 0));
   EXPECT_EQ(NumLayers(m.get()), 4u);
 }

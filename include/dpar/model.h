@@ -73,7 +73,8 @@ typedef enum dpar_activation {
   DPAR_RELU = 0,    /**< max(x, 0). */
   DPAR_GELU = 1,    /**< x * Phi(x), exact (erf) form, as PyTorch's default. */
   DPAR_TANH = 2,    /**< tanh(x). */
-  DPAR_SIGMOID = 3  /**< 1 / (1 + exp(-x)). */
+  DPAR_SIGMOID = 3, /**< 1 / (1 + exp(-x)). */
+  DPAR_SILU = 4     /**< x * sigmoid(x) (SiLU, swish), as PyTorch's nn.SiLU. */
 } dpar_activation;
 /** @brief Appends an activation (a ::dpar_activation). */
 DPAR_API dpar_status dpar_model_add_activation(dpar_model *model, int32_t activation);

@@ -35,12 +35,13 @@ DPAR_API dpar_status dpar_model_add_linear(dpar_model* model, int64_t in_feature
 }
 
 static_assert(static_cast<int>(Activation::kRelu) == DPAR_RELU && static_cast<int>(Activation::kGelu) == DPAR_GELU &&
-              static_cast<int>(Activation::kTanh) == DPAR_TANH && static_cast<int>(Activation::kSigmoid) == DPAR_SIGMOID);
+              static_cast<int>(Activation::kTanh) == DPAR_TANH && static_cast<int>(Activation::kSigmoid) == DPAR_SIGMOID &&
+              static_cast<int>(Activation::kSilu) == DPAR_SILU);
 
 DPAR_API dpar_status dpar_model_add_activation(dpar_model* model, int32_t activation) {
   return guard([&] {
     Model& m = checked(model, "model").model;
-    DPAR_CHECK_ARG(activation >= DPAR_RELU && activation <= DPAR_SIGMOID, "activation: unknown kind ", activation);
+    DPAR_CHECK_ARG(activation >= DPAR_RELU && activation <= DPAR_SILU, "activation: unknown kind ", activation);
     m.add(make_activation(static_cast<Activation>(activation)));
   });
 }

@@ -410,11 +410,11 @@ struct Builder {
   }
 
   void activation() {
-    const int32_t kind = in.ConsumeBool() ? in.ConsumeIntegralInRange(0, 3) : in.ConsumeIntegral<int32_t>();
+    const int32_t kind = in.ConsumeBool() ? in.ConsumeIntegralInRange(0, 4) : in.ConsumeIntegral<int32_t>();
     Call c;
     c.node.kind = Kind::kActivation;
     c.text = "add_activation(" + std::to_string(kind) + ")";
-    if (kind < DPAR_RELU || kind > DPAR_SIGMOID) c.refused = "an unknown activation";
+    if (kind < DPAR_RELU || kind > DPAR_SILU) c.refused = "an unknown activation";
     add(c, [&] { return dpar_model_add_activation(model, kind); });
   }
 

@@ -310,6 +310,7 @@ const (
 	GELU    ActivationKind = 1
 	Tanh    ActivationKind = 2
 	Sigmoid ActivationKind = 3
+	SiLU    ActivationKind = 4
 )
 
 // Model is a sequential model: the template an Engine copies to every device.

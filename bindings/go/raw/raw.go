@@ -215,6 +215,7 @@ extern swig_intgo _wrap_DPAR_RELU_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_GELU_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_TANH_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_SIGMOID_raw_9787157d5e82d198(void);
+extern swig_intgo _wrap_DPAR_SILU_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_dpar_model_add_activation_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_model_add_batchnorm1d_raw_9787157d5e82d198(uintptr_t arg1, swig_type_19 arg2, float arg3, float arg4, swig_intgo arg5);
 extern swig_intgo _wrap_dpar_model_add_batchnorm2d_raw_9787157d5e82d198(uintptr_t arg1, swig_type_20 arg2, float arg3, float arg4, swig_intgo arg5);
@@ -1026,6 +1027,13 @@ func _swig_getDPAR_SIGMOID() (_swig_ret Enum_SS_dpar_activation) {
 }
 
 var DPAR_SIGMOID Enum_SS_dpar_activation = _swig_getDPAR_SIGMOID()
+func _swig_getDPAR_SILU() (_swig_ret Enum_SS_dpar_activation) {
+	var swig_r Enum_SS_dpar_activation
+	swig_r = (Enum_SS_dpar_activation)(C._wrap_DPAR_SILU_raw_9787157d5e82d198())
+	return swig_r
+}
+
+var DPAR_SILU Enum_SS_dpar_activation = _swig_getDPAR_SILU()
 func Dpar_model_add_activation(arg1 Struct_SS_dpar_model, arg2 int) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)

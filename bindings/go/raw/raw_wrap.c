@@ -1093,6 +1093,18 @@ intgo _wrap_DPAR_SIGMOID_raw_9787157d5e82d198() {
 }
 
 
+intgo _wrap_DPAR_SILU_raw_9787157d5e82d198() {
+  enum dpar_activation result;
+  intgo _swig_go_result;
+  
+  
+  result = DPAR_SILU;
+  
+  _swig_go_result = (intgo)result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_model_add_activation_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, intgo _swig_go_1) {
   dpar_model *arg1 = (dpar_model *) 0 ;
   int32_t arg2 ;

@@ -76,7 +76,7 @@ Status = _enum("Status", "DPAR_", ["OK", "ERR_INVALID_ARGUMENT", "ERR_OUT_OF_MEM
                "dpar_status. A newer library may return others: any negative status is an error.")
 DType = _enum("DType", "DPAR_", ["F32", "I32", "BF16", "F16", "U8", "F64", "I64"], "dpar_dtype: element types.")
 DeviceKind = _enum("DeviceKind", "DPAR_DEVICE_", ["CPU", "CUDA"], "dpar_device_kind.")
-Activation = _enum("Activation", "DPAR_", ["RELU", "GELU", "TANH", "SIGMOID"], "dpar_activation.")
+Activation = _enum("Activation", "DPAR_", ["RELU", "GELU", "TANH", "SIGMOID", "SILU"], "dpar_activation.")
 ReduceOp = _enum("ReduceOp", "DPAR_", ["SUM", "MEAN", "MAX", "MIN"], "dpar_reduce_op.")
 Loss = _enum("Loss", "DPAR_LOSS_", ["CROSS_ENTROPY", "MSE"], "dpar_loss.")
 Processes = _enum("Processes", "DPAR_PROCESSES_", ["AUTO", "SINGLE", "MPI"], "dpar_processes.")
@@ -89,7 +89,7 @@ Init = _enum("Init", "DPAR_INIT_", ["ZEROS", "UNIFORM"], "dpar_init: a custom la
 # The flat names of earlier versions, as members of those enums.
 globals().update({m.name: m for m in Status})
 F32, I32 = DType.F32, DType.I32
-RELU, GELU, TANH, SIGMOID = Activation
+RELU, GELU, TANH, SIGMOID, SILU = Activation
 MODEL_INPUT = _raw.DPAR_MODEL_INPUT  # the model's input, where a node id is expected
 SUM, MEAN, MAX, MIN = ReduceOp
 LOSS_CROSS_ENTROPY, LOSS_MSE = Loss

@@ -50,6 +50,7 @@ class Activation(enum.IntEnum):
     GELU = 1
     TANH = 2
     SIGMOID = 3
+    SILU = 4
 
 class ReduceOp(enum.IntEnum):
     SUM = 0
@@ -109,6 +110,7 @@ RELU = Activation.RELU
 GELU = Activation.GELU
 TANH = Activation.TANH
 SIGMOID = Activation.SIGMOID
+SILU = Activation.SILU
 SUM = ReduceOp.SUM
 MEAN = ReduceOp.MEAN
 MAX = ReduceOp.MAX

@@ -61,7 +61,7 @@ const ERR_INVALID_STATE = Int32(-11)
 const ERR_INTERNAL = Int32(-12)
 const F32 = Int32(0)
 const I32 = Int32(1)
-const RELU, GELU, TANH, SIGMOID = Int32(0), Int32(1), Int32(2), Int32(3)
+const RELU, GELU, TANH, SIGMOID, SILU = Int32(0), Int32(1), Int32(2), Int32(3), Int32(4)
 const SGD, ADAM, ADAMW = Int32(0), Int32(1), Int32(2)
 const LOSS_CROSS_ENTROPY, LOSS_MSE = Int32(0), Int32(1)
 const PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Int32(0), Int32(1), Int32(2)
@@ -235,7 +235,7 @@ function linear!(m::Model, in_features::Integer, out_features::Integer; bias::Bo
     m
 end
 
-"""`activation!(model, kind)`: appends `Dpar.RELU`, `Dpar.GELU`, `Dpar.TANH` or `Dpar.SIGMOID`."""
+"""`activation!(model, kind)`: appends `Dpar.RELU`, `Dpar.GELU`, `Dpar.TANH`, `Dpar.SIGMOID` or `Dpar.SILU`."""
 function activation!(m::Model, kind::Integer)
     check(ccall((:dpar_model_add_activation, libdpar), Int32, (Ptr{Cvoid}, Int32), m.ptr, kind))
     m

@@ -45,6 +45,7 @@ pub const DPAR_RELU: i32 = 0;
 pub const DPAR_GELU: i32 = 1;
 pub const DPAR_TANH: i32 = 2;
 pub const DPAR_SIGMOID: i32 = 3;
+pub const DPAR_SILU: i32 = 4;
 
 pub const DPAR_INIT_ZEROS: i32 = 0;
 pub const DPAR_INIT_UNIFORM: i32 = 1;

@@ -474,6 +474,8 @@ pub enum Activation {
     Gelu,
     Tanh,
     Sigmoid,
+    /// x * sigmoid(x), as PyTorch's nn.SiLU.
+    Silu,
 }
 
 /// How a custom layer's parameter is initialised.
@@ -629,6 +631,7 @@ impl Model {
             Activation::Gelu => sys::DPAR_GELU,
             Activation::Tanh => sys::DPAR_TANH,
             Activation::Sigmoid => sys::DPAR_SIGMOID,
+            Activation::Silu => sys::DPAR_SILU,
         };
         check(unsafe { sys::dpar_model_add_activation(self.raw, code) })?;
         Ok(self)
