@@ -6,6 +6,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/backend.h"
@@ -149,6 +150,42 @@ TEST(KernelCalls, APointwiseActivationDefinedOnceRunsAsALayer) {
   EXPECT_TRUE(same_bits(std::vector<float>(y.f32(), y.f32() + 12), want_y));
   EXPECT_TRUE(same_bits(std::vector<float>(dx.f32(), dx.f32() + 12), want_dx));
   EXPECT_NE(want_y[0], xs[0]);
+}
+
+// A linear layer takes (*, C) as nn.Linear does: a sequence's positions are rows. Over (B, T, C) it gives the bits
+// of the same layer over the (B*T, C) rows, forward and backward, with a GELU epilogue fused after it.
+TEST(KernelCalls, ALinearLayerTakesSequencesAsRows) {
+  const auto model = [] {
+    Model m(3);
+    m.add(make_linear(5, 6, true));
+    m.add(make_activation(Activation::kGelu));
+    m.add(make_linear(6, 4, true));
+    return m;
+  };
+  const Model seq = model(), rows = model();
+  EXPECT_EQ(seq.output_shape(Shape{2, 3, 5}), (Shape{2, 3, 4}));
+  auto stream = cpu_backend().open_stream(Device{});
+  ReplicaContext ctx;
+  ctx.stream = stream.get();
+  const std::vector<float> x = randn(30, 11), dy = randn(24, 12);
+  std::vector<std::vector<float>> outs, grads;
+  for (const auto& [m, in, out] : {std::tuple{&seq, Shape{2, 3, 5}, Shape{2, 3, 4}},
+                                   std::tuple{&rows, Shape{6, 5}, Shape{6, 4}}}) {
+    ReplicaModel r(*m, ctx);
+    EXPECT_EQ(r.num_fused(), 1u);
+    Tensor t = Tensor::empty(DType::kF32, in, Device{}), g = Tensor::empty(DType::kF32, out, Device{});
+    t.copy_from_host(x.data());
+    g.copy_from_host(dy.data());
+    const Tensor y = r.forward(ctx, t);
+    EXPECT_EQ(y.shape(), out);
+    outs.emplace_back(y.f32(), y.f32() + y.numel());
+    r.backward(ctx, g, false);
+    grads.emplace_back(r.grads(), r.grads() + m->num_param_elements());
+  }
+  EXPECT_TRUE(same_bits(outs[0], outs[1]));
+  EXPECT_TRUE(same_bits(grads[0], grads[1]));
+  const std::string e = error_of([&] { seq.output_shape(Shape{2, 3, 4}); }, Status::kInvalidArgument);
+  EXPECT_NE(e.find("expects (batch, ..., 5), got (2, 3, 4)"), std::string::npos) << e;
 }
 
 // ---- Epilogues: fused where the backend fuses, composed where it does not, the same bits either way ---------------

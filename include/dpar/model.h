@@ -61,7 +61,8 @@ DPAR_API void dpar_model_free(dpar_model *model);
 
 /**
  * @brief Appends a fully connected layer y = x W^T + b, with W (out_features, in_features) and b (out_features),
- * initialised as PyTorch's nn.Linear does (uniform in +-1/sqrt(in_features)) from the model's seed.
+ * initialised as PyTorch's nn.Linear does (uniform in +-1/sqrt(in_features)) from the model's seed. It takes
+ * (batch, ..., in_features) and gives (batch, ..., out_features), as nn.Linear does.
  * @param has_bias  Nonzero for a bias.
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a zero size.
  */

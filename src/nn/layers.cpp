@@ -50,13 +50,15 @@ class Linear final : public Layer {
     }
     return specs;
   }
+  // (*, C_in) -> (*, C_out), as nn.Linear: the leading extents are rows (a sequence's positions among them).
   Shape output_shape(const Shape& in) const override {
-    DPAR_CHECK_ARG(in.ndim() == 2 && in[1] == in_, describe(), " expects (batch, ", in_, "), got ", in.str());
-    return Shape{in[0], out_};
+    DPAR_CHECK_ARG(in.ndim() >= 2 && in[in.ndim() - 1] == in_, describe(), " expects (batch, ..., ", in_, "), got ",
+                   in.str());
+    return in.with_dim(in.ndim() - 1, out_);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(in_, out_, bias_); }
 
-  // in (B,C_in), weight (C_out,C_in), bias (C_out), out (B,C_out)
+  // in (*,C_in), weight (C_out,C_in), bias (C_out), out (*,C_out)
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
     ctx.stream->run(call::LinearForward{out.ref(), in.ref(), param(0), param(1, bias_)});
   }
