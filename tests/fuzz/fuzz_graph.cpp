@@ -181,8 +181,9 @@ std::string node_shape(const Node& n, const std::vector<const Shape*>& in, Shape
   work = 0;
   switch (n.kind) {
     case Kind::kLinear:
-      if (x.size() != 2 || x[1] != n.a) return "linear expects (B, " + std::to_string(n.a) + ")";
-      y = {x[0], n.b};
+      if (x.size() < 2 || x.back() != n.a) return "linear expects (B, ..., " + std::to_string(n.a) + ")";
+      y = x;
+      y.back() = n.b;
       break;
     case Kind::kActivation:
     case Kind::kDropout: y = x; break;
