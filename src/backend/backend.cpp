@@ -60,5 +60,8 @@ void Stream::not_built(const std::string& call, const char* what) const {
 
 std::unique_ptr<Conv2dOp> Stream::make_conv2d(const Conv2dSpec& spec) { not_built(spec.str(), "convolution"); }
 std::unique_ptr<Pool2dOp> Stream::make_pool2d(const Pool2dSpec& spec) { not_built(spec.str(), "pooling"); }
+std::unique_ptr<AttentionOp> Stream::make_attention(const AttentionSpec& spec) {
+  not_built(spec.str(), "attention");
+}
 
 }  // namespace dpar

@@ -43,4 +43,27 @@ class Pool2dOp {
   virtual void backward(const TensorRef& dinp, const TensorRef& dout, const TensorRef& inp, const TensorRef& out) = 0;
 };
 
+// Scaled dot-product attention (AttentionSpec), for every head at once. Shapes: q (B,L,C), k and v (B,S,C), out
+// (B,L,C) with C = heads x D, head h in channels [hD, (h+1)D) of each (heads merged as PyTorch's
+// transpose(1, 2).reshape(B, L, C) merges them); lse (f32, (B,heads,L)). q, k, v and their gradients may be strided
+// in their first two dimensions (views of one packed (B,T,3C) projection: row stride 3C), each row's C channels
+// contiguous; out, dout and lse are contiguous.
+//
+// Dropout on the attention weights (after the softmax, before the product with v, as PyTorch's SDPA) keeps weight
+// (b,h,i,j) iff kernels::rng::uniform24(stream_key(seed), offset + ((b*heads + h)*L + i)*S + j) >= dropout_p, and
+// scales kept ones by 1/(1 - dropout_p): the mask is a function of the position, so backward draws it again
+// instead of storing it, and every backend draws the same one. A causal op takes L == S (self-attention).
+class AttentionOp {
+ public:
+  virtual ~AttentionOp() = default;
+  // out, and lse = each query's log-sum-exp of its (masked, scaled) scores: what backward needs besides q, k, v
+  // and out. Nothing of size L x S outlives the call.
+  virtual void forward(const TensorRef& out, const TensorRef& lse, const TensorRef& q, const TensorRef& k,
+                       const TensorRef& v, float dropout_p, uint64_t seed, uint64_t offset) = 0;
+  // dq, dk, dv (overwritten) from dout and the forward's arguments and results (the same dropout_p, seed, offset).
+  virtual void backward(const TensorRef& dq, const TensorRef& dk, const TensorRef& dv, const TensorRef& dout,
+                        const TensorRef& q, const TensorRef& k, const TensorRef& v, const TensorRef& out,
+                        const TensorRef& lse, float dropout_p, uint64_t seed, uint64_t offset) = 0;
+};
+
 }  // namespace dpar

@@ -66,6 +66,7 @@ class Stream {
   // them.
   virtual std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec);
   virtual std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec);
+  virtual std::unique_ptr<AttentionOp> make_attention(const AttentionSpec& spec);
 
  protected:
   // Runs a call whose kernel supports() says the backend has.

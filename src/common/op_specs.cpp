@@ -1,5 +1,7 @@
 #include "common/op_specs.h"
 
+#include <cmath>
+
 #include "common/error.h"
 
 namespace dpar {
@@ -10,6 +12,15 @@ std::string Conv2dSpec::str() const {
                         dilation_h, "x", dilation_w, ", groups ", groups, bias ? "" : ", no bias",
                         epilogue == Epilogue::kNone ? "" : ", ", epilogue == Epilogue::kNone ? "" : epilogue_name(epilogue),
                         ")");
+}
+
+float AttentionSpec::scale_for(int64_t head_dim) const {
+  return scale != 0.0f ? scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
+std::string AttentionSpec::str() const {
+  return detail::concat("attention(", heads, heads == 1 ? " head" : " heads", causal ? ", causal" : "",
+                        scale != 0.0f ? ", scale " : "", scale != 0.0f ? std::to_string(scale) : "", ")");
 }
 
 const char* epilogue_name(Epilogue epilogue) {

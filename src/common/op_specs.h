@@ -41,6 +41,17 @@ struct Conv2dSpec {
   std::string str() const;  // "conv2d(3 -> 8, kernel 3x3, stride 1x1, padding 1x1, dilation 1x1, groups 1)"
 };
 
+// Scaled dot-product attention over heads, as PyTorch's F.scaled_dot_product_attention(q, k, v, dropout_p,
+// is_causal, scale) on q, k, v split into `heads` heads of D = C / heads channels each.
+struct AttentionSpec {
+  int64_t heads = 1;
+  bool causal = false;  // query i attends to keys j <= i (PyTorch's is_causal: the top-left aligned lower triangle)
+  float scale = 0.0f;   // the scores' factor; 0: PyTorch's default 1/sqrt(D)
+  // The factor for head size `head_dim`.
+  float scale_for(int64_t head_dim) const;
+  std::string str() const;  // "attention(4 heads, causal)"
+};
+
 enum class PoolKind : int32_t {
   kMax = 0,  // gradients to the first maximum of each window in row-major order, as PyTorch's
   kAvg = 1,  // padding counts in the divisor (PyTorch's count_include_pad=True): kernel_h * kernel_w

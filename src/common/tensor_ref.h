@@ -84,6 +84,17 @@ struct TensorRef {
                  str(), " as ", r.str());
     return r;
   }
+  // Extents [start, start + length) of the last dimension, the other strides kept: a slice without a copy (the
+  // q, k and v of one packed projection).
+  TensorRef narrow_last(int64_t start, int64_t length) const {
+    const auto last = static_cast<size_t>(ndim - 1);
+    DPAR_ENFORCE(ndim >= 1 && start >= 0 && length >= 0 && start + length <= shape[last], Status::kInternal,
+                 "tensor reference: cannot take [", start, ", ", start + length, ") of the last extent of ", str());
+    TensorRef r = *this;
+    if (data) r.data = static_cast<char*>(data) + start * strides[last] * static_cast<int64_t>(dtype_size(dtype));
+    r.shape[last] = length;
+    return r;
+  }
   // Dimensions a and b swapped, without a copy (a transposed view).
   TensorRef transposed(int a, int b) const {
     TensorRef r = *this;
