@@ -22,13 +22,13 @@ enum class AttentionTiles : int { kLoops = 0, kSgemm = 1 };
 // q (B,L,C), k and v (B,S,C).
 void attention_forward(const AttentionTensor& out, float* lse, const AttentionTensor& q, const AttentionTensor& k,
                        const AttentionTensor& v, const AttentionShape& shape, const AttentionDropout& dropout,
-                       AttentionTiles tiles = AttentionTiles::kLoops);
+                       AttentionTiles tiles = AttentionTiles::kSgemm);
 
 // dq (B,L,C), dk and dv (B,S,C), overwritten, from dout (B,L,C) and the forward's q, k, v, out and lse.
 void attention_backward(const AttentionTensor& dq, const AttentionTensor& dk, const AttentionTensor& dv,
                         const AttentionTensor& dout, const AttentionTensor& q, const AttentionTensor& k,
                         const AttentionTensor& v, const AttentionTensor& out, const float* lse,
                         const AttentionShape& shape, const AttentionDropout& dropout,
-                        AttentionTiles tiles = AttentionTiles::kLoops);
+                        AttentionTiles tiles = AttentionTiles::kSgemm);
 
 }  // namespace dpar::kernels::cpu
