@@ -57,18 +57,21 @@ double time_shape(const Shape& s, kc::AttentionTiles tiles, int reps) {
 
 int main(int argc, char** argv) {
   const char* python = nullptr;
-  for (int i = 1; i < argc; ++i)
+  bool loops = true;  // --no-loops: the op's tiles (sgemm) alone, for a profile
+  for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--torch") == 0 && i + 1 < argc) python = argv[++i];
+    if (std::strcmp(argv[i], "--no-loops") == 0) loops = false;
+  }
   const std::vector<Shape> shapes = {{8, 128, 128, 4}, {16, 128, 128, 4}, {32, 128, 128, 4}, {8, 256, 256, 4},
                                      {16, 256, 256, 4}, {32, 256, 256, 4}};
   std::printf("causal self-attention, forward + backward, one thread, ms (median of 20)\n");
   std::printf("%4s %4s %4s %5s %3s  %10s %10s\n", "B", "T", "C", "heads", "D", "loops", "sgemm");
   for (const Shape& s : shapes) {
-    const double loops = time_shape(s, kc::AttentionTiles::kLoops, 20);
+    const double with_loops = loops ? time_shape(s, kc::AttentionTiles::kLoops, 20) : 0.0;
     const double gemm = time_shape(s, kc::AttentionTiles::kSgemm, 20);
     std::printf("%4lld %4lld %4lld %5lld %3lld  %10.3f %10.3f\n", static_cast<long long>(s.B),
                 static_cast<long long>(s.T), static_cast<long long>(s.C), static_cast<long long>(s.heads),
-                static_cast<long long>(s.C / s.heads), loops, gemm);
+                static_cast<long long>(s.C / s.heads), with_loops, gemm);
   }
   if (python) {
     const std::string cmd = std::string(python) + " " BENCH_ATTENTION_ANCHOR;

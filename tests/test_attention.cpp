@@ -20,6 +20,7 @@
 #include "common/error.h"
 #include "common/random.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/vector_isa.h"
 #include "kernels/dropout_rng.h"
 
 namespace dpar {
@@ -330,6 +331,28 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
             EXPECT_NEAR((up_f - down_f) / step_f, op_grad[idx], 2e-3) << "role " << role << " element " << idx;
           }
     }
+  }
+}
+
+// Each vector ISA's copy of the kernel computes the same bits (no contraction: the copies differ in width alone).
+TEST(Attention, EveryVectorIsaGivesTheSameBits) {
+  namespace kc = kernels::cpu;
+  Case c{2, 70, 70, 2, 16, true, 0.2f, true};
+  Vec want_out, want_dqkv;
+  for (kc::VectorIsa isa : kc::kVectorIsas) {
+    if (!kc::vector_isa_supported(isa)) continue;
+    SCOPED_TRACE(kc::vector_isa_name(isa));
+    kc::ForceVectorIsa force(isa);
+    Inputs in(c);
+    auto op = make_op(c);
+    run_forward(*op, in);
+    run_backward(*op, in);
+    if (want_out.empty()) {
+      want_out = in.out, want_dqkv = in.dqkv;
+      continue;
+    }
+    EXPECT_EQ(in.out, want_out);
+    EXPECT_EQ(in.dqkv, want_dqkv);
   }
 }
 

@@ -7,12 +7,16 @@
 // Causal: key blocks above the diagonal are never visited. Everything is f32 (as PyTorch's CPU SDPA); the only
 // memory beyond the tensors is a few tiles of one query block.
 //
-// The per-head routines are compiled for every vector ISA (vector_isa.h) and picked at run time; their inner loops
-// run along a tile's fixed kBk keys or along D channels, so the compiler vectorizes them. exp is a polynomial of
-// our own that vectorizes (std::exp stays a scalar call per element).
+// The per-head routines are compiled for every vector ISA (vector_isa.h) and picked at run time; their elementwise
+// loops run along a tile's fixed kBk keys or along D channels, so the compiler vectorizes them, and the products
+// are sgemm calls on tiles (or, for comparison, loops: AttentionTiles). exp is a polynomial of our own that
+// vectorizes (std::exp stays a scalar call per element). kBq = 64, kBk = 128 measured best of 32/64/128 x 64/128/256
+// on the GPT shapes; the key range of a query block ends at its last query when causal, so a wide key block costs no
+// work above the diagonal.
 #include "kernels/cpu/attention.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -26,15 +30,17 @@ namespace dpar::kernels::cpu {
 namespace {
 
 constexpr int64_t kBq = 64;  // queries per block
-constexpr int64_t kBk = 64;  // keys per block
+constexpr int64_t kBk = 128;  // keys per block
 constexpr int kLanes = 16;   // partial maxima and sums of a tile row
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 within 2 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial in r, times
-// 2^n); 0 below -87 (and for -inf), where exp is below FLT_MIN. Branch-free, so a loop over it vectorizes.
+// 2^n); 0 below -87 (and for -inf), where exp is below FLT_MIN. Branch-free and without a library call, so a loop
+// over it vectorizes. n is rounded to nearest by adding and subtracting 1.5 * 2^23 (exact for |n| < 2^22; no
+// contraction or reassociation is allowed in this file's build, so the two adds stay).
 DPAR_VECTOR_LOOP float exp_nonpositive(float x) {
   const float xc = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   float r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -44,10 +50,34 @@ DPAR_VECTOR_LOOP float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
+  const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
   return x < -87.0f ? 0.0f : p * two_n;
+}
+
+// Row helpers over a tile row of kBk scores: separate functions with restrict rows, so that GCC sees no store into
+// the row touching a scalar it reads (which kept the loops in the head routines scalar).
+// row[j] = scale * row[j] for the visible j < lim, -inf for the rest.
+DPAR_VECTOR_LOOP void scale_and_mask(float* __restrict row, int64_t lim, float scale) {
+  for (int64_t j = 0; j < kBk; ++j) row[j] = j < lim ? row[j] * scale : kNegInf;
+}
+// row[j] = exp(row[j] - m).
+DPAR_VECTOR_LOOP void exp_shifted(float* __restrict row, float m) {
+  for (int64_t j = 0; j < kBk; ++j) row[j] = exp_nonpositive(row[j] - m);
+}
+// p[j] = exp(scale s[j] - lse) for the visible j < lim, 0 for the rest (backward's weights from the forward's lse).
+DPAR_VECTOR_LOOP void weights_from_lse(float* __restrict row, int64_t lim, float scale, float lse) {
+  for (int64_t j = 0; j < kBk; ++j) {
+    const float e = exp_nonpositive(row[j] * scale - lse);
+    row[j] = j < lim ? e : 0.0f;
+  }
+}
+// ds[j] = p[j] (dp[j] - di) scale, in dp's place.
+DPAR_VECTOR_LOOP void softmax_grad(float* __restrict dp, const float* __restrict p, float di, float scale) {
+  for (int64_t j = 0; j < kBk; ++j) dp[j] = p[j] * (dp[j] - di) * scale;
+}
+// c[d] += x b[d] over D.
+DPAR_VECTOR_LOOP void axpy(float* __restrict c, float x, const float* __restrict b, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) c[d] += x * b[d];
 }
 
 // What one head's routine needs: its pointers (head h's column offset applied) and leading dimensions.
@@ -123,8 +153,7 @@ DPAR_VECTOR_LOOP void tile_wb(float* c, int64_t ldc, const float* w, const float
     for (int64_t j = 0; j < nk; ++j) {
       const float x = wi[j];
       if (x == 0.0f) continue;  // masked and dropped weights
-      const float* bj = b + j * ldb;
-      for (int64_t d = 0; d < D; ++d) ci[d] += x * bj[d];
+      axpy(ci, x, b + j * ldb, D);
     }
   }
 }
@@ -142,8 +171,7 @@ DPAR_VECTOR_LOOP void tile_wtb(float* c, int64_t ldc, const float* w, const floa
     for (int64_t j = 0; j < nk; ++j) {
       const float x = wi[j];
       if (x == 0.0f) continue;
-      float* cj = c + j * ldc;
-      for (int64_t d = 0; d < D; ++d) cj[d] += x * bi[d];
+      axpy(c + j * ldc, x, bi, D);
     }
   }
 }
@@ -202,12 +230,12 @@ DPAR_VECTOR_LOOP void forward_head(const HeadJob* jp) {
       for (int64_t i = 0; i < mq; ++i) {
         float* row = s + i * kBk;
         const int64_t lim = visible(job, i0, i, j0, nk);
-        for (int64_t j = 0; j < kBk; ++j) row[j] = j < lim ? row[j] * job.scale : kNegInf;
+        scale_and_mask(row, lim, job.scale);
         const float mx = row_max(row);
         const float m_new = mx > m[i] ? mx : m[i];
         if (m_new == kNegInf) continue;  // nothing visible yet: the row is all -inf, its weights all 0
         const float corr = exp_nonpositive(m[i] - m_new);
-        for (int64_t j = 0; j < kBk; ++j) row[j] = exp_nonpositive(row[j] - m_new);
+        exp_shifted(row, m_new);
         l[i] = l[i] * corr + row_sum(row);
         m[i] = m_new;
         if (job.p > 0.0f)
@@ -264,7 +292,7 @@ DPAR_VECTOR_LOOP void backward_head(const HeadJob* jp) {
         float* trow = t + i * kBk;
         const int64_t lim = visible(job, i0, i, j0, nk);
         const float lse = job.lse[i0 + i], dii = di[i];
-        for (int64_t j = 0; j < kBk; ++j) prow[j] = j < lim ? exp_nonpositive(prow[j] * job.scale - lse) : 0.0f;
+        weights_from_lse(prow, lim, job.scale, lse);
         if (job.p > 0.0f) {
           for (int64_t j = 0; j < lim; ++j) {
             const float f = keep_factor(job, i0 + i, j0 + j, inv_keep);
@@ -272,7 +300,7 @@ DPAR_VECTOR_LOOP void backward_head(const HeadJob* jp) {
             prow[j] *= f;
           }
         } else {
-          for (int64_t j = 0; j < kBk; ++j) trow[j] = prow[j] * (trow[j] - dii) * job.scale;
+          softmax_grad(trow, prow, dii, job.scale);
         }
         for (int64_t j = lim; j < kBk; ++j) trow[j] = 0.0f;
       }

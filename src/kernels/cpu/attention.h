@@ -13,9 +13,10 @@ using kernels::AttentionDropout;
 using kernels::AttentionShape;
 using kernels::AttentionTensor;
 
-// How the products on a tile of queries x keys are computed: loops of our own, compiled per vector ISA
-// (vector_isa.h), or oneDNN's sgemm per tile. The op uses kLoops (bench/results/attention_cpu_2026-11-29.md: faster
-// on the GPT shapes); kSgemm stays for the benchmark's comparison.
+// How the products on a tile of queries x keys are computed: oneDNN's sgemm per tile (FMA kernels; the op's
+// choice), or loops of our own compiled per vector ISA (vector_isa.h), without FMA as -ffp-contract=off keeps every
+// CPU kernel. Measured on the GPT shapes (bench/results/attention_cpu_2026-11-29.md) the sgemm tiles are 2-4x faster;
+// the loops stay for that comparison and as a second computation in the tests.
 enum class AttentionTiles : int { kLoops = 0, kSgemm = 1 };
 
 // out (B,L,C) = softmax(scale q k^T [causal mask]) [dropout] v per head; lse (B,heads,L) contiguous, f32.
