@@ -118,6 +118,7 @@ TEST(CudaCublasLibrary, LoadsOnFirstUseWithEveryFunction) {
   EXPECT_NE(lib.set_stream, nullptr);
   EXPECT_NE(lib.set_math_mode, nullptr);
   EXPECT_NE(lib.sgemm, nullptr);
+  EXPECT_NE(lib.sgemm_strided_batched, nullptr);
   ASSERT_NE(lib.status_string, nullptr);
   EXPECT_NE(lib.path.find("libcublas.so." + std::to_string(CUBLAS_VER_MAJOR)), std::string::npos) << lib.path;
   EXPECT_GT(std::strlen(lib.status_string(CUBLAS_STATUS_NOT_SUPPORTED)), 0u);
