@@ -50,12 +50,14 @@ double time_shape(const Shape& s, kc::AttentionTiles tiles, int reps) {
   const kc::AttentionTensor o{out.data(), s.T * C, C}, g{dout.data(), s.T * C, C};
   kc::AttentionShape sh{s.B, s.T, s.T, s.heads, D, 1.0f / std::sqrt(static_cast<float>(D)), true};
   kc::AttentionDropout drop{};
+  std::vector<float> scratch(static_cast<size_t>(kc::attention_scratch_floats(D)));  // kept, as the op keeps it
   std::vector<double> times;
   for (int r = 0; r < reps + 2; ++r) {
     const double t0 = thread_ms();
-    kc::attention_forward(o, lse.data(), packed(qkv, 0), packed(qkv, 1), packed(qkv, 2), sh, drop, tiles);
+    kc::attention_forward(o, lse.data(), packed(qkv, 0), packed(qkv, 1), packed(qkv, 2), sh, drop, tiles,
+                          scratch.data());
     kc::attention_backward(packed(dqkv, 0), packed(dqkv, 1), packed(dqkv, 2), g, packed(qkv, 0), packed(qkv, 1),
-                           packed(qkv, 2), o, lse.data(), sh, drop, tiles);
+                           packed(qkv, 2), o, lse.data(), sh, drop, tiles, scratch.data());
     const double t1 = thread_ms();
     if (r >= 2) times.push_back(t1 - t0);
   }

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "backend/attention_refs.h"
 #include "comm/threads_comm.h"
@@ -55,7 +56,7 @@ class CpuPool2dOp final : public Pool2dOp {
   k::Pool2d pool_;
 };
 
-// The fused attention kernel of kernels/cpu/attention.h; it prepares nothing per shape.
+// The fused attention kernel of kernels/cpu/attention.h; it keeps the kernel's scratch tiles, nothing per shape.
 class CpuAttentionOp final : public AttentionOp {
  public:
   explicit CpuAttentionOp(const AttentionSpec& spec) : spec_(spec) {}
@@ -66,7 +67,7 @@ class CpuAttentionOp final : public AttentionOp {
     const int64_t C = sh.heads * sh.D;
     k::attention_forward(a::contiguous(out, "out", sh.B, sh.L, C), a::lse(lse, sh), a::tensor(q, "q", sh.B, sh.L, C),
                          a::tensor(k, "k", sh.B, sh.S, C), a::tensor(v, "v", sh.B, sh.S, C), sh,
-                         a::dropout(dropout_p, seed, offset));
+                         a::dropout(dropout_p, seed, offset), k::AttentionTiles::kSgemm, scratch(sh.D));
   }
   void backward(const TensorRef& dq, const TensorRef& dk, const TensorRef& dv, const TensorRef& dout,
                 const TensorRef& q, const TensorRef& k, const TensorRef& v, const TensorRef& out, const TensorRef& lse,
@@ -78,11 +79,20 @@ class CpuAttentionOp final : public AttentionOp {
                           a::tensor(dv, "dv", sh.B, sh.S, C), a::contiguous(dout, "dout", sh.B, sh.L, C),
                           a::tensor(q, "q", sh.B, sh.L, C), a::tensor(k, "k", sh.B, sh.S, C),
                           a::tensor(v, "v", sh.B, sh.S, C), a::contiguous(out, "out", sh.B, sh.L, C),
-                          a::lse(lse, sh), sh, a::dropout(dropout_p, seed, offset));
+                          a::lse(lse, sh), sh, a::dropout(dropout_p, seed, offset), k::AttentionTiles::kSgemm,
+                          scratch(sh.D));
   }
 
  private:
+  // The kernel's tiles, kept between calls: fresh pages on every call cost page faults.
+  float* scratch(int64_t D) {
+    const auto n = static_cast<size_t>(k::attention_scratch_floats(D));
+    if (scratch_.size() < n) scratch_.resize(n);
+    return scratch_.data();
+  }
+
   AttentionSpec spec_;
+  std::vector<float> scratch_;
 };
 
 class CpuStream final : public Stream {

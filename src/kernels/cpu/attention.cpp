@@ -95,8 +95,6 @@ struct HeadJob {
   float* scratch;
 };
 
-// Scratch floats per call: two score tiles, two transposed key tiles, one accumulator tile, and D_i.
-int64_t scratch_floats(int64_t D) { return 2 * kBq * kBk + 2 * D * kBk + kBq * D + kBq; }
 
 // s (mq, kBk) = a (mq, D) b (nk, D)^T, columns nk.. of s left as they come (zero in the loops' version).
 // bt (D, kBk): scratch for b transposed, so that the inner loop runs along kBk keys.
@@ -344,11 +342,14 @@ void run_heads(HeadJob& job, const AttentionShape& sh, const AttentionDropout& d
 
 }  // namespace
 
+// Two score tiles, two transposed key tiles, one accumulator tile, and D_i.
+int64_t attention_scratch_floats(int64_t D) { return 2 * kBq * kBk + 2 * D * kBk + kBq * D + kBq; }
+
 void attention_forward(const AttentionTensor& out, float* lse, const AttentionTensor& q, const AttentionTensor& k,
                        const AttentionTensor& v, const AttentionShape& sh, const AttentionDropout& dropout,
-                       AttentionTiles tiles) {
-  std::vector<float> scratch(static_cast<size_t>(scratch_floats(sh.D)));
-  HeadJob job = job_for(sh, dropout, tiles, scratch.data());
+                       AttentionTiles tiles, float* scratch) {
+  std::vector<float> own(scratch ? 0 : static_cast<size_t>(attention_scratch_floats(sh.D)));
+  HeadJob job = job_for(sh, dropout, tiles, scratch ? scratch : own.data());
   job.ldq = q.row_stride, job.ldk = k.row_stride, job.ldv = v.row_stride, job.ldo = out.row_stride;
   run_heads<forward_head>(job, sh, dropout, [&](int64_t b, int64_t h) {
     job.q = head_of(q, b, h, sh.D), job.k = head_of(k, b, h, sh.D), job.v = head_of(v, b, h, sh.D);
@@ -360,9 +361,10 @@ void attention_forward(const AttentionTensor& out, float* lse, const AttentionTe
 void attention_backward(const AttentionTensor& dq, const AttentionTensor& dk, const AttentionTensor& dv,
                         const AttentionTensor& dout, const AttentionTensor& q, const AttentionTensor& k,
                         const AttentionTensor& v, const AttentionTensor& out, const float* lse,
-                        const AttentionShape& sh, const AttentionDropout& dropout, AttentionTiles tiles) {
-  std::vector<float> scratch(static_cast<size_t>(scratch_floats(sh.D)));
-  HeadJob job = job_for(sh, dropout, tiles, scratch.data());
+                        const AttentionShape& sh, const AttentionDropout& dropout, AttentionTiles tiles,
+                        float* scratch) {
+  std::vector<float> own(scratch ? 0 : static_cast<size_t>(attention_scratch_floats(sh.D)));
+  HeadJob job = job_for(sh, dropout, tiles, scratch ? scratch : own.data());
   job.ldq = q.row_stride, job.ldk = k.row_stride, job.ldv = v.row_stride, job.ldo = out.row_stride;
   job.lddo = dout.row_stride, job.lddq = dq.row_stride, job.lddk = dk.row_stride, job.lddv = dv.row_stride;
   run_heads<backward_head>(job, sh, dropout, [&](int64_t b, int64_t h) {

@@ -19,17 +19,23 @@ using kernels::AttentionTensor;
 // the loops stay for that comparison and as a second computation in the tests.
 enum class AttentionTiles : int { kLoops = 0, kSgemm = 1 };
 
+// The floats of scratch memory a call with head size D uses (a few tiles of one query block, about 150 KB at D = 64).
+int64_t attention_scratch_floats(int64_t D);
+
 // out (B,L,C) = softmax(scale q k^T [causal mask]) [dropout] v per head; lse (B,heads,L) contiguous, f32.
 // q (B,L,C), k and v (B,S,C).
 void attention_forward(const AttentionTensor& out, float* lse, const AttentionTensor& q, const AttentionTensor& k,
                        const AttentionTensor& v, const AttentionShape& shape, const AttentionDropout& dropout,
-                       AttentionTiles tiles = AttentionTiles::kSgemm);
+                       AttentionTiles tiles = AttentionTiles::kSgemm, float* scratch = nullptr);
 
+// scratch: attention_scratch_floats(D) floats that the caller keeps between calls (an op), or null: the call
+// allocates its own (above malloc's mmap threshold, so fresh pages, zero-filled by the kernel, on every call).
+//
 // dq (B,L,C), dk and dv (B,S,C), overwritten, from dout (B,L,C) and the forward's q, k, v, out and lse.
 void attention_backward(const AttentionTensor& dq, const AttentionTensor& dk, const AttentionTensor& dv,
                         const AttentionTensor& dout, const AttentionTensor& q, const AttentionTensor& k,
                         const AttentionTensor& v, const AttentionTensor& out, const float* lse,
                         const AttentionShape& shape, const AttentionDropout& dropout,
-                        AttentionTiles tiles = AttentionTiles::kSgemm);
+                        AttentionTiles tiles = AttentionTiles::kSgemm, float* scratch = nullptr);
 
 }  // namespace dpar::kernels::cpu
