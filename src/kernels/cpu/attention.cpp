@@ -82,8 +82,8 @@ DPAR_VECTOR_LOOP void axpy(float* __restrict c, float x, const float* __restrict
 
 // What one head's routine needs: its pointers (head h's column offset applied) and leading dimensions.
 struct HeadJob {
-  const float *q, *k, *v, *out, *dout;
-  float *out_w, *lse, *dq, *dk, *dv;
+  const float *q, *k, *v, *out, *dout, *lse;  // lse: backward's input
+  float *out_w, *lse_w, *dq, *dk, *dv;         // out_w, lse_w: forward's outputs
   int64_t ldq, ldk, ldv, ldo, lddo, lddq, lddk, lddv;
   int64_t L, S, D;
   float scale;
@@ -252,7 +252,7 @@ DPAR_VECTOR_LOOP void forward_head(const HeadJob* jp) {
       float* o = job.out_w + (i0 + i) * job.ldo;
       const float* ai = acc + i * D;
       for (int64_t d = 0; d < D; ++d) o[d] = ai[d] * inv_l;
-      job.lse[i0 + i] = l[i] > 0.0f ? m[i] + std::log(l[i]) : kNegInf;
+      job.lse_w[i0 + i] = l[i] > 0.0f ? m[i] + std::log(l[i]) : kNegInf;
     }
   }
 }
@@ -310,11 +310,8 @@ DPAR_VECTOR_LOOP void backward_head(const HeadJob* jp) {
 }
 
 // Head h of batch b of a (B, positions, C) tensor.
-const float* head_of(const AttentionTensor& x, int64_t b, int64_t h, int64_t D) {
-  return x.data ? x.data + b * x.batch_stride + h * D : nullptr;
-}
-float* head_of_w(const AttentionTensor& x, int64_t b, int64_t h, int64_t D) {
-  return x.data ? x.data + b * x.batch_stride + h * D : nullptr;
+float* head_of(const AttentionTensor& x, int64_t b, int64_t h, int64_t D) {
+  return x.data + b * x.batch_stride + h * D;
 }
 
 HeadJob job_for(const AttentionShape& sh, const AttentionDropout& dropout, AttentionTiles tiles, float* scratch) {
@@ -329,7 +326,7 @@ HeadJob job_for(const AttentionShape& sh, const AttentionDropout& dropout, Atten
   return job;
 }
 
-// Where a worker's GEMM threads are the oneDNN calls' business (gemm.h); the loops need no scope.
+// kHead for every head (b, h), in the copy for the calling thread's vector ISA; set_head points the job at it.
 template <auto kHead>
 void run_heads(HeadJob& job, const AttentionShape& sh, const AttentionDropout& dropout, auto&& set_head) {
   for (int64_t b = 0; b < sh.B; ++b)
@@ -353,8 +350,8 @@ void attention_forward(const AttentionTensor& out, float* lse, const AttentionTe
   job.ldq = q.row_stride, job.ldk = k.row_stride, job.ldv = v.row_stride, job.ldo = out.row_stride;
   run_heads<forward_head>(job, sh, dropout, [&](int64_t b, int64_t h) {
     job.q = head_of(q, b, h, sh.D), job.k = head_of(k, b, h, sh.D), job.v = head_of(v, b, h, sh.D);
-    job.out_w = head_of_w(out, b, h, sh.D);
-    job.lse = lse + (b * sh.heads + h) * sh.L;
+    job.out_w = head_of(out, b, h, sh.D);
+    job.lse_w = lse + (b * sh.heads + h) * sh.L;
   });
 }
 
@@ -370,8 +367,8 @@ void attention_backward(const AttentionTensor& dq, const AttentionTensor& dk, co
   run_heads<backward_head>(job, sh, dropout, [&](int64_t b, int64_t h) {
     job.q = head_of(q, b, h, sh.D), job.k = head_of(k, b, h, sh.D), job.v = head_of(v, b, h, sh.D);
     job.out = head_of(out, b, h, sh.D), job.dout = head_of(dout, b, h, sh.D);
-    job.dq = head_of_w(dq, b, h, sh.D), job.dk = head_of_w(dk, b, h, sh.D), job.dv = head_of_w(dv, b, h, sh.D);
-    job.lse = const_cast<float*>(lse) + (b * sh.heads + h) * sh.L;
+    job.dq = head_of(dq, b, h, sh.D), job.dk = head_of(dk, b, h, sh.D), job.dv = head_of(dv, b, h, sh.D);
+    job.lse = lse + (b * sh.heads + h) * sh.L;
   });
 }
 
