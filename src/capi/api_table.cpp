@@ -147,6 +147,7 @@ const dpar_api_v1 kApiV1 = {
     &dpar_model_add_embedding_padded,
     &dpar_model_param_decays,
     &dpar_engine_set_weight_decay_exclusion,
+    &dpar_model_tie_param,
 };
 }  // namespace
 
