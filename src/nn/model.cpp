@@ -36,6 +36,8 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
       for (const ParamAlias& a : info.aliases)
         if (a.node == i) bind_slot(info, a.slot);
     }
+    for (size_t k = 0; k < slots; ++k)
+      DPAR_ENFORCE(p[k].defined(), Status::kInternal, "node ", i, " reads no parameter in slot ", k);
     nodes_[i].layer->bind(std::move(p), std::move(g));
   }
   // Tied parameters: every reader's backward writes the one gradient. The first in backward order (the highest
