@@ -133,6 +133,12 @@ void embedding_forward(float* out, const int32_t* idx, const float* weight, int6
                        cudaStream_t stream);
 void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V, int64_t E,
                         int64_t padding_idx, bool accumulate, cudaStream_t stream);
+// GPT-2's learned positions (kernels/cpu/norm_embedding.h): out, inp, dout (B,T,C); weight, dweight (P,C). The
+// backward sums the batch in batch order, as the CPU kernel (the same bits).
+void position_embedding_forward(float* out, const float* inp, const float* weight, int64_t B, int64_t T, int64_t C,
+                                cudaStream_t stream);
+void position_embedding_backward(float* dweight, const float* dout, int64_t B, int64_t T, int64_t C, int64_t P,
+                                 bool accumulate, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Small helpers.
