@@ -104,7 +104,8 @@ class Attention final : public Layer {
     // offset, so nothing of size L x S is kept.
     active_p_ = ctx.training ? dropout_p_ : 0.0f;
     offset_ = active_p_ > 0.0f ? *ctx.rng_offset : 0;
-    op_->forward(out.ref(), lse(n), q, k, v, active_p_, ctx.rng_seed, offset_);
+    seed_ = ctx.rng_seed;
+    op_->forward(out.ref(), lse(B, L), q, k, v, active_p_, ctx.rng_seed, offset_);
     if (active_p_ > 0.0f) *ctx.rng_offset += static_cast<uint64_t>(n * S);
   }
   void backward_inputs(const ReplicaContext&, const std::vector<Tensor>& in, const Tensor& out, const Tensor& dout,
@@ -112,8 +113,7 @@ class Attention final : public Layer {
     TensorRef q, k, v, dq, dk, dv;
     split(in, q, k, v);
     split(din, dq, dk, dv);
-    const int64_t n = q.size(0) * spec_.heads * q.size(1);
-    op_->backward(dq, dk, dv, dout.ref(), q, k, v, out.ref(), lse(n), active_p_, 0, offset_);
+    op_->backward(dq, dk, dv, dout.ref(), q, k, v, out.ref(), lse(q.size(0), q.size(1)), active_p_, seed_, offset_);
   }
 
  private:
@@ -131,7 +131,8 @@ class Attention final : public Layer {
     const int64_t C = packed.size(-1) / 3;
     q = packed.narrow_last(0, C), k = packed.narrow_last(C, C), v = packed.narrow_last(2 * C, C);
   }
-  TensorRef lse(int64_t n) const { return lse_.rows(0, n).ref(); }
+  // (B, heads, L) of the last forward.
+  TensorRef lse(int64_t B, int64_t L) const { return lse_.rows(0, B * spec_.heads * L).ref().view({B, spec_.heads, L}); }
 
   AttentionSpec spec_;
   float dropout_p_;
@@ -139,7 +140,7 @@ class Attention final : public Layer {
   std::unique_ptr<AttentionOp> op_;  // made by the replica's stream on the first forward
   Tensor lse_;                       // (B, heads, L) of the last forward
   float active_p_ = 0.0f;            // the last forward's dropout (0 in eval mode)
-  uint64_t offset_ = 0;              // where the last forward's mask began in the replica's stream
+  uint64_t seed_ = 0, offset_ = 0;   // the last forward's stream and where its mask began in it
 };
 
 // nn.MultiheadAttention(embed_dim, num_heads, dropout, bias, batch_first=True) as self-attention, module(x, x, x,
