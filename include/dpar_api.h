@@ -170,6 +170,7 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_model_add_attention)(dpar_model *model, const int32_t *inputs, size_t n, int64_t num_heads, int32_t is_causal, float dropout_p, float scale);
   dpar_status (*dpar_model_add_multihead_attention)(dpar_model *model, int64_t embed_dim, int64_t num_heads, float dropout_p, int32_t has_bias, int32_t is_causal);
   dpar_status (*dpar_model_add_causal_self_attention)(dpar_model *model, int64_t n_embd, int64_t n_head, float dropout_p, int32_t has_bias, const char *name);
+  dpar_status (*dpar_model_tie_param)(dpar_model *model, int32_t node, const char *param, int32_t source_node, const char *source_param);
 } dpar_api_v1;
 
 /**

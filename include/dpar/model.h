@@ -226,7 +226,8 @@ DPAR_API dpar_status dpar_model_last_node(int32_t *out, const dpar_model *model)
 DPAR_API dpar_status dpar_model_branch_from(dpar_model *model, int32_t node);
 /**
  * @brief Names a node, as a PyTorch module path ("layer1.0.conv1"): its parameters become "<name>.weight" and so
- * on, the names dpar_model_param_name() and checkpoints use. A node's default name is its index ("0", so that a
+ * on, the names dpar_model_param_name() and checkpoints use (a parameter it reads through dpar_model_tie_param()
+ * keeps its source's name; the checkpoint key it is also saved under becomes "<name>.<param>"). A node's default name is its index ("0", so that a
  * sequential model's parameters are "0.weight", "2.weight", as nn.Sequential's).
  * @param name  Identifiers of letters, digits and '_', separated by single dots; unique in the model; a name of
  *              digits only is reserved for the node of that index; a name whose first identifier is "optimizer" is
@@ -236,6 +237,28 @@ DPAR_API dpar_status dpar_model_branch_from(dpar_model *model, int32_t node);
  *         here, not when the checkpoint is written).
  */
 DPAR_API dpar_status dpar_model_set_node_name(dpar_model *model, int32_t node, const char *name);
+/**
+ * @brief Ties a parameter of @p node to one of @p source_node, as PyTorch's `lm_head.weight = wte.weight` (GPT-2's
+ * output projection reads the token embedding): from then on both nodes read one parameter, the source's, with the
+ * source's values and name. The model holds it once: dpar_model_num_params() and dpar_model_num_param_elements()
+ * count it once (as PyTorch's parameters()), the node's own copy leaves the model (the parameters after it move
+ * down one index), and an engine reduces and steps it once. Its gradient is the sum of both nodes' contributions,
+ * gradient accumulation included. Checkpoints hold it under both keys, "<source name>.<source_param>" and
+ * "<node name>.<param>", as PyTorch's state_dict() does (both follow dpar_model_set_node_name()); loading reads the
+ * source's key and refuses a file whose other key holds a different tensor (a file without it loads). The
+ * optimizer's state is saved under the source's key alone. A parameter may be the source of several ties.
+ * @param node          The node whose parameter is replaced: a layer node added before.
+ * @param param         Its parameter's name ("weight"); copied.
+ * @param source_node   The node whose parameter both read, another layer node (before or after @p node).
+ * @param source_param  Its parameter's name ("weight"); copied. Where that parameter is itself tied to a third node's,
+ *                      @p node reads that one.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT naming what does not fit, with nothing changed: a NULL argument, a
+ *         node that is not in the model, a name that is not one of the node's parameters, a node tied to itself,
+ *         shapes that differ, a parameter of @p node tied already (either way), or a source parameter @p node
+ *         reads already.
+ */
+DPAR_API dpar_status dpar_model_tie_param(dpar_model *model, int32_t node, const char *param, int32_t source_node,
+                                          const char *source_param);
 /**
  * @brief Appends the elementwise sum of @p n >= 2 nodes of equal output shape (a residual connection).
  * @param inputs  Node ids (added nodes or ::DPAR_MODEL_INPUT; one may appear twice); copied.

@@ -151,6 +151,7 @@ const dpar_api_v1 kApiV1 = {
     &dpar_model_add_attention,
     &dpar_model_add_multihead_attention,
     &dpar_model_add_causal_self_attention,
+    &dpar_model_tie_param,
 };
 }  // namespace
 

@@ -131,7 +131,8 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   every_replica_runs_ = model_.uses_collectives();
   reduction_ = config_.reduction;
   node_params_.resize(model_.num_nodes());
-  for (size_t i = 0; i < model_.params().size(); ++i) node_params_[model_.params()[i].node].push_back(i);
+  // A parameter is ready once the last backward that writes its gradient ran: a tied one's lowest reader's.
+  for (size_t i = 0; i < model_.params().size(); ++i) node_params_[model_.params()[i].last_writer()].push_back(i);
 
   run("create", [&](Replica& rep, size_t) {
     rep.model = std::make_unique<ReplicaModel>(model_, rep.ctx);

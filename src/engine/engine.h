@@ -265,7 +265,7 @@ class Engine {
   std::shared_ptr<ProcessLinks> links_;
   GradientCompression compression_ = GradientCompression::kNone;
   GradientReduction reduction_ = GradientReduction::kAllReduce;
-  std::vector<std::vector<size_t>> node_params_;  // per node, the indices of its parameters
+  std::vector<std::vector<size_t>> node_params_;  // per node, the parameters ready after its backward
   // A layer calls the replica set's collectives: a replica given no rows of a batch runs forward and backward too
   // (on an empty chunk), so that it takes part in them.
   bool every_replica_runs_ = false;

@@ -24,13 +24,39 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
       if (j != kModelInput) ++consumers[static_cast<size_t>(j)];
     storage_.push_back(node.kind == NodeKind::kView ? storage(node.inputs[0]) : static_cast<int32_t>(i));
     if (!node.layer) continue;
-    std::vector<Tensor> p, g;
-    for (const ParamInfo& info : model.params())
-      if (info.node == i) {
-        p.push_back(params_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
-        g.push_back(grads_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
-      }
+    // One view per param_specs() slot: the node's own parameters and those it reads through a tie.
+    const size_t slots = node.layer->param_specs().size();
+    std::vector<Tensor> p(slots), g(slots);
+    auto bind_slot = [&](const ParamInfo& info, size_t slot) {
+      p[slot] = params_.rows(info.offset, info.shape.numel()).reshaped(info.shape);
+      g[slot] = grads_.rows(info.offset, info.shape.numel()).reshaped(info.shape);
+    };
+    for (const ParamInfo& info : model.params()) {
+      if (info.node == i) bind_slot(info, info.slot);
+      for (const ParamAlias& a : info.aliases)
+        if (a.node == i) bind_slot(info, a.slot);
+    }
     nodes_[i].layer->bind(std::move(p), std::move(g));
+  }
+  // Tied parameters: every reader's backward writes the one gradient. The first in backward order (the highest
+  // node) writes it as every parameter is written (overwriting, or adding when the caller accumulates); each later
+  // reader must add to it. A later reader therefore runs with accumulate = true, and where the caller does not
+  // accumulate, the gradients that node writes first (its untied parameters, and tied ones it is the highest reader
+  // of) are zeroed before, so that adding to them is writing them. The sum is the two readers' exactly, as
+  // PyTorch's autograd sums a leaf's gradient over its uses.
+  tied_zero_.resize(nodes_.size());
+  tied_adds_.assign(nodes_.size(), 0);
+  for (const ParamInfo& info : model.params()) {
+    if (info.aliases.empty()) continue;
+    size_t highest = info.node;
+    for (const ParamAlias& a : info.aliases) highest = std::max(highest, a.node);
+    for (size_t reader = 0; reader < nodes_.size(); ++reader)
+      if (info.read_by(reader) && reader != highest) tied_adds_[reader] = 1;
+  }
+  for (const ParamInfo& info : model.params()) {
+    size_t highest = info.node;
+    for (const ParamAlias& a : info.aliases) highest = std::max(highest, a.node);
+    if (tied_adds_[highest]) tied_zero_[highest].push_back(grads_.rows(info.offset, info.shape.numel()));
   }
   // Buffers: this replica's own copy, from the model's values.
   n_buf_f32_ = static_cast<int64_t>(model.buffer_f32().size());
@@ -344,12 +370,17 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
       const int32_t in_id = head.inputs[0];
       const Tensor in = output(in_id);
       const Tensor out = output(id);
+      // A later reader of a tied parameter adds to it (see the constructor): what it writes first is zeroed.
+      const bool adds = tied_adds_[first] && !accumulate;
+      if (adds)
+        for (const Tensor& g : tied_zero_[first]) ctx.stream->fill_zero(g.raw(), g.bytes());
+      const bool acc = accumulate || tied_adds_[first];
       auto run = [&](const Tensor& din) {
         if (pair)
           head.layer->backward_with_epilogue(ctx, epilogue_[first], in, out, dout, grad_of(static_cast<int32_t>(first)),
-                                             din, accumulate);
+                                             din, acc);
         else
-          node.layer->backward(ctx, in, out, dout, din, accumulate);
+          node.layer->backward(ctx, in, out, dout, din, acc);
       };
       if (storage(in_id) == kModelInput)
         run(Tensor());

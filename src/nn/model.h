@@ -8,6 +8,7 @@
 // model it always was. The model's output is the last node.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -27,12 +28,37 @@ constexpr size_t kMaxJoinInputs = 65536;
 // take it as its name's first.
 constexpr const char* kOptimizerKeys = "optimizer";
 
+// A further node that reads a parameter (tied weights: PyTorch's lm_head.weight = wte.weight). The parameter is
+// held, reduced and stepped once; this is only where the other node finds it and the key it is also saved under.
+struct ParamAlias {
+  std::string name;  // "<node name>.<param>" of the reading node: "5.weight", "lm_head.weight"
+  size_t node = 0;   // the node that reads it
+  size_t slot = 0;   // which of that node's param_specs() it stands for
+};
+
 struct ParamInfo {
   std::string name;  // "<node name>.<param>": "0.weight", "layer1.0.conv1.weight", as PyTorch's state_dict
   Shape shape;
   int64_t offset = 0;  // in the flat buffer, in elements
   size_t node = 0;     // the node that owns it
   bool decays = true;  // !ParamSpec::no_decay: in the decayed group when biases and norms are excluded
+  size_t slot = 0;     // which of the owner's param_specs() it is
+  std::vector<ParamAlias> aliases;  // the other nodes that read it (Model::tie_param); empty unless tied
+
+  // The node whose backward writes its gradient last: backward walks the nodes last to first, so the lowest of its
+  // readers. Its gradient is final, and may be reduced, only after that node's backward.
+  size_t last_writer() const {
+    size_t n = node;
+    for (const ParamAlias& a : aliases) n = std::min(n, a.node);
+    return n;
+  }
+  // Whether `reader` reads it (as the owner or through an alias).
+  bool read_by(size_t reader) const {
+    if (reader == node) return true;
+    for (const ParamAlias& a : aliases)
+      if (a.node == reader) return true;
+    return false;
+  }
 };
 
 // What a node computes. Joins and views are executed by the graph itself with the stream's copy and axpy, so they
@@ -92,6 +118,13 @@ class Model {
   int32_t last_node() const { return static_cast<int32_t>(nodes_.size()) - 1; }
   // The next node added without explicit inputs reads `node` (an added node or kModelInput).
   void branch_from(int32_t node);
+  // Ties node `node`'s parameter `param` to node `source_node`'s `source_param` (PyTorch's
+  // lm_head.weight = wte.weight): the node reads the source's parameter, which keeps its name and values; the
+  // node's own copy leaves the model (its elements leave the flat array, so later parameters' offsets shift) and its
+  // key stays as the parameter's alias, saved beside the parameter's own. Throws Error(INVALID_ARGUMENT) naming what
+  // does not fit (a node that is not a layer, an unknown parameter name, shapes that differ, a parameter tied
+  // already, a node tied to itself or to a parameter it reads already), changing nothing.
+  void tie_param(int32_t node, const std::string& param, int32_t source_node, const std::string& source_param);
   // Renames a node and its parameters. Names are unique, dot-separated identifiers ([A-Za-z0-9_]+ each); a name
   // made of digits only is reserved for the node of that index (the default).
   void set_node_name(int32_t node, const std::string& name);
@@ -136,6 +169,11 @@ class Model {
   // Refuses `keys` (the parameter and buffer names node `node` would have) where another node has one of them.
   void check_keys_free(const std::vector<std::string>& keys, size_t node, const char* argument) const;
   void check_input(int32_t id, const char* what) const;
+  // The slot of node `node`'s parameter named `param` (an index into its layer's param_specs()); `argument` names
+  // the caller's arguments in a refusal.
+  size_t param_slot(int32_t node, const std::string& param, const char* argument) const;
+  // The index in params_ of the parameter node `node` reads in `slot` (its own or, tied, another's).
+  size_t param_read(size_t node, size_t slot) const;
   int32_t next_input_ = kModelInput;  // what the next node without explicit inputs reads
   std::vector<Node> nodes_;
   std::vector<ParamInfo> params_;
@@ -210,6 +248,11 @@ class ReplicaModel {
   std::vector<Node> nodes_;
   std::vector<int32_t> storage_;         // per node: storage(node)
   std::vector<Epilogue> epilogue_;       // node i computes node i + 1 as its epilogue (kNone: it does not)
+  // Tied parameters (see the constructor): per node, whether its backward adds to a gradient an earlier backward
+  // wrote (it reads a tied parameter that a higher node reads too), and the gradients it then writes first, zeroed
+  // before it runs when the caller does not accumulate.
+  std::vector<char> tied_adds_;
+  std::vector<std::vector<Tensor>> tied_zero_;
   Tensor params_, grads_;
   Tensor buf_f32_, buf_i64_;           // the buffers (see buffer_f32(), buffer_i64())
   int64_t n_buf_f32_ = 0, n_buf_i64_ = 0;

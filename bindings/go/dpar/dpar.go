@@ -385,6 +385,16 @@ func (m *Model) SetNodeName(node int32, name string) error {
 	return call(func() int { return raw.Dpar_model_set_node_name(m.raw, int(node), name) })
 }
 
+// TieParam ties node's parameter param to sourceNode's sourceParam, as PyTorch's lm_head.weight = wte.weight: both
+// nodes read the source's parameter (its values and name), held, counted, reduced and stepped once, its gradient
+// the sum of both; checkpoints hold it under both keys.
+func (m *Model) TieParam(node int32, param string, sourceNode int32, sourceParam string) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int {
+		return raw.Dpar_model_tie_param(m.raw, int(node), param, int(sourceNode), sourceParam)
+	})
+}
+
 func int32s(v []int32) unsafe.Pointer {
 	if len(v) == 0 {
 		return nil

@@ -1318,6 +1318,37 @@ intgo _wrap_dpar_model_set_node_name_raw_9787157d5e82d198(struct dpar_model *_sw
 }
 
 
+intgo _wrap_dpar_model_tie_param_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, intgo _swig_go_1, _gostring_ _swig_go_2, intgo _swig_go_3, _gostring_ _swig_go_4) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int32_t arg2 ;
+  char *arg3 = (char *) 0 ;
+  int32_t arg4 ;
+  char *arg5 = (char *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int32_t)_swig_go_1; 
+  
+  arg3 = (char *)malloc(_swig_go_2.n + 1);
+  memcpy(arg3, _swig_go_2.p, _swig_go_2.n);
+  arg3[_swig_go_2.n] = '\0';
+  
+  arg4 = (int32_t)_swig_go_3; 
+  
+  arg5 = (char *)malloc(_swig_go_4.n + 1);
+  memcpy(arg5, _swig_go_4.p, _swig_go_4.n);
+  arg5[_swig_go_4.n] = '\0';
+  
+  
+  result = (dpar_status)dpar_model_tie_param(arg1,arg2,(char const *)arg3,arg4,(char const *)arg5);
+  _swig_go_result = result; 
+  free(arg3); 
+  free(arg5); 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_model_add_sum_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, int32_t *_swig_go_1, long long _swig_go_2) {
   dpar_model *arg1 = (dpar_model *) 0 ;
   int32_t *arg2 = (int32_t *) 0 ;

@@ -393,6 +393,13 @@ class Model(_Handle):
         _check(_raw.dpar_model_set_node_name(self._raw, node, str(name)))
         return self
 
+    def tie_param(self, node, param, source_node, source_param):
+        """Ties node's parameter `param` to source_node's `source_param`, as PyTorch's lm_head.weight = wte.weight:
+        both nodes read the source's parameter (its values and name), held, counted, reduced and stepped once, its
+        gradient the sum of both; checkpoints hold it under both keys."""
+        _check(_raw.dpar_model_tie_param(self._raw, node, str(param), source_node, str(source_param)))
+        return self
+
     def add_sum(self, inputs):
         """Appends the elementwise sum of nodes of equal shape (a residual connection)."""
         ids = np.ascontiguousarray(inputs, dtype=np.int32)

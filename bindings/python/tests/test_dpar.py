@@ -242,6 +242,22 @@ class LayerNormEmbedding(unittest.TestCase):
                     e.train_step(tokens.astype(np.float32), labels)
                 self.assertTrue(np.isfinite(e.train_step(tokens, labels)))
 
+    def test_a_tied_weight_is_one_parameter_read_by_two_nodes(self):
+        # The GPT pattern: the output projection reads the token embedding's weight (lm_head.weight = wte.weight).
+        with dpar.Model(seed=4).embedding(7, 5).linear(5, 7, bias=False) as m:
+            with self.assertRaisesRegex(dpar.DparError, 'has no parameter "bias"'):
+                m.tie_param(1, "weight", 0, "bias")
+            m.tie_param(1, "weight", 0, "weight")
+            self.assertEqual((m.num_params, m.num_param_elements), (1, 35))
+            self.assertEqual(m.param_info(0), ("0.weight", (7, 5)))
+            with self.assertRaisesRegex(dpar.DparError, "tied already"):
+                m.tie_param(1, "weight", 0, "weight")
+            tokens = np.array([0, 3, 6, 2, 3], np.int32)
+            labels = np.array([3, 6, 2, 3, 1], np.int32)
+            with dpar.Engine(m, lr=0.1, devices=2, processes=dpar.PROCESSES_SINGLE) as e:
+                first = e.train_step(tokens, labels)
+                self.assertLess(e.train_step(tokens, labels), first)
+
 
 class Tensors(unittest.TestCase):
     def test_numpy_in_and_out_without_a_copy(self):

@@ -35,7 +35,7 @@ function __init__()
     nothing
 end
 
-export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_node, branch_from!, set_node_name!,
+export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_node, branch_from!, set_node_name!, tie_param!,
        add_sum!, add_concat!, add_flatten!, add_reshape!, MODEL_INPUT, conv2d!, max_pool2d!, avg_pool2d!,
        adaptive_avg_pool2d!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
@@ -269,6 +269,17 @@ end
 become "layer1.0.conv1.weight"."""
 function set_node_name!(m::Model, node::Integer, name::AbstractString)
     check(ccall((:dpar_model_set_node_name, libdpar), Int32, (Ptr{Cvoid}, Int32, Cstring), m.ptr, node, name))
+    m
+end
+
+"""`tie_param!(model, node, param, source_node, source_param)`: ties `node`'s parameter `param` to `source_node`'s
+`source_param` (nodes from 0, as dpar numbers them), as PyTorch's `lm_head.weight = wte.weight`: both nodes read the
+source's parameter (its values and name), held, counted, reduced and stepped once, its gradient the sum of both;
+checkpoints hold it under both keys."""
+function tie_param!(m::Model, node::Integer, param::AbstractString, source_node::Integer,
+                    source_param::AbstractString)
+    check(ccall((:dpar_model_tie_param, libdpar), Int32, (Ptr{Cvoid}, Int32, Cstring, Int32, Cstring),
+                m.ptr, node, param, source_node, source_param))
     m
 end
 

@@ -171,6 +171,27 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             end
         end
     end
+    @testset "Tied weights" begin
+        # The GPT pattern: the output projection reads the token embedding's weight (lm_head.weight = wte.weight).
+        Dpar.Model(4) do m
+            Dpar.embedding!(m, 7, 5)
+            Dpar.linear!(m, 5, 7; bias=false)
+            @test throws_dpar(() -> Dpar.tie_param!(m, 1, "weight", 0, "bias"), Dpar.ERR_INVALID_ARGUMENT,
+                              "has no parameter \"bias\"")
+            Dpar.tie_param!(m, 1, "weight", 0, "weight")
+            @test Dpar.num_params(m) == 1
+            @test Dpar.num_param_elements(m) == 35
+            @test Dpar.param_info(m, 0) == ("0.weight", (7, 5))
+            @test throws_dpar(() -> Dpar.tie_param!(m, 1, "weight", 0, "weight"), Dpar.ERR_INVALID_ARGUMENT,
+                              "tied already")
+            Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do e
+                x = Dpar.Tensor(Int32[0, 3, 6, 2, 3])
+                y = Dpar.Tensor(Int32[3, 6, 2, 3, 1])
+                first = Dpar.train_step!(e, x, y)
+                @test Dpar.train_step!(e, x, y) < first
+            end
+        end
+    end
     @testset "BatchNorm buffers" begin
         Dpar.Model(3) do m
             Dpar.linear!(m, 4, 6; bias=false)

@@ -272,6 +272,7 @@ extern "C" {
     pub fn dpar_model_last_node(out: *mut i32, model: *const dpar_model) -> dpar_status;
     pub fn dpar_model_branch_from(model: *mut dpar_model, node: i32) -> dpar_status;
     pub fn dpar_model_set_node_name(model: *mut dpar_model, node: i32, name: *const c_char) -> dpar_status;
+    pub fn dpar_model_tie_param(model: *mut dpar_model, node: i32, param: *const c_char, source_node: i32, source_param: *const c_char) -> dpar_status;
     pub fn dpar_model_add_sum(model: *mut dpar_model, inputs: *const i32, n: usize) -> dpar_status;
     pub fn dpar_model_add_concat(model: *mut dpar_model, inputs: *const i32, n: usize) -> dpar_status;
     pub fn dpar_model_add_flatten(model: *mut dpar_model) -> dpar_status;

@@ -721,6 +721,15 @@ impl Model {
         check(unsafe { sys::dpar_model_set_node_name(self.raw, node, c.as_ptr()) })?;
         Ok(self)
     }
+    /// Ties node `node`'s parameter `param` to node `source_node`'s `source_param`, as PyTorch's
+    /// `lm_head.weight = wte.weight`: both nodes read the source's parameter (its values and name), held, counted,
+    /// reduced and stepped once, its gradient the sum of both; checkpoints hold it under both keys.
+    pub fn tie_param(&mut self, node: i32, param: &str, source_node: i32, source_param: &str) -> Result<&mut Model> {
+        let p = cstring(param, "param")?;
+        let s = cstring(source_param, "source_param")?;
+        check(unsafe { sys::dpar_model_tie_param(self.raw, node, p.as_ptr(), source_node, s.as_ptr()) })?;
+        Ok(self)
+    }
     /// Appends the elementwise sum of nodes of equal shape (a residual connection).
     pub fn add_sum(&mut self, inputs: &[i32]) -> Result<&mut Model> {
         check(unsafe { sys::dpar_model_add_sum(self.raw, inputs.as_ptr(), inputs.len()) })?;

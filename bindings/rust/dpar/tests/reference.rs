@@ -613,6 +613,29 @@ fn a_residual_graph_is_built_named_and_checked() {
 }
 
 #[test]
+fn a_tied_weight_is_one_parameter_read_by_two_nodes() {
+    // The GPT pattern: the output projection reads the token embedding's weight (lm_head.weight = wte.weight).
+    let mut m = Model::new(4).unwrap();
+    m.embedding(7, 5).unwrap().linear(5, 7, false).unwrap();
+    let e = m.tie_param(1, "weight", 0, "bias").err().unwrap();
+    assert_eq!(e.status(), status::INVALID_ARGUMENT);
+    assert!(e.message().contains("has no parameter \"bias\""), "{}", e);
+    assert_eq!(m.num_params().unwrap(), 2);
+    m.tie_param(1, "weight", 0, "weight").unwrap();
+    assert_eq!(m.num_params().unwrap(), 1);
+    assert_eq!(m.num_param_elements().unwrap(), 35);
+    assert_eq!(m.param_info(0).unwrap(), ("0.weight".to_string(), vec![7, 5]));
+    let e = m.tie_param(1, "weight", 0, "weight").err().unwrap();
+    assert!(e.message().contains("tied already"), "{}", e);
+    let engine = Engine::new(&m, &Optimizer::sgd(0.1), &EngineOptions::new().cpu_devices(2).processes(Processes::Single)).unwrap();
+    let tokens = Tensor::from_i32(&[5], &[0, 3, 6, 2, 3]).unwrap();
+    let labels = Tensor::from_i32(&[5], &[3, 6, 2, 3, 1]).unwrap();
+    let first = engine.train_step(&tokens, &labels).unwrap();
+    let second = engine.train_step(&tokens, &labels).unwrap();
+    assert!(second < first, "{} then {}", first, second);
+}
+
+#[test]
 fn batchnorm_buffers_are_named_typed_and_equal_on_every_replica() {
     let mut m = Model::new(3).unwrap();
     m.linear(4, 6, false).unwrap().batchnorm1d(6, 1e-5, 0.1, true).unwrap().linear(6, 3, true).unwrap();
