@@ -82,8 +82,9 @@ struct DropoutBackward {
   TensorRef dinp, dout, mask;
   DType dtype() const { return dout.dtype; }
 };
-// loss_sum (f64, one element of device memory) = the sum of the per-sample losses; dlogits (B,C) = grad_scale x
-// dL/dlogits; logits (B,C), labels (B) i32 in [0, C) (checked by the caller).
+// loss_sum (f64, one element of device memory) = the sum of the per-sample losses; dlogits (N,C) = grad_scale x
+// dL/dlogits; logits (N,C), labels (N) i32 in [0, C) (checked by the caller) or kIgnoreIndex (no loss, a zero
+// gradient row). N is every leading extent: (B,T,C) logits with (B,T) labels are B*T samples.
 struct CrossEntropy {
   static constexpr const char* kName = "cross_entropy";
   TensorRef loss_sum, dlogits, logits, labels;
