@@ -71,7 +71,7 @@ std::string Node::describe() const {
 
 Shape Node::output_shape(const std::vector<Shape>& in) const {
   switch (kind) {
-    case NodeKind::kLayer: return layer->output_shape(in[0]);
+    case NodeKind::kLayer: return layer->output_shape_of(in);
     case NodeKind::kSum:
       for (size_t k = 1; k < in.size(); ++k)
         DPAR_CHECK_ARG(in[k] == in[0], "node ", node_id(inputs[k]), "'s output ", in[k].str(), " differs from node ",
@@ -247,6 +247,18 @@ int32_t Model::add(std::unique_ptr<Layer> layer) {
                  "'s float output");
   Node n;
   n.inputs = {next_input_};
+  n.layer = std::move(layer);
+  return append(std::move(n));
+}
+
+int32_t Model::add(std::unique_ptr<Layer> layer, const std::vector<int32_t>& inputs) {
+  DPAR_CHECK_ARG(layer != nullptr, "layer: is null");
+  DPAR_CHECK_ARG(inputs.size() == layer->num_inputs(), layer->describe(), " reads ", layer->num_inputs(),
+                 layer->num_inputs() == 1 ? " input" : " inputs", ", got ", inputs.size());
+  for (int32_t id : inputs) check_input(id, "inputs");
+  DPAR_CHECK_ARG(layer->input_dtype() == DType::kF32, layer->describe(), " reads int32 indices: add it without inputs");
+  Node n;
+  n.inputs = inputs;
   n.layer = std::move(layer);
   return append(std::move(n));
 }

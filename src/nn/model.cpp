@@ -247,7 +247,15 @@ Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
     }
     const Tensor y = output(static_cast<int32_t>(i));
     switch (node.kind) {
-      case NodeKind::kLayer: node.layer->forward(ctx, output(node.inputs[0]), y); break;
+      case NodeKind::kLayer:
+        if (node.inputs.size() == 1) {
+          node.layer->forward(ctx, output(node.inputs[0]), y);
+        } else {
+          std::vector<Tensor> in;
+          for (int32_t j : node.inputs) in.push_back(output(j));
+          node.layer->forward_inputs(ctx, in, y);
+        }
+        break;
       case NodeKind::kSum:
         ctx.stream->copy(y.raw(), output(node.inputs[0]).raw(), y.bytes());
         for (size_t k = 1; k < node.inputs.size(); ++k)
@@ -292,6 +300,40 @@ void ReplicaModel::contribute(const ReplicaContext& ctx, int32_t node,
   ctx.stream->run(call::Axpy{g.ref(), tmp.ref()});
 }
 
+void ReplicaModel::backward_inputs(const ReplicaContext& ctx, int32_t id, const Tensor& dout, bool accumulate) {
+  const Node& node = nodes_[static_cast<size_t>(id)];
+  std::vector<Tensor> in, din;
+  // An input's gradient is written in place where this is its first contribution; a second one (an input read
+  // twice here, or one whose gradient another reader began) goes to scratch of its own and is added after the call,
+  // as contribute() does for one input. The model's input needs none: scratch takes it.
+  std::vector<std::pair<int32_t, Tensor>> added;
+  std::vector<int32_t> direct;
+  for (int32_t j : node.inputs) {
+    in.push_back(output(j));
+    const int32_t s = storage(j);
+    const bool fresh = s != kModelInput && !grad_started_[static_cast<size_t>(s + 1)] &&
+                       std::find(direct.begin(), direct.end(), s) == direct.end();
+    if (fresh) {
+      direct.push_back(s);
+      din.push_back(grad_of(j));
+      continue;
+    }
+    Tensor scratch = ctx.alloc(DType::kF32, in.back().shape());
+    if (s != kModelInput) added.emplace_back(j, scratch);
+    din.push_back(std::move(scratch));
+  }
+  node.layer->backward_inputs(ctx, in, output(id), dout, din, accumulate);
+  for (int32_t s : direct) grad_started_[static_cast<size_t>(s + 1)] = 1;
+  for (const auto& [j, scratch] : added) {
+    char& started = grad_started_[static_cast<size_t>(storage(j) + 1)];
+    if (started)
+      ctx.stream->run(call::Axpy{grad_of(j).ref(), scratch.ref()});
+    else
+      ctx.stream->copy(grad_of(j).raw(), scratch.raw(), scratch.bytes());
+    started = 1;
+  }
+}
+
 void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
                             const std::function<void(size_t node)>& node_done) {
   DPAR_ENFORCE(has_forward_, Status::kInvalidState, "backward: no forward state on ", ctx.device.str());
@@ -320,6 +362,11 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
     const Tensor dout = id == last && external_dout_.defined() ? external_dout_ : grad_of(id);
     const bool pair = i > 0 && epilogue_[i - 1] != Epilogue::kNone;  // nodes i - 1 and i run as one
     const size_t first = pair ? i - 1 : i;
+    if (!pair && node.kind == NodeKind::kLayer && node.inputs.size() > 1) {
+      backward_inputs(ctx, static_cast<int32_t>(i), dout, accumulate);
+      if (node_done) node_done(i);
+      continue;
+    }
     if (pair || node.kind == NodeKind::kLayer) {
       const Node& head = nodes_[first];
       const int32_t in_id = head.inputs[0];

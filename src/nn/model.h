@@ -64,7 +64,7 @@ struct ParamInfo {
 // What a node computes. Joins and views are executed by the graph itself with the stream's copy and axpy, so they
 // run on every backend; kLayer nodes run a single-input Layer.
 enum class NodeKind {
-  kLayer,   // layer(inputs[0])
+  kLayer,   // layer(inputs...): one input for most layers, q, k and v for attention
   kSum,     // inputs[0] + inputs[1] + ...: equal shapes (a residual)
   kConcat,  // inputs along dim 1 (channels): equal shapes but for dim 1
   kView,    // inputs[0] with another shape, the same memory (flatten, reshape): no copy forward or backward
@@ -100,10 +100,14 @@ class Model {
  public:
   explicit Model(uint64_t seed) : init_rng_(seed) {}
   Model(const Model& other);
+  Model& operator=(Model&& other) = default;
 
   // Appends a layer reading the next input (the last node, or the branch_from() node), draws its initial
   // parameters from the model's seeded stream, and returns its id.
   int32_t add(std::unique_ptr<Layer> layer);
+  // Appends a layer reading `inputs` (added nodes or kModelInput; as many as layer->num_inputs()), as add() does
+  // otherwise: attention's q, k and v.
+  int32_t add(std::unique_ptr<Layer> layer, const std::vector<int32_t>& inputs);
   // Joins: the elementwise sum of >= 2 nodes of equal shape, and their concatenation along dim 1.
   int32_t add_sum(const std::vector<int32_t>& inputs);
   int32_t add_concat(const std::vector<int32_t>& inputs);
@@ -180,6 +184,14 @@ class Model {
   Rng init_rng_;
 };
 
+// nanoGPT's CausalSelfAttention on the next input x (B, T, n_embd): c_attn = Linear(n_embd, 3 n_embd, bias),
+// causal attention of n_head heads on its packed q|k|v with attention dropout dropout_p, c_proj = Linear(n_embd,
+// n_embd, bias), then resid_dropout (left out for p = 0, where it is the identity). With a name ("transformer.h.0.attn")
+// the linear nodes are "<name>.c_attn" and "<name>.c_proj", so the parameters carry nanoGPT's state_dict keys.
+// All or nothing; returns the last node's id. (nn/blocks.cpp)
+int32_t add_causal_self_attention(Model& model, int64_t n_embd, int64_t n_head, float dropout_p, bool bias,
+                                  const std::string& name);
+
 class ReplicaModel {
  public:
   // The parameter buffer holds at least `param_capacity` elements (the engine pads it so that every worker's
@@ -229,6 +241,9 @@ class ReplicaModel {
   // Adds `write(dst)`'s result to node's gradient: into its buffer directly for the first contribution, through
   // the scratch buffer and an axpy for the next ones.
   void contribute(const ReplicaContext& ctx, int32_t node, const std::function<void(const Tensor& dst)>& write);
+  // The backward of node `id`, a layer of several inputs (attention's q, k and v), contributing to each input's
+  // gradient.
+  void backward_inputs(const ReplicaContext& ctx, int32_t id, const Tensor& dout, bool accumulate);
 
   std::vector<Node> nodes_;
   std::vector<int32_t> storage_;         // per node: storage(node)

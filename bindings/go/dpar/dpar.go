@@ -563,6 +563,10 @@ const (
 	MSE          Loss = 1
 )
 
+// IgnoreIndex is the cross-entropy target that is ignored: no loss, no gradient, not counted in the mean
+// (PyTorch's default ignore_index, for padding and prompt tokens).
+const IgnoreIndex int32 = -100
+
 // ProcessMode is a dpar_processes: which processes an engine spans.
 type ProcessMode int32
 

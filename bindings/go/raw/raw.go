@@ -285,6 +285,7 @@ extern swig_intgo _wrap_dpar_optimizer_options_init_sized_raw_9787157d5e82d198(u
 extern swig_intgo _wrap_dpar_optimizer_options_init_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_DPAR_LOSS_CROSS_ENTROPY_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_LOSS_MSE_raw_9787157d5e82d198(void);
+extern swig_intgo _wrap_DPAR_IGNORE_INDEX_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_PROCESSES_AUTO_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_PROCESSES_SINGLE_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_PROCESSES_MPI_raw_9787157d5e82d198(void);
@@ -1628,6 +1629,13 @@ func _swig_getDPAR_LOSS_MSE() (_swig_ret Enum_SS_dpar_loss) {
 }
 
 var DPAR_LOSS_MSE Enum_SS_dpar_loss = _swig_getDPAR_LOSS_MSE()
+func _swig_getDPAR_IGNORE_INDEX() (_swig_ret int) {
+	var swig_r int
+	swig_r = (int)(C._wrap_DPAR_IGNORE_INDEX_raw_9787157d5e82d198())
+	return swig_r
+}
+
+var DPAR_IGNORE_INDEX int = _swig_getDPAR_IGNORE_INDEX()
 type Enum_SS_dpar_processes int
 func _swig_getDPAR_PROCESSES_AUTO() (_swig_ret Enum_SS_dpar_processes) {
 	var swig_r Enum_SS_dpar_processes

@@ -2128,6 +2128,17 @@ intgo _wrap_DPAR_LOSS_MSE_raw_9787157d5e82d198() {
 }
 
 
+intgo _wrap_DPAR_IGNORE_INDEX_raw_9787157d5e82d198() {
+  int result;
+  intgo _swig_go_result;
+  
+  
+  result = (int)((-100));
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_DPAR_PROCESSES_AUTO_raw_9787157d5e82d198() {
   enum dpar_processes result;
   intgo _swig_go_result;

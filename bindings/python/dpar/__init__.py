@@ -93,6 +93,7 @@ RELU, GELU, TANH, SIGMOID, SILU = Activation
 MODEL_INPUT = _raw.DPAR_MODEL_INPUT  # the model's input, where a node id is expected
 SUM, MEAN, MAX, MIN = ReduceOp
 LOSS_CROSS_ENTROPY, LOSS_MSE = Loss
+IGNORE_INDEX = _raw.DPAR_IGNORE_INDEX  # the cross-entropy target that is ignored (PyTorch's ignore_index)
 PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Processes
 COMPRESSION_NONE, COMPRESSION_BF16 = Compression
 REDUCTION_ALL_REDUCE, REDUCTION_REDUCE_SCATTER = Reduction

@@ -3,9 +3,11 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "backend/attention_refs.h"
 #include "comm/threads_comm.h"
 #include "common/error.h"
 #include "device/worker_pool.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/batchnorm.h"
 #include "kernels/cpu/dnnl_ops.h"
 #include "kernels/cpu/gemm.h"
@@ -53,6 +55,36 @@ class CpuPool2dOp final : public Pool2dOp {
   k::Pool2d pool_;
 };
 
+// The fused attention kernel of kernels/cpu/attention.h; it prepares nothing per shape.
+class CpuAttentionOp final : public AttentionOp {
+ public:
+  explicit CpuAttentionOp(const AttentionSpec& spec) : spec_(spec) {}
+  void forward(const TensorRef& out, const TensorRef& lse, const TensorRef& q, const TensorRef& k, const TensorRef& v,
+               float dropout_p, uint64_t seed, uint64_t offset) override {
+    namespace a = attention_refs;
+    const auto sh = a::shape(spec_, q, k);
+    const int64_t C = sh.heads * sh.D;
+    k::attention_forward(a::contiguous(out, "out", sh.B, sh.L, C), a::lse(lse, sh), a::tensor(q, "q", sh.B, sh.L, C),
+                         a::tensor(k, "k", sh.B, sh.S, C), a::tensor(v, "v", sh.B, sh.S, C), sh,
+                         a::dropout(dropout_p, seed, offset));
+  }
+  void backward(const TensorRef& dq, const TensorRef& dk, const TensorRef& dv, const TensorRef& dout,
+                const TensorRef& q, const TensorRef& k, const TensorRef& v, const TensorRef& out, const TensorRef& lse,
+                float dropout_p, uint64_t seed, uint64_t offset) override {
+    namespace a = attention_refs;
+    const auto sh = a::shape(spec_, q, k);
+    const int64_t C = sh.heads * sh.D;
+    k::attention_backward(a::tensor(dq, "dq", sh.B, sh.L, C), a::tensor(dk, "dk", sh.B, sh.S, C),
+                          a::tensor(dv, "dv", sh.B, sh.S, C), a::contiguous(dout, "dout", sh.B, sh.L, C),
+                          a::tensor(q, "q", sh.B, sh.L, C), a::tensor(k, "k", sh.B, sh.S, C),
+                          a::tensor(v, "v", sh.B, sh.S, C), a::contiguous(out, "out", sh.B, sh.L, C),
+                          a::lse(lse, sh), sh, a::dropout(dropout_p, seed, offset));
+  }
+
+ private:
+  AttentionSpec spec_;
+};
+
 class CpuStream final : public Stream {
  public:
   explicit CpuStream(Device device) : Stream(device) {}
@@ -87,6 +119,10 @@ class CpuStream final : public Stream {
   }
   std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec) override {
     return std::make_unique<CpuPool2dOp>(spec);
+  }
+  std::unique_ptr<AttentionOp> make_attention(const AttentionSpec& spec) override {
+    DPAR_CHECK_ARG(spec.heads >= 1, spec.str(), ": heads must be >= 1, got ", spec.heads);
+    return std::make_unique<CpuAttentionOp>(spec);
   }
 
  protected:
@@ -213,6 +249,14 @@ class CpuStream final : public Stream {
   void run_call(const call::EmbeddingBackward& c) {
     k::embedding_backward(f32(c, c.dweight), f32(c, c.dout), i32(c, c.idx), c.idx.numel(), c.dweight.size(0),
                           c.dweight.size(1), c.padding_idx, c.accumulate);
+  }
+  void run_call(const call::PositionEmbeddingForward& c) {
+    k::position_embedding_forward(f32(c, c.out), f32(c, c.inp), f32(c, c.weight), c.inp.size(0), c.inp.size(1),
+                                  c.inp.size(2));
+  }
+  void run_call(const call::PositionEmbeddingBackward& c) {
+    k::position_embedding_backward(f32(c, c.dweight), f32(c, c.dout), c.dout.size(0), c.dout.size(1),
+                                   c.dout.size(2), c.dweight.size(0), c.accumulate);
   }
 };
 

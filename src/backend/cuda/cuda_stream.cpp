@@ -4,10 +4,12 @@
 
 #include <cstring>
 
+#include "backend/attention_refs.h"
 #include "common/error.h"
 #ifdef DPAR_HAVE_CUDNN_HEADERS
 #include "backend/cuda/cudnn_ops.h"
 #endif
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/kernels.h"
 #include "platform/cuda/cublas_library.h"
 #include "platform/cuda/cuda_check.h"
@@ -19,6 +21,8 @@ namespace k = kernels::cuda;
 using cuda::cublas;
 using cuda::CublasLibrary;
 using cuda::DeviceScope;
+
+class CudaAttentionOp;
 
 // ---- A replica's stream -----------------------------------------------------------------------------------------
 class CudaStream final : public Stream {
@@ -131,6 +135,8 @@ class CudaStream final : public Stream {
     fail(Status::kNotSupported, spec.str(), " on ", device().str(), ": ", kNoCudnnHeaders);
 #endif
   }
+  // cuBLAS GEMMs around attention's softmax kernels (kernels/cuda/attention.h).
+  std::unique_ptr<AttentionOp> make_attention(const AttentionSpec& spec) override;
   double sum_squares(const TensorRef& ref) override {
     const float* x = ref.contiguous_as<float>("sum_squares");
     const int64_t n = ref.numel();
@@ -152,6 +158,7 @@ class CudaStream final : public Stream {
   }
 
  private:
+  friend class CudaAttentionOp;
   // A call's argument as the typed kernels read it (contiguous elements of the kernel's dtype); an error names the
   // call. Nothing is kept between calls: a stream runs calls from its worker and its communication thread.
   template <class C>
@@ -275,6 +282,14 @@ class CudaStream final : public Stream {
     k::embedding_backward(f32(c, c.dweight), f32(c, c.dout), i32(c, c.idx), c.idx.numel(), c.dweight.size(0),
                           c.dweight.size(1), c.padding_idx, c.accumulate, stream_);
   }
+  void run_call(const call::PositionEmbeddingForward& c) {
+    k::position_embedding_forward(f32(c, c.out), f32(c, c.inp), f32(c, c.weight), c.inp.size(0), c.inp.size(1),
+                                  c.inp.size(2), stream_);
+  }
+  void run_call(const call::PositionEmbeddingBackward& c) {
+    k::position_embedding_backward(f32(c, c.dweight), f32(c, c.dout), c.dout.size(0), c.dout.size(1),
+                                   c.dout.size(2), c.dweight.size(0), c.accumulate, stream_);
+  }
 
   void finish_setup() {
     try {
@@ -328,6 +343,77 @@ class CudaStream final : public Stream {
   size_t pinned_bytes_ = 0;
   double* sum_scratch_ = nullptr;  // sum_squares's partial sums (kSumSquaresBlocks) and total (1), device memory
 };
+
+// Attention on the stream it was made by, which must outlive its calls (a layer's op is its replica's). It owns the
+// workspace that holds every head's weights during a call, grown to the largest call so far; nothing in it
+// outlives a call (backward recomputes the weights), so one workspace serves forward and backward of any shape.
+class CudaAttentionOp final : public AttentionOp {
+ public:
+  CudaAttentionOp(const AttentionSpec& spec, CudaStream* stream) : spec_(spec), stream_(stream) {}
+  ~CudaAttentionOp() override {
+    if (workspace_) {
+      DeviceScope scope(stream_device_, std::nothrow);
+      (void)cudaFree(workspace_);  // waits for the device's work, which may still read it
+    }
+  }
+
+  void forward(const TensorRef& out, const TensorRef& lse, const TensorRef& q, const TensorRef& k, const TensorRef& v,
+               float dropout_p, uint64_t seed, uint64_t offset) override {
+    namespace a = attention_refs;
+    const auto sh = a::shape(spec_, q, k);
+    const int64_t C = sh.heads * sh.D;
+    const auto o = a::contiguous(out, "out", sh.B, sh.L, C), qq = a::tensor(q, "q", sh.B, sh.L, C),
+               kk = a::tensor(k, "k", sh.B, sh.S, C), vv = a::tensor(v, "v", sh.B, sh.S, C);
+    float* l = a::lse(lse, sh);
+    const auto drop = a::dropout(dropout_p, seed, offset);
+    const auto scope = stream_->enter();
+    float* ws = workspace(k::attention_workspace_floats(sh, false));
+    k::attention_forward(o, l, qq, kk, vv, sh, drop, ws, stream_->blas(), stream_->stream_);
+  }
+  void backward(const TensorRef& dq, const TensorRef& dk, const TensorRef& dv, const TensorRef& dout,
+                const TensorRef& q, const TensorRef& k, const TensorRef& v, const TensorRef& out, const TensorRef& lse,
+                float dropout_p, uint64_t seed, uint64_t offset) override {
+    namespace a = attention_refs;
+    const auto sh = a::shape(spec_, q, k);
+    const int64_t C = sh.heads * sh.D;
+    const auto gq = a::tensor(dq, "dq", sh.B, sh.L, C), gk = a::tensor(dk, "dk", sh.B, sh.S, C),
+               gv = a::tensor(dv, "dv", sh.B, sh.S, C), go = a::contiguous(dout, "dout", sh.B, sh.L, C),
+               qq = a::tensor(q, "q", sh.B, sh.L, C), kk = a::tensor(k, "k", sh.B, sh.S, C),
+               vv = a::tensor(v, "v", sh.B, sh.S, C), o = a::contiguous(out, "out", sh.B, sh.L, C);
+    const float* l = a::lse(lse, sh);
+    const auto drop = a::dropout(dropout_p, seed, offset);
+    const auto scope = stream_->enter();
+    float* ws = workspace(k::attention_workspace_floats(sh, true));
+    k::attention_backward(gq, gk, gv, go, qq, kk, vv, o, l, sh, drop, ws, stream_->blas(), stream_->stream_);
+  }
+
+ private:
+  // At least `floats` of device memory. A larger one replaces the old after the stream's queued work (which may
+  // read the old) is done: cudaFree waits for the device.
+  float* workspace(int64_t floats) {
+    if (floats <= capacity_) return workspace_;
+    if (workspace_) {
+      DPAR_CUDA_CHECK(cudaFree(workspace_), "cudaFree of attention's workspace on ", stream_->device().str());
+      workspace_ = nullptr, capacity_ = 0;
+    }
+    DPAR_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&workspace_), static_cast<size_t>(floats) * sizeof(float)),
+                    "cudaMalloc of attention's workspace (", floats, " floats) on ", stream_->device().str());
+    capacity_ = floats;
+    stream_device_ = stream_->device().index;
+    return workspace_;
+  }
+
+  AttentionSpec spec_;
+  CudaStream* stream_;
+  float* workspace_ = nullptr;
+  int64_t capacity_ = 0;
+  int stream_device_ = 0;
+};
+
+std::unique_ptr<AttentionOp> CudaStream::make_attention(const AttentionSpec& spec) {
+  DPAR_CHECK_ARG(spec.heads >= 1, spec.str(), ": heads must be >= 1, got ", spec.heads);
+  return std::make_unique<CudaAttentionOp>(spec, this);
+}
 
 }  // namespace
 

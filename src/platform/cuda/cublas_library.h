@@ -17,6 +17,7 @@ struct CublasLibrary {
   decltype(&cublasSetStream_v2) set_stream = nullptr;
   decltype(&cublasSetMathMode) set_math_mode = nullptr;
   decltype(&cublasSgemm_v2) sgemm = nullptr;
+  decltype(&cublasSgemmStridedBatched) sgemm_strided_batched = nullptr;  // attention's per-head products
   decltype(&cublasGetStatusString) status_string = nullptr;
   std::string path;  // the file that was loaded
 };

@@ -64,6 +64,8 @@ const I32 = Int32(1)
 const RELU, GELU, TANH, SIGMOID, SILU = Int32(0), Int32(1), Int32(2), Int32(3), Int32(4)
 const SGD, ADAM, ADAMW = Int32(0), Int32(1), Int32(2)
 const LOSS_CROSS_ENTROPY, LOSS_MSE = Int32(0), Int32(1)
+# The cross-entropy target that is ignored: no loss, no gradient, not counted in the mean (PyTorch's ignore_index).
+const IGNORE_INDEX = Int32(-100)
 const PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Int32(0), Int32(1), Int32(2)
 const COMPRESSION_NONE, COMPRESSION_BF16 = Int32(0), Int32(1)
 const REDUCTION_ALL_REDUCE, REDUCTION_REDUCE_SCATTER = Int32(0), Int32(1)

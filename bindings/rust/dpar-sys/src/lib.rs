@@ -11,6 +11,8 @@ pub type dpar_status = i32;
 pub const DPAR_OK: dpar_status = 0;
 /// The model's input, where a node id is expected.
 pub const DPAR_MODEL_INPUT: i32 = -1;
+/// The cross-entropy target that is ignored (PyTorch's default ignore_index).
+pub const DPAR_IGNORE_INDEX: i32 = -100;
 pub const DPAR_ERR_INVALID_ARGUMENT: dpar_status = -1;
 pub const DPAR_ERR_OUT_OF_MEMORY: dpar_status = -2;
 pub const DPAR_ERR_DEVICE: dpar_status = -3;

@@ -604,6 +604,10 @@ unsafe extern "C" fn drop_payload<T>(payload: *mut c_void) {
 /// The model's input, where a node id is expected ([`Model::branch_from`], [`Model::add_sum`]).
 pub const MODEL_INPUT: i32 = sys::DPAR_MODEL_INPUT;
 
+/// The cross-entropy target that is ignored: no loss, no gradient, not counted in the mean (PyTorch's default
+/// `ignore_index`, for padding and prompt tokens).
+pub const IGNORE_INDEX: i32 = sys::DPAR_IGNORE_INDEX;
+
 handle! {
     /// A model graph on the host, built append-only: the template an [`Engine`] copies to every device. Each add
     /// reads the previous node (or the one [`Model::branch_from`] chose); the output is the last node.

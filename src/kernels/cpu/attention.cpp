@@ -1,0 +1,348 @@
+// Flash-attention style on one core: per head, a block of kBq queries against blocks of kBk keys. Forward keeps a
+// running maximum m, sum l and output accumulator per query (the online softmax: a new key block rescales what came
+// before by exp(m_old - m_new)), and writes out = acc / l and lse = m + log l. Backward, per query block and key
+// block, recomputes P = exp(scale q k^T - lse) and accumulates
+//   dv += P_drop^T dout,   dP = (dout v^T) * mask / (1-p),   dS = P * (dP - D_i) with D_i = dout_i . out_i,
+//   dq += scale dS k,      dk += scale dS^T q.
+// Causal: key blocks above the diagonal are never visited. Everything is f32 (as PyTorch's CPU SDPA); the only
+// memory beyond the tensors is a few tiles of one query block.
+//
+// The per-head routines are compiled for every vector ISA (vector_isa.h) and picked at run time; their inner loops
+// run along a tile's fixed kBk keys or along D channels, so the compiler vectorizes them. exp is a polynomial of
+// our own that vectorizes (std::exp stays a scalar call per element).
+#include "kernels/cpu/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/vector_isa.h"
+#include "kernels/dropout_rng.h"
+
+namespace dpar::kernels::cpu {
+namespace {
+
+constexpr int64_t kBq = 64;  // queries per block
+constexpr int64_t kBk = 64;  // keys per block
+constexpr int kLanes = 16;   // partial maxima and sums of a tile row
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 within 2 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial in r, times
+// 2^n); 0 below -87 (and for -inf), where exp is below FLT_MIN. Branch-free, so a loop over it vectorizes.
+DPAR_VECTOR_LOOP float exp_nonpositive(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return x < -87.0f ? 0.0f : p * two_n;
+}
+
+// What one head's routine needs: its pointers (head h's column offset applied) and leading dimensions.
+struct HeadJob {
+  const float *q, *k, *v, *out, *dout;
+  float *out_w, *lse, *dq, *dk, *dv;
+  int64_t ldq, ldk, ldv, ldo, lddo, lddq, lddk, lddv;
+  int64_t L, S, D;
+  float scale;
+  bool causal;
+  float p;           // dropout probability
+  uint64_t key;      // rng::stream_key(seed)
+  uint64_t counter;  // the counter of weight (i=0, j=0): offset + (b*heads + h)*L*S
+  AttentionTiles tiles;
+  float* scratch;
+};
+
+// Scratch floats per call: two score tiles, two transposed key tiles, one accumulator tile, and D_i.
+int64_t scratch_floats(int64_t D) { return 2 * kBq * kBk + 2 * D * kBk + kBq * D + kBq; }
+
+// s (mq, kBk) = a (mq, D) b (nk, D)^T, columns nk.. of s left as they come (zero in the loops' version).
+// bt (D, kBk): scratch for b transposed, so that the inner loop runs along kBk keys.
+DPAR_VECTOR_LOOP void tile_abt(float* s, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t mq,
+                               int64_t nk, int64_t D, float* bt, AttentionTiles tiles) {
+  if (tiles == AttentionTiles::kSgemm) {
+    sgemm(false, true, mq, nk, D, 1.0f, a, lda, b, ldb, 0.0f, s, kBk);
+    return;
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    float* row = bt + d * kBk;
+    for (int64_t j = 0; j < nk; ++j) row[j] = b[j * ldb + d];
+    for (int64_t j = nk; j < kBk; ++j) row[j] = 0.0f;
+  }
+  int64_t i = 0;
+  // Two query rows at a time: eight independent vector chains where one row had four.
+  for (; i + 2 <= mq; i += 2) {
+    float r0[kBk] = {}, r1[kBk] = {};
+    const float* a0 = a + i * lda;
+    const float* a1 = a0 + lda;
+    for (int64_t d = 0; d < D; ++d) {
+      const float x0 = a0[d], x1 = a1[d];
+      const float* col = bt + d * kBk;
+      for (int64_t j = 0; j < kBk; ++j) {
+        r0[j] += x0 * col[j];
+        r1[j] += x1 * col[j];
+      }
+    }
+    std::memcpy(s + i * kBk, r0, sizeof r0);
+    std::memcpy(s + (i + 1) * kBk, r1, sizeof r1);
+  }
+  for (; i < mq; ++i) {
+    float r0[kBk] = {};
+    const float* a0 = a + i * lda;
+    for (int64_t d = 0; d < D; ++d) {
+      const float x0 = a0[d];
+      const float* col = bt + d * kBk;
+      for (int64_t j = 0; j < kBk; ++j) r0[j] += x0 * col[j];
+    }
+    std::memcpy(s + i * kBk, r0, sizeof r0);
+  }
+}
+
+// c (mq, D) += w (mq, nk) b (nk, D).
+DPAR_VECTOR_LOOP void tile_wb(float* c, int64_t ldc, const float* w, const float* b, int64_t ldb, int64_t mq,
+                              int64_t nk, int64_t D, AttentionTiles tiles) {
+  if (tiles == AttentionTiles::kSgemm) {
+    sgemm(false, false, mq, D, nk, 1.0f, w, kBk, b, ldb, 1.0f, c, ldc);
+    return;
+  }
+  for (int64_t i = 0; i < mq; ++i) {
+    float* ci = c + i * ldc;
+    const float* wi = w + i * kBk;
+    for (int64_t j = 0; j < nk; ++j) {
+      const float x = wi[j];
+      if (x == 0.0f) continue;  // masked and dropped weights
+      const float* bj = b + j * ldb;
+      for (int64_t d = 0; d < D; ++d) ci[d] += x * bj[d];
+    }
+  }
+}
+
+// c (nk, D) += w (mq, nk)^T b (mq, D).
+DPAR_VECTOR_LOOP void tile_wtb(float* c, int64_t ldc, const float* w, const float* b, int64_t ldb, int64_t mq,
+                               int64_t nk, int64_t D, AttentionTiles tiles) {
+  if (tiles == AttentionTiles::kSgemm) {
+    sgemm(true, false, nk, D, mq, 1.0f, w, kBk, b, ldb, 1.0f, c, ldc);
+    return;
+  }
+  for (int64_t i = 0; i < mq; ++i) {
+    const float* wi = w + i * kBk;
+    const float* bi = b + i * ldb;
+    for (int64_t j = 0; j < nk; ++j) {
+      const float x = wi[j];
+      if (x == 0.0f) continue;
+      float* cj = c + j * ldc;
+      for (int64_t d = 0; d < D; ++d) cj[d] += x * bi[d];
+    }
+  }
+}
+
+// Keys j0 + j with j < the result are visible to query i0 + i (causal: j0 + j <= i0 + i).
+DPAR_VECTOR_LOOP int64_t visible(const HeadJob& job, int64_t i0, int64_t i, int64_t j0, int64_t nk) {
+  if (!job.causal) return nk;
+  return std::max<int64_t>(0, std::min<int64_t>(nk, i0 + i - j0 + 1));
+}
+
+// The last key (exclusive) that any query of the block [i0, i0 + mq) sees.
+DPAR_VECTOR_LOOP int64_t keys_end(const HeadJob& job, int64_t i0, int64_t mq) {
+  return job.causal ? std::min(job.S, i0 + mq) : job.S;
+}
+
+DPAR_VECTOR_LOOP float row_max(const float* row) {
+  float m[kLanes];
+  for (int t = 0; t < kLanes; ++t) m[t] = row[t];
+  for (int64_t j = kLanes; j < kBk; j += kLanes)
+    for (int t = 0; t < kLanes; ++t) m[t] = row[j + t] > m[t] ? row[j + t] : m[t];
+  float r = m[0];
+  for (int t = 1; t < kLanes; ++t) r = m[t] > r ? m[t] : r;
+  return r;
+}
+
+DPAR_VECTOR_LOOP float row_sum(const float* row) {
+  float s[kLanes] = {};
+  for (int64_t j = 0; j < kBk; j += kLanes)
+    for (int t = 0; t < kLanes; ++t) s[t] += row[j + t];
+  float r = 0.0f;
+  for (int t = 0; t < kLanes; ++t) r += s[t];
+  return r;
+}
+
+// The dropout factor of weight (i, j) of the head: 0 (dropped) or 1/(1-p).
+DPAR_VECTOR_LOOP float keep_factor(const HeadJob& job, int64_t i, int64_t j, float inv_keep) {
+  return rng::uniform24(job.key, job.counter + static_cast<uint64_t>(i * job.S + j)) >= job.p ? inv_keep : 0.0f;
+}
+
+DPAR_VECTOR_LOOP void forward_head(const HeadJob* jp) {
+  const HeadJob& job = *jp;
+  const int64_t D = job.D;
+  float* s = job.scratch;
+  float* bt = s + 2 * kBq * kBk;
+  float* acc = bt + 2 * D * kBk;
+  const float inv_keep = job.p > 0.0f ? 1.0f / (1.0f - job.p) : 1.0f;
+  float m[kBq], l[kBq];
+  for (int64_t i0 = 0; i0 < job.L; i0 += kBq) {
+    const int64_t mq = std::min(kBq, job.L - i0);
+    for (int64_t i = 0; i < mq; ++i) m[i] = kNegInf, l[i] = 0.0f;
+    std::fill(acc, acc + mq * D, 0.0f);
+    const int64_t jend = keys_end(job, i0, mq);
+    for (int64_t j0 = 0; j0 < jend; j0 += kBk) {
+      const int64_t nk = std::min(kBk, jend - j0);
+      tile_abt(s, job.q + i0 * job.ldq, job.ldq, job.k + j0 * job.ldk, job.ldk, mq, nk, D, bt, job.tiles);
+      for (int64_t i = 0; i < mq; ++i) {
+        float* row = s + i * kBk;
+        const int64_t lim = visible(job, i0, i, j0, nk);
+        for (int64_t j = 0; j < kBk; ++j) row[j] = j < lim ? row[j] * job.scale : kNegInf;
+        const float mx = row_max(row);
+        const float m_new = mx > m[i] ? mx : m[i];
+        if (m_new == kNegInf) continue;  // nothing visible yet: the row is all -inf, its weights all 0
+        const float corr = exp_nonpositive(m[i] - m_new);
+        for (int64_t j = 0; j < kBk; ++j) row[j] = exp_nonpositive(row[j] - m_new);
+        l[i] = l[i] * corr + row_sum(row);
+        m[i] = m_new;
+        if (job.p > 0.0f)
+          for (int64_t j = 0; j < lim; ++j) row[j] *= keep_factor(job, i0 + i, j0 + j, inv_keep);
+        float* ai = acc + i * D;
+        if (corr != 1.0f)
+          for (int64_t d = 0; d < D; ++d) ai[d] *= corr;
+      }
+      for (int64_t i = 0; i < mq; ++i)
+        if (m[i] == kNegInf) std::fill(s + i * kBk, s + (i + 1) * kBk, 0.0f);
+      tile_wb(acc, D, s, job.v + j0 * job.ldv, job.ldv, mq, nk, D, job.tiles);
+    }
+    for (int64_t i = 0; i < mq; ++i) {
+      // A query that sees no key (only possible with S == 0) gets 0, as PyTorch's CPU flash kernel gives.
+      const float inv_l = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+      float* o = job.out_w + (i0 + i) * job.ldo;
+      const float* ai = acc + i * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = ai[d] * inv_l;
+      job.lse[i0 + i] = l[i] > 0.0f ? m[i] + std::log(l[i]) : kNegInf;
+    }
+  }
+}
+
+DPAR_VECTOR_LOOP void backward_head(const HeadJob* jp) {
+  const HeadJob& job = *jp;
+  const int64_t D = job.D;
+  float* s = job.scratch;  // P, then P with dropout applied
+  float* t = s + kBq * kBk;  // dP, then dS (scaled)
+  float* bt = t + kBq * kBk;
+  float* di = bt + 2 * D * kBk + kBq * D;
+  const float inv_keep = job.p > 0.0f ? 1.0f / (1.0f - job.p) : 1.0f;
+  for (int64_t i = 0; i < job.L; ++i) std::fill(job.dq + i * job.lddq, job.dq + i * job.lddq + D, 0.0f);
+  for (int64_t j = 0; j < job.S; ++j) {
+    std::fill(job.dk + j * job.lddk, job.dk + j * job.lddk + D, 0.0f);
+    std::fill(job.dv + j * job.lddv, job.dv + j * job.lddv + D, 0.0f);
+  }
+  for (int64_t i0 = 0; i0 < job.L; i0 += kBq) {
+    const int64_t mq = std::min(kBq, job.L - i0);
+    for (int64_t i = 0; i < mq; ++i) {
+      const float* o = job.out + (i0 + i) * job.ldo;
+      const float* g = job.dout + (i0 + i) * job.lddo;
+      float sum = 0.0f;
+      for (int64_t d = 0; d < D; ++d) sum += g[d] * o[d];
+      di[i] = sum;
+    }
+    const int64_t jend = keys_end(job, i0, mq);
+    for (int64_t j0 = 0; j0 < jend; j0 += kBk) {
+      const int64_t nk = std::min(kBk, jend - j0);
+      tile_abt(s, job.q + i0 * job.ldq, job.ldq, job.k + j0 * job.ldk, job.ldk, mq, nk, D, bt, job.tiles);
+      tile_abt(t, job.dout + i0 * job.lddo, job.lddo, job.v + j0 * job.ldv, job.ldv, mq, nk, D, bt + D * kBk,
+               job.tiles);
+      for (int64_t i = 0; i < mq; ++i) {
+        float* prow = s + i * kBk;
+        float* trow = t + i * kBk;
+        const int64_t lim = visible(job, i0, i, j0, nk);
+        const float lse = job.lse[i0 + i], dii = di[i];
+        for (int64_t j = 0; j < kBk; ++j) prow[j] = j < lim ? exp_nonpositive(prow[j] * job.scale - lse) : 0.0f;
+        if (job.p > 0.0f) {
+          for (int64_t j = 0; j < lim; ++j) {
+            const float f = keep_factor(job, i0 + i, j0 + j, inv_keep);
+            trow[j] = prow[j] * (trow[j] * f - dii) * job.scale;
+            prow[j] *= f;
+          }
+        } else {
+          for (int64_t j = 0; j < kBk; ++j) trow[j] = prow[j] * (trow[j] - dii) * job.scale;
+        }
+        for (int64_t j = lim; j < kBk; ++j) trow[j] = 0.0f;
+      }
+      tile_wtb(job.dv + j0 * job.lddv, job.lddv, s, job.dout + i0 * job.lddo, job.lddo, mq, nk, D, job.tiles);
+      tile_wb(job.dq + i0 * job.lddq, job.lddq, t, job.k + j0 * job.ldk, job.ldk, mq, nk, D, job.tiles);
+      tile_wtb(job.dk + j0 * job.lddk, job.lddk, t, job.q + i0 * job.ldq, job.ldq, mq, nk, D, job.tiles);
+    }
+  }
+}
+
+// Head h of batch b of a (B, positions, C) tensor.
+const float* head_of(const AttentionTensor& x, int64_t b, int64_t h, int64_t D) {
+  return x.data ? x.data + b * x.batch_stride + h * D : nullptr;
+}
+float* head_of_w(const AttentionTensor& x, int64_t b, int64_t h, int64_t D) {
+  return x.data ? x.data + b * x.batch_stride + h * D : nullptr;
+}
+
+HeadJob job_for(const AttentionShape& sh, const AttentionDropout& dropout, AttentionTiles tiles, float* scratch) {
+  HeadJob job{};
+  job.L = sh.L, job.S = sh.S, job.D = sh.D;
+  job.scale = sh.scale;
+  job.causal = sh.causal;
+  job.p = dropout.p;
+  job.key = rng::stream_key(dropout.seed);
+  job.tiles = tiles;
+  job.scratch = scratch;
+  return job;
+}
+
+// Where a worker's GEMM threads are the oneDNN calls' business (gemm.h); the loops need no scope.
+template <auto kHead>
+void run_heads(HeadJob& job, const AttentionShape& sh, const AttentionDropout& dropout, auto&& set_head) {
+  for (int64_t b = 0; b < sh.B; ++b)
+    for (int64_t h = 0; h < sh.heads; ++h) {
+      set_head(b, h);
+      job.counter = dropout.offset + static_cast<uint64_t>((b * sh.heads + h) * sh.L * sh.S);
+      run_vector<kHead>(static_cast<const HeadJob*>(&job));
+    }
+}
+
+}  // namespace
+
+void attention_forward(const AttentionTensor& out, float* lse, const AttentionTensor& q, const AttentionTensor& k,
+                       const AttentionTensor& v, const AttentionShape& sh, const AttentionDropout& dropout,
+                       AttentionTiles tiles) {
+  std::vector<float> scratch(static_cast<size_t>(scratch_floats(sh.D)));
+  HeadJob job = job_for(sh, dropout, tiles, scratch.data());
+  job.ldq = q.row_stride, job.ldk = k.row_stride, job.ldv = v.row_stride, job.ldo = out.row_stride;
+  run_heads<forward_head>(job, sh, dropout, [&](int64_t b, int64_t h) {
+    job.q = head_of(q, b, h, sh.D), job.k = head_of(k, b, h, sh.D), job.v = head_of(v, b, h, sh.D);
+    job.out_w = head_of_w(out, b, h, sh.D);
+    job.lse = lse + (b * sh.heads + h) * sh.L;
+  });
+}
+
+void attention_backward(const AttentionTensor& dq, const AttentionTensor& dk, const AttentionTensor& dv,
+                        const AttentionTensor& dout, const AttentionTensor& q, const AttentionTensor& k,
+                        const AttentionTensor& v, const AttentionTensor& out, const float* lse,
+                        const AttentionShape& sh, const AttentionDropout& dropout, AttentionTiles tiles) {
+  std::vector<float> scratch(static_cast<size_t>(scratch_floats(sh.D)));
+  HeadJob job = job_for(sh, dropout, tiles, scratch.data());
+  job.ldq = q.row_stride, job.ldk = k.row_stride, job.ldv = v.row_stride, job.ldo = out.row_stride;
+  job.lddo = dout.row_stride, job.lddq = dq.row_stride, job.lddk = dk.row_stride, job.lddv = dv.row_stride;
+  run_heads<backward_head>(job, sh, dropout, [&](int64_t b, int64_t h) {
+    job.q = head_of(q, b, h, sh.D), job.k = head_of(k, b, h, sh.D), job.v = head_of(v, b, h, sh.D);
+    job.out = head_of(out, b, h, sh.D), job.dout = head_of(dout, b, h, sh.D);
+    job.dq = head_of_w(dq, b, h, sh.D), job.dk = head_of_w(dk, b, h, sh.D), job.dv = head_of_w(dv, b, h, sh.D);
+    job.lse = const_cast<float*>(lse) + (b * sh.heads + h) * sh.L;
+  });
+}
+
+}  // namespace dpar::kernels::cpu
