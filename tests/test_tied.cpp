@@ -197,6 +197,61 @@ TEST(TiedWeights, ALaterReadersOwnParametersAreOverwrittenNotAddedTo) {
   expect_gradient_matches_differences(m, x);
 }
 
+// A layer of two inputs with parameters (none of dpar's has both yet): out = weight * a + b + bias over (B, C),
+// weight and bias (C), in plain loops on host memory.
+class ScaledSum final : public Layer {
+ public:
+  explicit ScaledSum(int64_t c) : c_(c) {}
+  std::string describe() const override { return "scaled_sum(" + std::to_string(c_) + ")"; }
+  std::vector<ParamSpec> param_specs() const override {
+    return {{"weight", Shape{c_}, InitKind::kUniform, 1.0f}, {"bias", Shape{c_}, InitKind::kUniform, 1.0f}};
+  }
+  size_t num_inputs() const override { return 2; }
+  Shape output_shape(const Shape& in) const override { return in; }
+  Shape output_shape_of(const std::vector<Shape>& in) const override { return in[0]; }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<ScaledSum>(c_); }
+  void forward(const ReplicaContext&, const Tensor&, const Tensor&) override { fail(Status::kInternal, "2 inputs"); }
+  void backward(const ReplicaContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool) override {
+    fail(Status::kInternal, "2 inputs");
+  }
+  void forward_inputs(const ReplicaContext&, const std::vector<Tensor>& in, const Tensor& out) override {
+    const float *w = bound_params_[0].f32(), *bias = bound_params_[1].f32();
+    for (int64_t i = 0; i < out.numel(); ++i)
+      out.f32()[i] = w[i % c_] * in[0].f32()[i] + in[1].f32()[i] + bias[i % c_];
+  }
+  void backward_inputs(const ReplicaContext&, const std::vector<Tensor>& in, const Tensor&, const Tensor& dout,
+                       const std::vector<Tensor>& din, bool accumulate) override {
+    const float* w = bound_params_[0].f32();
+    float *dw = bound_grads_[0].f32(), *db = bound_grads_[1].f32();
+    if (!accumulate) std::fill_n(dw, c_, 0.0f), std::fill_n(db, c_, 0.0f);
+    for (int64_t i = 0; i < dout.numel(); ++i) {
+      const float g = dout.f32()[i];
+      dw[i % c_] += g * in[0].f32()[i];
+      db[i % c_] += g;
+      din[0].f32()[i] = g * w[i % c_];
+      din[1].f32()[i] = g;
+    }
+  }
+
+ private:
+  int64_t c_;
+};
+
+// The layer of two inputs as the lower reader (it adds to the LayerNorm's gradient, and its own bias is
+// overwritten, not added to): linear -> scaled_sum(linear, input) -> layernorm whose weight is the scaled sum's ->
+// linear.
+TEST(TiedWeights, ALayerOfSeveralInputsAddsToATiedGradient) {
+  Model m(6);
+  m.add(make_linear(4, 4, true));                               // 0
+  m.add(std::make_unique<ScaledSum>(4), {0, kModelInput});      // 1
+  m.add(make_layernorm(4, 1e-5f, true));                        // 2
+  m.add(make_linear(4, 3, true));                               // 3
+  m.tie_param(2, "weight", 1, "weight");
+  ASSERT_EQ(m.params().size(), 7u);  // 2 + 2 + 1 (the bias; the weight is the scaled sum's) + 2
+  Tensor x = test::host_tensor(test::randn(12, 8), Shape{3, 4});
+  expect_gradient_matches_differences(m, x);
+}
+
 // Engines: Adam over (B, T) tokens, the output flattened to (B, T * V) for the engine's cross-entropy.
 Model gpt_classifier(Tie tie) {
   Model m = gpt_model(tie);

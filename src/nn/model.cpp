@@ -334,6 +334,13 @@ void ReplicaModel::backward_inputs(const ReplicaContext& ctx, int32_t id, const 
   }
 }
 
+bool ReplicaModel::tied_accumulate(const ReplicaContext& ctx, size_t node, bool accumulate) {
+  // A later reader of a tied parameter adds to it (see the constructor): what it writes first is zeroed.
+  if (!tied_adds_[node] || accumulate) return accumulate;
+  for (const Tensor& g : tied_zero_[node]) ctx.stream->fill_zero(g.raw(), g.bytes());
+  return true;
+}
+
 void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
                             const std::function<void(size_t node)>& node_done) {
   DPAR_ENFORCE(has_forward_, Status::kInvalidState, "backward: no forward state on ", ctx.device.str());
@@ -363,7 +370,7 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
     const bool pair = i > 0 && epilogue_[i - 1] != Epilogue::kNone;  // nodes i - 1 and i run as one
     const size_t first = pair ? i - 1 : i;
     if (!pair && node.kind == NodeKind::kLayer && node.inputs.size() > 1) {
-      backward_inputs(ctx, static_cast<int32_t>(i), dout, accumulate);
+      backward_inputs(ctx, static_cast<int32_t>(i), dout, tied_accumulate(ctx, i, accumulate));
       if (node_done) node_done(i);
       continue;
     }
@@ -372,11 +379,7 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
       const int32_t in_id = head.inputs[0];
       const Tensor in = output(in_id);
       const Tensor out = output(id);
-      // A later reader of a tied parameter adds to it (see the constructor): what it writes first is zeroed.
-      const bool adds = tied_adds_[first] && !accumulate;
-      if (adds)
-        for (const Tensor& g : tied_zero_[first]) ctx.stream->fill_zero(g.raw(), g.bytes());
-      const bool acc = accumulate || tied_adds_[first];
+      const bool acc = tied_accumulate(ctx, first, accumulate);
       auto run = [&](const Tensor& din) {
         if (pair)
           head.layer->backward_with_epilogue(ctx, epilogue_[first], in, out, dout, grad_of(static_cast<int32_t>(first)),

@@ -230,6 +230,9 @@ class ReplicaModel {
  private:
   // Makes sure activation buffers hold `rows` rows and plans the gradient buffers; grows, never shrinks.
   void reserve(const ReplicaContext& ctx, const Shape& input);
+  // The accumulate flag node `node`'s backward runs with: true where it adds to a tied gradient a higher node wrote
+  // (the gradients it writes first are then zeroed here, when the caller does not accumulate), else the caller's.
+  bool tied_accumulate(const ReplicaContext& ctx, size_t node, bool accumulate);
   // Throws Error(NOT_SUPPORTED) naming the first node that needs a kernel `stream` cannot run.
   void check_kernels(const Stream& stream) const;
   // The node whose memory a node's output is (following views back); kModelInput for the input.
