@@ -362,11 +362,12 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
                 # dpar (4, 4) is a Julia 4 x 4 matrix (dimensions reversed).
                 x = Dpar.Tensor(reshape(Int32[(i * 7) % 11 for i in 0:15], 4, 4))
                 y = Dpar.Tensor(Int32[0, 1, 2, 1])
+                long = Dpar.Tensor(reshape(Int32[i % 11 for i in 0:19], 5, 4))
+                @test throws_dpar(() -> Dpar.train_step!(e, long, y), bad,
+                                  "a sequence of 5 positions is longer than the 4")
                 first = Dpar.train_step!(e, x, y)
                 @test isfinite(first)
                 @test Dpar.train_step!(e, x, y) < first
-                long = Dpar.Tensor(reshape(Int32[i % 11 for i in 0:19], 5, 4))
-                @test throws_dpar(() -> Dpar.train_step!(e, long, y), bad, "longer than the 4")
             end
         end
         Dpar.Model(1) do mha
