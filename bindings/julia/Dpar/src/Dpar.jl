@@ -43,7 +43,7 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_no
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
        num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!, batchnorm1d!, batchnorm2d!,
-       layernorm!, embedding!,
+       layernorm!, embedding!, position_embedding!, attention!, multihead_attention!, causal_self_attention!,
        sync_batchnorm!, convert_sync_batchnorm!, num_buffers, buffer_info, get_buffer, set_buffer!, buffer
 
 const OK = Int32(0)
@@ -440,6 +440,53 @@ function embedding!(m::Model, num_embeddings::Integer, embedding_dim::Integer; p
         check(ccall((:dpar_model_add_embedding_padded, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64, Int64),
                     m.ptr, num_embeddings, embedding_dim, padding_idx))
     end
+    m
+end
+
+"""`position_embedding!(model, max_positions, embedding_dim)`: appends GPT-2's learned position embedding
+(nanoGPT's wpe): a (B, T, C) input gives input + weight[t] at position t, its "weight" (max_positions,
+embedding_dim) drawn from N(0, 1). A sequence longer than `max_positions` is refused."""
+function position_embedding!(m::Model, max_positions::Integer, embedding_dim::Integer)
+    check(ccall((:dpar_model_add_position_embedding, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64),
+                m.ptr, max_positions, embedding_dim))
+    m
+end
+
+"""`attention!(model, num_heads; inputs=nothing, is_causal=false, dropout_p=0, scale=nothing)`: appends
+F.scaled_dot_product_attention(q, k, v; dropout_p, is_causal, scale) over `num_heads` heads, the output (B, L, C)
+with the heads merged. `inputs`: the (0-based) nodes q, k and v; one node, a packed (B, T, 3C) q|k|v projection; or
+`nothing` for the next input as a packed projection. `scale` `nothing` is 1/sqrt(head size). No parameters."""
+function attention!(m::Model, num_heads::Integer; inputs = nothing, is_causal::Bool = false, dropout_p::Real = 0,
+                    scale = nothing)
+    v = inputs === nothing ? Int32[] : Vector{Int32}(inputs)
+    p = isempty(v) ? Ptr{Int32}(C_NULL) : pointer(v)
+    GC.@preserve v check(ccall((:dpar_model_add_attention, libdpar), Int32,
+                               (Ptr{Cvoid}, Ptr{Int32}, Csize_t, Int64, Int32, Cfloat, Cfloat),
+                               m.ptr, p, length(v), num_heads, is_causal ? 1 : 0, dropout_p,
+                               scale === nothing ? 0 : scale))
+    m
+end
+
+"""`multihead_attention!(model, embed_dim, num_heads; dropout=0, bias=true, is_causal=false)`: appends
+self-attention as torch.nn.MultiheadAttention(embed_dim, num_heads, dropout, bias, batch_first=True)(x, x, x,
+need_weights=False, is_causal)[0] on (B, T, embed_dim) inputs, with the module's parameter names (in_proj_weight,
+in_proj_bias, out_proj.weight, out_proj.bias) and initialisation."""
+function multihead_attention!(m::Model, embed_dim::Integer, num_heads::Integer; dropout::Real = 0,
+                              bias::Bool = true, is_causal::Bool = false)
+    check(ccall((:dpar_model_add_multihead_attention, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64, Cfloat, Int32, Int32),
+                m.ptr, embed_dim, num_heads, dropout, bias ? 1 : 0, is_causal ? 1 : 0))
+    m
+end
+
+"""`causal_self_attention!(model, n_embd, n_head; dropout=0, bias=true, name=nothing)`: appends nanoGPT's
+CausalSelfAttention on (B, T, n_embd) inputs: c_attn, causal attention of `n_head` heads, c_proj and
+resid_dropout. With a `name` ("transformer.h.0.attn") the linear nodes are "<name>.c_attn" and "<name>.c_proj", so
+that their parameters have nanoGPT's state_dict keys. A refusal leaves the model as it was."""
+function causal_self_attention!(m::Model, n_embd::Integer, n_head::Integer; dropout::Real = 0, bias::Bool = true,
+                                name::Union{AbstractString,Nothing} = nothing)
+    check(ccall((:dpar_model_add_causal_self_attention, libdpar), Int32,
+                (Ptr{Cvoid}, Int64, Int64, Cfloat, Int32, Cstring),
+                m.ptr, n_embd, n_head, dropout, bias ? 1 : 0, name === nothing ? C_NULL : name))
     m
 end
 

@@ -294,6 +294,15 @@ extern "C" {
     pub fn dpar_model_add_layernorm(model: *mut dpar_model, normalized_size: i64, eps: f32, elementwise_affine: i32) -> dpar_status;
     pub fn dpar_model_add_embedding(model: *mut dpar_model, num_embeddings: i64, embedding_dim: i64) -> dpar_status;
     pub fn dpar_model_add_embedding_padded(model: *mut dpar_model, num_embeddings: i64, embedding_dim: i64, padding_idx: i64) -> dpar_status;
+    pub fn dpar_model_add_position_embedding(model: *mut dpar_model, max_positions: i64, embedding_dim: i64) -> dpar_status;
+    /// `inputs`: q, k, v (n = 3), one packed q|k|v projection (n = 1), or null with n = 0 for the next input.
+    pub fn dpar_model_add_attention(model: *mut dpar_model, inputs: *const i32, n: usize, num_heads: i64, is_causal: i32,
+                                    dropout_p: f32, scale: f32) -> dpar_status;
+    pub fn dpar_model_add_multihead_attention(model: *mut dpar_model, embed_dim: i64, num_heads: i64, dropout_p: f32,
+                                              has_bias: i32, is_causal: i32) -> dpar_status;
+    /// Null `name`: the default node names.
+    pub fn dpar_model_add_causal_self_attention(model: *mut dpar_model, n_embd: i64, n_head: i64, dropout_p: f32,
+                                                has_bias: i32, name: *const c_char) -> dpar_status;
     pub fn dpar_model_num_buffers(out: *mut usize, model: *const dpar_model) -> dpar_status;
     pub fn dpar_model_buffer_name(model: *const dpar_model, index: usize) -> *const c_char;
     pub fn dpar_model_buffer_info(out_dtype: *mut i32, out_shape: *mut i64, out_ndim: *mut usize, model: *const dpar_model, index: usize) -> dpar_status;

@@ -823,6 +823,47 @@ impl Model {
         check(unsafe { sys::dpar_model_add_embedding_padded(self.raw, num_embeddings, embedding_dim, padding_idx) })?;
         Ok(self)
     }
+    /// Appends GPT-2's learned position embedding (nanoGPT's wpe): (B, T, C) -> input + weight[t] at position t,
+    /// "weight" (max_positions, embedding_dim) drawn from N(0, 1). T past `max_positions` is refused.
+    pub fn position_embedding(&mut self, max_positions: i64, embedding_dim: i64) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_position_embedding(self.raw, max_positions, embedding_dim) })?;
+        Ok(self)
+    }
+    /// Appends F.scaled_dot_product_attention over `num_heads` heads, the output (B, L, C) with the heads merged.
+    /// `inputs`: the nodes q, k and v (3 ids), one packed (B, T, 3C) q|k|v projection (1 id), or none for the next
+    /// input as a packed projection. `scale` None is 1/sqrt(head size). No parameters.
+    pub fn attention(&mut self, inputs: &[i32], num_heads: i64, is_causal: bool, dropout_p: f32, scale: Option<f32>)
+                     -> Result<&mut Model> {
+        let ids = if inputs.is_empty() { ptr::null() } else { inputs.as_ptr() };
+        check(unsafe {
+            sys::dpar_model_add_attention(self.raw, ids, inputs.len(), num_heads, is_causal as i32, dropout_p,
+                                          scale.unwrap_or(0.0))
+        })?;
+        Ok(self)
+    }
+    /// Appends self-attention as torch.nn.MultiheadAttention(embed_dim, num_heads, dropout_p, bias,
+    /// batch_first=True)(x, x, x)[0] on (B, T, embed_dim), with its parameter names ("in_proj_weight",
+    /// "in_proj_bias", "out_proj.weight", "out_proj.bias") and initialisation.
+    pub fn multihead_attention(&mut self, embed_dim: i64, num_heads: i64, dropout_p: f32, bias: bool, is_causal: bool)
+                               -> Result<&mut Model> {
+        check(unsafe {
+            sys::dpar_model_add_multihead_attention(self.raw, embed_dim, num_heads, dropout_p, bias as i32,
+                                                    is_causal as i32)
+        })?;
+        Ok(self)
+    }
+    /// Appends nanoGPT's CausalSelfAttention on (B, T, n_embd): c_attn, causal attention of `n_head` heads, c_proj
+    /// and resid_dropout. With `name` ("transformer.h.0.attn") the linear nodes are "<name>.c_attn" and
+    /// "<name>.c_proj", so their parameters have nanoGPT's state_dict keys. A refusal leaves the model as it was.
+    pub fn causal_self_attention(&mut self, n_embd: i64, n_head: i64, dropout_p: f32, bias: bool, name: Option<&str>)
+                                 -> Result<&mut Model> {
+        let c = name.map(|n| cstring(n, "name")).transpose()?;
+        let cp = c.as_ref().map_or(ptr::null(), |c| c.as_ptr());
+        check(unsafe {
+            sys::dpar_model_add_causal_self_attention(self.raw, n_embd, n_head, dropout_p, bias as i32, cp)
+        })?;
+        Ok(self)
+    }
     /// Turns every BatchNorm layer into SyncBatchNorm.
     pub fn convert_sync_batchnorm(&mut self) -> Result<&mut Model> {
         check(unsafe { sys::dpar_model_convert_sync_batchnorm(self.raw) })?;
