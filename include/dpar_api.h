@@ -166,6 +166,11 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_model_add_embedding_padded)(dpar_model *model, int64_t num_embeddings, int64_t embedding_dim, int64_t padding_idx);
   dpar_status (*dpar_model_param_decays)(int32_t *out, const dpar_model *model, size_t index);
   dpar_status (*dpar_engine_set_weight_decay_exclusion)(dpar_engine *engine, int32_t exclude_biases_and_norms);
+  dpar_status (*dpar_model_add_position_embedding)(dpar_model *model, int64_t max_positions, int64_t embedding_dim);
+  dpar_status (*dpar_model_add_attention)(dpar_model *model, const int32_t *inputs, size_t n, int64_t num_heads, int32_t is_causal, float dropout_p, float scale);
+  dpar_status (*dpar_model_add_multihead_attention)(dpar_model *model, int64_t embed_dim, int64_t num_heads, float dropout_p, int32_t has_bias, int32_t is_causal);
+  dpar_status (*dpar_model_add_causal_self_attention)(dpar_model *model, int64_t n_embd, int64_t n_head, float dropout_p, int32_t has_bias, const char *name);
+  dpar_status (*dpar_model_tie_param)(dpar_model *model, int32_t node, const char *param, int32_t source_node, const char *source_param);
 } dpar_api_v1;
 
 /**

@@ -252,6 +252,36 @@ TEST(CudaEngine, ReplicasSharingOneGpuEqualOneReplicaOnTheFullBatch) {
   for (size_t r = 1; r < 3; ++r) EXPECT_EQ(three.params(r), three.params(0)) << "replica " << r << " differs";
 }
 
+// Tied weights (lm_head.weight = wte.weight) over (B, T) tokens, with a bucket per parameter: the tied gradient's
+// bucket goes to the communication stream only after the embedding's backward added to it, so three replicas of
+// one GPU train as the CPU does.
+TEST(CudaEngine, ATiedWeightTrainsOnThreeReplicasAsOnTheCpu) {
+  DPAR_REQUIRE_GPU();
+  constexpr int64_t kVocab = 11, kDim = 8, kSeq = 4;
+  Model model(9);
+  model.add(make_embedding(kVocab, kDim));
+  model.add(make_linear(kDim, kDim, true));
+  model.add(make_activation(Activation::kTanh));
+  model.add(make_linear(kDim, kVocab, false));
+  model.add_flatten();
+  model.tie_param(3, "weight", 0, "weight");
+  std::mt19937 gen(17);
+  const int64_t rows = 10;
+  Tensor x = Tensor::empty(DType::kI32, Shape{rows, kSeq}, Device{}), y = Tensor::empty(DType::kI32, Shape{rows}, Device{});
+  for (int64_t i = 0; i < x.numel(); ++i) x.i32()[i] = static_cast<int32_t>(gen() % kVocab);
+  for (int64_t i = 0; i < rows; ++i) y.i32()[i] = static_cast<int32_t>(gen() % (kSeq * kVocab));
+  EngineConfig gpu_config = devices(DeviceKind::kCuda, {0, 0, 0}), cpu_config = devices(DeviceKind::kCpu, {0});
+  gpu_config.buckets.first_bucket_bytes = gpu_config.buckets.bucket_cap_bytes = 64;
+  Engine cpu(model, adam(), cpu_config);
+  Engine gpu(model, adam(), gpu_config);
+  for (int s = 0; s < 5; ++s) {
+    const double lc = cpu.train_step(x, y), lg = gpu.train_step(x, y);
+    EXPECT_NEAR(lg, lc, 1e-4 * (1 + std::fabs(lc))) << "step " << s;
+  }
+  EXPECT_LT(max_relative_error(gpu.params(0), cpu.params(0)), 1e-4);
+  for (size_t r = 1; r < 3; ++r) EXPECT_EQ(gpu.params(r), gpu.params(0)) << "replica " << r << " differs";
+}
+
 TEST(CudaEngine, TheSteadyStateStepNeverCallsCudaMalloc) {
   DPAR_REQUIRE_GPU();
   const Model model = make_mlp(7, 0.1f);

@@ -460,6 +460,8 @@ TEST_F(CudaKernels, CrossEntropyMatchesCpu) {
     std::vector<int32_t> labels(s.B);
     Rng rng(seed++);
     for (auto& l : labels) l = static_cast<int32_t>(rng.below(static_cast<uint64_t>(s.C)));
+    // Every fifth row from the third on is ignored (PyTorch's ignore_index): no loss, a zero gradient row.
+    for (int64_t b = 2; b < s.B; b += 5) labels[static_cast<size_t>(b)] = kIgnoreIndex;
     const float grad_scale = s.B > 0 ? 1.0f / static_cast<float>(s.B) : 1.0f;
     std::vector<float> dlogits(s.B * s.C);
     const double loss = cpu::cross_entropy_forward_backward(dlogits.data(), logits.data(), labels.data(), s.B, s.C,
@@ -476,6 +478,9 @@ TEST_F(CudaKernels, CrossEntropyMatchesCpu) {
     EXPECT_EQ(download_double(d_loss2), loss_gpu) << "the loss alone differs from the loss with its gradient";
     // expf differs by an ulp or two between CUDA and glibc; the softmax divides by a sum of such terms.
     EXPECT_LT(normalised_error(d_dlogits.download(), dlogits), 1e-6);
+    const std::vector<float> got = d_dlogits.download();
+    for (int64_t b = 2; b < s.B; b += 5)
+      for (int64_t j = 0; j < s.C; ++j) ASSERT_EQ(got[static_cast<size_t>(b * s.C + j)], 0.0f) << "ignored row " << b;
     gpu::cross_entropy_forward_backward(d_loss2.get(), d_dlogits.get(), d_logits.get(), d_labels.get(), s.B, s.C,
                                         grad_scale, stream_);
     EXPECT_EQ(download_double(d_loss2), loss_gpu) << "not deterministic";

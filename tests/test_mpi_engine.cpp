@@ -643,6 +643,64 @@ void check_refused_input(size_t devices, const Data& d) {
   if (g_rank == 0) std::printf("refused input: every process refused the step at once and went on\n");
 }
 
+// Cross-entropy over tokens with ignored targets (DPAR_IGNORE_INDEX), the processes holding different counts of
+// them (uneven local batches, and in one step the last process's rows all ignored): the loss and the gradient are
+// the mean over the global batch's counted targets, so the job trains as one device on the global batch, never as
+// the mean of each process's mean.
+void check_token_loss(size_t devices) {
+  constexpr int64_t kVocab = 13, kEmbed = 6, kSeq = 4, kRows = 12, kTokenSteps = 8;
+  dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
+  mo.seed = 11;
+  dpar_model* model = nullptr;
+  CHECK_OK(dpar_model_create(&model, &mo));
+  CHECK_OK(dpar_model_add_embedding(model, kVocab, kEmbed));
+  CHECK_OK(dpar_model_add_linear(model, kEmbed, kVocab, 1));  // (B, T, E) -> (B, T, V)
+  size_t count = 0;
+  CHECK_OK(dpar_model_num_param_elements(&count, model));
+  dpar_engine* multi = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_SGD, 0.5f, model);
+  dpar_engine* one = make_engine(1, DPAR_PROCESSES_SINGLE, 60.0, DPAR_SGD, 0.5f, model);
+  dpar_model_free(model);
+  const auto [begin, rows] = my_rows(g_size > 1 ? 3 : 0, kRows);
+  std::mt19937 gen(99);
+  double worst_loss = 0;
+  for (int s = 0; s < kTokenSteps; ++s) {
+    std::vector<int32_t> x(kRows * kSeq), y(kRows * kSeq);
+    for (auto& v : x) v = static_cast<int32_t>(gen() % kVocab);
+    for (auto& v : y) v = static_cast<int32_t>(gen() % kVocab);
+    // Row i ignores its first i % 5 targets (all of them from 4 on): more in some processes' rows than in others'.
+    for (int64_t i = 0; i < kRows; ++i)
+      for (int64_t t = 0; t < std::min<int64_t>(i % 5, kSeq); ++t)
+        y[static_cast<size_t>(i * kSeq + t)] = DPAR_IGNORE_INDEX;
+    // In one step the last process's rows are all ignored (with one process: the last 3 rows).
+    if (s == 3) {
+      const int64_t last = g_size > 1 ? kRows / g_size + ((g_size - 1) < kRows % g_size ? 1 : 0) - 3 : 3;
+      for (int64_t i = (kRows - last) * kSeq; i < kRows * kSeq; ++i) y[static_cast<size_t>(i)] = DPAR_IGNORE_INDEX;
+    }
+    float got = 0, want = 0;
+    const int64_t local[2] = {rows, kSeq}, global[2] = {kRows, kSeq};
+    dpar_tensor *lx = nullptr, *ly = nullptr, *gx = nullptr, *gy = nullptr;
+    CHECK_OK(dpar_tensor_wrap_host(&lx, DPAR_I32, local, 2, x.data() + begin * kSeq));
+    CHECK_OK(dpar_tensor_wrap_host(&ly, DPAR_I32, local, 2, y.data() + begin * kSeq));
+    CHECK_OK(dpar_tensor_wrap_host(&gx, DPAR_I32, global, 2, x.data()));
+    CHECK_OK(dpar_tensor_wrap_host(&gy, DPAR_I32, global, 2, y.data()));
+    CHECK_OK(dpar_engine_train_step(&got, multi, lx, ly));
+    CHECK_OK(dpar_engine_train_step(&want, one, gx, gy));
+    worst_loss = std::max(worst_loss, std::abs(double(got) - double(want)) / std::max(std::abs(double(want)), 1e-2));
+    for (dpar_tensor* t : {lx, ly, gx, gy}) dpar_tensor_free(t);
+  }
+  const auto got = params(multi, 0, count), want = params(one, 0, count);
+  const double e = max_relative_error(got, want);
+  expect(e < 1e-5, "token loss: " + std::to_string(g_size) + " processes x " + std::to_string(devices) +
+                       " devices differ from 1 device by " + std::to_string(e));
+  expect(worst_loss < 1e-5, "token loss: the job's loss differs from 1 device's by " + std::to_string(worst_loss));
+  expect(same_as_rank0(got), "token loss: this process's parameters differ from rank 0's");
+  if (g_rank == 0)
+    std::printf("token loss with ignored targets: max relative difference %.2e to 1 device (loss %.2e)\n", e,
+                worst_loss);
+  dpar_engine_free(multi);
+  dpar_engine_free(one);
+}
+
 // dpar_engine_abort on rank 0 tells the other processes: their next step returns REMOTE, not a timeout.
 void check_abort(size_t devices, const Data& d) {
   if (g_size < 2) return;
@@ -851,6 +909,7 @@ int main(int argc, char** argv) {
   check_job_is_one_training(devices, d);
   check_loader_shards();
   check_refused_input(devices, d);
+  check_token_loss(devices);
   check_compression(devices, d);
   if (g_size > 1) check_compression_against_definition(devices);
   check_abort(devices, d);

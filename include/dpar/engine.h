@@ -29,11 +29,21 @@ extern "C" {
 /**@{*/
 typedef struct dpar_engine dpar_engine; /**< An opaque DataParallel engine. */
 
-/** @brief Losses that the fused training step computes on every replica. */
+/**
+ * @brief Losses that the fused training step computes on every replica. Each takes the mean over the samples of
+ * the whole batch (every replica's, every process's), never a mean of per-replica means.
+ */
 typedef enum dpar_loss {
-  DPAR_LOSS_CROSS_ENTROPY = 0, /**< Softmax cross-entropy over i32 class labels, mean over the batch. */
-  DPAR_LOSS_MSE = 1            /**< Mean squared error against f32 targets shaped as the output, mean over all. */
+  /** Softmax cross-entropy, PyTorch's nn.CrossEntropyLoss() as a GPT applies it to logits.view(-1, V) and
+   *  targets.view(-1): an output (B, ..., V) with the classes on its LAST dimension (not PyTorch's (N, C, d1...)
+   *  layout), every leading position one sample, against i32 targets (B, ...) of the output's leading shape. A target
+   *  equal to ::DPAR_IGNORE_INDEX is no sample: no loss, no gradient, not counted in the mean. */
+  DPAR_LOSS_CROSS_ENTROPY = 0,
+  DPAR_LOSS_MSE = 1 /**< Mean squared error against f32 targets shaped as the output, mean over all. */
 } dpar_loss;
+
+/** The cross-entropy target that is ignored: PyTorch's default ignore_index (padding, prompt tokens). */
+#define DPAR_IGNORE_INDEX (-100)
 
 /** @brief Which processes an engine spans (dpar_engine_options.processes). */
 typedef enum dpar_processes {
@@ -163,14 +173,19 @@ DPAR_API dpar_status dpar_engine_split(size_t *out, const dpar_engine *engine, s
  * all-reduced bucket by bucket while backward is still computing (dpar_engine_options.first_bucket_bytes).
  * With several processes, @p input is this process's part of the global batch, and the gradient is that of the
  * mean loss over the global batch (every process's rows).
- * @param[out] out_loss  The mean loss over the batch (the global batch, with several processes); may be NULL.
+ * @param[out] out_loss  The mean loss over the batch's samples (the global batch, with several processes); may be
+ *                       NULL. NaN for a batch without samples (every target ::DPAR_IGNORE_INDEX), as PyTorch's 0/0;
+ *                       its gradient is zero (PyTorch's is NaN), so the optimizer steps without poisoning the
+ *                       weights (a momentum or weight decay still moves them, as any step does).
  * @param input          (B, features...) f32 (i32 indices (B) or (B, T) for a model whose input an Embedding reads:
  *                       each is checked on the host before the step) in host memory or in memory of the engine's
  *                       devices' kind. A replica whose device holds the input takes its rows as a view, without a
  *                       copy; the others copy theirs (from the host, or from the other GPU). A GPU input must be
  *                       complete when the call is made: synchronise the stream that wrote it.
- * @param target         Cross-entropy: (B) i32 labels in [0, classes). MSE: f32 shaped as the output. Where the
- *                       input may be (labels on a GPU are copied to the host for their range check).
+ * @param target         Cross-entropy: i32 labels (B, ...) of the output's (B, ..., classes) leading shape, each
+ *                       in [0, classes) or ::DPAR_IGNORE_INDEX; the mean divides by the targets that are not
+ *                       ignored over the whole global batch. MSE: f32 shaped as the output. Where the input may be
+ *                       (labels on a GPU are copied to the host for their range check).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for NULLs, B = 0, shapes that do not fit the model or each other,
  *         labels or embedding indices out of range (naming the index and its position); errors from a worker
  *         (::DPAR_ERR_OUT_OF_MEMORY, a custom layer's status, ...).
@@ -187,14 +202,14 @@ DPAR_API dpar_status dpar_engine_train_step(float *out_loss, dpar_engine *engine
  * micro-batches equal one batch of all their rows for a model whose rows are independent. A model with BatchNorm is
  * the exception, as in PyTorch: each micro-batch is normalised with its own statistics (and moves the running
  * statistics once), so its gradient is not that of one batch of all their rows.
- * @param[out] out_loss  The micro-batch's mean loss; may be NULL.
+ * @param[out] out_loss  The micro-batch's mean loss over its samples (NaN without any); may be NULL.
  */
 DPAR_API dpar_status dpar_engine_accumulate(float *out_loss, dpar_engine *engine, const dpar_tensor *input,
                                             const dpar_tensor *target);
 /**
  * @brief Synchronises the accumulated gradients and applies the optimizer step on every replica; then clears
- * the gradients. After dpar_engine_accumulate(), the gradient is that of the mean loss over all accumulated rows
- * (of every process); after dpar_engine_backward(), it is the sum of what backward produced (on every process).
+ * the gradients. After dpar_engine_accumulate(), the gradient is that of the mean loss over all accumulated samples
+ * (rows; cross-entropy's targets that are not ignored) of every process (zero without any); after dpar_engine_backward(), it is the sum of what backward produced (on every process).
  * @return ::DPAR_ERR_INVALID_STATE if no gradient is pending.
  */
 DPAR_API dpar_status dpar_engine_step(dpar_engine *engine);
@@ -285,8 +300,9 @@ DPAR_API dpar_status dpar_engine_set_weight_decay_exclusion(dpar_engine *engine,
 DPAR_API dpar_status dpar_engine_step_count(size_t *out, const dpar_engine *engine);
 
 /**
- * @brief Each replica's mean loss over its own chunk in the last training step or accumulate, as
- * torch.nn.DataParallel returns one loss per device; NaN for replicas that got no rows.
+ * @brief Each replica's mean loss over its own chunk's samples (its targets that are not ignored) in the last
+ * training step or accumulate, as torch.nn.DataParallel returns one loss per device; NaN for replicas that got no
+ * rows or no samples.
  * @param capacity Entries in @p out; at least the number of replicas.
  */
 DPAR_API dpar_status dpar_engine_replica_losses(float *out, const dpar_engine *engine, size_t capacity);

@@ -146,6 +146,63 @@ DPAR_API dpar_status dpar_model_add_embedding_padded(dpar_model *model, int64_t 
                                                      int64_t embedding_dim, int64_t padding_idx);
 
 /**
+ * @brief Appends GPT-2's learned position embedding (nanoGPT's wpe, added to the token embedding): a (B, T, C) input
+ * gives input + weight[t] at position t, with "weight" (max_positions, C = @p embedding_dim) initialised from N(0, 1)
+ * as the nn.Embedding nanoGPT holds it in. Its gradient is the sum over the batch at each position (zero in the rows
+ * past T). A sequence longer than @p max_positions is refused with ::DPAR_ERR_INVALID_ARGUMENT naming both, before
+ * anything changes. CPU and CUDA devices run it.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a null model or a size outside 1 to 2^24.
+ */
+DPAR_API dpar_status dpar_model_add_position_embedding(dpar_model *model, int64_t max_positions,
+                                                       int64_t embedding_dim);
+/**
+ * @brief Appends scaled dot-product attention, as PyTorch's F.scaled_dot_product_attention(q, k, v, dropout_p,
+ * is_causal, scale) over @p num_heads heads: q (B, L, C), k and v (B, S, C), C = num_heads x D, each viewed as (B,
+ * num_heads, L or S, D) (head h is channels [hD, (h+1)D)), the output (B, L, C) with the heads merged back, as
+ * nanoGPT's y.transpose(1, 2).view(B, T, C). Softmax of q k^T x scale (default 1/sqrt(D)) over the keys, with
+ * @p is_causal query i sees keys j <= i only; in training mode the weights then go through dropout with
+ * probability @p dropout_p (drawn from the replica's stream as dpar_model_add_dropout()'s; identity in eval mode).
+ * No parameters. On the CPU a fused kernel keeps one value per query and head for backward (never the L x S weights);
+ * on CUDA devices cuBLAS's batched GEMMs around dpar's softmax kernels (f32).
+ * @param inputs     Three node ids (q, k, v; ::DPAR_MODEL_INPUT allowed; one may repeat) with @p n = 3; or one node
+ *                   id with @p n = 1: a packed (B, T, 3C) projection read as q | k | v along its last dimension
+ *                   (nanoGPT's c_attn(x).split(C, dim=2)), without copies; or NULL with @p n = 0: the next input
+ *                   (the last node, or dpar_model_branch_from()'s) as a packed projection. Copied.
+ * @param num_heads  1 to 65536; must divide C (checked when the input shape is known).
+ * @param is_causal  Nonzero for the causal mask (then L must equal S).
+ * @param dropout_p  In [0, 1).
+ * @param scale      The scores' factor, positive, or 0 for 1/sqrt(D) (PyTorch's scale=None).
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT naming the first value out of range. Shapes that disagree (q, k, v
+ *         of other batches or channels, heads that do not divide the channels, a causal L != S) are refused, naming
+ *         them, when an engine or a step first meets the input shape.
+ */
+DPAR_API dpar_status dpar_model_add_attention(dpar_model *model, const int32_t *inputs, size_t n, int64_t num_heads,
+                                              int32_t is_causal, float dropout_p, float scale);
+/**
+ * @brief Appends self-attention as torch.nn.MultiheadAttention(embed_dim, num_heads, dropout, bias,
+ * batch_first=True) computes module(x, x, x, need_weights=False, is_causal=...)[0] on a (B, T, embed_dim) input: one
+ * node with that module's parameters and names, "in_proj_weight" (3E, E), "in_proj_bias" (3E), "out_proj.weight"
+ * (E, E), "out_proj.bias" (E) (no biases without @p has_bias), initialised as the module's (xavier_uniform_ on
+ * in_proj_weight, nn.Linear's on out_proj.weight, zero biases).
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an embed_dim outside 1 to 65536, heads that do not divide it, or
+ *         a dropout outside [0, 1).
+ */
+DPAR_API dpar_status dpar_model_add_multihead_attention(dpar_model *model, int64_t embed_dim, int64_t num_heads,
+                                                        float dropout_p, int32_t has_bias, int32_t is_causal);
+/**
+ * @brief Appends nanoGPT's CausalSelfAttention on the next input x (B, T, n_embd): c_attn = Linear(n_embd,
+ * 3 n_embd), causal attention of @p n_head heads on its packed q|k|v (attention dropout @p dropout_p), c_proj =
+ * Linear(n_embd, n_embd), and resid_dropout (@p dropout_p; no node for 0). With @p name ("transformer.h.0.attn")
+ * the linear nodes are named "<name>.c_attn" and "<name>.c_proj", so their parameters have nanoGPT's state_dict
+ * keys. All or nothing: a refusal leaves the model as it was.
+ * @param has_bias  Nonzero for the linear layers' biases (nanoGPT's bias=True).
+ * @param name      A node name prefix (as dpar_model_set_node_name() takes), or NULL for the default names.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT naming the first value out of range or the name that is taken.
+ */
+DPAR_API dpar_status dpar_model_add_causal_self_attention(dpar_model *model, int64_t n_embd, int64_t n_head,
+                                                          float dropout_p, int32_t has_bias, const char *name);
+
+/**
  * @brief Appends dropout with drop probability @p p in [0, 1). In training mode each replica draws its mask from
  * its own RNG stream (seeded from the engine seed and the replica index), which persists across steps (and is
  * saved in checkpoints, restored into an engine with as many replicas); in eval mode it is
@@ -169,7 +226,8 @@ DPAR_API dpar_status dpar_model_last_node(int32_t *out, const dpar_model *model)
 DPAR_API dpar_status dpar_model_branch_from(dpar_model *model, int32_t node);
 /**
  * @brief Names a node, as a PyTorch module path ("layer1.0.conv1"): its parameters become "<name>.weight" and so
- * on, the names dpar_model_param_name() and checkpoints use. A node's default name is its index ("0", so that a
+ * on, the names dpar_model_param_name() and checkpoints use (a parameter it reads through dpar_model_tie_param()
+ * keeps its source's name; the checkpoint key it is also saved under becomes "<name>.<param>"). A node's default name is its index ("0", so that a
  * sequential model's parameters are "0.weight", "2.weight", as nn.Sequential's).
  * @param name  Identifiers of letters, digits and '_', separated by single dots; unique in the model; a name of
  *              digits only is reserved for the node of that index; a name whose first identifier is "optimizer" is
@@ -179,6 +237,28 @@ DPAR_API dpar_status dpar_model_branch_from(dpar_model *model, int32_t node);
  *         here, not when the checkpoint is written).
  */
 DPAR_API dpar_status dpar_model_set_node_name(dpar_model *model, int32_t node, const char *name);
+/**
+ * @brief Ties a parameter of @p node to one of @p source_node, as PyTorch's `lm_head.weight = wte.weight` (GPT-2's
+ * output projection reads the token embedding): from then on both nodes read one parameter, the source's, with the
+ * source's values and name. The model holds it once: dpar_model_num_params() and dpar_model_num_param_elements()
+ * count it once (as PyTorch's parameters()), the node's own copy leaves the model (the parameters after it move
+ * down one index), and an engine reduces and steps it once. Its gradient is the sum of both nodes' contributions,
+ * gradient accumulation included. Checkpoints hold it under both keys, "<source name>.<source_param>" and
+ * "<node name>.<param>", as PyTorch's state_dict() does (both follow dpar_model_set_node_name()); loading reads the
+ * source's key and refuses a file whose other key holds a different tensor (a file without it loads). The
+ * optimizer's state is saved under the source's key alone. A parameter may be the source of several ties.
+ * @param node          The node whose parameter is replaced: a layer node added before.
+ * @param param         Its parameter's name ("weight"); copied.
+ * @param source_node   The node whose parameter both read, another layer node (before or after @p node).
+ * @param source_param  Its parameter's name ("weight"); copied. Where that parameter is itself tied to a third node's,
+ *                      @p node reads that one.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT naming what does not fit, with nothing changed: a NULL argument, a
+ *         node that is not in the model, a name that is not one of the node's parameters, a node tied to itself,
+ *         shapes that differ, a parameter of @p node tied already (either way), or a source parameter @p node
+ *         reads already.
+ */
+DPAR_API dpar_status dpar_model_tie_param(dpar_model *model, int32_t node, const char *param, int32_t source_node,
+                                          const char *source_param);
 /**
  * @brief Appends the elementwise sum of @p n >= 2 nodes of equal output shape (a residual connection).
  * @param inputs  Node ids (added nodes or ::DPAR_MODEL_INPUT; one may appear twice); copied.

@@ -82,8 +82,9 @@ struct DropoutBackward {
   TensorRef dinp, dout, mask;
   DType dtype() const { return dout.dtype; }
 };
-// loss_sum (f64, one element of device memory) = the sum of the per-sample losses; dlogits (B,C) = grad_scale x
-// dL/dlogits; logits (B,C), labels (B) i32 in [0, C) (checked by the caller).
+// loss_sum (f64, one element of device memory) = the sum of the per-sample losses; dlogits (N,C) = grad_scale x
+// dL/dlogits; logits (N,C), labels (N) i32 in [0, C) (checked by the caller) or kIgnoreIndex (no loss, a zero
+// gradient row). N is every leading extent: (B,T,C) logits with (B,T) labels are B*T samples.
 struct CrossEntropy {
   static constexpr const char* kName = "cross_entropy";
   TensorRef loss_sum, dlogits, logits, labels;
@@ -199,6 +200,21 @@ struct EmbeddingBackward {
   DType dtype() const { return dout.dtype; }
 };
 
+// GPT-2's learned positions: out (B,T,C) = inp (B,T,C) + weight (P,C)[t] at position t, T <= P.
+struct PositionEmbeddingForward {
+  static constexpr const char* kName = "position_embedding_forward";
+  TensorRef out, inp, weight;
+  DType dtype() const { return inp.dtype; }
+};
+// dweight (P,C): row t < T = the sum over the batch of dout (B,T,C) at t; rows t >= T zero (overwritten), or all
+// rows added to when accumulate.
+struct PositionEmbeddingBackward {
+  static constexpr const char* kName = "position_embedding_backward";
+  TensorRef dweight, dout;
+  bool accumulate = false;
+  DType dtype() const { return dout.dtype; }
+};
+
 }  // namespace call
 
 // One kernel call. The index of an alternative is its Op.
@@ -208,7 +224,8 @@ using KernelCall = std::variant<call::LinearForward, call::LinearBackward, call:
                                 call::Scale, call::Convert, call::BatchNormStats, call::BatchNormMoments,
                                 call::BatchNormApply, call::BatchNormBackwardReduce, call::BatchNormBackwardApply,
                                 call::LayerNormForward, call::LayerNormBackward, call::EmbeddingForward,
-                                call::EmbeddingBackward>;
+                                call::EmbeddingBackward, call::PositionEmbeddingForward,
+                                call::PositionEmbeddingBackward>;
 
 // A kind of kernel: KernelCall's alternatives, in order.
 enum class Op : int32_t {
@@ -234,8 +251,10 @@ enum class Op : int32_t {
   kLayerNormBackward,
   kEmbeddingForward,
   kEmbeddingBackward,
+  kPositionEmbeddingForward,
+  kPositionEmbeddingBackward,
 };
-static_assert(static_cast<size_t>(Op::kEmbeddingBackward) + 1 == std::variant_size_v<KernelCall>,
+static_assert(static_cast<size_t>(Op::kPositionEmbeddingBackward) + 1 == std::variant_size_v<KernelCall>,
               "one Op per KernelCall alternative, in order");
 
 // "linear_forward", ...: the kName of the call's struct.

@@ -147,6 +147,11 @@ const dpar_api_v1 kApiV1 = {
     &dpar_model_add_embedding_padded,
     &dpar_model_param_decays,
     &dpar_engine_set_weight_decay_exclusion,
+    &dpar_model_add_position_embedding,
+    &dpar_model_add_attention,
+    &dpar_model_add_multihead_attention,
+    &dpar_model_add_causal_self_attention,
+    &dpar_model_tie_param,
 };
 }  // namespace
 

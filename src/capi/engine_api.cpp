@@ -80,6 +80,7 @@ EngineConfig engine_config(const dpar_engine_options& o) {
   DPAR_CHECK_ARG(o.blas_threads >= 1 && o.blas_threads <= 1024, "opts.blas_threads: ", o.blas_threads,
                  " must be 1 to 1024");
   c.loss = o.loss == DPAR_LOSS_MSE ? LossKind::kMse : LossKind::kCrossEntropy;
+  static_assert(kIgnoreIndex == DPAR_IGNORE_INDEX, "the core skips the target the header names");
   c.seed = o.seed;
   DPAR_CHECK_ARG(o.create_timeout_seconds >= 0, "opts.create_timeout_seconds: ", o.create_timeout_seconds,
                  " must be >= 0 (0: timeout_seconds; INFINITY for none)");

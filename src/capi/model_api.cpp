@@ -148,6 +148,16 @@ DPAR_API dpar_status dpar_model_set_node_name(dpar_model* model, int32_t node, c
   });
 }
 
+DPAR_API dpar_status dpar_model_tie_param(dpar_model* model, int32_t node, const char* param, int32_t source_node,
+                                          const char* source_param) {
+  return guard([&] {
+    Model& m = checked(model, "model").model;
+    DPAR_CHECK_ARG(param != nullptr, "param: is NULL");
+    DPAR_CHECK_ARG(source_param != nullptr, "source_param: is NULL");
+    m.tie_param(node, param, source_node, source_param);
+  });
+}
+
 DPAR_API dpar_status dpar_model_add_sum(dpar_model* model, const int32_t* inputs, size_t n) {
   return guard([&] {
     Model& m = checked(model, "model").model;

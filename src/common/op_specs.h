@@ -7,6 +7,10 @@
 
 namespace dpar {
 
+// The class target that cross-entropy skips (no loss, no gradient, not counted in the mean): PyTorch's default
+// ignore_index, which a GPT gives its padding and its prompt tokens.
+constexpr int32_t kIgnoreIndex = -100;
+
 // What an op applies to its result before writing it: fusion is an argument, not another op. The bias is the
 // op's own argument (present or not), so the epilogue is the activation after it.
 enum class Epilogue : int32_t { kNone = 0, kRelu = 1, kGelu = 2 };

@@ -104,9 +104,14 @@ void Engine::write_checkpoint(const std::string& path) const {
   std::vector<float> params(elements);
   backend_.copy_to_host(params.data(), rep.model->params(), elements * sizeof(float), rep.ctx.device);
   std::vector<io::TensorView> views;
-  for (const ParamInfo& p : model_.params())
-    views.push_back({p.name, "F32", std::vector<int64_t>(p.shape.data(), p.shape.data() + p.shape.ndim()),
-                     params.data() + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
+  // A tied parameter under its own key and each alias's, as PyTorch's state_dict holds both
+  // "transformer.wte.weight" and "lm_head.weight".
+  for (const ParamInfo& p : model_.params()) {
+    const std::vector<int64_t> shape(p.shape.data(), p.shape.data() + p.shape.ndim());
+    const size_t bytes = static_cast<size_t>(p.shape.numel()) * sizeof(float);
+    views.push_back({p.name, "F32", shape, params.data() + p.offset, bytes});
+    for (const ParamAlias& a : p.aliases) views.push_back({a.name, "F32", shape, params.data() + p.offset, bytes});
+  }
   // Buffers under their state_dict names and dtypes (num_batches_tracked: an I64 scalar), replica 0's (every
   // replica holds the same after a training step).
   std::vector<std::vector<uint8_t>> buffers;
@@ -198,6 +203,19 @@ void Engine::load(const std::string& path) {
   };
   size_t expected = 0;
   for (const ParamInfo& p : model_.params()) check_entry(p.name, p), ++expected;
+  // A tied parameter is read from its own key. Its aliases' copies, where the file holds them, must be that same
+  // tensor (a file whose two keys differ was saved from an untied model); one the file lacks is no loss, as
+  // safetensors files from PyTorch (save_model, Hugging Face's save_pretrained) keep one name of tensors that share
+  // memory.
+  for (const ParamInfo& p : model_.params())
+    for (const ParamAlias& a : p.aliases) {
+      if (!file.has(a.name)) continue;
+      check_entry(a.name, p);
+      DPAR_ENFORCE(std::memcmp(file.data(a.name), file.data(p.name), file.entry(p.name).bytes) == 0,
+                   Status::kMismatch, path, ": tensor \"", a.name, "\" differs from \"", p.name,
+                   "\", the parameter it is tied to (the model reads one tensor for both keys)");
+      ++expected;
+    }
   for (const std::string& state_name : Optimizer::state_names(opt0.config()))
     for (const ParamInfo& p : model_.params()) check_entry(optimizer_key(state_name, p.name), p), ++expected;
   for (const BufferInfo& b : model_.buffers()) {

@@ -131,7 +131,8 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   every_replica_runs_ = model_.uses_collectives();
   reduction_ = config_.reduction;
   node_params_.resize(model_.num_nodes());
-  for (size_t i = 0; i < model_.params().size(); ++i) node_params_[model_.params()[i].node].push_back(i);
+  // A parameter is ready once the last backward that writes its gradient ran: a tied one's lowest reader's.
+  for (size_t i = 0; i < model_.params().size(); ++i) node_params_[model_.params()[i].last_writer()].push_back(i);
 
   run("create", [&](Replica& rep, size_t) {
     rep.model = std::make_unique<ReplicaModel>(model_, rep.ctx);
@@ -328,7 +329,8 @@ void Engine::check_reachable(const Tensor& t, const char* what, const char* oper
                  backend_.name(), " devices");
 }
 
-Shape Engine::check_batch(const Tensor& input, const Tensor* target, const char* operation) const {
+Shape Engine::check_batch(const Tensor& input, const Tensor* target, const char* operation,
+                          std::vector<int64_t>* row_samples) const {
   check_input_dtype(input, operation);
   check_reachable(input, "input", operation);
   if (target) check_reachable(*target, "target", operation);
@@ -340,7 +342,10 @@ Shape Engine::check_batch(const Tensor& input, const Tensor* target, const char*
     fail(e.status(), operation, ": input ", input.shape().str(), " does not fit the model: ", e.what());
   }
   check_input_values(input, operation);
-  if (target) check_loss_target(config_.loss, out, *target, operation);
+  if (target) {
+    std::vector<int64_t> samples = check_loss_target(config_.loss, out, *target, operation);
+    if (row_samples) *row_samples = std::move(samples);
+  }
   return out;
 }
 
@@ -370,7 +375,7 @@ Tensor Engine::on_replica(Replica& rep, const Tensor& whole, int64_t begin, int6
 }
 
 void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin,
-                                 bool reduce) {
+                                 int64_t samples, bool reduce) {
   const ReplicaContext& ctx = rep.ctx;
   Tensor x, t, out;
   {
@@ -385,12 +390,13 @@ void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor
   }
   Tensor dout = rep.model->output_grad_buffer(ctx);
   {
-    // The gradient of the SUM of this chunk's losses; the all-reduce divides by the whole batch.
+    // The gradient of the SUM of this chunk's losses; the all-reduce divides by the whole batch's samples.
     TraceSpan span(*trace_, "loss");
     auto* loss_sum = static_cast<double*>(rep.loss_sum_device.raw());
     loss_forward_backward(config_.loss, ctx, loss_sum, dout, out, t, 1.0f);
   }
   rep.loss_rows = rep.rows;
+  rep.loss_samples = samples;
   TraceSpan span(*trace_, "backward");
   if (reduce) {
     rep.model->backward(ctx, dout, rep.has_grad, [&](size_t node) {
@@ -424,52 +430,75 @@ T Engine::sum_over_processes(T value, const char* operation) {
   return sum;
 }
 
-int64_t Engine::global_batch_of(const char* operation, const std::function<int64_t()>& check) {
+Engine::BatchCount Engine::global_batch_of(const char* operation, const std::function<BatchCount()>& check) {
   if (!processes_) return check();
-  // Every process tells its batch, or -1 if it refused its call: then all refuse the step together, and none waits
-  // for the one that returned (the engines stay usable). An all-gather, so that each can name who refused.
-  int64_t mine = -1;
+  // Every process tells its batch (rows, samples), or -1 rows if it refused its call: then all refuse the step
+  // together, and none waits for the one that returned (the engines stay usable). An all-gather, so that each can
+  // name who refused.
+  int64_t mine[2] = {-1, 0};
   std::exception_ptr refused;
   try {
-    mine = check();
+    const BatchCount batch = check();
+    mine[0] = batch.rows;
+    mine[1] = batch.samples;
   } catch (const Error&) {
     refused = std::current_exception();
   }
-  std::vector<int64_t> batches(static_cast<size_t>(processes_->size()));
+  std::vector<int64_t> batches(2 * static_cast<size_t>(processes_->size()));
   try {
-    processes_->all_gather(&mine, batches.data(), 1, DType::kI64);
+    processes_->all_gather(mine, batches.data(), 2, DType::kI64);
   } catch (const Error& e) {
     broken_ = true;
     broken_reason_ = std::string(operation) + ": " + e.what();
     fail(e.status(), operation, ": across processes: ", e.what());
   }
   if (refused) std::rethrow_exception(refused);
-  int64_t total = 0;
-  for (size_t p = 0; p < batches.size(); ++p) {
-    DPAR_ENFORCE(batches[p] >= 0, Status::kRemote, operation, ": rank ", p,
+  BatchCount total;
+  for (size_t p = 0; 2 * p < batches.size(); ++p) {
+    DPAR_ENFORCE(batches[2 * p] >= 0, Status::kRemote, operation, ": rank ", p,
                  " refused its part of the step (its own error says why); no process took the step");
-    total += batches[p];
+    total.rows += batches[2 * p];
+    total.samples += batches[2 * p + 1];
   }
   return total;
 }
 
-double Engine::finish_loss(const char* operation, int64_t global_batch) {
+namespace {
+
+// The factor of the summed gradient: 1 / samples, and 0 for none (every target ignored), so that the optimizer
+// steps with a zero gradient where PyTorch's 0/0 would write NaN into every weight.
+float mean_scale(int64_t samples) { return samples > 0 ? static_cast<float>(1.0 / static_cast<double>(samples)) : 0.0f; }
+
+// The replicas' rows [begin, begin + rows) of the batch hold these samples.
+int64_t samples_in(const std::vector<int64_t>& row_samples, int64_t begin, int64_t rows) {
+  int64_t n = 0;
+  for (int64_t i = begin; i < begin + rows; ++i) n += row_samples[static_cast<size_t>(i)];
+  return n;
+}
+
+}  // namespace
+
+double Engine::finish_loss(const char* operation, int64_t global_samples) {
   double total = 0.0;  // the replicas' loss_sum, copied from their devices at the end of the job
   for (auto& rep : replicas_) total += rep->loss_rows > 0 ? rep->loss_sum : 0.0;
-  return sum_over_processes(total, operation) / static_cast<double>(global_batch);
+  total = sum_over_processes(total, operation);
+  // No sample: NaN, PyTorch's mean over no target (its 0/0).
+  return global_samples > 0 ? total / static_cast<double>(global_samples)
+                            : std::numeric_limits<double>::quiet_NaN();
 }
 
 double Engine::accumulate(const Tensor& input, const Tensor& target) {
   check_usable("accumulate");
   const TraceSpan span(*trace_, kCallTrack, "accumulate", "rows", input.rows());
-  const int64_t global_batch = global_batch_of("accumulate", [&] {
-    check_batch(input, &target, "accumulate");
+  std::vector<int64_t> row_samples;
+  const BatchCount global = global_batch_of("accumulate", [&] {
+    check_batch(input, &target, "accumulate", &row_samples);
     DPAR_ENFORCE(pending_ != Pending::kExplicit, Status::kInvalidState,
                  "accumulate: gradients from backward() are pending; call step() or zero_grad() first");
     check_statistics(input);
-    return input.rows();
+    return BatchCount{input.rows(), samples_in(row_samples, 0, input.rows())};
   });
-  check_global_statistics(input, global_batch);
+  check_global_statistics(input, global.rows);
   const int64_t batch = input.rows();
   const auto split = split_batch(batch, replicas_.size());
   run("accumulate", [&](Replica& rep, size_t r) {
@@ -477,32 +506,35 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
     rep.loss_rows = 0;
+    rep.loss_samples = 0;
     if (training_) save_state(rep);
-    if (rep.rows > 0 || every_replica_runs_) local_loss_backward(rep, input, target, begin, false);
+    if (rep.rows > 0 || every_replica_runs_)
+      local_loss_backward(rep, input, target, begin, samples_in(row_samples, begin, rep.rows), false);
     if (training_) sync_buffers(rep);
     read_loss(rep);
   });
   pending_ = Pending::kLoss;
-  pending_samples_ += global_batch;
+  pending_samples_ += global.samples;
   forward_split_.clear();  // the replicas' forward state now belongs to this micro-batch
-  return finish_loss("accumulate", global_batch);
+  return finish_loss("accumulate", global.samples);
 }
 
 double Engine::train_step(const Tensor& input, const Tensor& target) {
   check_usable("train_step");
   const TraceSpan span(*trace_, kCallTrack, "train_step", "rows", input.rows());
-  const int64_t global_batch = global_batch_of("train_step", [&] {
-    check_batch(input, &target, "train_step");
+  std::vector<int64_t> row_samples;
+  const BatchCount global = global_batch_of("train_step", [&] {
+    check_batch(input, &target, "train_step", &row_samples);
     DPAR_ENFORCE(pending_ == Pending::kNone, Status::kInvalidState,
                  "train_step: gradients from ", pending_ == Pending::kLoss ? "accumulate()" : "backward()",
                  " are pending; call step() or zero_grad() first");
     check_statistics(input);
-    return input.rows();
+    return BatchCount{input.rows(), samples_in(row_samples, 0, input.rows())};
   });
-  check_global_statistics(input, global_batch);
+  check_global_statistics(input, global.rows);
   const int64_t batch = input.rows();
   const auto split = split_batch(batch, replicas_.size());
-  const float scale = static_cast<float>(1.0 / static_cast<double>(global_batch));
+  const float scale = mean_scale(global.samples);
   // One hand-off to the workers for the whole step: forward, loss, backward with the buckets' all-reduces
   // overlapped, optimizer.
   run("train_step", [&](Replica& rep, size_t r) {
@@ -510,16 +542,18 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
     for (size_t i = 0; i < r; ++i) begin += split[i];
     rep.rows = split[r];
     rep.loss_rows = 0;
+    rep.loss_samples = 0;
     rep.reducer->prepare(scale);
     if (training_) save_state(rep);
-    if (rep.rows > 0 || every_replica_runs_) local_loss_backward(rep, input, target, begin, true);
+    if (rep.rows > 0 || every_replica_runs_)
+      local_loss_backward(rep, input, target, begin, samples_in(row_samples, begin, rep.rows), true);
     finish_and_step(rep);
     if (training_) sync_buffers(rep);
     read_loss(rep);
   });
   publish_grad_norm();
   forward_split_.clear();
-  return finish_loss("train_step", global_batch);
+  return finish_loss("train_step", global.samples);
 }
 
 void Engine::step() {
@@ -527,8 +561,7 @@ void Engine::step() {
   const TraceSpan span(*trace_, kCallTrack, "step");
   DPAR_ENFORCE(pending_ != Pending::kNone, Status::kInvalidState,
                "step: no gradient is pending (call accumulate() or forward() and backward() first)");
-  const float scale =
-      pending_ == Pending::kLoss ? static_cast<float>(1.0 / static_cast<double>(pending_samples_)) : 1.0f;
+  const float scale = pending_ == Pending::kLoss ? mean_scale(pending_samples_) : 1.0f;
   // Activations kept by a forward() before this step belong to the old parameters: a backward through them after
   // the step would mix the two, so they are dropped.
   run("step", [&](Replica& rep, size_t) {
@@ -562,11 +595,11 @@ Tensor Engine::forward(const Tensor& input) {
   const auto check = [&] {
     out_shape = check_batch(input, nullptr, "forward");
     check_statistics(input);
-    return input.rows();
+    return BatchCount{input.rows(), input.rows()};
   };
   // A training-mode forward moves buffers over every process (sync_buffers): all of them refuse it together.
   if (training_ && processes_)
-    check_global_statistics(input, global_batch_of("forward", check));
+    check_global_statistics(input, global_batch_of("forward", check).rows);
   else
     check();
   const auto split = split_batch(input.rows(), replicas_.size());
@@ -636,8 +669,9 @@ void Engine::set_training(bool training) { training_ = training; for (auto& rep 
 std::vector<float> Engine::replica_losses() const {
   std::vector<float> out;
   for (auto& rep : replicas_)
-    out.push_back(rep->loss_rows > 0 ? static_cast<float>(rep->loss_sum / static_cast<double>(rep->loss_rows))
-                                : std::numeric_limits<float>::quiet_NaN());
+    out.push_back(rep->loss_rows > 0 && rep->loss_samples > 0
+                      ? static_cast<float>(rep->loss_sum / static_cast<double>(rep->loss_samples))
+                      : std::numeric_limits<float>::quiet_NaN());
   return out;
 }
 

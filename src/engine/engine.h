@@ -2,8 +2,9 @@
 //
 // A batch is split as torch.nn.DataParallel splits it (split_batch). The fused training step runs forward, loss
 // and backward on every replica and moves only gradients: each replica's gradient is that of the SUM of its rows'
-// losses, the all-reduce adds them and scales by 1/B, so the result is the gradient of the mean loss over the
-// whole batch whatever the chunk sizes. Then every replica gets the same optimizer step: each worker computes it
+// losses, the all-reduce adds them and scales by 1/N, N the samples of the whole batch (its rows; for
+// cross-entropy its targets that are not ignored, counted on the host), so the result is the gradient of the mean
+// loss over the whole batch whatever the chunk sizes and wherever the ignored targets lie. Then every replica gets the same optimizer step: each worker computes it
 // for its shard of the parameters and writes the shard into every replica, so the replicas stay bit-identical
 // for 1/n of the optimizer's work per worker.
 //
@@ -101,7 +102,9 @@ class Engine {
   Device replica_device(size_t r) const { return replicas_[r]->ctx.device; }
   const Model& model() const { return model_; }
 
-  // Returns the mean loss over the batch (over the global batch: every process's rows, with several processes).
+  // Returns the mean loss over the batch's samples (over the global batch: every process's rows, with several
+  // processes). A batch whose cross-entropy targets are all ignored has no samples: its loss is NaN (0/0, as
+  // PyTorch's), and its gradient zero (not PyTorch's NaN), so the optimizer still steps but no weight is poisoned.
   double train_step(const Tensor& input, const Tensor& target);
   double accumulate(const Tensor& input, const Tensor& target);
   void step();
@@ -177,6 +180,7 @@ class Engine {
     Tensor input_stage, target_stage, grad_stage;
     int64_t rows = 0;       // rows of the current call
     int64_t loss_rows = 0;  // rows behind loss_sum (the last training step or accumulate)
+    int64_t loss_samples = 0;  // samples of those rows (targets not ignored): replica_losses divides by them
     float grad_norm = std::numeric_limits<float>::quiet_NaN();  // the gradient's norm at this call's clipping
     // What a training-mode call changes besides gradients (the RNG stream's position, the buffers), saved at its
     // start (save_state) and put back when it fails and the engine stays usable: a failed call changes nothing.
@@ -196,8 +200,10 @@ class Engine {
   void check_input_dtype(const Tensor& input, const char* operation) const;
   // An i32 input's values, checked on the host by the nodes that read it (an index out of range) before a step.
   void check_input_values(const Tensor& input, const char* operation) const;
-  // Checks input (and target) against the model; returns the output shape for the whole batch.
-  Shape check_batch(const Tensor& input, const Tensor* target, const char* operation) const;
+  // Checks input (and target) against the model; returns the output shape for the whole batch. With a target,
+  // *row_samples receives the loss's samples in each row of the batch (check_loss_target).
+  Shape check_batch(const Tensor& input, const Tensor* target, const char* operation,
+                    std::vector<int64_t>* row_samples = nullptr) const;
   // Runs job on every replica's worker; on failure restores a usable state (or marks the engine broken) and
   // throws the first failure that is not merely "another replica failed".
   void run(const char* operation, const std::function<void(Replica&, size_t)>& job);
@@ -212,9 +218,11 @@ class Engine {
   // (check_global_statistics), alike on every process.
   void check_statistics(const Tensor& input) const;
   void check_global_statistics(const Tensor& input, int64_t global_batch) const;
-  // Forward on rows [begin, begin+rows) of input, loss and backward: the worker's half of accumulate.
-  // With `reduce`, each layer's gradients go to the reducer as soon as backward has computed them.
-  void local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin, bool reduce);
+  // Forward on rows [begin, begin+rows) of input, loss and backward: the worker's half of accumulate. `samples`:
+  // the loss's samples in those rows. With `reduce`, each layer's gradients go to the reducer as soon as backward
+  // has computed them.
+  void local_loss_backward(Replica& rep, const Tensor& input, const Tensor& target, int64_t begin, int64_t samples,
+                           bool reduce);
   // The bucket strategy for the engine's settings (hierarchical, in bf16 across processes when compressed).
   std::unique_ptr<BucketStrategy> bucket_strategy_for(Replica& rep) const;
   // Makes these the settings and gives every reducer its strategy for them; all or nothing.
@@ -228,10 +236,14 @@ class Engine {
   void publish_grad_norm();
   // Finishes the reduction of the step's gradients (scaled as the reducer was prepared) and applies the optimizer.
   void finish_and_step(Replica& rep);
+  // A batch's rows, and the samples its loss's mean divides by (rows, or cross-entropy's targets not ignored).
+  struct BatchCount {
+    int64_t rows = 0, samples = 0;
+  };
   // Runs `check` (the call's argument and state checks, returning this process's batch) and returns the global
-  // batch: the sum over the processes. If any process's check throws, every process throws (the one that refused
+  // batch: the sums over the processes. If any process's check throws, every process throws (the one that refused
   // its own error, the others REMOTE naming it), so that none is left waiting.
-  int64_t global_batch_of(const char* operation, const std::function<int64_t()>& check);
+  BatchCount global_batch_of(const char* operation, const std::function<BatchCount()>& check);
   // The sum of `value` (int64_t or double) over the processes (itself with one process).
   template <class T>
   T sum_over_processes(T value, const char* operation);
@@ -249,8 +261,8 @@ class Engine {
   // itself. Every replica calls it at the end of every training-mode call that ran forward; nothing
   // for a model without buffers.
   void sync_buffers(Replica& rep);
-  // The mean loss of the last step or micro-batch over the global batch.
-  double finish_loss(const char* operation, int64_t global_batch);
+  // The mean loss of the last step or micro-batch over the global batch's `global_samples` (NaN for none).
+  double finish_loss(const char* operation, int64_t global_samples);
 
   Model model_;
   EngineConfig config_;
@@ -265,7 +277,7 @@ class Engine {
   std::shared_ptr<ProcessLinks> links_;
   GradientCompression compression_ = GradientCompression::kNone;
   GradientReduction reduction_ = GradientReduction::kAllReduce;
-  std::vector<std::vector<size_t>> node_params_;  // per node, the indices of its parameters
+  std::vector<std::vector<size_t>> node_params_;  // per node, the parameters ready after its backward
   // A layer calls the replica set's collectives: a replica given no rows of a batch runs forward and backward too
   // (on an empty chunk), so that it takes part in them.
   bool every_replica_runs_ = false;
@@ -279,7 +291,7 @@ class Engine {
   std::atomic<const char*> aborted_by_{"abort"};  // abort()'s `by`, stored before aborted_
   std::string broken_reason_;
   Pending pending_ = Pending::kNone;
-  int64_t pending_samples_ = 0;
+  int64_t pending_samples_ = 0;  // the global samples of the accumulated micro-batches: step() divides by them
   std::vector<int64_t> forward_split_;  // chunk rows of the last training-mode forward
   Shape forward_output_shape_;
   // Track 0: the calling thread; replica r's worker on track 1 + 2r, its communication thread on 2 + 2r.

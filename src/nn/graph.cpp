@@ -71,7 +71,7 @@ std::string Node::describe() const {
 
 Shape Node::output_shape(const std::vector<Shape>& in) const {
   switch (kind) {
-    case NodeKind::kLayer: return layer->output_shape(in[0]);
+    case NodeKind::kLayer: return layer->output_shape_of(in);
     case NodeKind::kSum:
       for (size_t k = 1; k < in.size(); ++k)
         DPAR_CHECK_ARG(in[k] == in[0], "node ", node_id(inputs[k]), "'s output ", in[k].str(), " differs from node ",
@@ -190,9 +190,10 @@ int32_t Model::append(Node node) {
     values_.reserve(static_cast<size_t>(n_values));
     buffer_f32_.reserve(static_cast<size_t>(n_f32));
     buffer_i64_.reserve(static_cast<size_t>(n_i64));
-    for (const ParamSpec& spec : specs) {
+    for (size_t slot = 0; slot < specs.size(); ++slot) {
+      const ParamSpec& spec = specs[slot];
       ParamInfo info{node.name + "." + spec.name, spec.shape, static_cast<int64_t>(values_.size()),
-                     static_cast<size_t>(id), !spec.no_decay};
+                     static_cast<size_t>(id), !spec.no_decay, slot, {}};
       const int64_t n = spec.shape.numel();
       for (int64_t i = 0; i < n; ++i) {
         float v = 0.0f;
@@ -246,6 +247,18 @@ int32_t Model::add(std::unique_ptr<Layer> layer) {
                  "'s float output");
   Node n;
   n.inputs = {next_input_};
+  n.layer = std::move(layer);
+  return append(std::move(n));
+}
+
+int32_t Model::add(std::unique_ptr<Layer> layer, const std::vector<int32_t>& inputs) {
+  DPAR_CHECK_ARG(layer != nullptr, "layer: is null");
+  DPAR_CHECK_ARG(inputs.size() == layer->num_inputs(), layer->describe(), " reads ", layer->num_inputs(),
+                 layer->num_inputs() == 1 ? " input" : " inputs", ", got ", inputs.size());
+  for (int32_t id : inputs) check_input(id, "inputs");
+  DPAR_CHECK_ARG(layer->input_dtype() == DType::kF32, layer->describe(), " reads int32 indices: add it without inputs");
+  Node n;
+  n.inputs = inputs;
   n.layer = std::move(layer);
   return append(std::move(n));
 }
@@ -313,26 +326,95 @@ void Model::set_node_name(int32_t node, const std::string& name) {
                    "\" is already node ", i, "'s name");
   Node& n = nodes_[static_cast<size_t>(node)];
   const auto renamed = [&](const std::string& key) { return name + key.substr(n.name.size()); };
+  const auto at = static_cast<size_t>(node);
+  // The node's keys: its own parameters', the aliases under which it reads tied ones, its buffers'.
   std::vector<std::string> keys;
-  for (const ParamInfo& p : params_)
-    if (p.node == static_cast<size_t>(node)) keys.push_back(renamed(p.name));
+  for (const ParamInfo& p : params_) {
+    if (p.node == at) keys.push_back(renamed(p.name));
+    for (const ParamAlias& a : p.aliases)
+      if (a.node == at) keys.push_back(renamed(a.name));
+  }
   for (const BufferInfo& b : buffers_)
-    if (b.node == static_cast<size_t>(node)) keys.push_back(renamed(b.name));
-  check_keys_free(keys, static_cast<size_t>(node), "name");
-  for (ParamInfo& p : params_)
-    if (p.node == static_cast<size_t>(node)) p.name = renamed(p.name);
+    if (b.node == at) keys.push_back(renamed(b.name));
+  check_keys_free(keys, at, "name");
+  for (ParamInfo& p : params_) {
+    if (p.node == at) p.name = renamed(p.name);
+    for (ParamAlias& a : p.aliases)
+      if (a.node == at) a.name = renamed(a.name);
+  }
   for (BufferInfo& b : buffers_)
-    if (b.node == static_cast<size_t>(node)) b.name = renamed(b.name);
+    if (b.node == at) b.name = renamed(b.name);
   n.name = name;
+}
+
+size_t Model::param_slot(int32_t node, const std::string& param, const char* argument) const {
+  DPAR_CHECK_ARG(node >= 0 && node <= last_node(), argument, ": node ", node, " is not a node of the model (it has ",
+                 nodes_.size(), ")");
+  const Node& n = nodes_[static_cast<size_t>(node)];
+  const std::vector<ParamSpec> specs = n.layer ? n.layer->param_specs() : std::vector<ParamSpec>{};
+  std::string names;
+  for (size_t k = 0; k < specs.size(); ++k) {
+    if (specs[k].name == param) return k;
+    names += (k ? ", \"" : "\"") + specs[k].name + "\"";
+  }
+  fail(Status::kInvalidArgument, argument, ": node ", node, " \"", n.name, "\" (", n.describe(),
+       ") has no parameter \"", param, "\" (", specs.empty() ? std::string("it has no parameters") : "it has " + names,
+       ")");
+}
+
+size_t Model::param_read(size_t node, size_t slot) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ParamInfo& p = params_[i];
+    if (p.node == node && p.slot == slot) return i;
+    for (const ParamAlias& a : p.aliases)
+      if (a.node == node && a.slot == slot) return i;
+  }
+  fail(Status::kInternal, "node ", node, " reads no parameter in slot ", slot);
+}
+
+void Model::tie_param(int32_t node, const std::string& param, int32_t source_node, const std::string& source_param) {
+  const size_t slot = param_slot(node, param, "node");
+  const size_t source_slot = param_slot(source_node, source_param, "source_node");
+  const auto at = static_cast<size_t>(node), from = static_cast<size_t>(source_node);
+  const std::string key = nodes_[at].name + "." + param;
+  const std::string source_key = nodes_[from].name + "." + source_param;
+  DPAR_CHECK_ARG(at != from, "source_node: node ", node, " cannot be tied to itself (\"", key, "\" to \"",
+                 source_key, "\"): a parameter is tied to another node's");
+  const size_t own = param_read(at, slot);
+  const size_t shared = param_read(from, source_slot);
+  ParamInfo& mine = params_[own];
+  DPAR_CHECK_ARG(mine.node == at && mine.aliases.empty(), "node: \"", key, "\" is tied already (",
+                 mine.node != at ? "it reads \"" + mine.name + "\"" : "node " + std::to_string(mine.aliases[0].node) +
+                                                                         " reads it as \"" + mine.aliases[0].name + "\"",
+                 "): a parameter is tied once");
+  ParamInfo& source = params_[shared];
+  DPAR_CHECK_ARG(!source.read_by(at), "source_node: \"", source_key, "\" is \"", source.name, "\", which node ",
+                 node, " reads already: a layer reads a parameter once");
+  DPAR_CHECK_ARG(mine.shape == source.shape, "source_node: \"", key, "\" is ", mine.shape.str(), " but \"",
+                 source_key, "\" is ", source.shape.str(), ": tied parameters have one shape");
+  // The alias is added before anything is taken away, so that an allocation that fails leaves the model as it was.
+  source.aliases.push_back({mine.name, at, slot});
+  const int64_t offset = mine.offset, n = mine.shape.numel();
+  values_.erase(values_.begin() + offset, values_.begin() + offset + n);
+  for (ParamInfo& p : params_)
+    if (p.offset > offset) p.offset -= n;
+  params_.erase(params_.begin() + static_cast<std::ptrdiff_t>(own));
 }
 
 void Model::check_keys_free(const std::vector<std::string>& keys, size_t node, const char* argument) const {
   // A name that dots join can be reached two ways ("a" + "b.c" and "a.b" + "c"): the keys themselves are compared.
-  for (const ParamInfo& p : params_)
+  // A tied parameter's aliases are keys of their own (a checkpoint holds the parameter under each).
+  for (const ParamInfo& p : params_) {
     if (p.node != node)
       for (const std::string& key : keys)
         DPAR_CHECK_ARG(key != p.name, argument, ": node ", node, "'s \"", key, "\" would be node ", p.node,
                        "'s parameter of that name too: every parameter and buffer needs a name of its own");
+    for (const ParamAlias& a : p.aliases)
+      if (a.node != node)
+        for (const std::string& key : keys)
+          DPAR_CHECK_ARG(key != a.name, argument, ": node ", node, "'s \"", key, "\" would be node ", a.node,
+                         "'s (tied) parameter of that name too: every parameter and buffer needs a name of its own");
+  }
   for (const BufferInfo& b : buffers_)
     if (b.node != node)
       for (const std::string& key : keys)

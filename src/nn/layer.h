@@ -108,6 +108,20 @@ class Layer {
   // Points the layer at its buffers: one view per buffer_specs() entry, in the replica's memory, of its dtype.
   void bind_buffers(std::vector<Tensor> buffers) { buffers_ = std::move(buffers); }
 
+  // ---- Layers of several inputs (attention reads q, k and v) --------------------------------------------------
+  // The node's inputs, in order, are the layer's; a layer of one input needs none of these. The graph calls them
+  // for every layer; their defaults are the one-input methods.
+  virtual size_t num_inputs() const { return 1; }
+  virtual Shape output_shape_of(const std::vector<Shape>& in) const { return output_shape(in[0]); }
+  virtual void forward_inputs(const ReplicaContext& ctx, const std::vector<Tensor>& in, const Tensor& out) {
+    forward(ctx, in[0], out);
+  }
+  // din: one per input, each defined (the graph gives scratch where it needs no gradient), overwritten.
+  virtual void backward_inputs(const ReplicaContext& ctx, const std::vector<Tensor>& in, const Tensor& out,
+                               const Tensor& dout, const std::vector<Tensor>& din, bool accumulate) {
+    backward(ctx, in[0], out, dout, din[0], accumulate);
+  }
+
   // in (B, ...) -> out (B, ...), with out preallocated to output_shape(in).
   virtual void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) = 0;
   // Given dout, writes din (when din is defined) and the parameter gradients: overwriting them when
@@ -166,6 +180,20 @@ std::unique_ptr<Layer> make_embedding(int64_t num_embeddings, int64_t embedding_
 // The same with padding_idx as nn.Embedding takes it: in [-num_embeddings, num_embeddings), a negative index
 // counting from the end.
 std::unique_ptr<Layer> make_embedding_padded(int64_t num_embeddings, int64_t embedding_dim, int64_t padding_idx);
+// GPT-2's learned position embedding (nanoGPT's wpe, added to its input): (B, T, C) -> (B, T, C) + weight[t] at
+// position t, weight (max_positions, C) drawn from N(0, 1) as nn.Embedding's; T > max_positions is refused.
+// (nn/attention.cpp)
+std::unique_ptr<Layer> make_position_embedding(int64_t max_positions, int64_t embedding_dim);
+// F.scaled_dot_product_attention over `spec.heads` heads, reading (B, L, C) q, k and v (num_inputs 3, k and v of
+// length S) or one packed (B, T, 3C) projection read as [q | k | v] along its last dimension (num_inputs 1, nanoGPT's
+// c_attn(x).split(C, dim=2)), without copies: heads and the split are strides of the op's views. Output (B, L, C),
+// heads merged. Attention dropout with probability dropout_p in training mode. (nn/attention.cpp)
+std::unique_ptr<Layer> make_attention(const AttentionSpec& spec, float dropout_p, size_t num_inputs);
+// nn.MultiheadAttention(embed_dim, spec.heads, dropout_p, bias, batch_first=True) as self-attention on (B, T, E),
+// causal with spec.causal: parameters in_proj_weight (3E, E), in_proj_bias (3E), out_proj.weight (E, E),
+// out_proj.bias (E), initialised as that module's. (nn/attention.cpp)
+std::unique_ptr<Layer> make_multihead_attention(int64_t embed_dim, const AttentionSpec& spec, float dropout_p,
+                                                bool bias);
 // The SyncBatchNorm twin of a BatchNorm layer (same parameters and buffers), or null for any other layer.
 std::unique_ptr<Layer> to_sync_batchnorm(const Layer& layer);
 

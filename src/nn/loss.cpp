@@ -1,38 +1,62 @@
 #include "nn/loss.h"
 
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
 #include "common/error.h"
+#include "common/op_specs.h"
 
 namespace dpar {
 
-void check_loss_target(LossKind kind, const Shape& out, const Tensor& target, const char* operation) {
+std::vector<int64_t> check_loss_target(LossKind kind, const Shape& out, const Tensor& target,
+                                       const char* operation) {
+  const int64_t B = out[0];
   if (kind == LossKind::kCrossEntropy) {
-    DPAR_CHECK_ARG(out.ndim() == 2, operation, ": cross-entropy needs a (batch, classes) output, the model gives ",
+    DPAR_CHECK_ARG(out.ndim() >= 2, operation, ": cross-entropy needs a (batch, ..., classes) output, the model gives ",
                    out.str());
     DPAR_CHECK_ARG(target.dtype() == DType::kI32, operation, ": target must be i32 class labels, got ",
                    dtype_name(target.dtype()));
-    DPAR_CHECK_ARG(target.shape().ndim() == 1 && target.rows() == out[0], operation, ": target ",
-                   target.shape().str(), " must be (", out[0], ") labels, one per input row");
+    // The output's shape without its classes: one label per position.
+    const Shape want = Shape::of(out.data(), out.ndim() - 1);
+    DPAR_CHECK_ARG(target.shape() == want, operation, ": target ", target.shape().str(), " must be ", want.str(),
+                   " labels, one per position of the output ", out.str(), " (the classes on its last dimension)");
+    const int64_t classes = out[out.ndim() - 1];
+    const int64_t n = target.numel();
     // Checked here, on the host: a device kernel cannot refuse a label.
     std::vector<int32_t> copied;
     const int32_t* labels = target.i32();
     if (!target.device().is_host()) {
-      copied.resize(static_cast<size_t>(target.rows()));
+      copied.resize(static_cast<size_t>(n));
       backend_for(target.device()).copy_to_host(copied.data(), labels, copied.size() * sizeof(int32_t),
                                                 target.device());
       labels = copied.data();
     }
-    for (int64_t i = 0; i < target.rows(); ++i)
-      DPAR_CHECK_ARG(labels[i] >= 0 && labels[i] < out[1], operation, ": target[", i, "] = ", labels[i],
-                     " is out of range [0, ", out[1], ")");
-  } else {
-    DPAR_CHECK_ARG(target.dtype() == DType::kF32, operation, ": MSE target must be f32, got ",
-                   dtype_name(target.dtype()));
-    DPAR_CHECK_ARG(target.shape() == out, operation, ": MSE target ", target.shape().str(),
-                   " must be shaped as the output ", out.str());
+    const int64_t per_row = B > 0 ? n / B : 0;
+    std::vector<int64_t> samples(static_cast<size_t>(B), 0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t label = labels[i];
+      if (label == kIgnoreIndex) continue;
+      if (label < 0 || label >= classes) {
+        // The label's position as an index of the target: target[1, 3] of a (B, T) target.
+        std::string at;
+        for (size_t d = want.ndim(), rest = static_cast<size_t>(i); d-- > 0;) {
+          const auto extent = static_cast<size_t>(want[d]);
+          at = std::to_string(rest % extent) + (at.empty() ? "" : ", ") + at;
+          rest /= extent;
+        }
+        fail(Status::kInvalidArgument, operation, ": target[", at, "] = ", label, " is out of range [0, ", classes,
+             ") and is not the ignored index ", kIgnoreIndex);
+      }
+      ++samples[static_cast<size_t>(i / per_row)];
+    }
+    return samples;
   }
+  DPAR_CHECK_ARG(target.dtype() == DType::kF32, operation, ": MSE target must be f32, got ",
+                 dtype_name(target.dtype()));
+  DPAR_CHECK_ARG(target.shape() == out, operation, ": MSE target ", target.shape().str(),
+                 " must be shaped as the output ", out.str());
+  return std::vector<int64_t>(static_cast<size_t>(B), 1);
 }
 
 void loss_forward_backward(LossKind kind, const ReplicaContext& ctx, double* loss_sum, const Tensor& dout,

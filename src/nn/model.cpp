@@ -24,13 +24,41 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
       if (j != kModelInput) ++consumers[static_cast<size_t>(j)];
     storage_.push_back(node.kind == NodeKind::kView ? storage(node.inputs[0]) : static_cast<int32_t>(i));
     if (!node.layer) continue;
-    std::vector<Tensor> p, g;
-    for (const ParamInfo& info : model.params())
-      if (info.node == i) {
-        p.push_back(params_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
-        g.push_back(grads_.rows(info.offset, info.shape.numel()).reshaped(info.shape));
-      }
+    // One view per param_specs() slot: the node's own parameters and those it reads through a tie.
+    const size_t slots = node.layer->param_specs().size();
+    std::vector<Tensor> p(slots), g(slots);
+    auto bind_slot = [&](const ParamInfo& info, size_t slot) {
+      p[slot] = params_.rows(info.offset, info.shape.numel()).reshaped(info.shape);
+      g[slot] = grads_.rows(info.offset, info.shape.numel()).reshaped(info.shape);
+    };
+    for (const ParamInfo& info : model.params()) {
+      if (info.node == i) bind_slot(info, info.slot);
+      for (const ParamAlias& a : info.aliases)
+        if (a.node == i) bind_slot(info, a.slot);
+    }
+    for (size_t k = 0; k < slots; ++k)
+      DPAR_ENFORCE(p[k].defined(), Status::kInternal, "node ", i, " reads no parameter in slot ", k);
     nodes_[i].layer->bind(std::move(p), std::move(g));
+  }
+  // Tied parameters: every reader's backward writes the one gradient. The first in backward order (the highest
+  // node) writes it as every parameter is written (overwriting, or adding when the caller accumulates); each later
+  // reader must add to it. A later reader therefore runs with accumulate = true, and where the caller does not
+  // accumulate, the gradients that node writes first (its untied parameters, and tied ones it is the highest reader
+  // of) are zeroed before, so that adding to them is writing them. The sum is the two readers' exactly, as
+  // PyTorch's autograd sums a leaf's gradient over its uses.
+  tied_zero_.resize(nodes_.size());
+  tied_adds_.assign(nodes_.size(), 0);
+  for (const ParamInfo& info : model.params()) {
+    if (info.aliases.empty()) continue;
+    size_t highest = info.node;
+    for (const ParamAlias& a : info.aliases) highest = std::max(highest, a.node);
+    for (size_t reader = 0; reader < nodes_.size(); ++reader)
+      if (info.read_by(reader) && reader != highest) tied_adds_[reader] = 1;
+  }
+  for (const ParamInfo& info : model.params()) {
+    size_t highest = info.node;
+    for (const ParamAlias& a : info.aliases) highest = std::max(highest, a.node);
+    if (tied_adds_[highest]) tied_zero_[highest].push_back(grads_.rows(info.offset, info.shape.numel()));
   }
   // Buffers: this replica's own copy, from the model's values.
   n_buf_f32_ = static_cast<int64_t>(model.buffer_f32().size());
@@ -219,7 +247,15 @@ Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
     }
     const Tensor y = output(static_cast<int32_t>(i));
     switch (node.kind) {
-      case NodeKind::kLayer: node.layer->forward(ctx, output(node.inputs[0]), y); break;
+      case NodeKind::kLayer:
+        if (node.inputs.size() == 1) {
+          node.layer->forward(ctx, output(node.inputs[0]), y);
+        } else {
+          std::vector<Tensor> in;
+          for (int32_t j : node.inputs) in.push_back(output(j));
+          node.layer->forward_inputs(ctx, in, y);
+        }
+        break;
       case NodeKind::kSum:
         ctx.stream->copy(y.raw(), output(node.inputs[0]).raw(), y.bytes());
         for (size_t k = 1; k < node.inputs.size(); ++k)
@@ -264,6 +300,47 @@ void ReplicaModel::contribute(const ReplicaContext& ctx, int32_t node,
   ctx.stream->run(call::Axpy{g.ref(), tmp.ref()});
 }
 
+void ReplicaModel::backward_inputs(const ReplicaContext& ctx, int32_t id, const Tensor& dout, bool accumulate) {
+  const Node& node = nodes_[static_cast<size_t>(id)];
+  std::vector<Tensor> in, din;
+  // An input's gradient is written in place where this is its first contribution; a second one (an input read
+  // twice here, or one whose gradient another reader began) goes to scratch of its own and is added after the call,
+  // as contribute() does for one input. The model's input needs none: scratch takes it.
+  std::vector<std::pair<int32_t, Tensor>> added;
+  std::vector<int32_t> direct;
+  for (int32_t j : node.inputs) {
+    in.push_back(output(j));
+    const int32_t s = storage(j);
+    const bool fresh = s != kModelInput && !grad_started_[static_cast<size_t>(s + 1)] &&
+                       std::find(direct.begin(), direct.end(), s) == direct.end();
+    if (fresh) {
+      direct.push_back(s);
+      din.push_back(grad_of(j));
+      continue;
+    }
+    Tensor scratch = ctx.alloc(DType::kF32, in.back().shape());
+    if (s != kModelInput) added.emplace_back(j, scratch);
+    din.push_back(std::move(scratch));
+  }
+  node.layer->backward_inputs(ctx, in, output(id), dout, din, accumulate);
+  for (int32_t s : direct) grad_started_[static_cast<size_t>(s + 1)] = 1;
+  for (const auto& [j, scratch] : added) {
+    char& started = grad_started_[static_cast<size_t>(storage(j) + 1)];
+    if (started)
+      ctx.stream->run(call::Axpy{grad_of(j).ref(), scratch.ref()});
+    else
+      ctx.stream->copy(grad_of(j).raw(), scratch.raw(), scratch.bytes());
+    started = 1;
+  }
+}
+
+bool ReplicaModel::tied_accumulate(const ReplicaContext& ctx, size_t node, bool accumulate) {
+  // A later reader of a tied parameter adds to it (see the constructor): what it writes first is zeroed.
+  if (!tied_adds_[node] || accumulate) return accumulate;
+  for (const Tensor& g : tied_zero_[node]) ctx.stream->fill_zero(g.raw(), g.bytes());
+  return true;
+}
+
 void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output, bool accumulate,
                             const std::function<void(size_t node)>& node_done) {
   DPAR_ENFORCE(has_forward_, Status::kInvalidState, "backward: no forward state on ", ctx.device.str());
@@ -292,17 +369,23 @@ void ReplicaModel::backward(const ReplicaContext& ctx, const Tensor& grad_output
     const Tensor dout = id == last && external_dout_.defined() ? external_dout_ : grad_of(id);
     const bool pair = i > 0 && epilogue_[i - 1] != Epilogue::kNone;  // nodes i - 1 and i run as one
     const size_t first = pair ? i - 1 : i;
+    if (!pair && node.kind == NodeKind::kLayer && node.inputs.size() > 1) {
+      backward_inputs(ctx, static_cast<int32_t>(i), dout, tied_accumulate(ctx, i, accumulate));
+      if (node_done) node_done(i);
+      continue;
+    }
     if (pair || node.kind == NodeKind::kLayer) {
       const Node& head = nodes_[first];
       const int32_t in_id = head.inputs[0];
       const Tensor in = output(in_id);
       const Tensor out = output(id);
+      const bool acc = tied_accumulate(ctx, first, accumulate);
       auto run = [&](const Tensor& din) {
         if (pair)
           head.layer->backward_with_epilogue(ctx, epilogue_[first], in, out, dout, grad_of(static_cast<int32_t>(first)),
-                                             din, accumulate);
+                                             din, acc);
         else
-          node.layer->backward(ctx, in, out, dout, din, accumulate);
+          node.layer->backward(ctx, in, out, dout, din, acc);
       };
       if (storage(in_id) == kModelInput)
         run(Tensor());

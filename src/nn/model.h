@@ -8,6 +8,7 @@
 // model it always was. The model's output is the last node.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -27,18 +28,43 @@ constexpr size_t kMaxJoinInputs = 65536;
 // take it as its name's first.
 constexpr const char* kOptimizerKeys = "optimizer";
 
+// A further node that reads a parameter (tied weights: PyTorch's lm_head.weight = wte.weight). The parameter is
+// held, reduced and stepped once; this is only where the other node finds it and the key it is also saved under.
+struct ParamAlias {
+  std::string name;  // "<node name>.<param>" of the reading node: "5.weight", "lm_head.weight"
+  size_t node = 0;   // the node that reads it
+  size_t slot = 0;   // which of that node's param_specs() it stands for
+};
+
 struct ParamInfo {
   std::string name;  // "<node name>.<param>": "0.weight", "layer1.0.conv1.weight", as PyTorch's state_dict
   Shape shape;
   int64_t offset = 0;  // in the flat buffer, in elements
   size_t node = 0;     // the node that owns it
   bool decays = true;  // !ParamSpec::no_decay: in the decayed group when biases and norms are excluded
+  size_t slot = 0;     // which of the owner's param_specs() it is
+  std::vector<ParamAlias> aliases;  // the other nodes that read it (Model::tie_param); empty unless tied
+
+  // The node whose backward writes its gradient last: backward walks the nodes last to first, so the lowest of its
+  // readers. Its gradient is final, and may be reduced, only after that node's backward.
+  size_t last_writer() const {
+    size_t n = node;
+    for (const ParamAlias& a : aliases) n = std::min(n, a.node);
+    return n;
+  }
+  // Whether `reader` reads it (as the owner or through an alias).
+  bool read_by(size_t reader) const {
+    if (reader == node) return true;
+    for (const ParamAlias& a : aliases)
+      if (a.node == reader) return true;
+    return false;
+  }
 };
 
 // What a node computes. Joins and views are executed by the graph itself with the stream's copy and axpy, so they
 // run on every backend; kLayer nodes run a single-input Layer.
 enum class NodeKind {
-  kLayer,   // layer(inputs[0])
+  kLayer,   // layer(inputs...): one input for most layers, q, k and v for attention
   kSum,     // inputs[0] + inputs[1] + ...: equal shapes (a residual)
   kConcat,  // inputs along dim 1 (channels): equal shapes but for dim 1
   kView,    // inputs[0] with another shape, the same memory (flatten, reshape): no copy forward or backward
@@ -74,10 +100,14 @@ class Model {
  public:
   explicit Model(uint64_t seed) : init_rng_(seed) {}
   Model(const Model& other);
+  Model& operator=(Model&& other) = default;
 
   // Appends a layer reading the next input (the last node, or the branch_from() node), draws its initial
   // parameters from the model's seeded stream, and returns its id.
   int32_t add(std::unique_ptr<Layer> layer);
+  // Appends a layer reading `inputs` (added nodes or kModelInput; as many as layer->num_inputs()), as add() does
+  // otherwise: attention's q, k and v.
+  int32_t add(std::unique_ptr<Layer> layer, const std::vector<int32_t>& inputs);
   // Joins: the elementwise sum of >= 2 nodes of equal shape, and their concatenation along dim 1.
   int32_t add_sum(const std::vector<int32_t>& inputs);
   int32_t add_concat(const std::vector<int32_t>& inputs);
@@ -88,6 +118,13 @@ class Model {
   int32_t last_node() const { return static_cast<int32_t>(nodes_.size()) - 1; }
   // The next node added without explicit inputs reads `node` (an added node or kModelInput).
   void branch_from(int32_t node);
+  // Ties node `node`'s parameter `param` to node `source_node`'s `source_param` (PyTorch's
+  // lm_head.weight = wte.weight): the node reads the source's parameter, which keeps its name and values; the
+  // node's own copy leaves the model (its elements leave the flat array, so later parameters' offsets shift) and its
+  // key stays as the parameter's alias, saved beside the parameter's own. Throws Error(INVALID_ARGUMENT) naming what
+  // does not fit (a node that is not a layer, an unknown parameter name, shapes that differ, a parameter tied
+  // already, a node tied to itself or to a parameter it reads already), changing nothing.
+  void tie_param(int32_t node, const std::string& param, int32_t source_node, const std::string& source_param);
   // Renames a node and its parameters. Names are unique, dot-separated identifiers ([A-Za-z0-9_]+ each); a name
   // made of digits only is reserved for the node of that index (the default).
   void set_node_name(int32_t node, const std::string& name);
@@ -132,6 +169,11 @@ class Model {
   // Refuses `keys` (the parameter and buffer names node `node` would have) where another node has one of them.
   void check_keys_free(const std::vector<std::string>& keys, size_t node, const char* argument) const;
   void check_input(int32_t id, const char* what) const;
+  // The slot of node `node`'s parameter named `param` (an index into its layer's param_specs()); `argument` names
+  // the caller's arguments in a refusal.
+  size_t param_slot(int32_t node, const std::string& param, const char* argument) const;
+  // The index in params_ of the parameter node `node` reads in `slot` (its own or, tied, another's).
+  size_t param_read(size_t node, size_t slot) const;
   int32_t next_input_ = kModelInput;  // what the next node without explicit inputs reads
   std::vector<Node> nodes_;
   std::vector<ParamInfo> params_;
@@ -141,6 +183,14 @@ class Model {
   std::vector<int64_t> buffer_i64_;    // flat, the i64 buffers in buffers_ order
   Rng init_rng_;
 };
+
+// nanoGPT's CausalSelfAttention on the next input x (B, T, n_embd): c_attn = Linear(n_embd, 3 n_embd, bias),
+// causal attention of n_head heads on its packed q|k|v with attention dropout dropout_p, c_proj = Linear(n_embd,
+// n_embd, bias), then resid_dropout (left out for p = 0, where it is the identity). With a name ("transformer.h.0.attn")
+// the linear nodes are "<name>.c_attn" and "<name>.c_proj", so the parameters carry nanoGPT's state_dict keys.
+// All or nothing; returns the last node's id. (nn/blocks.cpp)
+int32_t add_causal_self_attention(Model& model, int64_t n_embd, int64_t n_head, float dropout_p, bool bias,
+                                  const std::string& name);
 
 class ReplicaModel {
  public:
@@ -180,6 +230,9 @@ class ReplicaModel {
  private:
   // Makes sure activation buffers hold `rows` rows and plans the gradient buffers; grows, never shrinks.
   void reserve(const ReplicaContext& ctx, const Shape& input);
+  // The accumulate flag node `node`'s backward runs with: true where it adds to a tied gradient a higher node wrote
+  // (the gradients it writes first are then zeroed here, when the caller does not accumulate), else the caller's.
+  bool tied_accumulate(const ReplicaContext& ctx, size_t node, bool accumulate);
   // Throws Error(NOT_SUPPORTED) naming the first node that needs a kernel `stream` cannot run.
   void check_kernels(const Stream& stream) const;
   // The node whose memory a node's output is (following views back); kModelInput for the input.
@@ -191,10 +244,18 @@ class ReplicaModel {
   // Adds `write(dst)`'s result to node's gradient: into its buffer directly for the first contribution, through
   // the scratch buffer and an axpy for the next ones.
   void contribute(const ReplicaContext& ctx, int32_t node, const std::function<void(const Tensor& dst)>& write);
+  // The backward of node `id`, a layer of several inputs (attention's q, k and v), contributing to each input's
+  // gradient.
+  void backward_inputs(const ReplicaContext& ctx, int32_t id, const Tensor& dout, bool accumulate);
 
   std::vector<Node> nodes_;
   std::vector<int32_t> storage_;         // per node: storage(node)
   std::vector<Epilogue> epilogue_;       // node i computes node i + 1 as its epilogue (kNone: it does not)
+  // Tied parameters (see the constructor): per node, whether its backward adds to a gradient an earlier backward
+  // wrote (it reads a tied parameter that a higher node reads too), and the gradients it then writes first, zeroed
+  // before it runs when the caller does not accumulate.
+  std::vector<char> tied_adds_;
+  std::vector<std::vector<Tensor>> tied_zero_;
   Tensor params_, grads_;
   Tensor buf_f32_, buf_i64_;           // the buffers (see buffer_f32(), buffer_i64())
   int64_t n_buf_f32_ = 0, n_buf_i64_ = 0;

@@ -865,8 +865,12 @@ void run_step(FuzzedDataProvider& in, Handles& h, const Mirror& mirror, const st
   const std::string what = "the graph of " + std::to_string(mirror.nodes.size()) + " nodes on input " + input;
 
   if (mode == kCrossEntropy || mode == kMse) {
-    // The target: labels (B) for cross-entropy, the output's shape for MSE; sometimes another shape.
-    const std::vector<int64_t> want = mode == kCrossEntropy ? std::vector<int64_t>{rows} : out_dims;
+    // The target: labels of the output's leading shape (B, ...) for cross-entropy (the classes on its last
+    // dimension), the output's shape for MSE; sometimes another shape.
+    const std::vector<int64_t> want =
+        mode == kCrossEntropy ? (out_dims.size() >= 2 ? std::vector<int64_t>(out_dims.begin(), out_dims.end() - 1)
+                                                      : std::vector<int64_t>{rows})
+                              : out_dims;
     std::vector<int64_t> tshape = want;
     if (tshape.empty() || rare(in, 15))
       tshape = {rows + in.ConsumeIntegralInRange<int64_t>(0, 1), in.ConsumeIntegralInRange<int64_t>(1, 4)};
@@ -874,16 +878,18 @@ void run_step(FuzzedDataProvider& in, Handles& h, const Mirror& mirror, const st
     i128 tn = 1;
     for (int64_t v : tshape) tn = sat_mul(tn, v);
     std::vector<float> t(static_cast<size_t>(tn));
-    const bool classes_known = mode == kCrossEntropy && out_dims.size() == 2;
-    const int64_t classes = classes_known ? out_dims[1] : 4;
+    const bool classes_known = mode == kCrossEntropy && out_dims.size() >= 2;
+    const int64_t classes = classes_known ? out_dims.back() : 4;
     if (refused.empty() && other) refused = "a target of another shape";
-    if (refused.empty() && mode == kCrossEntropy && !classes_known) refused = "cross-entropy on a non-(B, C) output";
+    if (refused.empty() && mode == kCrossEntropy && !classes_known) refused = "cross-entropy on a (B) output";
     for (float& v : t) {
       if (mode == kCrossEntropy) {
         int32_t label = static_cast<int32_t>(in.ConsumeIntegralInRange<int64_t>(0, classes - 1));
         if (rare(in, 63)) {
           label = -1;
           if (refused.empty() && classes_known) refused = "label -1";
+        } else if (rare(in, 15)) {
+          label = DPAR_IGNORE_INDEX;  // no sample: accepted
         }
         std::memcpy(&v, &label, sizeof label);
       } else {

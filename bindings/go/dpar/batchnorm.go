@@ -51,6 +51,48 @@ func (m *Model) EmbeddingPadded(numEmbeddings, embeddingDim, paddingIdx int64) e
 	})
 }
 
+// PositionEmbedding appends GPT-2's learned position embedding (nanoGPT's wpe): a (B, T, C) input gives input +
+// weight[t] at position t, its "weight" (maxPositions, embeddingDim) drawn from N(0, 1). A sequence longer than
+// maxPositions is refused.
+func (m *Model) PositionEmbedding(maxPositions, embeddingDim int64) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int { return raw.Dpar_model_add_position_embedding(m.raw, maxPositions, embeddingDim) })
+}
+
+// Attention appends F.scaled_dot_product_attention(q, k, v, dropoutP, isCausal, scale) over numHeads heads, the
+// output (B, L, C) with the heads merged. inputs are the nodes q, k and v; or one node, a packed (B, T, 3C) q|k|v
+// projection; or none, for the next input as a packed projection. A scale of 0 is 1/sqrt(head size). No
+// parameters.
+func (m *Model) Attention(numHeads int64, isCausal bool, dropoutP, scale float32, inputs ...int32) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int {
+		return raw.Dpar_model_add_attention(m.raw, int32s(inputs), int64(len(inputs)), numHeads, b2i(isCausal),
+			dropoutP, scale)
+	})
+}
+
+// MultiheadAttention appends self-attention as torch.nn.MultiheadAttention(embedDim, numHeads, dropout, bias,
+// batch_first=True)(x, x, x, need_weights=False, is_causal=isCausal)[0] on (B, T, embedDim) inputs, with the
+// module's parameter names ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias") and
+// initialisation.
+func (m *Model) MultiheadAttention(embedDim, numHeads int64, dropout float32, bias, isCausal bool) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int {
+		return raw.Dpar_model_add_multihead_attention(m.raw, embedDim, numHeads, dropout, b2i(bias), b2i(isCausal))
+	})
+}
+
+// CausalSelfAttention appends nanoGPT's CausalSelfAttention on (B, T, nEmbd) inputs: c_attn, causal attention of
+// nHead heads, c_proj and resid_dropout. With a name ("transformer.h.0.attn"; "" for the default names) the linear
+// nodes are "<name>.c_attn" and "<name>.c_proj", so that their parameters have nanoGPT's state_dict keys. A refusal
+// leaves the model as it was.
+func (m *Model) CausalSelfAttention(nEmbd, nHead int64, dropout float32, bias bool, name string) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int {
+		return raw.Dpar_model_add_causal_self_attention(m.raw, nEmbd, nHead, dropout, b2i(bias), name)
+	})
+}
+
 // ConvertSyncBatchNorm turns every BatchNorm layer into SyncBatchNorm.
 func (m *Model) ConvertSyncBatchNorm() error {
 	defer runtime.KeepAlive(m)

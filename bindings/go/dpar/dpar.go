@@ -385,6 +385,16 @@ func (m *Model) SetNodeName(node int32, name string) error {
 	return call(func() int { return raw.Dpar_model_set_node_name(m.raw, int(node), name) })
 }
 
+// TieParam ties node's parameter param to sourceNode's sourceParam, as PyTorch's lm_head.weight = wte.weight: both
+// nodes read the source's parameter (its values and name), held, counted, reduced and stepped once, its gradient
+// the sum of both; checkpoints hold it under both keys.
+func (m *Model) TieParam(node int32, param string, sourceNode int32, sourceParam string) error {
+	defer runtime.KeepAlive(m)
+	return call(func() int {
+		return raw.Dpar_model_tie_param(m.raw, int(node), param, int(sourceNode), sourceParam)
+	})
+}
+
 func int32s(v []int32) unsafe.Pointer {
 	if len(v) == 0 {
 		return nil
@@ -552,6 +562,10 @@ const (
 	CrossEntropy Loss = 0
 	MSE          Loss = 1
 )
+
+// IgnoreIndex is the cross-entropy target that is ignored: no loss, no gradient, not counted in the mean
+// (PyTorch's default ignore_index, for padding and prompt tokens).
+const IgnoreIndex int32 = -100
 
 // ProcessMode is a dpar_processes: which processes an engine spans.
 type ProcessMode int32

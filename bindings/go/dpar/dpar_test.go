@@ -625,6 +625,62 @@ func TestBatchNormBuffersAreNamedTypedAndEqualOnEveryReplica(t *testing.T) {
 	}
 }
 
+// The GPT pattern: the output projection reads the token embedding's weight (lm_head.weight = wte.weight).
+func TestATiedWeightIsOneParameterReadByTwoNodes(t *testing.T) {
+	m, err := NewModel(4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Embedding(7, 5); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Linear(5, 7, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.TieParam(1, "weight", 0, "bias"); err == nil || !strings.Contains(err.Error(), `has no parameter "bias"`) {
+		t.Fatalf("an unknown source parameter: %v", err)
+	}
+	if err := m.TieParam(1, "weight", 0, "weight"); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := m.NumParams(); err != nil || n != 1 {
+		t.Fatalf("%d parameters, %v", n, err)
+	}
+	if n, err := m.NumParamElements(); err != nil || n != 35 {
+		t.Fatalf("%d parameter elements, %v", n, err)
+	}
+	if name, shape, err := m.ParamInfo(0); err != nil || name != "0.weight" || len(shape) != 2 || shape[0] != 7 {
+		t.Fatalf("parameter 0: %s %v %v", name, shape, err)
+	}
+	if err := m.TieParam(1, "weight", 0, "weight"); err == nil || !strings.Contains(err.Error(), "tied already") {
+		t.Fatalf("a second tie: %v", err)
+	}
+	e, err := NewEngine(m, Options{LR: 0.1, Devices: 2, Processes: ProcessesSingle})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	x, err := FromInt32([]int64{5}, []int32{0, 3, 6, 2, 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close()
+	y, err := FromInt32([]int64{5}, []int32{3, 6, 2, 3, 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer y.Close()
+	first, err := e.TrainStep(x, y)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second, err := e.TrainStep(x, y)
+	if err != nil || !(second < first) {
+		t.Fatalf("losses %v then %v: %v", first, second, err)
+	}
+}
+
 func TestLayerNormEmbeddingTrainOnInt32TokensAndRefuseABadIndex(t *testing.T) {
 	m, err := NewModel(5)
 	if err != nil {

@@ -56,7 +56,7 @@ typedef long long swig_type_24;
 typedef long long swig_type_25;
 typedef long long swig_type_26;
 typedef long long swig_type_27;
-typedef _gostring_ swig_type_28;
+typedef long long swig_type_28;
 typedef long long swig_type_29;
 typedef long long swig_type_30;
 typedef long long swig_type_31;
@@ -64,27 +64,27 @@ typedef long long swig_type_32;
 typedef long long swig_type_33;
 typedef long long swig_type_34;
 typedef long long swig_type_35;
-typedef long long swig_type_36;
-typedef long long swig_type_37;
+typedef _gostring_ swig_type_36;
+typedef _gostring_ swig_type_37;
 typedef _gostring_ swig_type_38;
-typedef long long swig_type_39;
+typedef _gostring_ swig_type_39;
 typedef long long swig_type_40;
 typedef long long swig_type_41;
 typedef long long swig_type_42;
 typedef long long swig_type_43;
 typedef long long swig_type_44;
-typedef _gostring_ swig_type_45;
+typedef long long swig_type_45;
 typedef long long swig_type_46;
 typedef long long swig_type_47;
 typedef long long swig_type_48;
-typedef long long swig_type_49;
+typedef _gostring_ swig_type_49;
 typedef long long swig_type_50;
 typedef long long swig_type_51;
 typedef long long swig_type_52;
 typedef long long swig_type_53;
 typedef long long swig_type_54;
 typedef long long swig_type_55;
-typedef long long swig_type_56;
+typedef _gostring_ swig_type_56;
 typedef long long swig_type_57;
 typedef long long swig_type_58;
 typedef long long swig_type_59;
@@ -98,7 +98,7 @@ typedef long long swig_type_66;
 typedef long long swig_type_67;
 typedef long long swig_type_68;
 typedef long long swig_type_69;
-typedef _gostring_ swig_type_70;
+typedef long long swig_type_70;
 typedef long long swig_type_71;
 typedef long long swig_type_72;
 typedef long long swig_type_73;
@@ -108,9 +108,9 @@ typedef long long swig_type_76;
 typedef long long swig_type_77;
 typedef long long swig_type_78;
 typedef long long swig_type_79;
-typedef _gostring_ swig_type_80;
+typedef long long swig_type_80;
 typedef _gostring_ swig_type_81;
-typedef _gostring_ swig_type_82;
+typedef long long swig_type_82;
 typedef long long swig_type_83;
 typedef long long swig_type_84;
 typedef long long swig_type_85;
@@ -118,10 +118,10 @@ typedef long long swig_type_86;
 typedef long long swig_type_87;
 typedef long long swig_type_88;
 typedef long long swig_type_89;
-typedef _gostring_ swig_type_90;
-typedef long long swig_type_91;
-typedef long long swig_type_92;
-typedef long long swig_type_93;
+typedef long long swig_type_90;
+typedef _gostring_ swig_type_91;
+typedef _gostring_ swig_type_92;
+typedef _gostring_ swig_type_93;
 typedef long long swig_type_94;
 typedef long long swig_type_95;
 typedef long long swig_type_96;
@@ -129,7 +129,7 @@ typedef long long swig_type_97;
 typedef long long swig_type_98;
 typedef long long swig_type_99;
 typedef long long swig_type_100;
-typedef long long swig_type_101;
+typedef _gostring_ swig_type_101;
 typedef long long swig_type_102;
 typedef long long swig_type_103;
 typedef long long swig_type_104;
@@ -140,13 +140,24 @@ typedef long long swig_type_108;
 typedef long long swig_type_109;
 typedef long long swig_type_110;
 typedef long long swig_type_111;
-typedef _gostring_ swig_type_112;
-typedef _gostring_ swig_type_113;
+typedef long long swig_type_112;
+typedef long long swig_type_113;
 typedef long long swig_type_114;
 typedef long long swig_type_115;
 typedef long long swig_type_116;
 typedef long long swig_type_117;
 typedef long long swig_type_118;
+typedef long long swig_type_119;
+typedef long long swig_type_120;
+typedef long long swig_type_121;
+typedef long long swig_type_122;
+typedef _gostring_ swig_type_123;
+typedef _gostring_ swig_type_124;
+typedef long long swig_type_125;
+typedef long long swig_type_126;
+typedef long long swig_type_127;
+typedef long long swig_type_128;
+typedef long long swig_type_129;
 extern void _wrap_Swig_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_Swig_malloc_raw_9787157d5e82d198(swig_intgo arg1);
 extern swig_intgo _wrap_DPAR_VERSION_raw_9787157d5e82d198(void);
@@ -224,38 +235,43 @@ extern swig_intgo _wrap_dpar_model_convert_sync_batchnorm_raw_9787157d5e82d198(u
 extern swig_intgo _wrap_dpar_model_add_layernorm_raw_9787157d5e82d198(uintptr_t arg1, swig_type_22 arg2, float arg3, swig_intgo arg4);
 extern swig_intgo _wrap_dpar_model_add_embedding_raw_9787157d5e82d198(uintptr_t arg1, swig_type_23 arg2, swig_type_24 arg3);
 extern swig_intgo _wrap_dpar_model_add_embedding_padded_raw_9787157d5e82d198(uintptr_t arg1, swig_type_25 arg2, swig_type_26 arg3, swig_type_27 arg4);
+extern swig_intgo _wrap_dpar_model_add_position_embedding_raw_9787157d5e82d198(uintptr_t arg1, swig_type_28 arg2, swig_type_29 arg3);
+extern swig_intgo _wrap_dpar_model_add_attention_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_30 arg3, swig_type_31 arg4, swig_intgo arg5, float arg6, float arg7);
+extern swig_intgo _wrap_dpar_model_add_multihead_attention_raw_9787157d5e82d198(uintptr_t arg1, swig_type_32 arg2, swig_type_33 arg3, float arg4, swig_intgo arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_model_add_causal_self_attention_raw_9787157d5e82d198(uintptr_t arg1, swig_type_34 arg2, swig_type_35 arg3, float arg4, swig_intgo arg5, swig_type_36 arg6);
 extern swig_intgo _wrap_dpar_model_add_dropout_raw_9787157d5e82d198(uintptr_t arg1, float arg2);
 extern swig_intgo _wrap_dpar_model_last_node_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_model_branch_from_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
-extern swig_intgo _wrap_dpar_model_set_node_name_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2, swig_type_28 arg3);
-extern swig_intgo _wrap_dpar_model_add_sum_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_29 arg3);
-extern swig_intgo _wrap_dpar_model_add_concat_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_30 arg3);
+extern swig_intgo _wrap_dpar_model_set_node_name_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2, swig_type_37 arg3);
+extern swig_intgo _wrap_dpar_model_tie_param_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2, swig_type_38 arg3, swig_intgo arg4, swig_type_39 arg5);
+extern swig_intgo _wrap_dpar_model_add_sum_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_40 arg3);
+extern swig_intgo _wrap_dpar_model_add_concat_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_41 arg3);
 extern swig_intgo _wrap_dpar_model_add_flatten_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_model_add_reshape_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_31 arg3);
-extern swig_intgo _wrap_dpar_model_add_conv2d_raw_9787157d5e82d198(uintptr_t arg1, swig_type_32 arg2, swig_type_33 arg3, swig_voidp arg4, swig_voidp arg5, swig_voidp arg6, swig_voidp arg7, swig_type_34 arg8, swig_intgo arg9);
+extern swig_intgo _wrap_dpar_model_add_reshape_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_42 arg3);
+extern swig_intgo _wrap_dpar_model_add_conv2d_raw_9787157d5e82d198(uintptr_t arg1, swig_type_43 arg2, swig_type_44 arg3, swig_voidp arg4, swig_voidp arg5, swig_voidp arg6, swig_voidp arg7, swig_type_45 arg8, swig_intgo arg9);
 extern swig_intgo _wrap_dpar_model_add_max_pool2d_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_voidp arg4);
 extern swig_intgo _wrap_dpar_model_add_avg_pool2d_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_voidp arg4);
-extern swig_intgo _wrap_dpar_model_add_adaptive_avg_pool2d_raw_9787157d5e82d198(uintptr_t arg1, swig_type_35 arg2, swig_type_36 arg3);
+extern swig_intgo _wrap_dpar_model_add_adaptive_avg_pool2d_raw_9787157d5e82d198(uintptr_t arg1, swig_type_46 arg2, swig_type_47 arg3);
 extern swig_intgo _wrap_dpar_model_num_layers_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_model_num_params_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_model_num_param_elements_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_model_param_info_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, uintptr_t arg3, swig_type_37 arg4);
-extern swig_type_38 _wrap_dpar_model_param_name_raw_9787157d5e82d198(uintptr_t arg1, swig_type_39 arg2);
-extern swig_intgo _wrap_dpar_model_param_decays_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_40 arg3);
-extern swig_intgo _wrap_dpar_model_get_param_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_41 arg3, swig_type_42 arg4);
-extern swig_intgo _wrap_dpar_model_set_param_raw_9787157d5e82d198(uintptr_t arg1, swig_type_43 arg2, swig_voidp arg3, swig_type_44 arg4);
+extern swig_intgo _wrap_dpar_model_param_info_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, uintptr_t arg3, swig_type_48 arg4);
+extern swig_type_49 _wrap_dpar_model_param_name_raw_9787157d5e82d198(uintptr_t arg1, swig_type_50 arg2);
+extern swig_intgo _wrap_dpar_model_param_decays_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_51 arg3);
+extern swig_intgo _wrap_dpar_model_get_param_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_52 arg3, swig_type_53 arg4);
+extern swig_intgo _wrap_dpar_model_set_param_raw_9787157d5e82d198(uintptr_t arg1, swig_type_54 arg2, swig_voidp arg3, swig_type_55 arg4);
 extern swig_intgo _wrap_dpar_model_num_buffers_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_type_45 _wrap_dpar_model_buffer_name_raw_9787157d5e82d198(uintptr_t arg1, swig_type_46 arg2);
-extern swig_intgo _wrap_dpar_model_buffer_info_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, swig_voidp arg3, uintptr_t arg4, swig_type_47 arg5);
-extern swig_intgo _wrap_dpar_model_get_buffer_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_48 arg3, swig_type_49 arg4);
-extern swig_intgo _wrap_dpar_model_set_buffer_raw_9787157d5e82d198(uintptr_t arg1, swig_type_50 arg2, swig_voidp arg3, swig_type_51 arg4);
+extern swig_type_56 _wrap_dpar_model_buffer_name_raw_9787157d5e82d198(uintptr_t arg1, swig_type_57 arg2);
+extern swig_intgo _wrap_dpar_model_buffer_info_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, swig_voidp arg3, uintptr_t arg4, swig_type_58 arg5);
+extern swig_intgo _wrap_dpar_model_get_buffer_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_59 arg3, swig_type_60 arg4);
+extern swig_intgo _wrap_dpar_model_set_buffer_raw_9787157d5e82d198(uintptr_t arg1, swig_type_61 arg2, swig_voidp arg3, swig_type_62 arg4);
 extern swig_intgo _wrap_DPAR_INIT_ZEROS_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_INIT_UNIFORM_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_SGD_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_ADAM_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_ADAMW_raw_9787157d5e82d198(void);
-extern void _wrap_dpar_optimizer_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_52 arg2);
-extern swig_type_53 _wrap_dpar_optimizer_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_optimizer_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_63 arg2);
+extern swig_type_64 _wrap_dpar_optimizer_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_optimizer_options_version_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_optimizer_options_version_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_optimizer_options_kind_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
@@ -278,58 +294,59 @@ extern void _wrap_dpar_optimizer_options_eps_set_raw_9787157d5e82d198(uintptr_t 
 extern float _wrap_dpar_optimizer_options_eps_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_new_dpar_optimizer_options_raw_9787157d5e82d198(void);
 extern void _wrap_delete_dpar_optimizer_options_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_optimizer_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_54 arg2);
+extern swig_intgo _wrap_dpar_optimizer_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_65 arg2);
 extern swig_intgo _wrap_dpar_optimizer_options_init_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_DPAR_LOSS_CROSS_ENTROPY_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_LOSS_MSE_raw_9787157d5e82d198(void);
+extern swig_intgo _wrap_DPAR_IGNORE_INDEX_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_PROCESSES_AUTO_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_PROCESSES_SINGLE_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_PROCESSES_MPI_raw_9787157d5e82d198(void);
-extern void _wrap_dpar_engine_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_55 arg2);
-extern swig_type_56 _wrap_dpar_engine_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_engine_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_66 arg2);
+extern swig_type_67 _wrap_dpar_engine_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_engine_options_version_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_options_version_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_engine_options_device_kind_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_options_device_kind_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_engine_options_num_cpu_devices_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_57 arg2);
-extern swig_type_58 _wrap_dpar_engine_options_num_cpu_devices_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_engine_options_num_cpu_devices_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_68 arg2);
+extern swig_type_69 _wrap_dpar_engine_options_num_cpu_devices_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_engine_options_device_ids_set_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2);
 extern swig_voidp _wrap_dpar_engine_options_device_ids_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_engine_options_num_device_ids_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_59 arg2);
-extern swig_type_60 _wrap_dpar_engine_options_num_device_ids_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_engine_options_num_device_ids_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_70 arg2);
+extern swig_type_71 _wrap_dpar_engine_options_num_device_ids_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_engine_options_output_device_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_options_output_device_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_engine_options_loss_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_options_loss_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_engine_options_seed_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_61 arg2);
-extern swig_type_62 _wrap_dpar_engine_options_seed_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_engine_options_seed_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_72 arg2);
+extern swig_type_73 _wrap_dpar_engine_options_seed_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_engine_options_timeout_seconds_set_raw_9787157d5e82d198(uintptr_t arg1, double arg2);
 extern double _wrap_dpar_engine_options_timeout_seconds_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_engine_options_blas_threads_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_63 arg2);
-extern swig_type_64 _wrap_dpar_engine_options_blas_threads_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_engine_options_blas_threads_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_74 arg2);
+extern swig_type_75 _wrap_dpar_engine_options_blas_threads_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_engine_options_pin_workers_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_options_pin_workers_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_engine_options_first_bucket_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_65 arg2);
-extern swig_type_66 _wrap_dpar_engine_options_first_bucket_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_engine_options_bucket_cap_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_67 arg2);
-extern swig_type_68 _wrap_dpar_engine_options_bucket_cap_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_engine_options_first_bucket_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_76 arg2);
+extern swig_type_77 _wrap_dpar_engine_options_first_bucket_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_engine_options_bucket_cap_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_78 arg2);
+extern swig_type_79 _wrap_dpar_engine_options_bucket_cap_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_engine_options_processes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_options_processes_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_engine_options_create_timeout_seconds_set_raw_9787157d5e82d198(uintptr_t arg1, double arg2);
 extern double _wrap_dpar_engine_options_create_timeout_seconds_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_new_dpar_engine_options_raw_9787157d5e82d198(void);
 extern void _wrap_delete_dpar_engine_options_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_engine_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_69 arg2);
+extern swig_intgo _wrap_dpar_engine_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_80 arg2);
 extern swig_intgo _wrap_dpar_engine_options_init_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_engine_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, uintptr_t arg3, uintptr_t arg4);
 extern void _wrap_dpar_engine_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_engine_abort_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_engine_num_replicas_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_engine_processes_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, uintptr_t arg3);
-extern swig_type_70 _wrap_dpar_engine_process_transport_raw_9787157d5e82d198(uintptr_t arg1);
+extern swig_type_81 _wrap_dpar_engine_process_transport_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_engine_num_buckets_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_engine_replica_device_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2, swig_type_71 arg3);
-extern swig_intgo _wrap_dpar_engine_split_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_72 arg3, swig_type_73 arg4);
+extern swig_intgo _wrap_dpar_engine_replica_device_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2, swig_type_82 arg3);
+extern swig_intgo _wrap_dpar_engine_split_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_83 arg3, swig_type_84 arg4);
 extern swig_intgo _wrap_dpar_engine_train_step_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, uintptr_t arg3, uintptr_t arg4);
 extern swig_intgo _wrap_dpar_engine_accumulate_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, uintptr_t arg3, uintptr_t arg4);
 extern swig_intgo _wrap_dpar_engine_step_raw_9787157d5e82d198(uintptr_t arg1);
@@ -346,63 +363,63 @@ extern swig_intgo _wrap_DPAR_REDUCTION_REDUCE_SCATTER_raw_9787157d5e82d198(void)
 extern swig_intgo _wrap_dpar_engine_set_gradient_reduction_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_set_weight_decay_exclusion_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_step_count_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_74 arg3);
-extern swig_intgo _wrap_dpar_engine_get_params_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_75 arg3, swig_type_76 arg4);
-extern swig_intgo _wrap_dpar_engine_get_buffer_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_77 arg3, swig_type_78 arg4, swig_type_79 arg5);
-extern swig_intgo _wrap_dpar_engine_save_raw_9787157d5e82d198(uintptr_t arg1, swig_type_80 arg2);
-extern swig_intgo _wrap_dpar_engine_load_raw_9787157d5e82d198(uintptr_t arg1, swig_type_81 arg2);
+extern swig_intgo _wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_85 arg3);
+extern swig_intgo _wrap_dpar_engine_get_params_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_86 arg3, swig_type_87 arg4);
+extern swig_intgo _wrap_dpar_engine_get_buffer_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_88 arg3, swig_type_89 arg4, swig_type_90 arg5);
+extern swig_intgo _wrap_dpar_engine_save_raw_9787157d5e82d198(uintptr_t arg1, swig_type_91 arg2);
+extern swig_intgo _wrap_dpar_engine_load_raw_9787157d5e82d198(uintptr_t arg1, swig_type_92 arg2);
 extern swig_intgo _wrap_dpar_engine_trace_start_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(uintptr_t arg1, swig_type_82 arg2);
+extern swig_intgo _wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(uintptr_t arg1, swig_type_93 arg2);
 extern swig_intgo _wrap_DPAR_FAULT_NONE_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_FAULT_ALLOC_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_FAULT_FORWARD_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_FAULT_BACKWARD_raw_9787157d5e82d198(void);
-extern swig_intgo _wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(uintptr_t arg1, swig_type_83 arg2, swig_intgo arg3);
+extern swig_intgo _wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(uintptr_t arg1, swig_type_94 arg2, swig_intgo arg3);
 extern swig_intgo _wrap_DPAR_SUM_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_MEAN_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_MAX_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_MIN_raw_9787157d5e82d198(void);
-extern void _wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_84 arg2);
-extern swig_type_85 _wrap_dpar_comm_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_95 arg2);
+extern swig_type_96 _wrap_dpar_comm_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_comm_options_version_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_comm_options_version_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_comm_options_timeout_seconds_set_raw_9787157d5e82d198(uintptr_t arg1, double arg2);
 extern double _wrap_dpar_comm_options_timeout_seconds_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_new_dpar_comm_options_raw_9787157d5e82d198(void);
 extern void _wrap_delete_dpar_comm_options_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_86 arg2);
+extern swig_intgo _wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_97 arg2);
 extern swig_intgo _wrap_dpar_comm_options_init_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_group_create_raw_9787157d5e82d198(swig_voidp arg1, swig_type_87 arg2, uintptr_t arg3);
+extern swig_intgo _wrap_dpar_comm_group_create_raw_9787157d5e82d198(swig_voidp arg1, swig_type_98 arg2, uintptr_t arg3);
 extern void _wrap_dpar_comm_group_free_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_group_member_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_88 arg3);
-extern swig_intgo _wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, swig_voidp arg3, swig_type_89 arg4, uintptr_t arg5);
+extern swig_intgo _wrap_dpar_comm_group_member_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_99 arg3);
+extern swig_intgo _wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, swig_voidp arg3, swig_type_100 arg4, uintptr_t arg5);
 extern swig_intgo _wrap_dpar_comm_create_mpi_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern void _wrap_dpar_comm_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_comm_info_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, uintptr_t arg3);
 extern swig_intgo _wrap_dpar_comm_device_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_comm_abort_raw_9787157d5e82d198(uintptr_t arg1, swig_type_90 arg2);
+extern swig_intgo _wrap_dpar_comm_abort_raw_9787157d5e82d198(uintptr_t arg1, swig_type_101 arg2);
 extern swig_intgo _wrap_dpar_comm_get_async_error_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_91 arg4, swig_intgo arg5, swig_intgo arg6);
-extern swig_intgo _wrap_dpar_comm_broadcast_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_92 arg3, swig_intgo arg4, swig_type_93 arg5);
-extern swig_intgo _wrap_dpar_comm_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_94 arg4, swig_intgo arg5, swig_intgo arg6, swig_type_95 arg7);
-extern swig_intgo _wrap_dpar_comm_all_gather_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_96 arg4, swig_intgo arg5);
-extern swig_intgo _wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_97 arg4, swig_intgo arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_102 arg4, swig_intgo arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_comm_broadcast_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_103 arg3, swig_intgo arg4, swig_type_104 arg5);
+extern swig_intgo _wrap_dpar_comm_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_105 arg4, swig_intgo arg5, swig_intgo arg6, swig_type_106 arg7);
+extern swig_intgo _wrap_dpar_comm_all_gather_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_107 arg4, swig_intgo arg5);
+extern swig_intgo _wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_108 arg4, swig_intgo arg5, swig_intgo arg6);
 extern swig_intgo _wrap_dpar_comm_barrier_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_98 arg5, swig_intgo arg6, swig_intgo arg7);
-extern swig_intgo _wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_type_99 arg4, swig_intgo arg5, swig_type_100 arg6);
-extern swig_intgo _wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_101 arg5, swig_intgo arg6);
-extern swig_intgo _wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_102 arg5, swig_intgo arg6, swig_intgo arg7);
+extern swig_intgo _wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_109 arg5, swig_intgo arg6, swig_intgo arg7);
+extern swig_intgo _wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_type_110 arg4, swig_intgo arg5, swig_type_111 arg6);
+extern swig_intgo _wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_112 arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_113 arg5, swig_intgo arg6, swig_intgo arg7);
 extern swig_intgo _wrap_dpar_work_test_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_work_wait_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_work_free_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_103 arg2);
-extern swig_type_104 _wrap_dpar_reducer_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_114 arg2);
+extern swig_type_115 _wrap_dpar_reducer_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_reducer_options_version_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_reducer_options_version_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_105 arg2);
-extern swig_type_106 _wrap_dpar_reducer_options_first_bucket_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_107 arg2);
-extern swig_type_108 _wrap_dpar_reducer_options_bucket_cap_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_116 arg2);
+extern swig_type_117 _wrap_dpar_reducer_options_first_bucket_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_118 arg2);
+extern swig_type_119 _wrap_dpar_reducer_options_bucket_cap_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_reducer_options_op_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_reducer_options_op_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_reducer_options_processes_set_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2);
@@ -411,22 +428,22 @@ extern void _wrap_dpar_reducer_options_compression_set_raw_9787157d5e82d198(uint
 extern swig_intgo _wrap_dpar_reducer_options_compression_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_new_dpar_reducer_options_raw_9787157d5e82d198(void);
 extern void _wrap_delete_dpar_reducer_options_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_109 arg2);
+extern swig_intgo _wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_120 arg2);
 extern swig_intgo _wrap_dpar_reducer_options_init_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_reducer_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_110 arg5, uintptr_t arg6);
+extern swig_intgo _wrap_dpar_reducer_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_121 arg5, uintptr_t arg6);
 extern void _wrap_dpar_reducer_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_reducer_num_buckets_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(uintptr_t arg1, swig_type_111 arg2);
+extern swig_intgo _wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(uintptr_t arg1, swig_type_122 arg2);
 extern swig_intgo _wrap_dpar_reducer_wait_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(swig_voidp arg1, swig_type_112 arg2, swig_type_113 arg3);
+extern swig_intgo _wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(swig_voidp arg1, swig_type_123 arg2, swig_type_124 arg3);
 extern void _wrap_dpar_dataset_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_dataset_info_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, swig_voidp arg3, uintptr_t arg4);
 extern swig_intgo _wrap_dpar_dataset_normalize_raw_9787157d5e82d198(uintptr_t arg1, float arg2, float arg3);
-extern swig_intgo _wrap_dpar_loader_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_114 arg3, swig_intgo arg4, swig_type_115 arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_loader_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_125 arg3, swig_intgo arg4, swig_type_126 arg5, swig_intgo arg6);
 extern void _wrap_dpar_loader_free_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(uintptr_t arg1, swig_type_116 arg2);
+extern swig_intgo _wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(uintptr_t arg1, swig_type_127 arg2);
 extern swig_intgo _wrap_dpar_loader_num_batches_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_loader_shard_raw_9787157d5e82d198(uintptr_t arg1, swig_type_117 arg2, swig_type_118 arg3);
+extern swig_intgo _wrap_dpar_loader_shard_raw_9787157d5e82d198(uintptr_t arg1, swig_type_128 arg2, swig_type_129 arg3);
 extern swig_intgo _wrap_dpar_loader_to_device_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_loader_next_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern uintptr_t _wrap_dpar_loader_inputs_raw_9787157d5e82d198(uintptr_t arg1);
@@ -1111,6 +1128,55 @@ func Dpar_model_add_embedding_padded(arg1 Struct_SS_dpar_model, arg2 int64, arg3
 	return swig_r
 }
 
+func Dpar_model_add_position_embedding(arg1 Struct_SS_dpar_model, arg2 int64, arg3 int64) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := getSwigcptr(arg1)
+	_swig_i_1 := arg2
+	_swig_i_2 := arg3
+	swig_r = (int)(C._wrap_dpar_model_add_position_embedding_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_28(_swig_i_1), C.swig_type_29(_swig_i_2)))
+	return swig_r
+}
+
+func Dpar_model_add_attention(arg1 Struct_SS_dpar_model, arg2 unsafe.Pointer, arg3 int64, arg4 int64, arg5 int, arg6 float32, arg7 float32) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := getSwigcptr(arg1)
+	_swig_i_1 := arg2
+	_swig_i_2 := arg3
+	_swig_i_3 := arg4
+	_swig_i_4 := arg5
+	_swig_i_5 := arg6
+	_swig_i_6 := arg7
+	swig_r = (int)(C._wrap_dpar_model_add_attention_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_30(_swig_i_2), C.swig_type_31(_swig_i_3), C.swig_intgo(_swig_i_4), C.float(_swig_i_5), C.float(_swig_i_6)))
+	return swig_r
+}
+
+func Dpar_model_add_multihead_attention(arg1 Struct_SS_dpar_model, arg2 int64, arg3 int64, arg4 float32, arg5 int, arg6 int) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := getSwigcptr(arg1)
+	_swig_i_1 := arg2
+	_swig_i_2 := arg3
+	_swig_i_3 := arg4
+	_swig_i_4 := arg5
+	_swig_i_5 := arg6
+	swig_r = (int)(C._wrap_dpar_model_add_multihead_attention_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_32(_swig_i_1), C.swig_type_33(_swig_i_2), C.float(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	return swig_r
+}
+
+func Dpar_model_add_causal_self_attention(arg1 Struct_SS_dpar_model, arg2 int64, arg3 int64, arg4 float32, arg5 int, arg6 string) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := getSwigcptr(arg1)
+	_swig_i_1 := arg2
+	_swig_i_2 := arg3
+	_swig_i_3 := arg4
+	_swig_i_4 := arg5
+	_swig_i_5 := arg6
+	swig_r = (int)(C._wrap_dpar_model_add_causal_self_attention_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_34(_swig_i_1), C.swig_type_35(_swig_i_2), C.float(_swig_i_3), C.swig_intgo(_swig_i_4), *(*C.swig_type_36)(unsafe.Pointer(&_swig_i_5))))
+	if Swig_escape_always_false {
+		Swig_escape_val = arg6
+	}
+	return swig_r
+}
+
 func Dpar_model_add_dropout(arg1 Struct_SS_dpar_model, arg2 float32) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
@@ -1140,9 +1206,26 @@ func Dpar_model_set_node_name(arg1 Struct_SS_dpar_model, arg2 int, arg3 string) 
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_model_set_node_name_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_intgo(_swig_i_1), *(*C.swig_type_28)(unsafe.Pointer(&_swig_i_2))))
+	swig_r = (int)(C._wrap_dpar_model_set_node_name_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_intgo(_swig_i_1), *(*C.swig_type_37)(unsafe.Pointer(&_swig_i_2))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg3
+	}
+	return swig_r
+}
+
+func Dpar_model_tie_param(arg1 Struct_SS_dpar_model, arg2 int, arg3 string, arg4 int, arg5 string) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := getSwigcptr(arg1)
+	_swig_i_1 := arg2
+	_swig_i_2 := arg3
+	_swig_i_3 := arg4
+	_swig_i_4 := arg5
+	swig_r = (int)(C._wrap_dpar_model_tie_param_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_intgo(_swig_i_1), *(*C.swig_type_38)(unsafe.Pointer(&_swig_i_2)), C.swig_intgo(_swig_i_3), *(*C.swig_type_39)(unsafe.Pointer(&_swig_i_4))))
+	if Swig_escape_always_false {
+		Swig_escape_val = arg3
+	}
+	if Swig_escape_always_false {
+		Swig_escape_val = arg5
 	}
 	return swig_r
 }
@@ -1152,7 +1235,7 @@ func Dpar_model_add_sum(arg1 Struct_SS_dpar_model, arg2 unsafe.Pointer, arg3 int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_model_add_sum_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_29(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_model_add_sum_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_40(_swig_i_2)))
 	return swig_r
 }
 
@@ -1161,7 +1244,7 @@ func Dpar_model_add_concat(arg1 Struct_SS_dpar_model, arg2 unsafe.Pointer, arg3 
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_model_add_concat_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_30(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_model_add_concat_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_41(_swig_i_2)))
 	return swig_r
 }
 
@@ -1177,7 +1260,7 @@ func Dpar_model_add_reshape(arg1 Struct_SS_dpar_model, arg2 unsafe.Pointer, arg3
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_model_add_reshape_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_31(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_model_add_reshape_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_42(_swig_i_2)))
 	return swig_r
 }
 
@@ -1192,7 +1275,7 @@ func Dpar_model_add_conv2d(arg1 Struct_SS_dpar_model, arg2 int64, arg3 int64, ar
 	_swig_i_6 := arg7
 	_swig_i_7 := arg8
 	_swig_i_8 := arg9
-	swig_r = (int)(C._wrap_dpar_model_add_conv2d_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_32(_swig_i_1), C.swig_type_33(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_voidp(_swig_i_4), C.swig_voidp(_swig_i_5), C.swig_voidp(_swig_i_6), C.swig_type_34(_swig_i_7), C.swig_intgo(_swig_i_8)))
+	swig_r = (int)(C._wrap_dpar_model_add_conv2d_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_43(_swig_i_1), C.swig_type_44(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_voidp(_swig_i_4), C.swig_voidp(_swig_i_5), C.swig_voidp(_swig_i_6), C.swig_type_45(_swig_i_7), C.swig_intgo(_swig_i_8)))
 	return swig_r
 }
 
@@ -1221,7 +1304,7 @@ func Dpar_model_add_adaptive_avg_pool2d(arg1 Struct_SS_dpar_model, arg2 int64, a
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_model_add_adaptive_avg_pool2d_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_35(_swig_i_1), C.swig_type_36(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_model_add_adaptive_avg_pool2d_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_46(_swig_i_1), C.swig_type_47(_swig_i_2)))
 	return swig_r
 }
 
@@ -1255,7 +1338,7 @@ func Dpar_model_param_info(arg1 unsafe.Pointer, arg2 unsafe.Pointer, arg3 Struct
 	_swig_i_1 := arg2
 	_swig_i_2 := getSwigcptr(arg3)
 	_swig_i_3 := arg4
-	swig_r = (int)(C._wrap_dpar_model_param_info_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_voidp(_swig_i_1), C.uintptr_t(_swig_i_2), C.swig_type_37(_swig_i_3)))
+	swig_r = (int)(C._wrap_dpar_model_param_info_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_voidp(_swig_i_1), C.uintptr_t(_swig_i_2), C.swig_type_48(_swig_i_3)))
 	return swig_r
 }
 
@@ -1263,7 +1346,7 @@ func Dpar_model_param_name(arg1 Struct_SS_dpar_model, arg2 int64) (_swig_ret str
 	var swig_r string
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r_p := C._wrap_dpar_model_param_name_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_39(_swig_i_1))
+	swig_r_p := C._wrap_dpar_model_param_name_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_50(_swig_i_1))
 	swig_r = *(*string)(unsafe.Pointer(&swig_r_p))
 	var swig_r_1 string
  swig_r_1 = swigCopyString(swig_r) 
@@ -1275,7 +1358,7 @@ func Dpar_model_param_decays(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_model, arg
 	_swig_i_0 := arg1
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_model_param_decays_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_40(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_model_param_decays_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_51(_swig_i_2)))
 	return swig_r
 }
 
@@ -1285,7 +1368,7 @@ func Dpar_model_get_param(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_model, arg3 i
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
-	swig_r = (int)(C._wrap_dpar_model_get_param_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_41(_swig_i_2), C.swig_type_42(_swig_i_3)))
+	swig_r = (int)(C._wrap_dpar_model_get_param_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_52(_swig_i_2), C.swig_type_53(_swig_i_3)))
 	return swig_r
 }
 
@@ -1295,7 +1378,7 @@ func Dpar_model_set_param(arg1 Struct_SS_dpar_model, arg2 int64, arg3 unsafe.Poi
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
-	swig_r = (int)(C._wrap_dpar_model_set_param_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_43(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_44(_swig_i_3)))
+	swig_r = (int)(C._wrap_dpar_model_set_param_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_54(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_55(_swig_i_3)))
 	return swig_r
 }
 
@@ -1311,7 +1394,7 @@ func Dpar_model_buffer_name(arg1 Struct_SS_dpar_model, arg2 int64) (_swig_ret st
 	var swig_r string
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r_p := C._wrap_dpar_model_buffer_name_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_46(_swig_i_1))
+	swig_r_p := C._wrap_dpar_model_buffer_name_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_57(_swig_i_1))
 	swig_r = *(*string)(unsafe.Pointer(&swig_r_p))
 	var swig_r_1 string
  swig_r_1 = swigCopyString(swig_r) 
@@ -1325,7 +1408,7 @@ func Dpar_model_buffer_info(arg1 unsafe.Pointer, arg2 unsafe.Pointer, arg3 unsaf
 	_swig_i_2 := arg3
 	_swig_i_3 := getSwigcptr(arg4)
 	_swig_i_4 := arg5
-	swig_r = (int)(C._wrap_dpar_model_buffer_info_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.uintptr_t(_swig_i_3), C.swig_type_47(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_model_buffer_info_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.uintptr_t(_swig_i_3), C.swig_type_58(_swig_i_4)))
 	return swig_r
 }
 
@@ -1335,7 +1418,7 @@ func Dpar_model_get_buffer(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_model, arg3 
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
-	swig_r = (int)(C._wrap_dpar_model_get_buffer_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_48(_swig_i_2), C.swig_type_49(_swig_i_3)))
+	swig_r = (int)(C._wrap_dpar_model_get_buffer_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_59(_swig_i_2), C.swig_type_60(_swig_i_3)))
 	return swig_r
 }
 
@@ -1345,7 +1428,7 @@ func Dpar_model_set_buffer(arg1 Struct_SS_dpar_model, arg2 int64, arg3 unsafe.Po
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
-	swig_r = (int)(C._wrap_dpar_model_set_buffer_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_50(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_51(_swig_i_3)))
+	swig_r = (int)(C._wrap_dpar_model_set_buffer_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_61(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_62(_swig_i_3)))
 	return swig_r
 }
 
@@ -1399,7 +1482,7 @@ func (p SwigcptrDpar_optimizer_options) SwigIsDpar_optimizer_options() {
 func (arg1 SwigcptrDpar_optimizer_options) SetSize(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_optimizer_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_52(_swig_i_1))
+	C._wrap_dpar_optimizer_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_63(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_optimizer_options) GetSize() (_swig_ret int64) {
@@ -1582,7 +1665,7 @@ func Dpar_optimizer_options_init_sized(arg1 Dpar_optimizer_options, arg2 int64) 
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_optimizer_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_54(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_optimizer_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_65(_swig_i_1)))
 	return swig_r
 }
 
@@ -1608,6 +1691,13 @@ func _swig_getDPAR_LOSS_MSE() (_swig_ret Enum_SS_dpar_loss) {
 }
 
 var DPAR_LOSS_MSE Enum_SS_dpar_loss = _swig_getDPAR_LOSS_MSE()
+func _swig_getDPAR_IGNORE_INDEX() (_swig_ret int) {
+	var swig_r int
+	swig_r = (int)(C._wrap_DPAR_IGNORE_INDEX_raw_9787157d5e82d198())
+	return swig_r
+}
+
+var DPAR_IGNORE_INDEX int = _swig_getDPAR_IGNORE_INDEX()
 type Enum_SS_dpar_processes int
 func _swig_getDPAR_PROCESSES_AUTO() (_swig_ret Enum_SS_dpar_processes) {
 	var swig_r Enum_SS_dpar_processes
@@ -1642,7 +1732,7 @@ func (p SwigcptrDpar_engine_options) SwigIsDpar_engine_options() {
 func (arg1 SwigcptrDpar_engine_options) SetSize(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_engine_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_55(_swig_i_1))
+	C._wrap_dpar_engine_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_66(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_engine_options) GetSize() (_swig_ret int64) {
@@ -1681,7 +1771,7 @@ func (arg1 SwigcptrDpar_engine_options) GetDevice_kind() (_swig_ret int) {
 func (arg1 SwigcptrDpar_engine_options) SetNum_cpu_devices(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_engine_options_num_cpu_devices_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_57(_swig_i_1))
+	C._wrap_dpar_engine_options_num_cpu_devices_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_68(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_engine_options) GetNum_cpu_devices() (_swig_ret int64) {
@@ -1707,7 +1797,7 @@ func (arg1 SwigcptrDpar_engine_options) GetDevice_ids() (_swig_ret unsafe.Pointe
 func (arg1 SwigcptrDpar_engine_options) SetNum_device_ids(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_engine_options_num_device_ids_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_59(_swig_i_1))
+	C._wrap_dpar_engine_options_num_device_ids_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_70(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_engine_options) GetNum_device_ids() (_swig_ret int64) {
@@ -1746,7 +1836,7 @@ func (arg1 SwigcptrDpar_engine_options) GetLoss() (_swig_ret int) {
 func (arg1 SwigcptrDpar_engine_options) SetSeed(arg2 uint64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_engine_options_seed_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_61(_swig_i_1))
+	C._wrap_dpar_engine_options_seed_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_72(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_engine_options) GetSeed() (_swig_ret uint64) {
@@ -1772,7 +1862,7 @@ func (arg1 SwigcptrDpar_engine_options) GetTimeout_seconds() (_swig_ret float64)
 func (arg1 SwigcptrDpar_engine_options) SetBlas_threads(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_engine_options_blas_threads_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_63(_swig_i_1))
+	C._wrap_dpar_engine_options_blas_threads_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_74(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_engine_options) GetBlas_threads() (_swig_ret int64) {
@@ -1798,7 +1888,7 @@ func (arg1 SwigcptrDpar_engine_options) GetPin_workers() (_swig_ret int) {
 func (arg1 SwigcptrDpar_engine_options) SetFirst_bucket_bytes(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_engine_options_first_bucket_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_65(_swig_i_1))
+	C._wrap_dpar_engine_options_first_bucket_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_76(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_engine_options) GetFirst_bucket_bytes() (_swig_ret int64) {
@@ -1811,7 +1901,7 @@ func (arg1 SwigcptrDpar_engine_options) GetFirst_bucket_bytes() (_swig_ret int64
 func (arg1 SwigcptrDpar_engine_options) SetBucket_cap_bytes(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_engine_options_bucket_cap_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_67(_swig_i_1))
+	C._wrap_dpar_engine_options_bucket_cap_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_78(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_engine_options) GetBucket_cap_bytes() (_swig_ret int64) {
@@ -1900,7 +1990,7 @@ func Dpar_engine_options_init_sized(arg1 Dpar_engine_options, arg2 int64) (_swig
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_engine_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_69(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_engine_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_80(_swig_i_1)))
 	return swig_r
 }
 
@@ -1973,7 +2063,7 @@ func Dpar_engine_replica_device(arg1 Dpar_device, arg2 Struct_SS_dpar_engine, ar
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_engine_replica_device_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_71(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_engine_replica_device_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_82(_swig_i_2)))
 	return swig_r
 }
 
@@ -1983,7 +2073,7 @@ func Dpar_engine_split(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine, arg3 int
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
-	swig_r = (int)(C._wrap_dpar_engine_split_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_72(_swig_i_2), C.swig_type_73(_swig_i_3)))
+	swig_r = (int)(C._wrap_dpar_engine_split_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_83(_swig_i_2), C.swig_type_84(_swig_i_3)))
 	return swig_r
 }
 
@@ -2122,7 +2212,7 @@ func Dpar_engine_replica_losses(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine,
 	_swig_i_0 := arg1
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_74(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_85(_swig_i_2)))
 	return swig_r
 }
 
@@ -2132,7 +2222,7 @@ func Dpar_engine_get_params(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine, arg
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
-	swig_r = (int)(C._wrap_dpar_engine_get_params_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_75(_swig_i_2), C.swig_type_76(_swig_i_3)))
+	swig_r = (int)(C._wrap_dpar_engine_get_params_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_86(_swig_i_2), C.swig_type_87(_swig_i_3)))
 	return swig_r
 }
 
@@ -2143,7 +2233,7 @@ func Dpar_engine_get_buffer(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine, arg
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
-	swig_r = (int)(C._wrap_dpar_engine_get_buffer_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_77(_swig_i_2), C.swig_type_78(_swig_i_3), C.swig_type_79(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_engine_get_buffer_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_88(_swig_i_2), C.swig_type_89(_swig_i_3), C.swig_type_90(_swig_i_4)))
 	return swig_r
 }
 
@@ -2151,7 +2241,7 @@ func Dpar_engine_save(arg1 Struct_SS_dpar_engine, arg2 string) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_engine_save_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_80)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_engine_save_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_91)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2162,7 +2252,7 @@ func Dpar_engine_load(arg1 Struct_SS_dpar_engine, arg2 string) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_engine_load_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_81)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_engine_load_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_92)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2180,7 +2270,7 @@ func Dpar_engine_trace_stop(arg1 Struct_SS_dpar_engine, arg2 string) (_swig_ret 
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_82)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_93)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2221,7 +2311,7 @@ func Dpar_engine_inject_fault(arg1 Struct_SS_dpar_engine, arg2 int64, arg3 int) 
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_83(_swig_i_1), C.swig_intgo(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_94(_swig_i_1), C.swig_intgo(_swig_i_2)))
 	return swig_r
 }
 
@@ -2266,7 +2356,7 @@ func (p SwigcptrDpar_comm_options) SwigIsDpar_comm_options() {
 func (arg1 SwigcptrDpar_comm_options) SetSize(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_84(_swig_i_1))
+	C._wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_95(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_comm_options) GetSize() (_swig_ret int64) {
@@ -2329,7 +2419,7 @@ func Dpar_comm_options_init_sized(arg1 Dpar_comm_options, arg2 int64) (_swig_ret
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_86(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_97(_swig_i_1)))
 	return swig_r
 }
 
@@ -2345,7 +2435,7 @@ func Dpar_comm_group_create(arg1 unsafe.Pointer, arg2 int64, arg3 Dpar_comm_opti
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
 	_swig_i_2 := getSwigcptr(arg3)
-	swig_r = (int)(C._wrap_dpar_comm_group_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_type_87(_swig_i_1), C.uintptr_t(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_comm_group_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_type_98(_swig_i_1), C.uintptr_t(_swig_i_2)))
 	return swig_r
 }
 
@@ -2359,7 +2449,7 @@ func Dpar_comm_group_member(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm_group,
 	_swig_i_0 := arg1
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_comm_group_member_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_88(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_comm_group_member_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_99(_swig_i_2)))
 	return swig_r
 }
 
@@ -2370,7 +2460,7 @@ func Dpar_comm_group_create_on_devices(arg1 unsafe.Pointer, arg2 unsafe.Pointer,
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := getSwigcptr(arg5)
-	swig_r = (int)(C._wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_89(_swig_i_3), C.uintptr_t(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_100(_swig_i_3), C.uintptr_t(_swig_i_4)))
 	return swig_r
 }
 
@@ -2408,7 +2498,7 @@ func Dpar_comm_abort(arg1 Struct_SS_dpar_comm, arg2 string) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_comm_abort_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_90)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_comm_abort_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_101)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2431,7 +2521,7 @@ func Dpar_comm_all_reduce(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 un
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_91(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_102(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2442,7 +2532,7 @@ func Dpar_comm_broadcast(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 int
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
-	swig_r = (int)(C._wrap_dpar_comm_broadcast_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_92(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_93(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_comm_broadcast_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_103(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_104(_swig_i_4)))
 	return swig_r
 }
 
@@ -2455,7 +2545,7 @@ func Dpar_comm_reduce(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 unsafe
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
 	_swig_i_6 := arg7
-	swig_r = (int)(C._wrap_dpar_comm_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_94(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_type_95(_swig_i_6)))
+	swig_r = (int)(C._wrap_dpar_comm_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_105(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_type_106(_swig_i_6)))
 	return swig_r
 }
 
@@ -2466,7 +2556,7 @@ func Dpar_comm_all_gather(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 un
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
-	swig_r = (int)(C._wrap_dpar_comm_all_gather_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_96(_swig_i_3), C.swig_intgo(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_comm_all_gather_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_107(_swig_i_3), C.swig_intgo(_swig_i_4)))
 	return swig_r
 }
 
@@ -2478,7 +2568,7 @@ func Dpar_comm_reduce_scatter(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_97(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_108(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2498,7 +2588,7 @@ func Dpar_comm_all_reduce_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, a
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
 	_swig_i_6 := arg7
-	swig_r = (int)(C._wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_98(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
+	swig_r = (int)(C._wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_109(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
 	return swig_r
 }
 
@@ -2510,7 +2600,7 @@ func Dpar_comm_broadcast_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, ar
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_99(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_type_100(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_110(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_type_111(_swig_i_5)))
 	return swig_r
 }
 
@@ -2522,7 +2612,7 @@ func Dpar_comm_all_gather_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, a
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_101(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_112(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2535,7 +2625,7 @@ func Dpar_comm_reduce_scatter_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_com
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
 	_swig_i_6 := arg7
-	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_102(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
+	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_113(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
 	return swig_r
 }
 
@@ -2571,7 +2661,7 @@ func (p SwigcptrDpar_reducer_options) SwigIsDpar_reducer_options() {
 func (arg1 SwigcptrDpar_reducer_options) SetSize(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_103(_swig_i_1))
+	C._wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_114(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_reducer_options) GetSize() (_swig_ret int64) {
@@ -2597,7 +2687,7 @@ func (arg1 SwigcptrDpar_reducer_options) GetVersion() (_swig_ret uint) {
 func (arg1 SwigcptrDpar_reducer_options) SetFirst_bucket_bytes(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_105(_swig_i_1))
+	C._wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_116(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_reducer_options) GetFirst_bucket_bytes() (_swig_ret int64) {
@@ -2610,7 +2700,7 @@ func (arg1 SwigcptrDpar_reducer_options) GetFirst_bucket_bytes() (_swig_ret int6
 func (arg1 SwigcptrDpar_reducer_options) SetBucket_cap_bytes(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_107(_swig_i_1))
+	C._wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_118(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_reducer_options) GetBucket_cap_bytes() (_swig_ret int64) {
@@ -2694,7 +2784,7 @@ func Dpar_reducer_options_init_sized(arg1 Dpar_reducer_options, arg2 int64) (_sw
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_109(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_120(_swig_i_1)))
 	return swig_r
 }
 
@@ -2713,7 +2803,7 @@ func Dpar_reducer_create(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, arg3 uns
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := getSwigcptr(arg6)
-	swig_r = (int)(C._wrap_dpar_reducer_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_110(_swig_i_4), C.uintptr_t(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_reducer_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_121(_swig_i_4), C.uintptr_t(_swig_i_5)))
 	return swig_r
 }
 
@@ -2734,7 +2824,7 @@ func Dpar_reducer_grad_ready(arg1 Struct_SS_dpar_reducer, arg2 int64) (_swig_ret
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_111(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_122(_swig_i_1)))
 	return swig_r
 }
 
@@ -2750,7 +2840,7 @@ func Dpar_dataset_load_idx(arg1 unsafe.Pointer, arg2 string, arg3 string) (_swig
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), *(*C.swig_type_112)(unsafe.Pointer(&_swig_i_1)), *(*C.swig_type_113)(unsafe.Pointer(&_swig_i_2))))
+	swig_r = (int)(C._wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), *(*C.swig_type_123)(unsafe.Pointer(&_swig_i_1)), *(*C.swig_type_124)(unsafe.Pointer(&_swig_i_2))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2792,7 +2882,7 @@ func Dpar_loader_create(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_dataset, arg3 i
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_loader_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_114(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_115(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_loader_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_125(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_126(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2805,7 +2895,7 @@ func Dpar_loader_start_epoch(arg1 Struct_SS_dpar_loader, arg2 uint64) (_swig_ret
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_116(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_127(_swig_i_1)))
 	return swig_r
 }
 
@@ -2822,7 +2912,7 @@ func Dpar_loader_shard(arg1 Struct_SS_dpar_loader, arg2 int64, arg3 int64) (_swi
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_loader_shard_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_117(_swig_i_1), C.swig_type_118(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_loader_shard_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_128(_swig_i_1), C.swig_type_129(_swig_i_2)))
 	return swig_r
 }
 

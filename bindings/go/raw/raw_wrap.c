@@ -1251,6 +1251,99 @@ intgo _wrap_dpar_model_add_embedding_padded_raw_9787157d5e82d198(struct dpar_mod
 }
 
 
+intgo _wrap_dpar_model_add_position_embedding_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, long long _swig_go_1, long long _swig_go_2) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t arg2 ;
+  int64_t arg3 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t)_swig_go_1; 
+  arg3 = (int64_t)_swig_go_2; 
+  
+  result = (dpar_status)dpar_model_add_position_embedding(arg1,arg2,arg3);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_attention_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, int32_t *_swig_go_1, long long _swig_go_2, long long _swig_go_3, intgo _swig_go_4, float _swig_go_5, float _swig_go_6) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int32_t *arg2 = (int32_t *) 0 ;
+  size_t arg3 ;
+  int64_t arg4 ;
+  int32_t arg5 ;
+  float arg6 ;
+  float arg7 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int32_t *)_swig_go_1; 
+  arg3 = (size_t)_swig_go_2; 
+  arg4 = (int64_t)_swig_go_3; 
+  arg5 = (int32_t)_swig_go_4; 
+  arg6 = (float)_swig_go_5; 
+  arg7 = (float)_swig_go_6; 
+  
+  result = (dpar_status)dpar_model_add_attention(arg1,(int const *)arg2,arg3,arg4,arg5,arg6,arg7);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_multihead_attention_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, long long _swig_go_1, long long _swig_go_2, float _swig_go_3, intgo _swig_go_4, intgo _swig_go_5) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t arg2 ;
+  int64_t arg3 ;
+  float arg4 ;
+  int32_t arg5 ;
+  int32_t arg6 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t)_swig_go_1; 
+  arg3 = (int64_t)_swig_go_2; 
+  arg4 = (float)_swig_go_3; 
+  arg5 = (int32_t)_swig_go_4; 
+  arg6 = (int32_t)_swig_go_5; 
+  
+  result = (dpar_status)dpar_model_add_multihead_attention(arg1,arg2,arg3,arg4,arg5,arg6);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_add_causal_self_attention_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, long long _swig_go_1, long long _swig_go_2, float _swig_go_3, intgo _swig_go_4, _gostring_ _swig_go_5) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int64_t arg2 ;
+  int64_t arg3 ;
+  float arg4 ;
+  int32_t arg5 ;
+  char *arg6 = (char *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int64_t)_swig_go_1; 
+  arg3 = (int64_t)_swig_go_2; 
+  arg4 = (float)_swig_go_3; 
+  arg5 = (int32_t)_swig_go_4; 
+  
+  arg6 = (char *)malloc(_swig_go_5.n + 1);
+  memcpy(arg6, _swig_go_5.p, _swig_go_5.n);
+  arg6[_swig_go_5.n] = '\0';
+  
+  
+  result = (dpar_status)dpar_model_add_causal_self_attention(arg1,arg2,arg3,arg4,arg5,(char const *)arg6);
+  _swig_go_result = result; 
+  free(arg6); 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_model_add_dropout_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, float _swig_go_1) {
   dpar_model *arg1 = (dpar_model *) 0 ;
   float arg2 ;
@@ -1314,6 +1407,37 @@ intgo _wrap_dpar_model_set_node_name_raw_9787157d5e82d198(struct dpar_model *_sw
   result = (dpar_status)dpar_model_set_node_name(arg1,arg2,(char const *)arg3);
   _swig_go_result = result; 
   free(arg3); 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_model_tie_param_raw_9787157d5e82d198(struct dpar_model *_swig_go_0, intgo _swig_go_1, _gostring_ _swig_go_2, intgo _swig_go_3, _gostring_ _swig_go_4) {
+  dpar_model *arg1 = (dpar_model *) 0 ;
+  int32_t arg2 ;
+  char *arg3 = (char *) 0 ;
+  int32_t arg4 ;
+  char *arg5 = (char *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_model **)&_swig_go_0; 
+  arg2 = (int32_t)_swig_go_1; 
+  
+  arg3 = (char *)malloc(_swig_go_2.n + 1);
+  memcpy(arg3, _swig_go_2.p, _swig_go_2.n);
+  arg3[_swig_go_2.n] = '\0';
+  
+  arg4 = (int32_t)_swig_go_3; 
+  
+  arg5 = (char *)malloc(_swig_go_4.n + 1);
+  memcpy(arg5, _swig_go_4.p, _swig_go_4.n);
+  arg5[_swig_go_4.n] = '\0';
+  
+  
+  result = (dpar_status)dpar_model_tie_param(arg1,arg2,(char const *)arg3,arg4,(char const *)arg5);
+  _swig_go_result = result; 
+  free(arg3); 
+  free(arg5); 
   return _swig_go_result;
 }
 
@@ -2093,6 +2217,17 @@ intgo _wrap_DPAR_LOSS_MSE_raw_9787157d5e82d198() {
   result = DPAR_LOSS_MSE;
   
   _swig_go_result = (intgo)result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_DPAR_IGNORE_INDEX_raw_9787157d5e82d198() {
+  int result;
+  intgo _swig_go_result;
+  
+  
+  result = (int)((-100));
+  _swig_go_result = result; 
   return _swig_go_result;
 }
 

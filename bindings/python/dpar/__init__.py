@@ -93,6 +93,7 @@ RELU, GELU, TANH, SIGMOID, SILU = Activation
 MODEL_INPUT = _raw.DPAR_MODEL_INPUT  # the model's input, where a node id is expected
 SUM, MEAN, MAX, MIN = ReduceOp
 LOSS_CROSS_ENTROPY, LOSS_MSE = Loss
+IGNORE_INDEX = _raw.DPAR_IGNORE_INDEX  # the cross-entropy target that is ignored (PyTorch's ignore_index)
 PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Processes
 COMPRESSION_NONE, COMPRESSION_BF16 = Compression
 REDUCTION_ALL_REDUCE, REDUCTION_REDUCE_SCATTER = Reduction
@@ -393,6 +394,13 @@ class Model(_Handle):
         _check(_raw.dpar_model_set_node_name(self._raw, node, str(name)))
         return self
 
+    def tie_param(self, node, param, source_node, source_param):
+        """Ties node's parameter `param` to source_node's `source_param`, as PyTorch's lm_head.weight = wte.weight:
+        both nodes read the source's parameter (its values and name), held, counted, reduced and stepped once, its
+        gradient the sum of both; checkpoints hold it under both keys."""
+        _check(_raw.dpar_model_tie_param(self._raw, node, str(param), source_node, str(source_param)))
+        return self
+
     def add_sum(self, inputs):
         """Appends the elementwise sum of nodes of equal shape (a residual connection)."""
         ids = np.ascontiguousarray(inputs, dtype=np.int32)
@@ -526,6 +534,39 @@ class Model(_Handle):
             _check(_raw.dpar_model_add_embedding(self._raw, num_embeddings, embedding_dim))
         else:
             _check(_raw.dpar_model_add_embedding_padded(self._raw, num_embeddings, embedding_dim, padding_idx))
+        return self
+
+    def position_embedding(self, max_positions, embedding_dim):
+        """GPT-2's learned position embedding (nanoGPT's wpe): (B, T, C) -> input + weight[t] at position t, its
+        "weight" (max_positions, embedding_dim) drawn from N(0, 1). A sequence longer than max_positions is refused."""
+        _check(_raw.dpar_model_add_position_embedding(self._raw, max_positions, embedding_dim))
+        return self
+
+    def attention(self, num_heads, inputs=None, is_causal=False, dropout_p=0.0, scale=None):
+        """F.scaled_dot_product_attention(q, k, v, dropout_p, is_causal, scale) over num_heads heads, the output
+        (B, L, C) with the heads merged. inputs: the nodes q, k and v; one node, a packed (B, T, 3C) q|k|v
+        projection; or None for the next input as a packed projection. scale None is 1/sqrt(head size). No
+        parameters."""
+        ids = np.ascontiguousarray(() if inputs is None else inputs, dtype=np.int32)
+        address = ids.ctypes.data if ids.size else 0
+        _check(_raw.dpar_model_add_attention(self._raw, address, ids.size, num_heads, 1 if is_causal else 0,
+                                             dropout_p, 0.0 if scale is None else scale))
+        return self
+
+    def multihead_attention(self, embed_dim, num_heads, dropout=0.0, bias=True, is_causal=False):
+        """Self-attention as nn.MultiheadAttention(embed_dim, num_heads, dropout, bias, batch_first=True)(x, x, x,
+        need_weights=False, is_causal=is_causal)[0] on (B, T, embed_dim), with the module's parameter names
+        (in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias) and initialisation."""
+        _check(_raw.dpar_model_add_multihead_attention(self._raw, embed_dim, num_heads, dropout, 1 if bias else 0,
+                                                       1 if is_causal else 0))
+        return self
+
+    def causal_self_attention(self, n_embd, n_head, dropout=0.0, bias=True, name=None):
+        """nanoGPT's CausalSelfAttention on (B, T, n_embd): c_attn, causal attention of n_head heads, c_proj and
+        resid_dropout. With name ("transformer.h.0.attn") the linear nodes are "<name>.c_attn" and "<name>.c_proj",
+        so that their parameters have nanoGPT's state_dict keys. A refusal leaves the model as it was."""
+        _check(_raw.dpar_model_add_causal_self_attention(self._raw, n_embd, n_head, dropout, 1 if bias else 0,
+                                                         None if name is None else str(name)))
         return self
 
     def convert_sync_batchnorm(self):

@@ -242,6 +242,89 @@ class LayerNormEmbedding(unittest.TestCase):
                     e.train_step(tokens.astype(np.float32), labels)
                 self.assertTrue(np.isfinite(e.train_step(tokens, labels)))
 
+    def test_a_tied_weight_is_one_parameter_read_by_two_nodes(self):
+        # The GPT pattern: the output projection reads the token embedding's weight (lm_head.weight = wte.weight).
+        with dpar.Model(seed=4).embedding(7, 5).linear(5, 7, bias=False) as m:
+            with self.assertRaisesRegex(dpar.DparError, 'has no parameter "bias"'):
+                m.tie_param(1, "weight", 0, "bias")
+            m.tie_param(1, "weight", 0, "weight")
+            self.assertEqual((m.num_params, m.num_param_elements), (1, 35))
+            self.assertEqual(m.param_info(0), ("0.weight", (7, 5)))
+            with self.assertRaisesRegex(dpar.DparError, "tied already"):
+                m.tie_param(1, "weight", 0, "weight")
+            tokens = np.array([0, 3, 6, 2, 3], np.int32)
+            labels = np.array([3, 6, 2, 3, 1], np.int32)
+            with dpar.Engine(m, lr=0.1, devices=2, processes=dpar.PROCESSES_SINGLE) as e:
+                first = e.train_step(tokens, labels)
+                self.assertLess(e.train_step(tokens, labels), first)
+
+
+
+def tiny_gpt():
+    """nanoGPT's first layers, small: wte (11 tokens, 8 channels), wpe (4 positions), one attention block of 2 heads
+    with its residual, then (B, T x C) to 3 classes for the cross-entropy over (B, classes)."""
+    m = dpar.Model(seed=7)
+    m.embedding(11, 8).set_node_name(0, "transformer.wte")
+    m.position_embedding(4, 8).set_node_name(1, "transformer.wpe")
+    x = m.last_node
+    m.causal_self_attention(8, 2, name="transformer.h.0.attn")
+    return m.add_sum([m.last_node, x]).add_flatten().linear(4 * 8, 3)
+
+
+class Attention(unittest.TestCase):
+    def test_layers_have_pytorchs_names_and_refuse_bad_values(self):
+        with tiny_gpt() as m:
+            self.assertEqual(m.num_layers, 8)  # wte, wpe, c_attn, attention, c_proj, sum, flatten, linear
+            self.assertEqual([m.param_info(i) for i in range(m.num_params)], [
+                ("transformer.wte.weight", (11, 8)), ("transformer.wpe.weight", (4, 8)),
+                ("transformer.h.0.attn.c_attn.weight", (24, 8)), ("transformer.h.0.attn.c_attn.bias", (24,)),
+                ("transformer.h.0.attn.c_proj.weight", (8, 8)), ("transformer.h.0.attn.c_proj.bias", (8,)),
+                ("7.weight", (3, 32)), ("7.bias", (3,))])
+            # A bad value is refused, named, and leaves the model as it was.
+            for call, what in [(lambda: m.multihead_attention(8, 0), "num_heads: 0"),
+                               (lambda: m.multihead_attention(8, 3), "num_heads: 3"),
+                               (lambda: m.causal_self_attention(8, 2, dropout=1.0), "dropout_p: 1"),
+                               (lambda: m.causal_self_attention(8, 3), "n_head: 3"),
+                               (lambda: m.causal_self_attention(8, 2, name="transformer.h.0.attn"),
+                                "transformer.h.0.attn.c_attn"),
+                               (lambda: m.attention(2, inputs=[0, 1]), "n: 2"),
+                               (lambda: m.attention(0), "num_heads: 0"),
+                               (lambda: m.attention(2, scale=-1.0), "scale: -1"),
+                               (lambda: m.position_embedding(0, 8), "max_positions: 0")]:
+                with self.assertRaises(dpar.DparError) as c:
+                    call()
+                self.assertEqual(c.exception.status, dpar.ERR_INVALID_ARGUMENT)
+                self.assertIn(what, c.exception.message)
+            self.assertEqual((m.num_layers, m.num_params), (8, 8))
+            with dpar.Engine(m, lr=0.1, devices=2, processes=dpar.PROCESSES_SINGLE) as e:
+                with self.assertRaises(dpar.DparError) as c:
+                    e.train_step((np.arange(20, dtype=np.int32) % 11).reshape(4, 5), np.zeros(4, np.int32))
+                self.assertEqual(c.exception.status, dpar.ERR_INVALID_ARGUMENT)
+                self.assertIn("a sequence of 5 positions is longer than the 4", c.exception.message)
+
+        with dpar.Model(seed=1).embedding(11, 8).multihead_attention(8, 2, is_causal=True) as mha:
+            self.assertEqual([mha.param_info(i) for i in range(1, 5)], [
+                ("1.in_proj_weight", (24, 8)), ("1.in_proj_bias", (24,)), ("1.out_proj.weight", (8, 8)),
+                ("1.out_proj.bias", (8,))])
+            np.testing.assert_array_equal(mha.get_param(2), np.zeros(24, np.float32))  # zero biases, as the module's
+            mha.multihead_attention(8, 1, bias=False)
+            self.assertEqual(mha.num_params, 7)
+
+        # Attention over q, k and v of explicit nodes, over one packed projection, and over the next input.
+        with dpar.Model(seed=1).embedding(11, 8) as sdpa:
+            sdpa.attention(2, inputs=[0, 0, 0], is_causal=True, dropout_p=0.1, scale=0.5)
+            sdpa.linear(8, 24, bias=False).attention(4, inputs=[2], is_causal=True)
+            sdpa.branch_from(2).attention(4)
+            self.assertEqual((sdpa.num_layers, sdpa.num_params), (5, 2))
+
+    def test_a_tiny_gpt_trains_on_tokens(self):
+        tokens = (np.arange(16, dtype=np.int32) * 7 % 11).reshape(4, 4)
+        labels = np.array([0, 1, 2, 1], np.int32)
+        with tiny_gpt() as m, dpar.Engine(m, lr=0.1, devices=2, processes=dpar.PROCESSES_SINGLE) as e:
+            first = e.train_step(tokens, labels)
+            self.assertTrue(np.isfinite(first))
+            self.assertLess(e.train_step(tokens, labels), first)
+
 
 class Tensors(unittest.TestCase):
     def test_numpy_in_and_out_without_a_copy(self):

@@ -282,6 +282,14 @@ class CudaStream final : public Stream {
     k::embedding_backward(f32(c, c.dweight), f32(c, c.dout), i32(c, c.idx), c.idx.numel(), c.dweight.size(0),
                           c.dweight.size(1), c.padding_idx, c.accumulate, stream_);
   }
+  void run_call(const call::PositionEmbeddingForward& c) {
+    k::position_embedding_forward(f32(c, c.out), f32(c, c.inp), f32(c, c.weight), c.inp.size(0), c.inp.size(1),
+                                  c.inp.size(2), stream_);
+  }
+  void run_call(const call::PositionEmbeddingBackward& c) {
+    k::position_embedding_backward(f32(c, c.dweight), f32(c, c.dout), c.dout.size(0), c.dout.size(1),
+                                   c.dout.size(2), c.dweight.size(0), c.accumulate, stream_);
+  }
 
   void finish_setup() {
     try {

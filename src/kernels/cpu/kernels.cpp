@@ -329,6 +329,10 @@ double cross_entropy_forward_backward(float* dlogits, const float* logits, const
   double total = 0.0;
   for (int64_t b = 0; b < B; ++b) {
     const int32_t label = labels[b];
+    if (label == kIgnoreIndex) {
+      if (dlogits != nullptr) std::fill(dlogits + b * C, dlogits + (b + 1) * C, 0.0f);
+      continue;
+    }
     DPAR_CHECK_ARG(label >= 0 && label < C, "cross_entropy: label ", label, " of row ", b, " is outside [0, ", C,
                    ")");
     const float* x = logits + b * C;

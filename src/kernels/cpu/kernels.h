@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "common/op_specs.h"        // kIgnoreIndex
 #include "common/optimizer_hyper.h"  // SgdHyper, AdamHyper
 #include "kernels/pointwise.h"
 
@@ -105,7 +106,8 @@ void dropout_backward(float* dinp, const float* dout, const float* mask, int64_t
 // The gradient pointer may be nullptr to compute the loss only.
 
 // Per-sample loss = -log softmax(logits)[label] (log-sum-exp with max subtraction, stable for huge logits).
-// dlogits = (softmax(logits) - onehot(label)) * grad_scale. Labels must lie in [0, C) (checked; throws).
+// dlogits = (softmax(logits) - onehot(label)) * grad_scale. A row labelled kIgnoreIndex (-100, PyTorch's
+// ignore_index) adds no loss and gets a zero gradient row; any other label must lie in [0, C) (checked; throws).
 // dlogits (B,C), logits (B,C), labels (B)
 double cross_entropy_forward_backward(float* dlogits, const float* logits, const int32_t* labels, int64_t B,
                                       int64_t C, float grad_scale);

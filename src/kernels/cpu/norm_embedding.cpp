@@ -1,3 +1,4 @@
+#include <algorithm>
 #include "kernels/cpu/norm_embedding.h"
 
 #include <cmath>
@@ -84,6 +85,25 @@ void embedding_backward(float* dweight, const float* dout, const int32_t* idx, i
     float* row = dweight + static_cast<int64_t>(idx[n]) * E;
     const float* g = dout + n * E;
     for (int64_t e = 0; e < E; ++e) row[e] += g[e];
+  }
+}
+
+void position_embedding_forward(float* out, const float* inp, const float* weight, int64_t B, int64_t T, int64_t C) {
+  const int64_t row = T * C;  // one sequence: its positions' rows are the table's first T, in order
+  for (int64_t b = 0; b < B; ++b) {
+    const float* x = inp + b * row;
+    float* y = out + b * row;
+    for (int64_t i = 0; i < row; ++i) y[i] = x[i] + weight[i];
+  }
+}
+
+void position_embedding_backward(float* dweight, const float* dout, int64_t B, int64_t T, int64_t C, int64_t P,
+                                 bool accumulate) {
+  const int64_t row = T * C;
+  if (!accumulate) std::fill(dweight, dweight + P * C, 0.0f);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* g = dout + b * row;
+    for (int64_t i = 0; i < row; ++i) dweight[i] += g[i];
   }
 }
 

@@ -27,4 +27,11 @@ void embedding_forward(float* out, const int32_t* idx, const float* weight, int6
 void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V, int64_t E,
                         int64_t padding_idx, bool accumulate);
 
+// GPT-2's learned positions: out (B,T,C) = inp (B,T,C) + weight[t] (a row of weight (P,C), T <= P) at position t.
+void position_embedding_forward(float* out, const float* inp, const float* weight, int64_t B, int64_t T, int64_t C);
+// dweight (P,C): rows t < T = Σ_b dout[b,t] (B,T,C), summed in batch order; rows t >= T zero. Overwritten, or every
+// row added to when accumulate.
+void position_embedding_backward(float* dweight, const float* dout, int64_t B, int64_t T, int64_t C, int64_t P,
+                                 bool accumulate);
+
 }  // namespace dpar::kernels::cpu

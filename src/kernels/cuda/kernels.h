@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/op_specs.h"        // kIgnoreIndex
 #include "common/optimizer_hyper.h"  // SgdHyper, AdamHyper: the CPU twins' structs
 #include "kernels/pointwise.h"
 
@@ -80,8 +81,9 @@ void dropout_backward(float* dinp, const float* dout, const float* mask, int64_t
 // ---------------------------------------------------------------------------------------------------------------
 // Losses fused with their gradient. The SUM over the batch of per-sample losses (accumulated in double, in a
 // fixed order) is written to *loss_sum, a device double; the gradient is that of (the sum * grad_scale).
-// dlogits/dpred may be nullptr for the loss alone. Labels must lie in [0, C): the caller checks them (a kernel
-// cannot throw); an out-of-range label gives a NaN loss, never an out-of-bounds read.
+// dlogits/dpred may be nullptr for the loss alone. A row labelled kIgnoreIndex adds no loss and gets a zero
+// gradient row (as the CPU twin); any other label must lie in [0, C): the caller checks them (a kernel cannot
+// throw); an out-of-range label gives a NaN loss, never an out-of-bounds read.
 
 // dlogits (B,C), logits (B,C), labels (B)
 void cross_entropy_forward_backward(double* loss_sum, float* dlogits, const float* logits, const int32_t* labels,
@@ -133,6 +135,12 @@ void embedding_forward(float* out, const int32_t* idx, const float* weight, int6
                        cudaStream_t stream);
 void embedding_backward(float* dweight, const float* dout, const int32_t* idx, int64_t N, int64_t V, int64_t E,
                         int64_t padding_idx, bool accumulate, cudaStream_t stream);
+// GPT-2's learned positions (kernels/cpu/norm_embedding.h): out, inp, dout (B,T,C); weight, dweight (P,C). The
+// backward sums the batch in batch order, as the CPU kernel (the same bits).
+void position_embedding_forward(float* out, const float* inp, const float* weight, int64_t B, int64_t T, int64_t C,
+                                cudaStream_t stream);
+void position_embedding_backward(float* dweight, const float* dout, int64_t B, int64_t T, int64_t C, int64_t P,
+                                 bool accumulate, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Small helpers.

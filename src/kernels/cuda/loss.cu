@@ -28,7 +28,8 @@ __device__ void block_sum_to(double* out, double mine) {
 }
 
 // One thread per row (rows t, t + 1024, ...), each row exactly as the CPU twin computes it: row max, exp(x - max)
-// summed in double in column order, softmax, then the loss logsumexp(x) - x[label] in double.
+// summed in double in column order, softmax, then the loss logsumexp(x) - x[label] in double; an ignored row
+// (kIgnoreIndex) adds nothing and its gradient is zero.
 // loss_sum (1), dlogits (B,C) or nullptr, logits (B,C), labels (B)
 __global__ void __launch_bounds__(kLossThreads) cross_entropy_kernel(double* loss_sum, float* dlogits, const float* logits, const int32_t* labels,
                                      int64_t B, int64_t C, float grad_scale) {
@@ -36,6 +37,11 @@ __global__ void __launch_bounds__(kLossThreads) cross_entropy_kernel(double* los
   for (int64_t b = threadIdx.x; b < B; b += blockDim.x) {
     const float* x = logits + b * C;
     const int32_t label = labels[b];
+    if (label == kIgnoreIndex) {  // PyTorch's ignore_index: no loss, a zero gradient row
+      if (dlogits != nullptr)
+        for (int64_t j = 0; j < C; ++j) dlogits[b * C + j] = 0.0f;
+      continue;
+    }
     if (label < 0 || label >= C) {  // the caller checks labels; a bad one poisons the loss, never reads outside
       total += CUDART_NAN;
       if (dlogits != nullptr)

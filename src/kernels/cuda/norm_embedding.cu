@@ -134,7 +134,46 @@ __global__ void __launch_bounds__(kThreads) embedding_backward_kernel(float* dwe
   }
 }
 
+// out (B,T,C) = inp + weight[t]: element i of a sequence (row = T*C elements) adds the table's element i.
+__global__ void __launch_bounds__(kThreads) position_embedding_forward_kernel(float* out, const float* inp,
+                                                                              const float* weight, int64_t row,
+                                                                              int64_t total) {
+  DPAR_GRID_STRIDE_LOOP(i, total) { out[i] = inp[i] + weight[i % row]; }
+}
+
+// dweight's first T*C elements (+)= Σ_b dout[b] element by element, in batch order as the CPU twin adds; the rows
+// past T are zeroed (unless accumulate) by the caller.
+__global__ void __launch_bounds__(kThreads) position_embedding_backward_kernel(float* dweight, const float* dout,
+                                                                               int64_t B, int64_t row,
+                                                                               bool accumulate) {
+  DPAR_GRID_STRIDE_LOOP(i, row) {
+    float s = accumulate ? dweight[i] : 0.0f;
+    for (int64_t b = 0; b < B; ++b) s = s + dout[b * row + i];
+    dweight[i] = s;
+  }
+}
+
 }  // namespace
+
+void position_embedding_forward(float* out, const float* inp, const float* weight, int64_t B, int64_t T, int64_t C,
+                                cudaStream_t stream) {
+  DPAR_CHECK_ARG(B >= 0 && T >= 1 && C >= 1, "position_embedding_forward: (", B, ", ", T, ", ", C, ")");
+  const int64_t total = B * T * C;
+  if (total == 0) return;
+  detail::launch("position_embedding_forward", position_embedding_forward_kernel, blocks_for(total), kThreads, stream,
+                 out, inp, weight, T * C, total);
+}
+
+void position_embedding_backward(float* dweight, const float* dout, int64_t B, int64_t T, int64_t C, int64_t P,
+                                 bool accumulate, cudaStream_t stream) {
+  DPAR_CHECK_ARG(B >= 0 && T >= 1 && C >= 1 && T <= P, "position_embedding_backward: (", B, ", ", T, ", ", C,
+                 ") with ", P, " positions");
+  if (!accumulate && P > T)
+    DPAR_CUDA_CHECK(cudaMemsetAsync(dweight + T * C, 0, static_cast<size_t>((P - T) * C) * sizeof(float), stream),
+                    "position_embedding_backward: zeroing the rows past T");
+  detail::launch("position_embedding_backward", position_embedding_backward_kernel, blocks_for(T * C), kThreads,
+                 stream, dweight, dout, B, T * C, accumulate);
+}
 
 void layernorm_forward(float* out, double* mean_rstd, const float* x, const float* weight, const float* bias,
                        int64_t N, int64_t D, float eps, cudaStream_t stream) {

@@ -35,7 +35,7 @@ function __init__()
     nothing
 end
 
-export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_node, branch_from!, set_node_name!,
+export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_node, branch_from!, set_node_name!, tie_param!,
        add_sum!, add_concat!, add_flatten!, add_reshape!, MODEL_INPUT, conv2d!, max_pool2d!, avg_pool2d!,
        adaptive_avg_pool2d!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
@@ -43,7 +43,7 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_no
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
        num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!, batchnorm1d!, batchnorm2d!,
-       layernorm!, embedding!,
+       layernorm!, embedding!, position_embedding!, attention!, multihead_attention!, causal_self_attention!,
        sync_batchnorm!, convert_sync_batchnorm!, num_buffers, buffer_info, get_buffer, set_buffer!, buffer
 
 const OK = Int32(0)
@@ -64,6 +64,8 @@ const I32 = Int32(1)
 const RELU, GELU, TANH, SIGMOID, SILU = Int32(0), Int32(1), Int32(2), Int32(3), Int32(4)
 const SGD, ADAM, ADAMW = Int32(0), Int32(1), Int32(2)
 const LOSS_CROSS_ENTROPY, LOSS_MSE = Int32(0), Int32(1)
+# The cross-entropy target that is ignored: no loss, no gradient, not counted in the mean (PyTorch's ignore_index).
+const IGNORE_INDEX = Int32(-100)
 const PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Int32(0), Int32(1), Int32(2)
 const COMPRESSION_NONE, COMPRESSION_BF16 = Int32(0), Int32(1)
 const REDUCTION_ALL_REDUCE, REDUCTION_REDUCE_SCATTER = Int32(0), Int32(1)
@@ -272,6 +274,17 @@ function set_node_name!(m::Model, node::Integer, name::AbstractString)
     m
 end
 
+"""`tie_param!(model, node, param, source_node, source_param)`: ties `node`'s parameter `param` to `source_node`'s
+`source_param` (nodes from 0, as dpar numbers them), as PyTorch's `lm_head.weight = wte.weight`: both nodes read the
+source's parameter (its values and name), held, counted, reduced and stepped once, its gradient the sum of both;
+checkpoints hold it under both keys."""
+function tie_param!(m::Model, node::Integer, param::AbstractString, source_node::Integer,
+                    source_param::AbstractString)
+    check(ccall((:dpar_model_tie_param, libdpar), Int32, (Ptr{Cvoid}, Int32, Cstring, Int32, Cstring),
+                m.ptr, node, param, source_node, source_param))
+    m
+end
+
 """`add_sum!(model, inputs)`: appends the elementwise sum of nodes of equal shape (a residual connection)."""
 function add_sum!(m::Model, inputs::AbstractVector{<:Integer})
     v = Vector{Int32}(inputs)
@@ -427,6 +440,53 @@ function embedding!(m::Model, num_embeddings::Integer, embedding_dim::Integer; p
         check(ccall((:dpar_model_add_embedding_padded, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64, Int64),
                     m.ptr, num_embeddings, embedding_dim, padding_idx))
     end
+    m
+end
+
+"""`position_embedding!(model, max_positions, embedding_dim)`: appends GPT-2's learned position embedding
+(nanoGPT's wpe): a (B, T, C) input gives input + weight[t] at position t, its "weight" (max_positions,
+embedding_dim) drawn from N(0, 1). A sequence longer than `max_positions` is refused."""
+function position_embedding!(m::Model, max_positions::Integer, embedding_dim::Integer)
+    check(ccall((:dpar_model_add_position_embedding, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64),
+                m.ptr, max_positions, embedding_dim))
+    m
+end
+
+"""`attention!(model, num_heads; inputs=nothing, is_causal=false, dropout_p=0, scale=nothing)`: appends
+F.scaled_dot_product_attention(q, k, v; dropout_p, is_causal, scale) over `num_heads` heads, the output (B, L, C)
+with the heads merged. `inputs`: the (0-based) nodes q, k and v; one node, a packed (B, T, 3C) q|k|v projection; or
+`nothing` for the next input as a packed projection. `scale` `nothing` is 1/sqrt(head size). No parameters."""
+function attention!(m::Model, num_heads::Integer; inputs = nothing, is_causal::Bool = false, dropout_p::Real = 0,
+                    scale = nothing)
+    v = inputs === nothing ? Int32[] : Vector{Int32}(inputs)
+    p = isempty(v) ? Ptr{Int32}(C_NULL) : pointer(v)
+    GC.@preserve v check(ccall((:dpar_model_add_attention, libdpar), Int32,
+                               (Ptr{Cvoid}, Ptr{Int32}, Csize_t, Int64, Int32, Cfloat, Cfloat),
+                               m.ptr, p, length(v), num_heads, is_causal ? 1 : 0, dropout_p,
+                               scale === nothing ? 0 : scale))
+    m
+end
+
+"""`multihead_attention!(model, embed_dim, num_heads; dropout=0, bias=true, is_causal=false)`: appends
+self-attention as torch.nn.MultiheadAttention(embed_dim, num_heads, dropout, bias, batch_first=True)(x, x, x,
+need_weights=False, is_causal)[0] on (B, T, embed_dim) inputs, with the module's parameter names (in_proj_weight,
+in_proj_bias, out_proj.weight, out_proj.bias) and initialisation."""
+function multihead_attention!(m::Model, embed_dim::Integer, num_heads::Integer; dropout::Real = 0,
+                              bias::Bool = true, is_causal::Bool = false)
+    check(ccall((:dpar_model_add_multihead_attention, libdpar), Int32, (Ptr{Cvoid}, Int64, Int64, Cfloat, Int32, Int32),
+                m.ptr, embed_dim, num_heads, dropout, bias ? 1 : 0, is_causal ? 1 : 0))
+    m
+end
+
+"""`causal_self_attention!(model, n_embd, n_head; dropout=0, bias=true, name=nothing)`: appends nanoGPT's
+CausalSelfAttention on (B, T, n_embd) inputs: c_attn, causal attention of `n_head` heads, c_proj and
+resid_dropout. With a `name` ("transformer.h.0.attn") the linear nodes are "<name>.c_attn" and "<name>.c_proj", so
+that their parameters have nanoGPT's state_dict keys. A refusal leaves the model as it was."""
+function causal_self_attention!(m::Model, n_embd::Integer, n_head::Integer; dropout::Real = 0, bias::Bool = true,
+                                name::Union{AbstractString,Nothing} = nothing)
+    check(ccall((:dpar_model_add_causal_self_attention, libdpar), Int32,
+                (Ptr{Cvoid}, Int64, Int64, Cfloat, Int32, Cstring),
+                m.ptr, n_embd, n_head, dropout, bias ? 1 : 0, name === nothing ? C_NULL : name))
     m
 end
 

@@ -171,6 +171,27 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             end
         end
     end
+    @testset "Tied weights" begin
+        # The GPT pattern: the output projection reads the token embedding's weight (lm_head.weight = wte.weight).
+        Dpar.Model(4) do m
+            Dpar.embedding!(m, 7, 5)
+            Dpar.linear!(m, 5, 7; bias=false)
+            @test throws_dpar(() -> Dpar.tie_param!(m, 1, "weight", 0, "bias"), Dpar.ERR_INVALID_ARGUMENT,
+                              "has no parameter \"bias\"")
+            Dpar.tie_param!(m, 1, "weight", 0, "weight")
+            @test Dpar.num_params(m) == 1
+            @test Dpar.num_param_elements(m) == 35
+            @test Dpar.param_info(m, 0) == ("0.weight", (7, 5))
+            @test throws_dpar(() -> Dpar.tie_param!(m, 1, "weight", 0, "weight"), Dpar.ERR_INVALID_ARGUMENT,
+                              "tied already")
+            Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do e
+                x = Dpar.Tensor(Int32[0, 3, 6, 2, 3])
+                y = Dpar.Tensor(Int32[3, 6, 2, 3, 1])
+                first = Dpar.train_step!(e, x, y)
+                @test Dpar.train_step!(e, x, y) < first
+            end
+        end
+    end
     @testset "BatchNorm buffers" begin
         Dpar.Model(3) do m
             Dpar.linear!(m, 4, 6; bias=false)
@@ -321,6 +342,74 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             @test throws_dpar(() -> Dpar.add_sum!(m, [0, 42]), Dpar.ERR_INVALID_ARGUMENT, "node 42")
             @test throws_dpar(() -> Dpar.set_node_name!(m, 1, "block.fc1"), Dpar.ERR_INVALID_ARGUMENT,
                               "already node 0")
+        end
+    end
+    @testset "attention: PyTorch's and nanoGPT's names, refusals, a tiny GPT trains on tokens" begin
+        # nanoGPT's first layers, small: wte (11 tokens, 8 channels), wpe (4 positions), one attention block of 2
+        # heads with its residual, then (B, T x C) to 3 classes for the cross-entropy over (B, classes).
+        function tiny_gpt(m)
+            Dpar.embedding!(m, 11, 8)
+            Dpar.set_node_name!(m, 0, "transformer.wte")
+            Dpar.position_embedding!(m, 4, 8)
+            Dpar.set_node_name!(m, 1, "transformer.wpe")
+            x = Dpar.last_node(m)
+            Dpar.causal_self_attention!(m, 8, 2; name="transformer.h.0.attn")
+            Dpar.add_sum!(m, [Dpar.last_node(m), x])
+            Dpar.add_flatten!(m)
+            Dpar.linear!(m, 4 * 8, 3)
+        end
+        Dpar.Model(7) do m
+            tiny_gpt(m)
+            @test Dpar.num_layers(m) == 8  # wte, wpe, c_attn, attention, c_proj, sum, flatten, linear
+            @test [Dpar.param_info(m, i) for i in 0:Dpar.num_params(m)-1] == [
+                ("transformer.wte.weight", (11, 8)), ("transformer.wpe.weight", (4, 8)),
+                ("transformer.h.0.attn.c_attn.weight", (24, 8)), ("transformer.h.0.attn.c_attn.bias", (24,)),
+                ("transformer.h.0.attn.c_proj.weight", (8, 8)), ("transformer.h.0.attn.c_proj.bias", (8,)),
+                ("7.weight", (3, 32)), ("7.bias", (3,))]
+            # A bad value is refused, named, and leaves the model as it was.
+            bad = Dpar.ERR_INVALID_ARGUMENT
+            @test throws_dpar(() -> Dpar.multihead_attention!(m, 8, 0), bad, "num_heads: 0")
+            @test throws_dpar(() -> Dpar.multihead_attention!(m, 8, 3), bad, "num_heads: 3")
+            @test throws_dpar(() -> Dpar.causal_self_attention!(m, 8, 2; dropout=1.0), bad, "dropout_p: 1")
+            @test throws_dpar(() -> Dpar.causal_self_attention!(m, 8, 3), bad, "n_head: 3")
+            @test throws_dpar(() -> Dpar.causal_self_attention!(m, 8, 2; name="transformer.h.0.attn"), bad,
+                              "transformer.h.0.attn.c_attn")
+            @test throws_dpar(() -> Dpar.attention!(m, 2; inputs=[0, 1]), bad, "n: 2")
+            @test throws_dpar(() -> Dpar.attention!(m, 0), bad, "num_heads: 0")
+            @test throws_dpar(() -> Dpar.attention!(m, 2; scale=-1.0), bad, "scale: -1")
+            @test throws_dpar(() -> Dpar.position_embedding!(m, 0, 8), bad, "max_positions: 0")
+            @test (Dpar.num_layers(m), Dpar.num_params(m)) == (8, 8)
+            Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do e
+                # dpar (4, 4) is a Julia 4 x 4 matrix (dimensions reversed).
+                x = Dpar.Tensor(reshape(Int32[(i * 7) % 11 for i in 0:15], 4, 4))
+                y = Dpar.Tensor(Int32[0, 1, 2, 1])
+                long = Dpar.Tensor(reshape(Int32[i % 11 for i in 0:19], 5, 4))
+                @test throws_dpar(() -> Dpar.train_step!(e, long, y), bad,
+                                  "a sequence of 5 positions is longer than the 4")
+                first = Dpar.train_step!(e, x, y)
+                @test isfinite(first)
+                @test Dpar.train_step!(e, x, y) < first
+            end
+        end
+        Dpar.Model(1) do mha
+            Dpar.embedding!(mha, 11, 8)
+            Dpar.multihead_attention!(mha, 8, 2; is_causal=true)
+            @test [Dpar.param_info(mha, i) for i in 1:4] == [
+                ("1.in_proj_weight", (24, 8)), ("1.in_proj_bias", (24,)), ("1.out_proj.weight", (8, 8)),
+                ("1.out_proj.bias", (8,))]
+            @test Dpar.get_param(mha, 2) == zeros(Float32, 24)  # zero biases, as the module's
+            Dpar.multihead_attention!(mha, 8, 1; bias=false)
+            @test Dpar.num_params(mha) == 7
+        end
+        # Attention over q, k and v of explicit nodes, over one packed projection, and over the next input.
+        Dpar.Model(1) do sdpa
+            Dpar.embedding!(sdpa, 11, 8)
+            Dpar.attention!(sdpa, 2; inputs=[0, 0, 0], is_causal=true, dropout_p=0.1, scale=0.5)
+            Dpar.linear!(sdpa, 8, 24; bias=false)
+            Dpar.attention!(sdpa, 4; inputs=[2], is_causal=true)
+            Dpar.branch_from!(sdpa, 2)
+            Dpar.attention!(sdpa, 4)
+            @test (Dpar.num_layers(sdpa), Dpar.num_params(sdpa)) == (5, 2)
         end
     end
     @testset "convolution and pooling layers: PyTorch's names, refusals, 2 devices train as one" begin

@@ -11,6 +11,8 @@ pub type dpar_status = i32;
 pub const DPAR_OK: dpar_status = 0;
 /// The model's input, where a node id is expected.
 pub const DPAR_MODEL_INPUT: i32 = -1;
+/// The cross-entropy target that is ignored (PyTorch's default ignore_index).
+pub const DPAR_IGNORE_INDEX: i32 = -100;
 pub const DPAR_ERR_INVALID_ARGUMENT: dpar_status = -1;
 pub const DPAR_ERR_OUT_OF_MEMORY: dpar_status = -2;
 pub const DPAR_ERR_DEVICE: dpar_status = -3;
@@ -272,6 +274,7 @@ extern "C" {
     pub fn dpar_model_last_node(out: *mut i32, model: *const dpar_model) -> dpar_status;
     pub fn dpar_model_branch_from(model: *mut dpar_model, node: i32) -> dpar_status;
     pub fn dpar_model_set_node_name(model: *mut dpar_model, node: i32, name: *const c_char) -> dpar_status;
+    pub fn dpar_model_tie_param(model: *mut dpar_model, node: i32, param: *const c_char, source_node: i32, source_param: *const c_char) -> dpar_status;
     pub fn dpar_model_add_sum(model: *mut dpar_model, inputs: *const i32, n: usize) -> dpar_status;
     pub fn dpar_model_add_concat(model: *mut dpar_model, inputs: *const i32, n: usize) -> dpar_status;
     pub fn dpar_model_add_flatten(model: *mut dpar_model) -> dpar_status;
@@ -291,6 +294,15 @@ extern "C" {
     pub fn dpar_model_add_layernorm(model: *mut dpar_model, normalized_size: i64, eps: f32, elementwise_affine: i32) -> dpar_status;
     pub fn dpar_model_add_embedding(model: *mut dpar_model, num_embeddings: i64, embedding_dim: i64) -> dpar_status;
     pub fn dpar_model_add_embedding_padded(model: *mut dpar_model, num_embeddings: i64, embedding_dim: i64, padding_idx: i64) -> dpar_status;
+    pub fn dpar_model_add_position_embedding(model: *mut dpar_model, max_positions: i64, embedding_dim: i64) -> dpar_status;
+    /// `inputs`: q, k, v (n = 3), one packed q|k|v projection (n = 1), or null with n = 0 for the next input.
+    pub fn dpar_model_add_attention(model: *mut dpar_model, inputs: *const i32, n: usize, num_heads: i64, is_causal: i32,
+                                    dropout_p: f32, scale: f32) -> dpar_status;
+    pub fn dpar_model_add_multihead_attention(model: *mut dpar_model, embed_dim: i64, num_heads: i64, dropout_p: f32,
+                                              has_bias: i32, is_causal: i32) -> dpar_status;
+    /// Null `name`: the default node names.
+    pub fn dpar_model_add_causal_self_attention(model: *mut dpar_model, n_embd: i64, n_head: i64, dropout_p: f32,
+                                                has_bias: i32, name: *const c_char) -> dpar_status;
     pub fn dpar_model_num_buffers(out: *mut usize, model: *const dpar_model) -> dpar_status;
     pub fn dpar_model_buffer_name(model: *const dpar_model, index: usize) -> *const c_char;
     pub fn dpar_model_buffer_info(out_dtype: *mut i32, out_shape: *mut i64, out_ndim: *mut usize, model: *const dpar_model, index: usize) -> dpar_status;

@@ -604,6 +604,10 @@ unsafe extern "C" fn drop_payload<T>(payload: *mut c_void) {
 /// The model's input, where a node id is expected ([`Model::branch_from`], [`Model::add_sum`]).
 pub const MODEL_INPUT: i32 = sys::DPAR_MODEL_INPUT;
 
+/// The cross-entropy target that is ignored: no loss, no gradient, not counted in the mean (PyTorch's default
+/// `ignore_index`, for padding and prompt tokens).
+pub const IGNORE_INDEX: i32 = sys::DPAR_IGNORE_INDEX;
+
 handle! {
     /// A model graph on the host, built append-only: the template an [`Engine`] copies to every device. Each add
     /// reads the previous node (or the one [`Model::branch_from`] chose); the output is the last node.
@@ -721,6 +725,15 @@ impl Model {
         check(unsafe { sys::dpar_model_set_node_name(self.raw, node, c.as_ptr()) })?;
         Ok(self)
     }
+    /// Ties node `node`'s parameter `param` to node `source_node`'s `source_param`, as PyTorch's
+    /// `lm_head.weight = wte.weight`: both nodes read the source's parameter (its values and name), held, counted,
+    /// reduced and stepped once, its gradient the sum of both; checkpoints hold it under both keys.
+    pub fn tie_param(&mut self, node: i32, param: &str, source_node: i32, source_param: &str) -> Result<&mut Model> {
+        let p = cstring(param, "param")?;
+        let s = cstring(source_param, "source_param")?;
+        check(unsafe { sys::dpar_model_tie_param(self.raw, node, p.as_ptr(), source_node, s.as_ptr()) })?;
+        Ok(self)
+    }
     /// Appends the elementwise sum of nodes of equal shape (a residual connection).
     pub fn add_sum(&mut self, inputs: &[i32]) -> Result<&mut Model> {
         check(unsafe { sys::dpar_model_add_sum(self.raw, inputs.as_ptr(), inputs.len()) })?;
@@ -808,6 +821,47 @@ impl Model {
     /// Appends an Embedding whose row `padding_idx` (negative: from the end) starts at zero and gets no gradient.
     pub fn embedding_padded(&mut self, num_embeddings: i64, embedding_dim: i64, padding_idx: i64) -> Result<&mut Model> {
         check(unsafe { sys::dpar_model_add_embedding_padded(self.raw, num_embeddings, embedding_dim, padding_idx) })?;
+        Ok(self)
+    }
+    /// Appends GPT-2's learned position embedding (nanoGPT's wpe): (B, T, C) -> input + weight[t] at position t,
+    /// "weight" (max_positions, embedding_dim) drawn from N(0, 1). T past `max_positions` is refused.
+    pub fn position_embedding(&mut self, max_positions: i64, embedding_dim: i64) -> Result<&mut Model> {
+        check(unsafe { sys::dpar_model_add_position_embedding(self.raw, max_positions, embedding_dim) })?;
+        Ok(self)
+    }
+    /// Appends F.scaled_dot_product_attention over `num_heads` heads, the output (B, L, C) with the heads merged.
+    /// `inputs`: the nodes q, k and v (3 ids), one packed (B, T, 3C) q|k|v projection (1 id), or none for the next
+    /// input as a packed projection. `scale` None is 1/sqrt(head size). No parameters.
+    pub fn attention(&mut self, inputs: &[i32], num_heads: i64, is_causal: bool, dropout_p: f32, scale: Option<f32>)
+                     -> Result<&mut Model> {
+        let ids = if inputs.is_empty() { ptr::null() } else { inputs.as_ptr() };
+        check(unsafe {
+            sys::dpar_model_add_attention(self.raw, ids, inputs.len(), num_heads, is_causal as i32, dropout_p,
+                                          scale.unwrap_or(0.0))
+        })?;
+        Ok(self)
+    }
+    /// Appends self-attention as torch.nn.MultiheadAttention(embed_dim, num_heads, dropout_p, bias,
+    /// batch_first=True)(x, x, x)[0] on (B, T, embed_dim), with its parameter names ("in_proj_weight",
+    /// "in_proj_bias", "out_proj.weight", "out_proj.bias") and initialisation.
+    pub fn multihead_attention(&mut self, embed_dim: i64, num_heads: i64, dropout_p: f32, bias: bool, is_causal: bool)
+                               -> Result<&mut Model> {
+        check(unsafe {
+            sys::dpar_model_add_multihead_attention(self.raw, embed_dim, num_heads, dropout_p, bias as i32,
+                                                    is_causal as i32)
+        })?;
+        Ok(self)
+    }
+    /// Appends nanoGPT's CausalSelfAttention on (B, T, n_embd): c_attn, causal attention of `n_head` heads, c_proj
+    /// and resid_dropout. With `name` ("transformer.h.0.attn") the linear nodes are "<name>.c_attn" and
+    /// "<name>.c_proj", so their parameters have nanoGPT's state_dict keys. A refusal leaves the model as it was.
+    pub fn causal_self_attention(&mut self, n_embd: i64, n_head: i64, dropout_p: f32, bias: bool, name: Option<&str>)
+                                 -> Result<&mut Model> {
+        let c = name.map(|n| cstring(n, "name")).transpose()?;
+        let cp = c.as_ref().map_or(ptr::null(), |c| c.as_ptr());
+        check(unsafe {
+            sys::dpar_model_add_causal_self_attention(self.raw, n_embd, n_head, dropout_p, bias as i32, cp)
+        })?;
         Ok(self)
     }
     /// Turns every BatchNorm layer into SyncBatchNorm.

@@ -613,6 +613,29 @@ fn a_residual_graph_is_built_named_and_checked() {
 }
 
 #[test]
+fn a_tied_weight_is_one_parameter_read_by_two_nodes() {
+    // The GPT pattern: the output projection reads the token embedding's weight (lm_head.weight = wte.weight).
+    let mut m = Model::new(4).unwrap();
+    m.embedding(7, 5).unwrap().linear(5, 7, false).unwrap();
+    let e = m.tie_param(1, "weight", 0, "bias").err().unwrap();
+    assert_eq!(e.status(), status::INVALID_ARGUMENT);
+    assert!(e.message().contains("has no parameter \"bias\""), "{}", e);
+    assert_eq!(m.num_params().unwrap(), 2);
+    m.tie_param(1, "weight", 0, "weight").unwrap();
+    assert_eq!(m.num_params().unwrap(), 1);
+    assert_eq!(m.num_param_elements().unwrap(), 35);
+    assert_eq!(m.param_info(0).unwrap(), ("0.weight".to_string(), vec![7, 5]));
+    let e = m.tie_param(1, "weight", 0, "weight").err().unwrap();
+    assert!(e.message().contains("tied already"), "{}", e);
+    let engine = Engine::new(&m, &Optimizer::sgd(0.1), &EngineOptions::new().cpu_devices(2).processes(Processes::Single)).unwrap();
+    let tokens = Tensor::from_i32(&[5], &[0, 3, 6, 2, 3]).unwrap();
+    let labels = Tensor::from_i32(&[5], &[3, 6, 2, 3, 1]).unwrap();
+    let first = engine.train_step(&tokens, &labels).unwrap();
+    let second = engine.train_step(&tokens, &labels).unwrap();
+    assert!(second < first, "{} then {}", first, second);
+}
+
+#[test]
 fn batchnorm_buffers_are_named_typed_and_equal_on_every_replica() {
     let mut m = Model::new(3).unwrap();
     m.linear(4, 6, false).unwrap().batchnorm1d(6, 1e-5, 0.1, true).unwrap().linear(6, 3, true).unwrap();
@@ -659,4 +682,92 @@ fn layernorm_and_embedding_train_on_i32_tokens_and_refuse_a_bad_index() {
     let f = vec![0f32; 15];
     assert!(engine.train_step(&Tensor::from_f32(&[5, 3], &f).unwrap(), &labels).is_err());
     assert!(engine.train_step(&Tensor::from_i32(&[5, 3], &tokens).unwrap(), &labels).unwrap().is_finite());
+}
+
+/// nanoGPT's first layers, small: wte (11 tokens, 8 channels), wpe (4 positions), one attention block of 2 heads with
+/// its residual, then (B, T x C) to 3 classes for the cross-entropy over (B, classes).
+fn tiny_gpt() -> Model {
+    let (vocab, t, c) = (11, 4, 8);
+    let mut m = Model::new(7).unwrap();
+    m.embedding(vocab, c).unwrap().set_node_name(0, "transformer.wte").unwrap();
+    m.position_embedding(t, c).unwrap().set_node_name(1, "transformer.wpe").unwrap();
+    let x = m.last_node().unwrap();
+    m.causal_self_attention(c, 2, 0.0, true, Some("transformer.h.0.attn")).unwrap();
+    let attn = m.last_node().unwrap();
+    m.add_sum(&[attn, x]).unwrap().add_flatten().unwrap().linear(t * c, 3, true).unwrap();
+    m
+}
+
+#[test]
+fn attention_layers_have_pytorchs_names_and_refuse_bad_values() {
+    let m = tiny_gpt();
+    // wte, wpe, c_attn, attention, c_proj, sum, flatten, linear
+    assert_eq!(m.num_layers().unwrap(), 8);
+    let names: Vec<(String, Vec<i64>)> = (0..m.num_params().unwrap()).map(|i| m.param_info(i).unwrap()).collect();
+    let expected = [
+        ("transformer.wte.weight", vec![11, 8]),
+        ("transformer.wpe.weight", vec![4, 8]),
+        ("transformer.h.0.attn.c_attn.weight", vec![24, 8]),
+        ("transformer.h.0.attn.c_attn.bias", vec![24]),
+        ("transformer.h.0.attn.c_proj.weight", vec![8, 8]),
+        ("transformer.h.0.attn.c_proj.bias", vec![8]),
+        ("7.weight", vec![3, 32]),
+        ("7.bias", vec![3]),
+    ];
+    assert_eq!(names, expected.iter().map(|(n, s)| (n.to_string(), s.clone())).collect::<Vec<_>>());
+
+    let mut mha = Model::new(1).unwrap();
+    mha.embedding(11, 8).unwrap().multihead_attention(8, 2, 0.0, true, true).unwrap();
+    let names: Vec<String> = (1..5).map(|i| mha.param_info(i).unwrap().0).collect();
+    assert_eq!(names, ["1.in_proj_weight", "1.in_proj_bias", "1.out_proj.weight", "1.out_proj.bias"]);
+    assert_eq!(mha.param_info(1).unwrap().1, vec![24, 8]);
+    assert_eq!(mha.get_param(2).unwrap(), vec![0.0; 24]); // zero biases, as the module's
+    mha.multihead_attention(8, 1, 0.0, false, false).unwrap();
+    assert_eq!(mha.num_params().unwrap(), 7); // no biases
+
+    // Attention over q, k and v of explicit nodes, over one packed projection, and over the next input.
+    let mut sdpa = Model::new(1).unwrap();
+    sdpa.embedding(11, 8).unwrap().attention(&[0, 0, 0], 2, true, 0.1, Some(0.5)).unwrap();
+    sdpa.linear(8, 24, false).unwrap().attention(&[2], 4, true, 0.0, None).unwrap();
+    sdpa.branch_from(2).unwrap().attention(&[], 4, false, 0.0, None).unwrap();
+    assert_eq!(sdpa.num_layers().unwrap(), 5);
+    assert_eq!(sdpa.num_params().unwrap(), 2);
+
+    // A bad value is refused, named, and leaves the model as it was.
+    let mut m = tiny_gpt();
+    let refused = |r: Result<&mut Model>, what: &str| {
+        let e = r.err().expect(what);
+        assert_eq!(e.status(), status::INVALID_ARGUMENT);
+        assert!(e.message().contains(what), "{} does not name {}", e, what);
+    };
+    refused(m.multihead_attention(8, 0, 0.0, true, false), "num_heads: 0");
+    refused(m.multihead_attention(8, 3, 0.0, true, false), "num_heads: 3");
+    refused(m.causal_self_attention(8, 2, 1.0, true, None), "dropout_p: 1");
+    refused(m.causal_self_attention(8, 3, 0.0, true, None), "n_head: 3");
+    refused(m.causal_self_attention(8, 2, 0.0, true, Some("transformer.h.0.attn")), "transformer.h.0.attn.c_attn");
+    refused(m.attention(&[0, 1], 2, true, 0.0, None), "n: 2");
+    refused(m.attention(&[], 0, true, 0.0, None), "num_heads: 0");
+    refused(m.attention(&[], 2, true, 0.0, Some(-1.0)), "scale: -1");
+    refused(m.position_embedding(0, 8), "max_positions: 0");
+    assert!(m.causal_self_attention(8, 2, 0.0, true, Some("a\0b")).is_err());
+    assert_eq!(m.num_layers().unwrap(), 8);
+    assert_eq!(m.num_params().unwrap(), 8);
+    let engine = Engine::new(&m, &Optimizer::sgd(0.1), &options()).unwrap();
+    let long: Vec<i32> = (0..20).map(|i| (i % 11) as i32).collect();
+    let labels = Tensor::from_i32(&[4], &[0; 4]).unwrap();
+    let e = engine.train_step(&Tensor::from_i32(&[4, 5], &long).unwrap(), &labels).err().unwrap();
+    assert_eq!(e.status(), status::INVALID_ARGUMENT);
+    assert!(e.message().contains("a sequence of 5 positions is longer than the 4"), "{}", e);
+}
+
+#[test]
+fn a_tiny_gpt_trains_on_tokens() {
+    let m = tiny_gpt();
+    let engine = Engine::new(&m, &Optimizer::sgd(0.1), &options()).unwrap();
+    let tokens: Vec<i32> = (0..16).map(|i| (i * 7 % 11) as i32).collect();
+    let labels = Tensor::from_i32(&[4], &[0, 1, 2, 1]).unwrap();
+    let first = engine.train_step(&Tensor::from_i32(&[4, 4], &tokens).unwrap(), &labels).unwrap();
+    assert!(first.is_finite());
+    let second = engine.train_step(&Tensor::from_i32(&[4, 4], &tokens).unwrap(), &labels).unwrap();
+    assert!(second < first, "{} then {}", first, second);
 }

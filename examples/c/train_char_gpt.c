@@ -1,0 +1,517 @@
+/* Trains a small character-level GPT (nanoGPT's model: token and position embeddings, pre-LayerNorm blocks of causal
+ * self-attention and a GELU MLP, a final LayerNorm and a language-model head tied to the token embedding) on a text
+ * corpus that Debian ships, over every available device with dpar's DataParallel engine, then samples text from it.
+ *
+ *   train_char_gpt [--data FILE|DIR] [--device auto|cuda|cpu] [--devices N] [--steps S] [--eval-every K]
+ *                  [--batch-size B] [--block T] [--layers L] [--heads H] [--embd C] [--dropout P] [--lr LR]
+ *                  [--seed S] [--checkpoint PATH] [--max-val-loss X] [--sample N] [--eval-batches E]
+ *
+ * The corpus is every plain file of /usr/share/games/fortunes (Debian's `fortunes` and `fortunes-min` packages,
+ * about 2.5 MB of quotations) in name order, or the file (or the directory's plain files) given by --data. Its
+ * distinct bytes are the vocabulary, as nanoGPT's shakespeare_char takes the distinct characters; the first 90% is
+ * the training text, the rest the validation text. A batch is B windows of T + 1 bytes at random offsets (the same
+ * draw in every process: under mpirun each process takes its rows of the global batch); the targets are the inputs
+ * shifted by one. Every --eval-every steps it prints the training loss (the mean of those steps), the validation
+ * loss (the mean over --eval-batches fixed batches of the validation text, in eval mode) and the tokens per second;
+ * at the end it samples --sample bytes from the model (rank 0: a forward in eval mode on the growing prefix, the
+ * last position's softmax at temperature 0.8) and saves a checkpoint whose names are nanoGPT's state_dict keys.
+ * With --max-val-loss it exits 1 if the final validation loss is higher.
+ *
+ * AdamW (lr 1e-3 by default, betas 0.9 and 0.99, weight decay 0.1 on the matrices only, as nanoGPT's
+ * configure_optimizers), a cosine learning rate after a linear warm-up, gradients clipped to norm 1; the weights
+ * initialised as nanoGPT's _init_weights (normal with std 0.02; the residual projections 0.02 / sqrt(2 L)). */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include <dirent.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "dpar.h"
+
+#define CHECK(call)                                                                         \
+  do {                                                                                      \
+    dpar_status s_ = (call);                                                                \
+    if (s_ != DPAR_OK) {                                                                    \
+      fprintf(stderr, "%s failed: %s: %s\n", #call, dpar_status_str(s_), dpar_last_error()); \
+      exit(1);                                                                              \
+    }                                                                                       \
+  } while (0)
+
+static double now_seconds(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void *xmalloc(size_t bytes) {
+  void *p = malloc(bytes ? bytes : 1);
+  if (!p) {
+    fprintf(stderr, "out of memory (%zu bytes)\n", bytes);
+    exit(1);
+  }
+  return p;
+}
+
+/* splitmix64: the example's own random numbers (batch offsets, initial weights, sampling). */
+static uint64_t next_u64(uint64_t *state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+static double next_uniform(uint64_t *state) { return (double)(next_u64(state) >> 11) * 0x1p-53; }
+static double next_normal(uint64_t *state) {
+  const double u1 = 1.0 - next_uniform(state), u2 = next_uniform(state);
+  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+/* ---- The corpus ---------------------------------------------------------------------------------------------- */
+
+typedef struct {
+  unsigned char *bytes;
+  size_t size, capacity;
+} text;
+
+static void append_file(text *t, const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    fprintf(stderr, "cannot open %s\n", path);
+    exit(1);
+  }
+  unsigned char buffer[1 << 16];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof buffer, f)) > 0) {
+    if (t->size + n > t->capacity) {
+      t->capacity = 2 * (t->size + n);
+      unsigned char *grown = realloc(t->bytes, t->capacity);
+      if (!grown) {
+        fprintf(stderr, "out of memory reading %s\n", path);
+        exit(1);
+      }
+      t->bytes = grown;
+    }
+    memcpy(t->bytes + t->size, buffer, n);
+    t->size += n;
+  }
+  fclose(f);
+}
+
+static int compare_names(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* A file, or a directory's regular files in name order, leaving out fortune's index files (.dat) and the links to
+ * UTF-8 copies (.u8). */
+static text load_corpus(const char *path) {
+  text t = {NULL, 0, 0};
+  struct stat st;
+  if (stat(path, &st) != 0) {
+    fprintf(stderr, "%s not found: install Debian's fortunes packages (apt-get install fortunes fortunes-min) or "
+                    "pass --data FILE\n", path);
+    exit(1);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    append_file(&t, path);
+    return t;
+  }
+  DIR *dir = opendir(path);
+  if (!dir) {
+    fprintf(stderr, "cannot read the directory %s\n", path);
+    exit(1);
+  }
+  char **names = NULL;
+  size_t count = 0;
+  for (struct dirent *e; (e = readdir(dir)) != NULL;) {
+    const size_t len = strlen(e->d_name);
+    if (e->d_name[0] == '.' || (len > 4 && !strcmp(e->d_name + len - 4, ".dat")) ||
+        (len > 3 && !strcmp(e->d_name + len - 3, ".u8")))
+      continue;
+    char **grown = realloc(names, (count + 1) * sizeof *names);
+    if (!grown) exit(1);
+    names = grown;
+    names[count] = xmalloc(strlen(path) + len + 2);
+    sprintf(names[count], "%s/%s", path, e->d_name);
+    if (stat(names[count], &st) == 0 && S_ISREG(st.st_mode))
+      ++count;
+    else
+      free(names[count]);
+  }
+  closedir(dir);
+  qsort(names, count, sizeof *names, compare_names);
+  for (size_t i = 0; i < count; ++i) {
+    append_file(&t, names[i]);
+    free(names[i]);
+  }
+  free(names);
+  return t;
+}
+
+/* ---- The model ----------------------------------------------------------------------------------------------- */
+
+typedef struct {
+  int64_t vocab, block, layers, heads, embd;
+  float dropout;
+} gpt_config;
+
+static void set_name(dpar_model *m, const char *fmt, int64_t layer) {
+  char name[128];
+  snprintf(name, sizeof name, fmt, (long long)layer);
+  int32_t node = 0;
+  CHECK(dpar_model_last_node(&node, m));
+  CHECK(dpar_model_set_node_name(m, node, name));
+}
+
+/* nanoGPT's GPT, node by node, with its module names: transformer.wte, transformer.wpe, transformer.h.<i>.ln_1,
+ * .attn.c_attn, .attn.c_proj, .ln_2, .mlp.c_fc, .mlp.c_proj, transformer.ln_f, lm_head (tied to wte). */
+static dpar_model *build_gpt(const gpt_config *c, uint64_t seed) {
+  dpar_model_options opts = DPAR_MODEL_OPTIONS_INIT;
+  opts.seed = seed;
+  dpar_model *m = NULL;
+  CHECK(dpar_model_create(&m, &opts));
+  CHECK(dpar_model_add_embedding(m, c->vocab, c->embd)); /* (B, T) bytes -> (B, T, C) */
+  set_name(m, "transformer.wte", 0);
+  const int32_t wte = 0;
+  CHECK(dpar_model_add_position_embedding(m, c->block, c->embd));
+  set_name(m, "transformer.wpe", 0);
+  if (c->dropout > 0.0f) CHECK(dpar_model_add_dropout(m, c->dropout));
+  int32_t x = 0;
+  CHECK(dpar_model_last_node(&x, m));
+  for (int64_t l = 0; l < c->layers; ++l) {
+    char prefix[64];
+    int32_t y = 0, sum[2];
+    /* x = x + attn(ln_1(x)) */
+    CHECK(dpar_model_branch_from(m, x));
+    CHECK(dpar_model_add_layernorm(m, c->embd, 1e-5f, 1));
+    set_name(m, "transformer.h.%lld.ln_1", l);
+    snprintf(prefix, sizeof prefix, "transformer.h.%lld.attn", (long long)l);
+    CHECK(dpar_model_add_causal_self_attention(m, c->embd, c->heads, c->dropout, 1, prefix));
+    CHECK(dpar_model_last_node(&y, m));
+    sum[0] = x, sum[1] = y;
+    CHECK(dpar_model_add_sum(m, sum, 2));
+    CHECK(dpar_model_last_node(&x, m));
+    /* x = x + mlp(ln_2(x)) */
+    CHECK(dpar_model_add_layernorm(m, c->embd, 1e-5f, 1));
+    set_name(m, "transformer.h.%lld.ln_2", l);
+    CHECK(dpar_model_add_linear(m, c->embd, 4 * c->embd, 1));
+    set_name(m, "transformer.h.%lld.mlp.c_fc", l);
+    CHECK(dpar_model_add_activation(m, DPAR_GELU));
+    CHECK(dpar_model_add_linear(m, 4 * c->embd, c->embd, 1));
+    set_name(m, "transformer.h.%lld.mlp.c_proj", l);
+    if (c->dropout > 0.0f) CHECK(dpar_model_add_dropout(m, c->dropout));
+    CHECK(dpar_model_last_node(&y, m));
+    sum[0] = x, sum[1] = y;
+    CHECK(dpar_model_add_sum(m, sum, 2));
+    CHECK(dpar_model_last_node(&x, m));
+  }
+  CHECK(dpar_model_add_layernorm(m, c->embd, 1e-5f, 1));
+  set_name(m, "transformer.ln_f", 0);
+  CHECK(dpar_model_add_linear(m, c->embd, c->vocab, 0)); /* (B, T, C) -> (B, T, V) logits */
+  set_name(m, "lm_head", 0);
+  int32_t head = 0;
+  CHECK(dpar_model_last_node(&head, m));
+  CHECK(dpar_model_tie_param(m, head, "weight", wte, "weight"));
+  return m;
+}
+
+/* nanoGPT's _init_weights: every Linear's and Embedding's weight from N(0, 0.02), biases zero (LayerNorms keep ones
+ * and zeros), then the residual projections (c_proj) from N(0, 0.02 / sqrt(2 L)). */
+static void init_like_nanogpt(dpar_model *m, const gpt_config *c, uint64_t seed) {
+  size_t n = 0;
+  CHECK(dpar_model_num_params(&n, m));
+  uint64_t rng = seed ^ 0x5DEECE66DULL;
+  for (size_t i = 0; i < n; ++i) {
+    const char *name = dpar_model_param_name(m, i);
+    if (!name) CHECK(DPAR_ERR_INTERNAL);
+    if (strstr(name, "ln_")) continue;
+    int64_t shape[DPAR_MAX_DIMS];
+    size_t ndim = 0, count = 1;
+    CHECK(dpar_model_param_info(shape, &ndim, m, i));
+    for (size_t d = 0; d < ndim; ++d) count *= (size_t)shape[d];
+    float *values = xmalloc(count * sizeof(float));
+    const size_t len = strlen(name);
+    const int bias = len > 5 && !strcmp(name + len - 5, ".bias");
+    const double std = strstr(name, "c_proj.weight") ? 0.02 / sqrt(2.0 * (double)c->layers) : 0.02;
+    for (size_t k = 0; k < count; ++k) values[k] = bias ? 0.0f : (float)(std * next_normal(&rng));
+    CHECK(dpar_model_set_param(m, i, values, count));
+    free(values);
+  }
+}
+
+/* ---- Batches ------------------------------------------------------------------------------------------------- */
+
+/* Rows [first, first + rows) of a global batch of `batch` windows at offsets drawn from `rng` (every process draws
+ * the whole batch's offsets and keeps its rows). x and y: (rows, T) token ids, y shifted by one. */
+static void draw_batch(int32_t *x, int32_t *y, const int32_t *tokens, size_t n_tokens, size_t batch, size_t first,
+                       size_t rows, int64_t T, uint64_t *rng) {
+  for (size_t b = 0; b < batch; ++b) {
+    const size_t offset = (size_t)(next_u64(rng) % (uint64_t)(n_tokens - (size_t)T - 1));
+    if (b < first || b >= first + rows) continue;
+    const size_t r = b - first;
+    memcpy(x + r * (size_t)T, tokens + offset, (size_t)T * sizeof(int32_t));
+    memcpy(y + r * (size_t)T, tokens + offset + 1, (size_t)T * sizeof(int32_t));
+  }
+}
+
+/* The mean loss over `batches` fixed batches of the validation text, in eval mode: the engine's forward gives the
+ * logits, and the cross-entropy is computed here (log-sum-exp per position), as PyTorch's F.cross_entropy would. */
+static double validation_loss(dpar_engine *engine, const int32_t *tokens, size_t n_tokens, size_t batch, int64_t T,
+                              int64_t V, size_t batches) {
+  CHECK(dpar_engine_set_training(engine, 0));
+  int32_t *x = xmalloc(batch * (size_t)T * sizeof(int32_t)), *y = xmalloc(batch * (size_t)T * sizeof(int32_t));
+  float *logits = xmalloc(batch * (size_t)T * (size_t)V * sizeof(float));
+  uint64_t rng = 1234567; /* the same validation batches every time */
+  double total = 0.0;
+  size_t count = 0;
+  for (size_t k = 0; k < batches; ++k) {
+    draw_batch(x, y, tokens, n_tokens, batch, 0, batch, T, &rng);
+    const int64_t shape[2] = {(int64_t)batch, T};
+    dpar_tensor *input = NULL, *out = NULL;
+    CHECK(dpar_tensor_wrap_host(&input, DPAR_I32, shape, 2, x));
+    CHECK(dpar_engine_forward(&out, engine, input));
+    CHECK(dpar_tensor_copy_to_host(logits, out, batch * (size_t)T * (size_t)V * sizeof(float)));
+    for (size_t p = 0; p < batch * (size_t)T; ++p) {
+      const float *row = logits + p * (size_t)V;
+      float max = row[0];
+      for (int64_t v = 1; v < V; ++v) max = row[v] > max ? row[v] : max;
+      double sum = 0.0;
+      for (int64_t v = 0; v < V; ++v) sum += exp((double)(row[v] - max));
+      total += log(sum) + (double)max - (double)row[y[p]];
+      ++count;
+    }
+    dpar_tensor_free(out);
+    dpar_tensor_free(input);
+  }
+  free(x);
+  free(y);
+  free(logits);
+  CHECK(dpar_engine_set_training(engine, 1));
+  return total / (double)count;
+}
+
+/* `n` bytes sampled after a newline: each step a forward in eval mode on the last T bytes (one sequence), the next
+ * byte drawn from the last position's softmax at `temperature`. No key/value cache: the whole prefix each time. */
+static void sample_text(dpar_engine *engine, const unsigned char *vocab, int64_t V, int64_t T, size_t n,
+                        double temperature, uint64_t seed) {
+  CHECK(dpar_engine_set_training(engine, 0));
+  int32_t *context = xmalloc((n + 1) * sizeof(int32_t));
+  float *logits = xmalloc((size_t)T * (size_t)V * sizeof(float));
+  double *p = xmalloc((size_t)V * sizeof(double));
+  size_t len = 0;
+  for (int64_t v = 0; v < V; ++v)
+    if (vocab[v] == '\n') context[len++] = (int32_t)v;
+  if (len == 0) context[len++] = 0;
+  uint64_t rng = seed;
+  for (size_t i = 0; i < n; ++i) {
+    const size_t start = len > (size_t)T ? len - (size_t)T : 0, t = len - start;
+    const int64_t shape[2] = {1, (int64_t)t};
+    dpar_tensor *input = NULL, *out = NULL;
+    CHECK(dpar_tensor_wrap_host(&input, DPAR_I32, shape, 2, context + start));
+    CHECK(dpar_engine_forward(&out, engine, input));
+    CHECK(dpar_tensor_copy_to_host(logits, out, t * (size_t)V * sizeof(float)));
+    const float *last = logits + (t - 1) * (size_t)V;
+    double max = last[0], sum = 0.0;
+    for (int64_t v = 1; v < V; ++v) max = last[v] > max ? last[v] : max;
+    for (int64_t v = 0; v < V; ++v) sum += p[v] = exp(((double)last[v] - max) / temperature);
+    double u = next_uniform(&rng) * sum;
+    int64_t next = V - 1;
+    for (int64_t v = 0; v < V; ++v) {
+      if (u < p[v]) {
+        next = v;
+        break;
+      }
+      u -= p[v];
+    }
+    context[len++] = (int32_t)next;
+    putchar(vocab[next]);
+    dpar_tensor_free(out);
+    dpar_tensor_free(input);
+  }
+  putchar('\n');
+  free(context);
+  free(logits);
+  free(p);
+  CHECK(dpar_engine_set_training(engine, 1));
+}
+
+int main(int argc, char **argv) {
+  const char *data = "/usr/share/games/fortunes", *device = "auto", *checkpoint = "char_gpt.safetensors";
+  size_t devices = 0, steps = 600, eval_every = 100, batch = 32, sample = 400, eval_batches = 8;
+  gpt_config cfg = {0, 128, 4, 4, 128, 0.0f};
+  float lr = 1e-3f;
+  unsigned long long seed = 0;
+  double max_val_loss = 0.0;
+  for (int i = 1; i < argc; ++i) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      printf("usage: %s [--data FILE|DIR] [--device auto|cuda|cpu] [--devices N] [--steps S] [--eval-every K]\n"
+             "          [--batch-size B] [--block T] [--layers L] [--heads H] [--embd C] [--dropout P] [--lr LR]\n"
+             "          [--seed S] [--checkpoint PATH] [--max-val-loss X] [--sample N] [--eval-batches E]\n",
+             argv[0]);
+      return 0;
+    }
+    if (!v) {
+      fprintf(stderr, "%s: %s needs a value (see --help)\n", argv[0], a);
+      return 2;
+    }
+    if (!strcmp(a, "--data")) data = v;
+    else if (!strcmp(a, "--device")) device = v;
+    else if (!strcmp(a, "--devices")) devices = strtoul(v, NULL, 10);
+    else if (!strcmp(a, "--steps")) steps = strtoul(v, NULL, 10);
+    else if (!strcmp(a, "--eval-every")) eval_every = strtoul(v, NULL, 10);
+    else if (!strcmp(a, "--batch-size")) batch = strtoul(v, NULL, 10);
+    else if (!strcmp(a, "--block")) cfg.block = strtoll(v, NULL, 10);
+    else if (!strcmp(a, "--layers")) cfg.layers = strtoll(v, NULL, 10);
+    else if (!strcmp(a, "--heads")) cfg.heads = strtoll(v, NULL, 10);
+    else if (!strcmp(a, "--embd")) cfg.embd = strtoll(v, NULL, 10);
+    else if (!strcmp(a, "--dropout")) cfg.dropout = strtof(v, NULL);
+    else if (!strcmp(a, "--lr")) lr = strtof(v, NULL);
+    else if (!strcmp(a, "--seed")) seed = strtoull(v, NULL, 10);
+    else if (!strcmp(a, "--checkpoint")) checkpoint = v;
+    else if (!strcmp(a, "--max-val-loss")) max_val_loss = strtod(v, NULL);
+    else if (!strcmp(a, "--sample")) sample = strtoul(v, NULL, 10);
+    else if (!strcmp(a, "--eval-batches")) eval_batches = strtoul(v, NULL, 10);
+    else {
+      fprintf(stderr, "%s: unknown option %s (see --help)\n", argv[0], a);
+      return 2;
+    }
+    ++i;
+  }
+  if (steps == 0 || eval_every == 0 || batch == 0 || cfg.block < 1 || cfg.layers < 1) {
+    fprintf(stderr, "%s: --steps, --eval-every, --batch-size, --block and --layers must be positive\n", argv[0]);
+    return 2;
+  }
+
+  /* The corpus, its vocabulary (the distinct bytes, in byte order) and the two splits as token ids. */
+  text corpus = load_corpus(data);
+  int present[256] = {0};
+  for (size_t i = 0; i < corpus.size; ++i) present[corpus.bytes[i]] = 1;
+  unsigned char vocab[256];
+  int32_t id_of[256];
+  for (int b = 0; b < 256; ++b)
+    if (present[b]) vocab[cfg.vocab] = (unsigned char)b, id_of[b] = (int32_t)cfg.vocab++;
+  int32_t *tokens = xmalloc(corpus.size * sizeof(int32_t));
+  for (size_t i = 0; i < corpus.size; ++i) tokens[i] = id_of[corpus.bytes[i]];
+  const size_t n_train = corpus.size * 9 / 10, n_val = corpus.size - n_train;
+  if (n_val <= (size_t)cfg.block + 1) {
+    fprintf(stderr, "%s: the corpus (%zu bytes) is too short for windows of %lld\n", argv[0], corpus.size,
+            (long long)cfg.block);
+    return 1;
+  }
+
+  /* The GPUs when there are any (auto) or when asked for (cuda). */
+  size_t gpus = 0;
+  int use_cuda = 0;
+  if (!strcmp(device, "cuda")) {
+    CHECK(dpar_device_count(&gpus, DPAR_DEVICE_CUDA));
+    if (gpus == 0) {
+      fprintf(stderr, "%s: --device cuda: no CUDA device\n", argv[0]);
+      return 1;
+    }
+    use_cuda = 1;
+  } else if (!strcmp(device, "auto")) {
+    use_cuda = dpar_device_count(&gpus, DPAR_DEVICE_CUDA) == DPAR_OK && gpus > 0;
+  } else if (strcmp(device, "cpu")) {
+    fprintf(stderr, "%s: --device must be auto, cuda or cpu\n", argv[0]);
+    return 2;
+  }
+  if (devices == 0) {
+    if (use_cuda) devices = gpus;
+    else CHECK(dpar_device_count(&devices, DPAR_DEVICE_CPU));
+  }
+
+  dpar_model *model = build_gpt(&cfg, seed);
+  init_like_nanogpt(model, &cfg, seed);
+  size_t n_params = 0;
+  CHECK(dpar_model_num_param_elements(&n_params, model));
+
+  dpar_optimizer_options oopts = DPAR_OPTIMIZER_OPTIONS_INIT;
+  oopts.kind = DPAR_ADAMW;
+  oopts.lr = lr;
+  oopts.beta2 = 0.99f;
+  oopts.weight_decay = 0.1f;
+  dpar_engine_options eopts = DPAR_ENGINE_OPTIONS_INIT;
+  int32_t *device_ids = NULL;
+  if (use_cuda) {
+    device_ids = xmalloc(devices * sizeof *device_ids);
+    for (size_t i = 0; i < devices; ++i) device_ids[i] = (int32_t)(i % gpus);
+    eopts.device_kind = DPAR_DEVICE_CUDA;
+    eopts.device_ids = device_ids;
+    eopts.num_device_ids = devices;
+  } else {
+    eopts.num_cpu_devices = devices;
+  }
+  eopts.seed = seed;
+  dpar_engine *engine = NULL;
+  CHECK(dpar_engine_create(&engine, model, &oopts, &eopts));
+  dpar_model_free(model);
+  free(device_ids);
+  /* nanoGPT decays the matrices only: biases and LayerNorms' weights go without (the embeddings decay). */
+  CHECK(dpar_engine_set_weight_decay_exclusion(engine, 1));
+  CHECK(dpar_engine_set_max_grad_norm(engine, 1.0f));
+  size_t rank = 0, nproc = 1;
+  CHECK(dpar_engine_processes(&rank, &nproc, engine));
+  const int root = rank == 0;
+  if (root)
+    printf("dpar %s: GPT of %lld layers, %lld heads, %lld channels, context %lld, vocabulary %lld bytes: %.2fM "
+           "parameters; %zu train / %zu validation bytes of %s; batch %zu x %lld tokens over %zu process%s x %zu %s\n",
+           dpar_version_string(), (long long)cfg.layers, (long long)cfg.heads, (long long)cfg.embd,
+           (long long)cfg.block, (long long)cfg.vocab, (double)n_params / 1e6, n_train, n_val, data, batch,
+           (long long)cfg.block, nproc, nproc > 1 ? "es" : "", devices, use_cuda ? "replicas on GPUs" : "CPU devices");
+
+  /* This process's rows of each global batch: as even as DataParallel splits them. */
+  const size_t first = batch * rank / nproc, rows = batch * (rank + 1) / nproc - first;
+  int32_t *x = xmalloc((rows ? rows : 1) * (size_t)cfg.block * sizeof(int32_t));
+  int32_t *y = xmalloc((rows ? rows : 1) * (size_t)cfg.block * sizeof(int32_t));
+  const int64_t shape[2] = {(int64_t)rows, cfg.block};
+  dpar_tensor *input = NULL, *target = NULL;
+  CHECK(dpar_tensor_wrap_host(&input, DPAR_I32, shape, 2, x));
+  CHECK(dpar_tensor_wrap_host(&target, DPAR_I32, shape, 2, y));
+  uint64_t rng = seed * 0x9E3779B97F4A7C15ULL + 1;
+  const size_t warmup = steps / 20;
+  double val = 0.0, loss_sum = 0.0, t0 = now_seconds(), start = t0;
+  size_t since = 0;
+  for (size_t step = 1; step <= steps; ++step) {
+    draw_batch(x, y, tokens, n_train, batch, first, rows, cfg.block, &rng);
+    const double progress = (double)(step - 1) / (double)steps;
+    const double scale = step <= warmup ? (double)step / (double)warmup : 0.5 * (1.0 + cos(3.14159265358979 * progress));
+    CHECK(dpar_engine_set_lr(engine, (float)(lr * (0.1 + 0.9 * scale))));
+    float loss = 0.0f; /* the mean over every token of the global batch */
+    CHECK(dpar_engine_train_step(&loss, engine, input, target));
+    loss_sum += loss;
+    ++since;
+    if (step % eval_every && step != steps) continue;
+    const double seconds = now_seconds() - t0;
+    /* forward() is local: rank 0 evaluates alone, the parameters being the same in every process */
+    if (root) {
+      val = validation_loss(engine, tokens + n_train, n_val, batch, cfg.block, cfg.vocab, eval_batches);
+      printf("step %5zu  train loss %.4f  val loss %.4f  %.0f tokens/s  (%.0f s)\n", step, loss_sum / (double)since,
+             val, (double)(since * batch * (size_t)cfg.block) / seconds, now_seconds() - start);
+      fflush(stdout);
+    }
+    loss_sum = 0.0;
+    since = 0;
+    t0 = now_seconds();
+  }
+  CHECK(dpar_engine_save(engine, checkpoint)); /* every process calls it; rank 0 writes */
+  if (root) {
+    printf("saved %s\n", checkpoint);
+    if (sample > 0) {
+      printf("---- %zu sampled bytes ----\n", sample);
+      sample_text(engine, vocab, cfg.vocab, cfg.block, sample, 0.8, seed + 7);
+    }
+  }
+  dpar_tensor_free(input);
+  dpar_tensor_free(target);
+  dpar_engine_free(engine);
+  free(x);
+  free(y);
+  free(tokens);
+  free(corpus.bytes);
+  if (root && max_val_loss > 0.0 && !(val <= max_val_loss)) {
+    fprintf(stderr, "validation loss %.4f is above the required %.4f\n", val, max_val_loss);
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,346 @@
+// What a transformer needs from the graph, on CPU replicas: learned positions, attention as a node of one packed
+// input or of q, k and v (the same node among them included), nn.MultiheadAttention and nanoGPT's block builders,
+// sequences through Linear, LayerNorm and GELU, all against central finite differences; nodes read by several sums
+// and layers (a sum that overwrote a gradient another reader wrote first would fail them); causality; the packed
+// projection equal to three separate ones; and the C ABI's refusals, each naming the value.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "dpar.h"
+#include "engine_test_util.h"
+#include "graph_check.h"
+#include "nn/model.h"
+
+namespace dpar {
+namespace {
+
+using test::check_gradients;
+using test::host;
+using test::random_vector;
+using test::Standalone;
+
+AttentionSpec heads(int64_t h, bool causal) {
+  AttentionSpec spec;
+  spec.heads = h;
+  spec.causal = causal;
+  return spec;
+}
+
+// x (B, T, 4) -> linear 4 -> 6 -> + positions -> layernorm -> gelu -> linear 6 -> 3: sequences through the (*, C)
+// layers and the positions' gradient.
+TEST(Positions, GradientsMatchFiniteDifferences) {
+  Model m(3);
+  m.add(make_linear(4, 6, true));
+  m.add(make_position_embedding(7, 6));
+  m.add(make_layernorm(6, 1e-5f, true));
+  m.add(make_activation(Activation::kGelu));
+  m.add(make_linear(6, 3, true));
+  check_gradients(m, Shape{3, 5, 4});
+  check_gradients(m, Shape{2, 7, 4});  // every row of the table
+}
+
+TEST(Positions, AddRowTOfTheTableAtPositionT) {
+  Model m(5);
+  m.add(make_position_embedding(4, 3));
+  std::vector<float> x = random_vector(2 * 3 * 3, 9);
+  Standalone s;
+  ReplicaModel rm(m, s.ctx);
+  const Tensor out = rm.forward(s.ctx, host(x, Shape{2, 3, 3}));
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t t = 0; t < 3; ++t)
+      for (int64_t c = 0; c < 3; ++c) {
+        const int64_t i = (b * 3 + t) * 3 + c;
+        EXPECT_EQ(out.f32()[i], x[static_cast<size_t>(i)] + m.values()[static_cast<size_t>(t * 3 + c)]);
+      }
+}
+
+TEST(Positions, ASequenceLongerThanTheTableIsRefusedNamingBoth) {
+  Model m(5);
+  m.add(make_position_embedding(4, 3));
+  try {
+    m.output_shape(Shape{2, 5, 3});
+    FAIL() << "a sequence of 5 positions passed a table of 4";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("5 positions is longer than the 4"), std::string::npos) << e.what();
+  }
+}
+
+// x (B, T, C=8) -> c_attn 8 -> 24 -> attention (2 heads, packed) -> c_proj 8 -> 5.
+Model packed_attention(bool causal, int64_t h = 2) {
+  Model m(11);
+  m.add(make_linear(8, 24, true));
+  m.add(make_attention(heads(h, causal), 0.0f, 1));
+  m.add(make_linear(8, 5, true));
+  return m;
+}
+
+TEST(Attention, PackedProjectionGradientsMatchFiniteDifferences) {
+  check_gradients(packed_attention(true), Shape{2, 5, 8});
+  check_gradients(packed_attention(false), Shape{3, 4, 8});
+  check_gradients(packed_attention(true, 1), Shape{2, 6, 8});
+  check_gradients(packed_attention(true, 4), Shape{1, 7, 8});
+}
+
+// q, k and v from three nodes, and the same node as all three (self-attention on x itself): each input's gradient
+// is the sum of its uses.
+TEST(Attention, ThreeInputsAndOneNodeReadThriceMatchFiniteDifferences) {
+  {
+    Model m(12);
+    const int32_t q = m.add(make_linear(6, 6, true));
+    m.branch_from(kModelInput);
+    const int32_t k = m.add(make_linear(6, 6, false));
+    m.branch_from(kModelInput);
+    const int32_t v = m.add(make_activation(Activation::kTanh));
+    m.add(make_attention(heads(3, true), 0.0f, 3), {q, k, v});
+    m.add(make_linear(6, 2, true));
+    check_gradients(m, Shape{2, 4, 6});
+  }
+  {
+    Model m(13);
+    const int32_t x = m.add(make_linear(6, 6, true));
+    const int32_t a = m.add(make_attention(heads(2, true), 0.0f, 3), {x, x, x});
+    m.add_sum({a, x, a});  // x read by attention thrice and by the sum; a twice by the sum
+    m.add(make_linear(6, 3, true));
+    check_gradients(m, Shape{3, 5, 6});
+  }
+  {
+    // Cross-attention: 6 queries against 3 keys (the input seen as (B, 3, 8)), not causal.
+    Model m(14);
+    const int32_t q = m.add(make_linear(4, 4, true));
+    m.branch_from(kModelInput);
+    m.add_reshape({3, 8});
+    const int32_t k = m.add(make_linear(8, 4, true));
+    const int32_t v = m.add(make_activation(Activation::kTanh));
+    m.add(make_attention(heads(2, false), 0.0f, 3), {q, k, v});
+    m.add(make_linear(4, 2, true));
+    check_gradients(m, Shape{2, 6, 4});
+  }
+}
+
+// Position t's output does not move when the inputs after t do (the causal mask), and does when they are not masked.
+TEST(Attention, CausalOutputsIgnoreLaterPositions) {
+  for (bool causal : {true, false}) {
+    Model m = packed_attention(causal);
+    Standalone s;
+    ReplicaModel rm(m, s.ctx);
+    std::vector<float> x = random_vector(1 * 6 * 8, 4);
+    const std::vector<float> before = [&] {
+      const Tensor out = rm.forward(s.ctx, host(x, Shape{1, 6, 8}));
+      return std::vector<float>(out.f32(), out.f32() + out.numel());
+    }();
+    for (size_t i = 4 * 8; i < x.size(); ++i) x[i] += 1.0f;  // positions 4 and 5
+    const Tensor out = rm.forward(s.ctx, host(x, Shape{1, 6, 8}));
+    bool prefix_same = true;
+    for (int64_t i = 0; i < 4 * 5; ++i) prefix_same = prefix_same && out.f32()[i] == before[static_cast<size_t>(i)];
+    EXPECT_EQ(prefix_same, causal) << (causal ? "causal" : "full") << " attention";
+  }
+}
+
+// One packed projection and three projections holding its thirds give the same output and gradients (to the
+// rounding of GEMMs of other shapes).
+TEST(Attention, PackedProjectionEqualsThreeProjections) {
+  Model packed(21);
+  packed.add(make_linear(8, 24, true));
+  packed.add(make_attention(heads(2, true), 0.0f, 1));
+  Model split(22);
+  std::vector<int32_t> qkv;
+  for (int i = 0; i < 3; ++i) {
+    split.branch_from(kModelInput);
+    qkv.push_back(split.add(make_linear(8, 8, true)));
+  }
+  split.add(make_attention(heads(2, true), 0.0f, 3), qkv);
+  // The thirds: rows [8i, 8i + 8) of the packed weight and bias.
+  const std::vector<float>& w = packed.values();
+  std::vector<float>& sv = split.values();
+  for (int i = 0; i < 3; ++i) {
+    const int64_t base = i * (64 + 8);
+    std::copy(w.begin() + i * 64, w.begin() + (i + 1) * 64, sv.begin() + base);
+    std::copy(w.begin() + 192 + i * 8, w.begin() + 192 + (i + 1) * 8, sv.begin() + base + 64);
+  }
+  std::vector<float> x = random_vector(2 * 5 * 8, 6);
+  Standalone s1, s2;
+  ReplicaModel a(packed, s1.ctx), b(split, s2.ctx);
+  const Tensor ya = a.forward(s1.ctx, host(x, Shape{2, 5, 8}));
+  const Tensor yb = b.forward(s2.ctx, host(x, Shape{2, 5, 8}));
+  ASSERT_EQ(ya.numel(), yb.numel());
+  for (int64_t i = 0; i < ya.numel(); ++i) EXPECT_NEAR(ya.f32()[i], yb.f32()[i], 1e-5f) << i;
+  std::vector<float> r = random_vector(static_cast<size_t>(ya.numel()), 7);
+  std::vector<float> r2 = r;
+  a.backward(s1.ctx, host(r, ya.shape()), false);
+  b.backward(s2.ctx, host(r2, yb.shape()), false);
+  for (int i = 0; i < 3; ++i)
+    for (int64_t j = 0; j < 64; ++j)
+      EXPECT_NEAR(a.grads()[i * 64 + j], b.grads()[i * 72 + j], 1e-4f) << "weight third " << i << "[" << j << "]";
+}
+
+// nn.MultiheadAttention's layer: its four parameters, their names, and its gradients.
+TEST(Attention, MultiheadAttentionLayerMatchesFiniteDifferences) {
+  Model m(31);
+  m.add(make_linear(4, 8, true));
+  const int32_t mha = m.add(make_multihead_attention(8, heads(2, true), 0.0f, true));
+  m.set_node_name(mha, "attn");
+  m.add(make_linear(8, 3, true));
+  std::vector<std::string> names;
+  for (const ParamInfo& p : m.params()) names.push_back(p.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"0.weight", "0.bias", "attn.in_proj_weight", "attn.in_proj_bias",
+                                             "attn.out_proj.weight", "attn.out_proj.bias", "2.weight", "2.bias"}));
+  check_gradients(m, Shape{2, 5, 4});
+  Model no_bias(32);
+  no_bias.add(make_multihead_attention(8, heads(4, false), 0.0f, false));
+  EXPECT_EQ(no_bias.params().size(), 2u);
+  check_gradients(no_bias, Shape{2, 3, 8});
+}
+
+// nanoGPT's block on a residual stream that every block reads: x + attn(ln_1(x)), then x + mlp(ln_2(x)), twice.
+TEST(Attention, NanoGptBlocksMatchFiniteDifferences) {
+  Model m(41);
+  int32_t x = m.add(make_linear(5, 8, true));
+  for (int layer = 0; layer < 2; ++layer) {
+    m.branch_from(x);
+    m.add(make_layernorm(8, 1e-5f, true));
+    const int32_t a = add_causal_self_attention(m, 8, 2, 0.0f, true, "h." + std::to_string(layer) + ".attn");
+    x = m.add_sum({x, a});
+    m.add(make_layernorm(8, 1e-5f, true));
+    m.add(make_linear(8, 32, true));
+    m.add(make_activation(Activation::kGelu));
+    const int32_t f = m.add(make_linear(32, 8, true));
+    x = m.add_sum({x, f});
+  }
+  m.add(make_linear(8, 4, false));
+  bool named = false;
+  for (const ParamInfo& p : m.params()) named = named || p.name == "h.1.attn.c_proj.bias";
+  EXPECT_TRUE(named);
+  check_gradients(m, Shape{2, 6, 5});
+}
+
+// Dropout on the attention weights is the identity in eval mode, and draws a mask in training mode.
+TEST(Attention, DropoutActsInTrainingModeOnly) {
+  Model with(51), without(51);
+  with.add(make_linear(8, 24, true));
+  with.add(make_attention(heads(2, true), 0.5f, 1));
+  without.add(make_linear(8, 24, true));
+  without.add(make_attention(heads(2, true), 0.0f, 1));
+  std::vector<float> x = random_vector(2 * 5 * 8, 8);
+  Standalone s1, s2;
+  ReplicaModel a(with, s1.ctx), b(without, s2.ctx);
+  s1.ctx.training = s2.ctx.training = false;
+  const Tensor ya = a.forward(s1.ctx, host(x, Shape{2, 5, 8}));
+  const std::vector<float> eval(ya.f32(), ya.f32() + ya.numel());
+  const Tensor yb = b.forward(s2.ctx, host(x, Shape{2, 5, 8}));
+  EXPECT_EQ(0, std::memcmp(eval.data(), yb.f32(), eval.size() * sizeof(float)));
+  s1.ctx.training = true;
+  const Tensor yt = a.forward(s1.ctx, host(x, Shape{2, 5, 8}));
+  EXPECT_NE(0, std::memcmp(eval.data(), yt.f32(), eval.size() * sizeof(float)));
+  EXPECT_GT(s1.rng_offset, 0u);
+}
+
+// ---- The C ABI ------------------------------------------------------------------------------------------------
+
+struct ModelDeleter {
+  void operator()(dpar_model* m) const { dpar_model_free(m); }
+};
+using ModelPtr = std::unique_ptr<dpar_model, ModelDeleter>;
+
+ModelPtr c_model() {
+  dpar_model* raw = nullptr;
+  EXPECT_EQ(dpar_model_create(&raw, nullptr), DPAR_OK);
+  return ModelPtr(raw);
+}
+
+void expect_refused(dpar_status st, dpar_status want, const std::string& says) {
+  EXPECT_EQ(st, want) << dpar_last_error();
+  EXPECT_NE(std::string(dpar_last_error()).find(says), std::string::npos) << dpar_last_error();
+}
+
+TEST(TransformerCapi, BadArgumentsAreRefusedNamingTheValue) {
+  ModelPtr m = c_model();
+  expect_refused(dpar_model_add_position_embedding(m.get(), 0, 8), DPAR_ERR_INVALID_ARGUMENT, "max_positions: 0");
+  expect_refused(dpar_model_add_position_embedding(nullptr, 4, 8), DPAR_ERR_INVALID_ARGUMENT, "model");
+  expect_refused(dpar_model_add_attention(m.get(), nullptr, 0, 0, 1, 0.0f, 0.0f), DPAR_ERR_INVALID_ARGUMENT,
+                 "num_heads: 0");
+  expect_refused(dpar_model_add_attention(m.get(), nullptr, 0, 2, 1, 1.0f, 0.0f), DPAR_ERR_INVALID_ARGUMENT,
+                 "dropout_p: 1");
+  expect_refused(dpar_model_add_attention(m.get(), nullptr, 0, 2, 1, 0.0f, -1.0f), DPAR_ERR_INVALID_ARGUMENT,
+                 "scale: -1");
+  const int32_t two[2] = {DPAR_MODEL_INPUT, DPAR_MODEL_INPUT};
+  expect_refused(dpar_model_add_attention(m.get(), two, 2, 2, 1, 0.0f, 0.0f), DPAR_ERR_INVALID_ARGUMENT, "n: 2");
+  expect_refused(dpar_model_add_attention(m.get(), nullptr, 3, 2, 1, 0.0f, 0.0f), DPAR_ERR_INVALID_ARGUMENT,
+                 "inputs: is NULL");
+  const int32_t missing[3] = {DPAR_MODEL_INPUT, 5, DPAR_MODEL_INPUT};
+  expect_refused(dpar_model_add_attention(m.get(), missing, 3, 2, 1, 0.0f, 0.0f), DPAR_ERR_INVALID_ARGUMENT,
+                 "node 5 has not been added");
+  expect_refused(dpar_model_add_multihead_attention(m.get(), 10, 4, 0.0f, 1, 1), DPAR_ERR_INVALID_ARGUMENT,
+                 "num_heads: 4 does not divide embed_dim 10");
+  expect_refused(dpar_model_add_causal_self_attention(m.get(), 12, 5, 0.0f, 1, "attn"), DPAR_ERR_INVALID_ARGUMENT,
+                 "n_head: 5");
+  size_t nodes = 99;
+  ASSERT_EQ(dpar_model_num_layers(&nodes, m.get()), DPAR_OK);
+  EXPECT_EQ(nodes, 0u) << "a refused call added a node";
+  // A name taken half-way through the block: nothing of the block stays.
+  ASSERT_EQ(dpar_model_add_linear(m.get(), 4, 4, 1), DPAR_OK);
+  ASSERT_EQ(dpar_model_set_node_name(m.get(), 0, "attn.c_proj"), DPAR_OK);
+  expect_refused(dpar_model_add_causal_self_attention(m.get(), 4, 2, 0.0f, 1, "attn"), DPAR_ERR_INVALID_ARGUMENT,
+                 "attn.c_proj");
+  ASSERT_EQ(dpar_model_num_layers(&nodes, m.get()), DPAR_OK);
+  EXPECT_EQ(nodes, 1u);
+  size_t params = 0;
+  ASSERT_EQ(dpar_model_num_params(&params, m.get()), DPAR_OK);
+  EXPECT_EQ(params, 2u);
+}
+
+// Shapes that do not fit are refused when an engine first meets them, naming the values, and nothing moves.
+TEST(TransformerCapi, ShapesThatDisagreeAreRefusedAtTheFirstStep) {
+  auto forward_error = [](dpar_model* m, std::vector<int64_t> shape) {
+    dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+    eo.num_cpu_devices = 1;
+    eo.loss = DPAR_LOSS_MSE;
+    dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
+    dpar_engine* e = nullptr;
+    EXPECT_EQ(dpar_engine_create(&e, m, &oo, &eo), DPAR_OK) << dpar_last_error();
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    std::vector<float> x(static_cast<size_t>(n), 0.5f);
+    dpar_tensor* in = nullptr;
+    EXPECT_EQ(dpar_tensor_wrap_host(&in, DPAR_F32, shape.data(), shape.size(), x.data()), DPAR_OK);
+    dpar_tensor* out = nullptr;
+    const dpar_status st = dpar_engine_forward(&out, e, in);
+    const std::string message = dpar_last_error();
+    dpar_tensor_free(out);
+    dpar_tensor_free(in);
+    dpar_engine_free(e);
+    EXPECT_EQ(st, DPAR_ERR_INVALID_ARGUMENT);
+    return message;
+  };
+  {
+    ModelPtr m = c_model();
+    ASSERT_EQ(dpar_model_add_attention(m.get(), nullptr, 0, 4, 1, 0.0f, 0.0f), DPAR_OK);
+    EXPECT_NE(forward_error(m.get(), {2, 3, 30}).find("4 heads do not divide the 10 channels"), std::string::npos);
+    EXPECT_NE(forward_error(m.get(), {2, 3, 31}).find("3 x channels"), std::string::npos);
+  }
+  {
+    ModelPtr m = c_model();
+    ASSERT_EQ(dpar_model_add_linear(m.get(), 4, 4, 1), DPAR_OK);
+    ASSERT_EQ(dpar_model_branch_from(m.get(), DPAR_MODEL_INPUT), DPAR_OK);
+    const int64_t row[2] = {2, 8};
+    ASSERT_EQ(dpar_model_add_reshape(m.get(), row, 2), DPAR_OK);
+    const int32_t qkv[3] = {0, 1, 1};
+    ASSERT_EQ(dpar_model_add_attention(m.get(), qkv, 3, 2, 1, 0.0f, 0.0f), DPAR_OK);
+    const std::string why = forward_error(m.get(), {2, 4, 4});
+    EXPECT_NE(why.find("q (2, 4, 4) and k (2, 2, 8) must agree"), std::string::npos) << why;
+  }
+  {
+    ModelPtr m = c_model();
+    ASSERT_EQ(dpar_model_add_position_embedding(m.get(), 3, 4), DPAR_OK);
+    const std::string why = forward_error(m.get(), {2, 5, 4});
+    EXPECT_NE(why.find("5 positions is longer than the 3"), std::string::npos) << why;
+  }
+}
+
+}  // namespace
+}  // namespace dpar
