@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Installs what dpar needs on Debian 12 (bookworm): compilers, CMake, oneDNN (the CPU GEMM, which picks its kernels
 # from the CPU's feature bits; bench/results/cpu_gemm_providers.md), zlib, nlohmann-json, GoogleTest,
-# OpenMPI, Gloo (an anchor of the all-reduce benchmark), Debian's Fashion-MNIST for the demo, Python (for
+# OpenMPI, Gloo (an anchor of the all-reduce benchmark), Debian's Fashion-MNIST for the demo and its fortunes (the
+# character-level GPT's text), Python (for
 # checks that run Python's safetensors and the function-table generator), DLPack's header, what the bindings
 # build with: SWIG (Python's and Go's raw layers), Python's headers, Go, and Debian's cargo when no cargo is on the
 # PATH (rustup's is used where present), and clang with its runtime libraries (libFuzzer, for the fuzzers of
 # tests/fuzz), and abigail-tools (abidiff, the ABI check of tests/abi). Installs only what is missing.
 set -euo pipefail
 packages=(build-essential cmake pkg-config libdnnl-dev zlib1g-dev nlohmann-json3-dev libgtest-dev
-          libopenmpi-dev openmpi-bin libgloo-dev dataset-fashion-mnist python3 python3-venv python3-dev
+          libopenmpi-dev openmpi-bin libgloo-dev dataset-fashion-mnist fortunes fortunes-min python3 python3-venv python3-dev
           libdlpack-dev swig golang-go clang libclang-rt-14-dev abigail-tools)
 if ! command -v cargo >/dev/null && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
   packages+=(cargo)
