@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Loads a checkpoint of train_char_gpt into nanoGPT's GPT in PyTorch and computes its validation loss.
+"""Loads a checkpoint of train_char_gpt into nanoGPT's GPT in PyTorch and computes its validation loss; or, with
+--train, trains that module in PyTorch as train_char_gpt trains it, for its loss curve beside dpar's.
 
     python3 examples/c/char_gpt_in_pytorch.py char_gpt.safetensors [--data FILE|DIR] [--block T] [--layers L]
                                               [--heads H] [--embd C] [--batch-size B] [--eval-batches E]
+    python3 examples/c/char_gpt_in_pytorch.py --train [--steps S] [--eval-every K] [--lr LR] [--seed S] [--threads N]
+                                              [the model options above]
 
 The module is bench/gpt_anchor.py's (nanoGPT's structure and state_dict keys, lm_head.weight tied to
 transformer.wte.weight). The checkpoint's parameters load with load_state_dict(strict=True) (both keys of the tied
@@ -10,6 +13,12 @@ weight are in the file, as PyTorch's state_dict gives them); the optimizer's sta
 corpus, vocabulary, split and validation batches are the example's (the same splitmix64 offsets from seed 1234567),
 so the loss printed, PyTorch's from dpar's weights in eval mode, is the example's last "val loss" (to float
 rounding). Pass the model options the example was run with. Needs torch and numpy (not needed to build or test dpar).
+
+--train draws the example's training batches (the same splitmix64 offsets from the same seed, the whole global
+batch), initialises as nanoGPT's _init_weights (its own draws: the values differ from dpar's, their distribution
+does not), and steps AdamW (betas 0.9, 0.99; weight decay 0.1 on the matrices), with the example's warm-up and cosine
+schedule and clip_grad_norm_(1.0), printing the example's lines: the same batches through the same model and
+optimizer, so its losses follow dpar's to the noise of the initial draw.
 """
 import argparse
 import json
@@ -58,9 +67,82 @@ def load_corpus(path):
     return b"".join(open(os.path.join(path, n), "rb").read() for n in names)
 
 
+def validation_loss(model, val, vocab_size, T, batch, batches):
+    model.eval()
+    state, total, count = 1234567, 0.0, 0
+    with torch.no_grad():
+        for _ in range(batches):
+            offsets = []
+            for _ in range(batch):
+                state, r = splitmix64(state)
+                offsets.append(r % (len(val) - T - 1))
+            x = torch.from_numpy(np.stack([val[o:o + T] for o in offsets]))
+            y = torch.from_numpy(np.stack([val[o + 1:o + T + 1] for o in offsets]))
+            logits = model(x)
+            total += torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size).double(), y.reshape(-1),
+                                                       reduction="sum").item()
+            count += y.numel()
+    model.train()
+    return total / count
+
+
+def train(args, tokens, vocab_size):
+    import math
+    import time
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    n_train = len(tokens) * 9 // 10
+    train_tokens, val = tokens[:n_train], tokens[n_train:]
+    model = gpt_anchor.make_gpt(torch, vocab_size, args.block, args.layers, args.heads, args.embd)
+    for name, p in model.named_parameters():  # nanoGPT's _init_weights, then its c_proj scaling
+        if "ln_" in name:
+            continue
+        if name.endswith(".bias"):
+            torch.nn.init.zeros_(p)
+        else:
+            std = 0.02 / math.sqrt(2 * args.layers) if name.endswith("c_proj.weight") else 0.02
+            torch.nn.init.normal_(p, 0.0, std)
+    opt = gpt_anchor.adamw(torch, model, args.lr)
+    state = (args.seed * 0x9E3779B97F4A7C15 + 1) & MASK
+    warmup = args.steps // 20
+    T, B = args.block, args.batch_size
+    loss_sum, since, t0 = 0.0, 0, time.perf_counter()
+    for step in range(1, args.steps + 1):
+        offsets = []
+        for _ in range(B):
+            state, r = splitmix64(state)
+            offsets.append(r % (len(train_tokens) - T - 1))
+        x = torch.from_numpy(np.stack([train_tokens[o:o + T] for o in offsets]))
+        y = torch.from_numpy(np.stack([train_tokens[o + 1:o + T + 1] for o in offsets]))
+        progress = (step - 1) / args.steps
+        scale = step / warmup if step <= warmup else 0.5 * (1.0 + math.cos(math.pi * progress))
+        for g in opt.param_groups:
+            g["lr"] = args.lr * (0.1 + 0.9 * scale)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x).view(-1, vocab_size), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_sum += loss.item()
+        since += 1
+        if step % args.eval_every and step != args.steps:
+            continue
+        seconds = time.perf_counter() - t0
+        val_loss = validation_loss(model, val, vocab_size, T, B, args.eval_batches)
+        print(f"step {step:5d}  train loss {loss_sum / since:.4f}  val loss {val_loss:.4f}  "
+              f"{since * B * T / seconds:.0f} tokens/s (PyTorch, {args.threads} threads)", flush=True)
+        loss_sum, since, t0 = 0.0, 0, time.perf_counter()
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoint")
+    ap.add_argument("checkpoint", nargs="?")
+    ap.add_argument("--train", action="store_true")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default="/usr/share/games/fortunes")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -73,25 +155,15 @@ def main():
     vocab = sorted(set(corpus))
     id_of = {b: i for i, b in enumerate(vocab)}
     tokens = np.array([id_of[b] for b in corpus], np.int64)
+    if args.train:
+        return train(args, tokens, len(vocab))
+    if not args.checkpoint:
+        ap.error("a checkpoint to load, or --train")
     val = tokens[len(tokens) * 9 // 10:]
     model = gpt_anchor.make_gpt(torch, len(vocab), args.block, args.layers, args.heads, args.embd)
     print(model.load_state_dict(load_safetensors(args.checkpoint), strict=True))
-    model.eval()
-    state, total, count = 1234567, 0.0, 0
-    T = args.block
-    with torch.no_grad():
-        for _ in range(args.eval_batches):
-            offsets = []
-            for _ in range(args.batch_size):
-                state, r = splitmix64(state)
-                offsets.append(r % (len(val) - T - 1))
-            x = torch.from_numpy(np.stack([val[o:o + T] for o in offsets]))
-            y = torch.from_numpy(np.stack([val[o + 1:o + T + 1] for o in offsets]))
-            logits = model(x)
-            total += torch.nn.functional.cross_entropy(logits.reshape(-1, len(vocab)).double(), y.reshape(-1),
-                                                       reduction="sum").item()
-            count += y.numel()
-    print(f"validation loss in PyTorch from dpar's checkpoint: {total / count:.4f}")
+    loss = validation_loss(model, val, len(vocab), args.block, args.batch_size, args.eval_batches)
+    print(f"validation loss in PyTorch from dpar's checkpoint: {loss:.4f}")
 
 
 if __name__ == "__main__":
