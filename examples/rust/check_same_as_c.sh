@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The Rust example trains exactly as the C one: builds it, then examples/check_same_as_c.sh runs both for 2 epochs
-# on 2 CPU devices and compares their per-epoch losses and accuracies (everything but the throughput).
+# The Rust Fashion-MNIST example trains exactly as the C one: builds it, then examples/check_same_as_c.sh runs both
+# for 2 epochs on 2 CPU devices and compares their per-epoch losses and accuracies (everything but the throughput).
+# check_char_gpt_same_as_c.sh does the same for the crate's GPT (src/bin/train_char_gpt.rs).
 #   check_same_as_c.sh <cargo> <train_fashion_mnist (C)> <cargo target dir> <libdpar dir>
 set -euo pipefail
 cargo=$1

@@ -1,7 +1,8 @@
 //! Trains an MLP (784-256-128-10), or with `--model cnn` the small residual CNN of examples/c/fashion_cnn.h
 //! (convolutions, BatchNorm, max pooling, a basic block, torchvision's names), on Fashion-MNIST over every GPU when
 //! dpar finds any, and over every CPU device otherwise, as examples/c/train_fashion_mnist.c does, with the same
-//! options, schedule and seed: it prints the same losses and accuracies, bit for bit.
+//! options, schedule and seed: it prints the same losses and accuracies, bit for bit. The crate's other program,
+//! src/bin/train_char_gpt.rs, is examples/c/train_char_gpt.c's twin: nanoGPT's model on Debian's fortunes.
 //!
 //!   cargo run --release -- [--model mlp|cnn] [--device auto|cuda|cpu] [--devices N] [--epochs E]
 //!                          [--batch-size B] [--lr LR] [--optimizer adam|sgd] [--data DIR] [--seed S]
