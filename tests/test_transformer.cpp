@@ -5,7 +5,11 @@
 // projection equal to three separate ones; and the C ABI's refusals, each naming the value.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
+#include <fstream>
+#include <map>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -16,6 +20,9 @@
 #include "engine_test_util.h"
 #include "graph_check.h"
 #include "nn/model.h"
+
+// The example's GPT builder (C, through the C ABI): the model under test is the one train_char_gpt trains.
+#include "char_gpt.h"
 
 namespace dpar {
 namespace {
@@ -340,6 +347,157 @@ TEST(TransformerCapi, ShapesThatDisagreeAreRefusedAtTheFirstStep) {
     const std::string why = forward_error(m.get(), {2, 5, 4});
     EXPECT_NE(why.find("5 positions is longer than the 3"), std::string::npos) << why;
   }
+}
+
+
+// ---- The whole GPT: examples/c/char_gpt.h's model against PyTorch's nanoGPT, and over several devices -------------
+
+struct EngineDeleter {
+  void operator()(dpar_engine* e) const { dpar_engine_free(e); }
+};
+using EnginePtr = std::unique_ptr<dpar_engine, EngineDeleter>;
+
+nlohmann::json gpt_reference() {
+  std::ifstream f(std::string(DPAR_TEST_DATA_DIR) + "/gpt_reference.json");
+  EXPECT_TRUE(f.good()) << "tests/data/gpt_reference.json";
+  return nlohmann::json::parse(f);
+}
+
+gpt_config reference_config(const nlohmann::json& r) {
+  return gpt_config{r["vocab"].get<int64_t>(), r["block"].get<int64_t>(), r["layers"].get<int64_t>(),
+                    r["heads"].get<int64_t>(), r["embd"].get<int64_t>(), 0.0f};
+}
+
+// The model with PyTorch's parameters, found by name.
+ModelPtr reference_gpt(const nlohmann::json& r) {
+  const gpt_config c = reference_config(r);
+  ModelPtr m(gpt_build(&c, 0));
+  size_t n = 0;
+  EXPECT_EQ(dpar_model_num_params(&n, m.get()), DPAR_OK);
+  EXPECT_EQ(n, r["params"].size()) << "the tied weight is one parameter, as named_parameters() lists it";
+  for (size_t i = 0; i < n; ++i) {
+    const std::string name = dpar_model_param_name(m.get(), i);
+    EXPECT_TRUE(r["params"].contains(name)) << name;
+    if (!r["params"].contains(name)) continue;
+    const std::vector<float> v = r["params"][name].get<std::vector<float>>();
+    EXPECT_EQ(dpar_model_set_param(m.get(), i, v.data(), v.size()), DPAR_OK) << name << ": " << dpar_last_error();
+  }
+  return m;
+}
+
+EnginePtr gpt_engine(const dpar_model* m, size_t devices, int32_t optimizer, float lr, size_t bucket_bytes = 0) {
+  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
+  oo.kind = optimizer;
+  oo.lr = lr;
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = devices;
+  if (bucket_bytes) eo.bucket_cap_bytes = bucket_bytes, eo.first_bucket_bytes = bucket_bytes;
+  dpar_engine* e = nullptr;
+  EXPECT_EQ(dpar_engine_create(&e, m, &oo, &eo), DPAR_OK) << dpar_last_error();
+  return EnginePtr(e);
+}
+
+std::vector<float> engine_params(dpar_engine* e, size_t replica, const dpar_model* m) {
+  size_t n = 0;
+  EXPECT_EQ(dpar_model_num_param_elements(&n, m), DPAR_OK);
+  std::vector<float> v(n);
+  EXPECT_EQ(dpar_engine_get_params(v.data(), e, replica, n), DPAR_OK) << dpar_last_error();
+  return v;
+}
+
+// dpar's GPT and PyTorch's nanoGPT agree on one batch's loss (over the targets not ignored) and on every gradient:
+// one SGD step of lr 1 moves each parameter by its gradient.
+TEST(Gpt, LossAndGradientsEqualPyTorchsNanoGpt) {
+  const nlohmann::json r = gpt_reference();
+  ModelPtr m = reference_gpt(r);
+  EnginePtr e = gpt_engine(m.get(), 1, DPAR_SGD, 1.0f);
+  std::vector<int32_t> tokens = r["tokens"].get<std::vector<int32_t>>();
+  std::vector<int32_t> targets = r["targets"].get<std::vector<int32_t>>();
+  const std::vector<int64_t> shape = r["shape"].get<std::vector<int64_t>>();
+  dpar_tensor *x = nullptr, *y = nullptr;
+  ASSERT_EQ(dpar_tensor_wrap_host(&x, DPAR_I32, shape.data(), 2, tokens.data()), DPAR_OK);
+  ASSERT_EQ(dpar_tensor_wrap_host(&y, DPAR_I32, shape.data(), 2, targets.data()), DPAR_OK);
+  const std::vector<float> before = engine_params(e.get(), 0, m.get());
+  float loss = 0.0f;
+  ASSERT_EQ(dpar_engine_train_step(&loss, e.get(), x, y), DPAR_OK) << dpar_last_error();
+  EXPECT_NEAR(loss, r["loss"].get<double>(), 2e-6);
+  const std::vector<float> after = engine_params(e.get(), 0, m.get());
+  size_t n = 0, offset = 0;
+  ASSERT_EQ(dpar_model_num_params(&n, m.get()), DPAR_OK);
+  for (size_t i = 0; i < n; ++i) {
+    const std::string name = dpar_model_param_name(m.get(), i);
+    const std::vector<float> g = r["grads"][name].get<std::vector<float>>();
+    for (size_t k = 0; k < g.size(); ++k) {
+      const double moved = static_cast<double>(before[offset + k]) - after[offset + k];
+      EXPECT_NEAR(moved, g[k], 1e-5 + 1e-4 * std::fabs(g[k])) << name << "[" << k << "]";
+    }
+    offset += g.size();
+  }
+  dpar_tensor_free(x);
+  dpar_tensor_free(y);
+}
+
+// The GPT's checkpoint is nanoGPT's state_dict: every key PyTorch's module has (the tied weight under both).
+TEST(Gpt, CheckpointHoldsEveryStateDictKey) {
+  const nlohmann::json r = gpt_reference();
+  ModelPtr m = reference_gpt(r);
+  EnginePtr e = gpt_engine(m.get(), 1, DPAR_ADAM, 1e-3f);
+  const std::string path = ::testing::TempDir() + "gpt_keys.safetensors";
+  ASSERT_EQ(dpar_engine_save(e.get(), path.c_str()), DPAR_OK) << dpar_last_error();
+  std::ifstream f(path, std::ios::binary);
+  uint64_t n = 0;
+  f.read(reinterpret_cast<char*>(&n), 8);
+  std::string header(static_cast<size_t>(n), '\0');
+  f.read(header.data(), static_cast<std::streamsize>(n));
+  const nlohmann::json h = nlohmann::json::parse(header);
+  for (const auto& key : r["state_dict_keys"]) EXPECT_TRUE(h.contains(key.get<std::string>())) << key;
+  std::remove(path.c_str());
+}
+
+// 1, 2, 3 and 8 devices train the GPT as one device on the whole batch: 7 sequences (uneven chunks), ignored
+// targets spread unevenly (one sequence all ignored), three SGD steps, small buckets; every replica the same. SGD,
+// not Adam: Adam divides each gradient by its running magnitude, so an element whose gradient is at the level of
+// float rounding (1e-9 where another summation order gives -1e-9) takes a step of lr either way, and a comparison
+// across device counts would measure that, not the engine (with Adam at lr 1e-2 the worst element moved 2.5e-3).
+TEST(Gpt, DevicesTrainAsOneDeviceWithIgnoredTokensSpreadUnevenly) {
+  const nlohmann::json r = gpt_reference();
+  ModelPtr m = reference_gpt(r);
+  const int64_t B = 7, T = 6, V = r["vocab"].get<int64_t>();
+  std::vector<int32_t> tokens(static_cast<size_t>(B * T)), targets(tokens.size());
+  uint64_t rng = 5;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = static_cast<int32_t>(gpt_next_u64(&rng) % static_cast<uint64_t>(V));
+    targets[i] = static_cast<int32_t>(gpt_next_u64(&rng) % static_cast<uint64_t>(V));
+    if (i / T == 3 || (i / T == 5 && i % 2 == 0) || i == 1) targets[i] = DPAR_IGNORE_INDEX;
+  }
+  const int64_t shape[2] = {B, T};
+  dpar_tensor *x = nullptr, *y = nullptr;
+  ASSERT_EQ(dpar_tensor_wrap_host(&x, DPAR_I32, shape, 2, tokens.data()), DPAR_OK);
+  ASSERT_EQ(dpar_tensor_wrap_host(&y, DPAR_I32, shape, 2, targets.data()), DPAR_OK);
+  std::vector<float> one;
+  std::vector<float> one_losses;
+  for (size_t devices : {1, 2, 3, 8}) {
+    EnginePtr e = gpt_engine(m.get(), devices, DPAR_SGD, 0.5f, 4096);
+    std::vector<float> losses;
+    for (int step = 0; step < 3; ++step) {
+      float loss = 0.0f;
+      ASSERT_EQ(dpar_engine_train_step(&loss, e.get(), x, y), DPAR_OK) << dpar_last_error();
+      losses.push_back(loss);
+    }
+    const std::vector<float> p = engine_params(e.get(), 0, m.get());
+    for (size_t rep = 1; rep < devices; ++rep)
+      EXPECT_EQ(engine_params(e.get(), rep, m.get()), p) << "replica " << rep << " of " << devices;
+    if (devices == 1) {
+      one = p, one_losses = losses;
+      continue;
+    }
+    for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], one_losses[s], 1e-5) << devices << " devices";
+    double worst = 0.0;
+    for (size_t i = 0; i < p.size(); ++i) worst = std::max(worst, std::fabs(static_cast<double>(p[i]) - one[i]));
+    EXPECT_LT(worst, 2e-6) << devices << " devices differ from one device by " << worst;
+  }
+  dpar_tensor_free(x);
+  dpar_tensor_free(y);
 }
 
 }  // namespace

@@ -114,7 +114,7 @@ static inline void gpt_init_like_nanogpt(dpar_model *m, const gpt_config *c, uin
     size_t ndim = 0, count = 1;
     CHECK(dpar_model_param_info(shape, &ndim, m, i));
     for (size_t d = 0; d < ndim; ++d) count *= (size_t)shape[d];
-    float *values = malloc(count * sizeof(float));
+    float *values = (float *)malloc(count * sizeof(float));
     if (!values) CHECK(DPAR_ERR_OUT_OF_MEMORY);
     const size_t len = strlen(name);
     const int bias = len > 5 && !strcmp(name + len - 5, ".bias");
