@@ -43,6 +43,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "char_gpt.h"
 #include "dpar.h"
 #include "require_gpu.h"
 
@@ -647,14 +648,21 @@ void check_refused_input(size_t devices, const Data& d) {
 // them (uneven local batches, and in one step the last process's rows all ignored): the loss and the gradient are
 // the mean over the global batch's counted targets, so the job trains as one device on the global batch, never as
 // the mean of each process's mean.
-void check_token_loss(size_t devices) {
+// `gpt`: the example's GPT (examples/c/char_gpt.h: positions, causal attention, LayerNorm, GELU, residual sums, the
+// tied lm_head) instead of an embedding and a linear layer.
+void check_token_loss(size_t devices, bool gpt) {
   constexpr int64_t kVocab = 13, kEmbed = 6, kSeq = 4, kRows = 12, kTokenSteps = 8;
   dpar_model_options mo = DPAR_MODEL_OPTIONS_INIT;
   mo.seed = 11;
   dpar_model* model = nullptr;
-  CHECK_OK(dpar_model_create(&model, &mo));
-  CHECK_OK(dpar_model_add_embedding(model, kVocab, kEmbed));
-  CHECK_OK(dpar_model_add_linear(model, kEmbed, kVocab, 1));  // (B, T, E) -> (B, T, V)
+  if (gpt) {
+    const gpt_config config{kVocab, kSeq, 2, 2, 8, 0.0f};
+    model = gpt_build(&config, 11);
+  } else {
+    CHECK_OK(dpar_model_create(&model, &mo));
+    CHECK_OK(dpar_model_add_embedding(model, kVocab, kEmbed));
+    CHECK_OK(dpar_model_add_linear(model, kEmbed, kVocab, 1));  // (B, T, E) -> (B, T, V)
+  }
   size_t count = 0;
   CHECK_OK(dpar_model_num_param_elements(&count, model));
   dpar_engine* multi = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_SGD, 0.5f, model);
@@ -690,12 +698,13 @@ void check_token_loss(size_t devices) {
   }
   const auto got = params(multi, 0, count), want = params(one, 0, count);
   const double e = max_relative_error(got, want);
-  expect(e < 1e-5, "token loss: " + std::to_string(g_size) + " processes x " + std::to_string(devices) +
+  const std::string what = gpt ? "GPT token loss: " : "token loss: ";
+  expect(e < 1e-5, what + std::to_string(g_size) + " processes x " + std::to_string(devices) +
                        " devices differ from 1 device by " + std::to_string(e));
-  expect(worst_loss < 1e-5, "token loss: the job's loss differs from 1 device's by " + std::to_string(worst_loss));
-  expect(same_as_rank0(got), "token loss: this process's parameters differ from rank 0's");
+  expect(worst_loss < 1e-5, what + "the job's loss differs from 1 device's by " + std::to_string(worst_loss));
+  expect(same_as_rank0(got), what + "this process's parameters differ from rank 0's");
   if (g_rank == 0)
-    std::printf("token loss with ignored targets: max relative difference %.2e to 1 device (loss %.2e)\n", e,
+    std::printf("%swith ignored targets: max relative difference %.2e to 1 device (loss %.2e)\n", what.c_str(), e,
                 worst_loss);
   dpar_engine_free(multi);
   dpar_engine_free(one);
@@ -909,7 +918,8 @@ int main(int argc, char** argv) {
   check_job_is_one_training(devices, d);
   check_loader_shards();
   check_refused_input(devices, d);
-  check_token_loss(devices);
+  check_token_loss(devices, false);
+  check_token_loss(devices, true);
   check_compression(devices, d);
   if (g_size > 1) check_compression_against_definition(devices);
   check_abort(devices, d);
