@@ -698,13 +698,13 @@ void check_token_loss(size_t devices, bool gpt) {
   }
   const auto got = params(multi, 0, count), want = params(one, 0, count);
   const double e = max_relative_error(got, want);
-  const std::string what = gpt ? "GPT token loss: " : "token loss: ";
-  expect(e < 1e-5, what + std::to_string(g_size) + " processes x " + std::to_string(devices) +
+  const std::string what = gpt ? "GPT token loss" : "token loss";
+  expect(e < 1e-5, what + ": " + std::to_string(g_size) + " processes x " + std::to_string(devices) +
                        " devices differ from 1 device by " + std::to_string(e));
-  expect(worst_loss < 1e-5, what + "the job's loss differs from 1 device's by " + std::to_string(worst_loss));
-  expect(same_as_rank0(got), what + "this process's parameters differ from rank 0's");
+  expect(worst_loss < 1e-5, what + ": the job's loss differs from 1 device's by " + std::to_string(worst_loss));
+  expect(same_as_rank0(got), what + ": this process's parameters differ from rank 0's");
   if (g_rank == 0)
-    std::printf("%swith ignored targets: max relative difference %.2e to 1 device (loss %.2e)\n", what.c_str(), e,
+    std::printf("%s with ignored targets: max relative difference %.2e to 1 device (loss %.2e)\n", what.c_str(), e,
                 worst_loss);
   dpar_engine_free(multi);
   dpar_engine_free(one);
