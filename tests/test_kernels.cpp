@@ -20,6 +20,7 @@
 #include "common/bf16.h"
 #include "common/error.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/vector_math.h"
 
 #ifndef DPAR_TEST_DATA_DIR
 #define DPAR_TEST_DATA_DIR "tests/data"
@@ -345,6 +346,27 @@ TEST(Activations, ReluForwardAndBackward) {
   k::relu_forward(&yn, &nan, 1);
   EXPECT_TRUE(std::isnan(yn));
   check_activation_backward(k::relu_forward, k::relu_backward, true, activation_inputs(), "relu");
+}
+
+// The vectorizing erf (kernels/cpu/vector_math.h) against double precision's, in float ulps, over a dense grid
+// that crosses its two pieces' seam and the range where erf rounds to 1; and its ends.
+TEST(Activations, VectorErfIsWithinTwoUlps) {
+  double worst = 0.0;
+  float at = 0.0f;
+  for (int i = -700000; i <= 700000; ++i) {
+    const float x = static_cast<float>(i) * 1e-5f;
+    const double want = std::erf(static_cast<double>(x));
+    const float got = k::erf_approx(x);
+    const double ulp = std::nextafter(static_cast<float>(std::fabs(want)), 2.0f) - static_cast<float>(std::fabs(want));
+    const double err = std::fabs(got - want) / ulp;
+    if (err > worst) worst = err, at = x;
+  }
+  EXPECT_LT(worst, 2.0) << "at " << at;
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(k::erf_approx(inf), 1.0f);
+  EXPECT_EQ(k::erf_approx(-inf), -1.0f);
+  EXPECT_EQ(k::erf_approx(0.0f), 0.0f);
+  EXPECT_TRUE(std::isnan(k::erf_approx(std::numeric_limits<float>::quiet_NaN())));
 }
 
 TEST(Activations, GeluForwardMatchesErfForm) {

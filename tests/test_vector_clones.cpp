@@ -77,6 +77,21 @@ Bytes relu_backward() {
   return b;
 }
 
+// GELU through the vector math's erf and exp (kernels/cpu/vector_math.h), over values spread by 4 so that both of
+// erf's pieces and the range where it rounds to 1 are crossed.
+Bytes gelu() {
+  Vec inp = values(kN, 11, true);
+  for (float& x : inp) x *= 4.0f;
+  const Vec dout = values(kN, 12, true);
+  Vec out(kN), dinp(kN);
+  k::gelu_forward(out.data(), inp.data(), kN);
+  k::gelu_backward(dinp.data(), dout.data(), inp.data(), kN);
+  Bytes b;
+  append(b, out);
+  append(b, dinp);
+  return b;
+}
+
 // The forward GEMM's epilogue in its three forms: bias, bias and ReLU, ReLU alone.
 Bytes linear_epilogues() {
   const Vec inp = values(kB * kCin, 4), weight = values(kCout * kCin, 5), bias = values(kCout, 6);
@@ -139,6 +154,7 @@ const std::vector<Case>& cases() {
   static const std::vector<Case> all = {
       {"relu_forward", relu_forward},
       {"relu_backward", relu_backward},
+      {"gelu forward and backward", gelu},
       {"linear epilogues (bias, bias + ReLU, ReLU)", linear_epilogues},
       {"linear bias sums and ReLU masks", linear_bias_sums_and_masks},
       {"adam, L2, small lerp weight", [] { return adam({1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, false}); }},

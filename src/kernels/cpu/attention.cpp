@@ -24,6 +24,7 @@
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/vector_isa.h"
+#include "kernels/cpu/vector_math.h"
 #include "kernels/dropout_rng.h"
 
 namespace dpar::kernels::cpu {
@@ -33,26 +34,6 @@ constexpr int64_t kBq = 64;  // queries per block
 constexpr int64_t kBk = 128;  // keys per block
 constexpr int kLanes = 16;   // partial maxima and sums of a tile row
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp(x) for x <= 0 within 2 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial in r, times
-// 2^n); 0 below -87 (and for -inf), where exp is below FLT_MIN. Branch-free and without a library call, so a loop
-// over it vectorizes. n is rounded to nearest by adding and subtracting 1.5 * 2^23 (exact for |n| < 2^22; no
-// contraction or reassociation is allowed in this file's build, so the two adds stay).
-DPAR_VECTOR_LOOP float exp_nonpositive(float x) {
-  const float xc = x < -87.0f ? -87.0f : x;
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : p * two_n;
-}
 
 // Row helpers over a tile row of kBk scores: separate functions with restrict rows, so that GCC sees no store into
 // the row touching a scalar it reads (which kept the loops in the head routines scalar).
