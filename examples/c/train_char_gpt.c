@@ -347,6 +347,7 @@ int main(int argc, char **argv) {
            dpar_version_string(), (long long)cfg.layers, (long long)cfg.heads, (long long)cfg.embd,
            (long long)cfg.block, (long long)cfg.vocab, (double)n_params / 1e6, n_train, n_val, data, batch,
            (long long)cfg.block, nproc, nproc > 1 ? "es" : "", devices, use_cuda ? "replicas on GPUs" : "CPU devices");
+  if (root) fflush(stdout);
 
   /* This process's rows of each global batch: as even as DataParallel splits them. */
   const size_t first = batch * rank / nproc, rows = batch * (rank + 1) / nproc - first;
