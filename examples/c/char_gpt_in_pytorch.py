@@ -67,17 +67,23 @@ def load_corpus(path):
     return b"".join(open(os.path.join(path, n), "rb").read() for n in names)
 
 
+def draw_batch(state, tokens, batch, T):
+    """The example's batch: `batch` windows at splitmix64 offsets; the next state, the inputs and the targets."""
+    offsets = []
+    for _ in range(batch):
+        state, r = splitmix64(state)
+        offsets.append(r % (len(tokens) - T - 1))
+    x = torch.from_numpy(np.stack([tokens[o:o + T] for o in offsets]))
+    y = torch.from_numpy(np.stack([tokens[o + 1:o + T + 1] for o in offsets]))
+    return state, x, y
+
+
 def validation_loss(model, val, vocab_size, T, batch, batches):
     model.eval()
     state, total, count = 1234567, 0.0, 0
     with torch.no_grad():
         for _ in range(batches):
-            offsets = []
-            for _ in range(batch):
-                state, r = splitmix64(state)
-                offsets.append(r % (len(val) - T - 1))
-            x = torch.from_numpy(np.stack([val[o:o + T] for o in offsets]))
-            y = torch.from_numpy(np.stack([val[o + 1:o + T + 1] for o in offsets]))
+            state, x, y = draw_batch(state, val, batch, T)
             logits = model(x)
             total += torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size).double(), y.reshape(-1),
                                                        reduction="sum").item()
@@ -108,12 +114,7 @@ def train(args, tokens, vocab_size):
     T, B = args.block, args.batch_size
     loss_sum, since, t0 = 0.0, 0, time.perf_counter()
     for step in range(1, args.steps + 1):
-        offsets = []
-        for _ in range(B):
-            state, r = splitmix64(state)
-            offsets.append(r % (len(train_tokens) - T - 1))
-        x = torch.from_numpy(np.stack([train_tokens[o:o + T] for o in offsets]))
-        y = torch.from_numpy(np.stack([train_tokens[o + 1:o + T + 1] for o in offsets]))
+        state, x, y = draw_batch(state, train_tokens, B, T)
         progress = (step - 1) / args.steps
         scale = step / warmup if step <= warmup else 0.5 * (1.0 + math.cos(math.pi * progress))
         for g in opt.param_groups:
@@ -138,9 +139,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint", nargs="?")
     ap.add_argument("--train", action="store_true")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default="/usr/share/games/fortunes")

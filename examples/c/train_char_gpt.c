@@ -17,7 +17,7 @@
  * last position's softmax at temperature 0.8) and saves a checkpoint whose names are nanoGPT's state_dict keys.
  * With --max-val-loss it exits 1 if the final validation loss is higher.
  *
- * AdamW (lr 1e-3 by default, betas 0.9 and 0.99, weight decay 0.1 on the matrices only, as nanoGPT's
+ * AdamW (lr 3e-3 by default, betas 0.9 and 0.99, weight decay 0.1 on the matrices only, as nanoGPT's
  * configure_optimizers), a cosine learning rate after a linear warm-up, gradients clipped to norm 1; the weights
  * initialised as nanoGPT's _init_weights (normal with std 0.02; the residual projections 0.02 / sqrt(2 L)). */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
@@ -225,9 +225,9 @@ static void sample_text(dpar_engine *engine, const unsigned char *vocab, int64_t
 
 int main(int argc, char **argv) {
   const char *data = "/usr/share/games/fortunes", *device = "auto", *checkpoint = "char_gpt.safetensors";
-  size_t devices = 0, steps = 600, eval_every = 100, batch = 32, sample = 400, eval_batches = 8;
+  size_t devices = 0, steps = 1500, eval_every = 250, batch = 32, sample = 400, eval_batches = 8;
   gpt_config cfg = {0, 128, 4, 4, 128, 0.0f};
-  float lr = 1e-3f;
+  float lr = 3e-3f;
   unsigned long long seed = 0;
   double max_val_loss = 0.0;
   for (int i = 1; i < argc; ++i) {
