@@ -454,6 +454,33 @@ TEST(Gpt, CheckpointHoldsEveryStateDictKey) {
   std::remove(path.c_str());
 }
 
+// nn.MultiheadAttention's layer against PyTorch's module (causal self-attention, biases): the output and every
+// parameter's gradient (the input's gradient is checked by finite differences above, through a layer in front).
+TEST(Gpt, MultiheadAttentionEqualsPyTorchsModule) {
+  const nlohmann::json r = gpt_reference()["mha"];
+  Model m(1);
+  m.add(make_multihead_attention(8, heads(2, true), 0.0f, true));
+  std::vector<float>& values = m.values();
+  for (const ParamInfo& p : m.params()) {
+    const std::vector<float> v = r["params"][p.name.substr(2)].get<std::vector<float>>();  // "0.in_proj_weight"
+    ASSERT_EQ(static_cast<int64_t>(v.size()), p.shape.numel()) << p.name;
+    std::copy(v.begin(), v.end(), values.begin() + p.offset);
+  }
+  std::vector<float> x = r["x"].get<std::vector<float>>(), dout = r["dout"].get<std::vector<float>>();
+  Standalone s;
+  ReplicaModel rm(m, s.ctx);
+  const Tensor y = rm.forward(s.ctx, host(x, Shape{2, 5, 8}));
+  const std::vector<float> want = r["output"].get<std::vector<float>>();
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(y.f32()[i], want[i], 2e-6 + 1e-5 * std::fabs(want[i])) << i;
+  rm.backward(s.ctx, host(dout, Shape{2, 5, 8}), false);
+  for (const ParamInfo& p : m.params()) {
+    const std::vector<float> g = r["grads"][p.name.substr(2)].get<std::vector<float>>();
+    for (size_t k = 0; k < g.size(); ++k)
+      EXPECT_NEAR(rm.grads()[static_cast<size_t>(p.offset) + k], g[k], 2e-5 + 1e-4 * std::fabs(g[k]))
+          << p.name << "[" << k << "]";
+  }
+}
+
 // 1, 2, 3 and 8 devices train the GPT as one device on the whole batch: 7 sequences (uneven chunks), ignored
 // targets spread unevenly (one sequence all ignored), three SGD steps, small buckets; every replica the same. SGD,
 // not Adam: Adam divides each gradient by its running magnitude, so an element whose gradient is at the level of

@@ -10,6 +10,10 @@ context 8, 2 layers, 2 heads, 16 channels, dropout 0, PyTorch's default initiali
 (3, 6) tokens with targets, three of them -100 (ignored). The file holds every parameter by its named_parameters()
 name (the tied one once, as transformer.wte.weight), the tokens and targets, F.cross_entropy's mean loss over the
 targets not ignored, and every parameter's gradient. Every value is a float32 written as the exact double.
+
+Beside it, "mha": torch.nn.MultiheadAttention(8, 2, bias=True, batch_first=True) as causal self-attention,
+module(x, x, x, need_weights=False, attn_mask=causal, is_causal=True)[0] on x (2, 5, 8), with the loss
+sum(out * dout): its parameters, x, dout, the output and every gradient (x's included).
 """
 import json
 import os
@@ -41,6 +45,19 @@ def main():
            "params": {n: as_list(p) for n, p in model.named_parameters()},
            "grads": {n: as_list(p.grad) for n, p in model.named_parameters()},
            "state_dict_keys": list(model.state_dict().keys())}
+    torch.manual_seed(2)
+    mha = torch.nn.MultiheadAttention(8, 2, bias=True, batch_first=True)
+    with torch.no_grad():  # nonzero biases, so that their use shows
+        mha.in_proj_bias.uniform_(-0.5, 0.5)
+        mha.out_proj.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    dout = torch.randn(2, 5, 8)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    y = mha(x, x, x, need_weights=False, attn_mask=causal, is_causal=True)[0]
+    (y * dout).sum().backward()
+    out["mha"] = {"x": as_list(x), "dout": as_list(dout), "output": as_list(y),
+                  "dx": as_list(x.grad), "params": {n: as_list(p) for n, p in mha.named_parameters()},
+                  "grads": {n: as_list(p.grad) for n, p in mha.named_parameters()}}
     json.dump(out, sys.stdout)
 
 
