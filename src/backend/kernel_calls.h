@@ -39,6 +39,11 @@ namespace call {
 
 // out (*,C_out) = epilogue(inp (*,C_in) @ weight^T + bias); weight (C_out,C_in), bias (C_out) or absent. With a GELU
 // epilogue, pre (*,C_out) receives the result before it (GELU's backward reads it); otherwise pre is absent.
+//
+// In bf16 (mixed precision: the call's dtype is inp's): inp and weight are bf16 (the layer's input rounded to bf16
+// and the step's bf16 copy of the weight); bias, out and pre stay f32. The products of bf16 values are exact in f32
+// and are accumulated in f32 (autocast's linear, without rounding its result to bf16); the bias and the epilogue are
+// applied in f32, as in the f32 kernel.
 struct LinearForward {
   static constexpr const char* kName = "linear_forward";
   TensorRef out, inp, weight, bias, pre;
@@ -48,11 +53,18 @@ struct LinearForward {
 // From dout = dL/d(out of LinearForward): dinp (*,C_in) or absent, dweight (C_out,C_in), dbias (C_out) or absent;
 // overwritten, or added to when accumulate. With an epilogue, dpre (*,C_out) is scratch for the gradient before it,
 // and the epilogue's backward reads out (ReLU) or pre (GELU); dinp may be dout's memory (dout is consumed first).
+//
+// In bf16 (inp and weight bf16, as in LinearForward; dout, out, pre, dpre, dinp, dweight and dbias f32): dbias and
+// the epilogue's backward are computed in f32 as in the f32 kernel; the gradient before the GEMMs (dout, or dpre
+// with an epilogue) is rounded to bf16 into dout_low (*,C_out) bf16, which both GEMMs read: dinp = dout_low @ weight
+// and dweight (+)= dout_low^T @ inp, exact products accumulated in f32 (autocast's backward of a bf16 linear).
+// dout_low is absent in f32.
 struct LinearBackward {
   static constexpr const char* kName = "linear_backward";
   TensorRef dinp, dweight, dbias, dpre, dout, inp, weight, out, pre;
   Epilogue epilogue = Epilogue::kNone;
   bool accumulate = false;
+  TensorRef dout_low;
   DType dtype() const { return inp.dtype; }
 };
 // out = kind(inp), both (n) of any shape.

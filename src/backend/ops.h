@@ -4,7 +4,8 @@
 // input shape, as PyTorch's oneDNN and cuDNN paths do.
 //
 // Tensors at an op's edges are references to plain, contiguous NCHW f32 memory of the stream's device; a library's blocked
-// layouts stay inside an op. A backend without an op answers NOT_SUPPORTED (Error with Status::kNotSupported),
+// layouts stay inside an op. In mixed precision (the spec's dtype bf16) the operands an op multiplies (the input and
+// the weight; q, k, v) are bf16 and everything else stays f32: outputs, gradients, biases, statistics. A backend without an op answers NOT_SUPPORTED (Error with Status::kNotSupported),
 // naming the device and what it lacks.
 #pragma once
 

@@ -60,6 +60,12 @@ class Stream {
   // on one device.
   virtual double sum_squares(const TensorRef& x) = 0;
 
+  // ---- Math modes ---------------------------------------------------------------------------------------------
+  // Lets this stream's f32 GEMMs and convolutions round their operands to TF32 (10-bit mantissa, f32 accumulation)
+  // on hardware that has it, as PyTorch's torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32 do; off until
+  // asked. Returns whether the backend has TF32: one without it (the CPU) keeps computing in f32 and returns false.
+  virtual bool set_allow_tf32(bool /*allow*/) { return false; }
+
   // ---- Stateful ops (backend/ops.h) ---------------------------------------------------------------------------
   // An op for this stream's device, used from this stream's threads only and destroyed before the stream. The
   // defaults throw Error(NOT_SUPPORTED) naming the device and the op (not_built): a backend that has one overrides

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "common/dtype.h"
+
 namespace dpar {
 
 // The class target that cross-entropy skips (no loss, no gradient, not counted in the mean): PyTorch's default
@@ -33,6 +35,10 @@ struct Conv2dSpec {
   int64_t groups = 1;
   bool bias = true;
   Epilogue epilogue = Epilogue::kNone;
+  // The dtype the convolution computes in: f32, or bf16 (mixed precision: the op reads a bf16 input and the step's
+  // bf16 weight, accumulates in f32 and writes f32 output and f32 gradients; its backward reads the f32 gradient of
+  // its output and rounds it to bf16 itself).
+  DType dtype = DType::kF32;
 
   // PyTorch's output extent: floor((in + 2 pad - dilation (kernel - 1) - 1) / stride) + 1 (may be < 1: the
   // layer refuses it).
@@ -51,6 +57,10 @@ struct AttentionSpec {
   int64_t heads = 1;
   bool causal = false;  // query i attends to keys j <= i (PyTorch's is_causal: the top-left aligned lower triangle)
   float scale = 0.0f;   // the scores' factor; 0: PyTorch's default 1/sqrt(D)
+  // The dtype the products compute in: f32, or bf16 (mixed precision: q, k and v bf16; the scores, the softmax, the
+  // log-sum-exp and out f32; the weights rounded to bf16 before their product with v; every product accumulated in
+  // f32; backward reads f32 dout and writes f32 dq, dk, dv, its products in bf16 likewise).
+  DType dtype = DType::kF32;
   // The factor for head size `head_dim`.
   float scale_for(int64_t head_dim) const;
   std::string str() const;  // "attention(4 heads, causal)"
