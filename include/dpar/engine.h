@@ -296,6 +296,32 @@ DPAR_API dpar_status dpar_engine_set_gradient_reduction(dpar_engine *engine, int
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a value other than 0 or 1 or a bad @p engine.
  */
 DPAR_API dpar_status dpar_engine_set_weight_decay_exclusion(dpar_engine *engine, int32_t exclude_biases_and_norms);
+/**
+ * @brief Mixed precision, as torch.autocast's policy: from the next call on, linear layers and convolutions
+ * compute on @p compute_dtype operands and write f32. ::DPAR_BF16: each layer rounds its input to bf16 and reads
+ * the step's bf16 copy of its weights (made once per forward from the f32 masters, not once per use), its products
+ * are exact and accumulated in f32, and its bias, epilogue, output and gradients are f32 (autocast rounds a linear
+ * layer's output to bf16; dpar keeps it f32, within bf16's rounding of autocast's). Everything else stays f32:
+ * master parameters, gradients and their reduction, the optimizer and its state, checkpoints (f32, loadable under
+ * any precision), normalisation, attention, activations, losses. ::DPAR_F32 (the default) computes everything in
+ * f32. Every process sets the same.
+ * @param compute_dtype ::DPAR_F32 or ::DPAR_BF16.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for another dtype; ::DPAR_ERR_NOT_SUPPORTED for ::DPAR_F16 (no f16
+ * kernels are built) or where a device lacks a kernel in that dtype (a CPU without AVX512-BF16 or AMX: the message
+ * names the node, the kernel and the CPU's instruction set), the engine unchanged.
+ */
+DPAR_API dpar_status dpar_engine_set_precision(dpar_engine *engine, int32_t compute_dtype);
+/** @brief The compute dtype dpar_engine_set_precision() set: ::DPAR_F32 or ::DPAR_BF16. */
+DPAR_API dpar_status dpar_engine_precision(int32_t *out, const dpar_engine *engine);
+/**
+ * @brief Lets f32 GEMMs and convolutions round their operands to TF32 (10-bit mantissa, f32 accumulation) on
+ * devices that have it, as torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32; off by
+ * default (strict f32). CPU devices have no TF32 and compute in f32 either way.
+ * @param allow 1: allow; 0: strict f32.
+ * @param has_tf32 Optional (may be NULL): receives 1 where every replica's device has TF32, else 0.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a value other than 0 or 1.
+ */
+DPAR_API dpar_status dpar_engine_set_allow_tf32(dpar_engine *engine, int32_t allow, int32_t *has_tf32);
 /** @brief The number of optimizer steps taken. */
 DPAR_API dpar_status dpar_engine_step_count(size_t *out, const dpar_engine *engine);
 

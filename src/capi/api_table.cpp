@@ -152,6 +152,9 @@ const dpar_api_v1 kApiV1 = {
     &dpar_model_add_multihead_attention,
     &dpar_model_add_causal_self_attention,
     &dpar_model_tie_param,
+    &dpar_engine_set_precision,
+    &dpar_engine_precision,
+    &dpar_engine_set_allow_tf32,
 };
 }  // namespace
 

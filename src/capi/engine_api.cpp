@@ -407,3 +407,25 @@ DPAR_API dpar_status dpar_engine_inject_fault(dpar_engine* engine, size_t replic
 }
 
 }  // extern "C"
+
+DPAR_API dpar_status dpar_engine_set_precision(dpar_engine* engine, int32_t compute_dtype) {
+  return with_engine(engine, [&](Engine& e) {
+    DPAR_ENFORCE(compute_dtype != DPAR_F16, Status::kNotSupported,
+                 "compute_dtype: DPAR_F16 (fp16) has no kernels in this build; DPAR_BF16 needs no loss scaling");
+    DPAR_CHECK_ARG(compute_dtype == DPAR_F32 || compute_dtype == DPAR_BF16, "compute_dtype: ", compute_dtype,
+                   " is not a compute dtype (DPAR_F32 = 0, DPAR_BF16 = 2)");
+    e.set_compute_dtype(static_cast<DType>(compute_dtype));
+  });
+}
+
+DPAR_API dpar_status dpar_engine_precision(int32_t* out, const dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { *checked_out(out) = static_cast<int32_t>(e.compute_dtype()); });
+}
+
+DPAR_API dpar_status dpar_engine_set_allow_tf32(dpar_engine* engine, int32_t allow, int32_t* has_tf32) {
+  return with_engine(engine, [&](Engine& e) {
+    DPAR_CHECK_ARG(allow == 0 || allow == 1, "allow: ", allow, " is neither 0 (strict f32) nor 1 (TF32 allowed)");
+    const bool has = e.set_allow_tf32(allow == 1);
+    if (has_tf32) *has_tf32 = has ? 1 : 0;
+  });
+}

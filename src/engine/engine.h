@@ -119,6 +119,16 @@ class Engine {
   // From the next step on (both keep the same optimizer shards). Every process sets the same.
   void set_gradient_reduction(GradientReduction reduction);
   void set_lr(float lr);
+  // Mixed precision, as torch.autocast's policy: from the next call on, linear layers and convolutions compute on
+  // `dtype` operands (bf16: the input rounded to bf16 and each step's bf16 copy of the weights, f32 accumulation)
+  // and write f32; master parameters, their gradients, the optimizer, checkpoints and every other layer stay f32.
+  // f32 (the default) or bf16; throws Error(NOT_SUPPORTED) naming the first node whose kernel the devices lack,
+  // changing nothing. Every process sets the same. (engine/precision.cpp)
+  void set_compute_dtype(DType dtype);
+  DType compute_dtype() const { return compute_dtype_; }
+  // Lets the replicas' f32 GEMMs and convolutions use TF32 where their devices have it (off by default, as in
+  // PyTorch); returns whether they have it (CPU: false, nothing changes).
+  bool set_allow_tf32(bool allow);
   // Clips the gradient of the following steps to this global L2 norm (OptimizerConfig::max_grad_norm); 0: off.
   void set_max_grad_norm(float max_norm);
   // From the next step on: true steps the parameters that do not decay (ParamInfo::decays: biases, norms' scales
@@ -276,6 +286,7 @@ class Engine {
   // Backend::link_processes); null with one process.
   std::shared_ptr<ProcessLinks> links_;
   GradientCompression compression_ = GradientCompression::kNone;
+  DType compute_dtype_ = DType::kF32;
   GradientReduction reduction_ = GradientReduction::kAllReduce;
   std::vector<std::vector<size_t>> node_params_;  // per node, the parameters ready after its backward
   // A layer calls the replica set's collectives: a replica given no rows of a batch runs forward and backward too

@@ -56,41 +56,55 @@ class Conv2dLayer final : public Layer {
 
   // in (N,C_in,H,W), weight (C_out,C_in/groups,kh,kw), bias (C_out), out (N,C_out,OH,OW)
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
-    op(ctx).forward(out.ref(), in.ref(), param(0), param(1, spec_.bias));
+    op(ctx).forward(out.ref(), operand(ctx, in), operand_param(0), param(1, spec_.bias));
   }
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
                 bool accumulate) override {
     Conv2dOp& o = op(ctx);
-    if (din.defined()) o.backward_data(din.ref(), dout.ref(), param(0));
-    o.backward_weights(grad(0), grad(1, spec_.bias), dout.ref(), in.ref(), accumulate);
+    if (din.defined()) o.backward_data(din.ref(), dout.ref(), operand_param(0));
+    o.backward_weights(grad(0), grad(1, spec_.bias), dout.ref(), saved_operand(in), accumulate);
+  }
+
+  // Under a bf16 policy the op reads the input rounded to bf16 (kept from forward for the weights' gradient) and
+  // the step's bf16 weight; bias, output and gradients stay f32 (Conv2dSpec::dtype).
+  bool autocasts() const override { return true; }
+  void set_compute_dtype(DType dtype) override {
+    if (dtype != compute_dtype_) op_.reset();  // its primitives were made for the other dtype
+    Layer::set_compute_dtype(dtype);
   }
 
   // A ReLU after the convolution is the op's epilogue (oneDNN's post-op, or cuDNN's convolution and then the ReLU
   // on its output); backward masks the gradient with the output, then runs the convolution's backward from it.
   bool takes_epilogue(Epilogue epilogue) const override { return epilogue == Epilogue::kRelu; }
   std::vector<KernelKey> kernels(Epilogue epilogue) const override {
-    if (epilogue == Epilogue::kNone) return {};
-    return {{Op::kActivationBackward}};  // the epilogue's backward masks the gradient first
+    std::vector<KernelKey> keys;
+    if (epilogue != Epilogue::kNone) keys.push_back({Op::kActivationBackward});  // masks the gradient first
+    if (compute_dtype_ != DType::kF32) keys.push_back({Op::kConvert, compute_dtype_});
+    return keys;
   }
   void forward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in,
                              const Tensor& out) override {
-    op(ctx, epilogue).forward(out.ref(), in.ref(), param(0), param(1, spec_.bias));
+    op(ctx, epilogue).forward(out.ref(), operand(ctx, in), operand_param(0), param(1, spec_.bias));
   }
   void backward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in, const Tensor& out,
                               const Tensor& dout, const Tensor& mid, const Tensor& din, bool accumulate) override {
     ctx.stream->run(call::ActivationBackward{Activation::kRelu, mid.ref(), dout.ref(), {}, out.ref()});
     Conv2dOp& o = op(ctx, epilogue);
-    if (din.defined()) o.backward_data(din.ref(), mid.ref(), param(0));
-    o.backward_weights(grad(0), grad(1, spec_.bias), mid.ref(), in.ref(), accumulate);
+    if (din.defined()) o.backward_data(din.ref(), mid.ref(), operand_param(0));
+    o.backward_weights(grad(0), grad(1, spec_.bias), mid.ref(), saved_operand(in), accumulate);
   }
 
  private:
+  // The input as the op reads it: in itself, or its copy in the compute dtype (made here, kept for backward).
+  TensorRef operand(const ReplicaContext& ctx, const Tensor& in) { return in_low_.round(ctx, compute_dtype_, in).ref(); }
+  TensorRef saved_operand(const Tensor& in) const { return in_low_.rounded(compute_dtype_, in, describe()).ref(); }
   // The op, made by the replica's backend on first use for the epilogue the model runs this layer with (the fusion
   // pass fixes it for the model's life), and kept: not copied by clone().
   Conv2dOp& op(const ReplicaContext& ctx, Epilogue epilogue = Epilogue::kNone) {
     if (!op_) {
       Conv2dSpec spec = spec_;
       spec.epilogue = epilogue;
+      spec.dtype = compute_dtype_;
       op_ = ctx.stream->make_conv2d(spec);
       op_epilogue_ = epilogue;
     }
@@ -100,6 +114,7 @@ class Conv2dLayer final : public Layer {
   Conv2dSpec spec_;
   std::unique_ptr<Conv2dOp> op_;
   Epilogue op_epilogue_ = Epilogue::kNone;
+  LowPrecisionBuffer in_low_;
 };
 
 class Pool2dLayer final : public Layer {

@@ -84,9 +84,9 @@ class Layer {
   // that uses_collectives() (BatchNorm's more than one value per channel). The engine asks every layer before a
   // training-mode call changes anything, so that one replica's refusal cannot leave another's state moved.
   virtual void check_statistics_input(const Shape& /*in*/) const {}
-  // The kernels its forward and backward run through the replica's Stream when it takes `epilogue` (f32 today): the
-  // model asks the stream for each (Stream::can_run) when a replica is made, so a device that lacks one is named
-  // before any step. Stateful ops (convolution, pooling) are asked for by the layer's first forward.
+  // The kernels its forward and backward run through the replica's Stream when it takes `epilogue`, in its compute
+  // dtype (set_compute_dtype): the model asks the stream for each (Stream::can_run) when a replica is made and when
+  // its compute dtype changes, so a device that lacks one is named before any step. Stateful ops (convolution, pooling) are asked for by the layer's first forward.
   virtual std::vector<KernelKey> kernels(Epilogue /*epilogue*/) const { return {}; }
   // Whether forward or backward call the replica set's collectives (ctx.collectives). Every replica must then run
   // the layer on every call, one given no rows of the batch included (with an empty chunk, contributing zeros), so
@@ -107,6 +107,22 @@ class Layer {
 
   // Points the layer at its buffers: one view per buffer_specs() entry, in the replica's memory, of its dtype.
   void bind_buffers(std::vector<Tensor> buffers) { buffers_ = std::move(buffers); }
+  // Its parameters' memory, one reference per param_specs() slot (bind()'s).
+  const std::vector<TensorRef>& param_refs() const { return params_; }
+
+  // ---- Mixed precision ----------------------------------------------------------------------------------------
+  // Whether the layer is on autocast's lower-precision list (torch.autocast's ops that run in the autocast dtype:
+  // linear, convolutions, scaled_dot_product_attention): under a bf16 policy its products run on bf16 operands with
+  // f32 accumulation. Every other layer computes in f32 under every policy (autocast's f32 list: norms, softmax,
+  // losses; and the ops autocast leaves alone, which here read f32 activations).
+  virtual bool autocasts() const { return false; }
+  // The dtype its products compute in from the next forward on (f32 or bf16): set by the model on layers that
+  // autocast, with bind_low_precision. A layer that made ops for the previous dtype makes new ones.
+  virtual void set_compute_dtype(DType dtype) { compute_dtype_ = dtype; }
+  DType compute_dtype() const { return compute_dtype_; }
+  // Points the layer at the step's copies of its parameters in the compute dtype (one per param_specs() slot, of
+  // its shape): views of the replica's low-precision mirror of the flat parameters, rewritten at every forward.
+  void bind_low_precision(std::vector<TensorRef> params) { low_params_ = std::move(params); }
 
   // ---- Layers of several inputs (attention reads q, k and v) --------------------------------------------------
   // The node's inputs, in order, are the layer's; a layer of one input needs none of these. The graph calls them
@@ -156,7 +172,28 @@ class Layer {
   // Parameter i's reference, or an absent one when `present` is false (an optional bias).
   TensorRef param(size_t i, bool present = true) const { return present ? params_[i] : TensorRef{}; }
   TensorRef grad(size_t i, bool present = true) const { return present ? grads_[i] : TensorRef{}; }
+  // Parameter i as the layer's products read it: the f32 master in f32, the step's low-precision copy otherwise.
+  TensorRef operand_param(size_t i) const { return compute_dtype_ == DType::kF32 ? params_[i] : low_params_[i]; }
+  DType compute_dtype_ = DType::kF32;
+  std::vector<TensorRef> low_params_;  // bind_low_precision()'s
   std::vector<Tensor> buffers_;                     // the views given to bind_buffers()
+};
+
+// A layer's buffer for the low-precision copy of a tensor its products read (its input, kept for backward; the
+// gradient rounded for the GEMMs), grown as needed and reused across steps.
+class LowPrecisionBuffer {
+ public:
+  // `x` rounded to `dtype` (call::Convert: to nearest, ties to even) into this buffer, shaped as x; x itself when
+  // dtype is f32.
+  Tensor round(const ReplicaContext& ctx, DType dtype, const Tensor& x);
+  // What the last round() returned for x, for backward (x itself when dtype is f32); `who` names the layer in the
+  // internal error of a backward that did not follow its forward.
+  Tensor rounded(DType dtype, const Tensor& x, const std::string& who) const;
+  // Room for `shape` in `dtype`, for a kernel to write; undefined when dtype is f32.
+  Tensor room(const ReplicaContext& ctx, DType dtype, const Shape& shape);
+
+ private:
+  Tensor memory_, last_;
 };
 
 std::unique_ptr<Layer> make_linear(int64_t in_features, int64_t out_features, bool bias);

@@ -60,44 +60,58 @@ class Linear final : public Layer {
 
   // in (*,C_in), weight (C_out,C_in), bias (C_out), out (*,C_out)
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
-    ctx.stream->run(call::LinearForward{out.ref(), in.ref(), param(0), param(1, bias_)});
+    ctx.stream->run(call::LinearForward{out.ref(), operand(ctx, in), operand_param(0), param(1, bias_)});
   }
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor&, const Tensor& dout, const Tensor& din,
                 bool accumulate) override {
     call::LinearBackward c{din.ref(), grad(0), grad(1, bias_)};
     c.dout = dout.ref();
-    c.inp = in.ref();
-    c.weight = param(0);
+    c.inp = saved_operand(in);
+    c.weight = operand_param(0);
     c.accumulate = accumulate;
+    c.dout_low = dout_low_.room(ctx, compute_dtype_, dout.shape()).ref();
     ctx.stream->run(c);
   }
+
+  // Under a bf16 policy the GEMMs read the input rounded to bf16 (kept from forward for backward's weight
+  // gradient: half the f32 input's bytes) and the step's bf16 copy of the weight; bias, epilogue and results f32.
+  bool autocasts() const override { return true; }
 
   // An activation after a linear layer runs as its epilogue: the bias and a ReLU are one pass after the GEMM, and
   // backward masks the gradient and sums the bias gradient in one pass before the GEMMs; a GELU is its own pass
   // where the backend does not fuse it (Stream::run), over the pre-activation the layer keeps for its backward.
   bool takes_epilogue(Epilogue epilogue) const override { return epilogue != Epilogue::kNone; }
   std::vector<KernelKey> kernels(Epilogue epilogue) const override {
-    return {{Op::kLinearForward, DType::kF32, epilogue}, {Op::kLinearBackward, DType::kF32, epilogue}};
+    std::vector<KernelKey> keys{{Op::kLinearForward, compute_dtype_, epilogue},
+                                {Op::kLinearBackward, compute_dtype_, epilogue}};
+    if (compute_dtype_ != DType::kF32) keys.push_back({Op::kConvert, compute_dtype_});
+    return keys;
   }
   void forward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in,
                              const Tensor& out) override {
     if (epilogue == Epilogue::kGelu && (!pre_.defined() || pre_.numel() < out.numel()))
       pre_ = ctx.alloc(DType::kF32, Shape{std::max<int64_t>(out.numel(), 1)});
-    ctx.stream->run(call::LinearForward{out.ref(), in.ref(), param(0), param(1, bias_), pre(epilogue, out),
-                                        epilogue});
+    ctx.stream->run(call::LinearForward{out.ref(), operand(ctx, in), operand_param(0), param(1, bias_),
+                                        pre(epilogue, out), epilogue});
   }
   void backward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in, const Tensor& out,
                               const Tensor& dout, const Tensor& mid, const Tensor& din, bool accumulate) override {
-    ctx.stream->run(call::LinearBackward{din.ref(), grad(0), grad(1, bias_), mid.ref(), dout.ref(), in.ref(),
-                                         param(0), out.ref(), pre(epilogue, out), epilogue, accumulate});
+    call::LinearBackward c{din.ref(), grad(0), grad(1, bias_), mid.ref(), dout.ref(), saved_operand(in),
+                           operand_param(0), out.ref(), pre(epilogue, out), epilogue, accumulate};
+    c.dout_low = dout_low_.room(ctx, compute_dtype_, out.shape()).ref();
+    ctx.stream->run(c);
   }
 
  private:
+  // The input as the GEMMs read it: in itself, or its copy in the compute dtype (made here, kept for backward).
+  TensorRef operand(const ReplicaContext& ctx, const Tensor& in) { return in_low_.round(ctx, compute_dtype_, in).ref(); }
+  TensorRef saved_operand(const Tensor& in) const { return in_low_.rounded(compute_dtype_, in, describe()).ref(); }
   // The pre-activation of the last forward with a GELU epilogue, of out's shape; absent for the other epilogues.
   TensorRef pre(Epilogue epilogue, const Tensor& out) const {
     return epilogue == Epilogue::kGelu ? pre_.rows(0, out.numel()).reshaped(out.shape()).ref() : TensorRef{};
   }
   Tensor pre_;
+  LowPrecisionBuffer in_low_, dout_low_;
 
   int64_t in_, out_;
   bool bias_;
@@ -171,6 +185,28 @@ class Dropout final : public Layer {
 };
 
 }  // namespace
+
+Tensor LowPrecisionBuffer::room(const ReplicaContext& ctx, DType dtype, const Shape& shape) {
+  if (dtype == DType::kF32) return Tensor();
+  const int64_t n = std::max<int64_t>(shape.numel(), 1);
+  if (!memory_.defined() || memory_.dtype() != dtype || memory_.numel() < n) memory_ = ctx.alloc(dtype, Shape{n});
+  return memory_.rows(0, shape.numel()).reshaped(shape);
+}
+
+Tensor LowPrecisionBuffer::round(const ReplicaContext& ctx, DType dtype, const Tensor& x) {
+  if (dtype == DType::kF32) return x;
+  Tensor low = room(ctx, dtype, x.shape());
+  if (x.numel() > 0) ctx.stream->run(call::Convert{low.ref(), x.ref()});
+  last_ = low;
+  return low;
+}
+
+Tensor LowPrecisionBuffer::rounded(DType dtype, const Tensor& x, const std::string& who) const {
+  if (dtype == DType::kF32) return x;
+  DPAR_ENFORCE(last_.defined() && last_.dtype() == dtype && last_.shape() == x.shape(), Status::kInternal, who,
+               ": backward without its forward's ", dtype_name(dtype), " input");
+  return last_;
+}
 
 std::unique_ptr<Layer> make_linear(int64_t in_features, int64_t out_features, bool bias) {
   DPAR_CHECK_ARG(in_features >= 1 && in_features <= (1 << 24), "in_features: ", in_features, " must be 1 to 2^24");

@@ -110,6 +110,50 @@ void ReplicaModel::check_kernels(const Stream& stream) const {
   }
 }
 
+void ReplicaModel::set_compute_dtype(const ReplicaContext& ctx, DType dtype) {
+  DPAR_CHECK_ARG(dtype == DType::kF32 || dtype == DType::kBF16, "compute dtype: ", dtype_name(dtype),
+                 " is not one a model computes in (f32, bf16)");
+  if (dtype == compute_dtype_) return;
+  const DType before = compute_dtype_;
+  auto apply = [&](DType d) {
+    for (Node& node : nodes_)
+      if (node.layer && node.layer->autocasts()) node.layer->set_compute_dtype(d);
+  };
+  apply(dtype);
+  try {
+    check_kernels(*ctx.stream);
+  } catch (...) {
+    apply(before);
+    throw;
+  }
+  Tensor low;
+  if (dtype != DType::kF32) {
+    try {
+      low = ctx.alloc(dtype, params_.shape());
+    } catch (...) {
+      apply(before);
+      throw;
+    }
+    // Each layer reads its parameters' copies at their offsets in the flat array (tied ones included).
+    const auto* base = static_cast<const char*>(params_.raw());
+    for (Node& node : nodes_) {
+      if (!node.layer || !node.layer->autocasts()) continue;
+      std::vector<TensorRef> views;
+      for (const TensorRef& p : node.layer->param_refs()) {
+        TensorRef v = p;
+        v.dtype = dtype;
+        v.data = static_cast<char*>(low.raw()) +
+                 (static_cast<const char*>(p.data) - base) / static_cast<std::ptrdiff_t>(sizeof(float)) *
+                     static_cast<std::ptrdiff_t>(dtype_size(dtype));
+        views.push_back(v);
+      }
+      node.layer->bind_low_precision(std::move(views));
+    }
+  }
+  params_low_ = std::move(low);
+  compute_dtype_ = dtype;
+}
+
 size_t ReplicaModel::num_fused() const {
   return static_cast<size_t>(std::count_if(epilogue_.begin(), epilogue_.end(),
                                            [](Epilogue e) { return e != Epilogue::kNone; }));
@@ -235,6 +279,7 @@ Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
   has_forward_ = false;
   reserve(ctx, input.shape());
   ctx.maybe_fail(Fault::kForward, "forward");
+  if (params_low_.defined()) ctx.stream->run(call::Convert{params_low_.ref(), params_.ref()});
   const int64_t rows = input.rows();
   input_ = input;
   forward_rows_ = rows;

@@ -208,6 +208,16 @@ class ReplicaModel {
   int64_t num_buffer_f32() const { return n_buf_f32_; }
   int64_t num_buffer_i64() const { return n_buf_i64_; }
 
+  // Mixed precision: the dtype the layers that autocast (Layer::autocasts: linear, convolution) compute in from the
+  // next forward on, f32 or bf16. Under bf16 the replica keeps a bf16 mirror of its flat parameters, rewritten at
+  // the start of every forward from the f32 masters: each step's weights are rounded once, not once per use
+  // (autocast's cast cache, which lives for one forward). Throws Error(NOT_SUPPORTED) naming the first node whose
+  // kernel the device lacks in that dtype, changing nothing.
+  void set_compute_dtype(const ReplicaContext& ctx, DType dtype);
+  DType compute_dtype() const { return compute_dtype_; }
+  // Bytes of the parameters' low-precision mirror (0 in f32).
+  size_t low_precision_bytes() const { return params_low_.defined() ? params_low_.bytes() : 0; }
+
   // Runs every node; keeps each node's output for backward. Returns a view of the last output.
   Tensor forward(const ReplicaContext& ctx, const Tensor& input);
   // Backward from dL/d(output) of the last forward. Overwrites or adds to the gradients (see Layer::backward).
@@ -257,6 +267,8 @@ class ReplicaModel {
   std::vector<char> tied_adds_;
   std::vector<std::vector<Tensor>> tied_zero_;
   Tensor params_, grads_;
+  DType compute_dtype_ = DType::kF32;
+  Tensor params_low_;  // the parameters in compute_dtype_ (set_compute_dtype); undefined in f32
   Tensor buf_f32_, buf_i64_;           // the buffers (see buffer_f32(), buffer_i64())
   int64_t n_buf_f32_ = 0, n_buf_i64_ = 0;
   std::vector<Shape> row_shapes_;        // per node output, for one row: shapes with rows = 1
