@@ -833,6 +833,48 @@ func (e *Engine) SetGradientReduction(reduction Reduction) error {
 	})
 }
 
+// Precision is what linear layers and convolutions compute in (Engine.SetPrecision), as torch.autocast's policy:
+// a dpar_dtype.
+type Precision int32
+
+const (
+	// PrecisionF32 computes everything in f32: the default.
+	PrecisionF32 Precision = 0
+	// PrecisionBF16: bf16 operands (the input rounded, each step's bf16 copy of the weights), f32 accumulation and
+	// results; master weights, gradients, the optimizer and checkpoints f32.
+	PrecisionBF16 Precision = 2
+	// PrecisionF16 is refused with ErrNotSupported: no f16 kernels are built.
+	PrecisionF16 Precision = 3
+)
+
+// SetPrecision makes linear layers and convolutions compute in p from the next call on. ErrNotSupported where a
+// device lacks the kernels (a CPU without AVX512-BF16 or AMX) and for PrecisionF16, the engine unchanged. Every
+// process sets the same.
+func (e *Engine) SetPrecision(p Precision) error {
+	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_set_precision(r, int(p)) })
+}
+
+// Precision is the compute dtype SetPrecision set.
+func (e *Engine) Precision() (Precision, error) {
+	var p int32
+	err := e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_precision(unsafe.Pointer(&p), r) })
+	return Precision(p), err
+}
+
+// SetAllowTF32 lets f32 GEMMs and convolutions use TF32 where the devices have it (off by default) and says
+// whether they have it (CPU devices: false).
+func (e *Engine) SetAllowTF32(allow bool) (bool, error) {
+	v := 0
+	if allow {
+		v = 1
+	}
+	var has int32
+	err := e.simple(func(r raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_set_allow_tf32(r, v, unsafe.Pointer(&has))
+	})
+	return has != 0, err
+}
+
 // GradNorm is the gradient's norm before clipping at the last step taken with clipping on (NaN before any).
 func (e *Engine) GradNorm() (float32, error) {
 	var norm float32

@@ -362,6 +362,9 @@ extern swig_intgo _wrap_DPAR_REDUCTION_ALL_REDUCE_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_REDUCTION_REDUCE_SCATTER_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_dpar_engine_set_gradient_reduction_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_set_weight_decay_exclusion_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
+extern swig_intgo _wrap_dpar_engine_set_precision_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
+extern swig_intgo _wrap_dpar_engine_precision_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
+extern swig_intgo _wrap_dpar_engine_set_allow_tf32_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2, swig_voidp arg3);
 extern swig_intgo _wrap_dpar_engine_step_count_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_85 arg3);
 extern swig_intgo _wrap_dpar_engine_get_params_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_86 arg3, swig_type_87 arg4);
@@ -2196,6 +2199,31 @@ func Dpar_engine_set_weight_decay_exclusion(arg1 Struct_SS_dpar_engine, arg2 int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	swig_r = (int)(C._wrap_dpar_engine_set_weight_decay_exclusion_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_intgo(_swig_i_1)))
+	return swig_r
+}
+
+func Dpar_engine_set_precision(arg1 Struct_SS_dpar_engine, arg2 int) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := getSwigcptr(arg1)
+	_swig_i_1 := arg2
+	swig_r = (int)(C._wrap_dpar_engine_set_precision_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_intgo(_swig_i_1)))
+	return swig_r
+}
+
+func Dpar_engine_precision(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := arg1
+	_swig_i_1 := getSwigcptr(arg2)
+	swig_r = (int)(C._wrap_dpar_engine_precision_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1)))
+	return swig_r
+}
+
+func Dpar_engine_set_allow_tf32(arg1 Struct_SS_dpar_engine, arg2 int, arg3 unsafe.Pointer) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := getSwigcptr(arg1)
+	_swig_i_1 := arg2
+	_swig_i_2 := arg3
+	swig_r = (int)(C._wrap_dpar_engine_set_allow_tf32_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_intgo(_swig_i_1), C.swig_voidp(_swig_i_2)))
 	return swig_r
 }
 

@@ -3080,6 +3080,53 @@ intgo _wrap_dpar_engine_set_weight_decay_exclusion_raw_9787157d5e82d198(struct d
 }
 
 
+intgo _wrap_dpar_engine_set_precision_raw_9787157d5e82d198(struct dpar_engine *_swig_go_0, intgo _swig_go_1) {
+  dpar_engine *arg1 = (dpar_engine *) 0 ;
+  int32_t arg2 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_engine **)&_swig_go_0; 
+  arg2 = (int32_t)_swig_go_1; 
+  
+  result = (dpar_status)dpar_engine_set_precision(arg1,arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_engine_precision_raw_9787157d5e82d198(int32_t *_swig_go_0, struct dpar_engine *_swig_go_1) {
+  int32_t *arg1 = (int32_t *) 0 ;
+  dpar_engine *arg2 = (dpar_engine *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = (int32_t *)_swig_go_0; 
+  arg2 = *(dpar_engine **)&_swig_go_1; 
+  
+  result = (dpar_status)dpar_engine_precision(arg1,(struct dpar_engine const *)arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_engine_set_allow_tf32_raw_9787157d5e82d198(struct dpar_engine *_swig_go_0, intgo _swig_go_1, int32_t *_swig_go_2) {
+  dpar_engine *arg1 = (dpar_engine *) 0 ;
+  int32_t arg2 ;
+  int32_t *arg3 = (int32_t *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_engine **)&_swig_go_0; 
+  arg2 = (int32_t)_swig_go_1; 
+  arg3 = (int32_t *)_swig_go_2; 
+  
+  result = (dpar_status)dpar_engine_set_allow_tf32(arg1,arg2,arg3);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_engine_step_count_raw_9787157d5e82d198(size_t *_swig_go_0, struct dpar_engine *_swig_go_1) {
   size_t *arg1 = (size_t *) 0 ;
   dpar_engine *arg2 = (dpar_engine *) 0 ;

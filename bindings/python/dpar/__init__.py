@@ -842,6 +842,28 @@ class Engine(_Handle):
         clipping, train to the same bits, so switching between steps is allowed."""
         _check(_raw.dpar_engine_set_gradient_reduction(self._raw, reduction))
 
+    def set_precision(self, compute_dtype):
+        """From the next call on, linear layers and convolutions compute in `compute_dtype`, as torch.autocast's
+        policy: DType.F32 (the default) or DType.BF16 (bf16 operands: the input rounded and each step's bf16 copy of
+        the weights; f32 accumulation and results; master weights, gradients, the optimizer and checkpoints f32).
+        DparError NOT_SUPPORTED where a device lacks the kernels (a CPU without AVX512-BF16 or AMX) and for
+        DType.F16, the engine unchanged. Every process sets the same."""
+        _check(_raw.dpar_engine_set_precision(self._raw, operator.index(compute_dtype)))
+
+    @property
+    def precision(self):
+        """The compute dtype set_precision set: DType.F32 or DType.BF16."""
+        out = _scalar(np.int32)
+        _check(_raw.dpar_engine_precision(out.ctypes.data, self._raw))
+        return DType(int(out[0]))
+
+    def set_allow_tf32(self, allow):
+        """Lets f32 GEMMs and convolutions use TF32 where the devices have it (off by default); returns whether
+        they have it (CPU devices: False)."""
+        has = _scalar(np.int32)
+        _check(_raw.dpar_engine_set_allow_tf32(self._raw, operator.index(allow), has.ctypes.data))
+        return bool(has[0])
+
     @property
     def grad_norm(self):
         """The gradient's norm before clipping at the last step taken with clipping on (NaN before any)."""

@@ -39,7 +39,8 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_no
        add_sum!, add_concat!, add_flatten!, add_reshape!, MODEL_INPUT, conv2d!, max_pool2d!, avg_pool2d!,
        adaptive_avg_pool2d!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
-       set_gradient_compression!, set_gradient_reduction!, set_weight_decay_exclusion!, param_decays, forward, num_replicas, trace_start!, trace_stop!,
+       set_gradient_compression!, set_gradient_reduction!, set_weight_decay_exclusion!, set_precision!, precision,
+       set_allow_tf32!, param_decays, forward, num_replicas, trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
        num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!, batchnorm1d!, batchnorm2d!,
@@ -61,6 +62,8 @@ const ERR_INVALID_STATE = Int32(-11)
 const ERR_INTERNAL = Int32(-12)
 const F32 = Int32(0)
 const I32 = Int32(1)
+const BF16 = Int32(2)
+const F16 = Int32(3)
 const RELU, GELU, TANH, SIGMOID, SILU = Int32(0), Int32(1), Int32(2), Int32(3), Int32(4)
 const SGD, ADAM, ADAMW = Int32(0), Int32(1), Int32(2)
 const LOSS_CROSS_ENTROPY, LOSS_MSE = Int32(0), Int32(1)
@@ -775,6 +778,31 @@ every parameter."""
 function set_weight_decay_exclusion!(e::Engine, exclude_biases_and_norms::Union{Bool,Integer})
     h, v = e.ptr, Int32(exclude_biases_and_norms)
     engine_call(() -> ccall((:dpar_engine_set_weight_decay_exclusion, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)
+end
+"""`set_precision!(engine, compute_dtype)`: from the next call on, linear layers and convolutions compute in
+`compute_dtype`, as torch.autocast's policy: `F32` (the default) or `BF16` (bf16 operands: the input rounded and each
+step's bf16 copy of the weights; f32 accumulation and results; master weights, gradients, the optimizer and
+checkpoints f32). `ERR_NOT_SUPPORTED` where a device lacks the kernels (a CPU without AVX512-BF16 or AMX) and for
+`F16`, the engine unchanged. Every process sets the same."""
+function set_precision!(e::Engine, compute_dtype::Integer)
+    h, v = e.ptr, Int32(compute_dtype)
+    engine_call(() -> ccall((:dpar_engine_set_precision, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)
+end
+"""`precision(engine)`: the compute dtype `set_precision!` set (`F32` or `BF16`)."""
+function precision(e::Engine)
+    out = Ref{Int32}(0)
+    op, h = Base.unsafe_convert(Ptr{Int32}, out), e.ptr
+    engine_call(() -> ccall((:dpar_engine_precision, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), op, h), e, out)
+    out[]
+end
+"""`set_allow_tf32!(engine, allow)`: lets f32 GEMMs and convolutions use TF32 where the devices have it (off by
+default); returns whether they have it (CPU devices: false)."""
+function set_allow_tf32!(e::Engine, allow::Bool)
+    has = Ref{Int32}(0)
+    hp, h, v = Base.unsafe_convert(Ptr{Int32}, has), e.ptr, Int32(allow)
+    engine_call(() -> ccall((:dpar_engine_set_allow_tf32, libdpar), Int32, (Ptr{Cvoid}, Int32, Ptr{Int32}), h, v, hp),
+                e, has)
+    has[] != 0
 end
 """`grad_norm(engine)`: the gradient's norm before clipping at the last step taken with clipping on (NaN before any)."""
 function grad_norm(e::Engine)

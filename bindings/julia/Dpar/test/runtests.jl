@@ -469,6 +469,27 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             end
         end
     end
+    @testset "precision policy" begin
+        Dpar.Model(7) do m
+            reference_model(m)
+            Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do e
+                @test Dpar.precision(e) == Dpar.F32
+                err = try Dpar.set_precision!(e, Dpar.F16); nothing catch ex; ex end
+                @test err isa DparError && err.status == Dpar.ERR_NOT_SUPPORTED && occursin("DPAR_F16", err.message)
+                err = try Dpar.set_precision!(e, 7); nothing catch ex; ex end
+                @test err isa DparError && occursin("compute_dtype", err.message)
+                @test !Dpar.set_allow_tf32!(e, true)
+                x, y = reference_batch()
+                refused = try Dpar.set_precision!(e, Dpar.BF16); nothing catch ex; ex end
+                if refused === nothing
+                    @test Dpar.precision(e) == Dpar.BF16
+                    @test isfinite(Dpar.train_step!(e, x, y))
+                else
+                    @test refused.status == Dpar.ERR_NOT_SUPPORTED && Dpar.precision(e) == Dpar.F32
+                end
+            end
+        end
+    end
     @testset "gradient clipping and the reported norm" begin
         Dpar.Model(7) do m
             reference_model(m)

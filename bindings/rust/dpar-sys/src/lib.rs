@@ -338,6 +338,9 @@ extern "C" {
     pub fn dpar_engine_set_gradient_reduction(engine: *mut dpar_engine, reduction: i32) -> dpar_status;
     pub fn dpar_engine_set_weight_decay_exclusion(engine: *mut dpar_engine, exclude_biases_and_norms: i32) -> dpar_status;
     pub fn dpar_engine_grad_norm(out: *mut f32, engine: *const dpar_engine) -> dpar_status;
+    pub fn dpar_engine_set_precision(engine: *mut dpar_engine, compute_dtype: i32) -> dpar_status;
+    pub fn dpar_engine_precision(out: *mut i32, engine: *const dpar_engine) -> dpar_status;
+    pub fn dpar_engine_set_allow_tf32(engine: *mut dpar_engine, allow: i32, has_tf32: *mut i32) -> dpar_status;
     pub fn dpar_engine_step_count(out: *mut usize, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_replica_losses(out: *mut f32, engine: *const dpar_engine, capacity: usize) -> dpar_status;
     pub fn dpar_engine_get_params(dst: *mut f32, engine: *mut dpar_engine, replica: usize, count: usize) -> dpar_status;

@@ -986,6 +986,28 @@ pub enum Compression {
     Bf16,
 }
 
+/// What linear layers and convolutions compute in (`Engine::set_precision`), as torch.autocast's policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// Everything in f32: the default.
+    F32,
+    /// bf16 operands (the input rounded, each step's bf16 copy of the weights), f32 accumulation and results;
+    /// master weights, gradients, the optimizer and checkpoints f32.
+    Bf16,
+    /// fp16: refused with NOT_SUPPORTED (no f16 kernels are built).
+    F16,
+}
+
+impl Precision {
+    fn raw(self) -> i32 {
+        match self {
+            Precision::F32 => sys::DPAR_F32,
+            Precision::Bf16 => sys::DPAR_BF16,
+            Precision::F16 => sys::DPAR_F16,
+        }
+    }
+}
+
 /// How each bucket of summed gradients reaches the replicas (`Engine::set_gradient_reduction`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reduction {
@@ -1218,6 +1240,24 @@ impl Engine {
     /// 0, as two PyTorch parameter groups; false (the default) decays every parameter.
     pub fn set_weight_decay_exclusion(&self, exclude_biases_and_norms: bool) -> Result<()> {
         check(unsafe { sys::dpar_engine_set_weight_decay_exclusion(self.raw, exclude_biases_and_norms as i32) })
+    }
+    /// From the next call on, linear layers and convolutions compute in `precision` (bf16: bf16 operands, f32
+    /// accumulation and results; everything else f32). NOT_SUPPORTED where a device lacks the kernels (a CPU
+    /// without AVX512-BF16 or AMX) and for F16, the engine unchanged. Every process sets the same.
+    pub fn set_precision(&self, precision: Precision) -> Result<()> {
+        check(unsafe { sys::dpar_engine_set_precision(self.raw, precision.raw()) })
+    }
+    pub fn precision(&self) -> Result<Precision> {
+        let mut p = 0i32;
+        check(unsafe { sys::dpar_engine_precision(&mut p, self.raw) })?;
+        Ok(if p == sys::DPAR_BF16 { Precision::Bf16 } else { Precision::F32 })
+    }
+    /// Lets f32 GEMMs and convolutions use TF32 where the devices have it (off by default); returns whether
+    /// they have it (CPU devices: false).
+    pub fn set_allow_tf32(&self, allow: bool) -> Result<bool> {
+        let mut has = 0i32;
+        check(unsafe { sys::dpar_engine_set_allow_tf32(self.raw, allow as i32, &mut has) })?;
+        Ok(has != 0)
     }
     /// The gradient's norm before clipping at the last step taken with clipping on (NaN before any).
     pub fn grad_norm(&self) -> Result<f32> {
@@ -2089,6 +2129,33 @@ mod tests {
         assert_eq!(a[..12], b[..12], "the weights decay alike");
         for i in 12..15 {
             assert_ne!(a[i], b[i], "bias element {}", i - 12);
+        }
+    }
+
+    #[test]
+    fn precision_policy() {
+        let mut m = Model::new(3).unwrap();
+        m.linear(4, 8, true).unwrap().activation(Activation::Relu).unwrap().linear(8, 3, true).unwrap();
+        let options = EngineOptions::new().cpu_devices(2).processes(Processes::Single);
+        let e = Engine::new(&m, &Optimizer::sgd(0.1), &options).unwrap();
+        assert_eq!(e.precision().unwrap(), Precision::F32);
+        assert_eq!(e.set_precision(Precision::F16).err().unwrap().status(), status::NOT_SUPPORTED);
+        let bad = check(unsafe { sys::dpar_engine_set_precision(e.raw, 7) }).err().unwrap();
+        assert!(bad.message().contains("compute_dtype"), "{}", bad);
+        assert!(!e.set_allow_tf32(true).unwrap(), "CPU devices have no TF32");
+        let x: Vec<f32> = (0..24).map(|i| ((i * 37) % 101) as f32 / 101.0 - 0.5).collect();
+        let y: Vec<i32> = (0..6).map(|r| (r % 3) as i32).collect();
+        let (x, y) = (Tensor::from_f32(&[6, 4], &x).unwrap(), Tensor::from_i32(&[6], &y).unwrap());
+        match e.set_precision(Precision::Bf16) {
+            Ok(()) => {
+                assert_eq!(e.precision().unwrap(), Precision::Bf16);
+                let loss = e.train_step(&x, &y).unwrap();
+                assert!(loss.is_finite());
+            }
+            Err(err) => {
+                assert_eq!(err.status(), status::NOT_SUPPORTED, "{}", err);
+                assert_eq!(e.precision().unwrap(), Precision::F32);
+            }
         }
     }
 }
