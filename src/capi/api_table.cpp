@@ -152,6 +152,9 @@ const dpar_api_v1 kApiV1 = {
     &dpar_model_add_multihead_attention,
     &dpar_model_add_causal_self_attention,
     &dpar_model_tie_param,
+    &dpar_engine_set_loss_scaling,
+    &dpar_engine_loss_scale,
+    &dpar_engine_last_step_skipped,
 };
 }  // namespace
 
