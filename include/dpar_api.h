@@ -171,6 +171,9 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_model_add_multihead_attention)(dpar_model *model, int64_t embed_dim, int64_t num_heads, float dropout_p, int32_t has_bias, int32_t is_causal);
   dpar_status (*dpar_model_add_causal_self_attention)(dpar_model *model, int64_t n_embd, int64_t n_head, float dropout_p, int32_t has_bias, const char *name);
   dpar_status (*dpar_model_tie_param)(dpar_model *model, int32_t node, const char *param, int32_t source_node, const char *source_param);
+  dpar_status (*dpar_engine_set_loss_scaling)(dpar_engine *engine, float init_scale, float growth_factor, float backoff_factor, int64_t growth_interval);
+  dpar_status (*dpar_engine_loss_scale)(float *out, const dpar_engine *engine);
+  dpar_status (*dpar_engine_last_step_skipped)(int32_t *out, const dpar_engine *engine);
   dpar_status (*dpar_engine_set_precision)(dpar_engine *engine, int32_t compute_dtype);
   dpar_status (*dpar_engine_precision)(int32_t *out, const dpar_engine *engine);
   dpar_status (*dpar_engine_set_allow_tf32)(dpar_engine *engine, int32_t allow, int32_t *has_tf32);

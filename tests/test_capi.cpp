@@ -1256,6 +1256,62 @@ TEST(WeightDecayExclusion, BiasesAndNormsStepWithoutDecayWhenAsked) {
   EXPECT_TRUE(SameBits(Params(a), Params(c)));  // three steps each
 }
 
+// Loss scaling through the C ABI: refusals name the value and change nothing; the scale reads 1 when off; a
+// power-of-two scale trains as none; a planted overflow (a scale near f32's largest) is reported as skipped.
+TEST(LossScaling, RefusesBadValuesAndReportsSkippedSteps) {
+  ModelPtr m = LinearModel();
+  dpar_optimizer_options sgd = DPAR_OPTIMIZER_OPTIONS_INIT;
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = 2;
+  dpar_engine *a = nullptr, *b = nullptr;
+  ASSERT_OK(dpar_engine_create(&a, m.get(), &sgd, &eo));
+  EnginePtr plain(a);
+  ASSERT_OK(dpar_engine_create(&b, m.get(), &sgd, &eo));
+  EnginePtr scaled(b);
+  float scale = 0.0f;
+  int32_t skipped = 7;
+  ASSERT_OK(dpar_engine_loss_scale(&scale, b));
+  EXPECT_EQ(scale, 1.0f);
+  ASSERT_OK(dpar_engine_last_step_skipped(&skipped, b));
+  EXPECT_EQ(skipped, 0);
+  ASSERT_OK(dpar_engine_set_loss_scaling(b, 1024.0f, 2.0f, 0.5f, 2));
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (float v : {-1.0f, nan, inf}) EXPECT_INVALID("init_scale", dpar_engine_set_loss_scaling(b, v, 2.0f, 0.5f, 2));
+  for (float v : {1.0f, 0.0f, nan, inf})
+    EXPECT_INVALID("growth_factor", dpar_engine_set_loss_scaling(b, 8.0f, v, 0.5f, 2));
+  for (float v : {0.0f, 1.0f, 2.0f, nan})
+    EXPECT_INVALID("backoff_factor", dpar_engine_set_loss_scaling(b, 8.0f, 2.0f, v, 2));
+  for (int64_t v : {int64_t{0}, int64_t{-1}})
+    EXPECT_INVALID("growth_interval", dpar_engine_set_loss_scaling(b, 8.0f, 2.0f, 0.5f, v));
+  EXPECT_INVALID("engine", dpar_engine_set_loss_scaling(nullptr, 8.0f, 2.0f, 0.5f, 2));
+  EXPECT_INVALID("out", dpar_engine_loss_scale(nullptr, b));
+  EXPECT_INVALID("out", dpar_engine_last_step_skipped(nullptr, b));
+  ASSERT_OK(dpar_engine_loss_scale(&scale, b));
+  EXPECT_EQ(scale, 1024.0f);  // the refusals changed nothing
+  Batch batch = MakeBatch();
+  for (int s = 0; s < 2; ++s)
+    for (dpar_engine* e : {a, b}) ASSERT_OK(dpar_engine_train_step(nullptr, e, batch.x.get(), batch.y.get()));
+  EXPECT_TRUE(SameBits(Params(a), Params(b)));
+  ASSERT_OK(dpar_engine_loss_scale(&scale, b));
+  EXPECT_EQ(scale, 2048.0f);
+  // 3e38: the scaled gradient overflows to inf; the step is skipped and the scale halves.
+  ASSERT_OK(dpar_engine_set_loss_scaling(b, 3e38f, 2.0f, 0.5f, 2000));
+  const std::vector<float> before = Params(b);
+  size_t steps = 0;
+  ASSERT_OK(dpar_engine_train_step(nullptr, b, batch.x.get(), batch.y.get()));
+  ASSERT_OK(dpar_engine_last_step_skipped(&skipped, b));
+  EXPECT_EQ(skipped, 1);
+  ASSERT_OK(dpar_engine_loss_scale(&scale, b));
+  EXPECT_EQ(scale, 1.5e38f);
+  ASSERT_OK(dpar_engine_step_count(&steps, b));
+  EXPECT_EQ(steps, 2u);
+  EXPECT_TRUE(SameBits(Params(b), before));
+  // Off again: the scale reads 1.
+  ASSERT_OK(dpar_engine_set_loss_scaling(b, 0.0f, 2.0f, 0.5f, 2000));
+  ASSERT_OK(dpar_engine_loss_scale(&scale, b));
+  EXPECT_EQ(scale, 1.0f);
+}
+
 // What clipping does to the step, measured on it: with plain SGD of lr 1 the step moves the parameters by exactly
 // the (clipped) gradient, up to the rounding of p - g. Below the norm, the step's global L2 norm is max_norm and
 // it points where the unclipped one does; above it, nothing is scaled. The reported norm is the unclipped one.

@@ -25,6 +25,8 @@
 //  - a call refused on one process (bad labels) is refused on every process at once, and all go on;
 //  - bf16 compression: the result equals its definition (each process's f32 sum rounded once to bfloat16, to
 //    nearest even, summed across processes in bfloat16), and in a job of one process it changes nothing;
+//  - loss scaling: a gradient that overflows in one process's rows alone makes every process skip that step
+//    (parameters and step count unchanged, the same scale everywhere), and all go on together;
 //  - dpar_engine_abort on rank 0 makes the other processes' next step return REMOTE.
 // Every rank prints its failures as "[rank r] FAIL ..." and exits nonzero if it saw one; rank 0 prints a summary.
 #include <unistd.h>
@@ -644,6 +646,45 @@ void check_refused_input(size_t devices, const Data& d) {
   if (g_rank == 0) std::printf("refused input: every process refused the step at once and went on\n");
 }
 
+// Loss scaling across processes: an inf in the last rank's rows of one batch makes the summed gradient non-finite,
+// so every process skips that step, though the others' own gradients are finite; with both gradient reductions.
+void check_loss_scaling(size_t devices, const Data& d) {
+  for (int32_t reduction : {DPAR_REDUCTION_ALL_REDUCE, DPAR_REDUCTION_REDUCE_SCATTER}) {
+    const std::string label = "loss scaling, reduction " + std::to_string(reduction) + ": ";
+    dpar_engine* e = make_engine(devices, DPAR_PROCESSES_MPI, 60.0);
+    CHECK_OK(dpar_engine_set_gradient_reduction(e, reduction));
+    CHECK_OK(dpar_engine_set_loss_scaling(e, 1048576.0f, 2.0f, 0.5f, 2000));
+    const auto [begin, rows] = my_rows(0);
+    CHECK_OK(step_rows(e, d, 0, begin, rows));
+    int32_t skipped = -1;
+    CHECK_OK(dpar_engine_last_step_skipped(&skipped, e));
+    expect(skipped == 0, label + "a clean step was skipped");
+    Data bad = d;
+    if (g_size > 1 && rows > 0 && g_rank == g_size - 1) bad.x[1][static_cast<size_t>(begin * kIn)] = INFINITY;
+    if (g_size == 1) bad.x[1][0] = INFINITY;
+    const auto before = params(e);
+    CHECK_OK(step_rows(e, bad, 1, begin, rows));
+    CHECK_OK(dpar_engine_last_step_skipped(&skipped, e));
+    expect(skipped == 1, label + "the step with an inf in rank " + std::to_string(g_size - 1) +
+                             "'s rows was not skipped on rank " + std::to_string(g_rank));
+    expect(params(e) == before, label + "the skipped step changed the parameters");
+    for (size_t r = 1; r < devices; ++r) expect(params(e, r) == before, label + "replica " + std::to_string(r) + " moved");
+    size_t steps = 0;
+    float scale = 0.0f;
+    CHECK_OK(dpar_engine_step_count(&steps, e));
+    CHECK_OK(dpar_engine_loss_scale(&scale, e));
+    expect(steps == 1, label + "the skipped step was counted");
+    expect(scale == 524288.0f, label + "the scale did not back off: " + std::to_string(scale));
+    CHECK_OK(step_rows(e, d, 2, begin, rows));
+    CHECK_OK(dpar_engine_last_step_skipped(&skipped, e));
+    expect(skipped == 0, label + "the step after the skipped one was skipped");
+    expect(params(e) != before, label + "training did not go on");
+    expect(same_as_rank0(params(e)), label + "the processes' parameters differ");
+    dpar_engine_free(e);
+  }
+  if (g_rank == 0) std::printf("loss scaling: an overflow in one process's rows skipped the step on every process\n");
+}
+
 // Cross-entropy over tokens with ignored targets (DPAR_IGNORE_INDEX), the processes holding different counts of
 // them (uneven local batches, and in one step the last process's rows all ignored): the loss and the gradient are
 // the mean over the global batch's counted targets, so the job trains as one device on the global batch, never as
@@ -918,6 +959,7 @@ int main(int argc, char** argv) {
   check_job_is_one_training(devices, d);
   check_loader_shards();
   check_refused_input(devices, d);
+  check_loss_scaling(devices, d);
   check_token_loss(devices, false);
   check_token_loss(devices, true);
   check_compression(devices, d);

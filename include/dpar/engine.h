@@ -322,8 +322,39 @@ DPAR_API dpar_status dpar_engine_precision(int32_t *out, const dpar_engine *engi
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a value other than 0 or 1.
  */
 DPAR_API dpar_status dpar_engine_set_allow_tf32(dpar_engine *engine, int32_t allow, int32_t *has_tf32);
-/** @brief The number of optimizer steps taken. */
+/** @brief The number of optimizer steps taken (a step skipped by loss scaling is not one). */
 DPAR_API dpar_status dpar_engine_step_count(size_t *out, const dpar_engine *engine);
+
+/**
+ * @brief Dynamic loss scaling from the next step on, as torch.amp.GradScaler(init_scale, growth_factor,
+ * backoff_factor, growth_interval): for f16 (or any narrow) gradients. The loss's gradient in
+ * dpar_engine_train_step() and dpar_engine_accumulate(), and the grad_output of dpar_engine_backward(), are
+ * multiplied by the scale (the losses returned are not). Once the gradient is reduced, the step checks it for inf
+ * and NaN over every replica of every process, so that all take the same decision. One found: the step is skipped
+ * (no optimizer step: parameters, optimizer state and dpar_engine_step_count() stay as they were, the gradient is
+ * dropped), dpar_engine_last_step_skipped() says so, and the scale is multiplied by @p backoff_factor. Otherwise the
+ * gradient is unscaled (exactly, for a power-of-two scale: training is then bit for bit that without scaling)
+ * before clipping and the step, and after @p growth_interval such steps in a row the scale is multiplied by
+ * @p growth_factor. Setting it starts over from @p init_scale. Checkpoints saved with it on hold the scaler's state
+ * and settings, and loading one restores them (turning scaling on); loading one saved without it keeps the
+ * engine's scaler. Engines start with it off. Every process sets the same, before the same step.
+ * @param init_scale The first scale (PyTorch's default: 65536); 0 turns loss scaling off.
+ * @param growth_factor > 1 (PyTorch's default: 2).
+ * @param backoff_factor In (0, 1) (PyTorch's default: 0.5).
+ * @param growth_interval >= 1 (PyTorch's default: 2000).
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT naming the value for a negative or non-finite @p init_scale, a
+ * @p growth_factor <= 1 or non-finite, a @p backoff_factor outside (0, 1), a @p growth_interval < 1 (nothing
+ * changes); ::DPAR_ERR_INVALID_STATE while accumulated gradients are pending (they were scaled by the old scale).
+ */
+DPAR_API dpar_status dpar_engine_set_loss_scaling(dpar_engine *engine, float init_scale, float growth_factor,
+                                                  float backoff_factor, int64_t growth_interval);
+/** @brief The current loss scale; 1 with loss scaling off (as GradScaler.get_scale() of a disabled scaler). */
+DPAR_API dpar_status dpar_engine_loss_scale(float *out, const dpar_engine *engine);
+/**
+ * @brief 1 if the last step taken with loss scaling on was skipped because its gradient held inf or NaN, else 0
+ * (also before any such step).
+ */
+DPAR_API dpar_status dpar_engine_last_step_skipped(int32_t *out, const dpar_engine *engine);
 
 /**
  * @brief Each replica's mean loss over its own chunk's samples (its targets that are not ignored) in the last

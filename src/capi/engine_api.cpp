@@ -306,6 +306,21 @@ DPAR_API dpar_status dpar_engine_step_count(size_t* out, const dpar_engine* engi
   return with_engine(engine, [&](Engine& e) { *checked_out(out) = static_cast<size_t>(e.step_count()); });
 }
 
+DPAR_API dpar_status dpar_engine_set_loss_scaling(dpar_engine* engine, float init_scale, float growth_factor,
+                                                  float backoff_factor, int64_t growth_interval) {
+  return with_engine(engine, [&](Engine& e) {
+    e.set_loss_scaling(LossScaling{init_scale, growth_factor, backoff_factor, growth_interval});
+  });
+}
+
+DPAR_API dpar_status dpar_engine_loss_scale(float* out, const dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.loss_scaler().scale(); });
+}
+
+DPAR_API dpar_status dpar_engine_last_step_skipped(int32_t* out, const dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.loss_scaler().last_step_skipped() ? 1 : 0; });
+}
+
 DPAR_API dpar_status dpar_engine_replica_losses(float* out, const dpar_engine* engine, size_t capacity) {
   return with_engine(engine, [&](Engine& e) {
     checked_out(out);

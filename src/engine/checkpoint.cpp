@@ -1,14 +1,19 @@
 // Engine checkpoints in the safetensors layout: parameters and buffers under their state_dict names ("0.weight",
 // "1.running_mean", "1.num_batches_tracked" as I64), optimizer
-// state as "optimizer.<state>.<name>", and the rest (step count, optimizer, RNG streams) as metadata. Every
+// state as "optimizer.<state>.<name>", and the rest (step count, optimizer, RNG streams, and the loss scaler's
+// state where loss scaling is on) as metadata, whose keys no tensor name can collide with. Every
 // replica holds the same parameters, so replica 0's are saved and loaded into all; the optimizer's state is held in
 // shards, one per replica, gathered for saving and cut along the loading engine's shards. With several
 // processes every process holds them too: rank 0 alone writes, and rank 0 alone reads and broadcasts the file's
 // bytes, which every process then checks and loads alike; every process returns rank 0's outcome.
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "common/error.h"
 #include "engine/engine.h"
@@ -46,6 +51,48 @@ uint64_t parse_u64(const std::map<std::string, std::string>& meta, const std::st
   DPAR_ENFORCE(value >= min && value <= max, Status::kCorrupt, path, ": metadata \"", key, "\" is out of range: ",
                value, " is not in [", min, ", ", max, "]");
   return value;
+}
+
+// The loss scaler's state (GradScaler.state_dict()'s five entries) as metadata, written where loss scaling is on.
+constexpr const char* kScaleKey = "dpar.loss_scaler.scale";
+constexpr const char* kGrowthTrackerKey = "dpar.loss_scaler.growth_tracker";
+constexpr const char* kInitScaleKey = "dpar.loss_scaler.init_scale";
+constexpr const char* kGrowthFactorKey = "dpar.loss_scaler.growth_factor";
+constexpr const char* kBackoffFactorKey = "dpar.loss_scaler.backoff_factor";
+constexpr const char* kGrowthIntervalKey = "dpar.loss_scaler.growth_interval";
+
+// Nine significant digits: strtof reads back the same float.
+std::string float_text(float value) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.9g", static_cast<double>(value));
+  return text;
+}
+
+float parse_float(const std::map<std::string, std::string>& meta, const std::string& key, const std::string& path) {
+  auto it = meta.find(key);
+  DPAR_ENFORCE(it != meta.end(), Status::kCorrupt, path, ": metadata lacks \"", key, "\"");
+  const std::string& s = it->second;
+  char* end = nullptr;
+  errno = 0;
+  const float value = s.empty() ? 0.0f : std::strtof(s.c_str(), &end);
+  DPAR_ENFORCE(!s.empty() && end == s.c_str() + s.size() && errno == 0, Status::kCorrupt, path, ": metadata \"",
+               key, "\" is not a float: \"", s.substr(0, 40), "\"");
+  return value;
+}
+
+// The checkpoint's loss scaler, checked; nothing where it holds none (saved without loss scaling).
+std::optional<LossScaler> read_loss_scaler(const std::map<std::string, std::string>& meta, const std::string& path) {
+  if (meta.find(kScaleKey) == meta.end()) return std::nullopt;
+  LossScaling settings;
+  settings.init_scale = parse_float(meta, kInitScaleKey, path);
+  settings.growth_factor = parse_float(meta, kGrowthFactorKey, path);
+  settings.backoff_factor = parse_float(meta, kBackoffFactorKey, path);
+  settings.growth_interval = static_cast<int64_t>(parse_u64(meta, kGrowthIntervalKey, path, 1, kMaxSteps));
+  const float scale = parse_float(meta, kScaleKey, path);
+  const auto tracker = static_cast<int64_t>(parse_u64(meta, kGrowthTrackerKey, path, 0, kMaxSteps));
+  LossScaler scaler;
+  scaler.restore(settings, scale, tracker, (path + ": loss scaler").c_str());
+  return scaler;
 }
 }  // namespace
 
@@ -155,6 +202,15 @@ void Engine::write_checkpoint(const std::string& path) const {
   };
   for (size_t r = 0; r < replicas_.size(); ++r)
     meta["dpar.rng_offset." + std::to_string(r)] = std::to_string(replicas_[r]->rng_offset);
+  if (scaler_.enabled()) {
+    const LossScaling& s = scaler_.settings();
+    meta[kScaleKey] = float_text(scaler_.scale());
+    meta[kGrowthTrackerKey] = std::to_string(scaler_.growth_tracker());
+    meta[kInitScaleKey] = float_text(s.init_scale);
+    meta[kGrowthFactorKey] = float_text(s.growth_factor);
+    meta[kBackoffFactorKey] = float_text(s.backoff_factor);
+    meta[kGrowthIntervalKey] = std::to_string(s.growth_interval);
+  }
   io::write_safetensors(path, views, meta);
 }
 
@@ -193,6 +249,7 @@ void Engine::load(const std::string& path) {
                opt0.config().name(), "\"");
   const int64_t steps = static_cast<int64_t>(parse_u64(meta, "dpar.step", path, 0, kMaxSteps));
   const uint64_t saved_replicas = parse_u64(meta, "dpar.replicas", path, 1, kMaxReplicas);
+  const std::optional<LossScaler> scaler = read_loss_scaler(meta, path);
 
   auto check_entry = [&](const std::string& name, const ParamInfo& p) {
     DPAR_ENFORCE(file.has(name), Status::kMismatch, path, ": tensor \"", name, "\" of the model is missing");
@@ -266,6 +323,9 @@ void Engine::load(const std::string& path) {
     rep.has_grad = false;
     rep.model->clear_forward_state();
   });
+  // A checkpoint saved with loss scaling resumes it as it was (its settings too, as GradScaler.load_state_dict);
+  // one saved without leaves the engine's scaler as it is.
+  if (scaler) scaler_ = *scaler;
   pending_ = Pending::kNone;
   pending_samples_ = 0;
   forward_split_.clear();

@@ -390,10 +390,11 @@ void Engine::local_loss_backward(Replica& rep, const Tensor& input, const Tensor
   }
   Tensor dout = rep.model->output_grad_buffer(ctx);
   {
-    // The gradient of the SUM of this chunk's losses; the all-reduce divides by the whole batch's samples.
+    // The gradient of the SUM of this chunk's losses, times the loss scale (1 without loss scaling: the step
+    // divides it out); the all-reduce divides by the whole batch's samples. The loss itself is not scaled.
     TraceSpan span(*trace_, "loss");
     auto* loss_sum = static_cast<double*>(rep.loss_sum_device.raw());
-    loss_forward_backward(config_.loss, ctx, loss_sum, dout, out, t, 1.0f);
+    loss_forward_backward(config_.loss, ctx, loss_sum, dout, out, t, scaler_.scale());
   }
   rep.loss_rows = rep.rows;
   rep.loss_samples = samples;
@@ -552,6 +553,7 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
     read_loss(rep);
   });
   publish_grad_norm();
+  update_loss_scale();
   forward_split_.clear();
   return finish_loss("train_step", global.samples);
 }
@@ -571,6 +573,7 @@ void Engine::step() {
     rep.model->clear_forward_state();
   });
   publish_grad_norm();
+  update_loss_scale();
   pending_ = Pending::kNone;
   pending_samples_ = 0;
   forward_split_.clear();
@@ -655,7 +658,8 @@ void Engine::backward(const Tensor& grad_output) {
     if (split[r] == 0 && !every_replica_runs_) return;
     int64_t begin = 0;
     for (size_t i = 0; i < r; ++i) begin += split[i];
-    const Tensor dout = on_replica(rep, grad_output, begin, split[r], rep.grad_stage);
+    Tensor dout = on_replica(rep, grad_output, begin, split[r], rep.grad_stage);
+    if (scaler_.enabled()) dout = scaled_grad_output(rep, dout);
     TraceSpan span(*trace_, "backward");
     rep.model->backward(rep.ctx, dout, rep.has_grad);
     rep.has_grad = true;

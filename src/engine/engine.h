@@ -32,6 +32,7 @@
 #include "backend/backend.h"
 #include "collectives/replica_set.h"
 #include "device/worker_pool.h"
+#include "engine/loss_scaler.h"
 #include "common/trace.h"
 #include "nn/loss.h"
 #include "nn/model.h"
@@ -135,6 +136,13 @@ class Engine {
   // and shifts) with weight_decay 0, as two PyTorch parameter groups; false (the default): all decay alike.
   void set_weight_decay_exclusion(bool exclude_biases_and_norms);
   bool weight_decay_exclusion() const { return exclude_no_decay_; }
+  // Dynamic loss scaling from the next step on (torch.amp.GradScaler; LossScaling::init_scale 0: off, the default):
+  // the loss's gradient (train_step, accumulate) and backward()'s grad_output are multiplied by the scale, the
+  // summed gradient is checked for inf and NaN once reduced, and a step whose gradient holds one is skipped (no
+  // optimizer step: parameters, optimizer state and step_count() unchanged) and backs the scale off; otherwise
+  // the gradient is unscaled before clipping and the step. Starts over from init_scale. Every process sets the same.
+  void set_loss_scaling(const LossScaling& settings);
+  const LossScaler& loss_scaler() const { return scaler_; }
   // The gradient's norm before clipping at the last step taken with clipping on; NaN before any.
   float grad_norm() const { return grad_norm_; }
   // Each replica's own computation of that norm (the same bits on every replica, or the shards would be scaled
@@ -183,6 +191,7 @@ class Engine {
     Fault fault = Fault::kNone;
     bool has_grad = false;  // local gradients hold something since the last step
     bool stepped = false;   // this call applied the optimizer (tells whether a failure left replicas apart)
+    bool skipped = false;   // this call's step was skipped: its scaled gradient held inf or NaN (loss scaling)
     double loss_sum = 0.0;
     Tensor loss_sum_device;  // where the loss kernel writes the sum (a double) on the replica's device
     Tensor norm_partial;     // a double on the replica's device: its shard's part of the gradient's squared norm
@@ -244,6 +253,16 @@ class Engine {
   void clip_gradient(Replica& rep);
   // After a step that succeeded: the norm its clipping saw becomes grad_norm().
   void publish_grad_norm();
+  // Loss scaling (loss_scaling.cpp). Whether the replica's reduced gradient is finite, from its shard's sum of
+  // squares summed over the process's replicas, so that every replica of every process (each holds the same
+  // reduced gradient, or the same shards) takes the same decision; if it is, multiplies what the replica holds of
+  // it by 1/scale (GradScaler.unscale_).
+  bool unscale_finite_gradient(Replica& rep);
+  // backward()'s grad_output rows on the replica multiplied by the loss scale, in the replica's staging buffer
+  // (never in the caller's memory).
+  Tensor scaled_grad_output(Replica& rep, const Tensor& dout);
+  // After a step that succeeded: tells the scaler whether it was skipped.
+  void update_loss_scale();
   // Finishes the reduction of the step's gradients (scaled as the reducer was prepared) and applies the optimizer.
   void finish_and_step(Replica& rep);
   // A batch's rows, and the samples its loss's mean divides by (rows, or cross-entropy's targets not ignored).
@@ -266,6 +285,7 @@ class Engine {
   // bucket may be empty.
   std::vector<ElementRange> optimizer_shard(const Replica& rep) const;
   bool exclude_no_decay_ = false;
+  LossScaler scaler_;
   // Makes every replica's buffers (BatchNorm's running statistics) replica 0's of process 0, as DataParallel keeps
   // replica 0's and DistributedDataParallel broadcasts rank 0's: a broadcast over the replica set, each dtype as
   // itself. Every replica calls it at the end of every training-mode call that ran forward; nothing

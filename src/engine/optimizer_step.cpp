@@ -66,8 +66,9 @@ void Engine::clip_gradient(Replica& rep) {
 }
 
 void Engine::publish_grad_norm() {
-  // A step that failed threw before this: the norm told is always that of a step taken.
-  if (replicas_[0]->optimizer->config().max_grad_norm > 0.0f) grad_norm_ = replicas_[0]->grad_norm;
+  // A step that failed threw before this: the norm told is always that of a step taken. A skipped step's
+  // clipping did not run.
+  if (!replicas_[0]->skipped && replicas_[0]->optimizer->config().max_grad_norm > 0.0f) grad_norm_ = replicas_[0]->grad_norm;
 }
 
 std::vector<float> Engine::replica_grad_norms() const {
@@ -87,6 +88,13 @@ void Engine::finish_and_step(Replica& rep) {
     // The buckets still in flight, and the last one, which backward's end leaves to this thread.
     TraceSpan span(*trace_, "gradient buckets finish");
     rep.reducer->finish();
+  }
+  // GradScaler's step: an overflow in the scaled gradient skips the optimizer altogether (the decision is every
+  // replica's alike, so all skip or none does); otherwise the gradient is unscaled before clipping sees it.
+  rep.skipped = scaler_.enabled() && !unscale_finite_gradient(rep);
+  if (rep.skipped) {
+    rep.has_grad = false;
+    return;
   }
   rep.stepped = true;
   // Every replica now holds the same summed gradient, so the optimizer's result is the same on all of them. Each

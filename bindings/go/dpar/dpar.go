@@ -882,6 +882,31 @@ func (e *Engine) GradNorm() (float32, error) {
 	return norm, err
 }
 
+// SetLossScaling turns on dynamic loss scaling from the next step on, as torch.amp.GradScaler(initScale,
+// growthFactor, backoffFactor, growthInterval) (PyTorch's defaults: 65536, 2, 0.5, 2000); initScale 0 turns it
+// off. A step whose scaled gradient holds inf or NaN is skipped on every replica and backs the scale off.
+func (e *Engine) SetLossScaling(initScale, growthFactor, backoffFactor float32, growthInterval int64) error {
+	return e.simple(func(r raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_set_loss_scaling(r, initScale, growthFactor, backoffFactor, growthInterval)
+	})
+}
+
+// LossScale is the current loss scale; 1 with loss scaling off.
+func (e *Engine) LossScale() (float32, error) {
+	var scale float32
+	err := e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_loss_scale(unsafe.Pointer(&scale), r) })
+	return scale, err
+}
+
+// LastStepSkipped tells whether the last step taken with loss scaling on was skipped (its gradient held inf or NaN).
+func (e *Engine) LastStepSkipped() (bool, error) {
+	var skipped int32
+	err := e.simple(func(r raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_last_step_skipped(unsafe.Pointer(&skipped), r)
+	})
+	return skipped != 0, err
+}
+
 func (e *Engine) count(f func(unsafe.Pointer, raw.Struct_SS_dpar_engine) int) (int, error) {
 	var n uint64
 	err := e.simple(func(r raw.Struct_SS_dpar_engine) int { return f(unsafe.Pointer(&n), r) })

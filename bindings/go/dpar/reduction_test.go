@@ -241,3 +241,73 @@ func TestWeightDecayExclusionChangesTheBiasStepAlone(t *testing.T) {
 		}
 	}
 }
+
+// SetLossScaling by a power of two trains as no scaling, bit for bit; a NaN in a batch skips its step and backs the
+// scale off; a bad factor is refused naming it.
+func TestLossScalingSkipsAnOverflowedStep(t *testing.T) {
+	m, err := NewModel(7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Linear(6, 3, true); err != nil {
+		t.Fatal(err)
+	}
+	o := Options{Optimizer: Adam, LR: 0.01, Devices: 2, Processes: ProcessesSingle}
+	plain, err := NewEngine(m, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	scaled, err := NewEngine(m, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer scaled.Close()
+	if s, err := scaled.LossScale(); err != nil || s != 1 {
+		t.Fatalf("the scale of an engine without scaling: %v, %v", s, err)
+	}
+	if err := scaled.SetLossScaling(1024, 2, 1.5, 2); err == nil || !strings.Contains(err.Error(), "backoff_factor") {
+		t.Fatalf("backoff_factor 1.5: %v", err)
+	}
+	if err := scaled.SetLossScaling(1024, 2, 0.5, 2); err != nil {
+		t.Fatal(err)
+	}
+	for step := 0; step < 2; step++ {
+		x, y := reductionBatch(t, step)
+		for _, e := range []*Engine{plain, scaled} {
+			if _, err := e.TrainStep(x, y); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if !equalBits(paramBits(t, plain, 0, 21), paramBits(t, scaled, 0, 21)) {
+		t.Fatal("scaling by 1024 changed the training")
+	}
+	if s, err := scaled.LossScale(); err != nil || s != 2048 {
+		t.Fatalf("the scale after 2 clean steps: %v, %v", s, err)
+	}
+	xs := make([]float32, 66)
+	xs[0] = float32(math.NaN())
+	x, err := FromFloat32([]int64{11, 6}, xs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, y := reductionBatch(t, 0)
+	before := paramBits(t, scaled, 0, 21)
+	if _, err := scaled.TrainStep(x, y); err != nil {
+		t.Fatal(err)
+	}
+	if skipped, err := scaled.LastStepSkipped(); err != nil || !skipped {
+		t.Fatalf("the NaN step was not skipped: %v, %v", skipped, err)
+	}
+	if s, err := scaled.LossScale(); err != nil || s != 1024 {
+		t.Fatalf("the scale after a skipped step: %v, %v", s, err)
+	}
+	if n, err := scaled.StepCount(); err != nil || n != 2 {
+		t.Fatalf("step count after a skipped step: %v, %v", n, err)
+	}
+	if !equalBits(before, paramBits(t, scaled, 0, 21)) {
+		t.Fatal("the skipped step changed the parameters")
+	}
+}

@@ -3142,6 +3142,57 @@ intgo _wrap_dpar_engine_step_count_raw_9787157d5e82d198(size_t *_swig_go_0, stru
 }
 
 
+intgo _wrap_dpar_engine_set_loss_scaling_raw_9787157d5e82d198(struct dpar_engine *_swig_go_0, float _swig_go_1, float _swig_go_2, float _swig_go_3, long long _swig_go_4) {
+  dpar_engine *arg1 = (dpar_engine *) 0 ;
+  float arg2 ;
+  float arg3 ;
+  float arg4 ;
+  int64_t arg5 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_engine **)&_swig_go_0; 
+  arg2 = (float)_swig_go_1; 
+  arg3 = (float)_swig_go_2; 
+  arg4 = (float)_swig_go_3; 
+  arg5 = (int64_t)_swig_go_4; 
+  
+  result = (dpar_status)dpar_engine_set_loss_scaling(arg1,arg2,arg3,arg4,arg5);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_engine_loss_scale_raw_9787157d5e82d198(float *_swig_go_0, struct dpar_engine *_swig_go_1) {
+  float *arg1 = (float *) 0 ;
+  dpar_engine *arg2 = (dpar_engine *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = (float *)_swig_go_0; 
+  arg2 = *(dpar_engine **)&_swig_go_1; 
+  
+  result = (dpar_status)dpar_engine_loss_scale(arg1,(struct dpar_engine const *)arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_engine_last_step_skipped_raw_9787157d5e82d198(int32_t *_swig_go_0, struct dpar_engine *_swig_go_1) {
+  int32_t *arg1 = (int32_t *) 0 ;
+  dpar_engine *arg2 = (dpar_engine *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = (int32_t *)_swig_go_0; 
+  arg2 = *(dpar_engine **)&_swig_go_1; 
+  
+  result = (dpar_status)dpar_engine_last_step_skipped(arg1,(struct dpar_engine const *)arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(float *_swig_go_0, struct dpar_engine *_swig_go_1, long long _swig_go_2) {
   float *arg1 = (float *) 0 ;
   dpar_engine *arg2 = (dpar_engine *) 0 ;

@@ -864,6 +864,27 @@ class Engine(_Handle):
         _check(_raw.dpar_engine_set_allow_tf32(self._raw, operator.index(allow), has.ctypes.data))
         return bool(has[0])
 
+    def set_loss_scaling(self, init_scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        """Dynamic loss scaling from the next step on, as torch.amp.GradScaler(init_scale, growth_factor,
+        backoff_factor, growth_interval); init_scale 0 turns it off (PyTorch's default init_scale: 65536.0). A step
+        whose scaled gradient holds inf or NaN is skipped on every replica and backs the scale off."""
+        _check(_raw.dpar_engine_set_loss_scaling(self._raw, init_scale, growth_factor, backoff_factor,
+                                                 operator.index(growth_interval)))
+
+    @property
+    def loss_scale(self):
+        """The current loss scale; 1.0 with loss scaling off."""
+        out = _scalar(np.float32)
+        _check(_raw.dpar_engine_loss_scale(out.ctypes.data, self._raw))
+        return float(out[0])
+
+    @property
+    def last_step_skipped(self):
+        """Whether the last step taken with loss scaling on was skipped (its gradient held inf or NaN)."""
+        out = _scalar(np.int32)
+        _check(_raw.dpar_engine_last_step_skipped(out.ctypes.data, self._raw))
+        return bool(out[0])
+
     @property
     def grad_norm(self):
         """The gradient's norm before clipping at the last step taken with clipping on (NaN before any)."""

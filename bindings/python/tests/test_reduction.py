@@ -106,6 +106,29 @@ class WeightDecayExclusion(unittest.TestCase):
             np.testing.assert_array_equal(a[:18].view(np.uint32), b[:18].view(np.uint32))
             self.assertTrue(np.all(a[18:] != b[18:]), "the bias stepped as with decay")
 
+    def test_loss_scaling_by_a_power_of_two_trains_as_none_and_an_overflow_skips_the_step(self):
+        kw = dict(optimizer=dpar.ADAM, lr=0.01, devices=2, processes=dpar.PROCESSES_SINGLE)
+        with dpar.Model(seed=7).linear(6, 3) as m, dpar.Engine(m, **kw) as plain, dpar.Engine(m, **kw) as scaled:
+            self.assertEqual(scaled.loss_scale, 1.0)
+            with self.assertRaises(dpar.DparError) as cm:
+                scaled.set_loss_scaling(1024.0, backoff_factor=1.5)
+            self.assertIn("backoff_factor", cm.exception.message)
+            scaled.set_loss_scaling(1024.0, growth_interval=2)
+            for step in range(2):
+                x, y = batch(step)
+                self.assertEqual(plain.train_step(x, y), scaled.train_step(x, y))
+                self.assertFalse(scaled.last_step_skipped)
+            np.testing.assert_array_equal(plain.params(0, 21).view(np.uint32), scaled.params(0, 21).view(np.uint32))
+            self.assertEqual(scaled.loss_scale, 2048.0)
+            x, y = batch(0)
+            x[0, 0] = np.nan
+            before = scaled.params(0, 21)
+            scaled.train_step(x, y)
+            self.assertTrue(scaled.last_step_skipped)
+            self.assertEqual(scaled.loss_scale, 1024.0)
+            self.assertEqual(scaled.step_count, 2)
+            np.testing.assert_array_equal(before.view(np.uint32), scaled.params(0, 21).view(np.uint32))
+
 
 if __name__ == "__main__":
     unittest.main()

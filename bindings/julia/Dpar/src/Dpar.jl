@@ -40,7 +40,8 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_no
        adaptive_avg_pool2d!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
        set_gradient_compression!, set_gradient_reduction!, set_weight_decay_exclusion!, set_precision!, precision,
-       set_allow_tf32!, param_decays, forward, num_replicas, trace_start!, trace_stop!,
+       set_allow_tf32!, set_loss_scaling!, loss_scale, last_step_skipped, param_decays, forward, num_replicas,
+       trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
        all_reduce_async!, broadcast_async!, all_gather_async!, reduce_scatter_async!, Reducer, grad_ready!,
        num_buckets, Dataset, Loader, start_epoch!, num_batches, shard!, to_device!, batchnorm1d!, batchnorm2d!,
@@ -803,6 +804,30 @@ function set_allow_tf32!(e::Engine, allow::Bool)
     engine_call(() -> ccall((:dpar_engine_set_allow_tf32, libdpar), Int32, (Ptr{Cvoid}, Int32, Ptr{Int32}), h, v, hp),
                 e, has)
     has[] != 0
+end
+"""`set_loss_scaling!(engine, init_scale; growth_factor=2, backoff_factor=0.5, growth_interval=2000)`: dynamic loss
+scaling from the next step on, as torch.amp.GradScaler; `init_scale` 0 turns it off (PyTorch's default: 65536). A
+step whose scaled gradient holds inf or NaN is skipped on every replica and backs the scale off."""
+function set_loss_scaling!(e::Engine, init_scale::Real; growth_factor::Real=2.0, backoff_factor::Real=0.5,
+                           growth_interval::Integer=2000)
+    h, s, g, b, n = e.ptr, Cfloat(init_scale), Cfloat(growth_factor), Cfloat(backoff_factor), Int64(growth_interval)
+    engine_call(() -> ccall((:dpar_engine_set_loss_scaling, libdpar), Int32,
+                            (Ptr{Cvoid}, Cfloat, Cfloat, Cfloat, Int64), h, s, g, b, n), e)
+end
+"""`loss_scale(engine)`: the current loss scale; 1 with loss scaling off."""
+function loss_scale(e::Engine)
+    out = Ref{Cfloat}(0)
+    op, h = Base.unsafe_convert(Ptr{Cfloat}, out), e.ptr
+    engine_call(() -> ccall((:dpar_engine_loss_scale, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}), op, h), e, out)
+    out[]
+end
+"""`last_step_skipped(engine)`: whether the last step taken with loss scaling on was skipped (its gradient held inf
+or NaN)."""
+function last_step_skipped(e::Engine)
+    out = Ref{Int32}(0)
+    op, h = Base.unsafe_convert(Ptr{Int32}, out), e.ptr
+    engine_call(() -> ccall((:dpar_engine_last_step_skipped, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), op, h), e, out)
+    out[] != 0
 end
 """`grad_norm(engine)`: the gradient's norm before clipping at the last step taken with clipping on (NaN before any)."""
 function grad_norm(e::Engine)

@@ -561,6 +561,36 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             end
         end
     end
+    # set_loss_scaling!: a power-of-two scale trains as none, bit for bit; a NaN in a batch skips its step.
+    @testset "loss scaling skips an overflowed step" begin
+        Dpar.Model(7) do m
+            Dpar.linear!(m, 6, 3)
+            options = (optimizer=Dpar.ADAM, lr=0.01, devices=2, processes=Dpar.PROCESSES_SINGLE)
+            Dpar.Engine(m; options...) do plain
+                Dpar.Engine(m; options...) do scaled
+                    @test Dpar.loss_scale(scaled) == 1
+                    @test throws_dpar(() -> Dpar.set_loss_scaling!(scaled, 1024; backoff_factor=1.5),
+                                      Dpar.ERR_INVALID_ARGUMENT, "backoff_factor")
+                    Dpar.set_loss_scaling!(scaled, 1024; growth_interval=2)
+                    for step in 0:1
+                        x, y = reduction_batch(step)
+                        Dpar.train_step!(plain, x, y); Dpar.train_step!(scaled, x, y)
+                        @test !Dpar.last_step_skipped(scaled)
+                    end
+                    @test reinterpret(UInt32, Dpar.params(plain, 0, 21)) == reinterpret(UInt32, Dpar.params(scaled, 0, 21))
+                    @test Dpar.loss_scale(scaled) == 2048
+                    xs = zeros(Float32, 6, 11); xs[1, 1] = NaN32
+                    _, y = reduction_batch(0)
+                    before = Dpar.params(scaled, 0, 21)
+                    Dpar.train_step!(scaled, Dpar.Tensor(xs), y)
+                    @test Dpar.last_step_skipped(scaled)
+                    @test Dpar.loss_scale(scaled) == 1024
+                    @test Dpar.step_count(scaled) == 2
+                    @test reinterpret(UInt32, Dpar.params(scaled, 0, 21)) == reinterpret(UInt32, before)
+                end
+            end
+        end
+    end
     # set_weight_decay_exclusion!: the bias steps without decay, the weights as before, bit for bit.
     @testset "biases and norms can be excluded from weight decay" begin
         Dpar.Model(7) do m

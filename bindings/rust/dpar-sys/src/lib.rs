@@ -342,6 +342,9 @@ extern "C" {
     pub fn dpar_engine_precision(out: *mut i32, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_set_allow_tf32(engine: *mut dpar_engine, allow: i32, has_tf32: *mut i32) -> dpar_status;
     pub fn dpar_engine_step_count(out: *mut usize, engine: *const dpar_engine) -> dpar_status;
+    pub fn dpar_engine_set_loss_scaling(engine: *mut dpar_engine, init_scale: f32, growth_factor: f32, backoff_factor: f32, growth_interval: i64) -> dpar_status;
+    pub fn dpar_engine_loss_scale(out: *mut f32, engine: *const dpar_engine) -> dpar_status;
+    pub fn dpar_engine_last_step_skipped(out: *mut i32, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_replica_losses(out: *mut f32, engine: *const dpar_engine, capacity: usize) -> dpar_status;
     pub fn dpar_engine_get_params(dst: *mut f32, engine: *mut dpar_engine, replica: usize, count: usize) -> dpar_status;
     pub fn dpar_engine_get_buffer(dst: *mut c_void, engine: *mut dpar_engine, replica: usize, index: usize, count: usize) -> dpar_status;

@@ -1268,6 +1268,26 @@ impl Engine {
     pub fn step_count(&self) -> Result<usize> {
         count(|n| unsafe { sys::dpar_engine_step_count(n, self.raw) })
     }
+    /// Dynamic loss scaling from the next step on, as `torch.amp.GradScaler(init_scale, growth_factor,
+    /// backoff_factor, growth_interval)` (PyTorch's defaults: 65536, 2, 0.5, 2000); `init_scale` 0 turns it off. A
+    /// step whose scaled gradient holds inf or NaN is skipped on every replica and backs the scale off.
+    pub fn set_loss_scaling(&self, init_scale: f32, growth_factor: f32, backoff_factor: f32, growth_interval: i64) -> Result<()> {
+        check(unsafe {
+            sys::dpar_engine_set_loss_scaling(self.raw, init_scale, growth_factor, backoff_factor, growth_interval)
+        })
+    }
+    /// The current loss scale; 1 with loss scaling off.
+    pub fn loss_scale(&self) -> Result<f32> {
+        let mut scale = 0f32;
+        check(unsafe { sys::dpar_engine_loss_scale(&mut scale, self.raw) })?;
+        Ok(scale)
+    }
+    /// Whether the last step taken with loss scaling on was skipped (its gradient held inf or NaN).
+    pub fn last_step_skipped(&self) -> Result<bool> {
+        let mut skipped = 0i32;
+        check(unsafe { sys::dpar_engine_last_step_skipped(&mut skipped, self.raw) })?;
+        Ok(skipped != 0)
+    }
     pub fn num_replicas(&self) -> Result<usize> {
         count(|n| unsafe { sys::dpar_engine_num_replicas(n, self.raw) })
     }
@@ -2157,5 +2177,39 @@ mod tests {
                 assert_eq!(e.precision().unwrap(), Precision::F32);
             }
         }
+    }
+
+    #[test]
+    fn loss_scaling_by_a_power_of_two_trains_as_none_and_an_overflow_skips_the_step() {
+        let mut m = Model::new(7).unwrap();
+        m.linear(4, 3, true).unwrap();
+        let options = EngineOptions::new().cpu_devices(2).processes(Processes::Single);
+        let opt = Optimizer::adam(0.01);
+        let (plain, scaled) = (Engine::new(&m, &opt, &options).unwrap(), Engine::new(&m, &opt, &options).unwrap());
+        assert_eq!(scaled.loss_scale().unwrap(), 1.0);
+        let e = scaled.set_loss_scaling(1024.0, 2.0, 1.5, 2).err().unwrap();
+        assert_eq!(e.status(), status::INVALID_ARGUMENT);
+        assert!(e.message().contains("backoff_factor"), "{}", e);
+        scaled.set_loss_scaling(1024.0, 2.0, 0.5, 2).unwrap();
+        let mut x: Vec<f32> = (0..24).map(|i| ((i * 37) % 101) as f32 / 101.0 - 0.5).collect();
+        let y: Vec<i32> = (0..6).map(|r| (r % 3) as i32).collect();
+        let yt = Tensor::from_i32(&[6], &y).unwrap();
+        for _ in 0..2 {
+            let xt = Tensor::from_f32(&[6, 4], &x).unwrap();
+            plain.train_step(&xt, &yt).unwrap();
+            scaled.train_step(&xt, &yt).unwrap();
+            assert!(!scaled.last_step_skipped().unwrap());
+        }
+        let bits = |e: &Engine| e.params(0, 15).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(bits(&plain), bits(&scaled));
+        assert_eq!(scaled.loss_scale().unwrap(), 2048.0);
+        // A NaN in the batch: the step is skipped and the scale backs off.
+        x[0] = f32::NAN;
+        let before = bits(&scaled);
+        scaled.train_step(&Tensor::from_f32(&[6, 4], &x).unwrap(), &yt).unwrap();
+        assert!(scaled.last_step_skipped().unwrap());
+        assert_eq!(scaled.loss_scale().unwrap(), 1024.0);
+        assert_eq!(scaled.step_count().unwrap(), 2);
+        assert_eq!(bits(&scaled), before);
     }
 }
