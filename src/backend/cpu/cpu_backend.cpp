@@ -192,7 +192,7 @@ class CpuStream final : public Stream {
   void run_call(const call::LinearForward& c) {
     if (c.dtype() == DType::kBF16) {
       std::lock_guard<std::mutex> one_at_a_time(bf16_mutex_);
-      return k::linear_forward_bf16(bf16_gemm_, f32(c, c.out), f32(c, c.pre), bf16(c, c.inp), bf16(c, c.weight),
+      return k::linear_forward_bf16(bf16_gemm(), f32(c, c.out), f32(c, c.pre), bf16(c, c.inp), bf16(c, c.weight),
                                     f32(c, c.bias), c.inp.leading(), c.inp.size(-1), c.out.size(-1), c.epilogue);
     }
     (c.epilogue == Epilogue::kRelu ? k::linear_relu_forward : k::linear_forward)(
@@ -203,7 +203,7 @@ class CpuStream final : public Stream {
     const int64_t B = c.inp.leading(), C_in = c.inp.size(-1), C_out = c.dout.size(-1);
     if (c.dtype() == DType::kBF16) {
       std::lock_guard<std::mutex> one_at_a_time(bf16_mutex_);
-      return k::linear_backward_bf16(bf16_gemm_, f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dpre),
+      return k::linear_backward_bf16(bf16_gemm(), f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dpre),
                                      bf16(c, c.dout_low), f32(c, c.dout), f32(c, c.out), f32(c, c.pre),
                                      bf16(c, c.inp), bf16(c, c.weight), B, C_in, C_out, c.epilogue, c.accumulate);
     }
@@ -317,11 +317,15 @@ class CpuStream final : public Stream {
                                    c.dout.size(2), c.dweight.size(0), c.accumulate);
   }
 
-  // The bf16 linear layers' oneDNN primitives, per shape: the stream's, so that replicas share nothing. Its calls
-  // come from the worker; the lock keeps the cache and its scratchpad whole should another of the stream's
-  // threads run one.
+  // The bf16 linear layers' oneDNN primitives, per shape: the stream's, so that replicas share nothing; made on
+  // the first bf16 call (an f32 model never has one). The calls come from the worker; the lock keeps the cache and
+  // its scratchpad whole should another of the stream's threads run one.
+  k::Bf16Gemm& bf16_gemm() {
+    if (!bf16_gemm_) bf16_gemm_ = std::make_unique<k::Bf16Gemm>();
+    return *bf16_gemm_;
+  }
   std::mutex bf16_mutex_;
-  k::Bf16Gemm bf16_gemm_;
+  std::unique_ptr<k::Bf16Gemm> bf16_gemm_;
 };
 
 class CpuBackend final : public Backend {
