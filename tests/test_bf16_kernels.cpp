@@ -6,6 +6,7 @@
 // native bf16 on this CPU (kernels::cpu::bf16_support), each test skips with the reason.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>

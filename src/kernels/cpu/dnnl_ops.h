@@ -50,7 +50,8 @@ class Bf16Gemm {
 
 // inp (N,C_in,H,W), weight (C_out,C_in/groups,kh,kw), bias (C_out), out (N,C_out,OH,OW): PyTorch's nn.Conv2d.
 // With spec.dtype bf16 (gemm.h's bf16_support must hold) inp and weight are bf16 bits and everything else f32:
-// the bf16 overloads below; backward reads the f32 gradient and rounds it to bf16 (to nearest even) itself.
+// the bf16 overloads below; backward reads the f32 gradient and rounds it to bf16 (to nearest even) itself, in a
+// buffer of the op's (oneDNN's reorder), and dbias is oneDNN's sum of that rounded gradient.
 class Conv2d {
  public:
   explicit Conv2d(const Conv2dSpec& spec);
