@@ -14,6 +14,7 @@
 #include "backend/stream.h"
 #include "common/error.h"
 #include "kernels/cpu/batchnorm.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/kernels.h"
 #include "nn/layer.h"
 #include "nn/model.h"
@@ -95,18 +96,22 @@ TEST(KernelCalls, TheCpuBackendSaysWhatItHasAndRefusesTheRestNamingKernelAndDtyp
   EXPECT_FALSE(stream->supports({Op::kLinearForward, DType::kF32, Epilogue::kGelu}));
   EXPECT_TRUE(stream->can_run({Op::kLinearForward, DType::kF32, Epilogue::kGelu})) << "composed";
   EXPECT_TRUE(stream->supports({Op::kConvert, DType::kBF16}));
-  EXPECT_FALSE(stream->supports({Op::kLinearForward, DType::kBF16}));
-  EXPECT_FALSE(stream->can_run({Op::kLinearForward, DType::kBF16}));
-  uint16_t a[4] = {}, w[4] = {}, y[4] = {};
+  // bf16 linear layers where oneDNN runs bf16 natively (tests/test_bf16_kernels.cpp), LayerNorm nowhere.
+  EXPECT_EQ(stream->supports({Op::kLinearForward, DType::kBF16}), k::bf16_support(nullptr));
+  EXPECT_FALSE(stream->supports({Op::kLayerNormForward, DType::kBF16}));
+  EXPECT_FALSE(stream->can_run({Op::kLayerNormForward, DType::kBF16}));
+  uint16_t x[4] = {}, y[4] = {};
+  double mean_rstd[4] = {};
+  float w[2] = {}, b[2] = {};
   const std::string e = error_of(
       [&] {
-        stream->run(call::LinearForward{TensorRef::contiguous(y, DType::kBF16, {2, 2}),
-                                        TensorRef::contiguous(a, DType::kBF16, {2, 2}),
-                                        TensorRef::contiguous(w, DType::kBF16, {2, 2})});
+        stream->run(call::LayerNormForward{
+            TensorRef::contiguous(y, DType::kBF16, {2, 2}), TensorRef::of(mean_rstd, {2, 2}),
+            TensorRef::contiguous(x, DType::kBF16, {2, 2}), TensorRef::of(w, {2}), TensorRef::of(b, {2})});
       },
       Status::kNotSupported);
-  EXPECT_NE(e.find("linear_forward (bf16) on cpu:0: this backend has no such kernel and no composition of others "
-                   "stands in for it"),
+  EXPECT_NE(e.find("layernorm_forward (bf16) on cpu:0: this backend has no such kernel and no composition of "
+                   "others stands in for it"),
             std::string::npos)
       << e;
 }

@@ -128,7 +128,9 @@ void Stream::run(const KernelCall& call) {
     std::string lacking;
     for (const KernelCall& part : parts)
       if (!supports(key_of(part))) lacking += (lacking.empty() ? "" : ", ") + key_of(part).str();
+    const std::string why = lacks_why(key);
     fail(Status::kNotSupported, key.str(), " on ", device().str(), ": this backend has no such kernel",
+         why.empty() ? std::string() : " (" + why + ")",
          parts.empty() ? std::string(" and no composition of others stands in for it")
                        : " and cannot compose it (it lacks " + lacking + ")");
   }

@@ -55,6 +55,9 @@ class Stream {
   virtual bool supports(const KernelKey& key) const = 0;
   // Whether run() can run the call, itself or composed.
   bool can_run(const KernelKey& key) const;
+  // Why this backend lacks a kernel that it has on other machines (a CPU without bf16 instructions), for run()'s
+  // refusal and a caller's skip; "" when there is nothing to add to "this backend has no such kernel".
+  virtual std::string lacks_why(const KernelKey& /*key*/) const { return {}; }
   // The sum of x[i]^2 in double over (n) elements, once everything queued before has run: on CPU
   // kernels::cpu::sum_squares, on another device a twin equal to it within rounding. The same bits on every call
   // on one device.

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "backend/attention_refs.h"
@@ -22,24 +23,39 @@ namespace k = kernels::cpu;
 // An op's NCHW memory as oneDNN's f32 primitives read it.
 float* op_f32(const TensorRef& r) { return r.contiguous_as<float>("a convolution or pooling op"); }
 
-// The op seam over the CPU kernels' oneDNN primitives (kernels/cpu/dnnl_ops.h), which know no backend.
+// The bf16 operands of a mixed-precision op (its input and weight).
+uint16_t* op_bf16(const TensorRef& r) { return r.contiguous_as<uint16_t>("a bf16 convolution"); }
+
+// The op seam over the CPU kernels' oneDNN primitives (kernels/cpu/dnnl_ops.h), which know no backend. In bf16
+// (spec.dtype) inp and weight are bf16 and the rest f32.
 class CpuConv2dOp final : public Conv2dOp {
  public:
-  explicit CpuConv2dOp(const Conv2dSpec& spec) : conv_(spec) {}
+  explicit CpuConv2dOp(const Conv2dSpec& spec) : conv_(spec), bf16_(spec.dtype == DType::kBF16) {}
   void forward(const TensorRef& out, const TensorRef& inp, const TensorRef& weight, const TensorRef& bias) override {
-    conv_.forward(op_f32(out), op_f32(inp), op_f32(weight), op_f32(bias), inp.size(0), inp.size(2), inp.size(3));
+    if (bf16_)
+      conv_.forward(op_f32(out), op_bf16(inp), op_bf16(weight), op_f32(bias), inp.size(0), inp.size(2), inp.size(3));
+    else
+      conv_.forward(op_f32(out), op_f32(inp), op_f32(weight), op_f32(bias), inp.size(0), inp.size(2), inp.size(3));
   }
   void backward_data(const TensorRef& dinp, const TensorRef& dout, const TensorRef& weight) override {
-    conv_.backward_data(op_f32(dinp), op_f32(dout), op_f32(weight), dinp.size(0), dinp.size(2), dinp.size(3));
+    if (bf16_)
+      conv_.backward_data(op_f32(dinp), op_f32(dout), op_bf16(weight), dinp.size(0), dinp.size(2), dinp.size(3));
+    else
+      conv_.backward_data(op_f32(dinp), op_f32(dout), op_f32(weight), dinp.size(0), dinp.size(2), dinp.size(3));
   }
   void backward_weights(const TensorRef& dweight, const TensorRef& dbias, const TensorRef& dout, const TensorRef& inp,
                         bool accumulate) override {
-    conv_.backward_weights(op_f32(dweight), op_f32(dbias), op_f32(dout), op_f32(inp), inp.size(0), inp.size(2),
-                           inp.size(3), accumulate);
+    if (bf16_)
+      conv_.backward_weights(op_f32(dweight), op_f32(dbias), op_f32(dout), op_bf16(inp), inp.size(0), inp.size(2),
+                             inp.size(3), accumulate);
+    else
+      conv_.backward_weights(op_f32(dweight), op_f32(dbias), op_f32(dout), op_f32(inp), inp.size(0), inp.size(2),
+                             inp.size(3), accumulate);
   }
 
  private:
   k::Conv2d conv_;
+  bool bf16_;
 };
 
 class CpuPool2dOp final : public Pool2dOp {
@@ -110,9 +126,16 @@ class CpuStream final : public Stream {
   void synchronize() override {}
 
   // The kernels this backend has: f32 for all, and bf16 for conversions; ReLU fused into a linear layer's and a
-  // BatchNorm's pass (the GELU epilogue composes: Stream::run).
+  // BatchNorm's pass (the GELU epilogue composes: Stream::run). Mixed precision's bf16 linear layers (ReLU and GELU
+  // fused) where oneDNN runs bf16 natively (kernels::cpu::bf16_support): elsewhere it would emulate bf16 products
+  // in f32 code, slower than f32 itself.
   bool supports(const KernelKey& key) const override {
-    if (key.dtype != DType::kF32) return key.op == Op::kConvert && key.dtype == DType::kBF16;
+    if (key.dtype == DType::kBF16) {
+      if (key.op == Op::kConvert) return true;
+      const bool linear = key.op == Op::kLinearForward || key.op == Op::kLinearBackward;
+      return linear && k::bf16_support(nullptr);
+    }
+    if (key.dtype != DType::kF32) return false;
     switch (key.op) {
       case Op::kLinearForward:
       case Op::kLinearBackward:
@@ -120,11 +143,23 @@ class CpuStream final : public Stream {
       default: return key.epilogue == Epilogue::kNone;
     }
   }
+  std::string lacks_why(const KernelKey& key) const override {
+    const char* why = "";
+    const bool linear = key.op == Op::kLinearForward || key.op == Op::kLinearBackward;
+    return key.dtype == DType::kBF16 && linear && !k::bf16_support(&why) ? why : "";
+  }
   double sum_squares(const TensorRef& x) override {
     return k::sum_squares(x.contiguous_as<float>("sum_squares"), x.numel());
   }
 
   std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec) override {
+    if (spec.dtype != DType::kF32) {
+      const char* why = "";
+      if (spec.dtype != DType::kBF16)
+        fail(Status::kNotSupported, spec.str(), " in ", dtype_name(spec.dtype), " on ", device().str(),
+             ": this backend's convolutions compute in f32 or bf16");
+      if (!k::bf16_support(&why)) fail(Status::kNotSupported, spec.str(), " in bf16 on ", device().str(), ": ", why);
+    }
     return std::make_unique<CpuConv2dOp>(spec);
   }
   std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec) override {
@@ -148,17 +183,30 @@ class CpuStream final : public Stream {
   template <class C>
   static double* f64(const C&, const TensorRef& r) { return r.contiguous_as<double>(C::kName); }
   template <class C>
+  static uint16_t* bf16(const C&, const TensorRef& r) { return r.contiguous_as<uint16_t>(C::kName); }
+  template <class C>
   static int32_t* i32(const C&, const TensorRef& r) { return r.contiguous_as<int32_t>(C::kName); }
   template <class C>
   static int64_t* i64(const C&, const TensorRef& r) { return r.contiguous_as<int64_t>(C::kName); }
 
   void run_call(const call::LinearForward& c) {
+    if (c.dtype() == DType::kBF16) {
+      std::lock_guard<std::mutex> one_at_a_time(bf16_mutex_);
+      return k::linear_forward_bf16(bf16_gemm(), f32(c, c.out), f32(c, c.pre), bf16(c, c.inp), bf16(c, c.weight),
+                                    f32(c, c.bias), c.inp.leading(), c.inp.size(-1), c.out.size(-1), c.epilogue);
+    }
     (c.epilogue == Epilogue::kRelu ? k::linear_relu_forward : k::linear_forward)(
         f32(c, c.out), f32(c, c.inp), f32(c, c.weight), f32(c, c.bias), c.inp.leading(), c.inp.size(-1),
         c.out.size(-1));
   }
   void run_call(const call::LinearBackward& c) {
     const int64_t B = c.inp.leading(), C_in = c.inp.size(-1), C_out = c.dout.size(-1);
+    if (c.dtype() == DType::kBF16) {
+      std::lock_guard<std::mutex> one_at_a_time(bf16_mutex_);
+      return k::linear_backward_bf16(bf16_gemm(), f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dpre),
+                                     bf16(c, c.dout_low), f32(c, c.dout), f32(c, c.out), f32(c, c.pre),
+                                     bf16(c, c.inp), bf16(c, c.weight), B, C_in, C_out, c.epilogue, c.accumulate);
+    }
     if (c.epilogue == Epilogue::kRelu)
       k::linear_relu_backward(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dpre), f32(c, c.dout),
                               f32(c, c.out), f32(c, c.inp), f32(c, c.weight), B, C_in, C_out, c.accumulate);
@@ -268,6 +316,16 @@ class CpuStream final : public Stream {
     k::position_embedding_backward(f32(c, c.dweight), f32(c, c.dout), c.dout.size(0), c.dout.size(1),
                                    c.dout.size(2), c.dweight.size(0), c.accumulate);
   }
+
+  // The bf16 linear layers' oneDNN primitives, per shape: the stream's, so that replicas share nothing; made on
+  // the first bf16 call (an f32 model never has one). The calls come from the worker; the lock keeps the cache and
+  // its scratchpad whole should another of the stream's threads run one.
+  k::Bf16Gemm& bf16_gemm() {
+    if (!bf16_gemm_) bf16_gemm_ = std::make_unique<k::Bf16Gemm>();
+    return *bf16_gemm_;
+  }
+  std::mutex bf16_mutex_;
+  std::unique_ptr<k::Bf16Gemm> bf16_gemm_;
 };
 
 class CpuBackend final : public Backend {

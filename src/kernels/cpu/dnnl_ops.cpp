@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <list>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -105,7 +106,10 @@ struct Staging {
 struct Conv2d::Impl {
   struct Prepared {
     int64_t N, H, W;
-    memory::desc src, wei, bias, dst;
+    // dpar's plain memory: src and wei in the dtype the convolution computes in (bf16 in mixed precision), dsrc and
+    // dwei (their gradients) and bias and dst (the output and its gradient) f32; in f32 src == dsrc, wei == dwei.
+    memory::desc src, dsrc, wei, dwei, bias, dst;
+    std::string info;  // oneDNN's implementations, as prepared
     memory::dims strides, dilates, pad_l, pad_r;
     dnnl::convolution_forward::primitive_desc fwd_pd;
     dnnl::convolution_forward fwd;
@@ -124,10 +128,15 @@ struct Conv2d::Impl {
   // forward and both backwards with the reorders included, three runs on a busy machine: depthwise 3x3 of 64
   // channels 4-8 ms blocked against 30-47 ms plain (plain is oneDNN's GEMM path for every kernel); 3x3 32->64
   // 22-24 ms against 31-42; 3x3 stride 2 64->128 24-27 against 25-29; but 1x1 64->64 10-13 against 3-8.
-  memory::desc asked(const memory::desc& plain) const {
+  // `type` is the dtype the primitive takes the argument in (a bf16 convolution's f32 gradient is reordered into
+  // bf16 by the Staging at its edge).
+  memory::desc asked(const memory::desc& plain, dt type) const {
     const bool one_by_one = spec.kernel_h == 1 && spec.kernel_w == 1;
-    return one_by_one ? plain : memory::desc(plain.dims(), dt::f32, tag::any);
+    if (!one_by_one) return memory::desc(plain.dims(), type, tag::any);
+    return memory::desc(plain.dims(), type, plain.dims().size() == 4 ? tag::abcd : tag::abcde);  // nchw, (g)oihw
   }
+  // The dtype of the products: bf16 operands in mixed precision, else f32.
+  dt compute() const { return spec.dtype == DType::kBF16 ? dt::bf16 : dt::f32; }
 
   Conv2dSpec spec;
   std::string name;
@@ -136,7 +145,15 @@ struct Conv2d::Impl {
   std::vector<std::unique_ptr<Prepared>> cache;  // most recently prepared last
   std::vector<float> dweight_tmp, dbias_tmp;     // backward_weights' result before it is added (accumulate)
 
-  explicit Impl(const Conv2dSpec& s) : spec(s), name(s.str()) {}
+  explicit Impl(const Conv2dSpec& s) : spec(s), name(s.str() + (s.dtype == DType::kBF16 ? " in bf16" : "")) {
+    DPAR_CHECK_ARG(s.dtype == DType::kF32 || s.dtype == DType::kBF16, name, ": dtype ", dtype_name(s.dtype),
+                   " is not one a convolution computes in (f32, bf16)");
+  }
+
+  void forward(float* out, const void* inp, const void* weight, const float* bias, int64_t N, int64_t H, int64_t W);
+  void backward_data(float* dinp, const float* dout, const void* weight, int64_t N, int64_t H, int64_t W);
+  void backward_weights(float* dweight, float* dbias, const float* dout, const void* inp, int64_t N, int64_t H,
+                        int64_t W, bool accumulate);
 
   Prepared& prepared(int64_t N, int64_t H, int64_t W) {
     for (auto& p : cache)
@@ -147,20 +164,26 @@ struct Conv2d::Impl {
     DPAR_CHECK_ARG(OH >= 1 && OW >= 1, name, ": input ", H, "x", W, " is smaller than the kernel's reach");
     auto p = std::make_unique<Prepared>();
     p->N = N, p->H = H, p->W = W;
-    p->src = memory::desc({N, s.in_channels, H, W}, dt::f32, tag::nchw);
+    const dt c = compute();
+    p->src = memory::desc({N, s.in_channels, H, W}, c, tag::nchw);
+    p->dsrc = memory::desc({N, s.in_channels, H, W}, dt::f32, tag::nchw);
     p->dst = memory::desc({N, s.out_channels, OH, OW}, dt::f32, tag::nchw);
     // PyTorch's weight (C_out, C_in/groups, kh, kw) is oneDNN's goihw with the groups split off C_out: same bytes.
-    p->wei = s.groups == 1 ? memory::desc({s.out_channels, s.in_channels, s.kernel_h, s.kernel_w}, dt::f32, tag::oihw)
+    const auto weight_desc = [&](dt type) {
+      return s.groups == 1 ? memory::desc({s.out_channels, s.in_channels, s.kernel_h, s.kernel_w}, type, tag::oihw)
                            : memory::desc({s.groups, s.out_channels / s.groups, s.in_channels / s.groups, s.kernel_h,
                                            s.kernel_w},
-                                          dt::f32, tag::goihw);
+                                          type, tag::goihw);
+    };
+    p->wei = weight_desc(c);
+    p->dwei = weight_desc(dt::f32);
     p->bias = memory::desc({s.out_channels}, dt::f32, tag::x);
     p->strides = {s.stride_h, s.stride_w};
     p->dilates = {s.dilation_h - 1, s.dilation_w - 1};  // oneDNN counts the gaps: 0 is a dense kernel
     p->pad_l = {s.pad_h, s.pad_w};
     p->pad_r = {pad_right(H, OH, s.pad_h, s.stride_h, s.dilation_h * (s.kernel_h - 1) + 1),
                 pad_right(W, OW, s.pad_w, s.stride_w, s.dilation_w * (s.kernel_w - 1) + 1)};
-    const memory::desc src = asked(p->src), wei = asked(p->wei), dst = asked(p->dst);
+    const memory::desc src = asked(p->src, c), wei = asked(p->wei, c), dst = asked(p->dst, dt::f32);
     const auto fd = s.bias ? dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
                                                              dnnl::algorithm::convolution_direct, src, wei, p->bias,
                                                              dst, p->strides, p->dilates, p->pad_l, p->pad_r)
@@ -179,6 +202,7 @@ struct Conv2d::Impl {
     p->fwd_src.init(p->src, p->fwd_pd.src_desc(), eng);
     p->fwd_wei.init(p->wei, p->fwd_pd.weights_desc(), eng);
     p->fwd_dst.init(p->dst, p->fwd_pd.dst_desc(), eng);
+    p->info = std::string("forward ") + p->fwd_pd.impl_info_str();
     if (cache.size() == kMaxShapes) cache.erase(cache.begin());
     cache.push_back(std::move(p));
     return *cache.back();
@@ -190,8 +214,33 @@ Conv2d::~Conv2d() = default;
 
 void Conv2d::forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t H,
                      int64_t W) {
+  impl_->forward(out, inp, weight, bias, N, H, W);
+}
+void Conv2d::forward(float* out, const uint16_t* inp, const uint16_t* weight, const float* bias, int64_t N, int64_t H,
+                     int64_t W) {
+  impl_->forward(out, inp, weight, bias, N, H, W);
+}
+void Conv2d::backward_data(float* dinp, const float* dout, const float* weight, int64_t N, int64_t H, int64_t W) {
+  impl_->backward_data(dinp, dout, weight, N, H, W);
+}
+void Conv2d::backward_data(float* dinp, const float* dout, const uint16_t* weight, int64_t N, int64_t H, int64_t W) {
+  impl_->backward_data(dinp, dout, weight, N, H, W);
+}
+void Conv2d::backward_weights(float* dweight, float* dbias, const float* dout, const float* inp, int64_t N,
+                              int64_t H, int64_t W, bool accumulate) {
+  impl_->backward_weights(dweight, dbias, dout, inp, N, H, W, accumulate);
+}
+void Conv2d::backward_weights(float* dweight, float* dbias, const float* dout, const uint16_t* inp, int64_t N,
+                              int64_t H, int64_t W, bool accumulate) {
+  impl_->backward_weights(dweight, dbias, dout, inp, N, H, W, accumulate);
+}
+
+std::string Conv2d::impl_info() const { return impl_->cache.empty() ? std::string() : impl_->cache.back()->info; }
+
+void Conv2d::Impl::forward(float* out, const void* inp, const void* weight, const float* bias, int64_t N, int64_t H,
+                           int64_t W) {
   if (N == 0) return;
-  Impl& m = *impl_;
+  Impl& m = *this;
   guarded(m.name, "forward", [&] {
     Impl::Prepared& p = m.prepared(N, H, W);
     GemmThreadsScope threads;
@@ -206,19 +255,23 @@ void Conv2d::forward(float* out, const float* inp, const float* weight, const fl
   });
 }
 
-void Conv2d::backward_data(float* dinp, const float* dout, const float* weight, int64_t N, int64_t H, int64_t W) {
+void Conv2d::Impl::backward_data(float* dinp, const float* dout, const void* weight, int64_t N, int64_t H,
+                                 int64_t W) {
   if (N == 0) return;
-  Impl& m = *impl_;
+  Impl& m = *this;
   guarded(m.name, "backward_data", [&] {
     Impl::Prepared& p = m.prepared(N, H, W);
     if (!p.bwd_data) {
-      const dnnl::convolution_backward_data::desc d(dnnl::algorithm::convolution_direct, m.asked(p.src),
-                                                    m.asked(p.wei), m.asked(p.dst), p.strides, p.dilates, p.pad_l,
-                                                    p.pad_r);
+      // In bf16 the f32 gradient of out is rounded to bf16 by its Staging's reorder into the op's buffer.
+      const dt c = m.compute();
+      const dnnl::convolution_backward_data::desc d(dnnl::algorithm::convolution_direct, m.asked(p.dsrc, dt::f32),
+                                                    m.asked(p.wei, c), m.asked(p.dst, c), p.strides, p.dilates,
+                                                    p.pad_l, p.pad_r);
       const dnnl::convolution_backward_data::primitive_desc pd(d, user_scratchpad(), m.eng, p.fwd_pd);
       p.bwd_data.emplace(pd);
       p.bwd_data_scratch.make(pd.scratchpad_desc(), m.eng);
-      p.bd_diff_src.init(p.src, pd.diff_src_desc(), m.eng);
+      p.info += std::string(", backward_data ") + pd.impl_info_str();
+      p.bd_diff_src.init(p.dsrc, pd.diff_src_desc(), m.eng);
       p.bd_wei.init(p.wei, pd.weights_desc(), m.eng);
       p.bd_diff_dst.init(p.dst, pd.diff_dst_desc(), m.eng);
     }
@@ -232,9 +285,9 @@ void Conv2d::backward_data(float* dinp, const float* dout, const float* weight, 
   });
 }
 
-void Conv2d::backward_weights(float* dweight, float* dbias, const float* dout, const float* inp, int64_t N,
-                              int64_t H, int64_t W, bool accumulate) {
-  Impl& m = *impl_;
+void Conv2d::Impl::backward_weights(float* dweight, float* dbias, const float* dout, const void* inp, int64_t N,
+                                    int64_t H, int64_t W, bool accumulate) {
+  Impl& m = *this;
   const Conv2dSpec& s = m.spec;
   const size_t wn = static_cast<size_t>(s.out_channels * (s.in_channels / s.groups) * s.kernel_h * s.kernel_w);
   const size_t bn = static_cast<size_t>(s.out_channels);
@@ -248,7 +301,8 @@ void Conv2d::backward_weights(float* dweight, float* dbias, const float* dout, c
   guarded(m.name, "backward_weights", [&] {
     Impl::Prepared& p = m.prepared(N, H, W);
     if (!p.bwd_weights) {
-      const memory::desc src = m.asked(p.src), wei = m.asked(p.wei), dst = m.asked(p.dst);
+      const dt c = m.compute();
+      const memory::desc src = m.asked(p.src, c), wei = m.asked(p.dwei, dt::f32), dst = m.asked(p.dst, c);
       const auto d = s.bias ? dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src, wei,
                                                                        p.bias, dst, p.strides, p.dilates, p.pad_l,
                                                                        p.pad_r)
@@ -257,8 +311,9 @@ void Conv2d::backward_weights(float* dweight, float* dbias, const float* dout, c
       const dnnl::convolution_backward_weights::primitive_desc pd(d, user_scratchpad(), m.eng, p.fwd_pd);
       p.bwd_weights.emplace(pd);
       p.bwd_weights_scratch.make(pd.scratchpad_desc(), m.eng);
+      p.info += std::string(", backward_weights ") + pd.impl_info_str();
       p.bw_src.init(p.src, pd.src_desc(), m.eng);
-      p.bw_diff_wei.init(p.wei, pd.diff_weights_desc(), m.eng);
+      p.bw_diff_wei.init(p.dwei, pd.diff_weights_desc(), m.eng);
       p.bw_diff_dst.init(p.dst, pd.diff_dst_desc(), m.eng);
     }
     // oneDNN overwrites its results: they go to scratch first where they are to be added, or are not wanted.
@@ -399,5 +454,103 @@ void Pool2d::backward(float* dinp, const float* dout, int64_t N, int64_t C, int6
     m.run(*p.bwd, std::move(args));
   });
 }
+
+// ---- bf16 GEMM --------------------------------------------------------------------------------------------------
+
+namespace {
+// Primitives kept per Bf16Gemm: a linear layer uses three shapes (forward, the two backward GEMMs; accumulation is
+// a fourth), for its training batch, last batch and evaluation batch; 64 covers a dozen layers' worth.
+constexpr size_t kMaxGemms = 64;
+}  // namespace
+
+struct Bf16Gemm::Impl {
+  struct Key {
+    bool trans_a, trans_b, accumulate;
+    int64_t M, N, K, lda, ldb, ldc;
+    int threads;
+    bool operator==(const Key& o) const {
+      return trans_a == o.trans_a && trans_b == o.trans_b && accumulate == o.accumulate && M == o.M && N == o.N &&
+             K == o.K && lda == o.lda && ldb == o.ldb && ldc == o.ldc && threads == o.threads;
+    }
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const {
+      size_t h = static_cast<size_t>(k.trans_a) | static_cast<size_t>(k.trans_b) << 1 |
+                 static_cast<size_t>(k.accumulate) << 2;
+      for (int64_t v : {k.M, k.N, k.K, k.lda, k.ldb, k.ldc, static_cast<int64_t>(k.threads)})
+        h = h * 0x9e3779b97f4a7c15ull + static_cast<size_t>(v);
+      return h;
+    }
+  };
+  struct Entry {
+    Key key;
+    memory::desc a, b, c, scratch;
+    dnnl::matmul prim;
+    std::string impl;
+  };
+
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+  dnnl::stream strm{eng};
+  std::list<Entry> lru;  // most recently used first
+  std::unordered_map<Key, std::list<Entry>::iterator, KeyHash> index;
+  std::vector<char> scratch;  // shared by the primitives: one runs at a time
+  std::string last;
+
+  // Created on the calling thread's GEMM thread count (inside the caller's GemmThreadsScope): oneDNN splits a
+  // primitive's work for the count it sees at creation.
+  Entry& entry(const Key& k) {
+    if (auto it = index.find(k); it != index.end()) {
+      lru.splice(lru.begin(), lru, it->second);
+      return lru.front();
+    }
+    std::lock_guard<std::mutex> creating(creation_mutex());
+    Entry e;
+    e.key = k;
+    // op(X) = X^T is X's memory read with swapped strides.
+    e.a = memory::desc({k.M, k.K}, dt::bf16, k.trans_a ? memory::dims{1, k.lda} : memory::dims{k.lda, 1});
+    e.b = memory::desc({k.K, k.N}, dt::bf16, k.trans_b ? memory::dims{1, k.ldb} : memory::dims{k.ldb, 1});
+    e.c = memory::desc({k.M, k.N}, dt::f32, memory::dims{k.ldc, 1});
+    dnnl::primitive_attr attr = user_scratchpad();
+    if (k.accumulate) {
+      dnnl::post_ops ops;
+      ops.append_sum(1.0f);
+      attr.set_post_ops(ops);
+    }
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(e.a, e.b, e.c), attr, eng);
+    e.prim = dnnl::matmul(pd);
+    e.scratch = pd.scratchpad_desc();
+    e.impl = pd.impl_info_str();
+    if (scratch.size() < std::max<size_t>(e.scratch.get_size(), 1)) scratch.resize(std::max<size_t>(e.scratch.get_size(), 1));
+    if (lru.size() == kMaxGemms) {
+      index.erase(lru.back().key);
+      lru.pop_back();
+    }
+    lru.push_front(std::move(e));
+    index.emplace(k, lru.begin());
+    return lru.front();
+  }
+};
+
+Bf16Gemm::Bf16Gemm() : impl_(std::make_unique<Impl>()) {}
+Bf16Gemm::~Bf16Gemm() = default;
+
+void Bf16Gemm::run(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda,
+                   const uint16_t* B, int64_t ldb, bool accumulate, float* C, int64_t ldc) {
+  DPAR_CHECK_ARG(M >= 1 && N >= 1 && K >= 1, "bf16 GEMM: extents must be >= 1, got M=", M, ", N=", N, ", K=", K);
+  Impl& m = *impl_;
+  guarded("bf16 GEMM", "matmul", [&] {
+    GemmThreadsScope threads;
+    Impl::Entry& e = m.entry({trans_a, trans_b, accumulate, M, N, K, lda, ldb, ldc, gemm_threads()});
+    e.prim.execute(m.strm, {{DNNL_ARG_SRC, memory(e.a, m.eng, const_cast<uint16_t*>(A))},
+                            {DNNL_ARG_WEIGHTS, memory(e.b, m.eng, const_cast<uint16_t*>(B))},
+                            {DNNL_ARG_DST, memory(e.c, m.eng, C)},
+                            {DNNL_ARG_SCRATCHPAD, memory(e.scratch, m.eng, m.scratch.data())}});
+    m.strm.wait();
+    m.last = e.impl;
+  });
+}
+
+std::string Bf16Gemm::last_impl() const { return impl_->last; }
+size_t Bf16Gemm::cached() const { return impl_->lru.size(); }
 
 }  // namespace dpar::kernels::cpu

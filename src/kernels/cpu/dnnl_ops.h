@@ -1,4 +1,4 @@
-// The CPU's convolutions and poolings: oneDNN primitives, prepared once per input shape and kept (a small cache
+// The CPU's convolutions, poolings and bf16 GEMMs: oneDNN primitives, prepared once per input shape and kept (a small cache
 // keyed by the shape), each object with its own oneDNN engine, stream and scratchpads, so that objects used from
 // different threads share nothing mutable. Every call runs on the calling thread's GEMM thread count
 // (gemm.h's GemmThreadsScope), as the GEMM does.
@@ -11,12 +11,47 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "common/op_specs.h"
 
 namespace dpar::kernels::cpu {
 
+// GEMMs of bf16 operands with f32 results (mixed precision's linear layers): oneDNN's matmul primitive, bf16 source
+// and weights, f32 destination, the products (exact in f32) accumulated in f32 by the hardware's bf16 instructions
+// (AVX512-BF16 or AMX: gemm.h's bf16_support; elsewhere oneDNN would emulate them, and the backend has no bf16).
+// One object per user of it (a stream): it keeps a primitive per shape (the transposes, extents, leading
+// dimensions, accumulation and the calling thread's GEMM thread count), the least recently used one going past a
+// bound, and one scratchpad (scratchpad_mode::user) grown to the largest primitive's. Not for concurrent use: its
+// owner runs one call at a time.
+class Bf16Gemm {
+ public:
+  Bf16Gemm();
+  ~Bf16Gemm();
+  Bf16Gemm(const Bf16Gemm&) = delete;
+  Bf16Gemm& operator=(const Bf16Gemm&) = delete;
+
+  // C (M,N) = op(A) op(B), or C += op(A) op(B) when accumulate (oneDNN's sum post-op); without it whatever C held
+  // (even NaN) is ignored. A and B are bf16 bits (common/bf16.h), row-major with leading dimensions lda and ldb;
+  // op(X) is X^T when its flag is set (the memory's strides say it: nothing is copied). C is f32 with leading
+  // dimension ldc. M, N, K >= 1. Throws dpar::Error on a failure that oneDNN reports.
+  void run(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda,
+           const uint16_t* B, int64_t ldb, bool accumulate, float* C, int64_t ldc);
+
+  // oneDNN's name for the implementation of the last run's primitive ("brg:avx512_core_amx"); "" before any.
+  std::string last_impl() const;
+  // How many primitives are kept now.
+  size_t cached() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // inp (N,C_in,H,W), weight (C_out,C_in/groups,kh,kw), bias (C_out), out (N,C_out,OH,OW): PyTorch's nn.Conv2d.
+// With spec.dtype bf16 (gemm.h's bf16_support must hold) inp and weight are bf16 bits and everything else f32:
+// the bf16 overloads below; backward reads the f32 gradient and rounds it to bf16 (to nearest even) itself, in a
+// buffer of the op's (oneDNN's reorder), and dbias is oneDNN's sum of that rounded gradient.
 class Conv2d {
  public:
   explicit Conv2d(const Conv2dSpec& spec);
@@ -32,6 +67,17 @@ class Conv2d {
   // dweight, dbias (nullptr: not wanted) from dout and inp; overwritten, or added to when accumulate.
   void backward_weights(float* dweight, float* dbias, const float* dout, const float* inp, int64_t N, int64_t H,
                         int64_t W, bool accumulate);
+
+  // The same in bf16 (spec.dtype bf16): inp and weight bf16, the rest f32.
+  void forward(float* out, const uint16_t* inp, const uint16_t* weight, const float* bias, int64_t N, int64_t H,
+               int64_t W);
+  void backward_data(float* dinp, const float* dout, const uint16_t* weight, int64_t N, int64_t H, int64_t W);
+  void backward_weights(float* dweight, float* dbias, const float* dout, const uint16_t* inp, int64_t N, int64_t H,
+                        int64_t W, bool accumulate);
+
+  // oneDNN's names for the implementations of the most recent shape's primitives: "forward jit:..., backward_data
+  // ..., backward_weights ..." (those prepared so far).
+  std::string impl_info() const;
 
  private:
   struct Impl;

@@ -140,6 +140,19 @@ void set_gemm_threads(int threads) {
 #endif
 }
 
+int gemm_threads() { return t_gemm_threads; }
+
+bool bf16_support(const char** why) {
+  static const std::string reason = [] {
+    const unsigned isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+    const unsigned bf16 = static_cast<unsigned>(dnnl_cpu_isa_avx512_core_bf16);  // the AMX levels include it
+    if ((isa & bf16) == bf16) return std::string();
+    return std::string("bf16 needs AVX512-BF16 or AMX (oneDNN's avx512_core_bf16); this CPU runs ") + isa_name(isa);
+  }();
+  if (why) *why = reason.c_str();
+  return reason.empty();
+}
+
 const char* gemm_backend() { return report().text.c_str(); }
 
 bool gemm_backend_is_generic(const char** why) {

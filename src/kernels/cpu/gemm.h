@@ -18,6 +18,9 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
 
 // The number of threads the calling thread's GEMMs use from now on (>= 1).
 void set_gemm_threads(int threads);
+// The calling thread's GEMM thread count (1 where set_gemm_threads was never called): a oneDNN primitive splits its
+// work for the count it was created with, so a cache of primitives keys on it.
+int gemm_threads();
 
 // For its lifetime, oneDNN calls on the calling thread run on that thread's GEMM thread count (set_gemm_threads);
 // the caller's own OpenMP count comes back after. Every oneDNN call of the CPU kernels (the GEMM, the convolutions
@@ -41,6 +44,12 @@ const char* gemm_backend();
 // True when the kernels are below the best that this CPU supports among AVX2 and AVX-512 (say, a CPU with
 // AVX-512 on AVX2 kernels, or one with AVX2 on SSE4.1 or generic code); *why names both and the remedy.
 bool gemm_backend_is_generic(const char** why);
+
+// Whether oneDNN runs bf16 GEMMs and convolutions natively here (bf16 products with f32 accumulation in hardware:
+// effective ISA avx512_core_bf16, AVX512-BF16, or an AMX one); the CPU backend has bf16 kernels only then. Where it
+// does not, *why (static storage) names the missing ISA and this CPU's: "bf16 needs AVX512-BF16 or AMX (oneDNN's
+// avx512_core_bf16); this CPU runs avx2". Where it does, *why is "".
+bool bf16_support(const char** why);
 
 // Says once per process, on stderr, when gemm_backend_is_generic: the engine calls it when it starts CPU workers.
 void warn_if_gemm_generic();

@@ -22,6 +22,7 @@
 
 #include "common/error.h"
 #include "common/bf16.h"
+#include "kernels/cpu/dnnl_ops.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/vector_math.h"
 #include "kernels/dropout_rng.h"
@@ -200,6 +201,72 @@ void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre
     run_vector<bias_grad>(dbias, dpre, dout, out, B, C_out, accumulate);
   }
   linear_backward_gemms(dinp, dweight, dpre, inp, weight, B, C_in, C_out, accumulate);
+}
+
+// inp (B,C_in) bf16, weight (C_out,C_in) bf16, bias (C_out) or nullptr, out and pre (B,C_out)
+void linear_forward_bf16(Bf16Gemm& gemm, float* out, float* pre, const uint16_t* inp, const uint16_t* weight,
+                         const float* bias, int64_t B, int64_t C_in, int64_t C_out, Epilogue epilogue) {
+  blas_dim(B, "B"), blas_dim(C_in, "C_in"), blas_dim(C_out, "C_out");
+  if (B == 0 || C_out == 0) return;
+  const bool gelu = epilogue == Epilogue::kGelu, relu = epilogue == Epilogue::kRelu;
+  DPAR_CHECK_ARG(out != nullptr, "linear_forward (bf16): out is null");
+  DPAR_CHECK_ARG(!gelu || pre != nullptr, "linear_forward (bf16): a GELU epilogue needs pre");
+  DPAR_CHECK_ARG(C_in == 0 || (inp != nullptr && weight != nullptr), "linear_forward (bf16): inp or weight is null");
+  float* gemm_out = gelu ? pre : out;
+  if (C_in == 0) {  // an empty sum: zeros, then the bias
+    fill_zero(gemm_out, B * C_out);
+  } else {
+    gemm.run(false, true, B, C_out, C_in, inp, C_in, weight, C_in, false, gemm_out, C_out);
+  }
+  if (bias != nullptr || relu) run_vector<forward_epilogue>(gemm_out, bias, B, C_out, relu);
+  if (gelu) gelu_forward(out, pre, B * C_out);
+}
+
+// dout, dpre, out, pre (B,C_out); dout_low (B,C_out) bf16; dinp (B,C_in); dweight (C_out,C_in); dbias (C_out)
+void linear_backward_bf16(Bf16Gemm& gemm, float* dinp, float* dweight, float* dbias, float* dpre, uint16_t* dout_low,
+                          const float* dout, const float* out, const float* pre, const uint16_t* inp,
+                          const uint16_t* weight, int64_t B, int64_t C_in, int64_t C_out, Epilogue epilogue,
+                          bool accumulate) {
+  check_backward_args(dweight, dout, B, C_in, C_out);
+  const bool rows = B > 0 && C_out > 0;
+  // The f32 gradient of the GEMMs' result: the epilogue's backward first (with dbias's sums in the ReLU's pass,
+  // as linear_relu_backward does; after GELU's, as linear_backward does on the composed call's dpre).
+  const float* g = dout;
+  if (rows && epilogue != Epilogue::kNone) {
+    DPAR_CHECK_ARG(dpre != nullptr, "linear_backward (bf16): an epilogue needs dpre");
+    if (epilogue == Epilogue::kRelu) {
+      DPAR_CHECK_ARG(out != nullptr, "linear_backward (bf16): a ReLU epilogue needs out");
+      run_vector<bias_grad>(dbias, dpre, dout, out, B, C_out, accumulate);
+    } else {
+      DPAR_CHECK_ARG(pre != nullptr, "linear_backward (bf16): a GELU epilogue needs pre");
+      gelu_backward(dpre, dout, pre, B * C_out);
+    }
+    g = dpre;
+  }
+  if (dbias != nullptr && C_out > 0 && !(epilogue == Epilogue::kRelu && rows))
+    run_vector<bias_grad>(dbias, nullptr, g, nullptr, B, C_out, accumulate);
+  if (rows && C_in > 0) {
+    DPAR_CHECK_ARG(dout_low != nullptr, "linear_backward (bf16): dout_low is null");
+    to_bf16(dout_low, g, B * C_out);
+  }
+  // dinp (B,C_in) = dout_low (B,C_out) @ weight (C_out,C_in)
+  if (dinp != nullptr && B > 0 && C_in > 0) {
+    if (C_out == 0) {
+      fill_zero(dinp, B * C_in);
+    } else {
+      DPAR_CHECK_ARG(weight != nullptr, "linear_backward (bf16): weight is null");
+      gemm.run(false, false, B, C_in, C_out, dout_low, C_out, weight, C_in, false, dinp, C_in);
+    }
+  }
+  // dweight (C_out,C_in) (+)= dout_low^T (C_out,B) @ inp (B,C_in)
+  if (C_out > 0 && C_in > 0) {
+    if (B == 0) {
+      if (!accumulate) fill_zero(dweight, C_out * C_in);
+    } else {
+      DPAR_CHECK_ARG(inp != nullptr, "linear_backward (bf16): inp is null");
+      gemm.run(true, false, C_out, C_in, B, dout_low, C_out, inp, C_in, accumulate, dweight, C_in);
+    }
+  }
 }
 
 // -------------------------------------------------------------------------------------------------------------

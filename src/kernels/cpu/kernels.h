@@ -49,6 +49,27 @@ void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre
                           const float* out, const float* inp, const float* weight, int64_t B, int64_t C_in,
                           int64_t C_out, bool accumulate);
 
+// In mixed precision (backend/kernel_calls.h's LinearForward and LinearBackward in bf16): inp and weight are bf16
+// bits (common/bf16.h), everything else f32. The GEMMs run on `gemm` (dnnl_ops.h: bf16 products, exact in f32,
+// accumulated in f32; gemm.h's bf16_support must hold); the bias, the epilogue and their backward are the f32
+// kernels' own passes above, the same arithmetic on the GEMM's f32 result.
+class Bf16Gemm;
+
+// out (B,C_out) = epilogue(inp @ weight^T + bias). ReLU: linear_relu_forward's pass. GELU: the GEMM and the bias
+// into pre (B,C_out), then gelu_forward from pre into out (what composing linear_forward and gelu_forward gives);
+// pre is unused otherwise (may be nullptr).
+void linear_forward_bf16(Bf16Gemm& gemm, float* out, float* pre, const uint16_t* inp, const uint16_t* weight,
+                         const float* bias, int64_t B, int64_t C_in, int64_t C_out, Epilogue epilogue);
+// From dout (B,C_out): the gradient before the GEMMs, g = dout (no epilogue), relu_backward's mask of it by out
+// (ReLU) or gelu_backward's by pre (GELU), written to dpre (B,C_out) with an epilogue; dbias (C_out, or nullptr)
+// = its column sums as in linear_backward; dout_low (B,C_out) = g rounded to bf16 (to_bf16); then dinp (B,C_in, or
+// nullptr) = dout_low @ weight and dweight (C_out,C_in) = dout_low^T @ inp, overwritten or added to when
+// accumulate (dbias too). dinp may be dout's memory: dout is read in full before dinp is written.
+void linear_backward_bf16(Bf16Gemm& gemm, float* dinp, float* dweight, float* dbias, float* dpre, uint16_t* dout_low,
+                          const float* dout, const float* out, const float* pre, const uint16_t* inp,
+                          const uint16_t* weight, int64_t B, int64_t C_in, int64_t C_out, Epilogue epilogue,
+                          bool accumulate);
+
 // ---------------------------------------------------------------------------------------------------------------
 // Elementwise activations on n elements. Backward takes what it needs: relu/tanh/sigmoid the forward output,
 // gelu the forward input. All buffers (n).
