@@ -38,6 +38,10 @@ class CudnnContext {
   // Waits for the stream's work, destroys the handle and frees the workspace; never throws. The caller has made
   // the device current.
   void close() noexcept;
+  // The stream's TF32 switch (Stream::set_allow_tf32): whether f32 convolutions may round their operands to TF32.
+  // Off (the default), they are strict FP32. An op reads it when it runs.
+  void set_allow_tf32(bool allow) { allow_tf32_ = allow; }
+  bool allow_tf32() const { return allow_tf32_; }
 
  private:
   void check_open() const;
@@ -45,6 +49,7 @@ class CudnnContext {
   Device device_;
   cudaStream_t stream_;
   bool closed_ = false;
+  bool allow_tf32_ = false;
   cudnnHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
