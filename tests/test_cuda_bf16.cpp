@@ -83,7 +83,8 @@ TensorRef ref2(const DeviceBuffer<T>& b, int64_t rows, int64_t cols, int64_t lea
 // |got - want| <= tol * scale[i] for every element, naming the first that is not.
 ::testing::AssertionResult within(const Vec& got, const std::vector<double>& want, const std::vector<double>& scale,
                                   double tol) {
-  if (got.size() != want.size()) return ::testing::AssertionFailure() << "sizes " << got.size() << " vs " << want.size();
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure() << "sizes " << got.size() << " vs " << want.size();
   for (size_t i = 0; i < got.size(); ++i) {
     const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
     if (!(err <= tol * scale[i] + 1e-30))
@@ -103,7 +104,8 @@ void gemm_reference(const Vec& x, const Vec& w, const Vec* b, int64_t B, int64_t
     for (int64_t j = 0; j < C_out; ++j) {
       double s = b ? (*b)[static_cast<size_t>(j)] : 0.0, m = b ? std::fabs(s) : 0.0;
       for (int64_t i = 0; i < C_in; ++i) {
-        const double t = static_cast<double>(x[static_cast<size_t>(r * C_in + i)]) * w[static_cast<size_t>(j * C_in + i)];
+        const double t =
+            static_cast<double>(x[static_cast<size_t>(r * C_in + i)]) * w[static_cast<size_t>(j * C_in + i)];
         s += t, m += std::fabs(t);
       }
       out[static_cast<size_t>(r * C_out + j)] = s, mag[static_cast<size_t>(r * C_out + j)] = m;
@@ -305,9 +307,15 @@ struct F32Linear {
 };
 
 F32Linear f32_linear(int64_t B, int64_t C_in, int64_t C_out, uint64_t seed) {
-  F32Linear l{B, C_in, C_out, random_vector(static_cast<size_t>(B * C_in), seed),
-              random_vector(static_cast<size_t>(C_out * C_in), seed + 1), random_vector(static_cast<size_t>(C_out), seed + 2),
-              random_vector(static_cast<size_t>(B * C_out), seed + 3), {}, {}};
+  F32Linear l{B,
+              C_in,
+              C_out,
+              random_vector(static_cast<size_t>(B * C_in), seed),
+              random_vector(static_cast<size_t>(C_out * C_in), seed + 1),
+              random_vector(static_cast<size_t>(C_out), seed + 2),
+              random_vector(static_cast<size_t>(B * C_out), seed + 3),
+              {},
+              {}};
   gemm_reference(l.x, l.w, &l.b, B, C_in, C_out, l.want, l.mag);
   return l;
 }
@@ -320,7 +328,8 @@ Vec run_f32_linear(Stream& s, const F32Linear& l) {
   s.run(call::LinearForward{ref2(*out, l.B, l.C_out), ref2(*dx, l.B, l.C_in), ref2(*dw, l.C_out, l.C_in),
                             TensorRef::of(db->get(), {l.C_out})});
   call::LinearBackward g;
-  g.dinp = ref2(*dinp, l.B, l.C_in), g.dweight = ref2(*gw, l.C_out, l.C_in), g.dbias = TensorRef::of(gb->get(), {l.C_out});
+  g.dinp = ref2(*dinp, l.B, l.C_in), g.dweight = ref2(*gw, l.C_out, l.C_in);
+  g.dbias = TensorRef::of(gb->get(), {l.C_out});
   g.dout = ref2(*ddy, l.B, l.C_out), g.inp = ref2(*dx, l.B, l.C_in), g.weight = ref2(*dw, l.C_out, l.C_in);
   s.run(g);
   Vec all = out->download();
@@ -415,7 +424,9 @@ ConvResults run_conv(Conv2dOp& op, const Conv2dSpec& s, const ConvCase& c, const
   const TensorRef xin = low ? as(xs, x16->get(), DType::kBF16) : as(xs, x32->get(), DType::kF32);
   const TensorRef win = low ? as(wshape, w16->get(), DType::kBF16) : as(wshape, w32->get(), DType::kF32);
   const TensorRef bias = s.bias ? TensorRef::of(b_->get(), {s.out_channels}) : TensorRef{};
-  auto bias_of = [&](DeviceBuffer<float>& g) { return s.bias ? TensorRef::of(g.get(), {s.out_channels}) : TensorRef{}; };
+  auto bias_of = [&](DeviceBuffer<float>& g) {
+    return s.bias ? TensorRef::of(g.get(), {s.out_channels}) : TensorRef{};
+  };
   op.forward(as(ys, y_->get(), DType::kF32), xin, win, bias);
   op.backward_data(as(xs, dx_->get(), DType::kF32), as(ys, dy_->get(), DType::kF32), win);
   op.backward_weights(as(wshape, dw_->get(), DType::kF32), bias_of(*db_), as(ys, dy_->get(), DType::kF32), xin, false);

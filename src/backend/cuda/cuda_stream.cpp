@@ -130,10 +130,10 @@ class CudaStream final : public Stream {
     }
   }
   // TF32 for f32 GEMMs through the handle's math mode (CUBLAS_TF32_TENSOR_OP_MATH) rather than a compute type per
-  // call: the f32 GEMMs are cublasSgemm and cublasSgemmStridedBatched (attention's), which take no compute type, so the one
-  // switch covers every f32 product of the stream, as torch.backends.cuda.matmul.allow_tf32 does, and with it off
-  // those calls are today's, bit for bit. cuDNN's convolutions read the context's flag (cudnn_ops.cpp). The bf16
-  // GEMMs are unaffected: bf16 operands are exact in TF32. Takes effect on the stream's next call.
+  // call: the f32 GEMMs are cublasSgemm and cublasSgemmStridedBatched (attention's), which take no compute type, so
+  // the one switch covers every f32 product of the stream, as torch.backends.cuda.matmul.allow_tf32 does, and with
+  // it off those calls are today's, bit for bit. cuDNN's convolutions read the context's flag (cudnn_ops.cpp). The
+  // bf16 GEMMs are unaffected: bf16 operands are exact in TF32. Takes effect from the stream's next call.
   bool set_allow_tf32(bool allow) override {
     const auto scope = enter();
     if (blas_) DPAR_CUBLAS_CHECK(cublas().set_math_mode(blas_, math_mode(allow)), "cublasSetMathMode");
@@ -208,10 +208,10 @@ class CudaStream final : public Stream {
     const int64_t B = c.inp.leading(), C_in = c.inp.size(-1), C_out = c.dout.size(-1);
     if (c.dtype() == DType::kBF16) {
       const bool relu = c.epilogue == Epilogue::kRelu;
-      return k::linear_backward_bf16(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), relu ? f32(c, c.dpre) : nullptr,
-                                     bf16(c, c.dout_low), f32(c, c.dout), relu ? f32(c, c.out) : nullptr,
-                                     bf16(c, c.inp), bf16(c, c.weight), B, C_in, C_out, relu, c.accumulate, blas(),
-                                     stream_);
+      return k::linear_backward_bf16(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias),
+                                     relu ? f32(c, c.dpre) : nullptr, bf16(c, c.dout_low), f32(c, c.dout),
+                                     relu ? f32(c, c.out) : nullptr, bf16(c, c.inp), bf16(c, c.weight), B, C_in, C_out,
+                                     relu, c.accumulate, blas(), stream_);
     }
     if (c.epilogue == Epilogue::kRelu)
       k::linear_relu_backward(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dpre), f32(c, c.dout),

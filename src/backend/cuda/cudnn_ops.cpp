@@ -120,11 +120,13 @@ const float kOne = 1.0f, kZero = 0.0f;
 //          GEMM's. Not CUDNN_DEFAULT_MATH: that lets cuDNN 8+ run FP32 convolutions on TF32 tensor cores on Ampere
 //          and later (H100, H200), with a 10-bit mantissa; PyTorch likewise sets CUDNN_FMA_MATH when
 //          torch.backends.cudnn.allow_tf32 is false. The default: what a stream without set_allow_tf32 gets.
-//   kTf32: f32 operands, TF32 tensor cores allowed (the stream's set_allow_tf32(true)): CUDNN_TENSOR_OP_MATH.
-//   kBf16: mixed precision (Conv2dSpec::dtype bf16): bf16-valued operands widened to f32, CUDNN_TENSOR_OP_MATH, and
-//          only the algorithms that multiply the operands themselves (implicit or explicit GEMM): a bf16 value is
-//          exact in TF32, so their products are exact and are summed in f32, whereas Winograd's and FFT's
-//          transformed operands are not bf16 values and would be rounded to TF32.
+//   kTf32: f32 operands, TF32 tensor cores allowed (the stream's set_allow_tf32(true)): CUDNN_DEFAULT_MATH, which
+//          cuDNN documents as permitting TF32 on A100 and later, as PyTorch sets it when allow_tf32 is true.
+//   kBf16: mixed precision (Conv2dSpec::dtype bf16): bf16-valued operands widened to f32, the same math type (the
+//          tensors cuDNN sees are f32, so TF32 is the tensor-core path for them; CUDNN_TENSOR_OP_MATH is meant for
+//          f16/bf16 tensors), and only the algorithms that multiply the operands themselves (implicit or explicit
+//          GEMM): a bf16 value is exact in TF32, so their products are exact and are summed in f32, whereas
+//          Winograd's and FFT's transformed operands are not bf16 values and would be rounded to TF32.
 enum class ConvMath { kFp32, kTf32, kBf16 };
 
 const char* math_name(ConvMath m) {
@@ -224,17 +226,17 @@ class CudnnConv2d final : public Conv2dOp {
   // Mixed precision (bf16): cuDNN's legacy API has no configuration with bf16 x and w and an f32 y (its
   // PSEUDO_BFLOAT16_CONFIG makes y bf16 too, which would round the output that the contract keeps in f32), so the
   // op widens the bf16 operands into f32 buffers it owns (exact: the Convert kernel from_bf16) and runs the f32
-  // convolution on them with tensor ops and GEMM-form algorithms (ConvMath::kBf16): the exact products of the bf16
-  // values summed in f32, written in f32 where the caller wants it. The gradient of the output is rounded to bf16
-  // (to_bf16, then widened) for the products of both backward passes; the bias gradient is summed from the f32
-  // gradient, as the linear layer's is.
+  // convolution on them with TF32 tensor cores allowed and GEMM-form algorithms only (ConvMath::kBf16): the exact
+  // products of the bf16 values summed in f32, written in f32 where the caller wants it. The gradient of the output
+  // is rounded to bf16 (to_bf16, then widened) for the products of both backward passes; the bias gradient is summed
+  // from the f32 gradient, as the linear layer's is.
   void forward(const TensorRef& out, const TensorRef& inp, const TensorRef& weight, const TensorRef& bias) override {
     const int64_t N = inp.size(0), H = inp.size(2), W = inp.size(3);
     if (!bf16_) return forward(f32(out), f32(inp), f32(weight), f32(bias), N, H, W);
     if (N == 0) return;
     DeviceScope scope(ctx_->device().index);
-    const float* x = widen(x32_, inp, "input");
-    const float* w = widen(w32_, weight, "weight");
+    const float* x = widen(x32_, inp, "widened input");
+    const float* w = widen(w32_, weight, "widened weight");
     forward(f32(out), x, w, f32(bias), N, H, W);
   }
   void backward_data(const TensorRef& dinp, const TensorRef& dout, const TensorRef& weight) override {
@@ -243,7 +245,7 @@ class CudnnConv2d final : public Conv2dOp {
     if (N == 0) return;
     DeviceScope scope(ctx_->device().index);
     const float* dy = rounded(dout);
-    const float* w = widen(w32_, weight, "weight");
+    const float* w = widen(w32_, weight, "widened weight");
     backward_data(f32(dinp), dy, w, N, H, W);
   }
   void backward_weights(const TensorRef& dweight, const TensorRef& dbias, const TensorRef& dout, const TensorRef& inp,
@@ -256,7 +258,7 @@ class CudnnConv2d final : public Conv2dOp {
     }
     DeviceScope scope(ctx_->device().index);
     const float* dy = rounded(dout);
-    const float* x = widen(x32_, inp, "input");
+    const float* x = widen(x32_, inp, "widened input");
     backward_weights(f32(dweight), f32(dbias), dy, f32(dout), x, N, H, W, accumulate);
   }
 
@@ -266,15 +268,15 @@ class CudnnConv2d final : public Conv2dOp {
   template <class T>
   class Scratch {
    public:
-    T* get(int64_t n, cudaStream_t stream, const std::string& what) {
+    T* get(int64_t n, cudaStream_t stream, const std::string& op, const char* what) {
       if (n <= capacity_) return p_;
       if (p_) {
-        DPAR_CUDA_CHECK(cudaStreamSynchronize(stream), "waiting for the stream before ", what, " grows");
-        DPAR_CUDA_CHECK(cudaFree(p_), "cudaFree of ", what);
+        DPAR_CUDA_CHECK(cudaStreamSynchronize(stream), "waiting for the stream before ", op, "'s ", what, " grows");
+        DPAR_CUDA_CHECK(cudaFree(p_), "cudaFree of ", op, "'s ", what);
         p_ = nullptr, capacity_ = 0;
       }
       DPAR_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), static_cast<size_t>(n) * sizeof(T)), "cudaMalloc of ",
-                      what, " (", n, " elements)");
+                      op, "'s ", what, " (", n, " elements)");
       capacity_ = n;
       return p_;
     }
@@ -292,7 +294,7 @@ class CudnnConv2d final : public Conv2dOp {
   const float* widen(Scratch<float>& buf, const TensorRef& r, const char* which) {
     const uint16_t* src = r.contiguous_as<uint16_t>("a bf16 cuDNN convolution's operand");
     const int64_t n = r.numel();
-    float* dst = buf.get(n, ctx_->stream(), name_ + "'s f32 copy of its bf16 " + which);
+    float* dst = buf.get(n, ctx_->stream(), name_, which);
     kernels::cuda::from_bf16(dst, src, n, ctx_->stream());
     return dst;
   }
@@ -300,8 +302,8 @@ class CudnnConv2d final : public Conv2dOp {
   const float* rounded(const TensorRef& dout) {
     const float* src = f32(dout);
     const int64_t n = dout.numel();
-    uint16_t* low = dy16_.get(n, ctx_->stream(), name_ + "'s bf16 output gradient");
-    float* dst = dy32_.get(n, ctx_->stream(), name_ + "'s rounded output gradient");
+    uint16_t* low = dy16_.get(n, ctx_->stream(), name_, "bf16 output gradient");
+    float* dst = dy32_.get(n, ctx_->stream(), name_, "rounded output gradient");
     kernels::cuda::to_bf16(low, src, n, ctx_->stream());
     kernels::cuda::from_bf16(dst, low, n, ctx_->stream());
     return dst;
@@ -315,7 +317,7 @@ class CudnnConv2d final : public Conv2dOp {
   // under the other one.
   void use_math(ConvMath m) {
     if (math_set_ && m == math_) return;
-    const cudnnMathType_t type = m == ConvMath::kFp32 ? CUDNN_FMA_MATH : CUDNN_TENSOR_OP_MATH;
+    const cudnnMathType_t type = m == ConvMath::kFp32 ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH;
     DPAR_CUDNN_CHECK(lib_.set_conv_math(conv_.get(), type), "cudnnSetConvolutionMathType for ", name_);
     if (math_set_) cache_.clear();
     math_ = m;
@@ -353,7 +355,8 @@ class CudnnConv2d final : public Conv2dOp {
                      "cudnnConvolutionBackwardData for ", name_);
   }
 
-  // dweight from dout and inp; dbias from dout_bias (dout itself in f32; in bf16, dout is rounded and dout_bias is not).
+  // dweight from dout and inp; dbias from dout_bias (dout itself in f32; in bf16, dout is rounded and dout_bias
+  // is not).
   void backward_weights(float* dweight, float* dbias, const float* dout, const float* dout_bias, const float* inp,
                         int64_t N, int64_t H, int64_t W, bool accumulate) {
     const Conv2dSpec& s = spec_;

@@ -1,7 +1,8 @@
 // Convolution and pooling on cuda through cuDNN (loaded on first use: platform/cuda/cudnn_library.h), the ops of
 // backend/ops.h that CudaStream::make_conv2d and make_pool2d return. They live beside the stream rather than under
 // kernels/cuda because they are the op seam itself, drawing on the stream's own state (its cuDNN handle, its
-// workspace); the math is all cuDNN's, and the one dpar kernel they call (the ReLU epilogue) is kernels/cuda's.
+// workspace); the math is all cuDNN's, and the dpar kernels they call (the ReLU epilogue, the bf16 conversions) are
+// kernels/cuda's.
 //
 // Built only where cuDNN's headers were found (DPAR_HAVE_CUDNN_HEADERS).
 #pragma once
