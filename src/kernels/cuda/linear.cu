@@ -268,7 +268,13 @@ void linear_backward_bf16(float* dinp, float* dweight, float* dbias, float* dpre
                           int64_t C_in, int64_t C_out, bool relu, bool accumulate, cublasHandle_t blas,
                           cudaStream_t stream) {
   blas_dim(B, "B");
+  blas_dim(C_in, "C_in");
   blas_dim(C_out, "C_out");
+  // The GEMMs' argument checks before any pass is queued: a refused call changes nothing.
+  DPAR_CHECK_ARG(dweight != nullptr || C_out * C_in == 0, "linear_backward: dweight is null");
+  DPAR_CHECK_ARG(B == 0 || C_out == 0 || dout_low != nullptr, "linear_backward (bf16): dout_low is null");
+  DPAR_CHECK_ARG(B == 0 || C_out == 0 || C_in == 0 || (inp != nullptr && weight != nullptr),
+                 "linear_backward: inp or weight is null");
   const float* grad = dout;  // the f32 gradient before the GEMMs
   if (relu) {
     relu_backward_bias(dpre, dbias, dout, out, B, C_out, accumulate, stream);
@@ -277,10 +283,7 @@ void linear_backward_bf16(float* dinp, float* dweight, float* dbias, float* dpre
     DPAR_CHECK_ARG(B == 0 || C_out == 0 || dout != nullptr, "linear_backward: dout is null");
     bias_backward(dbias, dout, B, C_out, accumulate, stream);
   }
-  if (B > 0 && C_out > 0) {
-    DPAR_CHECK_ARG(dout_low != nullptr, "linear_backward (bf16): dout_low is null");
-    to_bf16(dout_low, grad, B * C_out, stream);
-  }
+  if (B > 0 && C_out > 0) to_bf16(dout_low, grad, B * C_out, stream);
   backward_gemms(dinp, dweight, static_cast<const uint16_t*>(dout_low), inp, weight, B, C_in, C_out, accumulate,
                  blas, stream);
 }
