@@ -329,7 +329,7 @@ sanitized_tests() {
   if [ "$1" = racecheck ]; then
     echo test_cuda_norm test_cuda_cudnn test_cuda_kernels
   else
-    echo test_cuda_norm test_cuda_cudnn test_cuda_kernels test_cuda_engine
+    echo test_cuda_bf16 test_cuda_norm test_cuda_cudnn test_cuda_kernels test_cuda_engine
   fi
 }
 

@@ -109,16 +109,39 @@ class CudaStream final : public Stream {
     DPAR_CUDA_CHECK(cudaStreamSynchronize(stream_), device().str(), ": the device failed while running queued work");
   }
 
-  // The kernels this backend has: f32 for all, and bf16 for conversions; ReLU fused into a linear layer's and a
-  // BatchNorm's pass (the GELU epilogue composes: Stream::run).
+  // The kernels this backend has: f32 for all; bf16 for conversions and the linear layer (mixed precision: bf16
+  // operands, f32 everything else); ReLU fused into a linear layer's and a BatchNorm's pass (the GELU epilogue
+  // composes: Stream::run).
   bool supports(const KernelKey& key) const override {
-    if (key.dtype != DType::kF32) return key.op == Op::kConvert && key.dtype == DType::kBF16;
+    if (key.dtype == DType::kBF16) {
+      switch (key.op) {
+        case Op::kConvert: return true;
+        case Op::kLinearForward:
+        case Op::kLinearBackward: return key.epilogue == Epilogue::kNone || key.epilogue == Epilogue::kRelu;
+        default: return false;
+      }
+    }
+    if (key.dtype != DType::kF32) return false;
     switch (key.op) {
       case Op::kLinearForward:
       case Op::kLinearBackward:
       case Op::kBatchNormApply: return key.epilogue == Epilogue::kNone || key.epilogue == Epilogue::kRelu;
       default: return key.epilogue == Epilogue::kNone;
     }
+  }
+  // TF32 for f32 GEMMs through the handle's math mode (CUBLAS_TF32_TENSOR_OP_MATH) rather than a compute type per
+  // call: the f32 GEMMs are cublasSgemm and cublasSgemmStridedBatched (attention's), which take no compute type, so
+  // the one switch covers every f32 product of the stream, as torch.backends.cuda.matmul.allow_tf32 does, and with
+  // it off those calls are today's, bit for bit. cuDNN's convolutions read the context's flag (cudnn_ops.cpp). The
+  // bf16 GEMMs are unaffected: bf16 operands are exact in TF32. Takes effect from the stream's next call.
+  bool set_allow_tf32(bool allow) override {
+    const auto scope = enter();
+    if (blas_) DPAR_CUBLAS_CHECK(cublas().set_math_mode(blas_, math_mode(allow)), "cublasSetMathMode");
+    allow_tf32_ = allow;
+#ifdef DPAR_HAVE_CUDNN_HEADERS
+    if (cudnn_) cudnn_->set_allow_tf32(allow);
+#endif
+    return true;
   }
   // Through cuDNN, loaded on first use (backend/cuda/cudnn_ops.h); NOT_SUPPORTED naming what is missing without it.
   std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec) override {
@@ -170,13 +193,26 @@ class CudaStream final : public Stream {
   template <class C>
   static int64_t* i64(const C&, const TensorRef& r) { return r.contiguous_as<int64_t>(C::kName); }
 
+  template <class C>
+  static uint16_t* bf16(const C&, const TensorRef& r) { return r.contiguous_as<uint16_t>(C::kName); }
+
   void run_call(const call::LinearForward& c) {
+    if (c.dtype() == DType::kBF16)
+      return k::linear_forward_bf16(f32(c, c.out), bf16(c, c.inp), bf16(c, c.weight), f32(c, c.bias), c.inp.leading(),
+                                    c.inp.size(-1), c.out.size(-1), c.epilogue == Epilogue::kRelu, blas(), stream_);
     (c.epilogue == Epilogue::kRelu ? k::linear_relu_forward : k::linear_forward)(
         f32(c, c.out), f32(c, c.inp), f32(c, c.weight), f32(c, c.bias), c.inp.leading(), c.inp.size(-1), c.out.size(-1),
         blas(), stream_);
   }
   void run_call(const call::LinearBackward& c) {
     const int64_t B = c.inp.leading(), C_in = c.inp.size(-1), C_out = c.dout.size(-1);
+    if (c.dtype() == DType::kBF16) {
+      const bool relu = c.epilogue == Epilogue::kRelu;
+      return k::linear_backward_bf16(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias),
+                                     relu ? f32(c, c.dpre) : nullptr, bf16(c, c.dout_low), f32(c, c.dout),
+                                     relu ? f32(c, c.out) : nullptr, bf16(c, c.inp), bf16(c, c.weight), B, C_in, C_out,
+                                     relu, c.accumulate, blas(), stream_);
+    }
     if (c.epilogue == Epilogue::kRelu)
       k::linear_relu_backward(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dpre), f32(c, c.dout),
                               f32(c, c.out), f32(c, c.inp), f32(c, c.weight), B, C_in, C_out, c.accumulate, blas(),
@@ -311,13 +347,18 @@ class CudaStream final : public Stream {
     DPAR_CUBLAS_CHECK(lib.create(&h), "cublasCreate on ", device().str());
     try {
       DPAR_CUBLAS_CHECK(lib.set_stream(h, stream_), "cublasSetStream");
-      // FP32 arithmetic, as the CPU reference computes (no TF32 unless asked for).
-      DPAR_CUBLAS_CHECK(lib.set_math_mode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+      // FP32 arithmetic, as the CPU reference computes (no TF32 unless asked for: set_allow_tf32).
+      DPAR_CUBLAS_CHECK(lib.set_math_mode(h, math_mode(allow_tf32_)), "cublasSetMathMode");
     } catch (...) {
       lib.destroy(h);
       throw;
     }
     return blas_ = h;
+  }
+  // CUBLAS_DEFAULT_MATH: cublasSgemm in FP32. CUBLAS_TF32_TENSOR_OP_MATH lets it round its operands to TF32
+  // (NVIDIA_TF32_OVERRIDE=0 in the environment still turns that off, for every library of the process).
+  static cublasMath_t math_mode(bool allow_tf32) {
+    return allow_tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH;
   }
   // Every operation runs with the stream's device current: a replica's worker has made it current already (the
   // scope then costs one cudaGetDevice), but its communication thread and a borrowed stream's callers have not.
@@ -325,7 +366,10 @@ class CudaStream final : public Stream {
 #ifdef DPAR_HAVE_CUDNN_HEADERS
   // Shared with the stream's cuDNN ops, which may outlive it (closed by the destructor).
   std::shared_ptr<CudnnContext> cudnn_context() {
-    if (!cudnn_) cudnn_ = std::make_shared<CudnnContext>(device(), stream_);
+    if (!cudnn_) {
+      cudnn_ = std::make_shared<CudnnContext>(device(), stream_);
+      cudnn_->set_allow_tf32(allow_tf32_);
+    }
     return cudnn_;
   }
   std::shared_ptr<CudnnContext> cudnn_;
@@ -338,6 +382,7 @@ class CudaStream final : public Stream {
   cudaStream_t stream_ = nullptr;
   bool owns_stream_ = false, borrowed_ = false;
   cublasHandle_t blas_ = nullptr;
+  bool allow_tf32_ = false;  // set_allow_tf32: the handle's math mode, and the cuDNN context's
   cudaEvent_t staged_ = nullptr;  // the last copy out of pinned_ finished
   void* pinned_ = nullptr;
   size_t pinned_bytes_ = 0;

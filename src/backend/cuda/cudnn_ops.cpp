@@ -115,17 +115,54 @@ void set_nchw(const TensorDesc& d, int64_t N, int64_t C, int64_t H, int64_t W, c
 
 const float kOne = 1.0f, kZero = 0.0f;
 
+// How a convolution computes, which decides the math type of its descriptor and the algorithms it may take.
+//   kFp32: f32 operands in FP32 FMA arithmetic (CUDNN_FMA_MATH), the CPU reference's precision and dpar's cuBLAS
+//          GEMM's. Not CUDNN_DEFAULT_MATH: that lets cuDNN 8+ run FP32 convolutions on TF32 tensor cores on Ampere
+//          and later (H100, H200), with a 10-bit mantissa; PyTorch likewise sets CUDNN_FMA_MATH when
+//          torch.backends.cudnn.allow_tf32 is false. The default: what a stream without set_allow_tf32 gets.
+//   kTf32: f32 operands, TF32 tensor cores allowed (the stream's set_allow_tf32(true)): CUDNN_DEFAULT_MATH, which
+//          cuDNN documents as permitting TF32 on A100 and later, as PyTorch sets it when allow_tf32 is true.
+//   kBf16: mixed precision (Conv2dSpec::dtype bf16): bf16-valued operands widened to f32, the same math type (the
+//          tensors cuDNN sees are f32, so TF32 is the tensor-core path for them; CUDNN_TENSOR_OP_MATH is meant for
+//          f16/bf16 tensors), and only the algorithms that multiply the operands themselves (implicit or explicit
+//          GEMM): a bf16 value is exact in TF32, so their products are exact and are summed in f32, whereas
+//          Winograd's and FFT's transformed operands are not bf16 values and would be rounded to TF32.
+enum class ConvMath { kFp32, kTf32, kBf16 };
+
+const char* math_name(ConvMath m) {
+  switch (m) {
+    case ConvMath::kFp32: return "FP32";
+    case ConvMath::kTf32: return "TF32";
+    case ConvMath::kBf16: return "bf16 (GEMM-form, f32 accumulation)";
+  }
+  return "?";
+}
+
+bool gemm_form(cudnnConvolutionFwdAlgo_t a) {
+  return a == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM || a == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM ||
+         a == CUDNN_CONVOLUTION_FWD_ALGO_GEMM || a == CUDNN_CONVOLUTION_FWD_ALGO_DIRECT;
+}
+bool gemm_form(cudnnConvolutionBwdDataAlgo_t a) {
+  return a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_0 || a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_1;
+}
+bool gemm_form(cudnnConvolutionBwdFilterAlgo_t a) {
+  return a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 || a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1 ||
+         a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3;
+}
+
 // The first algorithm of cuDNN's list (its heuristics', fastest first) that ran its check (status SUCCESS), is
-// deterministic (two runs give the same bits: replicas must agree, and a rerun must too), does not convert FP32 to
-// a lower precision (TF32 tensor ops: the CPU reference and dpar's cuBLAS GEMM compute in FP32; the descriptor's
-// CUDNN_FMA_MATH already asks for that, this only refuses a result that says otherwise) and whose workspace fits
-// the cap. The list's algorithm values, for the error.
+// deterministic (two runs give the same bits: replicas must agree, and a rerun must too), computes in the
+// precision asked for and whose workspace fits the cap. In FP32 that refuses tensor-op math (TF32: the descriptor's
+// CUDNN_FMA_MATH already asks for FP32, this only refuses a result that says otherwise); FP16 down-conversion is
+// refused always; in bf16 only GEMM-form algorithms are taken (ConvMath). The list's algorithm values, for the error.
 template <class Perf>
-const Perf* choose(const std::vector<Perf>& perfs, int returned) {
+const Perf* choose(const std::vector<Perf>& perfs, int returned, ConvMath math) {
   for (int i = 0; i < returned; ++i) {
     const Perf& p = perfs[static_cast<size_t>(i)];
     if (p.status != CUDNN_STATUS_SUCCESS || p.determinism != CUDNN_DETERMINISTIC) continue;
-    if (p.mathType == CUDNN_TENSOR_OP_MATH || p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+    if (p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+    if (math == ConvMath::kFp32 && p.mathType == CUDNN_TENSOR_OP_MATH) continue;
+    if (math == ConvMath::kBf16 && !gemm_form(p.algo)) continue;
     if (p.memory > cudnn_detail::kWorkspaceCap) continue;
     return &p;
   }
@@ -154,6 +191,8 @@ class CudnnConv2d final : public Conv2dOp {
         conv_(lib_.create_conv, lib_.destroy_conv, "cudnnCreateConvolutionDescriptor") {
     const Conv2dSpec& s = spec_;
     const std::string what = name_ + " on " + ctx_->device().str();
+    DPAR_ENFORCE(s.dtype == DType::kF32 || s.dtype == DType::kBF16, Status::kNotSupported, what, " in ",
+                 dtype_name(s.dtype), ": cuDNN's convolution computes in f32 or bf16 (mixed precision)");
     // PyTorch's weight (C_out, C_in/groups, kh, kw) is cuDNN's KCRS filter of a grouped convolution, as is.
     DPAR_CUDNN_CHECK(lib_.set_filter_4d(filter_.get(), CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW,
                                         to_int(s.out_channels, what + ": out_channels"),
@@ -161,39 +200,135 @@ class CudnnConv2d final : public Conv2dOp {
                                         to_int(s.kernel_h, what + ": kernel_h"),
                                         to_int(s.kernel_w, what + ": kernel_w")),
                      "cudnnSetFilter4dDescriptor for ", what);
-    // Cross-correlation (what PyTorch and oneDNN call convolution), zero padding on both sides, FP32 throughout.
+    // Cross-correlation (what PyTorch and oneDNN call convolution), zero padding on both sides, f32 tensors and f32
+    // accumulation (bf16 operands are widened to f32 first: forward() below).
     DPAR_CUDNN_CHECK(lib_.set_conv_2d(conv_.get(), to_int(s.pad_h, what), to_int(s.pad_w, what),
                                       to_int(s.stride_h, what), to_int(s.stride_w, what), to_int(s.dilation_h, what),
                                       to_int(s.dilation_w, what), CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT),
                      "cudnnSetConvolution2dDescriptor for ", what);
     DPAR_CUDNN_CHECK(lib_.set_conv_groups(conv_.get(), to_int(s.groups, what)), "cudnnSetConvolutionGroupCount for ",
                      what);
-    // CUDNN_FMA_MATH: FP32 FMA kernels only. CUDNN_DEFAULT_MATH would let cuDNN 8+ run FP32 convolutions on TF32
-    // tensor cores on Ampere and later (H100, H200), with a 10-bit mantissa; the CPU reference is FP32.
-    DPAR_CUDNN_CHECK(lib_.set_conv_math(conv_.get(), CUDNN_FMA_MATH), "cudnnSetConvolutionMathType for ", what);
+    // The descriptor's math type (ConvMath): set by use_math(), here and whenever the stream's TF32 switch moved.
+    use_math(math_wanted());
     if (s.bias) {
       bias_ = std::make_unique<TensorDesc>();
       set_nchw(*bias_, 1, s.out_channels, 1, 1, what + "'s bias");
     }
   }
+  ~CudnnConv2d() override {
+    DeviceScope scope(ctx_->device().index, std::nothrow);
+    x32_.release();
+    w32_.release();
+    dy32_.release();
+    dy16_.release();
+  }
 
+  // Mixed precision (bf16): cuDNN's legacy API has no configuration with bf16 x and w and an f32 y (its
+  // PSEUDO_BFLOAT16_CONFIG makes y bf16 too, which would round the output that the contract keeps in f32), so the
+  // op widens the bf16 operands into f32 buffers it owns (exact: the Convert kernel from_bf16) and runs the f32
+  // convolution on them with TF32 tensor cores allowed and GEMM-form algorithms only (ConvMath::kBf16): the exact
+  // products of the bf16 values summed in f32, written in f32 where the caller wants it. The gradient of the output
+  // is rounded to bf16 (to_bf16, then widened) for the products of both backward passes; the bias gradient is summed
+  // from the f32 gradient, as the linear layer's is.
   void forward(const TensorRef& out, const TensorRef& inp, const TensorRef& weight, const TensorRef& bias) override {
-    forward(f32(out), f32(inp), f32(weight), f32(bias), inp.size(0), inp.size(2), inp.size(3));
+    const int64_t N = inp.size(0), H = inp.size(2), W = inp.size(3);
+    if (!bf16_) return forward(f32(out), f32(inp), f32(weight), f32(bias), N, H, W);
+    if (N == 0) return;
+    DeviceScope scope(ctx_->device().index);
+    const float* x = widen(x32_, inp, "widened input");
+    const float* w = widen(w32_, weight, "widened weight");
+    forward(f32(out), x, w, f32(bias), N, H, W);
   }
   void backward_data(const TensorRef& dinp, const TensorRef& dout, const TensorRef& weight) override {
-    backward_data(f32(dinp), f32(dout), f32(weight), dinp.size(0), dinp.size(2), dinp.size(3));
+    const int64_t N = dinp.size(0), H = dinp.size(2), W = dinp.size(3);
+    if (!bf16_) return backward_data(f32(dinp), f32(dout), f32(weight), N, H, W);
+    if (N == 0) return;
+    DeviceScope scope(ctx_->device().index);
+    const float* dy = rounded(dout);
+    const float* w = widen(w32_, weight, "widened weight");
+    backward_data(f32(dinp), dy, w, N, H, W);
   }
   void backward_weights(const TensorRef& dweight, const TensorRef& dbias, const TensorRef& dout, const TensorRef& inp,
                         bool accumulate) override {
-    backward_weights(f32(dweight), f32(dbias), f32(dout), f32(inp), inp.size(0), inp.size(2), inp.size(3),
-                     accumulate);
+    const int64_t N = inp.size(0), H = inp.size(2), W = inp.size(3);
+    if (!bf16_ || N == 0 || !dweight.defined()) {
+      // f32; or no rows (zeros), or the bias gradient alone, which reads no bf16 operand. inp is not read then.
+      const float* x = bf16_ ? nullptr : f32(inp);
+      return backward_weights(f32(dweight), f32(dbias), f32(dout), f32(dout), x, N, H, W, accumulate);
+    }
+    DeviceScope scope(ctx_->device().index);
+    const float* dy = rounded(dout);
+    const float* x = widen(x32_, inp, "widened input");
+    backward_weights(f32(dweight), f32(dbias), dy, f32(dout), x, N, H, W, accumulate);
   }
 
  private:
+  // An op-owned device buffer, grown to the largest call so far. Growing waits for the stream's queued work (which
+  // may read the old one) before it frees it.
+  template <class T>
+  class Scratch {
+   public:
+    T* get(int64_t n, cudaStream_t stream, const std::string& op, const char* what) {
+      if (n <= capacity_) return p_;
+      if (p_) {
+        DPAR_CUDA_CHECK(cudaStreamSynchronize(stream), "waiting for the stream before ", op, "'s ", what, " grows");
+        DPAR_CUDA_CHECK(cudaFree(p_), "cudaFree of ", op, "'s ", what);
+        p_ = nullptr, capacity_ = 0;
+      }
+      DPAR_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), static_cast<size_t>(n) * sizeof(T)), "cudaMalloc of ",
+                      op, "'s ", what, " (", n, " elements)");
+      capacity_ = n;
+      return p_;
+    }
+    void release() noexcept {
+      if (p_) (void)cudaFree(p_);  // waits for the device's work, which may still read it
+      p_ = nullptr, capacity_ = 0;
+    }
+
+   private:
+    T* p_ = nullptr;
+    int64_t capacity_ = 0;
+  };
+
+  // A bf16 operand widened into `buf` (exact), on the stream. The caller has made the device current.
+  const float* widen(Scratch<float>& buf, const TensorRef& r, const char* which) {
+    const uint16_t* src = r.contiguous_as<uint16_t>("a bf16 cuDNN convolution's operand");
+    const int64_t n = r.numel();
+    float* dst = buf.get(n, ctx_->stream(), name_, which);
+    kernels::cuda::from_bf16(dst, src, n, ctx_->stream());
+    return dst;
+  }
+  // The f32 gradient of the output rounded to bf16 and widened back: the operand of both backward products.
+  const float* rounded(const TensorRef& dout) {
+    const float* src = f32(dout);
+    const int64_t n = dout.numel();
+    uint16_t* low = dy16_.get(n, ctx_->stream(), name_, "bf16 output gradient");
+    float* dst = dy32_.get(n, ctx_->stream(), name_, "rounded output gradient");
+    kernels::cuda::to_bf16(low, src, n, ctx_->stream());
+    kernels::cuda::from_bf16(dst, low, n, ctx_->stream());
+    return dst;
+  }
+
+  ConvMath math_wanted() const {
+    if (bf16_) return ConvMath::kBf16;
+    return ctx_->allow_tf32() ? ConvMath::kTf32 : ConvMath::kFp32;
+  }
+  // Sets the descriptor's math type for `m`. A change (the stream's TF32 switch moved) forgets the algorithms chosen
+  // under the other one.
+  void use_math(ConvMath m) {
+    if (math_set_ && m == math_) return;
+    const cudnnMathType_t type = m == ConvMath::kFp32 ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH;
+    DPAR_CUDNN_CHECK(lib_.set_conv_math(conv_.get(), type), "cudnnSetConvolutionMathType for ", name_);
+    if (math_set_) cache_.clear();
+    math_ = m;
+    math_set_ = true;
+  }
+
   void forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t H,
                int64_t W) {
     if (N == 0) return;
     DeviceScope scope(ctx_->device().index);
+    use_math(math_wanted());
     Shape& p = shape(N, H, W);
     cudnnHandle_t h = ctx_->handle();
     void* ws = ctx_->workspace(p.fwd_bytes);
@@ -210,6 +345,7 @@ class CudnnConv2d final : public Conv2dOp {
   void backward_data(float* dinp, const float* dout, const float* weight, int64_t N, int64_t H, int64_t W) {
     if (N == 0) return;
     DeviceScope scope(ctx_->device().index);
+    use_math(math_wanted());
     Shape& p = shape(N, H, W);
     cudnnHandle_t h = ctx_->handle();
     if (!p.has_bwd_data) choose_bwd_data(h, p);
@@ -219,8 +355,10 @@ class CudnnConv2d final : public Conv2dOp {
                      "cudnnConvolutionBackwardData for ", name_);
   }
 
-  void backward_weights(float* dweight, float* dbias, const float* dout, const float* inp, int64_t N, int64_t H,
-                        int64_t W, bool accumulate) {
+  // dweight from dout and inp; dbias from dout_bias (dout itself in f32; in bf16, dout is rounded and dout_bias
+  // is not).
+  void backward_weights(float* dweight, float* dbias, const float* dout, const float* dout_bias, const float* inp,
+                        int64_t N, int64_t H, int64_t W, bool accumulate) {
     const Conv2dSpec& s = spec_;
     if (!s.bias) dbias = nullptr;
     if (!dweight && !dbias) return;
@@ -236,6 +374,7 @@ class CudnnConv2d final : public Conv2dOp {
                         name_, ": zero dbias");
       return;
     }
+    use_math(math_wanted());
     Shape& p = shape(N, H, W);
     cudnnHandle_t h = ctx_->handle();
     // beta = 1 adds to what is there (accumulate), beta = 0 overwrites (and reads nothing, NaN included).
@@ -248,7 +387,7 @@ class CudnnConv2d final : public Conv2dOp {
                        "cudnnConvolutionBackwardFilter for ", name_);
     }
     if (dbias)
-      DPAR_CUDNN_CHECK(lib_.conv_backward_bias(h, &kOne, p.y.get(), dout, beta, bias_->get(), dbias),
+      DPAR_CUDNN_CHECK(lib_.conv_backward_bias(h, &kOne, p.y.get(), dout_bias, beta, bias_->get(), dbias),
                        "cudnnConvolutionBackwardBias for ", name_);
   }
 
@@ -288,10 +427,10 @@ class CudnnConv2d final : public Conv2dOp {
     DPAR_CUDNN_CHECK(lib_.fwd_algorithms(h, p->x.get(), filter_.get(), conv_.get(), p->y.get(),
                                          static_cast<int>(perfs.size()), &returned, perfs.data()),
                      "cudnnGetConvolutionForwardAlgorithm_v7 for ", name_);
-    const auto* best = choose(perfs, returned);
+    const auto* best = choose(perfs, returned, math_);
     DPAR_ENFORCE(best != nullptr, Status::kNotSupported, name_, " on ", ctx_->device().str(), " for input (", N,
-                 ", ", s.in_channels, ", ", H, ", ", W, "): cuDNN offers no deterministic FP32 forward algorithm "
-                 "within ", cudnn_detail::kWorkspaceCap, " bytes of workspace; it offered ",
+                 ", ", s.in_channels, ", ", H, ", ", W, "): cuDNN offers no deterministic ", math_name(math_),
+                 " forward algorithm within ", cudnn_detail::kWorkspaceCap, " bytes of workspace; it offered ",
                  list_algorithms(perfs, returned));
     p->fwd = best->algo;
     // The workspace of the algorithm as configured, asked again: the heuristics' figure is an estimate.
@@ -308,10 +447,10 @@ class CudnnConv2d final : public Conv2dOp {
     DPAR_CUDNN_CHECK(lib_.bwd_data_algorithms(h, filter_.get(), p.y.get(), conv_.get(), p.x.get(),
                                               static_cast<int>(perfs.size()), &returned, perfs.data()),
                      "cudnnGetConvolutionBackwardDataAlgorithm_v7 for ", name_);
-    const auto* best = choose(perfs, returned);
+    const auto* best = choose(perfs, returned, math_);
     DPAR_ENFORCE(best != nullptr, Status::kNotSupported, name_, " on ", ctx_->device().str(), " for input (", p.N,
-                 ", ", spec_.in_channels, ", ", p.H, ", ", p.W, "): cuDNN offers no deterministic FP32 backward-data "
-                 "algorithm within ", cudnn_detail::kWorkspaceCap, " bytes of workspace; it offered ",
+                 ", ", spec_.in_channels, ", ", p.H, ", ", p.W, "): cuDNN offers no deterministic ", math_name(math_),
+                 " backward-data algorithm within ", cudnn_detail::kWorkspaceCap, " bytes of workspace; it offered ",
                  list_algorithms(perfs, returned));
     p.bwd_data = best->algo;
     DPAR_CUDNN_CHECK(lib_.bwd_data_workspace(h, filter_.get(), p.y.get(), conv_.get(), p.x.get(), p.bwd_data,
@@ -326,10 +465,10 @@ class CudnnConv2d final : public Conv2dOp {
     DPAR_CUDNN_CHECK(lib_.bwd_filter_algorithms(h, p.x.get(), p.y.get(), conv_.get(), filter_.get(),
                                                 static_cast<int>(perfs.size()), &returned, perfs.data()),
                      "cudnnGetConvolutionBackwardFilterAlgorithm_v7 for ", name_);
-    const auto* best = choose(perfs, returned);
+    const auto* best = choose(perfs, returned, math_);
     DPAR_ENFORCE(best != nullptr, Status::kNotSupported, name_, " on ", ctx_->device().str(), " for input (", p.N,
-                 ", ", spec_.in_channels, ", ", p.H, ", ", p.W, "): cuDNN offers no deterministic FP32 "
-                 "backward-filter algorithm within ", cudnn_detail::kWorkspaceCap, " bytes of workspace; it offered ",
+                 ", ", spec_.in_channels, ", ", p.H, ", ", p.W, "): cuDNN offers no deterministic ", math_name(math_),
+                 " backward-filter algorithm within ", cudnn_detail::kWorkspaceCap, " bytes of workspace; it offered ",
                  list_algorithms(perfs, returned));
     p.bwd_filter = best->algo;
     DPAR_CUDNN_CHECK(lib_.bwd_filter_workspace(h, p.x.get(), p.y.get(), conv_.get(), filter_.get(), p.bwd_filter,
@@ -342,6 +481,11 @@ class CudnnConv2d final : public Conv2dOp {
   std::string name_;
   std::shared_ptr<CudnnContext> ctx_;
   const CudnnLibrary& lib_;
+  bool bf16_ = spec_.dtype == DType::kBF16;
+  ConvMath math_ = ConvMath::kFp32;  // the descriptor's, once math_set_
+  bool math_set_ = false;
+  Scratch<float> x32_, w32_, dy32_;  // bf16: the widened input and weight, the rounded output gradient
+  Scratch<uint16_t> dy16_;           // bf16: the output gradient rounded
   Desc<cudnnFilterDescriptor_t> filter_;
   Desc<cudnnConvolutionDescriptor_t> conv_;
   std::unique_ptr<TensorDesc> bias_;  // (1, C_out, 1, 1), broadcast over the output

@@ -1,7 +1,8 @@
 // Convolution and pooling on cuda through cuDNN (loaded on first use: platform/cuda/cudnn_library.h), the ops of
 // backend/ops.h that CudaStream::make_conv2d and make_pool2d return. They live beside the stream rather than under
 // kernels/cuda because they are the op seam itself, drawing on the stream's own state (its cuDNN handle, its
-// workspace); the math is all cuDNN's, and the one dpar kernel they call (the ReLU epilogue) is kernels/cuda's.
+// workspace); the math is all cuDNN's, and the dpar kernels they call (the ReLU epilogue, the bf16 conversions) are
+// kernels/cuda's.
 //
 // Built only where cuDNN's headers were found (DPAR_HAVE_CUDNN_HEADERS).
 #pragma once
@@ -38,6 +39,10 @@ class CudnnContext {
   // Waits for the stream's work, destroys the handle and frees the workspace; never throws. The caller has made
   // the device current.
   void close() noexcept;
+  // The stream's TF32 switch (Stream::set_allow_tf32): whether f32 convolutions may round their operands to TF32.
+  // Off (the default), they are strict FP32. An op reads it when it runs.
+  void set_allow_tf32(bool allow) { allow_tf32_ = allow; }
+  bool allow_tf32() const { return allow_tf32_; }
 
  private:
   void check_open() const;
@@ -45,6 +50,7 @@ class CudnnContext {
   Device device_;
   cudaStream_t stream_;
   bool closed_ = false;
+  bool allow_tf32_ = false;
   cudnnHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;

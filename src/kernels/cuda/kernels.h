@@ -25,7 +25,7 @@
 namespace dpar::kernels::cuda {
 
 // ---------------------------------------------------------------------------------------------------------------
-// Linear layer (cuBLAS SGEMM, FP32 arithmetic: the CPU twin's precision).
+// Linear layer (cuBLAS SGEMM, FP32 arithmetic: the CPU twin's precision, unless the stream allows TF32).
 
 // out = inp @ weight^T + bias.
 // inp (B,C_in), weight (C_out,C_in), bias (C_out) or nullptr, out (B,C_out)
@@ -50,6 +50,18 @@ void linear_relu_forward(float* out, const float* inp, const float* weight, cons
 void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre, const float* dout,
                           const float* out, const float* inp, const float* weight, int64_t B, int64_t C_in,
                           int64_t C_out, bool accumulate, cublasHandle_t blas, cudaStream_t stream);
+
+// Mixed precision (call::LinearForward and LinearBackward in bf16): inp and weight bf16 (their bits, uint16_t),
+// every other buffer f32. The GEMMs take the bf16 operands and accumulate in f32 (cublasGemmEx, CUBLAS_COMPUTE_32F);
+// the bias, the ReLU (relu: the ReLU epilogue) and their backward are the f32 kernels' passes above. Backward
+// rounds the f32 gradient before the GEMMs (dout, or dpre with the ReLU) to bf16 into dout_low (B,C_out), which
+// both GEMMs read. dpre and out are read only with relu (else may be null).
+void linear_forward_bf16(float* out, const uint16_t* inp, const uint16_t* weight, const float* bias, int64_t B,
+                         int64_t C_in, int64_t C_out, bool relu, cublasHandle_t blas, cudaStream_t stream);
+void linear_backward_bf16(float* dinp, float* dweight, float* dbias, float* dpre, uint16_t* dout_low,
+                          const float* dout, const float* out, const uint16_t* inp, const uint16_t* weight, int64_t B,
+                          int64_t C_in, int64_t C_out, bool relu, bool accumulate, cublasHandle_t blas,
+                          cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Elementwise activations on n elements (all buffers (n)); out may alias inp exactly.

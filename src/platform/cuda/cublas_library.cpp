@@ -32,6 +32,7 @@ CublasLibrary load() {
     resolve(handle, "cublasSetMathMode", lib.set_math_mode, missing);
     resolve(handle, "cublasSgemm_v2", lib.sgemm, missing);
     resolve(handle, "cublasSgemmStridedBatched", lib.sgemm_strided_batched, missing);
+    resolve(handle, "cublasGemmEx", lib.gemm_ex, missing);
     resolve(handle, "cublasGetStatusString", lib.status_string, missing);
     if (!missing.empty()) {
       dlclose(handle);

@@ -10,6 +10,12 @@
 
 namespace dpar::cuda {
 
+// cublasGemmEx as cublas_api.h declares it (with cublasComputeType_t). C++ also sees an inline overload taking a
+// cudaDataType compute type, so decltype(&cublasGemmEx) would be ambiguous: the type is spelled out.
+using CublasGemmEx = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                                        const void*, const void*, cudaDataType, int, const void*, cudaDataType, int,
+                                        const void*, void*, cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
+
 // The cuBLAS functions dpar calls, with the types of cublas_v2.h's declarations.
 struct CublasLibrary {
   decltype(&cublasCreate_v2) create = nullptr;
@@ -18,6 +24,7 @@ struct CublasLibrary {
   decltype(&cublasSetMathMode) set_math_mode = nullptr;
   decltype(&cublasSgemm_v2) sgemm = nullptr;
   decltype(&cublasSgemmStridedBatched) sgemm_strided_batched = nullptr;  // attention's per-head products
+  CublasGemmEx gemm_ex = nullptr;  // mixed precision: bf16 operands, f32 accumulation and result
   decltype(&cublasGetStatusString) status_string = nullptr;
   std::string path;  // the file that was loaded
 };
