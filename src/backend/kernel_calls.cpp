@@ -113,9 +113,12 @@ bool Stream::can_run(const KernelKey& key) const {
   if (key.epilogue == Epilogue::kNone) return false;
   // The compositions above: the kernel without its epilogue and the activation, forward or backward.
   const bool backward = key.op == Op::kLinearBackward;
+  // The activation runs on the kernel's output: a linear layer's is f32 in every compute dtype (its bf16 operands
+  // give an f32 result), BatchNorm's is its input's dtype.
+  const DType activation_dtype = key.op == Op::kBatchNormApply ? key.dtype : DType::kF32;
   return (key.op == Op::kLinearForward || key.op == Op::kLinearBackward || key.op == Op::kBatchNormApply) &&
          supports({key.op, key.dtype, Epilogue::kNone}) &&
-         supports({backward ? Op::kActivationBackward : Op::kActivationForward, key.dtype, Epilogue::kNone});
+         supports({backward ? Op::kActivationBackward : Op::kActivationForward, activation_dtype, Epilogue::kNone});
 }
 
 void Stream::run(const KernelCall& call) {
