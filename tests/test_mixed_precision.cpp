@@ -229,7 +229,8 @@ TEST(MixedPrecision, WeightCopiesFollowEveryStepAndCheckpointsStayF32) {
     f.read(reinterpret_cast<char*>(&len), 8);
     std::string header(static_cast<size_t>(len), '\0');
     f.read(header.data(), static_cast<std::streamsize>(len));
-    for (const auto& [key, value] : nlohmann::json::parse(header).items())
+    const nlohmann::json tensors = nlohmann::json::parse(header);
+    for (const auto& [key, value] : tensors.items())
       if (key != "__metadata__" && key.rfind("optimizer.", 0) != 0)
         EXPECT_EQ(value["dtype"], "F32") << key;
   }

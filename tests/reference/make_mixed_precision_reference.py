@@ -9,7 +9,8 @@ Usage (needs torch; not needed to build or run the tests):
 dpar's contract (src/backend/kernel_calls.h, LinearForward/LinearBackward in bf16): a linear layer or convolution
 multiplies its input rounded to bf16 by its weight rounded to bf16, exactly, accumulating in f32, and adds its f32
 bias; its output stays f32. Backward rounds the gradient of its output to bf16 and multiplies it by the same bf16
-operands; every gradient is f32. Everything else runs in f32. "emulated" below is that, written as autograd
+operands; every gradient is f32 (a linear layer's bias gradient sums the f32 gradient, a convolution's the rounded
+one). Everything else runs in f32. "emulated" below is that, written as autograd
 Functions over f32 tensors; "autocast" is PyTorch's own policy (which also rounds each output to bf16).
 
 Models (PyTorch's default initialisation from fixed seeds; every parameter is in the file by its state_dict name):
@@ -60,7 +61,9 @@ class EmulatedConv(torch.autograd.Function):
         g = bf16(gy)
         gx = torch.nn.grad.conv2d_input(xb.shape, wb, g, padding=ctx.padding)
         gw = torch.nn.grad.conv2d_weight(xb, wb.shape, g, padding=ctx.padding)
-        return gx, gw, gy.sum((0, 2, 3)), None
+        # The bias gradient is summed from the rounded gradient too (oneDNN's and cuDNN's bf16 backward-weights
+        # produce it with the weights' from the same operand), where a linear layer sums the f32 one.
+        return gx, gw, g.sum((0, 2, 3)), None
 
 
 def run(model, forward_emulated, x, y):

@@ -251,15 +251,15 @@ class CudnnConv2d final : public Conv2dOp {
   void backward_weights(const TensorRef& dweight, const TensorRef& dbias, const TensorRef& dout, const TensorRef& inp,
                         bool accumulate) override {
     const int64_t N = inp.size(0), H = inp.size(2), W = inp.size(3);
-    if (!bf16_ || N == 0 || !dweight.defined()) {
-      // f32; or no rows (zeros), or the bias gradient alone, which reads no bf16 operand. inp is not read then.
+    if (!bf16_ || N == 0) {  // f32; or no rows (zeros), where inp is not read
       const float* x = bf16_ ? nullptr : f32(inp);
-      return backward_weights(f32(dweight), f32(dbias), f32(dout), f32(dout), x, N, H, W, accumulate);
+      return backward_weights(f32(dweight), f32(dbias), f32(dout), x, N, H, W, accumulate);
     }
+    // bf16: the weights' and the bias's gradients both from the rounded gradient (Conv2dSpec::dtype), as the CPU's.
     DeviceScope scope(ctx_->device().index);
     const float* dy = rounded(dout);
-    const float* x = widen(x32_, inp, "widened input");
-    backward_weights(f32(dweight), f32(dbias), dy, f32(dout), x, N, H, W, accumulate);
+    const float* x = dweight.defined() ? widen(x32_, inp, "widened input") : nullptr;
+    backward_weights(f32(dweight), f32(dbias), dy, x, N, H, W, accumulate);
   }
 
  private:
@@ -355,10 +355,9 @@ class CudnnConv2d final : public Conv2dOp {
                      "cudnnConvolutionBackwardData for ", name_);
   }
 
-  // dweight from dout and inp; dbias from dout_bias (dout itself in f32; in bf16, dout is rounded and dout_bias
-  // is not).
-  void backward_weights(float* dweight, float* dbias, const float* dout, const float* dout_bias, const float* inp,
-                        int64_t N, int64_t H, int64_t W, bool accumulate) {
+  // dweight from dout and inp, dbias from dout.
+  void backward_weights(float* dweight, float* dbias, const float* dout, const float* inp, int64_t N, int64_t H,
+                        int64_t W, bool accumulate) {
     const Conv2dSpec& s = spec_;
     if (!s.bias) dbias = nullptr;
     if (!dweight && !dbias) return;
@@ -387,7 +386,7 @@ class CudnnConv2d final : public Conv2dOp {
                        "cudnnConvolutionBackwardFilter for ", name_);
     }
     if (dbias)
-      DPAR_CUDNN_CHECK(lib_.conv_backward_bias(h, &kOne, p.y.get(), dout_bias, beta, bias_->get(), dbias),
+      DPAR_CUDNN_CHECK(lib_.conv_backward_bias(h, &kOne, p.y.get(), dout, beta, bias_->get(), dbias),
                        "cudnnConvolutionBackwardBias for ", name_);
   }
 
