@@ -5,6 +5,7 @@
  *   train_char_gpt [--data FILE|DIR] [--device auto|cuda|cpu] [--devices N] [--steps S] [--eval-every K]
  *                  [--batch-size B] [--block T] [--layers L] [--heads H] [--embd C] [--dropout P] [--lr LR]
  *                  [--seed S] [--checkpoint PATH] [--max-val-loss X] [--sample N] [--eval-batches E]
+ *                  [--precision f32|bf16]
  *
  * The corpus is every plain file of /usr/share/games/fortunes (Debian's `fortunes` and `fortunes-min` packages,
  * about 2.5 MB of quotations) in name order, or the file (or the directory's plain files) given by --data. Its
@@ -225,6 +226,7 @@ static void sample_text(dpar_engine *engine, const unsigned char *vocab, int64_t
 
 int main(int argc, char **argv) {
   const char *data = "/usr/share/games/fortunes", *device = "auto", *checkpoint = "char_gpt.safetensors";
+  const char *precision = "f32";
   size_t devices = 0, steps = 1500, eval_every = 250, batch = 32, sample = 400, eval_batches = 8;
   gpt_config cfg = {0, 128, 4, 4, 128, 0.0f};
   float lr = 3e-3f;
@@ -235,7 +237,8 @@ int main(int argc, char **argv) {
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       printf("usage: %s [--data FILE|DIR] [--device auto|cuda|cpu] [--devices N] [--steps S] [--eval-every K]\n"
              "          [--batch-size B] [--block T] [--layers L] [--heads H] [--embd C] [--dropout P] [--lr LR]\n"
-             "          [--seed S] [--checkpoint PATH] [--max-val-loss X] [--sample N] [--eval-batches E]\n",
+             "          [--seed S] [--checkpoint PATH] [--max-val-loss X] [--sample N] [--eval-batches E]\n"
+             "          [--precision f32|bf16]\n",
              argv[0]);
       return 0;
     }
@@ -257,6 +260,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--lr")) lr = strtof(v, NULL);
     else if (!strcmp(a, "--seed")) seed = strtoull(v, NULL, 10);
     else if (!strcmp(a, "--checkpoint")) checkpoint = v;
+    else if (!strcmp(a, "--precision")) precision = v;
     else if (!strcmp(a, "--max-val-loss")) max_val_loss = strtod(v, NULL);
     else if (!strcmp(a, "--sample")) sample = strtoul(v, NULL, 10);
     else if (!strcmp(a, "--eval-batches")) eval_batches = strtoul(v, NULL, 10);
@@ -338,6 +342,13 @@ int main(int argc, char **argv) {
   /* nanoGPT decays the matrices only: biases and LayerNorms' weights go without (the embeddings decay). */
   CHECK(dpar_engine_set_weight_decay_exclusion(engine, 1));
   CHECK(dpar_engine_set_max_grad_norm(engine, 1.0f));
+  /* bf16: the linear layers (every GEMM but attention's) on bf16 operands with f32 accumulation; the rest f32. */
+  if (!strcmp(precision, "bf16")) {
+    CHECK(dpar_engine_set_precision(engine, DPAR_BF16));
+  } else if (strcmp(precision, "f32")) {
+    fprintf(stderr, "%s: --precision must be f32 or bf16\n", argv[0]);
+    return 2;
+  }
   size_t rank = 0, nproc = 1;
   CHECK(dpar_engine_processes(&rank, &nproc, engine));
   const int root = rank == 0;
