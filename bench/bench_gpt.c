@@ -29,7 +29,8 @@
 enum { kData = 4, kMaxRounds = 64 };
 
 /* The median step time in seconds of `devices` CPU devices over at least 5 steps and `seconds`. */
-static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x, dpar_tensor **y, double seconds) {
+static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x, dpar_tensor **y, double seconds,
+                        int bf16) {
   dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
   oo.kind = DPAR_ADAMW;
   oo.lr = 1e-3f;
@@ -42,6 +43,7 @@ static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x
   CHECK(dpar_engine_create(&e, model, &oo, &eo));
   CHECK(dpar_engine_set_weight_decay_exclusion(e, 1));
   CHECK(dpar_engine_set_max_grad_norm(e, 1.0f));
+  if (bf16) CHECK(dpar_engine_set_precision(e, DPAR_BF16));
   float loss = 0.0f;
   for (int i = 0; i < 3; ++i) CHECK(dpar_engine_train_step(&loss, e, x[i % kData], y[i % kData]));
   double times[4096];
@@ -60,14 +62,14 @@ static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x
 
 /* PyTorch's median step at 1 and 2 threads (s[0], s[1], in seconds; 0 where it gave none). gpt_anchor.py prints one
  * JSON line per thread count. */
-static int time_torch(const char *python, const gpt_config *c, int batch, double seconds, double s[2], char *version,
-                      size_t cap) {
+static int time_torch(const char *python, const gpt_config *c, int batch, double seconds, int bf16, double s[2],
+                      char *version, size_t cap) {
   char cmd[2048];
   snprintf(cmd, sizeof cmd,
            "'%s' '%s' --threads 1,2 --batch %d --block %lld --layers %lld --heads %lld --embd %lld --vocab %lld "
-           "--seconds %g 2>&1",
+           "--seconds %g --precision %s 2>&1",
            python, BENCH_GPT_ANCHOR, batch, (long long)c->block, (long long)c->layers, (long long)c->heads,
-           (long long)c->embd, (long long)c->vocab, seconds);
+           (long long)c->embd, (long long)c->vocab, seconds, bf16 ? "bf16" : "f32");
   s[0] = s[1] = 0;
   FILE *p = popen(cmd, "r");
   if (!p) return 0;
@@ -93,7 +95,7 @@ static int time_torch(const char *python, const gpt_config *c, int batch, double
 }
 
 int main(int argc, char **argv) {
-  int rounds = 3, batch = 32;
+  int rounds = 3, batch = 32, bf16 = 0;
   double seconds = 10.0;
   gpt_config cfg = {178, 128, 4, 4, 128, 0.0f};
   const char *python = "python3";
@@ -108,9 +110,11 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--embd") && v) cfg.embd = atoll(v), ++i;
     else if (!strcmp(argv[i], "--vocab") && v) cfg.vocab = atoll(v), ++i;
     else if (!strcmp(argv[i], "--torch") && v) python = v, ++i;
+    else if (!strcmp(argv[i], "--precision") && v && (!strcmp(v, "f32") || !strcmp(v, "bf16")))
+      bf16 = !strcmp(v, "bf16"), ++i;
     else {
       printf("usage: %s [--rounds R] [--seconds S] [--batch B] [--block T] [--layers L] [--heads H] [--embd C]\n"
-             "          [--vocab V] [--torch PYTHON]\n", argv[0]);
+             "          [--vocab V] [--torch PYTHON] [--precision f32|bf16]\n", argv[0]);
       return strcmp(argv[i], "--help") ? 2 : 0;
     }
   }
@@ -125,6 +129,9 @@ int main(int argc, char **argv) {
   bench_print_machine(stdout);
   printf("CPU GEMM: %s; attention: dpar's fused CPU kernel (its tiles through the same sgemm)\n",
          dpar_cpu_gemm_backend());
+  if (bf16)
+    printf("precision bf16: dpar's linear layers on bf16 operands through oneDNN's bf16 matmul (f32 accumulation), the\n"
+           "rest f32; PyTorch's forward under torch.autocast(\"cpu\", dtype=torch.bfloat16)\n");
   printf("model: %lld layers, %lld heads, %lld channels, context %lld, vocabulary %lld, lm_head tied; AdamW lr 1e-3,\n"
          "clip 1.0, cross-entropy over (B, T, V); batch %d x %lld tokens, random tokens; %d rounds of dpar 1 and 2\n"
          "CPU devices (1 GEMM thread each), then PyTorch (%s %s) at 1 and 2 threads, ~%.0f s of timed steps each\n\n",
@@ -154,10 +161,10 @@ int main(int argc, char **argv) {
   char version[1024] = "";
   int have_torch = 1;
   for (int r = 0; r < rounds; ++r) {
-    m[r][0] = time_dpar(model, 1, x, y, seconds);
-    m[r][1] = time_dpar(model, 2, x, y, seconds);
+    m[r][0] = time_dpar(model, 1, x, y, seconds, bf16);
+    m[r][1] = time_dpar(model, 2, x, y, seconds, bf16);
     double t[2] = {0, 0};
-    if (have_torch && time_torch(python, &cfg, batch, seconds, t, version, sizeof version) < 2) {
+    if (have_torch && time_torch(python, &cfg, batch, seconds, bf16, t, version, sizeof version) < 2) {
       printf("    PyTorch did not run (%s): its columns stay empty; give a Python with torch: --torch PYTHON\n",
              version[0] ? version : "no figures from gpt_anchor.py");
       have_torch = 0;

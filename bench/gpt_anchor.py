@@ -107,6 +107,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=178)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--json")
+    ap.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                    help="bf16: forward under torch.autocast(\"cpu\", dtype=torch.bfloat16)")
     args = ap.parse_args()
     try:
         import torch
@@ -126,7 +128,9 @@ def main():
         def step(i):
             x, y = batches[i % len(batches)]
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x).view(-1, args.vocab), y.view(-1))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().view(-1, args.vocab), y.view(-1))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -139,7 +143,8 @@ def main():
             step(len(times))
             times.append(time.perf_counter() - t0)
         median = statistics.median(times)
-        line = {"framework": "pytorch", "torch": torch.__version__, "threads": threads, "batch": args.batch,
+        line = {"framework": "pytorch", "torch": torch.__version__, "precision": args.precision, "threads": threads,
+                "batch": args.batch,
                 "block": args.block, "steps": len(times), "median_step_s": median,
                 "tokens_per_s": args.batch * args.block / median}
         print(json.dumps(line))
