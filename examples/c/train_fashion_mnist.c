@@ -6,7 +6,7 @@
  *   train_fashion_mnist [--model mlp|cnn] [--device auto|cuda|cpu] [--devices N] [--epochs E] [--batch-size B]
  *                       [--lr LR] [--optimizer adam|sgd] [--data DIR] [--checkpoint PATH] [--seed S]
  *                       [--min-accuracy PCT] [--trace PATH] [--gradient-compression none|bf16]
- *                       [--sync-batchnorm] [--steps-per-epoch N]
+ *                       [--sync-batchnorm] [--steps-per-epoch N] [--precision f32|bf16]
  *
  * --sync-batchnorm normalises over the whole global batch (dpar_model_convert_sync_batchnorm, as
  * torch.nn.SyncBatchNorm.convert_sync_batchnorm) instead of each replica's chunk. --steps-per-epoch N ends each
@@ -27,7 +27,8 @@
  * saves a checkpoint at the end. With --min-accuracy it exits 1 if the final test accuracy is lower. --trace PATH
  * writes a timeline of the first epoch's training steps (dpar_engine_trace_start; rank 0's), for ui.perfetto.dev.
  * --gradient-compression bf16 sends gradients between processes as bfloat16 (dpar_engine_set_gradient_compression;
- * no effect on one process). */
+ * no effect on one process). --precision bf16 runs the linear layers and convolutions on bf16 operands with f32
+ * accumulation (dpar_engine_set_precision; master weights, the optimizer and the checkpoint stay f32). */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, isatty */
 #include <math.h>
 #include <stdio.h>
@@ -130,6 +131,7 @@ int main(int argc, char **argv) {
   const char *checkpoint = NULL; /* fashion_mnist.safetensors, or fashion_mnist_cnn.safetensors for the CNN */
   const char *trace = NULL;
   const char *compression = "none";
+  const char *precision = "f32";
   unsigned long long seed = 0;
   double min_accuracy = 0.0;
   const char *model_kind = DEFAULT_MODEL;
@@ -148,7 +150,8 @@ int main(int argc, char **argv) {
              "          [--trace PATH]   (a timeline of the first epoch's steps, for ui.perfetto.dev; rank 0's)\n"
              "          [--gradient-compression none|bf16]   (gradients between processes as bfloat16)\n"
              "          [--sync-batchnorm]   (the CNN's BatchNorm over the global batch)\n"
-             "          [--steps-per-epoch N]   (end each epoch after N batches: a shortened run)\n",
+             "          [--steps-per-epoch N]   (end each epoch after N batches: a shortened run)\n"
+             "          [--precision f32|bf16]   (linear layers and convolutions on bf16 operands)\n",
              argv[0]);
       return 0;
     }
@@ -170,6 +173,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--min-accuracy")) min_accuracy = strtod(v, NULL);
     else if (!strcmp(a, "--trace")) trace = v;
     else if (!strcmp(a, "--gradient-compression")) compression = v;
+    else if (!strcmp(a, "--precision")) precision = v;
     else {
       fprintf(stderr, "%s: unknown option %s (see --help)\n", argv[0], a);
       return 2;
@@ -182,6 +186,10 @@ int main(int argc, char **argv) {
     return 2;
   }
   if (!checkpoint) checkpoint = cnn ? "fashion_mnist_cnn.safetensors" : "fashion_mnist.safetensors";
+  if (strcmp(precision, "f32") && strcmp(precision, "bf16")) {
+    fprintf(stderr, "%s: --precision %s: expected f32 or bf16\n", argv[0], precision);
+    return 2;
+  }
   if (strcmp(compression, "none") && strcmp(compression, "bf16")) {
     fprintf(stderr, "%s: --gradient-compression %s: expected none or bf16\n", argv[0], compression);
     return 2;
@@ -276,6 +284,10 @@ int main(int argc, char **argv) {
            n_test, dpar_cpu_gemm_backend());
   CHECK(dpar_engine_set_gradient_compression(engine, strcmp(compression, "bf16") ? DPAR_COMPRESSION_NONE
                                                                                    : DPAR_COMPRESSION_BF16));
+  if (!strcmp(precision, "bf16")) {
+    CHECK(dpar_engine_set_precision(engine, DPAR_BF16));
+    if (root) printf("precision: bf16 operands for the linear layers and convolutions, f32 accumulation\n");
+  }
   if (root && nproc > 1)
     printf("gradients cross the processes by %s%s\n", dpar_engine_process_transport(engine),
            strcmp(compression, "bf16") ? "" : ", as bfloat16");
