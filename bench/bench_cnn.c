@@ -1,7 +1,10 @@
 /* bench_cnn: the Fashion-MNIST CNN's training throughput on 1 and 2 CPU devices (or on one GPU) beside PyTorch's
- * on the same machine, in the same run.
+ * on the same machine, in the same run; or an MLP's (--model mlp: 784-256-128-10, the demo's; --model wide:
+ * 784-1024-1024-1024-10, GEMM-bound), in f32 or under the bf16 precision policy (--precision bf16: dpar's
+ * dpar_engine_set_precision beside PyTorch's torch.autocast(dtype=torch.bfloat16)).
  *
- *   bench_cnn [--device cpu|cuda] [--rounds R] [--seconds S] [--batch B] [--torch PYTHON]
+ *   bench_cnn [--device cpu|cuda] [--model cnn|mlp|wide] [--precision f32|bf16] [--rounds R] [--seconds S]
+ *             [--batch B] [--torch PYTHON]
  *
  * The model is examples/c/fashion_cnn.h's (convolutions, BatchNorm, max pooling, one residual block, 32 channels),
  * with Adam lr 1e-3 and softmax cross-entropy, on synthetic data (uniform pixels, random labels; 4 batches, cycled).
@@ -33,7 +36,7 @@ enum { kData = 4, kMaxRounds = 64 };
 /* The median step time in seconds of `devices` CPU devices (or, with cuda, one replica on cuda:0) over at least 10
  * steps and `seconds`. */
 static double time_dpar(const dpar_model *model, int cuda, size_t devices, dpar_tensor **x, dpar_tensor **y,
-                        double seconds) {
+                        double seconds, int bf16) {
   dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
   oo.kind = DPAR_ADAM;
   oo.lr = 1e-3f;
@@ -49,6 +52,7 @@ static double time_dpar(const dpar_model *model, int cuda, size_t devices, dpar_
   }
   dpar_engine *e = NULL;
   CHECK(dpar_engine_create(&e, model, &oo, &eo));
+  if (bf16) CHECK(dpar_engine_set_precision(e, DPAR_BF16));
   float loss = 0.0f;
   for (int i = 0; i < 3; ++i) CHECK(dpar_engine_train_step(&loss, e, x[i % kData], y[i % kData]));
   double times[4096];
@@ -67,11 +71,13 @@ static double time_dpar(const dpar_model *model, int cuda, size_t devices, dpar_
 
 /* PyTorch's median step at 1 and 2 threads (ms[0], ms[1], in seconds; 0 where it gave none); with cuda, on cuda:0
  * (ms[0] only). */
-static int time_torch(const char *python, int cuda, int batch, double seconds, double ms[2], char *version,
-                      size_t cap) {
+static int time_torch(const char *python, const char *model, int cuda, int batch, double seconds, int bf16,
+                      double ms[2], char *version, size_t cap) {
   char cmd[2048];
-  snprintf(cmd, sizeof cmd, "'%s' '%s' --cpu-model cnn --cpu-threads %s --anchor-device %s --batches %d --seconds %g 2>&1",
-           python, BENCH_TORCH_ANCHOR, cuda ? "1" : "1,2", cuda ? "cuda" : "cpu", batch, seconds);
+  snprintf(cmd, sizeof cmd,
+           "'%s' '%s' --cpu-model %s --cpu-threads %s --anchor-device %s --batches %d --seconds %g --precision %s 2>&1",
+           python, BENCH_TORCH_ANCHOR, strcmp(model, "mlp") ? model : "demo", cuda ? "1" : "1,2",
+           cuda ? "cuda" : "cpu", batch, seconds, bf16 ? "bf16" : "f32");
   ms[0] = ms[1] = 0;
   bench_torch_figure figs[4];
   const int n = bench_run_torch_anchor(cmd, figs, 4, version, cap);
@@ -82,9 +88,9 @@ static int time_torch(const char *python, int cuda, int batch, double seconds, d
 }
 
 int main(int argc, char **argv) {
-  int rounds = 5, batch = 128, cuda = 0;
+  int rounds = 5, batch = 128, cuda = 0, bf16 = 0;
   double seconds = 2.0;
-  const char *python = "python3";
+  const char *python = "python3", *model_kind = "cnn";
   for (int i = 1; i < argc; ++i) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(argv[i], "--rounds") && v) rounds = atoi(v), ++i;
@@ -93,8 +99,13 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--torch") && v) python = v, ++i;
     else if (!strcmp(argv[i], "--device") && v && (!strcmp(v, "cpu") || !strcmp(v, "cuda")))
       cuda = !strcmp(v, "cuda"), ++i;
+    else if (!strcmp(argv[i], "--model") && v && (!strcmp(v, "cnn") || !strcmp(v, "mlp") || !strcmp(v, "wide")))
+      model_kind = v, ++i;
+    else if (!strcmp(argv[i], "--precision") && v && (!strcmp(v, "f32") || !strcmp(v, "bf16")))
+      bf16 = !strcmp(v, "bf16"), ++i;
     else {
-      printf("usage: %s [--device cpu|cuda] [--rounds R] [--seconds S] [--batch B] [--torch PYTHON]\n", argv[0]);
+      printf("usage: %s [--device cpu|cuda] [--model cnn|mlp|wide] [--precision f32|bf16] [--rounds R] [--seconds S]\n"
+             "          [--batch B] [--torch PYTHON]\n", argv[0]);
       return strcmp(argv[i], "--help") ? 2 : 0;
     }
   }
@@ -106,16 +117,31 @@ int main(int argc, char **argv) {
          dpar_version_string());
   bench_print_machine(stdout);
   printf("CPU GEMM: %s\n", dpar_cpu_gemm_backend());
-  printf("model: conv 1->32 + BN + ReLU + maxpool, a basic block of 32 channels, maxpool, fc 1568->10; Adam lr 1e-3,\n"
-         "softmax cross-entropy, batch %d, synthetic data; %d rounds of %s, then PyTorch %s (%s %s --cpu-model cnn),\n"
-         "~%.1f s of timed steps each\n\n",
+  const int cnn = !strcmp(model_kind, "cnn");
+  printf("model: %s; Adam lr 1e-3,\n"
+         "softmax cross-entropy, batch %d, synthetic data; %d rounds of %s, then PyTorch %s (%s %s),\n"
+         "~%.1f s of timed steps each; precision %s\n\n",
+         cnn ? "conv 1->32 + BN + ReLU + maxpool, a basic block of 32 channels, maxpool, fc 1568->10"
+             : strcmp(model_kind, "wide") ? "MLP 784-256-128-10 (ReLU)" : "MLP 784-1024-1024-1024-10 (ReLU)",
          batch, rounds, cuda ? "dpar on cuda:0 (one replica)" : "dpar 1 and 2 CPU devices (1 GEMM thread each)",
-         cuda ? "on cuda:0" : "at 1 and 2 threads", python, BENCH_TORCH_ANCHOR, seconds);
+         cuda ? "on cuda:0" : "at 1 and 2 threads", python, BENCH_TORCH_ANCHOR, seconds,
+         bf16 ? "bf16 (dpar_engine_set_precision; PyTorch's forward under torch.autocast(dtype=torch.bfloat16))"
+              : "f32");
   const dpar_device where = {cuda ? DPAR_DEVICE_CUDA : DPAR_DEVICE_CPU, 0};
 
   dpar_model *model = NULL;
   CHECK(dpar_model_create(&model, NULL));
-  CHECK(fashion_cnn_add(model, 10));
+  if (cnn) {
+    CHECK(fashion_cnn_add(model, 10));
+  } else {
+    const int64_t demo[] = {784, 256, 128, 10}, wide[] = {784, 1024, 1024, 1024, 10};
+    const int64_t *sizes = strcmp(model_kind, "wide") ? demo : wide;
+    const int layers = strcmp(model_kind, "wide") ? 3 : 4;
+    for (int l = 0; l < layers; ++l) {
+      CHECK(dpar_model_add_linear(model, sizes[l], sizes[l + 1], 1));
+      if (l + 1 < layers) CHECK(dpar_model_add_activation(model, DPAR_RELU));
+    }
+  }
   dpar_tensor *x[kData], *y[kData];
   uint64_t rng = 42;
   const int64_t xs[2] = {batch, 784}, ys[1] = {batch};
@@ -137,10 +163,10 @@ int main(int argc, char **argv) {
   char version[1024] = "";
   int have_torch = 1;
   for (int r = 0; r < rounds; ++r) {
-    m[r][0] = time_dpar(model, cuda, 1, x, y, seconds);
-    m[r][1] = cuda ? 0 : time_dpar(model, 0, 2, x, y, seconds);
+    m[r][0] = time_dpar(model, cuda, 1, x, y, seconds, bf16);
+    m[r][1] = cuda ? 0 : time_dpar(model, 0, 2, x, y, seconds, bf16);
     double t[2] = {0, 0};
-    if (have_torch && time_torch(python, cuda, batch, seconds, t, version, sizeof version) < (cuda ? 1 : 2)) {
+    if (have_torch && time_torch(python, model_kind, cuda, batch, seconds, bf16, t, version, sizeof version) < (cuda ? 1 : 2)) {
       printf("    PyTorch did not run (%s): its columns stay empty; give a Python with torch: --torch PYTHON\n",
              version[0] ? version : "no figures from torch_anchor.py");
       have_torch = 0;

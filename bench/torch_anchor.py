@@ -197,7 +197,8 @@ def fashion_cnn(torch):
     return FashionCnn()
 
 
-def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind, model_kind="demo", device="cpu"):
+def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind, model_kind="demo", device="cpu",
+               precision="f32"):
     """PyTorch on the CPU beside bench_train's part (e) (the demo MLP) or bench_cnn (the CNN), Adam, at each thread
     count and batch.
 
@@ -205,8 +206,10 @@ def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind, model_k
     and bench_cnn read. device="cuda" (bench_cnn --device cuda): model and batches on cuda:0, each step followed by
     torch.cuda.synchronize() inside its timing (as dpar's step returns once the GPU's work is done), cuDNN in FP32
     (TF32 off, as dpar's cuDNN calls) with its autotuner on (torch.backends.cudnn.benchmark, PyTorch's fastest
-    FP32 setting); the threads figure is then the CPU threads PyTorch's host side had."""
-    sizes = MODELS["demo"][0]
+    FP32 setting); the threads figure is then the CPU threads PyTorch's host side had. model_kind "wide" is an MLP
+    784-1024-1024-1024-10 (GEMM-bound on a CPU). precision="bf16" runs the forward under torch.autocast(device,
+    dtype=torch.bfloat16) (the loss in f32), beside dpar's bf16 policy."""
+    sizes = [784, 1024, 1024, 1024, 10] if model_kind == "wide" else MODELS["demo"][0]
     nn = torch.nn
     for threads in threads_list:
         torch.set_num_threads(threads)
@@ -218,8 +221,10 @@ def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind, model_k
             if model_kind == "cnn":
                 model = fashion_cnn(torch)
             else:
-                model = nn.Sequential(nn.Linear(sizes[0], sizes[1]), nn.ReLU(), nn.Linear(sizes[1], sizes[2]),
-                                      nn.ReLU(), nn.Linear(sizes[2], sizes[3]))
+                layers = []
+                for i in range(len(sizes) - 1):
+                    layers += [nn.Linear(sizes[i], sizes[i + 1])] + ([nn.ReLU()] if i + 2 < len(sizes) else [])
+                model = nn.Sequential(*layers)
             if device == "cuda":
                 torch.backends.cudnn.allow_tf32 = False
                 torch.backends.cuda.matmul.allow_tf32 = False
@@ -234,7 +239,9 @@ def cpu_anchor(torch, threads_list, batches, seconds, warmup, adam_kind, model_k
 
             def step(i):
                 opt.zero_grad(set_to_none=True)
-                loss_fn(model(xs[i % 8]), ys[i % 8]).backward()
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    logits = model(xs[i % 8])
+                loss_fn(logits.float(), ys[i % 8]).backward()
                 opt.step()
                 sync()
 
@@ -276,7 +283,9 @@ def main():
     ap.add_argument("--seconds", type=float, default=1.0, help="with --cpu-threads: timed seconds per configuration")
     ap.add_argument("--adam", choices=["fused", "foreach", "single"], default="fused",
                     help="with --cpu-threads: PyTorch's Adam implementation (default fused)")
-    ap.add_argument("--cpu-model", choices=["demo", "cnn"], default="demo",
+    ap.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                    help="with --cpu-threads: bf16 runs the forward under torch.autocast(dtype=torch.bfloat16)")
+    ap.add_argument("--cpu-model", choices=["demo", "wide", "cnn"], default="demo",
                     help="with --cpu-threads: the demo MLP (bench_train) or the Fashion-MNIST CNN (bench_cnn)")
     ap.add_argument("--anchor-device", choices=["cpu", "cuda"], default="cpu",
                     help="with --cpu-threads: run that anchor on the CPU (default) or on cuda:0 (bench_cnn --device cuda)")
@@ -291,11 +300,13 @@ def main():
             print(f"cpu_anchor skipped: no CUDA device for PyTorch {torch.__version__}")
             return 0
         print(f"cpu_anchor torch={torch.__version__} device={args.anchor_device} adam={args.adam} "
+              f"precision={args.precision} "
               f"blas={torch.backends.mkl.is_available() and 'MKL' or 'other'} "
               f"mkldnn={torch.backends.mkldnn.is_available()}", flush=True)
         threads = [int(t) for t in args.cpu_threads.split(",") if t]
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [256, 1024]
-        cpu_anchor(torch, threads, batches, args.seconds, WARMUP, args.adam, args.cpu_model, args.anchor_device)
+        cpu_anchor(torch, threads, batches, args.seconds, WARMUP, args.adam, args.cpu_model, args.anchor_device,
+                   args.precision)
         return 0
     variants = [v for v in args.variants.split(",") if v]
     if any(v not in VARIANTS for v in variants) or args.steps < 1 or args.blocks < 1:
