@@ -5,14 +5,6 @@
 namespace dpar {
 
 const char* bucket_strategy_name(BucketStrategyKind kind) {
-  if (reduce_dtype == DType::kBF16) {
-    DPAR_CHECK_ARG(kind != BucketStrategyKind::kFlat || !set.spans_processes(), "bucket strategy: flat reduces ",
-                   "among one process's replicas, and this set spans ", set.num_processes(), " processes");
-    if (kind == BucketStrategyKind::kFlat || kind == BucketStrategyKind::kHierarchical ||
-        kind == BucketStrategyKind::kHierarchicalBf16)
-      return std::make_unique<Bf16Reduction>(set, false);
-    if (kind == BucketStrategyKind::kReduceScatter) return std::make_unique<Bf16Reduction>(set, true);
-  }
   switch (kind) {
     case BucketStrategyKind::kFlat: return "flat";
     case BucketStrategyKind::kHierarchical: return "hierarchical";
@@ -97,6 +89,14 @@ std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, Re
   DPAR_ENFORCE(!bf16 || set.processes_move(DType::kBF16), Status::kNotSupported,
                "bucket strategy: bf16 compression across the processes, but their link (", set.process_transport(),
                ") does not move bf16");
+  if (reduce_dtype == DType::kBF16) {
+    DPAR_CHECK_ARG(kind != BucketStrategyKind::kFlat || !set.spans_processes(), "bucket strategy: flat reduces ",
+                   "among one process's replicas, and this set spans ", set.num_processes(), " processes");
+    if (kind == BucketStrategyKind::kFlat || kind == BucketStrategyKind::kHierarchical ||
+        kind == BucketStrategyKind::kHierarchicalBf16)
+      return std::make_unique<Bf16Reduction>(set, false);
+    if (kind == BucketStrategyKind::kReduceScatter) return std::make_unique<Bf16Reduction>(set, true);
+  }
   if (reduce_dtype == DType::kBF16) {
     DPAR_CHECK_ARG(kind != BucketStrategyKind::kFlat || !set.spans_processes(), "bucket strategy: flat reduces ",
                    "among one process's replicas, and this set spans ", set.num_processes(), " processes");
