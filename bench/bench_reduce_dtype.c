@@ -5,7 +5,8 @@
  *   mpirun -np 2 bench_reduce_dtype --mpi [--devices N] [--steps S]  (every process of MPI_COMM_WORLD)
  * Prints the median step time of each, and the bytes each replica hands the reduction per step within its process
  * and (replica 0) across the processes: the collectives count no bytes, so they are computed from the buckets,
- * which together hold every parameter's gradient once: elements x 4 in f32, x 2 in bf16. What the links then carry
+ * which together hold every parameter's gradient once: elements x 4 in f32, x 2 in bf16 across processes; within a
+ * process CPU replicas sum the rounded values in f32 through shared memory, elements x 4 either way. What the links then carry
  * is the collective's algorithm's multiple of it (a ring all-reduce over p sends 2 (p - 1) / p of it).
  */
 #include <stdint.h>
@@ -110,7 +111,9 @@ int main(int argc, char **argv) {
     double loss = 0;
     const double t = time_steps(e, x, y, steps, &loss);
     const size_t esz = dtypes[d] == DPAR_BF16 ? 2 : 4;
-    const size_t within = devices > 1 ? elements * esz : 0, across = size > 1 ? elements * esz : 0;
+    /* Within a process, CPU replicas (threads) sum the bf16-rounded values in f32 through shared memory: f32's
+       bytes either way (on GPUs NCCL's bf16 collectives would carry elements x 2). MPI carries bf16 across. */
+    const size_t within = devices > 1 ? elements * 4 : 0, across = size > 1 ? elements * esz : 0;
     if (rank == 0)
       printf("%zu process(es) x %zu device(s), reduce dtype %-4s: %zu elements in %zu buckets; per replica per step "
              "%zu bytes within the process, %zu bytes across (replica 0); step %.2f ms (median of %d); loss %.4f\n",
