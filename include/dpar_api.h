@@ -177,6 +177,8 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_engine_set_precision)(dpar_engine *engine, int32_t compute_dtype);
   dpar_status (*dpar_engine_precision)(int32_t *out, const dpar_engine *engine);
   dpar_status (*dpar_engine_set_allow_tf32)(dpar_engine *engine, int32_t allow, int32_t *has_tf32);
+  dpar_status (*dpar_engine_set_reduce_dtype)(dpar_engine *engine, int32_t dtype);
+  dpar_status (*dpar_engine_reduce_dtype)(int32_t *out, const dpar_engine *engine);
 } dpar_api_v1;
 
 /**

@@ -1408,6 +1408,20 @@ TEST(EngineOptions, AVersionOneStructGetsTheNewFieldsDefaults) {
   EXPECT_INVALID("compression", dpar_engine_set_gradient_compression(e.get(), 2));
   EXPECT_INVALID("compression", dpar_engine_set_gradient_compression(e.get(), -1));
   ASSERT_OK(dpar_engine_set_gradient_compression(e.get(), DPAR_COMPRESSION_BF16));
+  // The reduce dtype: f32 or bf16; another is refused by name and changes nothing.
+  int32_t reduce = -1;
+  ASSERT_OK(dpar_engine_reduce_dtype(&reduce, e.get()));
+  EXPECT_EQ(reduce, DPAR_F32);
+  EXPECT_INVALID("reduce_dtype: 3", dpar_engine_set_reduce_dtype(e.get(), DPAR_F16));
+  EXPECT_INVALID("reduce_dtype: 1", dpar_engine_set_reduce_dtype(e.get(), DPAR_I32));
+  EXPECT_INVALID("reduce_dtype: -1", dpar_engine_set_reduce_dtype(e.get(), -1));
+  EXPECT_INVALID("out", dpar_engine_reduce_dtype(nullptr, e.get()));
+  ASSERT_OK(dpar_engine_reduce_dtype(&reduce, e.get()));
+  EXPECT_EQ(reduce, DPAR_F32);
+  ASSERT_OK(dpar_engine_set_reduce_dtype(e.get(), DPAR_BF16));
+  ASSERT_OK(dpar_engine_reduce_dtype(&reduce, e.get()));
+  EXPECT_EQ(reduce, DPAR_BF16);
+  ASSERT_OK(dpar_engine_set_reduce_dtype(e.get(), DPAR_F32));
 }
 
 TEST(EngineOptions, InitFillsTheCallersLayoutAndNotAByteMore) {
@@ -1682,6 +1696,8 @@ class EngineHandleCalls {
         {"set_lr", [=] { return dpar_engine_set_lr(bad, 0.5f); }},
         {"set_gradient_compression", [=] { return dpar_engine_set_gradient_compression(bad, DPAR_COMPRESSION_BF16); }},
         {"set_weight_decay_exclusion", [=] { return dpar_engine_set_weight_decay_exclusion(bad, 1); }},
+        {"set_reduce_dtype", [=] { return dpar_engine_set_reduce_dtype(bad, DPAR_BF16); }},
+        {"reduce_dtype", [=] { int32_t d; return dpar_engine_reduce_dtype(&d, bad); }},
         {"step_count", [=] { size_t n; return dpar_engine_step_count(&n, bad); }},
         {"replica_losses", [=] { float l[8]; return dpar_engine_replica_losses(l, bad, 8); }},
         {"get_params", [=] { float p[kParams]; return dpar_engine_get_params(p, bad, 0, kParams); }},

@@ -407,6 +407,42 @@ void check_compression(size_t devices, const Data& d) {
                 "differs fails the step (%s)\n", e, dpar_status_str(s));
 }
 
+// The reduce dtype bf16 (the whole reduction in bf16, within the processes too), under both gradient reductions:
+// every replica of every process ends with the same bits, the result differs from f32's by about bfloat16's
+// precision, compression on top changes nothing, and the setting is refused by name for another dtype.
+void check_reduce_dtype(size_t devices, const Data& d) {
+  dpar_engine* plain = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_SGD);
+  expect(dpar_engine_set_reduce_dtype(plain, DPAR_F16) == DPAR_ERR_INVALID_ARGUMENT &&
+             std::strstr(dpar_last_error(), "reduce_dtype") != nullptr,
+         "reduce_dtype f16 was not refused by name");
+  const auto [begin, rows] = g_size > 1 ? my_rows(0) : std::pair<int64_t, int64_t>{0, kGlobalBatch};
+  std::vector<std::vector<float>> got;
+  for (int32_t reduction : {DPAR_REDUCTION_ALL_REDUCE, DPAR_REDUCTION_REDUCE_SCATTER}) {
+    dpar_engine* e = make_engine(devices, DPAR_PROCESSES_MPI, 60.0, DPAR_SGD);
+    CHECK_OK(dpar_engine_set_gradient_reduction(e, reduction));
+    CHECK_OK(dpar_engine_set_reduce_dtype(e, DPAR_BF16));
+    if (reduction == DPAR_REDUCTION_REDUCE_SCATTER) CHECK_OK(dpar_engine_set_gradient_compression(e, DPAR_COMPRESSION_BF16));
+    for (int s = 0; s < kSteps; ++s) {
+      CHECK_OK(step_rows(e, d, s % kBatches, begin, rows));
+      if (reduction == DPAR_REDUCTION_ALL_REDUCE) CHECK_OK(step_rows(plain, d, s % kBatches, begin, rows));
+    }
+    got.push_back(params(e));
+    for (size_t r = 1; r < devices; ++r)
+      expect(params(e, r) == got.back(), "reduce dtype bf16: replica " + std::to_string(r) + " differs");
+    expect(same_as_rank0(got.back()), "reduce dtype bf16: this process's parameters differ from rank 0's");
+    dpar_engine_free(e);
+  }
+  const auto want = params(plain);
+  const double err = max_relative_error(got[0], want);
+  expect(got[0] != want, "reduce dtype bf16: the parameters are f32's bit for bit");
+  expect(err < 2e-2, "reduce dtype bf16: differs from f32 by " + std::to_string(err));
+  expect(got[0] == got[1], "reduce dtype bf16: reduce-scatter (with compression) differs from all-reduce");
+  dpar_engine_free(plain);
+  if (g_rank == 0)
+    std::printf("reduce dtype bf16: %d processes x %zu devices identical under both reductions; max relative "
+                "difference %.2e to f32\n", g_size, devices, err);
+}
+
 // x rounded to the nearest bfloat16, ties to the even one, from the definition: of the two bfloat16 values around x
 // (x with its low 16 bits cleared, and the next one away from zero), the nearer; on a tie, the one whose last kept
 // bit is 0. Finite values only.
@@ -964,6 +1000,7 @@ int main(int argc, char** argv) {
   check_token_loss(devices, true);
   check_compression(devices, d);
   if (g_size > 1) check_compression_against_definition(devices);
+  check_reduce_dtype(devices, d);
   check_abort(devices, d);
   check_create_timeout(devices, d);
   if (g_rank == 0) std::printf("%s\n", g_failures ? "FAILED" : "ALL PASSED");

@@ -256,11 +256,43 @@ DPAR_API dpar_status dpar_engine_grad_norm(float *out, const dpar_engine *engine
  * they are always summed in f32 (threads share memory; there is nothing to save), so with one process this changes
  * nothing. Every process sets the same, before the same step: a process that differs makes that step fail with
  * ::DPAR_ERR_MISMATCH on every process (their collectives compare element types), and the engine must be recreated.
- * Engines start with ::DPAR_COMPRESSION_NONE.
+ * Engines start with ::DPAR_COMPRESSION_NONE. With the reduce dtype ::DPAR_BF16 (dpar_engine_set_reduce_dtype())
+ * the whole reduction is bf16, across processes too, and this setting changes nothing until the reduce dtype is
+ * ::DPAR_F32 again (it is kept).
  * @param compression A ::dpar_gradient_compression.
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an unknown @p compression.
  */
 DPAR_API dpar_status dpar_engine_set_gradient_compression(dpar_engine *engine, int32_t compression);
+/**
+ * @brief The dtype gradient buckets are reduced in, from the next step on: PyTorch FSDP's
+ * MixedPrecisionPolicy(reduce_dtype=...), DDP's bf16_compress_hook extended to the replicas of a process.
+ *
+ * ::DPAR_F32 (engines start with it): each bucket is summed in f32 within a process and crosses the processes as
+ * dpar_engine_set_gradient_compression() says (f32, or the process's sum rounded to bf16 and summed in bf16).
+ *
+ * ::DPAR_BF16: the reduction is carried in bf16 throughout, whatever the compression setting says:
+ *  1. each replica's local gradient bucket (the sum of its rows' gradients, times the loss scale) is rounded to
+ *     bf16, to nearest even;
+ *  2. the process's replicas sum them: on CPU devices (threads over shared memory) the bf16 values are added in f32
+ *     in replica order (0, 1, ...) and the sum rounded to bf16 once, which is what a bf16 ring approximates (it
+ *     rounds each partial sum) and moves the same bytes as f32 through shared memory; on GPUs NCCL's bf16
+ *     all-reduce (reduce-scatter under ::DPAR_REDUCTION_REDUCE_SCATTER) carries it, half the bytes of f32;
+ *  3. with several processes, the processes' bf16 sums are summed in bf16 across them (as the compression does:
+ *     MPI adds in float and rounds each sum to bf16; NCCL natively);
+ *  4. the result is widened to f32 (exactly) and multiplied in f32 by the engine's 1 / (the global batch's
+ *     samples), once: clipping's norm, loss scaling's check and the optimizer read that f32 gradient.
+ * Every replica of every process ends with the same bits, independent of thread timing, under either gradient
+ * reduction (under ::DPAR_REDUCTION_REDUCE_SCATTER each replica's block holds the bits the all-reduce would). With
+ * one device and one process, step 2 and 3 have nothing to add: the gradient is still rounded to bf16.
+ *
+ * Every process sets the same, before the same step. Changing it keeps the optimizer's state.
+ * @param dtype ::DPAR_F32 or ::DPAR_BF16.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for another dtype (the message names it);
+ * ::DPAR_ERR_NOT_SUPPORTED for ::DPAR_BF16 where the processes' link does not move bf16; the engine unchanged.
+ */
+DPAR_API dpar_status dpar_engine_set_reduce_dtype(dpar_engine *engine, int32_t dtype);
+/** @brief The reduce dtype dpar_engine_set_reduce_dtype() set: ::DPAR_F32 or ::DPAR_BF16. */
+DPAR_API dpar_status dpar_engine_reduce_dtype(int32_t *out, const dpar_engine *engine);
 
 /** @brief How each bucket of summed gradients reaches the replicas (dpar_engine_set_gradient_reduction()). */
 typedef enum dpar_gradient_reduction {

@@ -437,6 +437,18 @@ DPAR_API dpar_status dpar_engine_precision(int32_t* out, const dpar_engine* engi
   return with_engine(engine, [&](Engine& e) { *checked_out(out) = static_cast<int32_t>(e.compute_dtype()); });
 }
 
+DPAR_API dpar_status dpar_engine_set_reduce_dtype(dpar_engine* engine, int32_t dtype) {
+  return with_engine(engine, [&](Engine& e) {
+    DPAR_CHECK_ARG(dtype == DPAR_F32 || dtype == DPAR_BF16, "reduce_dtype: ", dtype,
+                   " is not a reduce dtype (DPAR_F32 = 0, DPAR_BF16 = 2)");
+    e.set_reduce_dtype(static_cast<DType>(dtype));
+  });
+}
+
+DPAR_API dpar_status dpar_engine_reduce_dtype(int32_t* out, const dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { *checked_out(out) = static_cast<int32_t>(e.reduce_dtype()); });
+}
+
 DPAR_API dpar_status dpar_engine_set_allow_tf32(dpar_engine* engine, int32_t allow, int32_t* has_tf32) {
   return with_engine(engine, [&](Engine& e) {
     DPAR_CHECK_ARG(allow == 0 || allow == 1, "allow: ", allow, " is neither 0 (strict f32) nor 1 (TF32 allowed)");

@@ -71,6 +71,132 @@ void ReplicaSet::reduce_scatter_sum(float* data, size_t count, bool contributes,
   local_.reduce_scatter_sum(data, count, contributes, scale);
 }
 
+void ReplicaSet::reserve_bf16_stage(size_t count) {
+  // Tensor::empty, not a replica's allocator: this runs on the communication thread, and the test faults armed for
+  // a worker's allocations are the worker's.
+  const auto n = static_cast<int64_t>(count);
+  if (!bf16_stage_.defined() || bf16_stage_.numel() < n)
+    bf16_stage_ = Tensor::empty(DType::kBF16, Shape{std::max<int64_t>(n, 1)}, stream_.device());
+}
+
+void ReplicaSet::round_to_bf16(float* data, size_t count) {
+  if (count == 0) return;
+  reserve_bf16_stage(count);
+  const auto n = static_cast<int64_t>(count);
+  const TensorRef packed = bf16_stage_.rows(0, n).ref(), floats = TensorRef::of(data, {n});
+  stream_.run(call::Convert{packed, floats});
+  stream_.run(call::Convert{floats, packed});
+}
+
+void ReplicaSet::widen_scaled(float* data, size_t count, size_t from, float scale) {
+  if (count == 0) return;
+  const auto n = static_cast<int64_t>(count);
+  const TensorRef floats = TensorRef::of(data, {n});
+  stream_.run(call::Convert{floats, bf16_stage_.rows(static_cast<int64_t>(from), n).ref()});
+  if (scale != 1.0f) stream_.run(call::Scale{floats, scale});
+}
+
+void ReplicaSet::all_reduce_sum_bf16(float* data, size_t count, bool contributes, float scale) {
+  if (local_.moves(DType::kBF16)) return all_reduce_sum_bf16_native(data, count, contributes, scale);
+  const auto elements = static_cast<int64_t>(count);
+  // The replicas' communicator sums f32 only: each contribution is rounded to bf16 values (held in f32, exactly),
+  // summed in f32 in replica order (the threads backend's rank order; unscaled, so that the scale applies once, to
+  // the widened result), and the sum rounded to bf16 once.
+  if (contributes) round_to_bf16(data, count);
+  if (!processes_) {
+    {
+      TraceSpan span(trace_, "bucket all-reduce (bf16 values)", "elements", elements);
+      local_.all_reduce_sum(data, count, contributes, 1.0f);
+    }
+    // Every replica rounds and scales the same bits the same way.
+    round_to_bf16(data, count);
+    if (scale != 1.0f && count > 0) stream_.run(call::Scale{TensorRef::of(data, {elements}), scale});
+    return;
+  }
+  {
+    TraceSpan span(trace_, "bucket reduce (replicas, bf16 values)", "elements", elements);
+    local_.reduce_sum(data, count, contributes, 1.0f, 0);
+  }
+  if (replica() == 0) {
+    static constexpr const char* kNames[2] = {"bucket all-reduce (processes, bf16)",
+                                              "bucket all-reduce (processes, nccl, bf16)"};
+    TraceSpan span(trace_, kNames[processes_->device ? 1 : 0], "elements", elements);
+    across_or_abort([&] {
+      // Rounds the process's f32 sum to bf16 (once), sums across the processes in bf16 and widens it.
+      sum_across_processes(data, count, Wire::kBf16);
+      if (scale != 1.0f && count > 0) stream_.run(call::Scale{TensorRef::of(data, {elements}), scale});
+    });
+  }
+  TraceSpan span(trace_, "bucket broadcast (replicas)", "elements", elements);
+  local_.broadcast(data, count, DType::kF32, 0);
+}
+
+void ReplicaSet::all_reduce_sum_bf16_native(float* data, size_t count, bool contributes, float scale) {
+  const auto elements = static_cast<int64_t>(count);
+  reserve_bf16_stage(count);
+  void* packed = bf16_stage_.raw();
+  if (contributes && count > 0)
+    stream_.run(call::Convert{bf16_stage_.rows(0, elements).ref(), TensorRef::of(data, {elements})});
+  else
+    stream_.fill_zero(packed, count * dtype_size(DType::kBF16));
+  if (!processes_) {
+    TraceSpan span(trace_, "bucket all-reduce (bf16)", "elements", elements);
+    local_.all_reduce(packed, packed, count, DType::kBF16, ReduceOp::kSum);
+  } else {
+    {
+      TraceSpan span(trace_, "bucket reduce (replicas, bf16)", "elements", elements);
+      local_.reduce(packed, packed, count, DType::kBF16, ReduceOp::kSum, 0);
+    }
+    if (replica() == 0) {
+      static constexpr const char* kNames[2] = {"bucket all-reduce (processes, bf16)",
+                                                "bucket all-reduce (processes, nccl, bf16)"};
+      TraceSpan span(trace_, kNames[processes_->device ? 1 : 0], "elements", elements);
+      across_or_abort([&] { sum_across_processes(packed, count, DType::kBF16); });
+    }
+    TraceSpan span(trace_, "bucket broadcast (replicas, bf16)", "elements", elements);
+    local_.broadcast(packed, count, DType::kBF16, 0);
+  }
+  widen_scaled(data, count, 0, scale);
+}
+
+void ReplicaSet::reduce_scatter_sum_bf16(float* data, size_t count, bool contributes, float scale) {
+  // Across processes a bucket is summed whole, as reduce_scatter_sum does.
+  if (processes_) return all_reduce_sum_bf16(data, count, contributes, scale);
+  const auto [begin, end] = Communicator::block_range(count, static_cast<int>(local_size()), static_cast<int>(replica()));
+  const auto elements = static_cast<int64_t>(count);
+  if (!local_.moves(DType::kBF16)) {
+    // As all_reduce_sum_bf16's emulation, for this replica's block only: block r holds its bits.
+    if (contributes) round_to_bf16(data, count);
+    {
+      TraceSpan span(trace_, "bucket reduce-scatter (bf16 values)", "elements", elements);
+      local_.reduce_scatter_sum(data, count, contributes, 1.0f);
+    }
+    const auto mine = static_cast<int64_t>(end - begin);
+    round_to_bf16(data + begin, end - begin);
+    if (scale != 1.0f && mine > 0) stream_.run(call::Scale{TensorRef::of(data + begin, {mine}), scale});
+    return;
+  }
+  // A bf16 reduce-scatter (NCCL's) takes equal blocks: the bucket is padded with zeros to size() blocks of block 0's
+  // length, and this replica's block lands after them in the stage.
+  const size_t n = local_size();
+  const size_t per = Communicator::block_range(count, static_cast<int>(n), 0).second;
+  const size_t padded = per * n;
+  reserve_bf16_stage(padded + per);
+  auto* packed = static_cast<unsigned char*>(bf16_stage_.raw());
+  const size_t esz = dtype_size(DType::kBF16);
+  if (contributes && count > 0) {
+    stream_.run(call::Convert{bf16_stage_.rows(0, elements).ref(), TensorRef::of(data, {elements})});
+    if (padded > count) stream_.fill_zero(packed + count * esz, (padded - count) * esz);
+  } else {
+    stream_.fill_zero(packed, padded * esz);
+  }
+  {
+    TraceSpan span(trace_, "bucket reduce-scatter (bf16)", "elements", elements);
+    local_.reduce_scatter(packed, packed + padded * esz, per, DType::kBF16, ReduceOp::kSum);
+  }
+  widen_scaled(data + begin, end - begin, padded, scale);
+}
+
 void ReplicaSet::all_gather_blocks(float* data, size_t count) {
   TraceSpan span(trace_, "all-gather", "elements", static_cast<int64_t>(count));
   local_.all_gather_blocks(data, count);
@@ -147,10 +273,7 @@ void ReplicaSet::abort(const std::string& reason) {
 void ReplicaSet::sum_across_processes(float* data, size_t count, Wire wire) {
   if (wire == Wire::kF32) return sum_across_processes(data, count, DType::kF32);
   const auto n = static_cast<int64_t>(count);
-  // Tensor::empty, not a replica's allocator: this runs on the communication thread, and the test faults armed for
-  // a worker's allocations are the worker's.
-  if (!bf16_stage_.defined() || bf16_stage_.numel() < n)
-    bf16_stage_ = Tensor::empty(DType::kBF16, Shape{std::max<int64_t>(n, 1)}, stream_.device());
+  reserve_bf16_stage(count);
   const TensorRef packed = bf16_stage_.rows(0, n).ref(), floats = TensorRef::of(data, {n});
   stream_.run(call::Convert{packed, floats});
   sum_across_processes(packed.data, count, DType::kBF16);

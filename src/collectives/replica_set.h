@@ -87,6 +87,17 @@ class ReplicaSet {
   // the replicas, whose block r is bit for bit all_reduce_sum's. Several: summed into replica 0, across the
   // processes, then broadcast (each replica keeps its block): the same traffic as all_reduce_sum's.
   void reduce_scatter_sum(float* data, size_t count, bool contributes, float scale, Wire wire);
+  // The same two sums carried in bfloat16 throughout (the engine's reduce dtype bf16, as FSDP's
+  // MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)): this replica's `count` floats rounded to bf16 (nearest even),
+  // summed over the process's replicas, rounded to bf16, summed across the processes in bf16 (as Wire::kBf16), then
+  // widened to f32 and multiplied by `scale` in f32. Within the process: where the replicas' communicator sums bf16
+  // (NCCL), its bf16 all-reduce (reduce-scatter, reduce and broadcast) carries it, half the bytes of f32; elsewhere
+  // (threads, dpar's CUDA device group) the rounded values are summed in f32 in replica order and the sum rounded to
+  // bf16 once, which a bf16 ring approximates (each of its partial sums rounded), with the same bytes as f32 through
+  // shared memory. Every replica ends with the same bits, independent of thread timing.
+  void all_reduce_sum_bf16(float* data, size_t count, bool contributes, float scale);
+  // Block r of the same, as reduce_scatter_sum is of all_reduce_sum (block r holds all_reduce_sum_bf16's bits).
+  void reduce_scatter_sum_bf16(float* data, size_t count, bool contributes, float scale);
   // Every replica's block r (the same layout) into every replica of the process. Across processes nothing moves:
   // every process holds the same blocks after reduce_scatter_sum.
   void all_gather_blocks(float* data, size_t count);
@@ -116,6 +127,14 @@ class ReplicaSet {
   void abort(const std::string& reason);
 
  private:
+  // Rounds `count` floats at `data` (the replica's device memory) to bf16 values, in place (through bf16_stage_).
+  void round_to_bf16(float* data, size_t count);
+  // Widens `count` bf16 values of bf16_stage_ (from element `from`) into `data` and multiplies them by `scale`.
+  void widen_scaled(float* data, size_t count, size_t from, float scale);
+  // bf16_stage_ holds at least `count` elements.
+  void reserve_bf16_stage(size_t count);
+  // all_reduce_sum_bf16 where the replicas' communicator sums bf16 (NCCL).
+  void all_reduce_sum_bf16_native(float* data, size_t count, bool contributes, float scale);
   // Replica 0's part of a hierarchical sum: `count` elements of `dtype` at `data` (device memory) summed across the
   // processes.
   void sum_across_processes(void* data, size_t count, DType dtype);

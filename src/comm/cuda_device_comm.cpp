@@ -57,6 +57,8 @@ class CudaDeviceCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return host_.size(); }
   const char* backend() const override { return "cuda-device"; }
+  // Its reductions are f32 and f64 sums: a bf16 gradient reduction is summed in f32 here (ReplicaSet's emulation).
+  bool moves(DType dtype) const override { return dtype != DType::kBF16; }
 
   void abort(const std::string& reason) override { host_.abort(reason); }
   Status async_error(std::string* reason) override { return comm_->async_error(reason); }

@@ -98,7 +98,7 @@ class Engine {
   // How buckets cross the processes: "" with one process, else "mpi", "nccl", or "mpi through host memory (why
   // not NCCL)".
   const std::string& process_transport() const { return replicas_[0]->set->process_transport(); }
-  // The bucket strategy the replicas' reducers use now ("flat", "hierarchical", "hierarchical bf16").
+  // The bucket strategy the replicas' reducers use now ("flat", "hierarchical", "hierarchical bf16", ...).
   const char* bucket_strategy() const { return replicas_[0]->reducer->strategy().name(); }
   Device replica_device(size_t r) const { return replicas_[r]->ctx.device; }
   const Model& model() const { return model_; }
@@ -119,6 +119,15 @@ class Engine {
   void set_gradient_compression(GradientCompression compression);
   // From the next step on (both keep the same optimizer shards). Every process sets the same.
   void set_gradient_reduction(GradientReduction reduction);
+  // The dtype gradient buckets are reduced in, from the next step on (FSDP's MixedPrecisionPolicy.reduce_dtype):
+  // f32 (the default: summed in f32 within a process, across processes as set_gradient_compression says) or bf16
+  // (every replica's bucket rounded to bf16 and the whole reduction carried in bf16, within the process and across
+  // the processes whatever the compression says; ReplicaSet::all_reduce_sum_bf16), the result widened to f32 for
+  // clipping and the optimizer. Either gradient reduction. The compression setting is kept and applies again once
+  // the reduce dtype is f32. Anything else throws INVALID_ARGUMENT; bf16 over processes whose link does not move it
+  // throws NOT_SUPPORTED; both change nothing. Every process sets the same.
+  void set_reduce_dtype(DType dtype);
+  DType reduce_dtype() const { return reduce_dtype_; }
   void set_lr(float lr);
   // Mixed precision, as torch.autocast's policy: from the next call on, linear layers and convolutions compute on
   // `dtype` operands (bf16: the input rounded to bf16 and each step's bf16 copy of the weights, f32 accumulation)
@@ -245,7 +254,7 @@ class Engine {
   // The bucket strategy for the engine's settings (hierarchical, in bf16 across processes when compressed).
   std::unique_ptr<BucketStrategy> bucket_strategy_for(Replica& rep) const;
   // Makes these the settings and gives every reducer its strategy for them; all or nothing.
-  void set_strategies(GradientCompression compression, GradientReduction reduction);
+  void set_strategies(GradientCompression compression, GradientReduction reduction, DType reduce_dtype);
   // Copies the replica's loss sum of its last rows from its device into rep.loss_sum.
   void read_loss(Replica& rep);
   // Scales the replica's shard of the summed gradient so that the gradient's global L2 norm is at most the
@@ -306,6 +315,7 @@ class Engine {
   // Backend::link_processes); null with one process.
   std::shared_ptr<ProcessLinks> links_;
   GradientCompression compression_ = GradientCompression::kNone;
+  DType reduce_dtype_ = DType::kF32;
   DType compute_dtype_ = DType::kF32;
   GradientReduction reduction_ = GradientReduction::kAllReduce;
   std::vector<std::vector<size_t>> node_params_;  // per node, the parameters ready after its backward

@@ -28,12 +28,15 @@ std::vector<ElementRange> Engine::optimizer_shard(const Replica& rep) const {
 }
 
 std::unique_ptr<BucketStrategy> Engine::bucket_strategy_for(Replica& rep) const {
+  // reduce_dtype_ bf16 carries the whole reduction in bf16, so across the processes too: the compression setting
+  // (bf16 or not) then changes nothing.
   const Wire wire = compression_ == GradientCompression::kBf16 ? Wire::kBf16 : Wire::kF32;
   if (reduction_ == GradientReduction::kReduceScatter)
-    return make_bucket_strategy(BucketStrategyKind::kReduceScatter, *rep.set, wire);
-  if (!links_) return make_bucket_strategy(BucketStrategyKind::kFlat, *rep.set);
+    return make_bucket_strategy(BucketStrategyKind::kReduceScatter, *rep.set, wire, reduce_dtype_);
+  if (!links_) return make_bucket_strategy(BucketStrategyKind::kFlat, *rep.set, Wire::kF32, reduce_dtype_);
   return make_bucket_strategy(
-      wire == Wire::kBf16 ? BucketStrategyKind::kHierarchicalBf16 : BucketStrategyKind::kHierarchical, *rep.set);
+      wire == Wire::kBf16 ? BucketStrategyKind::kHierarchicalBf16 : BucketStrategyKind::kHierarchical, *rep.set,
+      Wire::kF32, reduce_dtype_);
 }
 
 void Engine::clip_gradient(Replica& rep) {
@@ -122,22 +125,31 @@ void Engine::set_gradient_compression(GradientCompression compression) {
   DPAR_CHECK_ARG(compression == GradientCompression::kNone || compression == GradientCompression::kBf16,
                  "compression: ", static_cast<int32_t>(compression), " is not a gradient compression (0: none, ",
                  "1: bf16)");
-  set_strategies(compression, reduction_);
+  set_strategies(compression, reduction_, reduce_dtype_);
 }
 
-void Engine::set_strategies(GradientCompression compression, GradientReduction reduction) {
+void Engine::set_reduce_dtype(DType dtype) {
+  DPAR_CHECK_ARG(dtype == DType::kF32 || dtype == DType::kBF16, "reduce_dtype: ", dtype_name(dtype),
+                 " is not a reduce dtype (f32, bf16)");
+  set_strategies(compression_, reduction_, dtype);
+}
+
+void Engine::set_strategies(GradientCompression compression, GradientReduction reduction, DType reduce_dtype) {
   // Every replica's strategy is made before anything changes, so that a refused setting changes nothing. Between
   // calls the workers are idle: the reducers are the caller's to change.
   const GradientCompression old_compression = compression_;
   const GradientReduction old_reduction = reduction_;
+  const DType old_reduce_dtype = reduce_dtype_;
   compression_ = compression;
   reduction_ = reduction;
+  reduce_dtype_ = reduce_dtype;
   std::vector<std::unique_ptr<BucketStrategy>> strategies;
   try {
     for (auto& rep : replicas_) strategies.push_back(bucket_strategy_for(*rep));
   } catch (...) {
     compression_ = old_compression;
     reduction_ = old_reduction;
+    reduce_dtype_ = old_reduce_dtype;
     throw;
   }
   for (size_t r = 0; r < replicas_.size(); ++r) replicas_[r]->reducer->set_strategy(std::move(strategies[r]));
@@ -147,7 +159,7 @@ void Engine::set_gradient_reduction(GradientReduction reduction) {
   DPAR_CHECK_ARG(reduction == GradientReduction::kAllReduce || reduction == GradientReduction::kReduceScatter,
                  "reduction: ", static_cast<int32_t>(reduction), " is not a gradient reduction (0: all-reduce, ",
                  "1: reduce-scatter)");
-  set_strategies(compression_, reduction);
+  set_strategies(compression_, reduction, reduce_dtype_);
 }
 
 void Engine::set_lr(float lr) {

@@ -7,7 +7,9 @@
 //  - hierarchical: among the process's replicas, then across the processes in f32, then back;
 //  - hierarchical in bf16: the same, bfloat16 on the wire between processes;
 //  - reduce-scatter: each replica receives only its block of every bucket (the block its optimizer steps: ZeRO-2),
-//    f32 or bf16 between processes.
+//    f32 or bf16 between processes;
+//  - either of them in bf16 throughout (reduce dtype bf16): every replica's bucket rounded to bf16, within and
+//    across the processes (ReplicaSet::all_reduce_sum_bf16, reduce_scatter_sum_bf16).
 #pragma once
 
 #include <cstddef>
@@ -32,7 +34,8 @@ struct GradBucket {
 class BucketStrategy {
  public:
   virtual ~BucketStrategy() = default;
-  // "flat", "hierarchical", "hierarchical bf16", "reduce-scatter": for messages and benchmarks.
+  // "flat", "hierarchical", "hierarchical bf16", "reduce-scatter", "all-reduce (reduce dtype bf16)",
+  // "reduce-scatter (reduce dtype bf16)": for messages and benchmarks.
   virtual const char* name() const = 0;
   // Reduces the bucket on this replica. Every replica of every process calls it for the same buckets in the same
   // order, each from its own thread.
@@ -47,6 +50,10 @@ const char* bucket_strategy_name(BucketStrategyKind kind);
 
 // The strategy of `kind` over `set` (which must outlive it). kFlat over a set that spans processes is refused
 // (INVALID_ARGUMENT): the processes' replicas would never meet. `wire`: how kReduceScatter crosses processes.
-std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, ReplicaSet& set, Wire wire = Wire::kF32);
+// `reduce_dtype` kBF16: the reduction is carried in bf16 within the process too (and so across it, whatever `kind`
+// and `wire` say): kFlat and kHierarchical* become an all-reduce in bf16, kReduceScatter a reduce-scatter in bf16.
+// kF32 (the default): as `kind` and `wire` say.
+std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, ReplicaSet& set, Wire wire = Wire::kF32,
+                                                     DType reduce_dtype = DType::kF32);
 
 }  // namespace dpar

@@ -833,6 +833,32 @@ func (e *Engine) SetGradientReduction(reduction Reduction) error {
 	})
 }
 
+// ReduceDtype is the dtype gradient buckets are reduced in (Engine.SetReduceDtype), as FSDP's
+// MixedPrecisionPolicy(reduce_dtype=...): a dpar_dtype.
+type ReduceDtype int32
+
+const (
+	// ReduceF32 sums in f32 within a process, across processes as SetGradientCompression says: the default.
+	ReduceF32 ReduceDtype = 0
+	// ReduceBF16 rounds every replica's bucket to bf16 and carries the whole reduction in bf16 (within and across
+	// the processes), the result widened to f32 for clipping and the optimizer.
+	ReduceBF16 ReduceDtype = 2
+)
+
+// SetReduceDtype reduces gradient buckets in d from the next step on (dpar_engine_set_reduce_dtype). ErrInvalidArg
+// for another dtype, ErrNotSupported where the processes' link does not move bf16, the engine unchanged. Every
+// process sets the same.
+func (e *Engine) SetReduceDtype(d ReduceDtype) error {
+	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_set_reduce_dtype(r, int(d)) })
+}
+
+// ReduceDtype is the dtype SetReduceDtype set.
+func (e *Engine) ReduceDtype() (ReduceDtype, error) {
+	var d int32
+	err := e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_reduce_dtype(unsafe.Pointer(&d), r) })
+	return ReduceDtype(d), err
+}
+
 // Precision is what linear layers and convolutions compute in (Engine.SetPrecision), as torch.autocast's policy:
 // a dpar_dtype.
 type Precision int32

@@ -359,6 +359,8 @@ extern swig_intgo _wrap_dpar_engine_set_lr_raw_9787157d5e82d198(uintptr_t arg1, 
 extern swig_intgo _wrap_dpar_engine_set_max_grad_norm_raw_9787157d5e82d198(uintptr_t arg1, float arg2);
 extern swig_intgo _wrap_dpar_engine_grad_norm_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_engine_set_gradient_compression_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
+extern swig_intgo _wrap_dpar_engine_set_reduce_dtype_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
+extern swig_intgo _wrap_dpar_engine_reduce_dtype_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_DPAR_REDUCTION_ALL_REDUCE_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_REDUCTION_REDUCE_SCATTER_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_dpar_engine_set_gradient_reduction_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
@@ -2172,6 +2174,22 @@ func Dpar_engine_set_gradient_compression(arg1 Struct_SS_dpar_engine, arg2 int) 
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	swig_r = (int)(C._wrap_dpar_engine_set_gradient_compression_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_intgo(_swig_i_1)))
+	return swig_r
+}
+
+func Dpar_engine_set_reduce_dtype(arg1 Struct_SS_dpar_engine, arg2 int) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := getSwigcptr(arg1)
+	_swig_i_1 := arg2
+	swig_r = (int)(C._wrap_dpar_engine_set_reduce_dtype_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_intgo(_swig_i_1)))
+	return swig_r
+}
+
+func Dpar_engine_reduce_dtype(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := arg1
+	_swig_i_1 := getSwigcptr(arg2)
+	swig_r = (int)(C._wrap_dpar_engine_reduce_dtype_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1)))
 	return swig_r
 }
 

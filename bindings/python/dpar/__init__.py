@@ -857,6 +857,22 @@ class Engine(_Handle):
         _check(_raw.dpar_engine_precision(out.ctypes.data, self._raw))
         return DType(int(out[0]))
 
+    def set_reduce_dtype(self, dtype):
+        """From the next step on, gradient buckets are reduced in `dtype`, as FSDP's
+        MixedPrecisionPolicy(reduce_dtype=...): DType.F32 (the default: f32 within a process, across processes as
+        set_gradient_compression says) or DType.BF16 (every replica's bucket rounded to bf16 and the whole reduction
+        carried in bf16, within and across the processes, the result widened to f32 for clipping and the
+        optimizer). DparError INVALID_ARGUMENT for another dtype, NOT_SUPPORTED where the processes' link does not
+        move bf16, the engine unchanged. Every process sets the same."""
+        _check(_raw.dpar_engine_set_reduce_dtype(self._raw, operator.index(dtype)))
+
+    @property
+    def reduce_dtype(self):
+        """The dtype set_reduce_dtype set: DType.F32 or DType.BF16."""
+        out = _scalar(np.int32)
+        _check(_raw.dpar_engine_reduce_dtype(out.ctypes.data, self._raw))
+        return DType(int(out[0]))
+
     def set_allow_tf32(self, allow):
         """Lets f32 GEMMs and convolutions use TF32 where the devices have it (off by default); returns whether
         they have it (CPU devices: False)."""

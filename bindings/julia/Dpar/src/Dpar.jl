@@ -40,6 +40,7 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_no
        adaptive_avg_pool2d!, train_step!, step_count, num_params,
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
        set_gradient_compression!, set_gradient_reduction!, set_weight_decay_exclusion!, set_precision!, precision,
+       set_reduce_dtype!, reduce_dtype,
        set_allow_tf32!, set_loss_scaling!, loss_scale, last_step_skipped, param_decays, forward, num_replicas,
        trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
@@ -794,6 +795,23 @@ function precision(e::Engine)
     out = Ref{Int32}(0)
     op, h = Base.unsafe_convert(Ptr{Int32}, out), e.ptr
     engine_call(() -> ccall((:dpar_engine_precision, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), op, h), e, out)
+    out[]
+end
+"""`set_reduce_dtype!(engine, dtype)`: from the next step on, gradient buckets are reduced in `dtype`, as FSDP's
+MixedPrecisionPolicy(reduce_dtype=...): `F32` (the default: f32 within a process, across processes as
+`set_gradient_compression!` says) or `BF16` (every replica's bucket rounded to bf16 and the whole reduction carried in
+bf16, within and across the processes, the result widened to f32 for clipping and the optimizer).
+`ERR_INVALID_ARGUMENT` for another dtype, `ERR_NOT_SUPPORTED` where the processes' link does not move bf16, the engine
+unchanged. Every process sets the same."""
+function set_reduce_dtype!(e::Engine, dtype::Integer)
+    h, v = e.ptr, Int32(dtype)
+    engine_call(() -> ccall((:dpar_engine_set_reduce_dtype, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)
+end
+"""`reduce_dtype(engine)`: the dtype `set_reduce_dtype!` set (`F32` or `BF16`)."""
+function reduce_dtype(e::Engine)
+    out = Ref{Int32}(0)
+    op, h = Base.unsafe_convert(Ptr{Int32}, out), e.ptr
+    engine_call(() -> ccall((:dpar_engine_reduce_dtype, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), op, h), e, out)
     out[]
 end
 """`set_allow_tf32!(engine, allow)`: lets f32 GEMMs and convolutions use TF32 where the devices have it (off by

@@ -490,6 +490,29 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             end
         end
     end
+    @testset "reduce dtype" begin
+        Dpar.Model(7) do m
+            reference_model(m)
+            n = Dpar.num_param_elements(m)
+            Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do plain
+                Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do e
+                    @test Dpar.reduce_dtype(e) == Dpar.F32
+                    err = try Dpar.set_reduce_dtype!(e, 7); nothing catch ex; ex end
+                    @test err isa DparError && err.status == Dpar.ERR_INVALID_ARGUMENT &&
+                          occursin("reduce_dtype", err.message)
+                    Dpar.set_reduce_dtype!(e, Dpar.BF16)
+                    @test Dpar.reduce_dtype(e) == Dpar.BF16
+                    x, y = reference_batch()
+                    for _ in 1:3
+                        @test isfinite(Dpar.train_step!(e, x, y))
+                        Dpar.train_step!(plain, x, y)
+                    end
+                    @test reinterpret(UInt32, Dpar.params(e, 0, n)) == reinterpret(UInt32, Dpar.params(e, 1, n))
+                    @test Dpar.params(e, 0, n) != Dpar.params(plain, 0, n)
+                end
+            end
+        end
+    end
     @testset "gradient clipping and the reported norm" begin
         Dpar.Model(7) do m
             reference_model(m)

@@ -986,6 +986,17 @@ pub enum Compression {
     Bf16,
 }
 
+/// The dtype gradient buckets are reduced in (`Engine::set_reduce_dtype`), as FSDP's
+/// MixedPrecisionPolicy(reduce_dtype=...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceDtype {
+    /// Summed in f32 within a process, across processes as `set_gradient_compression` says: the default.
+    F32,
+    /// Every replica's bucket rounded to bf16 and the whole reduction carried in bf16 (within and across the
+    /// processes), the result widened to f32 for clipping and the optimizer.
+    Bf16,
+}
+
 /// What linear layers and convolutions compute in (`Engine::set_precision`), as torch.autocast's policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Precision {
@@ -1251,6 +1262,21 @@ impl Engine {
         let mut p = 0i32;
         check(unsafe { sys::dpar_engine_precision(&mut p, self.raw) })?;
         Ok(if p == sys::DPAR_BF16 { Precision::Bf16 } else { Precision::F32 })
+    }
+    /// From the next step on, gradient buckets are reduced in `dtype` (dpar_engine_set_reduce_dtype): Bf16 rounds
+    /// every replica's bucket to bf16 and carries the whole reduction in bf16, whatever the compression says.
+    /// NOT_SUPPORTED where the processes' link does not move bf16, the engine unchanged. Every process sets the same.
+    pub fn set_reduce_dtype(&self, dtype: ReduceDtype) -> Result<()> {
+        let d = match dtype {
+            ReduceDtype::F32 => sys::DPAR_F32,
+            ReduceDtype::Bf16 => sys::DPAR_BF16,
+        };
+        check(unsafe { sys::dpar_engine_set_reduce_dtype(self.raw, d) })
+    }
+    pub fn reduce_dtype(&self) -> Result<ReduceDtype> {
+        let mut d = 0i32;
+        check(unsafe { sys::dpar_engine_reduce_dtype(&mut d, self.raw) })?;
+        Ok(if d == sys::DPAR_BF16 { ReduceDtype::Bf16 } else { ReduceDtype::F32 })
     }
     /// Lets f32 GEMMs and convolutions use TF32 where the devices have it (off by default); returns whether
     /// they have it (CPU devices: false).
@@ -2177,6 +2203,33 @@ mod tests {
                 assert_eq!(e.precision().unwrap(), Precision::F32);
             }
         }
+    }
+
+    #[test]
+    fn reduce_dtype_bf16_rounds_the_reduction_and_keeps_replicas_identical() {
+        let mut m = Model::new(3).unwrap();
+        m.linear(4, 8, true).unwrap().activation(Activation::Relu).unwrap().linear(8, 3, true).unwrap();
+        let options = EngineOptions::new().cpu_devices(2).processes(Processes::Single);
+        let plain = Engine::new(&m, &Optimizer::sgd(0.1), &options).unwrap();
+        let e = Engine::new(&m, &Optimizer::sgd(0.1), &options).unwrap();
+        assert_eq!(e.reduce_dtype().unwrap(), ReduceDtype::F32);
+        let bad = check(unsafe { sys::dpar_engine_set_reduce_dtype(e.raw, 7) }).err().unwrap();
+        assert_eq!(bad.status(), status::INVALID_ARGUMENT);
+        assert!(bad.message().contains("reduce_dtype"), "{}", bad);
+        assert_eq!(e.reduce_dtype().unwrap(), ReduceDtype::F32);
+        e.set_reduce_dtype(ReduceDtype::Bf16).unwrap();
+        assert_eq!(e.reduce_dtype().unwrap(), ReduceDtype::Bf16);
+        let x: Vec<f32> = (0..24).map(|i| ((i * 37) % 101) as f32 / 101.0 - 0.5).collect();
+        let y: Vec<i32> = (0..6).map(|r| (r % 3) as i32).collect();
+        let (x, y) = (Tensor::from_f32(&[6, 4], &x).unwrap(), Tensor::from_i32(&[6], &y).unwrap());
+        for _ in 0..3 {
+            assert!(e.train_step(&x, &y).unwrap().is_finite());
+            plain.train_step(&x, &y).unwrap();
+        }
+        let n = m.num_param_elements().unwrap();
+        let bits = |e: &Engine, r: usize| e.params(r, n).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        assert_ne!(bits(&e, 0), bits(&plain, 0), "the bf16 rounding changed nothing");
+        assert_eq!(bits(&e, 0), bits(&e, 1), "replicas differ");
     }
 
     #[test]
