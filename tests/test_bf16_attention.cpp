@@ -194,7 +194,11 @@ void check_case(const Case& c) {
       auto G = [&](int64_t i, int64_t d) { return bf(Gf(i, d)); };
       for (int64_t i = 0; i < L; ++i) {
         double Di = 0, Dmag = 0;
-        for (int64_t d = 0; d < D; ++d) Di += Gf(i, d) * O[static_cast<size_t>(i * D + d)], Dmag += std::abs(Gf(i, d) * O[static_cast<size_t>(i * D + d)]);
+        // D_i from the out that backward reads (the op's), as the definition has it.
+        for (int64_t d = 0; d < D; ++d) {
+          const double o = r.out[static_cast<size_t>((b * L + i) * C + h * D + d)];
+          Di += Gf(i, d) * o, Dmag += std::abs(Gf(i, d) * o);
+        }
         for (int64_t j = 0; j < S; ++j) {
           const size_t ij = static_cast<size_t>(i * S + j);
           if (c.causal && j > i) continue;
