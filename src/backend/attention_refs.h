@@ -24,6 +24,18 @@ inline kernels::AttentionTensor tensor(const TensorRef& x, const char* what, int
   return {static_cast<float*>(x.data), x.strides[0], x.strides[1]};
 }
 
+// A bf16 operand (q, k, v of an op whose spec's dtype is bf16), with the same checks.
+inline kernels::AttentionTensorBf16 tensor_bf16(const TensorRef& x, const char* what, int64_t B, int64_t positions,
+                                                int64_t C) {
+  DPAR_CHECK_ARG(x.defined(), "attention: ", what, " is absent");
+  DPAR_CHECK_ARG(x.dtype == DType::kBF16, "attention (bf16): ", what, ": expected bf16, got ", dtype_name(x.dtype));
+  DPAR_CHECK_ARG(x.ndim == 3 && x.shape[0] == B && x.shape[1] == positions && x.shape[2] == C, "attention: ", what,
+                 ": expected (", B, ", ", positions, ", ", C, "), got ", x.str());
+  DPAR_CHECK_ARG(x.strides[2] == 1 || C == 1, "attention: ", what,
+                 ": each position's channels must be contiguous, got the view ", x.str());
+  return {static_cast<const uint16_t*>(x.data), x.strides[0], x.strides[1]};
+}
+
 // A tensor the contract says is contiguous (out, dout): refused otherwise.
 inline kernels::AttentionTensor contiguous(const TensorRef& x, const char* what, int64_t B, int64_t positions,
                                            int64_t C) {

@@ -60,7 +60,20 @@ struct AttentionSpec {
   float scale = 0.0f;   // the scores' factor; 0: PyTorch's default 1/sqrt(D)
   // The dtype the products compute in: f32, or bf16 (mixed precision: q, k and v bf16; the scores, the softmax, the
   // log-sum-exp and out f32; the weights rounded to bf16 before their product with v; every product accumulated in
-  // f32; backward reads f32 dout and writes f32 dq, dk, dv, its products in bf16 likewise).
+  // f32; backward reads f32 dout and writes f32 dq, dk, dv, its products in bf16 likewise). Exactly, per head, with
+  // bf16(x) f32 rounded to nearest even, f_ij the dropout factor (0 or 1/(1-p); 1 without dropout), sums in f32:
+  //   s_ij = scale (q_i . k_j)                        masked ones -inf
+  //   lse_i = m_i + log sum_j exp(s_ij - m_i)          m_i = max_j s_ij
+  //   p_ij = exp(s_ij - lse_i)                         the exact softmax: normalised before it is rounded
+  //   w_ij = bf16(p_ij f_ij);   out_i = sum_j w_ij v_j
+  // and backward, from g = bf16(dout) and the same p and w:
+  //   dv_j = sum_i w_ij g_i;    dp_ij = g_i . v_j;     D_i = dout_i . out_i (f32 operands)
+  //   ds_ij = bf16(p_ij (dp_ij f_ij - D_i))
+  //   dq_i = scale sum_j ds_ij k_j;   dk_j = scale sum_i ds_ij q_i    (the scale applied to the f32 sums)
+  // flash-attention's roundings (P and dS rounded before their products), except that the weights are rounded
+  // after the normalisation rather than relative to a running maximum, so that the result does not depend on a
+  // kernel's tiling and forward and backward round the same w. tests/reference/make_mixed_precision_reference.py
+  // emulates it in PyTorch.
   DType dtype = DType::kF32;
   // The factor for head size `head_dim`.
   float scale_for(int64_t head_dim) const;

@@ -15,6 +15,14 @@ struct AttentionTensor {
   int64_t row_stride = 0;
 };
 
+// The same for a bf16 operand of mixed precision (q, k, v: AttentionSpec::dtype bf16), read only; bf16 bits
+// (common/bf16.h).
+struct AttentionTensorBf16 {
+  const uint16_t* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t row_stride = 0;
+};
+
 struct AttentionShape {
   int64_t B = 0, L = 0, S = 0;  // batch, queries, keys (L == S when causal)
   int64_t heads = 1, D = 0;     // C = heads * D

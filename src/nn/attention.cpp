@@ -93,13 +93,32 @@ class Attention final : public Layer {
     backward_inputs(ctx, {in}, out, dout, {din}, accumulate);
   }
 
+  // Under a bf16 policy the op reads q, k and v rounded to bf16 (kept from forward for backward) and computes as
+  // AttentionSpec::dtype defines; out, lse and the gradients stay f32.
+  bool autocasts() const override { return true; }
+  void set_compute_dtype(DType dtype) override {
+    if (dtype != compute_dtype_) op_.reset();  // made for the other dtype
+    Layer::set_compute_dtype(dtype);
+  }
+  // The op is made on the first forward; in bf16 its products are the backend's bf16 GEMM (the CPU's oneDNN bf16
+  // matmul, cuBLAS's bf16 GEMM), the one the bf16 linear layers run: a backend that lacks that kernel lacks bf16
+  // attention too, and asking for it here names the device before any step.
+  std::vector<KernelKey> kernels(Epilogue) const override {
+    if (compute_dtype_ == DType::kF32) return {};
+    return {{Op::kConvert, compute_dtype_}, {Op::kLinearForward, compute_dtype_}};
+  }
+
   void forward_inputs(const ReplicaContext& ctx, const std::vector<Tensor>& in, const Tensor& out) override {
     TensorRef q, k, v;
-    split(in, q, k, v);
+    split(operands(ctx, in), q, k, v);
     const int64_t B = q.size(0), L = q.size(1), S = k.size(1);
     const int64_t n = B * spec_.heads * L;
     if (!lse_.defined() || lse_.numel() < n) lse_ = ctx.alloc(DType::kF32, Shape{std::max<int64_t>(n, 1)});
-    if (!op_) op_ = ctx.stream->make_attention(spec_);
+    if (!op_) {
+      AttentionSpec spec = spec_;
+      spec.dtype = compute_dtype_;
+      op_ = ctx.stream->make_attention(spec);
+    }
     // Dropout's mask is a function of the position in this replica's stream: backward draws it again from the same
     // offset, so nothing of size L x S is kept.
     active_p_ = ctx.training ? dropout_p_ : 0.0f;
@@ -111,7 +130,7 @@ class Attention final : public Layer {
   void backward_inputs(const ReplicaContext&, const std::vector<Tensor>& in, const Tensor& out, const Tensor& dout,
                        const std::vector<Tensor>& din, bool) override {
     TensorRef q, k, v, dq, dk, dv;
-    split(in, q, k, v);
+    split(saved_operands(in), q, k, v);
     split(din, dq, dk, dv);
     op_->backward(dq, dk, dv, dout.ref(), q, k, v, out.ref(), lse(q.size(0), q.size(1)), active_p_, seed_, offset_);
   }
@@ -120,6 +139,27 @@ class Attention final : public Layer {
   void check_heads(int64_t channels) const {
     DPAR_CHECK_ARG(channels % spec_.heads == 0, describe(), ": ", spec_.heads, " heads do not divide the ", channels,
                    " channels");
+  }
+  // The inputs as the op reads them: themselves in f32; in bf16 each rounded once (the packed projection whole, so
+  // that q, k and v are strided views of its bf16 copy; an input that is also an earlier one, as self-attention's
+  // x for q, k and v, shares that one's copy).
+  std::vector<Tensor> operands(const ReplicaContext& ctx, const std::vector<Tensor>& in) {
+    if (compute_dtype_ == DType::kF32) return in;
+    std::vector<Tensor> low(in.size());
+    for (size_t i = 0; i < in.size(); ++i) {
+      source_[i] = i;
+      for (size_t j = 0; j < i; ++j)
+        if (in[j].raw() == in[i].raw() && in[j].shape() == in[i].shape()) source_[i] = j;
+      low[i] = source_[i] == i ? low_[i].round(ctx, compute_dtype_, in[i]) : low[source_[i]];
+    }
+    return low;
+  }
+  std::vector<Tensor> saved_operands(const std::vector<Tensor>& in) const {
+    if (compute_dtype_ == DType::kF32) return in;
+    std::vector<Tensor> low(in.size());
+    for (size_t i = 0; i < in.size(); ++i)
+      low[i] = low_[source_[i]].rounded(compute_dtype_, in[source_[i]], describe());
+    return low;
   }
   // q, k and v: the inputs, or the three thirds of the packed one's last dimension.
   void split(const std::vector<Tensor>& t, TensorRef& q, TensorRef& k, TensorRef& v) const {
@@ -137,7 +177,9 @@ class Attention final : public Layer {
   AttentionSpec spec_;
   float dropout_p_;
   size_t num_inputs_;
-  std::unique_ptr<AttentionOp> op_;  // made by the replica's stream on the first forward
+  std::unique_ptr<AttentionOp> op_;  // made by the replica's stream on the first forward, for compute_dtype_
+  LowPrecisionBuffer low_[3];        // the bf16 copies of the inputs (operands())
+  size_t source_[3] = {0, 1, 2};     // the input whose copy each input reads
   Tensor lse_;                       // (B, heads, L) of the last forward
   float active_p_ = 0.0f;            // the last forward's dropout (0 in eval mode)
   uint64_t seed_ = 0, offset_ = 0;   // the last forward's stream and where its mask began in it
@@ -170,15 +212,28 @@ class MultiheadAttention final : public Layer {
   std::unique_ptr<Layer> clone() const override {
     return std::make_unique<MultiheadAttention>(e_, spec_, dropout_p_, bias_);
   }
-  std::vector<KernelKey> kernels(Epilogue) const override { return {{Op::kLinearForward}, {Op::kLinearBackward}}; }
+  // Under a bf16 policy the projections are linear layers' bf16 GEMMs (their inputs rounded and kept, the step's
+  // bf16 weights) and the heads the bf16 attention op; biases, the projection and everything saved stay f32.
+  bool autocasts() const override { return true; }
+  void set_compute_dtype(DType dtype) override {
+    Layer::set_compute_dtype(dtype);
+    attention_.set_compute_dtype(dtype);
+  }
+  std::vector<KernelKey> kernels(Epilogue e) const override {
+    std::vector<KernelKey> keys{{Op::kLinearForward, compute_dtype_}, {Op::kLinearBackward, compute_dtype_}};
+    for (const KernelKey& key : attention_.kernels(e)) keys.push_back(key);
+    return keys;
+  }
 
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {
     const int64_t B = in.shape()[0], T = in.shape()[1];
     reserve(ctx, B * T);
     const Tensor qkv = rows(qkv_, {B, T, 3 * e_}), attn = rows(attn_, {B, T, e_});
-    ctx.stream->run(call::LinearForward{qkv.ref(), in.ref(), param(0), param(1, bias_)});
+    ctx.stream->run(call::LinearForward{qkv.ref(), in_low_.round(ctx, compute_dtype_, in).ref(), operand_param(0),
+                                        param(1, bias_)});
     attention_.forward(ctx, qkv, attn);
-    ctx.stream->run(call::LinearForward{out.ref(), attn.ref(), param(bias_ ? 2 : 1), param(3, bias_)});
+    ctx.stream->run(call::LinearForward{out.ref(), attn_low_.round(ctx, compute_dtype_, attn).ref(),
+                                        operand_param(bias_ ? 2 : 1), param(3, bias_)});
   }
   void backward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out, const Tensor& dout, const Tensor& din,
                 bool accumulate) override {
@@ -186,11 +241,17 @@ class MultiheadAttention final : public Layer {
     const Tensor qkv = rows(qkv_, {B, T, 3 * e_}), attn = rows(attn_, {B, T, e_});
     const Tensor dqkv = rows(dqkv_, {B, T, 3 * e_}), dattn = rows(dattn_, {B, T, e_});
     const size_t w = bias_ ? 2 : 1;
-    ctx.stream->run(call::LinearBackward{dattn.ref(), grad(w), grad(3, bias_), {}, dout.ref(), attn.ref(), param(w),
-                                         out.ref(), {}, Epilogue::kNone, accumulate});
+    call::LinearBackward out_proj{dattn.ref(), grad(w), grad(3, bias_), {}, dout.ref(),
+                                  attn_low_.rounded(compute_dtype_, attn, describe()).ref(), operand_param(w),
+                                  out.ref(), {}, Epilogue::kNone, accumulate};
+    out_proj.dout_low = dout_low_.room(ctx, compute_dtype_, dout.shape()).ref();
+    ctx.stream->run(out_proj);
     attention_.backward(ctx, qkv, attn, dattn, dqkv, accumulate);
-    ctx.stream->run(call::LinearBackward{din.ref(), grad(0), grad(1, bias_), {}, dqkv.ref(), in.ref(), param(0),
-                                         qkv.ref(), {}, Epilogue::kNone, accumulate});
+    call::LinearBackward in_proj{din.ref(), grad(0), grad(1, bias_), {}, dqkv.ref(),
+                                 in_low_.rounded(compute_dtype_, in, describe()).ref(), operand_param(0), qkv.ref(),
+                                 {}, Epilogue::kNone, accumulate};
+    in_proj.dout_low = dqkv_low_.room(ctx, compute_dtype_, dqkv.shape()).ref();
+    ctx.stream->run(in_proj);
   }
 
  private:
@@ -212,6 +273,8 @@ class MultiheadAttention final : public Layer {
   float dropout_p_;
   Attention attention_;  // the heads, on the packed projection
   Tensor qkv_, attn_, dqkv_, dattn_;  // the projection and the heads' output of the last forward; their gradients
+  // The bf16 copies of the projections' inputs (kept for backward) and of their output gradients.
+  LowPrecisionBuffer in_low_, attn_low_, dout_low_, dqkv_low_;
 };
 
 }  // namespace

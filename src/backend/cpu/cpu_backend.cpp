@@ -81,6 +81,12 @@ class CpuAttentionOp final : public AttentionOp {
     namespace a = attention_refs;
     const auto sh = a::shape(spec_, q, k);
     const int64_t C = sh.heads * sh.D;
+    if (spec_.dtype == DType::kBF16) {
+      return k::attention_forward_bf16(gemm(), a::contiguous(out, "out", sh.B, sh.L, C), a::lse(lse, sh),
+                                       a::tensor_bf16(q, "q", sh.B, sh.L, C), a::tensor_bf16(k, "k", sh.B, sh.S, C),
+                                       a::tensor_bf16(v, "v", sh.B, sh.S, C), sh, a::dropout(dropout_p, seed, offset),
+                                       bytes(k::attention_bf16_scratch_bytes(sh, false)));
+    }
     k::attention_forward(a::contiguous(out, "out", sh.B, sh.L, C), a::lse(lse, sh), a::tensor(q, "q", sh.B, sh.L, C),
                          a::tensor(k, "k", sh.B, sh.S, C), a::tensor(v, "v", sh.B, sh.S, C), sh,
                          a::dropout(dropout_p, seed, offset), k::AttentionTiles::kSgemm, scratch(sh.D));
@@ -91,6 +97,14 @@ class CpuAttentionOp final : public AttentionOp {
     namespace a = attention_refs;
     const auto sh = a::shape(spec_, q, k);
     const int64_t C = sh.heads * sh.D;
+    if (spec_.dtype == DType::kBF16) {
+      return k::attention_backward_bf16(
+          gemm(), a::tensor(dq, "dq", sh.B, sh.L, C), a::tensor(dk, "dk", sh.B, sh.S, C),
+          a::tensor(dv, "dv", sh.B, sh.S, C), a::contiguous(dout, "dout", sh.B, sh.L, C),
+          a::tensor_bf16(q, "q", sh.B, sh.L, C), a::tensor_bf16(k, "k", sh.B, sh.S, C),
+          a::tensor_bf16(v, "v", sh.B, sh.S, C), a::contiguous(out, "out", sh.B, sh.L, C), a::lse(lse, sh), sh,
+          a::dropout(dropout_p, seed, offset), bytes(k::attention_bf16_scratch_bytes(sh, true)));
+    }
     k::attention_backward(a::tensor(dq, "dq", sh.B, sh.L, C), a::tensor(dk, "dk", sh.B, sh.S, C),
                           a::tensor(dv, "dv", sh.B, sh.S, C), a::contiguous(dout, "dout", sh.B, sh.L, C),
                           a::tensor(q, "q", sh.B, sh.L, C), a::tensor(k, "k", sh.B, sh.S, C),
@@ -107,8 +121,22 @@ class CpuAttentionOp final : public AttentionOp {
     return scratch_.data();
   }
 
+  // The bf16 routines' rows (and backward's bf16 dout), as floats so that they are aligned for every element type.
+  void* bytes(int64_t n) {
+    const auto floats = static_cast<size_t>((n + 3) / 4);
+    if (scratch_.size() < floats) scratch_.resize(floats);
+    return scratch_.data();
+  }
+  // The bf16 products' primitives, per shape: the op's own (a layer's op runs on its replica's threads, one call at
+  // a time), made on the first bf16 call.
+  k::Bf16Gemm& gemm() {
+    if (!gemm_) gemm_ = std::make_unique<k::Bf16Gemm>();
+    return *gemm_;
+  }
+
   AttentionSpec spec_;
   std::vector<float> scratch_;
+  std::unique_ptr<k::Bf16Gemm> gemm_;
 };
 
 class CpuStream final : public Stream {
@@ -167,6 +195,13 @@ class CpuStream final : public Stream {
   }
   std::unique_ptr<AttentionOp> make_attention(const AttentionSpec& spec) override {
     DPAR_CHECK_ARG(spec.heads >= 1, spec.str(), ": heads must be >= 1, got ", spec.heads);
+    if (spec.dtype != DType::kF32) {
+      const char* why = "";
+      if (spec.dtype != DType::kBF16)
+        fail(Status::kNotSupported, spec.str(), " in ", dtype_name(spec.dtype), " on ", device().str(),
+             ": this backend's attention computes in f32 or bf16");
+      if (!k::bf16_support(&why)) fail(Status::kNotSupported, spec.str(), " in bf16 on ", device().str(), ": ", why);
+    }
     return std::make_unique<CpuAttentionOp>(spec);
   }
 

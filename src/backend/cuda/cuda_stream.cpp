@@ -457,6 +457,11 @@ class CudaAttentionOp final : public AttentionOp {
 
 std::unique_ptr<AttentionOp> CudaStream::make_attention(const AttentionSpec& spec) {
   DPAR_CHECK_ARG(spec.heads >= 1, spec.str(), ": heads must be >= 1, got ", spec.heads);
+  // The bf16 attention (AttentionSpec::dtype) is the CPU backend's so far: refused here, before a step, rather than
+  // read as f32.
+  if (spec.dtype != DType::kF32)
+    fail(Status::kNotSupported, spec.str(), " in ", dtype_name(spec.dtype), " on ", device().str(),
+         ": this backend's attention computes in f32 only");
   return std::make_unique<CudaAttentionOp>(spec, this);
 }
 

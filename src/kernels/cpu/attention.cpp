@@ -22,6 +22,9 @@
 #include <limits>
 #include <vector>
 
+#include "common/bf16.h"
+#include "common/error.h"
+#include "kernels/cpu/dnnl_ops.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/vector_isa.h"
 #include "kernels/cpu/vector_math.h"
@@ -351,6 +354,220 @@ void attention_backward(const AttentionTensor& dq, const AttentionTensor& dk, co
     job.dq = head_of(dq, b, h, sh.D), job.dk = head_of(dk, b, h, sh.D), job.dv = head_of(dv, b, h, sh.D);
     job.lse = lse + (b * sh.heads + h) * sh.L;
   });
+}
+
+// ---- bf16 -----------------------------------------------------------------------------------------------------
+namespace {
+
+// Keys per product of the bf16 routines: every product is on a chunk of this many keys or the last chunk's
+// remainder, so the GEMM's primitives are a few per product whatever S is; 512 keys make the tile products big
+// enough that oneDNN's per-call cost stays small beside their work.
+constexpr int64_t kChunk = 512;
+
+// The leading dimension of a block's score rows: S, rounded up to whole cache lines.
+int64_t rows_ld(int64_t S) { return std::max<int64_t>((S + 15) / 16 * 16, 16); }
+
+// The keys a causal query block computes on: up to its last query, rounded up to whole kBk blocks (fewer distinct
+// chunk remainders), never past S; every key for a non-causal one.
+int64_t bf16_keys_end(const AttentionShape& sh, int64_t i0, int64_t mq) {
+  if (!sh.causal) return sh.S;
+  return std::min(sh.S, (i0 + mq + kBk - 1) / kBk * kBk);
+}
+
+// Forward: row (lim visible of jend computed keys) holds q.k; returns lse and leaves p = exp(scale q.k - lse) in
+// the visible keys' places.
+DPAR_VECTOR_LOOP float softmax_row(float* __restrict row, int64_t lim, float scale) {
+  float m = kNegInf;
+  for (int64_t j = 0; j < lim; ++j) {
+    row[j] *= scale;
+    m = row[j] > m ? row[j] : m;
+  }
+  if (m == kNegInf) return kNegInf;
+  float l = 0.0f;
+  for (int64_t j = 0; j < lim; ++j) l += exp_nonpositive(row[j] - m);
+  const float lse = m + std::log(l);
+  for (int64_t j = 0; j < lim; ++j) row[j] = exp_nonpositive(row[j] - lse);
+  return lse;
+}
+
+// w[j] = bf16(x[j]) for j < lim, 0 up to jend.
+DPAR_VECTOR_LOOP void round_row(uint16_t* __restrict w, const float* __restrict x, int64_t lim, int64_t jend) {
+  for (int64_t j = 0; j < lim; ++j) w[j] = to_bf16(x[j]);
+  for (int64_t j = lim; j < jend; ++j) w[j] = 0;
+}
+
+// Backward without dropout: s = q.k, t = g.v in; w = bf16(p), ds = bf16(p (t - di)) out, p = exp(scale s - lse).
+DPAR_VECTOR_LOOP void grad_row(uint16_t* __restrict w, uint16_t* __restrict ds, const float* __restrict s,
+                               const float* __restrict t, int64_t lim, int64_t jend, float scale, float lse,
+                               float di) {
+  for (int64_t j = 0; j < lim; ++j) {
+    const float p = exp_nonpositive(s[j] * scale - lse);
+    w[j] = to_bf16(p);
+    ds[j] = to_bf16(p * (t[j] - di));
+  }
+  for (int64_t j = lim; j < jend; ++j) w[j] = 0, ds[j] = 0;
+}
+
+// x[d] *= a over n.
+DPAR_VECTOR_LOOP void scale_row(float* __restrict x, float a, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) x[d] *= a;
+}
+
+struct Bf16Head {
+  const uint16_t *q, *k, *v, *g;  // g: bf16(dout), backward
+  int64_t ldq, ldk, ldv, ldg;
+  uint64_t counter;  // the dropout counter of weight (0, 0) of the head
+};
+
+// The visible keys of query i (of jend computed).
+int64_t visible_bf16(const AttentionShape& sh, int64_t i, int64_t jend) {
+  return sh.causal ? std::min(jend, i + 1) : jend;
+}
+
+float keep(const AttentionShape& sh, const AttentionDropout& dr, uint64_t key, uint64_t counter, int64_t i, int64_t j,
+           float inv_keep) {
+  return rng::uniform24(key, counter + static_cast<uint64_t>(i * sh.S + j)) >= dr.p ? inv_keep : 0.0f;
+}
+
+}  // namespace
+
+int64_t attention_bf16_scratch_bytes(const AttentionShape& sh, bool backward) {
+  const int64_t rows = kBq * rows_ld(sh.S);
+  const int64_t f32_rows = backward ? 2 : 1, bf16_rows = backward ? 2 : 1;
+  int64_t bytes = rows * (f32_rows * 4 + bf16_rows * 2) + kBq * 4;
+  if (backward) bytes += (sh.B * sh.L * sh.heads * sh.D * 2 + 63) / 64 * 64;
+  return bytes;
+}
+
+void attention_forward_bf16(Bf16Gemm& gemm, const AttentionTensor& out, float* lse, const AttentionTensorBf16& q,
+                            const AttentionTensorBf16& k, const AttentionTensorBf16& v, const AttentionShape& sh,
+                            const AttentionDropout& dropout, void* scratch) {
+  const int64_t D = sh.D, ld = rows_ld(sh.S);
+  float* srow = static_cast<float*>(scratch);
+  auto* w = reinterpret_cast<uint16_t*>(srow + kBq * ld);
+  const uint64_t key = rng::stream_key(dropout.seed);
+  const float inv_keep = dropout.p > 0.0f ? 1.0f / (1.0f - dropout.p) : 1.0f;
+  for (int64_t b = 0; b < sh.B; ++b)
+    for (int64_t h = 0; h < sh.heads; ++h) {
+      const uint16_t* qh = q.data + b * q.batch_stride + h * D;
+      const uint16_t* kh = k.data + b * k.batch_stride + h * D;
+      const uint16_t* vh = v.data + b * v.batch_stride + h * D;
+      float* oh = out.data + b * out.batch_stride + h * D;
+      float* lh = lse + (b * sh.heads + h) * sh.L;
+      const uint64_t counter = dropout.offset + static_cast<uint64_t>((b * sh.heads + h) * sh.L * sh.S);
+      for (int64_t i0 = 0; i0 < sh.L; i0 += kBq) {
+        const int64_t mq = std::min(kBq, sh.L - i0);
+        const int64_t jend = bf16_keys_end(sh, i0, mq);
+        if (jend == 0) {  // no keys (S == 0): out 0 and lse -inf, as the f32 kernel gives
+          for (int64_t i = 0; i < mq; ++i) {
+            std::fill(oh + (i0 + i) * out.row_stride, oh + (i0 + i) * out.row_stride + D, 0.0f);
+            lh[i0 + i] = kNegInf;
+          }
+          continue;
+        }
+        for (int64_t c0 = 0; c0 < jend; c0 += kChunk)
+          gemm.run(false, true, mq, std::min(kChunk, jend - c0), D, qh + i0 * q.row_stride, q.row_stride,
+                   kh + c0 * k.row_stride, k.row_stride, false, srow + c0, ld);
+        for (int64_t i = 0; i < mq; ++i) {
+          float* row = srow + i * ld;
+          const int64_t lim = visible_bf16(sh, i0 + i, jend);
+          lh[i0 + i] = run_vector<softmax_row>(row, lim, sh.scale);
+          if (dropout.p > 0.0f)
+            for (int64_t j = 0; j < lim; ++j) row[j] *= keep(sh, dropout, key, counter, i0 + i, j, inv_keep);
+          run_vector<round_row>(w + i * ld, static_cast<const float*>(row), lim, jend);
+        }
+        for (int64_t c0 = 0; c0 < jend; c0 += kChunk)
+          gemm.run(false, false, mq, D, std::min(kChunk, jend - c0), w + c0, ld, vh + c0 * v.row_stride, v.row_stride,
+                   c0 > 0, oh + i0 * out.row_stride, out.row_stride);
+      }
+    }
+}
+
+void attention_backward_bf16(Bf16Gemm& gemm, const AttentionTensor& dq, const AttentionTensor& dk,
+                             const AttentionTensor& dv, const AttentionTensor& dout, const AttentionTensorBf16& q,
+                             const AttentionTensorBf16& k, const AttentionTensorBf16& v, const AttentionTensor& out,
+                             const float* lse, const AttentionShape& sh, const AttentionDropout& dropout,
+                             void* scratch) {
+  const int64_t D = sh.D, C = sh.heads * D, ld = rows_ld(sh.S);
+  float* srow = static_cast<float*>(scratch);
+  float* trow = srow + kBq * ld;
+  auto* w = reinterpret_cast<uint16_t*>(trow + kBq * ld);
+  uint16_t* ds = w + kBq * ld;
+  auto* di = reinterpret_cast<float*>(ds + kBq * ld);
+  uint16_t* g = reinterpret_cast<uint16_t*>(di + kBq);
+  // dout rounded once, for every head: the operand of dout v^T and w^T dout.
+  for (int64_t b = 0; b < sh.B; ++b)
+    for (int64_t i = 0; i < sh.L; ++i) {
+      const float* src = dout.data + b * dout.batch_stride + i * dout.row_stride;
+      uint16_t* dst = g + (b * sh.L + i) * C;
+      for (int64_t c = 0; c < C; ++c) dst[c] = to_bf16(src[c]);
+    }
+  const uint64_t key = rng::stream_key(dropout.seed);
+  const float inv_keep = dropout.p > 0.0f ? 1.0f / (1.0f - dropout.p) : 1.0f;
+  for (int64_t b = 0; b < sh.B; ++b)
+    for (int64_t h = 0; h < sh.heads; ++h) {
+      const uint16_t* qh = q.data + b * q.batch_stride + h * D;
+      const uint16_t* kh = k.data + b * k.batch_stride + h * D;
+      const uint16_t* vh = v.data + b * v.batch_stride + h * D;
+      const uint16_t* gh = g + b * sh.L * C + h * D;
+      const float* doh = dout.data + b * dout.batch_stride + h * D;
+      const float* oh = out.data + b * out.batch_stride + h * D;
+      float* dqh = dq.data + b * dq.batch_stride + h * D;
+      float* dkh = dk.data + b * dk.batch_stride + h * D;
+      float* dvh = dv.data + b * dv.batch_stride + h * D;
+      const float* lh = lse + (b * sh.heads + h) * sh.L;
+      const uint64_t counter = dropout.offset + static_cast<uint64_t>((b * sh.heads + h) * sh.L * sh.S);
+      for (int64_t i = 0; i < sh.L; ++i) std::fill(dqh + i * dq.row_stride, dqh + i * dq.row_stride + D, 0.0f);
+      for (int64_t j = 0; j < sh.S; ++j) {
+        std::fill(dkh + j * dk.row_stride, dkh + j * dk.row_stride + D, 0.0f);
+        std::fill(dvh + j * dv.row_stride, dvh + j * dv.row_stride + D, 0.0f);
+      }
+      for (int64_t i0 = 0; i0 < sh.L; i0 += kBq) {
+        const int64_t mq = std::min(kBq, sh.L - i0);
+        const int64_t jend = bf16_keys_end(sh, i0, mq);
+        if (jend == 0) continue;
+        for (int64_t i = 0; i < mq; ++i) {
+          const float* o = oh + (i0 + i) * out.row_stride;
+          const float* gi = doh + (i0 + i) * dout.row_stride;
+          float sum = 0.0f;
+          for (int64_t d = 0; d < D; ++d) sum += gi[d] * o[d];
+          di[i] = sum;
+        }
+        for (int64_t c0 = 0; c0 < jend; c0 += kChunk) {
+          const int64_t nc = std::min(kChunk, jend - c0);
+          gemm.run(false, true, mq, nc, D, qh + i0 * q.row_stride, q.row_stride, kh + c0 * k.row_stride, k.row_stride,
+                   false, srow + c0, ld);
+          gemm.run(false, true, mq, nc, D, gh + i0 * C, C, vh + c0 * v.row_stride, v.row_stride, false, trow + c0, ld);
+        }
+        for (int64_t i = 0; i < mq; ++i) {
+          const int64_t lim = visible_bf16(sh, i0 + i, jend);
+          float* s = srow + i * ld;
+          float* t = trow + i * ld;
+          if (dropout.p > 0.0f) {
+            for (int64_t j = 0; j < lim; ++j) {
+              const float p = exp_nonpositive(s[j] * sh.scale - lh[i0 + i]);
+              const float f = keep(sh, dropout, key, counter, i0 + i, j, inv_keep);
+              w[i * ld + j] = to_bf16(p * f);
+              ds[i * ld + j] = to_bf16(p * (t[j] * f - di[i]));
+            }
+            for (int64_t j = lim; j < jend; ++j) w[i * ld + j] = 0, ds[i * ld + j] = 0;
+          } else {
+            run_vector<grad_row>(w + i * ld, ds + i * ld, static_cast<const float*>(s), static_cast<const float*>(t),
+                                 lim, jend, sh.scale, lh[i0 + i], di[i]);
+          }
+        }
+        for (int64_t c0 = 0; c0 < jend; c0 += kChunk) {
+          const int64_t nc = std::min(kChunk, jend - c0);
+          gemm.run(true, false, nc, D, mq, w + c0, ld, gh + i0 * C, C, true, dvh + c0 * dv.row_stride, dv.row_stride);
+          gemm.run(false, false, mq, D, nc, ds + c0, ld, kh + c0 * k.row_stride, k.row_stride, true,
+                   dqh + i0 * dq.row_stride, dq.row_stride);
+          gemm.run(true, false, nc, D, mq, ds + c0, ld, qh + i0 * q.row_stride, q.row_stride, true,
+                   dkh + c0 * dk.row_stride, dk.row_stride);
+        }
+        for (int64_t i = 0; i < mq; ++i) run_vector<scale_row>(dqh + (i0 + i) * dq.row_stride, sh.scale, D);
+      }
+      for (int64_t j = 0; j < sh.S; ++j) run_vector<scale_row>(dkh + j * dk.row_stride, sh.scale, D);
+    }
 }
 
 }  // namespace dpar::kernels::cpu

@@ -9,7 +9,10 @@
 
 namespace dpar::kernels::cpu {
 
+class Bf16Gemm;  // dnnl_ops.h
+
 using kernels::AttentionDropout;
+using kernels::AttentionTensorBf16;
 using kernels::AttentionShape;
 using kernels::AttentionTensor;
 
@@ -37,5 +40,30 @@ void attention_backward(const AttentionTensor& dq, const AttentionTensor& dk, co
                         const AttentionTensor& v, const AttentionTensor& out, const float* lse,
                         const AttentionShape& shape, const AttentionDropout& dropout,
                         AttentionTiles tiles = AttentionTiles::kSgemm, float* scratch = nullptr);
+
+// ---- Mixed precision (AttentionSpec::dtype bf16) ------------------------------------------------------------------
+// q, k, v bf16; out, lse, dout, dq, dk, dv f32; the products are `gemm`'s (bf16 operands, f32 accumulation; the
+// caller's, not for concurrent use), the rest f32, rounded as op_specs.h's AttentionSpec::dtype defines:
+//   s = scale (q k^T), lse, p = exp(s - lse) and w = bf16(p f) (f the dropout factor); out = w v;
+//   g = bf16(dout); dv = w^T g; dp = g v^T; D_i = dout_i . out_i; ds = bf16(p (dp f - D)); dq = scale (ds k),
+//   dk = scale (ds^T q).
+// Per head, a block of kBq queries against all its keys at once: the block's score rows are kept (kBq x S floats), so
+// the softmax is exact before the weights are rounded (the same w in forward and backward), and the products run
+// on key chunks of a fixed width, so that `gemm` keeps a bounded number of shapes (a few per product) for any S.
+// gemm.h's bf16_support must hold (oneDNN would emulate bf16 products elsewhere).
+//
+// The bytes of scratch memory a call uses: a few rows of kBq x S, and backward's bf16 copy of dout (B L C).
+int64_t attention_bf16_scratch_bytes(const AttentionShape& shape, bool backward);
+
+void attention_forward_bf16(Bf16Gemm& gemm, const AttentionTensor& out, float* lse, const AttentionTensorBf16& q,
+                            const AttentionTensorBf16& k, const AttentionTensorBf16& v, const AttentionShape& shape,
+                            const AttentionDropout& dropout, void* scratch);
+
+// dout and out contiguous (as the op's contract has them).
+void attention_backward_bf16(Bf16Gemm& gemm, const AttentionTensor& dq, const AttentionTensor& dk,
+                             const AttentionTensor& dv, const AttentionTensor& dout, const AttentionTensorBf16& q,
+                             const AttentionTensorBf16& k, const AttentionTensorBf16& v, const AttentionTensor& out,
+                             const float* lse, const AttentionShape& shape, const AttentionDropout& dropout,
+                             void* scratch);
 
 }  // namespace dpar::kernels::cpu
