@@ -190,7 +190,8 @@ TEST_F(CudaF16, LinearForwardAndBackwardAccumulateExactF16ProductsInF32) {
           want[static_cast<size_t>(r * c.C_out + j)] = e == Epilogue::kRelu && s < 0 ? 0.0 : s;
           mag[static_cast<size_t>(r * c.C_out + j)] = m + 1e-6;
         }
-      auto dx = on_gpu(x), dw = on_gpu(w), db = on_gpu(b), d_out = on_gpu(Vec(ny, NAN));
+      auto dx = on_gpu(x), dw = on_gpu(w);
+      auto db = on_gpu(b), d_out = on_gpu(Vec(ny, NAN));
       call::LinearForward f;
       f.out = f32_ref(*d_out, c.B, c.C_out), f.inp = f16_ref(*dx, c.B, c.C_in), f.weight = f16_ref(*dw, c.C_out, c.C_in);
       f.bias = TensorRef::of(db->get(), {c.C_out}), f.epilogue = e;
@@ -243,7 +244,8 @@ TEST_F(CudaF16, AGradientBeyondF16sRangeOverflowsToInfinityInTheGemms) {
   const Bits x = round_f16(random_vector(n, 3)), w = round_f16(random_vector(n, 4));
   Vec dy = random_vector(n, 5);
   dy[5] = 1e6f;
-  auto dx = on_gpu(x), dw = on_gpu(w), d_dy = on_gpu(dy), d_low = on_gpu(Bits(n));
+  auto dx = on_gpu(x), dw = on_gpu(w), d_low = on_gpu(Bits(n));
+  auto d_dy = on_gpu(dy);
   auto d_dinp = on_gpu(Vec(n, 0.0f)), d_dw = on_gpu(Vec(n, 0.0f)), d_db = on_gpu(Vec(static_cast<size_t>(C), 0.0f));
   call::LinearBackward g;
   g.dinp = f32_ref(*d_dinp, B, C), g.dweight = f32_ref(*d_dw, C, C), g.dbias = TensorRef::of(d_db->get(), {C});
