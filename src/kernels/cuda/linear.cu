@@ -10,9 +10,8 @@
 // twin 23) only where the stream was asked for TF32 (Stream::set_allow_tf32). Mixed precision (the *_mixed
 // functions, bf16 or f16 operands): cublasGemmEx with bf16 (CUDA_R_16BF) or f16 (CUDA_R_16F) A and B, an f32 C and
 // CUBLAS_COMPUTE_32F (products of bf16 or f16 values are exact in f32 and are summed in f32; tensor cores, whatever
-// the math mode); the bias, the epilogue and the bias gradient are
-// the f32 kernels' passes, on f32 values. cuBLAS's default atomics mode (not allowed) keeps its results the same
-// call after call on one GPU.
+// the math mode); the bias, the epilogue and the bias gradient are the f32 kernels' passes, on f32 values. cuBLAS's
+// default atomics mode (not allowed) keeps its results the same call after call on one GPU.
 #include "kernels/cuda/kernels.h"
 
 #include <limits>
