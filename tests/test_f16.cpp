@@ -186,6 +186,23 @@ TEST(F16Convert, MillionsOfRandomFloatsMatchTheReference) {
   }
 }
 
+// Where the CPU has F16C: every one of the 2^32 floats rounds to the bits VCVTPS2PH gives (round to nearest even),
+// NaNs included. A few seconds.
+TEST(F16Convert, EveryFloatRoundsAsF16cDoes) {
+#ifdef DPAR_TEST_HAVE_F16C_PATH
+  if (!cpu_has_f16c()) GTEST_SKIP() << "this CPU has no F16C: the other tests compare with the double reference";
+  uint64_t wrong = 0;
+  uint32_t first = 0;
+  for (uint64_t u = 0; u < (uint64_t{1} << 32); ++u) {
+    const float f = float_of(static_cast<uint32_t>(u));
+    if (to_f16(f) != hardware_to_f16(f) && wrong++ == 0) first = static_cast<uint32_t>(u);
+  }
+  EXPECT_EQ(wrong, 0u) << "first at float bits " << std::hex << first;
+#else
+  GTEST_SKIP() << "not an x86 build: no F16C to compare with";
+#endif
+}
+
 // The Convert kernel call in f16 on the CPU stream: the same bits as f16.h's functions, both ways.
 TEST(F16Convert, TheCpuStreamConvertsInF16) {
   std::unique_ptr<Stream> s = cpu_backend().open_stream(Device{});
