@@ -124,7 +124,8 @@ TEST_F(CudaF16, ConvertGivesTheCpusBitsForEveryF16AndForRoundingCases) {
   for (uint32_t h = 0; h < 0x7bff; ++h) {
     const float v = from_f16(static_cast<uint16_t>(h)), next = from_f16(static_cast<uint16_t>(h + 1));
     const float mid = v + (next - v) / 2;
-    for (float f : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e30f)}) floats.push_back(f), floats.push_back(-f);
+    for (float f : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e30f)})
+      floats.push_back(f), floats.push_back(-f);
   }
   std::mt19937 gen(7);
   for (int i = 0; i < 1000000; ++i) {
@@ -193,7 +194,8 @@ TEST_F(CudaF16, LinearForwardAndBackwardAccumulateExactF16ProductsInF32) {
       auto dx = on_gpu(x), dw = on_gpu(w);
       auto db = on_gpu(b), d_out = on_gpu(Vec(ny, NAN));
       call::LinearForward f;
-      f.out = f32_ref(*d_out, c.B, c.C_out), f.inp = f16_ref(*dx, c.B, c.C_in), f.weight = f16_ref(*dw, c.C_out, c.C_in);
+      f.out = f32_ref(*d_out, c.B, c.C_out), f.inp = f16_ref(*dx, c.B, c.C_in);
+      f.weight = f16_ref(*dw, c.C_out, c.C_in);
       f.bias = TensorRef::of(db->get(), {c.C_out}), f.epilogue = e;
       ASSERT_EQ(f.dtype(), DType::kF16);
       gpu_->run(f);
@@ -374,7 +376,8 @@ TEST(CudaF16Engine, AnF16OverflowSkipsTheStepOnEveryReplicaAndTheScaleBacksOff) 
     EXPECT_TRUE(std::isfinite(e.train_step(b.x, b.y))) << "the loss is reported unscaled";
     if (!e.loss_scaler().last_step_skipped()) break;
     ++skipped;
-    for (size_t r = 0; r < e.num_replicas(); ++r) EXPECT_EQ(e.params(r), before[r]) << "replica " << r << ", step " << s;
+    for (size_t r = 0; r < e.num_replicas(); ++r)
+      EXPECT_EQ(e.params(r), before[r]) << "replica " << r << ", step " << s;
     EXPECT_EQ(e.step_count(), steps);
     EXPECT_EQ(e.loss_scaler().scale(), scale * 0.5f);
   }
