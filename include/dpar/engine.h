@@ -306,9 +306,9 @@ DPAR_API dpar_status dpar_engine_set_weight_decay_exclusion(dpar_engine *engine,
  * any precision), normalisation, attention, activations, losses. ::DPAR_F16 is the same policy in IEEE half
  * (torch.autocast's float16): operands rounded to f16 (to nearest even), products exact and accumulated in f32,
  * results f32. f16 keeps three more significant bits than bf16 but overflows above 65504: a gradient rounded to
- * f16 becomes infinite unless the loss is scaled into range, so train f16 with dpar_engine_set_loss_scaling(), which skips the
- * steps whose gradients overflowed and backs the scale off (bf16 has f32's range and needs none). ::DPAR_F32 (the
- * default) computes everything in f32. Every process sets the same.
+ * f16 becomes infinite unless the loss is scaled into range, so train f16 with dpar_engine_set_loss_scaling(),
+ * which skips the steps whose gradients overflowed and backs the scale off (bf16 has f32's range and needs none).
+ * ::DPAR_F32 (the default) computes everything in f32. Every process sets the same.
  * @param compute_dtype ::DPAR_F32, ::DPAR_BF16 or ::DPAR_F16.
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for another dtype; ::DPAR_ERR_NOT_SUPPORTED where a device lacks a
  * kernel in that dtype, the engine unchanged. The message names the node, the kernel and why: bf16 on a CPU

@@ -126,9 +126,9 @@ const float kOne = 1.0f, kZero = 0.0f;
 //   kLow:  mixed precision (Conv2dSpec::dtype bf16 or f16): bf16- or f16-valued operands widened to f32, the same
 //          math type (the tensors cuDNN sees are f32, so TF32 is the tensor-core path for them;
 //          CUDNN_TENSOR_OP_MATH is meant for f16/bf16 tensors), and only the algorithms that multiply the operands
-//          themselves (implicit or explicit GEMM): a bf16 or f16 value is exact in TF32 (8 or 11 significant bits of TF32's 11, within its exponent
-//          range), so their products are exact and are summed in f32, whereas Winograd's and FFT's transformed
-//          operands are not such values and would be rounded to TF32.
+//          themselves (implicit or explicit GEMM): a bf16 or f16 value is exact in TF32 (8 or 11 significant bits
+//          of TF32's 11, within its exponent range), so their products are exact and are summed in f32, whereas
+//          Winograd's and FFT's transformed operands are not such values and would be rounded to TF32.
 enum class ConvMath { kFp32, kTf32, kLow };
 
 const char* math_name(ConvMath m) {
