@@ -335,15 +335,20 @@ DPAR_API dpar_status dpar_engine_set_weight_decay_exclusion(dpar_engine *engine,
  * are exact and accumulated in f32, and its bias, epilogue, output and gradients are f32 (autocast rounds a linear
  * layer's output to bf16; dpar keeps it f32, within bf16's rounding of autocast's). Everything else stays f32:
  * master parameters, gradients and their reduction, the optimizer and its state, checkpoints (f32, loadable under
- * any precision), normalisation, attention, activations, losses. ::DPAR_F32 (the default) computes everything in
- * f32. Every process sets the same.
- * @param compute_dtype ::DPAR_F32 or ::DPAR_BF16.
- * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for another dtype; ::DPAR_ERR_NOT_SUPPORTED for ::DPAR_F16 (no f16
- * kernels are built) or where a device lacks a kernel in that dtype (a CPU without AVX512-BF16 or AMX: the message
- * names the node, the kernel and the CPU's instruction set), the engine unchanged.
+ * any precision), normalisation, attention, activations, losses. ::DPAR_F16 is the same policy in IEEE half
+ * (torch.autocast's float16): operands rounded to f16 (to nearest even), products exact and accumulated in f32,
+ * results f32. f16 keeps three more significant bits than bf16 but overflows above 65504: a gradient rounded to
+ * f16 becomes infinite unless the loss is scaled into range, so train f16 with dpar_engine_set_loss_scaling(),
+ * which skips the steps whose gradients overflowed and backs the scale off (bf16 has f32's range and needs none).
+ * ::DPAR_F32 (the default) computes everything in f32. Every process sets the same.
+ * @param compute_dtype ::DPAR_F32, ::DPAR_BF16 or ::DPAR_F16.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for another dtype; ::DPAR_ERR_NOT_SUPPORTED where a device lacks a
+ * kernel in that dtype, the engine unchanged. The message names the node, the kernel and why: bf16 on a CPU
+ * without AVX512-BF16 or AMX (it names the CPU's instruction set); f16 on any CPU, since the oneDNN that dpar's
+ * CPU backend is built on (2.6) has no f16 GEMM or convolution for CPUs (f16 runs on CUDA devices).
  */
 DPAR_API dpar_status dpar_engine_set_precision(dpar_engine *engine, int32_t compute_dtype);
-/** @brief The compute dtype dpar_engine_set_precision() set: ::DPAR_F32 or ::DPAR_BF16. */
+/** @brief The compute dtype dpar_engine_set_precision() set: ::DPAR_F32, ::DPAR_BF16 or ::DPAR_F16. */
 DPAR_API dpar_status dpar_engine_precision(int32_t *out, const dpar_engine *engine);
 /**
  * @brief Lets f32 GEMMs and convolutions round their operands to TF32 (10-bit mantissa, f32 accumulation) on

@@ -43,7 +43,8 @@ namespace call {
 // In bf16 (mixed precision: the call's dtype is inp's): inp and weight are bf16 (the layer's input rounded to bf16
 // and the step's bf16 copy of the weight); bias, out and pre stay f32. The products of bf16 values are exact in f32
 // and are accumulated in f32 (autocast's linear, without rounding its result to bf16); the bias and the epilogue are
-// applied in f32, as in the f32 kernel.
+// applied in f32, as in the f32 kernel. In f16 the same with f16 in place of bf16 (common/f16.h): f16 products are
+// exact in f32 too.
 struct LinearForward {
   static constexpr const char* kName = "linear_forward";
   TensorRef out, inp, weight, bias, pre;
@@ -58,7 +59,8 @@ struct LinearForward {
 // the epilogue's backward are computed in f32 as in the f32 kernel; the gradient before the GEMMs (dout, or dpre
 // with an epilogue) is rounded to bf16 into dout_low (*,C_out) bf16, which both GEMMs read: dinp = dout_low @ weight
 // and dweight (+)= dout_low^T @ inp, exact products accumulated in f32 (autocast's backward of a bf16 linear).
-// dout_low is absent in f32.
+// In f16 likewise, dout_low f16: a gradient beyond 65504 rounds to infinity there and the GEMMs carry it into
+// dinp and dweight, where loss scaling (engine/loss_scaler.h) finds it. dout_low is absent in f32.
 struct LinearBackward {
   static constexpr const char* kName = "linear_backward";
   TensorRef dinp, dweight, dbias, dpre, dout, inp, weight, out, pre;
@@ -140,8 +142,9 @@ struct Scale {
   float a = 1.0f;
   DType dtype() const { return x.dtype; }
 };
-// dst = src in dst's dtype, both (n): f32 -> bf16 rounds to nearest even (common/bf16.h), bf16 -> f32 is exact.
-// Its dtype is the narrow side's.
+// dst = src in dst's dtype, both (n): f32 -> bf16 and f32 -> f16 round to nearest even (common/bf16.h,
+// common/f16.h; f16 overflows to infinity above 65504), bf16 -> f32 and f16 -> f32 are exact. Its dtype is the
+// narrow side's.
 struct Convert {
   static constexpr const char* kName = "convert";
   TensorRef dst, src;

@@ -425,10 +425,9 @@ DPAR_API dpar_status dpar_engine_inject_fault(dpar_engine* engine, size_t replic
 
 DPAR_API dpar_status dpar_engine_set_precision(dpar_engine* engine, int32_t compute_dtype) {
   return with_engine(engine, [&](Engine& e) {
-    DPAR_ENFORCE(compute_dtype != DPAR_F16, Status::kNotSupported,
-                 "compute_dtype: DPAR_F16 (fp16) has no kernels in this build; DPAR_BF16 needs no loss scaling");
-    DPAR_CHECK_ARG(compute_dtype == DPAR_F32 || compute_dtype == DPAR_BF16, "compute_dtype: ", compute_dtype,
-                   " is not a compute dtype (DPAR_F32 = 0, DPAR_BF16 = 2)");
+    DPAR_CHECK_ARG(compute_dtype == DPAR_F32 || compute_dtype == DPAR_BF16 || compute_dtype == DPAR_F16,
+                   "compute_dtype: ", compute_dtype,
+                   " is not a compute dtype (DPAR_F32 = 0, DPAR_BF16 = 2, DPAR_F16 = 3)");
     e.set_compute_dtype(static_cast<DType>(compute_dtype));
   });
 }

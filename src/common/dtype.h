@@ -8,11 +8,13 @@
 
 namespace dpar {
 
+struct Half;  // common/f16.h
+
 enum class DType : int32_t {
   kF32 = 0,
   kI32 = 1,   // class labels, token indices
   kBF16 = 2,  // bfloat16 (common/bf16.h): compressed gradient buckets today
-  kF16 = 3,
+  kF16 = 3,   // IEEE half (common/f16.h): mixed precision's second compute dtype
   kF64 = 5,  // statistics kept in double (BatchNorm's sums, LayerNorm's mean and rstd, sums of squares)
   kI64 = 6,  // counters (num_batches_tracked)
 };
@@ -30,5 +32,7 @@ template <> struct dtype_of<int32_t> { static constexpr DType value = DType::kI3
 template <> struct dtype_of<int64_t> { static constexpr DType value = DType::kI64; };
 // bfloat16 is held as its bits (common/bf16.h).
 template <> struct dtype_of<uint16_t> { static constexpr DType value = DType::kBF16; };
+// f16 is held as its bits too, typed apart (common/f16.h's Half) so that the check tells the two apart.
+template <> struct dtype_of<Half> { static constexpr DType value = DType::kF16; };
 
 }  // namespace dpar

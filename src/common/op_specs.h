@@ -35,10 +35,10 @@ struct Conv2dSpec {
   int64_t groups = 1;
   bool bias = true;
   Epilogue epilogue = Epilogue::kNone;
-  // The dtype the convolution computes in: f32, or bf16 (mixed precision: the op reads a bf16 input and the step's
-  // bf16 weight, accumulates in f32 and writes f32 output and f32 gradients; its backward reads the f32 gradient of
-  // its output and rounds it to bf16 itself, and the bias gradient is the f32 sum of that rounded gradient, as the
-  // libraries' bf16 backward-weights computes it with the weights').
+  // The dtype the convolution computes in: f32, or bf16 or f16 (mixed precision: the op reads a bf16 (f16) input
+  // and the step's bf16 (f16) weight, accumulates in f32 and writes f32 output and f32 gradients; its backward reads
+  // the f32 gradient of its output and rounds it to the dtype itself, and the bias gradient is the f32 sum of that
+  // rounded gradient, as the libraries' low-precision backward-weights computes it with the weights').
   DType dtype = DType::kF32;
 
   // PyTorch's output extent: floor((in + 2 pad - dilation (kernel - 1) - 1) / stride) + 1 (may be < 1: the

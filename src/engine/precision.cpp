@@ -6,10 +6,10 @@
 namespace dpar {
 
 void Engine::set_compute_dtype(DType dtype) {
-  DPAR_CHECK_ARG(dtype == DType::kF32 || dtype == DType::kBF16, "precision: ", dtype_name(dtype),
-                 " is not a compute dtype (f32, bf16)");
-  // All or nothing: a replica refuses bf16 before changing anything (its device lacks a kernel, or memory for the
-  // weights' copy), and the replicas set before it go back to f32, which never fails.
+  DPAR_CHECK_ARG(dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16, "precision: ",
+                 dtype_name(dtype), " is not a compute dtype (f32, bf16, f16)");
+  // All or nothing: a replica refuses bf16 or f16 before changing anything (its device lacks a kernel, or memory for
+  // the weights' copy), and the replicas set before it go back to f32, which never fails.
   size_t done = 0;
   try {
     for (; done < replicas_.size(); ++done) replicas_[done]->model->set_compute_dtype(replicas_[done]->ctx, dtype);

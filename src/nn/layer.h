@@ -112,11 +112,11 @@ class Layer {
 
   // ---- Mixed precision ----------------------------------------------------------------------------------------
   // Whether the layer is on autocast's lower-precision list (torch.autocast's ops that run in the autocast dtype:
-  // linear, convolutions, scaled_dot_product_attention): under a bf16 policy its products run on bf16 operands with
-  // f32 accumulation. Every other layer computes in f32 under every policy (autocast's f32 list: norms, softmax,
-  // losses; and the ops autocast leaves alone, which here read f32 activations).
+  // linear, convolutions, scaled_dot_product_attention): under a bf16 (f16) policy its products run on bf16 (f16)
+  // operands with f32 accumulation. Every other layer computes in f32 under every policy (autocast's f32 list: norms,
+  // softmax, losses; and the ops autocast leaves alone, which here read f32 activations).
   virtual bool autocasts() const { return false; }
-  // The dtype its products compute in from the next forward on (f32 or bf16): set by the model on layers that
+  // The dtype its products compute in from the next forward on (f32, bf16 or f16): set by the model on layers that
   // autocast, with bind_low_precision. A layer that made ops for the previous dtype makes new ones.
   virtual void set_compute_dtype(DType dtype) { compute_dtype_ = dtype; }
   DType compute_dtype() const { return compute_dtype_; }

@@ -104,15 +104,18 @@ void ReplicaModel::check_kernels(const Stream& stream) const {
     std::vector<KernelKey> keys;
     if (node.layer) keys = node.layer->kernels(epilogue_[i]);
     if (node.kind == NodeKind::kSum) keys.push_back({Op::kAxpy});
-    for (const KernelKey& key : keys)
-      DPAR_ENFORCE(stream.can_run(key), Status::kNotSupported, "node '", node.name, "' (", node.describe(),
-                   ") needs the kernel ", key.str(), ", which ", stream.device().str(), "'s backend does not have");
+    for (const KernelKey& key : keys) {
+      if (stream.can_run(key)) continue;
+      const std::string why = stream.lacks_why(key);
+      fail(Status::kNotSupported, "node '", node.name, "' (", node.describe(), ") needs the kernel ", key.str(),
+           ", which ", stream.device().str(), "'s backend does not have", why.empty() ? "" : ": " + why);
+    }
   }
 }
 
 void ReplicaModel::set_compute_dtype(const ReplicaContext& ctx, DType dtype) {
-  DPAR_CHECK_ARG(dtype == DType::kF32 || dtype == DType::kBF16, "compute dtype: ", dtype_name(dtype),
-                 " is not one a model computes in (f32, bf16)");
+  DPAR_CHECK_ARG(dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16, "compute dtype: ",
+                 dtype_name(dtype), " is not one a model computes in (f32, bf16, f16)");
   if (dtype == compute_dtype_) return;
   const DType before = compute_dtype_;
   auto apply = [&](DType d) {

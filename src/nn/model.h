@@ -209,10 +209,10 @@ class ReplicaModel {
   int64_t num_buffer_i64() const { return n_buf_i64_; }
 
   // Mixed precision: the dtype the layers that autocast (Layer::autocasts: linear, convolution) compute in from the
-  // next forward on, f32 or bf16. Under bf16 the replica keeps a bf16 mirror of its flat parameters, rewritten at
-  // the start of every forward from the f32 masters: each step's weights are rounded once, not once per use
-  // (autocast's cast cache, which lives for one forward). Throws Error(NOT_SUPPORTED) naming the first node whose
-  // kernel the device lacks in that dtype, changing nothing.
+  // next forward on, f32, bf16 or f16. Under bf16 or f16 the replica keeps a mirror of its flat parameters in that
+  // dtype, rewritten at the start of every forward from the f32 masters: each step's weights are rounded once, not
+  // once per use (autocast's cast cache, which lives for one forward). Throws Error(NOT_SUPPORTED) naming the first
+  // node whose kernel the device lacks in that dtype, and the backend's reason where it gives one, changing nothing.
   void set_compute_dtype(const ReplicaContext& ctx, DType dtype);
   DType compute_dtype() const { return compute_dtype_; }
   // Bytes of the parameters' low-precision mirror (0 in f32).

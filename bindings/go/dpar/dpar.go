@@ -869,12 +869,14 @@ const (
 	// PrecisionBF16: bf16 operands (the input rounded, each step's bf16 copy of the weights), f32 accumulation and
 	// results; master weights, gradients, the optimizer and checkpoints f32.
 	PrecisionBF16 Precision = 2
-	// PrecisionF16 is refused with ErrNotSupported: no f16 kernels are built.
+	// PrecisionF16: f16 (IEEE half) operands, f32 accumulation and results, as PrecisionBF16. f16 overflows above
+	// 65504: train it with loss scaling (Engine.SetLossScaling). ErrNotSupported on CPU devices (oneDNN 2.6 has no
+	// f16 GEMM for CPUs; the error says why); CUDA devices have it.
 	PrecisionF16 Precision = 3
 )
 
 // SetPrecision makes linear layers and convolutions compute in p from the next call on. ErrNotSupported where a
-// device lacks the kernels (a CPU without AVX512-BF16 or AMX) and for PrecisionF16, the engine unchanged. Every
+// device lacks the kernels (bf16 on a CPU without AVX512-BF16 or AMX, f16 on any CPU), the engine unchanged. Every
 // process sets the same.
 func (e *Engine) SetPrecision(p Precision) error {
 	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_set_precision(r, int(p)) })

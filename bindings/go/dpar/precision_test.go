@@ -32,8 +32,18 @@ func TestPrecisionPolicy(t *testing.T) {
 	if p, err := e.Precision(); err != nil || p != PrecisionF32 {
 		t.Fatalf("precision %v, %v; want f32", p, err)
 	}
-	if err := e.SetPrecision(PrecisionF16); !errors.Is(err, ErrNotSupported) || !strings.Contains(err.Error(), "DPAR_F16") {
+	// f16: accepted, or refused whole with the reason (CPU devices: oneDNN has no f16 GEMM for them).
+	if err := e.SetPrecision(PrecisionF16); err == nil {
+		if p, _ := e.Precision(); p != PrecisionF16 {
+			t.Fatalf("f16 accepted, precision %v", p)
+		}
+		if err := e.SetPrecision(PrecisionF32); err != nil {
+			t.Fatal(err)
+		}
+	} else if !errors.Is(err, ErrNotSupported) || !strings.Contains(err.Error(), "f16") {
 		t.Fatalf("f16: %v", err)
+	} else if p, _ := e.Precision(); p != PrecisionF32 {
+		t.Fatalf("a refused f16 changed the precision to %v", p)
 	}
 	if err := e.SetPrecision(Precision(7)); err == nil || !strings.Contains(err.Error(), "compute_dtype") {
 		t.Fatalf("7: %v", err)

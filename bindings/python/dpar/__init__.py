@@ -845,14 +845,16 @@ class Engine(_Handle):
     def set_precision(self, compute_dtype):
         """From the next call on, linear layers and convolutions compute in `compute_dtype`, as torch.autocast's
         policy: DType.F32 (the default) or DType.BF16 (bf16 operands: the input rounded and each step's bf16 copy of
-        the weights; f32 accumulation and results; master weights, gradients, the optimizer and checkpoints f32).
-        DparError NOT_SUPPORTED where a device lacks the kernels (a CPU without AVX512-BF16 or AMX) and for
-        DType.F16, the engine unchanged. Every process sets the same."""
+        the weights; f32 accumulation and results; master weights, gradients, the optimizer and checkpoints f32) or
+        DType.F16 (the same in IEEE half, which overflows above 65504: train it with loss scaling,
+        set_loss_scaling). DparError NOT_SUPPORTED where a device lacks the kernels (bf16 on a CPU without
+        AVX512-BF16 or AMX; f16 on any CPU, oneDNN 2.6 having no f16 GEMM for CPUs: the message says why), the
+        engine unchanged. Every process sets the same."""
         _check(_raw.dpar_engine_set_precision(self._raw, operator.index(compute_dtype)))
 
     @property
     def precision(self):
-        """The compute dtype set_precision set: DType.F32 or DType.BF16."""
+        """The compute dtype set_precision set: DType.F32, DType.BF16 or DType.F16."""
         out = _scalar(np.int32)
         _check(_raw.dpar_engine_precision(out.ctypes.data, self._raw))
         return DType(int(out[0]))

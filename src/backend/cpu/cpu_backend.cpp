@@ -8,6 +8,7 @@
 #include "backend/attention_refs.h"
 #include "comm/threads_comm.h"
 #include "common/error.h"
+#include "common/f16.h"
 #include "device/worker_pool.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/batchnorm.h"
@@ -156,8 +157,10 @@ class CpuStream final : public Stream {
   // The kernels this backend has: f32 for all, and bf16 for conversions; ReLU fused into a linear layer's and a
   // BatchNorm's pass (the GELU epilogue composes: Stream::run). Mixed precision's bf16 linear layers (ReLU and GELU
   // fused) where oneDNN runs bf16 natively (kernels::cpu::bf16_support): elsewhere it would emulate bf16 products
-  // in f32 code, slower than f32 itself.
+  // in f32 code, slower than f32 itself. f16 only for conversions: oneDNN 2.6 has no f16 GEMM or convolution on
+  // CPUs (kernels::cpu::f16_unsupported_why).
   bool supports(const KernelKey& key) const override {
+    if (key.dtype == DType::kF16) return key.op == Op::kConvert;
     if (key.dtype == DType::kBF16) {
       if (key.op == Op::kConvert) return true;
       const bool linear = key.op == Op::kLinearForward || key.op == Op::kLinearBackward;
@@ -174,6 +177,7 @@ class CpuStream final : public Stream {
   std::string lacks_why(const KernelKey& key) const override {
     const char* why = "";
     const bool linear = key.op == Op::kLinearForward || key.op == Op::kLinearBackward;
+    if (key.dtype == DType::kF16 && linear) return k::f16_unsupported_why();
     return key.dtype == DType::kBF16 && linear && !k::bf16_support(&why) ? why : "";
   }
   double sum_squares(const TensorRef& x) override {
@@ -183,6 +187,8 @@ class CpuStream final : public Stream {
   std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec) override {
     if (spec.dtype != DType::kF32) {
       const char* why = "";
+      if (spec.dtype == DType::kF16)
+        fail(Status::kNotSupported, spec.str(), " in f16 on ", device().str(), ": ", k::f16_unsupported_why());
       if (spec.dtype != DType::kBF16)
         fail(Status::kNotSupported, spec.str(), " in ", dtype_name(spec.dtype), " on ", device().str(),
              ": this backend's convolutions compute in f32 or bf16");
@@ -219,6 +225,10 @@ class CpuStream final : public Stream {
   static double* f64(const C&, const TensorRef& r) { return r.contiguous_as<double>(C::kName); }
   template <class C>
   static uint16_t* bf16(const C&, const TensorRef& r) { return r.contiguous_as<uint16_t>(C::kName); }
+  template <class C>
+  static uint16_t* f16(const C&, const TensorRef& r) {
+    return reinterpret_cast<uint16_t*>(r.contiguous_as<Half>(C::kName));
+  }
   template <class C>
   static int32_t* i32(const C&, const TensorRef& r) { return r.contiguous_as<int32_t>(C::kName); }
   template <class C>
@@ -301,10 +311,16 @@ class CpuStream final : public Stream {
   void run_call(const call::Axpy& c) { k::axpy(f32(c, c.y), f32(c, c.x), c.a, c.y.numel()); }
   void run_call(const call::Scale& c) { k::scale(f32(c, c.x), c.a, c.x.numel()); }
   void run_call(const call::Convert& c) {
-    if (c.dst.dtype == DType::kBF16)
+    if (c.dtype() == DType::kF16) {
+      if (c.dst.dtype == DType::kF16)
+        k::to_f16(f16(c, c.dst), f32(c, c.src), c.src.numel());
+      else
+        k::from_f16(f32(c, c.dst), f16(c, c.src), c.src.numel());
+    } else if (c.dst.dtype == DType::kBF16) {
       k::to_bf16(c.dst.template contiguous_as<uint16_t>(c.kName), f32(c, c.src), c.src.numel());
-    else
+    } else {
       k::from_bf16(f32(c, c.dst), c.src.template contiguous_as<uint16_t>(c.kName), c.src.numel());
+    }
   }
   void run_call(const call::BatchNormStats& c) {
     k::batchnorm_stats(f64(c, c.sums), f32(c, c.x), c.x.size(0), c.x.size(1), c.x.size(2));

@@ -6,6 +6,7 @@
 
 #include "backend/attention_refs.h"
 #include "common/error.h"
+#include "common/f16.h"
 #ifdef DPAR_HAVE_CUDNN_HEADERS
 #include "backend/cuda/cudnn_ops.h"
 #endif
@@ -109,11 +110,11 @@ class CudaStream final : public Stream {
     DPAR_CUDA_CHECK(cudaStreamSynchronize(stream_), device().str(), ": the device failed while running queued work");
   }
 
-  // The kernels this backend has: f32 for all; bf16 for conversions and the linear layer (mixed precision: bf16
-  // operands, f32 everything else); ReLU fused into a linear layer's and a BatchNorm's pass (the GELU epilogue
+  // The kernels this backend has: f32 for all; bf16 and f16 for conversions and the linear layer (mixed precision:
+  // 16-bit operands, f32 everything else); ReLU fused into a linear layer's and a BatchNorm's pass (the GELU epilogue
   // composes: Stream::run).
   bool supports(const KernelKey& key) const override {
-    if (key.dtype == DType::kBF16) {
+    if (key.dtype == DType::kBF16 || key.dtype == DType::kF16) {
       switch (key.op) {
         case Op::kConvert: return true;
         case Op::kLinearForward:
@@ -193,25 +194,31 @@ class CudaStream final : public Stream {
   template <class C>
   static int64_t* i64(const C&, const TensorRef& r) { return r.contiguous_as<int64_t>(C::kName); }
 
+  // A mixed-precision operand: its bits, checked to be of the call's dtype (bf16 or f16).
   template <class C>
-  static uint16_t* bf16(const C&, const TensorRef& r) { return r.contiguous_as<uint16_t>(C::kName); }
+  static uint16_t* low(const C& c, const TensorRef& r) {
+    if (c.dtype() == DType::kF16) return reinterpret_cast<uint16_t*>(r.contiguous_as<Half>(C::kName));
+    return r.contiguous_as<uint16_t>(C::kName);
+  }
+  static bool mixed(DType dtype) { return dtype == DType::kBF16 || dtype == DType::kF16; }
 
   void run_call(const call::LinearForward& c) {
-    if (c.dtype() == DType::kBF16)
-      return k::linear_forward_bf16(f32(c, c.out), bf16(c, c.inp), bf16(c, c.weight), f32(c, c.bias), c.inp.leading(),
-                                    c.inp.size(-1), c.out.size(-1), c.epilogue == Epilogue::kRelu, blas(), stream_);
+    if (mixed(c.dtype()))
+      return k::linear_forward_mixed(c.dtype(), f32(c, c.out), low(c, c.inp), low(c, c.weight), f32(c, c.bias),
+                                     c.inp.leading(), c.inp.size(-1), c.out.size(-1), c.epilogue == Epilogue::kRelu,
+                                     blas(), stream_);
     (c.epilogue == Epilogue::kRelu ? k::linear_relu_forward : k::linear_forward)(
         f32(c, c.out), f32(c, c.inp), f32(c, c.weight), f32(c, c.bias), c.inp.leading(), c.inp.size(-1), c.out.size(-1),
         blas(), stream_);
   }
   void run_call(const call::LinearBackward& c) {
     const int64_t B = c.inp.leading(), C_in = c.inp.size(-1), C_out = c.dout.size(-1);
-    if (c.dtype() == DType::kBF16) {
+    if (mixed(c.dtype())) {
       const bool relu = c.epilogue == Epilogue::kRelu;
-      return k::linear_backward_bf16(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias),
-                                     relu ? f32(c, c.dpre) : nullptr, bf16(c, c.dout_low), f32(c, c.dout),
-                                     relu ? f32(c, c.out) : nullptr, bf16(c, c.inp), bf16(c, c.weight), B, C_in, C_out,
-                                     relu, c.accumulate, blas(), stream_);
+      return k::linear_backward_mixed(c.dtype(), f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias),
+                                      relu ? f32(c, c.dpre) : nullptr, low(c, c.dout_low), f32(c, c.dout),
+                                      relu ? f32(c, c.out) : nullptr, low(c, c.inp), low(c, c.weight), B, C_in, C_out,
+                                      relu, c.accumulate, blas(), stream_);
     }
     if (c.epilogue == Epilogue::kRelu)
       k::linear_relu_backward(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dpre), f32(c, c.dout),
@@ -274,10 +281,10 @@ class CudaStream final : public Stream {
   void run_call(const call::Axpy& c) { k::axpy(f32(c, c.y), f32(c, c.x), c.a, c.y.numel(), stream_); }
   void run_call(const call::Scale& c) { k::scale(f32(c, c.x), c.a, c.x.numel(), stream_); }
   void run_call(const call::Convert& c) {
-    if (c.dst.dtype == DType::kBF16)
-      k::to_bf16(c.dst.template contiguous_as<uint16_t>(c.kName), f32(c, c.src), c.src.numel(), stream_);
+    if (c.dst.dtype == c.dtype())
+      k::to_low(c.dtype(), low(c, c.dst), f32(c, c.src), c.src.numel(), stream_);
     else
-      k::from_bf16(f32(c, c.dst), c.src.template contiguous_as<uint16_t>(c.kName), c.src.numel(), stream_);
+      k::from_low(c.dtype(), f32(c, c.dst), low(c, c.src), c.src.numel(), stream_);
   }
   void run_call(const call::BatchNormStats& c) {
     k::batchnorm_stats(f64(c, c.sums), f32(c, c.x), c.x.size(0), c.x.size(1), c.x.size(2), stream_);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/f16.h"
 #include "kernels/cuda/kernels.h"
 #include "platform/cuda/cuda_check.h"
 #include "platform/cuda/cudnn_library.h"
@@ -122,18 +123,19 @@ const float kOne = 1.0f, kZero = 0.0f;
 //          torch.backends.cudnn.allow_tf32 is false. The default: what a stream without set_allow_tf32 gets.
 //   kTf32: f32 operands, TF32 tensor cores allowed (the stream's set_allow_tf32(true)): CUDNN_DEFAULT_MATH, which
 //          cuDNN documents as permitting TF32 on A100 and later, as PyTorch sets it when allow_tf32 is true.
-//   kBf16: mixed precision (Conv2dSpec::dtype bf16): bf16-valued operands widened to f32, the same math type (the
-//          tensors cuDNN sees are f32, so TF32 is the tensor-core path for them; CUDNN_TENSOR_OP_MATH is meant for
-//          f16/bf16 tensors), and only the algorithms that multiply the operands themselves (implicit or explicit
-//          GEMM): a bf16 value is exact in TF32, so their products are exact and are summed in f32, whereas
-//          Winograd's and FFT's transformed operands are not bf16 values and would be rounded to TF32.
-enum class ConvMath { kFp32, kTf32, kBf16 };
+//   kLow:  mixed precision (Conv2dSpec::dtype bf16 or f16): bf16- or f16-valued operands widened to f32, the same
+//          math type (the tensors cuDNN sees are f32, so TF32 is the tensor-core path for them;
+//          CUDNN_TENSOR_OP_MATH is meant for f16/bf16 tensors), and only the algorithms that multiply the operands
+//          themselves (implicit or explicit GEMM): a bf16 or f16 value is exact in TF32 (8 or 11 significant bits
+//          of TF32's 11, within its exponent range), so their products are exact and are summed in f32, whereas
+//          Winograd's and FFT's transformed operands are not such values and would be rounded to TF32.
+enum class ConvMath { kFp32, kTf32, kLow };
 
 const char* math_name(ConvMath m) {
   switch (m) {
     case ConvMath::kFp32: return "FP32";
     case ConvMath::kTf32: return "TF32";
-    case ConvMath::kBf16: return "bf16 (GEMM-form, f32 accumulation)";
+    case ConvMath::kLow: return "bf16 or f16 (GEMM-form, f32 accumulation)";
   }
   return "?";
 }
@@ -154,7 +156,8 @@ bool gemm_form(cudnnConvolutionBwdFilterAlgo_t a) {
 // deterministic (two runs give the same bits: replicas must agree, and a rerun must too), computes in the
 // precision asked for and whose workspace fits the cap. In FP32 that refuses tensor-op math (TF32: the descriptor's
 // CUDNN_FMA_MATH already asks for FP32, this only refuses a result that says otherwise); FP16 down-conversion is
-// refused always; in bf16 only GEMM-form algorithms are taken (ConvMath). The list's algorithm values, for the error.
+// refused always; in bf16 and f16 only GEMM-form algorithms are taken (ConvMath). The list's algorithm values, for
+// the error.
 template <class Perf>
 const Perf* choose(const std::vector<Perf>& perfs, int returned, ConvMath math) {
   for (int i = 0; i < returned; ++i) {
@@ -162,7 +165,7 @@ const Perf* choose(const std::vector<Perf>& perfs, int returned, ConvMath math) 
     if (p.status != CUDNN_STATUS_SUCCESS || p.determinism != CUDNN_DETERMINISTIC) continue;
     if (p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
     if (math == ConvMath::kFp32 && p.mathType == CUDNN_TENSOR_OP_MATH) continue;
-    if (math == ConvMath::kBf16 && !gemm_form(p.algo)) continue;
+    if (math == ConvMath::kLow && !gemm_form(p.algo)) continue;
     if (p.memory > cudnn_detail::kWorkspaceCap) continue;
     return &p;
   }
@@ -191,8 +194,9 @@ class CudnnConv2d final : public Conv2dOp {
         conv_(lib_.create_conv, lib_.destroy_conv, "cudnnCreateConvolutionDescriptor") {
     const Conv2dSpec& s = spec_;
     const std::string what = name_ + " on " + ctx_->device().str();
-    DPAR_ENFORCE(s.dtype == DType::kF32 || s.dtype == DType::kBF16, Status::kNotSupported, what, " in ",
-                 dtype_name(s.dtype), ": cuDNN's convolution computes in f32 or bf16 (mixed precision)");
+    DPAR_ENFORCE(s.dtype == DType::kF32 || s.dtype == DType::kBF16 || s.dtype == DType::kF16, Status::kNotSupported,
+                 what, " in ", dtype_name(s.dtype),
+                 ": cuDNN's convolution computes in f32, bf16 or f16 (mixed precision)");
     // PyTorch's weight (C_out, C_in/groups, kh, kw) is cuDNN's KCRS filter of a grouped convolution, as is.
     DPAR_CUDNN_CHECK(lib_.set_filter_4d(filter_.get(), CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW,
                                         to_int(s.out_channels, what + ": out_channels"),
@@ -201,7 +205,7 @@ class CudnnConv2d final : public Conv2dOp {
                                         to_int(s.kernel_w, what + ": kernel_w")),
                      "cudnnSetFilter4dDescriptor for ", what);
     // Cross-correlation (what PyTorch and oneDNN call convolution), zero padding on both sides, f32 tensors and f32
-    // accumulation (bf16 operands are widened to f32 first: forward() below).
+    // accumulation (bf16 and f16 operands are widened to f32 first: forward() below).
     DPAR_CUDNN_CHECK(lib_.set_conv_2d(conv_.get(), to_int(s.pad_h, what), to_int(s.pad_w, what),
                                       to_int(s.stride_h, what), to_int(s.stride_w, what), to_int(s.dilation_h, what),
                                       to_int(s.dilation_w, what), CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT),
@@ -223,16 +227,17 @@ class CudnnConv2d final : public Conv2dOp {
     dy16_.release();
   }
 
-  // Mixed precision (bf16): cuDNN's legacy API has no configuration with bf16 x and w and an f32 y (its
-  // PSEUDO_BFLOAT16_CONFIG makes y bf16 too, which would round the output that the contract keeps in f32), so the
-  // op widens the bf16 operands into f32 buffers it owns (exact: the Convert kernel from_bf16) and runs the f32
-  // convolution on them with TF32 tensor cores allowed and GEMM-form algorithms only (ConvMath::kBf16): the exact
-  // products of the bf16 values summed in f32, written in f32 where the caller wants it. The gradient of the output
-  // is rounded to bf16 (to_bf16, then widened) for the products of both backward passes; the bias gradient is summed
-  // from the f32 gradient, as the linear layer's is.
+  // Mixed precision (bf16 or f16, low_): cuDNN's legacy API has no configuration with 16-bit x and w and an f32 y
+  // (its PSEUDO_BFLOAT16_CONFIG and PSEUDO_HALF_CONFIG make y 16-bit too, which would round the output that the
+  // contract keeps in f32), so the op widens the operands into f32 buffers it owns (exact: from_low) and runs the f32
+  // convolution on them with TF32 tensor cores allowed and GEMM-form algorithms only (ConvMath::kLow): the exact
+  // products of the 16-bit values summed in f32, written in f32 where the caller wants it. The gradient of the
+  // output is rounded to the dtype (to_low, then widened; in f16 beyond 65504 to infinity, as the linear layer's)
+  // for the products of both backward passes; the bias gradient is summed from the f32 gradient, as the linear
+  // layer's is.
   void forward(const TensorRef& out, const TensorRef& inp, const TensorRef& weight, const TensorRef& bias) override {
     const int64_t N = inp.size(0), H = inp.size(2), W = inp.size(3);
-    if (!bf16_) return forward(f32(out), f32(inp), f32(weight), f32(bias), N, H, W);
+    if (!low_) return forward(f32(out), f32(inp), f32(weight), f32(bias), N, H, W);
     if (N == 0) return;
     DeviceScope scope(ctx_->device().index);
     const float* x = widen(x32_, inp, "widened input");
@@ -241,7 +246,7 @@ class CudnnConv2d final : public Conv2dOp {
   }
   void backward_data(const TensorRef& dinp, const TensorRef& dout, const TensorRef& weight) override {
     const int64_t N = dinp.size(0), H = dinp.size(2), W = dinp.size(3);
-    if (!bf16_) return backward_data(f32(dinp), f32(dout), f32(weight), N, H, W);
+    if (!low_) return backward_data(f32(dinp), f32(dout), f32(weight), N, H, W);
     if (N == 0) return;
     DeviceScope scope(ctx_->device().index);
     const float* dy = rounded(dout);
@@ -251,11 +256,12 @@ class CudnnConv2d final : public Conv2dOp {
   void backward_weights(const TensorRef& dweight, const TensorRef& dbias, const TensorRef& dout, const TensorRef& inp,
                         bool accumulate) override {
     const int64_t N = inp.size(0), H = inp.size(2), W = inp.size(3);
-    if (!bf16_ || N == 0) {  // f32; or no rows (zeros), where inp is not read
-      const float* x = bf16_ ? nullptr : f32(inp);
+    if (!low_ || N == 0) {  // f32; or no rows (zeros), where inp is not read
+      const float* x = low_ ? nullptr : f32(inp);
       return backward_weights(f32(dweight), f32(dbias), f32(dout), x, N, H, W, accumulate);
     }
-    // bf16: the weights' and the bias's gradients both from the rounded gradient (Conv2dSpec::dtype), as the CPU's.
+    // bf16 or f16: the weights' and the bias's gradients both from the rounded gradient (Conv2dSpec::dtype), as the
+    // CPU's.
     DeviceScope scope(ctx_->device().index);
     const float* dy = rounded(dout);
     const float* x = dweight.defined() ? widen(x32_, inp, "widened input") : nullptr;
@@ -290,27 +296,29 @@ class CudnnConv2d final : public Conv2dOp {
     int64_t capacity_ = 0;
   };
 
-  // A bf16 operand widened into `buf` (exact), on the stream. The caller has made the device current.
+  // A bf16 or f16 operand widened into `buf` (exact), on the stream. The caller has made the device current.
   const float* widen(Scratch<float>& buf, const TensorRef& r, const char* which) {
-    const uint16_t* src = r.contiguous_as<uint16_t>("a bf16 cuDNN convolution's operand");
+    const char* what = "a mixed-precision cuDNN convolution's operand";
+    const uint16_t* src = spec_.dtype == DType::kF16 ? reinterpret_cast<const uint16_t*>(r.contiguous_as<Half>(what))
+                                                     : r.contiguous_as<uint16_t>(what);
     const int64_t n = r.numel();
     float* dst = buf.get(n, ctx_->stream(), name_, which);
-    kernels::cuda::from_bf16(dst, src, n, ctx_->stream());
+    kernels::cuda::from_low(spec_.dtype, dst, src, n, ctx_->stream());
     return dst;
   }
-  // The f32 gradient of the output rounded to bf16 and widened back: the operand of both backward products.
+  // The f32 gradient of the output rounded to the dtype and widened back: the operand of both backward products.
   const float* rounded(const TensorRef& dout) {
     const float* src = f32(dout);
     const int64_t n = dout.numel();
-    uint16_t* low = dy16_.get(n, ctx_->stream(), name_, "bf16 output gradient");
+    uint16_t* low = dy16_.get(n, ctx_->stream(), name_, "16-bit output gradient");
     float* dst = dy32_.get(n, ctx_->stream(), name_, "rounded output gradient");
-    kernels::cuda::to_bf16(low, src, n, ctx_->stream());
-    kernels::cuda::from_bf16(dst, low, n, ctx_->stream());
+    kernels::cuda::to_low(spec_.dtype, low, src, n, ctx_->stream());
+    kernels::cuda::from_low(spec_.dtype, dst, low, n, ctx_->stream());
     return dst;
   }
 
   ConvMath math_wanted() const {
-    if (bf16_) return ConvMath::kBf16;
+    if (low_) return ConvMath::kLow;
     return ctx_->allow_tf32() ? ConvMath::kTf32 : ConvMath::kFp32;
   }
   // Sets the descriptor's math type for `m`. A change (the stream's TF32 switch moved) forgets the algorithms chosen
@@ -480,11 +488,11 @@ class CudnnConv2d final : public Conv2dOp {
   std::string name_;
   std::shared_ptr<CudnnContext> ctx_;
   const CudnnLibrary& lib_;
-  bool bf16_ = spec_.dtype == DType::kBF16;
+  bool low_ = spec_.dtype == DType::kBF16 || spec_.dtype == DType::kF16;
   ConvMath math_ = ConvMath::kFp32;  // the descriptor's, once math_set_
   bool math_set_ = false;
-  Scratch<float> x32_, w32_, dy32_;  // bf16: the widened input and weight, the rounded output gradient
-  Scratch<uint16_t> dy16_;           // bf16: the output gradient rounded
+  Scratch<float> x32_, w32_, dy32_;  // bf16, f16: the widened input and weight, the rounded output gradient
+  Scratch<uint16_t> dy16_;           // bf16, f16: the output gradient rounded
   Desc<cudnnFilterDescriptor_t> filter_;
   Desc<cudnnConvolutionDescriptor_t> conv_;
   std::unique_ptr<TensorDesc> bias_;  // (1, C_out, 1, 1), broadcast over the output

@@ -553,4 +553,44 @@ void Bf16Gemm::run(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, 
 std::string Bf16Gemm::last_impl() const { return impl_->last; }
 size_t Bf16Gemm::cached() const { return impl_->lru.size(); }
 
+// ---- f16 ----------------------------------------------------------------------------------------------------------
+
+namespace {
+// Whether oneDNN creates the primitive `make` builds: "" if it does, else its status in words.
+template <class Make>
+std::string refusal(Make make) {
+  try {
+    make();
+    return "";
+  } catch (const dnnl::error& e) {
+    return e.status == dnnl_unimplemented ? "unimplemented" : std::string(e.what());
+  }
+}
+}  // namespace
+
+const char* f16_unsupported_why() {
+  static const std::string why = [] {
+    const dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+    const std::string matmul = refusal([&] {
+      const memory::desc a({64, 32}, dt::f16, tag::ab), b({32, 48}, dt::f16, tag::ab), c({64, 48}, dt::f32, tag::ab);
+      dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), eng);
+    });
+    const std::string conv = refusal([&] {
+      const memory::desc x({2, 8, 16, 16}, dt::f16, tag::any), w({16, 8, 3, 3}, dt::f16, tag::any),
+          y({2, 16, 16, 16}, dt::f32, tag::any);
+      dnnl::convolution_forward::primitive_desc(
+          dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, x,
+                                          w, y, {1, 1}, {1, 1}, {1, 1}),
+          eng);
+    });
+    const std::string here = std::string(" here (") + gemm_backend() + ")";
+    if (!matmul.empty())
+      return "oneDNN creates no f16 matmul (f16 x f16 -> f32)" + here + ": " + matmul +
+             (conv.empty() ? "" : "; nor an f16 convolution: " + conv) +
+             " (oneDNN 2.6 has no f16 GEMM or convolution kernels for CPUs, whatever their ISA)";
+    return "oneDNN creates f16 matmuls" + here + ", but this build's CPU backend has no f16 kernels yet";
+  }();
+  return why.c_str();
+}
+
 }  // namespace dpar::kernels::cpu

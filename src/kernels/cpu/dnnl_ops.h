@@ -17,6 +17,14 @@
 
 namespace dpar::kernels::cpu {
 
+// Why the CPU backend has no f16 (IEEE half) kernels: oneDNN is asked, once per process, for an f16 matmul (f16
+// source and weights, f32 destination, as Bf16Gemm's in bf16) and an f16 convolution. oneDNN 2.6 implements neither
+// on CPUs (its CPU ISA list ends at AMX, without AVX512-FP16), so the answer names its refusal, oneDNN's version and
+// this CPU's ISA (gemm.h's gemm_backend): "oneDNN creates no f16 matmul (f16 x f16 -> f32) here (oneDNN 2.6.3
+// (OpenMP), ... (CPU ISA avx512_core_amx)): unimplemented; ...". Were a oneDNN to create them, the answer says that
+// the backend's f16 kernels are still to be written (Bf16Gemm generalised by dtype). Static storage; never "".
+const char* f16_unsupported_why();
+
 // GEMMs of bf16 operands with f32 results (mixed precision's linear layers): oneDNN's matmul primitive, bf16 source
 // and weights, f32 destination, the products (exact in f32) accumulated in f32 by the hardware's bf16 instructions
 // (AVX512-BF16 or AMX: gemm.h's bf16_support; elsewhere oneDNN would emulate them, and the backend has no bf16).

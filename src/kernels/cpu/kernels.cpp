@@ -22,6 +22,7 @@
 
 #include "common/error.h"
 #include "common/bf16.h"
+#include "common/f16.h"
 #include "kernels/cpu/dnnl_ops.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/vector_math.h"
@@ -636,6 +637,18 @@ void to_bf16(uint16_t* dst, const float* src, int64_t n) {
 void from_bf16(float* dst, const uint16_t* src, int64_t n) {
   check_count(n);
   for (int64_t i = 0; i < n; ++i) dst[i] = dpar::from_bf16(src[i]);
+}
+
+// dst (n), src (n)
+void to_f16(uint16_t* dst, const float* src, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = dpar::to_f16(src[i]);
+}
+
+// dst (n), src (n)
+void from_f16(float* dst, const uint16_t* src, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = dpar::from_f16(src[i]);
 }
 
 }  // namespace dpar::kernels::cpu

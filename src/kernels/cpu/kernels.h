@@ -173,5 +173,10 @@ double sum_squares(const float* x, int64_t n);
 void to_bf16(uint16_t* dst, const float* src, int64_t n);
 // dst[i] = src[i], exactly.  dst (n), src (n)
 void from_bf16(float* dst, const uint16_t* src, int64_t n);
+// dst[i] = src[i] rounded to f16 (common/f16.h: to nearest, ties to even, overflow to infinity); dst holds the
+// bits.  dst (n), src (n)
+void to_f16(uint16_t* dst, const float* src, int64_t n);
+// dst[i] = src[i], exactly.  dst (n), src (n)
+void from_f16(float* dst, const uint16_t* src, int64_t n);
 
 }  // namespace dpar::kernels::cpu

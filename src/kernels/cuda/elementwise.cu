@@ -1,6 +1,7 @@
 // Elementwise CUDA kernels: activations, dropout, axpy, scale, bfloat16 conversions. The formulas and operation order are the CPU
 // twins' (kernels/cpu/kernels.cpp), element by element; see kernels.h for the contracts.
 #include "kernels/cuda/kernels.h"
+#include "common/f16.h"
 
 #include "kernels/dropout_rng.h"
 #include "kernels/cuda/launch.cuh"
@@ -131,6 +132,14 @@ __global__ void __launch_bounds__(kThreads) from_bf16_kernel(float* dst, const u
   DPAR_GRID_STRIDE_LOOP(i, n) { dst[i] = __uint_as_float(static_cast<uint32_t>(src[i]) << 16); }
 }
 
+// dst = src rounded to f16 and back, by the CPU twins' definition (common/f16.h).  dst (n), src (n)
+__global__ void __launch_bounds__(kThreads) to_f16_kernel(uint16_t* dst, const float* src, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) { dst[i] = ::dpar::to_f16(src[i]); }
+}
+__global__ void __launch_bounds__(kThreads) from_f16_kernel(float* dst, const uint16_t* src, int64_t n) {
+  DPAR_GRID_STRIDE_LOOP(i, n) { dst[i] = ::dpar::from_f16(src[i]); }
+}
+
 }  // namespace
 
 #define DPAR_LAUNCH_ELEMENTWISE(kernel, n, stream, ...)                     \
@@ -206,6 +215,20 @@ void to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t stream) {
 }
 void from_bf16(float* dst, const uint16_t* src, int64_t n, cudaStream_t stream) {
   DPAR_LAUNCH_ELEMENTWISE(from_bf16, n, stream, dst, src, n);
+}
+void to_f16(uint16_t* dst, const float* src, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(to_f16, n, stream, dst, src, n);
+}
+void from_f16(float* dst, const uint16_t* src, int64_t n, cudaStream_t stream) {
+  DPAR_LAUNCH_ELEMENTWISE(from_f16, n, stream, dst, src, n);
+}
+void to_low(DType low, uint16_t* dst, const float* src, int64_t n, cudaStream_t stream) {
+  DPAR_CHECK_ARG(low == DType::kBF16 || low == DType::kF16, "to_low: ", dtype_name(low), " is not bf16 or f16");
+  (low == DType::kBF16 ? to_bf16 : to_f16)(dst, src, n, stream);
+}
+void from_low(DType low, float* dst, const uint16_t* src, int64_t n, cudaStream_t stream) {
+  DPAR_CHECK_ARG(low == DType::kBF16 || low == DType::kF16, "from_low: ", dtype_name(low), " is not bf16 or f16");
+  (low == DType::kBF16 ? from_bf16 : from_f16)(dst, src, n, stream);
 }
 
 }  // namespace dpar::kernels::cuda

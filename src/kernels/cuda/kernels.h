@@ -51,17 +51,19 @@ void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre
                           const float* out, const float* inp, const float* weight, int64_t B, int64_t C_in,
                           int64_t C_out, bool accumulate, cublasHandle_t blas, cudaStream_t stream);
 
-// Mixed precision (call::LinearForward and LinearBackward in bf16): inp and weight bf16 (their bits, uint16_t),
-// every other buffer f32. The GEMMs take the bf16 operands and accumulate in f32 (cublasGemmEx, CUBLAS_COMPUTE_32F);
-// the bias, the ReLU (relu: the ReLU epilogue) and their backward are the f32 kernels' passes above. Backward
-// rounds the f32 gradient before the GEMMs (dout, or dpre with the ReLU) to bf16 into dout_low (B,C_out), which
-// both GEMMs read. dpre and out are read only with relu (else may be null).
-void linear_forward_bf16(float* out, const uint16_t* inp, const uint16_t* weight, const float* bias, int64_t B,
-                         int64_t C_in, int64_t C_out, bool relu, cublasHandle_t blas, cudaStream_t stream);
-void linear_backward_bf16(float* dinp, float* dweight, float* dbias, float* dpre, uint16_t* dout_low,
-                          const float* dout, const float* out, const uint16_t* inp, const uint16_t* weight, int64_t B,
-                          int64_t C_in, int64_t C_out, bool relu, bool accumulate, cublasHandle_t blas,
+// Mixed precision (call::LinearForward and LinearBackward in bf16 or f16, the dtype `low`): inp and weight are
+// `low` (their bits, uint16_t), every other buffer f32. The GEMMs take the 16-bit operands and accumulate in f32
+// (cublasGemmEx with CUDA_R_16BF or CUDA_R_16F, CUBLAS_COMPUTE_32F); the bias, the ReLU (relu: the ReLU epilogue)
+// and their backward are the f32 kernels' passes above. Backward rounds the f32 gradient before the GEMMs (dout, or
+// dpre with the ReLU) to `low` into dout_low (B,C_out), which both GEMMs read. dpre and out are read only with
+// relu (else may be null). Error(INVALID_ARGUMENT) for a `low` other than bf16 or f16.
+void linear_forward_mixed(DType low, float* out, const uint16_t* inp, const uint16_t* weight, const float* bias,
+                          int64_t B, int64_t C_in, int64_t C_out, bool relu, cublasHandle_t blas,
                           cudaStream_t stream);
+void linear_backward_mixed(DType low, float* dinp, float* dweight, float* dbias, float* dpre, uint16_t* dout_low,
+                           const float* dout, const float* out, const uint16_t* inp, const uint16_t* weight,
+                           int64_t B, int64_t C_in, int64_t C_out, bool relu, bool accumulate, cublasHandle_t blas,
+                           cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Elementwise activations on n elements (all buffers (n)); out may alias inp exactly.
@@ -165,6 +167,15 @@ void scale(float* x, float a, int64_t n, cudaStream_t stream);
 // dst (n), src (n)
 void to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t stream);
 void from_bf16(float* dst, const uint16_t* src, int64_t n, cudaStream_t stream);
+// The CPU twins' f16 conversions (common/f16.h's, one definition for both), bit for bit: to nearest, ties to even,
+// overflow to infinity; a NaN stays a quiet NaN of its sign with its payload's top bits (where CUDA's
+// __float2half_rn would make every NaN the canonical 0x7fff). dst (n), src (n)
+void to_f16(uint16_t* dst, const float* src, int64_t n, cudaStream_t stream);
+void from_f16(float* dst, const uint16_t* src, int64_t n, cudaStream_t stream);
+// The conversion for a mixed-precision dtype `low` (bf16 or f16; Error(INVALID_ARGUMENT) for another): to_bf16 or
+// to_f16, from_bf16 or from_f16.
+void to_low(DType low, uint16_t* dst, const float* src, int64_t n, cudaStream_t stream);
+void from_low(DType low, float* dst, const uint16_t* src, int64_t n, cudaStream_t stream);
 // *total = the sum of x[i]^2 in double: block b of a fixed grid of kSumSquaresBlocks adds its grid-stride elements
 // and writes partials[b], then one block adds the partials, each in a fixed tree, so every call gives the same bits.
 // The CPU twin (8 lanes) adds in another order: equal within double rounding.

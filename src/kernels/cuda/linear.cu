@@ -7,11 +7,11 @@
 //
 // Precision: cublasSgemm in FP32. The handle must be in CUBLAS_DEFAULT_MATH or CUBLAS_PEDANTIC_MATH (a new
 // handle's default) for the CPU twin's precision: CUBLAS_TF32_TENSOR_OP_MATH (TF32 keeps 10 mantissa bits, the CPU
-// twin 23) only where the stream was asked for TF32 (Stream::set_allow_tf32). Mixed precision (the *_bf16
-// functions): cublasGemmEx with bf16 A and B, an f32 C and CUBLAS_COMPUTE_32F (products of bf16 values are exact in
-// f32 and are summed in f32; tensor cores, whatever the math mode); the bias, the epilogue and the bias gradient are
-// the f32 kernels' passes, on f32 values. cuBLAS's default atomics mode (not allowed) keeps its results the same
-// call after call on one GPU.
+// twin 23) only where the stream was asked for TF32 (Stream::set_allow_tf32). Mixed precision (the *_mixed
+// functions, bf16 or f16 operands): cublasGemmEx with bf16 (CUDA_R_16BF) or f16 (CUDA_R_16F) A and B, an f32 C and
+// CUBLAS_COMPUTE_32F (products of bf16 or f16 values are exact in f32 and are summed in f32; tensor cores, whatever
+// the math mode); the bias, the epilogue and the bias gradient are the f32 kernels' passes, on f32 values. cuBLAS's
+// default atomics mode (not allowed) keeps its results the same call after call on one GPU.
 #include "kernels/cuda/kernels.h"
 
 #include <limits>
@@ -29,18 +29,27 @@ namespace {
 
 // C (m,n) f32 = alpha op(A) op(B) + beta C, column-major, from the library loaded on first use
 // (platform/cuda/cublas_library.h). Operands of type T: float through SGEMM (the f32 kernels' call, unchanged), or
-// bf16 (its bits, uint16_t) through GemmEx accumulating in f32 into the f32 C.
+// 16-bit ones (their bits, uint16_t) of the dtype `low` (bf16 or f16) through GemmEx accumulating in f32 into the
+// f32 C.
 template <class T>
-cublasStatus_t gemm(cublasHandle_t blas, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+cublasStatus_t gemm(DType low, cublasHandle_t blas, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                     const float* alpha, const T* A, int lda, const T* B, int ldb, const float* beta, float* C,
                     int ldc) {
   if constexpr (std::is_same_v<T, float>) {
+    (void)low;
     return ::dpar::cuda::cublas().sgemm(blas, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc);
   } else {
-    static_assert(std::is_same_v<T, uint16_t>, "a GEMM's operands are f32 or bf16");
-    return ::dpar::cuda::cublas().gemm_ex(blas, ta, tb, m, n, k, alpha, A, CUDA_R_16BF, lda, B, CUDA_R_16BF, ldb, beta,
-                                          C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    static_assert(std::is_same_v<T, uint16_t>, "a GEMM's operands are f32, bf16 or f16");
+    const cudaDataType ab = low == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
+    return ::dpar::cuda::cublas().gemm_ex(blas, ta, tb, m, n, k, alpha, A, ab, lda, B, ab, ldb, beta, C, CUDA_R_32F,
+                                          ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   }
+}
+
+// A mixed-precision call's dtype: bf16 or f16.
+void check_low(DType low, const char* what) {
+  DPAR_CHECK_ARG(low == DType::kBF16 || low == DType::kF16, what, ": ", dtype_name(low),
+                 " is not a mixed-precision dtype (bf16, f16)");
 }
 
 // cuBLAS takes 32-bit extents.
@@ -130,11 +139,12 @@ void fill_zero(float* x, int64_t n, cudaStream_t stream, const char* what) {
   if (n > 0) DPAR_CUDA_CHECK(cudaMemsetAsync(x, 0, static_cast<size_t>(n) * sizeof(float), stream), what);
 }
 
-// out (B,C_out) = inp (B,C_in) @ weight^T (C_in,C_out) + bias, operands of type T (f32 or bf16), out f32.
+// out (B,C_out) = inp (B,C_in) @ weight^T (C_in,C_out) + bias, operands of type T (f32, or uint16_t of the dtype
+// `low`), out f32.
 // Column-major: out^T (C_out,B) = weight (C_out,C_in) @ inp^T (C_in,B). weight's memory is the column-major
 // (C_in,C_out) matrix, hence OP_T; inp's is the column-major (C_in,B) matrix, hence OP_N.
 template <class T>
-void forward_gemm(float* out, const T* inp, const T* weight, const float* bias, int64_t B, int64_t C_in,
+void forward_gemm(DType low, float* out, const T* inp, const T* weight, const float* bias, int64_t B, int64_t C_in,
                   int64_t C_out, cublasHandle_t blas, cudaStream_t stream) {
   const int b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
   if (B == 0 || C_out == 0) return;
@@ -148,13 +158,15 @@ void forward_gemm(float* out, const T* inp, const T* weight, const float* bias, 
     return;
   }
   const float alpha = 1.0f, beta = bias != nullptr ? 1.0f : 0.0f;
-  DPAR_CUBLAS_CHECK(gemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, cout, b, cin, &alpha, weight, cin, inp, cin, &beta, out, cout),
+  DPAR_CUBLAS_CHECK(gemm(low, blas, CUBLAS_OP_T, CUBLAS_OP_N, cout, b, cin, &alpha, weight, cin, inp, cin, &beta, out,
+                         cout),
                     "linear_forward: out (", B, ",", C_out, ") = inp (", B, ",", C_in, ") @ weight^T");
 }
 
-// linear_backward's two GEMMs, operands of type T (f32 or bf16): dinp (skipped if null) and dweight, f32.
+// linear_backward's two GEMMs, operands of type T (f32, or uint16_t of the dtype `low`): dinp (skipped if null) and
+// dweight, f32.
 template <class T>
-void backward_gemms(float* dinp, float* dweight, const T* dout, const T* inp, const T* weight, int64_t B,
+void backward_gemms(DType low, float* dinp, float* dweight, const T* dout, const T* inp, const T* weight, int64_t B,
                     int64_t C_in, int64_t C_out, bool accumulate, cublasHandle_t blas, cudaStream_t stream) {
   const int b = blas_dim(B, "B"), cin = blas_dim(C_in, "C_in"), cout = blas_dim(C_out, "C_out");
   DPAR_CHECK_ARG(dweight != nullptr || C_out * C_in == 0, "linear_backward: dweight is null");
@@ -169,7 +181,7 @@ void backward_gemms(float* dinp, float* dweight, const T* dout, const T* inp, co
       fill_zero(dinp, B * C_in, stream, "linear_backward: zeros for C_out = 0");
     } else {
       DPAR_CHECK_ARG(weight != nullptr, "linear_backward: weight is null");
-      DPAR_CUBLAS_CHECK(gemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, cin, b, cout, &one, weight, cin, dout, cout, &zero,
+      DPAR_CUBLAS_CHECK(gemm(low, blas, CUBLAS_OP_N, CUBLAS_OP_N, cin, b, cout, &one, weight, cin, dout, cout, &zero,
                              dinp, cin),
                         "linear_backward: dinp (", B, ",", C_in, ") = dout @ weight (", C_out, ",", C_in, ")");
     }
@@ -183,7 +195,7 @@ void backward_gemms(float* dinp, float* dweight, const T* dout, const T* inp, co
       if (!accumulate) fill_zero(dweight, C_out * C_in, stream, "linear_backward: zeros for B = 0");
     } else {
       DPAR_CHECK_ARG(inp != nullptr, "linear_backward: inp is null");
-      DPAR_CUBLAS_CHECK(gemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, cin, cout, b, &one, inp, cin, dout, cout,
+      DPAR_CUBLAS_CHECK(gemm(low, blas, CUBLAS_OP_N, CUBLAS_OP_T, cin, cout, b, &one, inp, cin, dout, cout,
                              accumulate ? &one : &zero, dweight, cin),
                         "linear_backward: dweight (", C_out, ",", C_in, ") = dout^T @ inp (", B, ",", C_in, ")");
     }
@@ -219,13 +231,13 @@ void relu_backward_bias(float* dpre, float* dbias, const float* dout, const floa
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t B, int64_t C_in,
                     int64_t C_out, cublasHandle_t blas, cudaStream_t stream) {
-  forward_gemm(out, inp, weight, bias, B, C_in, C_out, blas, stream);
+  forward_gemm(DType::kF32, out, inp, weight, bias, B, C_in, C_out, blas, stream);
 }
 
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t B, int64_t C_in, int64_t C_out, bool accumulate,
                      cublasHandle_t blas, cudaStream_t stream) {
-  backward_gemms(dinp, dweight, dout, inp, weight, B, C_in, C_out, accumulate, blas, stream);
+  backward_gemms(DType::kF32, dinp, dweight, dout, inp, weight, B, C_in, C_out, accumulate, blas, stream);
   bias_backward(dbias, dout, B, C_out, accumulate, stream);
 }
 
@@ -250,29 +262,34 @@ void linear_relu_backward(float* dinp, float* dweight, float* dbias, float* dpre
 
 // ---- Mixed precision ------------------------------------------------------------------------------------------------
 
-void linear_forward_bf16(float* out, const uint16_t* inp, const uint16_t* weight, const float* bias, int64_t B,
-                         int64_t C_in, int64_t C_out, bool relu, cublasHandle_t blas, cudaStream_t stream) {
-  if (!relu) return forward_gemm(out, inp, weight, bias, B, C_in, C_out, blas, stream);
+void linear_forward_mixed(DType low, float* out, const uint16_t* inp, const uint16_t* weight, const float* bias,
+                          int64_t B, int64_t C_in, int64_t C_out, bool relu, cublasHandle_t blas,
+                          cudaStream_t stream) {
+  check_low(low, "linear_forward");
+  if (!relu) return forward_gemm(low, out, inp, weight, bias, B, C_in, C_out, blas, stream);
   // As linear_relu_forward: the GEMM with beta 0, then the bias and the ReLU in one f32 pass over out.
-  forward_gemm(out, inp, weight, static_cast<const float*>(nullptr), B, C_in, C_out, blas, stream);
+  forward_gemm(low, out, inp, weight, static_cast<const float*>(nullptr), B, C_in, C_out, blas, stream);
   if (B == 0 || C_out == 0) return;
   detail::launch("linear_relu_forward (bias and ReLU)", bias_relu_kernel, blocks_for(B * C_out), kThreads, stream,
                  out, bias, B, C_out);
 }
 
 // The f32 passes first (the ReLU's backward into dpre and dbias, or dbias from dout), then the gradient before the
-// GEMMs rounded to bf16 into dout_low, then both GEMMs from dout_low: dout is read in full before dinp (which may
-// be its memory) is written.
-void linear_backward_bf16(float* dinp, float* dweight, float* dbias, float* dpre, uint16_t* dout_low,
-                          const float* dout, const float* out, const uint16_t* inp, const uint16_t* weight, int64_t B,
-                          int64_t C_in, int64_t C_out, bool relu, bool accumulate, cublasHandle_t blas,
-                          cudaStream_t stream) {
+// GEMMs rounded to `low` into dout_low (in f16 a gradient beyond 65504 becomes infinite there, and the GEMMs carry
+// the infinity into dinp and dweight, where loss scaling finds it), then both GEMMs from dout_low: dout is read in
+// full before dinp (which may be its memory) is written.
+void linear_backward_mixed(DType low, float* dinp, float* dweight, float* dbias, float* dpre, uint16_t* dout_low,
+                           const float* dout, const float* out, const uint16_t* inp, const uint16_t* weight,
+                           int64_t B, int64_t C_in, int64_t C_out, bool relu, bool accumulate, cublasHandle_t blas,
+                           cudaStream_t stream) {
+  check_low(low, "linear_backward");
   blas_dim(B, "B");
   blas_dim(C_in, "C_in");
   blas_dim(C_out, "C_out");
   // The GEMMs' argument checks before any pass is queued: a refused call changes nothing.
   DPAR_CHECK_ARG(dweight != nullptr || C_out * C_in == 0, "linear_backward: dweight is null");
-  DPAR_CHECK_ARG(B == 0 || C_out == 0 || dout_low != nullptr, "linear_backward (bf16): dout_low is null");
+  DPAR_CHECK_ARG(B == 0 || C_out == 0 || dout_low != nullptr, "linear_backward (", dtype_name(low),
+                 "): dout_low is null");
   DPAR_CHECK_ARG(B == 0 || C_out == 0 || C_in == 0 || (inp != nullptr && weight != nullptr),
                  "linear_backward: inp or weight is null");
   const float* grad = dout;  // the f32 gradient before the GEMMs
@@ -283,8 +300,8 @@ void linear_backward_bf16(float* dinp, float* dweight, float* dbias, float* dpre
     DPAR_CHECK_ARG(B == 0 || C_out == 0 || dout != nullptr, "linear_backward: dout is null");
     bias_backward(dbias, dout, B, C_out, accumulate, stream);
   }
-  if (B > 0 && C_out > 0) to_bf16(dout_low, grad, B * C_out, stream);
-  backward_gemms(dinp, dweight, static_cast<const uint16_t*>(dout_low), inp, weight, B, C_in, C_out, accumulate,
+  if (B > 0 && C_out > 0) to_low(low, dout_low, grad, B * C_out, stream);
+  backward_gemms(low, dinp, dweight, static_cast<const uint16_t*>(dout_low), inp, weight, B, C_in, C_out, accumulate,
                  blas, stream);
 }
 

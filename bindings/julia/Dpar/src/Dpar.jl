@@ -784,13 +784,15 @@ end
 """`set_precision!(engine, compute_dtype)`: from the next call on, linear layers and convolutions compute in
 `compute_dtype`, as torch.autocast's policy: `F32` (the default) or `BF16` (bf16 operands: the input rounded and each
 step's bf16 copy of the weights; f32 accumulation and results; master weights, gradients, the optimizer and
-checkpoints f32). `ERR_NOT_SUPPORTED` where a device lacks the kernels (a CPU without AVX512-BF16 or AMX) and for
-`F16`, the engine unchanged. Every process sets the same."""
+checkpoints f32) or `F16` (the same in IEEE half, which overflows above 65504: train it with loss scaling,
+`set_loss_scaling!`). `ERR_NOT_SUPPORTED` where a device lacks the kernels (bf16 on a CPU without AVX512-BF16 or
+AMX; f16 on any CPU, oneDNN 2.6 having no f16 GEMM for CPUs: the message says why), the engine unchanged. Every
+process sets the same."""
 function set_precision!(e::Engine, compute_dtype::Integer)
     h, v = e.ptr, Int32(compute_dtype)
     engine_call(() -> ccall((:dpar_engine_set_precision, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)
 end
-"""`precision(engine)`: the compute dtype `set_precision!` set (`F32` or `BF16`)."""
+"""`precision(engine)`: the compute dtype `set_precision!` set (`F32`, `BF16` or `F16`)."""
 function precision(e::Engine)
     out = Ref{Int32}(0)
     op, h = Base.unsafe_convert(Ptr{Int32}, out), e.ptr

@@ -1005,7 +1005,9 @@ pub enum Precision {
     /// bf16 operands (the input rounded, each step's bf16 copy of the weights), f32 accumulation and results;
     /// master weights, gradients, the optimizer and checkpoints f32.
     Bf16,
-    /// fp16: refused with NOT_SUPPORTED (no f16 kernels are built).
+    /// f16 (IEEE half) operands, f32 accumulation and results, as `Bf16`; f16 overflows above 65504, so train it
+    /// with loss scaling (`Engine::set_loss_scaling`). NOT_SUPPORTED on CPU devices (oneDNN 2.6 has no f16 GEMM for
+    /// CPUs; the message says why); CUDA devices have it.
     F16,
 }
 
@@ -1261,7 +1263,11 @@ impl Engine {
     pub fn precision(&self) -> Result<Precision> {
         let mut p = 0i32;
         check(unsafe { sys::dpar_engine_precision(&mut p, self.raw) })?;
-        Ok(if p == sys::DPAR_BF16 { Precision::Bf16 } else { Precision::F32 })
+        Ok(match p {
+            sys::DPAR_BF16 => Precision::Bf16,
+            sys::DPAR_F16 => Precision::F16,
+            _ => Precision::F32,
+        })
     }
     /// From the next step on, gradient buckets are reduced in `dtype` (dpar_engine_set_reduce_dtype): Bf16 rounds
     /// every replica's bucket to bf16 and carries the whole reduction in bf16, whatever the compression says.
@@ -2185,7 +2191,18 @@ mod tests {
         let options = EngineOptions::new().cpu_devices(2).processes(Processes::Single);
         let e = Engine::new(&m, &Optimizer::sgd(0.1), &options).unwrap();
         assert_eq!(e.precision().unwrap(), Precision::F32);
-        assert_eq!(e.set_precision(Precision::F16).err().unwrap().status(), status::NOT_SUPPORTED);
+        // f16: trains, or is refused whole with the reason (CPU devices: oneDNN has no f16 GEMM for them).
+        match e.set_precision(Precision::F16) {
+            Ok(()) => {
+                assert_eq!(e.precision().unwrap(), Precision::F16);
+                e.set_precision(Precision::F32).unwrap();
+            }
+            Err(err) => {
+                assert_eq!(err.status(), status::NOT_SUPPORTED, "{}", err);
+                assert!(err.message().contains("f16"), "{}", err);
+                assert_eq!(e.precision().unwrap(), Precision::F32);
+            }
+        }
         let bad = check(unsafe { sys::dpar_engine_set_precision(e.raw, 7) }).err().unwrap();
         assert!(bad.message().contains("compute_dtype"), "{}", bad);
         assert!(!e.set_allow_tf32(true).unwrap(), "CPU devices have no TF32");
