@@ -97,14 +97,6 @@ std::unique_ptr<BucketStrategy> make_bucket_strategy(BucketStrategyKind kind, Re
       return std::make_unique<Bf16Reduction>(set, false);
     if (kind == BucketStrategyKind::kReduceScatter) return std::make_unique<Bf16Reduction>(set, true);
   }
-  if (reduce_dtype == DType::kBF16) {
-    DPAR_CHECK_ARG(kind != BucketStrategyKind::kFlat || !set.spans_processes(), "bucket strategy: flat reduces ",
-                   "among one process's replicas, and this set spans ", set.num_processes(), " processes");
-    if (kind == BucketStrategyKind::kFlat || kind == BucketStrategyKind::kHierarchical ||
-        kind == BucketStrategyKind::kHierarchicalBf16)
-      return std::make_unique<Bf16Reduction>(set, false);
-    if (kind == BucketStrategyKind::kReduceScatter) return std::make_unique<Bf16Reduction>(set, true);
-  }
   switch (kind) {
     case BucketStrategyKind::kFlat:
       DPAR_CHECK_ARG(!set.spans_processes(), "bucket strategy: flat reduces among one process's replicas, and this ",
