@@ -141,6 +141,23 @@ Bytes adam(const dpar::AdamHyper& h) {
   return b;
 }
 
+// The bf16 conversions both ways, over values that exercise rounding ties, NaNs and infinities.
+Bytes bf16_conversions() {
+  Vec x = values(kN, 21);
+  const float specials[] = {0.0f, -0.0f, 1.0f + 0x1p-8f, 1.0f + 0x1p-8f + 0x1p-23f, 3.4e38f, -3.4e38f,
+                            std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                            -std::numeric_limits<float>::quiet_NaN(), 1e-40f};
+  for (size_t i = 0; i < sizeof specials / sizeof *specials; ++i) x[i * 37] = specials[i];
+  std::vector<uint16_t> low(x.size());
+  k::to_bf16(low.data(), x.data(), static_cast<int64_t>(x.size()));
+  Vec wide(x.size());
+  k::from_bf16(wide.data(), low.data(), static_cast<int64_t>(low.size()));
+  Bytes b;
+  append(b, low);
+  append(b, wide);
+  return b;
+}
+
 Bytes sum_squares() {
   std::vector<double> sums;
   const Vec x = values(4099, 20);
@@ -162,6 +179,7 @@ const std::vector<Case>& cases() {
       {"adamw, small lerp weight", [] { return adam({1e-3f, 0.9f, 0.99f, 1e-6f, 0.1f, true}); }},
       {"adam, no decay, large lerp weight", [] { return adam({1e-2f, 0.2f, 0.95f, 1e-8f, 0.0f, false}); }},
       {"sum_squares", sum_squares},
+      {"bf16 conversions", bf16_conversions},
   };
   return all;
 }

@@ -628,15 +628,24 @@ double sum_squares(const float* x, int64_t n) {
 }
 
 // dst (n), src (n)
+// The conversions run every step over every parameter (the bf16 copy of the weights) and every autocast layer's
+// input, so they are vector loops: integer arithmetic and a select, the same bits in every copy.
+DPAR_VECTOR_LOOP void to_bf16_loop(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = dpar::to_bf16(src[i]);
+}
+DPAR_VECTOR_LOOP void from_bf16_loop(float* dst, const uint16_t* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = dpar::from_bf16(src[i]);
+}
+
 void to_bf16(uint16_t* dst, const float* src, int64_t n) {
   check_count(n);
-  for (int64_t i = 0; i < n; ++i) dst[i] = dpar::to_bf16(src[i]);
+  run_vector<to_bf16_loop>(dst, src, n);
 }
 
 // dst (n), src (n)
 void from_bf16(float* dst, const uint16_t* src, int64_t n) {
   check_count(n);
-  for (int64_t i = 0; i < n; ++i) dst[i] = dpar::from_bf16(src[i]);
+  run_vector<from_bf16_loop>(dst, src, n);
 }
 
 // dst (n), src (n)
