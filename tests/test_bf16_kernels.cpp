@@ -251,6 +251,66 @@ TEST(Bf16Linear, EmptyExtents) {
   for (float v : dbias) EXPECT_EQ(v, 0.0f);
 }
 
+// The output kept in bf16 (LinearForward's "out rounded"): the f32 kernel's result, bias and ReLU included, rounded
+// once; and backward's ReLU mask read from that rounded output gives the f32 output's gradients bit for bit (a
+// rounded value keeps its sign; none of these outputs is below bf16's least subnormal).
+TEST(Bf16Linear, RoundedOutputIsTheF32ResultRoundedOnce) {
+  SKIP_WITHOUT_BF16();
+  auto stream = cpu_backend().open_stream(Device{});
+  const int64_t B = 37, C_in = 70, C_out = 45;
+  uint32_t seed = 300;
+  for (Epilogue e : {Epilogue::kNone, Epilogue::kRelu})
+    for (bool bias : {true, false}) {
+      SCOPED_TRACE(std::string(epilogue_name(e)) + (bias ? ", bias" : ", no bias"));
+      const Bits x = to_bits(randn(static_cast<size_t>(B * C_in), seed++));
+      const Bits w = to_bits(randn(static_cast<size_t>(C_out * C_in), seed++, 0.2f));
+      const Vec b = randn(static_cast<size_t>(C_out), seed++);
+      Vec out(static_cast<size_t>(B * C_out));
+      Bits rounded(out.size(), 0xFFFF);
+      call::LinearForward f{ref(out.data(), {B, C_out}), ref(x.data(), {B, C_in}), ref(w.data(), {C_out, C_in}),
+                            bias ? ref(b.data(), {C_out}) : TensorRef{}, {}, e};
+      stream->run(f);
+      f.out = ref(rounded.data(), {B, C_out});
+      ASSERT_TRUE(stream->can_run(key_of(f))) << key_of(f).str();
+      stream->run(f);
+      size_t off_by_one = 0;
+      for (size_t i = 0; i < out.size(); ++i) {
+        // oneDNN's bf16 destination may sum the same products in another order than its f32 one: equal, or the
+        // neighbouring bf16 value where the f32 sums straddle a rounding boundary.
+        const int diff = std::abs(static_cast<int>(rounded[i]) - static_cast<int>(to_bf16(out[i])));
+        ASSERT_LE(diff, 1) << "element " << i << ": " << out[i] << " rounded to " << from_bf16(rounded[i]);
+        off_by_one += diff;
+      }
+      EXPECT_LE(off_by_one, out.size() / 50) << "more than 2% of the elements one bf16 step away";
+      if (e != Epilogue::kRelu) continue;
+      // Backward from the rounded output's mask against the f32 output's: the same bits.
+      const Vec dout = randn(out.size(), seed++);
+      Vec dinp_a(static_cast<size_t>(B * C_in)), dinp_b(dinp_a.size()), dw_a(w.size()), dw_b(w.size());
+      Vec db_a(b.size()), db_b(b.size()), dpre(out.size());
+      Bits dout_low(out.size());
+      Vec out_of_rounded = from_bits(rounded);
+      call::LinearBackward g{ref(dinp_a.data(), {B, C_in}), ref(dw_a.data(), {C_out, C_in}), ref(db_a.data(), {C_out}),
+                             ref(dpre.data(), {B, C_out}), ref(dout.data(), {B, C_out}), ref(x.data(), {B, C_in}),
+                             ref(w.data(), {C_out, C_in}), ref(out_of_rounded.data(), {B, C_out}), {}, e, false};
+      g.dout_low = ref(dout_low.data(), {B, C_out});
+      stream->run(g);
+      g.dinp = ref(dinp_b.data(), {B, C_in});
+      g.dweight = ref(dw_b.data(), {C_out, C_in});
+      g.dbias = ref(db_b.data(), {C_out});
+      g.out = ref(rounded.data(), {B, C_out});
+      ASSERT_TRUE(stream->can_run(key_of(g))) << key_of(g).str();
+      stream->run(g);
+      EXPECT_EQ(dinp_a, dinp_b);
+      EXPECT_EQ(dw_a, dw_b);
+      EXPECT_EQ(db_a, db_b);
+    }
+  // A GELU has no rounded output (its backward reads the f32 pre-activation), and no composition stands in.
+  EXPECT_FALSE(stream->can_run({Op::kLinearForward, DType::kBF16, Epilogue::kGelu, DType::kBF16}));
+  EXPECT_FALSE(stream->can_run({Op::kLinearForward, DType::kF32, Epilogue::kNone, DType::kBF16}));
+  EXPECT_EQ(KernelKey({Op::kLinearForward, DType::kBF16, Epilogue::kRelu, DType::kBF16}).str(),
+            "linear_forward (bf16, relu epilogue, bf16 out)");
+}
+
 // The primitives are kept per shape: a second call of a shape creates none, and they are oneDNN's native bf16
 // kernels (brgemm on AVX512-BF16 or AMX), not its reference code.
 TEST(Bf16Linear, GemmKeepsOnePrimitivePerShapeAndRunsNativeKernels) {

@@ -50,10 +50,18 @@ const char* op_name(Op op) {
 std::string KernelKey::str() const {
   std::string s = std::string(op_name(op)) + " (" + dtype_name(dtype);
   if (epilogue != Epilogue::kNone) s += std::string(", ") + epilogue_name(epilogue) + " epilogue";
+  if (out != DType::kF32) s += std::string(", ") + dtype_name(out) + " out";
   return s + ")";
 }
 
 namespace {
+template <class C>
+DType out_dtype_of(const C& c) {
+  if constexpr (requires { c.out_dtype(); })
+    return c.out_dtype();
+  else
+    return DType::kF32;
+}
 template <class C>
 Epilogue epilogue_of(const C& c) {
   if constexpr (requires { c.epilogue; })
@@ -66,7 +74,7 @@ Epilogue epilogue_of(const C& c) {
 KernelKey key_of(const KernelCall& call) {
   return std::visit(
       [&](const auto& c) {
-        return KernelKey{static_cast<Op>(call.index()), c.dtype(), epilogue_of(c)};
+        return KernelKey{static_cast<Op>(call.index()), c.dtype(), epilogue_of(c), out_dtype_of(c)};
       },
       call);
 }
@@ -110,7 +118,7 @@ std::vector<KernelCall> composition(const KernelCall& call) {
 
 bool Stream::can_run(const KernelKey& key) const {
   if (supports(key)) return true;
-  if (key.epilogue == Epilogue::kNone) return false;
+  if (key.epilogue == Epilogue::kNone || key.out != DType::kF32) return false;
   // The compositions above: the kernel without its epilogue and the activation, forward or backward.
   const bool backward = key.op == Op::kLinearBackward;
   // The activation runs on the kernel's output: a linear layer's is f32 in every compute dtype (its bf16 operands
@@ -124,7 +132,8 @@ bool Stream::can_run(const KernelKey& key) const {
 void Stream::run(const KernelCall& call) {
   const KernelKey key = key_of(call);
   if (supports(key)) return execute(call);
-  std::vector<KernelCall> parts = composition(call);
+  // A rounded output has no composition: the activation would run on the rounded values.
+  std::vector<KernelCall> parts = key.out == DType::kF32 ? composition(call) : std::vector<KernelCall>{};
   bool composable = !parts.empty();
   for (const KernelCall& part : parts) composable = composable && supports(key_of(part));
   if (!composable) {

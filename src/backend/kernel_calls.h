@@ -45,11 +45,15 @@ namespace call {
 // and are accumulated in f32 (autocast's linear, without rounding its result to bf16); the bias and the epilogue are
 // applied in f32, as in the f32 kernel. In f16 the same with f16 in place of bf16 (common/f16.h): f16 products are
 // exact in f32 too.
+//
+// Out rounded (out of inp's dtype, bf16 or f16; no epilogue or ReLU): the activation kept in the compute dtype, as
+// autocast keeps a linear's output: the f32 result above (bias and ReLU included) rounded once to nearest even.
 struct LinearForward {
   static constexpr const char* kName = "linear_forward";
   TensorRef out, inp, weight, bias, pre;
   Epilogue epilogue = Epilogue::kNone;
   DType dtype() const { return inp.dtype; }
+  DType out_dtype() const { return out.defined() ? out.dtype : DType::kF32; }
 };
 // From dout = dL/d(out of LinearForward): dinp (*,C_in) or absent, dweight (C_out,C_in), dbias (C_out) or absent;
 // overwritten, or added to when accumulate. With an epilogue, dpre (*,C_out) is scratch for the gradient before it,
@@ -61,6 +65,8 @@ struct LinearForward {
 // and dweight (+)= dout_low^T @ inp, exact products accumulated in f32 (autocast's backward of a bf16 linear).
 // In f16 likewise, dout_low f16: a gradient beyond 65504 rounds to infinity there and the GEMMs carry it into
 // dinp and dweight, where loss scaling (engine/loss_scaler.h) finds it. dout_low is absent in f32.
+// With a ReLU epilogue, out may be the forward's rounded output (in inp's dtype): its sign is the f32 output's
+// (a positive f32 below bf16's least subnormal excepted, which rounds to zero: autocast's ReLU sees the same).
 struct LinearBackward {
   static constexpr const char* kName = "linear_backward";
   TensorRef dinp, dweight, dbias, dpre, dout, inp, weight, out, pre;
@@ -68,6 +74,7 @@ struct LinearBackward {
   bool accumulate = false;
   TensorRef dout_low;
   DType dtype() const { return inp.dtype; }
+  DType out_dtype() const { return out.defined() ? out.dtype : DType::kF32; }
 };
 // out = kind(inp), both (n) of any shape.
 struct ActivationForward {
@@ -281,7 +288,10 @@ struct KernelKey {
   Op op;
   DType dtype = DType::kF32;
   Epilogue epilogue = Epilogue::kNone;
-  std::string str() const;  // "linear_forward (f32, gelu epilogue)"
+  // A linear layer's output activation kept in its compute dtype (LinearForward's "out rounded"): `dtype` here,
+  // else f32. A backend runs such a call only as one kernel: no composition stands in for it.
+  DType out = DType::kF32;
+  std::string str() const;  // "linear_forward (f32, gelu epilogue)", "linear_forward (bf16, relu epilogue, bf16 out)"
 };
 KernelKey key_of(const KernelCall& call);
 

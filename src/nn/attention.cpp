@@ -203,13 +203,13 @@ class MultiheadAttention final : public Layer {
     call::LinearBackward out_proj{dattn.ref(), grad(w), grad(3, bias_), {}, dout.ref(),
                                   attn_low_.rounded(compute_dtype_, attn, describe()).ref(), operand_param(w),
                                   out.ref(), {}, Epilogue::kNone, accumulate};
-    out_proj.dout_low = dout_low_.room(ctx, compute_dtype_, dout.shape()).ref();
+    if (compute_dtype_ != DType::kF32) out_proj.dout_low = ctx.call_room(compute_dtype_, dout.shape());
     ctx.stream->run(out_proj);
     attention_.backward(ctx, qkv, attn, dattn, dqkv, accumulate);
     call::LinearBackward in_proj{din.ref(), grad(0), grad(1, bias_), {}, dqkv.ref(),
                                  in_low_.rounded(compute_dtype_, in, describe()).ref(), operand_param(0), qkv.ref(),
                                  {}, Epilogue::kNone, accumulate};
-    in_proj.dout_low = dqkv_low_.room(ctx, compute_dtype_, dqkv.shape()).ref();
+    if (compute_dtype_ != DType::kF32) in_proj.dout_low = ctx.call_room(compute_dtype_, dqkv.shape());
     ctx.stream->run(in_proj);
   }
 
@@ -233,7 +233,7 @@ class MultiheadAttention final : public Layer {
   Attention attention_;  // the heads, on the packed projection
   Tensor qkv_, attn_, dqkv_, dattn_;  // the projection and the heads' output of the last forward; their gradients
   // The bf16 copies of the projections' inputs (kept for backward) and of their output gradients.
-  LowPrecisionBuffer in_low_, attn_low_, dout_low_, dqkv_low_;
+  LowPrecisionBuffer in_low_, attn_low_;
 };
 
 }  // namespace

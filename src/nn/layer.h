@@ -36,6 +36,13 @@ struct ReplicaContext {
 
   // Allocates on this replica's device (honouring an armed allocation fault).
   Tensor alloc(DType dtype, const Shape& shape) const;
+  // Room for `shape` in `dtype` that a layer needs within one call only (a gradient rounded for its GEMMs): one
+  // buffer per replica, shared by all its layers and grown as needed, so it costs the largest such tensor rather
+  // than one per layer. What a call writes there is its own until the next call_room on this replica; the replica's
+  // stream runs the calls in order, so the next writer comes after the last reader.
+  TensorRef call_room(DType dtype, const Shape& shape) const;
+  // call_room's memory (copies of the context share it).
+  std::shared_ptr<Tensor> call_scratch = std::make_shared<Tensor>();
   // Throws if `fault` is armed, and disarms it.
   void maybe_fail(Fault fault, const char* where) const;
 };
@@ -123,6 +130,15 @@ class Layer {
   // Points the layer at the step's copies of its parameters in the compute dtype (one per param_specs() slot, of
   // its shape): views of the replica's low-precision mirror of the flat parameters, rewritten at every forward.
   void bind_low_precision(std::vector<TensorRef> params) { low_params_ = std::move(params); }
+  // Activations kept in the compute dtype, as autocast keeps a bf16 linear's output for the next linear's backward.
+  // The model stores a node's output in the compute dtype (half the bytes, and no f32 copy beside it) where the
+  // producer can write it so and every consumer reads it only rounded: then the consumer's input arrives already
+  // rounded, the same bits it would have rounded itself.
+  //  - Whether the layer's products read its one input only in the compute dtype (forward and backward both).
+  virtual bool reads_rounded_input() const { return false; }
+  //  - The kernels with which the layer, with `epilogue`, writes its output in the compute dtype (the f32 result,
+  //    epilogue included, rounded once) and runs its backward on that rounded output; empty where it cannot.
+  virtual std::vector<KernelKey> rounded_output_kernels(Epilogue /*epilogue*/) const { return {}; }
 
   // ---- Layers of several inputs (attention reads q, k and v) --------------------------------------------------
   // The node's inputs, in order, are the layer's; a layer of one input needs none of these. The graph calls them
@@ -179,19 +195,16 @@ class Layer {
   std::vector<Tensor> buffers_;                     // the views given to bind_buffers()
 };
 
-// A layer's buffer for the low-precision copy of a tensor its products read (its input, kept for backward; the
-// gradient rounded for the GEMMs), grown as needed and reused across steps.
+// A layer's buffer for the low-precision copy of a tensor its products read and its backward reads again (its
+// input), grown as needed and reused across steps.
 class LowPrecisionBuffer {
  public:
   // `x` rounded to `dtype` (call::Convert: to nearest, ties to even) into this buffer, shaped as x; x itself when
-  // dtype is f32.
+  // dtype is f32 or x is already of `dtype` (an activation kept in the compute dtype: nothing is copied).
   Tensor round(const ReplicaContext& ctx, DType dtype, const Tensor& x);
   // What the last round() returned for x, for backward (x itself when dtype is f32); `who` names the layer in the
   // internal error of a backward that did not follow its forward.
   Tensor rounded(DType dtype, const Tensor& x, const std::string& who) const;
-  // Room for `shape` in `dtype`, for a kernel to write; undefined when dtype is f32.
-  Tensor room(const ReplicaContext& ctx, DType dtype, const Shape& shape);
-
  private:
   Tensor memory_, last_;
 };

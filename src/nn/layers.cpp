@@ -69,13 +69,22 @@ class Linear final : public Layer {
     c.inp = saved_operand(in);
     c.weight = operand_param(0);
     c.accumulate = accumulate;
-    c.dout_low = dout_low_.room(ctx, compute_dtype_, dout.shape()).ref();
+    c.dout_low = rounded_gradient_room(ctx, dout.shape());
     ctx.stream->run(c);
   }
 
   // Under a bf16 policy the GEMMs read the input rounded to bf16 (kept from forward for backward's weight
-  // gradient: half the f32 input's bytes) and the step's bf16 copy of the weight; bias, epilogue and results f32.
+  // gradient: half the f32 input's bytes) and the step's bf16 copy of the weight; bias, epilogue and results f32,
+  // or the result rounded to bf16 after the bias and a ReLU where the model keeps the output in bf16.
   bool autocasts() const override { return true; }
+  bool reads_rounded_input() const override { return compute_dtype_ != DType::kF32; }
+  std::vector<KernelKey> rounded_output_kernels(Epilogue epilogue) const override {
+    if (compute_dtype_ == DType::kF32 || (epilogue != Epilogue::kNone && epilogue != Epilogue::kRelu)) return {};
+    // Backward reads the output only for the ReLU's mask.
+    return {{Op::kLinearForward, compute_dtype_, epilogue, compute_dtype_},
+            {Op::kLinearBackward, compute_dtype_, epilogue,
+             epilogue == Epilogue::kRelu ? compute_dtype_ : DType::kF32}};
+  }
 
   // An activation after a linear layer runs as its epilogue: the bias and a ReLU are one pass after the GEMM, and
   // backward masks the gradient and sums the bias gradient in one pass before the GEMMs; a GELU is its own pass
@@ -98,11 +107,15 @@ class Linear final : public Layer {
                               const Tensor& dout, const Tensor& mid, const Tensor& din, bool accumulate) override {
     call::LinearBackward c{din.ref(), grad(0), grad(1, bias_), mid.ref(), dout.ref(), saved_operand(in),
                            operand_param(0), out.ref(), pre(epilogue, out), epilogue, accumulate};
-    c.dout_low = dout_low_.room(ctx, compute_dtype_, out.shape()).ref();
+    c.dout_low = rounded_gradient_room(ctx, out.shape());
     ctx.stream->run(c);
   }
 
  private:
+  // The gradient rounded for the backward GEMMs: the replica's call room (absent in f32).
+  TensorRef rounded_gradient_room(const ReplicaContext& ctx, const Shape& shape) const {
+    return compute_dtype_ == DType::kF32 ? TensorRef{} : ctx.call_room(compute_dtype_, shape);
+  }
   // The input as the GEMMs read it: in itself, or its copy in the compute dtype (made here, kept for backward).
   TensorRef operand(const ReplicaContext& ctx, const Tensor& in) { return in_low_.round(ctx, compute_dtype_, in).ref(); }
   TensorRef saved_operand(const Tensor& in) const { return in_low_.rounded(compute_dtype_, in, describe()).ref(); }
@@ -111,7 +124,7 @@ class Linear final : public Layer {
     return epilogue == Epilogue::kGelu ? pre_.rows(0, out.numel()).reshaped(out.shape()).ref() : TensorRef{};
   }
   Tensor pre_;
-  LowPrecisionBuffer in_low_, dout_low_;
+  LowPrecisionBuffer in_low_;
 
   int64_t in_, out_;
   bool bias_;
@@ -186,16 +199,24 @@ class Dropout final : public Layer {
 
 }  // namespace
 
-Tensor LowPrecisionBuffer::room(const ReplicaContext& ctx, DType dtype, const Shape& shape) {
-  if (dtype == DType::kF32) return Tensor();
-  const int64_t n = std::max<int64_t>(shape.numel(), 1);
-  if (!memory_.defined() || memory_.dtype() != dtype || memory_.numel() < n) memory_ = ctx.alloc(dtype, Shape{n});
-  return memory_.rows(0, shape.numel()).reshaped(shape);
+TensorRef ReplicaContext::call_room(DType dtype, const Shape& shape) const {
+  // Held as f32 elements (the widest dtype a call asks for): as many as cover the bytes.
+  const int64_t floats = (checked_mul(shape.numel(), static_cast<int64_t>(dtype_size(dtype))) + 3) / 4;
+  Tensor& memory = *call_scratch;
+  if (!memory.defined() || memory.numel() < floats) memory = alloc(DType::kF32, Shape{std::max<int64_t>(floats, 1)});
+  return TensorRef::contiguous(memory.raw(), dtype, shape.data(), static_cast<int>(shape.ndim()));
 }
 
 Tensor LowPrecisionBuffer::round(const ReplicaContext& ctx, DType dtype, const Tensor& x) {
   if (dtype == DType::kF32) return x;
-  Tensor low = room(ctx, dtype, x.shape());
+  if (x.dtype() == dtype) {
+    memory_ = Tensor();  // the input comes rounded: this buffer's room is not needed
+    last_ = x;
+    return x;
+  }
+  const int64_t n = std::max<int64_t>(x.numel(), 1);
+  if (!memory_.defined() || memory_.dtype() != dtype || memory_.numel() < n) memory_ = ctx.alloc(dtype, Shape{n});
+  Tensor low = memory_.rows(0, x.numel()).reshaped(x.shape());
   if (x.numel() > 0) ctx.stream->run(call::Convert{low.ref(), x.ref()});
   last_ = low;
   return low;

@@ -96,6 +96,39 @@ ReplicaModel::ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_
   }
   epilogue_.push_back(Epilogue::kNone);
   check_kernels(*ctx.stream);
+  output_dtype_ = plan_rounded_outputs(*ctx.stream);
+}
+
+std::vector<DType> ReplicaModel::plan_rounded_outputs(const Stream& stream) const {
+  const size_t n = nodes_.size();
+  std::vector<DType> dtypes(n, DType::kF32);
+  if (compute_dtype_ == DType::kF32) return dtypes;
+  // Who reads each node's output: a view of it, or a reader of more than one input, keeps it f32.
+  std::vector<char> only_rounded_readers(n, 1);
+  for (size_t j = 0; j < n; ++j) {
+    const Node& reader = nodes_[j];
+    if (j > 0 && fused_away(j - 1)) continue;  // the second of a pair reads the first's unwritten output
+    const bool rounded = reader.kind == NodeKind::kLayer && reader.inputs.size() == 1 && reader.layer->reads_rounded_input();
+    for (int32_t in : reader.inputs)
+      if (in != kModelInput && !rounded) only_rounded_readers[static_cast<size_t>(in)] = 0;
+  }
+  for (size_t i = 0; i + 1 < n; ++i) {
+    if (nodes_[i].kind != NodeKind::kLayer || fused_away(i) || !only_rounded_readers[i]) continue;
+    // The layer that writes node i's output: node i itself, or the head of the pair it closes.
+    const bool closes_pair = i > 0 && fused_away(i - 1);
+    const Layer& writer = *nodes_[closes_pair ? i - 1 : i].layer;
+    if (!closes_pair && nodes_[i].inputs.size() != 1) continue;
+    const std::vector<KernelKey> keys = writer.rounded_output_kernels(closes_pair ? epilogue_[i - 1] : Epilogue::kNone);
+    const bool runnable = !keys.empty() && std::all_of(keys.begin(), keys.end(),
+                                                       [&](const KernelKey& k) { return stream.can_run(k); });
+    if (runnable) dtypes[i] = compute_dtype_;
+  }
+  return dtypes;
+}
+
+size_t ReplicaModel::num_rounded_outputs() const {
+  return static_cast<size_t>(std::count_if(output_dtype_.begin(), output_dtype_.end(),
+                                           [](DType d) { return d != DType::kF32; }));
 }
 
 void ReplicaModel::check_kernels(const Stream& stream) const {
@@ -155,6 +188,10 @@ void ReplicaModel::set_compute_dtype(const ReplicaContext& ctx, DType dtype) {
   }
   params_low_ = std::move(low);
   compute_dtype_ = dtype;
+  // The activations' dtypes follow: the next forward plans its buffers again.
+  output_dtype_ = plan_rounded_outputs(*ctx.stream);
+  outputs_.clear();
+  capacity_rows_ = 0;
 }
 
 size_t ReplicaModel::num_fused() const {
@@ -171,6 +208,8 @@ Tensor ReplicaModel::output(int32_t node) const {
   const auto i = static_cast<size_t>(node);
   const Shape shape = row_shapes_[i].with_rows(forward_rows_);
   if (nodes_[i].kind == NodeKind::kView) return output(nodes_[i].inputs[0]).reshaped(shape);
+  DPAR_ENFORCE(outputs_[i].defined(), Status::kInternal, "node ", i, " runs as the epilogue's input of node ", i + 1,
+               ": its own output is never written");
   return outputs_[i].rows(0, forward_rows_);
 }
 
@@ -202,7 +241,7 @@ void ReplicaModel::reserve(const ReplicaContext& ctx, const Shape& input) {
   input_row_numel_ = 0;
   std::vector<Tensor> outputs(n);
   for (size_t i = 0; i < n; ++i)
-    if (nodes_[i].kind != NodeKind::kView) outputs[i] = ctx.alloc(DType::kF32, shapes[i].with_rows(cap));
+    if (nodes_[i].kind != NodeKind::kView && !fused_away(i)) outputs[i] = ctx.alloc(output_dtype_[i], shapes[i].with_rows(cap));
 
   // The gradient plan: walk backward as backward() does. A storage node's gradient buffer is taken when the first
   // contribution to it is written (its last consumer's backward, or the loss for the output) and given back once

@@ -236,6 +236,8 @@ class ReplicaModel {
   size_t num_grad_buffers() const { return grad_slots_.size(); }
   // The activation nodes the fusion pass runs as the epilogue of the layer before them (tests).
   size_t num_fused() const;
+  // The nodes whose output the plan keeps in the compute dtype (plan_rounded_outputs; tests).
+  size_t num_rounded_outputs() const;
 
  private:
   // Makes sure activation buffers hold `rows` rows and plans the gradient buffers; grows, never shrinks.
@@ -245,6 +247,14 @@ class ReplicaModel {
   bool tied_accumulate(const ReplicaContext& ctx, size_t node, bool accumulate);
   // Throws Error(NOT_SUPPORTED) naming the first node that needs a kernel `stream` cannot run.
   void check_kernels(const Stream& stream) const;
+  // The dtype of every node's output under compute_dtype_: f32, or the compute dtype where autocast would keep the
+  // activation so and rounding it changes nothing the graph computes. A node's output is kept rounded where the
+  // layer that writes it can write it so (Layer::rounded_output_kernels, all runnable on `stream`), every node that
+  // reads it reads it only rounded (Layer::reads_rounded_input; no view of it), and it is not the model's output.
+  std::vector<DType> plan_rounded_outputs(const Stream& stream) const;
+  // Whether node i computes node i + 1 as its epilogue: its own output is then never written, and no buffer holds
+  // it.
+  bool fused_away(size_t i) const { return epilogue_[i] != Epilogue::kNone; }
   // The node whose memory a node's output is (following views back); kModelInput for the input.
   int32_t storage(int32_t node) const;
   // Node i's output of the last forward (a view of its storage for a view node).
@@ -272,7 +282,8 @@ class ReplicaModel {
   Tensor buf_f32_, buf_i64_;           // the buffers (see buffer_f32(), buffer_i64())
   int64_t n_buf_f32_ = 0, n_buf_i64_ = 0;
   std::vector<Shape> row_shapes_;        // per node output, for one row: shapes with rows = 1
-  std::vector<Tensor> outputs_;          // per non-view node output, capacity rows
+  std::vector<Tensor> outputs_;          // per non-view node output, capacity rows; none for a fused_away node
+  std::vector<DType> output_dtype_;      // per node: its output's dtype (plan_rounded_outputs)
   // The gradient plan: node i's gradient (a non-view node, or the input when it is the output's storage) lives in
   // grad_slots_[grad_slot_[i + 1]] from its last consumer's backward to its own; freed slots are reused.
   std::vector<Tensor> grad_slots_;

@@ -1,5 +1,6 @@
 #include "tensor/tensor.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -93,11 +94,49 @@ bool Shape::operator==(const Shape& o) const {
   return true;
 }
 
+namespace {
+
+// Per device kind and index: the bytes held and the peak. Relaxed atomics: each replica allocates from its own
+// thread, and a figure read while others allocate is a moment's, as torch.cuda's is.
+constexpr int32_t kCountedDevices = 256;
+struct DeviceBytes {
+  std::atomic<int64_t> held{0}, peak{0};
+};
+DeviceBytes* counted(Device device) {
+  static DeviceBytes table[2][kCountedDevices];
+  const auto kind = static_cast<size_t>(device.kind);
+  if (kind >= 2 || device.index < 0 || device.index >= kCountedDevices) return nullptr;
+  return &table[kind][device.index];
+}
+void count_allocation(Device device, int64_t bytes) {
+  DeviceBytes* d = counted(device);
+  if (d == nullptr) return;
+  const int64_t now = d->held.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  int64_t peak = d->peak.load(std::memory_order_relaxed);
+  while (now > peak && !d->peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
+}  // namespace
+
+MemoryStats memory_stats(Device device) {
+  const DeviceBytes* d = counted(device);
+  if (d == nullptr) return {};
+  return {d->held.load(std::memory_order_relaxed), d->peak.load(std::memory_order_relaxed)};
+}
+
+void reset_peak_memory(Device device) {
+  DeviceBytes* d = counted(device);
+  if (d != nullptr) d->peak.store(d->held.load(std::memory_order_relaxed), std::memory_order_relaxed);
+}
+
 std::shared_ptr<Storage> Storage::allocate(size_t bytes, Device device) {
   Backend& backend = backend_for(device);
   void* p = backend.allocate(device, bytes);
   try {
-    return std::shared_ptr<Storage>(new Storage(p, bytes, device, true));
+    auto storage = std::shared_ptr<Storage>(new Storage(p, bytes, device, true));
+    count_allocation(device, static_cast<int64_t>(bytes));
+    return storage;
   } catch (...) {
     backend.deallocate(device, p);
     throw;
@@ -109,7 +148,9 @@ std::shared_ptr<Storage> Storage::borrow(void* data, size_t bytes, Device device
 }
 
 Storage::~Storage() {
-  if (owned_) backend_for(device_).deallocate(device_, data_);
+  if (!owned_) return;
+  backend_for(device_).deallocate(device_, data_);
+  count_allocation(device_, -static_cast<int64_t>(bytes_));
 }
 
 Tensor Tensor::empty(DType dtype, const Shape& shape, Device device) {

@@ -59,6 +59,18 @@ inline int64_t checked_mul(int64_t a, int64_t b) {
   return Shape::checked_product(dims, 2);
 }
 
+// The bytes of dpar's own storage (Storage::allocate; borrowed memory is the caller's) on one device: what is held
+// now, and the most held at once since the process started or the last reset_peak_memory (torch.cuda's
+// memory_allocated and max_memory_allocated, for every device kind; cpu:K is a replica's virtual device). Devices
+// of index 0 to 255 are counted.
+struct MemoryStats {
+  int64_t allocated = 0;
+  int64_t peak = 0;
+};
+MemoryStats memory_stats(Device device);
+// Starts the device's peak again from what it holds now.
+void reset_peak_memory(Device device);
+
 // A block of memory on a device, allocated and freed by the device's backend (host memory is 64-byte aligned);
 // borrowed memory belongs to the caller.
 class Storage {

@@ -113,7 +113,9 @@ class CudaStream final : public Stream {
   // The kernels this backend has: f32 for all; bf16 and f16 for conversions and the linear layer (mixed precision:
   // 16-bit operands, f32 everything else); ReLU fused into a linear layer's and a BatchNorm's pass (the GELU epilogue
   // composes: Stream::run).
+  // A linear layer's output kept rounded (KernelKey::out) is not built here: the model keeps it in f32.
   bool supports(const KernelKey& key) const override {
+    if (key.out != DType::kF32) return false;
     if (key.dtype == DType::kBF16 || key.dtype == DType::kF16) {
       switch (key.op) {
         case Op::kConvert: return true;

@@ -468,15 +468,19 @@ struct Bf16Gemm::Impl {
     bool trans_a, trans_b, accumulate;
     int64_t M, N, K, lda, ldb, ldc;
     int threads;
+    // run_rounded's: C bf16, a bias row added, a ReLU after it.
+    bool rounded = false, bias = false, relu = false;
     bool operator==(const Key& o) const {
       return trans_a == o.trans_a && trans_b == o.trans_b && accumulate == o.accumulate && M == o.M && N == o.N &&
-             K == o.K && lda == o.lda && ldb == o.ldb && ldc == o.ldc && threads == o.threads;
+             K == o.K && lda == o.lda && ldb == o.ldb && ldc == o.ldc && threads == o.threads &&
+             rounded == o.rounded && bias == o.bias && relu == o.relu;
     }
   };
   struct KeyHash {
     size_t operator()(const Key& k) const {
       size_t h = static_cast<size_t>(k.trans_a) | static_cast<size_t>(k.trans_b) << 1 |
-                 static_cast<size_t>(k.accumulate) << 2;
+                 static_cast<size_t>(k.accumulate) << 2 | static_cast<size_t>(k.rounded) << 3 |
+                 static_cast<size_t>(k.bias) << 4 | static_cast<size_t>(k.relu) << 5;
       for (int64_t v : {k.M, k.N, k.K, k.lda, k.ldb, k.ldc, static_cast<int64_t>(k.threads)})
         h = h * 0x9e3779b97f4a7c15ull + static_cast<size_t>(v);
       return h;
@@ -484,7 +488,7 @@ struct Bf16Gemm::Impl {
   };
   struct Entry {
     Key key;
-    memory::desc a, b, c, scratch;
+    memory::desc a, b, c, bias, scratch;
     dnnl::matmul prim;
     std::string impl;
   };
@@ -509,14 +513,16 @@ struct Bf16Gemm::Impl {
     // op(X) = X^T is X's memory read with swapped strides.
     e.a = memory::desc({k.M, k.K}, dt::bf16, k.trans_a ? memory::dims{1, k.lda} : memory::dims{k.lda, 1});
     e.b = memory::desc({k.K, k.N}, dt::bf16, k.trans_b ? memory::dims{1, k.ldb} : memory::dims{k.ldb, 1});
-    e.c = memory::desc({k.M, k.N}, dt::f32, memory::dims{k.ldc, 1});
+    e.c = memory::desc({k.M, k.N}, k.rounded ? dt::bf16 : dt::f32, memory::dims{k.ldc, 1});
     dnnl::primitive_attr attr = user_scratchpad();
-    if (k.accumulate) {
-      dnnl::post_ops ops;
-      ops.append_sum(1.0f);
-      attr.set_post_ops(ops);
-    }
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(e.a, e.b, e.c), attr, eng);
+    dnnl::post_ops ops;
+    if (k.accumulate) ops.append_sum(1.0f);
+    // ReLU on the f32 sum (bias included), before the one rounding to bf16: alpha 0 keeps a NaN a NaN (0 * NaN).
+    if (k.relu) ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
+    if (ops.len() > 0) attr.set_post_ops(ops);
+    if (k.bias) e.bias = memory::desc({1, k.N}, dt::f32, memory::dims{k.N, 1});
+    const dnnl::matmul::primitive_desc pd(
+        k.bias ? dnnl::matmul::desc(e.a, e.b, e.bias, e.c) : dnnl::matmul::desc(e.a, e.b, e.c), attr, eng);
     e.prim = dnnl::matmul(pd);
     e.scratch = pd.scratchpad_desc();
     e.impl = pd.impl_info_str();
@@ -545,6 +551,28 @@ void Bf16Gemm::run(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, 
                             {DNNL_ARG_WEIGHTS, memory(e.b, m.eng, const_cast<uint16_t*>(B))},
                             {DNNL_ARG_DST, memory(e.c, m.eng, C)},
                             {DNNL_ARG_SCRATCHPAD, memory(e.scratch, m.eng, m.scratch.data())}});
+    m.strm.wait();
+    m.last = e.impl;
+  });
+}
+
+void Bf16Gemm::run_rounded(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B,
+                           int64_t ldb, const float* bias, bool relu, uint16_t* C, int64_t ldc) {
+  DPAR_CHECK_ARG(M >= 1 && N >= 1 && K >= 1, "bf16 GEMM: extents must be >= 1, got M=", M, ", N=", N, ", K=", K);
+  Impl& m = *impl_;
+  guarded("bf16 GEMM (bf16 result)", "matmul", [&] {
+    GemmThreadsScope threads;
+    Impl::Key key{false, true, false, M, N, K, lda, ldb, ldc, gemm_threads()};
+    key.rounded = true;
+    key.bias = bias != nullptr;
+    key.relu = relu;
+    Impl::Entry& e = m.entry(key);
+    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(e.a, m.eng, const_cast<uint16_t*>(A))},
+                                         {DNNL_ARG_WEIGHTS, memory(e.b, m.eng, const_cast<uint16_t*>(B))},
+                                         {DNNL_ARG_DST, memory(e.c, m.eng, C)},
+                                         {DNNL_ARG_SCRATCHPAD, memory(e.scratch, m.eng, m.scratch.data())}};
+    if (bias != nullptr) args.emplace(DNNL_ARG_BIAS, memory(e.bias, m.eng, const_cast<float*>(bias)));
+    e.prim.execute(m.strm, args);
     m.strm.wait();
     m.last = e.impl;
   });

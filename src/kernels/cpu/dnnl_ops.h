@@ -46,6 +46,12 @@ class Bf16Gemm {
   void run(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda,
            const uint16_t* B, int64_t ldb, bool accumulate, float* C, int64_t ldc);
 
+  // C (M,N) bf16 = round(relu?(A B^T + bias)): A (M,K) and B (N,K) bf16 row-major (a linear layer's input and
+  // weight), bias (N) f32 or null, the sum, bias and ReLU in f32 and rounded once to nearest even (oneDNN's bf16
+  // destination with a bias and an eltwise post-op). M, N, K >= 1.
+  void run_rounded(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                   const float* bias, bool relu, uint16_t* C, int64_t ldc);
+
   // oneDNN's name for the implementation of the last run's primitive ("brg:avx512_core_amx"); "" before any.
   std::string last_impl() const;
   // How many primitives are kept now.

@@ -109,8 +109,14 @@ void linear_forward_impl(float* out, const float* inp, const float* weight, cons
 // of columns on the stack), rounded once and only then added when accumulating: "old + this batch's gradient", as
 // autograd's accumulation is. With relu_out, d is first masked, d = relu_out > 0 ? d : 0, and written to masked
 // in the same pass (relu_backward's arithmetic): the masked gradient and its sums are read from memory once.
-DPAR_VECTOR_LOOP void bias_grad(float* dbias, float* masked, const float* d, const float* relu_out, int64_t B,
-                                int64_t C_out, bool accumulate) {
+// relu_out is f32, or the forward's output rounded to bf16 (a linear layer's activation kept in bf16), read widened:
+// the same sign as the f32 output it rounds.
+inline float widened(float x) { return x; }
+inline float widened(uint16_t x) { return dpar::from_bf16(x); }
+
+template <class Out>
+DPAR_VECTOR_LOOP void bias_grad_of(float* dbias, float* masked, const float* d, const Out* relu_out, int64_t B,
+                                   int64_t C_out, bool accumulate) {
   constexpr int64_t kBlock = 256;
   double acc[kBlock];
   for (int64_t j0 = 0; j0 < C_out; j0 += kBlock) {
@@ -119,10 +125,10 @@ DPAR_VECTOR_LOOP void bias_grad(float* dbias, float* masked, const float* d, con
     for (int64_t i = 0; i < B; ++i) {
       const float* row = d + i * C_out + j0;
       if (relu_out != nullptr) {
-        const float* y = relu_out + i * C_out + j0;
+        const Out* y = relu_out + i * C_out + j0;
         float* m = masked + i * C_out + j0;
         for (int64_t j = 0; j < jn; ++j) {
-          const float g = y[j] <= 0.0f ? 0.0f : row[j];
+          const float g = widened(y[j]) <= 0.0f ? 0.0f : row[j];
           m[j] = g;
           if (dbias != nullptr) acc[j] += static_cast<double>(g);
         }
@@ -139,6 +145,9 @@ DPAR_VECTOR_LOOP void bias_grad(float* dbias, float* masked, const float* d, con
     }
   }
 }
+
+constexpr auto bias_grad = bias_grad_of<float>;
+constexpr auto bias_grad_rounded_out = bias_grad_of<uint16_t>;
 
 void check_backward_args(const float* dweight, const float* dout, int64_t B, int64_t C_in, int64_t C_out) {
   blas_dim(B, "B"), blas_dim(C_in, "C_in"), blas_dim(C_out, "C_out");
@@ -223,11 +232,31 @@ void linear_forward_bf16(Bf16Gemm& gemm, float* out, float* pre, const uint16_t*
   if (gelu) gelu_forward(out, pre, B * C_out);
 }
 
+// inp (B,C_in) bf16, weight (C_out,C_in) bf16, bias (C_out) or nullptr, out (B,C_out) bf16
+void linear_forward_bf16_rounded(Bf16Gemm& gemm, uint16_t* out, const uint16_t* inp, const uint16_t* weight,
+                                 const float* bias, int64_t B, int64_t C_in, int64_t C_out, Epilogue epilogue) {
+  blas_dim(B, "B"), blas_dim(C_in, "C_in"), blas_dim(C_out, "C_out");
+  DPAR_CHECK_ARG(epilogue == Epilogue::kNone || epilogue == Epilogue::kRelu, "linear_forward (bf16 out): the ",
+                 epilogue_name(epilogue), " epilogue has no bf16 output here");
+  if (B == 0 || C_out == 0) return;
+  DPAR_CHECK_ARG(out != nullptr, "linear_forward (bf16 out): out is null");
+  if (C_in == 0) {  // an empty sum: the bias (and ReLU) alone, rounded
+    for (int64_t i = 0; i < B; ++i)
+      for (int64_t j = 0; j < C_out; ++j) {
+        const float v = bias != nullptr ? bias[j] : 0.0f;
+        out[i * C_out + j] = dpar::to_bf16(epilogue == Epilogue::kRelu && v <= 0.0f && !std::isnan(v) ? 0.0f : v);
+      }
+    return;
+  }
+  DPAR_CHECK_ARG(inp != nullptr && weight != nullptr, "linear_forward (bf16 out): inp or weight is null");
+  gemm.run_rounded(B, C_out, C_in, inp, C_in, weight, C_in, bias, epilogue == Epilogue::kRelu, out, C_out);
+}
+
 // dout, dpre, out, pre (B,C_out); dout_low (B,C_out) bf16; dinp (B,C_in); dweight (C_out,C_in); dbias (C_out)
 void linear_backward_bf16(Bf16Gemm& gemm, float* dinp, float* dweight, float* dbias, float* dpre, uint16_t* dout_low,
-                          const float* dout, const float* out, const float* pre, const uint16_t* inp,
-                          const uint16_t* weight, int64_t B, int64_t C_in, int64_t C_out, Epilogue epilogue,
-                          bool accumulate) {
+                          const float* dout, const float* out, const uint16_t* out_rounded, const float* pre,
+                          const uint16_t* inp, const uint16_t* weight, int64_t B, int64_t C_in, int64_t C_out,
+                          Epilogue epilogue, bool accumulate) {
   check_backward_args(dweight, dout, B, C_in, C_out);
   const bool rows = B > 0 && C_out > 0;
   // The f32 gradient of the GEMMs' result: the epilogue's backward first (with dbias's sums in the ReLU's pass,
@@ -236,8 +265,11 @@ void linear_backward_bf16(Bf16Gemm& gemm, float* dinp, float* dweight, float* db
   if (rows && epilogue != Epilogue::kNone) {
     DPAR_CHECK_ARG(dpre != nullptr, "linear_backward (bf16): an epilogue needs dpre");
     if (epilogue == Epilogue::kRelu) {
-      DPAR_CHECK_ARG(out != nullptr, "linear_backward (bf16): a ReLU epilogue needs out");
-      run_vector<bias_grad>(dbias, dpre, dout, out, B, C_out, accumulate);
+      DPAR_CHECK_ARG(out != nullptr || out_rounded != nullptr, "linear_backward (bf16): a ReLU epilogue needs out");
+      if (out_rounded != nullptr)
+        run_vector<bias_grad_rounded_out>(dbias, dpre, dout, out_rounded, B, C_out, accumulate);
+      else
+        run_vector<bias_grad>(dbias, dpre, dout, out, B, C_out, accumulate);
     } else {
       DPAR_CHECK_ARG(pre != nullptr, "linear_backward (bf16): a GELU epilogue needs pre");
       gelu_backward(dpre, dout, pre, B * C_out);
