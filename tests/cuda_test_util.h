@@ -6,10 +6,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "common/bf16.h"
+#include "common/f16.h"
 #include "common/random.h"
 #include "platform/cuda/cuda_check.h"
 #include "require_gpu.h"
@@ -61,6 +65,37 @@ class DeviceBuffer {
   size_t n_;
   T* p_ = nullptr;
 };
+
+// A device copy of `host`, its upload finished: the streams under test are non-blocking, and do not wait for the
+// legacy stream's copies.
+template <class T>
+std::unique_ptr<DeviceBuffer<T>> on_gpu(const std::vector<T>& host) {
+  auto b = std::make_unique<DeviceBuffer<T>>(host);
+  DPAR_CUDA_CHECK(cudaDeviceSynchronize(), "upload");
+  return b;
+}
+
+// Host values rounded to bf16 or f16 bits (to nearest even), and such bits widened back to f32.
+inline std::vector<uint16_t> round_bf16(const std::vector<float>& x) {
+  std::vector<uint16_t> h(x.size());
+  for (size_t i = 0; i < x.size(); ++i) h[i] = ::dpar::to_bf16(x[i]);
+  return h;
+}
+inline std::vector<uint16_t> round_f16(const std::vector<float>& x) {
+  std::vector<uint16_t> h(x.size());
+  for (size_t i = 0; i < x.size(); ++i) h[i] = ::dpar::to_f16(x[i]);
+  return h;
+}
+inline std::vector<float> widen_bf16(const std::vector<uint16_t>& h) {
+  std::vector<float> x(h.size());
+  for (size_t i = 0; i < h.size(); ++i) x[i] = ::dpar::from_bf16(h[i]);
+  return x;
+}
+inline std::vector<float> widen_f16(const std::vector<uint16_t>& h) {
+  std::vector<float> x(h.size());
+  for (size_t i = 0; i < h.size(); ++i) x[i] = ::dpar::from_f16(h[i]);
+  return x;
+}
 
 inline std::vector<float> random_vector(size_t n, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
   Rng rng(seed);

@@ -37,6 +37,9 @@ namespace {
 
 using test::bitwise_equal;
 using test::DeviceBuffer;
+using test::on_gpu;
+using test::round_bf16;
+using test::widen_bf16;
 using test::normalised_error;
 using test::random_vector;
 using Vec = std::vector<float>;
@@ -52,26 +55,6 @@ TEST(CudaBf16Library, CublasGemmExIsResolved) {
 }
 
 // ---- Helpers --------------------------------------------------------------------------------------------------------
-
-Bits round_bf16(const Vec& x) {
-  Bits h(x.size());
-  for (size_t i = 0; i < x.size(); ++i) h[i] = to_bf16(x[i]);
-  return h;
-}
-Vec widen(const Bits& h) {
-  Vec x(h.size());
-  for (size_t i = 0; i < h.size(); ++i) x[i] = from_bf16(h[i]);
-  return x;
-}
-
-// A device copy of `host`, its upload finished (the stream is non-blocking: it does not wait for the legacy
-// stream's copies).
-template <class T>
-std::unique_ptr<DeviceBuffer<T>> on_gpu(const std::vector<T>& host) {
-  auto b = std::make_unique<DeviceBuffer<T>>(host);
-  DPAR_CUDA_CHECK(cudaDeviceSynchronize(), "upload");
-  return b;
-}
 
 template <class T>
 TensorRef ref2(const DeviceBuffer<T>& b, int64_t rows, int64_t cols, int64_t lead = 0) {
@@ -156,7 +139,7 @@ TEST_F(CudaBf16, LinearForwardAccumulatesExactProductsInF32) {
                    w = round_bf16(random_vector(static_cast<size_t>(c.C_out * c.C_in), seed++));
         const Vec b = random_vector(static_cast<size_t>(c.C_out), seed++);
         std::vector<double> want, mag;
-        const Vec xw = widen(x), ww = widen(w);
+        const Vec xw = widen_bf16(x), ww = widen_bf16(w);
         gemm_reference(xw, ww, with_bias ? &b : nullptr, c.B, c.C_in, c.C_out, want, mag);
         std::vector<double> pre_want = want;
         for (auto& v : want) v = e == Epilogue::kRelu ? (v < 0 ? 0.0 : v) : e == Epilogue::kGelu ? gelu(v) : v;
@@ -235,7 +218,7 @@ TEST_F(CudaBf16, LinearBackwardRoundsTheGradientOnceAndAccumulatesInF32) {
         }
         const Bits low = d_low->download();
         EXPECT_EQ(low, round_bf16(grad)) << "dout_low: the gradient before the GEMMs rounded to bf16";
-        const Vec lw = widen(round_bf16(grad)), xw = widen(x), ww = widen(w);
+        const Vec lw = widen_bf16(round_bf16(grad)), xw = widen_bf16(x), ww = widen_bf16(w);
 
         // dinp (B,C_in) = low (B,C_out) @ w (C_out,C_in).
         std::vector<double> want(nx, 0.0), mag(nx, 0.0);
@@ -464,7 +447,7 @@ TEST_F(CudaBf16, ConvolutionInBf16MatchesTheF32ConvolutionOfTheRoundedOperands) 
     const ConvResults got = run_conv(*op16, s16, c, x, w, b, dy, gw0, gb0);
     // The reference: the strict f32 convolution of the operands rounded to bf16; every gradient from the gradient
     // rounded to bf16 (Conv2dSpec::dtype: the bias's too, as the CPU's).
-    const Vec xr = widen(round_bf16(x)), wr = widen(round_bf16(w)), dyr = widen(round_bf16(dy));
+    const Vec xr = widen_bf16(round_bf16(x)), wr = widen_bf16(round_bf16(w)), dyr = widen_bf16(round_bf16(dy));
     const ConvResults ref = run_conv(*op32, s32, c, xr, wr, b, dyr, gw0, gb0);
     const ConvResults& ref_bias = ref;
     EXPECT_LT(normalised_error(got.y, ref.y), kConvTolerance) << "forward";

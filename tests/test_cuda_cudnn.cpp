@@ -37,6 +37,7 @@ namespace {
 
 using test::bitwise_equal;
 using test::DeviceBuffer;
+using test::on_gpu;
 using test::normalised_error;
 using test::random_vector;
 using Vec = std::vector<float>;
@@ -127,14 +128,6 @@ struct Streams {
   std::unique_ptr<Stream> cpu = cpu_backend().open_stream(Device{});
   std::unique_ptr<Stream> gpu = cuda_backend().open_stream(kGpu);
 };
-
-// A device copy of `host`, its upload finished (the ops run on the stream's non-blocking stream, which does not
-// wait for the legacy stream's copies).
-std::unique_ptr<DeviceBuffer<float>> on_gpu(const Vec& host) {
-  auto b = std::make_unique<DeviceBuffer<float>>(host);
-  DPAR_CUDA_CHECK(cudaDeviceSynchronize(), "upload");
-  return b;
-}
 
 Conv2dSpec conv(int64_t cin, int64_t cout, int64_t kh, int64_t kw, int64_t sh = 1, int64_t sw = 1, int64_t ph = 0,
                 int64_t pw = 0, int64_t dh = 1, int64_t dw = 1, int64_t groups = 1, bool bias = true,

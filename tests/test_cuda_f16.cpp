@@ -40,6 +40,9 @@ namespace dpar {
 namespace {
 
 using test::DeviceBuffer;
+using test::on_gpu;
+using test::round_f16;
+using test::widen_f16;
 using test::normalised_error;
 using test::random_vector;
 using Vec = std::vector<float>;
@@ -60,24 +63,6 @@ TEST(CudaF16Library, TheF16KernelsRefuseBadArgumentsWithoutAGpu) {
 }
 
 // ---- Helpers --------------------------------------------------------------------------------------------------------
-
-Bits round_f16(const Vec& x) {
-  Bits h(x.size());
-  for (size_t i = 0; i < x.size(); ++i) h[i] = to_f16(x[i]);
-  return h;
-}
-Vec widen(const Bits& h) {
-  Vec x(h.size());
-  for (size_t i = 0; i < h.size(); ++i) x[i] = from_f16(h[i]);
-  return x;
-}
-
-template <class T>
-std::unique_ptr<DeviceBuffer<T>> on_gpu(const std::vector<T>& host) {
-  auto b = std::make_unique<DeviceBuffer<T>>(host);
-  DPAR_CUDA_CHECK(cudaDeviceSynchronize(), "upload");
-  return b;
-}
 
 TensorRef f32_ref(const DeviceBuffer<float>& b, int64_t rows, int64_t cols) {
   return TensorRef::of(b.get(), {rows, cols});
@@ -118,7 +103,7 @@ class CudaF16 : public ::testing::Test {
 TEST_F(CudaF16, ConvertGivesTheCpusBitsForEveryF16AndForRoundingCases) {
   Bits all(65536);
   for (uint32_t i = 0; i < 65536; ++i) all[i] = static_cast<uint16_t>(i);
-  Vec floats = widen(all);
+  Vec floats = widen_f16(all);
   // Ties and their neighbours, subnormals, overflow, NaNs: every f16's midpoint with the next and one float either
   // side, and a million random floats around f16's range.
   for (uint32_t h = 0; h < 0x7bff; ++h) {
@@ -146,7 +131,7 @@ TEST_F(CudaF16, ConvertGivesTheCpusBitsForEveryF16AndForRoundingCases) {
   const Bits low = d_low->download();
   EXPECT_EQ(low, round_f16(floats));
   const Vec back = d_back->download();
-  const Vec want = widen(low);
+  const Vec want = widen_f16(low);
   EXPECT_EQ(0, std::memcmp(back.data(), want.data(), back.size() * sizeof(float))) << "from_f16";
 }
 
@@ -177,7 +162,7 @@ TEST_F(CudaF16, LinearForwardAndBackwardAccumulateExactF16ProductsInF32) {
                    ny = static_cast<size_t>(c.B * c.C_out), nb = static_cast<size_t>(c.C_out);
       const Bits x = round_f16(random_vector(nx, seed++)), w = round_f16(random_vector(nw, seed++));
       const Vec b = random_vector(nb, seed++), dy = random_vector(ny, seed++);
-      const Vec xw = widen(x), ww = widen(w);
+      const Vec xw = widen_f16(x), ww = widen_f16(w);
       // Forward: out = act(x @ w^T + b).
       std::vector<double> want(ny, 0.0), mag(ny, 0.0);
       for (int64_t r = 0; r < c.B; ++r)
@@ -217,7 +202,7 @@ TEST_F(CudaF16, LinearForwardAndBackwardAccumulateExactF16ProductsInF32) {
       if (e == Epilogue::kRelu)
         for (size_t i = 0; i < ny; ++i) grad[i] = out[i] <= 0.0f ? 0.0f : dy[i];
       EXPECT_EQ(d_low->download(), round_f16(grad)) << "dout_low: the gradient rounded to f16";
-      const Vec lw = widen(round_f16(grad));
+      const Vec lw = widen_f16(round_f16(grad));
       std::vector<double> wi(nx, 0.0), mi(nx, 0.0), ww_(nw, 0.0), mw(nw, 0.0), wb(nb, 0.0), mb(nb, 0.0);
       for (int64_t r = 0; r < c.B; ++r)
         for (int64_t j = 0; j < c.C_out; ++j) {
@@ -283,8 +268,8 @@ TEST_F(CudaF16, ConvolutionInF16MatchesTheF32ConvolutionOfTheRoundedOperands) {
   const Vec x = random_vector(nx, 11), w = random_vector(nw, 12), b = random_vector(16, 13), dy = random_vector(ny, 14);
   const int64_t xd[4] = {N, 8, H, W}, wd[4] = {16, 8, 3, 3}, yd[4] = {N, 16, OH, OW};
   auto x16 = on_gpu(round_f16(x)), w16 = on_gpu(round_f16(w));
-  auto x32 = on_gpu(widen(round_f16(x))), w32 = on_gpu(widen(round_f16(w)));
-  auto d_b = on_gpu(b), d_dy = on_gpu(dy), d_dyr = on_gpu(widen(round_f16(dy)));
+  auto x32 = on_gpu(widen_f16(round_f16(x))), w32 = on_gpu(widen_f16(round_f16(w)));
+  auto d_b = on_gpu(b), d_dy = on_gpu(dy), d_dyr = on_gpu(widen_f16(round_f16(dy)));
   struct Out {
     Vec y, dx, dw, db;
   };

@@ -7,23 +7,32 @@ import (
 	"testing"
 )
 
-// The precision policy's settings: f32 by default, fp16 refused, TF32 absent on CPU devices, and bf16 either
-// training or refused as a whole (a CPU without bf16 arithmetic), never half set.
-func TestPrecisionPolicy(t *testing.T) {
+// Linear(6, 8), ReLU, Linear(8, 3), seeded 3: the model of the precision and reduce-dtype tests.
+func smallMLP(t *testing.T) *Model {
 	m, err := NewModel(3)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer m.Close()
 	if err := m.Linear(6, 8, true); err != nil {
+		m.Close()
 		t.Fatal(err)
 	}
 	if err := m.Activation(ReLU); err != nil {
+		m.Close()
 		t.Fatal(err)
 	}
 	if err := m.Linear(8, 3, true); err != nil {
+		m.Close()
 		t.Fatal(err)
 	}
+	return m
+}
+
+// The precision policy's settings: f32 by default, fp16 refused, TF32 absent on CPU devices, and bf16 either
+// training or refused as a whole (a CPU without bf16 arithmetic), never half set.
+func TestPrecisionPolicy(t *testing.T) {
+	m := smallMLP(t)
+	defer m.Close()
 	e, err := NewEngine(m, Options{Optimizer: SGD, LR: 0.1, Devices: 2, Processes: ProcessesSingle})
 	if err != nil {
 		t.Fatal(err)

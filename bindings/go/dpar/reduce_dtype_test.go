@@ -10,20 +10,8 @@ import (
 // The reduce dtype: f32 by default, another dtype refused by name, and bf16 rounding the reduction for real (the
 // parameters differ from f32's) while the replicas stay identical.
 func TestReduceDtype(t *testing.T) {
-	m, err := NewModel(3)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := smallMLP(t)
 	defer m.Close()
-	if err := m.Linear(6, 8, true); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Activation(ReLU); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Linear(8, 3, true); err != nil {
-		t.Fatal(err)
-	}
 	const elements = 6*8 + 8 + 8*3 + 3
 	engines := make([]*Engine, 2)
 	for i := range engines {
