@@ -10,7 +10,7 @@
 //    trains to the bits of the all-reduce (ZeRO-1 over the same shards) without clipping, Adam and SGD with
 //    momentum; every replica of every process ends with rank 0's replica 0's bits;
 //  - both train as one process of one device on the whole global batch does, within float rounding (the shards
-//    cover every parameter once);
+//    cover every parameter once), and to the bits of the shards kept within each process (the previous layout);
 //  - with clipping, the norm is summed from the world's shards: the same bits on every replica of every process,
 //    and training within float rounding of the all-reduce's;
 //  - each replica holds the optimizer state of its world block alone: 1/(P*n) of the whole, the shards of the
@@ -96,8 +96,11 @@ OptimizerConfig sgd() {
 }
 
 // An engine of n CPU replicas over every process (or this one alone), with buckets of 16 to 96 gradients.
-std::unique_ptr<Engine> engine(size_t n, const OptimizerConfig& opt, GradientReduction reduction, bool world = true) {
+// across == false: the shards stay within each process (EngineConfig::shard_across_processes).
+std::unique_ptr<Engine> engine(size_t n, const OptimizerConfig& opt, GradientReduction reduction, bool world = true,
+                               bool across = true) {
   EngineConfig c = cpu_devices(n);
+  c.shard_across_processes = across;
   c.buckets.first_bucket_bytes = 64;
   c.buckets.bucket_cap_bytes = 384;
   c.reduction = reduction;
@@ -146,12 +149,16 @@ TEST(WorldZero, ReduceScatterTrainsToTheAllReducesBitsAndAsOneDevice) {
       ASSERT_EQ(scatter->num_processes(), g_size);
       ASSERT_GE(scatter->num_buckets(), 3u) << label;
       auto alone = engine(1, opt, GradientReduction::kAllReduce, false);
+      // The shards within each process, as before: each bucket summed whole across the processes by replica 0.
+      auto per_process = engine(n, opt, GradientReduction::kReduceScatter, true, false);
       for (int s = 0; s < kSteps; ++s) {
         const double a = step(*all, static_cast<uint64_t>(s)), r = step(*scatter, static_cast<uint64_t>(s));
         step(*alone, static_cast<uint64_t>(s));
+        step(*per_process, static_cast<uint64_t>(s));
         EXPECT_EQ(std::memcmp(&a, &r, sizeof a), 0) << label << ", step " << s << ": losses " << a << " and " << r;
       }
       EXPECT_TRUE(same_bits(scatter->params(0), all->params(0))) << label << ": the reduce-scatter's parameters";
+      EXPECT_TRUE(same_bits(scatter->params(0), per_process->params(0))) << label << ": against the shards per process";
       EXPECT_LE(max_relative_error(all->params(0), alone->params(0)), 1e-5) << label << ": against one device";
       expect_world_agrees(*all, label + ", all-reduce");
       expect_world_agrees(*scatter, label + ", reduce-scatter");
@@ -166,6 +173,9 @@ TEST(WorldZero, ReduceScatterTrainsToTheAllReducesBitsAndAsOneDevice) {
               << label;
         }
         EXPECT_EQ(world_sum(mine), whole) << label;
+        size_t process = 0;  // per process: the whole state, among its replicas
+        for (size_t b : per_process->replica_optimizer_state_bytes()) process += b;
+        EXPECT_EQ(process, whole) << label;
         EXPECT_EQ(scatter->replica_optimizer_state_bytes(), all->replica_optimizer_state_bytes()) << label;
       }
     }

@@ -118,7 +118,8 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   for (size_t r = 0; r < n; ++r) replicas_[r]->comm = group_->communicator(static_cast<int>(r));
   if (processes_)
     links_ = connect_replicas(backend_, processes_, config_.devices, streams,
-                              std::chrono::duration<double>(config_.timeout_seconds), same_replica_counts);
+                              std::chrono::duration<double>(config_.timeout_seconds),
+                              same_replica_counts && config_.shard_across_processes);
   for (size_t r = 0; r < n; ++r) {
     Replica& rep = *replicas_[r];
     rep.set = std::make_unique<ReplicaSet>(*rep.comm, *rep.stream, links_, trace_.get(), comm_track(r));

@@ -87,6 +87,10 @@ struct EngineConfig {
   bool pin_workers = true;
   BucketOptions buckets;
   GradientReduction reduction = GradientReduction::kAllReduce;
+  // Whether the optimizer's shards span every process where every process has as many replicas (ZeRO over the
+  // world, above); false keeps them within each process (each holds the whole state among its replicas, and a
+  // bucket is summed whole across the processes), as before: for comparisons (bench_zero_world, tests).
+  bool shard_across_processes = true;
   // One participant per process (rank = this process), or null for a single process. Every process creates its
   // engine, and then calls the same operations in the same order.
   std::shared_ptr<Communicator> processes;
