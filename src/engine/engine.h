@@ -6,7 +6,7 @@
 // cross-entropy its targets that are not ignored, counted on the host), so the result is the gradient of the mean
 // loss over the whole batch whatever the chunk sizes and wherever the ignored targets lie. Then every replica gets the same optimizer step: each worker computes it
 // for its shard of the parameters and writes the shard into every replica, so the replicas stay bit-identical
-// for 1/n of the optimizer's work per worker.
+// for 1/R of the optimizer's work per worker (R replicas; of every process, below).
 //
 // Gradients move in buckets (src/reducer): backward marks each layer's gradients ready as it finishes the layer,
 // and a bucket is all-reduced on the replica's communication thread while backward computes the earlier layers.
