@@ -12,8 +12,9 @@
 //   world ZeRO-1: the same all-reduce, then every replica all-gathers its local block across the processes,
 //                 (P-1)/P G/n;
 //   world ZeRO-2: every replica reduce-scatters and all-gathers its local block across the processes, 2(P-1)/P G/n.
-// Within a process: all-reduce 2(n-1)/n G (reduce and broadcast through replica 0 with several processes),
-// reduce-scatter and all-gather (n-1)/n G each. Rank 0 prints.
+// Within a process: all-reduce 2(n-1)/n G (reduce and broadcast through replica 0 with several processes; so too
+// the previous reduce-scatter's with several processes), reduce-scatter and all-gather (n-1)/n G each. Rank 0
+// prints. The step times are the slowest process's.
 #include <mpi.h>
 
 #include <algorithm>
@@ -135,10 +136,14 @@ int main(int argc, char** argv) {
       }
     }
     const double local_ring = (n - 1) / n;
-    const double within = variants[v].reduction == GradientReduction::kAllReduce ? 3 * local_ring * g
-                                                                                  : 2 * local_ring * g;
-    std::printf("%-38s %9.2f %14.2f %15.2f / %-8.2f %20.2f\n", variants[v].name, median * 1e3,
-                static_cast<double>(state) * mb, first * mb, others * mb, within * mb);
+    // The all-reduce's reduce and broadcast (or all-reduce) and the all-gather; the reduce-scatter and the
+    // all-gather, except where the shards stay within each process and a bucket is summed whole across them.
+    const bool whole = variants[v].reduction == GradientReduction::kAllReduce || (!variants[v].across && p > 1);
+    const double within = (whole ? 3 : 2) * local_ring * g;
+    char rest[32] = "-";  // one replica a process: no others
+    if (devices > 1) std::snprintf(rest, sizeof rest, "%.2f", others * mb);
+    std::printf("%-38s %9.2f %14.2f %15.2f / %-8s %20.2f\n", variants[v].name, median * 1e3,
+                static_cast<double>(state) * mb, first * mb, rest, within * mb);
   }
   return 0;
 }
