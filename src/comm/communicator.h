@@ -129,6 +129,10 @@ class Communicator {
   // Collective: every participant calls it at the same point of its collectives here, none in flight.
   // Error(NOT_SUPPORTED) where a backend cannot (the default).
   virtual std::unique_ptr<Communicator> duplicate();
+  // Whether duplicate() would succeed here, and the duplicate's collectives may run on another thread at the same
+  // time as this one's: asked before duplicating, so that participants can agree first (the creation is
+  // collective). Never blocks.
+  virtual bool can_duplicate() const { return false; }
 
   // `count` is the number of elements each participant contributes. `send` may equal `recv` (in place). For
   // kMean on integer dtypes the division truncates toward zero.

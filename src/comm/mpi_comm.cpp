@@ -166,6 +166,10 @@ void MpiCommunicator::set_timeout(std::chrono::duration<double> timeout) {
   timeout_seconds_.store(timeout.count(), std::memory_order_relaxed);
 }
 
+bool MpiCommunicator::can_duplicate() const {
+  return thread_level_ >= MPI_THREAD_MULTIPLE && state_.load(std::memory_order_acquire) == kUsable;
+}
+
 std::unique_ptr<Communicator> MpiCommunicator::duplicate() {
   // Under the lock: the duplication is a collective on comm_, ordered with this rank's other collectives there.
   std::lock_guard<std::mutex> lock(mutex_);

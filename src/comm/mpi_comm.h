@@ -184,6 +184,8 @@ class MpiCommunicator final : public Communicator {
   // A communicator over a duplicate of this one's (MPI_Comm_idup, as the constructor does), with its options and
   // its timeout now: collective over the ranks, under that timeout.
   std::unique_ptr<Communicator> duplicate() override;
+  // Usable, and MPI gives MPI_THREAD_MULTIPLE (two communicators' collectives on two threads at once).
+  bool can_duplicate() const override;
   // The collectives' timeout now (MpiOptions::timeout_seconds until set_timeout()).
   double timeout_seconds() const { return timeout_seconds_.load(std::memory_order_relaxed); }
 

@@ -23,7 +23,9 @@
 // same number of replicas: replica r of process p steps, and holds the optimizer's state for, sub-block p of
 // block r of every bucket (world_block, collectives/replica_set.h), 1/(P*n) of the whole; the all-gather that
 // puts the shards together crosses the processes on each replica index's own link. Processes of different replica
-// counts shard within each process (each process holds the whole optimizer state, in n shards).
+// counts, and MPI initialised by a program below MPI_THREAD_MULTIPLE with several replicas a process (the links
+// of two indices would be used at once), shard within each process (each process holds the whole optimizer
+// state, in n shards).
 #pragma once
 
 #include <atomic>

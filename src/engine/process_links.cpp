@@ -13,15 +13,16 @@ std::shared_ptr<ProcessLinks> connect_replicas(Backend& backend, const std::shar
   links->device = std::move(first.comm);
   links->transport = std::move(first.transport);
   if (!same_replica_counts) return links;
+  // Every process must duplicate, or none (the duplication is collective): they agree first.
+  if (devices.size() > 1) {
+    const int64_t mine = processes->can_duplicate() ? 1 : 0;
+    int64_t all = 0;
+    processes->all_reduce(&mine, &all, 1, DType::kI64, ReduceOp::kMin);
+    if (all == 0) return links;
+  }
   std::vector<ProcessLinks::ReplicaLink> by_replica(devices.size());
   for (size_t r = 1; r < devices.size(); ++r) {
-    try {
-      by_replica[r].host = processes->duplicate();
-    } catch (const Error& e) {
-      // Every process's communicator is of one backend: all of them refuse here alike, at the first replica.
-      if (e.status() == Status::kNotSupported) return links;
-      throw;
-    }
+    by_replica[r].host = processes->duplicate();
     // Each index on its own device link, where its devices have one (NCCL between the processes' GPUs of index r).
     by_replica[r].device = backend.link_processes(devices[r], *streams[r], processes, timeout).comm;
   }

@@ -15,8 +15,9 @@ namespace dpar {
 // process has as many replicas (`same_replica_counts`, the same answer on every process), one link per replica
 // index, so that the optimizer's shards span every replica of every process (ZeRO over the world): a duplicate of
 // the processes' communicator and the device link of replica r. Collective over `processes`, each process making
-// the same calls in the same order. Where the processes' communicator cannot be duplicated (a backend without
-// MPI_Comm_dup's counterpart: every process's alike) the shards stay within each process.
+// the same calls in the same order. Where a process's communicator cannot be duplicated for another thread's use
+// (Communicator::can_duplicate: a backend without MPI_Comm_dup's counterpart, or MPI below MPI_THREAD_MULTIPLE),
+// every process learns it first and the shards stay within each process.
 std::shared_ptr<ProcessLinks> connect_replicas(Backend& backend, const std::shared_ptr<Communicator>& processes,
                                                const std::vector<Device>& devices, const std::vector<Stream*>& streams,
                                                std::chrono::duration<double> timeout, bool same_replica_counts);
