@@ -17,6 +17,7 @@
 //    world adding up to it;
 //  - checkpoints gather the world's shards on rank 0 and load into any number of processes and replicas, under
 //    either reduction, bit for bit (saved again, every tensor holds the same bytes);
+//  - bf16 on the wire (compression) and the reduce dtype bf16: the reduce-scatter keeps the all-reduce's bits;
 //  - loss scaling: an overflow in one process's rows alone makes every replica of every process skip the step.
 //
 //   mpirun --enable-recovery -np 3 test_mpi_zero_world --rank-exit    (tests/mpi/check_rank_exit.sh)
@@ -202,6 +203,32 @@ TEST(WorldZero, ClippingNormIsTheWorldsAndTheSameOnEveryReplica) {
     EXPECT_LE(max_relative_error(scatter->params(0), alone->params(0)), 1e-4) << label;
     expect_world_agrees(*scatter, label + ", reduce-scatter, clipped");
     expect_world_agrees(*all, label + ", all-reduce, clipped");
+  }
+}
+
+// bf16 across the processes (compression), and the whole reduction in bf16 (reduce dtype): the reduce-scatter's
+// blocks cross the processes in bf16 as the all-reduce's buckets do, to the same bits.
+TEST(WorldZero, Bf16OnTheWireKeepsTheAllReducesBits) {
+  for (size_t n : {size_t{1}, size_t{3}}) {
+    for (bool reduce_dtype : {false, true}) {
+      const std::string label = std::to_string(g_size) + " x " + std::to_string(n) +
+                                (reduce_dtype ? ", reduce dtype bf16" : ", bf16 compression");
+      auto all = engine(n, sgd(), GradientReduction::kAllReduce);
+      auto scatter = engine(n, sgd(), GradientReduction::kReduceScatter);
+      auto plain = engine(n, sgd(), GradientReduction::kReduceScatter);
+      for (Engine* e : {all.get(), scatter.get()}) {
+        if (reduce_dtype)
+          e->set_reduce_dtype(DType::kBF16);
+        else
+          e->set_gradient_compression(GradientCompression::kBf16);
+      }
+      for (int s = 0; s < 3; ++s)
+        for (Engine* e : {all.get(), scatter.get(), plain.get()}) step(*e, static_cast<uint64_t>(s));
+      EXPECT_TRUE(same_bits(scatter->params(0), all->params(0))) << label;
+      EXPECT_FALSE(same_bits(scatter->params(0), plain->params(0))) << label << ": nothing was rounded to bf16";
+      EXPECT_LE(max_relative_error(scatter->params(0), plain->params(0)), 2e-2) << label;
+      expect_world_agrees(*scatter, label);
+    }
   }
 }
 
