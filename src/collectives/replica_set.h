@@ -127,10 +127,12 @@ class ReplicaSet {
   // all_reduce_sum's. Shards over the world: a reduce-scatter among the process's replicas (scaled), then one
   // across the processes on this replica's own link of its local block (on `wire`), each process keeping its
   // sub-block: (P-1)/P of the local block leaves and enters each replica, where all_reduce_sum moves twice that
-  // through replica 0 alone. Its sums across the processes add the processes' partial sums in rank order only where
-  // the link's reduce-scatter does (two processes always; MPI's algorithm chooses for more); the shard then holds
-  // all_reduce_sum's bits where the all-reduce adds them in the same order. Shards within each process: summed
-  // into replica 0, across the processes, then broadcast (each replica keeps its block), all_reduce_sum's traffic.
+  // through replica 0 alone. Across the processes MPI adds the processes' partial sums in rank order (mpi_comm.h),
+  // NCCL in an order of its own; the shard holds all_reduce_sum's bits wherever the all-reduce adds them in the
+  // same order: always for two processes (a sum of two does not depend on it), and over MPI for more where the
+  // all-reduce is fused (small buckets; a large one is MPI_Allreduce's, whose algorithm chooses the order). Shards
+  // within each process: summed into replica 0, across the processes, then broadcast (each replica keeps its
+  // block), all_reduce_sum's traffic.
   void reduce_scatter_sum(float* data, size_t count, bool contributes, float scale, Wire wire);
   // The same two sums carried in bfloat16 throughout (the engine's reduce dtype bf16, as FSDP's
   // MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)): this replica's `count` floats rounded to bf16 (nearest even),
