@@ -11,8 +11,8 @@
 //  - with clipping (a max_grad_norm below every step's gradient norm): the reduce-scatter's losses and parameters
 //    are those of the all-reduce within 1e-5 relative (its norm is summed from the blocks, in another order);
 //  - either way every replica of every process ends with the same bits as rank 0's replica 0;
-//  - in a job of one process, the reduce-scatter engine's trace shows its buckets reduce-scattered, and the
-//    all-reduce engine's all-reduced (so the setting reached the engine);
+//  - the reduce-scatter engine's trace shows its buckets reduce-scattered (across the processes too, where there
+//    are several), and the all-reduce engine's all-reduced (so the setting reached the engine);
 //  - an unknown reduction is refused with DPAR_ERR_INVALID_ARGUMENT, and the engine trains on.
 // Every rank prints its failures as "[rank r] FAIL ..." and exits nonzero if it saw one; rank 0 prints a summary.
 #include <unistd.h>
@@ -230,8 +230,10 @@ std::string traced_step(dpar_engine* e, const Data& d, const std::string& dir, c
   return text.str();
 }
 
-// Within one process the reduce-scatter engine reduce-scatters its buckets and the other all-reduces them. (With
-// several processes both sum each bucket whole, hierarchically: only the shards and clipping's norm differ.)
+// The reduce-scatter engine reduce-scatters its buckets and the other all-reduces them: within one process, and
+// with several hierarchically, the reduce-scatter's second level across the processes (each replica index on its
+// own link), the all-reduce's through replica 0, its parameters' all-gather across the processes too (the
+// optimizer's shards span the processes either way).
 void check_traces(size_t devices, const Data& d) {
   char dir[] = "/tmp/dpar_mpi_zero_XXXXXX";
   // Each rank makes its own directory: no shared file system needed.
@@ -245,10 +247,21 @@ void check_traces(size_t devices, const Data& d) {
   const auto has = [](const std::string& text, const char* span) {
     return text.find(std::string("\"") + span + "\"") != std::string::npos;
   };
-  expect(has(trace_scatter, "bucket reduce-scatter") && !has(trace_scatter, "bucket all-reduce"),
-         "trace: the reduce-scatter engine's buckets were not reduce-scattered");
-  expect(has(trace_all, "bucket all-reduce") && !has(trace_all, "bucket reduce-scatter"),
-         "trace: the all-reduce engine's buckets were not all-reduced");
+  if (g_size == 1) {
+    expect(has(trace_scatter, "bucket reduce-scatter") && !has(trace_scatter, "bucket all-reduce"),
+           "trace: the reduce-scatter engine's buckets were not reduce-scattered");
+    expect(has(trace_all, "bucket all-reduce") && !has(trace_all, "bucket reduce-scatter"),
+           "trace: the all-reduce engine's buckets were not all-reduced");
+  } else {
+    expect(has(trace_scatter, "bucket reduce-scatter (replicas)") &&
+               has(trace_scatter, "bucket reduce-scatter (processes)") &&
+               !has(trace_scatter, "bucket all-reduce (processes)"),
+           "trace: the reduce-scatter engine's buckets were not reduce-scattered across the processes");
+    expect(has(trace_all, "bucket all-reduce (processes)") && !has(trace_all, "bucket reduce-scatter (processes)"),
+           "trace: the all-reduce engine's buckets were not all-reduced across the processes");
+    expect(has(trace_all, "all-gather (processes)") && has(trace_scatter, "all-gather (processes)"),
+           "trace: the parameters' shards were not all-gathered across the processes");
+  }
   dpar_engine_free(scatter);
   dpar_engine_free(all);
   rmdir(dir);
@@ -305,7 +318,7 @@ int main(int argc, char** argv) {
   // Below every step's norm (0.15 to 0.5 for this model and data): every step is clipped, which the checks see.
   check_reductions(devices, d, DPAR_ADAM, 0.05f, false);
   check_reductions(devices, d, DPAR_SGD, 0.05f, true);
-  if (g_size == 1) check_traces(devices, d);
+  check_traces(devices, d);
   check_unknown_reduction(devices, d);
   if (g_rank == 0) std::printf("%s\n", g_failures ? "FAILED" : "ALL PASSED");
   return g_failures ? 1 : 0;

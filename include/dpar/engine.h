@@ -21,6 +21,9 @@ extern "C" {
  * get none). Gradients are those of the mean loss over the whole batch, summed across devices by an all-reduce,
  * and every replica gets the same optimizer step (each worker computes it for its shard of the parameters, keeping
  * the optimizer's state for that shard alone, and writes it into every replica), so replicas stay bit-identical.
+ * Under mpirun, where every process has the same number of devices, the shards span every replica of every process
+ * (ZeRO over the world: 1/(processes x devices) of the state each); otherwise each process holds the whole state,
+ * sharded among its own replicas.
  *
  * Thread-safety: an engine may be called from several threads; calls are serialised by a lock inside it.
  * Callbacks (custom layers, the forward hook) run on the worker threads, concurrently across replicas; they must
@@ -303,8 +306,11 @@ typedef enum dpar_gradient_reduction {
   DPAR_REDUCTION_ALL_REDUCE = 0,
   /**
    * Each replica receives only its block of every bucket (a reduce-scatter: ZeRO stage 2, as Megatron-LM's
-   * distributed optimizer shards buckets), which is all its optimizer steps: less data moved and written within a
-   * process. Clipping's norm is summed from the blocks. Across processes a bucket is still summed whole.
+   * distributed optimizer shards buckets), which is all its optimizer steps: less data moved and written. Under
+   * mpirun, where the shards span every process (same device count everywhere), the reduce-scatter is
+   * hierarchical: among a process's replicas, then across the processes between the replicas of one index, each
+   * on its own link. Clipping's norm is summed from the blocks. Where the shards stay within each process, a
+   * bucket is summed whole across the processes.
    */
   DPAR_REDUCTION_REDUCE_SCATTER = 1
 } dpar_gradient_reduction;
@@ -312,7 +318,8 @@ typedef enum dpar_gradient_reduction {
  * @brief Chooses how gradient buckets are reduced, from the next step on. Either way each replica's optimizer steps
  * its block of every bucket and an all-gather puts the blocks together, so the replicas stay bit-identical and
  * the optimizer state stays where it is: switching between steps is allowed, and without clipping both give the
- * same bits. Every process sets the same. Engines start with ::DPAR_REDUCTION_ALL_REDUCE.
+ * same bits (across more than two processes, where MPI adds the processes' sums in the same order for both).
+ * Every process sets the same. Engines start with ::DPAR_REDUCTION_ALL_REDUCE.
  * @param reduction A ::dpar_gradient_reduction.
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an unknown @p reduction.
  */

@@ -5,9 +5,20 @@
 
 namespace dpar {
 
+std::pair<size_t, size_t> world_block(size_t count, size_t replicas, size_t replica, int processes, int process) {
+  const auto [begin, end] = Communicator::block_range(count, static_cast<int>(replicas), static_cast<int>(replica));
+  if (processes <= 1) return {begin, end};
+  const auto [from, to] = Communicator::block_range(end - begin, processes, process);
+  return {begin + from, begin + to};
+}
+
 void ProcessLinks::abort(const std::string& reason) {
   if (host) host->abort(reason);
   if (device) device->abort(reason);
+  for (ReplicaLink& link : by_replica) {
+    if (link.host) link.host->abort(reason);
+    if (link.device) link.device->abort(reason);
+  }
 }
 
 ReplicaSet::ReplicaSet(Communicator& local, Stream& stream, std::shared_ptr<ProcessLinks> processes, Trace* trace,
@@ -16,13 +27,31 @@ ReplicaSet::ReplicaSet(Communicator& local, Stream& stream, std::shared_ptr<Proc
   DPAR_ENFORCE(!processes_ || processes_->host, Status::kInternal, "replica set: process links without a host link");
   // A job of one process has nothing to sum across.
   if (processes_ && processes_->host->size() <= 1) processes_.reset();
+  if (processes_ && processes_->shards_world()) {
+    DPAR_ENFORCE(processes_->by_replica.size() == local_size(), Status::kInternal, "replica set: ",
+                 processes_->by_replica.size(), " per-replica process links for ", local_size(), " replicas");
+    DPAR_ENFORCE(replica() == 0 || processes_->by_replica[replica()].host, Status::kInternal,
+                 "replica set: replica ", replica(), " has no link across the processes");
+    world_ = true;
+  }
+}
+
+Communicator& ReplicaSet::host_link() {
+  return replica() == 0 ? *processes_->host : *processes_->by_replica[replica()].host;
+}
+
+Communicator* ReplicaSet::device_link() {
+  return replica() == 0 ? processes_->device.get() : processes_->by_replica[replica()].device.get();
 }
 
 bool ReplicaSet::processes_move(DType dtype) const {
   if (!processes_) return true;
-  // What sum_across_processes moves them with.
+  // What sum_across_processes moves them with (and, sharding the world, this replica's own link).
   const Communicator& across = processes_->device ? *processes_->device : *processes_->host;
-  return across.moves(dtype);
+  if (!across.moves(dtype)) return false;
+  if (!world_ || replica() == 0) return true;
+  const ProcessLinks::ReplicaLink& mine = processes_->by_replica[replica()];
+  return (mine.device ? *mine.device : *mine.host).moves(dtype);
 }
 
 const std::string& ReplicaSet::process_transport() const {
@@ -66,9 +95,53 @@ void ReplicaSet::all_reduce_sum(float* data, size_t count, bool contributes, flo
 }
 
 void ReplicaSet::reduce_scatter_sum(float* data, size_t count, bool contributes, float scale, Wire wire) {
-  if (processes_) return all_reduce_sum(data, count, contributes, scale, wire);
-  TraceSpan span(trace_, "bucket reduce-scatter", "elements", static_cast<int64_t>(count));
-  local_.reduce_scatter_sum(data, count, contributes, scale);
+  if (processes_ && !world_) return all_reduce_sum(data, count, contributes, scale, wire);
+  {
+    TraceSpan span(trace_, world_ ? "bucket reduce-scatter (replicas)" : "bucket reduce-scatter", "elements",
+                   static_cast<int64_t>(count));
+    local_.reduce_scatter_sum(data, count, contributes, scale);
+  }
+  if (!world_) return;
+  const auto [begin, end] = Communicator::block_range(count, static_cast<int>(local_size()), static_cast<int>(replica()));
+  reduce_scatter_across(data + begin, end - begin, wire);
+}
+
+void ReplicaSet::reduce_scatter_across(float* block, size_t count, Wire wire) {
+  // Every process's replica r has the same local block (every process has n replicas): all skip an empty one.
+  if (count == 0) return;
+  // [nccl][bf16]: span names are literals (common/trace.h).
+  static constexpr const char* kNames[2][2] = {
+      {"bucket reduce-scatter (processes)", "bucket reduce-scatter (processes, bf16)"},
+      {"bucket reduce-scatter (processes, nccl)", "bucket reduce-scatter (processes, nccl, bf16)"}};
+  TraceSpan span(trace_, kNames[device_link() ? 1 : 0][wire == Wire::kBf16 ? 1 : 0], "elements",
+                 static_cast<int64_t>(count));
+  // A failure here leaves the process's other replicas waiting for this one in their next collective.
+  across_or_abort([&] {
+    if (wire == Wire::kF32) {
+      across_processes(block, count, DType::kF32, [&](Communicator& c, void* p) {
+        c.reduce_scatter_sum(static_cast<float*>(p), count, true, 1.0f);
+      });
+      return;
+    }
+    // bf16 moves through the equal blocks of reduce_scatter (NCCL's, MPI's): the block rounded to bf16 and padded
+    // with zeros to P blocks of sub-block 0's length; this process's sub-block lands after them, and is widened
+    // into its place (its length is block_range's, the rest of the padded block's zeros).
+    const auto processes = num_processes();
+    const size_t per = Communicator::block_range(count, processes, 0).second;
+    const size_t padded = per * static_cast<size_t>(processes);
+    reserve_bf16_stage(padded + per);
+    auto* packed = static_cast<unsigned char*>(bf16_stage_.raw());
+    const size_t esz = dtype_size(DType::kBF16);
+    const auto n = static_cast<int64_t>(count);
+    stream_.run(call::Convert{bf16_stage_.rows(0, n).ref(), TensorRef::of(block, {n})});
+    if (padded > count) stream_.fill_zero(packed + count * esz, (padded - count) * esz);
+    across_processes(packed, padded + per, DType::kBF16, [&](Communicator& c, void* p) {
+      auto* bytes = static_cast<unsigned char*>(p);
+      c.reduce_scatter(bytes, bytes + padded * esz, per, DType::kBF16, ReduceOp::kSum);
+    });
+    const auto [from, to] = Communicator::block_range(count, processes, shard_process());
+    widen_scaled(block + from, to - from, padded, 1.0f);
+  });
 }
 
 void ReplicaSet::reserve_bf16_stage(size_t count) {
@@ -160,10 +233,18 @@ void ReplicaSet::all_reduce_sum_bf16_native(float* data, size_t count, bool cont
 }
 
 void ReplicaSet::reduce_scatter_sum_bf16(float* data, size_t count, bool contributes, float scale) {
-  // Across processes a bucket is summed whole, as reduce_scatter_sum does.
-  if (processes_) return all_reduce_sum_bf16(data, count, contributes, scale);
+  // Shards within each process: across processes a bucket is summed whole, as reduce_scatter_sum does.
+  if (processes_ && !world_) return all_reduce_sum_bf16(data, count, contributes, scale);
   const auto [begin, end] = Communicator::block_range(count, static_cast<int>(local_size()), static_cast<int>(replica()));
   const auto elements = static_cast<int64_t>(count);
+  // Over the world the scale waits for the sum across the processes, and applies to this replica's sub-block.
+  const float local_scale = world_ ? 1.0f : scale;
+  const auto finish_world = [&, begin = begin, end = end] {
+    reduce_scatter_across(data + begin, end - begin, Wire::kBf16);
+    const auto [from, to] = shard_of(count);
+    const auto mine = static_cast<int64_t>(to - from);
+    if (scale != 1.0f && mine > 0) stream_.run(call::Scale{TensorRef::of(data + from, {mine}), scale});
+  };
   if (!local_.moves(DType::kBF16)) {
     // As all_reduce_sum_bf16's emulation, for this replica's block only: block r holds its bits.
     if (contributes) round_to_bf16(data, count);
@@ -173,6 +254,7 @@ void ReplicaSet::reduce_scatter_sum_bf16(float* data, size_t count, bool contrib
     }
     const auto mine = static_cast<int64_t>(end - begin);
     round_to_bf16(data + begin, end - begin);
+    if (world_) return finish_world();
     if (scale != 1.0f && mine > 0) stream_.run(call::Scale{TensorRef::of(data + begin, {mine}), scale});
     return;
   }
@@ -194,12 +276,31 @@ void ReplicaSet::reduce_scatter_sum_bf16(float* data, size_t count, bool contrib
     TraceSpan span(trace_, "bucket reduce-scatter (bf16)", "elements", elements);
     local_.reduce_scatter(packed, packed + padded * esz, per, DType::kBF16, ReduceOp::kSum);
   }
-  widen_scaled(data + begin, end - begin, padded, scale);
+  // Over the world: the process's sum of block r widened unscaled (bf16 values, exactly), for the processes' sum.
+  widen_scaled(data + begin, end - begin, padded, local_scale);
+  if (world_) finish_world();
 }
 
 void ReplicaSet::all_gather_blocks(float* data, size_t count) {
-  TraceSpan span(trace_, "all-gather", "elements", static_cast<int64_t>(count));
+  if (world_) {
+    const auto [begin, end] = Communicator::block_range(count, static_cast<int>(local_size()), static_cast<int>(replica()));
+    if (end > begin) {
+      static constexpr const char* kNames[2] = {"all-gather (processes)", "all-gather (processes, nccl)"};
+      TraceSpan span(trace_, kNames[device_link() ? 1 : 0], "elements", static_cast<int64_t>(end - begin));
+      const size_t n = end - begin;
+      across_or_abort([&] {
+        across_processes(data + begin, n, DType::kF32,
+                         [&](Communicator& c, void* p) { c.all_gather_blocks(static_cast<float*>(p), n); });
+      });
+    }
+  }
+  TraceSpan span(trace_, world_ ? "all-gather (replicas)" : "all-gather", "elements", static_cast<int64_t>(count));
   local_.all_gather_blocks(data, count);
+}
+
+void ReplicaSet::sum_over_shards(void* data, size_t count, DType dtype) {
+  if (world_) return sum(data, count, dtype);
+  if (local_size() > 1) sum_within_process(data, count, dtype);
 }
 
 void ReplicaSet::sum_within_process(void* data, size_t count, DType dtype) {
@@ -287,13 +388,13 @@ void ReplicaSet::sum_across_processes(void* data, size_t count, DType dtype) {
 
 template <class F>
 void ReplicaSet::across_processes(void* data, size_t count, DType dtype, F&& collective) {
-  if (processes_->device) return collective(*processes_->device, data);
-  if (stream_.device().is_host()) return collective(*processes_->host, data);
+  if (Communicator* device = device_link()) return collective(*device, data);
+  if (stream_.device().is_host()) return collective(host_link(), data);
   // MPI moves host memory: through the host and back.
   const size_t bytes = count * dtype_size(dtype);
   if (host_stage_.size() < bytes) host_stage_.resize(bytes);
   stream_.copy_to_host(host_stage_.data(), data, bytes);
-  collective(*processes_->host, host_stage_.data());
+  collective(host_link(), host_stage_.data());
   stream_.copy_from_host(data, host_stage_.data(), bytes);
 }
 

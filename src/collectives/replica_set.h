@@ -4,6 +4,17 @@
 // across the processes by the process's replica 0 (MPI, or NCCL between the processes' GPUs; f32 or bfloat16 on
 // the wire), then back to the process's other replicas.
 //
+// Sharding over the world (ZeRO-1/2 over every replica of every process): where every process has the same number
+// n of replicas and the links give each replica index a link of its own across the processes
+// (ProcessLinks::by_replica), replica r of process p owns, in every bucket, sub-block p (of P processes) of local
+// block r (of n): world_block(). A reduce-scatter is then hierarchical: among the process's replicas (replica r
+// gets local block r), then across the processes between the replicas of index r, each over its own link (process
+// p gets sub-block p), so each replica's block crosses the network once, on its own link and thread; the
+// all-gather runs the other way round. With one process this is block r of the process; with one replica per
+// process, the plain reduce-scatter over the processes. Without per-index links (the C API's reducer, processes of
+// different replica counts) the shards stay within each process: block r of the process, every process holding
+// every block (a bucket is then summed whole across the processes by replica 0).
+//
 // Three users: the reducer's bucket strategies (reducer/bucket_strategy.h), the C API's reducer (a framework's own
 // gradients), and layers that need other replicas (SyncBatchNorm's statistics), which reach it through their
 // ReplicaContext and never a communicator.
@@ -17,6 +28,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/stream.h"
@@ -39,8 +51,15 @@ enum class Wire : int32_t {
   kBf16 = 1,
 };
 
-// What connects one process's replicas to the other processes: one per process, shared by its replicas; only
-// replica 0 moves data through it.
+// Where replica `replica` (of `replicas` in its process) of process `process` (of `processes`) shards a bucket of
+// `count` elements: sub-block `process` (Communicator::block_range over the processes) of local block `replica`
+// (block_range over the process's replicas), as offsets in the bucket. The one layout of the world's shards: the
+// reduce-scatter, the all-gather, the optimizer's shard, clipping, loss scaling and checkpoints all use it.
+// processes == 1: block `replica` of the process.
+std::pair<size_t, size_t> world_block(size_t count, size_t replicas, size_t replica, int processes, int process);
+
+// What connects one process's replicas to the other processes: one per process, shared by its replicas. Replica 0
+// moves data through `host` and `device`; replica r >= 1 through by_replica[r] (sharded reductions only).
 struct ProcessLinks {
   // One participant per process, on host memory (MPI).
   std::shared_ptr<Communicator> host;
@@ -49,6 +68,15 @@ struct ProcessLinks {
   std::unique_ptr<Communicator> device;
   // "mpi", "nccl", or what carried the data and why: for messages and traces.
   std::string transport;
+  // Replica r's own links to replica r of every other process, as `host` and `device` are replica 0's (entry 0
+  // stays empty: replica 0 uses those). Used only by replica r's threads. Empty: the shards stay within each
+  // process (ReplicaSet, at the top); else one entry per replica, every process having as many.
+  struct ReplicaLink {
+    std::unique_ptr<Communicator> host;    // MPI, a duplicate of `host`
+    std::unique_ptr<Communicator> device;  // NCCL between the processes' GPUs of index r, or null
+  };
+  std::vector<ReplicaLink> by_replica;
+  bool shards_world() const { return !by_replica.empty(); }
 
   // Every process waiting in a collective on these links throws REMOTE with `reason`.
   void abort(const std::string& reason);
@@ -73,6 +101,18 @@ class ReplicaSet {
   const std::string& process_transport() const;
   // Whether sums across the processes can travel as `dtype` (bf16 on Wire::kBf16); true with one process.
   bool processes_move(DType dtype) const;
+  // The processes the shards are spread over: num_processes() where the links shard the world, else 1 (every
+  // process holds every shard). And this process's index among them (0 when 1).
+  int shard_processes() const { return world_ ? num_processes() : 1; }
+  int shard_process() const { return world_ ? processes_->host->rank() : 0; }
+  // This replica's shard of a bucket of `count` elements (world_block()), as offsets in the bucket.
+  std::pair<size_t, size_t> shard_of(size_t count) const {
+    return world_block(count, local_size(), replica(), shard_processes(), shard_process());
+  }
+  // Sums `count` elements of `dtype` (f32, f64; the replica's device memory) over every replica that holds a shard
+  // of its own: the process's replicas, or every replica of every process where the shards span the world (the
+  // norm of a sharded gradient, clipping's and the loss scaler's). Every such replica gets the same bits.
+  void sum_over_shards(void* data, size_t count, DType dtype);
   Communicator& local() { return local_; }
   Stream& stream() { return stream_; }
 
@@ -82,10 +122,17 @@ class ReplicaSet {
   // One process: one all-reduce among the replicas. Several: summed (and scaled) into replica 0, summed across the
   // processes by replica 0 on `wire`, then broadcast to the process's other replicas.
   void all_reduce_sum(float* data, size_t count, bool contributes, float scale, Wire wire);
-  // The same sum, but replica r of every process needs only block r of the buffer (Communicator::block_range over
-  // the process's replicas); the rest of its buffer is unspecified afterwards. One process: a reduce-scatter among
-  // the replicas, whose block r is bit for bit all_reduce_sum's. Several: summed into replica 0, across the
-  // processes, then broadcast (each replica keeps its block): the same traffic as all_reduce_sum's.
+  // The same sum, but each replica needs only its shard of the buffer (shard_of(count)); the rest of its buffer is
+  // unspecified afterwards. One process: a reduce-scatter among the replicas, whose block r is bit for bit
+  // all_reduce_sum's. Shards over the world: a reduce-scatter among the process's replicas (scaled), then one
+  // across the processes on this replica's own link of its local block (on `wire`), each process keeping its
+  // sub-block: (P-1)/P of the local block leaves and enters each replica, where all_reduce_sum moves twice that
+  // through replica 0 alone. Across the processes MPI adds the processes' partial sums in rank order (mpi_comm.h),
+  // NCCL in an order of its own; the shard holds all_reduce_sum's bits wherever the all-reduce adds them in the
+  // same order: always for two processes (a sum of two does not depend on it), and over MPI for more where the
+  // all-reduce is fused (small buckets; a large one is MPI_Allreduce's, whose algorithm chooses the order). Shards
+  // within each process: summed into replica 0, across the processes, then broadcast (each replica keeps its
+  // block), all_reduce_sum's traffic.
   void reduce_scatter_sum(float* data, size_t count, bool contributes, float scale, Wire wire);
   // The same two sums carried in bfloat16 throughout (the engine's reduce dtype bf16, as FSDP's
   // MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)): this replica's `count` floats rounded to bf16 (nearest even),
@@ -96,10 +143,12 @@ class ReplicaSet {
   // bf16 once, which a bf16 ring approximates (each of its partial sums rounded), with the same bytes as f32 through
   // shared memory. Every replica ends with the same bits, independent of thread timing.
   void all_reduce_sum_bf16(float* data, size_t count, bool contributes, float scale);
-  // Block r of the same, as reduce_scatter_sum is of all_reduce_sum (block r holds all_reduce_sum_bf16's bits).
+  // The shard of the same, as reduce_scatter_sum is of all_reduce_sum (across the processes the local block is
+  // reduce-scattered in bf16, as Wire::kBf16).
   void reduce_scatter_sum_bf16(float* data, size_t count, bool contributes, float scale);
-  // Every replica's block r (the same layout) into every replica of the process. Across processes nothing moves:
-  // every process holds the same blocks after reduce_scatter_sum.
+  // Every replica's shard (the same layout) into every replica of every process. Shards over the world: across the
+  // processes on this replica's link first (local block r put together from the processes' sub-blocks), then among
+  // the process's replicas. Shards within the process: among its replicas only (every process holds every block).
   void all_gather_blocks(float* data, size_t count);
 
 
@@ -138,11 +187,17 @@ class ReplicaSet {
   // Replica 0's part of a hierarchical sum: `count` elements of `dtype` at `data` (device memory) summed across the
   // processes.
   void sum_across_processes(void* data, size_t count, DType dtype);
-  // Replica 0's link across the processes for `count` elements of `dtype` at `data` (its device's memory):
-  // collective(communicator, buffer) on the device link, on the host link for host memory, or on the host link
-  // through a host copy (MPI moves host memory).
+  // This replica's link across the processes (replica 0's, or its own by_replica entry) for `count` elements of
+  // `dtype` at `data` (its device's memory): collective(communicator, buffer) on the device link, on the host link
+  // for host memory, or on the host link through a host copy (MPI moves host memory).
   template <class F>
   void across_processes(void* data, size_t count, DType dtype, F&& collective);
+  Communicator& host_link();
+  Communicator* device_link();
+  // The world reduce-scatter's second level: `count` floats at `block` (this replica's local block, summed over the
+  // process) reduce-scattered over the processes on this replica's link (f32, or bf16 on Wire::kBf16); the
+  // process's sub-block (block_range over the processes) receives the sum.
+  void reduce_scatter_across(float* block, size_t count, Wire wire);
   // Runs body on the replica's communication thread (a span `what` of `count` elements) and waits for it.
   template <class F>
   void on_comm_thread(const char* what, size_t count, F&& body);
@@ -156,6 +211,7 @@ class ReplicaSet {
   Communicator& local_;
   Stream& stream_;
   std::shared_ptr<ProcessLinks> processes_;
+  bool world_ = false;  // the shards span the processes (processes_->shards_world())
   Trace* trace_;
   size_t comm_track_;
   float mean_scale_ = 0.0f;  // 0 until computed

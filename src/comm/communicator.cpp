@@ -53,6 +53,10 @@ void Communicator::set_timeout(std::chrono::duration<double>) {
   fail(Status::kNotSupported, "the ", backend(), " backend's timeout is fixed when it is created");
 }
 
+std::unique_ptr<Communicator> Communicator::duplicate() {
+  fail(Status::kNotSupported, "the ", backend(), " backend does not duplicate its communicators");
+}
+
 Communicator::~Communicator() {
   // Normally null: the derived destructor's stop_async() has joined the thread.
   if (async_)

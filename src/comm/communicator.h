@@ -123,6 +123,16 @@ class Communicator {
   // collectives: none in flight). A caller that created the communicator with a longer timeout for its own setup
   // (the engine's creation across processes) shortens it here. Error(NOT_SUPPORTED) where a backend cannot.
   virtual void set_timeout(std::chrono::duration<double> timeout);
+  // A new communicator over the same participants (each keeps its rank) with its own sequence of collectives and
+  // this one's timeout and failure handling: for a second thread of each participant that must not queue behind
+  // this communicator's collectives (the engine's link between the replicas of one index in every process).
+  // Collective: every participant calls it at the same point of its collectives here, none in flight.
+  // Error(NOT_SUPPORTED) where a backend cannot (the default).
+  virtual std::unique_ptr<Communicator> duplicate();
+  // Whether duplicate() would succeed here, and the duplicate's collectives may run on another thread at the same
+  // time as this one's: asked before duplicating, so that participants can agree first (the creation is
+  // collective). Never blocks.
+  virtual bool can_duplicate() const { return false; }
 
   // `count` is the number of elements each participant contributes. `send` may equal `recv` (in place). For
   // kMean on integer dtypes the division truncates toward zero.

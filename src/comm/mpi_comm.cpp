@@ -166,6 +166,23 @@ void MpiCommunicator::set_timeout(std::chrono::duration<double> timeout) {
   timeout_seconds_.store(timeout.count(), std::memory_order_relaxed);
 }
 
+bool MpiCommunicator::can_duplicate() const {
+  return thread_level_ >= MPI_THREAD_MULTIPLE && state_.load(std::memory_order_acquire) == kUsable;
+}
+
+std::unique_ptr<Communicator> MpiCommunicator::duplicate() {
+  // Under the lock: the duplication is a collective on comm_, ordered with this rank's other collectives there.
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_.load(std::memory_order_acquire) != kUsable) {
+    std::lock_guard<std::mutex> reason(reason_mutex_);
+    fail(Status::kInvalidState, "mpi communicator: cannot duplicate a communicator that failed: ", broken_reason_);
+  }
+  MpiOptions options = options_;
+  options.timeout_seconds = timeout_seconds();
+  options.create_timeout_seconds = 0.0;
+  return std::make_unique<MpiCommunicator>(comm_, options);
+}
+
 MpiCommunicator::~MpiCommunicator() {
   stop_async();
   int finalized = 1;
@@ -309,18 +326,12 @@ void MpiCommunicator::transfer(const CommCall& c, uint64_t seq) {
       break;
     }
     case kReduceScatter: {
-      const int n = static_cast<int>(c.count());
-      const MPI_Op op = mpi_op(c.dtype(), c.op());
-      // In place, MPI takes the input from the receive buffer (all blocks) and leaves the result at its start.
-      void* whole = const_cast<void*>(c.send);
-      const bool nccl_in_place = c.recv != c.send && c.recv == bytes_at(whole, rank_ * bytes);
-      const bool in_place = c.recv == c.send || nccl_in_place;
-      const void* send = in_place ? MPI_IN_PLACE : c.send;
-      void* recv = in_place ? whole : c.recv;
-      invoke(
-          "MPI_Reduce_scatter_block", [&] { return MPI_Reduce_scatter_block(send, recv, n, type, op, comm_); },
-          [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(send, recv, n, type, op, comm_, r); });
-      if (nccl_in_place) std::memmove(c.recv, whole, bytes);
+      // Equal blocks, summed in rank order (below); the result lands in recv (in place or not: the blocks were
+      // moved out of the buffer first).
+      const std::vector<int> counts(static_cast<size_t>(size_), static_cast<int>(c.count()));
+      std::vector<int> displs(static_cast<size_t>(size_));
+      for (int r = 0; r < size_; ++r) displs[static_cast<size_t>(r)] = r * static_cast<int>(c.count());
+      reduce_scatter_in_rank_order(c, seq, c.send, counts, displs, c.recv, c.op());
       break;
     }
     case kReduceScatterSum:
@@ -346,20 +357,44 @@ void MpiCommunicator::transfer(const CommCall& c, uint64_t seq) {
         break;
       }
       if (!c.contributes) std::memset(c.recv, 0, bytes);
-      // In place, MPI takes every block from the buffer and leaves this rank's result at its start.
-      invoke(
-          "MPI_Reduce_scatter",
-          [&] { return MPI_Reduce_scatter(MPI_IN_PLACE, c.recv, counts.data(), type, MPI_SUM, comm_); },
-          [&](MPI_Request* r) {
-            return MPI_Ireduce_scatter(MPI_IN_PLACE, c.recv, counts.data(), type, MPI_SUM, comm_, r);
-          });
       const size_t mine = static_cast<size_t>(rank_);
-      if (displs[mine] != 0)
-        std::memmove(static_cast<float*>(c.recv) + displs[mine], c.recv, static_cast<size_t>(counts[mine]) * esz);
+      reduce_scatter_in_rank_order(c, seq, c.recv, counts, displs, bytes_at(c.recv, static_cast<size_t>(displs[mine]) * esz),
+                                   ReduceOp::kSum);
       break;
     }
     default: break;
   }
+}
+
+void MpiCommunicator::reduce_scatter_in_rank_order(const CommCall& c, uint64_t seq, const void* whole,
+                                                   const std::vector<int>& counts, const std::vector<int>& displs,
+                                                   void* out, ReduceOp op) {
+  // Block r of every rank's buffer goes to rank r (MPI_Alltoallv: (P-1)/P of the buffer leaves and enters each
+  // rank, as in a ring's reduce-scatter), and each rank sums the blocks it received in rank order with the kernels
+  // of a fused all-reduce: the sum's bits do not depend on MPI's choice of algorithm, and equal those of an
+  // all-reduce that adds in rank order (fused, and the threads backend's).
+  const MPI_Datatype type = mpi_type(c.dtype());
+  const size_t esz = dtype_size(c.dtype());
+  const int mine = counts[static_cast<size_t>(rank_)];
+  const size_t block_bytes = static_cast<size_t>(mine) * esz;
+  scatter_stage_.resize(std::max<size_t>(static_cast<size_t>(size_) * block_bytes, 1));
+  const std::vector<int> from_each(static_cast<size_t>(size_), mine);
+  std::vector<int> at(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) at[static_cast<size_t>(r)] = r * mine;
+  char* stage = scatter_stage_.data();
+  int rc;
+  if (options_.transfer == MpiOptions::Transfer::kNonBlocking) {
+    MPI_Request request;
+    rc = MPI_Ialltoallv(whole, counts.data(), displs.data(), type, stage, from_each.data(), at.data(), type, comm_,
+                        &request);
+    if (rc == MPI_SUCCESS) wait(&request, 1, MPI_STATUSES_IGNORE, c, seq, true, SteadyClock::now());
+  } else {
+    rc = MPI_Alltoallv(whole, counts.data(), displs.data(), type, stage, from_each.data(), at.data(), type, comm_);
+  }
+  if (rc != MPI_SUCCESS) mpi_failed("MPI_Alltoallv", rc, where(c, seq));
+  std::vector<const char*> in(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) in[static_cast<size_t>(r)] = stage + static_cast<size_t>(r) * block_bytes;
+  if (mine > 0) reduce_blocks(out, in.data(), in.size(), static_cast<size_t>(mine), c.dtype(), op);
 }
 
 void MpiCommunicator::finish(const CommCall& c) {

@@ -38,10 +38,12 @@
 //     message) - 40), each rank's data rides with its fingerprint and every rank reduces the gathered blocks itself,
 //     in rank order (all ranks get the same bits). There is no phase 2 then, and the timeout covers the data too.
 //  2. Transfer: the MPI collective itself, on the communicator's duplicate of base (MPI_Allreduce, MPI_Bcast,
-//     MPI_Reduce, MPI_Allgather, MPI_Reduce_scatter_block; reduce_scatter_sum and all_gather_blocks are
-//     MPI_Reduce_scatter and MPI_Allgatherv in place, with block_range's per-rank counts; reduce_sum is MPI_Reduce,
-//     then the root scales; MPI_IN_PLACE for the in-place forms; a mean is a sum divided afterwards, truncating for
-//     integers). Float sums are MPI_SUM; max and min, integer sums and bf16 sums (bf16 moves as 16-bit words) are
+//     MPI_Reduce, MPI_Allgather; all_gather_blocks is MPI_Allgatherv in place, with block_range's per-rank counts;
+//     reduce_sum is MPI_Reduce, then the root scales; MPI_IN_PLACE for the in-place forms; a mean is a sum divided
+//     afterwards, truncating for integers). reduce_scatter and reduce_scatter_sum (block_range's blocks) move the
+//     blocks with MPI_Alltoallv and each rank reduces the ones it received in rank order, as a fused all-reduce
+//     does: the same bytes as a ring's reduce-scatter, and bits that do not depend on MPI's algorithm (the
+//     engine's sharded gradients equal the all-reduce's wherever that adds in rank order). Float sums are MPI_SUM; max and min, integer sums and bf16 sums (bf16 moves as 16-bit words) are
 //     dpar's own MPI operations (mpi_ops.cpp), so that NaN, overflow and rounding follow the rules every backend
 //     shares. By default the transfer is the blocking call, Open MPI's tuned algorithms at the speed of a plain MPI
 //     program: every participant is known to be inside the collective, so the timeout is not needed for arrival
@@ -179,6 +181,11 @@ class MpiCommunicator final : public Communicator {
   void abort(const std::string& reason) override;
   Status async_error(std::string* reason) override;
   void set_timeout(std::chrono::duration<double> timeout) override;
+  // A communicator over a duplicate of this one's (MPI_Comm_idup, as the constructor does), with its options and
+  // its timeout now: collective over the ranks, under that timeout.
+  std::unique_ptr<Communicator> duplicate() override;
+  // Usable, and MPI gives MPI_THREAD_MULTIPLE (two communicators' collectives on two threads at once).
+  bool can_duplicate() const override;
   // The collectives' timeout now (MpiOptions::timeout_seconds until set_timeout()).
   double timeout_seconds() const { return timeout_seconds_.load(std::memory_order_relaxed); }
 
@@ -205,6 +212,11 @@ class MpiCommunicator final : public Communicator {
   bool agree(const CommCall& call, uint64_t seq, const Error* refused);
   void reduce_fused(const CommCall& call);
   void transfer(const CommCall& call, uint64_t seq);
+  // The transfer of a reduce-scatter: block r of `whole` (counts[r] elements at displs[r]) to rank r, and this
+  // rank's blocks from every rank reduced with `op` in rank order into `out`.
+  void reduce_scatter_in_rank_order(const CommCall& call, uint64_t seq, const void* whole,
+                                    const std::vector<int>& counts, const std::vector<int>& displs, void* out,
+                                    ReduceOp op);
   void finish(const CommCall& call);
   // Waits for `request` to complete: until the deadline (then the TIMEOUT protocol), a local abort or a notice.
   void wait(MPI_Request* requests, int count, MPI_Status* statuses, const CommCall& call, uint64_t seq,
@@ -251,6 +263,7 @@ class MpiCommunicator final : public Communicator {
   std::atomic<uint64_t> seq_{0};
   std::vector<MpiHeader> table_;        // the gathered records (with refusals, payload sizes), in rank order
   std::vector<int64_t> gather_;         // the blocks as they arrive (rotated by rank_): fingerprint + data
+  std::vector<char> scatter_stage_;     // a reduce-scatter's blocks from every rank (reduce_scatter_in_rank_order)
   std::vector<size_t> offsets_;         // byte offset of block j in gather_
   std::vector<const char*> payloads_;   // rank r's data in gather_ (fused all-reduce), or null
   size_t fused_max_bytes_ = 0;          // the most data one rank sends with its fingerprint

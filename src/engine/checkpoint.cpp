@@ -3,9 +3,11 @@
 // state as "optimizer.<state>.<name>", and the rest (step count, optimizer, RNG streams, and the loss scaler's
 // state where loss scaling is on) as metadata, whose keys no tensor name can collide with. Every
 // replica holds the same parameters, so replica 0's are saved and loaded into all; the optimizer's state is held in
-// shards, one per replica, gathered for saving and cut along the loading engine's shards. With several
-// processes every process holds them too: rank 0 alone writes, and rank 0 alone reads and broadcasts the file's
-// bytes, which every process then checks and loads alike; every process returns rank 0's outcome.
+// shards, one per replica (of every process, where the shards span the processes: world_block), gathered for
+// saving and cut along the loading engine's shards, whatever its processes, devices and reduction. With several
+// processes rank 0 alone writes (the shards of every process gathered to it), and rank 0 alone reads and
+// broadcasts the file's bytes, which every process then checks and loads alike; every process returns rank 0's
+// outcome.
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -134,10 +136,12 @@ void Engine::save(const std::string& path) const {
   check_usable("save");
   DPAR_CHECK_ARG(!path.empty(), "path: empty");
   const TraceSpan span(*trace_, kCallTrack, "save");
+  // Every process takes part in the gather; rank 0 alone writes.
+  const std::vector<std::vector<float>> optimizer_state = gather_optimizer_state();
   std::exception_ptr error;
   if (process_rank() == 0) {
     try {
-      write_checkpoint(path);
+      write_checkpoint(path, optimizer_state);
     } catch (...) {
       error = std::current_exception();
     }
@@ -145,7 +149,69 @@ void Engine::save(const std::string& path) const {
   share_outcome("save", error);
 }
 
-void Engine::write_checkpoint(const std::string& path) const {
+std::vector<std::vector<float>> Engine::gather_optimizer_state() const {
+  const size_t elements = static_cast<size_t>(model_.num_param_elements());
+  const size_t states = Optimizer::state_names(replicas_[0]->optimizer->config()).size();
+  std::vector<std::vector<float>> gathered(states, std::vector<float>(elements));
+  // This process's replicas' shards.
+  for (size_t s = 0; s < states; ++s) {
+    for (const auto& owner : replicas_) {
+      const Optimizer& opt = *owner->optimizer;
+      const float* state = opt.num_elements() > 0 ? opt.state()[s].second.f32() : nullptr;
+      for (const ElementRange& r : opt.ranges()) {
+        if (r.size() == 0) continue;
+        backend_.copy_to_host(gathered[s].data() + r.begin, state, static_cast<size_t>(r.size()) * sizeof(float),
+                              owner->ctx.device);
+        state += r.size();
+      }
+    }
+  }
+  const ReplicaSet& set = *replicas_[0]->set;
+  const int processes = set.shard_processes();
+  if (processes <= 1 || states == 0) return gathered;  // every process holds every shard
+  // The other processes' shards: process p's elements are its replicas' world blocks of every bucket (the same
+  // buckets and replica count on every process), which every process computes alike. Each sends its own, packed in
+  // that order and padded to the longest; an all-gather moves them as they are, bit for bit.
+  const Reducer& reducer = *replicas_[0]->reducer;
+  const float* grads = replicas_[0]->model->grads();
+  const auto owned_by = [&](int p) {
+    std::vector<ElementRange> ranges;
+    for (size_t b = 0; b < reducer.num_buckets(); ++b) {
+      const int64_t offset = reducer.bucket_data(b) - grads;
+      for (size_t r = 0; r < replicas_.size(); ++r) {
+        const auto [begin, end] = world_block(reducer.bucket_count(b), replicas_.size(), r, processes, p);
+        if (end > begin) ranges.push_back({offset + static_cast<int64_t>(begin), offset + static_cast<int64_t>(end)});
+      }
+    }
+    return ranges;
+  };
+  std::vector<std::vector<ElementRange>> owned;
+  size_t most = 0;
+  for (int p = 0; p < processes; ++p) {
+    owned.push_back(owned_by(p));
+    size_t n = 0;
+    for (const ElementRange& r : owned.back()) n += static_cast<size_t>(r.size());
+    most = std::max(most, n);
+  }
+  const size_t words = most * states;
+  std::vector<float> mine(words, 0.0f), all(words * static_cast<size_t>(processes));
+  const int me = set.shard_process();
+  size_t at = 0;
+  for (size_t s = 0; s < states; ++s)
+    for (const ElementRange& r : owned[static_cast<size_t>(me)])
+      for (int64_t i = r.begin; i < r.end; ++i) mine[at++] = gathered[s][static_cast<size_t>(i)];
+  processes_->all_gather(mine.data(), all.data(), words, DType::kF32);
+  for (int p = 0; p < processes; ++p) {
+    if (p == me) continue;
+    const float* from = all.data() + static_cast<size_t>(p) * words;
+    for (size_t s = 0; s < states; ++s)
+      for (const ElementRange& r : owned[static_cast<size_t>(p)])
+        for (int64_t i = r.begin; i < r.end; ++i) gathered[s][static_cast<size_t>(i)] = *from++;
+  }
+  return gathered;
+}
+
+void Engine::write_checkpoint(const std::string& path, const std::vector<std::vector<float>>& gathered) const {
   const Replica& rep = *replicas_[0];
   const size_t elements = static_cast<size_t>(model_.num_param_elements());
   std::vector<float> params(elements);
@@ -174,26 +240,14 @@ void Engine::write_checkpoint(const std::string& path) const {
                      std::vector<int64_t>(b.shape.data(), b.shape.data() + b.shape.ndim()), buffers[i].data(),
                      buffers[i].size()});
   }
-  // Each replica holds the optimizer's state for its own shard (finish_and_step): gather the shards.
+  // Each replica holds the optimizer's state for its own shard (finish_and_step): `gathered` holds the shards put
+  // together (gather_optimizer_state).
   const std::vector<std::string> state_names = Optimizer::state_names(rep.optimizer->config());
-  std::vector<std::vector<float>> gathered(state_names.size());
-  for (size_t s = 0; s < state_names.size(); ++s) {
-    gathered[s].resize(elements);
-    for (const auto& owner : replicas_) {
-      const Optimizer& opt = *owner->optimizer;
-      const float* state = opt.num_elements() > 0 ? opt.state()[s].second.f32() : nullptr;
-      for (const ElementRange& r : opt.ranges()) {
-        if (r.size() == 0) continue;
-        backend_.copy_to_host(gathered[s].data() + r.begin, state, static_cast<size_t>(r.size()) * sizeof(float),
-                              owner->ctx.device);
-        state += r.size();
-      }
-    }
+  for (size_t s = 0; s < state_names.size(); ++s)
     for (const ParamInfo& p : model_.params())
       views.push_back({optimizer_key(state_names[s], p.name), "F32",
                        std::vector<int64_t>(p.shape.data(), p.shape.data() + p.shape.ndim()),
                        gathered[s].data() + p.offset, static_cast<size_t>(p.shape.numel()) * sizeof(float)});
-  }
   std::map<std::string, std::string> meta{
       {"format", kFormat},
       {"dpar.optimizer", rep.optimizer->config().name()},

@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/random.h"
+#include "engine/process_links.h"
 #include "io/file.h"
 
 namespace dpar {
@@ -54,12 +55,14 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   // Replicas are numbered across the processes (rank 0's first), so that each has its own RNG stream and P
   // processes of n devices draw what one process of P*n devices would.
   int64_t first_replica = 0;
+  bool same_replica_counts = true;  // every process has n replicas: the optimizer's shards span them all
   if (processes_) {
     // Each process's replica count and device kind.
     std::vector<int64_t> all(2 * static_cast<size_t>(processes_->size()));
     const int64_t local[2] = {static_cast<int64_t>(n), static_cast<int64_t>(backend_.kind())};
     processes_->all_gather(local, all.data(), 2, DType::kI64);
     for (int p = 0; p < processes_->rank(); ++p) first_replica += all[2 * static_cast<size_t>(p)];
+    for (int p = 0; p < processes_->size(); ++p) same_replica_counts &= all[2 * static_cast<size_t>(p)] == all[0];
     // Every process must take the same steps from the same summed gradient. What each computes locally on it (the
     // clipping norm) is the same bits only from the same kernels: one device kind for all. Every process sees the
     // same table and refuses alike.
@@ -113,15 +116,10 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   for (auto& rep : replicas_) streams.push_back(rep->stream.get());
   group_ = backend_.make_group(config_.devices, streams, names, std::chrono::duration<double>(config_.timeout_seconds));
   for (size_t r = 0; r < n; ++r) replicas_[r]->comm = group_->communicator(static_cast<int>(r));
-  if (processes_) {
-    Replica& first = *replicas_[0];
-    Backend::ProcessLink link = backend_.link_processes(first.ctx.device, *first.stream, processes_,
-                                                        std::chrono::duration<double>(config_.timeout_seconds));
-    links_ = std::make_shared<ProcessLinks>();
-    links_->host = processes_;
-    links_->device = std::move(link.comm);
-    links_->transport = std::move(link.transport);
-  }
+  if (processes_)
+    links_ = connect_replicas(backend_, processes_, config_.devices, streams,
+                              std::chrono::duration<double>(config_.timeout_seconds),
+                              same_replica_counts && config_.shard_across_processes);
   for (size_t r = 0; r < n; ++r) {
     Replica& rep = *replicas_[r];
     rep.set = std::make_unique<ReplicaSet>(*rep.comm, *rep.stream, links_, trace_.get(), comm_track(r));

@@ -6,7 +6,7 @@
 // cross-entropy its targets that are not ignored, counted on the host), so the result is the gradient of the mean
 // loss over the whole batch whatever the chunk sizes and wherever the ignored targets lie. Then every replica gets the same optimizer step: each worker computes it
 // for its shard of the parameters and writes the shard into every replica, so the replicas stay bit-identical
-// for 1/n of the optimizer's work per worker.
+// for 1/R of the optimizer's work per worker (R replicas; of every process, below).
 //
 // Gradients move in buckets (src/reducer): backward marks each layer's gradients ready as it finishes the layer,
 // and a bucket is all-reduced on the replica's communication thread while backward computes the earlier layers.
@@ -18,6 +18,14 @@
 // other replicas. Each process feeds its own part of the global batch; the gradient is that of the mean loss over the
 // global batch, so P processes of n devices train exactly as one process of P*n devices. Only rank 0 writes
 // checkpoints, and a checkpoint that rank 0 reads is broadcast to the others.
+//
+// The optimizer is sharded over every replica of every process (ZeRO over the world) where every process has the
+// same number of replicas: replica r of process p steps, and holds the optimizer's state for, sub-block p of
+// block r of every bucket (world_block, collectives/replica_set.h), 1/(P*n) of the whole; the all-gather that
+// puts the shards together crosses the processes on each replica index's own link. Processes of different replica
+// counts, and MPI initialised by a program below MPI_THREAD_MULTIPLE with several replicas a process (the links
+// of two indices would be used at once), shard within each process (each process holds the whole optimizer
+// state, in n shards).
 #pragma once
 
 #include <atomic>
@@ -55,12 +63,15 @@ enum class GradientCompression : int32_t {
 };
 
 // How each bucket of summed gradients reaches the replicas, whose optimizers each step their shard of the
-// parameters (block r of every bucket) before an all-gather puts the shards together.
+// parameters (their world block of every bucket, above) before an all-gather puts the shards together.
 enum class GradientReduction : int32_t {
-  // Every replica receives the whole sum (all-reduce); clipping's norm is computed whole on every replica.
+  // Every replica receives the whole sum (all-reduce; with the sharded optimizer, ZeRO-1); clipping's norm is
+  // computed whole on every replica.
   kAllReduce = 0,
-  // Each replica receives only its shard of each bucket (reduce-scatter: ZeRO-2); clipping's norm is the sum of the
-  // shards' (one scalar summed over the process's replicas). Across processes a bucket is still summed whole.
+  // Each replica receives only its shard of each bucket (reduce-scatter: ZeRO-2), hierarchically over the
+  // processes where the shards span them (ReplicaSet::reduce_scatter_sum); clipping's norm is the sum of the
+  // shards' (one scalar summed over every replica holding a shard). Where the shards stay within each process
+  // (processes of different replica counts) a bucket is summed whole across the processes.
   kReduceScatter = 1,
 };
 
@@ -78,6 +89,10 @@ struct EngineConfig {
   bool pin_workers = true;
   BucketOptions buckets;
   GradientReduction reduction = GradientReduction::kAllReduce;
+  // Whether the optimizer's shards span every process where every process has as many replicas (ZeRO over the
+  // world, above); false keeps them within each process (each holds the whole state among its replicas, and a
+  // bucket is summed whole across the processes), as before: for comparisons (bench_zero_world, tests).
+  bool shard_across_processes = true;
   // One participant per process (rank = this process), or null for a single process. Every process creates its
   // engine, and then calls the same operations in the same order.
   std::shared_ptr<Communicator> processes;
@@ -157,7 +172,8 @@ class Engine {
   // Each replica's own computation of that norm (the same bits on every replica, or the shards would be scaled
   // apart): for tests.
   std::vector<float> replica_grad_norms() const;
-  // Bytes of optimizer state each replica holds, for tests (its shard's).
+  // Bytes of optimizer state each replica holds, for tests (its shard's: 1/R of the whole, R the replicas of every
+  // process where the shards span them).
   std::vector<size_t> replica_optimizer_state_bytes() const;
   int64_t step_count() const;
   std::vector<float> replica_losses() const;
@@ -263,9 +279,9 @@ class Engine {
   // After a step that succeeded: the norm its clipping saw becomes grad_norm().
   void publish_grad_norm();
   // Loss scaling (loss_scaling.cpp). Whether the replica's reduced gradient is finite, from its shard's sum of
-  // squares summed over the process's replicas, so that every replica of every process (each holds the same
-  // reduced gradient, or the same shards) takes the same decision; if it is, multiplies what the replica holds of
-  // it by 1/scale (GradScaler.unscale_).
+  // squares summed over every replica holding a shard (ReplicaSet::sum_over_shards), so that every replica of every
+  // process takes the same decision; if it is, multiplies what the replica holds of it by 1/scale
+  // (GradScaler.unscale_).
   bool unscale_finite_gradient(Replica& rep);
   // backward()'s grad_output rows on the replica multiplied by the loss scale, in the replica's staging buffer
   // (never in the caller's memory).
@@ -288,10 +304,13 @@ class Engine {
   // Rank 0's outcome of an operation it alone performed, told to every process: rethrown on rank 0, reported as
   // rank 0's failure elsewhere.
   void share_outcome(const char* operation, std::exception_ptr error) const;
-  void write_checkpoint(const std::string& path) const;
+  // Every state of the optimizer (Optimizer::state_names' order) over every parameter element, put together from
+  // every replica's shard (of every process: collective over the processes, every process getting them all).
+  std::vector<std::vector<float>> gather_optimizer_state() const;
+  void write_checkpoint(const std::string& path, const std::vector<std::vector<float>>& optimizer_state) const;
   // The elements of the flat parameters whose optimizer step the replica computes and whose optimizer state it
-  // holds: its block of every gradient bucket (made once its reducer exists). The last replicas' blocks of a small
-  // bucket may be empty.
+  // holds: its shard of every gradient bucket (ReplicaSet::shard_of; made once its reducer exists). The last
+  // replicas' shards of a small bucket may be empty.
   std::vector<ElementRange> optimizer_shard(const Replica& rep) const;
   bool exclude_no_decay_ = false;
   LossScaler scaler_;

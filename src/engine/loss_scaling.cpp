@@ -20,15 +20,16 @@ void Engine::set_loss_scaling(const LossScaling& settings) {
 bool Engine::unscale_finite_gradient(Replica& rep) {
   // Any inf or NaN element makes its sum of squares (in double, which no finite f32 square overflows) inf or NaN,
   // whatever the order of the sum: the decision is the same on every replica even where the sums' bits are not.
-  // Every replica holds the whole reduced gradient or its shard of it, alike on every process, so the shards'
-  // sums over the process's replicas cover every element of the global gradient.
+  // Every replica holds the whole reduced gradient or its shard of it, so the shards' sums over every replica
+  // that holds a shard (the process's, alike on every process, or every process's where the shards span them)
+  // cover every element of the global gradient.
   const float* grads = rep.model->grads();  // summed over every replica, divided by the samples
   double sum = 0.0;
   for (const ElementRange& r : rep.optimizer->ranges())
     if (r.size() > 0) sum += rep.stream->sum_squares(TensorRef::of(grads + r.begin, {r.size()}));
-  if (replicas_.size() > 1) {
+  if (replicas_.size() > 1 || rep.set->shard_processes() > 1) {
     rep.stream->copy_from_host(rep.norm_partial.raw(), &sum, sizeof(double));
-    rep.set->sum_within_process(rep.norm_partial.raw(), 1, DType::kF64);
+    rep.set->sum_over_shards(rep.norm_partial.raw(), 1, DType::kF64);
     rep.stream->copy_to_host(&sum, rep.norm_partial.raw(), sizeof(double));
   }
   if (!std::isfinite(sum)) return false;

@@ -10,17 +10,17 @@
 namespace dpar {
 
 std::vector<ElementRange> Engine::optimizer_shard(const Replica& rep) const {
-  // Block r of every bucket (Communicator::block_range), as Megatron-LM's distributed optimizer shards: a bucket
-  // reduce-scattered as soon as backward produced it leaves each replica the gradient of what it steps. Buckets
-  // are ranges of the flat gradient buffer, in launch order (the last parameters first).
+  // The replica's shard of every bucket (world_block: block r of the process, sub-block p of it where the shards
+  // span the processes), as Megatron-LM's distributed optimizer shards: a bucket reduce-scattered as soon as
+  // backward produced it leaves each replica the gradient of what it steps. Buckets are ranges of the flat gradient
+  // buffer, in launch order (the last parameters first).
   std::vector<ElementRange> ranges;
   const Reducer& reducer = *rep.reducer;
   for (size_t b = 0; b < reducer.num_buckets(); ++b) {
     DPAR_ENFORCE(reducer.in_place(b), Status::kInternal, "engine: gradient bucket ", b, " is not a range of the ",
                  "flat gradient buffer");
     const int64_t offset = reducer.bucket_data(b) - rep.model->grads();
-    const auto [begin, end] = Communicator::block_range(reducer.bucket_count(b), static_cast<int>(replicas_.size()),
-                                                        static_cast<int>(rep.ctx.replica));
+    const auto [begin, end] = rep.set->shard_of(reducer.bucket_count(b));
     ranges.push_back({offset + static_cast<int64_t>(begin), offset + static_cast<int64_t>(end)});
   }
   std::sort(ranges.begin(), ranges.end(), [](const ElementRange& a, const ElementRange& b) { return a.begin < b.begin; });
@@ -49,12 +49,13 @@ void Engine::clip_gradient(Replica& rep) {
     sum = rep.stream->sum_squares(TensorRef::of(grads, {model_.num_param_elements()}));
   } else {
     // Each replica holds its shard of the summed gradient: the norm is the sum of the shards' (one scalar summed
-    // over the process's replicas; every process holds the same shards), the same bits on every replica.
+    // over every replica that holds a shard: the process's, or every process's where the shards span them), the
+    // same bits on every replica.
     for (const ElementRange& r : shard)
       sum += r.size() > 0 ? rep.stream->sum_squares(TensorRef::of(grads + r.begin, {r.size()})) : 0.0;
-    if (replicas_.size() > 1) {
+    if (replicas_.size() > 1 || rep.set->shard_processes() > 1) {
       rep.stream->copy_from_host(rep.norm_partial.raw(), &sum, sizeof(double));
-      rep.set->sum_within_process(rep.norm_partial.raw(), 1, DType::kF64);
+      rep.set->sum_over_shards(rep.norm_partial.raw(), 1, DType::kF64);
       rep.stream->copy_to_host(&sum, rep.norm_partial.raw(), sizeof(double));
     }
   }
@@ -102,8 +103,9 @@ void Engine::finish_and_step(Replica& rep) {
   rep.stepped = true;
   // Every replica now holds the same summed gradient, so the optimizer's result is the same on all of them. Each
   // worker computes it for its own shard only, and an all-gather puts the shards together in every replica: the
-  // replicas end identical, bit for bit, as if each had stepped everything, for 1/n of the optimizer's work and
-  // 1/n of its state (a shard's state lives with its owner only; save() gathers it).
+  // replicas end identical, bit for bit, as if each had stepped everything, for 1/R of the optimizer's work and
+  // 1/R of its state (R: the replicas of every process where the shards span them, else the process's; a shard's
+  // state lives with its owner only; save() gathers it).
   float* params = rep.model->params();
   if (rep.optimizer->config().max_grad_norm > 0.0f) {
     TraceSpan span(*trace_, "gradient clipping");
@@ -113,9 +115,10 @@ void Engine::finish_and_step(Replica& rep) {
     TraceSpan span(*trace_, "optimizer", "elements", rep.optimizer->num_elements());
     rep.optimizer->step(*rep.stream, params, rep.model->grads());
   }
-  // Block r of each bucket's parameters is replica r's shard.
+  // Each replica's shard of each bucket's parameters, into every replica (of every process where the shards span
+  // the processes).
   TraceSpan span(*trace_, "parameters all-gather");
-  if (replicas_.size() > 1)
+  if (replicas_.size() > 1 || rep.set->shard_processes() > 1)
     for (size_t b = 0; b < rep.reducer->num_buckets(); ++b)
       rep.set->all_gather_blocks(params + (rep.reducer->bucket_data(b) - rep.model->grads()), rep.reducer->bucket_count(b));
   rep.has_grad = false;

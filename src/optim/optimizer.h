@@ -38,8 +38,9 @@ struct ElementRange {
 };
 
 // Steps some ranges of a replica's flat parameters and keeps state for them alone: in the engine each replica steps
-// its own shard of the summed gradient (its block of every gradient bucket), so each holds 1/n of the optimizer's
-// state (ZeRO stage 1) rather than a full copy that only its shard would keep current.
+// its own shard of the summed gradient (its block of every gradient bucket; world_block), so each holds 1/R of the
+// optimizer's state (ZeRO stage 1; R the replicas of every process where the shards span them) rather than a full
+// copy that only its shard would keep current.
 class Optimizer {
  public:
   // State buffers (zeros) on `device` for the elements of `ranges` (ordered, not overlapping; empty ones allowed).

@@ -6,8 +6,8 @@
 //  - flat: one all-reduce among the process's replicas (a job of one process);
 //  - hierarchical: among the process's replicas, then across the processes in f32, then back;
 //  - hierarchical in bf16: the same, bfloat16 on the wire between processes;
-//  - reduce-scatter: each replica receives only its block of every bucket (the block its optimizer steps: ZeRO-2),
-//    f32 or bf16 between processes;
+//  - reduce-scatter: each replica receives only its shard of every bucket (the shard its optimizer steps: ZeRO-2;
+//    ReplicaSet::shard_of, over every process where the shards span them), f32 or bf16 between processes;
 //  - either of them in bf16 throughout (reduce dtype bf16): every replica's bucket rounded to bf16, within and
 //    across the processes (ReplicaSet::all_reduce_sum_bf16, reduce_scatter_sum_bf16).
 #pragma once
