@@ -1,0 +1,278 @@
+// The reproducible mode (Engine::set_reproducible): the same seed and the same global batches give the same bits
+// on any number of devices and processes.
+//
+// What differs between device counts in the default mode, and what this mode does about each:
+//  - The rows each forward sees: a replica's chunk is batch / devices rows, so the kernels see other shapes (and a
+//    GEMM may split its work otherwise). Here every process's batch is cut into micro-chunks of a fixed number of
+//    rows, whatever the device count; a replica holds whole micro-chunks and runs forward and backward once per
+//    micro-chunk, so micro-chunk c meets the same kernels on the same shapes wherever it runs. The GEMM's thread
+//    count is the engine's blas_threads per worker, which does not follow the device count either.
+//  - The order in which the replicas' gradients are added. Here they are not added as floats at all: each
+//    micro-chunk's f32 gradient is kept; the replicas agree on a max exponent E per parameter (one max all-reduce
+//    of an int64 per parameter tensor); each micro-chunk's gradient is converted to int64 fixed point on a grid of
+//    2^(E - 62 + ceil(log2 K)), K the global micro-chunk count (round to nearest even, a function of the value
+//    alone), so that any sum of K of them fits an int64; the int64s are summed over the micro-chunks, the replicas
+//    and the processes (exact, so in any order), and the sum is turned back to f32 once, divided by the global
+//    batch's samples in double and rounded to f32. Relative to the largest micro-chunk gradient of the parameter,
+//    that keeps 62 - ceil(log2 K) bits, against f32's 24: the mean is as close to the exact one as f32 allows for
+//    all but values 2^30 times smaller than the largest. A non-finite value (loss scaling's overflow) makes the
+//    parameter's whole gradient NaN, so that loss scaling sees it and skips the step.
+//  - Where an element lies in a replica's optimizer shard (vector body or scalar tail): the elementwise kernels are
+//    built without FMA contraction (-ffp-contract=off), so an element's bits do not depend on its position. The
+//    clipping norm is computed over the whole reduced gradient, which every replica holds here: the mode requires
+//    the all-reduce gradient reduction.
+//  - The loss: each micro-chunk's loss sum (a double) is kept, told to every process at its global index (a sum in
+//    which every index has one non-zero term, so exact), and the sums added in micro-chunk order.
+//  - Dropout: micro-chunk c of the step whose optimizer step count is s draws from the stream
+//    derive_seed(derive_seed(seed ^ tag, s), c) from offset 0, whatever replica runs it.
+//  - Batch statistics (BatchNorm over a replica's rows, SyncBatchNorm over all of them) and running statistics kept
+//    from replica 0: the mode refuses such layers.
+//
+// Processes: micro-chunks are numbered across the processes in rank order; each process cuts its own rows, so a
+// job of processes whose parts (but the last's) are whole numbers of micro-chunks gives the bits of one process
+// that holds the whole batch.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "common/error.h"
+#include "common/random.h"
+#include "engine/engine.h"
+
+namespace dpar {
+
+namespace {
+
+// Exponents told to the max all-reduce: a parameter whose micro-chunk gradients are all zero, and one holding a
+// value that is not finite.
+constexpr int64_t kAllZero = -100000;
+constexpr int64_t kNotFinite = 100000;
+// Mixed into the seed of the micro-chunks' dropout streams, apart from the replicas' own streams.
+constexpr uint64_t kChunkStreamTag = 0x6d6963726f636875ull;
+
+// ceil(log2(k)) for k >= 1.
+int ceil_log2(int64_t k) {
+  int bits = 0;
+  while ((int64_t{1} << bits) < k) ++bits;
+  return bits;
+}
+
+// The exponent e of the largest |value| of x (|x| < 2^e), kAllZero for all zeros, kNotFinite for a NaN or an
+// infinity.
+int64_t max_exponent(const float* x, size_t n) {
+  float largest = 0.0f;
+  for (size_t i = 0; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    if (!std::isfinite(a)) return kNotFinite;
+    largest = std::max(largest, a);
+  }
+  if (largest == 0.0f) return kAllZero;
+  int e = 0;
+  std::frexp(largest, &e);  // largest = m * 2^e, m in [0.5, 1)
+  return e;
+}
+
+// Restores a replica's RNG stream (seed and offset) when the micro-chunks are done, or fail.
+struct RngStreamGuard {
+  ReplicaContext& ctx;
+  uint64_t seed, offset;
+  explicit RngStreamGuard(ReplicaContext& c) : ctx(c), seed(c.rng_seed), offset(*c.rng_offset) {}
+  ~RngStreamGuard() {
+    ctx.rng_seed = seed;
+    *ctx.rng_offset = offset;
+  }
+};
+
+}  // namespace
+
+void Engine::set_reproducible(int64_t micro_chunk_rows) {
+  DPAR_CHECK_ARG(micro_chunk_rows >= 0, "micro_chunk_rows: ", micro_chunk_rows,
+                 " must be >= 0 (0 turns the reproducible mode off)");
+  DPAR_ENFORCE(pending_ == Pending::kNone, Status::kInvalidState, "set_reproducible: gradients from ",
+               pending_ == Pending::kLoss ? "accumulate()" : "backward()",
+               " are pending; call step() or zero_grad() first");
+  if (micro_chunk_rows > 0) {
+    DPAR_ENFORCE(backend_.kind() == DeviceKind::kCpu, Status::kNotSupported,
+                 "set_reproducible: the reproducible mode runs on CPU devices only, not on ",
+                 config_.devices[0].str());
+    for (const Node& node : model_.nodes()) {
+      if (!node.layer) continue;
+      // Statistics over a replica's rows (or over every replica's, in a collective whose summation order follows
+      // the replicas), and running statistics kept from replica 0's rows: both follow the device count.
+      DPAR_ENFORCE(node.layer->buffer_specs().empty() && !node.layer->uses_collectives(), Status::kNotSupported,
+                   "set_reproducible: node ", node.name, " (", node.describe(),
+                   ") keeps batch statistics over a replica's rows, which depend on the device count; the "
+                   "reproducible mode refuses BatchNorm and SyncBatchNorm (LayerNorm has no such statistics)");
+    }
+  }
+  micro_chunk_rows_ = micro_chunk_rows;
+  if (micro_chunk_rows == 0) {
+    chunk_grads_.clear();
+    chunk_grads_.shrink_to_fit();
+  }
+}
+
+void Engine::reduce_over_all(Replica& rep, void* data, size_t count, DType dtype, ReduceOp op) {
+  if (replicas_.size() > 1) rep.comm->all_reduce(data, data, count, dtype, op);
+  if (!processes_) return;
+  if (rep.ctx.replica == 0) {
+    try {
+      processes_->all_reduce(data, data, count, dtype, op);
+    } catch (const std::exception& e) {
+      // The process's other replicas wait for replica 0 in the broadcast below.
+      rep.comm->abort(std::string("across processes: ") + e.what());
+      throw;
+    }
+  }
+  if (replicas_.size() > 1) rep.comm->broadcast(data, count, dtype, 0);
+}
+
+double Engine::reproducible_train_step(const Tensor& input, const Tensor& target) {
+  const TraceSpan span(*trace_, kCallTrack, "train_step", "rows", input.rows());
+  const char* operation = "train_step";
+  std::vector<int64_t> row_samples;
+  const BatchCount global = global_batch_of(operation, [&] {
+    check_batch(input, &target, operation, &row_samples);
+    DPAR_ENFORCE(pending_ == Pending::kNone, Status::kInvalidState, "train_step: gradients from ",
+                 pending_ == Pending::kLoss ? "accumulate()" : "backward()",
+                 " are pending; call step() or zero_grad() first");
+    DPAR_ENFORCE(reduction_ == GradientReduction::kAllReduce, Status::kNotSupported,
+                 "train_step: the reproducible mode needs the all-reduce gradient reduction (its clipping norm is "
+                 "computed over the whole gradient); set DPAR_REDUCTION_ALL_REDUCE or turn the mode off");
+    check_statistics(input);
+    int64_t samples = 0;
+    for (int64_t s : row_samples) samples += s;
+    return BatchCount{input.rows(), samples};
+  });
+  const int64_t R = micro_chunk_rows_;
+  const int64_t rows = input.rows();
+  const int64_t chunks = (rows + R - 1) / R;  // this process's micro-chunks
+  // The global numbering: this process's first micro-chunk, and the count over every process.
+  int64_t first_chunk = 0, global_chunks = chunks;
+  if (processes_) {
+    std::vector<int64_t> all(static_cast<size_t>(processes_->size()));
+    try {
+      processes_->all_gather(&chunks, all.data(), 1, DType::kI64);
+    } catch (const Error& e) {
+      broken_ = true;
+      broken_reason_ = std::string(operation) + ": " + e.what();
+      fail(e.status(), operation, ": across processes: ", e.what());
+    }
+    global_chunks = 0;
+    for (size_t p = 0; p < all.size(); ++p) {
+      if (static_cast<int>(p) < processes_->rank()) first_chunk += all[p];
+      global_chunks += all[p];
+    }
+  }
+  const auto per_replica = split_batch(chunks, replicas_.size());
+  const auto& params = model_.params();
+  const size_t numel = static_cast<size_t>(model_.num_param_elements());
+  const int grid_bits = 62 - ceil_log2(std::max<int64_t>(global_chunks, 1));
+  const double samples = static_cast<double>(global.samples);
+  const uint64_t step_seed = derive_seed(config_.seed ^ kChunkStreamTag, static_cast<uint64_t>(step_count()));
+  chunk_grads_.resize(replicas_.size());
+  chunk_losses_.assign(static_cast<size_t>(chunks), 0.0);
+
+  run(operation, [&](Replica& rep, size_t r) {
+    int64_t chunk_begin = 0;
+    for (size_t i = 0; i < r; ++i) chunk_begin += per_replica[i];
+    const int64_t mine = per_replica[r];
+    rep.loss_rows = 0;
+    rep.loss_samples = 0;
+    if (training_) save_state(rep);
+    std::vector<float>& partials = chunk_grads_[r];
+    partials.resize(static_cast<size_t>(mine) * numel);
+    std::vector<int64_t> exponent(params.size(), kAllZero);
+    double loss_sum = 0.0;
+    int64_t loss_rows = 0, loss_samples = 0;
+    {
+      RngStreamGuard guard(rep.ctx);
+      for (int64_t c = 0; c < mine; ++c) {
+        const int64_t chunk = chunk_begin + c;
+        const int64_t begin = chunk * R;
+        rep.rows = std::min(R, rows - begin);
+        rep.ctx.rng_seed = derive_seed(step_seed, static_cast<uint64_t>(first_chunk + chunk));
+        rep.rng_offset = 0;
+        rep.has_grad = false;  // backward overwrites the gradients: this micro-chunk's alone
+        const int64_t chunk_samples = std::accumulate(row_samples.begin() + begin,
+                                                      row_samples.begin() + begin + rep.rows, int64_t{0});
+        local_loss_backward(rep, input, target, begin, chunk_samples, false);
+        read_loss(rep);  // waits for the device: the loss sum is on the host
+        chunk_losses_[static_cast<size_t>(chunk)] = rep.loss_sum;
+        loss_sum += rep.loss_sum;
+        loss_rows += rep.rows;
+        loss_samples += chunk_samples;
+        float* dst = partials.data() + static_cast<size_t>(c) * numel;
+        rep.stream->copy_to_host(dst, rep.model->grads(), numel * sizeof(float));
+        for (size_t p = 0; p < params.size(); ++p)
+          exponent[p] = std::max(exponent[p], max_exponent(dst + params[p].offset,
+                                                           static_cast<size_t>(params[p].shape.numel())));
+      }
+    }
+    rep.loss_sum = loss_sum;
+    rep.loss_rows = loss_rows;
+    rep.loss_samples = loss_samples;
+    {
+      TraceSpan agree(*trace_, "gradient exponents max");
+      reduce_over_all(rep, exponent.data(), exponent.size(), DType::kI64, ReduceOp::kMax);
+    }
+    // Each micro-chunk's gradient on its parameter's grid, summed exactly.
+    std::vector<int64_t> sum(numel, 0);
+    {
+      TraceSpan fixed(*trace_, "gradients to fixed point");
+      for (size_t p = 0; p < params.size(); ++p) {
+        if (exponent[p] == kAllZero || exponent[p] == kNotFinite) continue;
+        const int down = grid_bits - static_cast<int>(exponent[p]);  // value * 2^down is the grid's integer
+        const auto begin = static_cast<size_t>(params[p].offset), end = begin + static_cast<size_t>(params[p].shape.numel());
+        for (int64_t c = 0; c < mine; ++c) {
+          const float* g = partials.data() + static_cast<size_t>(c) * numel;
+          for (size_t i = begin; i < end; ++i) sum[i] += std::llrint(std::ldexp(static_cast<double>(g[i]), down));
+        }
+      }
+    }
+    {
+      TraceSpan exact(*trace_, "gradients exact sum", "elements", static_cast<int64_t>(numel));
+      reduce_over_all(rep, sum.data(), numel, DType::kI64, ReduceOp::kSum);
+    }
+    // Back to f32: the exact sum (exact in double below 2^53) over the global batch's samples, rounded once.
+    std::vector<float>& grad = partials;  // reused as the host copy of the reduced gradient
+    grad.resize(numel);
+    for (size_t p = 0; p < params.size(); ++p) {
+      const auto begin = static_cast<size_t>(params[p].offset), end = begin + static_cast<size_t>(params[p].shape.numel());
+      if (exponent[p] == kNotFinite) {
+        std::fill(grad.begin() + static_cast<std::ptrdiff_t>(begin), grad.begin() + static_cast<std::ptrdiff_t>(end),
+                  std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      const int up = static_cast<int>(exponent[p]) - grid_bits;
+      for (size_t i = begin; i < end; ++i)
+        grad[i] = samples > 0 ? static_cast<float>(std::ldexp(static_cast<double>(sum[i]), up) / samples) : 0.0f;
+    }
+    rep.stream->copy_from_host(rep.model->grads(), grad.data(), numel * sizeof(float));
+    rep.has_grad = true;
+    finish_and_step(rep, true);
+    if (training_) sync_buffers(rep);
+  });
+  publish_grad_norm();
+  update_loss_scale();
+  forward_split_.clear();
+  // The loss: every micro-chunk's sum at its global index, added in that order.
+  std::vector<double> losses(static_cast<size_t>(global_chunks), 0.0);
+  std::copy(chunk_losses_.begin(), chunk_losses_.end(), losses.begin() + first_chunk);
+  if (processes_) {
+    try {
+      processes_->all_reduce(losses.data(), losses.data(), losses.size(), DType::kF64, ReduceOp::kSum);
+    } catch (const Error& e) {
+      broken_ = true;
+      broken_reason_ = std::string(operation) + ": " + e.what();
+      fail(e.status(), operation, ": across processes: ", e.what());
+    }
+  }
+  double total = 0.0;
+  for (double l : losses) total += l;
+  return global.samples > 0 ? total / samples : std::numeric_limits<double>::quiet_NaN();
+}
+
+}  // namespace dpar

@@ -1,0 +1,229 @@
+// The reproducible mode (Engine::set_reproducible, dpar_engine_set_reproducible): an MLP with dropout, trained with
+// Adam and gradient clipping on 1, 2, 3, 4 and 8 CPU devices, ends with the same bits in every parameter and every
+// loss, and so does a run that stops half-way, saves a checkpoint and goes on from it on another device count; the
+// step's gradient against the default mode's (the same mean, to f32's rounding); the elementwise optimizer gives an
+// element the same bits wherever a shard starts; refusals.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "engine/engine.h"
+#include "engine_test_util.h"
+#include "kernels/cpu/kernels.h"
+#include "optim/optimizer.h"
+
+namespace dpar {
+namespace {
+
+using test::cpu_devices;
+
+constexpr int64_t kIn = 12, kClasses = 5;
+
+Model make_mlp(bool batchnorm = false) {
+  Model m(11);
+  m.add(make_linear(kIn, 16, true));
+  if (batchnorm) m.add(make_batchnorm(1, 16, 1e-5f, 0.1f, true));
+  m.add(make_activation(Activation::kTanh));
+  m.add(make_dropout(0.1f));
+  m.add(make_linear(16, 16, true));
+  m.add(make_activation(Activation::kRelu));
+  m.add(make_linear(16, kClasses, true));
+  return m;
+}
+
+OptimizerConfig adam() {
+  OptimizerConfig c;
+  c.kind = OptimizerKind::kAdam;
+  c.lr = 0.01f;
+  c.max_grad_norm = 1.0f;  // clipping on: its norm must not follow the shards
+  return c;
+}
+
+struct Batch {
+  Tensor x, y;
+};
+
+// Step s's batch: 37 rows (micro-chunks of 4: nine of 4 and one of 1, spread unevenly over the devices).
+Batch batch(int step) {
+  constexpr int64_t rows = 37;
+  const std::vector<float> x = test::randn(static_cast<size_t>(rows * kIn), static_cast<uint32_t>(100 + step), 2.0f);
+  Batch b{test::host_tensor(x, Shape{rows, kIn}), Tensor::empty(DType::kI32, Shape{rows}, Device{})};
+  for (int64_t i = 0; i < rows; ++i) b.y.i32()[i] = static_cast<int32_t>((i * 7 + step) % kClasses);
+  return b;
+}
+
+std::vector<uint32_t> bits(const std::vector<float>& v) {
+  std::vector<uint32_t> out(v.size());
+  std::memcpy(out.data(), v.data(), v.size() * sizeof(float));
+  return out;
+}
+
+uint64_t bits(double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+struct Trained {
+  std::vector<uint32_t> params;
+  std::vector<uint64_t> losses;
+};
+
+// Steps [from, to) on an engine of `devices` devices in the reproducible mode, from `load` if not empty, saving to
+// `save` at the end if not empty. Every replica must hold the same parameters.
+Trained train(size_t devices, int from, int to, const std::string& load = "", const std::string& save = "",
+              int64_t micro_chunk_rows = 4) {
+  EngineConfig config = cpu_devices(devices);
+  config.seed = 5;
+  Engine e(make_mlp(), adam(), config);
+  e.set_reproducible(micro_chunk_rows);
+  if (!load.empty()) e.load(load);
+  Trained run;
+  for (int s = from; s < to; ++s) {
+    const Batch b = batch(s);
+    run.losses.push_back(bits(e.train_step(b.x, b.y)));
+  }
+  run.params = bits(e.params(0));
+  for (size_t r = 1; r < devices; ++r) EXPECT_EQ(bits(e.params(r)), run.params) << "replica " << r;
+  if (!save.empty()) e.save(save);
+  return run;
+}
+
+constexpr int kSteps = 50;
+
+TEST(Reproducible, SameBitsOnEveryDeviceCount) {
+  const Trained one = train(1, 0, kSteps);
+  ASSERT_TRUE(std::isfinite(*reinterpret_cast<const double*>(&one.losses.back())));
+  for (size_t devices : {2, 3, 4, 8}) {
+    const Trained other = train(devices, 0, kSteps);
+    EXPECT_EQ(other.losses, one.losses) << devices << " devices";
+    EXPECT_EQ(other.params, one.params) << devices << " devices";
+  }
+}
+
+// What the mode fixes: the default mode's bits follow the device count (the replicas' sums, their dropout streams).
+TEST(Reproducible, DefaultModeDiffersBetweenDeviceCounts) {
+  EXPECT_NE(train(1, 0, 5, "", "", 0).params, train(3, 0, 5, "", "", 0).params);
+}
+
+TEST(Reproducible, CheckpointResumesOnAnotherDeviceCount) {
+  const Trained whole = train(2, 0, kSteps);
+  const std::string path = ::testing::TempDir() + "reproducible_half.safetensors";
+  const Trained first = train(1, 0, kSteps / 2, "", path);
+  const Trained second = train(3, kSteps / 2, kSteps, path);
+  std::remove(path.c_str());
+  std::vector<uint64_t> losses = first.losses;
+  losses.insert(losses.end(), second.losses.begin(), second.losses.end());
+  EXPECT_EQ(losses, whole.losses);
+  EXPECT_EQ(second.params, whole.params);
+}
+
+// One SGD step (no dropout, no clipping): the mode's gradient is the default mode's mean to f32's rounding.
+TEST(Reproducible, StepMatchesTheDefaultMode) {
+  Model m(3);
+  m.add(make_linear(kIn, 16, true));
+  m.add(make_activation(Activation::kTanh));
+  m.add(make_linear(16, kClasses, true));
+  OptimizerConfig sgd;
+  sgd.kind = OptimizerKind::kSgd;
+  sgd.lr = 1.0f;
+  const Batch b = batch(0);
+  Engine plain(m, sgd, cpu_devices(1));
+  Engine repro(m, sgd, cpu_devices(3));
+  repro.set_reproducible(5);
+  EXPECT_EQ(repro.reproducible(), 5);
+  const double l0 = plain.train_step(b.x, b.y), l1 = repro.train_step(b.x, b.y);
+  EXPECT_NEAR(l0, l1, 1e-6 * std::abs(l0));
+  // parameter - lr * gradient: the two updates agree to a few f32 roundings of the gradient.
+  const std::vector<float> before = m.values(), p0 = plain.params(0), p1 = repro.params(0);
+  double worst = 0;
+  for (size_t i = 0; i < before.size(); ++i) {
+    const double g0 = double(before[i]) - p0[i], g1 = double(before[i]) - p1[i];
+    worst = std::max(worst, std::abs(g0 - g1) / std::max(std::abs(g0), 1e-3));
+  }
+  EXPECT_LT(worst, 1e-4);
+}
+
+// Adam's and the scale's arithmetic on an element does not depend on where a shard (a vector body, a scalar tail)
+// starts: the kernels are built without FMA contraction.
+TEST(Reproducible, ElementwiseKernelsIgnoreShardEdges) {
+  constexpr int64_t n = 67;
+  const std::vector<float> p0 = test::randn(n, 1), g = test::randn(n, 2), m0 = test::randn(n, 3, 0.1f);
+  std::vector<float> v0 = test::randn(n, 4, 0.1f);
+  for (float& v : v0) v = v * v;
+  const AdamHyper h{0.01f, 0.9f, 0.999f, 1e-8f, 0.01f, false};
+  std::vector<float> p = p0, m = m0, v = v0;
+  kernels::cpu::adam_step(p.data(), m.data(), v.data(), g.data(), n, h, 3);
+  std::vector<float> scaled = g;
+  kernels::cpu::scale(scaled.data(), 0.37f, n);
+  for (int64_t start = 1; start < 20; ++start) {
+    std::vector<float> ps = p0, ms = m0, vs = v0;
+    kernels::cpu::adam_step(ps.data() + start, ms.data() + start, vs.data() + start, g.data() + start, n - start, h, 3);
+    kernels::cpu::adam_step(ps.data(), ms.data(), vs.data(), g.data(), start, h, 3);
+    EXPECT_EQ(bits(ps), bits(p)) << "shard from " << start;
+    EXPECT_EQ(bits(ms), bits(m)) << "shard from " << start;
+    EXPECT_EQ(bits(vs), bits(v)) << "shard from " << start;
+    std::vector<float> ss = g;
+    kernels::cpu::scale(ss.data() + start, 0.37f, n - start);
+    kernels::cpu::scale(ss.data(), 0.37f, start);
+    EXPECT_EQ(bits(ss), bits(scaled)) << "shard from " << start;
+  }
+}
+
+TEST(Reproducible, Refusals) {
+  Engine e(make_mlp(), adam(), cpu_devices(2));
+  EXPECT_EQ(e.reproducible(), 0);
+  try {
+    e.set_reproducible(-3);
+    ADD_FAILURE() << "a negative count was taken";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), Status::kInvalidArgument);
+    EXPECT_NE(std::string(err.what()).find("-3"), std::string::npos) << err.what();
+  }
+  EXPECT_EQ(e.reproducible(), 0);
+  const Batch b = batch(0);
+  e.accumulate(b.x, b.y);
+  try {
+    e.set_reproducible(4);
+    ADD_FAILURE() << "set while gradients are pending";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), Status::kInvalidState) << err.what();
+  }
+  e.zero_grad();
+  e.set_reproducible(4);
+  try {
+    e.accumulate(b.x, b.y);
+    ADD_FAILURE() << "accumulate in the reproducible mode";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), Status::kNotSupported) << err.what();
+  }
+  e.set_gradient_reduction(GradientReduction::kReduceScatter);
+  try {
+    e.train_step(b.x, b.y);
+    ADD_FAILURE() << "a step under reduce-scatter in the reproducible mode";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), Status::kNotSupported) << err.what();
+  }
+  e.set_gradient_reduction(GradientReduction::kAllReduce);
+  EXPECT_TRUE(std::isfinite(e.train_step(b.x, b.y)));
+  e.set_reproducible(0);
+  EXPECT_TRUE(std::isfinite(e.accumulate(b.x, b.y)));
+
+  Engine bn(make_mlp(true), adam(), cpu_devices(2));
+  try {
+    bn.set_reproducible(4);
+    ADD_FAILURE() << "BatchNorm in the reproducible mode";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), Status::kNotSupported);
+    EXPECT_NE(std::string(err.what()).find("node 1 "), std::string::npos) << err.what();
+  }
+  EXPECT_EQ(bn.reproducible(), 0);
+}
+
+}  // namespace
+}  // namespace dpar
