@@ -140,7 +140,7 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
                  " are pending; call step() or zero_grad() first");
     DPAR_ENFORCE(reduction_ == GradientReduction::kAllReduce, Status::kNotSupported,
                  "train_step: the reproducible mode needs the all-reduce gradient reduction (its clipping norm is "
-                 "computed over the whole gradient); set DPAR_REDUCTION_ALL_REDUCE or turn the mode off");
+                 "computed over the whole gradient); set the all-reduce gradient reduction or turn the mode off");
     check_statistics(input);
     int64_t samples = 0;
     for (int64_t s : row_samples) samples += s;
