@@ -1,6 +1,7 @@
 // The reproducible mode (Engine::set_reproducible, dpar_engine_set_reproducible): an MLP with dropout, trained with
 // Adam and gradient clipping on 1, 2, 3, 4 and 8 CPU devices, ends with the same bits in every parameter and every
-// loss, and so does a run that stops half-way, saves a checkpoint and goes on from it on another device count; the
+// loss, and so does a run that stops half-way, saves a checkpoint and goes on from it on another device count, and
+// the example's GPT (dropout in the embeddings and attention, a tied head, ignored targets) on 1, 2 and 3; the
 // step's gradient against the default mode's (the same mean, to f32's rounding); the elementwise optimizer gives an
 // element the same bits wherever a shard starts; refusals.
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "char_gpt.h"
 #include "common/error.h"
 #include "engine/engine.h"
 #include "engine_test_util.h"
@@ -172,6 +174,64 @@ TEST(Reproducible, ElementwiseKernelsIgnoreShardEdges) {
     kernels::cpu::scale(ss.data() + start, 0.37f, n - start);
     kernels::cpu::scale(ss.data(), 0.37f, start);
     EXPECT_EQ(bits(ss), bits(scaled)) << "shard from " << start;
+  }
+}
+
+// The example's GPT through the C ABI, in miniature: 7 sequences of 6 tokens with ignored targets spread unevenly,
+// micro-chunks of 2 sequences; Adam with clipping.
+std::vector<uint32_t> train_gpt(size_t devices, std::vector<uint64_t>* losses) {
+  const gpt_config c{11, 6, 1, 2, 8, 0.1f};
+  dpar_model* m = gpt_build(&c, 3);
+  dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
+  oo.kind = DPAR_ADAM;
+  oo.lr = 0.01f;
+  dpar_engine_options eo = DPAR_ENGINE_OPTIONS_INIT;
+  eo.num_cpu_devices = devices;
+  eo.processes = DPAR_PROCESSES_SINGLE;
+  eo.seed = 9;
+  dpar_engine* e = nullptr;
+  EXPECT_EQ(dpar_engine_create(&e, m, &oo, &eo), DPAR_OK) << dpar_last_error();
+  size_t n = 0;
+  EXPECT_EQ(dpar_model_num_param_elements(&n, m), DPAR_OK);
+  dpar_model_free(m);
+  EXPECT_EQ(dpar_engine_set_max_grad_norm(e, 0.5f), DPAR_OK);
+  EXPECT_EQ(dpar_engine_set_reproducible(e, 2), DPAR_OK) << dpar_last_error();
+  const int64_t B = 7, T = 6;
+  std::vector<int32_t> tokens(static_cast<size_t>(B * T)), targets(tokens.size());
+  const int64_t shape[2] = {B, T};
+  uint64_t rng = 5;
+  for (int step = 0; step < 10; ++step) {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      tokens[i] = static_cast<int32_t>(gpt_next_u64(&rng) % static_cast<uint64_t>(c.vocab));
+      targets[i] = static_cast<int32_t>(gpt_next_u64(&rng) % static_cast<uint64_t>(c.vocab));
+      if (i / T == 3 || (i / T == 5 && i % 2 == 0) || i == 1) targets[i] = DPAR_IGNORE_INDEX;
+    }
+    dpar_tensor *x = nullptr, *y = nullptr;
+    EXPECT_EQ(dpar_tensor_wrap_host(&x, DPAR_I32, shape, 2, tokens.data()), DPAR_OK);
+    EXPECT_EQ(dpar_tensor_wrap_host(&y, DPAR_I32, shape, 2, targets.data()), DPAR_OK);
+    float loss = 0.0f;
+    EXPECT_EQ(dpar_engine_train_step(&loss, e, x, y), DPAR_OK) << dpar_last_error();
+    losses->push_back(bits(static_cast<double>(loss)));
+    dpar_tensor_free(x);
+    dpar_tensor_free(y);
+  }
+  std::vector<float> p(n), other(n);
+  EXPECT_EQ(dpar_engine_get_params(p.data(), e, 0, n), DPAR_OK);
+  for (size_t r = 1; r < devices; ++r) {
+    EXPECT_EQ(dpar_engine_get_params(other.data(), e, r, n), DPAR_OK);
+    EXPECT_EQ(bits(other), bits(p)) << "replica " << r;
+  }
+  dpar_engine_free(e);
+  return bits(p);
+}
+
+TEST(Reproducible, GptSameBitsOnOneTwoAndThreeDevices) {
+  std::vector<uint64_t> one_losses;
+  const std::vector<uint32_t> one = train_gpt(1, &one_losses);
+  for (size_t devices : {2, 3}) {
+    std::vector<uint64_t> losses;
+    EXPECT_EQ(train_gpt(devices, &losses), one) << devices << " devices";
+    EXPECT_EQ(losses, one_losses) << devices << " devices";
   }
 }
 
