@@ -79,9 +79,11 @@ struct Trained {
 // Steps [from, to) on an engine of `devices` devices in the reproducible mode, from `load` if not empty, saving to
 // `save` at the end if not empty. Every replica must hold the same parameters.
 Trained train(size_t devices, int from, int to, const std::string& load = "", const std::string& save = "",
-              int64_t micro_chunk_rows = 4) {
+              int64_t micro_chunk_rows = 4, int32_t blas_threads = 1) {
   EngineConfig config = cpu_devices(devices);
   config.seed = 5;
+  config.blas_threads = blas_threads;
+  config.pin_workers = blas_threads == 1;  // teams of several threads on more cores than the machine may have
   Engine e(make_mlp(), adam(), config);
   e.set_reproducible(micro_chunk_rows);
   if (!load.empty()) e.load(load);
@@ -106,6 +108,14 @@ TEST(Reproducible, SameBitsOnEveryDeviceCount) {
     EXPECT_EQ(other.losses, one.losses) << devices << " devices";
     EXPECT_EQ(other.params, one.params) << devices << " devices";
   }
+}
+
+// Each worker's GEMMs run on the engine's blas_threads whatever the device count: with teams of 2 threads, one and
+// three devices still agree.
+TEST(Reproducible, SameBitsWithGemmThreadTeams) {
+  const Trained one = train(1, 0, 6, "", "", 4, 2), three = train(3, 0, 6, "", "", 4, 2);
+  EXPECT_EQ(three.losses, one.losses);
+  EXPECT_EQ(three.params, one.params);
 }
 
 // What the mode fixes: the default mode's bits follow the device count (the replicas' sums, their dropout streams).
