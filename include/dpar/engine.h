@@ -310,10 +310,10 @@ DPAR_API dpar_status dpar_engine_reduce_dtype(int32_t *out, const dpar_engine *e
  *     the step count, not to the device;
  *  4. sums the micro-chunks' gradients exactly: the devices agree on each parameter's largest exponent (a max
  *     all-reduce of one integer per parameter tensor), every micro-chunk's f32 gradient is converted to int64
- *     fixed point on that parameter's grid (2^(E - 62 + ceil(log2 micro-chunks)), rounded to nearest), the
+ *     fixed point on that parameter's grid (2^(E - 51 + ceil(log2 micro-chunks)), rounded to nearest), the
  *     integers are summed over micro-chunks, devices and processes (exact, hence independent of the order), and
- *     the sum is divided by the global batch's samples and rounded to f32 once; the loss likewise, from each
- *     micro-chunk's loss sum added in micro-chunk order;
+ *     the sum is scaled by the grid step over the global batch's samples (in double) and rounded to f32; the loss
+ *     likewise from each micro-chunk's loss sum, added in micro-chunk order (in double);
  *  5. clips (over the whole reduced gradient, which every device holds) and steps the optimizer, whose
  *     elementwise arithmetic gives an element the same bits wherever the device's shard begins.
  * The reduce dtype and the gradient compression do not apply while it is on (nothing is summed in floating

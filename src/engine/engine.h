@@ -334,9 +334,11 @@ class Engine {
   DType compute_dtype_ = DType::kF32;
   GradientReduction reduction_ = GradientReduction::kAllReduce;
   // The reproducible mode: rows per micro-chunk (0: off); per replica, its micro-chunks' gradients (one after the
-  // other); per micro-chunk of the process, its loss sum.
+  // other, but the last, which stays in its gradients) and the int64 sums; per micro-chunk of the process, its loss
+  // sum.
   int64_t micro_chunk_rows_ = 0;
   std::vector<std::vector<float>> chunk_grads_;
+  std::vector<std::vector<int64_t>> chunk_sums_;
   std::vector<double> chunk_losses_;
   std::vector<std::vector<size_t>> node_params_;  // per node, the parameters ready after its backward
   // A layer calls the replica set's collectives: a replica given no rows of a batch runs forward and backward too

@@ -9,14 +9,18 @@
 //    count is the engine's blas_threads per worker, which does not follow the device count either.
 //  - The order in which the replicas' gradients are added. Here they are not added as floats at all: each
 //    micro-chunk's f32 gradient is kept; the replicas agree on a max exponent E per parameter (one max all-reduce
-//    of an int64 per parameter tensor); each micro-chunk's gradient is converted to int64 fixed point on a grid of
-//    2^(E - 62 + ceil(log2 K)), K the global micro-chunk count (round to nearest even, a function of the value
-//    alone), so that any sum of K of them fits an int64; the int64s are summed over the micro-chunks, the replicas
-//    and the processes (exact, so in any order), and the sum is turned back to f32 once, divided by the global
-//    batch's samples in double and rounded to f32. Relative to the largest micro-chunk gradient of the parameter,
-//    that keeps 62 - ceil(log2 K) bits, against f32's 24: the mean is as close to the exact one as f32 allows for
-//    all but values 2^30 times smaller than the largest. A non-finite value (loss scaling's overflow) makes the
-//    parameter's whole gradient NaN, so that loss scaling sees it and skips the step.
+//    of an int64 per parameter tensor); each micro-chunk's gradient is put on the grid 2^(E - 51 + ceil(log2 K)),
+//    K the global micro-chunk count, as int64 (kernels/cpu/fixed_point.h: rounded to nearest even, a function of
+//    the value alone), so that every value and any sum of K of them stays below 2^51; the int64s are summed over
+//    the micro-chunks, the replicas and the processes (exact, so in any order and grouping), and the sum is turned
+//    back to f32: converted to double (exact: below 2^53), multiplied by the grid step / samples (that factor
+//    rounded once, in double), rounded to f32. Relative to the largest micro-chunk gradient of the parameter tensor,
+//    the grid keeps 51 - ceil(log2 K) bits, against f32's 24: an element up to 2^20 times smaller than the largest
+//    (with up to 128 micro-chunks) still gets f32's precision, and smaller ones an absolute error of at most K/2
+//    grid steps (2^-44 of the largest, or less). 51 bits rather than 62: rounding to the grid is then one double
+//    addition, which vectorises (no x86 before AVX-512DQ converts doubles to int64 in vectors), and the sum converts
+//    back exactly. A non-finite value (loss scaling's overflow) makes the parameter's whole gradient NaN, so that
+//    loss scaling sees it and skips the step.
 //  - Where an element lies in a replica's optimizer shard (vector body or scalar tail): the elementwise kernels are
 //    built without FMA contraction (-ffp-contract=off), so an element's bits do not depend on its position. The
 //    clipping norm is computed over the whole reduced gradient, which every replica holds here: the mode requires
@@ -40,15 +44,14 @@
 #include "common/error.h"
 #include "common/random.h"
 #include "engine/engine.h"
+#include "kernels/cpu/fixed_point.h"
 
 namespace dpar {
 
 namespace {
 
-// Exponents told to the max all-reduce: a parameter whose micro-chunk gradients are all zero, and one holding a
-// value that is not finite.
-constexpr int64_t kAllZero = -100000;
-constexpr int64_t kNotFinite = 100000;
+namespace k = kernels::cpu;
+
 // Mixed into the seed of the micro-chunks' dropout streams, apart from the replicas' own streams.
 constexpr uint64_t kChunkStreamTag = 0x6d6963726f636875ull;
 
@@ -57,21 +60,6 @@ int ceil_log2(int64_t k) {
   int bits = 0;
   while ((int64_t{1} << bits) < k) ++bits;
   return bits;
-}
-
-// The exponent e of the largest |value| of x (|x| < 2^e), kAllZero for all zeros, kNotFinite for a NaN or an
-// infinity.
-int64_t max_exponent(const float* x, size_t n) {
-  float largest = 0.0f;
-  for (size_t i = 0; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    if (!std::isfinite(a)) return kNotFinite;
-    largest = std::max(largest, a);
-  }
-  if (largest == 0.0f) return kAllZero;
-  int e = 0;
-  std::frexp(largest, &e);  // largest = m * 2^e, m in [0.5, 1)
-  return e;
 }
 
 // Restores a replica's RNG stream (seed and offset) when the micro-chunks are done, or fail.
@@ -111,6 +99,8 @@ void Engine::set_reproducible(int64_t micro_chunk_rows) {
   if (micro_chunk_rows == 0) {
     chunk_grads_.clear();
     chunk_grads_.shrink_to_fit();
+    chunk_sums_.clear();
+    chunk_sums_.shrink_to_fit();
   }
 }
 
@@ -169,10 +159,11 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
   const auto per_replica = split_batch(chunks, replicas_.size());
   const auto& params = model_.params();
   const size_t numel = static_cast<size_t>(model_.num_param_elements());
-  const int grid_bits = 62 - ceil_log2(std::max<int64_t>(global_chunks, 1));
+  const int grid_bits = k::kFixedPointBits - ceil_log2(std::max<int64_t>(global_chunks, 1));
   const double samples = static_cast<double>(global.samples);
   const uint64_t step_seed = derive_seed(config_.seed ^ kChunkStreamTag, static_cast<uint64_t>(step_count()));
   chunk_grads_.resize(replicas_.size());
+  chunk_sums_.resize(replicas_.size());
   chunk_losses_.assign(static_cast<size_t>(chunks), 0.0);
 
   run(operation, [&](Replica& rep, size_t r) {
@@ -183,8 +174,10 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
     rep.loss_samples = 0;
     if (training_) save_state(rep);
     std::vector<float>& partials = chunk_grads_[r];
-    partials.resize(static_cast<size_t>(mine) * numel);
-    std::vector<int64_t> exponent(params.size(), kAllZero);
+    partials.resize(static_cast<size_t>(std::max<int64_t>(mine - 1, 0)) * numel);
+    std::vector<int64_t>& sum = chunk_sums_[r];
+    sum.resize(numel);
+    std::vector<int64_t> exponent(params.size(), k::kFixedPointAllZero);
     double loss_sum = 0.0;
     int64_t loss_rows = 0, loss_samples = 0;
     {
@@ -204,11 +197,11 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
         loss_sum += rep.loss_sum;
         loss_rows += rep.rows;
         loss_samples += chunk_samples;
-        float* dst = partials.data() + static_cast<size_t>(c) * numel;
-        rep.stream->copy_to_host(dst, rep.model->grads(), numel * sizeof(float));
+        // Kept for the sum but the last, which stays in the gradients (host memory: CPU devices only).
+        float* dst = c + 1 < mine ? partials.data() + static_cast<size_t>(c) * numel : rep.model->grads();
+        if (c + 1 < mine) rep.stream->copy_to_host(dst, rep.model->grads(), numel * sizeof(float));
         for (size_t p = 0; p < params.size(); ++p)
-          exponent[p] = std::max(exponent[p], max_exponent(dst + params[p].offset,
-                                                           static_cast<size_t>(params[p].shape.numel())));
+          exponent[p] = std::max<int64_t>(exponent[p], k::max_exponent(dst + params[p].offset, params[p].shape.numel()));
       }
     }
     rep.loss_sum = loss_sum;
@@ -219,16 +212,20 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
       reduce_over_all(rep, exponent.data(), exponent.size(), DType::kI64, ReduceOp::kMax);
     }
     // Each micro-chunk's gradient on its parameter's grid, summed exactly.
-    std::vector<int64_t> sum(numel, 0);
     {
       TraceSpan fixed(*trace_, "gradients to fixed point");
       for (size_t p = 0; p < params.size(); ++p) {
-        if (exponent[p] == kAllZero || exponent[p] == kNotFinite) continue;
-        const int down = grid_bits - static_cast<int>(exponent[p]);  // value * 2^down is the grid's integer
-        const auto begin = static_cast<size_t>(params[p].offset), end = begin + static_cast<size_t>(params[p].shape.numel());
+        const auto begin = static_cast<size_t>(params[p].offset);
+        const int64_t count = params[p].shape.numel();
+        if (mine == 0 || exponent[p] == k::kFixedPointAllZero || exponent[p] == k::kFixedPointNotFinite) {
+          std::fill_n(sum.data() + begin, count, int64_t{0});
+          continue;
+        }
+        // value * 2^(grid_bits - E) is below 2^grid_bits in magnitude: K of them stay below 2^51.
+        const int down = grid_bits - static_cast<int>(exponent[p]);
         for (int64_t c = 0; c < mine; ++c) {
-          const float* g = partials.data() + static_cast<size_t>(c) * numel;
-          for (size_t i = begin; i < end; ++i) sum[i] += std::llrint(std::ldexp(static_cast<double>(g[i]), down));
+          const float* g = c + 1 < mine ? partials.data() + static_cast<size_t>(c) * numel : rep.model->grads();
+          k::to_grid(sum.data() + begin, g + begin, count, down, c > 0);
         }
       }
     }
@@ -236,21 +233,19 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
       TraceSpan exact(*trace_, "gradients exact sum", "elements", static_cast<int64_t>(numel));
       reduce_over_all(rep, sum.data(), numel, DType::kI64, ReduceOp::kSum);
     }
-    // Back to f32: the exact sum (exact in double below 2^53) over the global batch's samples, rounded once.
-    std::vector<float>& grad = partials;  // reused as the host copy of the reduced gradient
-    grad.resize(numel);
+    // Back to f32, into the gradients (host memory): the exact sum (exact in double: below 2^53) times the grid
+    // step / samples (that factor rounded once, in double), rounded to f32, on every replica of every job alike.
+    float* grad = rep.model->grads();
     for (size_t p = 0; p < params.size(); ++p) {
-      const auto begin = static_cast<size_t>(params[p].offset), end = begin + static_cast<size_t>(params[p].shape.numel());
-      if (exponent[p] == kNotFinite) {
-        std::fill(grad.begin() + static_cast<std::ptrdiff_t>(begin), grad.begin() + static_cast<std::ptrdiff_t>(end),
-                  std::numeric_limits<float>::quiet_NaN());
+      const auto begin = static_cast<size_t>(params[p].offset);
+      const int64_t count = params[p].shape.numel();
+      if (exponent[p] == k::kFixedPointNotFinite) {
+        std::fill_n(grad + begin, count, std::numeric_limits<float>::quiet_NaN());
         continue;
       }
-      const int up = static_cast<int>(exponent[p]) - grid_bits;
-      for (size_t i = begin; i < end; ++i)
-        grad[i] = samples > 0 ? static_cast<float>(std::ldexp(static_cast<double>(sum[i]), up) / samples) : 0.0f;
+      const double factor = samples > 0 ? std::ldexp(1.0, static_cast<int>(exponent[p]) - grid_bits) / samples : 0.0;
+      k::from_grid(grad + begin, sum.data() + begin, count, factor);
     }
-    rep.stream->copy_from_host(rep.model->grads(), grad.data(), numel * sizeof(float));
     rep.has_grad = true;
     finish_and_step(rep, true);
     if (training_) sync_buffers(rep);
