@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -16,7 +17,9 @@
 #include "common/error.h"
 #include "engine/engine.h"
 #include "engine_test_util.h"
+#include "kernels/cpu/fixed_point.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/vector_isa.h"
 #include "optim/optimizer.h"
 
 namespace dpar {
@@ -162,7 +165,8 @@ TEST(Reproducible, StepMatchesTheDefaultMode) {
 }
 
 // Adam's and the scale's arithmetic on an element does not depend on where a shard (a vector body, a scalar tail)
-// starts: the kernels are built without FMA contraction.
+// starts, in any vector copy, against the best copy's whole-buffer bits: the kernels are built without FMA
+// contraction.
 TEST(Reproducible, ElementwiseKernelsIgnoreShardEdges) {
   constexpr int64_t n = 67;
   const std::vector<float> p0 = test::randn(n, 1), g = test::randn(n, 2), m0 = test::randn(n, 3, 0.1f);
@@ -173,17 +177,22 @@ TEST(Reproducible, ElementwiseKernelsIgnoreShardEdges) {
   kernels::cpu::adam_step(p.data(), m.data(), v.data(), g.data(), n, h, 3);
   std::vector<float> scaled = g;
   kernels::cpu::scale(scaled.data(), 0.37f, n);
-  for (int64_t start = 1; start < 20; ++start) {
-    std::vector<float> ps = p0, ms = m0, vs = v0;
-    kernels::cpu::adam_step(ps.data() + start, ms.data() + start, vs.data() + start, g.data() + start, n - start, h, 3);
-    kernels::cpu::adam_step(ps.data(), ms.data(), vs.data(), g.data(), start, h, 3);
-    EXPECT_EQ(bits(ps), bits(p)) << "shard from " << start;
-    EXPECT_EQ(bits(ms), bits(m)) << "shard from " << start;
-    EXPECT_EQ(bits(vs), bits(v)) << "shard from " << start;
-    std::vector<float> ss = g;
-    kernels::cpu::scale(ss.data() + start, 0.37f, n - start);
-    kernels::cpu::scale(ss.data(), 0.37f, start);
-    EXPECT_EQ(bits(ss), bits(scaled)) << "shard from " << start;
+  for (kernels::cpu::VectorIsa isa : kernels::cpu::kVectorIsas) {
+    if (!kernels::cpu::vector_isa_supported(isa)) continue;
+    kernels::cpu::ForceVectorIsa force(isa);
+    for (int64_t start = 1; start < 20; ++start) {
+      std::vector<float> ps = p0, ms = m0, vs = v0;
+      kernels::cpu::adam_step(ps.data() + start, ms.data() + start, vs.data() + start, g.data() + start, n - start, h,
+                              3);
+      kernels::cpu::adam_step(ps.data(), ms.data(), vs.data(), g.data(), start, h, 3);
+      EXPECT_EQ(bits(ps), bits(p)) << "shard from " << start;
+      EXPECT_EQ(bits(ms), bits(m)) << "shard from " << start;
+      EXPECT_EQ(bits(vs), bits(v)) << "shard from " << start;
+      std::vector<float> ss = g;
+      kernels::cpu::scale(ss.data() + start, 0.37f, n - start);
+      kernels::cpu::scale(ss.data(), 0.37f, start);
+      EXPECT_EQ(bits(ss), bits(scaled)) << "shard from " << start;
+    }
   }
 }
 
@@ -242,6 +251,56 @@ TEST(Reproducible, GptSameBitsOnOneTwoAndThreeDevices) {
     std::vector<uint64_t> losses;
     EXPECT_EQ(train_gpt(devices, &losses), one) << devices << " devices";
     EXPECT_EQ(losses, one_losses) << devices << " devices";
+  }
+}
+
+// The fixed point's kernels against their definitions (frexp, llrint), in every vector copy the CPU runs: ties to
+// even, negative values, the extremes of the grid, subnormals, NaN and infinity.
+TEST(Reproducible, FixedPointKernels) {
+  namespace k = kernels::cpu;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  std::vector<float> x = test::randn(203, 8, 3.0f);
+  for (float t : {0.5f, 1.5f, 2.5f, -0.5f, -1.5f, -2.5f, 0.0f, -0.0f}) x.push_back(t);
+  for (k::VectorIsa isa : k::kVectorIsas) {
+    if (!k::vector_isa_supported(isa)) continue;
+    k::ForceVectorIsa force(isa);
+    const char* name = k::vector_isa_name(isa);
+    EXPECT_EQ(k::max_exponent(x.data(), 0), k::kFixedPointAllZero) << name;
+    const std::vector<float> zeros(37, 0.0f), one{0.25f, -1.0f, 0.5f}, three_quarters(19, 0.75f);
+    EXPECT_EQ(k::max_exponent(zeros.data(), 37), k::kFixedPointAllZero) << name;
+    EXPECT_EQ(k::max_exponent(one.data(), 3), 1) << name;  // 1 = 0.5 * 2^1
+    EXPECT_EQ(k::max_exponent(three_quarters.data(), 19), 0) << name;
+    const float tiny = std::numeric_limits<float>::denorm_min();
+    EXPECT_EQ(k::max_exponent(&tiny, 1), -125) << name;
+    for (float bad : {nan, inf, -inf}) {
+      std::vector<float> y = x;
+      y[117] = bad;
+      EXPECT_EQ(k::max_exponent(y.data(), static_cast<int64_t>(y.size())), k::kFixedPointNotFinite) << name;
+    }
+    int e = 0;
+    float largest = 0;
+    for (float v : x) largest = std::max(largest, std::fabs(v));
+    std::frexp(largest, &e);
+    EXPECT_EQ(k::max_exponent(x.data(), static_cast<int64_t>(x.size())), e) << name;
+    // On the grid that puts the largest value at 2^51, and on a coarse one (exponent 0: the ties above).
+    for (int scale : {k::kFixedPointBits - e, 0}) {
+      std::vector<int64_t> sum(x.size(), 7), twice(x.size(), 0);
+      k::to_grid(sum.data(), x.data(), static_cast<int64_t>(x.size()), scale, false);
+      k::to_grid(twice.data(), x.data(), static_cast<int64_t>(x.size()), scale, true);
+      k::to_grid(twice.data(), x.data(), static_cast<int64_t>(x.size()), scale, true);
+      for (size_t i = 0; i < x.size(); ++i) {
+        const int64_t want = std::llrint(std::ldexp(static_cast<double>(x[i]), scale));
+        EXPECT_EQ(sum[i], want) << name << ": " << x[i] << " * 2^" << scale;
+        EXPECT_EQ(twice[i], 2 * want) << name;
+      }
+      std::vector<float> back(x.size());
+      const double factor = std::ldexp(1.0, -scale) / 3.0;
+      k::from_grid(back.data(), sum.data(), static_cast<int64_t>(x.size()), factor);
+      for (size_t i = 0; i < x.size(); ++i)
+        EXPECT_EQ(bits(std::vector<float>{back[i]}),
+                  bits(std::vector<float>{static_cast<float>(double(sum[i]) * factor)}))
+            << name;
+    }
   }
 }
 

@@ -201,7 +201,8 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
         float* dst = c + 1 < mine ? partials.data() + static_cast<size_t>(c) * numel : rep.model->grads();
         if (c + 1 < mine) rep.stream->copy_to_host(dst, rep.model->grads(), numel * sizeof(float));
         for (size_t p = 0; p < params.size(); ++p)
-          exponent[p] = std::max<int64_t>(exponent[p], k::max_exponent(dst + params[p].offset, params[p].shape.numel()));
+          exponent[p] =
+              std::max<int64_t>(exponent[p], k::max_exponent(dst + params[p].offset, params[p].shape.numel()));
       }
     }
     rep.loss_sum = loss_sum;
