@@ -301,6 +301,12 @@ TEST(Reproducible, FixedPointKernels) {
                   bits(std::vector<float>{static_cast<float>(double(sum[i]) * factor)}))
             << name;
     }
+    const int64_t top = int64_t{1} << k::kFixedPointBits;
+    const std::vector<int64_t> edges{top, -top, top - 1, 1 - top, 0, 1, -1, 12345678901};
+    std::vector<float> back(edges.size());
+    k::from_grid(back.data(), edges.data(), static_cast<int64_t>(edges.size()), 0x1p-20);
+    for (size_t i = 0; i < edges.size(); ++i)
+      EXPECT_EQ(back[i], static_cast<float>(static_cast<double>(edges[i]) * 0x1p-20)) << name << ": " << edges[i];
   }
 }
 

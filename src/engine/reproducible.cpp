@@ -198,6 +198,7 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
         loss_rows += rep.rows;
         loss_samples += chunk_samples;
         // Kept for the sum but the last, which stays in the gradients (host memory: CPU devices only).
+        TraceSpan keep(*trace_, "micro-chunk gradient kept");
         float* dst = c + 1 < mine ? partials.data() + static_cast<size_t>(c) * numel : rep.model->grads();
         if (c + 1 < mine) rep.stream->copy_to_host(dst, rep.model->grads(), numel * sizeof(float));
         for (size_t p = 0; p < params.size(); ++p)
@@ -224,10 +225,13 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
         }
         // value * 2^(grid_bits - E) is below 2^grid_bits in magnitude: K of them stay below 2^51.
         const int down = grid_bits - static_cast<int>(exponent[p]);
-        for (int64_t c = 0; c < mine; ++c) {
-          const float* g = c + 1 < mine ? partials.data() + static_cast<size_t>(c) * numel : rep.model->grads();
-          k::to_grid(sum.data() + begin, g + begin, count, down, c > 0);
-        }
+        // In blocks whose sums stay in the cache while every micro-chunk is added to them.
+        constexpr int64_t kBlock = 4096;
+        for (int64_t from = 0; from < count; from += kBlock)
+          for (int64_t c = 0; c < mine; ++c) {
+            const float* g = c + 1 < mine ? partials.data() + static_cast<size_t>(c) * numel : rep.model->grads();
+            k::to_grid(sum.data() + begin + from, g + begin + from, std::min(kBlock, count - from), down, c > 0);
+          }
       }
     }
     {
@@ -236,16 +240,19 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
     }
     // Back to f32, into the gradients (host memory): the exact sum (exact in double: below 2^53) times the grid
     // step / samples (that factor rounded once, in double), rounded to f32, on every replica of every job alike.
-    float* grad = rep.model->grads();
-    for (size_t p = 0; p < params.size(); ++p) {
-      const auto begin = static_cast<size_t>(params[p].offset);
-      const int64_t count = params[p].shape.numel();
-      if (exponent[p] == k::kFixedPointNotFinite) {
-        std::fill_n(grad + begin, count, std::numeric_limits<float>::quiet_NaN());
-        continue;
+    {
+      float* grad = rep.model->grads();
+      TraceSpan back(*trace_, "gradients from fixed point");
+      for (size_t p = 0; p < params.size(); ++p) {
+        const auto begin = static_cast<size_t>(params[p].offset);
+        const int64_t count = params[p].shape.numel();
+        if (exponent[p] == k::kFixedPointNotFinite) {
+          std::fill_n(grad + begin, count, std::numeric_limits<float>::quiet_NaN());
+          continue;
+        }
+        const double factor = samples > 0 ? std::ldexp(1.0, static_cast<int>(exponent[p]) - grid_bits) / samples : 0.0;
+        k::from_grid(grad + begin, sum.data() + begin, count, factor);
       }
-      const double factor = samples > 0 ? std::ldexp(1.0, static_cast<int>(exponent[p]) - grid_bits) / samples : 0.0;
-      k::from_grid(grad + begin, sum.data() + begin, count, factor);
     }
     rep.has_grad = true;
     finish_and_step(rep, true);

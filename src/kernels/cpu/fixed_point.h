@@ -23,8 +23,8 @@ int max_exponent(const float* x, int64_t n);
 // sum (n), x (n)
 void to_grid(int64_t* sum, const float* x, int64_t n, int scale_exponent, bool accumulate);
 
-// out[i] = f32(double(sum[i]) * factor): |sum[i]| < 2^53 converts exactly, so the product is the one rounding in
-// double and the conversion to f32 the other.  out (n), sum (n)
+// out[i] = f32(double(sum[i]) * factor), for |sum[i]| <= 2^kFixedPointBits (which converts to double exactly): the
+// product is the one rounding in double and the conversion to f32 the other.  out (n), sum (n)
 void from_grid(float* out, const int64_t* sum, int64_t n, double factor);
 
 }  // namespace dpar::kernels::cpu
