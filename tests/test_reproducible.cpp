@@ -6,6 +6,7 @@
 // element the same bits wherever a shard starts; refusals.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -194,6 +195,32 @@ TEST(Reproducible, ElementwiseKernelsIgnoreShardEdges) {
       EXPECT_EQ(bits(ss), bits(scaled)) << "shard from " << start;
     }
   }
+}
+
+// Loss scaling from a scale that overflows the gradient: the same steps are skipped (the NaN that an overflowing
+// micro-chunk makes of its tensor's sum reaches every replica), and the same bits come out, on 1 and 3 devices.
+TEST(Reproducible, LossScalingSkipsAlikeOnEveryDeviceCount) {
+  std::vector<std::vector<uint32_t>> params;
+  std::vector<std::vector<int>> skipped;
+  for (size_t devices : {1, 3}) {
+    Engine e(make_mlp(), adam(), cpu_devices(devices));
+    e.set_reproducible(4);
+    LossScaling scaling;
+    scaling.init_scale = 3e38f;
+    scaling.growth_interval = 2;
+    e.set_loss_scaling(scaling);
+    skipped.emplace_back();
+    for (int s = 0; s < 8; ++s) {
+      const Batch b = batch(s);
+      e.train_step(b.x, b.y);
+      skipped.back().push_back(e.loss_scaler().last_step_skipped() ? 1 : 0);
+    }
+    params.push_back(bits(e.params(0)));
+  }
+  EXPECT_EQ(skipped[0][0], 1) << "a scale of 3e38 did not overflow";
+  EXPECT_GT(std::count(skipped[0].begin(), skipped[0].end(), 0), 0) << "no step was taken";
+  EXPECT_EQ(skipped[1], skipped[0]);
+  EXPECT_EQ(params[1], params[0]);
 }
 
 // The example's GPT through the C ABI, in miniature: 7 sequences of 6 tokens with ignored targets spread unevenly,
