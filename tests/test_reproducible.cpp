@@ -337,6 +337,35 @@ TEST(Reproducible, FixedPointKernels) {
   }
 }
 
+// Gradient accumulation: the micro-chunks of several accumulate() calls are numbered on, so that accumulating a
+// batch in two parts that are whole micro-chunks, then step(), gives train_step's bits on the whole batch; and the
+// same bits on 1 and 3 devices.
+TEST(Reproducible, AccumulateInPartsIsTrainStepOnTheWhole) {
+  std::vector<std::vector<uint32_t>> params;
+  for (size_t devices : {1, 3}) {
+    for (bool parts : {false, true}) {
+      EngineConfig config = cpu_devices(devices);
+      config.seed = 5;
+      Engine e(make_mlp(), adam(), config);
+      e.set_reproducible(4);
+      for (int s = 0; s < 4; ++s) {
+        const Batch b = batch(s);
+        if (!parts) {
+          e.train_step(b.x, b.y);
+          continue;
+        }
+        e.accumulate(b.x.rows(0, 20), b.y.rows(0, 20));  // micro-chunks 0-4
+        e.accumulate(b.x.rows(20, 17), b.y.rows(20, 17));  // 5-9, the last of one row
+        e.step();
+      }
+      params.push_back(bits(e.params(0)));
+    }
+  }
+  EXPECT_EQ(params[1], params[0]) << "accumulated in parts, one device";
+  EXPECT_EQ(params[2], params[0]) << "three devices";
+  EXPECT_EQ(params[3], params[0]) << "accumulated in parts, three devices";
+}
+
 TEST(Reproducible, Refusals) {
   Engine e(make_mlp(), adam(), cpu_devices(2));
   EXPECT_EQ(e.reproducible(), 0);
@@ -358,9 +387,25 @@ TEST(Reproducible, Refusals) {
   }
   e.zero_grad();
   e.set_reproducible(4);
+  EXPECT_TRUE(std::isfinite(e.accumulate(b.x, b.y)));
   try {
-    e.accumulate(b.x, b.y);
-    ADD_FAILURE() << "accumulate in the reproducible mode";
+    e.train_step(b.x, b.y);
+    ADD_FAILURE() << "train_step while accumulated gradients are pending";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), Status::kInvalidState) << err.what();
+  }
+  try {
+    e.set_reproducible(8);
+    ADD_FAILURE() << "set while accumulated gradients are pending";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), Status::kInvalidState) << err.what();
+  }
+  EXPECT_EQ(e.reproducible(), 4);
+  e.zero_grad();  // the accumulated micro-chunks are forgotten: the next call starts a step
+  try {
+    e.forward(b.x);
+    e.backward(Tensor::zeros(DType::kF32, Shape{37, kClasses}, Device{}));
+    ADD_FAILURE() << "backward in the reproducible mode";
   } catch (const Error& err) {
     EXPECT_EQ(err.status(), Status::kNotSupported) << err.what();
   }

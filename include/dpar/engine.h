@@ -299,7 +299,8 @@ DPAR_API dpar_status dpar_engine_reduce_dtype(int32_t *out, const dpar_engine *e
  * losses on 1, 2, 3, 8 or any number of CPU devices, and under mpirun with any number of processes (each feeding
  * a whole number of micro-chunks, but the last), at some cost in speed (one forward and backward per micro-chunk).
  *
- * With @p micro_chunk_rows > 0, dpar_engine_train_step():
+ * With @p micro_chunk_rows > 0, dpar_engine_train_step() (and dpar_engine_accumulate() followed by
+ * dpar_engine_step()):
  *  1. cuts each process's batch into micro-chunks of @p micro_chunk_rows rows (the last one may be shorter),
  *     numbered across the processes in rank order; the micro-chunks do not depend on the device count;
  *  2. gives every device whole micro-chunks: DataParallel's split applied to the micro-chunk count (chunks of
@@ -316,11 +317,15 @@ DPAR_API dpar_status dpar_engine_reduce_dtype(int32_t *out, const dpar_engine *e
  *     likewise from each micro-chunk's loss sum, added in micro-chunk order (in double);
  *  5. clips (over the whole reduced gradient, which every device holds) and steps the optimizer, whose
  *     elementwise arithmetic gives an element the same bits wherever the device's shard begins.
- * The reduce dtype and the gradient compression do not apply while it is on (nothing is summed in floating
- * point). dpar_engine_accumulate() and dpar_engine_backward() answer ::DPAR_ERR_NOT_SUPPORTED while it is on, as
- * does a step under ::DPAR_REDUCTION_REDUCE_SCATTER. Models with BatchNorm or SyncBatchNorm are refused: their
- * statistics span a device's rows (and running statistics come from device 0's), which follow the device count.
- * Every process sets the same.
+ * dpar_engine_accumulate() keeps its micro-chunks' gradients and numbers its micro-chunks on from the step's
+ * earlier calls; dpar_engine_step() sums them all: batches accumulated in parts that are whole micro-chunks give the
+ * bits of one dpar_engine_train_step() on the whole (the kept gradients take micro-chunks x parameters floats per
+ * device until the step). The reduce dtype and the gradient compression do not apply while the mode is on
+ * (nothing is summed in floating point). dpar_engine_backward() answers ::DPAR_ERR_NOT_SUPPORTED while it is on,
+ * as does a step under ::DPAR_REDUCTION_REDUCE_SCATTER; dpar_engine_forward() splits rows as always (its dropout
+ * draws in training mode follow the device). Models with BatchNorm or SyncBatchNorm are refused: their statistics
+ * span a device's rows (and running statistics come from device 0's), which follow the device count. Every
+ * process sets the same.
  * @param micro_chunk_rows Rows per micro-chunk; 0 turns the mode off (engines start with it off).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a negative count (the message names it);
  * ::DPAR_ERR_INVALID_STATE while gradients are pending (dpar_engine_accumulate(), dpar_engine_backward());

@@ -97,10 +97,9 @@ void Engine::set_reproducible(int64_t micro_chunk_rows) {
   }
   micro_chunk_rows_ = micro_chunk_rows;
   if (micro_chunk_rows == 0) {
-    chunk_grads_.clear();
-    chunk_grads_.shrink_to_fit();
-    chunk_sums_.clear();
-    chunk_sums_.shrink_to_fit();
+    chunk_grads_ = {};
+    chunk_sums_ = {};
+    chunk_exponents_ = {};
   }
 }
 
@@ -119,151 +118,188 @@ void Engine::reduce_over_all(Replica& rep, void* data, size_t count, DType dtype
   if (replicas_.size() > 1) rep.comm->broadcast(data, count, dtype, 0);
 }
 
-double Engine::reproducible_train_step(const Tensor& input, const Tensor& target) {
-  const TraceSpan span(*trace_, kCallTrack, "train_step", "rows", input.rows());
-  const char* operation = "train_step";
-  std::vector<int64_t> row_samples;
-  const BatchCount global = global_batch_of(operation, [&] {
-    check_batch(input, &target, operation, &row_samples);
-    DPAR_ENFORCE(pending_ == Pending::kNone, Status::kInvalidState, "train_step: gradients from ",
-                 pending_ == Pending::kLoss ? "accumulate()" : "backward()",
-                 " are pending; call step() or zero_grad() first");
-    DPAR_ENFORCE(reduction_ == GradientReduction::kAllReduce, Status::kNotSupported,
-                 "train_step: the reproducible mode needs the all-reduce gradient reduction (its clipping norm is "
-                 "computed over the whole gradient); set the all-reduce gradient reduction or turn the mode off");
+// What a train_step or accumulate call of the mode is about: this process's micro-chunks of its batch.
+struct Engine::ChunkCall {
+  const Tensor* input = nullptr;
+  const Tensor* target = nullptr;
+  std::vector<int64_t> row_samples;  // the loss's samples in each row
+  BatchCount global;                 // the call's rows and samples over every process
+  int64_t chunks = 0;                // this process's micro-chunks
+  int64_t first_chunk = 0;           // the global index of the first (micro-chunks of the step's earlier calls first)
+  int64_t global_chunks = 0;         // every process's micro-chunks of this call
+  std::vector<int64_t> per_replica;  // micro-chunks per replica (split_batch over the micro-chunk count)
+  bool keep_last_in_place = false;   // the last micro-chunk's gradient stays in the gradients (the step follows)
+};
+
+Engine::ChunkCall Engine::reproducible_call(const char* operation, const Tensor& input, const Tensor& target,
+                                            bool accumulating) {
+  ChunkCall call;
+  call.input = &input;
+  call.target = &target;
+  call.global = global_batch_of(operation, [&] {
+    check_batch(input, &target, operation, &call.row_samples);
+    if (accumulating) {
+      DPAR_ENFORCE(pending_ != Pending::kExplicit, Status::kInvalidState,
+                   operation, ": gradients from backward() are pending; call step() or zero_grad() first");
+    } else {
+      DPAR_ENFORCE(pending_ == Pending::kNone, Status::kInvalidState, operation, ": gradients from ",
+                   pending_ == Pending::kLoss ? "accumulate()" : "backward()",
+                   " are pending; call step() or zero_grad() first");
+    }
+    DPAR_ENFORCE(reduction_ == GradientReduction::kAllReduce, Status::kNotSupported, operation,
+                 ": the reproducible mode needs the all-reduce gradient reduction (its clipping norm is computed "
+                 "over the whole gradient); set the all-reduce gradient reduction or turn the mode off");
     check_statistics(input);
     int64_t samples = 0;
-    for (int64_t s : row_samples) samples += s;
+    for (int64_t s : call.row_samples) samples += s;
     return BatchCount{input.rows(), samples};
   });
   const int64_t R = micro_chunk_rows_;
-  const int64_t rows = input.rows();
-  const int64_t chunks = (rows + R - 1) / R;  // this process's micro-chunks
+  call.chunks = (input.rows() + R - 1) / R;
   // The global numbering: this process's first micro-chunk, and the count over every process.
-  int64_t first_chunk = 0, global_chunks = chunks;
+  call.global_chunks = call.chunks;
   if (processes_) {
     std::vector<int64_t> all(static_cast<size_t>(processes_->size()));
     try {
-      processes_->all_gather(&chunks, all.data(), 1, DType::kI64);
+      processes_->all_gather(&call.chunks, all.data(), 1, DType::kI64);
     } catch (const Error& e) {
       broken_ = true;
       broken_reason_ = std::string(operation) + ": " + e.what();
       fail(e.status(), operation, ": across processes: ", e.what());
     }
-    global_chunks = 0;
+    call.global_chunks = 0;
     for (size_t p = 0; p < all.size(); ++p) {
-      if (static_cast<int>(p) < processes_->rank()) first_chunk += all[p];
-      global_chunks += all[p];
+      if (static_cast<int>(p) < processes_->rank()) call.first_chunk += all[p];
+      call.global_chunks += all[p];
     }
   }
-  const auto per_replica = split_batch(chunks, replicas_.size());
+  // A step's first call forgets what an abandoned step (zero_grad, a failure) kept.
+  if (pending_ == Pending::kNone) {
+    step_chunks_ = 0;
+    chunk_grads_.assign(replicas_.size(), {});
+    chunk_exponents_.assign(replicas_.size(), std::vector<int64_t>(model_.params().size(), k::kFixedPointAllZero));
+    chunk_sums_.resize(replicas_.size());
+  }
+  call.first_chunk += step_chunks_;
+  call.per_replica = split_batch(call.chunks, replicas_.size());
+  call.keep_last_in_place = !accumulating;
+  chunk_losses_.assign(static_cast<size_t>(call.chunks), 0.0);
+  return call;
+}
+
+void Engine::reproducible_backward(Replica& rep, size_t r, const ChunkCall& call) {
+  int64_t chunk_begin = 0;
+  for (size_t i = 0; i < r; ++i) chunk_begin += call.per_replica[i];
+  const int64_t mine = call.per_replica[r];
   const auto& params = model_.params();
   const size_t numel = static_cast<size_t>(model_.num_param_elements());
-  const int grid_bits = k::kFixedPointBits - ceil_log2(std::max<int64_t>(global_chunks, 1));
-  const double samples = static_cast<double>(global.samples);
+  const int64_t R = micro_chunk_rows_, rows = call.input->rows();
   const uint64_t step_seed = derive_seed(config_.seed ^ kChunkStreamTag, static_cast<uint64_t>(step_count()));
-  chunk_grads_.resize(replicas_.size());
-  chunk_sums_.resize(replicas_.size());
-  chunk_losses_.assign(static_cast<size_t>(chunks), 0.0);
+  std::vector<float>& partials = chunk_grads_[r];
+  const size_t kept = partials.size() / numel;  // micro-chunks of the step's earlier calls
+  const int64_t copied = call.keep_last_in_place ? std::max<int64_t>(mine - 1, 0) : mine;
+  partials.resize((kept + static_cast<size_t>(copied)) * numel);
+  std::vector<int64_t>& exponent = chunk_exponents_[r];
+  rep.loss_rows = 0;
+  rep.loss_samples = 0;
+  double loss_sum = 0.0;
+  int64_t loss_rows = 0, loss_samples = 0;
+  {
+    RngStreamGuard guard(rep.ctx);
+    for (int64_t c = 0; c < mine; ++c) {
+      const int64_t chunk = chunk_begin + c;
+      const int64_t begin = chunk * R;
+      rep.rows = std::min(R, rows - begin);
+      rep.ctx.rng_seed = derive_seed(step_seed, static_cast<uint64_t>(call.first_chunk + chunk));
+      rep.rng_offset = 0;
+      rep.has_grad = false;  // backward overwrites the gradients: this micro-chunk's alone
+      const int64_t chunk_samples = std::accumulate(call.row_samples.begin() + begin,
+                                                    call.row_samples.begin() + begin + rep.rows, int64_t{0});
+      local_loss_backward(rep, *call.input, *call.target, begin, chunk_samples, false);
+      read_loss(rep);  // waits for the device: the loss sum is on the host
+      chunk_losses_[static_cast<size_t>(chunk)] = rep.loss_sum;
+      loss_sum += rep.loss_sum;
+      loss_rows += rep.rows;
+      loss_samples += chunk_samples;
+      // Kept for the sum, but for a step's last micro-chunk, which stays in the gradients (host memory: CPU
+      // devices only).
+      TraceSpan keep(*trace_, "micro-chunk gradient kept");
+      float* dst = c < copied ? partials.data() + (kept + static_cast<size_t>(c)) * numel : rep.model->grads();
+      if (c < copied) rep.stream->copy_to_host(dst, rep.model->grads(), numel * sizeof(float));
+      for (size_t p = 0; p < params.size(); ++p)
+        exponent[p] =
+            std::max<int64_t>(exponent[p], k::max_exponent(dst + params[p].offset, params[p].shape.numel()));
+    }
+  }
+  rep.loss_sum = loss_sum;
+  rep.loss_rows = loss_rows;
+  rep.loss_samples = loss_samples;
+  // The gradients hold a micro-chunk's alone: the step's sum is in the kept micro-chunks.
+  rep.has_grad = false;
+}
 
-  run(operation, [&](Replica& rep, size_t r) {
-    int64_t chunk_begin = 0;
-    for (size_t i = 0; i < r; ++i) chunk_begin += per_replica[i];
-    const int64_t mine = per_replica[r];
-    rep.loss_rows = 0;
-    rep.loss_samples = 0;
-    if (training_) save_state(rep);
-    std::vector<float>& partials = chunk_grads_[r];
-    partials.resize(static_cast<size_t>(std::max<int64_t>(mine - 1, 0)) * numel);
-    std::vector<int64_t>& sum = chunk_sums_[r];
-    sum.resize(numel);
-    std::vector<int64_t> exponent(params.size(), k::kFixedPointAllZero);
-    double loss_sum = 0.0;
-    int64_t loss_rows = 0, loss_samples = 0;
-    {
-      RngStreamGuard guard(rep.ctx);
-      for (int64_t c = 0; c < mine; ++c) {
-        const int64_t chunk = chunk_begin + c;
-        const int64_t begin = chunk * R;
-        rep.rows = std::min(R, rows - begin);
-        rep.ctx.rng_seed = derive_seed(step_seed, static_cast<uint64_t>(first_chunk + chunk));
-        rep.rng_offset = 0;
-        rep.has_grad = false;  // backward overwrites the gradients: this micro-chunk's alone
-        const int64_t chunk_samples = std::accumulate(row_samples.begin() + begin,
-                                                      row_samples.begin() + begin + rep.rows, int64_t{0});
-        local_loss_backward(rep, input, target, begin, chunk_samples, false);
-        read_loss(rep);  // waits for the device: the loss sum is on the host
-        chunk_losses_[static_cast<size_t>(chunk)] = rep.loss_sum;
-        loss_sum += rep.loss_sum;
-        loss_rows += rep.rows;
-        loss_samples += chunk_samples;
-        // Kept for the sum but the last, which stays in the gradients (host memory: CPU devices only).
-        TraceSpan keep(*trace_, "micro-chunk gradient kept");
-        float* dst = c + 1 < mine ? partials.data() + static_cast<size_t>(c) * numel : rep.model->grads();
-        if (c + 1 < mine) rep.stream->copy_to_host(dst, rep.model->grads(), numel * sizeof(float));
-        for (size_t p = 0; p < params.size(); ++p)
-          exponent[p] =
-              std::max<int64_t>(exponent[p], k::max_exponent(dst + params[p].offset, params[p].shape.numel()));
+void Engine::reproducible_reduce(Replica& rep, size_t r, int64_t global_chunks, int64_t samples, bool last_in_place) {
+  const auto& params = model_.params();
+  const size_t numel = static_cast<size_t>(model_.num_param_elements());
+  const std::vector<float>& partials = chunk_grads_[r];
+  const int64_t held = static_cast<int64_t>(partials.size() / numel) + (last_in_place ? 1 : 0);
+  std::vector<int64_t>& exponent = chunk_exponents_[r];
+  std::vector<int64_t>& sum = chunk_sums_[r];
+  sum.resize(numel);
+  const int grid_bits = k::kFixedPointBits - ceil_log2(std::max<int64_t>(global_chunks, 1));
+  {
+    TraceSpan agree(*trace_, "gradient exponents max");
+    reduce_over_all(rep, exponent.data(), exponent.size(), DType::kI64, ReduceOp::kMax);
+  }
+  // Each micro-chunk's gradient on its parameter's grid, summed exactly.
+  {
+    TraceSpan fixed(*trace_, "gradients to fixed point");
+    for (size_t p = 0; p < params.size(); ++p) {
+      const auto begin = static_cast<size_t>(params[p].offset);
+      const int64_t count = params[p].shape.numel();
+      if (held == 0 || exponent[p] == k::kFixedPointAllZero || exponent[p] == k::kFixedPointNotFinite) {
+        std::fill_n(sum.data() + begin, count, int64_t{0});
+        continue;
       }
-    }
-    rep.loss_sum = loss_sum;
-    rep.loss_rows = loss_rows;
-    rep.loss_samples = loss_samples;
-    {
-      TraceSpan agree(*trace_, "gradient exponents max");
-      reduce_over_all(rep, exponent.data(), exponent.size(), DType::kI64, ReduceOp::kMax);
-    }
-    // Each micro-chunk's gradient on its parameter's grid, summed exactly.
-    {
-      TraceSpan fixed(*trace_, "gradients to fixed point");
-      for (size_t p = 0; p < params.size(); ++p) {
-        const auto begin = static_cast<size_t>(params[p].offset);
-        const int64_t count = params[p].shape.numel();
-        if (mine == 0 || exponent[p] == k::kFixedPointAllZero || exponent[p] == k::kFixedPointNotFinite) {
-          std::fill_n(sum.data() + begin, count, int64_t{0});
-          continue;
+      // value * 2^(grid_bits - E) is below 2^grid_bits in magnitude: K of them stay below 2^51.
+      const int down = grid_bits - static_cast<int>(exponent[p]);
+      // In blocks whose sums stay in the cache while every micro-chunk is added to them.
+      constexpr int64_t kBlock = 4096;
+      for (int64_t from = 0; from < count; from += kBlock)
+        for (int64_t c = 0; c < held; ++c) {
+          const float* g = static_cast<size_t>(c) * numel < partials.size()
+                               ? partials.data() + static_cast<size_t>(c) * numel
+                               : rep.model->grads();
+          k::to_grid(sum.data() + begin + from, g + begin + from, std::min(kBlock, count - from), down, c > 0);
         }
-        // value * 2^(grid_bits - E) is below 2^grid_bits in magnitude: K of them stay below 2^51.
-        const int down = grid_bits - static_cast<int>(exponent[p]);
-        // In blocks whose sums stay in the cache while every micro-chunk is added to them.
-        constexpr int64_t kBlock = 4096;
-        for (int64_t from = 0; from < count; from += kBlock)
-          for (int64_t c = 0; c < mine; ++c) {
-            const float* g = c + 1 < mine ? partials.data() + static_cast<size_t>(c) * numel : rep.model->grads();
-            k::to_grid(sum.data() + begin + from, g + begin + from, std::min(kBlock, count - from), down, c > 0);
-          }
-      }
     }
-    {
-      TraceSpan exact(*trace_, "gradients exact sum", "elements", static_cast<int64_t>(numel));
-      reduce_over_all(rep, sum.data(), numel, DType::kI64, ReduceOp::kSum);
+  }
+  {
+    TraceSpan exact(*trace_, "gradients exact sum", "elements", static_cast<int64_t>(numel));
+    reduce_over_all(rep, sum.data(), numel, DType::kI64, ReduceOp::kSum);
+  }
+  // Back to f32, into the gradients (host memory): the exact sum (exact in double: below 2^53) times the grid
+  // step / samples (that factor rounded once, in double), rounded to f32, on every replica of every job alike.
+  TraceSpan back(*trace_, "gradients from fixed point");
+  float* grad = rep.model->grads();
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto begin = static_cast<size_t>(params[p].offset);
+    const int64_t count = params[p].shape.numel();
+    if (exponent[p] == k::kFixedPointNotFinite) {
+      std::fill_n(grad + begin, count, std::numeric_limits<float>::quiet_NaN());
+      continue;
     }
-    // Back to f32, into the gradients (host memory): the exact sum (exact in double: below 2^53) times the grid
-    // step / samples (that factor rounded once, in double), rounded to f32, on every replica of every job alike.
-    {
-      float* grad = rep.model->grads();
-      TraceSpan back(*trace_, "gradients from fixed point");
-      for (size_t p = 0; p < params.size(); ++p) {
-        const auto begin = static_cast<size_t>(params[p].offset);
-        const int64_t count = params[p].shape.numel();
-        if (exponent[p] == k::kFixedPointNotFinite) {
-          std::fill_n(grad + begin, count, std::numeric_limits<float>::quiet_NaN());
-          continue;
-        }
-        const double factor = samples > 0 ? std::ldexp(1.0, static_cast<int>(exponent[p]) - grid_bits) / samples : 0.0;
-        k::from_grid(grad + begin, sum.data() + begin, count, factor);
-      }
-    }
-    rep.has_grad = true;
-    finish_and_step(rep, true);
-    if (training_) sync_buffers(rep);
-  });
-  publish_grad_norm();
-  update_loss_scale();
-  forward_split_.clear();
-  // The loss: every micro-chunk's sum at its global index, added in that order.
-  std::vector<double> losses(static_cast<size_t>(global_chunks), 0.0);
-  std::copy(chunk_losses_.begin(), chunk_losses_.end(), losses.begin() + first_chunk);
+    const double factor =
+        samples > 0 ? std::ldexp(1.0, static_cast<int>(exponent[p]) - grid_bits) / static_cast<double>(samples) : 0.0;
+    k::from_grid(grad + begin, sum.data() + begin, count, factor);
+  }
+  rep.has_grad = true;
+}
+
+double Engine::reproducible_loss(const char* operation, const ChunkCall& call) {
+  // Every micro-chunk's loss sum at its global index, added in that order.
+  std::vector<double> losses(static_cast<size_t>(call.global_chunks), 0.0);
+  std::copy(chunk_losses_.begin(), chunk_losses_.end(), losses.begin() + (call.first_chunk - step_chunks_));
   if (processes_) {
     try {
       processes_->all_reduce(losses.data(), losses.data(), losses.size(), DType::kF64, ReduceOp::kSum);
@@ -275,7 +311,58 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
   }
   double total = 0.0;
   for (double l : losses) total += l;
-  return global.samples > 0 ? total / samples : std::numeric_limits<double>::quiet_NaN();
+  return call.global.samples > 0 ? total / static_cast<double>(call.global.samples)
+                                 : std::numeric_limits<double>::quiet_NaN();
+}
+
+double Engine::reproducible_train_step(const Tensor& input, const Tensor& target) {
+  const TraceSpan span(*trace_, kCallTrack, "train_step", "rows", input.rows());
+  const ChunkCall call = reproducible_call("train_step", input, target, false);
+  run("train_step", [&](Replica& rep, size_t r) {
+    if (training_) save_state(rep);
+    reproducible_backward(rep, r, call);
+    reproducible_reduce(rep, r, call.global_chunks, call.global.samples, call.per_replica[r] > 0);
+    finish_and_step(rep, true);
+    if (training_) sync_buffers(rep);
+  });
+  publish_grad_norm();
+  update_loss_scale();
+  forward_split_.clear();
+  return reproducible_loss("train_step", call);
+}
+
+double Engine::reproducible_accumulate(const Tensor& input, const Tensor& target) {
+  const TraceSpan span(*trace_, kCallTrack, "accumulate", "rows", input.rows());
+  const ChunkCall call = reproducible_call("accumulate", input, target, true);
+  run("accumulate", [&](Replica& rep, size_t r) {
+    if (training_) save_state(rep);
+    reproducible_backward(rep, r, call);
+    if (training_) sync_buffers(rep);
+  });
+  const double loss = reproducible_loss("accumulate", call);
+  pending_ = Pending::kLoss;
+  pending_samples_ += call.global.samples;
+  step_chunks_ += call.global_chunks;
+  forward_split_.clear();
+  return loss;
+}
+
+void Engine::reproducible_step() {
+  const TraceSpan span(*trace_, kCallTrack, "step");
+  DPAR_ENFORCE(pending_ == Pending::kLoss, Status::kInvalidState,
+               "step: no gradient is pending (call accumulate() first)");
+  const int64_t samples = pending_samples_, chunks = step_chunks_;
+  run("step", [&](Replica& rep, size_t r) {
+    reproducible_reduce(rep, r, chunks, samples, false);
+    finish_and_step(rep, true);
+    rep.model->clear_forward_state();
+  });
+  publish_grad_norm();
+  update_loss_scale();
+  pending_ = Pending::kNone;
+  pending_samples_ = 0;
+  step_chunks_ = 0;
+  forward_split_.clear();
 }
 
 }  // namespace dpar

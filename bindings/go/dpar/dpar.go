@@ -861,8 +861,9 @@ func (e *Engine) ReduceDtype() (ReduceDtype, error) {
 
 // SetReproducible turns the reproducible mode on with micro-chunks of microChunkRows rows, or off with 0
 // (dpar_engine_set_reproducible): the same seed and global batches then give the same bits on any number of CPU
-// devices and processes (TrainStep only). ErrInvalidArg for a negative count, ErrInvalidState while gradients are
-// pending, ErrNotSupported on GPUs and for a model with BatchNorm, the engine unchanged. Every process sets the same.
+// devices and processes (TrainStep, Accumulate and Step). ErrInvalidArg for a negative count, ErrInvalidState while
+// gradients are pending, ErrNotSupported on GPUs and for a model with BatchNorm, the engine unchanged. Every process
+// sets the same.
 func (e *Engine) SetReproducible(microChunkRows int64) error {
 	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_set_reproducible(r, microChunkRows) })
 }

@@ -1286,8 +1286,9 @@ impl Engine {
     }
     /// The reproducible mode (dpar_engine_set_reproducible): micro-chunks of `micro_chunk_rows` rows, 0 off.
     /// The same seed and global batches then give the same bits on any number of CPU devices and processes
-    /// (train_step only). INVALID_ARGUMENT for a negative count, INVALID_STATE while gradients are pending,
-    /// NOT_SUPPORTED on GPUs and for a model with BatchNorm, the engine unchanged. Every process sets the same.
+    /// (train_step, accumulate and step). INVALID_ARGUMENT for a negative count, INVALID_STATE while gradients are
+    /// pending, NOT_SUPPORTED on GPUs and for a model with BatchNorm, the engine unchanged. Every process sets the
+    /// same.
     pub fn set_reproducible(&self, micro_chunk_rows: i64) -> Result<()> {
         check(unsafe { sys::dpar_engine_set_reproducible(self.raw, micro_chunk_rows) })
     }
