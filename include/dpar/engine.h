@@ -325,7 +325,10 @@ DPAR_API dpar_status dpar_engine_reduce_dtype(int32_t *out, const dpar_engine *e
  * as does a step under ::DPAR_REDUCTION_REDUCE_SCATTER; dpar_engine_forward() splits rows as always (its dropout
  * draws in training mode follow the device). Models with BatchNorm or SyncBatchNorm are refused: their statistics
  * span a device's rows (and running statistics come from device 0's), which follow the device count. Every
- * process sets the same.
+ * process sets the same. With several processes fed by dpar_loader_shard() (whose permutation is a function of the
+ * seed and the epoch alone, so the global batches do not depend on the job), each process's balanced slice is a
+ * whole number of micro-chunks when the batch size is a multiple of num_shards x @p micro_chunk_rows: choose one
+ * that is for every process count to be compared (and drop_last, or a last batch that is too).
  * @param micro_chunk_rows Rows per micro-chunk; 0 turns the mode off (engines start with it off).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a negative count (the message names it);
  * ::DPAR_ERR_INVALID_STATE while gradients are pending (dpar_engine_accumulate(), dpar_engine_backward());
