@@ -418,6 +418,8 @@ TEST(Reproducible, Refusals) {
   }
   e.set_gradient_reduction(GradientReduction::kAllReduce);
   EXPECT_TRUE(std::isfinite(e.train_step(b.x, b.y)));
+  e.set_reproducible(std::numeric_limits<int64_t>::max());  // one micro-chunk: the whole batch
+  EXPECT_TRUE(std::isfinite(e.train_step(b.x, b.y)));
   e.set_reproducible(0);
   EXPECT_TRUE(std::isfinite(e.accumulate(b.x, b.y)));
 

@@ -17,7 +17,7 @@
 //    rounded once, in double), rounded to f32. Relative to the largest micro-chunk gradient of the parameter tensor,
 //    the grid keeps 51 - ceil(log2 K) bits, against f32's 24: an element up to 2^20 times smaller than the largest
 //    (with up to 128 micro-chunks) still gets f32's precision, and smaller ones an absolute error of at most K/2
-//    grid steps (2^-44 of the largest, or less). 51 bits rather than 62: rounding to the grid is then one double
+//    grid steps (2^-38 of 2^E with 128 micro-chunks). 51 bits rather than 62: rounding to the grid is then one double
 //    addition, which vectorises (no x86 before AVX-512DQ converts doubles to int64 in vectors), and the sum converts
 //    back exactly. A non-finite value (loss scaling's overflow) makes the parameter's whole gradient NaN, so that
 //    loss scaling sees it and skips the step.
@@ -155,7 +155,7 @@ Engine::ChunkCall Engine::reproducible_call(const char* operation, const Tensor&
     return BatchCount{input.rows(), samples};
   });
   const int64_t R = micro_chunk_rows_;
-  call.chunks = (input.rows() + R - 1) / R;
+  call.chunks = input.rows() / R + (input.rows() % R != 0 ? 1 : 0);  // no overflow for any R
   // The global numbering: this process's first micro-chunk, and the count over every process.
   call.global_chunks = call.chunks;
   if (processes_) {
