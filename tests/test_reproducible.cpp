@@ -1,9 +1,10 @@
 // The reproducible mode (Engine::set_reproducible, dpar_engine_set_reproducible): an MLP with dropout, trained with
 // Adam and gradient clipping on 1, 2, 3, 4 and 8 CPU devices, ends with the same bits in every parameter and every
-// loss, and so does a run that stops half-way, saves a checkpoint and goes on from it on another device count, and
-// the example's GPT (dropout in the embeddings and attention, a tied head, ignored targets) on 1, 2 and 3; the
-// step's gradient against the default mode's (the same mean, to f32's rounding); the elementwise optimizer gives an
-// element the same bits wherever a shard starts; refusals.
+// loss, and so does a run that stops half-way, saves a checkpoint and goes on from it on another device count, one
+// with GEMM thread teams, one under loss scaling that overflows, one accumulating in parts, and the example's GPT
+// (dropout in the embeddings and attention, a tied head, ignored targets) on 1, 2 and 3; the default mode does not;
+// the devices' micro-chunks; the step's gradient against the default mode's (the same mean, to f32's rounding); the
+// elementwise optimizer gives an element the same bits wherever a shard starts; the fixed point's kernels; refusals.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -120,6 +122,24 @@ TEST(Reproducible, SameBitsWithGemmThreadTeams) {
   const Trained one = train(1, 0, 6, "", "", 4, 2), three = train(3, 0, 6, "", "", 4, 2);
   EXPECT_EQ(three.losses, one.losses);
   EXPECT_EQ(three.params, one.params);
+}
+
+// The layout: 37 rows in micro-chunks of 4 are 10 micro-chunks (the last of one row), split over 3 devices as
+// DataParallel splits rows (4, 4, 2): each forward sees one micro-chunk.
+TEST(Reproducible, DevicesHoldWholeMicroChunksSplitAsDataParallelSplitsRows) {
+  Engine e(make_mlp(), adam(), cpu_devices(3));
+  e.set_reproducible(4);
+  std::mutex m;
+  std::vector<std::vector<int64_t>> seen(3);
+  e.set_forward_hook([&](size_t replica, const Shape& in, const Shape&) {
+    std::lock_guard<std::mutex> lock(m);
+    seen[replica].push_back(in[0]);
+  });
+  const Batch b = batch(0);
+  e.train_step(b.x, b.y);
+  EXPECT_EQ(seen[0], (std::vector<int64_t>{4, 4, 4, 4}));
+  EXPECT_EQ(seen[1], (std::vector<int64_t>{4, 4, 4, 4}));
+  EXPECT_EQ(seen[2], (std::vector<int64_t>{4, 1}));
 }
 
 // What the mode fixes: the default mode's bits follow the device count (the replicas' sums, their dropout streams).
