@@ -7,8 +7,11 @@
 // batches of 37 rows, each process feeding whole micro-chunks of them (the global micro-chunks split over the
 // processes as DataParallel splits rows; the last micro-chunk has one row). On every rank, every step's loss and
 // every replica's final parameters have the bits of an engine of this process alone on one device
-// (DPAR_PROCESSES_SINGLE) fed the whole global batches, and rank 0's bits. Every rank prints its failures as
+// (DPAR_PROCESSES_SINGLE) fed the whole global batches, and rank 0's bits; a job of another device count per process
+// resumed half-way from the job's checkpoint goes on with the same bits. Every rank prints its failures as
 // "[rank r] FAIL ..." and exits nonzero if it saw one; rank 0 prints a summary.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -148,14 +151,29 @@ int main(int argc, char** argv) {
     return 1;
   }
   dpar_engine* alone = make_engine(1, DPAR_PROCESSES_SINGLE);
+  // Half-way, the job saves a checkpoint (rank 0 writes it, into its own directory: no shared file system needed),
+  // and a job of another device count per process resumes from it (rank 0 reads it and broadcasts it).
+  char dir[] = "/tmp/dpar_mpi_reproducible_XXXXXX";
+  if (!mkdtemp(dir)) return 2;
+  const std::string path = std::string(dir) + "/half.safetensors";
+  const size_t other_devices = devices == 1 ? 2 : 1;
+  dpar_engine* resumed = nullptr;
   const auto [begin, rows] = my_rows();
-  std::vector<float> x, job_losses, alone_losses;
+  std::vector<float> x, job_losses, alone_losses, resumed_losses;
   std::vector<int32_t> y;
   for (int s = 0; s < kSteps; ++s) {
+    if (s == kSteps / 2) {
+      CHECK_OK(dpar_engine_save(job, path.c_str()));
+      resumed = make_engine(other_devices, DPAR_PROCESSES_MPI);
+      CHECK_OK(dpar_engine_load(resumed, path.c_str()));
+    }
     make_batch(s, x, y);
     job_losses.push_back(train(job, x, y, begin, rows));
     alone_losses.push_back(train(alone, x, y, 0, kGlobalBatch));
+    if (resumed) resumed_losses.push_back(train(resumed, x, y, begin, rows));
   }
+  std::remove(path.c_str());
+  rmdir(dir);
   const std::string label = std::to_string(g_size) + " processes x " + std::to_string(devices) + " devices";
   expect(same_bits(job_losses, alone_losses), label + ": the losses differ from one process's on one device");
   const std::vector<float> first = params(job, 0);
@@ -163,6 +181,11 @@ int main(int argc, char** argv) {
   for (size_t r = 1; r < devices; ++r)
     expect(same_bits(params(job, r), first), label + ": replica " + std::to_string(r) + " differs from replica 0");
   expect(same_bits(rank0(first), first), label + ": replica 0 differs from rank 0's");
+  expect(same_bits(resumed_losses, std::vector<float>(job_losses.begin() + kSteps / 2, job_losses.end())),
+         label + ": resumed on " + std::to_string(other_devices) + " devices per process, the losses differ");
+  expect(same_bits(params(resumed, 0), first),
+         label + ": resumed on " + std::to_string(other_devices) + " devices per process, the parameters differ");
+  dpar_engine_free(resumed);
   dpar_engine_free(alone);
   dpar_engine_free(job);
   if (g_rank == 0) std::printf("%s\n", g_failures ? "FAILED" : "ALL PASSED");
