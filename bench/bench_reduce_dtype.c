@@ -3,11 +3,14 @@
  * for a 784-1024-256-10 MLP (1,068,810 parameters), Adam, batch 256:
  *   bench_reduce_dtype [--devices N] [--steps S]                  (one process, N CPU devices)
  *   mpirun -np 2 bench_reduce_dtype --mpi [--devices N] [--steps S]  (every process of MPI_COMM_WORLD)
+ *   bench_reduce_dtype --reproducible ROWS [--devices N] [--steps S]
  * Prints the median step time of each, and the bytes each replica hands the reduction per step within its process
  * and (replica 0) across the processes: the collectives count no bytes, so they are computed from the buckets,
  * which together hold every parameter's gradient once: elements x 4 in f32, x 2 in bf16 across processes; within a
  * process CPU replicas sum the rounded values in f32 through shared memory, elements x 4 either way. What the links then carry
  * is the collective's algorithm's multiple of it (a ring all-reduce over p sends 2 (p - 1) / p of it).
+ * With --reproducible ROWS it times the default mode (f32) against the reproducible mode with micro-chunks of ROWS
+ * rows (dpar_engine_set_reproducible) instead, on the same model and batches.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -28,7 +31,8 @@
 
 enum { kBatch = 256, kFeatures = 784, kHidden1 = 1024, kHidden2 = 256, kClasses = 10, kBatches = 4 };
 
-static dpar_engine *make_engine(const dpar_model *model, size_t devices, int mpi, int32_t reduce_dtype) {
+static dpar_engine *make_engine(const dpar_model *model, size_t devices, int mpi, int32_t reduce_dtype,
+                                int64_t micro_chunk_rows) {
   int32_t ids[64];
   for (size_t i = 0; i < devices; ++i) ids[i] = (int32_t)i;
   dpar_optimizer_options opt = DPAR_OPTIMIZER_OPTIONS_INIT;
@@ -42,6 +46,7 @@ static dpar_engine *make_engine(const dpar_model *model, size_t devices, int mpi
   dpar_engine *e = NULL;
   CHECK(dpar_engine_create(&e, model, &opt, &eo));
   CHECK(dpar_engine_set_reduce_dtype(e, reduce_dtype));
+  CHECK(dpar_engine_set_reproducible(e, micro_chunk_rows));
   return e;
 }
 
@@ -64,6 +69,7 @@ static double time_steps(dpar_engine *e, dpar_tensor **x, dpar_tensor **y, int s
 int main(int argc, char **argv) {
   size_t devices = 2;
   int steps = 40, mpi = 0;
+  int64_t reproducible = 0;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--devices") && i + 1 < argc) {
       devices = (size_t)strtoul(argv[++i], NULL, 10);
@@ -71,12 +77,14 @@ int main(int argc, char **argv) {
       steps = atoi(argv[++i]);
     } else if (!strcmp(argv[i], "--mpi")) {
       mpi = 1;
+    } else if (!strcmp(argv[i], "--reproducible") && i + 1 < argc) {
+      reproducible = strtoll(argv[++i], NULL, 10);
     } else {
-      fprintf(stderr, "usage: %s [--devices N] [--steps S] [--mpi]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--devices N] [--steps S] [--mpi] [--reproducible ROWS]\n", argv[0]);
       return 2;
     }
   }
-  if (devices < 1 || devices > 64 || steps < 4) return 2;
+  if (devices < 1 || devices > 64 || steps < 4 || reproducible < 0) return 2;
 
   uint64_t rng = 42;
   dpar_tensor *x[kBatches], *y[kBatches];
@@ -102,9 +110,24 @@ int main(int argc, char **argv) {
   size_t elements = 0;
   CHECK(dpar_model_num_param_elements(&elements, model));
 
+  if (reproducible > 0) {
+    /* The default mode against the reproducible mode, interleaved in rounds so that the other builds' load falls
+       on both alike. */
+    dpar_engine *e[2] = {make_engine(model, devices, mpi, DPAR_F32, 0),
+                         make_engine(model, devices, mpi, DPAR_F32, reproducible)};
+    for (int round = 0; round < 3; ++round)
+      for (int m = 0; m < 2; ++m) {
+        double loss = 0;
+        const double t = time_steps(e[m], x, y, steps, &loss);
+        printf("round %d, %zu device(s), %-33s step %.2f ms (median of %d); loss %.4f\n", round, devices,
+               m ? "reproducible mode (micro-chunks):" : "default mode:", t * 1e3, steps, loss);
+      }
+    dpar_engine_free(e[0]);
+    dpar_engine_free(e[1]);
+  }
   const int32_t dtypes[2] = {DPAR_F32, DPAR_BF16};
-  for (int d = 0; d < 2; ++d) {
-    dpar_engine *e = make_engine(model, devices, mpi, dtypes[d]);
+  for (int d = 0; d < 2 && reproducible == 0; ++d) {
+    dpar_engine *e = make_engine(model, devices, mpi, dtypes[d], 0);
     size_t rank = 0, size = 1, buckets = 0;
     CHECK(dpar_engine_processes(&rank, &size, e));
     CHECK(dpar_engine_num_buckets(&buckets, e));

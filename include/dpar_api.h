@@ -179,6 +179,8 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_engine_set_allow_tf32)(dpar_engine *engine, int32_t allow, int32_t *has_tf32);
   dpar_status (*dpar_engine_set_reduce_dtype)(dpar_engine *engine, int32_t dtype);
   dpar_status (*dpar_engine_reduce_dtype)(int32_t *out, const dpar_engine *engine);
+  dpar_status (*dpar_engine_set_reproducible)(dpar_engine *engine, int64_t micro_chunk_rows);
+  dpar_status (*dpar_engine_reproducible)(int64_t *out, const dpar_engine *engine);
 } dpar_api_v1;
 
 /**

@@ -297,6 +297,51 @@ DPAR_API dpar_status dpar_engine_set_reduce_dtype(dpar_engine *engine, int32_t d
 /** @brief The reduce dtype dpar_engine_set_reduce_dtype() set: ::DPAR_F32 or ::DPAR_BF16. */
 DPAR_API dpar_status dpar_engine_reduce_dtype(int32_t *out, const dpar_engine *engine);
 
+/**
+ * @brief The reproducible mode: the same seed and the same global batches give bitwise-identical parameters and
+ * losses on 1, 2, 3, 8 or any number of CPU devices, and under mpirun with any number of processes (each feeding
+ * a whole number of micro-chunks, but the last), at some cost in speed (one forward and backward per micro-chunk).
+ *
+ * With @p micro_chunk_rows > 0, dpar_engine_train_step() (and dpar_engine_accumulate() followed by
+ * dpar_engine_step()):
+ *  1. cuts each process's batch into micro-chunks of @p micro_chunk_rows rows (the last one may be shorter),
+ *     numbered across the processes in rank order; the micro-chunks do not depend on the device count;
+ *  2. gives every device whole micro-chunks: DataParallel's split applied to the micro-chunk count (chunks of
+ *     ceil(micro-chunks / devices), the last devices fewer or none), instead of the default split of the rows;
+ *  3. runs forward, loss and backward once per micro-chunk, so a micro-chunk meets the same kernels on the same
+ *     shapes whatever device holds it (the GEMM's threads are opts.blas_threads per device, whatever the count:
+ *     keep it the same between runs); dropout draws from a stream keyed to the micro-chunk's global index and
+ *     the step count, not to the device;
+ *  4. sums the micro-chunks' gradients exactly: the devices agree on each parameter's largest exponent (a max
+ *     all-reduce of one integer per parameter tensor), every micro-chunk's f32 gradient is converted to int64
+ *     fixed point on that parameter's grid (2^(E - 51 + ceil(log2 micro-chunks)), rounded to nearest), the
+ *     integers are summed over micro-chunks, devices and processes (exact, hence independent of the order), and
+ *     the sum is scaled by the grid step over the global batch's samples (in double) and rounded to f32; the loss
+ *     likewise from each micro-chunk's loss sum, added in micro-chunk order (in double);
+ *  5. clips (over the whole reduced gradient, which every device holds) and steps the optimizer, whose
+ *     elementwise arithmetic gives an element the same bits wherever the device's shard begins.
+ * dpar_engine_accumulate() keeps its micro-chunks' gradients and numbers its micro-chunks on from the step's
+ * earlier calls; dpar_engine_step() sums them all: batches accumulated in parts that are whole micro-chunks give the
+ * bits of one dpar_engine_train_step() on the whole (the kept gradients take micro-chunks x parameters floats per
+ * device until the step). The reduce dtype and the gradient compression do not apply while the mode is on
+ * (nothing is summed in floating point). dpar_engine_backward() answers ::DPAR_ERR_NOT_SUPPORTED while it is on,
+ * as does a step under ::DPAR_REDUCTION_REDUCE_SCATTER; dpar_engine_forward() splits rows as always (its dropout
+ * draws in training mode follow the device). Models with BatchNorm or SyncBatchNorm are refused: their statistics
+ * span a device's rows (and running statistics come from device 0's), which follow the device count. Every
+ * process sets the same. With several processes fed by dpar_loader_shard() (whose permutation is a function of the
+ * seed and the epoch alone, so the global batches do not depend on the job), each process's balanced slice is a
+ * whole number of micro-chunks when the batch size is a multiple of num_shards x @p micro_chunk_rows: choose one
+ * that is for every process count to be compared (and drop_last, or a last batch that is too).
+ * @param micro_chunk_rows Rows per micro-chunk; 0 turns the mode off (engines start with it off).
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a negative count (the message names it);
+ * ::DPAR_ERR_INVALID_STATE while gradients are pending (dpar_engine_accumulate(), dpar_engine_backward());
+ * ::DPAR_ERR_NOT_SUPPORTED on GPU devices and for a model with BatchNorm or SyncBatchNorm (the message names the
+ * node); the engine unchanged.
+ */
+DPAR_API dpar_status dpar_engine_set_reproducible(dpar_engine *engine, int64_t micro_chunk_rows);
+/** @brief The rows per micro-chunk dpar_engine_set_reproducible() set; 0 when the mode is off. */
+DPAR_API dpar_status dpar_engine_reproducible(int64_t *out, const dpar_engine *engine);
+
 /** @brief How each bucket of summed gradients reaches the replicas (dpar_engine_set_gradient_reduction()). */
 typedef enum dpar_gradient_reduction {
   /**

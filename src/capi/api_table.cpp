@@ -160,6 +160,8 @@ const dpar_api_v1 kApiV1 = {
     &dpar_engine_set_allow_tf32,
     &dpar_engine_set_reduce_dtype,
     &dpar_engine_reduce_dtype,
+    &dpar_engine_set_reproducible,
+    &dpar_engine_reproducible,
 };
 }  // namespace
 

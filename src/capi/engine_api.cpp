@@ -448,6 +448,14 @@ DPAR_API dpar_status dpar_engine_reduce_dtype(int32_t* out, const dpar_engine* e
   return with_engine(engine, [&](Engine& e) { *checked_out(out) = static_cast<int32_t>(e.reduce_dtype()); });
 }
 
+DPAR_API dpar_status dpar_engine_set_reproducible(dpar_engine* engine, int64_t micro_chunk_rows) {
+  return with_engine(engine, [&](Engine& e) { e.set_reproducible(micro_chunk_rows); });
+}
+
+DPAR_API dpar_status dpar_engine_reproducible(int64_t* out, const dpar_engine* engine) {
+  return with_engine(engine, [&](Engine& e) { *checked_out(out) = e.reproducible(); });
+}
+
 DPAR_API dpar_status dpar_engine_set_allow_tf32(dpar_engine* engine, int32_t allow, int32_t* has_tf32) {
   return with_engine(engine, [&](Engine& e) {
     DPAR_CHECK_ARG(allow == 0 || allow == 1, "allow: ", allow, " is neither 0 (strict f32) nor 1 (TF32 allowed)");

@@ -488,6 +488,7 @@ double Engine::finish_loss(const char* operation, int64_t global_samples) {
 
 double Engine::accumulate(const Tensor& input, const Tensor& target) {
   check_usable("accumulate");
+  if (micro_chunk_rows_ > 0) return reproducible_accumulate(input, target);
   const TraceSpan span(*trace_, kCallTrack, "accumulate", "rows", input.rows());
   std::vector<int64_t> row_samples;
   const BatchCount global = global_batch_of("accumulate", [&] {
@@ -520,6 +521,7 @@ double Engine::accumulate(const Tensor& input, const Tensor& target) {
 
 double Engine::train_step(const Tensor& input, const Tensor& target) {
   check_usable("train_step");
+  if (micro_chunk_rows_ > 0) return reproducible_train_step(input, target);
   const TraceSpan span(*trace_, kCallTrack, "train_step", "rows", input.rows());
   std::vector<int64_t> row_samples;
   const BatchCount global = global_batch_of("train_step", [&] {
@@ -558,6 +560,7 @@ double Engine::train_step(const Tensor& input, const Tensor& target) {
 
 void Engine::step() {
   check_usable("step");
+  if (micro_chunk_rows_ > 0) return reproducible_step();
   const TraceSpan span(*trace_, kCallTrack, "step");
   DPAR_ENFORCE(pending_ != Pending::kNone, Status::kInvalidState,
                "step: no gradient is pending (call accumulate() or forward() and backward() first)");
@@ -641,6 +644,8 @@ Tensor Engine::forward(const Tensor& input) {
 
 void Engine::backward(const Tensor& grad_output) {
   check_usable("backward");
+  DPAR_ENFORCE(micro_chunk_rows_ == 0, Status::kNotSupported, "backward: the reproducible mode (micro-chunks of ",
+               micro_chunk_rows_, " rows) trains with train_step and accumulate; turn it off (0) to call backward()");
   const TraceSpan span(*trace_, kCallTrack, "backward");
   DPAR_ENFORCE(!forward_split_.empty(), Status::kInvalidState,
                "backward: no training-mode forward() to go back through");

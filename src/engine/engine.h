@@ -143,6 +143,16 @@ class Engine {
   // throws NOT_SUPPORTED; both change nothing. Every process sets the same.
   void set_reduce_dtype(DType dtype);
   DType reduce_dtype() const { return reduce_dtype_; }
+  // The reproducible mode (engine/reproducible.cpp): with micro_chunk_rows > 0, train_step (and accumulate, whose
+  // micro-chunks step() sums) cuts each process's batch into micro-chunks of that many rows (its last one shorter),
+  // gives every replica whole micro-chunks (split_batch over the micro-chunk count), runs forward and backward once
+  // per micro-chunk and sums the micro-chunks' gradients exactly (int64 fixed point), so that the same seed and the
+  // same global batches give the same bits on any number of devices and processes. 0 turns it off (the default).
+  // Throws INVALID_ARGUMENT for a negative count, INVALID_STATE while gradients are pending, NOT_SUPPORTED on GPUs
+  // and for a model whose layers keep batch statistics (BatchNorm, SyncBatchNorm), changing nothing; backward()
+  // throws NOT_SUPPORTED while it is on.
+  void set_reproducible(int64_t micro_chunk_rows);
+  int64_t reproducible() const { return micro_chunk_rows_; }
   void set_lr(float lr);
   // Mixed precision, as torch.autocast's policy: from the next call on, linear layers and convolutions compute on
   // `dtype` operands (bf16: the input rounded to bf16 and each step's bf16 copy of the weights, f32 accumulation)
@@ -288,8 +298,24 @@ class Engine {
   Tensor scaled_grad_output(Replica& rep, const Tensor& dout);
   // After a step that succeeded: tells the scaler whether it was skipped.
   void update_loss_scale();
-  // Finishes the reduction of the step's gradients (scaled as the reducer was prepared) and applies the optimizer.
-  void finish_and_step(Replica& rep);
+  // Finishes the reduction of the step's gradients (scaled as the reducer was prepared) and applies the optimizer;
+  // with `reduced`, the gradients hold the reduced sum already (the reproducible mode) and the reducer is not used.
+  void finish_and_step(Replica& rep, bool reduced = false);
+  // The reproducible mode (engine/reproducible.cpp): train_step, accumulate and step; a call's micro-chunks
+  // (reproducible_call: its checks and the micro-chunks' numbering), their forward and backward on a replica, keeping
+  // their gradients, and the exact sum of the step's kept gradients into the replica's gradients, times 1 / samples
+  // (last_in_place: the replica's last micro-chunk's gradient is still in its gradients).
+  struct ChunkCall;
+  double reproducible_train_step(const Tensor& input, const Tensor& target);
+  double reproducible_accumulate(const Tensor& input, const Tensor& target);
+  void reproducible_step();
+  ChunkCall reproducible_call(const char* operation, const Tensor& input, const Tensor& target, bool accumulating);
+  void reproducible_backward(Replica& rep, size_t r, const ChunkCall& call);
+  void reproducible_reduce(Replica& rep, size_t r, int64_t global_chunks, int64_t samples, bool last_in_place);
+  double reproducible_loss(const char* operation, const ChunkCall& call);
+  // `count` elements of `dtype` at `data` (host memory) reduced with `op` over every replica of every process, into
+  // every replica's buffer: among the process's replicas, across the processes by replica 0, then broadcast back.
+  void reduce_over_all(Replica& rep, void* data, size_t count, DType dtype, ReduceOp op);
   // A batch's rows, and the samples its loss's mean divides by (rows, or cross-entropy's targets not ignored).
   struct BatchCount {
     int64_t rows = 0, samples = 0;
@@ -337,6 +363,16 @@ class Engine {
   DType reduce_dtype_ = DType::kF32;
   DType compute_dtype_ = DType::kF32;
   GradientReduction reduction_ = GradientReduction::kAllReduce;
+  // The reproducible mode: rows per micro-chunk (0: off); per replica, the step's micro-chunks' gradients (one after
+  // the other, but for train_step's last, which stays in its gradients), their largest exponent per parameter and
+  // the int64 sums; per micro-chunk of the call on this process, its loss sum; the step's micro-chunks over every
+  // process so far (accumulate).
+  int64_t micro_chunk_rows_ = 0;
+  std::vector<std::vector<float>> chunk_grads_;
+  std::vector<std::vector<int64_t>> chunk_exponents_;
+  std::vector<std::vector<int64_t>> chunk_sums_;
+  int64_t step_chunks_ = 0;
+  std::vector<double> chunk_losses_;
   std::vector<std::vector<size_t>> node_params_;  // per node, the parameters ready after its backward
   // A layer calls the replica set's collectives: a replica given no rows of a batch runs forward and backward too
   // (on an empty chunk), so that it takes part in them.

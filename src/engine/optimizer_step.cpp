@@ -87,8 +87,8 @@ std::vector<size_t> Engine::replica_optimizer_state_bytes() const {
   return out;
 }
 
-void Engine::finish_and_step(Replica& rep) {
-  {
+void Engine::finish_and_step(Replica& rep, bool reduced) {
+  if (!reduced) {
     // The buckets still in flight, and the last one, which backward's end leaves to this thread.
     TraceSpan span(*trace_, "gradient buckets finish");
     rep.reducer->finish();

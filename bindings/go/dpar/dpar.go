@@ -859,6 +859,22 @@ func (e *Engine) ReduceDtype() (ReduceDtype, error) {
 	return ReduceDtype(d), err
 }
 
+// SetReproducible turns the reproducible mode on with micro-chunks of microChunkRows rows, or off with 0
+// (dpar_engine_set_reproducible): the same seed and global batches then give the same bits on any number of CPU
+// devices and processes (TrainStep, Accumulate and Step). ErrInvalidArg for a negative count, ErrInvalidState while
+// gradients are pending, ErrNotSupported on GPUs and for a model with BatchNorm, the engine unchanged. Every process
+// sets the same.
+func (e *Engine) SetReproducible(microChunkRows int64) error {
+	return e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_set_reproducible(r, microChunkRows) })
+}
+
+// Reproducible is the rows per micro-chunk SetReproducible set (0: off).
+func (e *Engine) Reproducible() (int64, error) {
+	var rows int64
+	err := e.simple(func(r raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_reproducible(unsafe.Pointer(&rows), r) })
+	return rows, err
+}
+
 // Precision is what linear layers and convolutions compute in (Engine.SetPrecision), as torch.autocast's policy:
 // a dpar_dtype.
 type Precision int32

@@ -120,18 +120,18 @@ typedef long long swig_type_88;
 typedef long long swig_type_89;
 typedef long long swig_type_90;
 typedef long long swig_type_91;
-typedef _gostring_ swig_type_92;
+typedef long long swig_type_92;
 typedef _gostring_ swig_type_93;
 typedef _gostring_ swig_type_94;
-typedef long long swig_type_95;
+typedef _gostring_ swig_type_95;
 typedef long long swig_type_96;
 typedef long long swig_type_97;
 typedef long long swig_type_98;
 typedef long long swig_type_99;
 typedef long long swig_type_100;
 typedef long long swig_type_101;
-typedef _gostring_ swig_type_102;
-typedef long long swig_type_103;
+typedef long long swig_type_102;
+typedef _gostring_ swig_type_103;
 typedef long long swig_type_104;
 typedef long long swig_type_105;
 typedef long long swig_type_106;
@@ -152,13 +152,14 @@ typedef long long swig_type_120;
 typedef long long swig_type_121;
 typedef long long swig_type_122;
 typedef long long swig_type_123;
-typedef _gostring_ swig_type_124;
+typedef long long swig_type_124;
 typedef _gostring_ swig_type_125;
-typedef long long swig_type_126;
+typedef _gostring_ swig_type_126;
 typedef long long swig_type_127;
 typedef long long swig_type_128;
 typedef long long swig_type_129;
 typedef long long swig_type_130;
+typedef long long swig_type_131;
 extern void _wrap_Swig_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_Swig_malloc_raw_9787157d5e82d198(swig_intgo arg1);
 extern swig_intgo _wrap_DPAR_VERSION_raw_9787157d5e82d198(void);
@@ -361,6 +362,8 @@ extern swig_intgo _wrap_dpar_engine_grad_norm_raw_9787157d5e82d198(swig_voidp ar
 extern swig_intgo _wrap_dpar_engine_set_gradient_compression_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_set_reduce_dtype_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_reduce_dtype_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
+extern swig_intgo _wrap_dpar_engine_set_reproducible_raw_9787157d5e82d198(uintptr_t arg1, swig_type_85 arg2);
+extern swig_intgo _wrap_dpar_engine_reproducible_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_DPAR_REDUCTION_ALL_REDUCE_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_REDUCTION_REDUCE_SCATTER_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_dpar_engine_set_gradient_reduction_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
@@ -369,66 +372,66 @@ extern swig_intgo _wrap_dpar_engine_set_precision_raw_9787157d5e82d198(uintptr_t
 extern swig_intgo _wrap_dpar_engine_precision_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_engine_set_allow_tf32_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2, swig_voidp arg3);
 extern swig_intgo _wrap_dpar_engine_step_count_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_engine_set_loss_scaling_raw_9787157d5e82d198(uintptr_t arg1, float arg2, float arg3, float arg4, swig_type_85 arg5);
+extern swig_intgo _wrap_dpar_engine_set_loss_scaling_raw_9787157d5e82d198(uintptr_t arg1, float arg2, float arg3, float arg4, swig_type_86 arg5);
 extern swig_intgo _wrap_dpar_engine_loss_scale_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_engine_last_step_skipped_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_86 arg3);
-extern swig_intgo _wrap_dpar_engine_get_params_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_87 arg3, swig_type_88 arg4);
-extern swig_intgo _wrap_dpar_engine_get_buffer_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_89 arg3, swig_type_90 arg4, swig_type_91 arg5);
-extern swig_intgo _wrap_dpar_engine_save_raw_9787157d5e82d198(uintptr_t arg1, swig_type_92 arg2);
-extern swig_intgo _wrap_dpar_engine_load_raw_9787157d5e82d198(uintptr_t arg1, swig_type_93 arg2);
+extern swig_intgo _wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_87 arg3);
+extern swig_intgo _wrap_dpar_engine_get_params_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_88 arg3, swig_type_89 arg4);
+extern swig_intgo _wrap_dpar_engine_get_buffer_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_90 arg3, swig_type_91 arg4, swig_type_92 arg5);
+extern swig_intgo _wrap_dpar_engine_save_raw_9787157d5e82d198(uintptr_t arg1, swig_type_93 arg2);
+extern swig_intgo _wrap_dpar_engine_load_raw_9787157d5e82d198(uintptr_t arg1, swig_type_94 arg2);
 extern swig_intgo _wrap_dpar_engine_trace_start_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(uintptr_t arg1, swig_type_94 arg2);
+extern swig_intgo _wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(uintptr_t arg1, swig_type_95 arg2);
 extern swig_intgo _wrap_DPAR_FAULT_NONE_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_FAULT_ALLOC_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_FAULT_FORWARD_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_FAULT_BACKWARD_raw_9787157d5e82d198(void);
-extern swig_intgo _wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(uintptr_t arg1, swig_type_95 arg2, swig_intgo arg3);
+extern swig_intgo _wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(uintptr_t arg1, swig_type_96 arg2, swig_intgo arg3);
 extern swig_intgo _wrap_DPAR_SUM_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_MEAN_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_MAX_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_MIN_raw_9787157d5e82d198(void);
-extern void _wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_96 arg2);
-extern swig_type_97 _wrap_dpar_comm_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_97 arg2);
+extern swig_type_98 _wrap_dpar_comm_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_comm_options_version_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_comm_options_version_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_comm_options_timeout_seconds_set_raw_9787157d5e82d198(uintptr_t arg1, double arg2);
 extern double _wrap_dpar_comm_options_timeout_seconds_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_new_dpar_comm_options_raw_9787157d5e82d198(void);
 extern void _wrap_delete_dpar_comm_options_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_98 arg2);
+extern swig_intgo _wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_99 arg2);
 extern swig_intgo _wrap_dpar_comm_options_init_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_group_create_raw_9787157d5e82d198(swig_voidp arg1, swig_type_99 arg2, uintptr_t arg3);
+extern swig_intgo _wrap_dpar_comm_group_create_raw_9787157d5e82d198(swig_voidp arg1, swig_type_100 arg2, uintptr_t arg3);
 extern void _wrap_dpar_comm_group_free_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_group_member_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_100 arg3);
-extern swig_intgo _wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, swig_voidp arg3, swig_type_101 arg4, uintptr_t arg5);
+extern swig_intgo _wrap_dpar_comm_group_member_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_101 arg3);
+extern swig_intgo _wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, swig_voidp arg3, swig_type_102 arg4, uintptr_t arg5);
 extern swig_intgo _wrap_dpar_comm_create_mpi_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern void _wrap_dpar_comm_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_comm_info_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, uintptr_t arg3);
 extern swig_intgo _wrap_dpar_comm_device_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_comm_abort_raw_9787157d5e82d198(uintptr_t arg1, swig_type_102 arg2);
+extern swig_intgo _wrap_dpar_comm_abort_raw_9787157d5e82d198(uintptr_t arg1, swig_type_103 arg2);
 extern swig_intgo _wrap_dpar_comm_get_async_error_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_103 arg4, swig_intgo arg5, swig_intgo arg6);
-extern swig_intgo _wrap_dpar_comm_broadcast_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_104 arg3, swig_intgo arg4, swig_type_105 arg5);
-extern swig_intgo _wrap_dpar_comm_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_106 arg4, swig_intgo arg5, swig_intgo arg6, swig_type_107 arg7);
-extern swig_intgo _wrap_dpar_comm_all_gather_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_108 arg4, swig_intgo arg5);
-extern swig_intgo _wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_109 arg4, swig_intgo arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_104 arg4, swig_intgo arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_comm_broadcast_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_105 arg3, swig_intgo arg4, swig_type_106 arg5);
+extern swig_intgo _wrap_dpar_comm_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_107 arg4, swig_intgo arg5, swig_intgo arg6, swig_type_108 arg7);
+extern swig_intgo _wrap_dpar_comm_all_gather_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_109 arg4, swig_intgo arg5);
+extern swig_intgo _wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_110 arg4, swig_intgo arg5, swig_intgo arg6);
 extern swig_intgo _wrap_dpar_comm_barrier_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_110 arg5, swig_intgo arg6, swig_intgo arg7);
-extern swig_intgo _wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_type_111 arg4, swig_intgo arg5, swig_type_112 arg6);
-extern swig_intgo _wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_113 arg5, swig_intgo arg6);
-extern swig_intgo _wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_114 arg5, swig_intgo arg6, swig_intgo arg7);
+extern swig_intgo _wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_111 arg5, swig_intgo arg6, swig_intgo arg7);
+extern swig_intgo _wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_type_112 arg4, swig_intgo arg5, swig_type_113 arg6);
+extern swig_intgo _wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_114 arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_115 arg5, swig_intgo arg6, swig_intgo arg7);
 extern swig_intgo _wrap_dpar_work_test_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_work_wait_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_work_free_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_115 arg2);
-extern swig_type_116 _wrap_dpar_reducer_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_116 arg2);
+extern swig_type_117 _wrap_dpar_reducer_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_reducer_options_version_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_reducer_options_version_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_117 arg2);
-extern swig_type_118 _wrap_dpar_reducer_options_first_bucket_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_119 arg2);
-extern swig_type_120 _wrap_dpar_reducer_options_bucket_cap_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_118 arg2);
+extern swig_type_119 _wrap_dpar_reducer_options_first_bucket_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_120 arg2);
+extern swig_type_121 _wrap_dpar_reducer_options_bucket_cap_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_reducer_options_op_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_reducer_options_op_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_reducer_options_processes_set_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2);
@@ -437,22 +440,22 @@ extern void _wrap_dpar_reducer_options_compression_set_raw_9787157d5e82d198(uint
 extern swig_intgo _wrap_dpar_reducer_options_compression_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_new_dpar_reducer_options_raw_9787157d5e82d198(void);
 extern void _wrap_delete_dpar_reducer_options_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_121 arg2);
+extern swig_intgo _wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_122 arg2);
 extern swig_intgo _wrap_dpar_reducer_options_init_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_reducer_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_122 arg5, uintptr_t arg6);
+extern swig_intgo _wrap_dpar_reducer_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_123 arg5, uintptr_t arg6);
 extern void _wrap_dpar_reducer_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_reducer_num_buckets_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(uintptr_t arg1, swig_type_123 arg2);
+extern swig_intgo _wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(uintptr_t arg1, swig_type_124 arg2);
 extern swig_intgo _wrap_dpar_reducer_wait_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(swig_voidp arg1, swig_type_124 arg2, swig_type_125 arg3);
+extern swig_intgo _wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(swig_voidp arg1, swig_type_125 arg2, swig_type_126 arg3);
 extern void _wrap_dpar_dataset_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_dataset_info_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, swig_voidp arg3, uintptr_t arg4);
 extern swig_intgo _wrap_dpar_dataset_normalize_raw_9787157d5e82d198(uintptr_t arg1, float arg2, float arg3);
-extern swig_intgo _wrap_dpar_loader_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_126 arg3, swig_intgo arg4, swig_type_127 arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_loader_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_127 arg3, swig_intgo arg4, swig_type_128 arg5, swig_intgo arg6);
 extern void _wrap_dpar_loader_free_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(uintptr_t arg1, swig_type_128 arg2);
+extern swig_intgo _wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(uintptr_t arg1, swig_type_129 arg2);
 extern swig_intgo _wrap_dpar_loader_num_batches_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_loader_shard_raw_9787157d5e82d198(uintptr_t arg1, swig_type_129 arg2, swig_type_130 arg3);
+extern swig_intgo _wrap_dpar_loader_shard_raw_9787157d5e82d198(uintptr_t arg1, swig_type_130 arg2, swig_type_131 arg3);
 extern swig_intgo _wrap_dpar_loader_to_device_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_loader_next_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern uintptr_t _wrap_dpar_loader_inputs_raw_9787157d5e82d198(uintptr_t arg1);
@@ -2193,6 +2196,22 @@ func Dpar_engine_reduce_dtype(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine) (
 	return swig_r
 }
 
+func Dpar_engine_set_reproducible(arg1 Struct_SS_dpar_engine, arg2 int64) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := getSwigcptr(arg1)
+	_swig_i_1 := arg2
+	swig_r = (int)(C._wrap_dpar_engine_set_reproducible_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_85(_swig_i_1)))
+	return swig_r
+}
+
+func Dpar_engine_reproducible(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := arg1
+	_swig_i_1 := getSwigcptr(arg2)
+	swig_r = (int)(C._wrap_dpar_engine_reproducible_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1)))
+	return swig_r
+}
+
 type Enum_SS_dpar_gradient_reduction int
 func _swig_getDPAR_REDUCTION_ALL_REDUCE() (_swig_ret Enum_SS_dpar_gradient_reduction) {
 	var swig_r Enum_SS_dpar_gradient_reduction
@@ -2264,7 +2283,7 @@ func Dpar_engine_set_loss_scaling(arg1 Struct_SS_dpar_engine, arg2 float32, arg3
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
-	swig_r = (int)(C._wrap_dpar_engine_set_loss_scaling_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.float(_swig_i_1), C.float(_swig_i_2), C.float(_swig_i_3), C.swig_type_85(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_engine_set_loss_scaling_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.float(_swig_i_1), C.float(_swig_i_2), C.float(_swig_i_3), C.swig_type_86(_swig_i_4)))
 	return swig_r
 }
 
@@ -2289,7 +2308,7 @@ func Dpar_engine_replica_losses(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine,
 	_swig_i_0 := arg1
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_86(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_87(_swig_i_2)))
 	return swig_r
 }
 
@@ -2299,7 +2318,7 @@ func Dpar_engine_get_params(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine, arg
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
-	swig_r = (int)(C._wrap_dpar_engine_get_params_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_87(_swig_i_2), C.swig_type_88(_swig_i_3)))
+	swig_r = (int)(C._wrap_dpar_engine_get_params_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_88(_swig_i_2), C.swig_type_89(_swig_i_3)))
 	return swig_r
 }
 
@@ -2310,7 +2329,7 @@ func Dpar_engine_get_buffer(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine, arg
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
-	swig_r = (int)(C._wrap_dpar_engine_get_buffer_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_89(_swig_i_2), C.swig_type_90(_swig_i_3), C.swig_type_91(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_engine_get_buffer_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_90(_swig_i_2), C.swig_type_91(_swig_i_3), C.swig_type_92(_swig_i_4)))
 	return swig_r
 }
 
@@ -2318,7 +2337,7 @@ func Dpar_engine_save(arg1 Struct_SS_dpar_engine, arg2 string) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_engine_save_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_92)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_engine_save_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_93)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2329,7 +2348,7 @@ func Dpar_engine_load(arg1 Struct_SS_dpar_engine, arg2 string) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_engine_load_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_93)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_engine_load_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_94)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2347,7 +2366,7 @@ func Dpar_engine_trace_stop(arg1 Struct_SS_dpar_engine, arg2 string) (_swig_ret 
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_94)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_95)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2388,7 +2407,7 @@ func Dpar_engine_inject_fault(arg1 Struct_SS_dpar_engine, arg2 int64, arg3 int) 
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_95(_swig_i_1), C.swig_intgo(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_96(_swig_i_1), C.swig_intgo(_swig_i_2)))
 	return swig_r
 }
 
@@ -2433,7 +2452,7 @@ func (p SwigcptrDpar_comm_options) SwigIsDpar_comm_options() {
 func (arg1 SwigcptrDpar_comm_options) SetSize(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_96(_swig_i_1))
+	C._wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_97(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_comm_options) GetSize() (_swig_ret int64) {
@@ -2496,7 +2515,7 @@ func Dpar_comm_options_init_sized(arg1 Dpar_comm_options, arg2 int64) (_swig_ret
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_98(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_99(_swig_i_1)))
 	return swig_r
 }
 
@@ -2512,7 +2531,7 @@ func Dpar_comm_group_create(arg1 unsafe.Pointer, arg2 int64, arg3 Dpar_comm_opti
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
 	_swig_i_2 := getSwigcptr(arg3)
-	swig_r = (int)(C._wrap_dpar_comm_group_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_type_99(_swig_i_1), C.uintptr_t(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_comm_group_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_type_100(_swig_i_1), C.uintptr_t(_swig_i_2)))
 	return swig_r
 }
 
@@ -2526,7 +2545,7 @@ func Dpar_comm_group_member(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm_group,
 	_swig_i_0 := arg1
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_comm_group_member_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_100(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_comm_group_member_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_101(_swig_i_2)))
 	return swig_r
 }
 
@@ -2537,7 +2556,7 @@ func Dpar_comm_group_create_on_devices(arg1 unsafe.Pointer, arg2 unsafe.Pointer,
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := getSwigcptr(arg5)
-	swig_r = (int)(C._wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_101(_swig_i_3), C.uintptr_t(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_102(_swig_i_3), C.uintptr_t(_swig_i_4)))
 	return swig_r
 }
 
@@ -2575,7 +2594,7 @@ func Dpar_comm_abort(arg1 Struct_SS_dpar_comm, arg2 string) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_comm_abort_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_102)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_comm_abort_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_103)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2598,7 +2617,7 @@ func Dpar_comm_all_reduce(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 un
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_103(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_104(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2609,7 +2628,7 @@ func Dpar_comm_broadcast(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 int
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
-	swig_r = (int)(C._wrap_dpar_comm_broadcast_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_104(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_105(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_comm_broadcast_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_105(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_106(_swig_i_4)))
 	return swig_r
 }
 
@@ -2622,7 +2641,7 @@ func Dpar_comm_reduce(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 unsafe
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
 	_swig_i_6 := arg7
-	swig_r = (int)(C._wrap_dpar_comm_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_106(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_type_107(_swig_i_6)))
+	swig_r = (int)(C._wrap_dpar_comm_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_107(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_type_108(_swig_i_6)))
 	return swig_r
 }
 
@@ -2633,7 +2652,7 @@ func Dpar_comm_all_gather(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 un
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
-	swig_r = (int)(C._wrap_dpar_comm_all_gather_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_108(_swig_i_3), C.swig_intgo(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_comm_all_gather_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_109(_swig_i_3), C.swig_intgo(_swig_i_4)))
 	return swig_r
 }
 
@@ -2645,7 +2664,7 @@ func Dpar_comm_reduce_scatter(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_109(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_110(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2665,7 +2684,7 @@ func Dpar_comm_all_reduce_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, a
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
 	_swig_i_6 := arg7
-	swig_r = (int)(C._wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_110(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
+	swig_r = (int)(C._wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_111(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
 	return swig_r
 }
 
@@ -2677,7 +2696,7 @@ func Dpar_comm_broadcast_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, ar
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_111(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_type_112(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_112(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_type_113(_swig_i_5)))
 	return swig_r
 }
 
@@ -2689,7 +2708,7 @@ func Dpar_comm_all_gather_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, a
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_113(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_114(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2702,7 +2721,7 @@ func Dpar_comm_reduce_scatter_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_com
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
 	_swig_i_6 := arg7
-	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_114(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
+	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_115(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
 	return swig_r
 }
 
@@ -2738,7 +2757,7 @@ func (p SwigcptrDpar_reducer_options) SwigIsDpar_reducer_options() {
 func (arg1 SwigcptrDpar_reducer_options) SetSize(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_115(_swig_i_1))
+	C._wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_116(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_reducer_options) GetSize() (_swig_ret int64) {
@@ -2764,7 +2783,7 @@ func (arg1 SwigcptrDpar_reducer_options) GetVersion() (_swig_ret uint) {
 func (arg1 SwigcptrDpar_reducer_options) SetFirst_bucket_bytes(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_117(_swig_i_1))
+	C._wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_118(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_reducer_options) GetFirst_bucket_bytes() (_swig_ret int64) {
@@ -2777,7 +2796,7 @@ func (arg1 SwigcptrDpar_reducer_options) GetFirst_bucket_bytes() (_swig_ret int6
 func (arg1 SwigcptrDpar_reducer_options) SetBucket_cap_bytes(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_119(_swig_i_1))
+	C._wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_120(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_reducer_options) GetBucket_cap_bytes() (_swig_ret int64) {
@@ -2861,7 +2880,7 @@ func Dpar_reducer_options_init_sized(arg1 Dpar_reducer_options, arg2 int64) (_sw
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_121(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_122(_swig_i_1)))
 	return swig_r
 }
 
@@ -2880,7 +2899,7 @@ func Dpar_reducer_create(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, arg3 uns
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := getSwigcptr(arg6)
-	swig_r = (int)(C._wrap_dpar_reducer_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_122(_swig_i_4), C.uintptr_t(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_reducer_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_123(_swig_i_4), C.uintptr_t(_swig_i_5)))
 	return swig_r
 }
 
@@ -2901,7 +2920,7 @@ func Dpar_reducer_grad_ready(arg1 Struct_SS_dpar_reducer, arg2 int64) (_swig_ret
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_123(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_124(_swig_i_1)))
 	return swig_r
 }
 
@@ -2917,7 +2936,7 @@ func Dpar_dataset_load_idx(arg1 unsafe.Pointer, arg2 string, arg3 string) (_swig
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), *(*C.swig_type_124)(unsafe.Pointer(&_swig_i_1)), *(*C.swig_type_125)(unsafe.Pointer(&_swig_i_2))))
+	swig_r = (int)(C._wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), *(*C.swig_type_125)(unsafe.Pointer(&_swig_i_1)), *(*C.swig_type_126)(unsafe.Pointer(&_swig_i_2))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2959,7 +2978,7 @@ func Dpar_loader_create(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_dataset, arg3 i
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_loader_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_126(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_127(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_loader_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_127(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_128(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2972,7 +2991,7 @@ func Dpar_loader_start_epoch(arg1 Struct_SS_dpar_loader, arg2 uint64) (_swig_ret
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_128(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_129(_swig_i_1)))
 	return swig_r
 }
 
@@ -2989,7 +3008,7 @@ func Dpar_loader_shard(arg1 Struct_SS_dpar_loader, arg2 int64, arg3 int64) (_swi
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_loader_shard_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_129(_swig_i_1), C.swig_type_130(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_loader_shard_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_130(_swig_i_1), C.swig_type_131(_swig_i_2)))
 	return swig_r
 }
 

@@ -3056,6 +3056,36 @@ intgo _wrap_dpar_engine_reduce_dtype_raw_9787157d5e82d198(int32_t *_swig_go_0, s
 }
 
 
+intgo _wrap_dpar_engine_set_reproducible_raw_9787157d5e82d198(struct dpar_engine *_swig_go_0, long long _swig_go_1) {
+  dpar_engine *arg1 = (dpar_engine *) 0 ;
+  int64_t arg2 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_engine **)&_swig_go_0; 
+  arg2 = (int64_t)_swig_go_1; 
+  
+  result = (dpar_status)dpar_engine_set_reproducible(arg1,arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_engine_reproducible_raw_9787157d5e82d198(int64_t *_swig_go_0, struct dpar_engine *_swig_go_1) {
+  int64_t *arg1 = (int64_t *) 0 ;
+  dpar_engine *arg2 = (dpar_engine *) 0 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = (int64_t *)_swig_go_0; 
+  arg2 = *(dpar_engine **)&_swig_go_1; 
+  
+  result = (dpar_status)dpar_engine_reproducible(arg1,(struct dpar_engine const *)arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_DPAR_REDUCTION_ALL_REDUCE_raw_9787157d5e82d198() {
   enum dpar_gradient_reduction result;
   intgo _swig_go_result;

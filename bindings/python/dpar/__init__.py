@@ -875,6 +875,21 @@ class Engine(_Handle):
         _check(_raw.dpar_engine_reduce_dtype(out.ctypes.data, self._raw))
         return DType(int(out[0]))
 
+    def set_reproducible(self, micro_chunk_rows):
+        """The reproducible mode (dpar_engine_set_reproducible): train_step cuts each batch into micro-chunks of
+        `micro_chunk_rows` rows and sums their gradients exactly, so that the same seed and global batches give the
+        same bits on any number of CPU devices and processes; 0 turns it off. DparError INVALID_ARGUMENT for a
+        negative count, INVALID_STATE while gradients are pending, NOT_SUPPORTED on GPUs and for a model with
+        BatchNorm, the engine unchanged. Every process sets the same."""
+        _check(_raw.dpar_engine_set_reproducible(self._raw, operator.index(micro_chunk_rows)))
+
+    @property
+    def reproducible(self):
+        """The rows per micro-chunk set_reproducible set (0: off)."""
+        out = _scalar(np.int64)
+        _check(_raw.dpar_engine_reproducible(out.ctypes.data, self._raw))
+        return int(out[0])
+
     def set_allow_tf32(self, allow):
         """Lets f32 GEMMs and convolutions use TF32 where the devices have it (off by default); returns whether
         they have it (CPU devices: False)."""

@@ -41,6 +41,7 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_no
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
        set_gradient_compression!, set_gradient_reduction!, set_weight_decay_exclusion!, set_precision!, precision,
        set_reduce_dtype!, reduce_dtype,
+       set_reproducible!, reproducible,
        set_allow_tf32!, set_loss_scaling!, loss_scale, last_step_skipped, param_decays, forward, num_replicas,
        trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
@@ -814,6 +815,22 @@ function reduce_dtype(e::Engine)
     out = Ref{Int32}(0)
     op, h = Base.unsafe_convert(Ptr{Int32}, out), e.ptr
     engine_call(() -> ccall((:dpar_engine_reduce_dtype, libdpar), Int32, (Ptr{Int32}, Ptr{Cvoid}), op, h), e, out)
+    out[]
+end
+"""`set_reproducible!(engine, micro_chunk_rows)`: the reproducible mode (`dpar_engine_set_reproducible`):
+`train_step!` cuts each batch into micro-chunks of `micro_chunk_rows` rows and sums their gradients exactly, so that
+the same seed and global batches give the same bits on any number of CPU devices and processes; 0 turns it off.
+`ERR_INVALID_ARGUMENT` for a negative count, `ERR_INVALID_STATE` while gradients are pending, `ERR_NOT_SUPPORTED` on
+GPUs and for a model with BatchNorm, the engine unchanged. Every process sets the same."""
+function set_reproducible!(e::Engine, micro_chunk_rows::Integer)
+    h, v = e.ptr, Int64(micro_chunk_rows)
+    engine_call(() -> ccall((:dpar_engine_set_reproducible, libdpar), Int32, (Ptr{Cvoid}, Int64), h, v), e)
+end
+"""`reproducible(engine)`: the rows per micro-chunk `set_reproducible!` set (0: off)."""
+function reproducible(e::Engine)
+    out = Ref{Int64}(0)
+    op, h = Base.unsafe_convert(Ptr{Int64}, out), e.ptr
+    engine_call(() -> ccall((:dpar_engine_reproducible, libdpar), Int32, (Ptr{Int64}, Ptr{Cvoid}), op, h), e, out)
     out[]
 end
 """`set_allow_tf32!(engine, allow)`: lets f32 GEMMs and convolutions use TF32 where the devices have it (off by

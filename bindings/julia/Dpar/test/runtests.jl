@@ -520,6 +520,27 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             end
         end
     end
+    @testset "the reproducible mode: the same bits on one device and on three" begin
+        Dpar.Model(3) do m
+            reference_model(m)
+            n = Dpar.num_param_elements(m)
+            Dpar.Engine(m; lr=0.1, devices=1, processes=Dpar.PROCESSES_SINGLE) do one
+                Dpar.Engine(m; lr=0.1, devices=3, processes=Dpar.PROCESSES_SINGLE) do three
+                    @test Dpar.reproducible(three) == 0
+                    err = try Dpar.set_reproducible!(three, -2); nothing catch ex; ex end
+                    @test err isa DparError && err.status == Dpar.ERR_INVALID_ARGUMENT && occursin("-2", err.message)
+                    Dpar.set_reproducible!(one, 2)
+                    Dpar.set_reproducible!(three, 2)
+                    @test Dpar.reproducible(three) == 2
+                    x, y = reference_batch()
+                    for _ in 1:3
+                        @test Dpar.train_step!(one, x, y) === Dpar.train_step!(three, x, y)
+                    end
+                    @test reinterpret(UInt32, Dpar.params(one, 0, n)) == reinterpret(UInt32, Dpar.params(three, 2, n))
+                end
+            end
+        end
+    end
     @testset "gradient clipping and the reported norm" begin
         Dpar.Model(7) do m
             reference_model(m)

@@ -342,6 +342,8 @@ extern "C" {
     pub fn dpar_engine_precision(out: *mut i32, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_set_reduce_dtype(engine: *mut dpar_engine, dtype: i32) -> dpar_status;
     pub fn dpar_engine_reduce_dtype(out: *mut i32, engine: *const dpar_engine) -> dpar_status;
+    pub fn dpar_engine_set_reproducible(engine: *mut dpar_engine, micro_chunk_rows: i64) -> dpar_status;
+    pub fn dpar_engine_reproducible(out: *mut i64, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_set_allow_tf32(engine: *mut dpar_engine, allow: i32, has_tf32: *mut i32) -> dpar_status;
     pub fn dpar_engine_step_count(out: *mut usize, engine: *const dpar_engine) -> dpar_status;
     pub fn dpar_engine_set_loss_scaling(engine: *mut dpar_engine, init_scale: f32, growth_factor: f32, backoff_factor: f32, growth_interval: i64) -> dpar_status;

@@ -1284,6 +1284,20 @@ impl Engine {
         check(unsafe { sys::dpar_engine_reduce_dtype(&mut d, self.raw) })?;
         Ok(if d == sys::DPAR_BF16 { ReduceDtype::Bf16 } else { ReduceDtype::F32 })
     }
+    /// The reproducible mode (dpar_engine_set_reproducible): micro-chunks of `micro_chunk_rows` rows, 0 off.
+    /// The same seed and global batches then give the same bits on any number of CPU devices and processes
+    /// (train_step, accumulate and step). INVALID_ARGUMENT for a negative count, INVALID_STATE while gradients are
+    /// pending, NOT_SUPPORTED on GPUs and for a model with BatchNorm, the engine unchanged. Every process sets the
+    /// same.
+    pub fn set_reproducible(&self, micro_chunk_rows: i64) -> Result<()> {
+        check(unsafe { sys::dpar_engine_set_reproducible(self.raw, micro_chunk_rows) })
+    }
+    /// The rows per micro-chunk `set_reproducible` set (0: off).
+    pub fn reproducible(&self) -> Result<i64> {
+        let mut rows = 0i64;
+        check(unsafe { sys::dpar_engine_reproducible(&mut rows, self.raw) })?;
+        Ok(rows)
+    }
     /// Lets f32 GEMMs and convolutions use TF32 where the devices have it (off by default); returns whether
     /// they have it (CPU devices: false).
     pub fn set_allow_tf32(&self, allow: bool) -> Result<bool> {
@@ -2247,6 +2261,32 @@ mod tests {
         let bits = |e: &Engine, r: usize| e.params(r, n).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
         assert_ne!(bits(&e, 0), bits(&plain, 0), "the bf16 rounding changed nothing");
         assert_eq!(bits(&e, 0), bits(&e, 1), "replicas differ");
+    }
+
+    #[test]
+    fn reproducible_mode_gives_the_same_bits_on_one_device_and_on_three() {
+        let mut m = Model::new(3).unwrap();
+        m.linear(4, 8, true).unwrap().activation(Activation::Relu).unwrap().linear(8, 3, true).unwrap();
+        let one = Engine::new(&m, &Optimizer::sgd(0.1), &EngineOptions::new().cpu_devices(1).processes(Processes::Single)).unwrap();
+        let three = Engine::new(&m, &Optimizer::sgd(0.1), &EngineOptions::new().cpu_devices(3).processes(Processes::Single)).unwrap();
+        assert_eq!(three.reproducible().unwrap(), 0);
+        let bad = three.set_reproducible(-2).err().unwrap();
+        assert_eq!(bad.status(), status::INVALID_ARGUMENT);
+        assert!(bad.message().contains("-2"), "{}", bad);
+        one.set_reproducible(2).unwrap();
+        three.set_reproducible(2).unwrap();
+        assert_eq!(three.reproducible().unwrap(), 2);
+        let x: Vec<f32> = (0..28).map(|i| ((i * 37) % 101) as f32 / 101.0 - 0.5).collect();
+        let y: Vec<i32> = (0..7).map(|r| (r % 3) as i32).collect();
+        let (x, y) = (Tensor::from_f32(&[7, 4], &x).unwrap(), Tensor::from_i32(&[7], &y).unwrap());
+        for _ in 0..3 {
+            let a = one.train_step(&x, &y).unwrap();
+            assert!(a.is_finite());
+            assert_eq!(a.to_bits(), three.train_step(&x, &y).unwrap().to_bits());
+        }
+        let n = m.num_param_elements().unwrap();
+        let bits = |e: &Engine, r: usize| e.params(r, n).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(bits(&one, 0), bits(&three, 2));
     }
 
     #[test]

@@ -1,0 +1,368 @@
+// The reproducible mode (Engine::set_reproducible): the same seed and the same global batches give the same bits
+// on any number of devices and processes.
+//
+// What differs between device counts in the default mode, and what this mode does about each:
+//  - The rows each forward sees: a replica's chunk is batch / devices rows, so the kernels see other shapes (and a
+//    GEMM may split its work otherwise). Here every process's batch is cut into micro-chunks of a fixed number of
+//    rows, whatever the device count; a replica holds whole micro-chunks and runs forward and backward once per
+//    micro-chunk, so micro-chunk c meets the same kernels on the same shapes wherever it runs. The GEMM's thread
+//    count is the engine's blas_threads per worker, which does not follow the device count either.
+//  - The order in which the replicas' gradients are added. Here they are not added as floats at all: each
+//    micro-chunk's f32 gradient is kept; the replicas agree on a max exponent E per parameter (one max all-reduce
+//    of an int64 per parameter tensor); each micro-chunk's gradient is put on the grid 2^(E - 51 + ceil(log2 K)),
+//    K the global micro-chunk count, as int64 (kernels/cpu/fixed_point.h: rounded to nearest even, a function of
+//    the value alone), so that every value and any sum of K of them stays below 2^51; the int64s are summed over
+//    the micro-chunks, the replicas and the processes (exact, so in any order and grouping), and the sum is turned
+//    back to f32: converted to double (exact: below 2^53), multiplied by the grid step / samples (that factor
+//    rounded once, in double), rounded to f32. Relative to the largest micro-chunk gradient of the parameter tensor,
+//    the grid keeps 51 - ceil(log2 K) bits, against f32's 24: an element up to 2^20 times smaller than the largest
+//    (with up to 128 micro-chunks) still gets f32's precision, and smaller ones an absolute error of at most K/2
+//    grid steps (2^-38 of 2^E with 128 micro-chunks). 51 bits rather than 62: rounding to the grid is then one double
+//    addition, which vectorises (no x86 before AVX-512DQ converts doubles to int64 in vectors), and the sum converts
+//    back exactly. A non-finite value (loss scaling's overflow) makes the parameter's whole gradient NaN, so that
+//    loss scaling sees it and skips the step.
+//  - Where an element lies in a replica's optimizer shard (vector body or scalar tail): the elementwise kernels are
+//    built without FMA contraction (-ffp-contract=off), so an element's bits do not depend on its position. The
+//    clipping norm is computed over the whole reduced gradient, which every replica holds here: the mode requires
+//    the all-reduce gradient reduction.
+//  - The loss: each micro-chunk's loss sum (a double) is kept, told to every process at its global index (a sum in
+//    which every index has one non-zero term, so exact), and the sums added in micro-chunk order.
+//  - Dropout: micro-chunk c of the step whose optimizer step count is s draws from the stream
+//    derive_seed(derive_seed(seed ^ tag, s), c) from offset 0, whatever replica runs it.
+//  - Batch statistics (BatchNorm over a replica's rows, SyncBatchNorm over all of them) and running statistics kept
+//    from replica 0: the mode refuses such layers.
+//
+// Processes: micro-chunks are numbered across the processes in rank order; each process cuts its own rows, so a
+// job of processes whose parts (but the last's) are whole numbers of micro-chunks gives the bits of one process
+// that holds the whole batch.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "common/error.h"
+#include "common/random.h"
+#include "engine/engine.h"
+#include "kernels/cpu/fixed_point.h"
+
+namespace dpar {
+
+namespace {
+
+namespace k = kernels::cpu;
+
+// Mixed into the seed of the micro-chunks' dropout streams, apart from the replicas' own streams.
+constexpr uint64_t kChunkStreamTag = 0x6d6963726f636875ull;
+
+// ceil(log2(k)) for k >= 1.
+int ceil_log2(int64_t k) {
+  int bits = 0;
+  while ((int64_t{1} << bits) < k) ++bits;
+  return bits;
+}
+
+// Restores a replica's RNG stream (seed and offset) when the micro-chunks are done, or fail.
+struct RngStreamGuard {
+  ReplicaContext& ctx;
+  uint64_t seed, offset;
+  explicit RngStreamGuard(ReplicaContext& c) : ctx(c), seed(c.rng_seed), offset(*c.rng_offset) {}
+  ~RngStreamGuard() {
+    ctx.rng_seed = seed;
+    *ctx.rng_offset = offset;
+  }
+};
+
+}  // namespace
+
+void Engine::set_reproducible(int64_t micro_chunk_rows) {
+  DPAR_CHECK_ARG(micro_chunk_rows >= 0, "micro_chunk_rows: ", micro_chunk_rows,
+                 " must be >= 0 (0 turns the reproducible mode off)");
+  DPAR_ENFORCE(pending_ == Pending::kNone, Status::kInvalidState, "set_reproducible: gradients from ",
+               pending_ == Pending::kLoss ? "accumulate()" : "backward()",
+               " are pending; call step() or zero_grad() first");
+  if (micro_chunk_rows > 0) {
+    DPAR_ENFORCE(backend_.kind() == DeviceKind::kCpu, Status::kNotSupported,
+                 "set_reproducible: the reproducible mode runs on CPU devices only, not on ",
+                 config_.devices[0].str());
+    for (const Node& node : model_.nodes()) {
+      if (!node.layer) continue;
+      // Statistics over a replica's rows (or over every replica's, in a collective whose summation order follows
+      // the replicas), and running statistics kept from replica 0's rows: both follow the device count.
+      DPAR_ENFORCE(node.layer->buffer_specs().empty() && !node.layer->uses_collectives(), Status::kNotSupported,
+                   "set_reproducible: node ", node.name, " (", node.describe(),
+                   ") keeps batch statistics over a replica's rows, which depend on the device count; the "
+                   "reproducible mode refuses BatchNorm and SyncBatchNorm (LayerNorm has no such statistics)");
+    }
+  }
+  micro_chunk_rows_ = micro_chunk_rows;
+  if (micro_chunk_rows == 0) {
+    chunk_grads_ = {};
+    chunk_sums_ = {};
+    chunk_exponents_ = {};
+  }
+}
+
+void Engine::reduce_over_all(Replica& rep, void* data, size_t count, DType dtype, ReduceOp op) {
+  if (replicas_.size() > 1) rep.comm->all_reduce(data, data, count, dtype, op);
+  if (!processes_) return;
+  if (rep.ctx.replica == 0) {
+    try {
+      processes_->all_reduce(data, data, count, dtype, op);
+    } catch (const std::exception& e) {
+      // The process's other replicas wait for replica 0 in the broadcast below.
+      rep.comm->abort(std::string("across processes: ") + e.what());
+      throw;
+    }
+  }
+  if (replicas_.size() > 1) rep.comm->broadcast(data, count, dtype, 0);
+}
+
+// What a train_step or accumulate call of the mode is about: this process's micro-chunks of its batch.
+struct Engine::ChunkCall {
+  const Tensor* input = nullptr;
+  const Tensor* target = nullptr;
+  std::vector<int64_t> row_samples;  // the loss's samples in each row
+  BatchCount global;                 // the call's rows and samples over every process
+  int64_t chunks = 0;                // this process's micro-chunks
+  int64_t first_chunk = 0;           // the global index of the first (micro-chunks of the step's earlier calls first)
+  int64_t global_chunks = 0;         // every process's micro-chunks of this call
+  std::vector<int64_t> per_replica;  // micro-chunks per replica (split_batch over the micro-chunk count)
+  bool keep_last_in_place = false;   // the last micro-chunk's gradient stays in the gradients (the step follows)
+};
+
+Engine::ChunkCall Engine::reproducible_call(const char* operation, const Tensor& input, const Tensor& target,
+                                            bool accumulating) {
+  ChunkCall call;
+  call.input = &input;
+  call.target = &target;
+  call.global = global_batch_of(operation, [&] {
+    check_batch(input, &target, operation, &call.row_samples);
+    if (accumulating) {
+      DPAR_ENFORCE(pending_ != Pending::kExplicit, Status::kInvalidState,
+                   operation, ": gradients from backward() are pending; call step() or zero_grad() first");
+    } else {
+      DPAR_ENFORCE(pending_ == Pending::kNone, Status::kInvalidState, operation, ": gradients from ",
+                   pending_ == Pending::kLoss ? "accumulate()" : "backward()",
+                   " are pending; call step() or zero_grad() first");
+    }
+    DPAR_ENFORCE(reduction_ == GradientReduction::kAllReduce, Status::kNotSupported, operation,
+                 ": the reproducible mode needs the all-reduce gradient reduction (its clipping norm is computed "
+                 "over the whole gradient); set the all-reduce gradient reduction or turn the mode off");
+    check_statistics(input);
+    int64_t samples = 0;
+    for (int64_t s : call.row_samples) samples += s;
+    return BatchCount{input.rows(), samples};
+  });
+  const int64_t R = micro_chunk_rows_;
+  call.chunks = input.rows() / R + (input.rows() % R != 0 ? 1 : 0);  // no overflow for any R
+  // The global numbering: this process's first micro-chunk, and the count over every process.
+  call.global_chunks = call.chunks;
+  if (processes_) {
+    std::vector<int64_t> all(static_cast<size_t>(processes_->size()));
+    try {
+      processes_->all_gather(&call.chunks, all.data(), 1, DType::kI64);
+    } catch (const Error& e) {
+      broken_ = true;
+      broken_reason_ = std::string(operation) + ": " + e.what();
+      fail(e.status(), operation, ": across processes: ", e.what());
+    }
+    call.global_chunks = 0;
+    for (size_t p = 0; p < all.size(); ++p) {
+      if (static_cast<int>(p) < processes_->rank()) call.first_chunk += all[p];
+      call.global_chunks += all[p];
+    }
+  }
+  // A step's first call forgets what an abandoned step (zero_grad, a failure) kept.
+  if (pending_ == Pending::kNone) {
+    step_chunks_ = 0;
+    chunk_grads_.assign(replicas_.size(), {});
+    chunk_exponents_.assign(replicas_.size(), std::vector<int64_t>(model_.params().size(), k::kFixedPointAllZero));
+    chunk_sums_.resize(replicas_.size());
+  }
+  call.first_chunk += step_chunks_;
+  call.per_replica = split_batch(call.chunks, replicas_.size());
+  call.keep_last_in_place = !accumulating;
+  chunk_losses_.assign(static_cast<size_t>(call.chunks), 0.0);
+  return call;
+}
+
+void Engine::reproducible_backward(Replica& rep, size_t r, const ChunkCall& call) {
+  int64_t chunk_begin = 0;
+  for (size_t i = 0; i < r; ++i) chunk_begin += call.per_replica[i];
+  const int64_t mine = call.per_replica[r];
+  const auto& params = model_.params();
+  const size_t numel = static_cast<size_t>(model_.num_param_elements());
+  const int64_t R = micro_chunk_rows_, rows = call.input->rows();
+  const uint64_t step_seed = derive_seed(config_.seed ^ kChunkStreamTag, static_cast<uint64_t>(step_count()));
+  std::vector<float>& partials = chunk_grads_[r];
+  const size_t kept = partials.size() / numel;  // micro-chunks of the step's earlier calls
+  const int64_t copied = call.keep_last_in_place ? std::max<int64_t>(mine - 1, 0) : mine;
+  partials.resize((kept + static_cast<size_t>(copied)) * numel);
+  std::vector<int64_t>& exponent = chunk_exponents_[r];
+  rep.loss_rows = 0;
+  rep.loss_samples = 0;
+  double loss_sum = 0.0;
+  int64_t loss_rows = 0, loss_samples = 0;
+  {
+    RngStreamGuard guard(rep.ctx);
+    for (int64_t c = 0; c < mine; ++c) {
+      const int64_t chunk = chunk_begin + c;
+      const int64_t begin = chunk * R;
+      rep.rows = std::min(R, rows - begin);
+      rep.ctx.rng_seed = derive_seed(step_seed, static_cast<uint64_t>(call.first_chunk + chunk));
+      rep.rng_offset = 0;
+      rep.has_grad = false;  // backward overwrites the gradients: this micro-chunk's alone
+      const int64_t chunk_samples = std::accumulate(call.row_samples.begin() + begin,
+                                                    call.row_samples.begin() + begin + rep.rows, int64_t{0});
+      local_loss_backward(rep, *call.input, *call.target, begin, chunk_samples, false);
+      read_loss(rep);  // waits for the device: the loss sum is on the host
+      chunk_losses_[static_cast<size_t>(chunk)] = rep.loss_sum;
+      loss_sum += rep.loss_sum;
+      loss_rows += rep.rows;
+      loss_samples += chunk_samples;
+      // Kept for the sum, but for a step's last micro-chunk, which stays in the gradients (host memory: CPU
+      // devices only).
+      TraceSpan keep(*trace_, "micro-chunk gradient kept");
+      float* dst = c < copied ? partials.data() + (kept + static_cast<size_t>(c)) * numel : rep.model->grads();
+      if (c < copied) rep.stream->copy_to_host(dst, rep.model->grads(), numel * sizeof(float));
+      for (size_t p = 0; p < params.size(); ++p)
+        exponent[p] =
+            std::max<int64_t>(exponent[p], k::max_exponent(dst + params[p].offset, params[p].shape.numel()));
+    }
+  }
+  rep.loss_sum = loss_sum;
+  rep.loss_rows = loss_rows;
+  rep.loss_samples = loss_samples;
+  // The gradients hold a micro-chunk's alone: the step's sum is in the kept micro-chunks.
+  rep.has_grad = false;
+}
+
+void Engine::reproducible_reduce(Replica& rep, size_t r, int64_t global_chunks, int64_t samples, bool last_in_place) {
+  const auto& params = model_.params();
+  const size_t numel = static_cast<size_t>(model_.num_param_elements());
+  const std::vector<float>& partials = chunk_grads_[r];
+  const int64_t held = static_cast<int64_t>(partials.size() / numel) + (last_in_place ? 1 : 0);
+  std::vector<int64_t>& exponent = chunk_exponents_[r];
+  std::vector<int64_t>& sum = chunk_sums_[r];
+  sum.resize(numel);
+  const int grid_bits = k::kFixedPointBits - ceil_log2(std::max<int64_t>(global_chunks, 1));
+  {
+    TraceSpan agree(*trace_, "gradient exponents max");
+    reduce_over_all(rep, exponent.data(), exponent.size(), DType::kI64, ReduceOp::kMax);
+  }
+  // Each micro-chunk's gradient on its parameter's grid, summed exactly.
+  {
+    TraceSpan fixed(*trace_, "gradients to fixed point");
+    for (size_t p = 0; p < params.size(); ++p) {
+      const auto begin = static_cast<size_t>(params[p].offset);
+      const int64_t count = params[p].shape.numel();
+      if (held == 0 || exponent[p] == k::kFixedPointAllZero || exponent[p] == k::kFixedPointNotFinite) {
+        std::fill_n(sum.data() + begin, count, int64_t{0});
+        continue;
+      }
+      // value * 2^(grid_bits - E) is below 2^grid_bits in magnitude: K of them stay below 2^51.
+      const int down = grid_bits - static_cast<int>(exponent[p]);
+      // In blocks whose sums stay in the cache while every micro-chunk is added to them.
+      constexpr int64_t kBlock = 4096;
+      for (int64_t from = 0; from < count; from += kBlock)
+        for (int64_t c = 0; c < held; ++c) {
+          const float* g = static_cast<size_t>(c) * numel < partials.size()
+                               ? partials.data() + static_cast<size_t>(c) * numel
+                               : rep.model->grads();
+          k::to_grid(sum.data() + begin + from, g + begin + from, std::min(kBlock, count - from), down, c > 0);
+        }
+    }
+  }
+  {
+    TraceSpan exact(*trace_, "gradients exact sum", "elements", static_cast<int64_t>(numel));
+    reduce_over_all(rep, sum.data(), numel, DType::kI64, ReduceOp::kSum);
+  }
+  // Back to f32, into the gradients (host memory): the exact sum (exact in double: below 2^53) times the grid
+  // step / samples (that factor rounded once, in double), rounded to f32, on every replica of every job alike.
+  TraceSpan back(*trace_, "gradients from fixed point");
+  float* grad = rep.model->grads();
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto begin = static_cast<size_t>(params[p].offset);
+    const int64_t count = params[p].shape.numel();
+    if (exponent[p] == k::kFixedPointNotFinite) {
+      std::fill_n(grad + begin, count, std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    const double factor =
+        samples > 0 ? std::ldexp(1.0, static_cast<int>(exponent[p]) - grid_bits) / static_cast<double>(samples) : 0.0;
+    k::from_grid(grad + begin, sum.data() + begin, count, factor);
+  }
+  rep.has_grad = true;
+}
+
+double Engine::reproducible_loss(const char* operation, const ChunkCall& call) {
+  // Every micro-chunk's loss sum at its global index, added in that order.
+  std::vector<double> losses(static_cast<size_t>(call.global_chunks), 0.0);
+  std::copy(chunk_losses_.begin(), chunk_losses_.end(), losses.begin() + (call.first_chunk - step_chunks_));
+  if (processes_) {
+    try {
+      processes_->all_reduce(losses.data(), losses.data(), losses.size(), DType::kF64, ReduceOp::kSum);
+    } catch (const Error& e) {
+      broken_ = true;
+      broken_reason_ = std::string(operation) + ": " + e.what();
+      fail(e.status(), operation, ": across processes: ", e.what());
+    }
+  }
+  double total = 0.0;
+  for (double l : losses) total += l;
+  return call.global.samples > 0 ? total / static_cast<double>(call.global.samples)
+                                 : std::numeric_limits<double>::quiet_NaN();
+}
+
+double Engine::reproducible_train_step(const Tensor& input, const Tensor& target) {
+  const TraceSpan span(*trace_, kCallTrack, "train_step", "rows", input.rows());
+  const ChunkCall call = reproducible_call("train_step", input, target, false);
+  run("train_step", [&](Replica& rep, size_t r) {
+    if (training_) save_state(rep);
+    reproducible_backward(rep, r, call);
+    reproducible_reduce(rep, r, call.global_chunks, call.global.samples, call.per_replica[r] > 0);
+    finish_and_step(rep, true);
+    if (training_) sync_buffers(rep);
+  });
+  publish_grad_norm();
+  update_loss_scale();
+  forward_split_.clear();
+  return reproducible_loss("train_step", call);
+}
+
+double Engine::reproducible_accumulate(const Tensor& input, const Tensor& target) {
+  const TraceSpan span(*trace_, kCallTrack, "accumulate", "rows", input.rows());
+  const ChunkCall call = reproducible_call("accumulate", input, target, true);
+  run("accumulate", [&](Replica& rep, size_t r) {
+    if (training_) save_state(rep);
+    reproducible_backward(rep, r, call);
+    if (training_) sync_buffers(rep);
+  });
+  const double loss = reproducible_loss("accumulate", call);
+  pending_ = Pending::kLoss;
+  pending_samples_ += call.global.samples;
+  step_chunks_ += call.global_chunks;
+  forward_split_.clear();
+  return loss;
+}
+
+void Engine::reproducible_step() {
+  const TraceSpan span(*trace_, kCallTrack, "step");
+  DPAR_ENFORCE(pending_ == Pending::kLoss, Status::kInvalidState,
+               "step: no gradient is pending (call accumulate() first)");
+  const int64_t samples = pending_samples_, chunks = step_chunks_;
+  run("step", [&](Replica& rep, size_t r) {
+    reproducible_reduce(rep, r, chunks, samples, false);
+    finish_and_step(rep, true);
+    rep.model->clear_forward_state();
+  });
+  publish_grad_norm();
+  update_loss_scale();
+  pending_ = Pending::kNone;
+  pending_samples_ = 0;
+  step_chunks_ = 0;
+  forward_split_.clear();
+}
+
+}  // namespace dpar
