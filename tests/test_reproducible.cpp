@@ -80,17 +80,31 @@ uint64_t bits(double d) {
 struct Trained {
   std::vector<uint32_t> params;
   std::vector<uint64_t> losses;
+  std::vector<uint32_t> buffers;  // BatchNorm's running statistics and counter, as 32-bit words
 };
+
+// Every buffer of replica `r` as 32-bit words (f32 as is, int64 as two).
+std::vector<uint32_t> buffer_words(const Engine& e, size_t r) {
+  std::vector<uint32_t> words;
+  const auto& buffers = e.model().buffers();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const size_t n = static_cast<size_t>(buffer_numel(buffers[i].shape)) * (buffers[i].dtype == DType::kF32 ? 1 : 2);
+    std::vector<uint32_t> b(n);
+    e.read_buffer(b.data(), r, i);
+    words.insert(words.end(), b.begin(), b.end());
+  }
+  return words;
+}
 
 // Steps [from, to) on an engine of `devices` devices in the reproducible mode, from `load` if not empty, saving to
 // `save` at the end if not empty. Every replica must hold the same parameters.
 Trained train(size_t devices, int from, int to, const std::string& load = "", const std::string& save = "",
-              int64_t micro_chunk_rows = 4, int32_t blas_threads = 1) {
+              int64_t micro_chunk_rows = 4, int32_t blas_threads = 1, bool batchnorm = false) {
   EngineConfig config = cpu_devices(devices);
   config.seed = 5;
   config.blas_threads = blas_threads;
   config.pin_workers = blas_threads == 1;  // teams of several threads on more cores than the machine may have
-  Engine e(make_mlp(), adam(), config);
+  Engine e(make_mlp(batchnorm), adam(), config);
   e.set_reproducible(micro_chunk_rows);
   if (!load.empty()) e.load(load);
   Trained run;
@@ -99,7 +113,11 @@ Trained train(size_t devices, int from, int to, const std::string& load = "", co
     run.losses.push_back(bits(e.train_step(b.x, b.y)));
   }
   run.params = bits(e.params(0));
-  for (size_t r = 1; r < devices; ++r) EXPECT_EQ(bits(e.params(r)), run.params) << "replica " << r;
+  run.buffers = buffer_words(e, 0);
+  for (size_t r = 1; r < devices; ++r) {
+    EXPECT_EQ(bits(e.params(r)), run.params) << "replica " << r;
+    EXPECT_EQ(buffer_words(e, r), run.buffers) << "replica " << r;
+  }
   if (!save.empty()) e.save(save);
   return run;
 }
@@ -113,6 +131,96 @@ TEST(Reproducible, SameBitsOnEveryDeviceCount) {
     const Trained other = train(devices, 0, kSteps);
     EXPECT_EQ(other.losses, one.losses) << devices << " devices";
     EXPECT_EQ(other.params, one.params) << devices << " devices";
+  }
+}
+
+// BatchNorm normalises over each micro-chunk (ghost batch normalisation) and its running statistics fold the
+// micro-chunks' in order: parameters, losses, running statistics and counter alike on every device count, and across
+// a restart on another.
+TEST(Reproducible, BatchNormSameBitsOnEveryDeviceCount) {
+  constexpr int kBnSteps = 20;
+  // Micro-chunks of 5 rows: seven of 5 and one of 2 (BatchNorm needs two rows at least).
+  const Trained one = train(1, 0, kBnSteps, "", "", 5, 1, true);
+  ASSERT_FALSE(one.buffers.empty());
+  for (size_t devices : {2, 3, 8}) {
+    const Trained other = train(devices, 0, kBnSteps, "", "", 5, 1, true);
+    EXPECT_EQ(other.losses, one.losses) << devices << " devices";
+    EXPECT_EQ(other.params, one.params) << devices << " devices";
+    EXPECT_EQ(other.buffers, one.buffers) << devices << " devices";
+  }
+  const std::string path = ::testing::TempDir() + "reproducible_bn.safetensors";
+  train(3, 0, kBnSteps / 2, "", path, 5, 1, true);
+  const Trained resumed = train(2, kBnSteps / 2, kBnSteps, path, "", 5, 1, true);
+  std::remove(path.c_str());
+  EXPECT_EQ(resumed.params, one.params);
+  EXPECT_EQ(resumed.buffers, one.buffers);
+}
+
+// The running statistics are those of the micro-chunks run one after another as micro-batches on one device in the
+// default mode (accumulate on each, then step), bit for bit.
+TEST(Reproducible, BatchNormRunningStatisticsAreTheMicroBatchesInOrder) {
+  const Batch b = batch(0);
+  EngineConfig config = cpu_devices(3);
+  config.seed = 5;
+  Engine chunked(make_mlp(true), adam(), config);
+  chunked.set_reproducible(5);
+  chunked.train_step(b.x, b.y);
+  Engine sequential(make_mlp(true), adam(), cpu_devices(1));
+  for (int64_t begin = 0; begin < b.x.rows(); begin += 5) {
+    const int64_t rows = std::min<int64_t>(5, b.x.rows() - begin);
+    sequential.accumulate(b.x.rows(begin, rows), b.y.rows(begin, rows));
+  }
+  sequential.step();
+  EXPECT_EQ(buffer_words(chunked, 0), buffer_words(sequential, 0));
+  // The counter: one per micro-chunk (eight: seven of 5 rows and one of 2).
+  int64_t tracked = 0;
+  chunked.read_buffer(&tracked, 0, 2);
+  EXPECT_EQ(tracked, 8);
+}
+
+// The CNN's shape: conv 3x3 (1 -> 4), BatchNorm2d, ReLU, max pool 2x2, flatten, linear, on 6x6 images; 20 steps of
+// Adam with clipping, micro-chunks of 5 rows, on 1, 2 and 3 devices: the same bits, running statistics included.
+TEST(Reproducible, CnnWithBatchNormSameBitsOnOneTwoAndThreeDevices) {
+  auto cnn = [] {
+    Model m(13);
+    Conv2dSpec conv;
+    conv.in_channels = 1;
+    conv.out_channels = 4;
+    conv.kernel_h = conv.kernel_w = 3;
+    conv.pad_h = conv.pad_w = 1;
+    m.add(make_conv2d(conv));
+    m.add(make_batchnorm(2, 4, 1e-5f, 0.1f, true));
+    m.add(make_activation(Activation::kRelu));
+    Pool2dSpec pool;
+    pool.kernel_h = pool.kernel_w = pool.stride_h = pool.stride_w = 2;
+    m.add(make_pool2d(pool));
+    m.add_flatten();
+    m.add(make_linear(4 * 3 * 3, kClasses, true));
+    return m;
+  };
+  auto run = [&](size_t devices, Trained* out) {
+    EngineConfig config = cpu_devices(devices);
+    config.seed = 5;
+    Engine e(cnn(), adam(), config);
+    e.set_reproducible(5);
+    for (int s = 0; s < 20; ++s) {
+      const Batch b = batch(s);  // its labels; the images are the pixels below
+      const std::vector<float> pixels = test::randn(37 * 36, static_cast<uint32_t>(200 + s));
+      const Tensor x = test::host_tensor(pixels, Shape{37, 1, 6, 6});
+      out->losses.push_back(bits(e.train_step(x, b.y)));
+    }
+    out->params = bits(e.params(0));
+    out->buffers = buffer_words(e, 0);
+    for (size_t r = 1; r < devices; ++r) EXPECT_EQ(bits(e.params(r)), out->params) << "replica " << r;
+  };
+  Trained one, other;
+  run(1, &one);
+  for (size_t devices : {2, 3}) {
+    other = {};
+    run(devices, &other);
+    EXPECT_EQ(other.losses, one.losses) << devices << " devices";
+    EXPECT_EQ(other.params, one.params) << devices << " devices";
+    EXPECT_EQ(other.buffers, one.buffers) << devices << " devices";
   }
 }
 
@@ -443,15 +551,28 @@ TEST(Reproducible, Refusals) {
   e.set_reproducible(0);
   EXPECT_TRUE(std::isfinite(e.accumulate(b.x, b.y)));
 
-  Engine bn(make_mlp(true), adam(), cpu_devices(2));
+  Model sync = make_mlp(true);
+  sync.convert_sync_batchnorm();
+  Engine bn(sync, adam(), cpu_devices(2));
   try {
     bn.set_reproducible(4);
-    ADD_FAILURE() << "BatchNorm in the reproducible mode";
+    ADD_FAILURE() << "SyncBatchNorm in the reproducible mode";
   } catch (const Error& err) {
     EXPECT_EQ(err.status(), Status::kNotSupported);
     EXPECT_NE(std::string(err.what()).find("node 1 "), std::string::npos) << err.what();
   }
   EXPECT_EQ(bn.reproducible(), 0);
+  // A micro-chunk of one row gives BatchNorm one value per channel: refused before any work.
+  Engine one_row(make_mlp(true), adam(), cpu_devices(2));
+  one_row.set_reproducible(1);
+  const Batch b1 = batch(1);
+  try {
+    one_row.train_step(b1.x, b1.y);
+    ADD_FAILURE() << "micro-chunks of one row through BatchNorm";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), Status::kInvalidArgument) << err.what();
+    EXPECT_NE(std::string(err.what()).find("micro-chunk of 1 rows"), std::string::npos) << err.what();
+  }
 }
 
 }  // namespace

@@ -326,8 +326,10 @@ DPAR_API dpar_status dpar_engine_reduce_dtype(int32_t *out, const dpar_engine *e
  * device until the step). The reduce dtype and the gradient compression do not apply while the mode is on
  * (nothing is summed in floating point). dpar_engine_backward() answers ::DPAR_ERR_NOT_SUPPORTED while it is on,
  * as does a step under ::DPAR_REDUCTION_REDUCE_SCATTER; dpar_engine_forward() splits rows as always (its dropout
- * draws in training mode follow the device). Models with BatchNorm or SyncBatchNorm are refused: their statistics
- * span a device's rows (and running statistics come from device 0's), which follow the device count. Every
+ * draws in training mode follow the device). BatchNorm normalises over each micro-chunk's rows (ghost batch
+ * normalisation: a micro-chunk needs two rows or more), and its running statistics and counter move by every
+ * micro-chunk's statistics in micro-chunk order on every device, as micro-batches run one after another on one
+ * device would move them. SyncBatchNorm is refused (its sums over the devices follow the device count). Every
  * process sets the same. With several processes fed by dpar_loader_shard() (whose permutation is a function of the
  * seed and the epoch alone, so the global batches do not depend on the job), each process's balanced slice is a
  * whole number of micro-chunks when the batch size is a multiple of num_shards x @p micro_chunk_rows: choose one
@@ -335,8 +337,8 @@ DPAR_API dpar_status dpar_engine_reduce_dtype(int32_t *out, const dpar_engine *e
  * @param micro_chunk_rows Rows per micro-chunk; 0 turns the mode off (engines start with it off).
  * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for a negative count (the message names it);
  * ::DPAR_ERR_INVALID_STATE while gradients are pending (dpar_engine_accumulate(), dpar_engine_backward());
- * ::DPAR_ERR_NOT_SUPPORTED on GPU devices and for a model with BatchNorm or SyncBatchNorm (the message names the
- * node); the engine unchanged.
+ * ::DPAR_ERR_NOT_SUPPORTED on GPU devices and for a model with SyncBatchNorm (the message names the node); the
+ * engine unchanged.
  */
 DPAR_API dpar_status dpar_engine_set_reproducible(dpar_engine *engine, int64_t micro_chunk_rows);
 /** @brief The rows per micro-chunk dpar_engine_set_reproducible() set; 0 when the mode is off. */

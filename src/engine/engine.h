@@ -313,6 +313,14 @@ class Engine {
   void reproducible_backward(Replica& rep, size_t r, const ChunkCall& call);
   void reproducible_reduce(Replica& rep, size_t r, int64_t global_chunks, int64_t samples, bool last_in_place);
   double reproducible_loss(const char* operation, const ChunkCall& call);
+  // The layers' running statistics (BatchNorm's, deferred in the mode): every micro-chunk's of the call, told to
+  // every replica of every process at its global index and folded into each replica's buffers in that order.
+  void fold_running_statistics(Replica& rep, size_t r, const ChunkCall& call);
+  // The nodes whose layers keep running statistics, and where each one's lie in a micro-chunk's record.
+  struct StatisticsNode {
+    size_t node, offset, size;
+  };
+  std::vector<StatisticsNode> statistics_nodes() const;
   // `count` elements of `dtype` at `data` (host memory) reduced with `op` over every replica of every process, into
   // every replica's buffer: among the process's replicas, across the processes by replica 0, then broadcast back.
   void reduce_over_all(Replica& rep, void* data, size_t count, DType dtype, ReduceOp op);
@@ -373,6 +381,7 @@ class Engine {
   std::vector<std::vector<int64_t>> chunk_sums_;
   int64_t step_chunks_ = 0;
   std::vector<double> chunk_losses_;
+  std::vector<std::vector<double>> chunk_statistics_;  // per replica: the call's micro-chunks' running statistics
   std::vector<std::vector<size_t>> node_params_;  // per node, the parameters ready after its backward
   // A layer calls the replica set's collectives: a replica given no rows of a batch runs forward and backward too
   // (on an empty chunk), so that it takes part in them.

@@ -29,8 +29,11 @@
 //    which every index has one non-zero term, so exact), and the sums added in micro-chunk order.
 //  - Dropout: micro-chunk c of the step whose optimizer step count is s draws from the stream
 //    derive_seed(derive_seed(seed ^ tag, s), c) from offset 0, whatever replica runs it.
-//  - Batch statistics (BatchNorm over a replica's rows, SyncBatchNorm over all of them) and running statistics kept
-//    from replica 0: the mode refuses such layers.
+//  - Batch statistics: BatchNorm normalises over the rows of one forward, here a micro-chunk's (ghost batch
+//    normalisation: the same rows on any device count); its running statistics, which a forward moves, are moved
+//    instead by every micro-chunk's statistics in micro-chunk order on every replica (fold_running_statistics), as
+//    micro-batches run one after another on one device would move them. SyncBatchNorm (statistics summed over the
+//    replicas in an order that follows them) is refused.
 //
 // Processes: micro-chunks are numbered across the processes in rank order; each process cuts its own rows, so a
 // job of processes whose parts (but the last's) are whole numbers of micro-chunks gives the bits of one process
@@ -87,19 +90,26 @@ void Engine::set_reproducible(int64_t micro_chunk_rows) {
                  config_.devices[0].str());
     for (const Node& node : model_.nodes()) {
       if (!node.layer) continue;
-      // Statistics over a replica's rows (or over every replica's, in a collective whose summation order follows
-      // the replicas), and running statistics kept from replica 0's rows: both follow the device count.
-      DPAR_ENFORCE(node.layer->buffer_specs().empty() && !node.layer->uses_collectives(), Status::kNotSupported,
-                   "set_reproducible: node ", node.name, " (", node.describe(),
-                   ") keeps batch statistics over a replica's rows, which depend on the device count; the "
-                   "reproducible mode refuses BatchNorm and SyncBatchNorm (LayerNorm has no such statistics)");
+      // SyncBatchNorm's statistics are summed over the replicas in an order that follows them.
+      DPAR_ENFORCE(!node.layer->uses_collectives(), Status::kNotSupported, "set_reproducible: node ", node.name,
+                   " (", node.describe(), ") sums its statistics over the replicas, in an order that follows the "
+                   "device count; in the reproducible mode use BatchNorm, which normalises over each micro-chunk "
+                   "(ghost batch normalisation) and folds the micro-chunks' running statistics in order");
+      // Buffers that a forward moves in a way the mode cannot defer.
+      DPAR_ENFORCE(node.layer->buffer_specs().empty() || node.layer->running_statistics_size() > 0,
+                   Status::kNotSupported, "set_reproducible: node ", node.name, " (", node.describe(),
+                   ") keeps buffers that its forward moves, which the reproducible mode cannot order");
     }
   }
   micro_chunk_rows_ = micro_chunk_rows;
+  for (auto& rep : replicas_)
+    for (size_t i = 0; i < model_.nodes().size(); ++i)
+      if (Layer* layer = rep->model->layer(i)) layer->defer_running_statistics(micro_chunk_rows > 0);
   if (micro_chunk_rows == 0) {
     chunk_grads_ = {};
     chunk_sums_ = {};
     chunk_exponents_ = {};
+    chunk_statistics_ = {};
   }
 }
 
@@ -149,7 +159,13 @@ Engine::ChunkCall Engine::reproducible_call(const char* operation, const Tensor&
     DPAR_ENFORCE(reduction_ == GradientReduction::kAllReduce, Status::kNotSupported, operation,
                  ": the reproducible mode needs the all-reduce gradient reduction (its clipping norm is computed "
                  "over the whole gradient); set the all-reduce gradient reduction or turn the mode off");
-    check_statistics(input);
+    // BatchNorm sees a micro-chunk's rows: a whole one, and the last, shorter one.
+    if (training_) {
+      const int64_t rows = input.rows(), R = micro_chunk_rows_;
+      std::vector<int64_t> sizes{std::min(R, rows)};
+      if (rows > R && rows % R != 0) sizes.push_back(rows % R);
+      model_.check_training_batch(input.shape(), sizes, processes_ ? 0 : rows, R);
+    }
     int64_t samples = 0;
     for (int64_t s : call.row_samples) samples += s;
     return BatchCount{input.rows(), samples};
@@ -179,6 +195,7 @@ Engine::ChunkCall Engine::reproducible_call(const char* operation, const Tensor&
     chunk_grads_.assign(replicas_.size(), {});
     chunk_exponents_.assign(replicas_.size(), std::vector<int64_t>(model_.params().size(), k::kFixedPointAllZero));
     chunk_sums_.resize(replicas_.size());
+    chunk_statistics_.resize(replicas_.size());
   }
   call.first_chunk += step_chunks_;
   call.per_replica = split_batch(call.chunks, replicas_.size());
@@ -204,6 +221,10 @@ void Engine::reproducible_backward(Replica& rep, size_t r, const ChunkCall& call
   rep.loss_samples = 0;
   double loss_sum = 0.0;
   int64_t loss_rows = 0, loss_samples = 0;
+  // The running statistics of the call's micro-chunks, at their index among the call's micro-chunks of every process.
+  const std::vector<StatisticsNode> stats_nodes = training_ ? statistics_nodes() : std::vector<StatisticsNode>{};
+  const size_t record = stats_nodes.empty() ? 0 : stats_nodes.back().offset + stats_nodes.back().size;
+  chunk_statistics_[r].assign(static_cast<size_t>(call.global_chunks) * record, 0.0);
   {
     RngStreamGuard guard(rep.ctx);
     for (int64_t c = 0; c < mine; ++c) {
@@ -218,6 +239,10 @@ void Engine::reproducible_backward(Replica& rep, size_t r, const ChunkCall& call
       local_loss_backward(rep, *call.input, *call.target, begin, chunk_samples, false);
       read_loss(rep);  // waits for the device: the loss sum is on the host
       chunk_losses_[static_cast<size_t>(chunk)] = rep.loss_sum;
+      const auto index = static_cast<size_t>(call.first_chunk - step_chunks_ + chunk);
+      for (const StatisticsNode& n : stats_nodes)
+        rep.model->layer(n.node)->take_running_statistics(rep.ctx,
+                                                          chunk_statistics_[r].data() + index * record + n.offset);
       loss_sum += rep.loss_sum;
       loss_rows += rep.rows;
       loss_samples += chunk_samples;
@@ -296,6 +321,36 @@ void Engine::reproducible_reduce(Replica& rep, size_t r, int64_t global_chunks, 
   rep.has_grad = true;
 }
 
+std::vector<Engine::StatisticsNode> Engine::statistics_nodes() const {
+  std::vector<StatisticsNode> out;
+  size_t offset = 0;
+  for (size_t i = 0; i < model_.nodes().size(); ++i)
+    if (const Layer* layer = model_.nodes()[i].layer.get(); layer && layer->running_statistics_size() > 0) {
+      out.push_back({i, offset, layer->running_statistics_size()});
+      offset += layer->running_statistics_size();
+    }
+  return out;
+}
+
+void Engine::fold_running_statistics(Replica& rep, size_t r, const ChunkCall& call) {
+  const std::vector<StatisticsNode> nodes = statistics_nodes();
+  if (nodes.empty() || !training_) return;
+  const size_t record = nodes.back().offset + nodes.back().size;
+  std::vector<double>& table = chunk_statistics_[r];
+  // Each micro-chunk's record is written by the one replica that ran it and is zero elsewhere, so the sum over the
+  // replicas and processes is that record exactly, whatever the order; + 0.0 makes a -0 +0 as the sum would on more
+  // than one device.
+  for (double& v : table) v += 0.0;
+  {
+    TraceSpan told(*trace_, "running statistics told");
+    reduce_over_all(rep, table.data(), table.size(), DType::kF64, ReduceOp::kSum);
+  }
+  TraceSpan folded(*trace_, "running statistics folded");
+  for (int64_t c = 0; c < call.global_chunks; ++c)
+    for (const StatisticsNode& n : nodes)
+      rep.model->layer(n.node)->apply_running_statistics(rep.ctx, table.data() + static_cast<size_t>(c) * record + n.offset);
+}
+
 double Engine::reproducible_loss(const char* operation, const ChunkCall& call) {
   // Every micro-chunk's loss sum at its global index, added in that order.
   std::vector<double> losses(static_cast<size_t>(call.global_chunks), 0.0);
@@ -321,6 +376,7 @@ double Engine::reproducible_train_step(const Tensor& input, const Tensor& target
   run("train_step", [&](Replica& rep, size_t r) {
     if (training_) save_state(rep);
     reproducible_backward(rep, r, call);
+    fold_running_statistics(rep, r, call);
     reproducible_reduce(rep, r, call.global_chunks, call.global.samples, call.per_replica[r] > 0);
     finish_and_step(rep, true);
     if (training_) sync_buffers(rep);
@@ -337,6 +393,7 @@ double Engine::reproducible_accumulate(const Tensor& input, const Tensor& target
   run("accumulate", [&](Replica& rep, size_t r) {
     if (training_) save_state(rep);
     reproducible_backward(rep, r, call);
+    fold_running_statistics(rep, r, call);
     if (training_) sync_buffers(rep);
   });
   const double loss = reproducible_loss("accumulate", call);

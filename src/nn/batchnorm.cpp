@@ -45,6 +45,22 @@ class BatchNorm final : public Layer {
     return std::make_unique<BatchNorm>(dims_, c_, eps_, momentum_, affine_);
   }
   bool uses_collectives() const override { return dims_ == 0; }
+  // The batch's sums (Σx, Σx² per channel) and its element count per channel.
+  size_t running_statistics_size() const override { return static_cast<size_t>(2 * c_ + 1); }
+  void defer_running_statistics(bool defer) override { deferred_ = defer; }
+  void take_running_statistics(const ReplicaContext& ctx, double* host) override {
+    DPAR_ENFORCE(scratch_.defined() && training_, Status::kInternal, describe(),
+                 ": no training forward's statistics to take");
+    ctx.stream->copy_to_host(host, stats().data, 2 * static_cast<size_t>(c_) * sizeof(double));
+    host[2 * c_] = count_;
+  }
+  void apply_running_statistics(const ReplicaContext& ctx, const double* host) override {
+    reserve(ctx);
+    // The forward's own update from those sums (mean_invstd is scratch here: backward has read it).
+    ctx.stream->copy_from_host(stats().data, host, 2 * static_cast<size_t>(c_) * sizeof(double));
+    ctx.stream->run(call::BatchNormMoments{mean_invstd(), buffers_[0].ref(), buffers_[1].ref(), buffers_[2].ref(),
+                                           stats(), host[2 * c_], eps_, momentum_});
+  }
   void check_statistics_input(const Shape& in) const override {
     // A replica given no rows of a plain BatchNorm takes no statistics (forward leaves its buffers alone).
     if (in[0] == 0) return;
@@ -81,8 +97,16 @@ class BatchNorm final : public Layer {
     if (!sync && n == 0) return;
     DPAR_CHECK_ARG(count_ > 1.0, describe(), ": expected more than 1 value per channel when training, got input ",
                    in.shape().str());
-    ctx.stream->run(call::BatchNormMoments{mean_invstd(), running_mean, running_var, buffers_[2].ref(), stats(),
-                                           count_, eps_, momentum_});
+    if (deferred_) {
+      // The batch's mean and invstd as always, the running statistics moved in copies that are then dropped.
+      ctx.stream->copy(shadow_.raw(), buffers_[0].raw(), buffers_[0].bytes());
+      ctx.stream->copy(shadow_.f32() + c_, buffers_[1].raw(), buffers_[1].bytes());
+      ctx.stream->run(call::BatchNormMoments{mean_invstd(), shadow_.rows(0, c_).ref(), shadow_.rows(c_, c_).ref(), {},
+                                             stats(), count_, eps_, momentum_});
+    } else {
+      ctx.stream->run(call::BatchNormMoments{mean_invstd(), running_mean, running_var, buffers_[2].ref(), stats(),
+                                             count_, eps_, momentum_});
+    }
     apply(ctx, in, out, n, l);
   }
 
@@ -147,6 +171,7 @@ class BatchNorm final : public Layer {
   // Scratch of doubles in device memory: stats (2C + 1), mean_invstd (2C), local (2C), global (2C).
   void reserve(const ReplicaContext& ctx) {
     if (!scratch_.defined()) scratch_ = ctx.alloc(DType::kF64, Shape{8 * c_ + 1});
+    if (deferred_ && !shadow_.defined()) shadow_ = ctx.alloc(DType::kF32, Shape{2 * c_});
   }
   TensorRef scratch(int64_t begin, int64_t count) const { return scratch_.rows(begin, count).ref(); }
   TensorRef stats() const { return scratch(0, 2 * c_ + 1); }
@@ -159,6 +184,8 @@ class BatchNorm final : public Layer {
   float eps_, momentum_;
   bool affine_;
   Tensor scratch_;
+  Tensor shadow_;          // deferred: the running mean and variance's copies a training forward moves
+  bool deferred_ = false;  // defer_running_statistics
   bool training_ = true;  // the mode of the last forward
   bool relu_ = false;     // a ReLU runs as its epilogue (the fusion pass fixes it for the model's life)
   double count_ = 0.0;    // elements per channel of the last training forward's batch (all replicas' for sync)

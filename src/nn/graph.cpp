@@ -465,7 +465,8 @@ DType Model::input_dtype() const {
   return any_i32 ? DType::kI32 : DType::kF32;
 }
 
-void Model::check_training_batch(const Shape& input, const std::vector<int64_t>& chunks, int64_t global_rows) const {
+void Model::check_training_batch(const Shape& input, const std::vector<int64_t>& chunks, int64_t global_rows,
+                                 int64_t micro_chunk_rows) const {
   // The layers that see `rows` rows: those whose statistics are their replica's own (collective false), or those
   // whose statistics span every replica (true).
   auto check = [&](int64_t rows, bool collective, const std::string& whose) {
@@ -490,8 +491,11 @@ void Model::check_training_batch(const Shape& input, const std::vector<int64_t>&
                               chunks.begin() + static_cast<std::ptrdiff_t>(r))
       continue;
     check(chunks[r], false,
-          detail::concat("replica ", r, "'s ", chunks[r], " rows of the batch of ", batch, " over ", chunks.size(),
-                         " replicas"));
+          micro_chunk_rows > 0
+              ? detail::concat("a micro-chunk of ", chunks[r], " rows: the reproducible mode cuts the batch into ",
+                               "micro-chunks of ", micro_chunk_rows, " rows")
+              : detail::concat("replica ", r, "'s ", chunks[r], " rows of the batch of ", batch, " over ",
+                               chunks.size(), " replicas"));
   }
   if (global_rows > 0) check(global_rows, true, detail::concat("the ", global_rows, " rows of every replica"));
 }

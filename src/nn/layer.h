@@ -100,6 +100,19 @@ class Layer {
   // that no collective waits for a replica that skipped it: the engine does so for a model with such a layer.
   virtual bool uses_collectives() const { return false; }
 
+  // ---- Running statistics, deferred (the engine's reproducible mode) --------------------------------------------
+  // A layer whose training forward moves its buffers by the batch's statistics (BatchNorm's running mean and
+  // variance, and its counter) can defer that: while deferred, a training forward normalises as always but leaves
+  // its buffers alone, keeping the batch's statistics (running_statistics_size() doubles) for
+  // take_running_statistics(); apply_running_statistics() later moves the buffers by one such batch, as that
+  // forward would have. The reproducible mode so folds every micro-chunk's statistics into every replica's buffers
+  // in micro-chunk order: the running statistics of micro-batches run one after another, on any device count.
+  virtual size_t running_statistics_size() const { return 0; }
+  virtual void defer_running_statistics(bool /*defer*/) {}
+  // The last deferred training forward's statistics, into `host` (running_statistics_size() doubles).
+  virtual void take_running_statistics(const ReplicaContext& /*ctx*/, double* /*host*/) {}
+  virtual void apply_running_statistics(const ReplicaContext& /*ctx*/, const double* /*host*/) {}
+
   // Points the layer at its parameters and gradients: one view per param_specs() entry, of its shape, sharing the
   // replica's storage (so that a layer that hands one out, as a custom layer's callback may through DLPack, keeps
   // the memory alive), and the same as references for the kernel calls.

@@ -159,7 +159,9 @@ class Model {
   // (Layer::check_statistics_input) from a training-mode call on `input` split into `chunks` (the rows of each of
   // this process's replicas). `global_rows`, the rows of every process, is the batch that the layers whose
   // statistics span every replica see; 0 leaves them out (the caller checks them once it knows it).
-  void check_training_batch(const Shape& input, const std::vector<int64_t>& chunks, int64_t global_rows) const;
+  // micro_chunk_rows > 0: `chunks` are the reproducible mode's micro-chunks of that many rows (the messages say so).
+  void check_training_batch(const Shape& input, const std::vector<int64_t>& chunks, int64_t global_rows,
+                            int64_t micro_chunk_rows = 0) const;
   // Throws Error(INVALID_ARGUMENT) naming the first input value a node reading the input refuses (an index out of
   // range); host_input is a host copy of the whole batch.
   void check_input_values(const Tensor& host_input) const;
@@ -199,6 +201,8 @@ class ReplicaModel {
   ReplicaModel(const Model& model, const ReplicaContext& ctx, int64_t param_capacity = 0);
 
   int64_t num_params() const { return params_.numel(); }
+  // Node i's layer in this replica (null for a join or a view).
+  Layer* layer(size_t node) const { return nodes_[node].layer.get(); }
   float* params() const { return params_.f32(); }
   float* grads() const { return grads_.f32(); }
   // The buffers' memory on the device: every f32 buffer in one array, every i64 buffer in another (stored as i32
