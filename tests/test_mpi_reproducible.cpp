@@ -3,10 +3,11 @@
 //
 //   test_mpi_reproducible --devices N [--expect-processes P]      each process runs N CPU devices
 //
-// An MLP with dropout, trained with Adam and clipping in the reproducible mode (micro-chunks of 4 rows) on global
-// batches of 37 rows, each process feeding whole micro-chunks of them (the global micro-chunks split over the
-// processes as DataParallel splits rows; the last micro-chunk has one row). On every rank, every step's loss and
-// every replica's final parameters have the bits of an engine of this process alone on one device
+// An MLP with BatchNorm and dropout, trained with Adam and clipping in the reproducible mode (micro-chunks of 5 rows)
+// on global batches of 37 rows, each process feeding whole micro-chunks of them (the global micro-chunks split over
+// the processes as DataParallel splits rows; the last micro-chunk has two rows). On every rank, every step's loss,
+// every replica's final parameters and BatchNorm's running statistics have the bits of an engine of this process
+// alone on one device
 // (DPAR_PROCESSES_SINGLE) fed the whole global batches, and rank 0's bits; a job of another device count per process
 // resumed half-way from the job's checkpoint goes on with the same bits. Every rank prints its failures as
 // "[rank r] FAIL ..." and exits nonzero if it saw one; rank 0 prints a summary.
@@ -42,8 +43,9 @@ void expect(bool ok, const std::string& what) {
   std::fprintf(stderr, "[rank %d] FAIL %s\n", g_rank, what.c_str());
 }
 
-constexpr int64_t kIn = 12, kHidden = 16, kClasses = 5, kGlobalBatch = 37, kChunkRows = 4, kSteps = 12;
-constexpr size_t kParamElements = kIn * kHidden + kHidden + kHidden * kHidden + kHidden + kHidden * kClasses + kClasses;
+constexpr int64_t kIn = 12, kHidden = 16, kClasses = 5, kGlobalBatch = 37, kChunkRows = 5, kSteps = 12;
+constexpr size_t kParamElements =
+    kIn * kHidden + kHidden + 2 * kHidden + kHidden * kHidden + kHidden + kHidden * kClasses + kClasses;
 
 // processes: DPAR_PROCESSES_MPI or DPAR_PROCESSES_SINGLE.
 dpar_engine* make_engine(size_t devices, int32_t processes) {
@@ -52,6 +54,7 @@ dpar_engine* make_engine(size_t devices, int32_t processes) {
   dpar_model* m = nullptr;
   CHECK_OK(dpar_model_create(&m, &mo));
   CHECK_OK(dpar_model_add_linear(m, kIn, kHidden, 1));
+  CHECK_OK(dpar_model_add_batchnorm1d(m, kHidden, 1e-5f, 0.1f, 1));
   CHECK_OK(dpar_model_add_activation(m, DPAR_TANH));
   CHECK_OK(dpar_model_add_dropout(m, 0.1f));
   CHECK_OK(dpar_model_add_linear(m, kHidden, kHidden, 1));
@@ -108,6 +111,14 @@ std::vector<float> params(dpar_engine* e, size_t replica) {
   std::vector<float> p(kParamElements);
   CHECK_OK(dpar_engine_get_params(p.data(), e, replica, p.size()));
   return p;
+}
+
+// BatchNorm's running mean and variance (buffers 0 and 1).
+std::vector<float> running_statistics(dpar_engine* e, size_t replica) {
+  std::vector<float> b(2 * kHidden);
+  CHECK_OK(dpar_engine_get_buffer(b.data(), e, replica, 0, kHidden));
+  CHECK_OK(dpar_engine_get_buffer(b.data() + kHidden, e, replica, 1, kHidden));
+  return b;
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -181,6 +192,12 @@ int main(int argc, char** argv) {
   for (size_t r = 1; r < devices; ++r)
     expect(same_bits(params(job, r), first), label + ": replica " + std::to_string(r) + " differs from replica 0");
   expect(same_bits(rank0(first), first), label + ": replica 0 differs from rank 0's");
+  const std::vector<float> stats = running_statistics(job, 0);
+  expect(same_bits(stats, running_statistics(alone, 0)),
+         label + ": BatchNorm's running statistics differ from one process's on one device");
+  for (size_t r = 1; r < devices; ++r)
+    expect(same_bits(running_statistics(job, r), stats),
+           label + ": replica " + std::to_string(r) + "'s running statistics differ from replica 0's");
   expect(same_bits(resumed_losses, std::vector<float>(job_losses.begin() + kSteps / 2, job_losses.end())),
          label + ": resumed on " + std::to_string(other_devices) + " devices per process, the losses differ");
   expect(same_bits(params(resumed, 0), first),
