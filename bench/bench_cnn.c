@@ -4,7 +4,7 @@
  * dpar_engine_set_precision beside PyTorch's torch.autocast(dtype=torch.bfloat16)).
  *
  *   bench_cnn [--device cpu|cuda] [--model cnn|mlp|wide] [--precision f32|bf16] [--rounds R] [--seconds S]
- *             [--batch B] [--torch PYTHON]
+ *             [--batch B] [--torch PYTHON] [--reproducible ROWS]
  *
  * The model is examples/c/fashion_cnn.h's (convolutions, BatchNorm, max pooling, one residual block, 32 channels),
  * with Adam lr 1e-3 and softmax cross-entropy, on synthetic data (uniform pixels, random labels; 4 batches, cycled).
@@ -35,6 +35,10 @@ enum { kData = 4, kMaxRounds = 64 };
 
 /* The median step time in seconds of `devices` CPU devices (or, with cuda, one replica on cuda:0) over at least 10
  * steps and `seconds`. */
+/* --reproducible ROWS: dpar's engines run in the reproducible mode with micro-chunks of ROWS rows (0: the default
+ * mode); PyTorch's step is the same either way, so two invocations give the mode's cost beside the default. */
+static int64_t reproducible_rows = 0;
+
 static double time_dpar(const dpar_model *model, int cuda, size_t devices, dpar_tensor **x, dpar_tensor **y,
                         double seconds, int bf16) {
   dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
@@ -53,6 +57,7 @@ static double time_dpar(const dpar_model *model, int cuda, size_t devices, dpar_
   dpar_engine *e = NULL;
   CHECK(dpar_engine_create(&e, model, &oo, &eo));
   if (bf16) CHECK(dpar_engine_set_precision(e, DPAR_BF16));
+  if (reproducible_rows > 0) CHECK(dpar_engine_set_reproducible(e, reproducible_rows));
   float loss = 0.0f;
   for (int i = 0; i < 3; ++i) CHECK(dpar_engine_train_step(&loss, e, x[i % kData], y[i % kData]));
   double times[4096];
@@ -101,11 +106,12 @@ int main(int argc, char **argv) {
       cuda = !strcmp(v, "cuda"), ++i;
     else if (!strcmp(argv[i], "--model") && v && (!strcmp(v, "cnn") || !strcmp(v, "mlp") || !strcmp(v, "wide")))
       model_kind = v, ++i;
+    else if (!strcmp(argv[i], "--reproducible") && v && atoll(v) > 0) reproducible_rows = atoll(v), ++i;
     else if (!strcmp(argv[i], "--precision") && v && (!strcmp(v, "f32") || !strcmp(v, "bf16")))
       bf16 = !strcmp(v, "bf16"), ++i;
     else {
       printf("usage: %s [--device cpu|cuda] [--model cnn|mlp|wide] [--precision f32|bf16] [--rounds R] [--seconds S]\n"
-             "          [--batch B] [--torch PYTHON]\n", argv[0]);
+             "          [--batch B] [--torch PYTHON] [--reproducible ROWS]\n", argv[0]);
       return strcmp(argv[i], "--help") ? 2 : 0;
     }
   }
@@ -116,6 +122,9 @@ int main(int argc, char **argv) {
   printf("bench_cnn: dpar %s through its C ABI; the Fashion-MNIST CNN (examples/c/fashion_cnn.h) beside PyTorch\n",
          dpar_version_string());
   bench_print_machine(stdout);
+  if (reproducible_rows > 0)
+    printf("dpar in the reproducible mode (dpar_engine_set_reproducible): micro-chunks of %lld rows\n",
+           (long long)reproducible_rows);
   printf("CPU GEMM: %s\n", dpar_cpu_gemm_backend());
   const int cnn = !strcmp(model_kind, "cnn");
   printf("model: %s; Adam lr 1e-3,\n"

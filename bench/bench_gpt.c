@@ -2,7 +2,7 @@
  * same machine, in the same run.
  *
  *   bench_gpt [--rounds R] [--seconds S] [--batch B] [--block T] [--layers L] [--heads H] [--embd C] [--vocab V]
- *             [--torch PYTHON]
+ *             [--torch PYTHON] [--precision f32|bf16] [--reproducible ROWS]
  *
  * The model is examples/c/char_gpt.h's (nanoGPT's GPT: 4 layers, 4 heads, 128 channels, context 128 by default,
  * lm_head tied to wte), with AdamW (lr 1e-3, betas 0.9/0.99, weight decay 0.1 on the matrices), gradients clipped to
@@ -29,6 +29,10 @@
 enum { kData = 4, kMaxRounds = 64 };
 
 /* The median step time in seconds of `devices` CPU devices over at least 5 steps and `seconds`. */
+/* --reproducible ROWS: dpar's engines run in the reproducible mode with micro-chunks of ROWS rows (0: the default
+ * mode); PyTorch's step is the same either way, so two invocations give the mode's cost beside the default. */
+static int64_t reproducible_rows = 0;
+
 static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x, dpar_tensor **y, double seconds,
                         int bf16) {
   dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
@@ -44,6 +48,7 @@ static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x
   CHECK(dpar_engine_set_weight_decay_exclusion(e, 1));
   CHECK(dpar_engine_set_max_grad_norm(e, 1.0f));
   if (bf16) CHECK(dpar_engine_set_precision(e, DPAR_BF16));
+  if (reproducible_rows > 0) CHECK(dpar_engine_set_reproducible(e, reproducible_rows));
   float loss = 0.0f;
   for (int i = 0; i < 3; ++i) CHECK(dpar_engine_train_step(&loss, e, x[i % kData], y[i % kData]));
   double times[4096];
@@ -110,11 +115,12 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--embd") && v) cfg.embd = atoll(v), ++i;
     else if (!strcmp(argv[i], "--vocab") && v) cfg.vocab = atoll(v), ++i;
     else if (!strcmp(argv[i], "--torch") && v) python = v, ++i;
+    else if (!strcmp(argv[i], "--reproducible") && v && atoll(v) > 0) reproducible_rows = atoll(v), ++i;
     else if (!strcmp(argv[i], "--precision") && v && (!strcmp(v, "f32") || !strcmp(v, "bf16")))
       bf16 = !strcmp(v, "bf16"), ++i;
     else {
       printf("usage: %s [--rounds R] [--seconds S] [--batch B] [--block T] [--layers L] [--heads H] [--embd C]\n"
-             "          [--vocab V] [--torch PYTHON] [--precision f32|bf16]\n", argv[0]);
+             "          [--vocab V] [--torch PYTHON] [--precision f32|bf16] [--reproducible ROWS]\n", argv[0]);
       return strcmp(argv[i], "--help") ? 2 : 0;
     }
   }
@@ -127,6 +133,9 @@ int main(int argc, char **argv) {
   printf("bench_gpt: dpar %s through its C ABI; nanoGPT's GPT (examples/c/char_gpt.h) beside PyTorch\n",
          dpar_version_string());
   bench_print_machine(stdout);
+  if (reproducible_rows > 0)
+    printf("dpar in the reproducible mode (dpar_engine_set_reproducible): micro-chunks of %lld rows\n",
+           (long long)reproducible_rows);
   printf("CPU GEMM: %s; attention: dpar's fused CPU kernel (its tiles through the same sgemm)\n",
          dpar_cpu_gemm_backend());
   if (bf16)
