@@ -12,8 +12,9 @@
 // p gets sub-block p), so each replica's block crosses the network once, on its own link and thread; the
 // all-gather runs the other way round. With one process this is block r of the process; with one replica per
 // process, the plain reduce-scatter over the processes. Without per-index links (the C API's reducer, processes of
-// different replica counts) the shards stay within each process: block r of the process, every process holding
-// every block (a bucket is then summed whole across the processes by replica 0).
+// different replica counts), or where the engine's reduction keeps them there (its all-reduce: set_shards_world),
+// the shards stay within each process: block r of the process, every process holding every block (a bucket is
+// then summed whole across the processes by replica 0).
 //
 // Three users: the reducer's bucket strategies (reducer/bucket_strategy.h), the C API's reducer (a framework's own
 // gradients), and layers that need other replicas (SyncBatchNorm's statistics), which reach it through their
@@ -101,8 +102,14 @@ class ReplicaSet {
   const std::string& process_transport() const;
   // Whether sums across the processes can travel as `dtype` (bf16 on Wire::kBf16); true with one process.
   bool processes_move(DType dtype) const;
-  // The processes the shards are spread over: num_processes() where the links shard the world, else 1 (every
-  // process holds every shard). And this process's index among them (0 when 1).
+  // Whether the links let the shards span the processes (several processes, per-index links), and whether they
+  // do: they start to where the links allow, and the engine chooses by its gradient reduction
+  // (set_shards_world(), between steps, on every replica of every process alike).
+  bool can_shard_world() const { return processes_ && processes_->shards_world(); }
+  bool shards_world() const { return world_; }
+  void set_shards_world(bool world);
+  // The processes the shards are spread over: num_processes() where they span the world, else 1 (every process
+  // holds every shard). And this process's index among them (0 when 1).
   int shard_processes() const { return world_ ? num_processes() : 1; }
   int shard_process() const { return world_ ? processes_->host->rank() : 0; }
   // This replica's shard of a bucket of `count` elements (world_block()), as offsets in the bucket.

@@ -128,6 +128,8 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
 
   every_replica_runs_ = model_.uses_collectives();
   reduction_ = config_.reduction;
+  // The reduction chooses where the shards lie (GradientReduction); the links were made whatever it is.
+  for (auto& rep : replicas_) rep->set->set_shards_world(world_shards(reduction_));
   node_params_.resize(model_.num_nodes());
   // A parameter is ready once the last backward that writes its gradient ran: a tied one's lowest reader's.
   for (size_t i = 0; i < model_.params().size(); ++i) node_params_[model_.params()[i].last_writer()].push_back(i);
