@@ -149,7 +149,9 @@ size_t world_sum(size_t mine) {
 
 // Adam's state over the whole model, and what one replica may hold of it at most as 1/parts (blocks are rounded to
 // 16 elements, so a replica holds at most 16 elements a bucket more).
-size_t adam_state_bytes(const Engine& e) { return 2 * sizeof(float) * static_cast<size_t>(e.model().num_param_elements()); }
+size_t adam_state_bytes(const Engine& e) {
+  return 2 * sizeof(float) * static_cast<size_t>(e.model().num_param_elements());
+}
 size_t adam_share_bound(const Engine& e, size_t parts) {
   return adam_state_bytes(e) / parts + 2 * sizeof(float) * 16 * e.num_buckets();
 }
@@ -165,7 +167,9 @@ void expect_state_shares(const Engine& e, bool world, const std::string& label) 
   }
   if (world) {
     EXPECT_EQ(world_sum(mine), whole) << label;
-    if (g_size > 1) EXPECT_LT(mine, whole) << label << ": this process holds the whole state";
+    if (g_size > 1) {
+      EXPECT_LT(mine, whole) << label << ": this process holds the whole state";
+    }
   } else {
     EXPECT_EQ(mine, whole) << label;
   }
@@ -237,7 +241,9 @@ TEST(WorldZero, SwitchingReductionsMovesTheStateAndKeepsTheBits) {
     switching->accumulate(g.x.rows(begin, rows), g.y.rows(begin, rows));
     try {
       switching->set_gradient_reduction(GradientReduction::kReduceScatter);
-      if (g_size > 1) ADD_FAILURE() << label << ": the shards moved with gradients pending";
+      if (g_size > 1) {
+        ADD_FAILURE() << label << ": the shards moved with gradients pending";
+      }
     } catch (const Error& e) {
       EXPECT_EQ(e.status(), Status::kInvalidState) << label << ": " << e.what();
       EXPECT_GT(g_size, 1) << label << ": one process has nothing to move";

@@ -285,7 +285,7 @@ DPAR_API dpar_status dpar_engine_set_gradient_compression(dpar_engine *engine, i
  *     MPI adds in float and rounds each sum to bf16; NCCL natively);
  *  4. the result is widened to f32 (exactly) and multiplied in f32 by the engine's 1 / (the global batch's
  *     samples), once: clipping's norm, loss scaling's check and the optimizer read that f32 gradient.
- * Every replica of every process ends with the same bits, independent of thread timing, under either gradient
+ * Every replica of every process ends with the same bits, independent of thread timing, under every gradient
  * reduction (under ::DPAR_REDUCTION_REDUCE_SCATTER each replica's block holds the bits the all-reduce would). With
  * one device and one process, step 2 and 3 have nothing to add: the gradient is still rounded to bf16.
  *

@@ -60,7 +60,7 @@ enum class Wire : int32_t {
 std::pair<size_t, size_t> world_block(size_t count, size_t replicas, size_t replica, int processes, int process);
 
 // What connects one process's replicas to the other processes: one per process, shared by its replicas. Replica 0
-// moves data through `host` and `device`; replica r >= 1 through by_replica[r] (sharded reductions only).
+// moves data through `host` and `device`; replica r >= 1 through by_replica[r] (where the shards span the processes).
 struct ProcessLinks {
   // One participant per process, on host memory (MPI).
   std::shared_ptr<Communicator> host;
@@ -71,7 +71,8 @@ struct ProcessLinks {
   std::string transport;
   // Replica r's own links to replica r of every other process, as `host` and `device` are replica 0's (entry 0
   // stays empty: replica 0 uses those). Used only by replica r's threads. Empty: the shards stay within each
-  // process (ReplicaSet, at the top); else one entry per replica, every process having as many.
+  // process (ReplicaSet, at the top); else one entry per replica, every process having as many, and the shards
+  // span the processes where the engine's reduction puts them there (ReplicaSet::set_shards_world).
   struct ReplicaLink {
     std::unique_ptr<Communicator> host;    // MPI, a duplicate of `host`
     std::unique_ptr<Communicator> device;  // NCCL between the processes' GPUs of index r, or null

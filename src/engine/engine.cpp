@@ -55,7 +55,7 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   // Replicas are numbered across the processes (rank 0's first), so that each has its own RNG stream and P
   // processes of n devices draw what one process of P*n devices would.
   int64_t first_replica = 0;
-  bool same_replica_counts = true;  // every process has n replicas: the optimizer's shards span them all
+  bool same_replica_counts = true;  // every process has n replicas: the optimizer's shards can span them all
   if (processes_) {
     // Each process's replica count and device kind.
     std::vector<int64_t> all(2 * static_cast<size_t>(processes_->size()));

@@ -152,7 +152,7 @@ class Engine {
   // f32 (the default: summed in f32 within a process, across processes as set_gradient_compression says) or bf16
   // (every replica's bucket rounded to bf16 and the whole reduction carried in bf16, within the process and across
   // the processes whatever the compression says; ReplicaSet::all_reduce_sum_bf16), the result widened to f32 for
-  // clipping and the optimizer. Either gradient reduction. The compression setting is kept and applies again once
+  // clipping and the optimizer. Any gradient reduction. The compression setting is kept and applies again once
   // the reduce dtype is f32. Anything else throws INVALID_ARGUMENT; bf16 over processes whose link does not move it
   // throws NOT_SUPPORTED; both change nothing. Every process sets the same.
   void set_reduce_dtype(DType dtype);
