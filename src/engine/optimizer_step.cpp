@@ -146,6 +146,7 @@ void Engine::set_strategies(GradientCompression compression, GradientReduction r
   // the current shards first (the same call at the same point everywhere), and cuts it along the new ones below.
   const bool world = world_shards(reduction);
   const bool reshard = world != replicas_[0]->set->shards_world();
+  if (reshard) check_usable("set_gradient_reduction");  // the gather crosses the processes' links
   DPAR_ENFORCE(!reshard || pending_ == Pending::kNone, Status::kInvalidState, "set_gradient_reduction: gradients from ",
                pending_ == Pending::kLoss ? "accumulate()" : "backward()", " are pending, and the optimizer's shards ",
                "would move to the new reduction's; call step() or zero_grad() first");
