@@ -1,20 +1,26 @@
 // bench_zero_world [--devices N] [--rounds R] [--steps S]      (under mpirun -np P, or alone)
 //
-// The optimizer sharded over every replica of every process (ZeRO over the world) against the shards kept within
-// each process (the previous layout, EngineConfig::shard_across_processes = false), under both gradient reductions
-// (all-reduce: ZeRO-1; reduce-scatter: ZeRO-2), for the MLP 784-1024-1024-10 (Adam, batch 256 per process). For
-// each of the four: the median training step over R interleaved rounds of S steps (the slowest process's, each
-// round), the optimizer state each replica holds (measured: Engine::replica_optimizer_state_bytes, the largest), and
-// the bytes of gradients and parameters each replica sends (and as many receives) per step across the processes
-// and within its process, from the algorithms' layout (ring bus bytes, as nccl-tests counts them, for a gradient of
-// G bytes, n replicas a process, P processes):
-//   previous, either reduction: replica 0 sums each bucket whole across the processes, 2(P-1)/P G; the others none;
-//   world ZeRO-1: the same all-reduce, then every replica all-gathers its local block across the processes,
+// The engine's three gradient reductions, each with the optimizer's shards where it puts them, and the
+// reduce-scatter with the shards kept within each process (EngineConfig::shard_across_processes = false), for the
+// MLP 784-1024-1024-10 (Adam, batch 256 per process):
+//   all-reduce (the default): the shards within each process (each process holds the whole state), as DDP;
+//   reduce-scatter, shards per process: ZeRO-2 within each process, a bucket summed whole across the processes;
+//   sharded all-reduce: the all-reduce with the shards over every replica of every process (ZeRO-1 over the world);
+//   reduce-scatter: ZeRO-2 over the world.
+// For each: the median training step over R interleaved rounds of S steps (the slowest process's, each round), the
+// optimizer state each replica holds (measured: Engine::replica_optimizer_state_bytes, the largest), and the bytes
+// of gradients and parameters each replica sends (and as many receives) per step across the processes and within
+// its process, from the algorithms' layout (ring bus bytes, as nccl-tests counts them, for a gradient of G bytes,
+// n replicas a process, P processes):
+//   shards per process, either reduction: replica 0 sums each bucket whole across the processes, 2(P-1)/P G; the
+//                 others none;
+//   sharded all-reduce: the same all-reduce, then every replica all-gathers its local block across the processes,
 //                 (P-1)/P G/n;
-//   world ZeRO-2: every replica reduce-scatters and all-gathers its local block across the processes, 2(P-1)/P G/n.
+//   reduce-scatter over the world: every replica reduce-scatters and all-gathers its local block across the
+//                 processes, 2(P-1)/P G/n.
 // Within a process: all-reduce 2(n-1)/n G (reduce and broadcast through replica 0 with several processes; so too
-// the previous reduce-scatter's with several processes), reduce-scatter and all-gather (n-1)/n G each. Rank 0
-// prints. The step times are the slowest process's.
+// the reduce-scatter's with the shards per process and several processes), reduce-scatter and all-gather (n-1)/n G
+// each. Rank 0 prints. The step times are the slowest process's.
 #include <mpi.h>
 
 #include <algorithm>
@@ -70,10 +76,11 @@ int main(int argc, char** argv) {
     }
   }
   if (devices < 1 || devices > 64 || rounds < 1 || steps < 1) return 2;
-  const Variant variants[4] = {{"previous ZeRO-1 (shards per process)", GradientReduction::kAllReduce, false},
-                               {"previous ZeRO-2 (shards per process)", GradientReduction::kReduceScatter, false},
-                               {"world ZeRO-1 (all-reduce)", GradientReduction::kAllReduce, true},
-                               {"world ZeRO-2 (reduce-scatter)", GradientReduction::kReduceScatter, true}};
+  const Variant variants[4] = {
+      {"all-reduce (default, per process)", GradientReduction::kAllReduce, true},
+      {"reduce-scatter, shards per process", GradientReduction::kReduceScatter, false},
+      {"sharded all-reduce (world ZeRO-1)", GradientReduction::kAllReduceWorldShards, true},
+      {"reduce-scatter (world ZeRO-2)", GradientReduction::kReduceScatter, true}};
   std::vector<std::unique_ptr<Engine>> engines;
   OptimizerConfig opt;
   opt.kind = OptimizerKind::kAdam;
@@ -123,12 +130,15 @@ int main(int argc, char** argv) {
     const double median = t[t.size() / 2];
     size_t state = 0;
     for (size_t b : engines[v]->replica_optimizer_state_bytes()) state = std::max(state, b);
+    // The shards span the processes (under the default all-reduce they never do).
+    const bool world = variants[v].across && variants[v].reduction != GradientReduction::kAllReduce;
+    const bool all_reduce = variants[v].reduction != GradientReduction::kReduceScatter;
     double first = 0, others = 0;
     if (processes > 1) {
       const double ring = (p - 1) / p;
-      if (!variants[v].across) {
+      if (!world) {
         first = 2 * ring * g;
-      } else if (variants[v].reduction == GradientReduction::kAllReduce) {
+      } else if (all_reduce) {
         first = 2 * ring * g + ring * g / n;
         others = ring * g / n;
       } else {
@@ -138,7 +148,7 @@ int main(int argc, char** argv) {
     const double local_ring = (n - 1) / n;
     // The all-reduce's reduce and broadcast (or all-reduce) and the all-gather; the reduce-scatter and the
     // all-gather, except where the shards stay within each process and a bucket is summed whole across them.
-    const bool whole = variants[v].reduction == GradientReduction::kAllReduce || (!variants[v].across && p > 1);
+    const bool whole = all_reduce || (!world && p > 1);
     const double within = (whole ? 3 : 2) * local_ring * g;
     char rest[32] = "-";  // one replica a process: no others
     if (devices > 1) std::snprintf(rest, sizeof rest, "%.2f", others * mb);

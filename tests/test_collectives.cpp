@@ -478,8 +478,8 @@ TEST(ReduceScatterEngine, ClippingNormFromTheShardsKeepsReplicasIdentical) {
   }
 }
 
-// Both reductions keep the same optimizer shards: switching between steps changes nothing, and a checkpoint of one
-// loads into the other.
+// With one process the three reductions keep the same optimizer shards: switching between steps changes nothing,
+// and a checkpoint of one loads into another.
 TEST(ReduceScatterEngine, SwitchingBetweenStepsAndCheckpointsChangeNothing) {
   const Model model = mlp(13);
   std::vector<Batch> data;
@@ -489,6 +489,10 @@ TEST(ReduceScatterEngine, SwitchingBetweenStepsAndCheckpointsChangeNothing) {
   const std::string path = ::testing::TempDir() + "dpar_reduce_scatter.safetensors";
   for (int s = 0; s < 9; ++s) {
     if (s == 3) switching.set_gradient_reduction(GradientReduction::kReduceScatter);
+    if (s == 5) {
+      switching.set_gradient_reduction(GradientReduction::kAllReduceWorldShards);
+      EXPECT_EQ(switching.replica_optimizer_state_bytes(), straight.replica_optimizer_state_bytes());
+    }
     if (s == 6) {
       switching.save(path);
       Engine loaded(model, adam(), small_buckets(3, GradientReduction::kReduceScatter));
@@ -502,7 +506,16 @@ TEST(ReduceScatterEngine, SwitchingBetweenStepsAndCheckpointsChangeNothing) {
   }
   std::remove(path.c_str());
   EXPECT_EQ(switching.params(0), straight.params(0));
-  EXPECT_THROW(switching.set_gradient_reduction(static_cast<GradientReduction>(7)), Error);
+  for (int32_t unknown : {3, 7, -1}) {
+    try {
+      switching.set_gradient_reduction(static_cast<GradientReduction>(unknown));
+      ADD_FAILURE() << unknown << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::kInvalidArgument) << unknown;
+      EXPECT_NE(std::string(e.what()).find(std::to_string(unknown)), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(switching.params(0), straight.params(0));
 }
 
 }  // namespace

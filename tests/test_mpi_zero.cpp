@@ -12,7 +12,8 @@
 //    are those of the all-reduce within 1e-5 relative (its norm is summed from the blocks, in another order);
 //  - either way every replica of every process ends with the same bits as rank 0's replica 0;
 //  - the reduce-scatter engine's trace shows its buckets reduce-scattered (across the processes too, where there
-//    are several), and the all-reduce engine's all-reduced (so the setting reached the engine);
+//    are several), and the all-reduce engines' all-reduced (so the setting reached the engine); the parameters'
+//    all-gather crosses the processes under the reduce-scatter and the sharded all-reduce, not the default;
 //  - an unknown reduction is refused with DPAR_ERR_INVALID_ARGUMENT, and the engine trains on.
 // Every rank prints its failures as "[rank r] FAIL ..." and exits nonzero if it saw one; rank 0 prints a summary.
 #include <unistd.h>
@@ -230,10 +231,11 @@ std::string traced_step(dpar_engine* e, const Data& d, const std::string& dir, c
   return text.str();
 }
 
-// The reduce-scatter engine reduce-scatters its buckets and the other all-reduces them: within one process, and
+// The reduce-scatter engine reduce-scatters its buckets and the others all-reduce them: within one process, and
 // with several hierarchically, the reduce-scatter's second level across the processes (each replica index on its
-// own link), the all-reduce's through replica 0, its parameters' all-gather across the processes too (the
-// optimizer's shards span the processes either way).
+// own link), the all-reduce's through replica 0. The parameters' all-gather crosses the processes where the
+// optimizer's shards span them (the reduce-scatter, the sharded all-reduce), and not under the default all-reduce,
+// whose shards stay within each process: only the all-reduce crosses, as DDP.
 void check_traces(size_t devices, const Data& d) {
   char dir[] = "/tmp/dpar_mpi_zero_XXXXXX";
   // Each rank makes its own directory: no shared file system needed.
@@ -243,7 +245,9 @@ void check_traces(size_t devices, const Data& d) {
   }
   dpar_engine* all = make_engine(devices, DPAR_ADAM, DPAR_REDUCTION_ALL_REDUCE);
   dpar_engine* scatter = make_engine(devices, DPAR_ADAM, DPAR_REDUCTION_REDUCE_SCATTER);
+  dpar_engine* sharded = make_engine(devices, DPAR_ADAM, DPAR_REDUCTION_ALL_REDUCE_SHARDED);
   const std::string trace_all = traced_step(all, d, dir, "all"), trace_scatter = traced_step(scatter, d, dir, "rs");
+  const std::string trace_sharded = traced_step(sharded, d, dir, "sharded");
   const auto has = [](const std::string& text, const char* span) {
     return text.find(std::string("\"") + span + "\"") != std::string::npos;
   };
@@ -259,9 +263,14 @@ void check_traces(size_t devices, const Data& d) {
            "trace: the reduce-scatter engine's buckets were not reduce-scattered across the processes");
     expect(has(trace_all, "bucket all-reduce (processes)") && !has(trace_all, "bucket reduce-scatter (processes)"),
            "trace: the all-reduce engine's buckets were not all-reduced across the processes");
-    expect(has(trace_all, "all-gather (processes)") && has(trace_scatter, "all-gather (processes)"),
+    expect(has(trace_scatter, "all-gather (processes)") && has(trace_sharded, "all-gather (processes)"),
            "trace: the parameters' shards were not all-gathered across the processes");
+    expect(has(trace_sharded, "bucket all-reduce (processes)") && !has(trace_sharded, "bucket reduce-scatter"),
+           "trace: the sharded all-reduce engine's buckets were not all-reduced across the processes");
+    expect(!has(trace_all, "all-gather (processes)"),
+           "trace: the default all-reduce all-gathered the parameters across the processes");
   }
+  dpar_engine_free(sharded);
   dpar_engine_free(scatter);
   dpar_engine_free(all);
   rmdir(dir);
@@ -271,7 +280,7 @@ void check_traces(size_t devices, const Data& d) {
 // reduction and trains on.
 void check_unknown_reduction(size_t devices, const Data& d) {
   dpar_engine* e = make_engine(devices, DPAR_ADAM, DPAR_REDUCTION_REDUCE_SCATTER);
-  for (int32_t bad : {2, -1}) {
+  for (int32_t bad : {3, -1}) {
     const dpar_status s = dpar_engine_set_gradient_reduction(e, bad);
     expect(s == DPAR_ERR_INVALID_ARGUMENT && std::strstr(dpar_last_error(), "reduction"),
            "reduction " + std::to_string(bad) + ": " + dpar_status_str(s) + " (" + dpar_last_error() +

@@ -5,18 +5,25 @@
 //   mpirun -np P test_mpi_zero_world --expect-ranks P
 //
 // Each test trains tiny engines over every process (each process its rows of the global batch) with small buckets,
-// so that every bucket is cut into world blocks of uneven sizes, some empty. The checks, on every rank:
-//  - the reduce-scatter (ZeRO-2, hierarchical: replicas, then the replicas of each index across the processes)
-//    trains to the bits of the all-reduce (ZeRO-1 over the same shards) without clipping, Adam and SGD with
-//    momentum; every replica of every process ends with rank 0's replica 0's bits;
-//  - both train as one process of one device on the whole global batch does, within float rounding (the shards
-//    cover every parameter once), and to the bits of the shards kept within each process (the previous layout);
+// so that every bucket is cut into world blocks of uneven sizes, some empty. The reduction chooses the shards: the
+// default all-reduce keeps them within each process (block r of the process), the reduce-scatter (ZeRO-2) and the
+// sharded all-reduce (ZeRO-1 over the world) spread them over the world. The checks, on every rank:
+//  - the three train to the same bits without clipping, Adam and SGD with momentum, at 2 processes and at 3 (where
+//    the buckets are small enough that MPI adds the processes' sums in rank order for every one of them); every
+//    replica of every process ends with rank 0's replica 0's bits;
+//  - they train as one process of one device on the whole global batch does, within float rounding (the shards
+//    cover every parameter once), and to the bits of the reduce-scatter with the shards kept within each process
+//    (EngineConfig::shard_across_processes false);
 //  - with clipping, the norm is summed from the world's shards: the same bits on every replica of every process,
 //    and training within float rounding of the all-reduce's;
-//  - each replica holds the optimizer state of its world block alone: 1/(P*n) of the whole, the shards of the
-//    world adding up to it;
-//  - checkpoints gather the world's shards on rank 0 and load into any number of processes and replicas, under
-//    either reduction, bit for bit (saved again, every tensor holds the same bytes);
+//  - under the reduce-scatter and the sharded all-reduce each replica holds the optimizer state of its world block
+//    alone: 1/(P*n) of the whole, the shards of the world adding up to it; under the default all-reduce each
+//    process holds the whole state, 1/n on each replica;
+//  - switching reductions between steps (all-reduce, reduce-scatter, sharded all-reduce, all-reduce) moves the
+//    optimizer's state to each one's shards and trains on to the bits of an engine that never switched; a switch
+//    that would move the shards is refused while gradients are pending;
+//  - checkpoints gather the shards (of the world, or of each process) on rank 0 and load into any number of
+//    processes and replicas, under any reduction, bit for bit (saved again, every tensor holds the same bytes);
 //  - bf16 on the wire (compression) and the reduce dtype bf16: the reduce-scatter keeps the all-reduce's bits;
 //  - loss scaling: an overflow in one process's rows alone makes every replica of every process skip the step.
 //
@@ -140,46 +147,108 @@ size_t world_sum(size_t mine) {
   return static_cast<size_t>(out);
 }
 
-TEST(WorldZero, ReduceScatterTrainsToTheAllReducesBitsAndAsOneDevice) {
+// Adam's state over the whole model, and what one replica may hold of it at most as 1/parts (blocks are rounded to
+// 16 elements, so a replica holds at most 16 elements a bucket more).
+size_t adam_state_bytes(const Engine& e) {
+  return 2 * sizeof(float) * static_cast<size_t>(e.model().num_param_elements());
+}
+size_t adam_share_bound(const Engine& e, size_t parts) {
+  return adam_state_bytes(e) / parts + 2 * sizeof(float) * 16 * e.num_buckets();
+}
+
+// Each replica's optimizer state: 1/(P*n) of the whole where the shards span the world (the world's adding up to
+// it), 1/n where they stay within each process (the process's adding up to it).
+void expect_state_shares(const Engine& e, bool world, const std::string& label) {
+  const size_t whole = adam_state_bytes(e), n = e.num_replicas();
+  size_t mine = 0;
+  for (size_t b : e.replica_optimizer_state_bytes()) {
+    mine += b;
+    EXPECT_LE(b, adam_share_bound(e, world ? n * static_cast<size_t>(g_size) : n)) << label;
+  }
+  if (world) {
+    EXPECT_EQ(world_sum(mine), whole) << label;
+    if (g_size > 1) {
+      EXPECT_LT(mine, whole) << label << ": this process holds the whole state";
+    }
+  } else {
+    EXPECT_EQ(mine, whole) << label;
+  }
+}
+
+TEST(WorldZero, TheThreeReductionsTrainToTheSameBitsAndAsOneDevice) {
   constexpr int kSteps = 4;
   for (size_t n : {size_t{1}, size_t{2}, size_t{3}}) {
     for (const OptimizerConfig& opt : {adam(), sgd()}) {
       const std::string label = std::to_string(g_size) + " x " + std::to_string(n) + ", " + std::string(opt.name());
       auto all = engine(n, opt, GradientReduction::kAllReduce);
       auto scatter = engine(n, opt, GradientReduction::kReduceScatter);
+      auto sharded = engine(n, opt, GradientReduction::kAllReduceWorldShards);
       ASSERT_EQ(scatter->num_processes(), g_size);
       ASSERT_GE(scatter->num_buckets(), 3u) << label;
       auto alone = engine(1, opt, GradientReduction::kAllReduce, false);
-      // The shards within each process, as before: each bucket summed whole across the processes by replica 0.
+      // The reduce-scatter with the shards within each process: each bucket summed whole across the processes.
       auto per_process = engine(n, opt, GradientReduction::kReduceScatter, true, false);
       for (int s = 0; s < kSteps; ++s) {
         const double a = step(*all, static_cast<uint64_t>(s)), r = step(*scatter, static_cast<uint64_t>(s));
+        const double h = step(*sharded, static_cast<uint64_t>(s));
         step(*alone, static_cast<uint64_t>(s));
         step(*per_process, static_cast<uint64_t>(s));
         EXPECT_EQ(std::memcmp(&a, &r, sizeof a), 0) << label << ", step " << s << ": losses " << a << " and " << r;
+        EXPECT_EQ(std::memcmp(&a, &h, sizeof a), 0) << label << ", step " << s << ": losses " << a << " and " << h;
       }
       EXPECT_TRUE(same_bits(scatter->params(0), all->params(0))) << label << ": the reduce-scatter's parameters";
+      EXPECT_TRUE(same_bits(sharded->params(0), all->params(0))) << label << ": the sharded all-reduce's parameters";
       EXPECT_TRUE(same_bits(scatter->params(0), per_process->params(0))) << label << ": against the shards per process";
       EXPECT_LE(max_relative_error(all->params(0), alone->params(0)), 1e-5) << label << ": against one device";
       expect_world_agrees(*all, label + ", all-reduce");
       expect_world_agrees(*scatter, label + ", reduce-scatter");
-      // The optimizer state: 1/(P*n) of the whole on each replica (blocks are rounded to 16 elements, so a replica
-      // holds at most 16 elements a bucket more), every element held once in the world.
-      const size_t whole = 2 * sizeof(float) * static_cast<size_t>(all->model().num_param_elements());  // Adam
+      expect_world_agrees(*sharded, label + ", sharded all-reduce");
       if (opt.kind == OptimizerKind::kAdam) {
-        size_t mine = 0;
-        for (size_t b : scatter->replica_optimizer_state_bytes()) {
-          mine += b;
-          EXPECT_LE(b, whole / (n * static_cast<size_t>(g_size)) + 2 * sizeof(float) * 16 * scatter->num_buckets())
-              << label;
-        }
-        EXPECT_EQ(world_sum(mine), whole) << label;
-        size_t process = 0;  // per process: the whole state, among its replicas
-        for (size_t b : per_process->replica_optimizer_state_bytes()) process += b;
-        EXPECT_EQ(process, whole) << label;
-        EXPECT_EQ(scatter->replica_optimizer_state_bytes(), all->replica_optimizer_state_bytes()) << label;
+        expect_state_shares(*all, false, label + ", all-reduce");
+        expect_state_shares(*per_process, false, label + ", reduce-scatter within each process");
+        expect_state_shares(*scatter, true, label + ", reduce-scatter");
+        expect_state_shares(*sharded, true, label + ", sharded all-reduce");
+        EXPECT_EQ(scatter->replica_optimizer_state_bytes(), sharded->replica_optimizer_state_bytes()) << label;
       }
     }
+  }
+}
+
+// Switching between steps moves the optimizer's state where the shards move (the default all-reduce's per process,
+// the others' over the world): Adam's moments must land on their new owners for the bits to hold.
+TEST(WorldZero, SwitchingReductionsMovesTheStateAndKeepsTheBits) {
+  constexpr GradientReduction kOrder[] = {GradientReduction::kReduceScatter, GradientReduction::kAllReduceWorldShards,
+                                          GradientReduction::kAllReduce};
+  for (size_t n : {size_t{1}, size_t{3}}) {
+    const std::string label = std::to_string(g_size) + " x " + std::to_string(n);
+    auto straight = engine(n, adam(), GradientReduction::kAllReduce);
+    auto switching = engine(n, adam(), GradientReduction::kAllReduce);
+    for (int s = 0; s < 7; ++s) {
+      if (s == 1 || s == 3 || s == 5) {
+        const GradientReduction to = kOrder[s / 2];
+        switching->set_gradient_reduction(to);
+        expect_state_shares(*switching, to != GradientReduction::kAllReduce,
+                            label + ", switched to " + std::to_string(static_cast<int>(to)));
+      }
+      step(*straight, static_cast<uint64_t>(s));
+      step(*switching, static_cast<uint64_t>(s));
+    }
+    EXPECT_TRUE(same_bits(switching->params(0), straight->params(0))) << label;
+    expect_world_agrees(*switching, label + ", switched");
+    // Gradients pending: a switch that moves the shards is refused, and one that keeps them is not.
+    const Batch g = global_batch(9);
+    const auto [begin, rows] = my_rows();
+    switching->accumulate(g.x.rows(begin, rows), g.y.rows(begin, rows));
+    try {
+      switching->set_gradient_reduction(GradientReduction::kReduceScatter);
+      if (g_size > 1) {
+        ADD_FAILURE() << label << ": the shards moved with gradients pending";
+      }
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::kInvalidState) << label << ": " << e.what();
+      EXPECT_GT(g_size, 1) << label << ": one process has nothing to move";
+    }
+    switching->zero_grad();
   }
 }
 
@@ -257,9 +326,10 @@ TEST(WorldZero, CheckpointsMoveBetweenWorldSizesAndReductions) {
   // Into every process again, 3 and 1 replicas each, either reduction, and out again: the same tensors.
   int round = 0;
   for (size_t n : {size_t{3}, size_t{1}}) {
-    for (GradientReduction reduction : {GradientReduction::kAllReduce, GradientReduction::kReduceScatter}) {
+    for (GradientReduction reduction : {GradientReduction::kAllReduce, GradientReduction::kReduceScatter,
+                                        GradientReduction::kAllReduceWorldShards}) {
       const std::string label = std::to_string(g_size) + " x 2 into " + std::to_string(g_size) + " x " +
-                                std::to_string(n) + (reduction == GradientReduction::kAllReduce ? ", all-reduce" : ", reduce-scatter");
+                                std::to_string(n) + ", reduction " + std::to_string(static_cast<int>(reduction));
       auto target = engine(n, adam(), reduction);
       target->load(saved);
       const std::string again = std::string(dir) + "/again" + std::to_string(round++) + ".safetensors";
@@ -294,7 +364,8 @@ TEST(WorldZero, CheckpointsMoveBetweenWorldSizesAndReductions) {
 }
 
 TEST(WorldZero, AnOverflowInOneProcessSkipsTheStepEverywhere) {
-  for (GradientReduction reduction : {GradientReduction::kAllReduce, GradientReduction::kReduceScatter}) {
+  for (GradientReduction reduction : {GradientReduction::kAllReduce, GradientReduction::kReduceScatter,
+                                      GradientReduction::kAllReduceWorldShards}) {
     auto e = engine(2, adam(), reduction);
     LossScaling ls;
     ls.init_scale = 1024.0f;

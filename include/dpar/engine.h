@@ -21,9 +21,10 @@ extern "C" {
  * get none). Gradients are those of the mean loss over the whole batch, summed across devices by an all-reduce,
  * and every replica gets the same optimizer step (each worker computes it for its shard of the parameters, keeping
  * the optimizer's state for that shard alone, and writes it into every replica), so replicas stay bit-identical.
- * Under mpirun, where every process has the same number of devices, the shards span every replica of every process
- * (ZeRO over the world: 1/(processes x devices) of the state each); otherwise each process holds the whole state,
- * sharded among its own replicas.
+ * By default (::DPAR_REDUCTION_ALL_REDUCE) each process holds the whole state, sharded among its own replicas, and
+ * only the gradients' all-reduce crosses the processes, as DDP. Under ::DPAR_REDUCTION_REDUCE_SCATTER and
+ * ::DPAR_REDUCTION_ALL_REDUCE_SHARDED with mpirun, where every process has the same number of devices, the shards
+ * span every replica of every process (ZeRO over the world: 1/(processes x devices) of the state each).
  *
  * Thread-safety: an engine may be called from several threads; calls are serialised by a lock inside it.
  * Callbacks (custom layers, the forward hook) run on the worker threads, concurrently across replicas; they must
@@ -284,7 +285,7 @@ DPAR_API dpar_status dpar_engine_set_gradient_compression(dpar_engine *engine, i
  *     MPI adds in float and rounds each sum to bf16; NCCL natively);
  *  4. the result is widened to f32 (exactly) and multiplied in f32 by the engine's 1 / (the global batch's
  *     samples), once: clipping's norm, loss scaling's check and the optimizer read that f32 gradient.
- * Every replica of every process ends with the same bits, independent of thread timing, under either gradient
+ * Every replica of every process ends with the same bits, independent of thread timing, under every gradient
  * reduction (under ::DPAR_REDUCTION_REDUCE_SCATTER each replica's block holds the bits the all-reduce would). With
  * one device and one process, step 2 and 3 have nothing to add: the gradient is still rounded to bf16.
  *
@@ -325,7 +326,7 @@ DPAR_API dpar_status dpar_engine_reduce_dtype(int32_t *out, const dpar_engine *e
  * bits of one dpar_engine_train_step() on the whole (the kept gradients take micro-chunks x parameters floats per
  * device until the step). The reduce dtype and the gradient compression do not apply while the mode is on
  * (nothing is summed in floating point). dpar_engine_backward() answers ::DPAR_ERR_NOT_SUPPORTED while it is on,
- * as does a step under ::DPAR_REDUCTION_REDUCE_SCATTER; dpar_engine_forward() splits rows as always (its dropout
+ * as does a step under another reduction than ::DPAR_REDUCTION_ALL_REDUCE; dpar_engine_forward() splits rows as always (its dropout
  * draws in training mode follow the device). BatchNorm normalises over each micro-chunk's rows (ghost batch
  * normalisation: a micro-chunk needs two rows or more), and its running statistics and counter move by every
  * micro-chunk's statistics in micro-chunk order on every device, as micro-batches run one after another on one
@@ -347,28 +348,41 @@ DPAR_API dpar_status dpar_engine_reproducible(int64_t *out, const dpar_engine *e
 /** @brief How each bucket of summed gradients reaches the replicas (dpar_engine_set_gradient_reduction()). */
 typedef enum dpar_gradient_reduction {
   /**
-   * Every replica receives the whole summed bucket (an all-reduce, as DDP). Clipping's norm is computed over the
-   * whole gradient on every replica.
+   * Every replica receives the whole summed bucket (an all-reduce, as DDP). Each process holds the whole optimizer
+   * state, sharded among its own replicas, so that between processes only the all-reduce moves: DDP's bytes.
+   * Clipping's norm is computed over the whole gradient on every replica.
    */
   DPAR_REDUCTION_ALL_REDUCE = 0,
   /**
    * Each replica receives only its block of every bucket (a reduce-scatter: ZeRO stage 2, as Megatron-LM's
    * distributed optimizer shards buckets), which is all its optimizer steps: less data moved and written. Under
-   * mpirun, where the shards span every process (same device count everywhere), the reduce-scatter is
-   * hierarchical: among a process's replicas, then across the processes between the replicas of one index, each
-   * on its own link. Clipping's norm is summed from the blocks. Where the shards stay within each process, a
-   * bucket is summed whole across the processes.
+   * mpirun, where every process has the same device count, the optimizer's shards span every process (1/(processes
+   * x devices) of the state each) and the reduce-scatter and the parameters' all-gather are hierarchical: among a
+   * process's replicas, then across the processes between the replicas of one index, each on its own link; the
+   * bytes between processes are the all-reduce's. Clipping's norm is summed from the blocks. Where the shards stay
+   * within each process (different device counts), a bucket is summed whole across the processes.
    */
-  DPAR_REDUCTION_REDUCE_SCATTER = 1
+  DPAR_REDUCTION_REDUCE_SCATTER = 1,
+  /**
+   * The all-reduce, with the optimizer's shards spanning every process as under ::DPAR_REDUCTION_REDUCE_SCATTER
+   * (ZeRO stage 1 over every process): each replica steps its block and the parameters' all-gather crosses the
+   * processes. It saves the optimizer memory ZeRO-2 saves, but moves about 1.5x the bytes between processes (the
+   * all-reduce's plus the all-gather's); ::DPAR_REDUCTION_REDUCE_SCATTER gives the same memory at the all-reduce's
+   * bytes. With one process, or where the shards cannot span the processes, it is ::DPAR_REDUCTION_ALL_REDUCE.
+   */
+  DPAR_REDUCTION_ALL_REDUCE_SHARDED = 2
 } dpar_gradient_reduction;
 /**
- * @brief Chooses how gradient buckets are reduced, from the next step on. Either way each replica's optimizer steps
- * its block of every bucket and an all-gather puts the blocks together, so the replicas stay bit-identical and
- * the optimizer state stays where it is: switching between steps is allowed, and without clipping both give the
- * same bits (across more than two processes, where MPI adds the processes' sums in the same order for both).
- * Every process sets the same. Engines start with ::DPAR_REDUCTION_ALL_REDUCE.
+ * @brief Chooses how gradient buckets are reduced, from the next step on. Each way each replica's optimizer steps
+ * its block of every bucket and an all-gather puts the blocks together, so the replicas stay bit-identical:
+ * switching between steps is allowed, and without clipping all give the same bits (across more than two processes,
+ * where MPI adds the processes' sums in the same order for all). Where the new reduction's optimizer shards lie
+ * otherwise across the processes (::DPAR_REDUCTION_ALL_REDUCE against the other two, under mpirun), the optimizer's
+ * state is gathered and cut along the new shards: a collective, which every process calls at the same point with
+ * the same @p reduction. Engines start with ::DPAR_REDUCTION_ALL_REDUCE.
  * @param reduction A ::dpar_gradient_reduction.
- * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an unknown @p reduction.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for an unknown @p reduction; ::DPAR_ERR_INVALID_STATE where the
+ * shards would move while gradients are pending (call dpar_engine_step() or dpar_engine_zero_grad() first).
  */
 DPAR_API dpar_status dpar_engine_set_gradient_reduction(dpar_engine *engine, int32_t reduction);
 /**

@@ -36,6 +36,12 @@ ReplicaSet::ReplicaSet(Communicator& local, Stream& stream, std::shared_ptr<Proc
   }
 }
 
+void ReplicaSet::set_shards_world(bool world) {
+  DPAR_ENFORCE(!world || can_shard_world(), Status::kInternal, "replica set: the shards cannot span the processes ",
+               "(no per-replica process links)");
+  world_ = world;
+}
+
 Communicator& ReplicaSet::host_link() {
   return replica() == 0 ? *processes_->host : *processes_->by_replica[replica()].host;
 }

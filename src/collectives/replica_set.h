@@ -12,8 +12,9 @@
 // p gets sub-block p), so each replica's block crosses the network once, on its own link and thread; the
 // all-gather runs the other way round. With one process this is block r of the process; with one replica per
 // process, the plain reduce-scatter over the processes. Without per-index links (the C API's reducer, processes of
-// different replica counts) the shards stay within each process: block r of the process, every process holding
-// every block (a bucket is then summed whole across the processes by replica 0).
+// different replica counts), or where the engine's reduction keeps them there (its all-reduce: set_shards_world),
+// the shards stay within each process: block r of the process, every process holding every block (a bucket is
+// then summed whole across the processes by replica 0).
 //
 // Three users: the reducer's bucket strategies (reducer/bucket_strategy.h), the C API's reducer (a framework's own
 // gradients), and layers that need other replicas (SyncBatchNorm's statistics), which reach it through their
@@ -59,7 +60,7 @@ enum class Wire : int32_t {
 std::pair<size_t, size_t> world_block(size_t count, size_t replicas, size_t replica, int processes, int process);
 
 // What connects one process's replicas to the other processes: one per process, shared by its replicas. Replica 0
-// moves data through `host` and `device`; replica r >= 1 through by_replica[r] (sharded reductions only).
+// moves data through `host` and `device`; replica r >= 1 through by_replica[r] (where the shards span the processes).
 struct ProcessLinks {
   // One participant per process, on host memory (MPI).
   std::shared_ptr<Communicator> host;
@@ -70,7 +71,8 @@ struct ProcessLinks {
   std::string transport;
   // Replica r's own links to replica r of every other process, as `host` and `device` are replica 0's (entry 0
   // stays empty: replica 0 uses those). Used only by replica r's threads. Empty: the shards stay within each
-  // process (ReplicaSet, at the top); else one entry per replica, every process having as many.
+  // process (ReplicaSet, at the top); else one entry per replica, every process having as many, and the shards
+  // span the processes where the engine's reduction puts them there (ReplicaSet::set_shards_world).
   struct ReplicaLink {
     std::unique_ptr<Communicator> host;    // MPI, a duplicate of `host`
     std::unique_ptr<Communicator> device;  // NCCL between the processes' GPUs of index r, or null
@@ -101,8 +103,14 @@ class ReplicaSet {
   const std::string& process_transport() const;
   // Whether sums across the processes can travel as `dtype` (bf16 on Wire::kBf16); true with one process.
   bool processes_move(DType dtype) const;
-  // The processes the shards are spread over: num_processes() where the links shard the world, else 1 (every
-  // process holds every shard). And this process's index among them (0 when 1).
+  // Whether the links let the shards span the processes (several processes, per-index links), and whether they
+  // do: they start to where the links allow, and the engine chooses by its gradient reduction
+  // (set_shards_world(), between steps, on every replica of every process alike).
+  bool can_shard_world() const { return processes_ && processes_->shards_world(); }
+  bool shards_world() const { return world_; }
+  void set_shards_world(bool world);
+  // The processes the shards are spread over: num_processes() where they span the world, else 1 (every process
+  // holds every shard). And this process's index among them (0 when 1).
   int shard_processes() const { return world_ ? num_processes() : 1; }
   int shard_process() const { return world_ ? processes_->host->rank() : 0; }
   // This replica's shard of a bucket of `count` elements (world_block()), as offsets in the bucket.

@@ -211,6 +211,27 @@ std::vector<std::vector<float>> Engine::gather_optimizer_state() const {
   return gathered;
 }
 
+void Engine::load_optimizer_shard(Replica& rep,
+                                  const std::function<const uint8_t*(size_t, const ParamInfo&)>& values) {
+  // The replica's optimizer state is its shard's: the part of each parameter's state that falls in it.
+  const Optimizer& opt = *rep.optimizer;
+  const std::vector<std::pair<std::string, Tensor>> states = opt.state();
+  for (size_t s = 0; s < states.size(); ++s) {
+    const Tensor& buffer = states[s].second;
+    int64_t state = 0;  // where the range's state starts in the buffer
+    for (const ElementRange& r : opt.ranges()) {
+      for (const ParamInfo& p : model_.params()) {
+        const int64_t from = std::max(r.begin, p.offset), to = std::min(r.end, p.offset + p.shape.numel());
+        if (from >= to) continue;
+        rep.stream->copy_from_host(buffer.f32() + state + (from - r.begin),
+                                   values(s, p) + static_cast<size_t>(from - p.offset) * sizeof(float),
+                                   static_cast<size_t>(to - from) * sizeof(float));
+      }
+      state += r.size();
+    }
+  }
+}
+
 void Engine::write_checkpoint(const std::string& path, const std::vector<std::vector<float>>& gathered) const {
   const Replica& rep = *replicas_[0];
   const size_t elements = static_cast<size_t>(model_.num_param_elements());
@@ -345,26 +366,14 @@ void Engine::load(const std::string& path) {
   if (same_replicas)
     for (size_t r = 0; r < replicas_.size(); ++r) rng[r] = parse_u64(meta, "dpar.rng_offset." + std::to_string(r), path);
 
+  const std::vector<std::string> state_names = Optimizer::state_names(opt0.config());
   // Each replica copies from the file on its own worker.
   run("load", [&](Replica& rep, size_t r) {
     for (const ParamInfo& p : model_.params())
       rep.stream->copy_from_host(rep.model->params() + p.offset, file.data(p.name), file.entry(p.name).bytes);
-    // The replica's optimizer state is its shard's: the part of each parameter's state that falls in it.
-    const Optimizer& opt = *rep.optimizer;
-    for (auto& [state_name, buffer] : opt.state()) {
-      int64_t state = 0;  // where the range's state starts in the buffer
-      for (const ElementRange& r : opt.ranges()) {
-        for (const ParamInfo& p : model_.params()) {
-          const int64_t from = std::max(r.begin, p.offset), to = std::min(r.end, p.offset + p.shape.numel());
-          if (from >= to) continue;
-          const uint8_t* values = file.data(optimizer_key(state_name, p.name));  // f32, maybe unaligned
-          rep.stream->copy_from_host(buffer.f32() + state + (from - r.begin),
-                                     values + static_cast<size_t>(from - p.offset) * sizeof(float),
-                                     static_cast<size_t>(to - from) * sizeof(float));
-        }
-        state += r.size();
-      }
-    }
+    load_optimizer_shard(rep, [&](size_t s, const ParamInfo& p) {
+      return file.data(optimizer_key(state_names[s], p.name));
+    });
     for (const BufferInfo& b : model_.buffers()) {
       if (b.dtype == DType::kF32)
         rep.stream->copy_from_host(rep.model->buffer_f32() + b.offset, file.data(b.name), file.entry(b.name).bytes);

@@ -55,7 +55,7 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
   // Replicas are numbered across the processes (rank 0's first), so that each has its own RNG stream and P
   // processes of n devices draw what one process of P*n devices would.
   int64_t first_replica = 0;
-  bool same_replica_counts = true;  // every process has n replicas: the optimizer's shards span them all
+  bool same_replica_counts = true;  // every process has n replicas: the optimizer's shards can span them all
   if (processes_) {
     // Each process's replica count and device kind.
     std::vector<int64_t> all(2 * static_cast<size_t>(processes_->size()));
@@ -128,6 +128,8 @@ Engine::Engine(const Model& model, const OptimizerConfig& optimizer, EngineConfi
 
   every_replica_runs_ = model_.uses_collectives();
   reduction_ = config_.reduction;
+  // The reduction chooses where the shards lie (GradientReduction); the links were made whatever it is.
+  for (auto& rep : replicas_) rep->set->set_shards_world(world_shards(reduction_));
   node_params_.resize(model_.num_nodes());
   // A parameter is ready once the last backward that writes its gradient ran: a tied one's lowest reader's.
   for (size_t i = 0; i < model_.params().size(); ++i) node_params_[model_.params()[i].last_writer()].push_back(i);

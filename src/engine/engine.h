@@ -19,13 +19,15 @@
 // global batch, so P processes of n devices train exactly as one process of P*n devices. Only rank 0 writes
 // checkpoints, and a checkpoint that rank 0 reads is broadcast to the others.
 //
-// The optimizer is sharded over every replica of every process (ZeRO over the world) where every process has the
-// same number of replicas: replica r of process p steps, and holds the optimizer's state for, sub-block p of
-// block r of every bucket (world_block, collectives/replica_set.h), 1/(P*n) of the whole; the all-gather that
-// puts the shards together crosses the processes on each replica index's own link. Processes of different replica
-// counts, and MPI initialised by a program below MPI_THREAD_MULTIPLE with several replicas a process (the links
-// of two indices would be used at once), shard within each process (each process holds the whole optimizer
-// state, in n shards).
+// Under the reduce-scatter (ZeRO-2) and the all-reduce with world shards (GradientReduction), the optimizer is
+// sharded over every replica of every process (ZeRO over the world) where every process has the same number of
+// replicas: replica r of process p steps, and holds the optimizer's state for, sub-block p of block r of every
+// bucket (world_block, collectives/replica_set.h), 1/(P*n) of the whole; the all-gather that puts the shards
+// together crosses the processes on each replica index's own link. Under the default all-reduce, for processes of
+// different replica counts, and for MPI initialised by a program below MPI_THREAD_MULTIPLE with several replicas a
+// process (the links of two indices would be used at once), the shards stay within each process (each process
+// holds the whole optimizer state, in n shards). The per-index links are made at creation wherever the processes
+// allow them, whatever the reduction, so that set_gradient_reduction() can move the shards later.
 #pragma once
 
 #include <atomic>
@@ -63,16 +65,25 @@ enum class GradientCompression : int32_t {
 };
 
 // How each bucket of summed gradients reaches the replicas, whose optimizers each step their shard of the
-// parameters (their world block of every bucket, above) before an all-gather puts the shards together.
+// parameters before an all-gather puts the shards together; it also chooses where the shards lie across the
+// processes (above). With one process the three have the same shards (block r of every bucket).
 enum class GradientReduction : int32_t {
-  // Every replica receives the whole sum (all-reduce; with the sharded optimizer, ZeRO-1); clipping's norm is
-  // computed whole on every replica.
+  // Every replica receives the whole sum (all-reduce, as DDP); the shards stay within each process (block r of
+  // every bucket among its n replicas: each process holds the whole optimizer state, in n shards), so that only
+  // the all-reduce crosses the processes: DDP's bytes. Clipping's norm is computed whole on every replica.
   kAllReduce = 0,
-  // Each replica receives only its shard of each bucket (reduce-scatter: ZeRO-2), hierarchically over the
-  // processes where the shards span them (ReplicaSet::reduce_scatter_sum); clipping's norm is the sum of the
+  // Each replica receives only its shard of each bucket (reduce-scatter: ZeRO-2), the shards spanning the
+  // processes where the links allow (its world block: 1/R of the optimizer state), the reduce-scatter and the
+  // all-gather hierarchical over the processes (ReplicaSet::reduce_scatter_sum); clipping's norm is the sum of the
   // shards' (one scalar summed over every replica holding a shard). Where the shards stay within each process
   // (processes of different replica counts) a bucket is summed whole across the processes.
   kReduceScatter = 1,
+  // The all-reduce, with the shards spanning the processes where the links allow (ZeRO-1 over the world): each
+  // replica steps its world block, and the parameters' all-gather crosses the processes. It holds 1/R of the
+  // optimizer state as kReduceScatter does, but moves about 1.5x the bytes between processes (the all-reduce's
+  // 2(P-1)/P of the gradient and the all-gather's (P-1)/P of the parameters), where kReduceScatter moves the
+  // all-reduce's. Where the shards cannot span the processes, kAllReduce.
+  kAllReduceWorldShards = 2,
 };
 
 struct EngineConfig {
@@ -89,9 +100,10 @@ struct EngineConfig {
   bool pin_workers = true;
   BucketOptions buckets;
   GradientReduction reduction = GradientReduction::kAllReduce;
-  // Whether the optimizer's shards span every process where every process has as many replicas (ZeRO over the
-  // world, above); false keeps them within each process (each holds the whole state among its replicas, and a
-  // bucket is summed whole across the processes), as before: for comparisons (bench_zero_world, tests).
+  // Whether the optimizer's shards may span every process where every process has as many replicas (ZeRO over
+  // the world, above; under kReduceScatter and kAllReduceWorldShards); false keeps them within each process
+  // whatever the reduction (each holds the whole state among its replicas, and a bucket is summed whole across the
+  // processes): for comparisons (bench_zero_world, tests).
   bool shard_across_processes = true;
   // One participant per process (rank = this process), or null for a single process. Every process creates its
   // engine, and then calls the same operations in the same order.
@@ -132,13 +144,15 @@ class Engine {
   // From the next step on. Every process must set the same: the processes' collectives compare their element
   // types, so a process that differs makes the step fail with MISMATCH on all of them. No effect on one process.
   void set_gradient_compression(GradientCompression compression);
-  // From the next step on (both keep the same optimizer shards). Every process sets the same.
+  // From the next step on. Every process sets the same, at the same point: where the new reduction's shards lie
+  // otherwise across the processes (GradientReduction), the optimizer's state is gathered and cut along the new
+  // shards (a collective; INVALID_STATE while gradients are pending). Anything else throws INVALID_ARGUMENT.
   void set_gradient_reduction(GradientReduction reduction);
   // The dtype gradient buckets are reduced in, from the next step on (FSDP's MixedPrecisionPolicy.reduce_dtype):
   // f32 (the default: summed in f32 within a process, across processes as set_gradient_compression says) or bf16
   // (every replica's bucket rounded to bf16 and the whole reduction carried in bf16, within the process and across
   // the processes whatever the compression says; ReplicaSet::all_reduce_sum_bf16), the result widened to f32 for
-  // clipping and the optimizer. Either gradient reduction. The compression setting is kept and applies again once
+  // clipping and the optimizer. Any gradient reduction. The compression setting is kept and applies again once
   // the reduce dtype is f32. Anything else throws INVALID_ARGUMENT; bf16 over processes whose link does not move it
   // throws NOT_SUPPORTED; both change nothing. Every process sets the same.
   void set_reduce_dtype(DType dtype);
@@ -341,6 +355,11 @@ class Engine {
   // Every state of the optimizer (Optimizer::state_names' order) over every parameter element, put together from
   // every replica's shard (of every process: collective over the processes, every process getting them all).
   std::vector<std::vector<float>> gather_optimizer_state() const;
+  // The replica's optimizer state for its shard, from every state's values over every parameter: values(s, p) is
+  // state s (state_names' order) of parameter p, f32, maybe unaligned. Checkpoint loading and a change of shards.
+  void load_optimizer_shard(Replica& rep, const std::function<const uint8_t*(size_t, const ParamInfo&)>& values);
+  // Whether the optimizer's shards span the processes under `reduction` (where the replica sets' links allow).
+  bool world_shards(GradientReduction reduction) const;
   void write_checkpoint(const std::string& path, const std::vector<std::vector<float>>& optimizer_state) const;
   // The elements of the flat parameters whose optimizer step the replica computes and whose optimizer state it
   // holds: its shard of every gradient bucket (ReplicaSet::shard_of; made once its reducer exists). The last

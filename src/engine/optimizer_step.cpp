@@ -137,7 +137,21 @@ void Engine::set_reduce_dtype(DType dtype) {
   set_strategies(compression_, reduction_, dtype);
 }
 
+bool Engine::world_shards(GradientReduction reduction) const {
+  return reduction != GradientReduction::kAllReduce && replicas_[0]->set->can_shard_world();
+}
+
 void Engine::set_strategies(GradientCompression compression, GradientReduction reduction, DType reduce_dtype) {
+  // Where the reduction moves the optimizer's shards across the processes, every process gathers its state under
+  // the current shards first (the same call at the same point everywhere), and cuts it along the new ones below.
+  const bool world = world_shards(reduction);
+  const bool reshard = world != replicas_[0]->set->shards_world();
+  if (reshard) check_usable("set_gradient_reduction");  // the gather crosses the processes' links
+  DPAR_ENFORCE(!reshard || pending_ == Pending::kNone, Status::kInvalidState, "set_gradient_reduction: gradients from ",
+               pending_ == Pending::kLoss ? "accumulate()" : "backward()", " are pending, and the optimizer's shards ",
+               "would move to the new reduction's; call step() or zero_grad() first");
+  std::vector<std::vector<float>> state;
+  if (reshard) state = gather_optimizer_state();
   // Every replica's strategy is made before anything changes, so that a refused setting changes nothing. Between
   // calls the workers are idle: the reducers are the caller's to change.
   const GradientCompression old_compression = compression_;
@@ -146,6 +160,7 @@ void Engine::set_strategies(GradientCompression compression, GradientReduction r
   compression_ = compression;
   reduction_ = reduction;
   reduce_dtype_ = reduce_dtype;
+  for (auto& rep : replicas_) rep->set->set_shards_world(world);  // what the strategies check (processes_move)
   std::vector<std::unique_ptr<BucketStrategy>> strategies;
   try {
     for (auto& rep : replicas_) strategies.push_back(bucket_strategy_for(*rep));
@@ -153,15 +168,29 @@ void Engine::set_strategies(GradientCompression compression, GradientReduction r
     compression_ = old_compression;
     reduction_ = old_reduction;
     reduce_dtype_ = old_reduce_dtype;
+    for (auto& rep : replicas_) rep->set->set_shards_world(reshard ? !world : world);
     throw;
   }
   for (size_t r = 0; r < replicas_.size(); ++r) replicas_[r]->reducer->set_strategy(std::move(strategies[r]));
+  if (!reshard) return;
+  // Each replica's optimizer for its new shard, its state cut from the gathered state as a checkpoint's is.
+  run("set_gradient_reduction", [&](Replica& rep, size_t) {
+    const Optimizer& old = *rep.optimizer;
+    auto optimizer = std::make_unique<Optimizer>(old.config(), optimizer_shard(rep), rep.ctx.device);
+    optimizer->set_steps(old.steps());
+    optimizer->set_no_decay(old.no_decay());
+    rep.optimizer = std::move(optimizer);
+    load_optimizer_shard(rep, [&](size_t s, const ParamInfo& p) {
+      return reinterpret_cast<const uint8_t*>(state[s].data() + p.offset);
+    });
+  });
 }
 
 void Engine::set_gradient_reduction(GradientReduction reduction) {
-  DPAR_CHECK_ARG(reduction == GradientReduction::kAllReduce || reduction == GradientReduction::kReduceScatter,
+  DPAR_CHECK_ARG(reduction == GradientReduction::kAllReduce || reduction == GradientReduction::kReduceScatter ||
+                     reduction == GradientReduction::kAllReduceWorldShards,
                  "reduction: ", static_cast<int32_t>(reduction), " is not a gradient reduction (0: all-reduce, ",
-                 "1: reduce-scatter)");
+                 "1: reduce-scatter, 2: all-reduce with the shards over every process)");
   set_strategies(compression_, reduction, reduce_dtype_);
 }
 

@@ -588,8 +588,15 @@ const (
 type Reduction int32
 
 const (
-	ReductionAllReduce     Reduction = 0 // every replica receives the whole bucket (an all-reduce, as DDP): the default
-	ReductionReduceScatter Reduction = 1 // each replica receives only the block its optimizer steps (ZeRO stage 2)
+	// Every replica receives the whole bucket (an all-reduce, as DDP): the default. Each process holds the whole
+	// optimizer state, among its devices, and only the all-reduce crosses the processes.
+	ReductionAllReduce Reduction = 0
+	// Each replica receives only the block its optimizer steps (ZeRO stage 2); under mpirun the optimizer's shards
+	// span every process, for the all-reduce's bytes between them.
+	ReductionReduceScatter Reduction = 1
+	// The all-reduce, with the optimizer's shards spanning every process (ZeRO stage 1 over the processes): the
+	// memory of ReductionReduceScatter for about 1.5x the bytes between processes (the parameters' all-gather too).
+	ReductionAllReduceSharded Reduction = 2
 )
 
 // Options of an engine and its optimizer (dpar_optimizer_options and dpar_engine_options, every field); zero
@@ -825,8 +832,10 @@ func (e *Engine) SetWeightDecayExclusion(excludeBiasesAndNorms bool) error {
 }
 
 // SetGradientReduction chooses how gradient buckets are reduced from the next step on (ReductionAllReduce,
-// ReductionReduceScatter). Every process sets the same. Either way the replicas stay bit-identical and, without
-// clipping, train to the same bits, so switching between steps is allowed.
+// ReductionReduceScatter, ReductionAllReduceSharded). Every process sets the same, at the same point: where the
+// optimizer's shards move across the processes, its state is gathered and cut anew (pending gradients make it fail
+// with ErrInvalidState). Each way the replicas stay bit-identical and, without clipping, train to the same bits, so
+// switching between steps is allowed.
 func (e *Engine) SetGradientReduction(reduction Reduction) error {
 	return e.simple(func(r raw.Struct_SS_dpar_engine) int {
 		return raw.Dpar_engine_set_gradient_reduction(r, int(reduction))

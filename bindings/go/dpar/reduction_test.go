@@ -117,6 +117,8 @@ func TestReduceScatterTrainsToTheBitsOfTheAllReduce(t *testing.T) {
 	initial := paramBits(t, all, 0, n)
 	for step := 0; step < 6; step++ {
 		switch step { // switching between steps
+		case 3:
+			err = scatter.SetGradientReduction(ReductionAllReduceSharded) // one process: the same shards
 		case 4:
 			err = scatter.SetGradientReduction(ReductionAllReduce)
 		case 5:
@@ -169,7 +171,7 @@ func TestAnUnknownGradientReductionIsRefused(t *testing.T) {
 	e := referenceEngine(t, m)
 	defer e.Close()
 	var de *Error
-	for _, bad := range []Reduction{2, -1} {
+	for _, bad := range []Reduction{3, -1} {
 		if err := e.SetGradientReduction(bad); !errors.As(err, &de) || de.Status != ErrInvalidArg ||
 			!strings.Contains(de.Message, "reduction") {
 			t.Fatalf("reduction %d: %v, want an invalid-argument error that names the reduction", bad, err)

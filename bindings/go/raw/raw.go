@@ -366,6 +366,7 @@ extern swig_intgo _wrap_dpar_engine_set_reproducible_raw_9787157d5e82d198(uintpt
 extern swig_intgo _wrap_dpar_engine_reproducible_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_DPAR_REDUCTION_ALL_REDUCE_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_REDUCTION_REDUCE_SCATTER_raw_9787157d5e82d198(void);
+extern swig_intgo _wrap_DPAR_REDUCTION_ALL_REDUCE_SHARDED_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_dpar_engine_set_gradient_reduction_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_set_weight_decay_exclusion_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_engine_set_precision_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
@@ -2227,6 +2228,13 @@ func _swig_getDPAR_REDUCTION_REDUCE_SCATTER() (_swig_ret Enum_SS_dpar_gradient_r
 }
 
 var DPAR_REDUCTION_REDUCE_SCATTER Enum_SS_dpar_gradient_reduction = _swig_getDPAR_REDUCTION_REDUCE_SCATTER()
+func _swig_getDPAR_REDUCTION_ALL_REDUCE_SHARDED() (_swig_ret Enum_SS_dpar_gradient_reduction) {
+	var swig_r Enum_SS_dpar_gradient_reduction
+	swig_r = (Enum_SS_dpar_gradient_reduction)(C._wrap_DPAR_REDUCTION_ALL_REDUCE_SHARDED_raw_9787157d5e82d198())
+	return swig_r
+}
+
+var DPAR_REDUCTION_ALL_REDUCE_SHARDED Enum_SS_dpar_gradient_reduction = _swig_getDPAR_REDUCTION_ALL_REDUCE_SHARDED()
 func Dpar_engine_set_gradient_reduction(arg1 Struct_SS_dpar_engine, arg2 int) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)

@@ -3110,6 +3110,18 @@ intgo _wrap_DPAR_REDUCTION_REDUCE_SCATTER_raw_9787157d5e82d198() {
 }
 
 
+intgo _wrap_DPAR_REDUCTION_ALL_REDUCE_SHARDED_raw_9787157d5e82d198() {
+  enum dpar_gradient_reduction result;
+  intgo _swig_go_result;
+  
+  
+  result = DPAR_REDUCTION_ALL_REDUCE_SHARDED;
+  
+  _swig_go_result = (intgo)result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_engine_set_gradient_reduction_raw_9787157d5e82d198(struct dpar_engine *_swig_go_0, intgo _swig_go_1) {
   dpar_engine *arg1 = (dpar_engine *) 0 ;
   int32_t arg2 ;

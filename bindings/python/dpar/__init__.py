@@ -81,7 +81,8 @@ ReduceOp = _enum("ReduceOp", "DPAR_", ["SUM", "MEAN", "MAX", "MIN"], "dpar_reduc
 Loss = _enum("Loss", "DPAR_LOSS_", ["CROSS_ENTROPY", "MSE"], "dpar_loss.")
 Processes = _enum("Processes", "DPAR_PROCESSES_", ["AUTO", "SINGLE", "MPI"], "dpar_processes.")
 Compression = _enum("Compression", "DPAR_COMPRESSION_", ["NONE", "BF16"], "dpar_gradient_compression.")
-Reduction = _enum("Reduction", "DPAR_REDUCTION_", ["ALL_REDUCE", "REDUCE_SCATTER"], "dpar_gradient_reduction.")
+Reduction = _enum("Reduction", "DPAR_REDUCTION_", ["ALL_REDUCE", "REDUCE_SCATTER", "ALL_REDUCE_SHARDED"],
+                  "dpar_gradient_reduction.")
 Optimizer = _enum("Optimizer", "DPAR_", ["SGD", "ADAM", "ADAMW"], "dpar_optimizer_kind.")
 Fault = _enum("Fault", "DPAR_FAULT_", ["NONE", "ALLOC", "FORWARD", "BACKWARD"], "dpar_fault.")
 Init = _enum("Init", "DPAR_INIT_", ["ZEROS", "UNIFORM"], "dpar_init: a custom layer's parameter initialisation.")
@@ -96,7 +97,7 @@ LOSS_CROSS_ENTROPY, LOSS_MSE = Loss
 IGNORE_INDEX = _raw.DPAR_IGNORE_INDEX  # the cross-entropy target that is ignored (PyTorch's ignore_index)
 PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Processes
 COMPRESSION_NONE, COMPRESSION_BF16 = Compression
-REDUCTION_ALL_REDUCE, REDUCTION_REDUCE_SCATTER = Reduction
+REDUCTION_ALL_REDUCE, REDUCTION_REDUCE_SCATTER, REDUCTION_ALL_REDUCE_SHARDED = Reduction
 SGD, ADAM, ADAMW = Optimizer
 FAULT_NONE, FAULT_ALLOC, FAULT_FORWARD, FAULT_BACKWARD = Fault
 DEVICE_CPU, DEVICE_CUDA = DeviceKind
@@ -837,8 +838,12 @@ class Engine(_Handle):
 
     def set_gradient_reduction(self, reduction):
         """Chooses how gradient buckets are reduced from the next step on: REDUCTION_ALL_REDUCE (the default, every
-        replica receives the whole bucket) or REDUCTION_REDUCE_SCATTER (ZeRO-2: each replica receives the block its
-        optimizer steps). Every process sets the same. Either way the replicas stay bit-identical and, without
+        replica receives the whole bucket; each process holds the whole optimizer state, as DDP's bytes),
+        REDUCTION_REDUCE_SCATTER (ZeRO-2: each replica receives the block its optimizer steps; under mpirun the
+        optimizer's shards span every process) or REDUCTION_ALL_REDUCE_SHARDED (the all-reduce with the shards over
+        every process: ZeRO-2's memory for about 1.5x the bytes between processes). Every process sets the same, at
+        the same point: where the shards move across the processes the optimizer's state is gathered and cut anew
+        (DparError INVALID_STATE while gradients are pending). Each way the replicas stay bit-identical and, without
         clipping, train to the same bits, so switching between steps is allowed."""
         _check(_raw.dpar_engine_set_gradient_reduction(self._raw, reduction))
 

@@ -74,6 +74,7 @@ class Compression(enum.IntEnum):
 class Reduction(enum.IntEnum):
     ALL_REDUCE = 0
     REDUCE_SCATTER = 1
+    ALL_REDUCE_SHARDED = 2
 
 class Optimizer(enum.IntEnum):
     SGD = 0
@@ -125,6 +126,7 @@ COMPRESSION_NONE = Compression.NONE
 COMPRESSION_BF16 = Compression.BF16
 REDUCTION_ALL_REDUCE = Reduction.ALL_REDUCE
 REDUCTION_REDUCE_SCATTER = Reduction.REDUCE_SCATTER
+REDUCTION_ALL_REDUCE_SHARDED = Reduction.ALL_REDUCE_SHARDED
 SGD = Optimizer.SGD
 ADAM = Optimizer.ADAM
 ADAMW = Optimizer.ADAMW

@@ -42,8 +42,10 @@ def traced_step(e, x, y):
 class Reduction(unittest.TestCase):
     def test_the_enum_has_dpar_hs_values(self):
         self.assertTrue(issubclass(dpar.Reduction, enum.IntEnum))
-        self.assertEqual((dpar.REDUCTION_ALL_REDUCE, dpar.REDUCTION_REDUCE_SCATTER), (0, 1))
+        self.assertEqual((dpar.REDUCTION_ALL_REDUCE, dpar.REDUCTION_REDUCE_SCATTER, dpar.REDUCTION_ALL_REDUCE_SHARDED),
+                         (0, 1, 2))
         self.assertIs(dpar.REDUCTION_REDUCE_SCATTER, dpar.Reduction.REDUCE_SCATTER)
+        self.assertIs(dpar.REDUCTION_ALL_REDUCE_SHARDED, dpar.Reduction.ALL_REDUCE_SHARDED)
 
     def test_reduce_scatter_trains_to_the_bits_of_the_all_reduce(self):
         with model() as m, engine(m) as all_reduce, engine(m) as scatter:
@@ -53,6 +55,8 @@ class Reduction(unittest.TestCase):
             self.assertGreater(scatter.num_buckets, 2)
             initial = all_reduce.params(0, n)
             for step in range(6):
+                if step == 3:  # one process: the same shards
+                    scatter.set_gradient_reduction(dpar.REDUCTION_ALL_REDUCE_SHARDED)
                 if step == 4:  # switching between steps
                     scatter.set_gradient_reduction(dpar.REDUCTION_ALL_REDUCE)
                 if step == 5:
@@ -78,7 +82,7 @@ class Reduction(unittest.TestCase):
 
     def test_an_unknown_reduction_is_refused(self):
         with model() as m, engine(m) as e:
-            for bad in (2, -1):
+            for bad in (3, -1):
                 with self.assertRaises(dpar.DparError) as cm:
                     e.set_gradient_reduction(bad)
                 self.assertEqual(cm.exception.status, dpar.ERR_INVALID_ARGUMENT)

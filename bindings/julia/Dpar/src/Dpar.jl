@@ -74,7 +74,7 @@ const LOSS_CROSS_ENTROPY, LOSS_MSE = Int32(0), Int32(1)
 const IGNORE_INDEX = Int32(-100)
 const PROCESSES_AUTO, PROCESSES_SINGLE, PROCESSES_MPI = Int32(0), Int32(1), Int32(2)
 const COMPRESSION_NONE, COMPRESSION_BF16 = Int32(0), Int32(1)
-const REDUCTION_ALL_REDUCE, REDUCTION_REDUCE_SCATTER = Int32(0), Int32(1)
+const REDUCTION_ALL_REDUCE, REDUCTION_REDUCE_SCATTER, REDUCTION_ALL_REDUCE_SHARDED = Int32(0), Int32(1), Int32(2)
 
 """A failed dpar call: `status` (negative) and dpar's `message`. Throw one from a callback to fail the engine
 call with that status and message."""
@@ -768,9 +768,13 @@ function set_gradient_compression!(e::Engine, compression::Integer)
     engine_call(() -> ccall((:dpar_engine_set_gradient_compression, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)
 end
 """`set_gradient_reduction!(engine, reduction)`: how gradient buckets are reduced from the next step on:
-`REDUCTION_ALL_REDUCE` (the default, every replica receives the whole bucket) or `REDUCTION_REDUCE_SCATTER` (ZeRO-2:
-each replica receives the block its optimizer steps). Every process sets the same. Either way the replicas stay
-bit-identical and, without clipping, train to the same bits, so switching between steps is allowed."""
+`REDUCTION_ALL_REDUCE` (the default, every replica receives the whole bucket; each process holds the whole optimizer
+state, as DDP's bytes), `REDUCTION_REDUCE_SCATTER` (ZeRO-2: each replica receives the block its optimizer steps;
+under mpirun the optimizer's shards span every process) or `REDUCTION_ALL_REDUCE_SHARDED` (the all-reduce with the
+shards over every process: ZeRO-2's memory for about 1.5x the bytes between processes). Every process sets the
+same, at the same point: where the shards move across the processes the optimizer's state is gathered and cut anew
+(INVALID_STATE while gradients are pending). Each way the replicas stay bit-identical and, without clipping, train
+to the same bits, so switching between steps is allowed."""
 function set_gradient_reduction!(e::Engine, reduction::Integer)
     h, v = e.ptr, Int32(reduction)
     engine_call(() -> ccall((:dpar_engine_set_gradient_reduction, libdpar), Int32, (Ptr{Cvoid}, Int32), h, v), e)

@@ -567,7 +567,7 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
     # it trains to the bits of the all-reduce, over several buckets split unevenly between 2 CPU devices, switching
     # between steps included; an unknown reduction is refused with dpar's message.
     @testset "the reduce-scatter trains to the bits of the all-reduce" begin
-        @test (Dpar.REDUCTION_ALL_REDUCE, Dpar.REDUCTION_REDUCE_SCATTER) == (0, 1)
+        @test (Dpar.REDUCTION_ALL_REDUCE, Dpar.REDUCTION_REDUCE_SCATTER, Dpar.REDUCTION_ALL_REDUCE_SHARDED) == (0, 1, 2)
         Dpar.Model(11) do m
             Dpar.linear!(m, 6, 16); Dpar.activation!(m, Dpar.RELU)
             Dpar.linear!(m, 16, 8); Dpar.activation!(m, Dpar.RELU); Dpar.linear!(m, 8, 3)
@@ -582,7 +582,8 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
                     @test Dpar.num_buckets(scatter) > 2
                     initial = Dpar.params(all_reduce, 0, n)
                     for step in 0:5
-                        # switching between steps
+                        # switching between steps (one process: the sharded all-reduce has the same shards)
+                        step == 3 && Dpar.set_gradient_reduction!(scatter, Dpar.REDUCTION_ALL_REDUCE_SHARDED)
                         step == 4 && Dpar.set_gradient_reduction!(scatter, Dpar.REDUCTION_ALL_REDUCE)
                         step == 5 && Dpar.set_gradient_reduction!(scatter, Dpar.REDUCTION_REDUCE_SCATTER)
                         x, y = reduction_batch(step)
@@ -604,7 +605,7 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
                     for replica in 0:1, e in (all_reduce, scatter)
                         @test reinterpret(UInt32, Dpar.params(e, replica, n)) == reinterpret(UInt32, trained)
                     end
-                    for bad in (2, -1)
+                    for bad in (3, -1)
                         @test throws_dpar(() -> Dpar.set_gradient_reduction!(scatter, bad),
                                           Dpar.ERR_INVALID_ARGUMENT, "reduction")
                     end

@@ -1024,10 +1024,15 @@ impl Precision {
 /// How each bucket of summed gradients reaches the replicas (`Engine::set_gradient_reduction`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reduction {
-    /// Every replica receives the whole summed bucket (an all-reduce, as DDP): the default.
+    /// Every replica receives the whole summed bucket (an all-reduce, as DDP): the default. Each process holds
+    /// the whole optimizer state, among its devices, and only the all-reduce crosses the processes.
     AllReduce,
-    /// Each replica receives only its block of every bucket, the one its optimizer steps (ZeRO stage 2).
+    /// Each replica receives only its block of every bucket, the one its optimizer steps (ZeRO stage 2); under
+    /// mpirun the optimizer's shards span every process, for the all-reduce's bytes between them.
     ReduceScatter,
+    /// The all-reduce, with the optimizer's shards spanning every process (ZeRO stage 1 over the processes): the
+    /// memory of `ReduceScatter` for about 1.5x the bytes between processes (the parameters' all-gather too).
+    AllReduceSharded,
 }
 
 /// Which processes an engine spans.
@@ -1240,12 +1245,15 @@ impl Engine {
         };
         check(unsafe { sys::dpar_engine_set_gradient_compression(self.raw, c) })
     }
-    /// Chooses how gradient buckets are reduced from the next step on (every process sets the same). Either way
-    /// the replicas stay bit-identical and, without clipping, train to the same bits.
+    /// Chooses how gradient buckets are reduced from the next step on (every process sets the same, at the same
+    /// point: where the optimizer's shards move across the processes, its state is gathered and cut anew, and
+    /// pending gradients make it fail with INVALID_STATE). Each way the replicas stay bit-identical and, without
+    /// clipping, train to the same bits.
     pub fn set_gradient_reduction(&self, reduction: Reduction) -> Result<()> {
         let r = match reduction {
             Reduction::AllReduce => sys::DPAR_REDUCTION_ALL_REDUCE,
             Reduction::ReduceScatter => sys::DPAR_REDUCTION_REDUCE_SCATTER,
+            Reduction::AllReduceSharded => sys::DPAR_REDUCTION_ALL_REDUCE_SHARDED,
         };
         check(unsafe { sys::dpar_engine_set_gradient_reduction(self.raw, r) })
     }

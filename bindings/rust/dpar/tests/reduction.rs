@@ -41,6 +41,9 @@ fn reduce_scatter_trains_to_the_bits_of_the_all_reduce() {
     assert!(scatter.num_buckets().unwrap() > 2, "{}", scatter.num_buckets().unwrap());
     let initial = all.params(0, n).unwrap();
     for step in 0..6 {
+        if step == 3 {
+            scatter.set_gradient_reduction(Reduction::AllReduceSharded).unwrap(); // one process: the same shards
+        }
         if step == 4 {
             scatter.set_gradient_reduction(Reduction::AllReduce).unwrap(); // switching between steps
         }
