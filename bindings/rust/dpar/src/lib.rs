@@ -2170,12 +2170,13 @@ mod tests {
         m.linear(4, 3, true).unwrap();
         let options = EngineOptions::new().cpu_devices(2).processes(Processes::Single);
         let engine = Engine::new(&m, &Optimizer::sgd(0.1), &options).unwrap();
-        for bad in [2, -1] {
+        for bad in [3, -1] {
             let e = check(unsafe { sys::dpar_engine_set_gradient_reduction(engine.raw, bad) }).err().unwrap();
             assert_eq!(e.status(), status::INVALID_ARGUMENT);
             assert!(e.message().contains("reduction"), "{}", e);
         }
         engine.set_gradient_reduction(Reduction::ReduceScatter).unwrap();
+        engine.set_gradient_reduction(Reduction::AllReduceSharded).unwrap();
         engine.set_gradient_reduction(Reduction::AllReduce).unwrap();
     }
 
