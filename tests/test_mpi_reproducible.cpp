@@ -22,26 +22,14 @@
 #include <vector>
 
 #include "dpar.h"
+#include "mpi_checks.h"
 
 namespace {
 
-int g_rank = 0, g_size = 1, g_failures = 0;
-
-#define CHECK_OK(call)                                                                                          \
-  do {                                                                                                          \
-    const dpar_status s_ = (call);                                                                              \
-    if (s_ != DPAR_OK) {                                                                                        \
-      std::fprintf(stderr, "[rank %d] FATAL %s:%d: %s: %s: %s\n", g_rank, __FILE__, __LINE__, #call,            \
-                   dpar_status_str(s_), dpar_last_error());                                                     \
-      std::exit(2);                                                                                             \
-    }                                                                                                           \
-  } while (0)
-
-void expect(bool ok, const std::string& what) {
-  if (ok) return;
-  ++g_failures;
-  std::fprintf(stderr, "[rank %d] FAIL %s\n", g_rank, what.c_str());
-}
+using mpi_checks::g_failures;
+using mpi_checks::g_rank;
+using mpi_checks::g_size;
+using mpi_checks::expect;
 
 constexpr int64_t kIn = 12, kHidden = 16, kClasses = 5, kGlobalBatch = 37, kChunkRows = 5, kSteps = 12;
 constexpr size_t kParamElements =
