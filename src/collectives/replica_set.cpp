@@ -293,9 +293,11 @@ void ReplicaSet::all_gather_blocks(float* data, size_t count) {
     if (end > begin) {
       static constexpr const char* kNames[2] = {"all-gather (processes)", "all-gather (processes, nccl)"};
       TraceSpan span(trace_, kNames[device_link() ? 1 : 0], "elements", static_cast<int64_t>(end - begin));
+      // Named apart from the structured binding: a lambda may not capture one before C++20 (clang 14).
+      float* const block = data + begin;
       const size_t n = end - begin;
       across_or_abort([&] {
-        across_processes(data + begin, n, DType::kF32,
+        across_processes(block, n, DType::kF32,
                          [&](Communicator& c, void* p) { c.all_gather_blocks(static_cast<float*>(p), n); });
       });
     }
