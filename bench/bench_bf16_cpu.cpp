@@ -102,8 +102,8 @@ void bench_linear(int64_t B, int64_t Ci, int64_t Co, int reps) {
                                dpar::Epilogue::kNone);
         if (impls.empty()) impls = "forward " + gemm.last_impl();
         k::linear_backward_bf16(gemm, dinp.data(), dw.data(), db.data(), nullptr, dout_low.data(), dout.data(),
-                                nullptr, nullptr, nullptr, xb.data(), wb.data(), B, Ci, Co, dpar::Epilogue::kNone,
-                                false);
+                                nullptr, nullptr, nullptr, nullptr, xb.data(), wb.data(), B, Ci, Co,
+                                dpar::Epilogue::kNone, false);
         if (impls.find("backward") == std::string::npos) impls += ", backward (dinp, dweight) " + gemm.last_impl();
       },
       reps);

@@ -63,13 +63,14 @@ inline void check_gradients(Model model, const Shape& in_shape, bool external = 
   Standalone probe_ctx;
   ReplicaModel probe(model, probe_ctx.ctx);
   auto difference = [&](size_t at, double eps) {
-    float& v = probe.params()[at];
-    const float value = v;
-    v = value + static_cast<float>(eps);
+    // Each write through params_for_writing(), which a change of the weights between forwards must use.
+    const float value = probe.params()[at];
+    auto set = [&](float to) { probe.params_for_writing()[at] = to; };
+    set(value + static_cast<float>(eps));
     const double plus = weighted_output(probe, probe_ctx, x, in_shape, r);
-    v = value - static_cast<float>(eps);
+    set(value - static_cast<float>(eps));
     const double minus = weighted_output(probe, probe_ctx, x, in_shape, r);
-    v = value;
+    set(value);
     return (plus - minus) / (2 * eps);
   };
   for (const ParamInfo& p : model.params()) {

@@ -35,10 +35,18 @@ struct Held {
   int64_t peak;    // the most held at once during them, above what was held before
 };
 
-// One forward and backward of a fresh replica in `dtype`: what they allocate and keep.
-Held forward_backward(DType dtype, size_t* rounded) {
+// A transformer's MLP as nanoGPT's: linear, GELU (the linear layer's epilogue), linear.
+Model gelu_mlp() {
+  Model m(4);
+  m.add(make_linear(kIn, kHidden, true));
+  m.add(make_activation(Activation::kGelu));
+  m.add(make_linear(kHidden, kOut, true));
+  return m;
+}
+
+// One forward and backward of a fresh replica of `model` in `dtype`: what they allocate and keep.
+Held forward_backward(DType dtype, size_t* rounded, const Model& model = mlp()) {
   Standalone s;
-  const Model model = mlp();
   ReplicaModel rm(model, s.ctx);
   rm.set_compute_dtype(s.ctx, dtype);
   *rounded = rm.num_rounded_outputs();
@@ -83,6 +91,30 @@ TEST(ActivationMemory, Bf16KeepsLinearOnlyActivationsInBf16) {
               static_cast<long long>(f32.step + unfused_outputs), static_cast<long long>(bf16.step),
               static_cast<long long>(before), static_cast<long long>(f32.peak), static_cast<long long>(bf16.peak));
   EXPECT_LT(bf16.step, before);
+}
+
+// Under bf16 a GELU after a linear layer keeps its input (the linear's output, the pre-activation its backward
+// reads) and its output in bf16, as autocast keeps them: half the bytes of each, and the next linear layer reads the
+// output without a copy of its own.
+TEST(ActivationMemory, Bf16KeepsTheGeluMlpsHiddenActivationsInBf16) {
+  const char* why = "";
+  if (!kernels::cpu::bf16_support(&why)) GTEST_SKIP() << "no bf16 here: " << why;
+  size_t rounded_f32 = 0, rounded_bf16 = 0;
+  const Held f32 = forward_backward(DType::kF32, &rounded_f32, gelu_mlp());
+  const Held bf16 = forward_backward(DType::kBF16, &rounded_bf16, gelu_mlp());
+  EXPECT_EQ(rounded_f32, 0u);
+  EXPECT_EQ(rounded_bf16, 1u);
+  const int64_t input_copy = kRows * kIn * 2, gradient_room = kRows * kHidden * 2;
+  const int64_t output_saved = kRows * kHidden * 2, pre_activation_saved = kRows * kHidden * 2;
+  EXPECT_EQ(bf16.step - f32.step, input_copy + gradient_room - output_saved - pre_activation_saved)
+      << "f32 " << f32.step << " B, bf16 " << bf16.step << " B";
+  // Before, bf16 kept both in f32 and a bf16 copy of the GELU's output for the second layer.
+  const int64_t before = f32.step + input_copy + gradient_room + kRows * kHidden * 2;
+  std::printf("activation memory per replica, GELU MLP %lld-%lld-%lld at %lld rows: f32 %lld B, bf16 %lld B "
+              "(was %lld B)\n",
+              static_cast<long long>(kIn), static_cast<long long>(kHidden), static_cast<long long>(kOut),
+              static_cast<long long>(kRows), static_cast<long long>(f32.step), static_cast<long long>(bf16.step),
+              static_cast<long long>(before));
 }
 
 TEST(ActivationMemory, FusedLayersKeepNoOutputOfTheirOwn) {

@@ -355,7 +355,7 @@ std::vector<float> data_parallel(const Model& model, const std::vector<Batch>& d
     for (size_t r = 0; r < devices; ++r) {
       if (split[r] == 0) continue;
       ReplicaModel& rep = *reps[r];
-      std::copy(params.begin(), params.end(), rep.params());
+      std::copy(params.begin(), params.end(), rep.params_for_writing());
       std::copy(reps[0]->buffer_f32(), reps[0]->buffer_f32() + reps[0]->num_buffer_f32(), rep.buffer_f32());
       std::copy(reps[0]->buffer_i64(), reps[0]->buffer_i64() + reps[0]->num_buffer_i64(), rep.buffer_i64());
       const Tensor x = b.x.rows(begin, split[r]);

@@ -304,11 +304,78 @@ TEST(Bf16Linear, RoundedOutputIsTheF32ResultRoundedOnce) {
       EXPECT_EQ(dw_a, dw_b);
       EXPECT_EQ(db_a, db_b);
     }
-  // A GELU has no rounded output (its backward reads the f32 pre-activation), and no composition stands in.
-  EXPECT_FALSE(stream->can_run({Op::kLinearForward, DType::kBF16, Epilogue::kGelu, DType::kBF16}));
+  // No f32 kernel writes a rounded output, and no composition stands in.
   EXPECT_FALSE(stream->can_run({Op::kLinearForward, DType::kF32, Epilogue::kNone, DType::kBF16}));
+  EXPECT_FALSE(stream->can_run({Op::kLinearForward, DType::kF32, Epilogue::kGelu, DType::kBF16}));
   EXPECT_EQ(KernelKey({Op::kLinearForward, DType::kBF16, Epilogue::kRelu, DType::kBF16}).str(),
             "linear_forward (bf16, relu epilogue, bf16 out)");
+}
+
+// A GELU epilogue with the output kept in bf16, as autocast runs a bf16 linear and then GELU: the pre-activation is
+// the f32 result with the bias rounded once (kept, rounded, for backward), the output is GELU of that rounded value
+// (in f32) rounded once; backward reads the rounded pre-activation and gives what the f32-output kernel gives when
+// fed the same values in f32, bit for bit, and GELU's exact derivative within f32's rounding.
+TEST(Bf16Linear, RoundedGeluOutputRunsOnTheRoundedPreActivation) {
+  SKIP_WITHOUT_BF16();
+  auto stream = cpu_backend().open_stream(Device{});
+  const int64_t B = 29, C_in = 66, C_out = 53;
+  uint32_t seed = 400;
+  for (bool bias : {true, false}) {
+    SCOPED_TRACE(bias ? "bias" : "no bias");
+    const Bits x = to_bits(randn(static_cast<size_t>(B * C_in), seed++));
+    const Bits w = to_bits(randn(static_cast<size_t>(C_out * C_in), seed++, 0.2f));
+    const Vec b = randn(static_cast<size_t>(C_out), seed++);
+    const size_t n = static_cast<size_t>(B * C_out);
+    Vec out_f32(n), pre_f32(n);
+    Bits out(n, 0xFFFF), pre(n, 0xFFFF);
+    call::LinearForward f{ref(out_f32.data(), {B, C_out}), ref(x.data(), {B, C_in}), ref(w.data(), {C_out, C_in}),
+                          bias ? ref(b.data(), {C_out}) : TensorRef{}, ref(pre_f32.data(), {B, C_out}),
+                          Epilogue::kGelu};
+    stream->run(f);
+    f.out = ref(out.data(), {B, C_out});
+    f.pre = ref(pre.data(), {B, C_out});
+    ASSERT_TRUE(stream->can_run(key_of(f))) << key_of(f).str();
+    stream->run(f);
+    Vec pre_widened = from_bits(pre), gelu_of_rounded(n);
+    k::gelu_forward(gelu_of_rounded.data(), pre_widened.data(), static_cast<int64_t>(n));
+    size_t off_by_one = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const int diff = std::abs(static_cast<int>(pre[i]) - static_cast<int>(to_bf16(pre_f32[i])));
+      ASSERT_LE(diff, 1) << "pre-activation " << i << ": " << pre_f32[i] << " rounded to " << from_bf16(pre[i]);
+      off_by_one += diff;
+      ASSERT_EQ(out[i], to_bf16(gelu_of_rounded[i])) << "element " << i;
+      ASSERT_NEAR(from_bf16(out[i]), gelu_ref(pre_widened[i]), 1e-2 * std::fabs(gelu_ref(pre_widened[i])) + 1e-6)
+          << "element " << i;
+    }
+    EXPECT_LE(off_by_one, n / 50) << "more than 2% of the pre-activations one bf16 step away";
+
+    // Backward from the rounded pre-activation against the f32 kernel's from its widened values.
+    const Vec dout = randn(n, seed++);
+    Vec dinp_a(static_cast<size_t>(B * C_in)), dinp_b(dinp_a.size()), dw_a(w.size()), dw_b(w.size());
+    Vec db_a(b.size()), db_b(b.size()), dpre_a(n), dpre_b(n);
+    Bits dout_low(n);
+    call::LinearBackward g{ref(dinp_a.data(), {B, C_in}), ref(dw_a.data(), {C_out, C_in}), ref(db_a.data(), {C_out}),
+                           ref(dpre_a.data(), {B, C_out}), ref(dout.data(), {B, C_out}), ref(x.data(), {B, C_in}),
+                           ref(w.data(), {C_out, C_in}), ref(out_f32.data(), {B, C_out}),
+                           ref(pre_widened.data(), {B, C_out}), Epilogue::kGelu, false};
+    g.dout_low = ref(dout_low.data(), {B, C_out});
+    stream->run(g);
+    g.dinp = ref(dinp_b.data(), {B, C_in});
+    g.dweight = ref(dw_b.data(), {C_out, C_in});
+    g.dbias = ref(db_b.data(), {C_out});
+    g.dpre = ref(dpre_b.data(), {B, C_out});
+    g.out = ref(out.data(), {B, C_out});
+    g.pre = ref(pre.data(), {B, C_out});
+    ASSERT_TRUE(stream->can_run(key_of(g))) << key_of(g).str();
+    stream->run(g);
+    EXPECT_EQ(dpre_a, dpre_b);
+    EXPECT_EQ(dinp_a, dinp_b);
+    EXPECT_EQ(dw_a, dw_b);
+    EXPECT_EQ(db_a, db_b);
+    for (size_t i = 0; i < n; ++i)
+      ASSERT_NEAR(dpre_b[i], dout[i] * gelu_grad_ref(pre_widened[i]), 1e-5 * (std::fabs(dout[i]) + 1.0))
+          << "element " << i;
+  }
 }
 
 // The primitives are kept per shape: a second call of a shape creates none, and they are oneDNN's native bf16

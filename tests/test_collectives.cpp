@@ -319,7 +319,7 @@ std::vector<float> single_device(const Model& model, const std::vector<Batch>& d
     kernels::cpu::cross_entropy_forward_backward(dout.f32(), out.f32(), b.y.i32(), rows, 5,
                                                  1.0f / static_cast<float>(rows));
     replica.backward(ctx, dout, false);
-    optimizer.step(host_stream(), replica.params(), replica.grads());
+    optimizer.step(host_stream(), replica.params_for_writing(), replica.grads());
   }
   return std::vector<float>(replica.params(), replica.params() + model.num_param_elements());
 }

@@ -107,7 +107,7 @@ std::vector<float> reference_training(const Model& model, const OptimizerConfig&
     if (opt.max_grad_norm > 0.0f && reference_clip(replica.grads(), model.num_param_elements(), opt.max_grad_norm) &&
         clipped)
       ++*clipped;
-    optimizer.step(*single.stream, replica.params(), replica.grads());
+    optimizer.step(*single.stream, replica.params_for_writing(), replica.grads());
   }
   return std::vector<float>(replica.params(), replica.params() + model.num_param_elements());
 }
@@ -314,7 +314,7 @@ TEST(Engine, MseLossMatchesReference) {
     const double ref_loss =
         kernels::cpu::mse_forward_backward(dout.f32(), out.f32(), y.f32(), rows, 3, 1.0f / rows) / rows;
     ref.backward(ctx, dout, false);
-    ref_opt.step(*single.stream, ref.params(), ref.grads());
+    ref_opt.step(*single.stream, ref.params_for_writing(), ref.grads());
     const double loss = engine.train_step(x, y);
     EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss)) << "step " << s;
   }

@@ -40,9 +40,9 @@ ModelPtr reference_model(const std::string& which, const nlohmann::json& r) {
   dpar_model* raw = nullptr;
   EXPECT_EQ(dpar_model_create(&raw, nullptr), DPAR_OK);
   ModelPtr m(raw);
-  if (which == "mlp") {
+  if (which == "mlp" || which == "gelu_mlp") {
     EXPECT_EQ(dpar_model_add_linear(m.get(), 12, 32, 1), DPAR_OK);
-    EXPECT_EQ(dpar_model_add_activation(m.get(), DPAR_RELU), DPAR_OK);
+    EXPECT_EQ(dpar_model_add_activation(m.get(), which == "mlp" ? DPAR_RELU : DPAR_GELU), DPAR_OK);
     EXPECT_EQ(dpar_model_add_linear(m.get(), 32, 5, 1), DPAR_OK);
   } else {
     const int64_t kernel[2] = {3, 3}, padding[2] = {1, 1};
@@ -191,12 +191,14 @@ void check_against_reference(const std::string& which) {
 
 TEST(MixedPrecision, Bf16MlpMatchesAutocastAndItsContract) { check_against_reference("mlp"); }
 TEST(MixedPrecision, Bf16CnnMatchesAutocastAndItsContract) { check_against_reference("cnn"); }
+// The GELU runs on the linear layer's output rounded to bf16 and writes its own rounded, as autocast's.
+TEST(MixedPrecision, Bf16GeluMlpMatchesAutocastAndItsContract) { check_against_reference("gelu_mlp"); }
 
 // N devices equal one device under bf16: every product is exact, so only f32's summation order differs (the batch
 // split into chunks, the chunks' gradients summed).
 TEST(MixedPrecision, Bf16OnSeveralDevicesEqualsOneDevice) {
   const nlohmann::json all = reference();
-  for (const std::string which : {"mlp", "cnn"}) {
+  for (const std::string which : {"mlp", "gelu_mlp", "cnn"}) {
     const nlohmann::json& r = all[which];
     std::string skip;
     const Step one = one_step(which, r, true, 1, &skip);
@@ -210,8 +212,9 @@ TEST(MixedPrecision, Bf16OnSeveralDevicesEqualsOneDevice) {
   }
 }
 
-// The bf16 copy of the weights is made again at every forward: after steps in bf16, an engine that loads the
-// checkpoint (f32) and computes in bf16 gives the same outputs bit for bit; one left in f32 does not.
+// The bf16 copy of the weights is made again at the first forward after the weights change: after steps in bf16, an
+// engine that loads the checkpoint (f32) and computes in bf16 gives the same outputs bit for bit, whether it was set
+// to bf16 before the load (and ran a forward on its first weights) or after; one left in f32 does not.
 TEST(MixedPrecision, WeightCopiesFollowEveryStepAndCheckpointsStayF32) {
   const nlohmann::json all = reference();
   const nlohmann::json& r = all["mlp"];
@@ -244,15 +247,22 @@ TEST(MixedPrecision, WeightCopiesFollowEveryStepAndCheckpointsStayF32) {
     return v;
   };
   EnginePtr bf16 = make_engine(m.get(), 1, DPAR_ADAM, 1e-2f);
+  EnginePtr bf16_first = make_engine(m.get(), 1, DPAR_ADAM, 1e-2f);
   EnginePtr f32 = make_engine(m.get(), 1, DPAR_ADAM, 1e-2f);
+  ASSERT_EQ(dpar_engine_set_precision(bf16_first.get(), DPAR_BF16), DPAR_OK);
+  const std::vector<float> y_initial = forward(bf16_first.get());
   ASSERT_EQ(dpar_engine_load(bf16.get(), path.c_str()), DPAR_OK) << dpar_last_error();
+  ASSERT_EQ(dpar_engine_load(bf16_first.get(), path.c_str()), DPAR_OK) << dpar_last_error();
   ASSERT_EQ(dpar_engine_load(f32.get(), path.c_str()), DPAR_OK) << dpar_last_error();
   ASSERT_EQ(dpar_engine_set_precision(bf16.get(), DPAR_BF16), DPAR_OK);
-  std::vector<float> ya, yb, yf;
+  std::vector<float> ya, yb, yc, yf;
   ya = forward(a.get());
   yb = forward(bf16.get());
+  yc = forward(bf16_first.get());
   yf = forward(f32.get());
   EXPECT_EQ(ya, yb);
+  EXPECT_EQ(ya, yc);
+  EXPECT_NE(yc, y_initial);
   EXPECT_NE(ya, yf);
   std::remove(path.c_str());
 }

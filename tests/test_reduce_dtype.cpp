@@ -90,7 +90,7 @@ std::vector<float> stepped(const Model& model, const std::vector<float>& grad) {
   const int64_t n = model.num_param_elements();
   std::copy(grad.begin(), grad.end(), replica.grads());
   Optimizer optimizer(sgd(), 0, n, Device{});
-  optimizer.step(*single.stream, replica.params(), replica.grads());
+  optimizer.step(*single.stream, replica.params_for_writing(), replica.grads());
   return std::vector<float>(replica.params(), replica.params() + n);
 }
 

@@ -87,14 +87,15 @@ void expect_gradient_matches_differences(const Model& model, const Tensor& x) {
   for (const ParamInfo& p : model.params())
     for (int64_t k = 0; k < p.shape.numel(); ++k) {
       const auto at = static_cast<size_t>(p.offset + k);
-      float& v = probe.params()[at];
-      const float value = v;
+      // Each write through params_for_writing(), which a change of the weights between forwards must use.
+      const float value = probe.params()[at];
+      auto set = [&](float to) { probe.params_for_writing()[at] = to; };
       constexpr double kEps = 1e-2;
-      v = value + static_cast<float>(kEps);
+      set(value + static_cast<float>(kEps));
       const double plus = weighted_output(probe, s, x, r);
-      v = value - static_cast<float>(kEps);
+      set(value - static_cast<float>(kEps));
       const double minus = weighted_output(probe, s, x, r);
-      v = value;
+      set(value);
       const double fd = (plus - minus) / (2 * kEps);
       EXPECT_NEAR(grad[at], fd, 2e-3 * (1 + std::fabs(fd))) << p.name << "[" << k << "]";
     }

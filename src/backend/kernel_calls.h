@@ -46,8 +46,10 @@ namespace call {
 // applied in f32, as in the f32 kernel. In f16 the same with f16 in place of bf16 (common/f16.h): f16 products are
 // exact in f32 too.
 //
-// Out rounded (out of inp's dtype, bf16 or f16; no epilogue or ReLU): the activation kept in the compute dtype, as
-// autocast keeps a linear's output: the f32 result above (bias and ReLU included) rounded once to nearest even.
+// Out rounded (out of inp's dtype, bf16 or f16): the activation kept in the compute dtype, as autocast keeps a
+// linear's output: the f32 result above (bias and ReLU included) rounded once to nearest even. With a GELU, as
+// autocast runs a bf16 linear and then GELU on its bf16 output: pre (inp's dtype too) = the f32 result with the bias
+// rounded once, and out = GELU of pre (computed in f32) rounded once.
 struct LinearForward {
   static constexpr const char* kName = "linear_forward";
   TensorRef out, inp, weight, bias, pre;
@@ -67,6 +69,8 @@ struct LinearForward {
 // dinp and dweight, where loss scaling (engine/loss_scaler.h) finds it. dout_low is absent in f32.
 // With a ReLU epilogue, out may be the forward's rounded output (in inp's dtype): its sign is the f32 output's
 // (a positive f32 below bf16's least subnormal excepted, which rounds to zero: autocast's ReLU sees the same).
+// With a GELU epilogue and out rounded, pre is the forward's rounded pre-activation, which GELU's backward reads
+// widened.
 struct LinearBackward {
   static constexpr const char* kName = "linear_backward";
   TensorRef dinp, dweight, dbias, dpre, dout, inp, weight, out, pre;

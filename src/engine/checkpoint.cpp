@@ -370,7 +370,8 @@ void Engine::load(const std::string& path) {
   // Each replica copies from the file on its own worker.
   run("load", [&](Replica& rep, size_t r) {
     for (const ParamInfo& p : model_.params())
-      rep.stream->copy_from_host(rep.model->params() + p.offset, file.data(p.name), file.entry(p.name).bytes);
+      rep.stream->copy_from_host(rep.model->params_for_writing() + p.offset, file.data(p.name),
+                                 file.entry(p.name).bytes);
     load_optimizer_shard(rep, [&](size_t s, const ParamInfo& p) {
       return file.data(optimizer_key(state_names[s], p.name));
     });

@@ -106,7 +106,7 @@ void Engine::finish_and_step(Replica& rep, bool reduced) {
   // replicas end identical, bit for bit, as if each had stepped everything, for 1/R of the optimizer's work and
   // 1/R of its state (R: the replicas of every process where the shards span them, else the process's; a shard's
   // state lives with its owner only; save() gathers it).
-  float* params = rep.model->params();
+  float* params = rep.model->params_for_writing();
   if (rep.optimizer->config().max_grad_norm > 0.0f) {
     TraceSpan span(*trace_, "gradient clipping");
     clip_gradient(rep);

@@ -75,15 +75,16 @@ class Linear final : public Layer {
 
   // Under a bf16 policy the GEMMs read the input rounded to bf16 (kept from forward for backward's weight
   // gradient: half the f32 input's bytes) and the step's bf16 copy of the weight; bias, epilogue and results f32,
-  // or the result rounded to bf16 after the bias and a ReLU where the model keeps the output in bf16.
+  // or, where the model keeps the output in bf16, the result rounded after the bias and a ReLU, or a GELU run on the
+  // rounded pre-activation (kept for backward in bf16 too), as autocast's linear followed by GELU.
   bool autocasts() const override { return true; }
   bool reads_rounded_input() const override { return compute_dtype_ != DType::kF32; }
   std::vector<KernelKey> rounded_output_kernels(Epilogue epilogue) const override {
-    if (compute_dtype_ == DType::kF32 || (epilogue != Epilogue::kNone && epilogue != Epilogue::kRelu)) return {};
-    // Backward reads the output only for the ReLU's mask.
+    if (compute_dtype_ == DType::kF32) return {};
+    // Backward reads the output for the ReLU's mask, and a GELU's pre-activation, kept rounded with the output.
     return {{Op::kLinearForward, compute_dtype_, epilogue, compute_dtype_},
             {Op::kLinearBackward, compute_dtype_, epilogue,
-             epilogue == Epilogue::kRelu ? compute_dtype_ : DType::kF32}};
+             epilogue == Epilogue::kNone ? DType::kF32 : compute_dtype_}};
   }
 
   // An activation after a linear layer runs as its epilogue: the bias and a ReLU are one pass after the GEMM, and
@@ -98,8 +99,10 @@ class Linear final : public Layer {
   }
   void forward_with_epilogue(const ReplicaContext& ctx, Epilogue epilogue, const Tensor& in,
                              const Tensor& out) override {
-    if (epilogue == Epilogue::kGelu && (!pre_.defined() || pre_.numel() < out.numel()))
-      pre_ = ctx.alloc(DType::kF32, Shape{std::max<int64_t>(out.numel(), 1)});
+    // The pre-activation a GELU's backward reads, in the output's dtype: kept rounded where the output is.
+    if (epilogue == Epilogue::kGelu &&
+        (!pre_.defined() || pre_.dtype() != out.dtype() || pre_.numel() < out.numel()))
+      pre_ = ctx.alloc(out.dtype(), Shape{std::max<int64_t>(out.numel(), 1)});
     ctx.stream->run(call::LinearForward{out.ref(), operand(ctx, in), operand_param(0), param(1, bias_),
                                         pre(epilogue, out), epilogue});
   }

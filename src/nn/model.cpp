@@ -187,6 +187,7 @@ void ReplicaModel::set_compute_dtype(const ReplicaContext& ctx, DType dtype) {
     }
   }
   params_low_ = std::move(low);
+  params_low_current_ = false;
   compute_dtype_ = dtype;
   // The activations' dtypes follow: the next forward plans its buffers again.
   output_dtype_ = plan_rounded_outputs(*ctx.stream);
@@ -321,7 +322,10 @@ Tensor ReplicaModel::forward(const ReplicaContext& ctx, const Tensor& input) {
   has_forward_ = false;
   reserve(ctx, input.shape());
   ctx.maybe_fail(Fault::kForward, "forward");
-  if (params_low_.defined()) ctx.stream->run(call::Convert{params_low_.ref(), params_.ref()});
+  if (params_low_.defined() && !params_low_current_) {
+    ctx.stream->run(call::Convert{params_low_.ref(), params_.ref()});
+    params_low_current_ = true;
+  }
   const int64_t rows = input.rows();
   input_ = input;
   forward_rows_ = rows;

@@ -203,7 +203,13 @@ class ReplicaModel {
   int64_t num_params() const { return params_.numel(); }
   // Node i's layer in this replica (null for a join or a view).
   Layer* layer(size_t node) const { return nodes_[node].layer.get(); }
-  float* params() const { return params_.f32(); }
+  // The f32 parameters, to read; params_for_writing() to change them (the optimizer, a checkpoint's load), which
+  // tells the low-precision copy (set_compute_dtype) to follow at the next forward.
+  const float* params() const { return params_.f32(); }
+  float* params_for_writing() {
+    params_low_current_ = false;
+    return params_.f32();
+  }
   float* grads() const { return grads_.f32(); }
   // The buffers' memory on the device: every f32 buffer in one array, every i64 buffer in another (stored as i32
   // pairs); BufferInfo::offset places each. Null where the model has none of that dtype.
@@ -214,9 +220,11 @@ class ReplicaModel {
 
   // Mixed precision: the dtype the layers that autocast (Layer::autocasts: linear, convolution) compute in from the
   // next forward on, f32, bf16 or f16. Under bf16 or f16 the replica keeps a mirror of its flat parameters in that
-  // dtype, rewritten at the start of every forward from the f32 masters: each step's weights are rounded once, not
-  // once per use (autocast's cast cache, which lives for one forward). Throws Error(NOT_SUPPORTED) naming the first
-  // node whose kernel the device lacks in that dtype, and the backend's reason where it gives one, changing nothing.
+  // dtype, rewritten from the f32 masters at the first forward after they change (params_for_writing): each step's
+  // weights are rounded once, not once per use nor once per forward (autocast's cast cache lives for one forward; a
+  // step that accumulates several micro-batches, or evaluation between steps, rounds them once here). Throws
+  // Error(NOT_SUPPORTED) naming the first node whose kernel the device lacks in that dtype, and the backend's reason
+  // where it gives one, changing nothing.
   void set_compute_dtype(const ReplicaContext& ctx, DType dtype);
   DType compute_dtype() const { return compute_dtype_; }
   // Bytes of the parameters' low-precision mirror (0 in f32).
@@ -283,6 +291,7 @@ class ReplicaModel {
   Tensor params_, grads_;
   DType compute_dtype_ = DType::kF32;
   Tensor params_low_;  // the parameters in compute_dtype_ (set_compute_dtype); undefined in f32
+  bool params_low_current_ = false;  // params_low_ holds the f32 parameters' present values rounded
   Tensor buf_f32_, buf_i64_;           // the buffers (see buffer_f32(), buffer_i64())
   int64_t n_buf_f32_ = 0, n_buf_i64_ = 0;
   std::vector<Shape> row_shapes_;        // per node output, for one row: shapes with rows = 1

@@ -10,11 +10,14 @@ dpar's contract (src/backend/kernel_calls.h, LinearForward/LinearBackward in bf1
 multiplies its input rounded to bf16 by its weight rounded to bf16, exactly, accumulating in f32, and adds its f32
 bias; its output stays f32. Backward rounds the gradient of its output to bf16 and multiplies it by the same bf16
 operands; every gradient is f32 (a linear layer's bias gradient sums the f32 gradient, a convolution's the rounded
-one). Everything else runs in f32. "emulated" below is that, written as autograd
-Functions over f32 tensors; "autocast" is PyTorch's own policy (which also rounds each output to bf16).
+one). Everything else runs in f32, but for a GELU after a linear layer, which dpar runs as autocast does: on the
+linear's output rounded to bf16 (the pre-activation, kept so for backward), its own output rounded to bf16, its
+backward in f32 from the rounded pre-activation. "emulated" below is that, written as autograd Functions over f32
+tensors; "autocast" is PyTorch's own policy (which also rounds each output to bf16).
 
 Models (PyTorch's default initialisation from fixed seeds; every parameter is in the file by its state_dict name):
   mlp: Linear(12, 32), ReLU, Linear(32, 5) on x (16, 12), cross-entropy with labels (16);
+  gelu_mlp: Linear(12, 32), GELU, Linear(32, 5) on x (16, 12), cross-entropy with labels (16);
   cnn: Conv2d(2, 6, 3, padding=1), ReLU, Flatten, Linear(6*5*5, 4) on x (4, 2, 5, 5), cross-entropy.
 For each: the parameters, x, labels, and for "f32", "emulated" and "autocast" the mean loss and every gradient.
 Every value is a float32 written as the exact double.
@@ -45,6 +48,24 @@ class EmulatedLinear(torch.autograd.Function):
         xb, wb = ctx.saved_tensors
         g = bf16(gy)
         return g @ wb, g.t() @ xb, gy.sum(0)
+
+
+class EmulatedLinearGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b):
+        xb, wb = bf16(x), bf16(w)
+        pre = bf16(xb @ wb.t() + b)
+        ctx.save_for_backward(xb, wb, pre)
+        return bf16(F.gelu(pre))
+
+    @staticmethod
+    def backward(ctx, gy):
+        xb, wb, pre = ctx.saved_tensors
+        cdf = 0.5 * (1.0 + torch.erf(pre * 0.7071067811865476))
+        pdf = torch.exp(-0.5 * pre * pre) * 0.3989422804014327
+        gpre = gy * (cdf + pre * pdf)
+        g = bf16(gpre)
+        return g @ wb, g.t() @ xb, gpre.sum(0)
 
 
 class EmulatedConv(torch.autograd.Function):
@@ -99,6 +120,17 @@ def main():
         return EmulatedLinear.apply(h, mlp[2].weight, mlp[2].bias)
 
     result = {"mlp": run(mlp, mlp_emulated, x, y)}
+
+    torch.manual_seed(2)
+    gelu_mlp = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 5))
+    x = torch.randn(16, 12)
+    y = torch.randint(0, 5, (16,))
+
+    def gelu_mlp_emulated(v):
+        h = EmulatedLinearGelu.apply(v, gelu_mlp[0].weight, gelu_mlp[0].bias)
+        return EmulatedLinear.apply(h, gelu_mlp[2].weight, gelu_mlp[2].bias)
+
+    result["gelu_mlp"] = run(gelu_mlp, gelu_mlp_emulated, x, y)
 
     torch.manual_seed(1)
     cnn = torch.nn.Sequential(torch.nn.Conv2d(2, 6, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),

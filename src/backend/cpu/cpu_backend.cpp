@@ -156,14 +156,13 @@ class CpuStream final : public Stream {
 
   // The kernels this backend has: f32 for all, and bf16 for conversions; ReLU fused into a linear layer's and a
   // BatchNorm's pass (the GELU epilogue composes: Stream::run). Mixed precision's bf16 linear layers (ReLU and GELU
-  // fused; the output kept in bf16 with none or ReLU) where oneDNN runs bf16 natively (kernels::cpu::bf16_support): elsewhere it would emulate bf16 products
-  // in f32 code, slower than f32 itself. f16 only for conversions: oneDNN 2.6 has no f16 GEMM or convolution on
-  // CPUs (kernels::cpu::f16_unsupported_why).
+  // fused; the output kept in bf16 with any epilogue) where oneDNN runs bf16 natively
+  // (kernels::cpu::bf16_support): elsewhere it would emulate bf16 products in f32 code, slower than f32 itself. f16
+  // only for conversions: oneDNN 2.6 has no f16 GEMM or convolution on CPUs (kernels::cpu::f16_unsupported_why).
   bool supports(const KernelKey& key) const override {
     if (key.out != DType::kF32) {  // a bf16 linear layer's output kept in bf16 (oneDNN's bf16 destination)
       const bool linear = key.op == Op::kLinearForward || key.op == Op::kLinearBackward;
-      return linear && key.dtype == DType::kBF16 && key.out == DType::kBF16 &&
-             (key.epilogue == Epilogue::kNone || key.epilogue == Epilogue::kRelu) && k::bf16_support(nullptr);
+      return linear && key.dtype == DType::kBF16 && key.out == DType::kBF16 && k::bf16_support(nullptr);
     }
     if (key.dtype == DType::kF16) return key.op == Op::kConvert;
     if (key.dtype == DType::kBF16) {
@@ -243,9 +242,9 @@ class CpuStream final : public Stream {
     if (c.dtype() == DType::kBF16) {
       std::lock_guard<std::mutex> one_at_a_time(bf16_mutex_);
       if (c.out_dtype() == DType::kBF16)
-        return k::linear_forward_bf16_rounded(bf16_gemm(), bf16(c, c.out), bf16(c, c.inp), bf16(c, c.weight),
-                                              f32(c, c.bias), c.inp.leading(), c.inp.size(-1), c.out.size(-1),
-                                              c.epilogue);
+        return k::linear_forward_bf16_rounded(bf16_gemm(), bf16(c, c.out), bf16(c, c.pre), bf16(c, c.inp),
+                                              bf16(c, c.weight), f32(c, c.bias), c.inp.leading(), c.inp.size(-1),
+                                              c.out.size(-1), c.epilogue);
       return k::linear_forward_bf16(bf16_gemm(), f32(c, c.out), f32(c, c.pre), bf16(c, c.inp), bf16(c, c.weight),
                                     f32(c, c.bias), c.inp.leading(), c.inp.size(-1), c.out.size(-1), c.epilogue);
     }
@@ -257,11 +256,13 @@ class CpuStream final : public Stream {
     const int64_t B = c.inp.leading(), C_in = c.inp.size(-1), C_out = c.dout.size(-1);
     if (c.dtype() == DType::kBF16) {
       std::lock_guard<std::mutex> one_at_a_time(bf16_mutex_);
+      // Where the forward kept its output rounded, it kept a GELU's pre-activation rounded too.
       const bool rounded_out = c.out_dtype() == DType::kBF16;
       return k::linear_backward_bf16(bf16_gemm(), f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dpre),
                                      bf16(c, c.dout_low), f32(c, c.dout), rounded_out ? nullptr : f32(c, c.out),
-                                     rounded_out ? bf16(c, c.out) : nullptr, f32(c, c.pre),
-                                     bf16(c, c.inp), bf16(c, c.weight), B, C_in, C_out, c.epilogue, c.accumulate);
+                                     rounded_out ? bf16(c, c.out) : nullptr, rounded_out ? nullptr : f32(c, c.pre),
+                                     rounded_out ? bf16(c, c.pre) : nullptr, bf16(c, c.inp), bf16(c, c.weight), B,
+                                     C_in, C_out, c.epilogue, c.accumulate);
     }
     if (c.epilogue == Epilogue::kRelu)
       k::linear_relu_backward(f32(c, c.dinp), f32(c, c.dweight), f32(c, c.dbias), f32(c, c.dpre), f32(c, c.dout),

@@ -232,31 +232,37 @@ void linear_forward_bf16(Bf16Gemm& gemm, float* out, float* pre, const uint16_t*
   if (gelu) gelu_forward(out, pre, B * C_out);
 }
 
-// inp (B,C_in) bf16, weight (C_out,C_in) bf16, bias (C_out) or nullptr, out (B,C_out) bf16
-void linear_forward_bf16_rounded(Bf16Gemm& gemm, uint16_t* out, const uint16_t* inp, const uint16_t* weight,
-                                 const float* bias, int64_t B, int64_t C_in, int64_t C_out, Epilogue epilogue) {
+// inp (B,C_in) bf16, weight (C_out,C_in) bf16, bias (C_out) or nullptr, out and pre (B,C_out) bf16
+void linear_forward_bf16_rounded(Bf16Gemm& gemm, uint16_t* out, uint16_t* pre, const uint16_t* inp,
+                                 const uint16_t* weight, const float* bias, int64_t B, int64_t C_in, int64_t C_out,
+                                 Epilogue epilogue) {
   blas_dim(B, "B"), blas_dim(C_in, "C_in"), blas_dim(C_out, "C_out");
-  DPAR_CHECK_ARG(epilogue == Epilogue::kNone || epilogue == Epilogue::kRelu, "linear_forward (bf16 out): the ",
+  const bool gelu = epilogue == Epilogue::kGelu, relu = epilogue == Epilogue::kRelu;
+  DPAR_CHECK_ARG(epilogue == Epilogue::kNone || relu || gelu, "linear_forward (bf16 out): the ",
                  epilogue_name(epilogue), " epilogue has no bf16 output here");
   if (B == 0 || C_out == 0) return;
   DPAR_CHECK_ARG(out != nullptr, "linear_forward (bf16 out): out is null");
+  DPAR_CHECK_ARG(!gelu || pre != nullptr, "linear_forward (bf16 out): a GELU epilogue needs pre");
+  // With a GELU the GEMM's rounded result is the pre-activation, and the GELU reads it rounded.
+  uint16_t* gemm_out = gelu ? pre : out;
   if (C_in == 0) {  // an empty sum: the bias (and ReLU) alone, rounded
     for (int64_t i = 0; i < B; ++i)
       for (int64_t j = 0; j < C_out; ++j) {
         const float v = bias != nullptr ? bias[j] : 0.0f;
-        out[i * C_out + j] = dpar::to_bf16(epilogue == Epilogue::kRelu && v <= 0.0f && !std::isnan(v) ? 0.0f : v);
+        gemm_out[i * C_out + j] = dpar::to_bf16(relu && v <= 0.0f && !std::isnan(v) ? 0.0f : v);
       }
-    return;
+  } else {
+    DPAR_CHECK_ARG(inp != nullptr && weight != nullptr, "linear_forward (bf16 out): inp or weight is null");
+    gemm.run_rounded(B, C_out, C_in, inp, C_in, weight, C_in, bias, relu, gemm_out, C_out);
   }
-  DPAR_CHECK_ARG(inp != nullptr && weight != nullptr, "linear_forward (bf16 out): inp or weight is null");
-  gemm.run_rounded(B, C_out, C_in, inp, C_in, weight, C_in, bias, epilogue == Epilogue::kRelu, out, C_out);
+  if (gelu) gelu_forward_rounded(out, pre, B * C_out);
 }
 
 // dout, dpre, out, pre (B,C_out); dout_low (B,C_out) bf16; dinp (B,C_in); dweight (C_out,C_in); dbias (C_out)
 void linear_backward_bf16(Bf16Gemm& gemm, float* dinp, float* dweight, float* dbias, float* dpre, uint16_t* dout_low,
                           const float* dout, const float* out, const uint16_t* out_rounded, const float* pre,
-                          const uint16_t* inp, const uint16_t* weight, int64_t B, int64_t C_in, int64_t C_out,
-                          Epilogue epilogue, bool accumulate) {
+                          const uint16_t* pre_rounded, const uint16_t* inp, const uint16_t* weight, int64_t B,
+                          int64_t C_in, int64_t C_out, Epilogue epilogue, bool accumulate) {
   check_backward_args(dweight, dout, B, C_in, C_out);
   const bool rows = B > 0 && C_out > 0;
   // The f32 gradient of the GEMMs' result: the epilogue's backward first (with dbias's sums in the ReLU's pass,
@@ -271,8 +277,11 @@ void linear_backward_bf16(Bf16Gemm& gemm, float* dinp, float* dweight, float* db
       else
         run_vector<bias_grad>(dbias, dpre, dout, out, B, C_out, accumulate);
     } else {
-      DPAR_CHECK_ARG(pre != nullptr, "linear_backward (bf16): a GELU epilogue needs pre");
-      gelu_backward(dpre, dout, pre, B * C_out);
+      DPAR_CHECK_ARG(pre != nullptr || pre_rounded != nullptr, "linear_backward (bf16): a GELU epilogue needs pre");
+      if (pre_rounded != nullptr)
+        gelu_backward_rounded(dpre, dout, pre_rounded, B * C_out);
+      else
+        gelu_backward(dpre, dout, pre, B * C_out);
     }
     g = dpre;
   }
@@ -340,21 +349,27 @@ constexpr float kSqrt1_2 = 0.70710678118654752440f;          // 1/sqrt(2)
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;       // 1/sqrt(2*pi), PyTorch's M_2_SQRTPI*M_SQRT1_2*0.5
 }  // namespace
 
-// GELU's loops, exact form (erf), as PyTorch's default: erf and exp through vector_math.h, so they vectorize.
+// GELU's loops, exact form (erf), as PyTorch's default: erf and exp through vector_math.h, so they vectorize. The
+// input is f32, or a bf16 pre-activation (a linear layer's output kept in bf16) read widened; the rounded forward
+// writes its result rounded once, as PyTorch's bf16 GELU (computed in float, stored in bf16) does.
+DPAR_VECTOR_LOOP float gelu_of(float x) { return x * 0.5f * (1.0f + erf_approx(x * kSqrt1_2)); }
 DPAR_VECTOR_LOOP void gelu_forward_loop(float* out, const float* inp, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = inp[i];
-    out[i] = x * 0.5f * (1.0f + erf_approx(x * kSqrt1_2));
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = gelu_of(inp[i]);
 }
-DPAR_VECTOR_LOOP void gelu_backward_loop(float* dinp, const float* dout, const float* inp, int64_t n) {
+DPAR_VECTOR_LOOP void gelu_forward_rounded_loop(uint16_t* out, const uint16_t* inp, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = dpar::to_bf16(gelu_of(dpar::from_bf16(inp[i])));
+}
+template <class In>
+DPAR_VECTOR_LOOP void gelu_backward_of(float* dinp, const float* dout, const In* inp, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float x = inp[i];
+    const float x = widened(inp[i]);
     const float cdf = 0.5f * (1.0f + erf_approx(x * kSqrt1_2));
     const float pdf = kInvSqrt2Pi * exp_nonpositive(x * x * -0.5f);
     dinp[i] = dout[i] * (cdf + x * pdf);
   }
 }
+constexpr auto gelu_backward_loop = gelu_backward_of<float>;
+constexpr auto gelu_backward_rounded_loop = gelu_backward_of<uint16_t>;
 
 // inp (n), out (n)
 void gelu_forward(float* out, const float* inp, int64_t n) {
@@ -366,6 +381,18 @@ void gelu_forward(float* out, const float* inp, int64_t n) {
 void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n) {
   check_count(n);
   run_vector<gelu_backward_loop>(dinp, dout, inp, n);
+}
+
+// out (n) bf16, inp (n) bf16
+void gelu_forward_rounded(uint16_t* out, const uint16_t* inp, int64_t n) {
+  check_count(n);
+  run_vector<gelu_forward_rounded_loop>(out, inp, n);
+}
+
+// dinp (n), dout (n), inp (n) bf16
+void gelu_backward_rounded(float* dinp, const float* dout, const uint16_t* inp, int64_t n) {
+  check_count(n);
+  run_vector<gelu_backward_rounded_loop>(dinp, dout, inp, n);
 }
 
 // inp (n), out (n)

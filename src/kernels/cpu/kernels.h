@@ -60,21 +60,24 @@ class Bf16Gemm;
 // pre is unused otherwise (may be nullptr).
 void linear_forward_bf16(Bf16Gemm& gemm, float* out, float* pre, const uint16_t* inp, const uint16_t* weight,
                          const float* bias, int64_t B, int64_t C_in, int64_t C_out, Epilogue epilogue);
-// The same with the output kept in bf16 (epilogue none or ReLU): out (B,C_out) bf16 = the f32 result, bias and
-// ReLU included, rounded once to nearest even (Bf16Gemm::run_rounded: one pass, no f32 copy).
-void linear_forward_bf16_rounded(Bf16Gemm& gemm, uint16_t* out, const uint16_t* inp, const uint16_t* weight,
-                                 const float* bias, int64_t B, int64_t C_in, int64_t C_out, Epilogue epilogue);
+// The same with the output kept in bf16: out (B,C_out) bf16 = the f32 result, bias and ReLU included, rounded once
+// to nearest even (Bf16Gemm::run_rounded: one pass, no f32 copy). With a GELU, as autocast runs a bf16 linear and
+// then GELU: the GEMM and the bias rounded once into pre (B,C_out) bf16 (kept for backward), then out =
+// gelu_forward_rounded(pre); pre is unused otherwise (may be nullptr).
+void linear_forward_bf16_rounded(Bf16Gemm& gemm, uint16_t* out, uint16_t* pre, const uint16_t* inp,
+                                 const uint16_t* weight, const float* bias, int64_t B, int64_t C_in, int64_t C_out,
+                                 Epilogue epilogue);
 // From dout (B,C_out): the gradient before the GEMMs, g = dout (no epilogue), relu_backward's mask of it by out
 // (ReLU) or gelu_backward's by pre (GELU), written to dpre (B,C_out) with an epilogue; dbias (C_out, or nullptr)
 // = its column sums as in linear_backward; dout_low (B,C_out) = g rounded to bf16 (to_bf16); then dinp (B,C_in, or
 // nullptr) = dout_low @ weight and dweight (C_out,C_in) = dout_low^T @ inp, overwritten or added to when
 // accumulate (dbias too). dinp may be dout's memory: dout is read in full before dinp is written.
 // With a ReLU epilogue the mask reads out (f32) or, where the forward kept its output in bf16, out_rounded (the
-// other null).
+// other null); with a GELU, gelu_backward reads pre (f32) or pre_rounded (bf16, linear_forward_bf16_rounded's).
 void linear_backward_bf16(Bf16Gemm& gemm, float* dinp, float* dweight, float* dbias, float* dpre, uint16_t* dout_low,
                           const float* dout, const float* out, const uint16_t* out_rounded, const float* pre,
-                          const uint16_t* inp, const uint16_t* weight, int64_t B, int64_t C_in, int64_t C_out,
-                          Epilogue epilogue, bool accumulate);
+                          const uint16_t* pre_rounded, const uint16_t* inp, const uint16_t* weight, int64_t B,
+                          int64_t C_in, int64_t C_out, Epilogue epilogue, bool accumulate);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Elementwise activations on n elements. Backward takes what it needs: relu/tanh/sigmoid the forward output,
@@ -89,6 +92,10 @@ void relu_backward(float* dinp, const float* dout, const float* out, int64_t n);
 void gelu_forward(float* out, const float* inp, int64_t n);
 // dinp = dout * (Phi(inp) + inp * phi(inp)).
 void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n);
+// The same on a bf16 input (a linear layer's pre-activation kept in bf16), read widened: gelu_forward's value
+// rounded once to bf16 (out bf16), and gelu_backward's gradient in f32.
+void gelu_forward_rounded(uint16_t* out, const uint16_t* inp, int64_t n);
+void gelu_backward_rounded(float* dinp, const float* dout, const uint16_t* inp, int64_t n);
 
 // out = tanh(inp).
 void tanh_forward(float* out, const float* inp, int64_t n);
