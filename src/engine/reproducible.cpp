@@ -11,9 +11,10 @@
 //    micro-chunk's f32 gradient is kept; the replicas agree on a max exponent E per parameter (one max all-reduce
 //    of an int64 per parameter tensor); each micro-chunk's gradient is put on the grid 2^(E - 51 + ceil(log2 K)),
 //    K the global micro-chunk count, as int64 (the kernel calls MaxExponent, ToGrid and FromGrid of
-//    backend/kernel_calls.h: rounded to nearest even, a function of the value alone), so that every value and any sum of K of them stays below 2^51; the int64s are summed over
-//    the micro-chunks, the replicas and the processes (exact, so in any order and grouping), and the sum is turned
-//    back to f32: converted to double (exact: below 2^53), multiplied by the grid step / samples (that factor
+//    backend/kernel_calls.h, run by the replica's Stream on its device: rounded to nearest even, a function of the
+//    value alone), so that every value and any sum of K of them stays below 2^51; the int64s are summed over the
+//    micro-chunks, the replicas and the processes (exact, so in any order and grouping), and the sum is turned back
+//    to f32: converted to double (exact: below 2^53), multiplied by the grid step / samples (that factor
 //    rounded once, in double), rounded to f32. Relative to the largest micro-chunk gradient of the parameter tensor,
 //    the grid keeps 51 - ceil(log2 K) bits, against f32's 24: an element up to 2^20 times smaller than the largest
 //    (with up to 128 micro-chunks) still gets f32's precision, and smaller ones an absolute error of at most K/2
