@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/stream.h"
 #include "cuda_test_util.h"
 #include "engine/engine.h"
 #include "io/safetensors.h"
@@ -411,6 +412,34 @@ TEST(CudaEngine, AGpuBatchForACpuEngineIsRefusedNamingWhereItMustBe) {
     EXPECT_NE(std::string(err.what()).find("input is on cuda:0"), std::string::npos) << err.what();
     EXPECT_NE(std::string(err.what()).find("host memory"), std::string::npos) << err.what();
   }
+  e.train_step(b.x, b.y);  // and the engine goes on
+}
+
+// The reproducible mode runs where the backend has its kernels (the fixed point's, and the fill of a non-finite
+// gradient): the CUDA backend lacks them, says why, and set_reproducible refuses naming the kernel, the device and
+// the reason, the engine unchanged.
+TEST(CudaEngine, TheReproducibleModeIsRefusedForTheKernelsTheBackendLacks) {
+  DPAR_REQUIRE_GPU();
+  auto stream = cuda_backend().open_stream(Device{DeviceKind::kCuda, 0});
+  for (Op op : {Op::kMaxExponent, Op::kToGrid, Op::kFromGrid, Op::kFill}) {
+    EXPECT_FALSE(stream->supports({op, DType::kF32})) << op_name(op);
+    EXPECT_FALSE(stream->can_run({op, DType::kF32})) << op_name(op);
+    EXPECT_NE(stream->lacks_why({op, DType::kF32}).find("has no CUDA kernel yet"), std::string::npos) << op_name(op);
+  }
+  Engine e(make_mlp(13, 0.0f), adam(), devices(DeviceKind::kCuda, {0}));
+  try {
+    e.set_reproducible(4);
+    FAIL() << "the reproducible mode was accepted on a GPU";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), Status::kNotSupported);
+    EXPECT_NE(std::string(err.what()).find("set_reproducible: the reproducible mode needs the kernel max_exponent "
+                                           "(f32), which cuda:0's backend does not have (the reproducible mode's "
+                                           "fixed point has no CUDA kernel yet)"),
+              std::string::npos)
+        << err.what();
+  }
+  EXPECT_EQ(e.reproducible(), 0);
+  Batch b = make_batch(4, 1);
   e.train_step(b.x, b.y);  // and the engine goes on
 }
 

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <tuple>
@@ -14,6 +16,7 @@
 #include "backend/stream.h"
 #include "common/error.h"
 #include "kernels/cpu/batchnorm.h"
+#include "kernels/cpu/fixed_point.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/kernels.h"
 #include "nn/layer.h"
@@ -131,6 +134,115 @@ TEST(KernelCalls, ConvertChoosesItsDirectionByDtype) {
   EXPECT_EQ(bits, want);
   EXPECT_TRUE(same_bits(back, want_back));
   EXPECT_EQ(back[0], 1.0f);
+}
+
+// ---- The reproducible mode's fixed point (engine/reproducible.cpp) as kernel calls ----------------------------------
+
+// The CPU stream runs MaxExponent, ToGrid and FromGrid with kernels/cpu/fixed_point.h's kernels and Fill with
+// kernels.h's: the same bits, the sentinels included.
+TEST(KernelCalls, TheFixedPointCallsGiveTheBitsOfTheCpuKernels) {
+  auto stream = cpu_backend().open_stream(Device{});
+  for (Op op : {Op::kMaxExponent, Op::kToGrid, Op::kFromGrid, Op::kFill}) {
+    EXPECT_TRUE(stream->supports({op, DType::kF32})) << op_name(op);
+    EXPECT_FALSE(stream->supports({op, DType::kF64})) << op_name(op);
+  }
+  EXPECT_STREQ(op_name(Op::kMaxExponent), "max_exponent");
+  EXPECT_STREQ(op_name(Op::kToGrid), "to_grid");
+  EXPECT_STREQ(op_name(Op::kFromGrid), "from_grid");
+  EXPECT_STREQ(op_name(Op::kFill), "fill");
+
+  // Values over many magnitudes, an odd count (the vector loops' tails).
+  const int64_t n = 1001;
+  std::vector<float> a = randn(n, 21), b = randn(n, 22);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = std::ldexp(a[i], static_cast<int>(i % 40) - 20);
+  const auto exponent_of = [&](const std::vector<float>& x, int64_t count) {
+    int64_t out = 12345;
+    stream->run(call::MaxExponent{TensorRef::of(&out, {1}), TensorRef::of(x.data(), {count})});
+    return out;
+  };
+  EXPECT_EQ(exponent_of(a, n), k::max_exponent(a.data(), n));
+  EXPECT_EQ(exponent_of(b, n), k::max_exponent(b.data(), n));
+  EXPECT_EQ(exponent_of(a, 0), kFixedPointAllZero) << "no values";
+  EXPECT_EQ(exponent_of(std::vector<float>(37, 0.0f), 37), kFixedPointAllZero);
+  EXPECT_EQ(exponent_of(std::vector<float>(37, -0.0f), 37), kFixedPointAllZero);
+  EXPECT_EQ(exponent_of(std::vector<float>{0.0f, std::numeric_limits<float>::denorm_min()}, 2), -125);
+  for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()}) {
+    std::vector<float> x = b;
+    x[500] = bad;
+    EXPECT_EQ(exponent_of(x, n), kFixedPointNotFinite) << bad;
+  }
+
+  // Onto the grid of the larger exponent: written over garbage, then accumulated.
+  const int e = std::max(k::max_exponent(a.data(), n), k::max_exponent(b.data(), n));
+  const int down = kFixedPointBits - 1 - e;  // two values summed stay below 2^51
+  std::vector<int64_t> sum(static_cast<size_t>(n), 777), want(static_cast<size_t>(n), 777);
+  stream->run(call::ToGrid{TensorRef::of(sum.data(), {n}), TensorRef::of(a.data(), {n}), down, false});
+  k::to_grid(want.data(), a.data(), n, down, false);
+  EXPECT_EQ(sum, want) << "written";
+  EXPECT_EQ(std::count(sum.begin(), sum.end(), int64_t{777}), 0) << "nothing of the garbage kept";
+  stream->run(call::ToGrid{TensorRef::of(sum.data(), {n}), TensorRef::of(b.data(), {n}), down, true});
+  k::to_grid(want.data(), b.data(), n, down, true);
+  EXPECT_EQ(sum, want) << "accumulated";
+
+  // Back to f32: the grid step over a sample count, as the engine scales it.
+  const double factor = std::ldexp(1.0, -down) / 3.0;
+  std::vector<float> back(static_cast<size_t>(n), 9.0f), want_back(static_cast<size_t>(n));
+  stream->run(call::FromGrid{TensorRef::of(back.data(), {n}), TensorRef::of(sum.data(), {n}), factor});
+  k::from_grid(want_back.data(), sum.data(), n, factor);
+  EXPECT_TRUE(same_bits(back, want_back));
+  EXPECT_NEAR(back[7], (a[7] + b[7]) / 3.0f, 1e-6f * std::abs(a[7] + b[7]) + 1e-30f);
+
+  // A parameter whose gradient held a NaN or an infinity: NaN in every element, the quiet NaN's bits.
+  stream->run(call::Fill{TensorRef::of(back.data(), {n}), std::numeric_limits<float>::quiet_NaN()});
+  EXPECT_TRUE(same_bits(back, std::vector<float>(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN())));
+  stream->run(call::Fill{TensorRef::of(back.data(), {3}), -2.5f});
+  EXPECT_EQ(back[2], -2.5f);
+  EXPECT_TRUE(std::isnan(back[3])) << "only the reference's elements";
+}
+
+// The fixed-point calls read contiguous memory of their dtypes: anything else is refused, naming the call, and
+// nothing is written.
+TEST(KernelCalls, TheFixedPointCallsRefuseStridedAndMistypedArgumentsNamingTheCall) {
+  auto stream = cpu_backend().open_stream(Device{});
+  std::vector<float> x(6, 1.0f);
+  std::vector<int64_t> sum(6, 5);
+  std::vector<double> wide(6, 0.0);
+  std::vector<int32_t> narrow(6, 0);
+  int64_t two[2] = {0, 0};
+  const auto refused = [&](const KernelCall& call, Status status, const std::string& want) {
+    const std::string e = error_of([&] { stream->run(call); }, status);
+    EXPECT_NE(e.find(want), std::string::npos) << e;
+  };
+  const TensorRef strided_x = TensorRef::of(x.data(), {2, 3}).transposed(0, 1);
+  const TensorRef strided_sum = TensorRef::of(sum.data(), {2, 3}).transposed(0, 1);
+  refused(call::MaxExponent{TensorRef::of(two, {1}), strided_x}, Status::kInvalidArgument,
+          "max_exponent: this kernel reads contiguous memory, got the strided view f32 (3, 2) strides (1, 3)");
+  refused(call::MaxExponent{TensorRef::of(narrow.data(), {1}), TensorRef::of(x.data(), {6})},
+          Status::kInvalidArgument, "max_exponent: expected i64, got i32");
+  refused(call::MaxExponent{TensorRef::of(two, {2}), TensorRef::of(x.data(), {6})}, Status::kInvalidArgument,
+          "max_exponent: out holds one exponent, got i64 (2)");
+  refused(call::ToGrid{strided_sum, TensorRef::of(x.data(), {3, 2}), 0, false}, Status::kInvalidArgument,
+          "to_grid: this kernel reads contiguous memory");
+  refused(call::ToGrid{TensorRef::of(wide.data(), {6}), TensorRef::of(x.data(), {6}), 0, false},
+          Status::kInvalidArgument, "to_grid: expected i64, got f64");
+  refused(call::ToGrid{TensorRef::of(sum.data(), {5}), TensorRef::of(x.data(), {6}), 0, false},
+          Status::kInvalidArgument, "to_grid: its arguments differ in element count: i64 (5) and f32 (6)");
+  refused(call::FromGrid{strided_x, TensorRef::of(sum.data(), {3, 2}), 1.0}, Status::kInvalidArgument,
+          "from_grid: this kernel reads contiguous memory");
+  refused(call::FromGrid{TensorRef::of(x.data(), {6}), TensorRef::of(narrow.data(), {6}), 1.0},
+          Status::kInvalidArgument, "from_grid: expected i64, got i32");
+  refused(call::Fill{strided_x, 0.0f}, Status::kInvalidArgument, "fill: this kernel reads contiguous memory");
+  // The f32 side is the call's dtype: another is a kernel the backend does not have.
+  refused(call::ToGrid{TensorRef::of(sum.data(), {6}), TensorRef::of(wide.data(), {6}), 0, false},
+          Status::kNotSupported, "to_grid (f64) on cpu:0: this backend has no such kernel");
+  refused(call::FromGrid{TensorRef::of(wide.data(), {6}), TensorRef::of(sum.data(), {6}), 1.0}, Status::kNotSupported,
+          "from_grid (f64) on cpu:0: this backend has no such kernel");
+  refused(call::MaxExponent{TensorRef::of(two, {1}), TensorRef::of(wide.data(), {6})}, Status::kNotSupported,
+          "max_exponent (f64) on cpu:0: this backend has no such kernel");
+  EXPECT_EQ(two[0], 0);
+  EXPECT_TRUE(std::all_of(sum.begin(), sum.end(), [](int64_t v) { return v == 5; })) << "nothing written";
+  EXPECT_TRUE(std::all_of(x.begin(), x.end(), [](float v) { return v == 1.0f; })) << "nothing written";
 }
 
 // SiLU is defined once (kernels/pointwise.h): its Activation number, name and both backends' kernels follow from

@@ -241,6 +241,45 @@ struct PositionEmbeddingBackward {
   DType dtype() const { return dout.dtype; }
 };
 
+// x (n) = value in every element (a gradient made NaN where the reproducible mode found a NaN or an infinity).
+struct Fill {
+  static constexpr const char* kName = "fill";
+  TensorRef x;
+  float value = 0.0f;
+  DType dtype() const { return x.dtype; }
+};
+
+// The reproducible mode's exact sums in int64 fixed point (common/fixed_point.h, engine/reproducible.cpp; on CPU
+// kernels/cpu/fixed_point.h): a max exponent per parameter tensor, each micro-chunk's gradient put on the grid it
+// gives and summed as integers, the sum turned back to f32 once.
+//
+// out (i64, 1 element) = an e with |x[i]| < 2^e for every i of x (f32, n): frexp's exponent of the largest magnitude
+// (-125 where it is subnormal); kFixedPointAllZero when every value is zero (or n == 0), kFixedPointNotFinite when
+// any is a NaN or an infinity.
+struct MaxExponent {
+  static constexpr const char* kName = "max_exponent";
+  TensorRef out, x;
+  DType dtype() const { return x.dtype; }
+};
+// sum (i64, n) (+)= x (f32, n) * 2^scale_exponent rounded to the nearest integer, ties to even: added to sum with
+// `accumulate`, written over it without. Each |x[i] * 2^scale_exponent| must be at most 2^kFixedPointBits (the
+// caller's grid ensures it), so that the rounding is exact arithmetic on doubles and a function of the value alone.
+struct ToGrid {
+  static constexpr const char* kName = "to_grid";
+  TensorRef sum, x;
+  int scale_exponent = 0;
+  bool accumulate = false;
+  DType dtype() const { return x.dtype; }
+};
+// out (f32, n) = f32(double(sum[i]) * factor) for sum (i64, n) with |sum[i]| <= 2^kFixedPointBits (which converts to
+// double exactly): the product is the one rounding in double and the conversion to f32 the other.
+struct FromGrid {
+  static constexpr const char* kName = "from_grid";
+  TensorRef out, sum;
+  double factor = 0.0;
+  DType dtype() const { return out.dtype; }
+};
+
 }  // namespace call
 
 // One kernel call. The index of an alternative is its Op.
@@ -251,7 +290,8 @@ using KernelCall = std::variant<call::LinearForward, call::LinearBackward, call:
                                 call::BatchNormApply, call::BatchNormBackwardReduce, call::BatchNormBackwardApply,
                                 call::LayerNormForward, call::LayerNormBackward, call::EmbeddingForward,
                                 call::EmbeddingBackward, call::PositionEmbeddingForward,
-                                call::PositionEmbeddingBackward>;
+                                call::PositionEmbeddingBackward, call::Fill, call::MaxExponent, call::ToGrid,
+                                call::FromGrid>;
 
 // A kind of kernel: KernelCall's alternatives, in order.
 enum class Op : int32_t {
@@ -279,8 +319,12 @@ enum class Op : int32_t {
   kEmbeddingBackward,
   kPositionEmbeddingForward,
   kPositionEmbeddingBackward,
+  kFill,
+  kMaxExponent,
+  kToGrid,
+  kFromGrid,
 };
-static_assert(static_cast<size_t>(Op::kPositionEmbeddingBackward) + 1 == std::variant_size_v<KernelCall>,
+static_assert(static_cast<size_t>(Op::kFromGrid) + 1 == std::variant_size_v<KernelCall>,
               "one Op per KernelCall alternative, in order");
 
 // "linear_forward", ...: the kName of the call's struct.

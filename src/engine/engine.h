@@ -390,14 +390,18 @@ class Engine {
   DType reduce_dtype_ = DType::kF32;
   DType compute_dtype_ = DType::kF32;
   GradientReduction reduction_ = GradientReduction::kAllReduce;
-  // The reproducible mode: rows per micro-chunk (0: off); per replica, the step's micro-chunks' gradients (one after
-  // the other, but for train_step's last, which stays in its gradients), their largest exponent per parameter and
-  // the int64 sums; per micro-chunk of the call on this process, its loss sum; the step's micro-chunks over every
-  // process so far (accumulate).
+  // The reproducible mode: rows per micro-chunk (0: off); per replica, on its device: room for the step's
+  // micro-chunks' gradients (one after the other, but for train_step's last, which stays in its gradients; kept
+  // from step to step, grown as needed) and how many it holds, a micro-chunk's largest exponent per parameter
+  // (one i64 per parameter tensor) and the int64 sums; on the host, the step's largest exponent per parameter
+  // (folded from each micro-chunk's, then agreed over the replicas); per micro-chunk of the call on this process,
+  // its loss sum; the step's micro-chunks over every process so far (accumulate).
   int64_t micro_chunk_rows_ = 0;
-  std::vector<std::vector<float>> chunk_grads_;
+  std::vector<Tensor> chunk_grads_;
+  std::vector<int64_t> chunk_kept_;
+  std::vector<Tensor> chunk_exponents_device_;
   std::vector<std::vector<int64_t>> chunk_exponents_;
-  std::vector<std::vector<int64_t>> chunk_sums_;
+  std::vector<Tensor> chunk_sums_;
   int64_t step_chunks_ = 0;
   std::vector<double> chunk_losses_;
   std::vector<std::vector<double>> chunk_statistics_;  // per replica: the call's micro-chunks' running statistics

@@ -10,10 +10,11 @@
 //  - The order in which the replicas' gradients are added. Here they are not added as floats at all: each
 //    micro-chunk's f32 gradient is kept; the replicas agree on a max exponent E per parameter (one max all-reduce
 //    of an int64 per parameter tensor); each micro-chunk's gradient is put on the grid 2^(E - 51 + ceil(log2 K)),
-//    K the global micro-chunk count, as int64 (kernels/cpu/fixed_point.h: rounded to nearest even, a function of
-//    the value alone), so that every value and any sum of K of them stays below 2^51; the int64s are summed over
-//    the micro-chunks, the replicas and the processes (exact, so in any order and grouping), and the sum is turned
-//    back to f32: converted to double (exact: below 2^53), multiplied by the grid step / samples (that factor
+//    K the global micro-chunk count, as int64 (the kernel calls MaxExponent, ToGrid and FromGrid of
+//    backend/kernel_calls.h, run by the replica's Stream on its device: rounded to nearest even, a function of the
+//    value alone), so that every value and any sum of K of them stays below 2^51; the int64s are summed over the
+//    micro-chunks, the replicas and the processes (exact, so in any order and grouping), and the sum is turned back
+//    to f32: converted to double (exact: below 2^53), multiplied by the grid step / samples (that factor
 //    rounded once, in double), rounded to f32. Relative to the largest micro-chunk gradient of the parameter tensor,
 //    the grid keeps 51 - ceil(log2 K) bits, against f32's 24: an element up to 2^20 times smaller than the largest
 //    (with up to 128 micro-chunks) still gets f32's precision, and smaller ones an absolute error of at most K/2
@@ -44,16 +45,18 @@
 #include <limits>
 #include <numeric>
 
+#include "backend/stream.h"
 #include "common/error.h"
+#include "common/fixed_point.h"
 #include "common/random.h"
 #include "engine/engine.h"
-#include "kernels/cpu/fixed_point.h"
 
 namespace dpar {
 
 namespace {
 
-namespace k = kernels::cpu;
+// The kernels the mode runs besides the model's: the exact sum's, and the fill of a non-finite gradient with NaN.
+constexpr Op kModeOps[] = {Op::kMaxExponent, Op::kToGrid, Op::kFromGrid, Op::kFill};
 
 // Mixed into the seed of the micro-chunks' dropout streams, apart from the replicas' own streams.
 constexpr uint64_t kChunkStreamTag = 0x6d6963726f636875ull;
@@ -85,9 +88,15 @@ void Engine::set_reproducible(int64_t micro_chunk_rows) {
                pending_ == Pending::kLoss ? "accumulate()" : "backward()",
                " are pending; call step() or zero_grad() first");
   if (micro_chunk_rows > 0) {
-    DPAR_ENFORCE(backend_.kind() == DeviceKind::kCpu, Status::kNotSupported,
-                 "set_reproducible: the reproducible mode runs on CPU devices only, not on ",
-                 config_.devices[0].str());
+    // Asked of the backend rather than of the device kind: the mode runs wherever these kernels exist.
+    const Stream& stream = *replicas_.front()->stream;
+    for (Op op : kModeOps) {
+      const KernelKey key{op, DType::kF32};
+      const std::string why = stream.can_run(key) ? std::string() : stream.lacks_why(key);
+      DPAR_ENFORCE(stream.can_run(key), Status::kNotSupported, "set_reproducible: the reproducible mode needs the "
+                   "kernel ", key.str(), ", which ", stream.device().str(), "'s backend does not have",
+                   why.empty() ? std::string() : " (" + why + ")");
+    }
     for (const Node& node : model_.nodes()) {
       if (!node.layer) continue;
       // SyncBatchNorm's statistics are summed over the replicas in an order that follows them.
@@ -107,6 +116,8 @@ void Engine::set_reproducible(int64_t micro_chunk_rows) {
       if (Layer* layer = rep->model->layer(i)) layer->defer_running_statistics(micro_chunk_rows > 0);
   if (micro_chunk_rows == 0) {
     chunk_grads_ = {};
+    chunk_kept_ = {};
+    chunk_exponents_device_ = {};
     chunk_sums_ = {};
     chunk_exponents_ = {};
     chunk_statistics_ = {};
@@ -192,8 +203,11 @@ Engine::ChunkCall Engine::reproducible_call(const char* operation, const Tensor&
   // A step's first call forgets what an abandoned step (zero_grad, a failure) kept.
   if (pending_ == Pending::kNone) {
     step_chunks_ = 0;
-    chunk_grads_.assign(replicas_.size(), {});
-    chunk_exponents_.assign(replicas_.size(), std::vector<int64_t>(model_.params().size(), k::kFixedPointAllZero));
+    // The device memory stays from step to step (a step of the same batch needs the same room).
+    chunk_grads_.resize(replicas_.size());
+    chunk_kept_.assign(replicas_.size(), 0);
+    chunk_exponents_device_.resize(replicas_.size());
+    chunk_exponents_.assign(replicas_.size(), std::vector<int64_t>(model_.params().size(), kFixedPointAllZero));
     chunk_sums_.resize(replicas_.size());
     chunk_statistics_.resize(replicas_.size());
   }
@@ -212,11 +226,25 @@ void Engine::reproducible_backward(Replica& rep, size_t r, const ChunkCall& call
   const size_t numel = static_cast<size_t>(model_.num_param_elements());
   const int64_t R = micro_chunk_rows_, rows = call.input->rows();
   const uint64_t step_seed = derive_seed(config_.seed ^ kChunkStreamTag, static_cast<uint64_t>(step_count()));
-  std::vector<float>& partials = chunk_grads_[r];
-  const size_t kept = partials.size() / numel;  // micro-chunks of the step's earlier calls
+  const auto kept = static_cast<size_t>(chunk_kept_[r]);  // micro-chunks of the step's earlier calls
   const int64_t copied = call.keep_last_in_place ? std::max<int64_t>(mine - 1, 0) : mine;
-  partials.resize((kept + static_cast<size_t>(copied)) * numel);
+  Tensor& room = chunk_grads_[r];
+  const size_t held = kept + static_cast<size_t>(copied);
+  const size_t room_chunks = room.defined() ? static_cast<size_t>(room.numel()) / numel : 0;
+  if (held > room_chunks) {
+    // At least twice the room, so that a step's accumulate() calls do not copy the kept gradients at every call.
+    const size_t chunks = std::max(held, 2 * room_chunks);
+    Tensor grown = rep.ctx.alloc(DType::kF32, Shape{static_cast<int64_t>(chunks), static_cast<int64_t>(numel)});
+    if (kept > 0) rep.stream->copy(grown.raw(), room.raw(), kept * numel * sizeof(float));
+    room = std::move(grown);
+  }
+  chunk_kept_[r] = static_cast<int64_t>(held);
   std::vector<int64_t>& exponent = chunk_exponents_[r];
+  // A micro-chunk's largest exponent per parameter tensor, on the device, then read once per micro-chunk.
+  Tensor& found_device = chunk_exponents_device_[r];
+  if (!found_device.defined() || found_device.numel() != static_cast<int64_t>(params.size()))
+    found_device = rep.ctx.alloc(DType::kI64, Shape{static_cast<int64_t>(params.size())});
+  std::vector<int64_t> found(params.size());
   rep.loss_rows = 0;
   rep.loss_samples = 0;
   double loss_sum = 0.0;
@@ -246,14 +274,17 @@ void Engine::reproducible_backward(Replica& rep, size_t r, const ChunkCall& call
       loss_sum += rep.loss_sum;
       loss_rows += rep.rows;
       loss_samples += chunk_samples;
-      // Kept for the sum, but for a step's last micro-chunk, which stays in the gradients (host memory: CPU
-      // devices only).
+      // Kept for the sum, but for a step's last micro-chunk, which stays in the gradients.
       TraceSpan keep(*trace_, "micro-chunk gradient kept");
-      float* dst = c < copied ? partials.data() + (kept + static_cast<size_t>(c)) * numel : rep.model->grads();
-      if (c < copied) rep.stream->copy_to_host(dst, rep.model->grads(), numel * sizeof(float));
+      float* const grads = rep.model->grads();
+      float* dst = c < copied ? room.data<float>() + (kept + static_cast<size_t>(c)) * numel : grads;
+      if (c < copied) rep.stream->copy(dst, grads, numel * sizeof(float));
+      int64_t* const out = found_device.data<int64_t>();
       for (size_t p = 0; p < params.size(); ++p)
-        exponent[p] =
-            std::max<int64_t>(exponent[p], k::max_exponent(dst + params[p].offset, params[p].shape.numel()));
+        rep.stream->run(call::MaxExponent{TensorRef::of(out + p, {1}),
+                                          TensorRef::of(dst + params[p].offset, {params[p].shape.numel()})});
+      rep.stream->copy_to_host(found.data(), out, found.size() * sizeof(int64_t));
+      for (size_t p = 0; p < params.size(); ++p) exponent[p] = std::max(exponent[p], found[p]);
     }
   }
   rep.loss_sum = loss_sum;
@@ -266,12 +297,15 @@ void Engine::reproducible_backward(Replica& rep, size_t r, const ChunkCall& call
 void Engine::reproducible_reduce(Replica& rep, size_t r, int64_t global_chunks, int64_t samples, bool last_in_place) {
   const auto& params = model_.params();
   const size_t numel = static_cast<size_t>(model_.num_param_elements());
-  const std::vector<float>& partials = chunk_grads_[r];
-  const int64_t held = static_cast<int64_t>(partials.size() / numel) + (last_in_place ? 1 : 0);
+  const int64_t kept = chunk_kept_[r];
+  const int64_t held = kept + (last_in_place ? 1 : 0);
+  const float* const partials = kept > 0 ? chunk_grads_[r].data<float>() : nullptr;
   std::vector<int64_t>& exponent = chunk_exponents_[r];
-  std::vector<int64_t>& sum = chunk_sums_[r];
-  sum.resize(numel);
-  const int grid_bits = k::kFixedPointBits - ceil_log2(std::max<int64_t>(global_chunks, 1));
+  Tensor& sum_tensor = chunk_sums_[r];
+  if (!sum_tensor.defined() || sum_tensor.numel() != static_cast<int64_t>(numel))
+    sum_tensor = rep.ctx.alloc(DType::kI64, Shape{static_cast<int64_t>(numel)});
+  int64_t* const sum = sum_tensor.data<int64_t>();
+  const int grid_bits = kFixedPointBits - ceil_log2(std::max<int64_t>(global_chunks, 1));
   {
     TraceSpan agree(*trace_, "gradient exponents max");
     reduce_over_all(rep, exponent.data(), exponent.size(), DType::kI64, ReduceOp::kMax);
@@ -282,41 +316,44 @@ void Engine::reproducible_reduce(Replica& rep, size_t r, int64_t global_chunks, 
     for (size_t p = 0; p < params.size(); ++p) {
       const auto begin = static_cast<size_t>(params[p].offset);
       const int64_t count = params[p].shape.numel();
-      if (held == 0 || exponent[p] == k::kFixedPointAllZero || exponent[p] == k::kFixedPointNotFinite) {
-        std::fill_n(sum.data() + begin, count, int64_t{0});
+      if (held == 0 || exponent[p] == kFixedPointAllZero || exponent[p] == kFixedPointNotFinite) {
+        rep.stream->fill_zero(sum + begin, static_cast<size_t>(count) * sizeof(int64_t));
         continue;
       }
       // value * 2^(grid_bits - E) is below 2^grid_bits in magnitude: K of them stay below 2^51.
       const int down = grid_bits - static_cast<int>(exponent[p]);
       // In blocks whose sums stay in the cache while every micro-chunk is added to them.
       constexpr int64_t kBlock = 4096;
-      for (int64_t from = 0; from < count; from += kBlock)
+      for (int64_t from = 0; from < count; from += kBlock) {
+        const int64_t n = std::min(kBlock, count - from);
         for (int64_t c = 0; c < held; ++c) {
-          const float* g = static_cast<size_t>(c) * numel < partials.size()
-                               ? partials.data() + static_cast<size_t>(c) * numel
-                               : rep.model->grads();
-          k::to_grid(sum.data() + begin + from, g + begin + from, std::min(kBlock, count - from), down, c > 0);
+          const float* g = c < kept ? partials + static_cast<size_t>(c) * numel : rep.model->grads();
+          rep.stream->run(call::ToGrid{TensorRef::of(sum + begin + from, {n}), TensorRef::of(g + begin + from, {n}),
+                                       down, c > 0});
         }
+      }
     }
   }
   {
     TraceSpan exact(*trace_, "gradients exact sum", "elements", static_cast<int64_t>(numel));
-    reduce_over_all(rep, sum.data(), numel, DType::kI64, ReduceOp::kSum);
+    // Device memory, as the gradients the replicas' communicator sums in the default mode.
+    reduce_over_all(rep, sum, numel, DType::kI64, ReduceOp::kSum);
   }
-  // Back to f32, into the gradients (host memory): the exact sum (exact in double: below 2^53) times the grid
+  // Back to f32, into the gradients: the exact sum (exact in double: below 2^53) times the grid
   // step / samples (that factor rounded once, in double), rounded to f32, on every replica of every job alike.
   TraceSpan back(*trace_, "gradients from fixed point");
   float* grad = rep.model->grads();
   for (size_t p = 0; p < params.size(); ++p) {
     const auto begin = static_cast<size_t>(params[p].offset);
     const int64_t count = params[p].shape.numel();
-    if (exponent[p] == k::kFixedPointNotFinite) {
-      std::fill_n(grad + begin, count, std::numeric_limits<float>::quiet_NaN());
+    const TensorRef out = TensorRef::of(grad + begin, {count});
+    if (exponent[p] == kFixedPointNotFinite) {
+      rep.stream->run(call::Fill{out, std::numeric_limits<float>::quiet_NaN()});
       continue;
     }
     const double factor =
         samples > 0 ? std::ldexp(1.0, static_cast<int>(exponent[p]) - grid_bits) / static_cast<double>(samples) : 0.0;
-    k::from_grid(grad + begin, sum.data() + begin, count, factor);
+    rep.stream->run(call::FromGrid{out, TensorRef::of(sum + begin, {count}), factor});
   }
   rep.has_grad = true;
 }

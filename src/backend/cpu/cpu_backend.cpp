@@ -13,6 +13,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/batchnorm.h"
 #include "kernels/cpu/dnnl_ops.h"
+#include "kernels/cpu/fixed_point.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/norm_embedding.h"
@@ -154,7 +155,8 @@ class CpuStream final : public Stream {
   }
   void synchronize() override {}
 
-  // The kernels this backend has: f32 for all, and bf16 for conversions; ReLU fused into a linear layer's and a
+  // The kernels this backend has: f32 for all (the reproducible mode's fixed point among them: MaxExponent, ToGrid
+  // and FromGrid, whose dtype is their f32 side's), and bf16 for conversions; ReLU fused into a linear layer's and a
   // BatchNorm's pass (the GELU epilogue composes: Stream::run). Mixed precision's bf16 linear layers (ReLU and GELU
   // fused; the output kept in bf16 with any epilogue) where oneDNN runs bf16 natively
   // (kernels::cpu::bf16_support): elsewhere it would emulate bf16 products in f32 code, slower than f32 itself. f16
@@ -378,6 +380,26 @@ class CpuStream final : public Stream {
   void run_call(const call::PositionEmbeddingBackward& c) {
     k::position_embedding_backward(f32(c, c.dweight), f32(c, c.dout), c.dout.size(0), c.dout.size(1),
                                    c.dout.size(2), c.dweight.size(0), c.accumulate);
+  }
+  void run_call(const call::Fill& c) { k::fill(f32(c, c.x), c.value, c.x.numel()); }
+  void run_call(const call::MaxExponent& c) {
+    int64_t* out = i64(c, c.out);
+    DPAR_CHECK_ARG(c.out.numel() == 1, c.kName, ": out holds one exponent, got ", c.out.str());
+    *out = k::max_exponent(f32(c, c.x), c.x.numel());
+  }
+  void run_call(const call::ToGrid& c) {
+    same_count(c, c.sum, c.x);
+    k::to_grid(i64(c, c.sum), f32(c, c.x), c.x.numel(), c.scale_exponent, c.accumulate);
+  }
+  void run_call(const call::FromGrid& c) {
+    same_count(c, c.out, c.sum);
+    k::from_grid(f32(c, c.out), i64(c, c.sum), c.sum.numel(), c.factor);
+  }
+  // The element counts of two (n) arguments of an elementwise call whose kernel reads one count.
+  template <class C>
+  static void same_count(const C&, const TensorRef& a, const TensorRef& b) {
+    DPAR_CHECK_ARG(a.numel() == b.numel(), C::kName, ": its arguments differ in element count: ", a.str(), " and ",
+                   b.str());
   }
 
   // The bf16 linear layers' oneDNN primitives, per shape: the stream's, so that replicas share nothing; made on

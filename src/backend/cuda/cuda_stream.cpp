@@ -129,8 +129,16 @@ class CudaStream final : public Stream {
       case Op::kLinearForward:
       case Op::kLinearBackward:
       case Op::kBatchNormApply: return key.epilogue == Epilogue::kNone || key.epilogue == Epilogue::kRelu;
+      case Op::kFill:
+      case Op::kMaxExponent:
+      case Op::kToGrid:
+      case Op::kFromGrid: return false;  // lacks_why
       default: return key.epilogue == Epilogue::kNone;
     }
+  }
+  std::string lacks_why(const KernelKey& key) const override {
+    if (key.op == Op::kFill) return "the reproducible mode's fill of a non-finite gradient has no CUDA kernel yet";
+    return fixed_point_op(key.op) ? "the reproducible mode's fixed point has no CUDA kernel yet" : "";
   }
   // TF32 for f32 GEMMs through the handle's math mode (CUBLAS_TF32_TENSOR_OP_MATH) rather than a compute type per
   // call: the f32 GEMMs are cublasSgemm and cublasSgemmStridedBatched (attention's), which take no compute type, so
@@ -282,6 +290,19 @@ class CudaStream final : public Stream {
   }
   void run_call(const call::Axpy& c) { k::axpy(f32(c, c.y), f32(c, c.x), c.a, c.y.numel(), stream_); }
   void run_call(const call::Scale& c) { k::scale(f32(c, c.x), c.a, c.x.numel(), stream_); }
+  // The reproducible mode's kernels (its exact sums, and the NaN it writes over a gradient that held a NaN or an
+  // infinity): not built for CUDA yet. supports() says so, so Stream::run refuses them before they reach here.
+  static bool fixed_point_op(Op op) {
+    return op == Op::kFill || op == Op::kMaxExponent || op == Op::kToGrid || op == Op::kFromGrid;
+  }
+  template <class C>
+  [[noreturn]] void not_built_here(const C&) const {
+    fail(Status::kInternal, C::kName, " on ", device().str(), ": this backend has no such kernel (supports() says so)");
+  }
+  void run_call(const call::Fill& c) { not_built_here(c); }
+  void run_call(const call::MaxExponent& c) { not_built_here(c); }
+  void run_call(const call::ToGrid& c) { not_built_here(c); }
+  void run_call(const call::FromGrid& c) { not_built_here(c); }
   void run_call(const call::Convert& c) {
     if (c.dst.dtype == c.dtype())
       k::to_low(c.dtype(), low(c, c.dst), f32(c, c.src), c.src.numel(), stream_);

@@ -5,14 +5,15 @@
 
 #include <cstdint>
 
+#include "common/fixed_point.h"
+
 namespace dpar::kernels::cpu {
 
-// What max_exponent returns for values that are all zero, and for values holding a NaN or an infinity.
-constexpr int kFixedPointAllZero = -100000;
-constexpr int kFixedPointNotFinite = 100000;
-// The magnitude that a value on the grid and any sum of values on it stay below: 2^51, so that rounding to the grid
-// is one exact double addition (ties to even) and a sum converts to double exactly.
-constexpr int kFixedPointBits = 51;
+// The sentinels of max_exponent and the grid's width (common/fixed_point.h, shared with the engine and the other
+// backends).
+using ::dpar::kFixedPointAllZero;
+using ::dpar::kFixedPointBits;
+using ::dpar::kFixedPointNotFinite;
 
 // An e with |x[i]| < 2^e for every i: frexp's exponent of the largest magnitude (-125 where it is subnormal);
 // kFixedPointAllZero for all zeros (or n == 0), kFixedPointNotFinite if any value is a NaN or an infinity.  x (n)

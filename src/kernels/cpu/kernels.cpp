@@ -659,6 +659,12 @@ void scale(float* x, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] * a;
 }
 
+// x (n)
+void fill(float* x, float value, int64_t n) {
+  check_count(n);
+  for (int64_t i = 0; i < n; ++i) x[i] = value;
+}
+
 namespace {
 // Independent lanes: the loop vectorises without reordering any lane's additions.
 DPAR_VECTOR_LOOP double sum_squares_loop(const float* x, int64_t n) {

@@ -176,6 +176,8 @@ void adam_step(float* param, float* exp_avg, float* exp_avg_sq, const float* gra
 void axpy(float* y, const float* x, float a, int64_t n);
 // x *= a.  x (n)
 void scale(float* x, float a, int64_t n);
+// x[i] = value.  x (n)
+void fill(float* x, float value, int64_t n);
 // The sum of x[i]^2, in double (each square is exact there): lane l (l < kSumSquaresLanes) adds the elements
 // i = l mod kSumSquaresLanes in index order, then the lanes are added in a fixed pairwise tree. The order does not
 // depend on the machine, so every call gives the same bits.  x (n)
