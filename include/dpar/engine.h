@@ -490,11 +490,12 @@ DPAR_API dpar_status dpar_engine_get_buffer(void *dst, dpar_engine *engine, size
  * memory_allocated and max_memory_allocated, for CPU and CUDA devices alike).
  * What is counted is dpar's own tensors on that device: parameters, gradients, the optimizer's state, activations
  * kept for backward, and scratch buffers; not the workspaces oneDNN, cuBLAS, cuDNN or NCCL allocate for
- * themselves, not memory the caller lends (dpar_tensor_wrap_host(), dpar_tensor_from_dlpack()), and not the host
- * memory dpar uses beside a GPU. The count is the device's, not the engine's: replicas or engines that share a device (two engines
- * on cpu:0) count together, and each replica of a CPU engine has a virtual device of its own (cpu:0, cpu:1, ...),
+ * themselves, not memory the caller lends (dpar_tensor_wrap_host(), dpar_tensor_from_dlpack()), and not the pinned
+ * host buffers a GPU's copies go through. The count is the device's, not the engine's: replicas or engines that
+ * share a device (two engines on cpu:0, two replicas on one GPU) count together, with any tensor the caller made
+ * there (dpar_tensor_create()); each replica of a CPU engine has a virtual device of its own (cpu:0, cpu:1, ...),
  * counted apart. The peak runs from the process's start or the device's last dpar_engine_reset_peak_memory(), as
- * torch's does: creating an engine resets no peak (it would reset other engines' on that device), so reset it
+ * torch's does: creating an engine resets no peak (that would reset other engines' on the device), so reset it
  * before the stretch to measure. With several processes, @p replica is one of this process's replicas. Figures
  * read while a call runs on another thread are a moment's.
  * @param allocated_bytes Receives the bytes held now; may be NULL.
