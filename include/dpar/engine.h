@@ -496,8 +496,9 @@ DPAR_API dpar_status dpar_engine_get_buffer(void *dst, dpar_engine *engine, size
  * there (dpar_tensor_create()); each replica of a CPU engine has a virtual device of its own (cpu:0, cpu:1, ...),
  * counted apart. The peak runs from the process's start or the device's last dpar_engine_reset_peak_memory(), as
  * torch's does: creating an engine resets no peak (that would reset other engines' on the device), so reset it
- * before the stretch to measure. With several processes, @p replica is one of this process's replicas. Figures
- * read while a call runs on another thread are a moment's.
+ * before the stretch to measure. With several processes, @p replica is one of this process's replicas. Like every
+ * engine call it waits for a call in flight on the same engine; read while another engine on the device runs, the
+ * figures are a moment's.
  * @param allocated_bytes Receives the bytes held now; may be NULL.
  * @param peak_bytes Receives the peak; may be NULL. Not both NULL.
  * @param replica Below dpar_engine_num_replicas().
