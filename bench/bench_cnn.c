@@ -12,7 +12,9 @@
  * then at least 10 steps and S seconds), then runs `PYTHON bench/torch_anchor.py --cpu-model cnn --cpu-threads 1,2`
  * (the same module, BatchNorm in training mode, Adam fused) in a process of its own. Figures are medians over rounds
  * of each block's median step; the ratios are dpar's samples/s over PyTorch's at equal cores (1 device : 1 thread,
- * 2 devices : 2 threads). The aim: dpar on 2 devices ahead of PyTorch on 2 threads. Never a test.
+ * 2 devices : 2 threads). The aim: dpar on 2 devices ahead of PyTorch on 2 threads. Under the table, what each
+ * replica's device held after the last round's timed steps and its peak during them (dpar_engine_memory_stats), so
+ * that --precision f32 and bf16 runs show what the policy keeps. Never a test.
  *
  * --device cuda times dpar with one replica on cuda:0 (cuDNN's convolutions and pooling, dpar's BatchNorm kernels)
  * beside PyTorch's eager step on the same GPU (`--anchor-device cuda`: cuDNN in FP32 with its autotuner on, a
@@ -23,6 +25,7 @@
 #include <string.h>
 
 #include "bench_check.h"
+#include "bench_memory.h"
 #include "bench_util.h"
 #include "dpar.h"
 #include "fashion_cnn.h"
@@ -34,13 +37,13 @@
 enum { kData = 4, kMaxRounds = 64 };
 
 /* The median step time in seconds of `devices` CPU devices (or, with cuda, one replica on cuda:0) over at least 10
- * steps and `seconds`. */
+ * steps and `seconds`; what the replicas held into `memory`. */
 /* --reproducible ROWS: dpar's engines run in the reproducible mode with micro-chunks of ROWS rows (0: the default
  * mode); PyTorch's step is the same either way, so two invocations give the mode's cost beside the default. */
 static int64_t reproducible_rows = 0;
 
 static double time_dpar(const dpar_model *model, int cuda, size_t devices, dpar_tensor **x, dpar_tensor **y,
-                        double seconds, int bf16) {
+                        double seconds, int bf16, bench_memory *memory) {
   dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
   oo.kind = DPAR_ADAM;
   oo.lr = 1e-3f;
@@ -60,6 +63,7 @@ static double time_dpar(const dpar_model *model, int cuda, size_t devices, dpar_
   if (reproducible_rows > 0) CHECK(dpar_engine_set_reproducible(e, reproducible_rows));
   float loss = 0.0f;
   for (int i = 0; i < 3; ++i) CHECK(dpar_engine_train_step(&loss, e, x[i % kData], y[i % kData]));
+  bench_memory_reset(e);
   double times[4096];
   size_t n = 0;
   const double start = bench_now();
@@ -70,6 +74,7 @@ static double time_dpar(const dpar_model *model, int cuda, size_t devices, dpar_
     times[n++] = t1 - t0;
     if ((n >= 10 && t1 - start >= seconds) || n == sizeof times / sizeof *times) break;
   }
+  bench_memory_read(memory, e);
   dpar_engine_free(e);
   return bench_median(times, n);
 }
@@ -167,13 +172,15 @@ int main(int argc, char **argv) {
   }
   free(xv);
   free(yv);
+  const double batch_bytes = (double)kData * (double)batch * (784.0 * 4.0 + 4.0);
 
   double m[kMaxRounds][4]; /* dpar 1, dpar 2, torch 1, torch 2: seconds per step */
   char version[1024] = "";
   int have_torch = 1;
+  bench_memory memory[2] = {{0}, {0}}; /* dpar 1 and 2 devices (or cuda:0), the last round's */
   for (int r = 0; r < rounds; ++r) {
-    m[r][0] = time_dpar(model, cuda, 1, x, y, seconds, bf16);
-    m[r][1] = cuda ? 0 : time_dpar(model, 0, 2, x, y, seconds, bf16);
+    m[r][0] = time_dpar(model, cuda, 1, x, y, seconds, bf16, &memory[0]);
+    m[r][1] = cuda ? 0 : time_dpar(model, 0, 2, x, y, seconds, bf16, &memory[1]);
     double t[2] = {0, 0};
     if (have_torch && time_torch(python, model_kind, cuda, batch, seconds, bf16, t, version, sizeof version) < (cuda ? 1 : 2)) {
       printf("    PyTorch did not run (%s): its columns stay empty; give a Python with torch: --torch PYTHON\n",
@@ -202,6 +209,10 @@ int main(int argc, char **argv) {
     printf("    %-20s | %10.3f | %10.0f | %.2fx PyTorch\n", "dpar, cuda:0", med[0] * 1e3, batch / med[0],
            med[2] > 0 ? med[2] / med[0] : 0);
     printf("    %-20s | %10.3f | %10.0f |\n", "PyTorch, cuda:0", med[2] * 1e3, med[2] > 0 ? batch / med[2] : 0);
+    printf("\n");
+    bench_memory_print("dpar, cuda:0", &memory[0]);
+    printf("    (%s; cuda:0 also holds the %d input and %d target batches: %.3f MiB)\n", bf16 ? "bf16" : "f32",
+           kData, kData, batch_bytes / 1048576.0);
     for (int d = 0; d < kData; ++d) dpar_tensor_free(x[d]), dpar_tensor_free(y[d]);
     dpar_model_free(model);
     return 0;
@@ -215,6 +226,10 @@ int main(int argc, char **argv) {
   }
   if (med[2] > 0) printf("    dpar 2 devices over dpar 1: %.2fx; PyTorch 2 threads over 1: %.2fx\n", med[0] / med[1],
                          med[2] / med[3]);
+  printf("\n");
+  for (int c = 0; c < 2; ++c) bench_memory_print(names[c], &memory[c]);
+  printf("    (%s; replica 0's device, cpu:0, also holds the %d input and %d target batches: %.3f MiB)\n",
+         bf16 ? "bf16" : "f32", kData, kData, batch_bytes / 1048576.0);
   for (int d = 0; d < kData; ++d) dpar_tensor_free(x[d]), dpar_tensor_free(y[d]);
   dpar_model_free(model);
   return 0;

@@ -11,13 +11,16 @@
  * at least 5 steps and S seconds), then runs `PYTHON bench/gpt_anchor.py --threads 1,2` (the same module in PyTorch,
  * its SDPA, AdamW foreach, clip_grad_norm_) in a process of its own. Figures are medians over rounds of each block's
  * median step; the ratios are dpar's tokens/s over PyTorch's at equal cores (1 device : 1 thread, 2 devices : 2
- * threads). The aim: dpar on 2 devices ahead of PyTorch on 2 threads. Never a test. */
+ * threads). The aim: dpar on 2 devices ahead of PyTorch on 2 threads. Under the table, what each replica's device
+ * held after the last round's timed steps and its peak during them (dpar_engine_memory_stats), so that --precision
+ * f32 and bf16 runs show what the policy keeps. Never a test. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bench_check.h"
+#include "bench_memory.h"
 #include "bench_util.h"
 #include "char_gpt.h"
 #include "dpar.h"
@@ -28,13 +31,14 @@
 
 enum { kData = 4, kMaxRounds = 64 };
 
-/* The median step time in seconds of `devices` CPU devices over at least 5 steps and `seconds`. */
+/* The median step time in seconds of `devices` CPU devices over at least 5 steps and `seconds`; what the replicas
+ * held into `memory`. */
 /* --reproducible ROWS: dpar's engines run in the reproducible mode with micro-chunks of ROWS rows (0: the default
  * mode); PyTorch's step is the same either way, so two invocations give the mode's cost beside the default. */
 static int64_t reproducible_rows = 0;
 
 static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x, dpar_tensor **y, double seconds,
-                        int bf16) {
+                        int bf16, bench_memory *memory) {
   dpar_optimizer_options oo = DPAR_OPTIMIZER_OPTIONS_INIT;
   oo.kind = DPAR_ADAMW;
   oo.lr = 1e-3f;
@@ -51,6 +55,7 @@ static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x
   if (reproducible_rows > 0) CHECK(dpar_engine_set_reproducible(e, reproducible_rows));
   float loss = 0.0f;
   for (int i = 0; i < 3; ++i) CHECK(dpar_engine_train_step(&loss, e, x[i % kData], y[i % kData]));
+  bench_memory_reset(e);
   double times[4096];
   size_t n = 0;
   const double start = bench_now();
@@ -61,6 +66,7 @@ static double time_dpar(const dpar_model *model, size_t devices, dpar_tensor **x
     times[n++] = t1 - t0;
     if ((n >= 5 && t1 - start >= seconds) || n == sizeof times / sizeof *times) break;
   }
+  bench_memory_read(memory, e);
   dpar_engine_free(e);
   return bench_median(times, n);
 }
@@ -169,9 +175,10 @@ int main(int argc, char **argv) {
   double m[kMaxRounds][4]; /* dpar 1, dpar 2, torch 1, torch 2: seconds per step */
   char version[1024] = "";
   int have_torch = 1;
+  bench_memory memory[2] = {{0}, {0}}; /* dpar 1 and 2 devices, the last round's */
   for (int r = 0; r < rounds; ++r) {
-    m[r][0] = time_dpar(model, 1, x, y, seconds, bf16);
-    m[r][1] = time_dpar(model, 2, x, y, seconds, bf16);
+    m[r][0] = time_dpar(model, 1, x, y, seconds, bf16, &memory[0]);
+    m[r][1] = time_dpar(model, 2, x, y, seconds, bf16, &memory[1]);
     double t[2] = {0, 0};
     if (have_torch && time_torch(python, &cfg, batch, seconds, bf16, t, version, sizeof version) < 2) {
       printf("    PyTorch did not run (%s): its columns stay empty; give a Python with torch: --torch PYTHON\n",
@@ -200,6 +207,10 @@ int main(int argc, char **argv) {
   }
   if (med[2] > 0)
     printf("    dpar 2 devices over dpar 1: %.2fx; PyTorch 2 threads over 1: %.2fx\n", med[0] / med[1], med[2] / med[3]);
+  printf("\n");
+  for (int c = 0; c < 2; ++c) bench_memory_print(names[c], &memory[c]);
+  printf("    (%s; replica 0's device, cpu:0, also holds the %d input and %d target batches: %.3f MiB)\n",
+         bf16 ? "bf16" : "f32", kData, kData, (double)(2 * kData) * (double)n * 4.0 / 1048576.0);
   for (int d = 0; d < kData; ++d) dpar_tensor_free(x[d]), dpar_tensor_free(y[d]);
   dpar_model_free(model);
   return 0;

@@ -181,6 +181,8 @@ typedef struct dpar_api_v1 {
   dpar_status (*dpar_engine_reduce_dtype)(int32_t *out, const dpar_engine *engine);
   dpar_status (*dpar_engine_set_reproducible)(dpar_engine *engine, int64_t micro_chunk_rows);
   dpar_status (*dpar_engine_reproducible)(int64_t *out, const dpar_engine *engine);
+  dpar_status (*dpar_engine_memory_stats)(int64_t *allocated_bytes, int64_t *peak_bytes, const dpar_engine *engine, size_t replica);
+  dpar_status (*dpar_engine_reset_peak_memory)(dpar_engine *engine, size_t replica);
 } dpar_api_v1;
 
 /**

@@ -486,6 +486,35 @@ DPAR_API dpar_status dpar_engine_get_buffer(void *dst, dpar_engine *engine, size
                                             size_t count);
 
 /**
+ * @brief The bytes replica @p replica's device holds now, and the most it held at once (torch.cuda's
+ * memory_allocated and max_memory_allocated, for CPU and CUDA devices alike).
+ * What is counted is dpar's own tensors on that device: parameters, gradients, the optimizer's state, activations
+ * kept for backward, and scratch buffers; not the workspaces oneDNN, cuBLAS, cuDNN or NCCL allocate for
+ * themselves, not memory the caller lends (dpar_tensor_wrap_host(), dpar_tensor_from_dlpack()), and not the pinned
+ * host buffers a GPU's copies go through. The count is the device's, not the engine's: replicas or engines that
+ * share a device (two engines on cpu:0, two replicas on one GPU) count together, with any tensor the caller made
+ * there (dpar_tensor_create()); each replica of a CPU engine has a virtual device of its own (cpu:0, cpu:1, ...),
+ * counted apart. The peak runs from the process's start or the device's last dpar_engine_reset_peak_memory(), as
+ * torch's does: creating an engine resets no peak (that would reset other engines' on the device), so reset it
+ * before the stretch to measure. With several processes, @p replica is one of this process's replicas. Like every
+ * engine call it waits for a call in flight on the same engine; read while another engine on the device runs, the
+ * figures are a moment's.
+ * @param allocated_bytes Receives the bytes held now; may be NULL.
+ * @param peak_bytes Receives the peak; may be NULL. Not both NULL.
+ * @param replica Below dpar_engine_num_replicas().
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for both pointers NULL or @p replica out of range (the message
+ * names it and the number of replicas), nothing written.
+ */
+DPAR_API dpar_status dpar_engine_memory_stats(int64_t *allocated_bytes, int64_t *peak_bytes,
+                                              const dpar_engine *engine, size_t replica);
+/**
+ * @brief Starts the peak of replica @p replica's device again from what it holds now (torch.cuda's
+ * reset_peak_memory_stats): for every replica and engine sharing that device.
+ * @return ::DPAR_OK; ::DPAR_ERR_INVALID_ARGUMENT for @p replica out of range, nothing reset.
+ */
+DPAR_API dpar_status dpar_engine_reset_peak_memory(dpar_engine *engine, size_t replica);
+
+/**
  * @brief Called by each replica, on its worker thread, after its forward: its chunk's input and output shapes.
  * Returns ::DPAR_OK, or an error status (through dpar_set_error(), with a message) that fails the engine call.
  */

@@ -162,6 +162,8 @@ const dpar_api_v1 kApiV1 = {
     &dpar_engine_reduce_dtype,
     &dpar_engine_set_reproducible,
     &dpar_engine_reproducible,
+    &dpar_engine_memory_stats,
+    &dpar_engine_reset_peak_memory,
 };
 }  // namespace
 

@@ -342,6 +342,21 @@ DPAR_API dpar_status dpar_engine_get_params(float* dst, dpar_engine* engine, siz
   });
 }
 
+DPAR_API dpar_status dpar_engine_memory_stats(int64_t* allocated_bytes, int64_t* peak_bytes,
+                                              const dpar_engine* engine, size_t replica) {
+  return with_engine(engine, [&](Engine& e) {
+    DPAR_CHECK_ARG(allocated_bytes != nullptr || peak_bytes != nullptr,
+                   "allocated_bytes and peak_bytes: output pointers are both NULL");
+    const MemoryStats stats = e.memory_stats(replica_arg(e, replica));
+    if (allocated_bytes) *allocated_bytes = stats.allocated;
+    if (peak_bytes) *peak_bytes = stats.peak;
+  });
+}
+
+DPAR_API dpar_status dpar_engine_reset_peak_memory(dpar_engine* engine, size_t replica) {
+  return with_engine(engine, [&](Engine& e) { e.reset_peak_memory(replica_arg(e, replica)); });
+}
+
 DPAR_API dpar_status dpar_engine_get_buffer(void* dst, dpar_engine* engine, size_t replica, size_t index,
                                             size_t count) {
   return with_engine(engine, [&](Engine& e) {

@@ -128,6 +128,13 @@ class Engine {
   // The bucket strategy the replicas' reducers use now ("flat", "hierarchical", "hierarchical bf16", ...).
   const char* bucket_strategy() const { return replicas_[0]->reducer->strategy().name(); }
   Device replica_device(size_t r) const { return replicas_[r]->ctx.device; }
+  // The bytes of dpar's tensors replica r's device holds now and its peak (tensor.h's memory_stats): the device's
+  // count, shared with every other replica or engine on that device. The peak runs from the process's start or the
+  // device's last reset, as torch.cuda's: creating an engine resets nothing, so that it leaves other engines'
+  // measurements alone.
+  MemoryStats memory_stats(size_t r) const { return dpar::memory_stats(replica_device(r)); }
+  // Starts replica r's device's peak again from what it holds now (for every engine on that device).
+  void reset_peak_memory(size_t r) const { dpar::reset_peak_memory(replica_device(r)); }
   const Model& model() const { return model_; }
 
   // Returns the mean loss over the batch's samples (over the global batch: every process's rows, with several

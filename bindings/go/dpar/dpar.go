@@ -1041,6 +1041,30 @@ func (e *Engine) Params(replica, count int) ([]float32, error) {
 	return out, err
 }
 
+// MemoryStats is what a replica's device holds of dpar's tensors, in bytes (Engine.MemoryStats).
+type MemoryStats struct {
+	AllocatedBytes int64 // held now
+	PeakBytes      int64 // the most held at once since the process started or the device's last reset
+}
+
+// MemoryStats is what replica `replica`'s device holds of dpar's tensors (parameters, gradients, optimizer state,
+// activations, scratch) now and at its peak (dpar_engine_memory_stats; torch.cuda's memory_allocated and
+// max_memory_allocated). The count is the device's: replicas and engines on one device count together.
+// ErrInvalidArg for a replica out of range.
+func (e *Engine) MemoryStats(replica int) (MemoryStats, error) {
+	var allocated, peak int64
+	err := e.simple(func(x raw.Struct_SS_dpar_engine) int {
+		return raw.Dpar_engine_memory_stats(unsafe.Pointer(&allocated), unsafe.Pointer(&peak), x, int64(replica))
+	})
+	return MemoryStats{AllocatedBytes: allocated, PeakBytes: peak}, err
+}
+
+// ResetPeakMemory starts the peak of replica `replica`'s device again from what it holds now, for every engine on
+// that device (dpar_engine_reset_peak_memory).
+func (e *Engine) ResetPeakMemory(replica int) error {
+	return e.simple(func(x raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_reset_peak_memory(x, int64(replica)) })
+}
+
 func (e *Engine) Save(path string) error {
 	return e.simple(func(x raw.Struct_SS_dpar_engine) int { return raw.Dpar_engine_save(x, path) })
 }

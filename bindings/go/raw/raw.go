@@ -121,19 +121,19 @@ typedef long long swig_type_89;
 typedef long long swig_type_90;
 typedef long long swig_type_91;
 typedef long long swig_type_92;
-typedef _gostring_ swig_type_93;
-typedef _gostring_ swig_type_94;
+typedef long long swig_type_93;
+typedef long long swig_type_94;
 typedef _gostring_ swig_type_95;
-typedef long long swig_type_96;
-typedef long long swig_type_97;
+typedef _gostring_ swig_type_96;
+typedef _gostring_ swig_type_97;
 typedef long long swig_type_98;
 typedef long long swig_type_99;
 typedef long long swig_type_100;
 typedef long long swig_type_101;
 typedef long long swig_type_102;
-typedef _gostring_ swig_type_103;
+typedef long long swig_type_103;
 typedef long long swig_type_104;
-typedef long long swig_type_105;
+typedef _gostring_ swig_type_105;
 typedef long long swig_type_106;
 typedef long long swig_type_107;
 typedef long long swig_type_108;
@@ -153,13 +153,15 @@ typedef long long swig_type_121;
 typedef long long swig_type_122;
 typedef long long swig_type_123;
 typedef long long swig_type_124;
-typedef _gostring_ swig_type_125;
-typedef _gostring_ swig_type_126;
-typedef long long swig_type_127;
-typedef long long swig_type_128;
+typedef long long swig_type_125;
+typedef long long swig_type_126;
+typedef _gostring_ swig_type_127;
+typedef _gostring_ swig_type_128;
 typedef long long swig_type_129;
 typedef long long swig_type_130;
 typedef long long swig_type_131;
+typedef long long swig_type_132;
+typedef long long swig_type_133;
 extern void _wrap_Swig_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_Swig_malloc_raw_9787157d5e82d198(swig_intgo arg1);
 extern swig_intgo _wrap_DPAR_VERSION_raw_9787157d5e82d198(void);
@@ -379,60 +381,62 @@ extern swig_intgo _wrap_dpar_engine_last_step_skipped_raw_9787157d5e82d198(swig_
 extern swig_intgo _wrap_dpar_engine_replica_losses_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_87 arg3);
 extern swig_intgo _wrap_dpar_engine_get_params_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_88 arg3, swig_type_89 arg4);
 extern swig_intgo _wrap_dpar_engine_get_buffer_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_90 arg3, swig_type_91 arg4, swig_type_92 arg5);
-extern swig_intgo _wrap_dpar_engine_save_raw_9787157d5e82d198(uintptr_t arg1, swig_type_93 arg2);
-extern swig_intgo _wrap_dpar_engine_load_raw_9787157d5e82d198(uintptr_t arg1, swig_type_94 arg2);
+extern swig_intgo _wrap_dpar_engine_memory_stats_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, uintptr_t arg3, swig_type_93 arg4);
+extern swig_intgo _wrap_dpar_engine_reset_peak_memory_raw_9787157d5e82d198(uintptr_t arg1, swig_type_94 arg2);
+extern swig_intgo _wrap_dpar_engine_save_raw_9787157d5e82d198(uintptr_t arg1, swig_type_95 arg2);
+extern swig_intgo _wrap_dpar_engine_load_raw_9787157d5e82d198(uintptr_t arg1, swig_type_96 arg2);
 extern swig_intgo _wrap_dpar_engine_trace_start_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(uintptr_t arg1, swig_type_95 arg2);
+extern swig_intgo _wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(uintptr_t arg1, swig_type_97 arg2);
 extern swig_intgo _wrap_DPAR_FAULT_NONE_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_FAULT_ALLOC_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_FAULT_FORWARD_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_FAULT_BACKWARD_raw_9787157d5e82d198(void);
-extern swig_intgo _wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(uintptr_t arg1, swig_type_96 arg2, swig_intgo arg3);
+extern swig_intgo _wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(uintptr_t arg1, swig_type_98 arg2, swig_intgo arg3);
 extern swig_intgo _wrap_DPAR_SUM_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_MEAN_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_MAX_raw_9787157d5e82d198(void);
 extern swig_intgo _wrap_DPAR_MIN_raw_9787157d5e82d198(void);
-extern void _wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_97 arg2);
-extern swig_type_98 _wrap_dpar_comm_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_99 arg2);
+extern swig_type_100 _wrap_dpar_comm_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_comm_options_version_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_comm_options_version_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_comm_options_timeout_seconds_set_raw_9787157d5e82d198(uintptr_t arg1, double arg2);
 extern double _wrap_dpar_comm_options_timeout_seconds_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_new_dpar_comm_options_raw_9787157d5e82d198(void);
 extern void _wrap_delete_dpar_comm_options_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_99 arg2);
+extern swig_intgo _wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_101 arg2);
 extern swig_intgo _wrap_dpar_comm_options_init_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_group_create_raw_9787157d5e82d198(swig_voidp arg1, swig_type_100 arg2, uintptr_t arg3);
+extern swig_intgo _wrap_dpar_comm_group_create_raw_9787157d5e82d198(swig_voidp arg1, swig_type_102 arg2, uintptr_t arg3);
 extern void _wrap_dpar_comm_group_free_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_group_member_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_101 arg3);
-extern swig_intgo _wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, swig_voidp arg3, swig_type_102 arg4, uintptr_t arg5);
+extern swig_intgo _wrap_dpar_comm_group_member_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_103 arg3);
+extern swig_intgo _wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, swig_voidp arg3, swig_type_104 arg4, uintptr_t arg5);
 extern swig_intgo _wrap_dpar_comm_create_mpi_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern void _wrap_dpar_comm_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_comm_info_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, uintptr_t arg3);
 extern swig_intgo _wrap_dpar_comm_device_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_comm_abort_raw_9787157d5e82d198(uintptr_t arg1, swig_type_103 arg2);
+extern swig_intgo _wrap_dpar_comm_abort_raw_9787157d5e82d198(uintptr_t arg1, swig_type_105 arg2);
 extern swig_intgo _wrap_dpar_comm_get_async_error_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_104 arg4, swig_intgo arg5, swig_intgo arg6);
-extern swig_intgo _wrap_dpar_comm_broadcast_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_105 arg3, swig_intgo arg4, swig_type_106 arg5);
-extern swig_intgo _wrap_dpar_comm_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_107 arg4, swig_intgo arg5, swig_intgo arg6, swig_type_108 arg7);
-extern swig_intgo _wrap_dpar_comm_all_gather_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_109 arg4, swig_intgo arg5);
-extern swig_intgo _wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_110 arg4, swig_intgo arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_106 arg4, swig_intgo arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_comm_broadcast_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_type_107 arg3, swig_intgo arg4, swig_type_108 arg5);
+extern swig_intgo _wrap_dpar_comm_reduce_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_109 arg4, swig_intgo arg5, swig_intgo arg6, swig_type_110 arg7);
+extern swig_intgo _wrap_dpar_comm_all_gather_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_111 arg4, swig_intgo arg5);
+extern swig_intgo _wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(uintptr_t arg1, swig_voidp arg2, swig_voidp arg3, swig_type_112 arg4, swig_intgo arg5, swig_intgo arg6);
 extern swig_intgo _wrap_dpar_comm_barrier_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_111 arg5, swig_intgo arg6, swig_intgo arg7);
-extern swig_intgo _wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_type_112 arg4, swig_intgo arg5, swig_type_113 arg6);
-extern swig_intgo _wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_114 arg5, swig_intgo arg6);
-extern swig_intgo _wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_115 arg5, swig_intgo arg6, swig_intgo arg7);
+extern swig_intgo _wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_113 arg5, swig_intgo arg6, swig_intgo arg7);
+extern swig_intgo _wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_type_114 arg4, swig_intgo arg5, swig_type_115 arg6);
+extern swig_intgo _wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_116 arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_117 arg5, swig_intgo arg6, swig_intgo arg7);
 extern swig_intgo _wrap_dpar_work_test_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_work_wait_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_work_free_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_116 arg2);
-extern swig_type_117 _wrap_dpar_reducer_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_118 arg2);
+extern swig_type_119 _wrap_dpar_reducer_options_size_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_reducer_options_version_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_reducer_options_version_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_118 arg2);
-extern swig_type_119 _wrap_dpar_reducer_options_first_bucket_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
-extern void _wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_120 arg2);
-extern swig_type_121 _wrap_dpar_reducer_options_bucket_cap_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_120 arg2);
+extern swig_type_121 _wrap_dpar_reducer_options_first_bucket_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
+extern void _wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(uintptr_t arg1, swig_type_122 arg2);
+extern swig_type_123 _wrap_dpar_reducer_options_bucket_cap_bytes_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_reducer_options_op_set_raw_9787157d5e82d198(uintptr_t arg1, swig_intgo arg2);
 extern swig_intgo _wrap_dpar_reducer_options_op_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern void _wrap_dpar_reducer_options_processes_set_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2);
@@ -441,22 +445,22 @@ extern void _wrap_dpar_reducer_options_compression_set_raw_9787157d5e82d198(uint
 extern swig_intgo _wrap_dpar_reducer_options_compression_get_raw_9787157d5e82d198(uintptr_t arg1);
 extern uintptr_t _wrap_new_dpar_reducer_options_raw_9787157d5e82d198(void);
 extern void _wrap_delete_dpar_reducer_options_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_122 arg2);
+extern swig_intgo _wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(uintptr_t arg1, swig_type_124 arg2);
 extern swig_intgo _wrap_dpar_reducer_options_init_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_reducer_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_123 arg5, uintptr_t arg6);
+extern swig_intgo _wrap_dpar_reducer_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_voidp arg3, swig_voidp arg4, swig_type_125 arg5, uintptr_t arg6);
 extern void _wrap_dpar_reducer_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_reducer_num_buckets_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(uintptr_t arg1, swig_type_124 arg2);
+extern swig_intgo _wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(uintptr_t arg1, swig_type_126 arg2);
 extern swig_intgo _wrap_dpar_reducer_wait_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(swig_voidp arg1, swig_type_125 arg2, swig_type_126 arg3);
+extern swig_intgo _wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(swig_voidp arg1, swig_type_127 arg2, swig_type_128 arg3);
 extern void _wrap_dpar_dataset_free_raw_9787157d5e82d198(uintptr_t arg1);
 extern swig_intgo _wrap_dpar_dataset_info_raw_9787157d5e82d198(swig_voidp arg1, swig_voidp arg2, swig_voidp arg3, uintptr_t arg4);
 extern swig_intgo _wrap_dpar_dataset_normalize_raw_9787157d5e82d198(uintptr_t arg1, float arg2, float arg3);
-extern swig_intgo _wrap_dpar_loader_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_127 arg3, swig_intgo arg4, swig_type_128 arg5, swig_intgo arg6);
+extern swig_intgo _wrap_dpar_loader_create_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2, swig_type_129 arg3, swig_intgo arg4, swig_type_130 arg5, swig_intgo arg6);
 extern void _wrap_dpar_loader_free_raw_9787157d5e82d198(uintptr_t arg1);
-extern swig_intgo _wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(uintptr_t arg1, swig_type_129 arg2);
+extern swig_intgo _wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(uintptr_t arg1, swig_type_131 arg2);
 extern swig_intgo _wrap_dpar_loader_num_batches_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
-extern swig_intgo _wrap_dpar_loader_shard_raw_9787157d5e82d198(uintptr_t arg1, swig_type_130 arg2, swig_type_131 arg3);
+extern swig_intgo _wrap_dpar_loader_shard_raw_9787157d5e82d198(uintptr_t arg1, swig_type_132 arg2, swig_type_133 arg3);
 extern swig_intgo _wrap_dpar_loader_to_device_raw_9787157d5e82d198(uintptr_t arg1, uintptr_t arg2);
 extern swig_intgo _wrap_dpar_loader_next_raw_9787157d5e82d198(swig_voidp arg1, uintptr_t arg2);
 extern uintptr_t _wrap_dpar_loader_inputs_raw_9787157d5e82d198(uintptr_t arg1);
@@ -2341,11 +2345,29 @@ func Dpar_engine_get_buffer(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_engine, arg
 	return swig_r
 }
 
+func Dpar_engine_memory_stats(arg1 unsafe.Pointer, arg2 unsafe.Pointer, arg3 Struct_SS_dpar_engine, arg4 int64) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := arg1
+	_swig_i_1 := arg2
+	_swig_i_2 := getSwigcptr(arg3)
+	_swig_i_3 := arg4
+	swig_r = (int)(C._wrap_dpar_engine_memory_stats_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_voidp(_swig_i_1), C.uintptr_t(_swig_i_2), C.swig_type_93(_swig_i_3)))
+	return swig_r
+}
+
+func Dpar_engine_reset_peak_memory(arg1 Struct_SS_dpar_engine, arg2 int64) (_swig_ret int) {
+	var swig_r int
+	_swig_i_0 := getSwigcptr(arg1)
+	_swig_i_1 := arg2
+	swig_r = (int)(C._wrap_dpar_engine_reset_peak_memory_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_94(_swig_i_1)))
+	return swig_r
+}
+
 func Dpar_engine_save(arg1 Struct_SS_dpar_engine, arg2 string) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_engine_save_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_93)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_engine_save_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_95)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2356,7 +2378,7 @@ func Dpar_engine_load(arg1 Struct_SS_dpar_engine, arg2 string) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_engine_load_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_94)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_engine_load_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_96)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2374,7 +2396,7 @@ func Dpar_engine_trace_stop(arg1 Struct_SS_dpar_engine, arg2 string) (_swig_ret 
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_95)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_engine_trace_stop_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_97)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2415,7 +2437,7 @@ func Dpar_engine_inject_fault(arg1 Struct_SS_dpar_engine, arg2 int64, arg3 int) 
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_96(_swig_i_1), C.swig_intgo(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_engine_inject_fault_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_98(_swig_i_1), C.swig_intgo(_swig_i_2)))
 	return swig_r
 }
 
@@ -2460,7 +2482,7 @@ func (p SwigcptrDpar_comm_options) SwigIsDpar_comm_options() {
 func (arg1 SwigcptrDpar_comm_options) SetSize(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_97(_swig_i_1))
+	C._wrap_dpar_comm_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_99(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_comm_options) GetSize() (_swig_ret int64) {
@@ -2523,7 +2545,7 @@ func Dpar_comm_options_init_sized(arg1 Dpar_comm_options, arg2 int64) (_swig_ret
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_99(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_comm_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_101(_swig_i_1)))
 	return swig_r
 }
 
@@ -2539,7 +2561,7 @@ func Dpar_comm_group_create(arg1 unsafe.Pointer, arg2 int64, arg3 Dpar_comm_opti
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
 	_swig_i_2 := getSwigcptr(arg3)
-	swig_r = (int)(C._wrap_dpar_comm_group_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_type_100(_swig_i_1), C.uintptr_t(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_comm_group_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_type_102(_swig_i_1), C.uintptr_t(_swig_i_2)))
 	return swig_r
 }
 
@@ -2553,7 +2575,7 @@ func Dpar_comm_group_member(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm_group,
 	_swig_i_0 := arg1
 	_swig_i_1 := getSwigcptr(arg2)
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_comm_group_member_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_101(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_comm_group_member_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_103(_swig_i_2)))
 	return swig_r
 }
 
@@ -2564,7 +2586,7 @@ func Dpar_comm_group_create_on_devices(arg1 unsafe.Pointer, arg2 unsafe.Pointer,
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := getSwigcptr(arg5)
-	swig_r = (int)(C._wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_102(_swig_i_3), C.uintptr_t(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_comm_group_create_on_devices_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_104(_swig_i_3), C.uintptr_t(_swig_i_4)))
 	return swig_r
 }
 
@@ -2602,7 +2624,7 @@ func Dpar_comm_abort(arg1 Struct_SS_dpar_comm, arg2 string) (_swig_ret int) {
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_comm_abort_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_103)(unsafe.Pointer(&_swig_i_1))))
+	swig_r = (int)(C._wrap_dpar_comm_abort_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), *(*C.swig_type_105)(unsafe.Pointer(&_swig_i_1))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2625,7 +2647,7 @@ func Dpar_comm_all_reduce(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 un
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_104(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_all_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_106(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2636,7 +2658,7 @@ func Dpar_comm_broadcast(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 int
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
-	swig_r = (int)(C._wrap_dpar_comm_broadcast_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_105(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_106(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_comm_broadcast_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_type_107(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_108(_swig_i_4)))
 	return swig_r
 }
 
@@ -2649,7 +2671,7 @@ func Dpar_comm_reduce(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 unsafe
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
 	_swig_i_6 := arg7
-	swig_r = (int)(C._wrap_dpar_comm_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_107(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_type_108(_swig_i_6)))
+	swig_r = (int)(C._wrap_dpar_comm_reduce_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_109(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_type_110(_swig_i_6)))
 	return swig_r
 }
 
@@ -2660,7 +2682,7 @@ func Dpar_comm_all_gather(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg3 un
 	_swig_i_2 := arg3
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
-	swig_r = (int)(C._wrap_dpar_comm_all_gather_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_109(_swig_i_3), C.swig_intgo(_swig_i_4)))
+	swig_r = (int)(C._wrap_dpar_comm_all_gather_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_111(_swig_i_3), C.swig_intgo(_swig_i_4)))
 	return swig_r
 }
 
@@ -2672,7 +2694,7 @@ func Dpar_comm_reduce_scatter(arg1 Struct_SS_dpar_comm, arg2 unsafe.Pointer, arg
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_110(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_voidp(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_112(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2692,7 +2714,7 @@ func Dpar_comm_all_reduce_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, a
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
 	_swig_i_6 := arg7
-	swig_r = (int)(C._wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_111(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
+	swig_r = (int)(C._wrap_dpar_comm_all_reduce_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_113(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
 	return swig_r
 }
 
@@ -2704,7 +2726,7 @@ func Dpar_comm_broadcast_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, ar
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_112(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_type_113(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_broadcast_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_type_114(_swig_i_3), C.swig_intgo(_swig_i_4), C.swig_type_115(_swig_i_5)))
 	return swig_r
 }
 
@@ -2716,7 +2738,7 @@ func Dpar_comm_all_gather_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, a
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_114(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_comm_all_gather_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_116(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2729,7 +2751,7 @@ func Dpar_comm_reduce_scatter_async(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_com
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
 	_swig_i_6 := arg7
-	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_115(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
+	swig_r = (int)(C._wrap_dpar_comm_reduce_scatter_async_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_117(_swig_i_4), C.swig_intgo(_swig_i_5), C.swig_intgo(_swig_i_6)))
 	return swig_r
 }
 
@@ -2765,7 +2787,7 @@ func (p SwigcptrDpar_reducer_options) SwigIsDpar_reducer_options() {
 func (arg1 SwigcptrDpar_reducer_options) SetSize(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_116(_swig_i_1))
+	C._wrap_dpar_reducer_options_size_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_118(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_reducer_options) GetSize() (_swig_ret int64) {
@@ -2791,7 +2813,7 @@ func (arg1 SwigcptrDpar_reducer_options) GetVersion() (_swig_ret uint) {
 func (arg1 SwigcptrDpar_reducer_options) SetFirst_bucket_bytes(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_118(_swig_i_1))
+	C._wrap_dpar_reducer_options_first_bucket_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_120(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_reducer_options) GetFirst_bucket_bytes() (_swig_ret int64) {
@@ -2804,7 +2826,7 @@ func (arg1 SwigcptrDpar_reducer_options) GetFirst_bucket_bytes() (_swig_ret int6
 func (arg1 SwigcptrDpar_reducer_options) SetBucket_cap_bytes(arg2 int64) {
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
-	C._wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_120(_swig_i_1))
+	C._wrap_dpar_reducer_options_bucket_cap_bytes_set_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_122(_swig_i_1))
 }
 
 func (arg1 SwigcptrDpar_reducer_options) GetBucket_cap_bytes() (_swig_ret int64) {
@@ -2888,7 +2910,7 @@ func Dpar_reducer_options_init_sized(arg1 Dpar_reducer_options, arg2 int64) (_sw
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_122(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_reducer_options_init_sized_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_124(_swig_i_1)))
 	return swig_r
 }
 
@@ -2907,7 +2929,7 @@ func Dpar_reducer_create(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_comm, arg3 uns
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := getSwigcptr(arg6)
-	swig_r = (int)(C._wrap_dpar_reducer_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_123(_swig_i_4), C.uintptr_t(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_reducer_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_voidp(_swig_i_2), C.swig_voidp(_swig_i_3), C.swig_type_125(_swig_i_4), C.uintptr_t(_swig_i_5)))
 	return swig_r
 }
 
@@ -2928,7 +2950,7 @@ func Dpar_reducer_grad_ready(arg1 Struct_SS_dpar_reducer, arg2 int64) (_swig_ret
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_124(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_reducer_grad_ready_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_126(_swig_i_1)))
 	return swig_r
 }
 
@@ -2944,7 +2966,7 @@ func Dpar_dataset_load_idx(arg1 unsafe.Pointer, arg2 string, arg3 string) (_swig
 	_swig_i_0 := arg1
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), *(*C.swig_type_125)(unsafe.Pointer(&_swig_i_1)), *(*C.swig_type_126)(unsafe.Pointer(&_swig_i_2))))
+	swig_r = (int)(C._wrap_dpar_dataset_load_idx_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), *(*C.swig_type_127)(unsafe.Pointer(&_swig_i_1)), *(*C.swig_type_128)(unsafe.Pointer(&_swig_i_2))))
 	if Swig_escape_always_false {
 		Swig_escape_val = arg2
 	}
@@ -2986,7 +3008,7 @@ func Dpar_loader_create(arg1 unsafe.Pointer, arg2 Struct_SS_dpar_dataset, arg3 i
 	_swig_i_3 := arg4
 	_swig_i_4 := arg5
 	_swig_i_5 := arg6
-	swig_r = (int)(C._wrap_dpar_loader_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_127(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_128(_swig_i_4), C.swig_intgo(_swig_i_5)))
+	swig_r = (int)(C._wrap_dpar_loader_create_raw_9787157d5e82d198(C.swig_voidp(_swig_i_0), C.uintptr_t(_swig_i_1), C.swig_type_129(_swig_i_2), C.swig_intgo(_swig_i_3), C.swig_type_130(_swig_i_4), C.swig_intgo(_swig_i_5)))
 	return swig_r
 }
 
@@ -2999,7 +3021,7 @@ func Dpar_loader_start_epoch(arg1 Struct_SS_dpar_loader, arg2 uint64) (_swig_ret
 	var swig_r int
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
-	swig_r = (int)(C._wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_129(_swig_i_1)))
+	swig_r = (int)(C._wrap_dpar_loader_start_epoch_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_131(_swig_i_1)))
 	return swig_r
 }
 
@@ -3016,7 +3038,7 @@ func Dpar_loader_shard(arg1 Struct_SS_dpar_loader, arg2 int64, arg3 int64) (_swi
 	_swig_i_0 := getSwigcptr(arg1)
 	_swig_i_1 := arg2
 	_swig_i_2 := arg3
-	swig_r = (int)(C._wrap_dpar_loader_shard_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_130(_swig_i_1), C.swig_type_131(_swig_i_2)))
+	swig_r = (int)(C._wrap_dpar_loader_shard_raw_9787157d5e82d198(C.uintptr_t(_swig_i_0), C.swig_type_132(_swig_i_1), C.swig_type_133(_swig_i_2)))
 	return swig_r
 }
 

@@ -3322,6 +3322,40 @@ intgo _wrap_dpar_engine_get_buffer_raw_9787157d5e82d198(void *_swig_go_0, struct
 }
 
 
+intgo _wrap_dpar_engine_memory_stats_raw_9787157d5e82d198(int64_t *_swig_go_0, int64_t *_swig_go_1, struct dpar_engine *_swig_go_2, long long _swig_go_3) {
+  int64_t *arg1 = (int64_t *) 0 ;
+  int64_t *arg2 = (int64_t *) 0 ;
+  dpar_engine *arg3 = (dpar_engine *) 0 ;
+  size_t arg4 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = (int64_t *)_swig_go_0; 
+  arg2 = (int64_t *)_swig_go_1; 
+  arg3 = *(dpar_engine **)&_swig_go_2; 
+  arg4 = (size_t)_swig_go_3; 
+  
+  result = (dpar_status)dpar_engine_memory_stats(arg1,arg2,(struct dpar_engine const *)arg3,arg4);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
+intgo _wrap_dpar_engine_reset_peak_memory_raw_9787157d5e82d198(struct dpar_engine *_swig_go_0, long long _swig_go_1) {
+  dpar_engine *arg1 = (dpar_engine *) 0 ;
+  size_t arg2 ;
+  dpar_status result;
+  intgo _swig_go_result;
+  
+  arg1 = *(dpar_engine **)&_swig_go_0; 
+  arg2 = (size_t)_swig_go_1; 
+  
+  result = (dpar_status)dpar_engine_reset_peak_memory(arg1,arg2);
+  _swig_go_result = result; 
+  return _swig_go_result;
+}
+
+
 intgo _wrap_dpar_engine_save_raw_9787157d5e82d198(struct dpar_engine *_swig_go_0, _gostring_ _swig_go_1) {
   dpar_engine *arg1 = (dpar_engine *) 0 ;
   char *arg2 = (char *) 0 ;

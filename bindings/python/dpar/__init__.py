@@ -982,6 +982,22 @@ class Engine(_Handle):
         _check(_raw.dpar_engine_get_params(out.ctypes.data, self._raw, replica, count))
         return out
 
+    def memory_stats(self, replica):
+        """(allocated_bytes, peak_bytes): what replica `replica`'s device holds of dpar's tensors (parameters,
+        gradients, optimizer state, activations, scratch) now, and the most it held at once since the process
+        started or the device's last reset_peak_memory (dpar_engine_memory_stats; torch.cuda's memory_allocated and
+        max_memory_allocated). The count is the device's: replicas and engines on one device count together.
+        DparError INVALID_ARGUMENT for a replica out of range."""
+        allocated, peak = _scalar(np.int64), _scalar(np.int64)
+        _check(_raw.dpar_engine_memory_stats(allocated.ctypes.data, peak.ctypes.data, self._raw,
+                                             operator.index(replica)))
+        return int(allocated[0]), int(peak[0])
+
+    def reset_peak_memory(self, replica):
+        """Starts the peak of replica `replica`'s device again from what it holds now, for every engine on that
+        device (dpar_engine_reset_peak_memory; torch.cuda.reset_peak_memory_stats)."""
+        _check(_raw.dpar_engine_reset_peak_memory(self._raw, operator.index(replica)))
+
     def buffer(self, model, replica, index):
         """A replica's buffer `index` of `model`, the model the engine was built from (for its dtype and shape)."""
         _, kind, shape = model.buffer_info(index)

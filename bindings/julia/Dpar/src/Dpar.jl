@@ -41,7 +41,7 @@ export DparError, Model, Engine, Tensor, linear!, activation!, dropout!, last_no
        param_info, get_param, set_param!, set_forward_hook!, set_lr!, set_max_grad_norm!, grad_norm, set_training!,
        set_gradient_compression!, set_gradient_reduction!, set_weight_decay_exclusion!, set_precision!, precision,
        set_reduce_dtype!, reduce_dtype,
-       set_reproducible!, reproducible,
+       set_reproducible!, reproducible, memory_stats, reset_peak_memory!,
        set_allow_tf32!, set_loss_scaling!, loss_scale, last_step_skipped, param_decays, forward, num_replicas,
        trace_start!, trace_stop!,
        ReduceOp, CommGroup, Comm, member, all_reduce!, reduce!, all_gather!, reduce_scatter!, barrier, Work,
@@ -925,6 +925,27 @@ function params(e::Engine, replica::Integer, count::Integer)
         ccall((:dpar_engine_get_params, libdpar), Int32, (Ptr{Cfloat}, Ptr{Cvoid}, Csize_t, Csize_t), vp, h, r, n)
     end
     v
+end
+
+"""`memory_stats(engine, replica)`: `(allocated_bytes=..., peak_bytes=...)`, what replica `replica`'s (from 0) device
+holds of dpar's tensors (parameters, gradients, optimizer state, activations, scratch) now, and the most it held at
+once since the process started or the device's last `reset_peak_memory!` (`dpar_engine_memory_stats`; torch.cuda's
+memory_allocated and max_memory_allocated). The count is the device's: replicas and engines on one device count
+together. `ERR_INVALID_ARGUMENT` for a replica out of range."""
+function memory_stats(e::Engine, replica::Integer)
+    a, p = Ref{Int64}(0), Ref{Int64}(0)
+    ap, pp, h, r = Base.unsafe_convert(Ptr{Int64}, a), Base.unsafe_convert(Ptr{Int64}, p), e.ptr, Csize_t(replica)
+    engine_call(e, a, p) do
+        ccall((:dpar_engine_memory_stats, libdpar), Int32, (Ptr{Int64}, Ptr{Int64}, Ptr{Cvoid}, Csize_t), ap, pp, h, r)
+    end
+    (allocated_bytes=a[], peak_bytes=p[])
+end
+
+"""`reset_peak_memory!(engine, replica)`: starts the peak of replica `replica`'s device again from what it holds now,
+for every engine on that device (`dpar_engine_reset_peak_memory`)."""
+function reset_peak_memory!(e::Engine, replica::Integer)
+    h, r = e.ptr, Csize_t(replica)
+    engine_call(() -> ccall((:dpar_engine_reset_peak_memory, libdpar), Int32, (Ptr{Cvoid}, Csize_t), h, r), e)
 end
 
 """`buffer(engine, model, replica, index)`: a replica's buffer `index` (from 0) of `model`, the model the engine was

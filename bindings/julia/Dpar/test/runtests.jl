@@ -541,6 +541,29 @@ const REFERENCE_LOSSES = get(ENV, "DPAR_REFERENCE_LOSSES",
             end
         end
     end
+    @testset "memory stats: each replica holds its parameters, the peak resets" begin
+        Dpar.Model(3) do m
+            reference_model(m)
+            n = Dpar.num_param_elements(m)
+            Dpar.Engine(m; lr=0.1, devices=2, processes=Dpar.PROCESSES_SINGLE) do e
+                x, y = reference_batch()
+                Dpar.train_step!(e, x, y)
+                for r in 0:1
+                    s = Dpar.memory_stats(e, r)
+                    @test s.allocated_bytes >= 2 * 4 * n
+                    @test s.peak_bytes >= s.allocated_bytes
+                    Dpar.reset_peak_memory!(e, r)
+                    s = Dpar.memory_stats(e, r)
+                    @test s.peak_bytes == s.allocated_bytes
+                end
+                for call in (() -> Dpar.memory_stats(e, 2), () -> Dpar.reset_peak_memory!(e, 2))
+                    err = try call(); nothing catch ex; ex end
+                    @test err isa DparError && err.status == Dpar.ERR_INVALID_ARGUMENT &&
+                          occursin("replica: 2", err.message)
+                end
+            end
+        end
+    end
     @testset "gradient clipping and the reported norm" begin
         Dpar.Model(7) do m
             reference_model(m)

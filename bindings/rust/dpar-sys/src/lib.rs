@@ -353,6 +353,8 @@ extern "C" {
     pub fn dpar_engine_replica_losses(out: *mut f32, engine: *const dpar_engine, capacity: usize) -> dpar_status;
     pub fn dpar_engine_get_params(dst: *mut f32, engine: *mut dpar_engine, replica: usize, count: usize) -> dpar_status;
     pub fn dpar_engine_get_buffer(dst: *mut c_void, engine: *mut dpar_engine, replica: usize, index: usize, count: usize) -> dpar_status;
+    pub fn dpar_engine_memory_stats(allocated_bytes: *mut i64, peak_bytes: *mut i64, engine: *const dpar_engine, replica: usize) -> dpar_status;
+    pub fn dpar_engine_reset_peak_memory(engine: *mut dpar_engine, replica: usize) -> dpar_status;
     pub fn dpar_engine_set_forward_hook(engine: *mut dpar_engine, hook: Option<dpar_forward_hook>, payload: *mut c_void, destroy: Option<dpar_destroy_fn>) -> dpar_status;
     pub fn dpar_engine_save(engine: *mut dpar_engine, path: *const c_char) -> dpar_status;
     pub fn dpar_engine_load(engine: *mut dpar_engine, path: *const c_char) -> dpar_status;

@@ -1153,6 +1153,15 @@ unsafe extern "C" fn hook_trampoline(
     })
 }
 
+/// What a replica's device holds of dpar's tensors (Engine::memory_stats), in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Held now.
+    pub allocated_bytes: i64,
+    /// The most held at once since the process started or the device's last reset.
+    pub peak_bytes: i64,
+}
+
 handle! {
     /// A DataParallel engine: one worker thread per device, each with a persistent replica.
     pub struct Engine { raw: *mut sys::dpar_engine } freed by sys::dpar_engine_free;
@@ -1399,6 +1408,21 @@ impl Engine {
             check(unsafe { sys::dpar_engine_get_buffer(v.as_mut_ptr() as *mut c_void, self.raw, replica, index, n) })?;
             Buffer::F32(v)
         })
+    }
+    /// The bytes of dpar's tensors (parameters, gradients, optimizer state, activations, scratch) that replica
+    /// `replica`'s device holds now and at most since the process started or the device's last
+    /// `reset_peak_memory` (dpar_engine_memory_stats; torch.cuda's memory_allocated and max_memory_allocated).
+    /// The device's count: replicas and engines on one device count together. INVALID_ARGUMENT for a replica out
+    /// of range.
+    pub fn memory_stats(&self, replica: usize) -> Result<MemoryStats> {
+        let (mut allocated, mut peak) = (0i64, 0i64);
+        check(unsafe { sys::dpar_engine_memory_stats(&mut allocated, &mut peak, self.raw, replica) })?;
+        Ok(MemoryStats { allocated_bytes: allocated, peak_bytes: peak })
+    }
+    /// Starts the peak of replica `replica`'s device again from what it holds now, for every engine on that device
+    /// (dpar_engine_reset_peak_memory).
+    pub fn reset_peak_memory(&self, replica: usize) -> Result<()> {
+        check(unsafe { sys::dpar_engine_reset_peak_memory(self.raw, replica) })
     }
     /// Installs a hook called by each replica after its forward with its chunk's input and output shapes, on the
     /// worker threads (concurrently); `None` removes it. An `Err` fails the engine call with its message.
@@ -2270,6 +2294,32 @@ mod tests {
         let bits = |e: &Engine, r: usize| e.params(r, n).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
         assert_ne!(bits(&e, 0), bits(&plain, 0), "the bf16 rounding changed nothing");
         assert_eq!(bits(&e, 0), bits(&e, 1), "replicas differ");
+    }
+
+    #[test]
+    fn memory_stats_count_each_replicas_parameters_and_the_peak_resets() {
+        let mut m = Model::new(3).unwrap();
+        m.linear(4, 8, true).unwrap().activation(Activation::Relu).unwrap().linear(8, 3, true).unwrap();
+        // Devices no other test uses: the tests run concurrently, and a device's count is every engine's on it.
+        let opts = EngineOptions::new().cpu_devices(256).device_ids(&[250, 251]).processes(Processes::Single);
+        let e = Engine::new(&m, &Optimizer::sgd(0.1), &opts).unwrap();
+        let x: Vec<f32> = (0..28).map(|i| ((i * 37) % 101) as f32 / 101.0 - 0.5).collect();
+        let y: Vec<i32> = (0..7).map(|r| (r % 3) as i32).collect();
+        let (x, y) = (Tensor::from_f32(&[7, 4], &x).unwrap(), Tensor::from_i32(&[7], &y).unwrap());
+        e.train_step(&x, &y).unwrap();
+        let n = m.num_param_elements().unwrap() as i64;
+        for r in 0..2 {
+            let s = e.memory_stats(r).unwrap();
+            assert!(s.allocated_bytes >= 2 * 4 * n, "replica {}: {:?}", r, s);
+            assert!(s.peak_bytes >= s.allocated_bytes, "replica {}: {:?}", r, s);
+            e.reset_peak_memory(r).unwrap();
+            let s = e.memory_stats(r).unwrap();
+            assert_eq!(s.peak_bytes, s.allocated_bytes);
+        }
+        for bad in [e.memory_stats(2).err().unwrap(), e.reset_peak_memory(2).err().unwrap()] {
+            assert_eq!(bad.status(), status::INVALID_ARGUMENT);
+            assert!(bad.message().contains("replica: 2"), "{}", bad);
+        }
     }
 
     #[test]
