@@ -44,6 +44,16 @@ Model gelu_mlp() {
   return m;
 }
 
+// A transformer block's MLP half as nanoGPT's, without the residual: LayerNorm, then the GELU MLP.
+Model normed_gelu_mlp() {
+  Model m(5);
+  m.add(make_layernorm(kIn, 1e-5f, true));
+  m.add(make_linear(kIn, kHidden, true));
+  m.add(make_activation(Activation::kGelu));
+  m.add(make_linear(kHidden, kOut, true));
+  return m;
+}
+
 // One forward and backward of a fresh replica of `model` in `dtype`: what they allocate and keep.
 Held forward_backward(DType dtype, size_t* rounded, const Model& model = mlp()) {
   Standalone s;
@@ -115,6 +125,28 @@ TEST(ActivationMemory, Bf16KeepsTheGeluMlpsHiddenActivationsInBf16) {
               static_cast<long long>(kIn), static_cast<long long>(kHidden), static_cast<long long>(kOut),
               static_cast<long long>(kRows), static_cast<long long>(f32.step), static_cast<long long>(bf16.step),
               static_cast<long long>(before));
+}
+
+// A LayerNorm read only by a linear layer writes its output in bf16 (computed in f32, rounded once, as the linear
+// layer would round it): the f32 output and the linear layer's bf16 copy of it give way to one bf16 buffer.
+TEST(ActivationMemory, Bf16KeepsALayerNormsOutputInBf16WhereOnlyALinearLayerReadsIt) {
+  const char* why = "";
+  if (!kernels::cpu::bf16_support(&why)) GTEST_SKIP() << "no bf16 here: " << why;
+  size_t rounded_f32 = 0, rounded_bf16 = 0;
+  const Held f32 = forward_backward(DType::kF32, &rounded_f32, normed_gelu_mlp());
+  const Held bf16 = forward_backward(DType::kBF16, &rounded_bf16, normed_gelu_mlp());
+  EXPECT_EQ(rounded_f32, 0u);
+  EXPECT_EQ(rounded_bf16, 2u);  // the LayerNorm's output and the GELU's
+  // Against f32: the rounded gradient's buffer added; half of the LayerNorm's output, of the pre-activation and of
+  // the GELU's output saved; no input copy for the first linear layer (its input arrives rounded).
+  const int64_t gradient_room = kRows * kHidden * 2;
+  const int64_t saved = kRows * kIn * 2 + 2 * kRows * kHidden * 2;
+  EXPECT_EQ(bf16.step - f32.step, gradient_room - saved) << "f32 " << f32.step << " B, bf16 " << bf16.step << " B";
+  EXPECT_LT(bf16.step, f32.step);
+  std::printf("activation memory per replica, LayerNorm + GELU MLP %lld-%lld-%lld at %lld rows: f32 %lld B, bf16 "
+              "%lld B\n",
+              static_cast<long long>(kIn), static_cast<long long>(kHidden), static_cast<long long>(kOut),
+              static_cast<long long>(kRows), static_cast<long long>(f32.step), static_cast<long long>(bf16.step));
 }
 
 TEST(ActivationMemory, FusedLayersKeepNoOutputOfTheirOwn) {

@@ -378,6 +378,36 @@ TEST(Bf16Linear, RoundedGeluOutputRunsOnTheRoundedPreActivation) {
   }
 }
 
+// A LayerNorm whose output only bf16 linear layers read writes it rounded: the f32 output rounded once, bit for bit,
+// and the same saved mean and rstd (its backward reads those and the input, not the output).
+TEST(Bf16LayerNorm, RoundedOutputIsTheF32OutputRoundedOnce) {
+  auto stream = cpu_backend().open_stream(Device{});
+  const int64_t N = 23, D = 96;
+  for (bool affine : {true, false}) {
+    SCOPED_TRACE(affine ? "affine" : "no affine");
+    const Vec x = randn(static_cast<size_t>(N * D), 500, 3.0f);
+    const Vec w = randn(static_cast<size_t>(D), 501), b = randn(static_cast<size_t>(D), 502);
+    Vec out(x.size());
+    Bits rounded(x.size(), 0xFFFF);
+    std::vector<double> saved(static_cast<size_t>(2 * N)), saved_rounded(saved.size(), -1.0);
+    auto f64 = [](double* p, int64_t n) { return TensorRef::contiguous(p, DType::kF64, &n, 1); };
+    call::LayerNormForward f{ref(out.data(), {N, D}), f64(saved.data(), 2 * N), ref(x.data(), {N, D}),
+                             affine ? ref(w.data(), {D}) : TensorRef{}, affine ? ref(b.data(), {D}) : TensorRef{}};
+    stream->run(f);
+    f.out = ref(rounded.data(), {N, D});
+    f.mean_rstd = f64(saved_rounded.data(), 2 * N);
+    ASSERT_TRUE(stream->can_run(key_of(f))) << key_of(f).str();
+    EXPECT_EQ(key_of(f).str(), "layernorm_forward (f32, bf16 out)");
+    stream->run(f);
+    EXPECT_EQ(saved, saved_rounded);
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(rounded[i], to_bf16(out[i])) << "element " << i;
+  }
+  // Only f32 in, bf16 out: no bf16 LayerNorm, and no f16 output here.
+  EXPECT_FALSE(stream->can_run({Op::kLayerNormForward, DType::kBF16, Epilogue::kNone}));
+  EXPECT_FALSE(stream->can_run({Op::kLayerNormForward, DType::kF32, Epilogue::kNone, DType::kF16}));
+  EXPECT_FALSE(stream->can_run({Op::kLayerNormBackward, DType::kF32, Epilogue::kNone, DType::kBF16}));
+}
+
 // The primitives are kept per shape: a second call of a shape creates none, and they are oneDNN's native bf16
 // kernels (brgemm on AVX512-BF16 or AMX), not its reference code.
 TEST(Bf16Linear, GemmKeepsOnePrimitivePerShapeAndRunsNativeKernels) {

@@ -199,11 +199,14 @@ struct BatchNormBackwardApply {
   DType dtype() const { return x.dtype; }
 };
 // LayerNorm over the last dimension of x (*,D): out (*,D), mean_rstd (f64, 2 x rows), weight, bias (D) or absent.
+// Out rounded (out bf16, x f32): the f32 output rounded once, for a LayerNorm whose output only bf16 linear layers
+// read (autocast runs layer_norm in f32 and the linear layers round its output: the same bits, without an f32 copy).
 struct LayerNormForward {
   static constexpr const char* kName = "layernorm_forward";
   TensorRef out, mean_rstd, x, weight, bias;
   float eps = 1e-5f;
   DType dtype() const { return x.dtype; }
+  DType out_dtype() const { return out.defined() ? out.dtype : DType::kF32; }
 };
 struct LayerNormBackward {
   static constexpr const char* kName = "layernorm_backward";

@@ -149,9 +149,10 @@ class Layer {
   // rounded, the same bits it would have rounded itself.
   //  - Whether the layer's products read its one input only in the compute dtype (forward and backward both).
   virtual bool reads_rounded_input() const { return false; }
-  //  - The kernels with which the layer, with `epilogue`, writes its output in the compute dtype (the f32 result,
-  //    epilogue included, rounded once) and runs its backward on that rounded output; empty where it cannot.
-  virtual std::vector<KernelKey> rounded_output_kernels(Epilogue /*epilogue*/) const { return {}; }
+  //  - The kernels with which the layer, with `epilogue`, writes its output in `dtype` (the model's compute dtype:
+  //    the f32 result, epilogue included, rounded once) and runs its backward on that rounded output; empty where
+  //    it cannot. A layer that computes in f32 itself (LayerNorm) may still write its output rounded.
+  virtual std::vector<KernelKey> rounded_output_kernels(Epilogue /*epilogue*/, DType /*dtype*/) const { return {}; }
 
   // ---- Layers of several inputs (attention reads q, k and v) --------------------------------------------------
   // The node's inputs, in order, are the layer's; a layer of one input needs none of these. The graph calls them

@@ -79,8 +79,8 @@ class Linear final : public Layer {
   // rounded pre-activation (kept for backward in bf16 too), as autocast's linear followed by GELU.
   bool autocasts() const override { return true; }
   bool reads_rounded_input() const override { return compute_dtype_ != DType::kF32; }
-  std::vector<KernelKey> rounded_output_kernels(Epilogue epilogue) const override {
-    if (compute_dtype_ == DType::kF32) return {};
+  std::vector<KernelKey> rounded_output_kernels(Epilogue epilogue, DType dtype) const override {
+    if (compute_dtype_ == DType::kF32 || dtype != compute_dtype_) return {};
     // Backward reads the output for the ReLU's mask, and a GELU's pre-activation, kept rounded with the output.
     return {{Op::kLinearForward, compute_dtype_, epilogue, compute_dtype_},
             {Op::kLinearBackward, compute_dtype_, epilogue,

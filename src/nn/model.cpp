@@ -118,7 +118,8 @@ std::vector<DType> ReplicaModel::plan_rounded_outputs(const Stream& stream) cons
     const bool closes_pair = i > 0 && fused_away(i - 1);
     const Layer& writer = *nodes_[closes_pair ? i - 1 : i].layer;
     if (!closes_pair && nodes_[i].inputs.size() != 1) continue;
-    const std::vector<KernelKey> keys = writer.rounded_output_kernels(closes_pair ? epilogue_[i - 1] : Epilogue::kNone);
+    const std::vector<KernelKey> keys =
+        writer.rounded_output_kernels(closes_pair ? epilogue_[i - 1] : Epilogue::kNone, compute_dtype_);
     const bool runnable = !keys.empty() && std::all_of(keys.begin(), keys.end(),
                                                        [&](const KernelKey& k) { return stream.can_run(k); });
     if (runnable) dtypes[i] = compute_dtype_;

@@ -31,6 +31,12 @@ class LayerNorm final : public Layer {
   std::vector<KernelKey> kernels(Epilogue) const override {
     return {{Op::kLayerNormForward}, {Op::kLayerNormBackward}};
   }
+  // In f32 always (autocast's fp32 list); its output may be kept rounded where only bf16 linear layers read it
+  // (a transformer block's ln_1 and ln_2): backward reads the input and the saved mean and rstd, not the output.
+  std::vector<KernelKey> rounded_output_kernels(Epilogue epilogue, DType dtype) const override {
+    if (epilogue != Epilogue::kNone || dtype == DType::kF32) return {};
+    return {{Op::kLayerNormForward, DType::kF32, Epilogue::kNone, dtype}};
+  }
 
   // in (B,...,D) read as (N,D), out likewise
   void forward(const ReplicaContext& ctx, const Tensor& in, const Tensor& out) override {

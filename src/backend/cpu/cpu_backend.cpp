@@ -162,8 +162,9 @@ class CpuStream final : public Stream {
   // (kernels::cpu::bf16_support): elsewhere it would emulate bf16 products in f32 code, slower than f32 itself. f16
   // only for conversions: oneDNN 2.6 has no f16 GEMM or convolution on CPUs (kernels::cpu::f16_unsupported_why).
   bool supports(const KernelKey& key) const override {
-    if (key.out != DType::kF32) {  // a bf16 linear layer's output kept in bf16 (oneDNN's bf16 destination)
+    if (key.out != DType::kF32) {  // an output kept in bf16: a bf16 linear layer's (oneDNN's bf16 destination)
       const bool linear = key.op == Op::kLinearForward || key.op == Op::kLinearBackward;
+      if (key.op == Op::kLayerNormForward) return key.dtype == DType::kF32 && key.out == DType::kBF16;  // or LN's
       return linear && key.dtype == DType::kBF16 && key.out == DType::kBF16 && k::bf16_support(nullptr);
     }
     if (key.dtype == DType::kF16) return key.op == Op::kConvert;
@@ -358,6 +359,9 @@ class CpuStream final : public Stream {
                                 c.x.size(0), c.x.size(1), c.x.size(2), c.accumulate);
   }
   void run_call(const call::LayerNormForward& c) {
+    if (c.out_dtype() == DType::kBF16)
+      return k::layernorm_forward_rounded(bf16(c, c.out), f64(c, c.mean_rstd), f32(c, c.x), f32(c, c.weight),
+                                          f32(c, c.bias), c.x.leading(), c.x.size(-1), c.eps);
     k::layernorm_forward(f32(c, c.out), f64(c, c.mean_rstd), f32(c, c.x), f32(c, c.weight), f32(c, c.bias),
                          c.x.leading(), c.x.size(-1), c.eps);
   }

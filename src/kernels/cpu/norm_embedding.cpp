@@ -4,15 +4,21 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/bf16.h"
 #include "common/error.h"
 
 namespace dpar::kernels::cpu {
 
-void layernorm_forward(float* out, double* mean_rstd, const float* x, const float* weight, const float* bias,
-                       int64_t N, int64_t D, float eps) {
+namespace {
+inline void store(float* p, float v) { *p = v; }
+inline void store(uint16_t* p, float v) { *p = dpar::to_bf16(v); }
+
+template <class Out>
+void layernorm_forward_of(Out* out, double* mean_rstd, const float* x, const float* weight, const float* bias,
+                          int64_t N, int64_t D, float eps) {
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * D;
-    float* yr = out + n * D;
+    Out* yr = out + n * D;
     // Two passes in double: the mean, then the centred squares (no cancellation for rows far from zero).
     double sum = 0.0;
     for (int64_t d = 0; d < D; ++d) sum += xr[d];
@@ -28,9 +34,20 @@ void layernorm_forward(float* out, double* mean_rstd, const float* x, const floa
     for (int64_t d = 0; d < D; ++d) {
       double y = (xr[d] - mean) * rstd;
       if (weight) y = y * weight[d] + bias[d];
-      yr[d] = static_cast<float>(y);
+      store(yr + d, static_cast<float>(y));
     }
   }
+}
+}  // namespace
+
+void layernorm_forward(float* out, double* mean_rstd, const float* x, const float* weight, const float* bias,
+                       int64_t N, int64_t D, float eps) {
+  layernorm_forward_of(out, mean_rstd, x, weight, bias, N, D, eps);
+}
+
+void layernorm_forward_rounded(uint16_t* out, double* mean_rstd, const float* x, const float* weight,
+                               const float* bias, int64_t N, int64_t D, float eps) {
+  layernorm_forward_of(out, mean_rstd, x, weight, bias, N, D, eps);
 }
 
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* x,

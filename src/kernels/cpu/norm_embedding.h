@@ -10,6 +10,10 @@ namespace dpar::kernels::cpu {
 // mean_rstd (2,N): per row its mean, then its rstd, kept for backward.
 void layernorm_forward(float* out, double* mean_rstd, const float* x, const float* weight, const float* bias,
                        int64_t N, int64_t D, float eps);
+// The same with out (N,D) bf16: each f32 result above rounded once to bf16 (what a bf16 linear layer reading the
+// f32 output would round it to), for a LayerNorm whose output only such layers read.
+void layernorm_forward_rounded(uint16_t* out, double* mean_rstd, const float* x, const float* weight,
+                               const float* bias, int64_t N, int64_t D, float eps);
 
 // dinp (N,D) (or null) = rstd * (g - mean(g) - x̂ * mean(g * x̂)) per row with g = dout * weight and
 // x̂ = (x - mean) * rstd; dweight = Σ_rows dout * x̂, dbias = Σ_rows dout, both (D) or null (overwritten, or added
