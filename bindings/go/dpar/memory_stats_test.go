@@ -9,20 +9,8 @@ import (
 // What each replica's device holds after a step: at least its parameters and gradients, a peak no lower, a reset
 // peak at what is held; a replica out of range refused by value.
 func TestMemoryStats(t *testing.T) {
-	m, err := NewModel(3)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := smallMLP(t)
 	defer m.Close()
-	if err := m.Linear(6, 8, true); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Activation(ReLU); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Linear(8, 3, true); err != nil {
-		t.Fatal(err)
-	}
 	const elements = 6*8 + 8 + 8*3 + 3
 	e, err := NewEngine(m, Options{Optimizer: SGD, LR: 0.1, Devices: 2, Processes: ProcessesSingle})
 	if err != nil {

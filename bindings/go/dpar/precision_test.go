@@ -7,7 +7,7 @@ import (
 	"testing"
 )
 
-// Linear(6, 8), ReLU, Linear(8, 3), seeded 3: the model of the precision and reduce-dtype tests.
+// Linear(6, 8), ReLU, Linear(8, 3), seeded 3: the model of the precision, reduce-dtype, reproducible and memory tests.
 func smallMLP(t *testing.T) *Model {
 	m, err := NewModel(3)
 	if err != nil {

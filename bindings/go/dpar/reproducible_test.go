@@ -10,20 +10,8 @@ import (
 // The reproducible mode: off by default, a negative count refused by value, and the same bits from one device and
 // from three.
 func TestReproducible(t *testing.T) {
-	m, err := NewModel(3)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := smallMLP(t)
 	defer m.Close()
-	if err := m.Linear(6, 8, true); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Activation(ReLU); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Linear(8, 3, true); err != nil {
-		t.Fatal(err)
-	}
 	const elements = 6*8 + 8 + 8*3 + 3
 	engines := make([]*Engine, 2)
 	for i, devices := range []int{1, 3} {
