@@ -7,7 +7,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <cstring>
@@ -433,6 +435,66 @@ TEST(Gpt, LossAndGradientsEqualPyTorchsNanoGpt) {
     }
     offset += g.size();
   }
+  dpar_tensor_free(x);
+  dpar_tensor_free(y);
+}
+
+// The largest difference between a and b over the largest magnitude of b.
+double relative_gap(const std::vector<double>& a, const std::vector<float>& b) {
+  double gap = 0.0, scale = 1e-30;
+  for (size_t k = 0; k < b.size(); ++k) {
+    gap = std::max(gap, std::fabs(a[k] - b[k]));
+    scale = std::max(scale, std::fabs(static_cast<double>(b[k])));
+  }
+  return gap / scale;
+}
+
+// Under the bf16 policy the GPT's step stays within bf16's rounding of nanoGPT's under torch.autocast (CPU, bf16):
+// the loss, and every gradient (attention, LayerNorm and the loss compute in f32 in dpar, as autocast runs them in
+// bf16, f32 and f32 on the CPU), and on the whole closer to autocast's than the f32 step is.
+TEST(Gpt, Bf16StepStaysWithinBf16RoundingOfNanoGptUnderAutocast) {
+  const nlohmann::json r = gpt_reference();
+  const nlohmann::json& autocast = r["autocast"];
+  std::vector<int32_t> tokens = r["tokens"].get<std::vector<int32_t>>();
+  std::vector<int32_t> targets = r["targets"].get<std::vector<int32_t>>();
+  const std::vector<int64_t> shape = r["shape"].get<std::vector<int64_t>>();
+  dpar_tensor *x = nullptr, *y = nullptr;
+  ASSERT_EQ(dpar_tensor_wrap_host(&x, DPAR_I32, shape.data(), 2, tokens.data()), DPAR_OK);
+  ASSERT_EQ(dpar_tensor_wrap_host(&y, DPAR_I32, shape.data(), 2, targets.data()), DPAR_OK);
+  double gap_sum[2] = {0.0, 0.0};
+  for (int bf16 = 0; bf16 < 2; ++bf16) {
+    ModelPtr m = reference_gpt(r);
+    EnginePtr e = gpt_engine(m.get(), 1, DPAR_SGD, 1.0f);
+    if (bf16) {
+      const dpar_status st = dpar_engine_set_precision(e.get(), DPAR_BF16);
+      if (st == DPAR_ERR_NOT_SUPPORTED) {
+        dpar_tensor_free(x);
+        dpar_tensor_free(y);
+        GTEST_SKIP() << "no bf16 here: " << dpar_last_error();
+      }
+      ASSERT_EQ(st, DPAR_OK) << dpar_last_error();
+    }
+    const std::vector<float> before = engine_params(e.get(), 0, m.get());
+    float loss = 0.0f;
+    ASSERT_EQ(dpar_engine_train_step(&loss, e.get(), x, y), DPAR_OK) << dpar_last_error();
+    if (bf16) EXPECT_NEAR(loss, autocast["loss"].get<double>(), 2e-3);
+    const std::vector<float> after = engine_params(e.get(), 0, m.get());
+    size_t n = 0, offset = 0;
+    ASSERT_EQ(dpar_model_num_params(&n, m.get()), DPAR_OK);
+    for (size_t i = 0; i < n; ++i) {
+      const std::string name = dpar_model_param_name(m.get(), i);
+      const std::vector<float> want = autocast["grads"][name].get<std::vector<float>>();
+      std::vector<double> moved(want.size());
+      for (size_t k = 0; k < want.size(); ++k) moved[k] = static_cast<double>(before[offset + k]) - after[offset + k];
+      const double gap = relative_gap(moved, want);
+      if (bf16) EXPECT_LT(gap, 3e-2) << name;
+      gap_sum[bf16] += gap;
+      offset += want.size();
+    }
+  }
+  std::printf("mean relative gap to autocast's gradients over the GPT's parameters: f32 %.5f, bf16 %.5f\n",
+              gap_sum[0] / static_cast<double>(r["grads"].size()), gap_sum[1] / static_cast<double>(r["grads"].size()));
+  EXPECT_LT(gap_sum[1], gap_sum[0]);
   dpar_tensor_free(x);
   dpar_tensor_free(y);
 }

@@ -10,6 +10,8 @@ context 8, 2 layers, 2 heads, 16 channels, dropout 0, PyTorch's default initiali
 (3, 6) tokens with targets, three of them -100 (ignored). The file holds every parameter by its named_parameters()
 name (the tied one once, as transformer.wte.weight), the tokens and targets, F.cross_entropy's mean loss over the
 targets not ignored, and every parameter's gradient. Every value is a float32 written as the exact double.
+"autocast" holds the same batch's loss and gradients with the forward under torch.autocast("cpu", dtype=bfloat16)
+(the loss in f32), for dpar's bf16 precision policy.
 
 Beside it, "mha": torch.nn.MultiheadAttention(8, 2, bias=True, batch_first=True) as causal self-attention,
 module(x, x, x, need_weights=False, attn_mask=causal, is_causal=True)[0] on x (2, 5, 8), with the loss
@@ -45,6 +47,13 @@ def main():
            "params": {n: as_list(p) for n, p in model.named_parameters()},
            "grads": {n: as_list(p.grad) for n, p in model.named_parameters()},
            "state_dict_keys": list(model.state_dict().keys())}
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(idx)
+    loss = torch.nn.functional.cross_entropy(logits.float().view(-1, V), targets.view(-1))
+    loss.backward()
+    out["autocast"] = {"loss": float(loss.detach()),
+                       "grads": {n: as_list(p.grad) for n, p in model.named_parameters()}}
     torch.manual_seed(2)
     mha = torch.nn.MultiheadAttention(8, 2, bias=True, batch_first=True)
     with torch.no_grad():  # nonzero biases, so that their use shows
