@@ -141,7 +141,8 @@ class Layer {
   virtual void set_compute_dtype(DType dtype) { compute_dtype_ = dtype; }
   DType compute_dtype() const { return compute_dtype_; }
   // Points the layer at the step's copies of its parameters in the compute dtype (one per param_specs() slot, of
-  // its shape): views of the replica's low-precision mirror of the flat parameters, rewritten at every forward.
+  // its shape): views of the replica's low-precision mirror of the flat parameters, rewritten at the first forward
+  // after the parameters change (ReplicaModel::params_for_writing).
   void bind_low_precision(std::vector<TensorRef> params) { low_params_ = std::move(params); }
   // Activations kept in the compute dtype, as autocast keeps a bf16 linear's output for the next linear's backward.
   // The model stores a node's output in the compute dtype (half the bytes, and no f32 copy beside it) where the
