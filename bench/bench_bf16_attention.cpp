@@ -80,7 +80,8 @@ int main() {
     std::printf("no bf16 on this CPU: %s\n", why);
     return 0;
   }
-  const std::vector<Shape> shapes = {{8, 4, 256, 32}, {4, 8, 1024, 64}};
+  // The char GPT of bench_gpt (32 sequences of 128, 4 heads of 32), a longer one, and heads of 64 at T = 1024.
+  const std::vector<Shape> shapes = {{32, 4, 128, 32}, {8, 4, 256, 32}, {4, 8, 1024, 64}};
   std::printf("f32 tiles: %s; bf16: oneDNN matmul\n", kc::gemm_backend());
   std::printf("self-attention on a packed projection, forward + backward, one thread, ms of thread CPU time "
               "(median of 10)\n");

@@ -357,15 +357,22 @@ void attention_backward(const AttentionTensor& dq, const AttentionTensor& dk, co
 }
 
 // ---- bf16 -----------------------------------------------------------------------------------------------------
+// Every product runs on dense operands: per head, k and v (and q and bf16(dout) per query block) are copied out of
+// their strided views into dense rows, and dq, dk, dv are summed in dense f32 blocks and written out at the end.
+// oneDNN 2.6 runs its AMX (brgemm) matmul only on dense operands and falls back to its AVX-512 bf16 GEMM for any
+// leading dimension wider than a row, at half the speed on these shapes; the copies are a few passes over B T C.
 namespace {
 
 // Keys per product of the bf16 routines: every product is on a chunk of this many keys or the last chunk's
-// remainder, so the GEMM's primitives are a few per product whatever S is; 512 keys make the tile products big
-// enough that oneDNN's per-call cost stays small beside their work.
+// remainder, so the GEMM's primitives are a few per product whatever S is.
 constexpr int64_t kChunk = 512;
+// Queries per block: 128 rather than the f32 kernel's 64, measured best of 64/128/256 (bench_bf16_attention):
+// each product re-packs its B operand into AMX's layout, which a taller A amortises.
+constexpr int64_t kBqLow = 128;
 
-// The leading dimension of a block's score rows: S, rounded up to whole cache lines.
-int64_t rows_ld(int64_t S) { return std::max<int64_t>((S + 15) / 16 * 16, 16); }
+// The leading dimension of a block's score rows: its computed keys rounded up to whole lanes (softmax_row pads to
+// them). A block of one chunk whose keys are a multiple of 16 has dense rows, as AMX's products need.
+int64_t rows_ld(int64_t jend) { return std::max<int64_t>((jend + kLanes - 1) / kLanes * kLanes, kLanes); }
 
 // The keys a causal query block computes on: up to its last query, rounded up to whole kBk blocks (fewer distinct
 // chunk remainders), never past S; every key for a non-causal one.
@@ -375,17 +382,24 @@ int64_t bf16_keys_end(const AttentionShape& sh, int64_t i0, int64_t mq) {
 }
 
 // Forward: row (lim visible of jend computed keys) holds q.k; returns lse and leaves p = exp(scale q.k - lse) in
-// the visible keys' places.
+// the visible keys' places. The maximum and the sum run in kLanes partial lanes (as the f32 kernel's row_max and
+// row_sum), so that they vectorise: the row is padded to whole lanes with -inf (rows_ld leaves room for it).
 DPAR_VECTOR_LOOP float softmax_row(float* __restrict row, int64_t lim, float scale) {
-  float m = kNegInf;
-  for (int64_t j = 0; j < lim; ++j) {
-    row[j] *= scale;
-    m = row[j] > m ? row[j] : m;
-  }
-  if (m == kNegInf) return kNegInf;
-  float l = 0.0f;
-  for (int64_t j = 0; j < lim; ++j) l += exp_nonpositive(row[j] - m);
-  const float lse = m + std::log(l);
+  const int64_t n = (lim + kLanes - 1) / kLanes * kLanes;
+  for (int64_t j = 0; j < n; ++j) row[j] = j < lim ? row[j] * scale : kNegInf;
+  float m[kLanes];
+  for (int t = 0; t < kLanes; ++t) m[t] = kNegInf;
+  for (int64_t j = 0; j < n; j += kLanes)
+    for (int t = 0; t < kLanes; ++t) m[t] = row[j + t] > m[t] ? row[j + t] : m[t];
+  float mx = m[0];
+  for (int t = 1; t < kLanes; ++t) mx = m[t] > mx ? m[t] : mx;
+  if (mx == kNegInf) return kNegInf;
+  float l[kLanes] = {};
+  for (int64_t j = 0; j < n; j += kLanes)
+    for (int t = 0; t < kLanes; ++t) l[t] += exp_nonpositive(row[j + t] - mx);
+  float sum = 0.0f;
+  for (int t = 0; t < kLanes; ++t) sum += l[t];
+  const float lse = mx + std::log(sum);
   for (int64_t j = 0; j < lim; ++j) row[j] = exp_nonpositive(row[j] - lse);
   return lse;
 }
@@ -408,16 +422,15 @@ DPAR_VECTOR_LOOP void grad_row(uint16_t* __restrict w, uint16_t* __restrict ds, 
   for (int64_t j = lim; j < jend; ++j) w[j] = 0, ds[j] = 0;
 }
 
-// x[d] *= a over n.
-DPAR_VECTOR_LOOP void scale_row(float* __restrict x, float a, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) x[d] *= a;
+// y[d] = a x[d] over n (a strided row of an f32 result from its dense sum).
+DPAR_VECTOR_LOOP void scaled_copy(float* __restrict y, const float* __restrict x, float a, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] = x[d] * a;
 }
 
-struct Bf16Head {
-  const uint16_t *q, *k, *v, *g;  // g: bf16(dout), backward
-  int64_t ldq, ldk, ldv, ldg;
-  uint64_t counter;  // the dropout counter of weight (0, 0) of the head
-};
+// dst (rows x D, dense) = rows of src (row stride ld), bf16 bits.
+void dense_rows(uint16_t* dst, const uint16_t* src, int64_t ld, int64_t rows, int64_t D) {
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * D, src + r * ld, static_cast<size_t>(D) * 2);
+}
 
 // The visible keys of query i (of jend computed).
 int64_t visible_bf16(const AttentionShape& sh, int64_t i, int64_t jend) {
@@ -429,35 +442,72 @@ float keep(const AttentionShape& sh, const AttentionDropout& dr, uint64_t key, u
   return rng::uniform24(key, counter + static_cast<uint64_t>(i * sh.S + j)) >= dr.p ? inv_keep : 0.0f;
 }
 
+// The scratch of one call, carved in 64-byte aligned pieces; the same layout for attention_bf16_scratch_bytes (with
+// base null) and for the routines.
+struct Bf16Scratch {
+  float *srow, *trow, *di, *dq, *dk, *dv, *o;  // backward: srow, trow, di, dq, dk, dv; forward: srow, o
+  uint16_t *w, *ds, *q, *k, *v, *g;            // backward: all; forward: w, q, k, v
+  int64_t bytes = 0;
+  Bf16Scratch(void* base, const AttentionShape& sh, bool backward) {
+    char* at = static_cast<char*>(base);
+    auto take = [&](int64_t n) {
+      char* p = at == nullptr ? nullptr : at + bytes;
+      bytes += (n + 63) / 64 * 64;
+      return p;
+    };
+    const int64_t rows = kBqLow * rows_ld(sh.S), D = sh.D;
+    srow = reinterpret_cast<float*>(take(rows * 4));
+    w = reinterpret_cast<uint16_t*>(take(rows * 2));
+    q = reinterpret_cast<uint16_t*>(take(kBqLow * D * 2));
+    k = reinterpret_cast<uint16_t*>(take(sh.S * D * 2));
+    v = reinterpret_cast<uint16_t*>(take(sh.S * D * 2));
+    if (!backward) {
+      o = reinterpret_cast<float*>(take(kBqLow * D * 4));
+      trow = di = dq = dk = dv = nullptr, ds = g = nullptr;
+      return;
+    }
+    o = nullptr;
+    trow = reinterpret_cast<float*>(take(rows * 4));
+    ds = reinterpret_cast<uint16_t*>(take(rows * 2));
+    g = reinterpret_cast<uint16_t*>(take(kBqLow * D * 2));
+    di = reinterpret_cast<float*>(take(kBqLow * 4));
+    dq = reinterpret_cast<float*>(take(kBqLow * D * 4));
+    dk = reinterpret_cast<float*>(take(sh.S * D * 4));
+    dv = reinterpret_cast<float*>(take(sh.S * D * 4));
+  }
+};
+
 }  // namespace
 
 int64_t attention_bf16_scratch_bytes(const AttentionShape& sh, bool backward) {
-  const int64_t rows = kBq * rows_ld(sh.S);
-  const int64_t f32_rows = backward ? 2 : 1, bf16_rows = backward ? 2 : 1;
-  int64_t bytes = rows * (f32_rows * 4 + bf16_rows * 2) + kBq * 4;
-  if (backward) bytes += (sh.B * sh.L * sh.heads * sh.D * 2 + 63) / 64 * 64;
-  return bytes;
+  return Bf16Scratch(nullptr, sh, backward).bytes + 64;  // + 64: the caller's base need not be aligned
 }
+
+namespace {
+void* aligned64(void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  return reinterpret_cast<void*>((a + 63) / 64 * 64);
+}
+}  // namespace
 
 void attention_forward_bf16(Bf16Gemm& gemm, const AttentionTensor& out, float* lse, const AttentionTensorBf16& q,
                             const AttentionTensorBf16& k, const AttentionTensorBf16& v, const AttentionShape& sh,
                             const AttentionDropout& dropout, void* scratch) {
-  const int64_t D = sh.D, ld = rows_ld(sh.S);
-  float* srow = static_cast<float*>(scratch);
-  auto* w = reinterpret_cast<uint16_t*>(srow + kBq * ld);
+  const int64_t D = sh.D;
+  const Bf16Scratch sc(aligned64(scratch), sh, false);
   const uint64_t key = rng::stream_key(dropout.seed);
   const float inv_keep = dropout.p > 0.0f ? 1.0f / (1.0f - dropout.p) : 1.0f;
   for (int64_t b = 0; b < sh.B; ++b)
     for (int64_t h = 0; h < sh.heads; ++h) {
       const uint16_t* qh = q.data + b * q.batch_stride + h * D;
-      const uint16_t* kh = k.data + b * k.batch_stride + h * D;
-      const uint16_t* vh = v.data + b * v.batch_stride + h * D;
       float* oh = out.data + b * out.batch_stride + h * D;
       float* lh = lse + (b * sh.heads + h) * sh.L;
       const uint64_t counter = dropout.offset + static_cast<uint64_t>((b * sh.heads + h) * sh.L * sh.S);
-      for (int64_t i0 = 0; i0 < sh.L; i0 += kBq) {
-        const int64_t mq = std::min(kBq, sh.L - i0);
-        const int64_t jend = bf16_keys_end(sh, i0, mq);
+      dense_rows(sc.k, k.data + b * k.batch_stride + h * D, k.row_stride, sh.S, D);
+      dense_rows(sc.v, v.data + b * v.batch_stride + h * D, v.row_stride, sh.S, D);
+      for (int64_t i0 = 0; i0 < sh.L; i0 += kBqLow) {
+        const int64_t mq = std::min(kBqLow, sh.L - i0);
+        const int64_t jend = bf16_keys_end(sh, i0, mq), ld = rows_ld(jend);
         if (jend == 0) {  // no keys (S == 0): out 0 and lse -inf, as the f32 kernel gives
           for (int64_t i = 0; i < mq; ++i) {
             std::fill(oh + (i0 + i) * out.row_stride, oh + (i0 + i) * out.row_stride + D, 0.0f);
@@ -465,20 +515,22 @@ void attention_forward_bf16(Bf16Gemm& gemm, const AttentionTensor& out, float* l
           }
           continue;
         }
+        dense_rows(sc.q, qh + i0 * q.row_stride, q.row_stride, mq, D);
         for (int64_t c0 = 0; c0 < jend; c0 += kChunk)
-          gemm.run(false, true, mq, std::min(kChunk, jend - c0), D, qh + i0 * q.row_stride, q.row_stride,
-                   kh + c0 * k.row_stride, k.row_stride, false, srow + c0, ld);
+          gemm.run(false, true, mq, std::min(kChunk, jend - c0), D, sc.q, D, sc.k + c0 * D, D, false, sc.srow + c0,
+                   ld);
         for (int64_t i = 0; i < mq; ++i) {
-          float* row = srow + i * ld;
+          float* row = sc.srow + i * ld;
           const int64_t lim = visible_bf16(sh, i0 + i, jend);
           lh[i0 + i] = run_vector<softmax_row>(row, lim, sh.scale);
           if (dropout.p > 0.0f)
             for (int64_t j = 0; j < lim; ++j) row[j] *= keep(sh, dropout, key, counter, i0 + i, j, inv_keep);
-          run_vector<round_row>(w + i * ld, static_cast<const float*>(row), lim, jend);
+          run_vector<round_row>(sc.w + i * ld, static_cast<const float*>(row), lim, jend);
         }
         for (int64_t c0 = 0; c0 < jend; c0 += kChunk)
-          gemm.run(false, false, mq, D, std::min(kChunk, jend - c0), w + c0, ld, vh + c0 * v.row_stride, v.row_stride,
-                   c0 > 0, oh + i0 * out.row_stride, out.row_stride);
+          gemm.run(false, false, mq, D, std::min(kChunk, jend - c0), sc.w + c0, ld, sc.v + c0 * D, D, c0 > 0, sc.o,
+                   D);
+        for (int64_t i = 0; i < mq; ++i) std::memcpy(oh + (i0 + i) * out.row_stride, sc.o + i * D, static_cast<size_t>(D) * 4);
       }
     }
 }
@@ -488,28 +540,13 @@ void attention_backward_bf16(Bf16Gemm& gemm, const AttentionTensor& dq, const At
                              const AttentionTensorBf16& k, const AttentionTensorBf16& v, const AttentionTensor& out,
                              const float* lse, const AttentionShape& sh, const AttentionDropout& dropout,
                              void* scratch) {
-  const int64_t D = sh.D, C = sh.heads * D, ld = rows_ld(sh.S);
-  float* srow = static_cast<float*>(scratch);
-  float* trow = srow + kBq * ld;
-  auto* w = reinterpret_cast<uint16_t*>(trow + kBq * ld);
-  uint16_t* ds = w + kBq * ld;
-  auto* di = reinterpret_cast<float*>(ds + kBq * ld);
-  uint16_t* g = reinterpret_cast<uint16_t*>(di + kBq);
-  // dout rounded once, for every head: the operand of dout v^T and w^T dout.
-  for (int64_t b = 0; b < sh.B; ++b)
-    for (int64_t i = 0; i < sh.L; ++i) {
-      const float* src = dout.data + b * dout.batch_stride + i * dout.row_stride;
-      uint16_t* dst = g + (b * sh.L + i) * C;
-      for (int64_t c = 0; c < C; ++c) dst[c] = to_bf16(src[c]);
-    }
+  const int64_t D = sh.D;
+  const Bf16Scratch sc(aligned64(scratch), sh, true);
   const uint64_t key = rng::stream_key(dropout.seed);
   const float inv_keep = dropout.p > 0.0f ? 1.0f / (1.0f - dropout.p) : 1.0f;
   for (int64_t b = 0; b < sh.B; ++b)
     for (int64_t h = 0; h < sh.heads; ++h) {
       const uint16_t* qh = q.data + b * q.batch_stride + h * D;
-      const uint16_t* kh = k.data + b * k.batch_stride + h * D;
-      const uint16_t* vh = v.data + b * v.batch_stride + h * D;
-      const uint16_t* gh = g + b * sh.L * C + h * D;
       const float* doh = dout.data + b * dout.batch_stride + h * D;
       const float* oh = out.data + b * out.batch_stride + h * D;
       float* dqh = dq.data + b * dq.batch_stride + h * D;
@@ -517,56 +554,64 @@ void attention_backward_bf16(Bf16Gemm& gemm, const AttentionTensor& dq, const At
       float* dvh = dv.data + b * dv.batch_stride + h * D;
       const float* lh = lse + (b * sh.heads + h) * sh.L;
       const uint64_t counter = dropout.offset + static_cast<uint64_t>((b * sh.heads + h) * sh.L * sh.S);
-      for (int64_t i = 0; i < sh.L; ++i) std::fill(dqh + i * dq.row_stride, dqh + i * dq.row_stride + D, 0.0f);
-      for (int64_t j = 0; j < sh.S; ++j) {
-        std::fill(dkh + j * dk.row_stride, dkh + j * dk.row_stride + D, 0.0f);
-        std::fill(dvh + j * dv.row_stride, dvh + j * dv.row_stride + D, 0.0f);
-      }
-      for (int64_t i0 = 0; i0 < sh.L; i0 += kBq) {
-        const int64_t mq = std::min(kBq, sh.L - i0);
-        const int64_t jend = bf16_keys_end(sh, i0, mq);
-        if (jend == 0) continue;
+      dense_rows(sc.k, k.data + b * k.batch_stride + h * D, k.row_stride, sh.S, D);
+      dense_rows(sc.v, v.data + b * v.batch_stride + h * D, v.row_stride, sh.S, D);
+      std::fill(sc.dk, sc.dk + sh.S * D, 0.0f);
+      std::fill(sc.dv, sc.dv + sh.S * D, 0.0f);
+      for (int64_t i0 = 0; i0 < sh.L; i0 += kBqLow) {
+        const int64_t mq = std::min(kBqLow, sh.L - i0);
+        const int64_t jend = bf16_keys_end(sh, i0, mq), ld = rows_ld(jend);
+        if (jend == 0) {
+          for (int64_t i = 0; i < mq; ++i)
+            std::fill(dqh + (i0 + i) * dq.row_stride, dqh + (i0 + i) * dq.row_stride + D, 0.0f);
+          continue;
+        }
+        dense_rows(sc.q, qh + i0 * q.row_stride, q.row_stride, mq, D);
         for (int64_t i = 0; i < mq; ++i) {
           const float* o = oh + (i0 + i) * out.row_stride;
           const float* gi = doh + (i0 + i) * dout.row_stride;
           float sum = 0.0f;
           for (int64_t d = 0; d < D; ++d) sum += gi[d] * o[d];
-          di[i] = sum;
+          sc.di[i] = sum;
+          run_vector<round_row>(sc.g + i * D, gi, D, D);  // g = bf16(dout), the operand of g v^T and w^T g
         }
         for (int64_t c0 = 0; c0 < jend; c0 += kChunk) {
           const int64_t nc = std::min(kChunk, jend - c0);
-          gemm.run(false, true, mq, nc, D, qh + i0 * q.row_stride, q.row_stride, kh + c0 * k.row_stride, k.row_stride,
-                   false, srow + c0, ld);
-          gemm.run(false, true, mq, nc, D, gh + i0 * C, C, vh + c0 * v.row_stride, v.row_stride, false, trow + c0, ld);
+          gemm.run(false, true, mq, nc, D, sc.q, D, sc.k + c0 * D, D, false, sc.srow + c0, ld);
+          gemm.run(false, true, mq, nc, D, sc.g, D, sc.v + c0 * D, D, false, sc.trow + c0, ld);
         }
         for (int64_t i = 0; i < mq; ++i) {
           const int64_t lim = visible_bf16(sh, i0 + i, jend);
-          float* s = srow + i * ld;
-          float* t = trow + i * ld;
+          const float* s = sc.srow + i * ld;
+          const float* t = sc.trow + i * ld;
+          uint16_t* w = sc.w + i * ld;
+          uint16_t* ds = sc.ds + i * ld;
           if (dropout.p > 0.0f) {
             for (int64_t j = 0; j < lim; ++j) {
               const float p = exp_nonpositive(s[j] * sh.scale - lh[i0 + i]);
               const float f = keep(sh, dropout, key, counter, i0 + i, j, inv_keep);
-              w[i * ld + j] = to_bf16(p * f);
-              ds[i * ld + j] = to_bf16(p * (t[j] * f - di[i]));
+              w[j] = to_bf16(p * f);
+              ds[j] = to_bf16(p * (t[j] * f - sc.di[i]));
             }
-            for (int64_t j = lim; j < jend; ++j) w[i * ld + j] = 0, ds[i * ld + j] = 0;
+            for (int64_t j = lim; j < jend; ++j) w[j] = 0, ds[j] = 0;
           } else {
-            run_vector<grad_row>(w + i * ld, ds + i * ld, static_cast<const float*>(s), static_cast<const float*>(t),
-                                 lim, jend, sh.scale, lh[i0 + i], di[i]);
+            run_vector<grad_row>(w, ds, s, t, lim, jend, sh.scale, lh[i0 + i], sc.di[i]);
           }
         }
         for (int64_t c0 = 0; c0 < jend; c0 += kChunk) {
           const int64_t nc = std::min(kChunk, jend - c0);
-          gemm.run(true, false, nc, D, mq, w + c0, ld, gh + i0 * C, C, true, dvh + c0 * dv.row_stride, dv.row_stride);
-          gemm.run(false, false, mq, D, nc, ds + c0, ld, kh + c0 * k.row_stride, k.row_stride, true,
-                   dqh + i0 * dq.row_stride, dq.row_stride);
-          gemm.run(true, false, nc, D, mq, ds + c0, ld, qh + i0 * q.row_stride, q.row_stride, true,
-                   dkh + c0 * dk.row_stride, dk.row_stride);
+          gemm.run(true, false, nc, D, mq, sc.w + c0, ld, sc.g, D, true, sc.dv + c0 * D, D);
+          gemm.run(false, false, mq, D, nc, sc.ds + c0, ld, sc.k + c0 * D, D, c0 > 0, sc.dq, D);
+          gemm.run(true, false, nc, D, mq, sc.ds + c0, ld, sc.q, D, true, sc.dk + c0 * D, D);
         }
-        for (int64_t i = 0; i < mq; ++i) run_vector<scale_row>(dqh + (i0 + i) * dq.row_stride, sh.scale, D);
+        for (int64_t i = 0; i < mq; ++i)
+          run_vector<scaled_copy>(dqh + (i0 + i) * dq.row_stride, static_cast<const float*>(sc.dq + i * D), sh.scale,
+                                  D);
       }
-      for (int64_t j = 0; j < sh.S; ++j) run_vector<scale_row>(dkh + j * dk.row_stride, sh.scale, D);
+      for (int64_t j = 0; j < sh.S; ++j) {
+        run_vector<scaled_copy>(dkh + j * dk.row_stride, static_cast<const float*>(sc.dk + j * D), sh.scale, D);
+        std::memcpy(dvh + j * dv.row_stride, sc.dv + j * D, static_cast<size_t>(D) * 4);
+      }
     }
 }
 

@@ -47,7 +47,7 @@ void attention_backward(const AttentionTensor& dq, const AttentionTensor& dk, co
 //   s = scale (q k^T), lse, p = exp(s - lse) and w = bf16(p f) (f the dropout factor); out = w v;
 //   g = bf16(dout); dv = w^T g; dp = g v^T; D_i = dout_i . out_i; ds = bf16(p (dp f - D)); dq = scale (ds k),
 //   dk = scale (ds^T q).
-// Per head, a block of kBq queries against all its keys at once: the block's score rows are kept (kBq x S floats), so
+// Per head, a block of 128 queries against all its keys at once: the block's score rows are kept (128 x S floats), so
 // the softmax is exact before the weights are rounded (the same w in forward and backward), and the products run
 // on key chunks of a fixed width, so that `gemm` keeps a bounded number of shapes (a few per product) for any S.
 // gemm.h's bf16_support must hold (oneDNN would emulate bf16 products elsewhere).
