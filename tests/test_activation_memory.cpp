@@ -54,14 +54,29 @@ Model normed_gelu_mlp() {
   return m;
 }
 
+// Self-attention as nanoGPT's, without the residual: the packed q|k|v projection, causal attention over its heads,
+// the output projection; on (kSeqs, kT, kC).
+constexpr int64_t kSeqs = 4, kT = 16, kC = 32;
+Model attention_block() {
+  Model m(6);
+  m.add(make_linear(kC, 3 * kC, true));
+  AttentionSpec spec;
+  spec.heads = 4;
+  spec.causal = true;
+  m.add(make_attention(spec, 0.0f, 1));
+  m.add(make_linear(kC, kC, true));
+  return m;
+}
+
 // One forward and backward of a fresh replica of `model` in `dtype`: what they allocate and keep.
-Held forward_backward(DType dtype, size_t* rounded, const Model& model = mlp()) {
+Held forward_backward(DType dtype, size_t* rounded, const Model& model = mlp(), const Shape& in = Shape{kRows, kIn}) {
   Standalone s;
   ReplicaModel rm(model, s.ctx);
   rm.set_compute_dtype(s.ctx, dtype);
   *rounded = rm.num_rounded_outputs();
-  std::vector<float> x(static_cast<size_t>(kRows * kIn), 0.25f);
-  const Tensor input = Tensor::wrap(x.data(), DType::kF32, Shape{kRows, kIn}, s.ctx.device);
+  std::vector<float> x(static_cast<size_t>(in.numel()), 0.25f);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = 0.25f + 0.01f * static_cast<float>(i % 7);
+  const Tensor input = Tensor::wrap(x.data(), DType::kF32, in, s.ctx.device);
   const MemoryStats before = memory_stats(s.ctx.device);
   reset_peak_memory(s.ctx.device);
   rm.forward(s.ctx, input);
@@ -147,6 +162,27 @@ TEST(ActivationMemory, Bf16KeepsALayerNormsOutputInBf16WhereOnlyALinearLayerRead
               "%lld B\n",
               static_cast<long long>(kIn), static_cast<long long>(kHidden), static_cast<long long>(kOut),
               static_cast<long long>(kRows), static_cast<long long>(f32.step), static_cast<long long>(bf16.step));
+}
+
+// Under bf16 attention reads q, k and v rounded and keeps them so for backward; the projection that writes the
+// packed q|k|v, which attention alone reads, writes it in bf16: one bf16 buffer where f32 kept the f32 projection
+// (and a bf16 copy beside it, had attention rounded its input itself).
+TEST(ActivationMemory, Bf16KeepsThePackedProjectionThatAttentionReadsInBf16) {
+  const char* why = "";
+  if (!kernels::cpu::bf16_support(&why)) GTEST_SKIP() << "no bf16 here: " << why;
+  size_t rounded_f32 = 0, rounded_bf16 = 0;
+  const Shape in{kSeqs, kT, kC};
+  const Held f32 = forward_backward(DType::kF32, &rounded_f32, attention_block(), in);
+  const Held bf16 = forward_backward(DType::kBF16, &rounded_bf16, attention_block(), in);
+  EXPECT_EQ(rounded_f32, 0u);
+  EXPECT_EQ(rounded_bf16, 1u);  // the packed projection
+  // Against f32: half of the projection's bytes saved; the two linear layers' inputs rounded and kept (the model's
+  // input and attention's f32 output); the rounded gradient's one buffer (the widest, the projection's).
+  const int64_t tokens = kSeqs * kT;
+  const int64_t projection_saved = tokens * 3 * kC * 2, input_copies = 2 * tokens * kC * 2;
+  const int64_t gradient_room = tokens * 3 * kC * 2;
+  EXPECT_EQ(bf16.step - f32.step, input_copies + gradient_room - projection_saved)
+      << "f32 " << f32.step << " B, bf16 " << bf16.step << " B";
 }
 
 TEST(ActivationMemory, FusedLayersKeepNoOutputOfTheirOwn) {

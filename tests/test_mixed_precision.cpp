@@ -44,6 +44,12 @@ ModelPtr reference_model(const std::string& which, const nlohmann::json& r) {
     EXPECT_EQ(dpar_model_add_linear(m.get(), 12, 32, 1), DPAR_OK);
     EXPECT_EQ(dpar_model_add_activation(m.get(), which == "mlp" ? DPAR_RELU : DPAR_GELU), DPAR_OK);
     EXPECT_EQ(dpar_model_add_linear(m.get(), 32, 5, 1), DPAR_OK);
+  } else if (which == "attention") {
+    EXPECT_EQ(dpar_model_add_causal_self_attention(m.get(), 8, 2, 0.0f, 1, "attn"), DPAR_OK) << dpar_last_error();
+    EXPECT_EQ(dpar_model_add_linear(m.get(), 8, 5, 1), DPAR_OK);
+    int32_t head = 0;
+    EXPECT_EQ(dpar_model_last_node(&head, m.get()), DPAR_OK);
+    EXPECT_EQ(dpar_model_set_node_name(m.get(), head, "head"), DPAR_OK) << dpar_last_error();
   } else {
     const int64_t kernel[2] = {3, 3}, padding[2] = {1, 1};
     EXPECT_EQ(dpar_model_add_conv2d(m.get(), 2, 6, kernel, nullptr, padding, nullptr, 1, 1), DPAR_OK);
@@ -116,10 +122,10 @@ Batch batch_of(const nlohmann::json& r) {
   b.xs = r["x"].get<std::vector<float>>();
   b.ys = r["labels"].get<std::vector<int32_t>>();
   const std::vector<int64_t> shape = r["x_shape"].get<std::vector<int64_t>>();
-  const int64_t rows = static_cast<int64_t>(b.ys.size());
+  const std::vector<int64_t> label_shape = r["labels_shape"].get<std::vector<int64_t>>();
   dpar_tensor *x = nullptr, *y = nullptr;
   EXPECT_EQ(dpar_tensor_wrap_host(&x, DPAR_F32, shape.data(), shape.size(), b.xs.data()), DPAR_OK);
-  EXPECT_EQ(dpar_tensor_wrap_host(&y, DPAR_I32, &rows, 1, b.ys.data()), DPAR_OK);
+  EXPECT_EQ(dpar_tensor_wrap_host(&y, DPAR_I32, label_shape.data(), label_shape.size(), b.ys.data()), DPAR_OK);
   b.x.reset(x);
   b.y.reset(y);
   return b;
@@ -193,12 +199,15 @@ TEST(MixedPrecision, Bf16MlpMatchesAutocastAndItsContract) { check_against_refer
 TEST(MixedPrecision, Bf16CnnMatchesAutocastAndItsContract) { check_against_reference("cnn"); }
 // The GELU runs on the linear layer's output rounded to bf16 and writes its own rounded, as autocast's.
 TEST(MixedPrecision, Bf16GeluMlpMatchesAutocastAndItsContract) { check_against_reference("gelu_mlp"); }
+// Causal self-attention as nanoGPT's: the projections in bf16, attention on the packed q|k|v that its projection
+// writes in bf16, the softmax's weights rounded before their product with v (AttentionSpec::dtype bf16).
+TEST(MixedPrecision, Bf16AttentionMatchesAutocastAndItsContract) { check_against_reference("attention"); }
 
 // N devices equal one device under bf16: every product is exact, so only f32's summation order differs (the batch
 // split into chunks, the chunks' gradients summed).
 TEST(MixedPrecision, Bf16OnSeveralDevicesEqualsOneDevice) {
   const nlohmann::json all = reference();
-  for (const std::string which : {"mlp", "gelu_mlp", "cnn"}) {
+  for (const std::string which : {"mlp", "gelu_mlp", "cnn", "attention"}) {
     const nlohmann::json& r = all[which];
     std::string skip;
     const Step one = one_step(which, r, true, 1, &skip);

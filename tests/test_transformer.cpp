@@ -21,6 +21,7 @@
 #include "dpar.h"
 #include "engine_test_util.h"
 #include "graph_check.h"
+#include "kernels/cpu/gemm.h"
 #include "nn/model.h"
 
 // The example's GPT builder (C, through the C ABI): the model under test is the one train_char_gpt trains.
@@ -407,36 +408,59 @@ std::vector<float> engine_params(dpar_engine* e, size_t replica, const dpar_mode
   return v;
 }
 
-// dpar's GPT and PyTorch's nanoGPT agree on one batch's loss (over the targets not ignored) and on every gradient:
-// one SGD step of lr 1 moves each parameter by its gradient.
-TEST(Gpt, LossAndGradientsEqualPyTorchsNanoGpt) {
-  const nlohmann::json r = gpt_reference();
+// One SGD step of lr 1 of the reference GPT on the reference batch, on `devices` CPU devices in `precision`: the
+// loss, and how far each parameter moved (its gradient; lr 1), per parameter in the model's order and flat.
+struct GptStep {
+  dpar_status precision_status = DPAR_OK;  // dpar_engine_set_precision's; no step is taken unless it is DPAR_OK
+  float loss = 0.0f;
+  std::vector<std::string> names;
+  std::vector<std::vector<double>> moved;
+  std::vector<double> flat;
+};
+GptStep gpt_step(const nlohmann::json& r, size_t devices, int32_t precision) {
+  GptStep s;
   ModelPtr m = reference_gpt(r);
-  EnginePtr e = gpt_engine(m.get(), 1, DPAR_SGD, 1.0f);
+  EnginePtr e = gpt_engine(m.get(), devices, DPAR_SGD, 1.0f);
+  if (precision != DPAR_F32) {
+    s.precision_status = dpar_engine_set_precision(e.get(), precision);
+    if (s.precision_status != DPAR_OK) return s;
+  }
   std::vector<int32_t> tokens = r["tokens"].get<std::vector<int32_t>>();
   std::vector<int32_t> targets = r["targets"].get<std::vector<int32_t>>();
   const std::vector<int64_t> shape = r["shape"].get<std::vector<int64_t>>();
   dpar_tensor *x = nullptr, *y = nullptr;
-  ASSERT_EQ(dpar_tensor_wrap_host(&x, DPAR_I32, shape.data(), 2, tokens.data()), DPAR_OK);
-  ASSERT_EQ(dpar_tensor_wrap_host(&y, DPAR_I32, shape.data(), 2, targets.data()), DPAR_OK);
+  EXPECT_EQ(dpar_tensor_wrap_host(&x, DPAR_I32, shape.data(), 2, tokens.data()), DPAR_OK);
+  EXPECT_EQ(dpar_tensor_wrap_host(&y, DPAR_I32, shape.data(), 2, targets.data()), DPAR_OK);
   const std::vector<float> before = engine_params(e.get(), 0, m.get());
-  float loss = 0.0f;
-  ASSERT_EQ(dpar_engine_train_step(&loss, e.get(), x, y), DPAR_OK) << dpar_last_error();
-  EXPECT_NEAR(loss, r["loss"].get<double>(), 2e-6);
-  const std::vector<float> after = engine_params(e.get(), 0, m.get());
-  size_t n = 0, offset = 0;
-  ASSERT_EQ(dpar_model_num_params(&n, m.get()), DPAR_OK);
-  for (size_t i = 0; i < n; ++i) {
-    const std::string name = dpar_model_param_name(m.get(), i);
-    const std::vector<float> g = r["grads"][name].get<std::vector<float>>();
-    for (size_t k = 0; k < g.size(); ++k) {
-      const double moved = static_cast<double>(before[offset + k]) - after[offset + k];
-      EXPECT_NEAR(moved, g[k], 1e-5 + 1e-4 * std::fabs(g[k])) << name << "[" << k << "]";
-    }
-    offset += g.size();
-  }
+  EXPECT_EQ(dpar_engine_train_step(&s.loss, e.get(), x, y), DPAR_OK) << dpar_last_error();
   dpar_tensor_free(x);
   dpar_tensor_free(y);
+  const std::vector<float> after = engine_params(e.get(), 0, m.get());
+  for (size_t k = 0; k < before.size(); ++k) s.flat.push_back(static_cast<double>(before[k]) - after[k]);
+  size_t n = 0, offset = 0;
+  EXPECT_EQ(dpar_model_num_params(&n, m.get()), DPAR_OK);
+  for (size_t i = 0; i < n; ++i) {
+    s.names.push_back(dpar_model_param_name(m.get(), i));
+    const size_t count = r["grads"][s.names.back()].size();
+    s.moved.emplace_back(s.flat.begin() + static_cast<ptrdiff_t>(offset),
+                         s.flat.begin() + static_cast<ptrdiff_t>(offset + count));
+    offset += count;
+  }
+  return s;
+}
+
+// dpar's GPT and PyTorch's nanoGPT agree on one batch's loss (over the targets not ignored) and on every gradient:
+// one SGD step of lr 1 moves each parameter by its gradient.
+TEST(Gpt, LossAndGradientsEqualPyTorchsNanoGpt) {
+  const nlohmann::json r = gpt_reference();
+  const GptStep s = gpt_step(r, 1, DPAR_F32);
+  EXPECT_NEAR(s.loss, r["loss"].get<double>(), 2e-6);
+  for (size_t i = 0; i < s.names.size(); ++i) {
+    const std::vector<float> g = r["grads"][s.names[i]].get<std::vector<float>>();
+    ASSERT_EQ(s.moved[i].size(), g.size()) << s.names[i];
+    for (size_t k = 0; k < g.size(); ++k)
+      EXPECT_NEAR(s.moved[i][k], g[k], 1e-5 + 1e-4 * std::fabs(g[k])) << s.names[i] << "[" << k << "]";
+  }
 }
 
 // The largest difference between a and b over the largest magnitude of b.
@@ -450,53 +474,26 @@ double relative_gap(const std::vector<double>& a, const std::vector<float>& b) {
 }
 
 // Under the bf16 policy the GPT's step stays within bf16's rounding of nanoGPT's under torch.autocast (CPU, bf16):
-// the loss, and every gradient (attention, LayerNorm and the loss compute in f32 in dpar, as autocast runs them in
-// bf16, f32 and f32 on the CPU), and on the whole closer to autocast's than the f32 step is.
+// the loss, and every gradient (attention in bf16 in both, LayerNorm and the loss in f32), and on the whole closer
+// to autocast's than the f32 step is.
 TEST(Gpt, Bf16StepStaysWithinBf16RoundingOfNanoGptUnderAutocast) {
   const nlohmann::json r = gpt_reference();
   const nlohmann::json& autocast = r["autocast"];
-  std::vector<int32_t> tokens = r["tokens"].get<std::vector<int32_t>>();
-  std::vector<int32_t> targets = r["targets"].get<std::vector<int32_t>>();
-  const std::vector<int64_t> shape = r["shape"].get<std::vector<int64_t>>();
-  dpar_tensor *x = nullptr, *y = nullptr;
-  ASSERT_EQ(dpar_tensor_wrap_host(&x, DPAR_I32, shape.data(), 2, tokens.data()), DPAR_OK);
-  ASSERT_EQ(dpar_tensor_wrap_host(&y, DPAR_I32, shape.data(), 2, targets.data()), DPAR_OK);
+  const GptStep f32 = gpt_step(r, 1, DPAR_F32), bf16 = gpt_step(r, 1, DPAR_BF16);
+  if (bf16.precision_status == DPAR_ERR_NOT_SUPPORTED) GTEST_SKIP() << "no bf16 here: " << dpar_last_error();
+  ASSERT_EQ(bf16.precision_status, DPAR_OK) << dpar_last_error();
+  EXPECT_NEAR(bf16.loss, autocast["loss"].get<double>(), 2e-3);
   double gap_sum[2] = {0.0, 0.0};
-  for (int bf16 = 0; bf16 < 2; ++bf16) {
-    ModelPtr m = reference_gpt(r);
-    EnginePtr e = gpt_engine(m.get(), 1, DPAR_SGD, 1.0f);
-    if (bf16) {
-      const dpar_status st = dpar_engine_set_precision(e.get(), DPAR_BF16);
-      if (st == DPAR_ERR_NOT_SUPPORTED) {
-        dpar_tensor_free(x);
-        dpar_tensor_free(y);
-        GTEST_SKIP() << "no bf16 here: " << dpar_last_error();
-      }
-      ASSERT_EQ(st, DPAR_OK) << dpar_last_error();
-    }
-    const std::vector<float> before = engine_params(e.get(), 0, m.get());
-    float loss = 0.0f;
-    ASSERT_EQ(dpar_engine_train_step(&loss, e.get(), x, y), DPAR_OK) << dpar_last_error();
-    if (bf16) EXPECT_NEAR(loss, autocast["loss"].get<double>(), 2e-3);
-    const std::vector<float> after = engine_params(e.get(), 0, m.get());
-    size_t n = 0, offset = 0;
-    ASSERT_EQ(dpar_model_num_params(&n, m.get()), DPAR_OK);
-    for (size_t i = 0; i < n; ++i) {
-      const std::string name = dpar_model_param_name(m.get(), i);
-      const std::vector<float> want = autocast["grads"][name].get<std::vector<float>>();
-      std::vector<double> moved(want.size());
-      for (size_t k = 0; k < want.size(); ++k) moved[k] = static_cast<double>(before[offset + k]) - after[offset + k];
-      const double gap = relative_gap(moved, want);
-      if (bf16) EXPECT_LT(gap, 3e-2) << name;
-      gap_sum[bf16] += gap;
-      offset += want.size();
-    }
+  for (size_t i = 0; i < bf16.names.size(); ++i) {
+    const std::vector<float> want = autocast["grads"][bf16.names[i]].get<std::vector<float>>();
+    const double gap = relative_gap(bf16.moved[i], want);
+    EXPECT_LT(gap, 3e-2) << bf16.names[i];
+    gap_sum[1] += gap;
+    gap_sum[0] += relative_gap(f32.moved[i], want);
   }
   std::printf("mean relative gap to autocast's gradients over the GPT's parameters: f32 %.5f, bf16 %.5f\n",
               gap_sum[0] / static_cast<double>(r["grads"].size()), gap_sum[1] / static_cast<double>(r["grads"].size()));
   EXPECT_LT(gap_sum[1], gap_sum[0]);
-  dpar_tensor_free(x);
-  dpar_tensor_free(y);
 }
 
 // The GPT's checkpoint is nanoGPT's state_dict: every key PyTorch's module has (the tied weight under both).
@@ -540,6 +537,44 @@ TEST(Gpt, MultiheadAttentionEqualsPyTorchsModule) {
     for (size_t k = 0; k < g.size(); ++k)
       EXPECT_NEAR(rm.grads()[static_cast<size_t>(p.offset) + k], g[k], 2e-5 + 1e-4 * std::fabs(g[k]))
           << p.name << "[" << k << "]";
+  }
+}
+
+// Under a bf16 policy nn.MultiheadAttention's projections and its heads compute in bf16 (the heads on q|k|v rounded
+// from the f32 projection): its output and gradients within bf16's rounding of PyTorch's f32 module, and not equal
+// to them.
+TEST(Gpt, MultiheadAttentionInBf16StaysWithinBf16RoundingOfPyTorchsModule) {
+  const char* why = "";
+  if (!kernels::cpu::bf16_support(&why)) GTEST_SKIP() << "no bf16 here: " << why;
+  const nlohmann::json r = gpt_reference()["mha"];
+  Model m(1);
+  m.add(make_multihead_attention(8, heads(2, true), 0.0f, true));
+  std::vector<float>& values = m.values();
+  for (const ParamInfo& p : m.params()) {
+    const std::vector<float> v = r["params"][p.name.substr(2)].get<std::vector<float>>();
+    std::copy(v.begin(), v.end(), values.begin() + p.offset);
+  }
+  std::vector<float> x = r["x"].get<std::vector<float>>(), dout = r["dout"].get<std::vector<float>>();
+  Standalone s;
+  ReplicaModel rm(m, s.ctx);
+  rm.set_compute_dtype(s.ctx, DType::kBF16);
+  const Tensor y = rm.forward(s.ctx, host(x, Shape{2, 5, 8}));
+  // The largest difference from `want` over want's largest magnitude.
+  auto gap = [](const float* got, const std::vector<float>& want) {
+    double g = 0.0, scale = 1e-30;
+    for (size_t i = 0; i < want.size(); ++i) {
+      g = std::max(g, std::fabs(static_cast<double>(got[i]) - want[i]));
+      scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
+    }
+    return g / scale;
+  };
+  const double out_gap = gap(y.f32(), r["output"].get<std::vector<float>>());
+  EXPECT_LT(out_gap, 2e-2);
+  EXPECT_GT(out_gap, 1e-5) << "the bf16 policy computed the module in f32";
+  rm.backward(s.ctx, host(dout, Shape{2, 5, 8}), false);
+  for (const ParamInfo& p : m.params()) {
+    const std::vector<float> g = r["grads"][p.name.substr(2)].get<std::vector<float>>();
+    EXPECT_LT(gap(rm.grads() + p.offset, g), 3e-2) << p.name;
   }
 }
 
@@ -589,52 +624,27 @@ TEST(Gpt, DevicesTrainAsOneDeviceWithIgnoredTokensSpreadUnevenly) {
   dpar_tensor_free(y);
 }
 
-// The bf16 policy on the GPT (linear layers and nn.MultiheadAttention's projections in bf16, attention f32): one
+// The bf16 policy on the GPT (linear layers, nn.MultiheadAttention's projections and attention in bf16): one
 // batch's loss and gradients within bf16's rounding of f32's, visibly not f32's, and 1 device = 3 devices within
-// f32 summation order (every bf16 product is exact).
+// f32 summation order (every bf16 product is exact, and attention is computed per sequence).
 TEST(Gpt, Bf16PolicyStaysWithinBf16RoundingAndAcrossDevices) {
   const nlohmann::json r = gpt_reference();
-  ModelPtr m = reference_gpt(r);
-  std::vector<int32_t> tokens = r["tokens"].get<std::vector<int32_t>>();
-  std::vector<int32_t> targets = r["targets"].get<std::vector<int32_t>>();
-  const std::vector<int64_t> shape = r["shape"].get<std::vector<int64_t>>();
-  dpar_tensor *x = nullptr, *y = nullptr;
-  ASSERT_EQ(dpar_tensor_wrap_host(&x, DPAR_I32, shape.data(), 2, tokens.data()), DPAR_OK);
-  ASSERT_EQ(dpar_tensor_wrap_host(&y, DPAR_I32, shape.data(), 2, targets.data()), DPAR_OK);
-  const std::vector<float> before = [&] {
-    EnginePtr e = gpt_engine(m.get(), 1, DPAR_SGD, 1.0f);
-    return engine_params(e.get(), 0, m.get());
-  }();
-  auto step = [&](size_t devices, bool bf16, float* loss) {
-    EnginePtr e = gpt_engine(m.get(), devices, DPAR_SGD, 1.0f);
-    if (bf16) {
-      const dpar_status st = dpar_engine_set_precision(e.get(), DPAR_BF16);
-      if (st != DPAR_OK) return std::vector<float>();
-    }
-    EXPECT_EQ(dpar_engine_train_step(loss, e.get(), x, y), DPAR_OK) << dpar_last_error();
-    std::vector<float> g = engine_params(e.get(), 0, m.get());
-    for (size_t i = 0; i < g.size(); ++i) g[i] = before[i] - g[i];
-    return g;
-  };
-  float l32 = 0, l16 = 0, l16x3 = 0;
-  const std::vector<float> g32 = step(1, false, &l32);
-  const std::vector<float> g16 = step(1, true, &l16);
-  if (g16.empty()) GTEST_SKIP() << "no bf16 here: " << dpar_last_error();
-  const std::vector<float> g16x3 = step(3, true, &l16x3);
+  const GptStep s32 = gpt_step(r, 1, DPAR_F32), s16 = gpt_step(r, 1, DPAR_BF16);
+  if (s16.precision_status == DPAR_ERR_NOT_SUPPORTED) GTEST_SKIP() << "no bf16 here: " << dpar_last_error();
+  ASSERT_EQ(s16.precision_status, DPAR_OK) << dpar_last_error();
+  const GptStep s16x3 = gpt_step(r, 3, DPAR_BF16);
   double scale = 0, gap32 = 0, gap3 = 0;
-  for (size_t i = 0; i < g32.size(); ++i) {
-    scale = std::max(scale, std::fabs(static_cast<double>(g32[i])));
-    gap32 = std::max(gap32, std::fabs(static_cast<double>(g16[i]) - g32[i]));
-    gap3 = std::max(gap3, std::fabs(static_cast<double>(g16x3[i]) - g16[i]));
+  for (size_t i = 0; i < s32.flat.size(); ++i) {
+    scale = std::max(scale, std::fabs(s32.flat[i]));
+    gap32 = std::max(gap32, std::fabs(s16.flat[i] - s32.flat[i]));
+    gap3 = std::max(gap3, std::fabs(s16x3.flat[i] - s16.flat[i]));
   }
-  EXPECT_NEAR(l16, l32, 1e-2 * std::fabs(l32));
-  EXPECT_GT(std::fabs(l16 - l32), 0.0f) << "bf16 computed nothing in bf16";
+  EXPECT_NEAR(s16.loss, s32.loss, 1e-2 * std::fabs(s32.loss));
+  EXPECT_GT(std::fabs(s16.loss - s32.loss), 0.0f) << "bf16 computed nothing in bf16";
   EXPECT_LT(gap32, 3e-2 * scale);
   EXPECT_GT(gap32, 1e-4 * scale) << "bf16's gradients are f32's";
-  EXPECT_NEAR(l16x3, l16, 1e-5);
+  EXPECT_NEAR(s16x3.loss, s16.loss, 1e-5);
   EXPECT_LT(gap3, 5e-4 * scale);
-  dpar_tensor_free(x);
-  dpar_tensor_free(y);
 }
 
 }  // namespace

@@ -397,8 +397,8 @@ DPAR_API dpar_status dpar_engine_set_gradient_reduction(dpar_engine *engine, int
  */
 DPAR_API dpar_status dpar_engine_set_weight_decay_exclusion(dpar_engine *engine, int32_t exclude_biases_and_norms);
 /**
- * @brief Mixed precision, as torch.autocast's policy: from the next call on, linear layers and convolutions
- * compute on @p compute_dtype operands and write f32. ::DPAR_BF16: each layer rounds its input to bf16 and reads
+ * @brief Mixed precision, as torch.autocast's policy: from the next call on, linear layers, convolutions and
+ * attention compute on @p compute_dtype operands and write f32. ::DPAR_BF16: each layer rounds its input to bf16 and reads
  * the step's bf16 copy of its weights (made from the f32 masters at the first forward after they change, not once
  * per use), its products are exact and accumulated in f32, and its bias, epilogue and gradients are f32. Its output
  * is f32, except where only linear layers read it (a hidden layer of an MLP, after a ReLU or none): there it is
@@ -406,10 +406,13 @@ DPAR_API dpar_status dpar_engine_set_weight_decay_exclusion(dpar_engine *engine,
  * would round it alike; on the CPU, not yet on CUDA). A GELU after a linear layer runs, as under autocast, on the
  * linear's output rounded to bf16 and writes its own output rounded, both kept in bf16 (on the CPU; on CUDA, f32),
  * and a LayerNorm whose output only linear layers read writes it rounded (computed in f32: the bits they would
- * round it to). Elsewhere autocast rounds the output to bf16 and dpar keeps it f32, within bf16's rounding of
+ * round it to). Scaled dot-product attention reads q, k and v rounded to bf16 (kept so for backward; a packed
+ * q|k|v projection that only attention reads is written in bf16), rounds its softmax weights to bf16 before their
+ * product with v and keeps the softmax, its output and the gradients f32 (on the CPU; on CUDA attention stays f32
+ * for now). Elsewhere autocast rounds the output to bf16 and dpar keeps it f32, within bf16's rounding of
  * autocast's. Everything else stays f32:
  * master parameters, gradients and their reduction, the optimizer and its state, checkpoints (f32, loadable under
- * any precision), normalisation, attention, activation functions, losses. ::DPAR_F16 is the same policy in IEEE half
+ * any precision), normalisation, activation functions, losses. ::DPAR_F16 is the same policy in IEEE half
  * (torch.autocast's float16): operands rounded to f16 (to nearest even), products exact and accumulated in f32,
  * results f32. f16 keeps three more significant bits than bf16 but overflows above 65504: a gradient rounded to
  * f16 becomes infinite unless the loss is scaled into range, so train f16 with dpar_engine_set_loss_scaling(),

@@ -76,6 +76,9 @@ class Stream {
   virtual std::unique_ptr<Conv2dOp> make_conv2d(const Conv2dSpec& spec);
   virtual std::unique_ptr<Pool2dOp> make_pool2d(const Pool2dSpec& spec);
   virtual std::unique_ptr<AttentionOp> make_attention(const AttentionSpec& spec);
+  // Whether make_attention makes an op whose products compute in `dtype` (AttentionSpec::dtype) here: a layer
+  // under a bf16 policy asks before it rounds its inputs, and computes in f32 where the answer is no.
+  virtual bool has_attention(DType /*dtype*/) const { return false; }
 
  protected:
   // Runs a call whose kernel supports() says the backend has.

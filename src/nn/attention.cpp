@@ -93,18 +93,36 @@ class Attention final : public Layer {
     backward_inputs(ctx, {in}, out, dout, {din}, accumulate);
   }
 
-  // Attention stays f32 under a bf16 policy (it does not autocast, though torch.autocast lists SDPA): the bf16 op
-  // (AttentionSpec::dtype) is built on the CPU but measured slower there than f32's at GPT shapes
-  // (bench/results/bf16_attention_cpu_2026-11-29.md: 0.41-0.65x), and CUDA has none yet, so that a model in bf16
-  // would stop on a GPU. The linear layers around it run in bf16.
+  // Under a bf16 policy attention computes in bf16 as torch.autocast runs scaled_dot_product_attention: q, k and v
+  // rounded (kept so for backward: half the f32 bytes), the products on bf16 operands with f32 accumulation, the
+  // softmax, out and the gradients f32 (AttentionSpec::dtype). Where the projection before it writes its output in
+  // bf16 (a packed q|k|v that only this layer reads), the input arrives rounded and nothing is copied. A backend
+  // without a bf16 attention (CUDA, so far: Stream::has_attention) keeps attention f32; the linear layers around it
+  // still run in bf16.
+  bool autocasts() const override { return true; }
+  bool reads_rounded_input(const Stream& stream) const override {
+    return num_inputs_ == 1 && computes_in(stream) != DType::kF32;
+  }
+  std::vector<KernelKey> kernels(Epilogue) const override {
+    if (compute_dtype_ == DType::kF32) return {};
+    return {{Op::kConvert, compute_dtype_}};  // where the input arrives f32
+  }
 
   void forward_inputs(const ReplicaContext& ctx, const std::vector<Tensor>& in, const Tensor& out) override {
+    const DType dtype = computes_in(*ctx.stream);
+    std::vector<Tensor> operands = in;
+    for (size_t i = 0; i < operands.size(); ++i) operands[i] = low_[i].round(ctx, dtype, in[i]);
     TensorRef q, k, v;
-    split(in, q, k, v);
+    split(operands, q, k, v);
     const int64_t B = q.size(0), L = q.size(1), S = k.size(1);
     const int64_t n = B * spec_.heads * L;
     if (!lse_.defined() || lse_.numel() < n) lse_ = ctx.alloc(DType::kF32, Shape{std::max<int64_t>(n, 1)});
-    if (!op_) op_ = ctx.stream->make_attention(spec_);
+    if (!op_ || op_dtype_ != dtype) {
+      AttentionSpec spec = spec_;
+      spec.dtype = dtype;
+      op_ = ctx.stream->make_attention(spec);
+      op_dtype_ = dtype;
+    }
     // Dropout's mask is a function of the position in this replica's stream: backward draws it again from the same
     // offset, so nothing of size L x S is kept.
     active_p_ = ctx.training ? dropout_p_ : 0.0f;
@@ -115,13 +133,19 @@ class Attention final : public Layer {
   }
   void backward_inputs(const ReplicaContext&, const std::vector<Tensor>& in, const Tensor& out, const Tensor& dout,
                        const std::vector<Tensor>& din, bool) override {
+    std::vector<Tensor> operands = in;
+    for (size_t i = 0; i < operands.size(); ++i) operands[i] = low_[i].rounded(op_dtype_, in[i], describe());
     TensorRef q, k, v, dq, dk, dv;
-    split(in, q, k, v);
+    split(operands, q, k, v);
     split(din, dq, dk, dv);
     op_->backward(dq, dk, dv, dout.ref(), q, k, v, out.ref(), lse(q.size(0), q.size(1)), active_p_, seed_, offset_);
   }
 
  private:
+  // The dtype the products compute in on `stream`: the policy's where the backend has that attention, else f32.
+  DType computes_in(const Stream& stream) const {
+    return compute_dtype_ != DType::kF32 && stream.has_attention(compute_dtype_) ? compute_dtype_ : DType::kF32;
+  }
   void check_heads(int64_t channels) const {
     DPAR_CHECK_ARG(channels % spec_.heads == 0, describe(), ": ", spec_.heads, " heads do not divide the ", channels,
                    " channels");
@@ -142,7 +166,9 @@ class Attention final : public Layer {
   AttentionSpec spec_;
   float dropout_p_;
   size_t num_inputs_;
-  std::unique_ptr<AttentionOp> op_;  // made by the replica's stream on the first forward
+  std::unique_ptr<AttentionOp> op_;  // made by the replica's stream on the first forward of its dtype
+  DType op_dtype_ = DType::kF32;     // the dtype op_ computes in
+  LowPrecisionBuffer low_[3];        // the inputs rounded to op_dtype_, kept for backward (the inputs where f32)
   Tensor lse_;                       // (B, heads, L) of the last forward
   float active_p_ = 0.0f;            // the last forward's dropout (0 in eval mode)
   uint64_t seed_ = 0, offset_ = 0;   // the last forward's stream and where its mask began in it
@@ -176,8 +202,13 @@ class MultiheadAttention final : public Layer {
     return std::make_unique<MultiheadAttention>(e_, spec_, dropout_p_, bias_);
   }
   // Under a bf16 policy the projections are linear layers' bf16 GEMMs (their inputs rounded and kept, the step's
-  // bf16 weights); the heads stay f32 (Attention's comment); biases, the projection and everything saved stay f32.
+  // bf16 weights) and the heads are Attention's (bf16 where the backend has it, q|k|v rounded from the f32
+  // projection); biases and the projection stay f32.
   bool autocasts() const override { return true; }
+  void set_compute_dtype(DType dtype) override {
+    Layer::set_compute_dtype(dtype);
+    attention_.set_compute_dtype(dtype);
+  }
   std::vector<KernelKey> kernels(Epilogue) const override {
     std::vector<KernelKey> keys{{Op::kLinearForward, compute_dtype_}, {Op::kLinearBackward, compute_dtype_}};
     if (compute_dtype_ != DType::kF32) keys.push_back({Op::kConvert, compute_dtype_});

@@ -148,8 +148,9 @@ class Layer {
   // The model stores a node's output in the compute dtype (half the bytes, and no f32 copy beside it) where the
   // producer can write it so and every consumer reads it only rounded: then the consumer's input arrives already
   // rounded, the same bits it would have rounded itself.
-  //  - Whether the layer's products read its one input only in the compute dtype (forward and backward both).
-  virtual bool reads_rounded_input() const { return false; }
+  //  - Whether the layer's products read its one input only in the compute dtype (forward and backward both), on
+  //    `stream` (attention computes in bf16 only where the backend has a bf16 attention).
+  virtual bool reads_rounded_input(const Stream& /*stream*/) const { return false; }
   //  - The kernels with which the layer, with `epilogue`, writes its output in `dtype` (the model's compute dtype:
   //    the f32 result, epilogue included, rounded once) and runs its backward on that rounded output; empty where
   //    it cannot. A layer that computes in f32 itself (LayerNorm) may still write its output rounded.

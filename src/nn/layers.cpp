@@ -78,7 +78,7 @@ class Linear final : public Layer {
   // or, where the model keeps the output in bf16, the result rounded after the bias and a ReLU, or a GELU run on the
   // rounded pre-activation (kept for backward in bf16 too), as autocast's linear followed by GELU.
   bool autocasts() const override { return true; }
-  bool reads_rounded_input() const override { return compute_dtype_ != DType::kF32; }
+  bool reads_rounded_input(const Stream&) const override { return compute_dtype_ != DType::kF32; }
   std::vector<KernelKey> rounded_output_kernels(Epilogue epilogue, DType dtype) const override {
     if (compute_dtype_ == DType::kF32 || dtype != compute_dtype_) return {};
     // Backward reads the output for the ReLU's mask, and a GELU's pre-activation, kept rounded with the output.

@@ -108,7 +108,8 @@ std::vector<DType> ReplicaModel::plan_rounded_outputs(const Stream& stream) cons
   for (size_t j = 0; j < n; ++j) {
     const Node& reader = nodes_[j];
     if (j > 0 && fused_away(j - 1)) continue;  // the second of a pair reads the first's unwritten output
-    const bool rounded = reader.kind == NodeKind::kLayer && reader.inputs.size() == 1 && reader.layer->reads_rounded_input();
+    const bool rounded =
+        reader.kind == NodeKind::kLayer && reader.inputs.size() == 1 && reader.layer->reads_rounded_input(stream);
     for (int32_t in : reader.inputs)
       if (in != kModelInput && !rounded) only_rounded_readers[static_cast<size_t>(in)] = 0;
   }

@@ -217,6 +217,10 @@ class CpuStream final : public Stream {
     }
     return std::make_unique<CpuAttentionOp>(spec);
   }
+  bool has_attention(DType dtype) const override {
+    const char* why = "";
+    return dtype == DType::kF32 || (dtype == DType::kBF16 && k::bf16_support(&why));
+  }
 
  protected:
   void execute(const KernelCall& call) override {

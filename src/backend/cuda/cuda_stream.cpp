@@ -171,6 +171,7 @@ class CudaStream final : public Stream {
   }
   // cuBLAS GEMMs around attention's softmax kernels (kernels/cuda/attention.h).
   std::unique_ptr<AttentionOp> make_attention(const AttentionSpec& spec) override;
+  bool has_attention(DType dtype) const override { return dtype == DType::kF32; }
   double sum_squares(const TensorRef& ref) override {
     const float* x = ref.contiguous_as<float>("sum_squares");
     const int64_t n = ref.numel();
