@@ -408,8 +408,7 @@ DPAR_API dpar_status dpar_engine_set_weight_decay_exclusion(dpar_engine *engine,
  * and a LayerNorm whose output only linear layers read writes it rounded (computed in f32: the bits they would
  * round it to). Scaled dot-product attention reads q, k and v rounded to bf16 (kept so for backward; a packed
  * q|k|v projection that only attention reads is written in bf16), rounds its softmax weights to bf16 before their
- * product with v and keeps the softmax, its output and the gradients f32 (on the CPU; on CUDA attention stays f32
- * for now). Elsewhere autocast rounds the output to bf16 and dpar keeps it f32, within bf16's rounding of
+ * product with v and keeps the softmax, its output and the gradients f32 (on the CPU and on CUDA). Elsewhere autocast rounds the output to bf16 and dpar keeps it f32, within bf16's rounding of
  * autocast's. Everything else stays f32:
  * master parameters, gradients and their reduction, the optimizer and its state, checkpoints (f32, loadable under
  * any precision), normalisation, activation functions, losses. ::DPAR_F16 is the same policy in IEEE half

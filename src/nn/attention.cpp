@@ -97,8 +97,8 @@ class Attention final : public Layer {
   // rounded (kept so for backward: half the f32 bytes), the products on bf16 operands with f32 accumulation, the
   // softmax, out and the gradients f32 (AttentionSpec::dtype). Where the projection before it writes its output in
   // bf16 (a packed q|k|v that only this layer reads), the input arrives rounded and nothing is copied. A backend
-  // without a bf16 attention (CUDA, so far: Stream::has_attention) keeps attention f32; the linear layers around it
-  // still run in bf16.
+  // without a bf16 attention (Stream::has_attention) keeps attention f32; the linear layers around it still run in
+  // bf16.
   bool autocasts() const override { return true; }
   bool reads_rounded_input(const Stream& stream) const override {
     return num_inputs_ == 1 && computes_in(stream) != DType::kF32;

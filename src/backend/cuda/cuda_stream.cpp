@@ -171,7 +171,7 @@ class CudaStream final : public Stream {
   }
   // cuBLAS GEMMs around attention's softmax kernels (kernels/cuda/attention.h).
   std::unique_ptr<AttentionOp> make_attention(const AttentionSpec& spec) override;
-  bool has_attention(DType dtype) const override { return dtype == DType::kF32; }
+  bool has_attention(DType dtype) const override { return dtype == DType::kF32 || dtype == DType::kBF16; }
   double sum_squares(const TensorRef& ref) override {
     const float* x = ref.contiguous_as<float>("sum_squares");
     const int64_t n = ref.numel();
@@ -438,10 +438,18 @@ class CudaAttentionOp final : public AttentionOp {
     namespace a = attention_refs;
     const auto sh = a::shape(spec_, q, k);
     const int64_t C = sh.heads * sh.D;
-    const auto o = a::contiguous(out, "out", sh.B, sh.L, C), qq = a::tensor(q, "q", sh.B, sh.L, C),
-               kk = a::tensor(k, "k", sh.B, sh.S, C), vv = a::tensor(v, "v", sh.B, sh.S, C);
+    const auto o = a::contiguous(out, "out", sh.B, sh.L, C);
     float* l = a::lse(lse, sh);
     const auto drop = a::dropout(dropout_p, seed, offset);
+    if (spec_.dtype == DType::kBF16) {
+      const auto qq = a::tensor_bf16(q, "q", sh.B, sh.L, C), kk = a::tensor_bf16(k, "k", sh.B, sh.S, C),
+                 vv = a::tensor_bf16(v, "v", sh.B, sh.S, C);
+      const auto scope = stream_->enter();
+      float* ws = workspace((k::attention_bf16_workspace_bytes(sh, false) + 3) / 4);
+      return k::attention_forward_bf16(o, l, qq, kk, vv, sh, drop, ws, stream_->blas(), stream_->stream_);
+    }
+    const auto qq = a::tensor(q, "q", sh.B, sh.L, C), kk = a::tensor(k, "k", sh.B, sh.S, C),
+               vv = a::tensor(v, "v", sh.B, sh.S, C);
     const auto scope = stream_->enter();
     float* ws = workspace(k::attention_workspace_floats(sh, false));
     k::attention_forward(o, l, qq, kk, vv, sh, drop, ws, stream_->blas(), stream_->stream_);
@@ -454,10 +462,19 @@ class CudaAttentionOp final : public AttentionOp {
     const int64_t C = sh.heads * sh.D;
     const auto gq = a::tensor(dq, "dq", sh.B, sh.L, C), gk = a::tensor(dk, "dk", sh.B, sh.S, C),
                gv = a::tensor(dv, "dv", sh.B, sh.S, C), go = a::contiguous(dout, "dout", sh.B, sh.L, C),
-               qq = a::tensor(q, "q", sh.B, sh.L, C), kk = a::tensor(k, "k", sh.B, sh.S, C),
-               vv = a::tensor(v, "v", sh.B, sh.S, C), o = a::contiguous(out, "out", sh.B, sh.L, C);
+               o = a::contiguous(out, "out", sh.B, sh.L, C);
     const float* l = a::lse(lse, sh);
     const auto drop = a::dropout(dropout_p, seed, offset);
+    if (spec_.dtype == DType::kBF16) {
+      const auto qq = a::tensor_bf16(q, "q", sh.B, sh.L, C), kk = a::tensor_bf16(k, "k", sh.B, sh.S, C),
+                 vv = a::tensor_bf16(v, "v", sh.B, sh.S, C);
+      const auto scope = stream_->enter();
+      float* ws = workspace((k::attention_bf16_workspace_bytes(sh, true) + 3) / 4);
+      return k::attention_backward_bf16(gq, gk, gv, go, qq, kk, vv, o, l, sh, drop, ws, stream_->blas(),
+                                        stream_->stream_);
+    }
+    const auto qq = a::tensor(q, "q", sh.B, sh.L, C), kk = a::tensor(k, "k", sh.B, sh.S, C),
+               vv = a::tensor(v, "v", sh.B, sh.S, C);
     const auto scope = stream_->enter();
     float* ws = workspace(k::attention_workspace_floats(sh, true));
     k::attention_backward(gq, gk, gv, go, qq, kk, vv, o, l, sh, drop, ws, stream_->blas(), stream_->stream_);
@@ -488,11 +505,10 @@ class CudaAttentionOp final : public AttentionOp {
 
 std::unique_ptr<AttentionOp> CudaStream::make_attention(const AttentionSpec& spec) {
   DPAR_CHECK_ARG(spec.heads >= 1, spec.str(), ": heads must be >= 1, got ", spec.heads);
-  // The bf16 attention (AttentionSpec::dtype) is the CPU backend's so far: refused here, before a step, rather than
-  // read as f32.
-  if (spec.dtype != DType::kF32)
+  // f32 or bf16 (AttentionSpec::dtype); an f16 attention is refused here, before a step, rather than read as f32.
+  if (spec.dtype != DType::kF32 && spec.dtype != DType::kBF16)
     fail(Status::kNotSupported, spec.str(), " in ", dtype_name(spec.dtype), " on ", device().str(),
-         ": this backend's attention computes in f32 only");
+         ": this backend's attention computes in f32 or bf16");
   return std::make_unique<CudaAttentionOp>(spec, this);
 }
 

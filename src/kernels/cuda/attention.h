@@ -30,4 +30,25 @@ void attention_backward(const AttentionTensor& dq, const AttentionTensor& dk, co
                         const AttentionShape& shape, const AttentionDropout& dropout, float* workspace,
                         cublasHandle_t blas, cudaStream_t stream);
 
+// ---- Mixed precision (AttentionSpec::dtype bf16), the twin of kernels/cpu/attention.h's ---------------------------
+// q, k, v bf16; out, lse, dout, dq, dk, dv f32; the products cublasGemmStridedBatchedEx's on bf16 operands with f32
+// accumulation, the rest f32, rounded as op_specs.h's AttentionSpec::dtype defines (the weights normalised before
+// they are rounded, so that forward and backward round the same w). The CPU op is its reference: equal but for f32's
+// summation order (and the rare weight that the order moves across a bf16 rounding boundary).
+
+// The workspace bytes a call needs: the scores (f32) and weights (bf16) of every head; backward twice that and a
+// bf16 copy of dout.
+int64_t attention_bf16_workspace_bytes(const AttentionShape& shape, bool backward);
+
+void attention_forward_bf16(const AttentionTensor& out, float* lse, const AttentionTensorBf16& q,
+                            const AttentionTensorBf16& k, const AttentionTensorBf16& v, const AttentionShape& shape,
+                            const AttentionDropout& dropout, void* workspace, cublasHandle_t blas,
+                            cudaStream_t stream);
+
+void attention_backward_bf16(const AttentionTensor& dq, const AttentionTensor& dk, const AttentionTensor& dv,
+                             const AttentionTensor& dout, const AttentionTensorBf16& q, const AttentionTensorBf16& k,
+                             const AttentionTensorBf16& v, const AttentionTensor& out, const float* lse,
+                             const AttentionShape& shape, const AttentionDropout& dropout, void* workspace,
+                             cublasHandle_t blas, cudaStream_t stream);
+
 }  // namespace dpar::kernels::cuda

@@ -33,6 +33,7 @@ CublasLibrary load() {
     resolve(handle, "cublasSgemm_v2", lib.sgemm, missing);
     resolve(handle, "cublasSgemmStridedBatched", lib.sgemm_strided_batched, missing);
     resolve(handle, "cublasGemmEx", lib.gemm_ex, missing);
+    resolve(handle, "cublasGemmStridedBatchedEx", lib.gemm_strided_batched_ex, missing);
     resolve(handle, "cublasGetStatusString", lib.status_string, missing);
     if (!missing.empty()) {
       dlclose(handle);

@@ -16,6 +16,13 @@ using CublasGemmEx = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cubla
                                         const void*, const void*, cudaDataType, int, const void*, cudaDataType, int,
                                         const void*, void*, cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
 
+// cublasGemmStridedBatchedEx, spelled out for the same reason.
+using CublasGemmStridedBatchedEx = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int,
+                                                      int, const void*, const void*, cudaDataType, int, long long int,
+                                                      const void*, cudaDataType, int, long long int, const void*,
+                                                      void*, cudaDataType, int, long long int, int,
+                                                      cublasComputeType_t, cublasGemmAlgo_t);
+
 // The cuBLAS functions dpar calls, with the types of cublas_v2.h's declarations.
 struct CublasLibrary {
   decltype(&cublasCreate_v2) create = nullptr;
@@ -25,6 +32,7 @@ struct CublasLibrary {
   decltype(&cublasSgemm_v2) sgemm = nullptr;
   decltype(&cublasSgemmStridedBatched) sgemm_strided_batched = nullptr;  // attention's per-head products
   CublasGemmEx gemm_ex = nullptr;  // mixed precision: bf16 operands, f32 accumulation and result
+  CublasGemmStridedBatchedEx gemm_strided_batched_ex = nullptr;  // attention's per-head products in bf16
   decltype(&cublasGetStatusString) status_string = nullptr;
   std::string path;  // the file that was loaded
 };
