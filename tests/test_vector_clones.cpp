@@ -16,6 +16,7 @@
 
 #include "common/optimizer_hyper.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/norm_embedding.h"
 #include "kernels/cpu/vector_isa.h"
 
 namespace {
@@ -89,6 +90,30 @@ Bytes gelu() {
   Bytes b;
   append(b, out);
   append(b, dinp);
+  return b;
+}
+
+// LayerNorm's per-element passes (the row sums stay in order): forward with and without the affine, f32 and
+// rounded to bf16, and backward, overwriting and accumulating the affine's gradients, and without them.
+Bytes layernorm() {
+  constexpr int64_t kRows = 7, kD = 149;
+  const Vec x = values(kRows * kD, 13), dout = values(kRows * kD, 14), w = values(kD, 15), bias = values(kD, 16);
+  Vec out(kRows * kD), plain(kRows * kD), dx(kRows * kD), dx_plain(kRows * kD), dw(kD), db(kD);
+  std::vector<uint16_t> rounded(kRows * kD);
+  std::vector<double> stats(2 * kRows), stats_plain(2 * kRows);
+  k::layernorm_forward(out.data(), stats.data(), x.data(), w.data(), bias.data(), kRows, kD, 1e-5f);
+  k::layernorm_forward_rounded(rounded.data(), stats.data(), x.data(), w.data(), bias.data(), kRows, kD, 1e-5f);
+  k::layernorm_forward(plain.data(), stats_plain.data(), x.data(), nullptr, nullptr, kRows, kD, 1e-5f);
+  k::layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), stats.data(), w.data(), kRows, kD,
+                        false);
+  k::layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), stats.data(), w.data(), kRows, kD,
+                        true);
+  k::layernorm_backward(dx_plain.data(), nullptr, nullptr, dout.data(), x.data(), stats_plain.data(), nullptr, kRows,
+                        kD, false);
+  Bytes b;
+  for (const Vec* v : {&out, &plain, &dx, &dx_plain, &dw, &db}) append(b, *v);
+  append(b, rounded);
+  append(b, stats);
   return b;
 }
 
@@ -172,6 +197,7 @@ const std::vector<Case>& cases() {
       {"relu_forward", relu_forward},
       {"relu_backward", relu_backward},
       {"gelu forward and backward", gelu},
+      {"layernorm forward (f32, bf16, no affine) and backward", layernorm},
       {"linear epilogues (bias, bias + ReLU, ReLU)", linear_epilogues},
       {"linear bias sums and ReLU masks", linear_bias_sums_and_masks},
       {"adam, L2, small lerp weight", [] { return adam({1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, false}); }},

@@ -6,6 +6,7 @@
 
 #include "common/bf16.h"
 #include "common/error.h"
+#include "kernels/cpu/vector_isa.h"
 
 namespace dpar::kernels::cpu {
 
@@ -13,12 +14,40 @@ namespace {
 inline void store(float* p, float v) { *p = v; }
 inline void store(uint16_t* p, float v) { *p = dpar::to_bf16(v); }
 
+// The per-element passes run through run_vector's copies (each element's arithmetic is the same in every copy, so
+// the bits are); the sums over a row stay one double accumulator in order, as the CUDA twin's.
+// y[d] = ((x[d] - mean) rstd) w[d] + b[d] (w, b absent: no affine), in double, rounded to Out.
+template <class Out>
+DPAR_VECTOR_LOOP void normalise_row(Out* __restrict y, const float* __restrict x, const float* __restrict w,
+                                    const float* __restrict b, int64_t D, double mean, double rstd) {
+  if (w)
+    for (int64_t d = 0; d < D; ++d) store(y + d, static_cast<float>((x[d] - mean) * rstd * w[d] + b[d]));
+  else
+    for (int64_t d = 0; d < D; ++d) store(y + d, static_cast<float>((x[d] - mean) * rstd));
+}
+// dw[d] += g[d] (x[d] - mean) rstd, db[d] += g[d].
+DPAR_VECTOR_LOOP void affine_grad_row(float* __restrict dw, float* __restrict db, const float* __restrict g,
+                                      const float* __restrict x, int64_t D, double mean, double rstd) {
+  for (int64_t d = 0; d < D; ++d) {
+    dw[d] += static_cast<float>(g[d] * ((x[d] - mean) * rstd));
+    db[d] += g[d];
+  }
+}
+// dx[d] = rstd (g'[d] - mg - (x[d] - mean) rstd mgx), g' = g w (or g).
+DPAR_VECTOR_LOOP void input_grad_row(float* __restrict dx, const float* __restrict g, const float* __restrict x,
+                                     const float* __restrict w, int64_t D, double mean, double rstd, double mg,
+                                     double mgx) {
+  for (int64_t d = 0; d < D; ++d) {
+    const double gw = w ? static_cast<double>(g[d]) * w[d] : g[d];
+    dx[d] = static_cast<float>(rstd * (gw - mg - (x[d] - mean) * rstd * mgx));
+  }
+}
+
 template <class Out>
 void layernorm_forward_of(Out* out, double* mean_rstd, const float* x, const float* weight, const float* bias,
                           int64_t N, int64_t D, float eps) {
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * D;
-    Out* yr = out + n * D;
     // Two passes in double: the mean, then the centred squares (no cancellation for rows far from zero).
     double sum = 0.0;
     for (int64_t d = 0; d < D; ++d) sum += xr[d];
@@ -31,11 +60,7 @@ void layernorm_forward_of(Out* out, double* mean_rstd, const float* x, const flo
     const double rstd = 1.0 / std::sqrt(sq / static_cast<double>(D) + static_cast<double>(eps));
     mean_rstd[n] = mean;
     mean_rstd[N + n] = rstd;
-    for (int64_t d = 0; d < D; ++d) {
-      double y = (xr[d] - mean) * rstd;
-      if (weight) y = y * weight[d] + bias[d];
-      store(yr + d, static_cast<float>(y));
-    }
+    run_vector<normalise_row<Out>>(out + n * D, xr, weight, bias, D, mean, rstd);
   }
 }
 }  // namespace
@@ -58,11 +83,7 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
     const float* xr = x + n * D;
     const float* gr = dout + n * D;
     const double mean = mean_rstd[n], rstd = mean_rstd[N + n];
-    if (dweight)
-      for (int64_t d = 0; d < D; ++d) {
-        dweight[d] += static_cast<float>(gr[d] * ((xr[d] - mean) * rstd));
-        dbias[d] += gr[d];
-      }
+    if (dweight) run_vector<affine_grad_row>(dweight, dbias, gr, xr, D, mean, rstd);
     if (!dinp) continue;
     double sum_g = 0.0, sum_gx = 0.0;
     for (int64_t d = 0; d < D; ++d) {
@@ -71,11 +92,7 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
       sum_gx += g * ((xr[d] - mean) * rstd);
     }
     const double mg = sum_g / static_cast<double>(D), mgx = sum_gx / static_cast<double>(D);
-    float* dr = dinp + n * D;
-    for (int64_t d = 0; d < D; ++d) {
-      const double g = weight ? static_cast<double>(gr[d]) * weight[d] : gr[d];
-      dr[d] = static_cast<float>(rstd * (g - mg - (xr[d] - mean) * rstd * mgx));
-    }
+    run_vector<input_grad_row>(dinp + n * D, gr, xr, weight, D, mean, rstd, mg, mgx);
   }
 }
 
