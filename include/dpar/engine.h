@@ -412,7 +412,7 @@ DPAR_API dpar_status dpar_engine_set_weight_decay_exclusion(dpar_engine *engine,
  * autocast's. Everything else stays f32:
  * master parameters, gradients and their reduction, the optimizer and its state, checkpoints (f32, loadable under
  * any precision), normalisation, activation functions, losses. ::DPAR_F16 is the same policy in IEEE half
- * (torch.autocast's float16): operands rounded to f16 (to nearest even), products exact and accumulated in f32,
+ * (torch.autocast's float16; attention stays f32 under it): operands rounded to f16 (to nearest even), products exact and accumulated in f32,
  * results f32. f16 keeps three more significant bits than bf16 but overflows above 65504: a gradient rounded to
  * f16 becomes infinite unless the loss is scaled into range, so train f16 with dpar_engine_set_loss_scaling(),
  * which skips the steps whose gradients overflowed and backs the scale off (bf16 has f32's range and needs none).
